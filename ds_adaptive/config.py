@@ -1,0 +1,195 @@
+"""The ``"adaptive_load"`` block of a DeepSpeed config json.
+
+DeepSpeed ignores top-level keys it does not know, so our block lives in the
+same file the user passes as ``--deepspeed_config`` and is validated here
+with ``extra="forbid"``: a typo is an error that names the key and lists the
+valid ones. Example::
+
+    "adaptive_load": {
+      "enabled": true,
+      "fused_ln_modulate": true,
+      "sampler": {"mode": "dual", "cost_model": "calibrated",
+                  "profile": "h100-wan2.1-1.3b", "m_mem": "auto", "m_comp": "auto"},
+      "metrics": {"interval": 10, "log_dir": "runs/wan"}
+    }
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+BLOCK_KEY = "adaptive_load"
+
+
+class ConfigError(ValueError):
+    """The adaptive_load block (or the ds_config around it) is invalid."""
+
+
+class _Block(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+
+class SamplerConfig(_Block):
+    """How micro-batches are formed and dealt out to data-parallel ranks."""
+
+    mode: Literal["dual", "tokens", "fixed"] = "dual"
+    """`dual`: batches bounded by memory AND compute, micro-steps balanced by cost (AdaptiveLoad).
+    `tokens`: equal-token bucketing dealt round-robin (the Open-Sora / DeepSpeed baseline).
+    `fixed`: a fixed batch size per shape bucket."""
+
+    cost_model: Literal["calibrated", "power", "tokens"] = "calibrated"
+    """Per-sample compute cost: `calibrated` c0 + a*S + b*S^2 from a GPU profile, `power` S^p
+    (the paper), `tokens` S (linear)."""
+
+    p: float = Field(1.5, gt=0.0, le=4.0)
+    """Exponent of the `power` cost model, cost = S^p."""
+
+    profile: Optional[str] = "h100-wan2.1-1.3b"
+    """Calibration profile: a shipped name (`h100-wan2.1-1.3b`, `h100-wan2.1-14b`) or a path to a
+    profile json written by `ds-adaptive calibrate`. Required for `cost_model: calibrated` and for
+    `m_mem: auto`."""
+
+    m_comp: Union[float, Literal["auto"]] = "auto"
+    """Compute budget per micro-batch per GPU, in the cost model's unit (ms for `calibrated`,
+    S^p for `power`, tokens for `tokens`). `auto`: the cost of the costliest sample at B=1."""
+
+    m_mem: Union[float, Literal["auto"]] = "auto"
+    """Memory budget per micro-batch per GPU, in GiB of activation memory. `auto`: the GPU's
+    capacity x `mem_utilization` minus the model/optimizer state of the profile."""
+
+    mem_utilization: float = Field(0.85, gt=0.0, le=1.0)
+    """Fraction of GPU memory that `m_mem: auto` may plan for."""
+
+    max_tokens: Optional[int] = Field(None, gt=0)
+    """`tokens` mode: tokens per micro-batch (default: what `m_mem` allows for the longest sample)."""
+
+    fixed_batch_sizes: Optional[dict[str, int]] = None
+    """`fixed` mode: batch size per bucket, keyed "FxHxW" (e.g. "81x480x832": 1); missing buckets
+    get the largest size that fits `m_mem`."""
+
+    window: int = Field(1024, ge=1)
+    """Samples drawn (shuffled) per planning window; leftovers carry to the next window."""
+
+    seed: int = 0
+    """Seed of the shuffle; the plan is a pure function of (seed, epoch, shapes, config, topology)."""
+
+    oversize: Literal["error", "skip"] = "error"
+    """A sample over a budget even at B=1: `error` names it and stops; `skip` drops it with a
+    counted warning (never silently)."""
+
+    lr_scaling: Literal["none", "linear", "sqrt"] = "none"
+    """Scale the LR of each optimizer step by (samples / reference_batch) or its sqrt."""
+
+    reference_batch: Optional[int] = Field(None, gt=0)
+    """Global samples per optimizer step that the base LR was tuned for (for `lr_scaling`)."""
+
+    loss_weighting: Literal["samples", "tokens"] = "samples"
+    """Weight each rank's loss by its share of the optimizer step's samples or tokens, so that
+    variable batch sizes give unbiased gradients."""
+
+    shapes: Optional[str] = None
+    """Shape-distribution json for the synthetic dataset (default: the shipped mixed Wan set)."""
+
+
+class MetricsConfig(_Block):
+    """Step timing, balance figures and logs."""
+
+    interval: int = Field(10, ge=1)
+    """Log every `interval` optimizer steps (JSONL, TensorBoard, progress bar)."""
+
+    log_dir: str = "runs/ds_adaptive"
+    """Directory for metrics.jsonl, TensorBoard events and the final summary.json."""
+
+    tensorboard: bool = True
+    """Write TensorBoard event files (needs the `tensorboard` package; a warning if missing)."""
+
+    jsonl: bool = True
+    """Write one JSON line per logged step to `log_dir`/metrics.jsonl."""
+
+    sync_timing: bool = True
+    """Measure per-rank compute time per micro-step with a device sync before the collective, so
+    that waiting on other ranks is not counted (costs a little throughput)."""
+
+
+class AdaptiveLoadConfig(_Block):
+    """The "adaptive_load" block of the ds_config json."""
+
+    enabled: bool = False
+    """Turn AdaptiveLoad on: the dual-constraint sampler (sampler.mode) drives the data loader.
+    When false, the trainer uses the equal-token baseline sampler at the same memory budget."""
+
+    fused_ln_modulate: bool = False
+    """Use the fused LayerNorm-Modulate CUDA op in the model's adaLN sites (falls back to the
+    torch reference with one warning when the op cannot be built)."""
+
+    sampler: SamplerConfig = Field(default_factory=SamplerConfig)
+    """The sampler sub-block."""
+
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    """The metrics sub-block."""
+
+
+def _format_validation_error(exc: ValidationError, source: str) -> str:
+    lines = [f"invalid '{BLOCK_KEY}' block in {source}:"]
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        key = f"{BLOCK_KEY}.{loc}" if loc else BLOCK_KEY
+        if err["type"] == "extra_forbidden":
+            parent = _model_at(err["loc"][:-1])
+            valid = ", ".join(sorted(parent.model_fields)) if parent else "?"
+            lines.append(f"  - unknown key '{key}'. Valid keys here: {valid}")
+        else:
+            lines.append(f"  - {key}: {err['msg']} (got {err.get('input')!r})")
+    lines.append("Fix the ds_config json; see README.md 'The ds_config block' for every field.")
+    return "\n".join(lines)
+
+
+def _model_at(loc: tuple) -> type[BaseModel] | None:
+    model: type[BaseModel] = AdaptiveLoadConfig
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        if field is None:
+            return None
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            model = ann
+        else:
+            return None
+    return model
+
+
+def read_ds_config(ds_config: Union[str, Path, dict, None]) -> dict:
+    """The ds_config as a dict, from a dict or a json path (the one DeepSpeed gets)."""
+    if ds_config is None:
+        return {}
+    if isinstance(ds_config, dict):
+        return ds_config
+    path = Path(ds_config)
+    if not path.is_file():
+        raise ConfigError(f"ds_config file {path} does not exist (from --deepspeed_config / DS_CONFIG); "
+                          "pass the path of a DeepSpeed json, e.g. launch/configs/zero3_adaptive.json")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"ds_config file {path} is not valid JSON: {exc}") from exc
+
+
+def load_adaptive_config(ds_config: Union[str, Path, dict, None]) -> AdaptiveLoadConfig:
+    """Parse and validate the adaptive_load block; an absent block gives the defaults (disabled)."""
+    source = str(ds_config) if not isinstance(ds_config, dict) else "the ds_config dict"
+    raw = read_ds_config(ds_config)
+    block: Any = raw.get(BLOCK_KEY, {})
+    if not isinstance(block, dict):
+        raise ConfigError(f"'{BLOCK_KEY}' in {source} must be a JSON object, got {type(block).__name__}")
+    try:
+        return AdaptiveLoadConfig.model_validate(block)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc, source)) from None
+
+
+def strip_block(ds_config: dict) -> dict:
+    """A copy of ds_config without our block (to hand to deepspeed.initialize)."""
+    return {k: v for k, v in ds_config.items() if k != BLOCK_KEY}

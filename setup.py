@@ -1,0 +1,86 @@
+"""ds_adaptive: AdaptiveLoad for DeepSpeed / Megatron video-DiT training.
+
+Install (CPU or GPU node; install torch first so pip does not pull another build):
+    pip install torch==2.13.0            # or the CUDA build your cluster uses (>= 2.6)
+    pip install -e ".[dev]"
+
+Prebuild the fused LayerNorm-Modulate CUDA op at install time (GPU node with nvcc):
+    DS_BUILD_LN_MODULATE=1 pip install .     # or DS_BUILD_OPS=1
+Without a prebuild the op is JIT-built by DeepSpeed's builder on first use.
+"""
+import os
+import sys
+
+from setuptools import setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+PACKAGES = [
+    "ds_adaptive",
+    "ds_adaptive.ops",
+    "ds_adaptive.models",
+    "ds_adaptive.parallel",
+    "ds_adaptive.data",
+    "ds_adaptive.patches",
+]
+
+install_requires = [
+    "torch>=2.6",
+    "deepspeed>=0.16.4,<0.20",
+    "einops>=0.7",
+    "pydantic>=2.5",
+    "numpy",
+    "safetensors>=0.4",
+    "tqdm",
+]
+
+extras_require = {
+    "dev": ["pytest>=7", "pytest-timeout", "hypothesis>=6", "matplotlib", "tensorboard",
+            "diffusers>=0.33", "transformers", "megatron-core>=0.12"],
+    "megatron": ["megatron-core>=0.12"],
+    "diffusers": ["diffusers>=0.33", "transformers"],
+    "plots": ["matplotlib", "tensorboard"],
+    # apex is not on PyPI: build it from https://github.com/NVIDIA/apex if you want its fused
+    # kernels; ds_adaptive uses it only when it is importable.
+}
+
+
+def _ext_modules():
+    """CUDA extension for the fused op when DS_BUILD_LN_MODULATE=1 or DS_BUILD_OPS=1."""
+    flag = os.environ.get("DS_BUILD_LN_MODULATE", os.environ.get("DS_BUILD_OPS", "0"))
+    if flag != "1":
+        return [], {}
+    from ds_adaptive.ops.builder import LNModulateBuilder  # noqa: E402  (needs torch + deepspeed)
+
+    builder = LNModulateBuilder()
+    ok, why = builder.check_prebuild()
+    if not ok:
+        raise RuntimeError(f"DS_BUILD_LN_MODULATE=1 but the op cannot be built here: {why}")
+    from torch.utils.cpp_extension import BuildExtension
+
+    return [builder.builder()], {"build_ext": BuildExtension.with_options(use_ninja=True)}
+
+
+ext_modules, cmdclass = _ext_modules()
+
+setup(
+    name="ds_adaptive",
+    version="0.1.0",
+    description="AdaptiveLoad for DeepSpeed/Megatron: dual-constraint batching and a fused "
+                "LayerNorm-Modulate op for video diffusion transformers (Wan 2.1)",
+    long_description=open(os.path.join(HERE, "README.md")).read() if os.path.exists(os.path.join(HERE, "README.md")) else "",
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=PACKAGES,
+    package_dir={"ds_adaptive": "ds_adaptive", "ds_adaptive.patches": "patches"},
+    package_data={"ds_adaptive": ["data/*.json", "profiles/*.json"],
+                  "ds_adaptive.ops": ["csrc/**/*"]},
+    include_package_data=True,
+    install_requires=install_requires,
+    extras_require=extras_require,
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+    entry_points={"console_scripts": ["ds-adaptive=ds_adaptive.cli:main"]},
+)
