@@ -1,0 +1,40 @@
+"""``ds-adaptive`` console script: one sub-command per module, each module owns its own argparse.
+
+Every target module exposes ``main(argv: list[str] | None = None) -> int``.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "train": ("ds_adaptive.train", "train Wan with DeepSpeed (same as launch/train_wan.py)"),
+    "synth": ("ds_adaptive.data.synth", "write a synthetic latent dataset to disk (index.json + safetensors)"),
+    "simulate": ("ds_adaptive.simulate", "plan many ranks on paper: CV, balance, predicted tokens/s per sampler"),
+    "calibrate": ("ds_adaptive.calibrate", "profile the real model on this GPU -> cost/memory profile json"),
+    "report": ("ds_adaptive.ops.report", "status of the fused op: DeepSpeed registry, compatibility, build"),
+    "dry-run": ("ds_adaptive.dryrun", "validate a ds_config + topology without GPUs and print the deepspeed command"),
+}
+
+
+def _usage() -> str:
+    width = max(map(len, COMMANDS))
+    rows = "\n".join(f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items())
+    return f"usage: ds-adaptive COMMAND [args]\n\ncommands:\n{rows}\n\n'ds-adaptive COMMAND --help' for each."
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"ds-adaptive: unknown command '{name}'.\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
