@@ -1,0 +1,49 @@
+"""Collate one micro-batch: samples share one latent shape; contexts are zero-padded.
+
+Wan 2.1 pads every umT5 text embedding with zeros to ``text_len = 512`` and attends to the
+padding (its cross-attention gets no mask). We do the same by default, so that a sample's
+output does not depend on which other samples share its micro-batch: the loss of a sample is
+the same whatever the batch sizes, which the loss weighting and the resume / equivalence
+tests rely on. ``context_lens`` is returned too, for models that mask.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from ..shapes import MAX_TEXT_LEN
+from .synthetic import DataError
+
+
+def collate_latents(samples: Sequence[dict], pad_text_to: Optional[int] = MAX_TEXT_LEN) -> dict:
+    """Stack ``samples`` into ``{"latents": [B,16,T',H',W'], "context": [B,L,4096], "context_lens": [B],
+    "index": [B]}``.
+
+    ``pad_text_to``: context length after zero padding (default 512, Wan's ``text_len``);
+    ``None`` pads to the longest context in the batch. A context longer than ``pad_text_to``
+    is an error (truncating a prompt would silently change the sample).
+    """
+    if not samples:
+        raise DataError("collate_latents got an empty micro-batch; the batch sampler yielded []")
+    shapes = {tuple(s["latents"].shape) for s in samples}
+    if len(shapes) != 1:
+        detail = ", ".join(f"{s['index']}: {tuple(s['latents'].shape)}" for s in samples)
+        raise DataError("samples of one micro-batch must share a latent shape (the batch sampler groups them "
+                        f"by shape); got index: shape {detail}")
+    lens = [int(s["context"].shape[0]) for s in samples]
+    target = max(lens) if pad_text_to is None else int(pad_text_to)
+    if max(lens) > target:
+        i = lens.index(max(lens))
+        raise DataError(f"sample {samples[i]['index']} has a {max(lens)}-token context, longer than "
+                        f"pad_text_to={target}; Wan's text encoder output is at most {MAX_TEXT_LEN} tokens")
+    ref = samples[0]["context"]
+    context = ref.new_zeros((len(samples), target, ref.shape[1]))
+    for row, s in enumerate(samples):
+        context[row, : lens[row]] = s["context"]
+    return {
+        "latents": torch.stack([s["latents"] for s in samples]),
+        "context": context,
+        "context_lens": torch.tensor(lens, dtype=torch.long),
+        "index": torch.tensor([int(s["index"]) for s in samples], dtype=torch.long),
+    }

@@ -1,0 +1,278 @@
+"""On-disk precomputed latents: ``index.json`` + safetensors shard files.
+
+Layout of a dataset directory::
+
+    DIR/index.json
+    DIR/shard-00000.safetensors      # tensors "<id>.latents" [16, T', H', W'], "<id>.context" [L, 4096]
+    DIR/shard-00001.safetensors
+    ...
+
+``index.json``::
+
+    {"format": "ds_adaptive.latents", "version": 1, "latent_channels": 16, "text_dim": 4096,
+     "num_samples": 2,
+     "samples": [
+       {"id": "000000", "frames": 81, "height": 480, "width": 832, "latent_shape": [16, 21, 60, 104],
+        "text_len": 97, "file": "shard-00000.safetensors",
+        "latents_key": "000000.latents", "context_key": "000000.context"},
+       ...]}
+
+The index alone is enough to plan (``sample_shapes()`` reads no tensor). Shards are written
+first and the index last (atomically), so a directory with an index is complete. Files are
+checked when the dataset opens (existence, keys and tensor shapes from the safetensors
+headers, which costs no tensor read); errors name the file, the key and the sample id.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from ..shapes import LATENT_CHANNELS, MAX_TEXT_LEN, TEXT_DIM, SampleShape, ShapeError, validate_shape
+from .synthetic import DataError
+
+FORMAT = "ds_adaptive.latents"
+VERSION = 1
+INDEX_FILE = "index.json"
+_ENTRY_KEYS = ("id", "frames", "height", "width", "text_len", "file", "latents_key", "context_key")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LatentShardWriter:
+    """Append samples, get safetensors shards of about ``shard_bytes`` each and an index.
+
+    Use as a context manager, or call ``close()``: the index is written only then.
+    """
+
+    def __init__(self, out_dir: Union[str, Path], *, shard_bytes: int = 1 << 30, dtype: str = "float32",
+                 overwrite: bool = False) -> None:
+        if dtype not in _DTYPES:
+            raise DataError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        self.out_dir = Path(out_dir)
+        if (self.out_dir / INDEX_FILE).exists() and not overwrite:
+            raise DataError(f"{self.out_dir / INDEX_FILE} already exists; pick another --out directory or "
+                            "pass --overwrite to replace the dataset")
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.shard_bytes = int(shard_bytes)
+        self.dtype = _DTYPES[dtype]
+        self._entries: list[dict] = []
+        self._ids: set[str] = set()
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._shard = 0
+        self._closed = False
+
+    @property
+    def num_shards(self) -> int:
+        """Shard files written so far."""
+        return self._shard
+
+    def _shard_name(self) -> str:
+        return f"shard-{self._shard:05d}.safetensors"
+
+    def add(self, sample_id: str, shape: SampleShape, latents: torch.Tensor, context: torch.Tensor) -> None:
+        """Queue one sample; ``latents`` must be ``shape.latent_shape``, ``context`` [L <= 512, 4096]."""
+        if self._closed:
+            raise DataError("LatentShardWriter is closed")
+        sample_id = str(sample_id)
+        if sample_id in self._ids or "." in sample_id:
+            raise DataError(f"sample id {sample_id!r} is duplicated or contains '.'; ids must be unique "
+                            "and dot-free (keys are '<id>.latents')")
+        if tuple(latents.shape) != shape.latent_shape:
+            raise DataError(f"sample {sample_id}: latents have shape {tuple(latents.shape)}, expected "
+                            f"{shape.latent_shape} for {shape} (frames x height x width)")
+        if context.dim() != 2 or context.shape[1] != TEXT_DIM or not 1 <= context.shape[0] <= MAX_TEXT_LEN:
+            raise DataError(f"sample {sample_id}: context must be [L, {TEXT_DIM}] with 1 <= L <= {MAX_TEXT_LEN}, "
+                            f"got {tuple(context.shape)}")
+        lat_key, ctx_key = f"{sample_id}.latents", f"{sample_id}.context"
+        self._pending[lat_key] = latents.detach().to("cpu", self.dtype).contiguous()
+        self._pending[ctx_key] = context.detach().to("cpu", self.dtype).contiguous()
+        self._pending_bytes += (latents.numel() + context.numel()) * self._pending[lat_key].element_size()
+        self._ids.add(sample_id)
+        self._entries.append({
+            "id": sample_id, **shape.as_dict(), "latent_shape": list(shape.latent_shape),
+            "text_len": int(context.shape[0]), "file": self._shard_name(),
+            "latents_key": lat_key, "context_key": ctx_key,
+        })
+        if self._pending_bytes >= self.shard_bytes:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        save_file(self._pending, str(self.out_dir / self._shard_name()), metadata={"format": FORMAT})
+        self._pending, self._pending_bytes = {}, 0
+        self._shard += 1
+
+    def close(self) -> Path:
+        """Write the last shard and then the index (atomically). Returns the index path."""
+        if self._closed:
+            return self.out_dir / INDEX_FILE
+        self._flush()
+        index = {"format": FORMAT, "version": VERSION, "latent_channels": LATENT_CHANNELS, "text_dim": TEXT_DIM,
+                 "num_samples": len(self._entries), "samples": self._entries}
+        tmp = self.out_dir / (INDEX_FILE + ".tmp")
+        # One sample per line: readable, diffable and still plain JSON.
+        head = json.dumps({k: v for k, v in index.items() if k != "samples"})[:-1]
+        rows = ",\n  ".join(json.dumps(e) for e in self._entries)
+        tmp.write_text(f'{head}, "samples": [\n  {rows}\n]}}\n')
+        os.replace(tmp, self.out_dir / INDEX_FILE)
+        self._closed = True
+        return self.out_dir / INDEX_FILE
+
+    def __enter__(self) -> "LatentShardWriter":
+        return self
+
+    def __exit__(self, exc_type, *_exc) -> None:
+        if exc_type is None:
+            self.close()
+
+
+def _read_index(root: Path) -> dict:
+    if not root.is_dir():
+        raise DataError(f"dataset directory {root} does not exist (from --data); write one with "
+                        f"'ds-adaptive synth --out {root} --num-samples N' or pass --data synthetic")
+    path = root / INDEX_FILE
+    if not path.is_file():
+        raise DataError(f"{path} does not exist: {root} is not a ds_adaptive latent dataset (or its writer "
+                        "did not finish; the index is written last)")
+    try:
+        index = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{path} is not valid JSON ({exc}); rewrite the dataset") from exc
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        raise DataError(f"{path}: 'format' must be {FORMAT!r}, got "
+                        f"{index.get('format') if isinstance(index, dict) else type(index).__name__!r}")
+    if index.get("version") != VERSION:
+        raise DataError(f"{path}: version {index.get('version')!r} is not supported (this ds_adaptive reads "
+                        f"version {VERSION})")
+    if not isinstance(index.get("samples"), list) or not index["samples"]:
+        raise DataError(f"{path}: 'samples' must be a non-empty list")
+    if index.get("num_samples", len(index["samples"])) != len(index["samples"]):
+        raise DataError(f"{path}: num_samples is {index['num_samples']} but 'samples' lists "
+                        f"{len(index['samples'])} entries; the index is truncated or edited")
+    return index
+
+
+class LatentShardDataset(torch.utils.data.Dataset):
+    """Reader of a directory written by ``LatentShardWriter`` / ``ds-adaptive synth``.
+
+    ``__getitem__(i)`` -> ``{"latents": [16, T', H', W'] float32, "context": [L, 4096] float32,
+    "index": i}``. ``verify=True`` checks every file, key and tensor shape on open (headers only).
+    """
+
+    def __init__(self, root: Union[str, Path], *, verify: bool = True) -> None:
+        self.root = Path(root)
+        self.index_path = self.root / INDEX_FILE
+        index = _read_index(self.root)
+        self.entries: list[dict] = []
+        self._shapes: list[SampleShape] = []
+        for i, e in enumerate(index["samples"]):
+            self.entries.append(self._check_entry(i, e))
+            self._shapes.append(SampleShape(e["frames"], e["height"], e["width"]))
+        self._handles: dict[str, object] = {}
+        self._pid: Optional[int] = None
+        if verify:
+            self.verify()
+
+    def _check_entry(self, i: int, e: object) -> dict:
+        where = f"{self.index_path} sample {i}"
+        if not isinstance(e, dict):
+            raise DataError(f"{where}: expected an object, got {e!r}")
+        where = f"{self.index_path} sample {i} (id {e.get('id')!r})"
+        missing = [k for k in _ENTRY_KEYS if k not in e]
+        if missing:
+            raise DataError(f"{where}: missing key(s) {missing}; every entry needs {list(_ENTRY_KEYS)}")
+        try:
+            validate_shape(e["frames"], e["height"], e["width"], where=where)
+        except ShapeError as exc:
+            raise DataError(str(exc)) from None
+        if not isinstance(e["text_len"], int) or not 1 <= e["text_len"] <= MAX_TEXT_LEN:
+            raise DataError(f"{where}: text_len must be an int in 1..{MAX_TEXT_LEN}, got {e['text_len']!r}")
+        return e
+
+    def verify(self) -> None:
+        """Check that every shard exists, is readable, and holds every key with the right shape."""
+        by_file: dict[str, list[dict]] = {}
+        for e in self.entries:
+            by_file.setdefault(e["file"], []).append(e)
+        for fname, entries in by_file.items():
+            path = self.root / fname
+            if not path.is_file():
+                raise DataError(f"shard {path} does not exist (needed by sample {entries[0]['id']!r} and "
+                                f"{len(entries) - 1} more, listed in {self.index_path})")
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    keys = set(f.keys())
+                    for e in entries:
+                        shape = SampleShape(e["frames"], e["height"], e["width"])
+                        expected = {e["latents_key"]: list(shape.latent_shape),
+                                    e["context_key"]: [e["text_len"], TEXT_DIM]}
+                        for key, want in expected.items():
+                            if key not in keys:
+                                raise DataError(f"shard {path} has no tensor {key!r} for sample {e['id']!r} "
+                                                f"(index {self.index_path})")
+                            got = list(f.get_slice(key).get_shape())
+                            if got != want:
+                                raise DataError(f"shard {path} tensor {key!r} of sample {e['id']!r} has shape "
+                                                f"{got}, the index says {want}")
+            except SafetensorError as exc:
+                raise DataError(f"shard {path} is corrupt or not a safetensors file ({exc}); first sample in "
+                                f"it: {entries[0]['id']!r}. Rewrite the dataset.") from None
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def sample_shapes(self) -> list[SampleShape]:
+        """Every sample's pixel shape, read from the index (no tensor is loaded)."""
+        return list(self._shapes)
+
+    def _handle(self, fname: str, sample_id: str):
+        if self._pid != os.getpid():  # DataLoader workers: do not share mmaps across fork
+            self._handles, self._pid = {}, os.getpid()
+        h = self._handles.get(fname)
+        if h is None:
+            path = self.root / fname
+            if not path.is_file():
+                raise DataError(f"shard {path} does not exist (sample {sample_id!r}, index {self.index_path})")
+            try:
+                h = safe_open(str(path), framework="pt")
+            except SafetensorError as exc:
+                raise DataError(f"shard {path} is corrupt ({exc}); sample {sample_id!r}") from None
+            self._handles[fname] = h
+        return h
+
+    def __getitem__(self, i: int) -> dict:
+        if not 0 <= i < len(self.entries):
+            raise IndexError(f"sample index {i} out of range for {self.root} ({len(self.entries)} samples)")
+        e = self.entries[i]
+        h = self._handle(e["file"], e["id"])
+        path = self.root / e["file"]
+        out = {}
+        shape = self._shapes[i]
+        for name, key, want in (("latents", e["latents_key"], shape.latent_shape),
+                                ("context", e["context_key"], (e["text_len"], TEXT_DIM))):
+            try:
+                t = h.get_tensor(key)
+            except SafetensorError as exc:
+                raise DataError(f"shard {path}: cannot read {key!r} of sample {e['id']!r} ({exc})") from None
+            if tuple(t.shape) != tuple(want):
+                raise DataError(f"shard {path} tensor {key!r} of sample {e['id']!r} has shape "
+                                f"{tuple(t.shape)}, expected {tuple(want)}")
+            out[name] = t.float()
+        out["index"] = i
+        return out
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_handles"], state["_pid"] = {}, None
+        return state
+
+    def describe(self) -> str:
+        n_img = sum(1 for s in self._shapes if s.is_image)
+        return f"latent dataset {self.root}: {len(self)} samples ({n_img} images, {len(self) - n_img} videos)"
