@@ -70,8 +70,17 @@ class SamplerConfig(_Block):
     """`fixed` mode: batch size per bucket, keyed "FxHxW" (e.g. "81x480x832": 1); missing buckets
     get the largest size that fits `m_mem`."""
 
-    window: int = Field(1024, ge=1)
-    """Samples drawn (shuffled) per planning window; leftovers carry to the next window."""
+    window: int = Field(256, ge=1)
+    """Samples per data-parallel rank drawn (shuffled) per planning window: the planner sees
+    `window` x dp_size samples at a time (plus leftovers carried from the previous window)."""
+
+    balance_tolerance: float = Field(0.03, gt=0.0, le=1.0)
+    """`dual`: largest CV of predicted per-rank cost accepted for a micro-step; a micro-step over it
+    is not formed and its long samples wait for partners in the next window (the epoch's last
+    window is planned regardless)."""
+
+    zero_stage: int = Field(3, ge=0, le=3)
+    """ZeRO stage assumed by `m_mem: auto` for the static memory (params/grads/optimizer) per GPU."""
 
     seed: int = 0
     """Seed of the shuffle; the plan is a pure function of (seed, epoch, shapes, config, topology)."""

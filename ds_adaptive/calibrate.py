@@ -1,0 +1,582 @@
+"""Profile the real model on this GPU -> a cost/memory profile json for :mod:`ds_adaptive.cost`.
+
+``ds-adaptive calibrate --model wan2.1-1.3b --sp 1 --out h100-wan2.1-1.3b.json``
+
+What it does (bf16, fwd+bwd, gradient checkpointing as in training):
+
+1. For each of ~8 real Wan token grids (images to 81x720x1280 videos) and a few batch sizes for the
+   short ones, time the model with ``k1`` and ``k2`` transformer blocks (``--layers k1,k2``) and
+   record the peak memory. Differencing the two depths separates the per-block cost from the
+   embed/head overhead; the full model is ``overhead + num_layers * per_block``.
+2. Fit ``t = c0 + B * (a*S + b*S^2)`` (ms) by non-negative least squares on relative error, and
+   ``mem/B = m0 + m1*S`` (GiB) the same way; report max/mean relative error per length.
+   Points with fewer than ``--min-fit-tokens`` tokens per micro-batch are latency-bound (the GPU
+   is not saturated), are reported and excluded from the fit: the planner never forms such
+   small micro-batches.
+3. With ``--sp K`` (K > 1) one GPU emulates the work of one Ulysses rank: the non-attention
+   layers see ``S/K`` tokens and attention runs over the full ``S`` with ``heads/K`` heads; the
+   all-to-all is not timed (it is modelled from ``comm.bytes_per_token_per_layer`` and
+   ``comm.link_GBps``).
+
+The json records device, torch version, date, model config, sp, the fit and its errors, the raw
+measurements, and the static memory (bytes per parameter for params/grads/optimizer under ZeRO).
+
+``python -m ds_adaptive.calibrate --from-block-scaling shared/data/h100_block_scaling.json`` rebuilds
+the shipped profiles from measured per-block times (scaled by depth).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import itertools
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+import numpy as np
+
+from ds_adaptive.cost import GIB, PROFILE_FORMAT, PROFILES_DIR, Profile
+from ds_adaptive.shapes import TEXT_DIM, SampleShape
+
+# Wan 2.1 text-to-video architectures (from the released configs); used when the model module
+# is not importable (building the shipped profiles) and to cross-check it.
+WAN_ARCH = {
+    "wan2.1-1.3b": {"dim": 1536, "ffn_dim": 8960, "num_heads": 12, "num_layers": 30},
+    "wan2.1-14b": {"dim": 5120, "ffn_dim": 13824, "num_heads": 40, "num_layers": 40},
+}
+TEXT_LEN = 512
+FREQ_DIM = 256
+
+# Real Wan token grids, short to long (frames x height x width).
+DEFAULT_CALIBRATION_SHAPES = [
+    SampleShape(1, 480, 832),     # 1560 tokens
+    SampleShape(1, 1024, 1024),   # 4096
+    SampleShape(17, 480, 832),    # 7800
+    SampleShape(33, 480, 832),    # 14040
+    SampleShape(49, 480, 832),    # 20280
+    SampleShape(81, 480, 832),    # 32760
+    SampleShape(49, 720, 1280),   # 46800
+    SampleShape(81, 720, 1280),   # 75600
+]
+
+# Bytes per parameter of mixed-precision Adam under DeepSpeed: bf16 params, bf16 grads,
+# fp32 master weights + Adam m + v.
+BYTES_PER_PARAM = {"params": 2.0, "grads": 2.0, "optimizer": 12.0}
+ZERO_PARTITIONED = {"0": [], "1": ["optimizer"], "2": ["optimizer", "grads"],
+                    "3": ["optimizer", "grads", "params"]}
+STAGE3_PREFETCH_PARAMS = 50_000_000      # DeepSpeed's default stage3_prefetch_bucket_size
+CONTEXT_AND_NCCL_GIB = 1.5               # CUDA context + NCCL buffers + allocator slack (estimate)
+DEFAULT_LINK_GBPS = 150.0                # effective all-to-all GB/s per GPU, 8xH100 NVSwitch (estimate)
+
+
+# ------------------------------------------------------------------------------------- fitting
+def nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Non-negative least squares ``min ||a x - y||, x >= 0`` for a few columns (exact: tries every
+    active set and keeps the best feasible one)."""
+    a = np.asarray(a, dtype=np.float64)
+    y = np.asarray(y, dtype=np.float64)
+    n = a.shape[1]
+    best, best_res = np.zeros(n), float(np.sum(y * y))
+    for k in range(1, n + 1):
+        for cols in itertools.combinations(range(n), k):
+            sub = a[:, cols]
+            x, *_ = np.linalg.lstsq(sub, y, rcond=None)
+            if np.any(x < 0):
+                continue
+            res = float(np.sum((sub @ x - y) ** 2))
+            if res < best_res * (1 - 1e-12):
+                best = np.zeros(n)
+                best[list(cols)] = x
+                best_res = res
+    return best
+
+
+def _errors(pred: np.ndarray, y: np.ndarray) -> np.ndarray:
+    return (pred - y) / y
+
+
+def fit_compute(points: Sequence[Mapping[str, float]], *, min_fit_tokens: int = 0) -> dict:
+    """Fit ``ms = c0 + B*(a*S + b*S^2)`` (non-negative, relative error) to points with keys
+    ``S`` (tokens per sample, padded), ``B`` and ``ms``. Returns coefficients and the error
+    of every point (``fit: true/false`` says whether it was used)."""
+    pts = [dict(p) for p in points]
+    use = [p for p in pts if p["B"] * p["S"] >= min_fit_tokens]
+    if len(use) < 3:
+        raise ValueError(f"compute fit needs >= 3 points with >= {min_fit_tokens} tokens per micro-batch, "
+                         f"got {len(use)} of {len(pts)}; add longer lengths or lower --min-fit-tokens")
+    s = np.array([p["S"] for p in use], float)
+    b = np.array([p["B"] for p in use], float)
+    y = np.array([p["ms"] for p in use], float)
+    design = np.stack([np.ones_like(s), b * s, b * s * s], axis=1) / y[:, None]
+    c0, a, bb = nnls(design, np.ones_like(y))
+    rows = []
+    for p in pts:
+        pred = c0 + p["B"] * (a * p["S"] + bb * p["S"] ** 2)
+        rows.append({"S": p["S"], "B": p["B"], "measured_ms": p["ms"], "predicted_ms": pred,
+                     "rel_err": (pred - p["ms"]) / p["ms"], "fit": p in use})
+    errs = np.array([abs(r["rel_err"]) for r in rows if r["fit"]])
+    return {"c0_ms": float(c0), "a_ms_per_token": float(a), "b_ms_per_token2": float(bb),
+            "fit": {"max_rel_err": float(errs.max()), "mean_rel_err": float(errs.mean()),
+                    "min_fit_tokens": int(min_fit_tokens), "points": rows}}
+
+
+def fit_memory(points: Sequence[Mapping[str, float]]) -> dict:
+    """Fit activation memory per sample ``gib/B = m0 + m1*S`` (non-negative, relative error) to
+    points with keys ``S``, ``B`` and ``gib`` (activation memory of the micro-batch)."""
+    pts = [dict(p) for p in points]
+    s = np.array([p["S"] for p in pts], float)
+    b = np.array([p["B"] for p in pts], float)
+    y = np.array([p["gib"] for p in pts], float)
+    design = np.stack([b, b * s], axis=1) / y[:, None]
+    m0, m1 = nnls(design, np.ones_like(y))
+    rows = []
+    for p in pts:
+        pred = p["B"] * (m0 + m1 * p["S"])
+        rows.append({"S": p["S"], "B": p["B"], "measured_gib": p["gib"], "predicted_gib": pred,
+                     "rel_err": (pred - p["gib"]) / p["gib"]})
+    errs = np.array([abs(r["rel_err"]) for r in rows])
+    return {"m0_gib": float(m0), "m1_gib_per_token": float(m1),
+            "fit": {"max_rel_err": float(errs.max()), "mean_rel_err": float(errs.mean()), "points": rows}}
+
+
+# ------------------------------------------------------------------------------------- profile
+def wan_param_counts(dim: int, ffn_dim: int, num_layers: int, **_: Any) -> dict:
+    """Parameters of a Wan 2.1 T2V DiT: per block (self-attn, cross-attn, FFN, norms, modulation)
+    and total (with patch/text/time embeddings and the head)."""
+    block = (4 * (dim * dim + dim)            # self-attn q, k, v, o
+             + 4 * (dim * dim + dim)          # cross-attn q, k, v, o
+             + 4 * dim                         # q/k RMS norms (self + cross)
+             + 2 * dim                         # norm3 (affine LayerNorm before cross-attn)
+             + 2 * dim * ffn_dim + ffn_dim + dim   # FFN
+             + 6 * dim)                        # modulation table
+    embed = (16 * 4 * dim + dim                # patch embedding 1x2x2 conv
+             + TEXT_DIM * dim + dim + dim * dim + dim   # text MLP
+             + FREQ_DIM * dim + dim + dim * dim + dim   # time MLP
+             + dim * 6 * dim + 6 * dim)        # time projection to 6 modulation vectors
+    head = dim * 64 + 64 + 2 * dim
+    return {"block": block, "total": block * num_layers + embed + head}
+
+
+def static_memory_entry(params: int, block_params: int, workspace_gib: float) -> dict:
+    return {"params": int(params), "bytes_per_param": dict(BYTES_PER_PARAM),
+            "zero_partitioned": ZERO_PARTITIONED,
+            "stage3_live_params": int(2 * block_params + STAGE3_PREFETCH_PARAMS),
+            "workspace_gib": float(workspace_gib),
+            "note": ("per GPU = params*(2/n3 + 2/n2 + 12/n1) bytes where n_k = ranks sharing the "
+                     "partition at ZeRO stage >= k (else 1); + stage3_live_params*2 bytes (ZeRO-3 "
+                     "gathered blocks + prefetch bucket) + workspace_gib")}
+
+
+def comm_entry(dim: int, gradient_checkpointing: bool, link_gbps: float = DEFAULT_LINK_GBPS) -> dict:
+    # Ulysses all-to-alls per layer: q, k, v before attention and the output after it, bf16,
+    # forward + backward (+ the recomputed forward with gradient checkpointing).
+    passes = 3 if gradient_checkpointing else 2
+    return {"bytes_per_token_per_layer": float(4 * dim * 2 * passes), "link_GBps": float(link_gbps),
+            "note": (f"4 all-to-alls (q, k, v, out) x {dim} x 2 bytes x {passes} passes "
+                     "(fwd, bwd" + (", recomputed fwd" if gradient_checkpointing else "") + "); "
+                     f"link_GBps {link_gbps:g} is an estimate of NCCL all-to-all bandwidth per GPU "
+                     "on 8xH100 NVSwitch: replace with an nccl-tests alltoall_perf busbw of your cluster")}
+
+
+def profile_from_block_scaling(data: Mapping[str, Any], model_name: str, *, source: str,
+                               gradient_checkpointing: bool = True,
+                               gpu_mem_gib: float = 79.19) -> dict:
+    """A profile from measured per-block fwd+bwd times and peaks at B=1 (``h100_block_scaling.json``),
+    scaled by depth. Documented estimates (this is not a full-model calibration):
+
+    - full model time = num_layers x block_ms x (4/3 with gradient checkpointing: the recomputed
+      forward is ~1/3 of fwd+bwd) + embed/head overhead: 2 ms per micro-batch (launches of the
+      patch/text/time embeddings and head, fwd+bwd) + 12*dim*64 FLOP per token at 400 TFLOP/s.
+    - activation memory per token = one block's measured slope (the block recomputed in backward)
+      + num_layers x dim x 2 bytes (checkpointed bf16 block inputs) + 6 x dim x 2 bytes (embed/head);
+      per sample m0 = text context 512 x 4096 fp32 + its 512 x dim projection.
+    """
+    key = {"wan2.1-1.3b": "1.3B", "wan2.1-14b": "14B"}[model_name]
+    arch = WAN_ARCH[model_name]
+    dim, layers = arch["dim"], arch["num_layers"]
+    rows = sorted((r for r in data["block"] if r["model"] == key), key=lambda r: r["S"])
+    if len(rows) < 3:
+        raise ValueError(f"{source}: fewer than 3 block rows for model {key}")
+    gc = 4.0 / 3.0 if gradient_checkpointing else 1.0
+    per_tok_head_ms = 12 * dim * 64 / 400e12 * 1e3
+    overhead_ms = 2.0
+    meas = []
+    for r in rows:
+        ms = layers * r["fwdbwd_ms"] * gc + overhead_ms + per_tok_head_ms * r["S"]
+        meas.append({"S": r["S"], "B": 1, "ms": ms, "block_ms": r["fwdbwd_ms"], "block_peak_gib": r["peak_GiB"]})
+    # The short sequences at B=1 are latency-bound on an H100 (1560 and 3120 tokens take the same
+    # time): fit on saturated points only (>= 7800 tokens per micro-batch).
+    compute = fit_compute(meas, min_fit_tokens=7800)
+    s = np.array([r["S"] for r in rows], float)
+    pk = np.array([r["peak_GiB"] for r in rows], float)
+    slope, intercept = np.polyfit(s, pk, 1)
+    m1 = slope + (layers * dim * 2 + 6 * dim * 2) / GIB
+    m0 = (TEXT_LEN * TEXT_DIM * 4 + TEXT_LEN * dim * 2 * 2) / GIB
+    mem_points = [{"S": r["S"], "B": 1, "gib": (r["peak_GiB"] - intercept) + (layers * dim * 2 + 6 * dim * 2) * r["S"] / GIB + m0}
+                  for r in rows]
+    memory = fit_memory(mem_points)
+    counts = wan_param_counts(**arch)
+    block_weight_gib = counts["block"] * 4 / GIB      # bf16 weights + grads of the measured block
+    workspace = max(float(intercept) - block_weight_gib, 0.0) + CONTEXT_AND_NCCL_GIB
+    return {
+        "format": PROFILE_FORMAT,
+        "name": f"h100-{model_name}",
+        "source": f"{source} (per-block, scaled by depth)",
+        "note": profile_from_block_scaling.__doc__.strip(),
+        "device": data.get("device", "unknown"),
+        "gpu_mem_gib": gpu_mem_gib,
+        "torch": data.get("torch", "unknown"),
+        "date": _dt.date.today().isoformat(),
+        "dtype": "bf16",
+        "gradient_checkpointing": gradient_checkpointing,
+        "model": {"name": model_name, **arch, "params": counts["total"], "block_params": counts["block"]},
+        "sp": 1,
+        "compute": compute,
+        "memory": memory,
+        "comm": comm_entry(dim, gradient_checkpointing),
+        "static_memory": static_memory_entry(counts["total"], counts["block"], workspace),
+        "measurements": meas,
+    }
+
+
+# ------------------------------------------------------------------------------------- measuring
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _reset_peak(device) -> int:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device)
+    return 0
+
+
+def _peak(device) -> int:
+    import torch
+
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+
+
+class UlyssesEmulation:
+    """One GPU doing the work of one rank of a Ulysses group of degree ``sp``: the model sees S/sp
+    tokens, attention (called with ``[B, S/sp, H, Dh]``) runs on the full sequence with H/sp heads.
+    Communication is not modelled here (see ``comm`` in the profile)."""
+
+    def __init__(self, sp: int) -> None:
+        self.sp = sp
+
+    def __call__(self, q, k, v):
+        import torch
+        import torch.nn.functional as F
+
+        sp = self.sp
+        h = q.shape[2] // sp
+
+        def gather(t):  # [B, S/sp, H, Dh] -> [B, S, H/sp, Dh]: what the all-to-all would deliver
+            return t[:, :, :h].repeat(1, sp, 1, 1)
+
+        out = F.scaled_dot_product_attention(gather(q).transpose(1, 2), gather(k).transpose(1, 2),
+                                             gather(v).transpose(1, 2)).transpose(1, 2)
+        s_local = q.shape[1]
+        return out[:, :s_local].repeat(1, 1, sp, 1).contiguous()  # back to [B, S/sp, H, Dh]
+
+
+def measure(model_name: str, *, layers: Sequence[int], shapes: Sequence[SampleShape],
+            batch_sizes: Mapping[int, Sequence[int]], sp: int, device_name: str, dtype_name: str,
+            warmup: int, iters: int, gradient_checkpointing: bool, overrides: Mapping[str, Any],
+            log=print) -> tuple[list[dict], dict]:
+    """Time fwd+bwd and record peak memory for every (depth, shape, B). Returns raw rows and the
+    model config (as a dict)."""
+    import torch
+
+    from ds_adaptive.models.wan import WanModel, get_wan_config
+
+    device = torch.device(device_name)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[dtype_name]
+    rows: list[dict] = []
+    cfg_dict: dict = {}
+    torch.manual_seed(0)
+    for depth in layers:
+        cfg = get_wan_config(model_name, **{**overrides, "num_layers": depth})
+        cfg_dict = _config_dict(cfg)
+        if cfg_dict.get("num_heads", sp) % sp != 0:
+            raise SystemExit(f"--sp {sp} does not divide the model's {cfg_dict['num_heads']} heads")
+        model = WanModel(cfg).to(device=device, dtype=dtype)
+        model.train()
+        model.gradient_checkpointing = gradient_checkpointing
+        if sp > 1:
+            model.set_attention(UlyssesEmulation(sp))
+        for shape in shapes:
+            for b in batch_sizes.get(shape.tokens, [1]):
+                latents = torch.randn(b, *shape.latent_shape, device=device, dtype=dtype)
+                tstep = torch.rand(b, device=device) * 1000
+                ctx = torch.randn(b, TEXT_LEN, TEXT_DIM, device=device, dtype=dtype)
+
+                def step():
+                    out = _forward(model, latents, tstep, ctx, sp)
+                    out.float().square().mean().backward()
+
+                try:
+                    for _ in range(warmup):
+                        step()
+                    base = _reset_peak(device)
+                    _sync(device)
+                    times = []
+                    for _ in range(iters):
+                        t0 = time.perf_counter()
+                        step()
+                        _sync(device)
+                        times.append((time.perf_counter() - t0) * 1e3)
+                    peak = _peak(device)
+                except torch.OutOfMemoryError:
+                    log(f"  layers={depth} {shape} B={b}: out of memory, skipped")
+                    model.zero_grad(set_to_none=False)
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                    continue
+                row = {"layers": depth, "shape": str(shape), "S": shape.padded_tokens(sp), "B": b,
+                       "ms": float(np.median(times)), "ms_all": [round(t, 4) for t in times],
+                       "act_gib": max(peak - base, 0) / GIB, "peak_gib": peak / GIB}
+                rows.append(row)
+                log(f"  layers={depth:>2} {str(shape):>14} S={row['S']:>6} B={b:>3}: "
+                    f"{row['ms']:9.2f} ms  act {row['act_gib']:.3f} GiB")
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows, cfg_dict
+
+
+def _forward(model, latents, tstep, ctx, sp: int):
+    if sp == 1:
+        return model(latents, tstep, ctx)
+    inputs = model.embed(latents, tstep, ctx)
+    x = inputs.tokens
+    s = x.shape[1]
+    s_pad = -(-s // sp) * sp
+    freqs = model.rope(inputs.grid, x.device)
+    if s_pad != s:
+        x = torch_pad_seq(x, s_pad)
+        freqs = torch_pad_seq(freqs, s_pad, dim=0)
+    local = s_pad // sp
+    x = model.run_blocks(x[:, :local], inputs, freqs[:local])
+    return model.head(x, inputs.time_emb)
+
+
+def torch_pad_seq(t, length: int, dim: int = 1):
+    import torch
+
+    pad_shape = list(t.shape)
+    pad_shape[dim] = length - t.shape[dim]
+    return torch.cat([t, t.new_zeros(pad_shape)], dim=dim)
+
+
+def _config_dict(cfg) -> dict:
+    import dataclasses
+
+    if dataclasses.is_dataclass(cfg):
+        return {k: v for k, v in dataclasses.asdict(cfg).items() if isinstance(v, (int, float, str, bool, type(None), list, tuple))}
+    return dict(vars(cfg))
+
+
+def full_model_points(rows: Sequence[Mapping[str, Any]], num_layers: int) -> tuple[list[dict], list[dict]]:
+    """Depth differencing: per (S, B) with two depths k1 < k2, per-block = (t2 - t1) / (k2 - k1),
+    overhead = t1 - k1 * per-block, full = overhead + num_layers * per-block. Memory the same
+    way on the activation memory. With one depth only, scale it (full = t * L / k)."""
+    by_key: dict[tuple, dict[int, Mapping]] = {}
+    for r in rows:
+        by_key.setdefault((r["S"], r["B"], r["shape"]), {})[r["layers"]] = r
+    comp, mem = [], []
+    for (s, b, shape), d in sorted(by_key.items()):
+        depths = sorted(d)
+        if len(depths) >= 2:
+            k1, k2 = depths[0], depths[-1]
+            blk = (d[k2]["ms"] - d[k1]["ms"]) / (k2 - k1)
+            ms = d[k1]["ms"] + (num_layers - k1) * blk
+            blk_m = (d[k2]["act_gib"] - d[k1]["act_gib"]) / (k2 - k1)
+            gib = d[k1]["act_gib"] + (num_layers - k1) * blk_m
+        else:
+            k = depths[0]
+            ms = d[k]["ms"] * num_layers / k
+            gib = d[k]["act_gib"] * num_layers / k
+        comp.append({"S": s, "B": b, "shape": shape, "ms": ms})
+        if gib > 0:
+            mem.append({"S": s, "B": b, "shape": shape, "gib": gib})
+    return comp, mem
+
+
+def _batch_sizes(shapes: Sequence[SampleShape], sp: int) -> dict[int, list[int]]:
+    """B=1 for every length; short ones also in saturated batches (>= ~16k tokens) so the fit sees
+    what the planner forms (many images per micro-batch)."""
+    out = {}
+    for sh in shapes:
+        bs = [1]
+        if sh.tokens < 16000:
+            bs.append(max(2, math.ceil(16384 / sh.tokens)))
+        out[sh.tokens] = bs
+    return out
+
+
+def parse_lengths(spec: str) -> list[SampleShape]:
+    """``--lengths 1x480x832,81x720x1280`` -> shapes (FxHxW, real Wan grids)."""
+    out = []
+    for item in spec.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        try:
+            f, h, w = (int(v) for v in item.lower().split("x"))
+        except ValueError:
+            raise SystemExit(f"--lengths: '{item}' is not FRAMESxHEIGHTxWIDTH (e.g. 81x480x832)") from None
+        out.append(SampleShape(f, h, w))
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="ds-adaptive calibrate", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="wan2.1-1.3b", help="Wan config name (tiny, wan2.1-1.3b, wan2.1-14b)")
+    ap.add_argument("--sp", type=int, default=1, help="Ulysses degree to emulate on one GPU (default 1)")
+    ap.add_argument("--out", help="profile json to write")
+    ap.add_argument("--name", help="profile name stored in the json (default: stem of --out)")
+    ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (tiny model, for testing)")
+    ap.add_argument("--dtype", default=None, choices=["bf16", "fp32", "fp16"],
+                    help="default bf16 on cuda, fp32 on cpu")
+    ap.add_argument("--layers", default="2,4", help="two depths k1,k2 to difference (default 2,4)")
+    ap.add_argument("--lengths", default=None,
+                    help="comma list of FxHxW shapes (default: 8 Wan grids from 1x480x832 to 81x720x1280)")
+    ap.add_argument("--batch-sizes", default=None,
+                    help="extra batch sizes for short shapes, e.g. '1560:1,12;4096:1,4' (default: auto)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--no-checkpointing", action="store_true", help="measure without gradient checkpointing")
+    ap.add_argument("--min-fit-tokens", type=int, default=8192,
+                    help="exclude latency-bound points with fewer tokens per micro-batch from the fit")
+    ap.add_argument("--gpu-mem-gib", type=float, default=None, help="GPU capacity (default: detected)")
+    ap.add_argument("--link-gbps", type=float, default=DEFAULT_LINK_GBPS,
+                    help="all-to-all bandwidth per GPU for the Ulysses comm term (GB/s)")
+    ap.add_argument("--override", action="append", default=[],
+                    help="model config override KEY=VALUE (e.g. dim=64), repeatable")
+    ap.add_argument("--from-block-scaling", metavar="JSON",
+                    help="instead of measuring, rebuild the shipped profiles from a per-block scaling json")
+    args = ap.parse_args(argv)
+
+    if args.from_block_scaling:
+        src = Path(args.from_block_scaling)
+        data = json.loads(src.read_text())
+        out_dir = Path(args.out) if args.out else PROFILES_DIR
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for name in WAN_ARCH:
+            prof = profile_from_block_scaling(data, name, source="shared/data/h100_block_scaling.json")
+            Profile.from_dict(prof)
+            path = out_dir / f"{prof['name']}.json"
+            path.write_text(json.dumps(prof, indent=1) + "\n")
+            c = prof["compute"]
+            print(f"{path}: c0={c['c0_ms']:.3f} ms a={c['a_ms_per_token']:.4g} ms/tok "
+                  f"b={c['b_ms_per_token2']:.4g} ms/tok^2 fit max|err|={c['fit']['max_rel_err']:.1%}")
+        return 0
+
+    if not args.out:
+        ap.error("--out is required (path of the profile json to write)")
+    import torch
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("calibrate: --device cuda but no CUDA GPU is visible; run on a GPU node or pass "
+              "--device cpu --model tiny to test the pipeline", file=sys.stderr)
+        return 2
+    dtype = args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")
+    try:
+        k1, k2 = (int(v) for v in args.layers.split(","))
+    except ValueError:
+        ap.error(f"--layers must be two depths 'k1,k2', got {args.layers!r}")
+    if not 1 <= k1 < k2:
+        ap.error(f"--layers needs 1 <= k1 < k2, got {k1},{k2}")
+    shapes = parse_lengths(args.lengths) if args.lengths else list(DEFAULT_CALIBRATION_SHAPES)
+    batch_sizes = _batch_sizes(shapes, args.sp)
+    if args.batch_sizes:
+        for part in args.batch_sizes.split(";"):
+            s, bs = part.split(":")
+            batch_sizes[int(s)] = [int(b) for b in bs.split(",")]
+    overrides = {}
+    for ov in args.override:
+        k, _, v = ov.partition("=")
+        overrides[k] = json.loads(v) if v[:1] in "0123456789-[{tf" else v
+    try:
+        from ds_adaptive.models.wan import get_wan_config
+    except ImportError as exc:
+        print(f"calibrate: cannot import the Wan model (ds_adaptive.models.wan): {exc}", file=sys.stderr)
+        return 2
+    full_cfg = _config_dict(get_wan_config(args.model, **overrides))
+    num_layers = int(full_cfg["num_layers"])
+    device = torch.device(args.device)
+    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    gpu_mem = args.gpu_mem_gib or (torch.cuda.get_device_properties(device).total_memory / GIB
+                                   if device.type == "cuda" else 16.0)
+    print(f"calibrate {args.model} on {dev_name} ({dtype}, sp={args.sp}, layers {k1},{k2} -> {num_layers})")
+    t_start = time.perf_counter()
+    rows, _ = measure(args.model, layers=[k1, k2], shapes=shapes, batch_sizes=batch_sizes, sp=args.sp,
+                      device_name=args.device, dtype_name=dtype, warmup=args.warmup, iters=args.iters,
+                      gradient_checkpointing=not args.no_checkpointing, overrides=overrides)
+    comp_pts, mem_pts = full_model_points(rows, num_layers)
+    compute = fit_compute(comp_pts, min_fit_tokens=args.min_fit_tokens if any(
+        p["B"] * p["S"] >= args.min_fit_tokens for p in comp_pts) else 0)
+    if mem_pts:
+        memory = fit_memory(mem_pts)
+    else:  # CPU: no allocator statistics; analytic estimate (checkpointed bf16 block inputs)
+        d = int(full_cfg.get("dim", 0))
+        memory = {"m0_gib": TEXT_LEN * TEXT_DIM * 4 / GIB,
+                  "m1_gib_per_token": (num_layers + 6) * d * 2 * 3 / GIB,
+                  "fit": {"note": "no device memory statistics on this device: analytic estimate"}}
+    dim = int(full_cfg.get("dim", 0))
+    counts = wan_param_counts(dim=dim, ffn_dim=int(full_cfg.get("ffn_dim", 4 * dim)), num_layers=num_layers)
+    heads = int(full_cfg.get("num_heads", 1))
+    name = args.name or Path(args.out).stem
+    prof = {
+        "format": PROFILE_FORMAT,
+        "name": name,
+        "source": f"ds-adaptive calibrate {' '.join(argv if argv is not None else sys.argv[1:])}",
+        "device": dev_name,
+        "gpu_mem_gib": float(gpu_mem),
+        "torch": torch.__version__,
+        "date": _dt.datetime.now().isoformat(timespec="seconds"),
+        "dtype": dtype,
+        "gradient_checkpointing": not args.no_checkpointing,
+        "model": {"name": args.model, "config": full_cfg, "num_layers": num_layers, "num_heads": heads,
+                  "dim": dim, "params": counts["total"], "block_params": counts["block"]},
+        "sp": args.sp,
+        "compute": compute,
+        "memory": memory,
+        "comm": comm_entry(dim, not args.no_checkpointing, args.link_gbps),
+        "static_memory": static_memory_entry(counts["total"], counts["block"], CONTEXT_AND_NCCL_GIB),
+        "measurements": {"layers": [k1, k2], "raw": rows, "full_model": comp_pts, "full_model_memory": mem_pts},
+        "wall_s": round(time.perf_counter() - t_start, 1),
+    }
+    Profile.from_dict(prof)  # validate before writing
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(prof, indent=1) + "\n")
+    print("\nfull-model fit  t = c0 + B*(a*S + b*S^2)  [ms]")
+    print(f"  c0 = {compute['c0_ms']:.4g} ms   a = {compute['a_ms_per_token']:.4g} ms/token   "
+          f"b = {compute['b_ms_per_token2']:.4g} ms/token^2")
+    print(f"  {'S':>7} {'B':>4} {'measured':>10} {'predicted':>10} {'rel err':>8}")
+    for r in compute["fit"]["points"]:
+        tag = "" if r["fit"] else "  (latency-bound, not fitted)"
+        print(f"  {r['S']:>7} {r['B']:>4} {r['measured_ms']:>10.2f} {r['predicted_ms']:>10.2f} "
+              f"{r['rel_err']:>+8.1%}{tag}")
+    print(f"  max |rel err| {compute['fit']['max_rel_err']:.1%}, mean {compute['fit']['mean_rel_err']:.1%}")
+    if "points" in memory.get("fit", {}):
+        print(f"memory fit  act/B = m0 + m1*S: m0 = {memory['m0_gib']:.4g} GiB, "
+              f"m1 = {memory['m1_gib_per_token'] * 1024 ** 2:.4g} KiB/token; max |rel err| "
+              f"{memory['fit']['max_rel_err']:.1%}, mean {memory['fit']['mean_rel_err']:.1%}")
+    print(f"wrote {args.out} ({prof['wall_s']} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,301 @@
+"""Per-GPU compute cost and activation memory of samples and micro-batches.
+
+A micro-batch is ``B`` samples of one shape, i.e. one sequence length ``S`` (tokens). On one GPU,
+with Ulysses sequence parallelism of degree ``sp`` (each rank of an SP group holds ``S/sp`` tokens
+and ``heads/sp`` attention heads), the cost model predicts:
+
+``calibrated`` (milliseconds, from a profile json written by ``ds-adaptive calibrate``)::
+
+    S_pad           = S rounded up to a multiple of sp
+    per_gpu_cost(S) = (a * S_pad + b * S_pad**2) / sp  +  comm(S_pad)          per sample
+    comm(S_pad)     = layers * bytes_per_token_per_layer * (S_pad / sp) * (sp - 1) / sp / link_bandwidth
+    batch_cost      = c0 + B * per_gpu_cost(S)                                 per micro-batch
+
+    ``c0`` is the per-micro-batch overhead (kernel launches, embed/head), paid once per micro-batch;
+    every rank runs exactly one micro-batch per micro-step, so ``c0`` never unbalances a micro-step.
+
+``power`` (the paper's ``S^p``, unit "S^p"): ``per_gpu_cost = S_pad**p / sp``, ``c0 = 0``, no comm.
+
+``tokens`` (linear, unit "tokens"): ``per_gpu_cost = S_pad / sp``, ``c0 = 0``, no comm.
+
+Memory (GiB, all modes, from the profile)::
+
+    per_gpu_memory(S) = m0 + m1 * S_pad / sp                                   per sample
+    batch_memory      = B * per_gpu_memory(S)
+
+Static memory (parameters, gradients, optimizer state under ZeRO) is separate: see
+:meth:`Profile.static_memory_gib`. Profiles are looked up by shipped name (``h100-wan2.1-1.3b``,
+``h100-wan2.1-14b``) or by path (:func:`load_profile`).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Mapping, Optional, Union
+
+from ds_adaptive.shapes import SampleShape, pad_to_multiple
+
+PROFILE_FORMAT = "ds_adaptive.profile/1"
+PROFILES_DIR = Path(__file__).parent / "profiles"
+GIB = float(1 << 30)
+
+CostMode = Literal["calibrated", "power", "tokens"]
+COST_UNITS = {"calibrated": "ms", "power": "S^p", "tokens": "tokens"}
+
+
+class ProfileError(ValueError):
+    """A profile name that is not shipped, or a profile json that is malformed."""
+
+
+class SequenceParallelError(ValueError):
+    """The Ulysses degree does not fit the model (heads % sp != 0, sp < 1)."""
+
+
+def shipped_profiles() -> list[str]:
+    """Names of the profiles shipped in ``ds_adaptive/profiles`` (without ``.json``)."""
+    return sorted(p.stem for p in PROFILES_DIR.glob("*.json"))
+
+
+def _need(d: Mapping, key: str, where: str) -> Any:
+    if key not in d:
+        raise ProfileError(f"profile {where}: missing key '{key}'; profiles are written by "
+                           "`ds-adaptive calibrate` (see docs/SAMPLER.md for the format)")
+    return d[key]
+
+
+def _num(d: Mapping, key: str, where: str, *, minimum: float = 0.0) -> float:
+    v = _need(d, key, where)
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < minimum:
+        raise ProfileError(f"profile {where}: '{key}' must be a finite number >= {minimum}, got {v!r}")
+    return float(v)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Coefficients of one (device, model, sp) calibration; see the module docstring for units.
+
+    ``a_ms_per_token`` / ``b_ms_per_token2`` are per-GPU times measured at Ulysses degree
+    ``sp`` as a function of the full (padded) sequence length; :class:`CostModel` rescales them
+    to another sp (compute divides by sp).
+    """
+
+    name: str
+    device: str
+    gpu_mem_gib: float
+    num_layers: int
+    num_heads: int
+    dim: int
+    params: int
+    sp: int
+    c0_ms: float
+    a_ms_per_token: float
+    b_ms_per_token2: float
+    m0_gib: float
+    m1_gib_per_token: float
+    comm_bytes_per_token_per_layer: float
+    link_gbps: float
+    bytes_per_param: Mapping[str, float]
+    stage3_live_params: int
+    workspace_gib: float
+    raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], *, where: str = "<dict>") -> "Profile":
+        if d.get("format") != PROFILE_FORMAT:
+            raise ProfileError(f"profile {where}: 'format' must be '{PROFILE_FORMAT}', got "
+                               f"{d.get('format')!r}; re-create it with `ds-adaptive calibrate`")
+        model = _need(d, "model", where)
+        comp = _need(d, "compute", where)
+        mem = _need(d, "memory", where)
+        comm = _need(d, "comm", where)
+        static = _need(d, "static_memory", where)
+        sp = int(_num(d, "sp", where, minimum=1))
+        heads = int(_num(model, "num_heads", where + " model", minimum=1))
+        return cls(
+            name=str(d.get("name", Path(where).stem)),
+            device=str(_need(d, "device", where)),
+            gpu_mem_gib=_num(d, "gpu_mem_gib", where, minimum=1e-3),
+            num_layers=int(_num(model, "num_layers", where + " model", minimum=1)),
+            num_heads=heads,
+            dim=int(_num(model, "dim", where + " model", minimum=1)),
+            params=int(_num(model, "params", where + " model", minimum=1)),
+            sp=sp,
+            c0_ms=_num(comp, "c0_ms", where + " compute"),
+            a_ms_per_token=_num(comp, "a_ms_per_token", where + " compute"),
+            b_ms_per_token2=_num(comp, "b_ms_per_token2", where + " compute"),
+            m0_gib=_num(mem, "m0_gib", where + " memory"),
+            m1_gib_per_token=_num(mem, "m1_gib_per_token", where + " memory", minimum=1e-15),
+            comm_bytes_per_token_per_layer=_num(comm, "bytes_per_token_per_layer", where + " comm"),
+            link_gbps=_num(comm, "link_GBps", where + " comm", minimum=1e-6),
+            bytes_per_param={k: float(v) for k, v in _need(static, "bytes_per_param", where).items()},
+            stage3_live_params=int(_num(static, "stage3_live_params", where + " static_memory")),
+            workspace_gib=_num(static, "workspace_gib", where + " static_memory"),
+            raw=dict(d),
+        )
+
+    def static_memory_gib(self, zero_stage: int, shard_ranks: int) -> float:
+        """Parameters + gradients + optimizer state per GPU under ZeRO ``zero_stage`` (0-3) with
+        ``shard_ranks`` ranks sharing the partition (DeepSpeed+Ulysses partitions over dp*sp), plus
+        the working set (ZeRO-3's gathered layers, kernel workspace). GiB."""
+        if zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+        n = max(int(shard_ranks), 1)
+        bpp = self.bytes_per_param
+        p, g, o = bpp.get("params", 2.0), bpp.get("grads", 2.0), bpp.get("optimizer", 12.0)
+        per_param = (p / (n if zero_stage >= 3 else 1) + g / (n if zero_stage >= 2 else 1)
+                     + o / (n if zero_stage >= 1 else 1))
+        live = self.stage3_live_params * p if zero_stage >= 3 else 0.0
+        return (self.params * per_param + live) / GIB + self.workspace_gib
+
+
+def load_profile(name_or_path: Union[str, Path, Mapping[str, Any]]) -> Profile:
+    """A shipped profile by name (``h100-wan2.1-1.3b``), a profile json path, or a dict."""
+    if isinstance(name_or_path, Mapping):
+        return Profile.from_dict(name_or_path)
+    s = str(name_or_path)
+    path = Path(s)
+    if not path.is_file():
+        shipped = PROFILES_DIR / f"{s}.json"
+        if shipped.is_file():
+            path = shipped
+        else:
+            raise ProfileError(
+                f"unknown profile '{s}' (sampler.profile): not a file and not a shipped name. "
+                f"Shipped profiles: {', '.join(shipped_profiles()) or '(none)'}; or pass the path of "
+                "a json written by `ds-adaptive calibrate --out PROFILE.json`.")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ProfileError(f"profile {path} is not valid JSON: {exc}") from exc
+    return Profile.from_dict(data, where=str(path))
+
+
+class CostModel:
+    """Per-GPU compute cost and activation memory of samples and micro-batches.
+
+    Args:
+        profile: a :class:`Profile` (or name / path / dict): memory always, compute for
+            ``calibrated``, ``heads`` for the SP check.
+        mode: ``calibrated`` (ms), ``power`` (S^p) or ``tokens`` (S).
+        p: exponent of ``power``.
+        sp: Ulysses degree (ranks that share one sample's sequence).
+        num_heads: attention heads of the model (default: the profile's); must divide by ``sp``.
+    """
+
+    def __init__(self, profile: Union[Profile, str, Path, Mapping[str, Any]], mode: CostMode = "calibrated",
+                 *, p: float = 1.5, sp: int = 1, num_heads: Optional[int] = None) -> None:
+        self.profile = profile if isinstance(profile, Profile) else load_profile(profile)
+        if mode not in COST_UNITS:
+            raise ValueError(f"cost mode must be one of {sorted(COST_UNITS)}, got {mode!r}")
+        if not isinstance(sp, int) or isinstance(sp, bool) or sp < 1:
+            raise SequenceParallelError(f"sequence-parallel degree sp must be an int >= 1, got {sp!r}")
+        heads = self.profile.num_heads if num_heads is None else int(num_heads)
+        if heads % sp != 0:
+            divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+            raise SequenceParallelError(
+                f"Ulysses sp={sp} does not divide the model's {heads} attention heads (profile "
+                f"'{self.profile.name}'): each SP rank must hold heads/sp whole heads. "
+                f"Use sp in {divisors}.")
+        if not p > 0:
+            raise ValueError(f"power-law exponent p must be > 0, got {p!r}")
+        self.mode: CostMode = mode
+        self.p = float(p)
+        self.sp = sp
+        self.num_heads = heads
+        pr = self.profile
+        # Coefficients at sp=1 (the profile's per-GPU time at its own sp, times that sp).
+        self._a1 = pr.a_ms_per_token * pr.sp
+        self._b1 = pr.b_ms_per_token2 * pr.sp
+        # ms per token of the all-to-alls: bytes per token per layer -> seconds at GB/s -> ms.
+        self._comm_ms_per_token = pr.num_layers * pr.comm_bytes_per_token_per_layer / (pr.link_gbps * 1e9) * 1e3
+
+    # ----------------------------------------------------------------------------- sizes
+    @property
+    def unit(self) -> str:
+        """Unit of costs and of the compute budget (``ms``, ``S^p`` or ``tokens``)."""
+        return COST_UNITS[self.mode]
+
+    @property
+    def c0(self) -> float:
+        """Per-micro-batch overhead in the cost unit (0 unless ``calibrated``)."""
+        return self.profile.c0_ms if self.mode == "calibrated" else 0.0
+
+    def padded_tokens(self, shape_or_tokens: Union[SampleShape, int]) -> int:
+        """Sequence length padded to a multiple of sp (tokens)."""
+        s = shape_or_tokens.tokens if isinstance(shape_or_tokens, SampleShape) else int(shape_or_tokens)
+        if s < 1:
+            raise ValueError(f"sequence length must be >= 1 token, got {s}")
+        return pad_to_multiple(s, self.sp)
+
+    # ----------------------------------------------------------------------------- compute
+    def per_gpu_cost(self, shape_or_tokens: Union[SampleShape, int]) -> float:
+        """Compute cost of ONE sample on one GPU (without the micro-batch overhead c0)."""
+        s = float(self.padded_tokens(shape_or_tokens))
+        if self.mode == "calibrated":
+            return (self._a1 * s + self._b1 * s * s) / self.sp + self.comm_cost(shape_or_tokens)
+        if self.mode == "power":
+            return s ** self.p / self.sp
+        return s / self.sp
+
+    def comm_cost(self, shape_or_tokens: Union[SampleShape, int]) -> float:
+        """Ulysses all-to-all time of one sample on one GPU (ms; 0 for sp=1 or non-ms modes)."""
+        if self.mode != "calibrated" or self.sp == 1:
+            return 0.0
+        s = float(self.padded_tokens(shape_or_tokens))
+        return self._comm_ms_per_token * (s / self.sp) * (self.sp - 1) / self.sp
+
+    def batch_cost(self, shape_or_tokens: Union[SampleShape, int], batch_size: int) -> float:
+        """Compute cost of a micro-batch of ``batch_size`` samples of one shape on one GPU."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        return self.c0 + batch_size * self.per_gpu_cost(shape_or_tokens)
+
+    # ----------------------------------------------------------------------------- memory
+    def per_gpu_memory(self, shape_or_tokens: Union[SampleShape, int]) -> float:
+        """Activation memory of ONE sample on one GPU (GiB)."""
+        s = float(self.padded_tokens(shape_or_tokens))
+        return self.profile.m0_gib + self.profile.m1_gib_per_token * s / self.sp
+
+    def batch_memory(self, shape_or_tokens: Union[SampleShape, int], batch_size: int) -> float:
+        """Activation memory of a micro-batch on one GPU (GiB)."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        return batch_size * self.per_gpu_memory(shape_or_tokens)
+
+    def max_batch_size(self, shape_or_tokens: Union[SampleShape, int], m_mem: float,
+                       m_comp: Optional[float] = None) -> int:
+        """Largest B with ``batch_memory <= m_mem`` (and ``batch_cost <= m_comp`` if given);
+        0 when even B=1 is over a budget."""
+        mem1 = self.per_gpu_memory(shape_or_tokens)
+        b = int(math.floor(m_mem / mem1 * (1 + 1e-12)))
+        if m_comp is not None:
+            c1 = self.per_gpu_cost(shape_or_tokens)
+            b = min(b, int(math.floor((m_comp - self.c0) / c1 * (1 + 1e-12))) if c1 > 0 else b)
+        return max(b, 0)
+
+    # ----------------------------------------------------------------------------- budgets
+    def auto_memory_budget(self, gpu_mem_gib: Optional[float] = None, utilization: float = 0.85,
+                           *, zero_stage: int = 3, dp_size: int = 1) -> float:
+        """``m_mem: auto``: GPU capacity x utilisation minus the static memory (GiB).
+
+        ZeRO partitions over all ``dp_size * sp`` ranks (DeepSpeed's sequence-data-parallel group)."""
+        cap = self.profile.gpu_mem_gib if gpu_mem_gib is None else float(gpu_mem_gib)
+        static = self.profile.static_memory_gib(zero_stage, dp_size * self.sp)
+        budget = cap * utilization - static
+        if budget <= 0:
+            raise ValueError(
+                f"m_mem auto: GPU memory {cap:.1f} GiB x mem_utilization {utilization} = "
+                f"{cap * utilization:.1f} GiB does not cover the static memory {static:.1f} GiB "
+                f"(params/grads/optimizer of {self.profile.params / 1e9:.2f}B params, ZeRO-{zero_stage}, "
+                f"{dp_size * self.sp} ranks). Use a higher ZeRO stage, more ranks, or set sampler.m_mem.")
+        return budget
+
+    def describe(self) -> dict:
+        """Small JSON-able summary (for logs and plan fingerprints)."""
+        return {"mode": self.mode, "unit": self.unit, "p": self.p, "sp": self.sp,
+                "profile": self.profile.name, "c0": self.c0, "a_ms_per_token_sp1": self._a1,
+                "b_ms_per_token2_sp1": self._b1, "m0_gib": self.profile.m0_gib,
+                "m1_gib_per_token": self.profile.m1_gib_per_token,
+                "comm_ms_per_token": self._comm_ms_per_token}

@@ -1,0 +1,507 @@
+"""Pure planning: micro-batches under both budgets, dealt into cost-balanced micro-steps.
+
+No torch, no torch.distributed: a plan is a pure function of (sample shapes, order, cost model,
+:class:`PlannerParams`). The sampler (``ds_adaptive/sampler.py``) adds the epoch shuffle, ranks
+and resumable state; the simulator (``ds_adaptive/simulate.py``) scores plans.
+
+Vocabulary
+    batch       a micro-batch: ``B`` samples of ONE shape, processed by one data-parallel rank
+                (all ``sp`` ranks of its Ulysses group) in one micro-step.
+    micro-step  one forward+backward on every DP rank: exactly ``dp_size`` batches. Under ZeRO-3
+                every micro-step is a synchronisation point, so its batches should cost the same.
+    step        one optimizer step = ``micro_steps_per_step`` micro-steps (DeepSpeed's
+                gradient_accumulation_steps): every rank runs the same number.
+    window      ``window * dp_size`` shuffled samples planned together; what cannot be planned
+                well is carried to the next window.
+
+Modes
+    ``dual``    (AdaptiveLoad, extended) every batch obeys ``batch_memory <= m_mem`` AND
+                ``batch_cost <= m_comp``. Micro-steps are built by *anchor and fill*: the anchor is
+                the costliest-per-sample shape left in the pool at its largest feasible batch,
+                which sets the micro-step's target cost ``T``; every other rank gets the batch
+                ``(shape, B)`` whose cost is closest to ``T`` (among near-ties the coarsest shape,
+                so that divisible fillers -- images, short clips -- stay available for the
+                indivisible long videos). A micro-step whose CV of per-rank cost exceeds
+                ``balance_tolerance`` is not emitted: its anchor shape waits for the next window,
+                where new samples bring partners. Micro-steps of a window are shuffled.
+    ``tokens``  equal-token bucketing (Open-Sora / DeepSpeed variable batch): per shape bucket
+                ``B = max_tokens // S`` (and within ``m_mem``), batches shuffled and dealt
+                round-robin.
+    ``fixed``   a fixed batch size per bucket (within ``m_mem``), dealt like ``tokens``.
+
+End of epoch: the final incomplete optimizer step (fewer than ``micro_steps_per_step``
+micro-steps) is re-planned: its samples are re-batched and big batches split until there are
+exactly ``dp_size * micro_steps_per_step`` batches, dealt cost-sorted into one full step. If the
+tail holds fewer samples than that, it is dropped for this epoch and counted in
+``EpochPlan.tail_dropped`` (the next epoch's shuffle trains them; a warning names the count).
+Oversize samples (over a budget even at B=1) raise :class:`OversizeSampleError`, or with
+``oversize="skip"`` are counted in ``EpochPlan.oversize`` with a warning. Nothing is dropped
+silently: ``planned + oversize + tail_dropped == all samples`` of the epoch.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Iterator, Literal, Mapping, Optional, Sequence
+
+import numpy as np
+
+from ds_adaptive.cost import CostModel
+from ds_adaptive.shapes import SampleShape
+
+Mode = Literal["dual", "tokens", "fixed"]
+
+
+class OversizeSampleError(ValueError):
+    """A sample that exceeds a budget even alone (B=1)."""
+
+
+class PlanError(ValueError):
+    """Budgets or parameters that cannot produce a plan."""
+
+
+@dataclass(frozen=True)
+class PlannerParams:
+    """Resolved planning parameters (budgets are numbers here, never ``auto``)."""
+
+    mode: Mode
+    dp_size: int
+    micro_steps_per_step: int
+    m_mem: float
+    m_comp: Optional[float] = None
+    max_tokens: Optional[int] = None
+    fixed_batch_sizes: Optional[Mapping[str, int]] = None
+    window: int = 256
+    oversize: Literal["error", "skip"] = "error"
+    balance_tolerance: float = 0.03
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("dual", "tokens", "fixed"):
+            raise PlanError(f"mode must be dual, tokens or fixed, got {self.mode!r}")
+        if self.dp_size < 1 or self.micro_steps_per_step < 1:
+            raise PlanError(f"dp_size ({self.dp_size}) and micro_steps_per_step "
+                            f"({self.micro_steps_per_step}) must be >= 1")
+        if not self.m_mem > 0:
+            raise PlanError(f"memory budget m_mem must be > 0 GiB, got {self.m_mem}")
+        if self.mode == "dual" and not (self.m_comp is not None and self.m_comp > 0):
+            raise PlanError(f"mode dual needs a compute budget m_comp > 0, got {self.m_comp}")
+        if self.mode == "tokens" and not (self.max_tokens and self.max_tokens > 0):
+            raise PlanError(f"mode tokens needs max_tokens > 0, got {self.max_tokens}")
+
+    def as_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["fixed_batch_sizes"] = dict(self.fixed_batch_sizes) if self.fixed_batch_sizes else None
+        return d
+
+
+@dataclass
+class StepTotals:
+    """Global counts of one optimizer step (over DP ranks; an SP group counts once)."""
+
+    samples: int
+    tokens: int
+    micro_steps: int
+
+    def loss_weight(self, local_samples: int, local_tokens: int, dp_size: int,
+                    by: Literal["samples", "tokens"] = "samples") -> float:
+        """Factor for one rank's mean micro-batch loss so that the DP-averaged gradient of the step
+        is the mean over all samples (or tokens) of the step: local share x dp_size x micro_steps
+        (DeepSpeed averages over DP and divides by gradient_accumulation_steps itself)."""
+        num, den = (local_samples, self.samples) if by == "samples" else (local_tokens, self.tokens)
+        return num / den * dp_size * self.micro_steps if den else 0.0
+
+    def lr_scale(self, mode: Literal["none", "linear", "sqrt"], reference_batch: Optional[int]) -> float:
+        """LR multiplier of this step: 1, samples/reference or sqrt(samples/reference)."""
+        if mode == "none":
+            return 1.0
+        if not reference_batch:
+            raise PlanError("lr_scaling needs sampler.reference_batch (global samples per optimizer "
+                            "step that the base LR was tuned for)")
+        r = self.samples / reference_batch
+        return r if mode == "linear" else math.sqrt(r)
+
+
+@dataclass
+class EpochPlan:
+    """All micro-steps of one epoch (or of a resumed segment of it).
+
+    Batch ``j = micro * dp_size + rank`` holds ``sample_ids[batch_offsets[j]:batch_offsets[j+1]]``,
+    all of shape ``shapes[batch_shape[j]]``.
+    """
+
+    dp_size: int
+    micro_steps_per_step: int
+    shapes: list[SampleShape]
+    sample_ids: np.ndarray
+    batch_offsets: np.ndarray
+    batch_shape: np.ndarray
+    batch_cost: np.ndarray
+    batch_memory: np.ndarray
+    batch_tokens: np.ndarray
+    oversize: list[int] = field(default_factory=list)
+    tail_dropped: list[int] = field(default_factory=list)
+    tail_replanned: int = 0
+
+    @property
+    def num_micro_steps(self) -> int:
+        return len(self.batch_shape) // self.dp_size
+
+    @property
+    def num_steps(self) -> int:
+        return self.num_micro_steps // self.micro_steps_per_step
+
+    @property
+    def num_samples(self) -> int:
+        return int(len(self.sample_ids))
+
+    def batch(self, micro_step: int, dp_rank: int) -> list[int]:
+        j = micro_step * self.dp_size + dp_rank
+        return self.sample_ids[self.batch_offsets[j]:self.batch_offsets[j + 1]].tolist()
+
+    def rank_batches(self, dp_rank: int, start_micro: int = 0) -> Iterator[list[int]]:
+        for m in range(start_micro, self.num_micro_steps):
+            yield self.batch(m, dp_rank)
+
+    def micro_step_costs(self) -> np.ndarray:
+        """[num_micro_steps, dp_size] predicted per-GPU cost of every batch."""
+        return self.batch_cost.reshape(-1, self.dp_size)
+
+    def batch_sizes(self) -> np.ndarray:
+        return np.diff(self.batch_offsets)
+
+    def step_totals(self, step: int) -> StepTotals:
+        if not 0 <= step < self.num_steps:
+            raise IndexError(f"optimizer step {step} is outside this plan (0..{self.num_steps - 1})")
+        g = self.micro_steps_per_step * self.dp_size
+        lo, hi = step * g, (step + 1) * g
+        return StepTotals(samples=int(self.batch_offsets[hi] - self.batch_offsets[lo]),
+                          tokens=int(self.batch_tokens[lo:hi].sum()), micro_steps=self.micro_steps_per_step)
+
+    def samples_of_steps(self, num_steps: int) -> np.ndarray:
+        """Sample ids consumed by the first ``num_steps`` optimizer steps."""
+        hi = min(num_steps, self.num_steps) * self.micro_steps_per_step * self.dp_size
+        return self.sample_ids[:self.batch_offsets[hi]]
+
+
+# ============================================================================== shape tables
+class _ShapeTable:
+    """Per unique shape: per-sample cost/memory, largest feasible batch, tokens."""
+
+    def __init__(self, shapes: Sequence[SampleShape], cost: CostModel, params: PlannerParams) -> None:
+        self.shapes = list(shapes)
+        n = len(self.shapes)
+        self.c0 = cost.c0
+        self.cost1 = np.array([cost.per_gpu_cost(s) for s in self.shapes], float)
+        self.mem1 = np.array([cost.per_gpu_memory(s) for s in self.shapes], float)
+        self.tokens = np.array([s.tokens for s in self.shapes], np.int64)
+        self.padded = np.array([cost.padded_tokens(s) for s in self.shapes], np.int64)
+        self.bmax = np.zeros(n, np.int64)
+        self.why = [""] * n
+        for u, s in enumerate(self.shapes):
+            b_mem = int(math.floor(params.m_mem / self.mem1[u] * (1 + 1e-12)))
+            b, why = b_mem, (f"activation memory {self.mem1[u]:.3f} GiB > m_mem {params.m_mem:.3f} GiB"
+                             if b_mem < 1 else "")
+            if params.mode == "dual":
+                b_comp = int(math.floor((params.m_comp - self.c0) / self.cost1[u] * (1 + 1e-12)))
+                if b_comp < 1 and b >= 1:
+                    why = (f"compute cost {self.c0 + self.cost1[u]:.4g} {cost.unit} > m_comp "
+                           f"{params.m_comp:.4g} {cost.unit}")
+                b = min(b, b_comp)
+            elif params.mode == "tokens":
+                b_tok = int(params.max_tokens // self.padded[u])
+                if b_tok < 1 and b >= 1:
+                    why = f"{self.padded[u]} tokens > max_tokens {params.max_tokens}"
+                b = min(b, b_tok)
+            else:
+                key = str(s)
+                fixed = (params.fixed_batch_sizes or {}).get(key)
+                if fixed is not None:
+                    if fixed < 1:
+                        raise PlanError(f"sampler.fixed_batch_sizes['{key}'] must be >= 1, got {fixed}")
+                    if fixed > b_mem:
+                        raise PlanError(
+                            f"sampler.fixed_batch_sizes['{key}'] = {fixed} needs "
+                            f"{fixed * self.mem1[u]:.2f} GiB > m_mem {params.m_mem:.2f} GiB "
+                            f"(at most {b_mem} fit); lower it or raise m_mem")
+                    b = fixed
+            self.bmax[u] = max(b, 0)
+            if self.bmax[u] < 1:
+                self.why[u] = why
+
+    def batch_cost(self, u: int, b: int) -> float:
+        return self.c0 + b * self.cost1[u]
+
+
+def unique_shapes(shapes: Sequence[SampleShape]) -> tuple[list[SampleShape], np.ndarray]:
+    """Distinct shapes (sorted) and the per-sample index into them."""
+    uniq = sorted(set(shapes))
+    pos = {s: i for i, s in enumerate(uniq)}
+    return uniq, np.fromiter((pos[s] for s in shapes), np.int64, count=len(shapes))
+
+
+# ============================================================================== planning
+class _Builder:
+    """Accumulates batches (flat) while planning."""
+
+    def __init__(self, table: _ShapeTable, dp: int) -> None:
+        self.t = table
+        self.dp = dp
+        self.ids: list[int] = []
+        self.offsets: list[int] = [0]
+        self.shape: list[int] = []
+
+    def add_micro_steps(self, steps: list[list[tuple[int, list[int]]]], rng: np.random.Generator,
+                        shuffle_steps: bool = True) -> None:
+        order = rng.permutation(len(steps)) if shuffle_steps else range(len(steps))
+        for k in order:
+            batches = steps[k]
+            assert len(batches) == self.dp
+            for r in rng.permutation(self.dp):
+                u, ids = batches[r]
+                self.ids.extend(ids)
+                self.offsets.append(len(self.ids))
+                self.shape.append(u)
+
+    def pop_last_micro_steps(self, n: int) -> list[tuple[int, list[int]]]:
+        """Remove the last ``n`` micro-steps; return their batches."""
+        if n == 0:
+            return []
+        k = n * self.dp
+        start = self.offsets[-k - 1]
+        out = []
+        for j in range(len(self.shape) - k, len(self.shape)):
+            out.append((self.shape[j], self.ids[self.offsets[j]:self.offsets[j + 1]]))
+        del self.ids[start:]
+        del self.offsets[-k:]
+        del self.shape[-k:]
+        return out
+
+
+def _take(pool: list[list[int]], u: int, b: int) -> list[int]:
+    ids = pool[u][:b]
+    del pool[u][:b]
+    return ids
+
+
+def _dual_micro_step(table: _ShapeTable, counts: np.ndarray, dp: int, anchor_ok: np.ndarray,
+                     tolerance: float) -> Optional[tuple[list[tuple[int, int]], float]]:
+    """Anchor-and-fill on shape counts. Returns ([(shape, B)] * dp, cv) or None when the pool
+    cannot fill dp batches or no anchor is allowed."""
+    live = np.flatnonzero((counts > 0) & anchor_ok)
+    if live.size == 0:
+        return None
+    cost1, bmax, c0 = table.cost1, table.bmax, table.c0
+    ua = int(live[np.argmax(cost1[live])])
+    ba = int(min(bmax[ua], counts[ua]))
+    target = c0 + ba * cost1[ua]
+    rem = counts.copy()
+    k = int(min(dp, rem[ua] // ba))
+    slots: list[tuple[int, int]] = [(ua, ba)] * k
+    rem[ua] -= k * ba
+    near = 0.25 * tolerance  # fill candidates this close to the target count as ties
+    while len(slots) < dp:
+        cand = np.flatnonzero(rem > 0)
+        if cand.size == 0:
+            return None
+        cap = np.minimum(bmax[cand], rem[cand])
+        b = np.clip(np.rint((target - c0) / cost1[cand]), 1, cap).astype(np.int64)
+        err = np.abs(c0 + b * cost1[cand] - target) / target
+        best = err.min()
+        ties = np.flatnonzero(err <= max(best, near))
+        i = int(ties[np.argmax(cost1[cand[ties]])])
+        u, bu = int(cand[i]), int(b[i])
+        n = int(min(dp - len(slots), rem[u] // bu))
+        slots.extend([(u, bu)] * n)
+        rem[u] -= n * bu
+    costs = np.array([c0 + bb * cost1[u] for u, bb in slots])
+    cv = float(costs.std() / costs.mean()) if costs.mean() > 0 else 0.0
+    return slots, cv
+
+
+def _plan_dual_window(table: _ShapeTable, pool: list[list[int]], params: PlannerParams,
+                      final: bool) -> list[list[tuple[int, list[int]]]]:
+    dp = params.dp_size
+    counts = np.array([len(p) for p in pool], np.int64)
+    anchor_ok = table.bmax > 0
+    steps: list[list[tuple[int, list[int]]]] = []
+    while True:
+        res = _dual_micro_step(table, counts, dp, anchor_ok, params.balance_tolerance)
+        if res is None:
+            break
+        slots, cv = res
+        if cv > params.balance_tolerance and not final:
+            # The anchor shape has no good partners in this pool: let it wait for the next window.
+            ua = slots[0][0]
+            anchor_ok = anchor_ok.copy()
+            anchor_ok[ua] = False
+            continue
+        step = []
+        for u, b in slots:
+            step.append((u, _take(pool, u, b)))
+            counts[u] -= b
+        steps.append(step)
+    return steps
+
+
+def _plan_bucket_window(table: _ShapeTable, pool: list[list[int]], params: PlannerParams, final: bool,
+                        rng: np.random.Generator) -> list[list[tuple[int, list[int]]]]:
+    """tokens / fixed: full batches per bucket, shuffled, dealt round-robin in groups of dp."""
+    dp = params.dp_size
+    batches: list[tuple[int, list[int]]] = []
+    for u in range(len(pool)):
+        b = int(table.bmax[u])
+        if b < 1:
+            continue
+        n_full = len(pool[u]) // b
+        for _ in range(n_full):
+            batches.append((u, _take(pool, u, b)))
+        if final and pool[u]:
+            batches.append((u, _take(pool, u, len(pool[u]))))
+    order = rng.permutation(len(batches))
+    batches = [batches[i] for i in order]
+    n_steps = len(batches) // dp
+    for u, ids in batches[n_steps * dp:]:   # an incomplete micro-step waits for the next window
+        pool[u][:0] = ids
+    return [batches[i * dp:(i + 1) * dp] for i in range(n_steps)]
+
+
+def _rebatch_tail(table: _ShapeTable, batches: list[tuple[int, list[int]]], n_slots: int
+                  ) -> Optional[list[tuple[int, list[int]]]]:
+    """Re-batch the tail samples into exactly ``n_slots`` batches (budget-filled, then the
+    costliest batch with B >= 2 split in two until there are enough); None if too few samples."""
+    by_shape: dict[int, list[int]] = {}
+    for u, ids in batches:
+        by_shape.setdefault(u, []).extend(ids)
+    out: list[tuple[int, list[int]]] = []
+    for u, ids in sorted(by_shape.items()):
+        b = int(table.bmax[u])
+        out.extend((u, ids[i:i + b]) for i in range(0, len(ids), b))
+    if sum(len(ids) for _, ids in out) < n_slots:
+        return None
+    while len(out) < n_slots:
+        splittable = [i for i, (u, ids) in enumerate(out) if len(ids) >= 2]
+        i = max(splittable, key=lambda j: table.batch_cost(out[j][0], len(out[j][1])))
+        u, ids = out[i]
+        h = len(ids) // 2
+        out[i] = (u, ids[:h])
+        out.append((u, ids[h:]))
+    if len(out) > n_slots:   # cannot happen: the tail is less than one step of batches
+        raise AssertionError(f"tail re-batching made {len(out)} batches for {n_slots} slots")
+    return out
+
+
+def check_oversize(table: _ShapeTable, shape_ids: np.ndarray, order: np.ndarray, params: PlannerParams,
+                   unit: str) -> tuple[np.ndarray, list[int]]:
+    """Remove samples that no batch can hold; error (default) or counted warning."""
+    bad_shapes = np.flatnonzero(table.bmax < 1)
+    if bad_shapes.size == 0:
+        return order, []
+    bad_mask = np.isin(shape_ids[order], bad_shapes)
+    bad = order[bad_mask]
+    if bad.size == 0:
+        return order, []
+    if params.oversize == "error":
+        i = int(bad.min())
+        u = int(shape_ids[i])
+        raise OversizeSampleError(
+            f"sample {i} (shape {table.shapes[u]}, {table.tokens[u]} tokens) does not fit one GPU even "
+            f"at batch size 1 in mode '{params.mode}': {table.why[u]}. {bad.size} sample(s) of this "
+            f"epoch are over budget. Raise the budget (sampler.m_mem / m_comp / max_tokens), use a "
+            f"higher Ulysses degree sp, or set sampler.oversize: \"skip\" to skip them with a count.")
+    desc = ", ".join(f"{table.shapes[u]} ({int(np.sum(shape_ids[bad] == u))}: {table.why[u]})"
+                     for u in bad_shapes if np.any(shape_ids[bad] == u))
+    warnings.warn(f"sampler: skipping {bad.size} oversize sample(s) this epoch (oversize=skip): {desc}",
+                  stacklevel=3)
+    return order[~bad_mask], sorted(int(i) for i in bad)
+
+
+def plan_epoch(shape_ids: np.ndarray, shapes: Sequence[SampleShape], order: np.ndarray, cost: CostModel,
+               params: PlannerParams, *, seed: int = 0) -> EpochPlan:
+    """Plan all of ``order`` (sample ids, already shuffled) into micro-steps.
+
+    ``shape_ids[i]`` indexes ``shapes`` for sample ``i``. Deterministic in all arguments.
+    """
+    table = _ShapeTable(shapes, cost, params)
+    order = np.asarray(order, np.int64)
+    order, oversize = check_oversize(table, np.asarray(shape_ids), order, params, cost.unit)
+    dp, ga = params.dp_size, params.micro_steps_per_step
+    rng = np.random.default_rng([seed, 0x5A3C, dp, ga])
+    builder = _Builder(table, dp)
+    pool: list[list[int]] = [[] for _ in shapes]
+    w = max(params.window * dp, 1)
+    n = len(order)
+    starts = list(range(0, n, w)) or [0]
+    sid = np.asarray(shape_ids)
+    for k, lo in enumerate(starts):
+        chunk = order[lo:lo + w]
+        for u, i in zip(sid[chunk].tolist(), chunk.tolist()):
+            pool[u].append(i)
+        final = k == len(starts) - 1
+        if params.mode == "dual":
+            steps = _plan_dual_window(table, pool, params, final)
+        else:
+            steps = _plan_bucket_window(table, pool, params, final, rng)
+        builder.add_micro_steps(steps, rng)
+    # ---- tail: leftover pool + the micro-steps of an incomplete optimizer step
+    n_micro = len(builder.shape) // dp
+    r = n_micro % ga
+    tail = builder.pop_last_micro_steps(r)
+    tail.extend((u, ids) for u, ids in enumerate(pool) if ids)
+    tail_dropped: list[int] = []
+    replanned = 0
+    if tail:
+        rebatched = _rebatch_tail(table, tail, dp * ga)
+        if rebatched is None:
+            tail_dropped = sorted(i for _, ids in tail for i in ids)
+        else:
+            rebatched.sort(key=lambda x: -table.batch_cost(x[0], len(x[1])))
+            builder.add_micro_steps([rebatched[m * dp:(m + 1) * dp] for m in range(ga)], rng)
+            replanned = sum(len(ids) for _, ids in rebatched)
+    if tail_dropped:
+        warnings.warn(
+            f"sampler: the last {len(tail_dropped)} sample(s) of the epoch are fewer than one optimizer "
+            f"step of batches (dp_size {dp} x micro_steps_per_step {ga}); they are not trained this "
+            f"epoch (counted in tail_dropped; the next epoch's shuffle includes them)", stacklevel=2)
+    bs = np.asarray(builder.shape, np.int64)
+    offsets = np.asarray(builder.offsets, np.int64)
+    sizes = np.diff(offsets)
+    return EpochPlan(
+        dp_size=dp, micro_steps_per_step=ga, shapes=list(shapes),
+        sample_ids=np.asarray(builder.ids, np.int64), batch_offsets=offsets, batch_shape=bs,
+        batch_cost=(table.c0 + sizes * table.cost1[bs]) if bs.size else np.zeros(0),
+        batch_memory=sizes * table.mem1[bs] if bs.size else np.zeros(0),
+        batch_tokens=sizes * table.tokens[bs] if bs.size else np.zeros(0, np.int64),
+        oversize=oversize, tail_dropped=tail_dropped, tail_replanned=replanned)
+
+
+# ============================================================================== budgets
+def resolve_budgets(*, mode: Mode, cost: CostModel, shapes: Sequence[SampleShape],
+                    m_mem: "float | str", m_comp: "float | str", max_tokens: Optional[int],
+                    gpu_mem_gib: Optional[float], mem_utilization: float, zero_stage: int,
+                    dp_size: int) -> dict:
+    """Numbers for ``auto`` budgets.
+
+    - ``m_mem: auto`` = GPU capacity x ``mem_utilization`` - static memory (ZeRO stage, ranks).
+    - ``m_comp: auto`` = the costliest sample (that fits ``m_mem``) at B=1, i.e. the smallest budget
+      under which no sample is oversize: the longest video runs alone and sets the pace.
+    - ``max_tokens`` (tokens mode) = the tokens that ``m_mem`` holds at the per-token memory of the
+      longest sample, so that both baselines run at the same memory budget as ``dual``.
+    """
+    uniq = sorted(set(shapes))
+    if m_mem == "auto":
+        m_mem_v = cost.auto_memory_budget(gpu_mem_gib, mem_utilization, zero_stage=zero_stage, dp_size=dp_size)
+    else:
+        m_mem_v = float(m_mem)
+    fits = [s for s in uniq if cost.per_gpu_memory(s) <= m_mem_v] or uniq
+    if m_comp == "auto":
+        m_comp_v = max(cost.batch_cost(s, 1) for s in fits)
+    else:
+        m_comp_v = float(m_comp)
+    if max_tokens is None:
+        longest = max(fits, key=lambda s: s.tokens)
+        per_tok = cost.per_gpu_memory(longest) / cost.padded_tokens(longest)
+        max_tokens_v = max(int(m_mem_v / per_tok), cost.padded_tokens(longest))
+    else:
+        max_tokens_v = int(max_tokens)
+    return {"m_mem": m_mem_v, "m_comp": m_comp_v, "max_tokens": max_tokens_v}

@@ -1,0 +1,442 @@
+"""Batch samplers for torch's DataLoader: this rank's index list per micro-step, resumable.
+
+    sampler = build_batch_sampler(cfg.sampler, dataset.sample_shapes(), Topology.detect(sp),
+                                  micro_steps_per_step=gradient_accumulation_steps)
+    loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=...)
+    for epoch in ...:
+        sampler.set_epoch(epoch)
+        for step_in_epoch, ... in ...:       # micro_steps_per_step batches per optimizer step
+            totals = sampler.step_totals(step_in_epoch)   # global samples/tokens: loss weights, LR
+
+Every DP rank gets the same number of micro-steps; the ``sp`` ranks of one Ulysses group get
+identical batches (the plan is indexed by ``dp_rank`` only). The plan is a pure function of
+(seed, epoch, shapes, config, topology), computed identically on every rank (no communication).
+``state_dict(consumed_steps)`` / ``load_state_dict`` resume mid-epoch, also on another world size:
+the samples of the epoch not yet consumed are re-planned for the new topology.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping, Optional, Sequence
+
+import numpy as np
+
+from ds_adaptive.config import SamplerConfig
+from ds_adaptive.cost import CostModel, Profile, load_profile
+from ds_adaptive.planner import (EpochPlan, OversizeSampleError, PlanError, PlannerParams, StepTotals,
+                                 plan_epoch, resolve_budgets, unique_shapes)
+from ds_adaptive.shapes import SampleShape
+
+try:  # a torch Sampler when torch is there (the planner itself never needs torch)
+    from torch.utils.data import Sampler as _SamplerBase
+except ImportError:  # pragma: no cover
+    _SamplerBase = object
+
+__all__ = ["Topology", "StepTotals", "OversizeSampleError", "AdaptiveBatchSampler", "TokenBucketSampler",
+           "FixedBucketSampler", "build_batch_sampler", "SamplerStateError", "STATE_FORMAT"]
+
+STATE_FORMAT = "ds_adaptive.sampler_state/1"
+
+
+class SamplerStateError(ValueError):
+    """A sampler state that does not belong to this dataset / sampler."""
+
+
+# ============================================================================== topology
+@dataclass(frozen=True)
+class Topology:
+    """Where this process sits: data-parallel rank/size and Ulysses (sequence-parallel) rank/size.
+
+    ``world_size = dp_size * sp_size``; the ``sp_size`` ranks of one SP group share a dp_rank and
+    receive identical batches.
+    """
+
+    dp_rank: int
+    dp_size: int
+    sp_rank: int = 0
+    sp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.dp_size < 1 or self.sp_size < 1:
+            raise ValueError(f"dp_size and sp_size must be >= 1, got {self.dp_size}, {self.sp_size}")
+        if not 0 <= self.dp_rank < self.dp_size or not 0 <= self.sp_rank < self.sp_size:
+            raise ValueError(f"rank out of range: dp_rank {self.dp_rank} / {self.dp_size}, "
+                             f"sp_rank {self.sp_rank} / {self.sp_size}")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_size * self.sp_size
+
+    @classmethod
+    def detect(cls, sp_size: Optional[int] = None) -> "Topology":
+        """From megatron-core's parallel_state if initialised (data-parallel and context-parallel
+        groups), else DeepSpeed's sequence-parallel groups, else torch.distributed (consecutive
+        ranks form one SP group of ``sp_size``), else a single process."""
+        topo = _from_megatron(sp_size)
+        if topo is None:
+            topo = _from_deepspeed(sp_size)
+        if topo is None:
+            topo = _from_torch_distributed(sp_size)
+        if topo is None:
+            topo = cls(0, 1, 0, sp_size or 1) if (sp_size or 1) == 1 else cls(0, 1, 0, sp_size)
+        return topo
+
+
+def _check_sp(found: int, wanted: Optional[int], source: str) -> None:
+    if wanted is not None and wanted != found:
+        raise ValueError(f"Topology.detect(sp_size={wanted}) but {source} has a sequence/context-parallel "
+                         f"size of {found}; pass sp_size={found} or initialise {source} with {wanted}")
+
+
+def _from_megatron(sp_size: Optional[int]) -> Optional[Topology]:
+    try:
+        from megatron.core import parallel_state as ps
+    except Exception:
+        return None
+    try:
+        if not ps.model_parallel_is_initialized():
+            return None
+        cp = ps.get_context_parallel_world_size() or 1
+        _check_sp(cp, sp_size, "megatron-core parallel_state (context_parallel_size)")
+        return Topology(dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
+                        sp_rank=ps.get_context_parallel_rank() if cp > 1 else 0, sp_size=cp)
+    except (AssertionError, RuntimeError, AttributeError):
+        return None
+
+
+def _from_deepspeed(sp_size: Optional[int]) -> Optional[Topology]:
+    try:
+        import torch.distributed as dist
+        from deepspeed.utils import groups
+    except Exception:
+        return None
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    mesh = getattr(groups, "mesh_device", None)
+    mpu = getattr(groups, "mpu", None)
+    try:
+        if mesh is not None:
+            sp = dist.get_world_size(mesh.get_group(mesh_dim="sequence_parallel"))
+            sp_rank = dist.get_rank(mesh.get_group(mesh_dim="sequence_parallel"))
+            dpg = mesh.get_group(mesh_dim="data_parallel")
+            dp, dp_rank = dist.get_world_size(dpg), dist.get_rank(dpg)
+        elif mpu is not None and hasattr(mpu, "get_sequence_parallel_world_size"):
+            sp = mpu.get_sequence_parallel_world_size()
+            sp_rank = mpu.get_sequence_parallel_rank()
+            dp = dist.get_world_size() // sp
+            dp_rank = (mpu.get_data_parallel_rank() if hasattr(mpu, "get_data_parallel_rank")
+                       else dist.get_rank() // sp)
+        else:
+            return None
+    except (KeyError, AssertionError, RuntimeError):
+        return None
+    _check_sp(sp, sp_size, "DeepSpeed's groups")
+    return Topology(dp_rank, dp, sp_rank, sp)
+
+
+def _from_torch_distributed(sp_size: Optional[int]) -> Optional[Topology]:
+    try:
+        import torch.distributed as dist
+    except Exception:
+        return None
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    world, rank = dist.get_world_size(), dist.get_rank()
+    sp = sp_size or 1
+    if world % sp:
+        raise ValueError(f"world size {world} is not divisible by the Ulysses degree sp={sp}")
+    return Topology(dp_rank=rank // sp, dp_size=world // sp, sp_rank=rank % sp, sp_size=sp)
+
+
+# ============================================================================== samplers
+def shapes_fingerprint(shapes: Sequence[SampleShape]) -> str:
+    h = hashlib.sha256()
+    for s in shapes:
+        h.update(f"{s.frames}x{s.height}x{s.width};".encode())
+    return h.hexdigest()[:16]
+
+
+def _compact_profile(p: Profile) -> dict:
+    """The fields of a profile that planning depends on (stored in resume state)."""
+    return {
+        "format": p.raw.get("format"), "name": p.name, "device": p.device, "gpu_mem_gib": p.gpu_mem_gib,
+        "model": {"num_layers": p.num_layers, "num_heads": p.num_heads, "dim": p.dim, "params": p.params},
+        "sp": p.sp,
+        "compute": {"c0_ms": p.c0_ms, "a_ms_per_token": p.a_ms_per_token, "b_ms_per_token2": p.b_ms_per_token2},
+        "memory": {"m0_gib": p.m0_gib, "m1_gib_per_token": p.m1_gib_per_token},
+        "comm": {"bytes_per_token_per_layer": p.comm_bytes_per_token_per_layer, "link_GBps": p.link_gbps},
+        "static_memory": {"bytes_per_param": dict(p.bytes_per_param), "stage3_live_params": p.stage3_live_params,
+                          "workspace_gib": p.workspace_gib},
+    }
+
+
+class _PlannedBatchSampler(_SamplerBase):
+    """Shared machinery: epoch shuffle, plan cache, iteration from a resume point, state."""
+
+    mode = "dual"
+
+    def __init__(self, shapes: Sequence[SampleShape], topology: Topology, cost: CostModel, *,
+                 micro_steps_per_step: int, m_mem: float, m_comp: Optional[float] = None,
+                 max_tokens: Optional[int] = None, fixed_batch_sizes: Optional[Mapping[str, int]] = None,
+                 window: int = 256, seed: int = 0, oversize: str = "error", balance_tolerance: float = 0.03,
+                 lr_scaling: str = "none", reference_batch: Optional[int] = None,
+                 loss_weighting: str = "samples") -> None:
+        if cost.sp != topology.sp_size:
+            raise ValueError(f"cost model sp={cost.sp} but topology sp_size={topology.sp_size}")
+        self.shapes = list(shapes)
+        if not self.shapes:
+            raise ValueError("the dataset has no samples (sample_shapes() is empty)")
+        self.topology = topology
+        self.cost = cost
+        self.seed = int(seed)
+        self.lr_scaling = lr_scaling
+        self.reference_batch = reference_batch
+        self.loss_weighting = loss_weighting
+        self.params = PlannerParams(
+            mode=self.mode, dp_size=topology.dp_size, micro_steps_per_step=int(micro_steps_per_step),
+            m_mem=float(m_mem), m_comp=None if m_comp is None else float(m_comp), max_tokens=max_tokens,
+            fixed_batch_sizes=dict(fixed_batch_sizes) if fixed_batch_sizes else None, window=int(window),
+            oversize=oversize, balance_tolerance=float(balance_tolerance))
+        self._uniq, self._sid = unique_shapes(self.shapes)
+        self._fingerprint = shapes_fingerprint(self.shapes)
+        self.epoch = 0
+        self._segments: list[dict] = []      # earlier segments of this epoch (other topologies)
+        self._resume_step = 0                # first step (of the current plan) to yield
+        self._cache: Optional[tuple] = None  # (key, plans, offsets)
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def micro_steps_per_step(self) -> int:
+        return self.params.micro_steps_per_step
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch to iterate; a different epoch than the resumed one starts at step 0."""
+        epoch = int(epoch)
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self._segments = []
+            self._resume_step = 0
+            self._cache = None
+
+    @property
+    def plan(self) -> EpochPlan:
+        """The plan of the current segment of the current epoch (this topology)."""
+        return self._plans()[0]
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps of the current epoch, counting steps done before a resume."""
+        plan, start = self._plans()
+        return start + plan.num_steps
+
+    def __len__(self) -> int:
+        """Micro-batches this rank yields from the resume point to the end of the epoch."""
+        plan, _ = self._plans()
+        return (plan.num_steps - self._resume_step) * self.micro_steps_per_step
+
+    def __iter__(self) -> Iterator[list[int]]:
+        plan, _ = self._plans()
+        start_micro = self._resume_step * self.micro_steps_per_step
+        yield from plan.rank_batches(self.topology.dp_rank, start_micro)
+
+    def step_totals(self, step_in_epoch: int) -> StepTotals:
+        """Global samples and tokens of optimizer step ``step_in_epoch`` (for loss weighting)."""
+        plan, start = self._plans()
+        if step_in_epoch >= start:
+            return plan.step_totals(step_in_epoch - start)
+        for seg_plan, seg_start, seg_steps in self._segment_plans():
+            if seg_start <= step_in_epoch < seg_start + seg_steps:
+                return seg_plan.step_totals(step_in_epoch - seg_start)
+        raise IndexError(f"step {step_in_epoch} is not in epoch {self.epoch}'s plan")
+
+    def lr_scale(self, step_in_epoch: int) -> float:
+        """LR multiplier of the step from ``lr_scaling`` / ``reference_batch``."""
+        return self.step_totals(step_in_epoch).lr_scale(self.lr_scaling, self.reference_batch)
+
+    def epoch_stats(self) -> dict:
+        """Counts of the current epoch's plan: samples planned, oversize skipped, tail dropped,
+        predicted balance (CV of per-rank cost per micro-step)."""
+        plan, start = self._plans()
+        c = plan.micro_step_costs()
+        cv = c.std(axis=1) / np.maximum(c.mean(axis=1), 1e-30) if c.size else np.zeros(0)
+        return {"epoch": self.epoch, "mode": self.mode, "steps": start + plan.num_steps,
+                "micro_steps": plan.num_micro_steps, "samples": plan.num_samples,
+                "oversize": len(plan.oversize), "tail_dropped": len(plan.tail_dropped),
+                "tail_replanned": plan.tail_replanned,
+                "predicted_cv_mean": float(cv.mean()) if cv.size else 0.0,
+                "budgets": {"m_mem_gib": self.params.m_mem, "m_comp": self.params.m_comp,
+                            "max_tokens": self.params.max_tokens, "unit": self.cost.unit}}
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self, consumed_steps: int) -> dict:
+        """JSON-able state after ``consumed_steps`` optimizer steps of the current epoch."""
+        plan, start = self._plans()
+        consumed_steps = int(consumed_steps)
+        if not start <= consumed_steps <= start + plan.num_steps:
+            raise ValueError(f"consumed_steps {consumed_steps} is outside epoch {self.epoch} "
+                             f"({start}..{start + plan.num_steps})")
+        segs = [dict(s) for s in self._segments]
+        segs.append({**self._segment_config(), "consumed_steps": consumed_steps - start})
+        return {"format": STATE_FORMAT, "mode": self.mode, "seed": self.seed, "epoch": self.epoch,
+                "consumed_steps": consumed_steps, "num_samples": len(self.shapes),
+                "shapes_sha": self._fingerprint, "segments": segs}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume: same topology and config continue the saved plan exactly; otherwise the samples
+        of the epoch not yet consumed are re-planned for this topology/config."""
+        if state.get("format") != STATE_FORMAT:
+            raise SamplerStateError(f"sampler state has format {state.get('format')!r}, expected "
+                                    f"{STATE_FORMAT!r}; it was not written by this sampler")
+        if state["num_samples"] != len(self.shapes) or state["shapes_sha"] != self._fingerprint:
+            raise SamplerStateError(
+                f"sampler state was saved for a dataset of {state['num_samples']} samples (shapes "
+                f"{state['shapes_sha']}), this dataset has {len(self.shapes)} ({self._fingerprint}): the "
+                "consumed samples cannot be identified. Resume with the same dataset, or start the epoch "
+                "afresh (skip load_state_dict for the sampler).")
+        if int(state["seed"]) != self.seed:
+            raise SamplerStateError(f"sampler state has seed {state['seed']}, this sampler {self.seed}: "
+                                    "set sampler.seed to the saved value to resume")
+        self.epoch = int(state["epoch"])
+        segs = [dict(s) for s in state["segments"]]
+        self._cache = None
+        last = segs[-1]
+        if {k: v for k, v in last.items() if k != "consumed_steps"} == self._segment_config():
+            self._segments = segs[:-1]
+            self._resume_step = int(last["consumed_steps"])
+        else:
+            self._segments = segs
+            self._resume_step = 0
+
+    # ------------------------------------------------------------------ internals
+    def _segment_config(self) -> dict:
+        return {"params": self.params.as_dict(), "profile": _compact_profile(self.cost.profile),
+                "cost_mode": self.cost.mode, "p": self.cost.p, "sp": self.cost.sp}
+
+    def _order(self) -> np.ndarray:
+        return np.random.default_rng([self.seed, self.epoch]).permutation(len(self.shapes))
+
+    def _segment_plans(self) -> list[tuple[EpochPlan, int, int]]:
+        return self._plans_full()[1]
+
+    def _plans(self) -> tuple[EpochPlan, int]:
+        plan, _, start = self._plans_full()
+        return plan, start
+
+    def _plans_full(self):
+        key = (self.epoch, json.dumps(self._segments, sort_keys=True, default=str))
+        if self._cache is not None and self._cache[0] == key:
+            return self._cache[1]
+        order = self._order()
+        consumed = np.zeros(len(self.shapes), bool)
+        seg_plans = []
+        start = 0
+        for k, seg in enumerate(self._segments):
+            remaining = order[~consumed[order]]
+            params = PlannerParams(**{**seg["params"], "fixed_batch_sizes": seg["params"].get("fixed_batch_sizes")})
+            cost = CostModel(Profile.from_dict(seg["profile"], where="sampler state"), seg["cost_mode"],
+                             p=seg["p"], sp=seg["sp"])
+            uniq, sid = unique_shapes(self.shapes)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                sp = plan_epoch(sid, uniq, remaining, cost, params, seed=self._plan_seed(k))
+            n = int(seg["consumed_steps"])
+            if n > sp.num_steps:
+                raise SamplerStateError(f"sampler state segment {k} consumed {n} steps but its plan has "
+                                        f"only {sp.num_steps}; the state does not match this dataset")
+            consumed[sp.samples_of_steps(n)] = True
+            seg_plans.append((sp, start, n))
+            start += n
+        remaining = order[~consumed[order]]
+        plan = plan_epoch(self._sid, self._uniq, remaining, self.cost, self.params,
+                          seed=self._plan_seed(len(self._segments)))
+        result = (plan, seg_plans, start)
+        self._cache = (key, result)
+        return result
+
+    def _plan_seed(self, segment: int) -> int:
+        return (self.seed * 1_000_003 + self.epoch * 7919 + segment) % (2 ** 63)
+
+
+class AdaptiveBatchSampler(_PlannedBatchSampler):
+    """``dual``: batches under memory AND compute budgets, micro-steps balanced by predicted cost."""
+
+    mode = "dual"
+
+
+class TokenBucketSampler(_PlannedBatchSampler):
+    """``tokens``: equal-token bucketing (B*S <= max_tokens per shape bucket), dealt round-robin."""
+
+    mode = "tokens"
+
+
+class FixedBucketSampler(_PlannedBatchSampler):
+    """``fixed``: a fixed batch size per shape bucket (default: the largest within m_mem)."""
+
+    mode = "fixed"
+
+
+_CLASSES = {"dual": AdaptiveBatchSampler, "tokens": TokenBucketSampler, "fixed": FixedBucketSampler}
+
+
+def _detect_gpu_mem_gib() -> Optional[float]:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / float(1 << 30)
+    except Exception:
+        return None
+    return None
+
+
+def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape], topology: Topology, *,
+                        micro_steps_per_step: int, enabled: bool = True, gpu_mem_gib: Optional[float] = None,
+                        model_name: Optional[str] = None, zero_stage: Optional[int] = None,
+                        mode: Optional[str] = None) -> _PlannedBatchSampler:
+    """The batch sampler that ``sampler_cfg`` describes, with ``auto`` budgets resolved.
+
+    ``enabled=False`` builds the ``tokens`` baseline at the same memory budget (AdaptiveLoad off);
+    ``mode`` overrides ``sampler_cfg.mode`` (the simulator builds every sampler from one config).
+    ``gpu_mem_gib`` defaults to the visible GPU, else the profile's device.
+    """
+    if isinstance(sampler_cfg, Mapping):
+        sampler_cfg = SamplerConfig.model_validate(sampler_cfg)
+    chosen = mode or (sampler_cfg.mode if enabled else "tokens")
+    if chosen not in _CLASSES:
+        raise ValueError(f"sampler mode must be one of {sorted(_CLASSES)}, got {chosen!r}")
+    if sampler_cfg.profile is None:
+        raise PlanError("sampler.profile is null: a profile (shipped name or path of a "
+                        "`ds-adaptive calibrate` json) is needed for the memory model")
+    profile = load_profile(sampler_cfg.profile)
+    if model_name and profile.raw.get("model", {}).get("name") not in (None, model_name):
+        warnings.warn(f"sampler.profile '{profile.name}' was measured for model "
+                      f"'{profile.raw['model']['name']}', training '{model_name}': predicted costs "
+                      f"and memory will be off; run `ds-adaptive calibrate --model {model_name}`",
+                      stacklevel=2)
+    num_heads = None
+    if model_name:
+        try:
+            from ds_adaptive.models.wan import get_wan_config
+
+            num_heads = int(getattr(get_wan_config(model_name), "num_heads"))
+        except Exception:
+            num_heads = None
+    cost = CostModel(profile, sampler_cfg.cost_model, p=sampler_cfg.p, sp=topology.sp_size, num_heads=num_heads)
+    budgets = resolve_budgets(
+        mode=chosen, cost=cost, shapes=shapes, m_mem=sampler_cfg.m_mem, m_comp=sampler_cfg.m_comp,
+        max_tokens=sampler_cfg.max_tokens, gpu_mem_gib=gpu_mem_gib or _detect_gpu_mem_gib(),
+        mem_utilization=sampler_cfg.mem_utilization,
+        zero_stage=sampler_cfg.zero_stage if zero_stage is None else zero_stage, dp_size=topology.dp_size)
+    return _CLASSES[chosen](
+        shapes, topology, cost, micro_steps_per_step=micro_steps_per_step, m_mem=budgets["m_mem"],
+        m_comp=budgets["m_comp"] if chosen == "dual" else None,
+        max_tokens=budgets["max_tokens"] if chosen == "tokens" else None,
+        fixed_batch_sizes=sampler_cfg.fixed_batch_sizes, window=sampler_cfg.window, seed=sampler_cfg.seed,
+        oversize=sampler_cfg.oversize, balance_tolerance=sampler_cfg.balance_tolerance,
+        lr_scaling=sampler_cfg.lr_scaling, reference_batch=sampler_cfg.reference_batch,
+        loss_weighting=sampler_cfg.loss_weighting)
