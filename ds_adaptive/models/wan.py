@@ -1,0 +1,561 @@
+"""Wan 2.1 text-to-video diffusion transformer (DiT), built for ZeRO-3 + Ulysses training.
+
+Shapes (B batch, S = F*H*W tokens, D = dim, Dh = head_dim, L text tokens)::
+
+    latents [B, 16, T', H', W']  --patch 1x2x2 Conv3d-->  tokens [B, S, D], grid (F, H, W) = (T', H'/2, W'/2)
+    timestep [B] float in [0, 1000] --sinusoid(256)--> MLP --> time_emb [B, D] --SiLU, Linear--> time_mod [B, 6, D]
+    context [B, L, 4096] --Linear, GELU-tanh, Linear--> [B, L, D]
+    30 / 40 blocks:  x += gate1 * SelfAttn(LN(x)*(1+scale1)+shift1, 3D RoPE)
+                     x += CrossAttn(LN_affine(x), context)
+                     x += gate2 * FFN(LN(x)*(1+scale2)+shift2)
+    head: Linear(LN(x)*(1+scale)+shift) --> [B, S, 16*1*2*2] --unpatchify--> [B, 16, T', H', W']
+
+The forward is split so that a sequence-parallel wrapper can shard the tokens between
+``embed`` and ``head``: ``embed -> rope -> run_blocks -> head -> unpatchify``. Every parameter
+is used only inside the forward of the module that owns it, so ZeRO-3's per-module gather
+hooks fire on this split path too.
+
+Numerics follow diffusers' ``WanTransformer3DModel`` (the reference we test against):
+
+* activations (the residual stream ``x``) are in the parameter dtype (bf16 in training);
+* the adaLN sites compute LayerNorm, ``* (1 + scale) + shift`` in fp32 and round once to x's
+  dtype (``ln_modulate``); the modulation tables ``[1, 6, D]`` / ``[1, 2, D]`` are added to the
+  time modulation in fp32;
+* gated residuals are ``(x.float() + y.float() * gate).to(x.dtype)``; the cross-attention
+  residual is a plain add in x's dtype;
+* RoPE is applied in fp32 (tables computed in fp64, stored fp32) and rounded once;
+* the time embedding MLP runs in its parameter dtype and its output ``time_emb`` is rounded to the
+  activation dtype before ``time_projection`` (diffusers' ``temb.type_as(...)``).
+
+The original Wan 2.1 code (Wan-Video/Wan2.1 ``wan/modules/model.py``) differs: it runs under
+``torch.autocast(bf16)`` with fp32 parameters, so the residual stream, the gates and the whole
+time embedding / projection stay fp32; RoPE is applied in fp64 and the sinusoid is computed in
+fp64; its RMSNorm rounds the normalised q/k to bf16 before the weight multiply; and it zero-pads
+the text context to 512 tokens (callers of this model should pass T5 context zero-padded to 512
+tokens to match Wan's training). In fp32 all of these agree to rounding error.
+
+Module / parameter names follow the original Wan checkpoint layout (``blocks.N.self_attn.q``,
+``blocks.N.modulation``, ``head.head``, ...); ``ds_adaptive.models.weights`` converts diffusers'
+names. Wan 2.1 I2V / FLF2V (CLIP image branch) are not implemented.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Union
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from einops import rearrange
+from torch.utils.checkpoint import checkpoint
+
+from ds_adaptive.ops.ln_modulate import ln_modulate as _default_ln_modulate
+
+AttentionFn = Callable[..., torch.Tensor]
+"""``fn(q, k, v, **kwargs) -> out``, all ``[B, S, H, Dh]``."""
+LnModulateFn = Callable[..., torch.Tensor]
+"""``fn(x, shift, scale, eps, weight=None, bias=None) -> y`` like ``ds_adaptive.ops.ln_modulate``."""
+
+Grid = tuple[int, int, int]
+
+
+class WanConfigError(ValueError):
+    """A WanConfig field (or a latent / context shape given to the model) is invalid."""
+
+
+# --------------------------------------------------------------------------------------------
+# Configuration
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class WanConfig:
+    """Architecture of a Wan 2.1 T2V DiT."""
+
+    dim: int
+    """Hidden size D of the residual stream (tokens are [B, S, D])."""
+    ffn_dim: int
+    """Inner size of each block's GELU-tanh feed-forward."""
+    num_heads: int
+    """Attention heads; head_dim = dim / num_heads (128 in the released models)."""
+    num_layers: int
+    """Number of transformer blocks."""
+    in_channels: int = 16
+    """Latent channels in (Wan VAE: 16)."""
+    out_channels: int = 16
+    """Latent channels out (the flow-matching velocity)."""
+    text_dim: int = 4096
+    """Width of the text-encoder features (umT5-XXL: 4096)."""
+    freq_dim: int = 256
+    """Width of the sinusoidal timestep embedding."""
+    patch_size: tuple[int, int, int] = (1, 2, 2)
+    """(t, h, w) patch of the Conv3d patch embedding."""
+    eps: float = 1e-6
+    """Epsilon of every LayerNorm and RMSNorm."""
+    cross_attn_norm: bool = True
+    """Affine LayerNorm before the cross-attention (True in every released Wan 2.1)."""
+    rope_theta: float = 10000.0
+    """RoPE base."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "patch_size", tuple(self.patch_size))
+        for name in ("dim", "ffn_dim", "num_heads", "num_layers", "in_channels", "out_channels",
+                     "text_dim", "freq_dim"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise WanConfigError(f"WanConfig.{name} must be an int >= 1, got {v!r}")
+        if len(self.patch_size) != 3 or not all(isinstance(p, int) and p >= 1 for p in self.patch_size):
+            raise WanConfigError(f"WanConfig.patch_size must be 3 ints >= 1 (t, h, w), got {self.patch_size!r}")
+        if self.dim % self.num_heads:
+            raise WanConfigError(
+                f"WanConfig.dim ({self.dim}) must be divisible by num_heads ({self.num_heads}); "
+                f"head_dim = dim / num_heads (e.g. dim={self.num_heads * 128} for head_dim 128)")
+        hd = self.dim // self.num_heads
+        if hd % 2:
+            raise WanConfigError(
+                f"head_dim = dim / num_heads = {self.dim}/{self.num_heads} = {hd} must be even "
+                "(RoPE rotates pairs of channels); change dim or num_heads")
+        if hd < 6:
+            raise WanConfigError(
+                f"head_dim = {hd} is too small for Wan's 3D RoPE: the h and w axes get "
+                f"2*(head_dim//6) = {2 * (hd // 6)} rotary channels each; use head_dim >= 6")
+        if self.freq_dim % 2:
+            raise WanConfigError(f"WanConfig.freq_dim must be even (cos and sin halves), got {self.freq_dim}")
+        if not self.eps > 0:
+            raise WanConfigError(f"WanConfig.eps must be > 0, got {self.eps!r}")
+        if not self.rope_theta > 0:
+            raise WanConfigError(f"WanConfig.rope_theta must be > 0, got {self.rope_theta!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.num_heads
+
+    @property
+    def rope_split(self) -> tuple[int, int, int]:
+        """Rotary pairs (complex channels) per axis (t, h, w); they sum to head_dim / 2.
+
+        Wan: h and w get ``head_dim // 6`` pairs each (2*(d//6) channels), t gets the rest
+        (d - 4*(d//6) channels). head_dim 128 -> (22, 21, 21); 64 -> (12, 10, 10); 32 -> (6, 5, 5).
+        """
+        hw = self.head_dim // 6
+        return (self.head_dim // 2 - 2 * hw, hw, hw)
+
+    @property
+    def patch_channels(self) -> int:
+        """Output features per token of the head: out_channels * prod(patch_size)."""
+        return self.out_channels * math.prod(self.patch_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["patch_size"] = list(self.patch_size)
+        return d
+
+
+WAN_CONFIGS: dict[str, WanConfig] = {
+    "wan2.1-1.3b": WanConfig(dim=1536, ffn_dim=8960, num_heads=12, num_layers=30),
+    "wan2.1-14b": WanConfig(dim=5120, ffn_dim=13824, num_heads=40, num_layers=40),
+    # CPU tests / smoke training: real text width, head_dim 64.
+    "tiny": WanConfig(dim=128, ffn_dim=256, num_heads=2, num_layers=2),
+}
+
+
+def get_wan_config(name_or_dict: Union[str, Mapping[str, Any], WanConfig], **overrides: Any) -> WanConfig:
+    """A WanConfig from a preset name (``WAN_CONFIGS``), a dict of WanConfig fields, or a
+    WanConfig; ``overrides`` replace fields. Unknown names / keys are errors that list the valid ones."""
+    fields = {f.name for f in dataclasses.fields(WanConfig)}
+    if isinstance(name_or_dict, WanConfig):
+        base = name_or_dict.to_dict()
+    elif isinstance(name_or_dict, str):
+        if name_or_dict not in WAN_CONFIGS:
+            raise WanConfigError(f"unknown Wan model {name_or_dict!r}; known: {sorted(WAN_CONFIGS)} "
+                                 "(or pass a dict of WanConfig fields)")
+        base = WAN_CONFIGS[name_or_dict].to_dict()
+    elif isinstance(name_or_dict, Mapping):
+        base = dict(name_or_dict)
+    else:
+        raise WanConfigError(f"get_wan_config expects a name, a dict or a WanConfig, got {type(name_or_dict).__name__}")
+    base.update(overrides)
+    unknown = sorted(set(base) - fields)
+    if unknown:
+        raise WanConfigError(f"unknown WanConfig key(s) {unknown}; valid keys: {sorted(fields)}")
+    missing = sorted(f.name for f in dataclasses.fields(WanConfig)
+                     if f.default is dataclasses.MISSING and f.name not in base)
+    if missing:
+        raise WanConfigError(f"WanConfig needs {missing}; got keys {sorted(base)}")
+    return WanConfig(**base)
+
+
+# --------------------------------------------------------------------------------------------
+# Functional pieces
+# --------------------------------------------------------------------------------------------
+
+def timestep_embedding(timestep: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
+    """[B] timesteps (0..1000) -> [B, dim] fp32 ``[cos(t*f), sin(t*f)]``, f_i = max_period^(-i/(dim/2)).
+
+    Computed in fp32 exactly as diffusers' ``Timesteps(flip_sin_to_cos=True, shift=0)``
+    (the original Wan computes it in fp64).
+    """
+    half = dim // 2
+    exponent = -math.log(max_period) * torch.arange(half, dtype=torch.float32, device=timestep.device) / half
+    args = timestep.float()[:, None] * torch.exp(exponent)[None, :]
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+def rope_table(grid: Grid, split: tuple[int, int, int], theta: float = 10000.0,
+               device: Optional[torch.device] = None) -> torch.Tensor:
+    """Per-token 3D rotary table ``[S, Dh/2, 2]`` fp32, last dim (cos, sin); S = F*H*W in (f, h, w) order.
+
+    Pair j of a head rotates by angle ``pos_axis * theta^(-2i/n_axis)``, where pairs
+    ``[0, t)`` use the frame index, ``[t, t+h)`` the row, ``[t+h, t+h+w)`` the column
+    (``split`` = (t, h, w) pairs, i the index inside the axis, n_axis = 2 * pairs of the axis).
+    Angles and cos/sin are computed in fp64, then stored as fp32 (as diffusers / Wan).
+    Row s of the table belongs to token s, so a sequence-parallel wrapper shards it along dim 0
+    exactly like the tokens (pad rows are never looked at if their keys are masked).
+    """
+    parts = []
+    for axis, (n, pairs) in enumerate(zip(grid, split)):
+        rot = 2 * pairs
+        inv = 1.0 / (theta ** (torch.arange(0, rot, 2, dtype=torch.float64, device=device) / rot))
+        ang = torch.outer(torch.arange(n, dtype=torch.float64, device=device), inv)  # [n, pairs]
+        cs = torch.stack([ang.cos(), ang.sin()], dim=-1).float()  # [n, pairs, 2]
+        view = [1, 1, 1, pairs, 2]
+        view[axis] = n
+        parts.append(cs.view(view).expand(*grid, pairs, 2))
+    return torch.cat(parts, dim=3).reshape(math.prod(grid), sum(split), 2)
+
+
+def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent channel pairs (2j, 2j+1) of x ``[B, S, H, Dh]`` by ``freqs [S, Dh/2, 2]``.
+
+    Math in fp32, one rounding back to x.dtype.
+    """
+    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # [B, S, H, Dh/2]
+    cos = freqs[None, :, None, :, 0]
+    sin = freqs[None, :, None, :, 1]
+    out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
+    return out.to(x.dtype)
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                   valid_len: Optional[int] = None) -> torch.Tensor:
+    """Default self-attention core: torch SDPA. q, k, v ``[B, S, H, Dh]`` -> ``[B, S, H, Dh]``.
+
+    ``valid_len``: keys at positions >= valid_len are masked out (tokens appended to pad S to a
+    multiple of the sequence-parallel degree). A mask keeps SDPA off the flash backend, so it is
+    only built when padding exists.
+    """
+    mask = None
+    if valid_len is not None and valid_len < k.shape[1]:
+        if valid_len < 1:
+            raise ValueError(f"valid_len must be >= 1, got {valid_len}")
+        mask = torch.arange(k.shape[1], device=k.device) < valid_len  # [Sk], broadcast over B, H, Sq
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
+    return out.transpose(1, 2)
+
+
+def _set_plain_attr(module: nn.Module, name: str, value: Any) -> None:
+    # Bypass nn.Module.__setattr__: an attention fn may itself be an nn.Module (DeepSpeed's
+    # DistributedAttention); registering it as a child of every block would put it in
+    # named_modules() and under ZeRO-3's hooks.
+    object.__setattr__(module, name, value)
+
+
+# --------------------------------------------------------------------------------------------
+# Modules
+# --------------------------------------------------------------------------------------------
+
+class FP32LayerNorm(nn.LayerNorm):
+    """Affine LayerNorm computed in fp32, rounded once to the input dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = None if self.weight is None else self.weight.float()
+        b = None if self.bias is None else self.bias.float()
+        return F.layer_norm(x.float(), self.normalized_shape, w, b, self.eps).to(x.dtype)
+
+
+class _Attention(nn.Module):
+    """q, k, v, o projections (D -> D) and RMSNorm of q and k over all heads (D), as Wan."""
+
+    def __init__(self, dim: int, num_heads: int, eps: float):
+        super().__init__()
+        self.num_heads = num_heads
+        self.q = nn.Linear(dim, dim)
+        self.k = nn.Linear(dim, dim)
+        self.v = nn.Linear(dim, dim)
+        self.o = nn.Linear(dim, dim)
+        self.norm_q = nn.RMSNorm(dim, eps=eps)
+        self.norm_k = nn.RMSNorm(dim, eps=eps)
+
+    def _qkv(self, x: torch.Tensor, ctx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h = self.num_heads
+        q = self.norm_q(self.q(x)).unflatten(-1, (h, -1))
+        k = self.norm_k(self.k(ctx)).unflatten(-1, (h, -1))
+        v = self.v(ctx).unflatten(-1, (h, -1))
+        return q, k, v  # [B, S, H, Dh]
+
+
+class WanSelfAttention(_Attention):
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor, attn_fn: AttentionFn, **attn_kwargs: Any) -> torch.Tensor:
+        """x [B, S, D], freqs [S, Dh/2, 2] -> [B, S, D]; the core is ``attn_fn(q, k, v, **attn_kwargs)``."""
+        q, k, v = self._qkv(x, x)
+        out = attn_fn(apply_rope(q, freqs), apply_rope(k, freqs), v, **attn_kwargs)
+        return self.o(out.reshape(x.shape[0], x.shape[1], -1).to(x.dtype))
+
+
+class WanCrossAttention(_Attention):
+    def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        """x [B, S, D] attends to context [B, L, D] (all L tokens, no mask, as Wan)."""
+        q, k, v = self._qkv(x, context)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.o(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1).to(x.dtype))
+
+
+class WanBlock(nn.Module):
+    """One DiT block: adaLN self-attention (3D RoPE), cross-attention, adaLN GELU-tanh FFN."""
+
+    def __init__(self, cfg: WanConfig):
+        super().__init__()
+        d = cfg.dim
+        self.eps = cfg.eps
+        self.self_attn = WanSelfAttention(d, cfg.num_heads, cfg.eps)
+        self.norm3 = FP32LayerNorm(d, cfg.eps, elementwise_affine=True) if cfg.cross_attn_norm else nn.Identity()
+        self.cross_attn = WanCrossAttention(d, cfg.num_heads, cfg.eps)
+        self.ffn = nn.Sequential(nn.Linear(d, cfg.ffn_dim), nn.GELU(approximate="tanh"), nn.Linear(cfg.ffn_dim, d))
+        self.modulation = nn.Parameter(torch.randn(1, 6, d) / d ** 0.5)
+        _set_plain_attr(self, "attn_fn", sdpa_attention)
+        _set_plain_attr(self, "ln_modulate", _default_ln_modulate)
+
+    def forward(self, x: torch.Tensor, time_mod: torch.Tensor, context: torch.Tensor, freqs: torch.Tensor,
+                **attn_kwargs: Any) -> torch.Tensor:
+        """x [B, S, D] (activation dtype), time_mod [B, 6, D] fp32, context [B, L, D], freqs [S, Dh/2, 2].
+
+        ``mod = modulation + time_mod`` is one fp32 ``[B, 6, D]`` table; shift / scale / gate are
+        its ``[B, 1, D]`` chunk views (strides (6D, D, 1), no copies), in the order
+        shift1, scale1, gate1, shift2, scale2, gate2.
+        """
+        mod = self.modulation.float() + time_mod.float()
+        shift1, scale1, gate1, shift2, scale2, gate2 = mod.chunk(6, dim=1)
+        y = self.self_attn(self.ln_modulate(x, shift1, scale1, self.eps), freqs, self.attn_fn, **attn_kwargs)
+        x = (x.float() + y.float() * gate1).to(x.dtype)
+        x = x + self.cross_attn(self.norm3(x), context)
+        y = self.ffn(self.ln_modulate(x, shift2, scale2, self.eps))
+        return (x.float() + y.float() * gate2).to(x.dtype)
+
+
+class WanHead(nn.Module):
+    """Output head: adaLN (2-way modulation) + Linear(D -> out_channels * prod(patch))."""
+
+    def __init__(self, cfg: WanConfig):
+        super().__init__()
+        self.eps = cfg.eps
+        self.head = nn.Linear(cfg.dim, cfg.patch_channels)
+        self.modulation = nn.Parameter(torch.randn(1, 2, cfg.dim) / cfg.dim ** 0.5)
+        _set_plain_attr(self, "ln_modulate", _default_ln_modulate)
+
+    def forward(self, x: torch.Tensor, time_emb: torch.Tensor) -> torch.Tensor:
+        """x [B, S, D], time_emb [B, D] -> [B, S, out_channels * prod(patch)] (x's dtype)."""
+        mod = self.modulation.float() + time_emb.float().unsqueeze(1)  # [B, 2, D] fp32
+        shift, scale = mod.chunk(2, dim=1)
+        return self.head(self.ln_modulate(x, shift, scale, self.eps))
+
+
+@dataclass
+class WanInputs:
+    """What ``WanModel.embed`` hands to the blocks and the head."""
+
+    tokens: torch.Tensor
+    """[B, S, D] patch tokens in the activation dtype, (f, h, w) row-major order."""
+    time_mod: torch.Tensor
+    """[B, 6, D] fp32 time modulation (each block adds its own ``modulation`` table)."""
+    time_emb: torch.Tensor
+    """[B, D] time embedding (activation dtype) for the head's modulation."""
+    context: torch.Tensor
+    """[B, L, D] embedded text context."""
+    grid: Grid
+    """(F, H, W) token grid; S = F * H * W."""
+
+
+def is_fp32_param(name: str) -> bool:
+    """Parameters kept in fp32 when the model is cast to bf16/fp16 (``WanModel.to_dtype``).
+
+    Mirrors diffusers' ``_keep_in_fp32_modules`` (scale_shift_table, time_embedder, norm2):
+    modulation tables, the time embedding MLP and the cross-attention LayerNorm.
+    """
+    return name.endswith("modulation") or name.startswith("time_embedding.") or ".norm3." in name
+
+
+class WanModel(nn.Module):
+    """Wan 2.1 T2V DiT. See the module docstring for shapes and numerics.
+
+    ``forward(latents, timestep, context)`` = ``embed -> rope -> run_blocks -> head -> unpatchify``.
+    """
+
+    def __init__(self, cfg: Union[WanConfig, str, Mapping[str, Any]]):
+        super().__init__()
+        cfg = cfg if isinstance(cfg, WanConfig) else get_wan_config(cfg)
+        self.config = cfg
+        d = cfg.dim
+        self.patch_embedding = nn.Conv3d(cfg.in_channels, d, kernel_size=cfg.patch_size, stride=cfg.patch_size)
+        self.text_embedding = nn.Sequential(nn.Linear(cfg.text_dim, d), nn.GELU(approximate="tanh"), nn.Linear(d, d))
+        self.time_embedding = nn.Sequential(nn.Linear(cfg.freq_dim, d), nn.SiLU(), nn.Linear(d, d))
+        self.time_projection = nn.Sequential(nn.SiLU(), nn.Linear(d, 6 * d))
+        self.blocks = nn.ModuleList(WanBlock(cfg) for _ in range(cfg.num_layers))
+        self.head = WanHead(cfg)
+        # Checkpoint each block (torch.utils.checkpoint, use_reentrant=False) while grad is enabled.
+        self.gradient_checkpointing = False
+        self.set_attention(None)
+        self.set_ln_modulate(None)
+        self.init_weights()
+
+    # ---- hooks for the fused op and sequence parallelism ----
+
+    def set_attention(self, fn: Optional[AttentionFn]) -> None:
+        """Use ``fn(q, k, v, **kwargs) -> out`` (all ``[B, S, H, Dh]``) as every block's
+        self-attention core; None restores ``sdpa_attention``. kwargs given to ``run_blocks``
+        are forwarded to fn. fn is not registered as a submodule."""
+        fn = sdpa_attention if fn is None else fn
+        _set_plain_attr(self, "attention_fn", fn)
+        for block in self.blocks:
+            _set_plain_attr(block, "attn_fn", fn)
+
+    def set_ln_modulate(self, fn: Optional[LnModulateFn]) -> None:
+        """Use ``fn(x, shift, scale, eps, weight=None, bias=None)`` at every norm+modulate site
+        (2 per block + head); None restores ``ds_adaptive.ops.ln_modulate.ln_modulate``."""
+        fn = _default_ln_modulate if fn is None else fn
+        _set_plain_attr(self, "ln_modulate_fn", fn)
+        for m in (*self.blocks, self.head):
+            _set_plain_attr(m, "ln_modulate", fn)
+
+    # ---- the split forward ----
+
+    def embed(self, latents: torch.Tensor, timestep: torch.Tensor, context: torch.Tensor) -> WanInputs:
+        """latents [B, C_in, T', H', W'], timestep [B] (float, 0..1000), context [B, L, text_dim]."""
+        self._check_inputs(latents, timestep, context)
+        dtype = self.patch_embedding.weight.dtype  # the activation dtype
+        x = self.patch_embedding(latents.to(dtype))  # [B, D, F, H, W]
+        grid = tuple(int(n) for n in x.shape[2:])
+        tokens = x.flatten(2).transpose(1, 2).contiguous()
+        t = timestep_embedding(timestep, self.config.freq_dim)
+        time_emb = self.time_embedding(t.to(self.time_embedding[0].weight.dtype)).to(dtype)
+        time_mod = self.time_projection(time_emb.to(self.time_projection[1].weight.dtype))
+        time_mod = time_mod.float().unflatten(1, (6, self.config.dim))
+        ctx = self.text_embedding(context.to(self.text_embedding[0].weight.dtype))
+        return WanInputs(tokens=tokens, time_mod=time_mod, time_emb=time_emb, context=ctx, grid=grid)
+
+    def rope(self, grid: Grid, device: Optional[torch.device] = None) -> torch.Tensor:
+        """Rotary table ``[S, head_dim/2, 2]`` fp32 (cos, sin) for the token grid (F, H, W); see ``rope_table``."""
+        return rope_table(tuple(int(n) for n in grid), self.config.rope_split, self.config.rope_theta, device)
+
+    def run_blocks(self, x: torch.Tensor, inputs: WanInputs, freqs: torch.Tensor, **attn_kwargs: Any) -> torch.Tensor:
+        """All blocks on x [B, S_local, D] with freqs [S_local, Dh/2, 2] (rows aligned with x's tokens).
+
+        Under sequence parallelism x and freqs are the local shards; ``attn_kwargs`` (e.g.
+        ``valid_len``) go to the attention fn of every block.
+        """
+        if freqs.dim() != 3 or freqs.shape[0] != x.shape[1] or freqs.shape[1:] != (self.config.head_dim // 2, 2):
+            raise WanConfigError(
+                f"rope table has shape {list(freqs.shape)} but x has {x.shape[1]} tokens; expected "
+                f"[{x.shape[1]}, {self.config.head_dim // 2}, 2]: shard model.rope(grid) along dim 0 "
+                "exactly like the tokens (same padding)")
+        ckpt = self.gradient_checkpointing and torch.is_grad_enabled()
+        for block in self.blocks:
+            if ckpt:
+                x = checkpoint(block, x, inputs.time_mod, inputs.context, freqs, use_reentrant=False, **attn_kwargs)
+            else:
+                x = block(x, inputs.time_mod, inputs.context, freqs, **attn_kwargs)
+        return x
+
+    # ``self.head`` (a WanHead submodule) is the split-path head: model.head(x, time_emb) -> [B, S, C*pt*ph*pw].
+
+    def unpatchify(self, tokens: torch.Tensor, grid: Grid) -> torch.Tensor:
+        """[B, S, out_channels*pt*ph*pw] (channels fastest) -> [B, out_channels, F*pt, H*ph, W*pw]."""
+        f, h, w = grid
+        if tokens.shape[1] != f * h * w:
+            raise WanConfigError(f"unpatchify got {tokens.shape[1]} tokens for grid {tuple(grid)} "
+                                 f"(= {f * h * w}); drop sequence-parallel padding before unpatchify")
+        pt, ph, pw = self.config.patch_size
+        return rearrange(tokens, "b (f h w) (pt ph pw c) -> b c (f pt) (h ph) (w pw)",
+                         f=f, h=h, w=w, pt=pt, ph=ph, pw=pw)
+
+    def forward(self, latents: torch.Tensor, timestep: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        """latents [B, 16, T', H', W'], timestep [B] float in [0, 1000], context [B, L, 4096]
+        -> [B, 16, T', H', W'] in the activation (parameter) dtype."""
+        inputs = self.embed(latents, timestep, context)
+        freqs = self.rope(inputs.grid, inputs.tokens.device)
+        x = self.run_blocks(inputs.tokens, inputs, freqs)
+        return self.unpatchify(self.head(x, inputs.time_emb), inputs.grid)
+
+    # ---- utilities ----
+
+    def _check_inputs(self, latents: torch.Tensor, timestep: torch.Tensor, context: torch.Tensor) -> None:
+        cfg = self.config
+        pt, ph, pw = cfg.patch_size
+        if latents.dim() != 5 or latents.shape[1] != cfg.in_channels:
+            raise WanConfigError(f"latents must be [B, {cfg.in_channels}, T', H', W'], got {list(latents.shape)}")
+        b, _, t, h, w = latents.shape
+        if t % pt or h % ph or w % pw:
+            raise WanConfigError(f"latent grid {t}x{h}x{w} (T'xH'xW') is not divisible by the patch "
+                                 f"{cfg.patch_size}; crop or resize the sample (H', W' must be even)")
+        if timestep.shape != (b,):
+            raise WanConfigError(f"timestep must be [B] = [{b}] (one float in [0, 1000] per sample), "
+                                 f"got {list(timestep.shape)}")
+        if context.dim() != 3 or context.shape[0] != b or context.shape[2] != cfg.text_dim:
+            raise WanConfigError(f"context must be [B, L, text_dim] = [{b}, L, {cfg.text_dim}], got {list(context.shape)}")
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """The original Wan init: xavier-uniform Linear/patch weights, zero biases, N(0, 0.02) for
+        the text and time embeddings, zero output head; RMSNorm / LayerNorm weights 1, modulation
+        tables N(0, 1/D). Works on the meta device and under deepspeed.zero.Init."""
+        params = list(self.parameters())
+        if any(hasattr(p, "ds_id") for p in params):  # ZeRO-3 partitioned: gather, init on rank 0
+            import deepspeed
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+                self._init_weights()
+        else:
+            self._init_weights()
+
+    def _init_weights(self) -> None:
+        d = self.config.dim
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.xavier_uniform_(m.weight)
+                nn.init.zeros_(m.bias)
+            elif isinstance(m, (nn.LayerNorm, nn.RMSNorm)) and m.weight is not None:
+                nn.init.ones_(m.weight)
+                if getattr(m, "bias", None) is not None:
+                    nn.init.zeros_(m.bias)
+        nn.init.xavier_uniform_(self.patch_embedding.weight.view(d, -1))
+        nn.init.zeros_(self.patch_embedding.bias)
+        for seq in (self.text_embedding, self.time_embedding):
+            for m in seq:
+                if isinstance(m, nn.Linear):
+                    nn.init.normal_(m.weight, std=0.02)
+        for p in (*(b.modulation for b in self.blocks), self.head.modulation):
+            nn.init.normal_(p, std=d ** -0.5)
+        nn.init.zeros_(self.head.head.weight)
+
+    def to_dtype(self, dtype: torch.dtype, keep_fp32: bool = True) -> "WanModel":
+        """Cast floating parameters to dtype; with keep_fp32, those of ``is_fp32_param`` stay fp32."""
+        for name, p in self.named_parameters():
+            target = torch.float32 if keep_fp32 and is_fp32_param(name) else dtype
+            if p.dtype != target:
+                p.data = p.data.to(target)
+        return self
+
+    @classmethod
+    def from_pretrained(cls, path, dtype: Optional[torch.dtype] = None, device: Union[str, torch.device] = "cpu",
+                        config: Optional[Union[WanConfig, str, Mapping[str, Any]]] = None,
+                        keep_fp32: bool = True) -> "WanModel":
+        """Load a diffusers-format or original-Wan checkpoint (dir or file); see
+        ``ds_adaptive.models.weights.load_pretrained``."""
+        from ds_adaptive.models.weights import load_pretrained
+        return load_pretrained(path, dtype=dtype, device=device, config=config, keep_fp32=keep_fp32)
+
+
+def count_parameters(cfg: Union[WanConfig, str, Mapping[str, Any]]) -> int:
+    """Parameter count of a config, built on the meta device (no memory)."""
+    with torch.device("meta"):
+        model = WanModel(cfg)
+    return sum(p.numel() for p in model.parameters())
