@@ -249,7 +249,7 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     if valid_len is not None and valid_len < k.shape[1]:
         if valid_len < 1:
             raise ValueError(f"valid_len must be >= 1, got {valid_len}")
-        mask = torch.arange(k.shape[1], device=k.device) < valid_len  # [Sk], broadcast over B, H, Sq
+        mask = (torch.arange(k.shape[1], device=k.device) < valid_len).view(1, 1, 1, -1)  # over B, H, Sq
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
     return out.transpose(1, 2)
 

@@ -315,10 +315,14 @@ def _plan(reader: _Reader, expected: Mapping[str, tuple[int, ...]], source: str)
             raise WanWeightsError(f"checkpoint keys '{plan[name]}' and '{key}' both map to parameter '{name}'")
         if tuple(shape) != tuple(expected[name]):
             where = f"'{name}'" + (f" (checkpoint key '{key}')" if key != name else "")
-            mismatched.append(f"{where} in {f.name}: checkpoint has {list(shape)}, model expects {list(expected[name])}")
+            mismatched.append((name, f"{where} in {f.name}: checkpoint has {list(shape)}, "
+                                     f"model expects {list(expected[name])}"))
             mismatched_names.add(name)
             continue
         plan[name] = key
+    order = {n: i for i, n in enumerate(expected)}
+    mismatched.sort(key=lambda m: order[m[0]])
+    mismatched = [m[1] for m in mismatched]
     missing = [f"'{n}' (shape {list(s)})" for n, s in expected.items() if n not in plan and n not in mismatched_names]
     if missing or unexpected or mismatched:
         lines = [f"checkpoint {source} ({layout} layout) does not fit the model:"]
