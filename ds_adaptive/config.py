@@ -202,3 +202,56 @@ def load_adaptive_config(ds_config: Union[str, Path, dict, None]) -> AdaptiveLoa
 def strip_block(ds_config: dict) -> dict:
     """A copy of ds_config without our block (to hand to deepspeed.initialize)."""
     return {k: v for k, v in ds_config.items() if k != BLOCK_KEY}
+
+
+def _resolve_switch(section: object, key: str, auto_value: bool) -> bool:
+    if section is None:
+        return False
+    if not isinstance(section, dict):
+        raise ConfigError(f"ds_config '{key}' must be an object like {{\"enabled\": \"auto\"}}, got {section!r}")
+    value = section.get("enabled", False)
+    if value == "auto":
+        return auto_value
+    if not isinstance(value, bool):
+        raise ConfigError(f"ds_config '{key}.enabled' must be true, false or \"auto\", got {value!r}")
+    return value
+
+
+def prepare_ds_config(ds_config: dict, *, dp_size: int, on_gpu: bool) -> dict:
+    """The dict to hand to ``deepspeed.initialize``: our block stripped, precision and batch keys resolved.
+
+    * ``"bf16": {"enabled": "auto"}`` becomes bf16 on a GPU and fp32 on the CPU (``"fp16"``'s
+      ``"auto"`` becomes off); explicit true/false are kept.
+    * Micro-batch sizes come from the batch sampler and vary, so DeepSpeed gets a nominal
+      ``train_micro_batch_size_per_gpu = 1`` and the real ``gradient_accumulation_steps``: given
+      directly, or derived from ``train_batch_size / (train_micro_batch_size_per_gpu x dp_size)``.
+    * ``steps_per_print`` defaults to off (our metrics log every step).
+    """
+    out = strip_block(ds_config)
+    bf16 = _resolve_switch(out.get("bf16", out.get("bfloat16")), "bf16", on_gpu)
+    fp16 = _resolve_switch(out.get("fp16"), "fp16", False)
+    if bf16 and fp16:
+        raise ConfigError("ds_config enables both 'bf16' and 'fp16'; enable one (bf16 is what Wan trains in)")
+    out.pop("bfloat16", None)
+    out["bf16"] = {**(out.get("bf16") or {}), "enabled": bf16}
+    if "fp16" in out:
+        out["fp16"] = {**out["fp16"], "enabled": fp16}
+
+    gas = out.get("gradient_accumulation_steps")
+    tbs, micro = out.get("train_batch_size"), out.get("train_micro_batch_size_per_gpu")
+    if gas is None and tbs is not None:
+        micro = micro or 1
+        if not isinstance(tbs, int) or tbs % (micro * dp_size):
+            raise ConfigError(
+                f"ds_config train_batch_size={tbs!r} is not a multiple of train_micro_batch_size_per_gpu "
+                f"({micro}) x data-parallel size ({dp_size}); set 'gradient_accumulation_steps' instead "
+                "(micro-batch sizes are chosen by the adaptive_load sampler)")
+        gas = tbs // (micro * dp_size)
+    gas = 1 if gas is None else gas
+    if not isinstance(gas, int) or isinstance(gas, bool) or gas < 1:
+        raise ConfigError(f"ds_config gradient_accumulation_steps must be an int >= 1, got {gas!r}")
+    out.pop("train_batch_size", None)
+    out["train_micro_batch_size_per_gpu"] = 1
+    out["gradient_accumulation_steps"] = gas
+    out.setdefault("steps_per_print", 2**31 - 1)
+    return out

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Train Wan 2.1 with DeepSpeed + AdaptiveLoad. With no argument it runs the embedded default on
+# this machine:
+#   - GPUs:   every local GPU, Wan 2.1 1.3B shape, ZeRO-3, bf16, synthetic mixed image+video
+#             latents (launch/configs/zero3_adaptive.json), 200 steps;
+#   - no GPU: 2 CPU processes (gloo), the tiny model, fp32, 20 steps, a small-resolution shape
+#             mix (launch/configs/cpu_tiny.json): a few minutes on 2 cores.
+#
+#   bash launch/train_wan.sh [extra trainer args ...]    e.g. --save ckpt --save-interval 50
+#
+# Environment knobs:
+#   NUM_GPUS    GPUs per node (default: all visible GPUs; 0 = the CPU run)
+#   NUM_PROCS   processes of the CPU run (default 2)
+#   HOSTFILE    DeepSpeed hostfile for multi-node runs (see launch/hostfile.example);
+#               MASTER_ADDR / MASTER_PORT pick the rendezvous (default: the first host, 29500)
+#   DS_CONFIG   ds_config json (default: zero3_adaptive.json on GPU, cpu_tiny.json on CPU)
+#   MODEL       tiny | wan2.1-1.3b | wan2.1-14b (default: wan2.1-1.3b on GPU, tiny on CPU)
+#   STEPS       optimizer steps (default: 200 on GPU, 20 on CPU)
+#   SP          Ulysses sequence-parallel degree (default 1)
+#   PYTHON      python interpreter (default: python)
+#   DRY_RUN=1   print the deepspeed command instead of running it
+# Extra arguments go to the trainer (ds-adaptive train --help lists them).
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+PY="${PYTHON:-python}"
+
+if [[ -z "${NUM_GPUS:-}" ]]; then
+  NUM_GPUS="$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')"
+  GPUS_GIVEN=0
+else
+  GPUS_GIVEN=1
+fi
+if ! [[ "$NUM_GPUS" =~ ^[0-9]+$ ]]; then
+  echo "train_wan.sh: NUM_GPUS must be a number of GPUs per node, got '$NUM_GPUS'" >&2
+  exit 2
+fi
+
+LAUNCH=(deepspeed)
+if [[ "$NUM_GPUS" == 0 ]]; then
+  # CPU run: gloo, fp32; one thread per process so that 2 processes share 2 cores fairly.
+  NPROC="${NUM_PROCS:-2}"
+  DS_CONFIG="${DS_CONFIG:-$HERE/configs/cpu_tiny.json}"
+  MODEL="${MODEL:-tiny}"
+  STEPS="${STEPS:-20}"
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+  LAUNCH+=(--num_gpus "$NPROC")
+  WHERE="$NPROC CPU process(es)"
+else
+  DS_CONFIG="${DS_CONFIG:-$HERE/configs/zero3_adaptive.json}"
+  MODEL="${MODEL:-wan2.1-1.3b}"
+  STEPS="${STEPS:-200}"
+  if [[ -n "${HOSTFILE:-}" ]]; then
+    if [[ ! -f "$HOSTFILE" ]]; then
+      echo "train_wan.sh: HOSTFILE=$HOSTFILE does not exist (see launch/hostfile.example)" >&2
+      exit 2
+    fi
+    LAUNCH+=(--hostfile "$HOSTFILE")
+    [[ "$GPUS_GIVEN" == 1 ]] && LAUNCH+=(--num_gpus "$NUM_GPUS")
+    [[ -n "${MASTER_ADDR:-}" ]] && LAUNCH+=(--master_addr "$MASTER_ADDR")
+    WHERE="the hosts of $HOSTFILE"
+  else
+    LAUNCH+=(--num_gpus "$NUM_GPUS")
+    WHERE="$NUM_GPUS GPU(s)"
+  fi
+fi
+[[ -n "${MASTER_PORT:-}" ]] && LAUNCH+=(--master_port "$MASTER_PORT")
+
+if [[ ! -f "$DS_CONFIG" ]]; then
+  echo "train_wan.sh: DS_CONFIG=$DS_CONFIG does not exist; pick one of $HERE/configs/*.json" >&2
+  exit 2
+fi
+
+CMD=("${LAUNCH[@]}" "$HERE/train_wan.py" --deepspeed_config "$DS_CONFIG" --model "$MODEL" --steps "$STEPS"
+     --sp "${SP:-1}" "$@")
+echo "train_wan.sh: $MODEL on $WHERE, $STEPS steps, config $DS_CONFIG"
+echo "+ ${CMD[*]}"
+if [[ "${DRY_RUN:-0}" == 1 ]]; then
+  exit 0
+fi
+exec "${CMD[@]}"
