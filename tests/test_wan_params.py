@@ -40,6 +40,7 @@ def test_param_count_formula():
     cfg = WAN_CONFIGS["wan2.1-1.3b"]
     d, f = cfg.dim, cfg.ffn_dim
     block = 8 * d * d + 8 * d + 4 * d + 2 * d + 2 * d * f + f + d + 6 * d
-    embed = (16 * 4 * d + d) + (cfg.text_dim * d + d + d * d + d) + (cfg.freq_dim * d + d + d * d + d) + (d * 6 * d + 6 * d)
+    embed = ((16 * 4 * d + d) + (cfg.text_dim * d + d + d * d + d) + (cfg.freq_dim * d + d + d * d + d)
+             + (d * 6 * d + 6 * d))
     head = d * 64 + 64 + 2 * d
     assert count_parameters(cfg) == embed + cfg.num_layers * block + head

@@ -41,7 +41,8 @@ def _same_params(a: WanModel, b: WanModel):
 
 def _inputs(b=1, t=3, h=6, w=10):
     g = torch.Generator().manual_seed(0)
-    return torch.randn(b, 16, t, h, w, generator=g), torch.rand(b, generator=g) * 1000, torch.randn(b, 5, 64, generator=g)
+    return (torch.randn(b, 16, t, h, w, generator=g), torch.rand(b, generator=g) * 1000,
+            torch.randn(b, 5, 64, generator=g))
 
 
 def test_load_diffusers_save_pretrained(model, diffusers_dir):
@@ -78,22 +79,29 @@ def _corrupt(src: Path, dst: Path, edit) -> Path:
 def test_missing_unexpected_and_misshapen_keys_are_named(diffusers_dir, tmp_path):
     key = "blocks.1.attn2.to_k.weight"
     bad = _corrupt(diffusers_dir, tmp_path / "missing", lambda sd: sd.pop(key))
-    with pytest.raises(WanWeightsError, match=r"1 missing parameter\(s\): 'blocks.1.cross_attn.k.weight' \(shape \[96, 96\]\)"):
+    with pytest.raises(WanWeightsError,
+                       match=r"1 missing parameter\(s\): 'blocks.1.cross_attn.k.weight' \(shape \[96, 96\]\)"):
         WanModel.from_pretrained(bad)
 
-    bad = _corrupt(diffusers_dir, tmp_path / "unexpected", lambda sd: sd.update({"blocks.0.attn1.extra": torch.ones(3)}))
-    with pytest.raises(WanWeightsError, match=r"1 unexpected key\(s\): 'blocks.0.attn1.extra' \(in diffusion_pytorch_model.safetensors\)"):
+    bad = _corrupt(diffusers_dir, tmp_path / "unexpected",
+                   lambda sd: sd.update({"blocks.0.attn1.extra": torch.ones(3)}))
+    with pytest.raises(WanWeightsError,
+                       match=r"1 unexpected key\(s\): 'blocks.0.attn1.extra' "
+                             r"\(in diffusion_pytorch_model.safetensors\)"):
         WanModel.from_pretrained(bad)
 
-    bad = _corrupt(diffusers_dir, tmp_path / "shape", lambda sd: sd.update({"blocks.0.scale_shift_table": torch.ones(1, 6, 48)}))
+    bad = _corrupt(diffusers_dir, tmp_path / "shape",
+                   lambda sd: sd.update({"blocks.0.scale_shift_table": torch.ones(1, 6, 48)}))
     with pytest.raises(WanWeightsError) as err:
         WanModel.from_pretrained(bad)
     msg = str(err.value)
-    assert "'blocks.0.modulation' (checkpoint key 'blocks.0.scale_shift_table') in diffusion_pytorch_model.safetensors" in msg
+    assert ("'blocks.0.modulation' (checkpoint key 'blocks.0.scale_shift_table') "
+            "in diffusion_pytorch_model.safetensors") in msg
     assert "checkpoint has [1, 6, 48], model expects [1, 6, 96]" in msg and "missing parameter" not in msg
 
     # a config that does not match the weights: every mismatch is reported with both shapes
-    with pytest.raises(WanWeightsError, match=r"shape mismatch.*'patch_embedding.weight'.*checkpoint has \[96, 16, 1, 2, 2\], model expects \[128, 16, 1, 2, 2\]"):
+    with pytest.raises(WanWeightsError, match=r"shape mismatch.*'patch_embedding.weight'.*"
+                       r"checkpoint has \[96, 16, 1, 2, 2\], model expects \[128, 16, 1, 2, 2\]"):
         WanModel.from_pretrained(diffusers_dir, config=dict(CFG.to_dict(), dim=128, num_heads=2))
 
 

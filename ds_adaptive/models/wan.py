@@ -501,7 +501,8 @@ class WanModel(nn.Module):
             raise WanConfigError(f"timestep must be [B] = [{b}] (one float in [0, 1000] per sample), "
                                  f"got {list(timestep.shape)}")
         if context.dim() != 3 or context.shape[0] != b or context.shape[2] != cfg.text_dim:
-            raise WanConfigError(f"context must be [B, L, text_dim] = [{b}, L, {cfg.text_dim}], got {list(context.shape)}")
+            raise WanConfigError(f"context must be [B, L, text_dim] = [{b}, L, {cfg.text_dim}], "
+                                 f"got {list(context.shape)}")
 
     @torch.no_grad()
     def init_weights(self) -> None:

@@ -377,7 +377,8 @@ def load_pretrained(path: PathLike, dtype: Optional[torch.dtype] = None, device:
     """
     cfg = get_wan_config(config) if config is not None else read_config(path)
     if cfg is None:
-        raise WanWeightsError(f"no config.json found for {path}; pass config= (a WAN_CONFIGS name, a dict or a WanConfig)")
+        raise WanWeightsError(f"no config.json found for {path}; "
+                              "pass config= (a WAN_CONFIGS name, a dict or a WanConfig)")
     dtype = dtype or torch.float32
     with torch.device("meta"):
         model = WanModel(cfg)
