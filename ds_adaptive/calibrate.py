@@ -274,8 +274,7 @@ class UlyssesEmulation:
     def __init__(self, sp: int) -> None:
         self.sp = sp
 
-    def __call__(self, q, k, v):
-        import torch
+    def __call__(self, q, k, v, **_: Any):
         import torch.nn.functional as F
 
         sp = self.sp
@@ -310,7 +309,9 @@ def measure(model_name: str, *, layers: Sequence[int], shapes: Sequence[SampleSh
         cfg_dict = _config_dict(cfg)
         if cfg_dict.get("num_heads", sp) % sp != 0:
             raise SystemExit(f"--sp {sp} does not divide the model's {cfg_dict['num_heads']} heads")
-        model = WanModel(cfg).to(device=device, dtype=dtype)
+        with torch.device(device):
+            model = WanModel(cfg)
+        model.to_dtype(dtype)
         model.train()
         model.gradient_checkpointing = gradient_checkpointing
         if sp > 1:
@@ -382,9 +383,9 @@ def torch_pad_seq(t, length: int, dim: int = 1):
 def _config_dict(cfg) -> dict:
     import dataclasses
 
-    if dataclasses.is_dataclass(cfg):
-        return {k: v for k, v in dataclasses.asdict(cfg).items() if isinstance(v, (int, float, str, bool, type(None), list, tuple))}
-    return dict(vars(cfg))
+    d = cfg.to_dict() if hasattr(cfg, "to_dict") else (dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(vars(cfg)))
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items()
+            if isinstance(v, (int, float, str, bool, type(None), list, tuple))}
 
 
 def full_model_points(rows: Sequence[Mapping[str, Any]], num_layers: int) -> tuple[list[dict], list[dict]]:
@@ -536,6 +537,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                   "fit": {"note": "no device memory statistics on this device: analytic estimate"}}
     dim = int(full_cfg.get("dim", 0))
     counts = wan_param_counts(dim=dim, ffn_dim=int(full_cfg.get("ffn_dim", 4 * dim)), num_layers=num_layers)
+    try:  # the model's own count when it has one (exact for this implementation)
+        from ds_adaptive.models.wan import count_parameters
+
+        counts["total"] = int(count_parameters(get_wan_config(args.model, **overrides)))
+    except ImportError:
+        pass
     heads = int(full_cfg.get("num_heads", 1))
     name = args.name or Path(args.out).stem
     prof = {

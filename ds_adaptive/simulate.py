@@ -1,0 +1,239 @@
+"""Many ranks on paper: plan M optimizer steps for N GPUs with every sampler and score them.
+
+``ds-adaptive simulate --world 16 --sp 1 --steps 50 --json``
+
+All samplers plan the same shuffled dataset (drawn from a shape distribution) at the same memory
+budget, with the same cost model; a micro-step takes as long as its slowest rank (ZeRO-3
+synchronises every micro-step). Per sampler (``samplers.<mode>`` of the JSON):
+
+    compute_cv_mean        mean over micro-steps of the CV (std/mean) of per-rank predicted time
+    cv_p50, cv_p90         median and 90th percentile of that CV
+    balance_efficiency     sum over micro-steps of mean rank time / sum of max rank time
+    idle_fraction          1 - balance_efficiency (GPU time spent waiting for the slowest rank)
+    predicted_tokens_per_s tokens / sum of max-rank times (whole cluster; an SP group counts once)
+    predicted_step_ms      mean predicted optimizer-step time
+
+Times are always those of the calibrated profile (ms), also for samplers that plan with another
+cost model. ``dual_power`` is the paper's variant: dual-constraint batching with cost S^p.
+    samples, tokens, micro_steps, steps, oversize, tail_dropped
+    memory_utilization     mean and max of batch memory / m_mem (VRAM efficiency of the plan)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import warnings
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ds_adaptive.config import SamplerConfig
+from ds_adaptive.cost import CostModel, load_profile
+from ds_adaptive.planner import EpochPlan, resolve_budgets
+from ds_adaptive.sampler import Topology, build_batch_sampler
+from ds_adaptive.shapes import SampleShape, ShapeWeight, load_shape_distribution
+
+SAMPLERS = ("tokens", "fixed", "dual")
+# The paper's variant: dual-constraint with the power-law cost S^p (p = sampler.p), scored with
+# the calibrated model like every other sampler.
+PAPER_VARIANT = "dual_power"
+
+
+def draw_shapes(dist: Sequence[ShapeWeight], n: int, seed: int) -> list[SampleShape]:
+    """``n`` samples drawn i.i.d. from a shape distribution (deterministic in ``seed``)."""
+    w = np.array([d.weight for d in dist], float)
+    idx = np.random.default_rng([seed, 0xD157]).choice(len(dist), size=n, p=w / w.sum())
+    return [dist[i].shape for i in idx]
+
+
+def predicted_times(plan: EpochPlan, truth: CostModel) -> np.ndarray:
+    """[micro_steps, dp] per-GPU time of every batch under the ``truth`` cost model (the
+    calibrated one), whatever cost model the plan was made with."""
+    sizes = plan.batch_sizes()
+    per = np.array([truth.per_gpu_cost(s) for s in plan.shapes])
+    return (truth.c0 + sizes * per[plan.batch_shape]).reshape(-1, plan.dp_size)
+
+
+def score_plan(plan: EpochPlan, steps: int, m_mem: float, truth: Optional[CostModel] = None) -> dict:
+    """Balance and throughput figures of the first ``steps`` optimizer steps of a plan, timed with
+    ``truth`` (default: the plan's own predicted costs)."""
+    n_steps = min(steps, plan.num_steps)
+    n_micro = n_steps * plan.micro_steps_per_step
+    c = (predicted_times(plan, truth) if truth is not None else plan.micro_step_costs())[:n_micro]
+    nb = n_micro * plan.dp_size
+    if n_micro == 0:
+        return {"steps": 0, "micro_steps": 0, "samples": 0, "compute_cv_mean": float("nan")}
+    mean, mx = c.mean(axis=1), c.max(axis=1)
+    cv = c.std(axis=1) / mean
+    tokens = int(plan.batch_tokens[:nb].sum())
+    mem = plan.batch_memory[:nb] / m_mem
+    sizes = plan.batch_sizes()[:nb]
+    return {
+        "steps": n_steps, "micro_steps": n_micro, "samples": int(sizes.sum()), "tokens": tokens,
+        "compute_cv_mean": float(cv.mean()), "cv_p50": float(np.median(cv)), "cv_p90": float(np.quantile(cv, 0.9)),
+        "cv_max": float(cv.max()),
+        "balance_efficiency": float(mean.sum() / mx.sum()), "idle_fraction": float(1 - mean.sum() / mx.sum()),
+        "predicted_tokens_per_s": float(tokens / (mx.sum() / 1e3)),
+        "predicted_step_ms": float(mx.sum() / n_steps),
+        "mean_batch_size": float(sizes.mean()),
+        "memory_utilization": {"mean": float(mem.mean()), "max": float(mem.max())},
+        "plan_total_steps": plan.num_steps,
+    }
+
+
+def _expected_batch(cost: CostModel, dist: Sequence[ShapeWeight], budgets: dict) -> float:
+    """A pessimistic (large) expected batch size over the samplers: sizes the simulated dataset."""
+    w = np.array([d.weight for d in dist], float)
+    w /= w.sum()
+    inv = 0.0
+    for d, p in zip(dist, w):
+        b = max(cost.max_batch_size(d.shape, budgets["m_mem"]), 1)
+        inv += p / b
+    return 1.0 / inv
+
+
+def simulate(*, world: int, sp: int = 1, steps: int = 50, seed: int = 0,
+             dist: Optional[Sequence[ShapeWeight]] = None, profile: str = "h100-wan2.1-1.3b",
+             sampler_cfg: Optional[SamplerConfig] = None, micro_steps_per_step: int = 1,
+             gpu_mem_gib: Optional[float] = None, samplers: Sequence[str] = SAMPLERS + (PAPER_VARIANT,),
+             keep_plans: bool = False) -> dict:
+    """Plan ``steps`` optimizer steps on ``world`` GPUs (Ulysses degree ``sp``) with each sampler."""
+    if world % sp:
+        raise ValueError(f"--world {world} is not divisible by --sp {sp}")
+    dist = list(dist) if dist is not None else load_shape_distribution()
+    cfg = sampler_cfg or SamplerConfig(profile=profile)
+    if cfg.profile != profile and sampler_cfg is None:
+        cfg = cfg.model_copy(update={"profile": profile})
+    dp = world // sp
+    cost = CostModel(load_profile(cfg.profile), cfg.cost_model, p=cfg.p, sp=sp)
+    truth = CostModel(cost.profile, "calibrated", sp=sp)   # what the GPUs would take (ms)
+    uniq = [d.shape for d in dist]
+    budgets = resolve_budgets(mode="dual", cost=cost, shapes=uniq, m_mem=cfg.m_mem, m_comp=cfg.m_comp,
+                              max_tokens=cfg.max_tokens, gpu_mem_gib=gpu_mem_gib,
+                              mem_utilization=cfg.mem_utilization, zero_stage=cfg.zero_stage, dp_size=dp)
+    # Enough samples for `steps` steps of the hungriest sampler, plus one planning window.
+    per_step = dp * micro_steps_per_step * _expected_batch(cost, dist, budgets)
+    n = int(math.ceil(per_step * steps * 1.3)) + cfg.window * dp
+    shapes = draw_shapes(dist, n, seed)
+    out = {"world": world, "sp": sp, "dp": dp, "micro_steps_per_step": micro_steps_per_step,
+           "steps": steps, "seed": seed, "profile": cost.profile.name, "cost_model": cost.mode,
+           "cost_unit": cost.unit, "dataset_samples": n,
+           "budgets": {"m_mem_gib": budgets["m_mem"], "m_comp": budgets["m_comp"],
+                       "max_tokens": budgets["max_tokens"]},
+           "samplers": {}}
+    plans = {}
+    for name in samplers:
+        mode, scfg = name, cfg.model_copy(update={"seed": seed})
+        if name == PAPER_VARIANT:
+            mode, scfg = "dual", scfg.model_copy(update={"cost_model": "power"})
+        s = build_batch_sampler(scfg, shapes, Topology(0, dp, 0, sp),
+                                micro_steps_per_step=micro_steps_per_step, mode=mode, gpu_mem_gib=gpu_mem_gib)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plan = s.plan
+        res = score_plan(plan, steps, s.params.m_mem, truth)
+        res["oversize"] = len(plan.oversize)
+        res["tail_dropped"] = len(plan.tail_dropped)
+        out["samplers"][name] = res
+        plans[name] = plan
+    if keep_plans:
+        out["_plans"] = plans
+        out["_truth"] = truth
+    return out
+
+
+def plot(result: dict, path: str) -> None:
+    """Per-micro-step CV (like the paper's Fig. 6/7), its distribution, and per-rank load."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plans = result["_plans"]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    colors = {"tokens": "tab:red", "fixed": "tab:orange", "dual": "tab:blue", PAPER_VARIANT: "tab:green"}
+    cvs = {}
+    for mode, plan in plans.items():
+        n_micro = result["samplers"][mode]["micro_steps"]
+        c = predicted_times(plan, result["_truth"])[:n_micro]
+        if not len(c):
+            continue
+        cv = c.std(axis=1) / c.mean(axis=1)
+        cvs[mode] = cv
+        axes[0].plot(np.arange(len(cv)), cv * 100, lw=0.8, color=colors.get(mode), label=f"{mode} (mean {cv.mean():.1%})")
+        busy = (c / c.max(axis=1, keepdims=True)).mean(axis=0)
+        axes[2].plot(np.arange(len(busy)), busy * 100, marker="." if len(busy) <= 64 else None, lw=0.8,
+                     color=colors.get(mode), label=f"{mode} (mean {busy.mean():.1%})")
+    axes[0].set(xlabel="micro-step", ylabel="CV of per-rank predicted time [%]",
+                title=f"Per-micro-step imbalance, {result['world']} GPUs, sp={result['sp']}")
+    axes[0].legend()
+    axes[1].boxplot(list(cvs.values()), whis=(5, 95), showfliers=False)
+    axes[1].set_xticks(range(1, len(cvs) + 1), [m for m in cvs])
+    axes[1].set(ylabel="CV per micro-step", title="CV distribution (box 25-75%, whiskers 5-95%)")
+    axes[2].set(xlabel="data-parallel rank", ylabel="busy time / micro-step time [%]",
+                title="Per-rank load (100% = never waits)", ylim=(0, 105))
+    axes[2].legend()
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _table(result: dict) -> str:
+    rows = [f"{result['world']} GPUs, sp={result['sp']} (dp={result['dp']}), {result['steps']} steps, "
+            f"profile {result['profile']}, m_mem {result['budgets']['m_mem_gib']:.1f} GiB, "
+            f"m_comp {result['budgets']['m_comp']:.0f} {result['cost_unit']}",
+            f"{'sampler':>8} {'CV mean':>8} {'CV p90':>8} {'balance':>8} {'tok/s':>12} {'samples':>8} "
+            f"{'micro':>6} {'oversize':>8}"]
+    for mode, r in result["samplers"].items():
+        rows.append(f"{mode:>8} {r['compute_cv_mean']:>8.2%} {r['cv_p90']:>8.2%} {r['balance_efficiency']:>8.2%} "
+                    f"{r['predicted_tokens_per_s']:>12.0f} {r['samples']:>8} {r['micro_steps']:>6} {r['oversize']:>8}")
+    return "\n".join(rows)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="ds-adaptive simulate", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default=None, help="shape-distribution json (default: the shipped Wan mix)")
+    ap.add_argument("--profile", default="h100-wan2.1-1.3b", help="profile name or json path")
+    ap.add_argument("--world", type=int, required=True, help="number of GPUs")
+    ap.add_argument("--sp", type=int, default=1, help="Ulysses degree (default 1)")
+    ap.add_argument("--steps", type=int, default=50, help="optimizer steps to plan (default 50)")
+    ap.add_argument("--micro-steps-per-step", type=int, default=1, help="gradient accumulation steps")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cost-model", choices=["calibrated", "power", "tokens"], default="calibrated")
+    ap.add_argument("--p", type=float, default=1.5, help="exponent of --cost-model power")
+    ap.add_argument("--m-mem", default="auto", help="memory budget GiB or auto")
+    ap.add_argument("--m-comp", default="auto", help="compute budget (cost unit) or auto")
+    ap.add_argument("--gpu-mem-gib", type=float, default=None, help="GPU capacity (default: the profile's)")
+    ap.add_argument("--window", type=int, default=None, help="samples per DP rank per planning window")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--plot", default=None, help="write a PNG of CV per micro-step and per-rank load")
+    args = ap.parse_args(argv)
+    upd = {"profile": args.profile, "cost_model": args.cost_model, "p": args.p,
+           "m_mem": args.m_mem if args.m_mem == "auto" else float(args.m_mem),
+           "m_comp": args.m_comp if args.m_comp == "auto" else float(args.m_comp)}
+    if args.window:
+        upd["window"] = args.window
+    cfg = SamplerConfig(**upd)
+    dist = load_shape_distribution(args.shapes)
+    res = simulate(world=args.world, sp=args.sp, steps=args.steps, seed=args.seed, dist=dist,
+                   profile=args.profile, sampler_cfg=cfg, micro_steps_per_step=args.micro_steps_per_step,
+                   gpu_mem_gib=args.gpu_mem_gib, keep_plans=bool(args.plot))
+    if args.plot:
+        plot(res, args.plot)
+    res.pop("_plans", None)
+    res.pop("_truth", None)
+    if args.json:
+        print(json.dumps(res))
+    else:
+        print(_table(res))
+        if args.plot:
+            print(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
