@@ -1,2 +1,13 @@
-"""Custom ops (fused LayerNorm-Modulate) with torch reference fallbacks."""
-from .ln_modulate import ln_modulate, ln_modulate_reference  # noqa: F401
+"""Custom ops (fused LayerNorm-Modulate) with torch reference fallbacks.
+
+Note: ``ds_adaptive.ops.ln_modulate`` is the function; the module of the same name is
+``importlib.import_module("ds_adaptive.ops.ln_modulate")``.
+"""
+from .ln_modulate import (  # noqa: F401
+    LayerNormModulate,
+    get_mode,
+    ln_modulate,
+    ln_modulate_reference,
+    load_op,
+    op_status,
+)

@@ -1,17 +1,44 @@
-"""LayerNorm-Modulate: ``y = LayerNorm(x) * (1 + scale) + shift`` (adaLN).
+"""LayerNorm-Modulate (adaLN): ``y = LayerNorm(x) * (1 + scale) + shift``.
 
-PLACEHOLDER MODULE (issue 5 replaces it with the torch.library custom op, the
-autograd path and the fused CUDA kernel). The torch reference below is the
-contract: its signature and numerics are what the model calls.
+Three layers, as in flash-attention:
+
+* ``torch.ops.ds_adaptive.ln_modulate`` / ``ln_modulate_backward``: torch.library custom ops with
+  fake (meta) implementations, so they trace under torch.compile and capture in CUDA graphs. On
+  CUDA tensors they run the fused kernels (``csrc/ln_modulate``) when the extension loads; on CPU,
+  or without the extension, the same fp32 math in torch.
+* autograd (``register_autograd``): saves x, mean, rstd, scale (and the affine parameters).
+* ``ln_modulate()``: the public function, a drop-in for ``ln_modulate_reference`` and for
+  ``WanModel.set_ln_modulate``; ``LayerNormModulate``: the same as a module.
+
+Path selection (``DS_ADAPTIVE_LN_MODULATE``):
+  ``auto`` (default): fused on CUDA tensors when the op loads (prebuilt or JIT-built through
+  DeepSpeed's builder), else the torch reference with exactly one warning saying why;
+  ``fused``: the fused op or an error; ``reference``: always the torch reference.
 """
 from __future__ import annotations
 
-from typing import Optional
+import os
+import threading
+import warnings
+from typing import Optional, Tuple
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
+from torch import Tensor
+
+ENV_VAR = "DS_ADAPTIVE_LN_MODULATE"
+MODES = ("auto", "fused", "reference")
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Register-resident limits of the kernels (csrc/ln_modulate/ln_modulate.h): rows of up to 8192
+# elements on every path, 16384 for 16-bit x with D % 8 == 0 (16-byte loads).
+MAX_D_ANY = 8192
+MAX_D_VEC16 = 16384
 
 
+# ------------------------------------------------------------------------------------------------
+# Torch reference (the contract: signature and numerics the model calls)
+# ------------------------------------------------------------------------------------------------
 def ln_modulate_reference(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6,
                           weight: Optional[torch.Tensor] = None,
                           bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -31,6 +58,346 @@ def ln_modulate_reference(x: torch.Tensor, shift: torch.Tensor, scale: torch.Ten
     return y.to(x.dtype)
 
 
-def ln_modulate(x, shift, scale, eps: float = 1e-6, weight=None, bias=None):
-    """Public entry point (fused op when available; the reference until issue 5 lands)."""
-    return ln_modulate_reference(x, shift, scale, eps, weight, bias)
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    """fp32 for the kernel's dtypes (the reference numerics); fp64 stays fp64 (for gradcheck)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _reference_forward(x: Tensor, shift: Tensor, scale: Tensor, weight: Optional[Tensor],
+                       bias: Optional[Tensor], eps: float) -> Tuple[Tensor, Tensor, Tensor]:
+    """(y, mean, rstd) in the kernel's layout: y as ln_modulate_reference (fp32 math, one rounding;
+    fp64 inputs in fp64); mean, rstd [B, S] in fp32 (fp64 for fp64 x)."""
+    cdt = _compute_dtype(x)
+    with torch.no_grad():
+        xf = x.to(cdt)
+        y = F.layer_norm(xf, (x.shape[-1],), None if weight is None else weight.to(cdt),
+                         None if bias is None else bias.to(cdt), eps)
+        y = (y * (1 + scale.to(cdt)) + shift.to(cdt)).to(x.dtype)
+        var, mean = torch.var_mean(xf, dim=-1, unbiased=False)
+        rstd = torch.rsqrt(var + eps)
+    return y, mean, rstd
+
+
+def _reference_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, scale: Tensor,
+                        weight: Optional[Tensor], bias: Optional[Tensor],
+                        need_dshift: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The backward kernel's math in fp32 torch (same outputs and conventions as the CUDA op)."""
+    cdt = _compute_dtype(x)
+    with torch.no_grad():
+        dyf, xf = dy.to(cdt), x.to(cdt)
+        xhat = (xf - mean.unsqueeze(-1).to(cdt)) * rstd.unsqueeze(-1).to(cdt)
+        ln = xhat
+        if weight is not None:
+            ln = xhat * weight.to(cdt) + (0.0 if bias is None else bias.to(cdt))
+        dln = dyf * (1 + scale.to(cdt))
+        g = dln if weight is None else dln * weight.to(cdt)
+        d = x.shape[-1]
+        dx = rstd.unsqueeze(-1) * (g - g.sum(-1, keepdim=True) / d - xhat * ((g * xhat).sum(-1, keepdim=True) / d))
+        if scale.shape[1] == 1:  # per-sample: reduce over s within each sample
+            dshift = dyf.sum(1, keepdim=True).to(scale.dtype)
+            dscale = (dyf * ln).sum(1, keepdim=True).to(scale.dtype)
+        else:
+            dshift = dyf.to(scale.dtype, copy=True) if need_dshift else scale.new_empty(0)
+            dscale = (dyf * ln).to(scale.dtype)
+        empty = x.new_empty(0, dtype=torch.float32)
+        dweight = (dln * xhat).sum((0, 1)).to(weight.dtype) if weight is not None else empty
+        dbias = dln.sum((0, 1)).to(bias.dtype) if bias is not None else empty.clone()
+        return dx.to(x.dtype), dshift, dscale, dweight, dbias
+
+
+# ------------------------------------------------------------------------------------------------
+# Extension loading (once per process) and path selection
+# ------------------------------------------------------------------------------------------------
+class _OpState:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.tried = False
+        self.ext = None
+        self.error: Optional[str] = None
+        self.source: Optional[str] = None  # "prebuilt" / "jit"
+        self.warned: set = set()
+        self.mode = "auto"  # last mode read from the environment
+
+
+_STATE = _OpState()
+
+
+@torch.compiler.disable
+def _load_extension():
+    """The compiled module, or None (reason in _STATE.error). Never raises."""
+    if _STATE.tried:
+        return _STATE.ext
+    with _STATE.lock:
+        if _STATE.tried:
+            return _STATE.ext
+        try:
+            from .builder import LNModulateBuilder
+
+            builder = LNModulateBuilder()
+            _STATE.ext = builder.load(verbose=False)
+            _STATE.source = builder.loaded_from
+        except Exception as e:  # noqa: BLE001 - any failure means "use the reference"
+            _STATE.ext = None
+            _STATE.error = f"{type(e).__name__}: {e}".strip()
+        _STATE.tried = True
+    return _STATE.ext
+
+
+def load_op(strict: bool = False):
+    """Load (or JIT-build) the fused op now; returns the extension module or None.
+    ``strict=True`` raises RuntimeError with the reason instead of returning None."""
+    ext = _load_extension()
+    if ext is None and strict:
+        raise RuntimeError(f"the fused ln_modulate op is unavailable: {_STATE.error}")
+    return ext
+
+
+def op_status() -> dict:
+    """What ``ln_modulate`` would do on a CUDA tensor now (does not load the op)."""
+    return {"mode": get_mode(), "tried": _STATE.tried, "loaded": _STATE.ext is not None,
+            "source": _STATE.source, "error": _STATE.error}
+
+
+def get_mode() -> str:
+    """The path-selection mode from DS_ADAPTIVE_LN_MODULATE (auto | fused | reference). Read on
+    every eager call; while torch.compile traces, the value of the last eager read (or "auto")."""
+    if torch.compiler.is_compiling():
+        return _STATE.mode
+    mode = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    if mode not in MODES:
+        raise ValueError(f"{ENV_VAR}={mode!r}: expected one of {', '.join(MODES)}")
+    _STATE.mode = mode
+    return mode
+
+
+@torch.compiler.disable
+def _warn_once(key: str, msg: str) -> None:
+    if key in _STATE.warned:
+        return
+    _STATE.warned.add(key)
+    warnings.warn(msg, RuntimeWarning, stacklevel=4)
+
+
+def _kernel_limitation(x: Tensor) -> Optional[str]:
+    """Why the fused kernel cannot take this x (None when it can)."""
+    if x.dtype not in _KERNEL_DTYPES:
+        return f"x dtype {x.dtype} (the kernel takes float32, float16, bfloat16)"
+    d = x.shape[-1]
+    vec = 16 // x.element_size()
+    limit = MAX_D_VEC16 if (x.element_size() == 2 and d % vec == 0) else MAX_D_ANY
+    if d > limit:
+        return f"D = {d} exceeds the register-resident limit of the fused kernel ({limit})"
+    return None
+
+
+def _use_fused(x: Tensor) -> bool:
+    mode = get_mode()
+    if mode == "reference":
+        return False
+    if not x.is_cuda:
+        if mode == "fused":
+            raise ValueError(f"{ENV_VAR}=fused but x is on {x.device}: the fused op runs on CUDA tensors only")
+        return False
+    limitation = _kernel_limitation(x)
+    if limitation is not None:
+        if mode == "fused":
+            raise ValueError(f"{ENV_VAR}=fused but the fused op cannot take this input: {limitation}")
+        _warn_once("limit:" + limitation, f"ln_modulate: using the torch reference: {limitation}")
+        return False
+    ext = _STATE.ext if _STATE.tried else _load_extension()
+    if ext is None:
+        if mode == "fused":
+            raise RuntimeError(f"{ENV_VAR}=fused but the fused ln_modulate op is unavailable: {_STATE.error}")
+        _warn_once("load", f"ln_modulate: the fused CUDA op is unavailable, using the torch reference "
+                           f"(set {ENV_VAR}=reference to silence this): {_STATE.error}")
+        return False
+    return True
+
+
+# ------------------------------------------------------------------------------------------------
+# Custom ops
+# ------------------------------------------------------------------------------------------------
+def _kernel_ok(x: Tensor) -> bool:
+    """Whether the custom op's implementation runs the CUDA kernel for this x (op bodies run
+    eagerly, also under torch.compile)."""
+    return x.is_cuda and _kernel_limitation(x) is None and _load_extension() is not None
+
+
+@torch.library.custom_op("ds_adaptive::ln_modulate", mutates_args=())
+def _ln_modulate_op(x: Tensor, shift: Tensor, scale: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+                    eps: float) -> Tuple[Tensor, Tensor, Tensor]:
+    """(y [B,S,D] x.dtype, mean [B,S] fp32, rstd [B,S] fp32); shift/scale [B, 1|S, D], one dtype
+    (fp32 or x.dtype); weight/bias fp32 [D] or None."""
+    if _kernel_ok(x):
+        y, mean, rstd = _STATE.ext.forward(x, shift, scale, weight, bias, eps)
+        return y, mean, rstd
+    return _reference_forward(x, shift, scale, weight, bias, eps)
+
+
+@_ln_modulate_op.register_fake
+def _ln_modulate_fake(x, shift, scale, weight, bias, eps):
+    b, s, d = x.shape
+    sdt = _compute_dtype(x)
+    return x.new_empty((b, s, d)), x.new_empty((b, s), dtype=sdt), x.new_empty((b, s), dtype=sdt)
+
+
+@torch.library.custom_op("ds_adaptive::ln_modulate_backward", mutates_args=())
+def _ln_modulate_backward_op(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, scale: Tensor,
+                             weight: Optional[Tensor], bias: Optional[Tensor],
+                             need_dshift: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dx, dshift, dscale, dweight, dbias). Per-sample scale [B,1,D]: dshift/dscale [B,1,D];
+    per-token: dscale [B,S,D] and dshift [B,S,D] if need_dshift else empty; all in scale.dtype.
+    dweight/dbias [D] in weight/bias dtype, fp32 on CUDA (empty when weight/bias is None)."""
+    if _kernel_ok(x):
+        return tuple(_STATE.ext.backward(dy, x, mean, rstd, scale, weight, bias, need_dshift))
+    return _reference_backward(dy, x, mean, rstd, scale, weight, bias, need_dshift)
+
+
+@_ln_modulate_backward_op.register_fake
+def _ln_modulate_backward_fake(dy, x, mean, rstd, scale, weight, bias, need_dshift):
+    b, s, d = x.shape
+    if scale.shape[1] == 1:
+        dshift = scale.new_empty((b, 1, d))
+        dscale = scale.new_empty((b, 1, d))
+    else:
+        dshift = scale.new_empty((b, s, d)) if need_dshift else scale.new_empty((0,))
+        dscale = scale.new_empty((b, s, d))
+    dweight = weight.new_empty((d,)) if weight is not None else x.new_empty((0,), dtype=torch.float32)
+    dbias = bias.new_empty((d,)) if bias is not None else x.new_empty((0,), dtype=torch.float32)
+    return x.new_empty((b, s, d)), dshift, dscale, dweight, dbias
+
+
+def _setup_context(ctx, inputs, output):
+    x, shift, scale, weight, bias, eps = inputs
+    _, mean, rstd = output
+    ctx.save_for_backward(x, mean, rstd, scale, weight, bias)
+    ctx.shift_dtype = shift.dtype
+    ctx.mark_non_differentiable(mean, rstd)
+
+
+def _backward(ctx, dy, _dmean, _drstd):
+    x, mean, rstd, scale, weight, bias = ctx.saved_tensors
+    if dy.dim() != 3 or dy.stride(-1) != 1:
+        dy = dy.contiguous()
+    per_token = scale.shape[1] != 1
+    # Per-token dshift is dy itself: alias it when the dtypes agree, let the kernel write it otherwise.
+    alias_dshift = per_token and ctx.shift_dtype == dy.dtype
+    dx, dshift, dscale, dweight, dbias = torch.ops.ds_adaptive.ln_modulate_backward(
+        dy, x, mean, rstd, scale, weight, bias, per_token and not alias_dshift)
+    if alias_dshift:
+        dshift = dy
+    need = ctx.needs_input_grad
+    return (dx if need[0] else None, dshift if need[1] else None, dscale if need[2] else None,
+            dweight if (weight is not None and need[3]) else None,
+            dbias if (bias is not None and need[4]) else None, None)
+
+
+torch.library.register_autograd("ds_adaptive::ln_modulate", _backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------------------------------
+# Public API
+# ------------------------------------------------------------------------------------------------
+def _check_args(x: Tensor, shift: Tensor, scale: Tensor, weight: Optional[Tensor], bias: Optional[Tensor]):
+    if not isinstance(x, Tensor) or x.dim() != 3:
+        raise ValueError(f"ln_modulate: x must be a [B, S, D] tensor, got "
+                         f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"ln_modulate: x must be a floating-point tensor, got {x.dtype}")
+    b, s, d = x.shape
+    for name, m in (("shift", shift), ("scale", scale)):
+        ok = isinstance(m, Tensor) and (
+            (m.dim() == 2 and m.shape[0] in (1, b) and m.shape[1] == d)
+            or (m.dim() == 3 and m.shape[0] in (1, b) and m.shape[1] in (1, s) and m.shape[2] == d))
+        if not ok:
+            raise ValueError(f"ln_modulate: {name} must be [B, D], [B, 1, D] or [B, S, D] with B = {b}, S = {s}, "
+                             f"D = {d} (B may be 1), got {tuple(m.shape) if isinstance(m, Tensor) else m!r}")
+        if not m.is_floating_point():
+            raise TypeError(f"ln_modulate: {name} must be floating point, got {m.dtype}")
+        if m.device != x.device:
+            raise ValueError(f"ln_modulate: {name} is on {m.device} but x is on {x.device}")
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is None:
+            continue
+        if not isinstance(p, Tensor) or tuple(p.shape) != (d,):
+            raise ValueError(f"ln_modulate: {name} must be a [D] = [{d}] tensor or None, got "
+                             f"{tuple(p.shape) if isinstance(p, Tensor) else p!r}")
+        if p.device != x.device:
+            raise ValueError(f"ln_modulate: {name} is on {p.device} but x is on {x.device}")
+
+
+def ln_modulate(x: Tensor, shift: Tensor, scale: Tensor, eps: float = 1e-6, weight: Optional[Tensor] = None,
+                bias: Optional[Tensor] = None) -> Tensor:
+    """Fused adaLN: ``LayerNorm(x; eps, weight, bias) * (1 + scale) + shift``.
+
+    Args:
+        x: [B, S, D], float32 / float16 / bfloat16 (other float dtypes use the reference). Any
+            strides; a non-unit last-dim stride is copied to contiguous first.
+        shift, scale: per-sample [B, D] / [B, 1, D] or per-token [B, S, D] (B may be 1 to
+            broadcast), float32 or x.dtype (other combinations run in float32). Strided views such
+            as ``table[:, k]`` of a [B, 6, D] or [B, S, 6, D] fp32 table are read in place.
+        eps: added to the variance.
+        weight, bias: optional elementwise-affine [D] parameters of the LayerNorm (any float dtype;
+            their gradients come back in their own dtype).
+
+    Returns:
+        y: [B, S, D] in x.dtype, contiguous. Statistics and modulation in fp32, one rounding.
+
+    Differentiable in x, shift, scale, weight and bias. On CUDA tensors the fused kernels run when
+    the op loads; see the module docstring for DS_ADAPTIVE_LN_MODULATE.
+    """
+    _check_args(x, shift, scale, weight, bias)
+    if not _use_fused(x):
+        return ln_modulate_reference(x, shift, scale, eps, weight, bias)
+    b, s, d = x.shape
+    if shift.dim() == 2:
+        shift = shift.unsqueeze(1)
+    if scale.dim() == 2:
+        scale = scale.unsqueeze(1)
+    # One modulation dtype: fp32, or x's when both already are.
+    if not (shift.dtype == scale.dtype and scale.dtype in (torch.float32, x.dtype)):
+        shift, scale = shift.float(), scale.float()
+    # One modulation layout: broadcast dims are expanded views (stride 0), autograd sums them back.
+    rows = max(shift.shape[1], scale.shape[1])
+    shift = shift.expand(b, rows, d)
+    scale = scale.expand(b, rows, d)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if shift.stride(-1) != 1 and d > 1:
+        shift = shift.contiguous()
+    if scale.stride(-1) != 1 and d > 1:
+        scale = scale.contiguous()
+    if bias is not None and weight is None:
+        weight = torch.ones(d, device=x.device, dtype=torch.float32)
+    if weight is not None:
+        weight = weight.float().contiguous()
+    if bias is not None:
+        bias = bias.float().contiguous()
+    y, _, _ = torch.ops.ds_adaptive.ln_modulate(x, shift, scale, weight, bias, float(eps))
+    return y
+
+
+class LayerNormModulate(nn.Module):
+    """``LayerNorm(dim, eps, elementwise_affine)`` followed by ``* (1 + scale) + shift``, fused.
+
+    forward(x [B, S, D], shift, scale) -> [B, S, D] in x.dtype; shift/scale as in ``ln_modulate``.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, elementwise_affine: bool = False, bias: bool = True,
+                 device=None, dtype=None):
+        super().__init__()
+        self.dim = dim
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+            self.bias = nn.Parameter(torch.zeros(dim, device=device, dtype=dtype)) if bias else None
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+
+    def forward(self, x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
+        return ln_modulate(x, shift, scale, self.eps, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"

@@ -1,0 +1,109 @@
+// Fused LayerNorm-Modulate (adaLN): y = LayerNorm(x) * (1 + scale) + shift.
+//
+// Host-side interface of the CUDA kernels. Raw pointers and element strides only (no torch
+// headers), so the .cu files compile standalone with nvcc; the torch binding lives in
+// ln_modulate_torch.cpp.
+//
+// Shapes: x [B, S, D] with last-dim stride 1 and arbitrary (b, s) strides; shift/scale are
+// addressed as [B, S, D] with strides (sb, ss, 1): per-sample modulation has ss = 0,
+// per-token ss != 0, a batch-broadcast one sb = 0. Rows are r = b * S + s, N = B * S.
+// Outputs (y, dx, per-token dshift/dscale) are contiguous [N, D]; mean/rstd are fp32 [N].
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime.h>
+
+namespace ds_adaptive {
+namespace ln_modulate {
+
+enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+// Hidden sizes the kernels hold in registers. Vectorised path (D % (16 / sizeof(x)) == 0 and
+// 16-byte aligned rows): D <= 16384 for 16-bit x, D <= 8192 for fp32 x. Scalar path: D <= 8192.
+constexpr int kMaxDVector16 = 16384;
+constexpr int kMaxDVector32 = 8192;
+constexpr int kMaxDScalar = 8192;
+
+struct FwdParams {
+  int64_t B = 0, S = 0;
+  int D = 0;
+  const void* x = nullptr;  // T
+  int64_t x_sb = 0, x_ss = 0;
+  const void* shift = nullptr;  // M
+  int64_t shift_sb = 0, shift_ss = 0;
+  const void* scale = nullptr;  // M
+  int64_t scale_sb = 0, scale_ss = 0;
+  const float* weight = nullptr;  // [D] fp32 or null (elementwise affine)
+  const float* bias = nullptr;    // [D] fp32 or null
+  void* y = nullptr;              // T, contiguous [N, D]
+  float* mean = nullptr;          // [N]
+  float* rstd = nullptr;          // [N]
+  float eps = 1e-6f;
+  bool vectorized = true;  // all rows/pointers aligned for 16-byte access of x
+};
+
+struct BwdParams {
+  int64_t B = 0, S = 0;
+  int D = 0;
+  const void* dy = nullptr;  // T
+  int64_t dy_sb = 0, dy_ss = 0;
+  const void* x = nullptr;  // T
+  int64_t x_sb = 0, x_ss = 0;
+  const float* mean = nullptr;
+  const float* rstd = nullptr;
+  const void* scale = nullptr;  // M
+  int64_t scale_sb = 0, scale_ss = 0;
+  const float* weight = nullptr;
+  const float* bias = nullptr;
+  void* dx = nullptr;          // T, contiguous [N, D]
+  void* dshift_tok = nullptr;  // M, contiguous [N, D]; per-token only, may be null (caller aliases dy)
+  void* dscale_tok = nullptr;  // M, contiguous [N, D]; per-token only
+  bool per_sample = false;     // shift/scale have ss == 0: reduce their grads over s within b
+  bool vectorized = true;
+  // Reduction workspace, filled by ln_modulate_bwd_plan():
+  float* partial = nullptr;  // [num_tiles, nq, D] fp32 (nq = 2 * per_sample + 2 * affine)
+  int64_t seg_len = 0;       // rows that one reduction segment spans (S if per-sample, else N)
+  int64_t tiles_per_seg = 0;
+  int64_t rows_per_tile = 0;
+  int64_t num_tiles = 0;
+  int nq = 0;
+  int grid = 0;
+};
+
+struct FinalizeParams {
+  const float* partial = nullptr;  // [num_tiles, nq, D]
+  int64_t num_tiles = 0, tiles_per_seg = 0;
+  int nq = 0, D = 0;
+  int64_t B = 0;
+  float* dshift = nullptr;  // [B, D] or null (per-sample)
+  float* dscale = nullptr;  // [B, D] or null
+  float* dweight = nullptr; // [D] or null
+  float* dbias = nullptr;   // [D] or null
+  int q_mod = 0;            // index of dshift in nq (dscale = q_mod + 1)
+  int q_aff = 0;            // index of dweight in nq (dbias = q_aff + 1)
+};
+
+// Largest D the kernels accept for this x dtype and access path.
+int ln_modulate_max_d(DType x, bool vectorized);
+
+// Each returns cudaSuccess or the launch error. Work is queued on `stream`.
+cudaError_t ln_modulate_fwd(const FwdParams& p, DType x, DType mod, cudaStream_t stream);
+
+// Fills p.seg_len, tiles_per_seg, rows_per_tile, num_tiles, nq and grid for the current device
+// (persistent grid = resident CTAs of the chosen backward kernel). Returns the number of floats the
+// caller must allocate for p.partial (0: no reduction needed).
+int64_t ln_modulate_bwd_plan(BwdParams& p, DType x, DType mod, int num_sms);
+
+cudaError_t ln_modulate_bwd(const BwdParams& p, DType x, DType mod, cudaStream_t stream);
+
+cudaError_t ln_modulate_finalize(const FinalizeParams& p, cudaStream_t stream);
+
+// Benchmark hook: variant (0 = default) of the kernel configuration for x bf16 / modulation fp32
+// at slot 0 fwd D=1536, 1 fwd D=5120, 2 bwd D=1536, 3 bwd D=5120. Returns false for a bad slot.
+bool ln_modulate_set_tuning(int slot, int variant);
+
+// Threads per CTA and rows per CTA of the kernels that would run (for reports and tests).
+void ln_modulate_describe(const FwdParams& fp, const BwdParams& bp, DType x, DType mod, int out[4]);
+
+}  // namespace ln_modulate
+}  // namespace ds_adaptive

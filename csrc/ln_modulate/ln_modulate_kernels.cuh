@@ -1,0 +1,586 @@
+// Kernel templates of the fused LayerNorm-Modulate op. Included by the per-dtype .cu files,
+// which instantiate fwd_select / bwd_select for their (x, modulation) dtype pairs.
+//
+// Forward  (one pass): each row is held in registers, VEC elements per 16-byte load, NV loads
+//   per thread in flight; mean and variance in fp32, two passes over the registers (no
+//   E[x^2] - mean^2); y = fma(xhat [* w + b], 1 + scale, shift), rounded once to T.
+// Backward (one pass over dy and x): dx per row, and column partials of sum dy (dshift) and
+//   sum dy * ln (dscale) (per-sample modulation) and of sum dln * xhat / sum dln (affine weight /
+//   bias) accumulated in registers over a tile of consecutive rows of one segment, written once
+//   per tile, coalesced ("D-tile coalesced reduction"); a small finalize kernel sums the tiles.
+//   No atomics: results are bitwise deterministic.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "ln_modulate.h"
+
+namespace ds_adaptive {
+namespace ln_modulate {
+
+// ----------------------------------------------------------------------------------------------
+// Element conversions and vector memory access
+// ----------------------------------------------------------------------------------------------
+template <typename T>
+__device__ __forceinline__ float to_f(T v);
+template <>
+__device__ __forceinline__ float to_f<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ float to_f<__half>(__half v) { return __half2float(v); }
+template <>
+__device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <int BYTES>
+struct Raw;
+template <>
+struct Raw<16> { using type = uint4; };
+template <>
+struct Raw<8> { using type = uint2; };
+template <>
+struct Raw<4> { using type = unsigned int; };
+template <>
+struct Raw<2> { using type = unsigned short; };
+
+// Two floats -> the 4-byte pattern of two T (one cvt.rn.*x2 for 16-bit T).
+template <typename T>
+__device__ __forceinline__ unsigned int pack2(float a, float b);
+template <>
+__device__ __forceinline__ unsigned int pack2<__nv_bfloat16>(float a, float b) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<unsigned int*>(&h);
+}
+template <>
+__device__ __forceinline__ unsigned int pack2<__half>(float a, float b) {
+  __half2 h = __floats2half2_rn(a, b);
+  return *reinterpret_cast<unsigned int*>(&h);
+}
+
+template <typename T>
+__device__ __forceinline__ T from_f(float v);
+template <>
+__device__ __forceinline__ float from_f<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+// Load VEC consecutive U at p (aligned to min(16, VEC * sizeof(U)) bytes) into fp32.
+// STREAM: evict-first (x, dy are read exactly once); otherwise through the read-only cache
+// (modulation, weight: re-read by many rows).
+template <int VEC, typename U, bool STREAM>
+__device__ __forceinline__ void load_vec(const U* __restrict__ p, float (&out)[VEC]) {
+  constexpr int BYTES = VEC * (int)sizeof(U);
+  constexpr int CB = BYTES < 16 ? BYTES : 16;
+  constexpr int NCH = BYTES / CB;
+  constexpr int EPC = CB / (int)sizeof(U);
+  using R = typename Raw<CB>::type;
+#pragma unroll
+  for (int k = 0; k < NCH; ++k) {
+    const R* src = reinterpret_cast<const R*>(p) + k;
+    R raw;
+    if constexpr (STREAM) {
+      raw = __ldcs(src);
+    } else {
+      raw = __ldg(src);
+    }
+    const U* e = reinterpret_cast<const U*>(&raw);
+#pragma unroll
+    for (int j = 0; j < EPC; ++j) out[k * EPC + j] = to_f<U>(e[j]);
+  }
+}
+
+// Store VEC floats to VEC consecutive U at p, one rounding each.
+template <int VEC, typename U, bool STREAM>
+__device__ __forceinline__ void store_vec(U* __restrict__ p, const float (&in)[VEC]) {
+  constexpr int BYTES = VEC * (int)sizeof(U);
+  constexpr int CB = BYTES < 16 ? BYTES : 16;
+  constexpr int NCH = BYTES / CB;
+  constexpr int EPC = CB / (int)sizeof(U);
+  using R = typename Raw<CB>::type;
+#pragma unroll
+  for (int k = 0; k < NCH; ++k) {
+    R raw;
+    if constexpr (sizeof(U) == 2 && EPC % 2 == 0) {
+      unsigned int* w = reinterpret_cast<unsigned int*>(&raw);
+#pragma unroll
+      for (int j = 0; j < EPC / 2; ++j) w[j] = pack2<U>(in[k * EPC + 2 * j], in[k * EPC + 2 * j + 1]);
+    } else {
+      U* e = reinterpret_cast<U*>(&raw);
+#pragma unroll
+      for (int j = 0; j < EPC; ++j) e[j] = from_f<U>(in[k * EPC + j]);
+    }
+    R* dst = reinterpret_cast<R*>(p) + k;
+    if constexpr (STREAM) {
+      __stcs(dst, raw);
+    } else {
+      *dst = raw;
+    }
+  }
+}
+
+// ----------------------------------------------------------------------------------------------
+// Row reductions. TPR == 32: a row is one warp (several rows per CTA, no barrier). TPR > 32: the
+// CTA is one row; warp sums go through shared memory `red` (>= TPR / 32 floats per value).
+// Butterfly shuffles leave the identical sum in every lane, so every thread of a row sees the
+// same mean / rstd bit for bit.
+// ----------------------------------------------------------------------------------------------
+__device__ __forceinline__ float warp_allreduce(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+template <int TPR>
+__device__ __forceinline__ float row_allreduce(float v, float* red) {
+  v = warp_allreduce(v);
+  if constexpr (TPR > 32) {
+    constexpr int W = TPR / 32;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    v = lane < W ? red[lane] : 0.f;
+    v = warp_allreduce(v);
+  }
+  return v;
+}
+
+template <int TPR>
+__device__ __forceinline__ void row_allreduce2(float& a, float& b, float* red_a, float* red_b) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    a += __shfl_xor_sync(0xffffffffu, a, o);
+    b += __shfl_xor_sync(0xffffffffu, b, o);
+  }
+  if constexpr (TPR > 32) {
+    constexpr int W = TPR / 32;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) {
+      red_a[warp] = a;
+      red_b[warp] = b;
+    }
+    __syncthreads();
+    a = lane < W ? red_a[lane] : 0.f;
+    b = lane < W ? red_b[lane] : 0.f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      a += __shfl_xor_sync(0xffffffffu, a, o);
+      b += __shfl_xor_sync(0xffffffffu, b, o);
+    }
+  }
+}
+
+// ----------------------------------------------------------------------------------------------
+// Forward
+//   VEC: elements per access (16 / sizeof(T), or 1 on the scalar path)
+//   NV : accesses per thread per row; TPR: threads per row; ROWS: rows per CTA (TPR == 32 only)
+//   EVEN: D == VEC * NV * TPR (no column masks)
+// Persistent grid: CTA c takes rows c * ROWS + rg, then strides by gridDim.x * ROWS.
+// ----------------------------------------------------------------------------------------------
+template <typename T, typename M, int VEC, int NV, int TPR, int ROWS, bool EVEN>
+__global__ void __launch_bounds__(TPR* ROWS) ln_mod_fwd_kernel(const FwdParams p) {
+  static_assert(TPR % 32 == 0 && TPR <= 1024, "TPR: a multiple of 32, at most 1024");
+  static_assert(ROWS == 1 || TPR == 32, "several rows per CTA only with one warp per row");
+  __shared__ float red[2][32];
+  const int t = (ROWS == 1) ? (int)threadIdx.x : (int)(threadIdx.x & 31);
+  const int rg = (ROWS == 1) ? 0 : (int)(threadIdx.x >> 5);
+  const int64_t N = p.B * p.S;
+  const int D = p.D;
+  const int nvec = D / VEC;
+  const float inv_d = 1.f / (float)D;
+  const bool has_w = p.weight != nullptr, has_b = p.bias != nullptr;
+
+  for (int64_t row = (int64_t)blockIdx.x * ROWS + rg; row < N; row += (int64_t)gridDim.x * ROWS) {
+    const int64_t b = row / p.S, s = row - b * p.S;
+    const T* xr = static_cast<const T*>(p.x) + b * p.x_sb + s * p.x_ss;
+
+    float v[NV][VEC];
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int c = i * TPR + t;
+      if (EVEN || c < nvec) {
+        load_vec<VEC, T, true>(xr + (int64_t)c * VEC, v[i]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) v[i][j] = 0.f;
+      }
+    }
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < NV; ++i)
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) sum += v[i][j];
+    const float mean = row_allreduce<TPR>(sum, red[0]) * inv_d;
+
+    float sq = 0.f;
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int c = i * TPR + t;
+      if (EVEN || c < nvec) {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          const float d = v[i][j] - mean;
+          v[i][j] = d;
+          sq += d * d;
+        }
+      }
+    }
+    const float var = row_allreduce<TPR>(sq, red[1]) * inv_d;
+    const float rstd = rsqrtf(var + p.eps);
+
+    const M* shr = static_cast<const M*>(p.shift) + b * p.shift_sb + s * p.shift_ss;
+    const M* scr = static_cast<const M*>(p.scale) + b * p.scale_sb + s * p.scale_ss;
+    T* yr = static_cast<T*>(p.y) + row * (int64_t)D;
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int c = i * TPR + t;
+      if (EVEN || c < nvec) {
+        float sh[VEC], sc[VEC], out[VEC];
+        load_vec<VEC, M, false>(shr + (int64_t)c * VEC, sh);
+        load_vec<VEC, M, false>(scr + (int64_t)c * VEC, sc);
+        if (has_w || has_b) {
+          float w[VEC], bb[VEC];
+          if (has_w) {
+            load_vec<VEC, float, false>(p.weight + c * VEC, w);
+          } else {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) w[j] = 1.f;
+          }
+          if (has_b) {
+            load_vec<VEC, float, false>(p.bias + c * VEC, bb);
+          } else {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) bb[j] = 0.f;
+          }
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) out[j] = fmaf(fmaf(v[i][j] * rstd, w[j], bb[j]), 1.f + sc[j], sh[j]);
+        } else {
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) out[j] = fmaf(v[i][j] * rstd, 1.f + sc[j], sh[j]);
+        }
+        store_vec<VEC, T, false>(yr + (int64_t)c * VEC, out);
+      }
+    }
+    if (t == 0) {
+      p.mean[row] = mean;
+      p.rstd[row] = rstd;
+    }
+  }
+}
+
+// ----------------------------------------------------------------------------------------------
+// Backward. One CTA = one row (TPR threads); CTAs loop over tiles of consecutive rows of one
+// segment (a sample when PER_SAMPLE). Per row, with ln = xhat [* w + b]:
+//   dln = dy * (1 + scale);  g = dln [* w];  dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
+//   PER_SAMPLE: acc += dy, dy * ln (columns)    else: dshift = dy, dscale = dy * ln (elementwise)
+//   AFFINE:     acc += dln * xhat, dln          (columns)
+// ----------------------------------------------------------------------------------------------
+template <typename T, typename M, int VEC, int NV, int TPR, bool EVEN, bool PER_SAMPLE, bool AFFINE>
+__global__ void __launch_bounds__(TPR) ln_mod_bwd_kernel(const BwdParams p) {
+  static_assert(TPR % 32 == 0 && TPR <= 1024, "TPR: a multiple of 32, at most 1024");
+  __shared__ float red[2][2][32];
+  const int t = threadIdx.x;
+  const int64_t N = p.B * p.S;
+  const int D = p.D;
+  const int nvec = D / VEC;
+  const float inv_d = 1.f / (float)D;
+  const bool has_b = p.bias != nullptr;
+  const bool write_dshift = p.dshift_tok != nullptr;
+
+  for (int64_t tile = blockIdx.x; tile < p.num_tiles; tile += gridDim.x) {
+    const int64_t seg = tile / p.tiles_per_seg;
+    const int64_t seg_start = seg * p.seg_len;
+    const int64_t seg_end = (seg_start + p.seg_len < N) ? seg_start + p.seg_len : N;
+    const int64_t r0 = seg_start + (tile - seg * p.tiles_per_seg) * p.rows_per_tile;
+    const int64_t r1 = (r0 + p.rows_per_tile < seg_end) ? r0 + p.rows_per_tile : seg_end;
+
+    float acc_sh[NV][VEC], acc_sc[NV][VEC], acc_w[NV][VEC], acc_b[NV][VEC];
+#pragma unroll
+    for (int i = 0; i < NV; ++i)
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) acc_sh[i][j] = acc_sc[i][j] = acc_w[i][j] = acc_b[i][j] = 0.f;
+
+    int buf = 0;
+    for (int64_t row = r0; row < r1; ++row, buf ^= 1) {
+      const int64_t b = row / p.S, s = row - b * p.S;
+      const T* dyr = static_cast<const T*>(p.dy) + b * p.dy_sb + s * p.dy_ss;
+      const T* xr = static_cast<const T*>(p.x) + b * p.x_sb + s * p.x_ss;
+      float dy[NV][VEC], xh[NV][VEC];
+#pragma unroll
+      for (int i = 0; i < NV; ++i) {
+        const int c = i * TPR + t;
+        if (EVEN || c < nvec) {
+          load_vec<VEC, T, true>(dyr + (int64_t)c * VEC, dy[i]);
+          load_vec<VEC, T, true>(xr + (int64_t)c * VEC, xh[i]);
+        } else {
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) dy[i][j] = xh[i][j] = 0.f;
+        }
+      }
+      const float mean = p.mean[row];
+      const float rstd = p.rstd[row];
+      const M* scr = static_cast<const M*>(p.scale) + b * p.scale_sb + s * p.scale_ss;
+
+      float s1 = 0.f, s2 = 0.f;
+#pragma unroll
+      for (int i = 0; i < NV; ++i) {
+        const int c = i * TPR + t;
+        if (EVEN || c < nvec) {
+          float sc[VEC], w[VEC], bb[VEC], tok_sc[VEC];
+          load_vec<VEC, M, false>(scr + (int64_t)c * VEC, sc);
+          if constexpr (!PER_SAMPLE) {
+            if (write_dshift) {
+              store_vec<VEC, M, true>(static_cast<M*>(p.dshift_tok) + row * (int64_t)D + (int64_t)c * VEC, dy[i]);
+            }
+          }
+          if constexpr (AFFINE) {
+            load_vec<VEC, float, false>(p.weight + c * VEC, w);
+            if (has_b) {
+              load_vec<VEC, float, false>(p.bias + c * VEC, bb);
+            } else {
+#pragma unroll
+              for (int j = 0; j < VEC; ++j) bb[j] = 0.f;
+            }
+          }
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) {
+            const float xhat = (xh[i][j] - mean) * rstd;
+            xh[i][j] = xhat;
+            float ln = xhat;
+            if constexpr (AFFINE) ln = fmaf(xhat, w[j], bb[j]);
+            const float dln = dy[i][j] * (1.f + sc[j]);
+            if constexpr (PER_SAMPLE) {
+              acc_sh[i][j] += dy[i][j];
+              acc_sc[i][j] = fmaf(dy[i][j], ln, acc_sc[i][j]);
+            } else {
+              tok_sc[j] = dy[i][j] * ln;
+            }
+            float g = dln;
+            if constexpr (AFFINE) {
+              acc_w[i][j] = fmaf(dln, xhat, acc_w[i][j]);
+              acc_b[i][j] += dln;
+              g = dln * w[j];
+            }
+            dy[i][j] = g;  // dy is dead from here on: keep g in its registers
+            s1 += g;
+            s2 = fmaf(g, xhat, s2);
+          }
+          if constexpr (!PER_SAMPLE) {
+            store_vec<VEC, M, true>(static_cast<M*>(p.dscale_tok) + row * (int64_t)D + (int64_t)c * VEC, tok_sc);
+          }
+        }
+      }
+      row_allreduce2<TPR>(s1, s2, red[buf][0], red[buf][1]);
+      const float m1 = s1 * inv_d, m2 = s2 * inv_d;
+      T* dxr = static_cast<T*>(p.dx) + row * (int64_t)D;
+#pragma unroll
+      for (int i = 0; i < NV; ++i) {
+        const int c = i * TPR + t;
+        if (EVEN || c < nvec) {
+          float o[VEC];
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) o[j] = rstd * (dy[i][j] - fmaf(xh[i][j], m2, m1));
+          store_vec<VEC, T, true>(dxr + (int64_t)c * VEC, o);
+        }
+      }
+    }
+
+    if constexpr (PER_SAMPLE || AFFINE) {
+      float* pt = p.partial + tile * (int64_t)p.nq * D;
+      constexpr int q_aff = PER_SAMPLE ? 2 : 0;
+#pragma unroll
+      for (int i = 0; i < NV; ++i) {
+        const int c = i * TPR + t;
+        if (EVEN || c < nvec) {
+          if constexpr (PER_SAMPLE) {
+            store_vec<VEC, float, false>(pt + 0 * D + c * VEC, acc_sh[i]);
+            store_vec<VEC, float, false>(pt + 1 * D + c * VEC, acc_sc[i]);
+          }
+          if constexpr (AFFINE) {
+            store_vec<VEC, float, false>(pt + (q_aff + 0) * D + c * VEC, acc_w[i]);
+            store_vec<VEC, float, false>(pt + (q_aff + 1) * D + c * VEC, acc_b[i]);
+          }
+        }
+      }
+    }
+  }
+}
+
+// ----------------------------------------------------------------------------------------------
+// Kernel selection: specialisations for D in {1536, 3072, 5120}, generic masked paths otherwise.
+// ----------------------------------------------------------------------------------------------
+struct FwdChoice {
+  void (*fn)(FwdParams) = nullptr;
+  int threads = 0;
+  int rows_per_cta = 1;
+};
+struct BwdChoice {
+  void (*fn)(BwdParams) = nullptr;
+  int threads = 0;
+};
+
+template <typename T, typename M, int VEC, int NV, int TPR, int ROWS, bool EVEN>
+FwdChoice fwd_make() {
+  return FwdChoice{&ln_mod_fwd_kernel<T, M, VEC, NV, TPR, ROWS, EVEN>, TPR * ROWS, ROWS};
+}
+
+template <typename T, typename M, int VEC, int NV, bool EVEN>
+FwdChoice fwd_generic(int nvec) {
+  if (nvec <= 32 * NV) return fwd_make<T, M, VEC, NV, 32, 4, EVEN>();
+  if (nvec <= 64 * NV) return fwd_make<T, M, VEC, NV, 64, 1, EVEN>();
+  if (nvec <= 128 * NV) return fwd_make<T, M, VEC, NV, 128, 1, EVEN>();
+  if (nvec <= 256 * NV) return fwd_make<T, M, VEC, NV, 256, 1, EVEN>();
+  if (nvec <= 512 * NV) return fwd_make<T, M, VEC, NV, 512, 1, EVEN>();
+  if (nvec <= 1024 * NV) return fwd_make<T, M, VEC, NV, 1024, 1, EVEN>();
+  return FwdChoice{};
+}
+
+// Tuning alternatives (benchmark only): for x bf16 / modulation fp32 and D in {1536, 5120}, a
+// variant index other than 0 (set through ln_modulate_set_tuning) picks another (TPR, NV).
+// Slots: 0 fwd 1536, 1 fwd 5120, 2 bwd 1536, 3 bwd 5120.
+int tuning_variant(int slot);
+
+template <typename T, typename M>
+FwdChoice fwd_tuned(const FwdParams& p) {
+  if constexpr (std::is_same<T, __nv_bfloat16>::value && std::is_same<M, float>::value) {
+    if (p.vectorized && p.D == 1536) {
+      switch (tuning_variant(0)) {
+        case 1: return fwd_make<T, M, 8, 3, 64, 1, true>();
+        case 2: return fwd_make<T, M, 8, 2, 96, 1, true>();
+        case 3: return fwd_make<T, M, 8, 1, 192, 1, true>();
+        default: break;
+      }
+    }
+    if (p.vectorized && p.D == 5120) {
+      switch (tuning_variant(1)) {
+        case 1: return fwd_make<T, M, 8, 2, 320, 1, true>();
+        case 2: return fwd_make<T, M, 8, 1, 640, 1, true>();
+        case 3: return fwd_make<T, M, 8, 4, 160, 1, true>();
+        default: break;
+      }
+    }
+  }
+  return FwdChoice{};
+}
+
+template <typename T, typename M>
+FwdChoice fwd_select(const FwdParams& p) {
+  constexpr int V = 16 / (int)sizeof(T);
+  if (const FwdChoice c = fwd_tuned<T, M>(p); c.fn != nullptr) return c;
+  if (!p.vectorized) return fwd_generic<T, M, 1, 8, false>(p.D);
+  if constexpr (V == 8) {
+    switch (p.D) {
+      case 1536: return fwd_make<T, M, 8, 6, 32, 4, true>();
+      case 3072: return fwd_make<T, M, 8, 6, 64, 1, true>();
+      case 5120: return fwd_make<T, M, 8, 5, 128, 1, true>();
+      default: break;
+    }
+  } else {
+    switch (p.D) {
+      case 1536: return fwd_make<T, M, 4, 6, 64, 1, true>();
+      case 3072: return fwd_make<T, M, 4, 6, 128, 1, true>();
+      case 5120: return fwd_make<T, M, 4, 5, 256, 1, true>();
+      default: break;
+    }
+  }
+  return fwd_generic<T, M, V, 4, false>(p.D / V);
+}
+
+template <typename T, typename M, int VEC, int NV, int TPR, bool EVEN>
+BwdChoice bwd_make(const BwdParams& p) {
+  const bool affine = p.weight != nullptr;
+  if (p.per_sample) {
+    if (affine) return BwdChoice{&ln_mod_bwd_kernel<T, M, VEC, NV, TPR, EVEN, true, true>, TPR};
+    return BwdChoice{&ln_mod_bwd_kernel<T, M, VEC, NV, TPR, EVEN, true, false>, TPR};
+  }
+  if (affine) return BwdChoice{&ln_mod_bwd_kernel<T, M, VEC, NV, TPR, EVEN, false, true>, TPR};
+  return BwdChoice{&ln_mod_bwd_kernel<T, M, VEC, NV, TPR, EVEN, false, false>, TPR};
+}
+
+template <typename T, typename M, int VEC, int NV, bool EVEN>
+BwdChoice bwd_generic(const BwdParams& p, int nvec) {
+  if (nvec <= 32 * NV) return bwd_make<T, M, VEC, NV, 32, EVEN>(p);
+  if (nvec <= 64 * NV) return bwd_make<T, M, VEC, NV, 64, EVEN>(p);
+  if (nvec <= 128 * NV) return bwd_make<T, M, VEC, NV, 128, EVEN>(p);
+  if (nvec <= 256 * NV) return bwd_make<T, M, VEC, NV, 256, EVEN>(p);
+  if (nvec <= 512 * NV) return bwd_make<T, M, VEC, NV, 512, EVEN>(p);
+  if (nvec <= 1024 * NV) return bwd_make<T, M, VEC, NV, 1024, EVEN>(p);
+  return BwdChoice{};
+}
+
+template <typename T, typename M, int VEC, int NV, int TPR>
+BwdChoice bwd_make_tuned(const BwdParams& p) {
+  if (p.weight != nullptr) return BwdChoice{};  // alternatives exist for the non-affine kernels only
+  if (p.per_sample) return BwdChoice{&ln_mod_bwd_kernel<T, M, VEC, NV, TPR, true, true, false>, TPR};
+  return BwdChoice{&ln_mod_bwd_kernel<T, M, VEC, NV, TPR, true, false, false>, TPR};
+}
+
+template <typename T, typename M>
+BwdChoice bwd_tuned(const BwdParams& p) {
+  if constexpr (std::is_same<T, __nv_bfloat16>::value && std::is_same<M, float>::value) {
+    if (p.vectorized && p.D == 1536) {
+      switch (tuning_variant(2)) {
+        case 1: return bwd_make_tuned<T, M, 8, 2, 96>(p);
+        case 2: return bwd_make_tuned<T, M, 8, 1, 192>(p);
+        case 3: return bwd_make_tuned<T, M, 8, 6, 32>(p);
+        default: break;
+      }
+    }
+    if (p.vectorized && p.D == 5120) {
+      switch (tuning_variant(3)) {
+        case 1: return bwd_make_tuned<T, M, 8, 1, 640>(p);
+        case 2: return bwd_make_tuned<T, M, 8, 4, 160>(p);
+        case 3: return bwd_make_tuned<T, M, 8, 5, 128>(p);
+        default: break;
+      }
+    }
+  }
+  return BwdChoice{};
+}
+
+template <typename T, typename M>
+BwdChoice bwd_select(const BwdParams& p) {
+  constexpr int V = 16 / (int)sizeof(T);
+  if (const BwdChoice c = bwd_tuned<T, M>(p); c.fn != nullptr) return c;
+  if (!p.vectorized) return bwd_generic<T, M, 1, 8, false>(p, p.D);
+  if constexpr (V == 8) {
+    switch (p.D) {
+      case 1536: return bwd_make<T, M, 8, 3, 64, true>(p);
+      case 3072: return bwd_make<T, M, 8, 3, 128, true>(p);
+      case 5120: return bwd_make<T, M, 8, 2, 320, true>(p);
+      default: break;
+    }
+  } else {
+    switch (p.D) {
+      case 1536: return bwd_make<T, M, 4, 3, 128, true>(p);
+      case 3072: return bwd_make<T, M, 4, 3, 256, true>(p);
+      case 5120: return bwd_make<T, M, 4, 4, 320, true>(p);
+      default: break;
+    }
+  }
+  return bwd_generic<T, M, V, 2, false>(p, p.D / V);
+}
+
+// Each (x, modulation) dtype pair is instantiated in its own .cu file (parallel compilation);
+// everyone else sees extern declarations.
+#define DS_LN_MOD_INSTANTIATE(T, M)                        \
+  template FwdChoice fwd_select<T, M>(const FwdParams& p); \
+  template BwdChoice bwd_select<T, M>(const BwdParams& p);
+
+#define DS_LN_MOD_EXTERN(T, M)                                    \
+  extern template FwdChoice fwd_select<T, M>(const FwdParams& p); \
+  extern template BwdChoice bwd_select<T, M>(const BwdParams& p);
+
+#define DS_LN_MOD_FOR_EACH_PAIR(X)       \
+  X(__nv_bfloat16, float)                \
+  X(__nv_bfloat16, __nv_bfloat16)        \
+  X(__half, float)                       \
+  X(__half, __half)                      \
+  X(float, float)
+
+}  // namespace ln_modulate
+}  // namespace ds_adaptive

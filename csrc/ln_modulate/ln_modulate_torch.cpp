@@ -1,0 +1,309 @@
+// Torch binding of the fused LayerNorm-Modulate op: argument checks, stride handling, output
+// allocation and the launches. Python registers these as the ds_adaptive::ln_modulate custom op
+// (ds_adaptive/ops/ln_modulate.py), which owns autograd and the fake (meta) implementations.
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/extension.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ln_modulate.h"
+
+namespace lnm = ds_adaptive::ln_modulate;
+
+namespace {
+
+lnm::DType to_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return lnm::DType::kFloat32;
+    case at::kHalf: return lnm::DType::kFloat16;
+    case at::kBFloat16: return lnm::DType::kBFloat16;
+    default: TORCH_CHECK(false, "ln_modulate: x must be float32, float16 or bfloat16, got ", t);
+  }
+  return lnm::DType::kFloat32;
+}
+
+bool aligned(const void* p, int64_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+// (sb, ss) element strides of a [B, S|1, D] tensor read as [B, S, D]; size-1 dims read as stride 0.
+struct Strides3 {
+  int64_t sb = 0, ss = 0;
+};
+Strides3 strides_of(const at::Tensor& t) {
+  Strides3 s;
+  s.sb = t.size(0) == 1 ? 0 : t.stride(0);
+  s.ss = t.size(1) == 1 ? 0 : t.stride(1);
+  return s;
+}
+
+// Can a [B, S, D] operand of element size `esize` be read VEC elements at a time?
+bool vec_ok(const at::Tensor& t, const Strides3& s, int vec) {
+  const int64_t bytes = std::min<int64_t>(16, (int64_t)vec * t.element_size());
+  return aligned(t.data_ptr(), bytes) && s.sb % vec == 0 && s.ss % vec == 0;
+}
+
+void check_x(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.is_cuda(), "ln_modulate: ", name, " must be a CUDA tensor, got device ", x.device());
+  TORCH_CHECK(x.dim() == 3, "ln_modulate: ", name, " must be [B, S, D], got shape ", x.sizes());
+  TORCH_CHECK(x.size(2) == 1 || x.stride(2) == 1, "ln_modulate: ", name,
+              " must have a contiguous last dimension (stride 1), got strides ", x.strides(),
+              " (the Python wrapper copies such inputs)");
+  to_dtype(x.scalar_type());
+}
+
+void check_mod(const at::Tensor& m, const at::Tensor& x, const char* name) {
+  TORCH_CHECK(m.device() == x.device(), "ln_modulate: ", name, " is on ", m.device(), " but x is on ", x.device());
+  TORCH_CHECK(m.dim() == 3 && m.size(0) == x.size(0) && (m.size(1) == 1 || m.size(1) == x.size(1)) &&
+                  m.size(2) == x.size(2),
+              "ln_modulate: ", name, " must be [B, 1, D] or [B, S, D] = [", x.size(0), ", 1 or ", x.size(1), ", ",
+              x.size(2), "], got ", m.sizes());
+  TORCH_CHECK(m.size(2) == 1 || m.stride(2) == 1, "ln_modulate: ", name,
+              " must have a contiguous last dimension (stride 1), got strides ", m.strides());
+  TORCH_CHECK(m.scalar_type() == at::kFloat || m.scalar_type() == x.scalar_type(), "ln_modulate: ", name,
+              " must be float32 or x's dtype (", x.scalar_type(), "), got ", m.scalar_type());
+}
+
+void check_affine(const std::optional<at::Tensor>& t, const at::Tensor& x, const char* name) {
+  if (!t.has_value()) return;
+  TORCH_CHECK(t->device() == x.device(), "ln_modulate: ", name, " is on ", t->device(), " but x is on ", x.device());
+  TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 1 && t->size(0) == x.size(2) && t->is_contiguous(),
+              "ln_modulate: ", name, " must be a contiguous float32 [D = ", x.size(2), "] tensor, got ",
+              t->scalar_type(), " ", t->sizes());
+}
+
+const float* opt_ptr(const std::optional<at::Tensor>& t) {
+  return t.has_value() ? t->data_ptr<float>() : nullptr;
+}
+
+void check_cuda(cudaError_t e, const char* what) {
+  TORCH_CHECK(e == cudaSuccess, "ln_modulate: ", what, " failed: ", cudaGetErrorString(e));
+}
+
+}  // namespace
+
+// y [B, S, D] (x.dtype), mean [B, S] fp32, rstd [B, S] fp32.
+std::vector<at::Tensor> ln_modulate_forward(const at::Tensor& x, const at::Tensor& shift, const at::Tensor& scale,
+                                            const std::optional<at::Tensor>& weight,
+                                            const std::optional<at::Tensor>& bias, double eps) {
+  check_x(x, "x");
+  check_mod(shift, x, "shift");
+  check_mod(scale, x, "scale");
+  TORCH_CHECK(shift.scalar_type() == scale.scalar_type(), "ln_modulate: shift and scale must share a dtype, got ",
+              shift.scalar_type(), " and ", scale.scalar_type());
+  check_affine(weight, x, "weight");
+  check_affine(bias, x, "bias");
+  const int64_t B = x.size(0), S = x.size(1), D = x.size(2);
+  TORCH_CHECK(D >= 1, "ln_modulate: D must be >= 1, got ", D);
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto y = at::empty({B, S, D}, x.options());
+  auto mean = at::empty({B, S}, x.options().dtype(at::kFloat));
+  auto rstd = at::empty({B, S}, x.options().dtype(at::kFloat));
+  if (B * S == 0) return {y, mean, rstd};
+
+  const lnm::DType xt = to_dtype(x.scalar_type());
+  const lnm::DType mt = to_dtype(scale.scalar_type());
+  const int vec = 16 / (int)x.element_size();
+  lnm::FwdParams p;
+  p.B = B;
+  p.S = S;
+  p.D = (int)D;
+  const Strides3 xs = strides_of(x), shs = strides_of(shift), scs = strides_of(scale);
+  p.x = x.data_ptr();
+  p.x_sb = xs.sb;
+  p.x_ss = xs.ss;
+  p.shift = shift.data_ptr();
+  p.shift_sb = shs.sb;
+  p.shift_ss = shs.ss;
+  p.scale = scale.data_ptr();
+  p.scale_sb = scs.sb;
+  p.scale_ss = scs.ss;
+  p.weight = opt_ptr(weight);
+  p.bias = opt_ptr(bias);
+  p.y = y.data_ptr();
+  p.mean = mean.data_ptr<float>();
+  p.rstd = rstd.data_ptr<float>();
+  p.eps = (float)eps;
+  p.vectorized = D % vec == 0 && vec_ok(x, xs, vec) && vec_ok(shift, shs, vec) && vec_ok(scale, scs, vec) &&
+                 (!p.weight || aligned(p.weight, 16)) && (!p.bias || aligned(p.bias, 16));
+  TORCH_CHECK(D <= lnm::ln_modulate_max_d(xt, p.vectorized), "ln_modulate: D = ", D,
+              " exceeds the register-resident limit of the fused kernel (",
+              lnm::ln_modulate_max_d(xt, p.vectorized), " for this dtype / alignment)");
+  check_cuda(lnm::ln_modulate_fwd(p, xt, mt, c10::cuda::getCurrentCUDAStream()), "forward launch");
+  return {y, mean, rstd};
+}
+
+// Returns (dx [B,S,D] x.dtype, dshift, dscale, dweight [D] fp32, dbias [D] fp32):
+//   per-sample scale ([B,1,D]): dshift, dscale [B,1,D] in scale.dtype;
+//   per-token scale ([B,S,D]):  dscale [B,S,D] in scale.dtype, dshift [B,S,D] when need_dshift
+//                               (else an empty tensor: the caller uses dy itself);
+//   dweight / dbias: empty when weight / bias is None.
+std::vector<at::Tensor> ln_modulate_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean,
+                                             const at::Tensor& rstd, const at::Tensor& scale,
+                                             const std::optional<at::Tensor>& weight,
+                                             const std::optional<at::Tensor>& bias, bool need_dshift) {
+  check_x(x, "x");
+  check_x(dy, "dy");
+  TORCH_CHECK(dy.sizes() == x.sizes() && dy.scalar_type() == x.scalar_type() && dy.device() == x.device(),
+              "ln_modulate: dy must match x (", x.scalar_type(), " ", x.sizes(), "), got ", dy.scalar_type(), " ",
+              dy.sizes());
+  check_mod(scale, x, "scale");
+  check_affine(weight, x, "weight");
+  check_affine(bias, x, "bias");
+  TORCH_CHECK(!bias.has_value() || weight.has_value(), "ln_modulate: bias without weight is not supported");
+  const int64_t B = x.size(0), S = x.size(1), D = x.size(2);
+  TORCH_CHECK(mean.scalar_type() == at::kFloat && rstd.scalar_type() == at::kFloat && mean.is_contiguous() &&
+                  rstd.is_contiguous() && mean.numel() == B * S && rstd.numel() == B * S,
+              "ln_modulate: mean / rstd must be contiguous float32 [B, S] (from the forward)");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const bool per_sample = scale.size(1) == 1;
+  const auto mod_opts = x.options().dtype(scale.scalar_type());
+  const auto f32 = x.options().dtype(at::kFloat);
+
+  auto dx = at::empty({B, S, D}, x.options());
+  at::Tensor dshift, dscale;
+  at::Tensor dshift_f, dscale_f;  // fp32 finalize targets (per-sample)
+  if (per_sample) {
+    dshift_f = at::empty({B, D}, f32);
+    dscale_f = at::empty({B, D}, f32);
+  } else {
+    dscale = at::empty({B, S, D}, mod_opts);
+    dshift = need_dshift ? at::empty({B, S, D}, mod_opts) : at::empty({0}, mod_opts);
+  }
+  auto dweight = weight.has_value() ? at::empty({D}, f32) : at::empty({0}, f32);
+  auto dbias = bias.has_value() ? at::empty({D}, f32) : at::empty({0}, f32);
+
+  auto finish = [&]() -> std::vector<at::Tensor> {
+    if (per_sample) {
+      dshift = dshift_f.view({B, 1, D}).to(scale.scalar_type());
+      dscale = dscale_f.view({B, 1, D}).to(scale.scalar_type());
+    }
+    return {dx, dshift, dscale, dweight, dbias};
+  };
+  if (B * S == 0) {
+    if (per_sample) {
+      dshift_f.zero_();
+      dscale_f.zero_();
+    }
+    dweight.zero_();
+    dbias.zero_();
+    return finish();
+  }
+
+  const lnm::DType xt = to_dtype(x.scalar_type());
+  const lnm::DType mt = to_dtype(scale.scalar_type());
+  const int vec = 16 / (int)x.element_size();
+  lnm::BwdParams p;
+  p.B = B;
+  p.S = S;
+  p.D = (int)D;
+  const Strides3 dys = strides_of(dy), xs = strides_of(x), scs = strides_of(scale);
+  p.dy = dy.data_ptr();
+  p.dy_sb = dys.sb;
+  p.dy_ss = dys.ss;
+  p.x = x.data_ptr();
+  p.x_sb = xs.sb;
+  p.x_ss = xs.ss;
+  p.mean = mean.data_ptr<float>();
+  p.rstd = rstd.data_ptr<float>();
+  p.scale = scale.data_ptr();
+  p.scale_sb = scs.sb;
+  p.scale_ss = scs.ss;
+  p.weight = opt_ptr(weight);
+  p.bias = opt_ptr(bias);
+  p.dx = dx.data_ptr();
+  p.per_sample = per_sample;
+  if (!per_sample) {
+    p.dscale_tok = dscale.data_ptr();
+    p.dshift_tok = need_dshift ? dshift.data_ptr() : nullptr;
+  }
+  p.vectorized = D % vec == 0 && vec_ok(dy, dys, vec) && vec_ok(x, xs, vec) && vec_ok(scale, scs, vec) &&
+                 (!p.weight || aligned(p.weight, 16)) && (!p.bias || aligned(p.bias, 16));
+  TORCH_CHECK(D <= lnm::ln_modulate_max_d(xt, p.vectorized), "ln_modulate: D = ", D,
+              " exceeds the register-resident limit of the fused kernel (",
+              lnm::ln_modulate_max_d(xt, p.vectorized), " for this dtype / alignment)");
+
+  const int64_t nfloats = lnm::ln_modulate_bwd_plan(p, xt, mt, 0);
+  TORCH_CHECK(p.grid > 0, "ln_modulate: no backward kernel for D = ", D);
+  at::Tensor partial;
+  if (nfloats > 0) {
+    partial = at::empty({nfloats}, f32);
+    p.partial = partial.data_ptr<float>();
+  }
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  check_cuda(lnm::ln_modulate_bwd(p, xt, mt, stream), "backward launch");
+  if (p.nq > 0) {
+    lnm::FinalizeParams f;
+    f.partial = p.partial;
+    f.num_tiles = p.num_tiles;
+    f.tiles_per_seg = p.tiles_per_seg;
+    f.nq = p.nq;
+    f.D = (int)D;
+    f.B = per_sample ? B : 0;
+    f.dshift = per_sample ? dshift_f.data_ptr<float>() : nullptr;
+    f.dscale = per_sample ? dscale_f.data_ptr<float>() : nullptr;
+    f.dweight = weight.has_value() ? dweight.data_ptr<float>() : nullptr;
+    f.dbias = bias.has_value() ? dbias.data_ptr<float>() : nullptr;
+    f.q_mod = 0;
+    f.q_aff = per_sample ? 2 : 0;
+    check_cuda(lnm::ln_modulate_finalize(f, stream), "finalize launch");
+  }
+  return finish();
+}
+
+int64_t ln_modulate_max_d_py(const std::string& dtype, bool vectorized) {
+  lnm::DType t = lnm::DType::kFloat32;
+  if (dtype == "bfloat16") t = lnm::DType::kBFloat16;
+  else if (dtype == "float16") t = lnm::DType::kFloat16;
+  else TORCH_CHECK(dtype == "float32", "ln_modulate.max_d: dtype must be float32, float16 or bfloat16");
+  return lnm::ln_modulate_max_d(t, vectorized);
+}
+
+bool ln_modulate_set_tuning_py(int64_t slot, int64_t variant) {
+  return lnm::ln_modulate_set_tuning((int)slot, (int)variant);
+}
+
+// Kernel configuration that a call with these shapes would use: fwd threads/CTA, fwd rows/CTA,
+// bwd threads/CTA, fwd resident CTAs (the persistent grid), bwd tiles, bwd rows per tile.
+std::vector<int64_t> ln_modulate_describe_py(const at::Tensor& x, const at::Tensor& scale, bool affine) {
+  check_x(x, "x");
+  check_mod(scale, x, "scale");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const lnm::DType xt = to_dtype(x.scalar_type());
+  const lnm::DType mt = to_dtype(scale.scalar_type());
+  const int vec = 16 / (int)x.element_size();
+  static float dummy[4] = {0, 0, 0, 0};
+  lnm::FwdParams fp;
+  fp.B = x.size(0);
+  fp.S = x.size(1);
+  fp.D = (int)x.size(2);
+  fp.vectorized = x.size(2) % vec == 0;
+  lnm::BwdParams bp;
+  bp.B = fp.B;
+  bp.S = fp.S;
+  bp.D = fp.D;
+  bp.per_sample = scale.size(1) == 1;
+  bp.vectorized = fp.vectorized;
+  bp.weight = affine ? dummy : nullptr;
+  int out[4] = {0, 0, 0, 0};
+  lnm::ln_modulate_describe(fp, bp, xt, mt, out);
+  lnm::ln_modulate_bwd_plan(bp, xt, mt, 0);
+  return {out[0], out[1], out[2], out[3], bp.num_tiles, bp.rows_per_tile};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "ds_adaptive fused LayerNorm-Modulate CUDA kernels (use ds_adaptive.ops.ln_modulate)";
+  m.def("forward", &ln_modulate_forward, "y, mean, rstd = forward(x, shift, scale, weight, bias, eps)",
+        py::arg("x"), py::arg("shift"), py::arg("scale"), py::arg("weight"), py::arg("bias"), py::arg("eps"));
+  m.def("backward", &ln_modulate_backward,
+        "dx, dshift, dscale, dweight, dbias = backward(dy, x, mean, rstd, scale, weight, bias, need_dshift)",
+        py::arg("dy"), py::arg("x"), py::arg("mean"), py::arg("rstd"), py::arg("scale"), py::arg("weight"),
+        py::arg("bias"), py::arg("need_dshift"));
+  m.def("max_d", &ln_modulate_max_d_py, "largest D the kernels hold in registers", py::arg("dtype"),
+        py::arg("vectorized"));
+  m.def("set_tuning", &ln_modulate_set_tuning_py, "benchmark hook: kernel-config variant per slot", py::arg("slot"),
+        py::arg("variant"));
+  m.def("describe", &ln_modulate_describe_py, "kernel configuration for these shapes", py::arg("x"),
+        py::arg("scale"), py::arg("affine") = false);
+}
