@@ -10,7 +10,6 @@ from ds_adaptive.models.wan import (WAN_CONFIGS, WanConfigError, WanModel, get_w
 from ds_adaptive.models.weights import wan_key_to_diffusers
 from ds_adaptive.ops.ln_modulate import ln_modulate_reference
 
-torch.set_num_threads(1)
 diffusers = pytest.importorskip("diffusers", reason="diffusers is the reference these tests compare with")
 
 # head_dim 128 (the released models) and head_dim 32 (rotary split 6/5/5 pairs, custom text width)

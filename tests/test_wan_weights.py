@@ -14,7 +14,6 @@ from ds_adaptive.models.wan import WanModel, get_wan_config, is_fp32_param
 from ds_adaptive.models.weights import (WanWeightsError, checkpoint_files, config_from_dict, convert_diffusers_to_wan,
                                         convert_wan_to_diffusers, load_wan_weights, read_config, save_wan_weights)
 
-torch.set_num_threads(1)
 diffusers = pytest.importorskip("diffusers", reason="diffusers writes the reference checkpoints these tests load")
 
 CFG = get_wan_config(dict(dim=96, num_heads=3, num_layers=2, ffn_dim=160, text_dim=64))
