@@ -43,7 +43,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Iterator, Literal, Mapping, Optional, Sequence
+from typing import Iterator, Literal, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
@@ -51,6 +51,13 @@ from ds_adaptive.cost import CostModel
 from ds_adaptive.shapes import SampleShape
 
 Mode = Literal["dual", "tokens", "fixed"]
+Bucket = Union[SampleShape, int]
+"""A shape bucket: a video/image shape, or a plain sequence length in tokens (non-video datasets)."""
+
+
+def bucket_tokens(b: Bucket) -> int:
+    """Tokens (unpadded) of a bucket."""
+    return b.tokens if isinstance(b, SampleShape) else int(b)
 
 
 class OversizeSampleError(ValueError):
@@ -194,7 +201,7 @@ class _ShapeTable:
         self.c0 = cost.c0
         self.cost1 = np.array([cost.per_gpu_cost(s) for s in self.shapes], float)
         self.mem1 = np.array([cost.per_gpu_memory(s) for s in self.shapes], float)
-        self.tokens = np.array([s.tokens for s in self.shapes], np.int64)
+        self.tokens = np.array([bucket_tokens(s) for s in self.shapes], np.int64)
         self.padded = np.array([cost.padded_tokens(s) for s in self.shapes], np.int64)
         self.bmax = np.zeros(n, np.int64)
         self.why = [""] * n
@@ -233,8 +240,12 @@ class _ShapeTable:
         return self.c0 + b * self.cost1[u]
 
 
-def unique_shapes(shapes: Sequence[SampleShape]) -> tuple[list[SampleShape], np.ndarray]:
+def unique_shapes(shapes: Sequence[Bucket]) -> tuple[list[Bucket], np.ndarray]:
     """Distinct shapes (sorted) and the per-sample index into them."""
+    kinds = {type(s) for s in shapes}
+    if len(kinds) > 1:
+        raise PlanError(f"sample shapes mix {sorted(k.__name__ for k in kinds)}: give every sample a "
+                        "SampleShape or every sample a token length, not both")
     uniq = sorted(set(shapes))
     pos = {s: i for i, s in enumerate(uniq)}
     return uniq, np.fromiter((pos[s] for s in shapes), np.int64, count=len(shapes))
@@ -499,7 +510,7 @@ def resolve_budgets(*, mode: Mode, cost: CostModel, shapes: Sequence[SampleShape
     else:
         m_comp_v = float(m_comp)
     if max_tokens is None:
-        longest = max(fits, key=lambda s: s.tokens)
+        longest = max(fits, key=bucket_tokens)
         per_tok = cost.per_gpu_memory(longest) / cost.padded_tokens(longest)
         max_tokens_v = max(int(m_mem_v / per_tok), cost.padded_tokens(longest))
     else:

@@ -157,7 +157,7 @@ def _from_torch_distributed(sp_size: Optional[int]) -> Optional[Topology]:
 def shapes_fingerprint(shapes: Sequence[SampleShape]) -> str:
     h = hashlib.sha256()
     for s in shapes:
-        h.update(f"{s.frames}x{s.height}x{s.width};".encode())
+        h.update(f"{s};".encode())   # FxHxW, or a token length
     return h.hexdigest()[:16]
 
 
@@ -188,7 +188,7 @@ class _PlannedBatchSampler(_SamplerBase):
                  loss_weighting: str = "samples") -> None:
         if cost.sp != topology.sp_size:
             raise ValueError(f"cost model sp={cost.sp} but topology sp_size={topology.sp_size}")
-        self.shapes = list(shapes)
+        self.shapes = [s if isinstance(s, SampleShape) else int(s) for s in shapes]
         if not self.shapes:
             raise ValueError("the dataset has no samples (sample_shapes() is empty)")
         self.topology = topology
