@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save", default=None, help="checkpoint directory")
     p.add_argument("--save-interval", type=int, default=0,
                    help="save every N steps (0: only at the end, when --save is given)")
-    p.add_argument("--resume", default=None, help="resume from the latest checkpoint in this directory")
+    p.add_argument("--resume", default=None,
+                   help="resume from the latest checkpoint of this --save directory, or from DIR/global_stepN")
     return p
 
 
@@ -206,6 +207,17 @@ def _ensure_optimizer(ds_cfg: dict, rank: int) -> dict:
     return ds_cfg
 
 
+def _checkpoint_location(path: str) -> tuple[str, Optional[str]]:
+    """``--resume DIR`` (the --save directory: its 'latest' checkpoint) or ``DIR/global_stepN`` (that one)."""
+    p = Path(path)
+    if (p / "latest").is_file():
+        return str(p), None
+    if p.is_dir() and any(p.glob("*model_states.pt")):
+        return str(p.parent), p.name
+    raise UsageError(f"--resume {path}: no DeepSpeed checkpoint there (neither a 'latest' file nor *model_states.pt); "
+                     "pass the directory given to --save, or one of its global_stepN subdirectories")
+
+
 def _checkpoint_state(sampler, global_step: int, epoch: int, step_in_epoch: int, args, world: int) -> dict:
     return {CLIENT_STATE_KEY: {
         "global_step": global_step, "epoch": epoch, "step_in_epoch": step_in_epoch,
@@ -295,10 +307,10 @@ def train(args: argparse.Namespace) -> dict:
 
     global_step, epoch, step_in_epoch = 0, 0, 0
     if args.resume:
-        load_path, client = engine.load_checkpoint(args.resume)
+        load_dir, tag = _checkpoint_location(args.resume)
+        load_path, client = engine.load_checkpoint(load_dir, tag=tag)
         if load_path is None:
-            raise UsageError(f"--resume {args.resume}: no DeepSpeed checkpoint there (no 'latest' file); "
-                             "pass the directory given to --save")
+            raise UsageError(f"--resume {args.resume}: DeepSpeed could not load a checkpoint from it")
         state = (client or {}).get(CLIENT_STATE_KEY)
         if state is None:
             raise UsageError(f"--resume {args.resume}: the checkpoint {load_path} was not written by ds_adaptive "

@@ -1,0 +1,65 @@
+"""Shared test helpers: repository paths and multi-process (gloo) launches of the trainer.
+
+Multi-process tests start real processes, like the ``deepspeed`` launcher does (RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT in the environment), with one thread each so that
+two ranks share a 2-core CI machine fairly. DeepSpeed JIT-builds a small CPU op on its first
+init; set TORCH_EXTENSIONS_DIR to a cached directory to pay that once (.ci/run does).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "launch" / "configs"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_ranks(argv: list[str], world: int, *, cwd: Path, timeout: float = 600,
+                 env: dict | None = None) -> list[subprocess.CompletedProcess]:
+    """Run ``python <argv>`` as ``world`` ranks of one gloo job; fail the test (with every rank's
+    output) if a rank fails or the job exceeds ``timeout`` seconds."""
+    port = str(_free_port())
+    procs = []
+    for rank in range(world):
+        e = {**os.environ, **(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        procs.append(subprocess.Popen([sys.executable, *argv], cwd=cwd, env=e, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    deadline = time.monotonic() + timeout
+    results = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            results.append(subprocess.CompletedProcess(p.args, p.returncode, out, ""))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        outs = "\n".join(f"--- rank {i} ---\n{p.communicate()[0][-4000:]}" for i, p in enumerate(procs))
+        pytest.fail(f"{world}-rank job {argv[:3]} timed out after {timeout} s\n{outs}")
+    bad = [i for i, r in enumerate(results) if r.returncode != 0]
+    if bad:
+        outs = "\n".join(f"--- rank {i} (exit {r.returncode}) ---\n{r.stdout[-6000:]}" for i, r in enumerate(results))
+        pytest.fail(f"{world}-rank job {argv[:3]} failed on rank(s) {bad}\n{outs}")
+    return results
+
+
+def train_argv(*args: str) -> list[str]:
+    """argv of the trainer module (what launch/train_wan.py runs)."""
+    return ["-m", "ds_adaptive.train", *args]
+
+
+@pytest.fixture
+def cpu_config() -> Path:
+    return CONFIGS / "cpu_tiny.json"

@@ -1,0 +1,121 @@
+"""Guards the adaptive_load block of ds_config: clear errors (key, type, file, JSON) and the dict DeepSpeed gets."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ds_adaptive.config import (AdaptiveLoadConfig, ConfigError, load_adaptive_config, prepare_ds_config,
+                                read_ds_config, strip_block)
+
+
+def _write(tmp_path, obj) -> str:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(obj) if not isinstance(obj, str) else obj)
+    return str(path)
+
+
+def test_absent_block_gives_disabled_defaults():
+    cfg = load_adaptive_config({"train_micro_batch_size_per_gpu": 1})
+    assert cfg == AdaptiveLoadConfig()
+    assert cfg.enabled is False and cfg.fused_ln_modulate is False and cfg.sampler.mode == "dual"
+
+
+def test_valid_block_from_file(tmp_path):
+    cfg = load_adaptive_config(_write(tmp_path, {"adaptive_load": {
+        "enabled": True, "fused_ln_modulate": True, "sampler": {"mode": "tokens", "m_mem": 40},
+        "metrics": {"interval": 3, "log_dir": "x"}}}))
+    assert cfg.enabled and cfg.fused_ln_modulate
+    assert cfg.sampler.mode == "tokens" and cfg.sampler.m_mem == 40.0
+    assert cfg.metrics.interval == 3 and cfg.metrics.log_dir == "x"
+
+
+def test_unknown_top_level_key_is_named_with_valid_keys(tmp_path):
+    path = _write(tmp_path, {"adaptive_load": {"enable": True}})
+    with pytest.raises(ConfigError) as exc:
+        load_adaptive_config(path)
+    msg = str(exc.value)
+    assert "adaptive_load.enable'" in msg and path in msg
+    for valid in ("enabled", "fused_ln_modulate", "sampler", "metrics"):
+        assert valid in msg
+
+
+def test_unknown_nested_key_is_named_with_valid_keys():
+    with pytest.raises(ConfigError) as exc:
+        load_adaptive_config({"adaptive_load": {"metrics": {"intervall": 5}}})
+    msg = str(exc.value)
+    assert "adaptive_load.metrics.intervall" in msg
+    for valid in ("interval", "log_dir", "tensorboard", "jsonl", "sync_timing"):
+        assert valid in msg
+
+
+@pytest.mark.parametrize("block, key", [
+    ({"enabled": "sometimes"}, "adaptive_load.enabled"),
+    ({"sampler": {"mode": "fast"}}, "adaptive_load.sampler.mode"),
+    ({"sampler": {"m_mem": "lots"}}, "adaptive_load.sampler.m_mem"),
+    ({"metrics": {"interval": 0}}, "adaptive_load.metrics.interval"),
+    ({"sampler": {"p": -1}}, "adaptive_load.sampler.p"),
+])
+def test_bad_type_or_value_names_the_key_and_value(block, key):
+    with pytest.raises(ConfigError) as exc:
+        load_adaptive_config({"adaptive_load": block})
+    assert key in str(exc.value)
+    bad = next(iter(block.values()))
+    shown = bad if not isinstance(bad, dict) else next(iter(bad.values()))
+    assert repr(shown) in str(exc.value)
+
+
+def test_block_must_be_an_object():
+    with pytest.raises(ConfigError, match="must be a JSON object, got list"):
+        load_adaptive_config({"adaptive_load": [1]})
+
+
+def test_missing_file_names_it(tmp_path):
+    missing = tmp_path / "nope.json"
+    with pytest.raises(ConfigError, match=f"{missing}.*does not exist"):
+        load_adaptive_config(str(missing))
+
+
+def test_invalid_json_names_file_and_position(tmp_path):
+    path = _write(tmp_path, '{"adaptive_load": {"enabled": true,}}')
+    with pytest.raises(ConfigError) as exc:
+        read_ds_config(path)
+    assert path in str(exc.value) and "not valid JSON" in str(exc.value) and "line 1" in str(exc.value)
+
+
+def test_strip_block_keeps_the_rest():
+    raw = {"adaptive_load": {"enabled": True}, "zero_optimization": {"stage": 3}}
+    assert strip_block(raw) == {"zero_optimization": {"stage": 3}}
+    assert "adaptive_load" in raw  # not mutated
+
+
+@pytest.mark.parametrize("on_gpu, expected", [(True, True), (False, False)])
+def test_bf16_auto_follows_the_device(on_gpu, expected):
+    out = prepare_ds_config({"bf16": {"enabled": "auto"}, "adaptive_load": {}}, dp_size=2, on_gpu=on_gpu)
+    assert out["bf16"]["enabled"] is expected
+    assert "adaptive_load" not in out
+
+
+def test_explicit_precision_is_kept_and_conflicts_are_errors():
+    assert prepare_ds_config({"bf16": {"enabled": True}}, dp_size=1, on_gpu=False)["bf16"]["enabled"] is True
+    assert prepare_ds_config({"bf16": {"enabled": False}}, dp_size=1, on_gpu=True)["bf16"]["enabled"] is False
+    with pytest.raises(ConfigError, match="both 'bf16' and 'fp16'"):
+        prepare_ds_config({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, dp_size=1, on_gpu=True)
+    with pytest.raises(ConfigError, match="bf16.enabled.*'yes'"):
+        prepare_ds_config({"bf16": {"enabled": "yes"}}, dp_size=1, on_gpu=True)
+
+
+def test_batch_keys_become_nominal_micro_batch_and_real_gas():
+    out = prepare_ds_config({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2}, dp_size=4, on_gpu=True)
+    assert out["gradient_accumulation_steps"] == 2
+    assert out["train_micro_batch_size_per_gpu"] == 1 and "train_batch_size" not in out
+    out = prepare_ds_config({"gradient_accumulation_steps": 3, "train_batch_size": 999}, dp_size=4, on_gpu=True)
+    assert out["gradient_accumulation_steps"] == 3 and "train_batch_size" not in out
+    assert prepare_ds_config({}, dp_size=8, on_gpu=True)["gradient_accumulation_steps"] == 1
+
+
+def test_bad_batch_keys_are_errors():
+    with pytest.raises(ConfigError, match="train_batch_size=10 is not a multiple"):
+        prepare_ds_config({"train_batch_size": 10}, dp_size=4, on_gpu=True)
+    with pytest.raises(ConfigError, match="gradient_accumulation_steps must be an int >= 1, got 0"):
+        prepare_ds_config({"gradient_accumulation_steps": 0}, dp_size=1, on_gpu=True)

@@ -1,0 +1,96 @@
+"""Guards shape arithmetic (pixels -> Wan latent -> tokens) and the shape-distribution files."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ds_adaptive.shapes import (DEFAULT_SHAPES_FILE, SampleShape, ShapeError, latent_to_token_grid,
+                                load_shape_distribution, num_tokens, pad_to_multiple, parse_shape_distribution)
+
+
+@pytest.mark.parametrize("frames, height, width, latent, tokens", [
+    (81, 480, 832, (16, 21, 60, 104), 32760),
+    (81, 720, 1280, (16, 21, 90, 160), 75600),
+    (1, 480, 832, (16, 1, 60, 104), 1560),
+    (1, 720, 1280, (16, 1, 90, 160), 3600),
+    (1, 1024, 1024, (16, 1, 128, 128), 4096),
+    (17, 480, 832, (16, 5, 60, 104), 7800),
+])
+def test_tokens_and_latent_shape(frames, height, width, latent, tokens):
+    s = SampleShape(frames, height, width)
+    assert s.latent_shape == latent
+    assert s.tokens == tokens == num_tokens(frames, height, width)
+    assert s.is_image == (frames == 1)
+    assert str(s) == f"{frames}x{height}x{width}"
+
+
+@pytest.mark.parametrize("frames, height, width, match", [
+    (80, 480, 832, "frames must be 4n\\+1.*got 80; use 77 or 81"),
+    (81, 470, 832, "height must be a multiple of 16.*got 470; resize or crop to 464 or 480"),
+    (81, 480, 830, "width must be a multiple of 16"),
+    (0, 480, 832, "frames must be >= 1"),
+    (1, -16, 832, "height must be >= 1"),
+    (1.0, 480, 832, "frames must be an int"),
+    (True, 480, 832, "frames must be an int"),
+])
+def test_invalid_shapes_are_errors(frames, height, width, match):
+    with pytest.raises(ShapeError, match=match):
+        SampleShape(frames, height, width)
+
+
+def test_padding_for_sequence_parallelism():
+    s = SampleShape(81, 480, 832)
+    assert s.padded_tokens(1) == 32760 and s.padded_tokens(8) == 32760
+    assert s.padded_tokens(7) == 32760 + (-32760 % 7)
+    assert pad_to_multiple(1561, 4) == 1564
+    with pytest.raises(ValueError, match="must be >= 1"):
+        pad_to_multiple(10, 0)
+
+
+def test_latent_to_token_grid():
+    assert latent_to_token_grid((21, 60, 104)) == (21, 30, 52)
+    with pytest.raises(ShapeError, match="not divisible by the patch"):
+        latent_to_token_grid((21, 61, 104))
+
+
+def test_default_distribution_is_the_documented_mix():
+    dist = load_shape_distribution()
+    shapes = {w.shape for w in dist}
+    images = {(s.height, s.width) for s in shapes if s.is_image}
+    assert images == {(480, 832), (832, 480), (1024, 1024), (720, 1280)}
+    videos = [s for s in shapes if not s.is_image]
+    assert {s.frames for s in videos} >= {17, 81} and min(s.frames for s in videos) == 17
+    assert max(s.frames for s in videos) == 81
+    assert {min(s.height, s.width) for s in videos} == {480, 720}
+    total = sum(w.weight for w in dist)
+    image_share = sum(w.weight for w in dist if w.shape.is_image) / total
+    assert 0.4 < image_share < 0.7
+    assert DEFAULT_SHAPES_FILE.is_file()
+
+
+@pytest.mark.parametrize("entries, match", [
+    ([], "is empty"),
+    ([{"frames": 1, "height": 480}], r"entry 0: missing key\(s\) \['width'\]"),
+    ([{"frames": 1, "height": 480, "width": 832, "fps": 8}], r"entry 0: unknown key\(s\) \['fps'\]"),
+    ([{"frames": 1, "height": 480, "width": 832, "weight": 0}], "entry 0: weight must be a number > 0"),
+    ([{"frames": 1, "height": 480, "width": 832}, {"frames": 2, "height": 480, "width": 832}],
+     r"frames must be 4n\+1 .*\(test.json entry 1\), got 2"),
+    (["81x480x832"], "entry 0: expected an object"),
+])
+def test_bad_distribution_entries_name_the_entry(entries, match):
+    with pytest.raises(ShapeError, match=match):
+        parse_shape_distribution(entries, source="test.json")
+
+
+def test_distribution_files(tmp_path):
+    good = tmp_path / "s.json"
+    good.write_text(json.dumps([{"frames": 5, "height": 64, "width": 64, "weight": 2}]))
+    (w,) = load_shape_distribution(good)
+    assert w.shape == SampleShape(5, 64, 64) and w.weight == 2.0
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_shape_distribution(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("[{")
+    with pytest.raises(ShapeError, match="not valid JSON"):
+        load_shape_distribution(bad)
