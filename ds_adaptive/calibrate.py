@@ -500,11 +500,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not 1 <= k1 < k2:
         ap.error(f"--layers needs 1 <= k1 < k2, got {k1},{k2}")
     shapes = parse_lengths(args.lengths) if args.lengths else list(DEFAULT_CALIBRATION_SHAPES)
-    batch_sizes = _batch_sizes(shapes, args.sp)
-    if args.batch_sizes:
+    if args.batch_sizes:  # explicit: listed lengths get these sizes, the others B=1
+        batch_sizes = {sh.tokens: [1] for sh in shapes}
         for part in args.batch_sizes.split(";"):
-            s, bs = part.split(":")
-            batch_sizes[int(s)] = [int(b) for b in bs.split(",")]
+            try:
+                s, bs = part.split(":")
+                batch_sizes[int(s)] = [int(b) for b in bs.split(",")]
+            except ValueError:
+                ap.error(f"--batch-sizes: '{part}' is not TOKENS:B1,B2 (e.g. '1560:1,12;4096:1,4')")
+    else:
+        batch_sizes = _batch_sizes(shapes, args.sp)
     overrides = {}
     for ov in args.override:
         k, _, v = ov.partition("=")

@@ -1,0 +1,81 @@
+"""`ds-adaptive calibrate`: end to end on CPU with the tiny Wan model; the shipped profiles are
+what --from-block-scaling rebuilds from the measured block data."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ds_adaptive import calibrate
+from ds_adaptive.cost import PROFILES_DIR, CostModel, load_profile
+
+BLOCK_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "h100_block_scaling.json"
+
+
+def test_cpu_tiny_end_to_end(tmp_path, capsys):
+    pytest.importorskip("torch")
+    try:
+        import ds_adaptive.models.wan  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(f"the Wan model is not available: {exc}")
+    out = tmp_path / "tiny.json"
+    rc = calibrate.main(["--model", "tiny", "--device", "cpu", "--layers", "1,2", "--lengths",
+                         "1x64x64,1x128x128,5x64x64,9x64x64", "--batch-sizes", "16:1,2;64:1,2",
+                         "--warmup", "1", "--iters", "1", "--min-fit-tokens", "0", "--out", str(out)])
+    assert rc == 0
+    prof = json.loads(out.read_text())
+    assert prof["device"] == "cpu" and prof["model"]["name"] == "tiny" and prof["sp"] == 1
+    assert {"torch", "date", "compute", "memory", "static_memory", "measurements", "comm"} <= set(prof)
+    raw = prof["measurements"]["raw"]
+    assert {r["layers"] for r in raw} == {1, 2} and len(raw) == 2 * 6
+    assert len(prof["measurements"]["full_model"]) == 6
+    c = prof["compute"]
+    assert min(c["c0_ms"], c["a_ms_per_token"], c["b_ms_per_token2"]) >= 0
+    assert "max_rel_err" in c["fit"] and len(c["fit"]["points"]) == 6
+    cm = CostModel(str(out))                      # the written profile is usable
+    assert cm.batch_cost(64, 2) > 0
+    assert "full-model fit" in capsys.readouterr().out
+
+
+def test_cpu_tiny_ulysses_emulation(tmp_path):
+    pytest.importorskip("torch")
+    try:
+        import ds_adaptive.models.wan  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(f"the Wan model is not available: {exc}")
+    out = tmp_path / "tiny_sp2.json"
+    assert calibrate.main(["--model", "tiny", "--device", "cpu", "--sp", "2", "--layers", "1,2", "--lengths",
+                           "1x64x64,1x128x128,5x64x64", "--batch-sizes", "64:1", "--warmup", "0", "--iters", "1",
+                           "--min-fit-tokens", "0", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["sp"] == 2
+
+
+def test_ulysses_emulation_shapes():
+    torch = pytest.importorskip("torch")
+    q = torch.randn(2, 6, 4, 8)
+    out = calibrate.UlyssesEmulation(2)(q, q, q)
+    assert out.shape == q.shape
+
+
+@pytest.mark.skipif(not BLOCK_DATA.is_file(), reason=f"{BLOCK_DATA} not present")
+def test_shipped_profiles_are_rebuilt_from_block_scaling(tmp_path):
+    assert calibrate.main(["--from-block-scaling", str(BLOCK_DATA), "--out", str(tmp_path)]) == 0
+    for name in ("h100-wan2.1-1.3b", "h100-wan2.1-14b"):
+        new = json.loads((tmp_path / f"{name}.json").read_text())
+        old = json.loads((PROFILES_DIR / f"{name}.json").read_text())
+        for k in ("c0_ms", "a_ms_per_token", "b_ms_per_token2"):
+            assert new["compute"][k] == pytest.approx(old["compute"][k])
+        assert new["source"].startswith("shared/data/h100_block_scaling.json (per-block, scaled by depth)")
+        # saturated points are fitted within 6%
+        assert new["compute"]["fit"]["max_rel_err"] < 0.06
+    p = load_profile("h100-wan2.1-1.3b")
+    assert p.static_memory_gib(3, 16) < 5
+
+
+def test_cuda_requested_without_gpu_is_a_clear_error(tmp_path, capsys):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    assert calibrate.main(["--model", "tiny", "--out", str(tmp_path / "x.json")]) == 2
+    assert "no CUDA GPU" in capsys.readouterr().err

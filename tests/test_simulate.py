@@ -1,0 +1,39 @@
+"""`ds-adaptive simulate`: JSON schema, the plot, and the balance targets at 16 GPUs."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ds_adaptive import simulate
+
+KEYS = {"compute_cv_mean", "balance_efficiency", "predicted_tokens_per_s", "samples", "micro_steps", "oversize",
+        "cv_p50", "cv_p90", "idle_fraction", "tail_dropped", "steps", "tokens", "memory_utilization"}
+
+
+def test_json_schema(capsys):
+    assert simulate.main(["--world", "8", "--sp", "2", "--steps", "4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["world"] == 8 and out["sp"] == 2 and out["dp"] == 4
+    assert {"tokens", "fixed", "dual"} <= set(out["samplers"])
+    for name, r in out["samplers"].items():
+        assert KEYS <= set(r), name
+        assert 0 <= r["compute_cv_mean"] < 2 and 0 < r["balance_efficiency"] <= 1
+        assert r["idle_fraction"] == pytest.approx(1 - r["balance_efficiency"])
+        assert r["micro_steps"] == 4 and r["samples"] > 0 and r["predicted_tokens_per_s"] > 0
+        assert r["memory_utilization"]["max"] <= 1 + 1e-9      # same memory budget for all
+
+
+def test_targets_at_16_gpus_and_plot(tmp_path):
+    png = tmp_path / "sim.png"
+    res = simulate.simulate(world=16, sp=1, steps=30, keep_plans=True)
+    simulate.plot(res, str(png))
+    assert png.stat().st_size > 10_000
+    d, t = res["samplers"]["dual"], res["samplers"]["tokens"]
+    assert d["compute_cv_mean"] <= 0.05 and t["compute_cv_mean"] >= 0.15
+    assert d["predicted_tokens_per_s"] >= 1.25 * t["predicted_tokens_per_s"]
+
+
+def test_cli_rejects_bad_world(capsys):
+    with pytest.raises(ValueError, match="not divisible"):
+        simulate.main(["--world", "6", "--sp", "4"])
