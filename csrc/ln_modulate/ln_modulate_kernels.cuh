@@ -290,6 +290,10 @@ __global__ void __launch_bounds__(TPR) ln_mod_bwd_kernel(const BwdParams p) {
   const float inv_d = 1.f / (float)D;
   const bool has_b = p.bias != nullptr;
   const bool write_dshift = p.dshift_tok != nullptr;
+  // Reduction buffer alternates per row across tiles too: consecutive rows never share one, so a
+  // single barrier per row suffices (a thread can only overwrite buffer k after every thread has
+  // passed the next row's barrier, i.e. finished reading buffer k).
+  int buf = 0;
 
   for (int64_t tile = blockIdx.x; tile < p.num_tiles; tile += gridDim.x) {
     const int64_t seg = tile / p.tiles_per_seg;
@@ -304,7 +308,6 @@ __global__ void __launch_bounds__(TPR) ln_mod_bwd_kernel(const BwdParams p) {
 #pragma unroll
       for (int j = 0; j < VEC; ++j) acc_sh[i][j] = acc_sc[i][j] = acc_w[i][j] = acc_b[i][j] = 0.f;
 
-    int buf = 0;
     for (int64_t row = r0; row < r1; ++row, buf ^= 1) {
       const int64_t b = row / p.S, s = row - b * p.S;
       const T* dyr = static_cast<const T*>(p.dy) + b * p.dy_sb + s * p.dy_ss;

@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# One script for a GPU node: install the offline wheelhouse, build the fused op once, run the
+# GPU tests and the benchmarks. Results go to $OUT (default bench/out/gpu_check); the last lines
+# of stdout are a short summary. Run from the repository root:
+#
+#   GIT_COMMIT=<sha> OUT=/some/dir bash bench/gpu_check.sh
+#
+# Through the device tool (carry the wheelhouse built by ../shared/gpu/wheelhouse.sh):
+#   run(kind="nvidia-h100-x1", carry=[".whl"], timeout_s=540,
+#       command="GIT_COMMIT=<sha> PYTHONUNBUFFERED=1 bash bench/gpu_check.sh")
+#
+# Environment knobs: STEPS (space-separated subset of: env build tests bench; default all),
+# BENCH_ARGS (extra args for bench/ln_modulate.py, e.g. "--quick --tune"), TEST_ARGS (for pytest),
+# PREBUILD=1 (also build the op through setup.py build_ext --inplace and load that).
+# Other engineers: add a step as a function do_NAME below (export -f it, give it a LIMIT) and
+# append NAME to STEPS_ALL.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench/out/gpu_check}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/torch_extensions}
+STEPS_ALL="env build tests bench"
+STEPS=${STEPS:-$STEPS_ALL}
+declare -A STATUS
+SUMMARY="$OUT/summary.txt"
+: > "$SUMMARY"
+
+note() { echo "[gpu_check $(date +%H:%M:%S)] $*" | tee -a "$SUMMARY"; }
+
+run_step() {  # run_step NAME TIMEOUT_S FUNCTION  (output to $OUT/NAME.log and stdout)
+  local name=$1 limit=$2 fn=$3
+  local t0=$SECONDS
+  note "step $name: start (limit ${limit}s)"
+  timeout "$limit" bash -c "$fn" 2>&1 | tee "$OUT/$name.log"
+  local rc=${PIPESTATUS[0]}
+  STATUS[$name]="rc=$rc $((SECONDS - t0))s"
+  note "step $name: rc=$rc in $((SECONDS - t0)) s"
+  return "$rc"
+}
+
+# --- python environment: the node has torch/triton/nvcc but no deepspeed/pydantic ------------
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    >"$OUT/pip.log" 2>&1 || note "wheelhouse install failed (see pip.log)"
+  export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
+else
+  note "no .whl wheelhouse: using the installed packages"
+  export PYTHONPATH=$PWD:${PYTHONPATH:-}
+fi
+
+# Each step is a shell function do_NAME (exported, run under `timeout` by run_step).
+do_env() {
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+  python3 -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))'
+  nvcc --version | tail -1
+  echo "TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-unset} CUDA_HOME=${CUDA_HOME:-unset} TORCH_EXTENSIONS_DIR=$TORCH_EXTENSIONS_DIR"
+  python3 -c 'import deepspeed; print("deepspeed", deepspeed.__version__)'
+}
+do_build() {  # the op, once: prebuilt through setup.py (PREBUILD=1) or JIT through DeepSpeed's builder
+  if [ "${PREBUILD:-0}" = "1" ]; then
+    DS_BUILD_LN_MODULATE=1 python3 setup.py build_ext --inplace || return 1
+  fi
+  # `ds-adaptive report --load` loads (JIT-builds) the op, smoke-tests it and prints DeepSpeed's op report
+  python3 -m ds_adaptive.cli report --load --ds-report
+}
+do_tests() {
+  python3 -m pytest tests/gpu -q -ra --maxfail=25 -p no:cacheprovider ${TEST_ARGS:-}
+}
+do_bench() {
+  python3 bench/ln_modulate.py --out "$OUT/ln_modulate.json" ${BENCH_ARGS:-}
+}
+export -f do_env do_build do_tests do_bench
+export OUT
+declare -A LIMIT=([env]=60 [build]=300 [tests]=240 [bench]=330)
+
+for s in $STEPS; do
+  run_step "$s" "${LIMIT[$s]:-300}" "do_$s" || true
+done
+
+echo
+note "summary:"
+for s in $STEPS; do note "  $s: ${STATUS[$s]:-not run}"; done
+if [ -f "$OUT/bench.log" ]; then
+  echo
+  sed -n '/^LayerNorm-Modulate, /,$p' "$OUT/bench.log"
+fi
+if [ -f "$OUT/tests.log" ]; then
+  echo
+  tail -n 15 "$OUT/tests.log"
+fi

@@ -1,0 +1,304 @@
+"""Guards the fused ln_modulate CUDA op: forward and every gradient vs an fp64 reference, layouts, edges."""
+from __future__ import annotations
+
+import importlib
+import warnings
+
+import pytest
+import torch
+
+lnm = importlib.import_module("ds_adaptive.ops.ln_modulate")
+
+CUDA = torch.device("cuda")
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+COMBOS = [(BF16, F32), (BF16, BF16), (F16, F32), (F16, F16), (F32, F32)]
+DS = [8, 100, 1000, 1536, 3072, 5120, 8192]
+BS = [(1, 129), (3, 37), (16, 17)]  # odd S
+
+
+@pytest.fixture(autouse=True)
+def _fused(monkeypatch):
+    monkeypatch.setenv(lnm.ENV_VAR, "fused")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _op():
+    return lnm.load_op(strict=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# fp64 reference, written independently of the op (explicit mean / biased variance)
+# ------------------------------------------------------------------------------------------------
+def ref64(x, shift, scale, eps, weight=None, bias=None):
+    x = x.double()
+    d = x.shape[-1]
+    mean = x.sum(-1, keepdim=True) / d
+    var = ((x - mean) ** 2).sum(-1, keepdim=True) / d
+    h = (x - mean) / torch.sqrt(var + eps)
+    if weight is not None:
+        h = h * weight.double()
+    if bias is not None:
+        h = h + bias.double()
+    if shift.dim() == 2:
+        shift, scale = shift[:, None], scale[:, None]
+    return h * (1 + scale.double()) + shift.double()
+
+
+def make(B, S, D, xdt, mdt, per_token, affine, seed=0):
+    g = torch.Generator(device=CUDA).manual_seed(seed)
+
+    def rn(*shape):
+        return torch.randn(*shape, generator=g, device=CUDA)
+
+    x = (rn(B, S, D) * 1.5 + 0.5).to(xdt)
+    if per_token:  # Wan 2.2-style [B, S, 6, D] table: views with strides (S*6D, 6D, 1)
+        table = (rn(B, S, 6, D) * 0.5).to(mdt)
+        shift, scale = table[:, :, 2], table[:, :, 4]
+    else:  # [B, 6, D] table: [B, 1, D] views with strides (6D, D, 1)
+        table = (rn(B, 6, D) * 0.5).to(mdt)
+        shift, scale = table[:, 2:3], table[:, 4:5]
+    weight = bias = None
+    if affine:
+        weight = (1 + 0.2 * rn(D)).to(mdt)
+        bias = (0.2 * rn(D)).to(mdt)
+    dy = rn(B, S, D).to(xdt)
+    return x, shift, scale, weight, bias, dy
+
+
+def fresh(t):
+    """A copy of t that requires grad and keeps t's layout: a view (strided modulation slice,
+    non-contiguous x) is re-created on a cloned base (clone() alone would densify it)."""
+    if t._base is not None:
+        base = t._base.detach().clone().requires_grad_()
+        return base.as_strided(t.size(), t.stride(), t.storage_offset() - t._base.storage_offset())
+    return t.detach().clone().requires_grad_()
+
+
+def run(fn, x, shift, scale, weight, bias, dy, eps=1e-6):
+    """y and grads of fn w.r.t. x, shift, scale (and weight, bias), on fresh copies in t's layout."""
+    leaves = [fresh(t) for t in (x, shift, scale)]
+    assert all(a.stride() == t.stride() for a, t in zip(leaves, (x, shift, scale)))
+    aff = [t.detach().clone().requires_grad_() for t in (weight, bias) if t is not None]
+    w = aff[0] if weight is not None else None
+    b = aff[1] if bias is not None else None
+    y = fn(leaves[0], leaves[1], leaves[2], eps, w, b)
+    grads = torch.autograd.grad(y, leaves + aff, dy.to(y.dtype))
+    return [y.detach()] + list(grads)
+
+
+def assert_close_to_fp64(outs, torch_outs, ref_outs, names, rel_atol=2e-5):
+    """Flash-attention style: |ours - ref| <= 2 |torch_lowp - ref| + small atol, per output."""
+    for name, o, t, r in zip(names, outs, torch_outs, ref_outs):
+        assert o.shape == r.shape, f"{name}: shape {tuple(o.shape)} != {tuple(r.shape)}"
+        assert o.dtype == t.dtype, f"{name}: dtype {o.dtype} != torch's {t.dtype}"
+        assert torch.isfinite(o).all(), f"{name}: non-finite values"
+        err = (o.double() - r).abs().max().item()
+        err_torch = (t.double() - r).abs().max().item()
+        atol = rel_atol * (r.abs().max().item() + 1e-3)
+        assert err <= 2 * err_torch + atol, f"{name}: max err {err:.3g} > 2 x torch's {err_torch:.3g} + {atol:.2g}"
+
+
+def check(B, S, D, xdt, mdt, per_token, affine, seed=0, shift=None, scale=None):
+    x, sh, sc, w, b, dy = make(B, S, D, xdt, mdt, per_token, affine, seed)
+    sh = sh if shift is None else shift(sh)
+    sc = sc if scale is None else scale(sc)
+    ours = run(lnm.ln_modulate, x, sh, sc, w, b, dy)
+    low = run(lnm.ln_modulate_reference, x, sh, sc, w, b, dy)
+    ref = run(ref64, x.double(), sh.double(), sc.double(), None if w is None else w.double(),
+              None if b is None else b.double(), dy.double())
+    names = ["y", "dx", "dshift", "dscale"] + (["dweight", "dbias"] if affine else [])
+    assert_close_to_fp64(ours, low, ref, names)
+    return ours
+
+
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("affine", [False, True], ids=["plain", "affine"])
+@pytest.mark.parametrize("per_token", [False, True], ids=["per_sample", "per_token"])
+@pytest.mark.parametrize("xdt,mdt", COMBOS, ids=[f"x{str(a)[6:]}-m{str(b)[6:]}" for a, b in COMBOS])
+@pytest.mark.parametrize("B,S", BS, ids=[f"B{b}S{s}" for b, s in BS])
+@pytest.mark.parametrize("D", DS)
+def test_matches_fp64(D, B, S, xdt, mdt, per_token, affine):
+    check(B, S, D, xdt, mdt, per_token, affine, seed=D * 7 + B)
+
+
+@pytest.mark.parametrize("D", [1536, 5120, 1000])
+@pytest.mark.parametrize("per_token", [False, True])
+def test_long_sequences_multi_row_tiles(D, per_token):
+    """S large enough that every backward tile spans many rows (and the fwd grid is persistent)."""
+    check(2, 9001, D, BF16, F32, per_token, affine=True, seed=3)
+
+
+def test_wan_1_3b_shape():
+    check(1, 32760, 1536, BF16, F32, per_token=False, affine=False, seed=11)
+
+
+def test_modulation_layouts():
+    B, S, D = 3, 41, 1536
+    # [B, D] (2-D), contiguous [B, 1, D], B broadcast [1, 1, D], mixed per-sample / per-token
+    check(B, S, D, BF16, F32, False, False, shift=lambda t: t[:, 0], scale=lambda t: t[:, 0])
+    check(B, S, D, BF16, F32, False, False, shift=lambda t: t.contiguous(), scale=lambda t: t.contiguous())
+    check(B, S, D, BF16, F32, False, True, shift=lambda t: t[:1], scale=lambda t: t[:1])
+    x, sh, sc, w, b, dy = make(B, S, D, BF16, F32, False, False)
+    per_tok = torch.randn(B, S, D, device=CUDA) * 0.5
+    check(B, S, D, BF16, F32, False, False, scale=lambda t: per_tok)
+    # shift and scale of different dtypes (fp32 + bf16): computed with fp32 modulation
+    check(B, S, D, BF16, F32, True, False, scale=lambda t: t.to(BF16))
+    # unaligned views (offset by one element): scalar path
+    big = torch.randn(B, 6, D + 1, device=CUDA) * 0.5
+    check(B, S, D, BF16, F32, False, False, shift=lambda t: big[:, 0:1, 1:], scale=lambda t: big[:, 3:4, 1:])
+
+
+@pytest.mark.parametrize("layout", ["row_strided", "transposed", "last_dim_strided", "unaligned"])
+def test_non_contiguous_x(layout):
+    B, S, D = 3, 37, 1000
+    x, sh, sc, w, b, dy = make(B, S, D, BF16, F32, False, True)
+    if layout == "row_strided":
+        xs = torch.zeros(B, S, D + 24, device=CUDA, dtype=BF16)[..., :D]
+    elif layout == "transposed":
+        xs = torch.zeros(S, B, D, device=CUDA, dtype=BF16).transpose(0, 1)
+    elif layout == "last_dim_strided":
+        xs = torch.zeros(B, D, S, device=CUDA, dtype=BF16).transpose(1, 2)
+    else:
+        xs = torch.zeros(B, S, D + 1, device=CUDA, dtype=BF16)[..., 1:]
+    xs.copy_(x)
+    assert not xs.is_contiguous()
+    strided = run(lnm.ln_modulate, xs, sh, sc, w, b, dy)
+    contiguous = run(lnm.ln_modulate, x, sh, sc, w, b, dy)
+    for u, v in zip(strided, contiguous):
+        if layout == "unaligned":  # scalar path: same math, another summation order
+            torch.testing.assert_close(u.float(), v.float(), atol=2e-2, rtol=1e-2)
+        else:  # same kernel reading through strides (or a contiguous copy): bitwise equal
+            assert torch.equal(u, v)
+
+
+@pytest.mark.parametrize("B,S,D", [(3, 7, 1), (4, 1, 1536), (1, 1, 8), (0, 5, 64), (2, 0, 1536)])
+@pytest.mark.parametrize("per_token", [False, True])
+def test_edge_sizes(B, S, D, per_token):
+    x, sh, sc, w, b, dy = make(B, S, D, BF16, F32, per_token, True)
+    ours = run(lnm.ln_modulate, x, sh, sc, w, b, dy)
+    ref = run(lnm.ln_modulate_reference, x, sh, sc, w, b, dy)
+    for o, r in zip(ours, ref):
+        assert o.shape == r.shape and o.dtype == r.dtype
+        assert torch.isfinite(o).all()
+        torch.testing.assert_close(o.float(), r.float(), atol=2e-2, rtol=2e-2)
+
+
+def _poison_allocator(nbytes):
+    """Fill the caching allocator's free blocks with NaN: small-pool (<= 1 MiB) segments and one
+    large block, which the op's next allocations (outputs, workspace) then reuse."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    small = [torch.full((256 * 1024,), float("nan"), device=CUDA) for _ in range(48)]
+    large = torch.full((nbytes // 4 + 1024,), float("nan"), device=CUDA)
+    del small, large
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("D,per_token", [(1536, False), (1000, True), (100, False), (5120, True)])
+def test_poisoned_outputs_fully_written(D, per_token):
+    B, S = 3, 53
+    x, sh, sc, w, b, dy = make(B, S, D, BF16, F32, per_token, True)
+    _poison_allocator(64 * B * S * D)
+    probe = torch.empty(B * S * D, dtype=BF16, device=CUDA)
+    assert probe.isnan().any(), "poisoning did not reach the allocator's free blocks"
+    del probe
+    _poison_allocator(64 * B * S * D)
+    outs = run(lnm.ln_modulate, x, sh, sc, w, b, dy)
+    for name, o in zip(["y", "dx", "dshift", "dscale", "dweight", "dbias"], outs):
+        assert torch.isfinite(o).all(), f"{name} has unwritten (NaN) elements"
+    _poison_allocator(64 * B * S * D)
+    y, mean, rstd = torch.ops.ds_adaptive.ln_modulate(x, sh, sc, None, None, 1e-6)
+    assert torch.isfinite(y).all() and torch.isfinite(mean).all() and torch.isfinite(rstd).all()
+
+
+def test_deterministic():
+    x, sh, sc, w, b, dy = make(2, 3001, 1536, BF16, F32, False, True)
+    a = run(lnm.ln_modulate, x, sh, sc, w, b, dy)
+    c = run(lnm.ln_modulate, x, sh, sc, w, b, dy)
+    for u, v in zip(a, c):
+        assert torch.equal(u, v)
+
+
+def test_custom_op_registration_and_fake():
+    x, sh, sc, w, b, dy = make(2, 9, 1536, BF16, F32, False, False)
+    torch.library.opcheck(torch.ops.ds_adaptive.ln_modulate.default, (x, sh, sc, None, None, 1e-6))
+    torch.library.opcheck(torch.ops.ds_adaptive.ln_modulate.default,
+                          (x.requires_grad_(), sh.clone().requires_grad_(), sc.clone().requires_grad_(),
+                           None, None, 1e-6))
+
+
+def test_torch_compile_matches_eager():
+    x, sh, sc, w, b, dy = make(2, 257, 1536, BF16, F32, False, False)
+    table = torch.randn(2, 6, 1536, device=CUDA)
+
+    def f(x, table):
+        h = lnm.ln_modulate(x * 2, table[:, 0:1], table[:, 1:2])
+        return h.float().sin()
+
+    compiled = torch.compile(f, fullgraph=True)
+    res = []
+    for fn in (f, compiled):
+        xl, tl = x.detach().clone().requires_grad_(), table.clone().requires_grad_()
+        y = fn(xl, tl)
+        gx, gt = torch.autograd.grad(y, (xl, tl), dy.float())
+        res.append((y, gx, gt))
+    for e, c in zip(*res):
+        torch.testing.assert_close(c, e, atol=1e-2, rtol=1e-2)
+
+
+def test_cuda_graph_capture_and_replay():
+    x, sh, sc, w, b, dy = make(2, 129, 1536, BF16, F32, False, True)
+    xs = x.clone().requires_grad_()
+    table = torch.randn(2, 6, 1536, device=CUDA).requires_grad_()
+    ws = w.clone().requires_grad_()
+
+    def step():
+        y = lnm.ln_modulate(xs, table[:, 0:1], table[:, 1:2], 1e-6, ws, None)
+        return torch.autograd.grad(y, (xs, table, ws), dy)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    with torch.no_grad():
+        xs.copy_(torch.randn_like(xs))
+        table.copy_(torch.randn_like(table))
+    graph.replay()
+    eager = step()
+    for s_, e in zip(static, eager):
+        assert torch.equal(s_, e)
+
+
+def test_errors_name_what_was_expected():
+    x, sh, sc, w, b, dy = make(2, 5, 64, BF16, F32, False, False)
+    with pytest.raises(ValueError, match=r"shift must be \[B, D\], \[B, 1, D\] or \[B, S, D\]"):
+        lnm.ln_modulate(x, sh[..., :32], sc)
+    with pytest.raises(ValueError, match="is on cpu but x is on cuda"):
+        lnm.ln_modulate(x, sh.cpu(), sc)
+    with pytest.raises(ValueError, match=r"x must be a \[B, S, D\] tensor"):
+        lnm.ln_modulate(x[0], sh, sc)
+    with pytest.raises(TypeError, match="floating-point"):
+        lnm.ln_modulate(x.to(torch.int32), sh, sc)
+    with pytest.raises(RuntimeError, match="must be float32 or x's dtype"):
+        torch.ops.ds_adaptive.ln_modulate(x, sh.half(), sc.half(), None, None, 1e-6)
+
+
+def test_oversized_d_falls_back_with_one_warning(monkeypatch):
+    monkeypatch.setenv(lnm.ENV_VAR, "auto")
+    x, sh, sc, w, b, dy = make(1, 3, 20000, BF16, F32, False, False)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        y1 = lnm.ln_modulate(x, sh, sc)
+        y2 = lnm.ln_modulate(x, sh, sc)
+    msgs = [str(r.message) for r in rec if "register-resident" in str(r.message)]
+    assert len(msgs) <= 1  # exactly one per process (an earlier test may already have emitted it)
+    torch.testing.assert_close(y1, lnm.ln_modulate_reference(x, sh, sc))
+    assert torch.equal(y1, y2)
+    monkeypatch.setenv(lnm.ENV_VAR, "fused")
+    with pytest.raises(ValueError, match="register-resident"):
+        lnm.ln_modulate(x, sh, sc)
