@@ -163,8 +163,9 @@ class StepMetrics:
         self._t_fetch = now
 
     # global gather ------------------------------------------------------------------------
-    def end_step(self, step: int, loss_num: float, loss_den: float, lr: float) -> StepRecord:
-        """Gather this step's figures from every rank (a collective); log on the writer rank."""
+    def end_step(self, step: int, loss_num: float, loss_den: float, lr: float, *, log: bool = False) -> StepRecord:
+        """Gather this step's figures from every rank (a collective); log on the writer rank every
+        ``interval`` steps, at the run's first step, and when ``log`` is true (e.g. the last step)."""
         if len(self._micro) != self.gas:
             raise RuntimeError(f"step {step}: recorded {len(self._micro)} micro-steps, expected {self.gas} "
                                "(gradient_accumulation_steps)")
@@ -201,7 +202,7 @@ class StepMetrics:
             data_ms=max(r[4 * g + 3] for r in rows),
         )
         self.history.append(rec)
-        if self.is_writer and (step % self.cfg.interval == 0 or step == 1):
+        if self.is_writer and (log or step % self.cfg.interval == 0 or len(self.history) == 1):
             self.write(rec)
         return rec
 

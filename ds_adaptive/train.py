@@ -230,7 +230,7 @@ class _Progress:
     """tqdm on an interactive rank 0; plain log lines every ``interval`` steps otherwise."""
 
     def __init__(self, enabled: bool, total: int, initial: int, interval: int) -> None:
-        self.enabled, self.interval, self.bar = enabled, interval, None
+        self.enabled, self.interval, self.bar, self.first = enabled, interval, None, True
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
@@ -244,8 +244,9 @@ class _Progress:
         if self.bar is not None:
             self.bar.set_postfix_str(msg, refresh=False)
             self.bar.update(1)
-        elif rec.step % self.interval == 0 or rec.step in (1, total):
+        elif rec.step % self.interval == 0 or rec.step == total or self.first:
             print(f"step {rec.step}/{total}  {msg}  ({rec.wall_s:.2f} s)", flush=True)
+        self.first = False
 
     def close(self) -> None:
         if self.bar is not None:
@@ -383,7 +384,8 @@ def train(args: argparse.Namespace) -> dict:
                     metrics.end_micro(b, b * tokens, float(b * tokens ** 2))
                 global_step += 1
                 step_in_epoch += 1
-                rec = metrics.end_step(global_step, loss_num, loss_den, opt_groups[0]["lr"])
+                rec = metrics.end_step(global_step, loss_num, loss_den, opt_groups[0]["lr"],
+                                       log=global_step == args.steps)
                 if rec.samples != totals.samples:
                     raise RuntimeError(f"step {global_step}: the ranks processed {rec.samples} samples but the "
                                        f"sampler's step_totals said {totals.samples}; the plan is inconsistent")

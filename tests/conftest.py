@@ -31,6 +31,7 @@ def launch_ranks(argv: list[str], world: int, *, cwd: Path, timeout: float = 600
     """Run ``python <argv>`` as ``world`` ranks of one gloo job; fail the test (with every rank's
     output) if a rank fails or the job exceeds ``timeout`` seconds."""
     port = str(_free_port())
+    what = " ".join(a if len(a) < 60 else a[:57] + "..." for a in argv[:4]).replace("\n", " ")
     procs = []
     for rank in range(world):
         e = {**os.environ, **(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
@@ -47,11 +48,11 @@ def launch_ranks(argv: list[str], world: int, *, cwd: Path, timeout: float = 600
         for p in procs:
             p.kill()
         outs = "\n".join(f"--- rank {i} ---\n{p.communicate()[0][-4000:]}" for i, p in enumerate(procs))
-        pytest.fail(f"{world}-rank job {argv[:3]} timed out after {timeout} s\n{outs}")
+        pytest.fail(f"{world}-rank job `{what}` timed out after {timeout} s\n{outs}")
     bad = [i for i, r in enumerate(results) if r.returncode != 0]
     if bad:
         outs = "\n".join(f"--- rank {i} (exit {r.returncode}) ---\n{r.stdout[-6000:]}" for i, r in enumerate(results))
-        pytest.fail(f"{world}-rank job {argv[:3]} failed on rank(s) {bad}\n{outs}")
+        pytest.fail(f"{world}-rank job `{what}` failed on rank(s) {bad}\n{outs}")
     return results
 
 
