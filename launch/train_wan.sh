@@ -17,6 +17,8 @@
 #   MODEL       tiny | wan2.1-1.3b | wan2.1-14b (default: wan2.1-1.3b on GPU, tiny on CPU)
 #   STEPS       optimizer steps (default: 200 on GPU, 20 on CPU)
 #   SP          Ulysses sequence-parallel degree (default 1)
+#   GRAD_CKPT   1 = activation checkpointing of every block (default: 1 on GPU, where the shipped
+#               memory profiles assume it; 0 on CPU)
 #   PYTHON      python interpreter (default: python)
 #   DRY_RUN=1   print the deepspeed command instead of running it
 # Extra arguments go to the trainer (ds-adaptive train --help lists them).
@@ -43,6 +45,7 @@ if [[ "$NUM_GPUS" == 0 ]]; then
   DS_CONFIG="${DS_CONFIG:-$HERE/configs/cpu_tiny.json}"
   MODEL="${MODEL:-tiny}"
   STEPS="${STEPS:-20}"
+  GRAD_CKPT="${GRAD_CKPT:-0}"
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
   LAUNCH+=(--num_gpus "$NPROC")
   WHERE="$NPROC CPU process(es)"
@@ -50,6 +53,7 @@ else
   DS_CONFIG="${DS_CONFIG:-$HERE/configs/zero3_adaptive.json}"
   MODEL="${MODEL:-wan2.1-1.3b}"
   STEPS="${STEPS:-200}"
+  GRAD_CKPT="${GRAD_CKPT:-1}"
   if [[ -n "${HOSTFILE:-}" ]]; then
     if [[ ! -f "$HOSTFILE" ]]; then
       echo "train_wan.sh: HOSTFILE=$HOSTFILE does not exist (see launch/hostfile.example)" >&2
@@ -72,7 +76,9 @@ if [[ ! -f "$DS_CONFIG" ]]; then
 fi
 
 CMD=("${LAUNCH[@]}" "$HERE/train_wan.py" --deepspeed_config "$DS_CONFIG" --model "$MODEL" --steps "$STEPS"
-     --sp "${SP:-1}" "$@")
+     --sp "${SP:-1}")
+[[ "$GRAD_CKPT" == 1 ]] && CMD+=(--grad-ckpt)
+CMD+=("$@")
 echo "train_wan.sh: $MODEL on $WHERE, $STEPS steps, config $DS_CONFIG"
 echo "+ ${CMD[*]}"
 if [[ "${DRY_RUN:-0}" == 1 ]]; then

@@ -1,0 +1,117 @@
+"""Guards launch/: the shipped ds_configs validate, train_wan.sh builds the right deepspeed command from its
+environment knobs, and the main job (no argument, CPU) prints its summary with a falling loss."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from conftest import CONFIGS, ROOT
+from ds_adaptive.config import load_adaptive_config, prepare_ds_config
+from ds_adaptive.shapes import load_shape_distribution
+
+SCRIPT = ROOT / "launch" / "train_wan.sh"
+
+
+@pytest.mark.parametrize("name", ["zero3_adaptive.json", "zero3_baseline.json", "cpu_tiny.json"])
+def test_shipped_configs_validate(name):
+    raw = json.loads((CONFIGS / name).read_text())
+    cfg = load_adaptive_config(CONFIGS / name)
+    for on_gpu in (True, False):
+        ds = prepare_ds_config(raw, dp_size=2, on_gpu=on_gpu)
+        assert ds["zero_optimization"]["stage"] == 3 and "adaptive_load" not in ds
+        assert ds["bf16"]["enabled"] is on_gpu
+        assert ds["optimizer"]["params"]["torch_adam"] is True  # no JIT-built FusedAdam needed anywhere
+    assert cfg.enabled is (name != "zero3_baseline.json")
+    assert cfg.fused_ln_modulate is (name != "zero3_baseline.json")
+
+
+def test_adaptive_and_baseline_differ_only_in_the_block():
+    a = json.loads((CONFIGS / "zero3_adaptive.json").read_text())
+    b = json.loads((CONFIGS / "zero3_baseline.json").read_text())
+    assert {k: v for k, v in a.items() if k != "adaptive_load"} == {k: v for k, v in b.items() if k != "adaptive_load"}
+    assert a["adaptive_load"]["sampler"]["profile"] == b["adaptive_load"]["sampler"]["profile"]  # same memory model
+
+
+def test_cpu_shape_mix_is_small_and_mixed():
+    cfg = load_adaptive_config(CONFIGS / "cpu_tiny.json")
+    dist = load_shape_distribution(CONFIGS / cfg.sampler.shapes)
+    assert any(w.shape.is_image for w in dist) and any(not w.shape.is_image for w in dist)
+    assert max(w.shape.tokens for w in dist) <= 2048
+
+
+def test_hostfile_example_is_a_deepspeed_hostfile():
+    lines = [x for x in (ROOT / "launch" / "hostfile.example").read_text().splitlines()
+             if x.strip() and not x.startswith("#")]
+    assert lines and all(len(x.split()) == 2 and x.split()[1].startswith("slots=") for x in lines)
+
+
+def _dry(env: dict, *args: str) -> subprocess.CompletedProcess:
+    e = {k: v for k, v in os.environ.items() if k not in ("NUM_GPUS", "HOSTFILE", "DS_CONFIG", "MODEL", "STEPS", "SP")}
+    return subprocess.run(["bash", str(SCRIPT), *args], env={**e, "DRY_RUN": "1", **env}, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_dry_run_cpu_defaults():
+    r = _dry({"NUM_GPUS": "0"})
+    assert r.returncode == 0, r.stderr
+    cmd = r.stdout.splitlines()[-1]
+    assert cmd.startswith("+ deepspeed --num_gpus 2 ")
+    assert "train_wan.py --deepspeed_config" in cmd and cmd.split("--deepspeed_config ")[1].split()[0].endswith(
+        "launch/configs/cpu_tiny.json")
+    assert "--model tiny --steps 20 --sp 1" in cmd
+
+
+def test_dry_run_gpu_defaults_knobs_and_pass_through():
+    r = _dry({"NUM_GPUS": "8"})
+    assert r.returncode == 0, r.stderr
+    cmd = r.stdout.splitlines()[-1]
+    assert "--num_gpus 8 " in cmd and "zero3_adaptive.json" in cmd
+    assert "--model wan2.1-1.3b --steps 200" in cmd and "--grad-ckpt" in cmd
+    r = _dry({"NUM_GPUS": "4", "DS_CONFIG": str(CONFIGS / "zero3_baseline.json"), "MODEL": "wan2.1-14b",
+              "STEPS": "7", "SP": "2", "GRAD_CKPT": "0"}, "--save", "ck", "--save-interval", "5")
+    cmd = r.stdout.splitlines()[-1]
+    assert "zero3_baseline.json --model wan2.1-14b --steps 7 --sp 2 --save ck --save-interval 5" in cmd
+    assert "--grad-ckpt" not in cmd
+
+
+def test_dry_run_multi_node(tmp_path):
+    hosts = tmp_path / "hostfile"
+    hosts.write_text("node-1 slots=8\nnode-2 slots=8\n")
+    r = _dry({"NUM_GPUS": "8", "HOSTFILE": str(hosts), "MASTER_ADDR": "node-1", "MASTER_PORT": "29600"})
+    cmd = r.stdout.splitlines()[-1]
+    assert f"--hostfile {hosts}" in cmd and "--master_addr node-1" in cmd and "--master_port 29600" in cmd
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"NUM_GPUS": "two"}, "NUM_GPUS must be a number"),
+    ({"NUM_GPUS": "8", "HOSTFILE": "/no/such/hostfile"}, "HOSTFILE=/no/such/hostfile does not exist"),
+    ({"NUM_GPUS": "0", "DS_CONFIG": "/no/such.json"}, "DS_CONFIG=/no/such.json does not exist"),
+])
+def test_dry_run_errors(env, message):
+    r = _dry(env)
+    assert r.returncode == 2 and message in r.stderr
+
+
+@pytest.mark.slow
+def test_main_job_on_cpu_prints_summary_and_loss_falls(tmp_path):
+    """`bash launch/train_wan.sh` with no argument: the embedded default, 2 CPU ranks, tiny model, 20 steps."""
+    if shutil.which("deepspeed") is None:
+        pytest.fail("the `deepspeed` launcher is not on PATH: pip install -e '.[dev]' installs it")
+    env = {k: v for k, v in os.environ.items() if k not in ("NUM_GPUS", "HOSTFILE", "DS_CONFIG", "MODEL", "STEPS")}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU job even on a GPU machine
+    r = subprocess.run(["bash", str(SCRIPT)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-6000:]
+    assert "ds_adaptive run summary" in out and "tokens/s" in out and "CV_step" in out
+    s = json.loads((tmp_path / "runs" / "cpu_tiny" / "summary.json").read_text())
+    assert s["steps"] == 20 and s["world_size"] == 2 and s["model"] == "tiny" and s["device"] == "cpu"
+    assert s["adaptive_load"] is True and s["fused_ln_modulate"] is True
+    assert s["samples"] > 40 and s["tokens"] > 10_000 and s["tokens_per_s"] > 0 and s["samples_per_s"] > 0
+    assert 0 < s["peak_mem_gib"] < s["mem_capacity_gib"] and 0 <= s["cv_step"] < 1
+    assert s["loss_window"] == 5 and s["loss_fell"] is True
+    assert s["loss_last"] < 0.9 * s["loss_first"], s["losses"]
+    assert (tmp_path / "runs" / "cpu_tiny" / "metrics.jsonl").is_file()
