@@ -79,3 +79,30 @@ def test_cuda_requested_without_gpu_is_a_clear_error(tmp_path, capsys):
         pytest.skip("a GPU is visible")
     assert calibrate.main(["--model", "tiny", "--out", str(tmp_path / "x.json")]) == 2
     assert "no CUDA GPU" in capsys.readouterr().err
+
+
+def test_cost_fit_bench_runs_on_cpu_with_tiny(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("matplotlib")
+    try:
+        import ds_adaptive.models.wan  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(f"the Wan model is not available: {exc}")
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("cost_fit", root / "bench" / "cost_fit.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    shapes = tmp_path / "shapes.json"
+    shapes.write_text(json.dumps({"shapes": [{"frames": 1, "height": 64, "width": 64, "weight": 4},
+                                             {"frames": 5, "height": 64, "width": 64, "weight": 2},
+                                             {"frames": 1, "height": 128, "width": 128, "weight": 1}]}))
+    out = tmp_path / "cf"
+    assert mod.main(["--device", "cpu", "--model", "tiny", "--layers", "1", "--shapes", str(shapes),
+                     "--m-mem", "0.1", "--batches", "4", "--samples", "120", "--warmup", "0", "--iters", "1",
+                     "--out", str(out)]) == 0
+    res = json.loads(out.with_suffix(".json").read_text())
+    assert len(res["batches"]) >= 3 and -1 <= res["pearson_r_calibrated"] <= 1
+    assert {"pearson_r_tokens", "pearson_r_power", "median_abs_rel_err_after_scale"} <= set(res)
+    assert out.with_suffix(".png").stat().st_size > 5000
