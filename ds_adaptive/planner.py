@@ -32,8 +32,9 @@ Modes
 End of epoch: the final incomplete optimizer step (fewer than ``micro_steps_per_step``
 micro-steps) is re-planned: its samples are re-batched and big batches split until there are
 exactly ``dp_size * micro_steps_per_step`` batches, dealt cost-sorted into one full step. If the
-tail holds fewer samples than that, it is dropped for this epoch and counted in
-``EpochPlan.tail_dropped`` (the next epoch's shuffle trains them; a warning names the count).
+tail holds fewer samples than that, its samples join batches of their shape in the last full
+step where both budgets allow one more; what finds no room is dropped for this epoch and counted
+in ``EpochPlan.tail_dropped`` (the next epoch's shuffle trains them; a warning names the count).
 Oversize samples (over a budget even at B=1) raise :class:`OversizeSampleError`, or with
 ``oversize="skip"`` are counted in ``EpochPlan.oversize`` with a warning. Nothing is dropped
 silently: ``planned + oversize + tail_dropped == all samples`` of the epoch.
@@ -402,6 +403,27 @@ def _rebatch_tail(table: _ShapeTable, batches: list[tuple[int, list[int]]], n_sl
     return out
 
 
+def _absorb_into_last_step(builder: _Builder, table: _ShapeTable, tail: list[tuple[int, list[int]]],
+                           n_batches: int) -> list[int]:
+    """Add tail samples to batches of the same shape in the last optimizer step where both budgets
+    still allow one more sample; returns the samples that found no room (sorted)."""
+    left: list[int] = []
+    first = max(len(builder.shape) - n_batches, 0)
+    for u, ids in tail:
+        for i in ids:
+            room = [j for j in range(first, len(builder.shape)) if builder.shape[j] == u
+                    and builder.offsets[j + 1] - builder.offsets[j] < table.bmax[u]]
+            if not room:
+                left.append(i)
+                continue
+            j = min(room, key=lambda k: builder.offsets[k + 1] - builder.offsets[k])
+            pos = builder.offsets[j + 1]
+            builder.ids.insert(pos, i)
+            for k in range(j + 1, len(builder.offsets)):
+                builder.offsets[k] += 1
+    return sorted(left)
+
+
 def check_oversize(table: _ShapeTable, shape_ids: np.ndarray, order: np.ndarray, params: PlannerParams,
                    unit: str) -> tuple[np.ndarray, list[int]]:
     """Remove samples that no batch can hold; error (default) or counted warning."""
@@ -464,7 +486,7 @@ def plan_epoch(shape_ids: np.ndarray, shapes: Sequence[SampleShape], order: np.n
     if tail:
         rebatched = _rebatch_tail(table, tail, dp * ga)
         if rebatched is None:
-            tail_dropped = sorted(i for _, ids in tail for i in ids)
+            tail_dropped = _absorb_into_last_step(builder, table, tail, dp * ga)
         else:
             rebatched.sort(key=lambda x: -table.batch_cost(x[0], len(x[1])))
             builder.add_micro_steps([rebatched[m * dp:(m + 1) * dp] for m in range(ga)], rng)
@@ -472,7 +494,8 @@ def plan_epoch(shape_ids: np.ndarray, shapes: Sequence[SampleShape], order: np.n
     if tail_dropped:
         warnings.warn(
             f"sampler: the last {len(tail_dropped)} sample(s) of the epoch are fewer than one optimizer "
-            f"step of batches (dp_size {dp} x micro_steps_per_step {ga}); they are not trained this "
+            f"step of batches (dp_size {dp} x micro_steps_per_step {ga}) and found no room in the last "
+            "step's batches of their shape; they are not trained this "
             f"epoch (counted in tail_dropped; the next epoch's shuffle includes them)", stacklevel=2)
     bs = np.asarray(builder.shape, np.int64)
     offsets = np.asarray(builder.offsets, np.int64)
