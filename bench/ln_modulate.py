@@ -82,8 +82,12 @@ def graphed(fns: List[Callable[[], object]]) -> Callable[[], None]:
     graphs = []
     for fn in fns:
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
+        try:
+            with torch.cuda.graph(g):
+                fn()
+        except Exception:
+            torch.cuda.synchronize()
+            raise
         graphs.append(g)
     state = {"i": 0}
 
@@ -119,15 +123,31 @@ def copy_bandwidth() -> float:
 # ------------------------------------------------------------------------------------------------
 # cases
 # ------------------------------------------------------------------------------------------------
+_SEED = [0]
+
+
+def _randn(*shape):
+    # A private generator: stays usable even if a failed CUDA-graph capture left the default one
+    # in capture state.
+    _SEED[0] += 1
+    g = torch.Generator(device="cuda")
+    g.manual_seed(_SEED[0])
+    return torch.randn(*shape, device="cuda", generator=g)
+
+
 def make_inputs(B: int, S: int, D: int, per_token: bool, xdtype=torch.bfloat16):
-    x = (torch.randn(B, S, D, device="cuda") * 1.5 + 0.3).to(xdtype).requires_grad_()
+    x = (_randn(B, S, D) * 1.5 + 0.3).to(xdtype).requires_grad_()
+    # shift/scale: strided views of one fp32 table, made leaves (requires_grad on the view of a
+    # table that does not require grad): the op reads them in place, and autograd.grad stops at
+    # them. Views of a requires-grad table made outside a CUDA-graph capture would tie their
+    # SliceBackward to the default stream, which a captured backward may not touch.
     if per_token:
-        table = (torch.randn(B, S, 6, D, device="cuda") * 0.5).requires_grad_()
-        shift, scale = table[:, :, 0], table[:, :, 1]
+        table = _randn(B, S, 6, D) * 0.5
+        shift, scale = table[:, :, 0].requires_grad_(), table[:, :, 1].requires_grad_()
     else:
-        table = (torch.randn(B, 6, D, device="cuda") * 0.5).requires_grad_()
-        shift, scale = table[:, 0:1], table[:, 1:2]
-    dy = torch.randn(B, S, D, device="cuda").to(xdtype)
+        table = _randn(B, 6, D) * 0.5
+        shift, scale = table[:, 0:1].requires_grad_(), table[:, 1:2].requires_grad_()
+    dy = _randn(B, S, D).to(xdtype)
     return {"x": x, "table": table, "shift": shift, "scale": scale, "dy": dy}
 
 
@@ -205,12 +225,14 @@ def check_case(B: int, S: int, D: int, per_token: bool) -> Dict[str, float]:
 # ------------------------------------------------------------------------------------------------
 # tuning sweep (kernel-config variants compiled into the op for x bf16 / fp32 modulation)
 # ------------------------------------------------------------------------------------------------
-TUNE = {  # slot -> (D, direction, variant names)
-    0: (1536, "fwd", ["32x6 r4", "64x3", "96x2", "192x1"]),
-    1: (5120, "fwd", ["128x5", "320x2", "640x1", "160x4"]),
-    2: (1536, "bwd", ["64x3", "96x2", "192x1", "32x6"]),
-    3: (5120, "bwd", ["320x2", "640x1", "160x4", "128x5"]),
+TUNE = {  # slot -> (D, direction, config names of variants 0..5; 0 = the shipped default)
+    0: (1536, "fwd", ["96x2 pf modc", "96x2", "192x1 pf modc", "64x3 pf modc", "32x6 r4", "96x2 pf"]),
+    1: (5120, "fwd", ["128x5", "320x2 pf modc", "160x4 pf", "640x1 pf modc", "160x4", "128x5 modc"]),
+    2: (1536, "bwd", ["192x1 pf", "64x3", "96x2 pf", "192x1", "96x2", "64x3 pf"]),
+    3: (5120, "bwd", ["640x1 pf", "320x2", "320x2 pf", "160x4", "640x1", "160x4 pf"]),
 }
+# Config "TPRxNV": threads per row x 16-byte accesses per thread per row; "r4": 4 rows per CTA;
+# "pf": next row prefetched; "modc": per-sample modulation cached in registers.
 
 
 def tune(ext, quick: bool) -> List[Dict]:
@@ -226,15 +248,29 @@ def tune(ext, quick: bool) -> List[Dict]:
                 fn = lambda: torch.autograd.grad(ln_modulate(s["x"], s["shift"], s["scale"]),  # noqa: E731
                                                  (s["x"], s["shift"], s["scale"]), s["dy"])
             try:
+                res = fn()  # correctness of the variant: same results as variant 0 (up to summation order)
+                res = [res] if isinstance(res, torch.Tensor) else list(res)
+                if variant == 0:
+                    base = [r.detach().float().clone() for r in res]
+                diff = max(float((r.float() - b0).abs().max() / (b0.abs().max() + 1e-6)) for r, b0 in zip(res, base))
+                del res
                 ms = bench_ms(graphed([fn]), 100 if quick else 200)
             except Exception as e:  # noqa: BLE001
-                ms = float("nan")
+                ms, diff = float("nan"), float("nan")
                 print(f"tune slot {slot} variant {variant}: {e}", file=sys.stderr)
             label = "fwd" if kind == "fwd" else "fwd+bwd"
-            rows.append({"slot": slot, "D": D, "kind": label, "variant": variant, "config": vname, "ms": ms})
-            print(f"  tune {label} D={D} {kind} config {vname:>8}: {ms:.4f} ms", flush=True)
+            row = {"slot": slot, "D": D, "kind": label, "variant": variant, "config": vname, "ms": ms,
+                   "max_rel_diff_vs_default": diff}
+            fwd0 = next((r["ms"] for r in rows if r["D"] == D and r["kind"] == "fwd" and r["variant"] == 0), None)
+            extra = ""
+            if kind == "bwd" and fwd0 is not None:
+                row["bwd_ms"] = ms - fwd0
+                extra = f"  (bwd ~ {ms - fwd0:.4f} ms)"
+            rows.append(row)
+            print(f"  tune {label} D={D} {kind} config {vname:>13}: {ms:.4f} ms{extra}  "
+                  f"[max rel diff vs default {diff:.1e}]", flush=True)
         ext.set_tuning(slot, 0)
-        del s
+        del s, base
         torch.cuda.empty_cache()
     return rows
 
@@ -254,11 +290,11 @@ def wan_block(quick: bool) -> Optional[Dict]:
     torch.manual_seed(0)
     block = WanBlock(cfg).cuda().to(torch.bfloat16)
     block.modulation.data = block.modulation.data.float()
-    x = torch.randn(1, S, cfg.dim, device="cuda", dtype=torch.bfloat16).requires_grad_()
-    time_mod = torch.randn(1, 6, cfg.dim, device="cuda") * 0.1
-    context = torch.randn(1, 512, cfg.dim, device="cuda", dtype=torch.bfloat16)
+    x = _randn(1, S, cfg.dim).to(torch.bfloat16).requires_grad_()
+    time_mod = _randn(1, 6, cfg.dim) * 0.1
+    context = _randn(1, 512, cfg.dim).to(torch.bfloat16)
     freqs = rope_table(grid, cfg.rope_split, device="cuda")
-    dy = torch.randn_like(x)
+    dy = _randn(*x.shape).to(x.dtype)
     res = {"S": S, "model": "wan2.1-1.3b block"}
     for label, fn in (("reference", ln_modulate_reference), ("fused", ln_modulate)):
         object.__setattr__(block, "ln_modulate", fn)

@@ -108,7 +108,7 @@ int g_tuning[4] = {0, 0, 0, 0};
 int tuning_variant(int slot) { return (slot >= 0 && slot < 4) ? g_tuning[slot] : 0; }
 
 bool ln_modulate_set_tuning(int slot, int variant) {
-  if (slot < 0 || slot >= 4 || variant < 0 || variant > 3) return false;
+  if (slot < 0 || slot >= 4 || variant < 0 || variant > 5) return false;
   g_tuning[slot] = variant;
   return true;
 }

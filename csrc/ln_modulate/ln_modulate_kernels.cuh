@@ -179,9 +179,13 @@ __device__ __forceinline__ void row_allreduce2(float& a, float& b, float* red_a,
 //   VEC: elements per access (16 / sizeof(T), or 1 on the scalar path)
 //   NV : accesses per thread per row; TPR: threads per row; ROWS: rows per CTA (TPR == 32 only)
 //   EVEN: D == VEC * NV * TPR (no column masks)
-// Persistent grid: CTA c takes rows c * ROWS + rg, then strides by gridDim.x * ROWS.
+//   PF : software prefetch: the next row's x is loaded before this row is reduced (2x bytes in
+//        flight per thread, NV * VEC more registers)
+//   MODC: per-sample shift / (1 + scale) stay in registers while consecutive rows share a sample
+// Persistent grid: CTA c takes the contiguous rows [c * chunk, (c + 1) * chunk); its ROWS
+// row groups interleave inside the chunk.
 // ----------------------------------------------------------------------------------------------
-template <typename T, typename M, int VEC, int NV, int TPR, int ROWS, bool EVEN>
+template <typename T, typename M, int VEC, int NV, int TPR, int ROWS, bool EVEN, bool PF, bool MODC>
 __global__ void __launch_bounds__(TPR* ROWS) ln_mod_fwd_kernel(const FwdParams p) {
   static_assert(TPR % 32 == 0 && TPR <= 1024, "TPR: a multiple of 32, at most 1024");
   static_assert(ROWS == 1 || TPR == 32, "several rows per CTA only with one warp per row");
@@ -193,22 +197,35 @@ __global__ void __launch_bounds__(TPR* ROWS) ln_mod_fwd_kernel(const FwdParams p
   const int nvec = D / VEC;
   const float inv_d = 1.f / (float)D;
   const bool has_w = p.weight != nullptr, has_b = p.bias != nullptr;
+  const bool mod_per_row = p.shift_ss != 0 || p.scale_ss != 0;
+  const int64_t chunk = (N + gridDim.x - 1) / gridDim.x;
+  const int64_t end = ((int64_t)blockIdx.x + 1) * chunk < N ? ((int64_t)blockIdx.x + 1) * chunk : N;
 
-  for (int64_t row = (int64_t)blockIdx.x * ROWS + rg; row < N; row += (int64_t)gridDim.x * ROWS) {
-    const int64_t b = row / p.S, s = row - b * p.S;
+  auto load_x = [&](int64_t r, float (&dst)[NV][VEC]) {
+    const int64_t b = r / p.S, s = r - b * p.S;
     const T* xr = static_cast<const T*>(p.x) + b * p.x_sb + s * p.x_ss;
-
-    float v[NV][VEC];
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
       const int c = i * TPR + t;
       if (EVEN || c < nvec) {
-        load_vec<VEC, T, true>(xr + (int64_t)c * VEC, v[i]);
+        load_vec<VEC, T, true>(xr + (int64_t)c * VEC, dst[i]);
       } else {
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) v[i][j] = 0.f;
+        for (int j = 0; j < VEC; ++j) dst[i][j] = 0.f;
       }
     }
+  };
+
+  float v[NV][VEC], vn[NV][VEC];
+  float msh[NV][VEC], msc[NV][VEC];  // MODC: shift, 1 + scale of sample cached_b
+  int64_t cached_b = -1;
+  int64_t row = (int64_t)blockIdx.x * chunk + rg;
+  if (row < end) load_x(row, v);
+  for (; row < end; row += ROWS) {
+    const int64_t next = row + ROWS;
+    if (PF && next < end) load_x(next, vn);  // in flight while this row is reduced
+    const int64_t b = row / p.S, s = row - b * p.S;
+
     float sum = 0.f;
 #pragma unroll
     for (int i = 0; i < NV; ++i)
@@ -234,14 +251,34 @@ __global__ void __launch_bounds__(TPR* ROWS) ln_mod_fwd_kernel(const FwdParams p
 
     const M* shr = static_cast<const M*>(p.shift) + b * p.shift_sb + s * p.shift_ss;
     const M* scr = static_cast<const M*>(p.scale) + b * p.scale_sb + s * p.scale_ss;
+    if constexpr (MODC) {
+      if (mod_per_row || b != cached_b) {
+        cached_b = b;
+#pragma unroll
+        for (int i = 0; i < NV; ++i) {
+          const int c = i * TPR + t;
+          if (EVEN || c < nvec) {
+            load_vec<VEC, M, false>(shr + (int64_t)c * VEC, msh[i]);
+            load_vec<VEC, M, false>(scr + (int64_t)c * VEC, msc[i]);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) msc[i][j] += 1.f;
+          }
+        }
+      }
+    }
+
     T* yr = static_cast<T*>(p.y) + row * (int64_t)D;
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
       const int c = i * TPR + t;
       if (EVEN || c < nvec) {
-        float sh[VEC], sc[VEC], out[VEC];
-        load_vec<VEC, M, false>(shr + (int64_t)c * VEC, sh);
-        load_vec<VEC, M, false>(scr + (int64_t)c * VEC, sc);
+        if constexpr (!MODC) {  // modulation loaded per access group (few registers live)
+          load_vec<VEC, M, false>(shr + (int64_t)c * VEC, msh[i]);
+          load_vec<VEC, M, false>(scr + (int64_t)c * VEC, msc[i]);
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) msc[i][j] += 1.f;
+        }
+        float out[VEC];
         if (has_w || has_b) {
           float w[VEC], bb[VEC];
           if (has_w) {
@@ -257,10 +294,10 @@ __global__ void __launch_bounds__(TPR* ROWS) ln_mod_fwd_kernel(const FwdParams p
             for (int j = 0; j < VEC; ++j) bb[j] = 0.f;
           }
 #pragma unroll
-          for (int j = 0; j < VEC; ++j) out[j] = fmaf(fmaf(v[i][j] * rstd, w[j], bb[j]), 1.f + sc[j], sh[j]);
+          for (int j = 0; j < VEC; ++j) out[j] = fmaf(fmaf(v[i][j] * rstd, w[j], bb[j]), msc[i][j], msh[i][j]);
         } else {
 #pragma unroll
-          for (int j = 0; j < VEC; ++j) out[j] = fmaf(v[i][j] * rstd, 1.f + sc[j], sh[j]);
+          for (int j = 0; j < VEC; ++j) out[j] = fmaf(v[i][j] * rstd, msc[i][j], msh[i][j]);
         }
         store_vec<VEC, T, false>(yr + (int64_t)c * VEC, out);
       }
@@ -268,6 +305,14 @@ __global__ void __launch_bounds__(TPR* ROWS) ln_mod_fwd_kernel(const FwdParams p
     if (t == 0) {
       p.mean[row] = mean;
       p.rstd[row] = rstd;
+    }
+    if constexpr (PF) {
+#pragma unroll
+      for (int i = 0; i < NV; ++i)
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) v[i][j] = vn[i][j];
+    } else {
+      if (next < end) load_x(next, v);
     }
   }
 }
@@ -278,8 +323,10 @@ __global__ void __launch_bounds__(TPR* ROWS) ln_mod_fwd_kernel(const FwdParams p
 //   dln = dy * (1 + scale);  g = dln [* w];  dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
 //   PER_SAMPLE: acc += dy, dy * ln (columns)    else: dshift = dy, dscale = dy * ln (elementwise)
 //   AFFINE:     acc += dln * xhat, dln          (columns)
+// PER_SAMPLE keeps 1 + scale of the tile's sample in registers; PF prefetches the next row's dy
+// and x before this row is reduced.
 // ----------------------------------------------------------------------------------------------
-template <typename T, typename M, int VEC, int NV, int TPR, bool EVEN, bool PER_SAMPLE, bool AFFINE>
+template <typename T, typename M, int VEC, int NV, int TPR, bool EVEN, bool PER_SAMPLE, bool AFFINE, bool PF>
 __global__ void __launch_bounds__(TPR) ln_mod_bwd_kernel(const BwdParams p) {
   static_assert(TPR % 32 == 0 && TPR <= 1024, "TPR: a multiple of 32, at most 1024");
   __shared__ float red[2][2][32];
@@ -295,6 +342,23 @@ __global__ void __launch_bounds__(TPR) ln_mod_bwd_kernel(const BwdParams p) {
   // passed the next row's barrier, i.e. finished reading buffer k).
   int buf = 0;
 
+  auto load_rows = [&](int64_t r, float (&dy)[NV][VEC], float (&x)[NV][VEC]) {
+    const int64_t b = r / p.S, s = r - b * p.S;
+    const T* dyr = static_cast<const T*>(p.dy) + b * p.dy_sb + s * p.dy_ss;
+    const T* xr = static_cast<const T*>(p.x) + b * p.x_sb + s * p.x_ss;
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int c = i * TPR + t;
+      if (EVEN || c < nvec) {
+        load_vec<VEC, T, true>(dyr + (int64_t)c * VEC, dy[i]);
+        load_vec<VEC, T, true>(xr + (int64_t)c * VEC, x[i]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) dy[i][j] = x[i][j] = 0.f;
+      }
+    }
+  };
+
   for (int64_t tile = blockIdx.x; tile < p.num_tiles; tile += gridDim.x) {
     const int64_t seg = tile / p.tiles_per_seg;
     const int64_t seg_start = seg * p.seg_len;
@@ -302,28 +366,32 @@ __global__ void __launch_bounds__(TPR) ln_mod_bwd_kernel(const BwdParams p) {
     const int64_t r0 = seg_start + (tile - seg * p.tiles_per_seg) * p.rows_per_tile;
     const int64_t r1 = (r0 + p.rows_per_tile < seg_end) ? r0 + p.rows_per_tile : seg_end;
 
-    float acc_sh[NV][VEC], acc_sc[NV][VEC], acc_w[NV][VEC], acc_b[NV][VEC];
+    float acc_sh[NV][VEC], acc_sc[NV][VEC], acc_w[NV][VEC], acc_b[NV][VEC], opc[NV][VEC];
 #pragma unroll
     for (int i = 0; i < NV; ++i)
 #pragma unroll
       for (int j = 0; j < VEC; ++j) acc_sh[i][j] = acc_sc[i][j] = acc_w[i][j] = acc_b[i][j] = 0.f;
-
-    for (int64_t row = r0; row < r1; ++row, buf ^= 1) {
-      const int64_t b = row / p.S, s = row - b * p.S;
-      const T* dyr = static_cast<const T*>(p.dy) + b * p.dy_sb + s * p.dy_ss;
-      const T* xr = static_cast<const T*>(p.x) + b * p.x_sb + s * p.x_ss;
-      float dy[NV][VEC], xh[NV][VEC];
+    if constexpr (PER_SAMPLE) {  // the tile lies in one sample: 1 + scale[b] once per tile
+      if (r0 < r1) {
+        const M* scr = static_cast<const M*>(p.scale) + seg * p.scale_sb;
 #pragma unroll
-      for (int i = 0; i < NV; ++i) {
-        const int c = i * TPR + t;
-        if (EVEN || c < nvec) {
-          load_vec<VEC, T, true>(dyr + (int64_t)c * VEC, dy[i]);
-          load_vec<VEC, T, true>(xr + (int64_t)c * VEC, xh[i]);
-        } else {
+        for (int i = 0; i < NV; ++i) {
+          const int c = i * TPR + t;
+          if (EVEN || c < nvec) {
+            load_vec<VEC, M, false>(scr + (int64_t)c * VEC, opc[i]);
 #pragma unroll
-          for (int j = 0; j < VEC; ++j) dy[i][j] = xh[i][j] = 0.f;
+            for (int j = 0; j < VEC; ++j) opc[i][j] += 1.f;
+          }
         }
       }
+    }
+
+    float dy[NV][VEC], xh[NV][VEC], dyn[NV][VEC], xn[NV][VEC];
+    if (r0 < r1) load_rows(r0, dy, xh);
+    for (int64_t row = r0; row < r1; ++row, buf ^= 1) {
+      const int64_t next = row + 1;
+      if (PF && next < r1) load_rows(next, dyn, xn);
+      const int64_t b = row / p.S, s = row - b * p.S;
       const float mean = p.mean[row];
       const float rstd = p.rstd[row];
       const M* scr = static_cast<const M*>(p.scale) + b * p.scale_sb + s * p.scale_ss;
@@ -334,8 +402,13 @@ __global__ void __launch_bounds__(TPR) ln_mod_bwd_kernel(const BwdParams p) {
         const int c = i * TPR + t;
         if (EVEN || c < nvec) {
           float sc[VEC], w[VEC], bb[VEC], tok_sc[VEC];
-          load_vec<VEC, M, false>(scr + (int64_t)c * VEC, sc);
-          if constexpr (!PER_SAMPLE) {
+          if constexpr (PER_SAMPLE) {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) sc[j] = opc[i][j];
+          } else {
+            load_vec<VEC, M, false>(scr + (int64_t)c * VEC, sc);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) sc[j] += 1.f;
             if (write_dshift) {
               store_vec<VEC, M, true>(static_cast<M*>(p.dshift_tok) + row * (int64_t)D + (int64_t)c * VEC, dy[i]);
             }
@@ -355,7 +428,7 @@ __global__ void __launch_bounds__(TPR) ln_mod_bwd_kernel(const BwdParams p) {
             xh[i][j] = xhat;
             float ln = xhat;
             if constexpr (AFFINE) ln = fmaf(xhat, w[j], bb[j]);
-            const float dln = dy[i][j] * (1.f + sc[j]);
+            const float dln = dy[i][j] * sc[j];
             if constexpr (PER_SAMPLE) {
               acc_sh[i][j] += dy[i][j];
               acc_sc[i][j] = fmaf(dy[i][j], ln, acc_sc[i][j]);
@@ -389,6 +462,17 @@ __global__ void __launch_bounds__(TPR) ln_mod_bwd_kernel(const BwdParams p) {
           for (int j = 0; j < VEC; ++j) o[j] = rstd * (dy[i][j] - fmaf(xh[i][j], m2, m1));
           store_vec<VEC, T, true>(dxr + (int64_t)c * VEC, o);
         }
+      }
+      if constexpr (PF) {
+#pragma unroll
+        for (int i = 0; i < NV; ++i)
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) {
+            dy[i][j] = dyn[i][j];
+            xh[i][j] = xn[i][j];
+          }
+      } else {
+        if (next < r1) load_rows(next, dy, xh);
       }
     }
 
@@ -426,9 +510,9 @@ struct BwdChoice {
   int threads = 0;
 };
 
-template <typename T, typename M, int VEC, int NV, int TPR, int ROWS, bool EVEN>
+template <typename T, typename M, int VEC, int NV, int TPR, int ROWS, bool EVEN, bool PF = false, bool MODC = false>
 FwdChoice fwd_make() {
-  return FwdChoice{&ln_mod_fwd_kernel<T, M, VEC, NV, TPR, ROWS, EVEN>, TPR * ROWS, ROWS};
+  return FwdChoice{&ln_mod_fwd_kernel<T, M, VEC, NV, TPR, ROWS, EVEN, PF, MODC>, TPR * ROWS, ROWS};
 }
 
 template <typename T, typename M, int VEC, int NV, bool EVEN>
@@ -443,8 +527,8 @@ FwdChoice fwd_generic(int nvec) {
 }
 
 // Tuning alternatives (benchmark only): for x bf16 / modulation fp32 and D in {1536, 5120}, a
-// variant index other than 0 (set through ln_modulate_set_tuning) picks another (TPR, NV).
-// Slots: 0 fwd 1536, 1 fwd 5120, 2 bwd 1536, 3 bwd 5120.
+// variant index other than 0 (set through ln_modulate_set_tuning) picks another configuration.
+// Slots: 0 fwd 1536, 1 fwd 5120, 2 bwd 1536, 3 bwd 5120. Names in bench/ln_modulate.py (TUNE).
 int tuning_variant(int slot);
 
 template <typename T, typename M>
@@ -452,17 +536,21 @@ FwdChoice fwd_tuned(const FwdParams& p) {
   if constexpr (std::is_same<T, __nv_bfloat16>::value && std::is_same<M, float>::value) {
     if (p.vectorized && p.D == 1536) {
       switch (tuning_variant(0)) {
-        case 1: return fwd_make<T, M, 8, 3, 64, 1, true>();
-        case 2: return fwd_make<T, M, 8, 2, 96, 1, true>();
-        case 3: return fwd_make<T, M, 8, 1, 192, 1, true>();
+        case 1: return fwd_make<T, M, 8, 2, 96, 1, true, false, false>();
+        case 2: return fwd_make<T, M, 8, 1, 192, 1, true, true, true>();
+        case 3: return fwd_make<T, M, 8, 3, 64, 1, true, true, true>();
+        case 4: return fwd_make<T, M, 8, 6, 32, 4, true, false, false>();
+        case 5: return fwd_make<T, M, 8, 2, 96, 1, true, true, false>();
         default: break;
       }
     }
     if (p.vectorized && p.D == 5120) {
       switch (tuning_variant(1)) {
-        case 1: return fwd_make<T, M, 8, 2, 320, 1, true>();
-        case 2: return fwd_make<T, M, 8, 1, 640, 1, true>();
-        case 3: return fwd_make<T, M, 8, 4, 160, 1, true>();
+        case 1: return fwd_make<T, M, 8, 2, 320, 1, true, true, true>();
+        case 2: return fwd_make<T, M, 8, 4, 160, 1, true, true, false>();
+        case 3: return fwd_make<T, M, 8, 1, 640, 1, true, true, true>();
+        case 4: return fwd_make<T, M, 8, 4, 160, 1, true, false, false>();
+        case 5: return fwd_make<T, M, 8, 5, 128, 1, true, false, true>();
         default: break;
       }
     }
@@ -477,31 +565,31 @@ FwdChoice fwd_select(const FwdParams& p) {
   if (!p.vectorized) return fwd_generic<T, M, 1, 8, false>(p.D);
   if constexpr (V == 8) {
     switch (p.D) {
-      case 1536: return fwd_make<T, M, 8, 6, 32, 4, true>();
-      case 3072: return fwd_make<T, M, 8, 6, 64, 1, true>();
-      case 5120: return fwd_make<T, M, 8, 5, 128, 1, true>();
+      case 1536: return fwd_make<T, M, 8, 2, 96, 1, true, true, true>();
+      case 3072: return fwd_make<T, M, 8, 2, 192, 1, true, true, true>();
+      case 5120: return fwd_make<T, M, 8, 5, 128, 1, true, false, false>();
       default: break;
     }
   } else {
     switch (p.D) {
-      case 1536: return fwd_make<T, M, 4, 6, 64, 1, true>();
-      case 3072: return fwd_make<T, M, 4, 6, 128, 1, true>();
-      case 5120: return fwd_make<T, M, 4, 5, 256, 1, true>();
+      case 1536: return fwd_make<T, M, 4, 2, 192, 1, true, true, true>();
+      case 3072: return fwd_make<T, M, 4, 2, 384, 1, true, true, true>();
+      case 5120: return fwd_make<T, M, 4, 5, 256, 1, true, false, false>();
       default: break;
     }
   }
   return fwd_generic<T, M, V, 4, false>(p.D / V);
 }
 
-template <typename T, typename M, int VEC, int NV, int TPR, bool EVEN>
+template <typename T, typename M, int VEC, int NV, int TPR, bool EVEN, bool PF = false>
 BwdChoice bwd_make(const BwdParams& p) {
   const bool affine = p.weight != nullptr;
   if (p.per_sample) {
-    if (affine) return BwdChoice{&ln_mod_bwd_kernel<T, M, VEC, NV, TPR, EVEN, true, true>, TPR};
-    return BwdChoice{&ln_mod_bwd_kernel<T, M, VEC, NV, TPR, EVEN, true, false>, TPR};
+    if (affine) return BwdChoice{&ln_mod_bwd_kernel<T, M, VEC, NV, TPR, EVEN, true, true, PF>, TPR};
+    return BwdChoice{&ln_mod_bwd_kernel<T, M, VEC, NV, TPR, EVEN, true, false, PF>, TPR};
   }
-  if (affine) return BwdChoice{&ln_mod_bwd_kernel<T, M, VEC, NV, TPR, EVEN, false, true>, TPR};
-  return BwdChoice{&ln_mod_bwd_kernel<T, M, VEC, NV, TPR, EVEN, false, false>, TPR};
+  if (affine) return BwdChoice{&ln_mod_bwd_kernel<T, M, VEC, NV, TPR, EVEN, false, true, PF>, TPR};
+  return BwdChoice{&ln_mod_bwd_kernel<T, M, VEC, NV, TPR, EVEN, false, false, PF>, TPR};
 }
 
 template <typename T, typename M, int VEC, int NV, bool EVEN>
@@ -515,11 +603,11 @@ BwdChoice bwd_generic(const BwdParams& p, int nvec) {
   return BwdChoice{};
 }
 
-template <typename T, typename M, int VEC, int NV, int TPR>
+template <typename T, typename M, int VEC, int NV, int TPR, bool PF>
 BwdChoice bwd_make_tuned(const BwdParams& p) {
   if (p.weight != nullptr) return BwdChoice{};  // alternatives exist for the non-affine kernels only
-  if (p.per_sample) return BwdChoice{&ln_mod_bwd_kernel<T, M, VEC, NV, TPR, true, true, false>, TPR};
-  return BwdChoice{&ln_mod_bwd_kernel<T, M, VEC, NV, TPR, true, false, false>, TPR};
+  if (p.per_sample) return BwdChoice{&ln_mod_bwd_kernel<T, M, VEC, NV, TPR, true, true, false, PF>, TPR};
+  return BwdChoice{&ln_mod_bwd_kernel<T, M, VEC, NV, TPR, true, false, false, PF>, TPR};
 }
 
 template <typename T, typename M>
@@ -527,17 +615,21 @@ BwdChoice bwd_tuned(const BwdParams& p) {
   if constexpr (std::is_same<T, __nv_bfloat16>::value && std::is_same<M, float>::value) {
     if (p.vectorized && p.D == 1536) {
       switch (tuning_variant(2)) {
-        case 1: return bwd_make_tuned<T, M, 8, 2, 96>(p);
-        case 2: return bwd_make_tuned<T, M, 8, 1, 192>(p);
-        case 3: return bwd_make_tuned<T, M, 8, 6, 32>(p);
+        case 1: return bwd_make_tuned<T, M, 8, 3, 64, false>(p);
+        case 2: return bwd_make_tuned<T, M, 8, 2, 96, true>(p);
+        case 3: return bwd_make_tuned<T, M, 8, 1, 192, false>(p);
+        case 4: return bwd_make_tuned<T, M, 8, 2, 96, false>(p);
+        case 5: return bwd_make_tuned<T, M, 8, 3, 64, true>(p);
         default: break;
       }
     }
     if (p.vectorized && p.D == 5120) {
       switch (tuning_variant(3)) {
-        case 1: return bwd_make_tuned<T, M, 8, 1, 640>(p);
-        case 2: return bwd_make_tuned<T, M, 8, 4, 160>(p);
-        case 3: return bwd_make_tuned<T, M, 8, 5, 128>(p);
+        case 1: return bwd_make_tuned<T, M, 8, 2, 320, false>(p);
+        case 2: return bwd_make_tuned<T, M, 8, 2, 320, true>(p);
+        case 3: return bwd_make_tuned<T, M, 8, 4, 160, false>(p);
+        case 4: return bwd_make_tuned<T, M, 8, 1, 640, false>(p);
+        case 5: return bwd_make_tuned<T, M, 8, 4, 160, true>(p);
         default: break;
       }
     }
@@ -552,16 +644,16 @@ BwdChoice bwd_select(const BwdParams& p) {
   if (!p.vectorized) return bwd_generic<T, M, 1, 8, false>(p, p.D);
   if constexpr (V == 8) {
     switch (p.D) {
-      case 1536: return bwd_make<T, M, 8, 3, 64, true>(p);
-      case 3072: return bwd_make<T, M, 8, 3, 128, true>(p);
-      case 5120: return bwd_make<T, M, 8, 2, 320, true>(p);
+      case 1536: return bwd_make<T, M, 8, 1, 192, true, true>(p);
+      case 3072: return bwd_make<T, M, 8, 1, 384, true, true>(p);
+      case 5120: return bwd_make<T, M, 8, 1, 640, true, true>(p);
       default: break;
     }
   } else {
     switch (p.D) {
-      case 1536: return bwd_make<T, M, 4, 3, 128, true>(p);
-      case 3072: return bwd_make<T, M, 4, 3, 256, true>(p);
-      case 5120: return bwd_make<T, M, 4, 4, 320, true>(p);
+      case 1536: return bwd_make<T, M, 4, 1, 384, true, true>(p);
+      case 3072: return bwd_make<T, M, 4, 2, 384, true, true>(p);
+      case 5120: return bwd_make<T, M, 4, 2, 640, true, true>(p);
       default: break;
     }
   }
