@@ -1,8 +1,16 @@
-"""ds_adaptive: AdaptiveLoad for DeepSpeed / Megatron video-DiT training.
+"""ds_adaptive: AdaptiveLoad for DeepSpeed/Megatron video-DiT training.
 
 Install (CPU or GPU node; install torch first so pip does not pull another build):
     pip install torch==2.13.0            # or the CUDA build your cluster uses (>= 2.6)
     pip install -e ".[dev]"
+
+Extras:
+    dev        tests, plots and the optional integrations the tests cover (megatron-core, diffusers)
+    megatron   megatron-core, for the sampler inside Megatron's data pipeline (patches/megatron.py)
+    diffusers  diffusers, for the fused op / Ulysses in diffusers' WanTransformer3DModel
+    plots      matplotlib + tensorboard (TensorBoard logs of the trainer, simulation plots)
+    apex       NVIDIA apex is NOT on PyPI: build it from https://github.com/NVIDIA/apex; ds_adaptive
+               uses its fused kernels only when ``import apex`` works (this extra installs nothing).
 
 Prebuild the fused LayerNorm-Modulate CUDA op at install time (GPU node with nvcc):
     DS_BUILD_LN_MODULATE=1 pip install .     # or DS_BUILD_OPS=1
@@ -11,25 +19,19 @@ Without a prebuild the op is JIT-built by DeepSpeed's builder on first use.
 import os
 import sys
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-PACKAGES = [
-    "ds_adaptive",
-    "ds_adaptive.ops",
-    "ds_adaptive.models",
-    "ds_adaptive.parallel",
-    "ds_adaptive.data",
-    "ds_adaptive.patches",
-]
+# patches/ lives at the top of the repository and ships as ds_adaptive.patches (package_dir below).
+PACKAGES = sorted(find_packages(HERE, include=["ds_adaptive", "ds_adaptive.*"])) + ["ds_adaptive.patches"]
 
 install_requires = [
-    "torch>=2.6",
-    "deepspeed>=0.16.4,<0.20",
+    "torch>=2.6",                # tested: 2.11 (GPU nodes) and 2.13 (CPU CI)
+    "deepspeed>=0.19,<0.20",     # tested: 0.19.8; ZeRO-3 internals and the op builder API move between minors
     "einops>=0.7",
-    "pydantic>=2.5",
+    "pydantic>=2.7",             # use_attribute_docstrings (field docs in the config model)
     "numpy",
     "safetensors>=0.4",
     "tqdm",
@@ -37,12 +39,11 @@ install_requires = [
 
 extras_require = {
     "dev": ["pytest>=7", "pytest-timeout", "hypothesis>=6", "matplotlib", "tensorboard",
-            "diffusers>=0.33", "transformers", "megatron-core>=0.12"],
+            "diffusers>=0.33", "megatron-core>=0.12"],
     "megatron": ["megatron-core>=0.12"],
-    "diffusers": ["diffusers>=0.33", "transformers"],
+    "diffusers": ["diffusers>=0.33"],
     "plots": ["matplotlib", "tensorboard"],
-    # apex is not on PyPI: build it from https://github.com/NVIDIA/apex if you want its fused
-    # kernels; ds_adaptive uses it only when it is importable.
+    "apex": [],  # not on PyPI: see the module docstring
 }
 
 

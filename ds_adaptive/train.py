@@ -295,6 +295,10 @@ def train(args: argparse.Namespace) -> dict:
     gpu_mem_gib = get_accelerator().total_memory(device.index or 0) / 2**30 if on_gpu else None
     sample_shapes = dataset.sample_shapes()
     zero_stage = int((ds_cfg.get("zero_optimization") or {}).get("stage", 0))
+    if "zero_stage" in cfg.sampler.model_fields_set and cfg.sampler.zero_stage != zero_stage:
+        raise ConfigError(f"adaptive_load.sampler.zero_stage is {cfg.sampler.zero_stage} but the ds_config's "
+                          f"zero_optimization.stage is {zero_stage}; the trainer plans memory for the stage it "
+                          "runs: drop sampler.zero_stage (it is for `ds-adaptive simulate`) or make them agree")
     sampler = build_batch_sampler(cfg.sampler, sample_shapes, topology, micro_steps_per_step=gas,
                                   enabled=cfg.enabled, gpu_mem_gib=gpu_mem_gib, model_name=args.model,
                                   zero_stage=zero_stage)

@@ -56,9 +56,11 @@ def launch_ranks(argv: list[str], world: int, *, cwd: Path, timeout: float = 600
     return results
 
 
-def train_argv(*args: str) -> list[str]:
-    """argv of the trainer module (what launch/train_wan.py runs)."""
-    return ["-m", "ds_adaptive.train", *args]
+@pytest.fixture
+def run_ranks():
+    """``run_ranks(argv, world, cwd=..., timeout=...)``: see ``launch_ranks``. (A fixture, because test
+    modules cannot import this conftest by name: tests/gpu has its own.)"""
+    return launch_ranks
 
 
 @pytest.fixture

@@ -6,13 +6,15 @@ import json
 import os
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
-from conftest import CONFIGS, ROOT
 from ds_adaptive.config import load_adaptive_config, prepare_ds_config
 from ds_adaptive.shapes import load_shape_distribution
 
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "launch" / "configs"
 SCRIPT = ROOT / "launch" / "train_wan.sh"
 
 

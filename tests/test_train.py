@@ -5,16 +5,24 @@ from __future__ import annotations
 import json
 import os
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import CONFIGS, ROOT, launch_ranks, train_argv
 from ds_adaptive.data import SyntheticLatentDataset, collate_latents
 from ds_adaptive.shapes import SampleShape, ShapeWeight
 from ds_adaptive.train import build_parser, flow_matching_losses, main, sample_seed
 
 pytest.importorskip("deepspeed")
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "launch" / "configs"
+
+
+def train_argv(*args: str) -> list[str]:
+    """argv of the trainer module (what launch/train_wan.py runs)."""
+    return ["-m", "ds_adaptive.train", *args]
 
 SHAPES = [ShapeWeight(SampleShape(1, 64, 64), 1.0), ShapeWeight(SampleShape(5, 64, 96), 1.0),
           ShapeWeight(SampleShape(9, 32, 64), 1.0)]
@@ -142,10 +150,10 @@ WEIGHTING = textwrap.dedent("""
 
 @pytest.mark.slow
 @pytest.mark.parametrize("by", ["samples", "tokens"])
-def test_loss_weighting_gives_the_single_process_gradient(by, tmp_path):
+def test_loss_weighting_gives_the_single_process_gradient(by, tmp_path, run_ranks):
     """Two ZeRO-3 ranks with unequal batches (4 vs 3 samples, 3/1 and 1/2 per micro-step, gas 2) must produce the
     gradient one process computes over the same 7 samples; unweighted per-rank means must not."""
-    results = launch_ranks(["-c", WEIGHTING, by], 2, cwd=tmp_path, timeout=300)
+    results = run_ranks(["-c", WEIGHTING, by], 2, cwd=tmp_path, timeout=300)
     for r in results:
         res = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("RESULT "))[7:])
         assert res["zero_grads"] == 0
@@ -158,10 +166,10 @@ def _summary(log_dir) -> dict:
 
 
 @pytest.mark.slow
-def test_two_rank_zero3_run_and_resume_equivalence(tmp_path, cpu_config):
+def test_two_rank_zero3_run_and_resume_equivalence(tmp_path, cpu_config, run_ranks):
     """4 steps straight (saving at step 2) == resume from step 2 and run 2 more: same losses, same samples."""
     common = ["--deepspeed_config", str(cpu_config), "--num-samples", "400", "--seed", "3"]
-    launch_ranks(train_argv(*common, "--steps", "4", "--log-dir", "straight", "--save", "ckpt",
+    run_ranks(train_argv(*common, "--steps", "4", "--log-dir", "straight", "--save", "ckpt",
                             "--save-interval", "2"), 2, cwd=tmp_path)
     straight = _summary(tmp_path / "straight")
     assert straight["steps"] == 4 and straight["world_size"] == 2 and straight["final_step"] == 4
@@ -171,7 +179,7 @@ def test_two_rank_zero3_run_and_resume_equivalence(tmp_path, cpu_config):
     assert all(len(r["compute_ms"]) == 2 and len(r["samples_per_rank"]) == 2 for r in logged)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.is_dir()) == ["global_step2", "global_step4"]
 
-    launch_ranks(train_argv(*common, "--steps", "4", "--log-dir", "resumed", "--resume", "ckpt/global_step2"),
+    run_ranks(train_argv(*common, "--steps", "4", "--log-dir", "resumed", "--resume", "ckpt/global_step2"),
                  2, cwd=tmp_path)
     resumed = _summary(tmp_path / "resumed")
     assert resumed["first_step"] == 3 and resumed["last_step"] == 4
@@ -184,7 +192,7 @@ def test_two_rank_zero3_run_and_resume_equivalence(tmp_path, cpu_config):
 
 
 @pytest.mark.slow
-def test_two_rank_baseline_on_disk_data(tmp_path):
+def test_two_rank_baseline_on_disk_data(tmp_path, run_ranks):
     """The equal-token baseline (adaptive_load.enabled=false) on a dataset written by `ds-adaptive synth`."""
     from ds_adaptive.data.synth import main as synth_main
 
@@ -196,7 +204,7 @@ def test_two_rank_baseline_on_disk_data(tmp_path):
     cfg["adaptive_load"]["sampler"]["shapes"] = None
     cfg["adaptive_load"]["sampler"]["loss_weighting"] = "tokens"
     (tmp_path / "base.json").write_text(json.dumps(cfg))
-    results = launch_ranks(train_argv("--deepspeed_config", "base.json", "--data", "data", "--steps", "3",
+    results = run_ranks(train_argv("--deepspeed_config", "base.json", "--data", "data", "--steps", "3",
                                       "--log-dir", "logs"), 2, cwd=tmp_path)
     s = _summary(tmp_path / "logs")
     assert s["adaptive_load"] is False and s["sampler"] == "TokenBucketSampler" and s["sampler_mode"] == "tokens"
