@@ -119,3 +119,26 @@ def test_bad_batch_keys_are_errors():
         prepare_ds_config({"train_batch_size": 10}, dp_size=4, on_gpu=True)
     with pytest.raises(ConfigError, match="gradient_accumulation_steps must be an int >= 1, got 0"):
         prepare_ds_config({"gradient_accumulation_steps": 0}, dp_size=1, on_gpu=True)
+
+
+def test_readme_table_is_current():
+    """README.md's key table is generated from the field docstrings; a new or changed field must show up there."""
+    from pathlib import Path
+
+    from ds_adaptive.config import README_BEGIN, README_END, markdown_reference
+
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = text.split(README_BEGIN, 1)[1].split(README_END, 1)[0].strip()
+    assert section == markdown_reference(), "regenerate it: python -m ds_adaptive.config --readme README.md"
+    assert "`adaptive_load.sampler.mode`" in section and "`adaptive_load.metrics.log_dir`" in section
+
+
+def test_config_check_command(tmp_path, capsys):
+    from ds_adaptive.config import main
+
+    good = _write(tmp_path, {"adaptive_load": {"enabled": True}})
+    assert main(["--check", good]) == 0
+    assert json.loads(capsys.readouterr().out)["adaptive_load"]["enabled"] is True
+    (tmp_path / "bad.json").write_text(json.dumps({"adaptive_load": {"enabeld": True}}))
+    assert main(["--check", str(tmp_path / "bad.json")]) == 2
+    assert "unknown key 'adaptive_load.enabeld'" in capsys.readouterr().out

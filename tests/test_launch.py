@@ -117,3 +117,15 @@ def test_main_job_on_cpu_prints_summary_and_loss_falls(tmp_path):
     assert s["loss_window"] == 5 and s["loss_fell"] is True
     assert s["loss_last"] < 0.9 * s["loss_first"], s["losses"]
     assert (tmp_path / "runs" / "cpu_tiny" / "metrics.jsonl").is_file()
+
+
+def test_readme_commands_are_what_ci_runs():
+    """README.md gives exactly two set-up commands; .ci/run installs the same way and runs the same tests."""
+    readme = (ROOT / "README.md").read_text()
+    install = 'pip install torch==2.13.0 && pip install -e ".[dev]"'
+    commands = [line for line in readme.splitlines() if line.startswith(install)]
+    assert commands == [f"{install} && bash launch/train_wan.sh", f"{install} && python -m pytest tests"]
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert "pip install torch==2.13.0" in ci and 'pip install -e ".[dev]"' in ci
+    assert ci.index("pip install torch==2.13.0") < ci.index('pip install -e ".[dev]"') < ci.index("python -m pytest tests")
+    assert any("-eq 5" in line for line in ci)  # "no tests collected" fails CI
