@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=20, help="train until this global optimizer step")
     p.add_argument("--data", default="synthetic",
                    help="'synthetic' (the embedded default) or a directory written by 'ds-adaptive synth'")
-    p.add_argument("--num-samples", type=int, default=10000, help="size of the synthetic dataset")
+    p.add_argument("--num-samples", type=int, default=None, help="size of the synthetic dataset (default 10000)")
     p.add_argument("--shapes", default=None,
                    help="shape-distribution json of the synthetic data (default: adaptive_load.sampler.shapes, "
                         "else the shipped mixed Wan set)")
@@ -262,6 +262,9 @@ def train(args: argparse.Namespace) -> dict:
     if args.save_interval < 0:
         raise UsageError(f"--save-interval must be >= 0, got {args.save_interval}")
     _validate_sp(args.sp, args.model, int(os.environ.get("WORLD_SIZE", "1")))
+    if args.data != "synthetic" and (args.shapes or args.num_samples is not None):
+        raise UsageError(f"--shapes and --num-samples describe the synthetic dataset; --data {args.data} "
+                         "reads its samples and shapes from its index.json")
     cfg = load_adaptive_config(args.deepspeed_config)
     if args.fused_ln_modulate is not None:
         cfg.fused_ln_modulate = args.fused_ln_modulate
@@ -280,8 +283,14 @@ def train(args: argparse.Namespace) -> dict:
     dtype = torch.bfloat16 if ds_cfg["bf16"]["enabled"] else (
         torch.float16 if (ds_cfg.get("fp16") or {}).get("enabled") else torch.float32)
 
-    shapes = args.shapes or _resolve_relative(cfg.sampler.shapes, args.deepspeed_config)
-    dataset = build_dataset(args.data, num_samples=args.num_samples, shapes=shapes, seed=args.seed)
+    if args.data == "synthetic":
+        shapes = args.shapes or _resolve_relative(cfg.sampler.shapes, args.deepspeed_config)
+        dataset = build_dataset("synthetic", num_samples=args.num_samples or 10000, shapes=shapes, seed=args.seed)
+    else:
+        if cfg.sampler.shapes and rank == 0:
+            print(f"ds_adaptive.train: note: adaptive_load.sampler.shapes ({cfg.sampler.shapes}) describes the "
+                  f"synthetic dataset; --data {args.data} takes its shapes from its index.json", flush=True)
+        dataset = build_dataset(args.data)
     model, wcfg = _build_model(args, cfg, ds_cfg)
 
     import deepspeed
@@ -375,10 +384,12 @@ def train(args: argparse.Namespace) -> dict:
                                                     tokens_per_sample=tokens, dp_size=dp_size, by=weighting,
                                                     epoch=epoch, seed=args.seed, shift=args.shift, dtype=dtype)
                     b = latents.shape[0]
-                    if micro == gas - 1 and factor != 1.0:
+                    if micro == gas - 1:
                         base = [g["lr"] for g in opt_groups]
-                        for g in opt_groups:
-                            g["lr"] *= factor
+                        if factor != 1.0:
+                            for g in opt_groups:
+                                g["lr"] *= factor
+                        step_lr = opt_groups[0]["lr"]
                     engine.step()
                     if micro == gas - 1 and factor != 1.0 and engine.lr_scheduler is None:
                         for g, lr in zip(opt_groups, base):
@@ -388,7 +399,7 @@ def train(args: argparse.Namespace) -> dict:
                     metrics.end_micro(b, b * tokens, float(b * tokens ** 2))
                 global_step += 1
                 step_in_epoch += 1
-                rec = metrics.end_step(global_step, loss_num, loss_den, opt_groups[0]["lr"],
+                rec = metrics.end_step(global_step, loss_num, loss_den, step_lr,
                                        log=global_step == args.steps)
                 if rec.samples != totals.samples:
                     raise RuntimeError(f"step {global_step}: the ranks processed {rec.samples} samples but the "

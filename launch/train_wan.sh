@@ -2,7 +2,7 @@
 # Train Wan 2.1 with DeepSpeed + AdaptiveLoad. With no argument it runs the embedded default on
 # this machine:
 #   - GPUs:   every local GPU, Wan 2.1 1.3B shape, ZeRO-3, bf16, synthetic mixed image+video
-#             latents (launch/configs/zero3_adaptive.json), 200 steps;
+#             latents (launch/configs/zero3_adaptive.json), 50 steps;
 #   - no GPU: 2 CPU processes (gloo), the tiny model, fp32, 20 steps, a small-resolution shape
 #             mix (launch/configs/cpu_tiny.json): a few minutes on 2 cores.
 #
@@ -15,7 +15,7 @@
 #               MASTER_ADDR / MASTER_PORT pick the rendezvous (default: the first host, 29500)
 #   DS_CONFIG   ds_config json (default: zero3_adaptive.json on GPU, cpu_tiny.json on CPU)
 #   MODEL       tiny | wan2.1-1.3b | wan2.1-14b (default: wan2.1-1.3b on GPU, tiny on CPU)
-#   STEPS       optimizer steps (default: 200 on GPU, 20 on CPU)
+#   STEPS       optimizer steps (default: 50 on GPU, 20 on CPU)
 #   SP          Ulysses sequence-parallel degree (default 1)
 #   GRAD_CKPT   1 = activation checkpointing of every block (default: 1 on GPU, where the shipped
 #               memory profiles assume it; 0 on CPU)
@@ -52,7 +52,7 @@ if [[ "$NUM_GPUS" == 0 ]]; then
 else
   DS_CONFIG="${DS_CONFIG:-$HERE/configs/zero3_adaptive.json}"
   MODEL="${MODEL:-wan2.1-1.3b}"
-  STEPS="${STEPS:-200}"
+  STEPS="${STEPS:-50}"
   GRAD_CKPT="${GRAD_CKPT:-1}"
   if [[ -n "${HOSTFILE:-}" ]]; then
     if [[ ! -f "$HOSTFILE" ]]; then

@@ -72,7 +72,7 @@ def test_dry_run_gpu_defaults_knobs_and_pass_through():
     assert r.returncode == 0, r.stderr
     cmd = r.stdout.splitlines()[-1]
     assert "--num_gpus 8 " in cmd and "zero3_adaptive.json" in cmd
-    assert "--model wan2.1-1.3b --steps 200" in cmd and "--grad-ckpt" in cmd
+    assert "--model wan2.1-1.3b --steps 50" in cmd and "--grad-ckpt" in cmd
     r = _dry({"NUM_GPUS": "4", "DS_CONFIG": str(CONFIGS / "zero3_baseline.json"), "MODEL": "wan2.1-14b",
               "STEPS": "7", "SP": "2", "GRAD_CKPT": "0"}, "--save", "ck", "--save-interval", "5")
     cmd = r.stdout.splitlines()[-1]

@@ -202,7 +202,8 @@ def test_two_rank_baseline_on_disk_data(tmp_path, run_ranks):
     cfg["adaptive_load"]["enabled"] = False
     cfg["adaptive_load"]["fused_ln_modulate"] = False
     cfg["adaptive_load"]["sampler"]["shapes"] = None
-    cfg["adaptive_load"]["sampler"]["loss_weighting"] = "tokens"
+    cfg["adaptive_load"]["sampler"].update(loss_weighting="tokens", lr_scaling="linear", reference_batch=4)
+    del cfg["scheduler"]  # so that the logged LR is exactly base LR x samples / reference_batch
     (tmp_path / "base.json").write_text(json.dumps(cfg))
     results = run_ranks(train_argv("--deepspeed_config", "base.json", "--data", "data", "--steps", "3",
                                       "--log-dir", "logs"), 2, cwd=tmp_path)
@@ -211,6 +212,11 @@ def test_two_rank_baseline_on_disk_data(tmp_path, run_ranks):
     assert s["data"] == "data" and "latent dataset" in s["dataset"] and s["loss_weighting"] == "tokens"
     assert s["steps"] == 3 and all(x == x for x in s["losses"])  # finite, not NaN
     assert "run summary" in results[0].stdout and "run summary" not in results[1].stdout
+    base_lr = cfg["optimizer"]["params"]["lr"]
+    logged = [json.loads(x) for x in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [1, 3]
+    for r in logged:
+        assert r["lr"] == pytest.approx(base_lr * r["samples"] / 4)
 
 
 def test_cli_errors_are_clear(tmp_path, capsys, monkeypatch):
@@ -229,6 +235,8 @@ def test_cli_errors_are_clear(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert main(["--deepspeed_config", str(cfg), "--sp", "2"]) == 2
     assert "not yet supported" in capsys.readouterr().err
+    assert main(["--deepspeed_config", str(cfg), "--data", str(tmp_path), "--num-samples", "5"]) == 2
+    assert "--num-samples describe the synthetic dataset" in capsys.readouterr().err
     assert main(["--deepspeed_config", str(cfg), "--steps", "0"]) == 2
     assert "--steps must be >= 1" in capsys.readouterr().err
 
