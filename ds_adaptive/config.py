@@ -119,8 +119,10 @@ class MetricsConfig(_Block):
     """Write one JSON line per logged step to `log_dir`/metrics.jsonl."""
 
     sync_timing: bool = True
-    """Measure per-rank compute time per micro-step with a device sync before the collective, so
-    that waiting on other ranks is not counted (costs a little throughput)."""
+    """Sync the device at the start and end of each micro-step's compute, so that its queued kernels
+    are timed on the rank that ran them and the step-end all-gather of timings is not (costs a
+    little throughput). ZeRO-3's layer-wise all-gathers still run inside forward/backward, so a fast
+    rank's time can include waiting there; `compute_cv` (from batch shapes) has no such blind spot."""
 
 
 class AdaptiveLoadConfig(_Block):
