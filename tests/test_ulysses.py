@@ -1,0 +1,232 @@
+"""Guards Ulysses SP for Wan: shard/pad math, valid-length attention, config/group resolution, and SP=2 == SP=1 (outputs, losses, all gradients) on 2 gloo ranks."""
+from __future__ import annotations
+
+import os
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, launch_ranks
+from ds_adaptive.models.testing import random_init_
+from ds_adaptive.models.wan import WanModel, sdpa_attention
+from ds_adaptive.parallel import (SequenceParallel, SequenceParallelError, UlyssesWan, apply_ulysses, check_heads,
+                                  init_sequence_parallel, remove_ulysses, resolve_sp_size, shard_plan,
+                                  shard_sequence, strip_mesh_keys, valid_len_attention)
+
+
+def _single(sp_size: int = 1, sp_rank: int = 0) -> SequenceParallel:
+    return SequenceParallel(sp_size=sp_size, sp_rank=sp_rank, dp_size=1, dp_rank=0)
+
+
+# ------------------------------------------------------------------------------ shard math
+@pytest.mark.parametrize("seq_len", [1, 2, 7, 15, 16, 97, 1025])
+@pytest.mark.parametrize("sp", [1, 2, 3, 4, 8])
+def test_shards_tile_the_padded_sequence(seq_len: int, sp: int) -> None:
+    shards = [shard_plan(seq_len, _single(sp, r)) for r in range(sp)]
+    assert shards[0].padded_len % sp == 0 and 0 <= shards[0].pad < sp
+    assert [s.start for s in shards] == [r * shards[0].local_len for r in range(sp)]
+    assert sum(s.valid for s in shards) == seq_len
+    # real tokens are a prefix of each shard, and only the tail ranks hold padding
+    valid = [s.valid for s in shards]
+    assert valid == sorted(valid, reverse=True)
+    assert all(s.attn_kwargs == ({"valid_len": seq_len} if s.pad else {}) for s in shards)
+
+
+def test_shard_sequence_pads_with_zeros_and_copies() -> None:
+    x = torch.randn(2, 15, 3)
+    parts = [shard_sequence(x, shard_plan(15, _single(2, r))) for r in range(2)]
+    assert [p.shape[1] for p in parts] == [8, 8]
+    assert torch.equal(torch.cat(parts, 1)[:, :15], x)
+    assert torch.equal(parts[1][:, 7:], torch.zeros(2, 1, 3))
+    assert parts[0].data_ptr() != x.data_ptr()  # a copy: the full tensor can be freed
+    rope = torch.randn(15, 4, 2)  # dim 0, like the rotary table
+    r1 = shard_sequence(rope, shard_plan(15, _single(2, 1)), dim=0)
+    assert torch.equal(r1[:7], rope[8:]) and torch.equal(r1[7:], torch.zeros(1, 4, 2))
+    # a rank with only padding (S=1, sp=4)
+    assert torch.equal(shard_sequence(torch.ones(1, 1, 2), shard_plan(1, _single(4, 3))), torch.zeros(1, 1, 2))
+    # gradient: scattered into zeros
+    x.requires_grad_(True)
+    shard_sequence(x, shard_plan(15, _single(2, 1))).sum().backward()
+    assert torch.equal(x.grad[:, 8:], torch.ones(2, 7, 3)) and torch.equal(x.grad[:, :8], torch.zeros(2, 8, 3))
+    with pytest.raises(ValueError, match="14 positions"):
+        shard_sequence(torch.zeros(1, 14, 3), shard_plan(15, _single(2, 0)))
+
+
+# ------------------------------------------------------------------------------ attention
+@pytest.mark.parametrize("valid,total", [(15, 16), (59, 64), (97, 100), (1, 4), (16, 16)])
+def test_valid_len_attention_equals_masked_and_unpadded(valid: int, total: int) -> None:
+    g = torch.Generator().manual_seed(valid)
+    q, k, v = (torch.randn(2, total, 3, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    out = valid_len_attention(q, k, v, valid_len=valid)
+    masked = sdpa_attention(q, k, v, valid_len=valid)
+    unpadded = sdpa_attention(q[:, :valid], k[:, :valid], v[:, :valid])
+    assert torch.allclose(out[:, :valid], masked[:, :valid], atol=1e-12)
+    assert torch.allclose(out[:, :valid], unpadded, atol=1e-12)
+    assert torch.equal(out[:, valid:], torch.zeros_like(out[:, valid:]))
+    if valid < total:  # negative control: attending to the padded keys changes the real rows
+        assert not torch.allclose(sdpa_attention(q, k, v)[:, :valid], unpadded, atol=1e-6)
+    # gradients of real rows equal the unpadded ones; padded keys/values get none
+    gq = torch.autograd.grad(out[:, :valid].sum(), (q, k, v))
+    gu = torch.autograd.grad(unpadded.sum(), (q, k, v))
+    for a, b in zip(gq, gu):
+        assert torch.allclose(a, b, atol=1e-12)
+    with pytest.raises(ValueError, match="valid_len must be >= 1"):
+        valid_len_attention(q, k, v, valid_len=0)
+
+
+# ------------------------------------------------------------------------------ configuration
+def test_resolve_sp_size_and_mesh_keys() -> None:
+    assert resolve_sp_size(None, {}, 8) == 1
+    assert resolve_sp_size(2, None, 8) == 2
+    assert resolve_sp_size(None, {"sequence_parallel_size": 4}, 8) == 4
+    assert resolve_sp_size(4, {"sequence_parallel_size": 4, "data_parallel_size": 2}, 8) == 4
+    with pytest.raises(SequenceParallelError, match=r"--sp 2 but the ds_config has sequence_parallel_size=4"):
+        resolve_sp_size(2, {"sequence_parallel_size": 4}, 8)
+    with pytest.raises(SequenceParallelError, match=r"world size 6 .* not divisible by the Ulysses degree sp=4"):
+        resolve_sp_size(4, {}, 6)
+    with pytest.raises(SequenceParallelError, match=r"data_parallel_size=4 x sp=2 = 8 but the world has 4"):
+        resolve_sp_size(2, {"data_parallel_size": 4}, 4)
+    with pytest.raises(SequenceParallelError, match="sequence_parallel_size' must be an int >= 1"):
+        resolve_sp_size(None, {"sequence_parallel_size": "2"}, 4)
+    cfg = {"train_batch_size": 8, "data_parallel_size": 2, "sequence_parallel_size": 2}
+    assert strip_mesh_keys(cfg) == {"train_batch_size": 8} and "data_parallel_size" in cfg
+
+
+def test_check_heads_names_the_valid_degrees() -> None:
+    check_heads(12, 4)
+    with pytest.raises(SequenceParallelError, match=r"sp=8 does not divide the 12 attention heads.*\[1, 2, 3, 4, 6, 12\]"):
+        check_heads(12, 8)
+    with pytest.raises(SequenceParallelError, match="sp must be an int >= 1"):
+        check_heads(12, 0)
+    with pytest.raises(SequenceParallelError, match="does not divide the 2 attention heads"):
+        UlyssesWan(WanModel("tiny"), _single(4))
+
+
+def test_single_process_layout() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        pytest.skip("a process group is already initialised in this session")
+    sp = init_sequence_parallel()
+    assert (sp.sp_size, sp.sp_rank, sp.dp_size, sp.dp_rank, sp.source) == (1, 0, 1, 0, "single")
+    assert not sp.enabled and sp.loss_scale == 1.0
+    t = sp.topology
+    assert (t.dp_rank, t.dp_size, t.sp_rank, t.sp_size) == (0, 1, 0, 1)
+    with pytest.raises(SequenceParallelError, match="sp=2 needs torch.distributed"):
+        init_sequence_parallel(2)
+
+
+def test_apply_ulysses_sp1_is_the_plain_model() -> None:
+    torch.manual_seed(0)
+    model = random_init_(WanModel("tiny"), seed=2)
+    g = torch.Generator().manual_seed(0)
+    lat, t = torch.randn(2, 16, 3, 6, 10, generator=g), torch.tensor([100.0, 700.0])
+    ctx, target = torch.randn(2, 5, 4096, generator=g), torch.randn(2, 16, 3, 6, 10, generator=g)
+    ref = model(lat, t, ctx)
+    keys = list(model.state_dict())
+    uw = apply_ulysses(model, _single())
+    assert apply_ulysses(model, _single()) is uw  # idempotent
+    assert list(model.state_dict()) == keys  # parameter names unchanged
+    assert torch.equal(model(lat, t, ctx), ref)
+    loss = model(lat, t, ctx, target=target)
+    assert loss.shape == (2,) and loss.dtype == torch.float32
+    assert torch.allclose(loss, (ref - target).square().flatten(1).mean(1), rtol=1e-6)
+    with pytest.raises(ValueError, match="target must be"):
+        model(lat, t, ctx, target=target[:, :, :1])
+    remove_ulysses(model)
+    assert "forward" not in model.__dict__ and torch.equal(model(lat, t, ctx), ref)
+
+
+# ------------------------------------------------------------------------------ SP=2 vs SP=1
+SCRIPT = textwrap.dedent("""
+    import copy, warnings
+    import torch, torch.distributed as dist, deepspeed
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    from ds_adaptive.models.testing import random_init_
+    from ds_adaptive.models.wan import WanModel, sdpa_attention
+    from ds_adaptive.parallel import apply_ulysses, init_sequence_parallel, make_ulysses_attention
+
+    rank = dist.get_rank()
+    sp = init_sequence_parallel(2, num_heads=2)
+    assert (sp.sp_size, sp.sp_rank, sp.dp_size, sp.source) == (2, rank, 1, "created"), sp
+    assert init_sequence_parallel(2) is sp   # cached: no new groups
+    ref = random_init_(WanModel("tiny"), seed=1)
+    model = copy.deepcopy(ref)
+    uw = apply_ulysses(model, sp)
+    g = torch.Generator().manual_seed(5)
+
+    def grads_summed_over_group(m):
+        out = {}
+        for n, p in m.named_parameters():
+            t = p.grad.clone()
+            dist.all_reduce(t, group=sp.group)
+            out[n] = t
+        return out
+
+    def rel(a, b):
+        return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+    # (B, T', H', W'): video with an odd token count (3x3x5 = 45 -> padded to 46), an image with 15
+    # tokens, an even image (1x4x6), one token (rank 1 holds only padding)
+    cases = [(2, 3, 6, 10, False), (1, 1, 6, 10, False), (3, 1, 8, 12, False), (1, 1, 2, 2, False),
+             (2, 3, 6, 10, True)]
+    for B, T, H, W, ckpt in cases:
+        model.gradient_checkpointing = ref.gradient_checkpointing = ckpt
+        lat = torch.randn(B, 16, T, H, W, generator=g)
+        t = torch.rand(B, generator=g) * 1000
+        ctx = torch.randn(B, 7, 4096, generator=g)
+        tgt = torch.randn(B, 16, T, H, W, generator=g)
+        w = torch.rand(B, generator=g) + 0.5
+        ref.zero_grad(); model.zero_grad()
+        out_ref = ref(lat, t, ctx)
+        loss_ref = (out_ref.float() - tgt).square().flatten(1).mean(1)
+        (loss_ref * w).sum().backward()
+        g_ref = {n: p.grad.clone() for n, p in ref.named_parameters()}
+
+        # 1. gathered output == SP=1 output
+        with torch.no_grad():
+            out = model(lat, t, ctx)
+        assert out.shape == out_ref.shape and torch.allclose(out, out_ref, atol=2e-6), (B, T, H, W)
+        # 2. loss on shards: partial losses sum over the group to the full per-sample loss; all gradients
+        part = model(lat, t, ctx, target=tgt)
+        total = part.detach().clone(); dist.all_reduce(total, group=sp.group)
+        assert torch.allclose(total, loss_ref.detach(), rtol=1e-5, atol=1e-7), (total, loss_ref)
+        (part * w).sum().backward()
+        summed = grads_summed_over_group(model)
+        worst = max((rel(summed[n], g_ref[n]), n) for n in g_ref)
+        assert worst[0] < 2e-5, ((B, T, H, W), worst)
+        if T * H * W > 4:   # negative control: one rank's gradient alone is not the full gradient
+            assert rel(dict(model.named_parameters())["blocks.0.self_attn.q.weight"].grad,
+                       g_ref["blocks.0.self_attn.q.weight"]) > 1e-2
+        # 3. loss on the gathered output (identical on both ranks): slice-backward gives the same gradients
+        model.zero_grad()
+        ((model(lat, t, ctx).float() - tgt).square().flatten(1).mean(1) * w).sum().backward()
+        summed = grads_summed_over_group(model)
+        worst = max((rel(summed[n], g_ref[n]), n) for n in g_ref)
+        assert worst[0] < 2e-5, ((B, T, H, W), "gathered", worst)
+        if rank == 0:
+            print("case", (B, T, H, W, ckpt), "ok", flush=True)
+
+    # negative control: padded keys NOT masked (local attention ignores valid_len) changes the output
+    lat, t, ctx = torch.randn(1, 16, 3, 6, 10, generator=g), torch.tensor([500.0]), torch.randn(1, 7, 4096, generator=g)
+    with torch.no_grad():
+        good = model(lat, t, ctx)
+        model.set_attention(make_ulysses_attention(sp, lambda q, k, v, valid_len=None: sdpa_attention(q, k, v)))
+        bad = model(lat, t, ctx)
+    assert (bad - good).abs().max() > 1e-3, "padding must be masked out of attention"
+    if rank == 0:
+        print("ULYSSES_SP2_OK", flush=True)
+""")
+
+
+@pytest.mark.slow
+def test_sp2_equals_sp1_outputs_losses_and_gradients(tmp_path: Path) -> None:
+    script = tmp_path / "ulysses_sp2.py"
+    script.write_text(SCRIPT)
+    env = {"PYTHONPATH": str(ROOT), "TORCH_EXTENSIONS_DIR": os.environ.get(
+        "TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions"))}
+    results = launch_ranks([str(script)], 2, cwd=tmp_path, timeout=240, env=env)
+    out = results[0].stdout
+    assert "ULYSSES_SP2_OK" in out and out.count(" ok") == 5, out[-4000:]
