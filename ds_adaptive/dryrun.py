@@ -1,0 +1,440 @@
+"""``ds-adaptive dry-run``: check a ds_config + topology + model + shape mix without GPUs, print the launch command.
+
+    ds-adaptive dry-run --deepspeed_config launch/configs/zero3_adaptive.json --model wan2.1-1.3b \\
+        --num-gpus 8 --num-nodes 2 --hostfile launch/hostfile --sp 2 [-- extra trainer args]
+
+Checks (each failure names the key / value, expected vs actual, and the fix; exit status 1):
+
+* the ``adaptive_load`` block validates; the model preset exists;
+* topology: world = --world, --num-gpus x --num-nodes, or the hostfile's slots (limited by
+  --num-gpus / --num-nodes like the ``deepspeed`` launcher); ``world % sp == 0``;
+  ``heads % sp == 0``; ds_config ``sequence_parallel_size`` / ``data_parallel_size`` agree;
+  an SP group that straddles nodes is a warning (its all-to-alls leave NVLink);
+* batch keys: ``train_batch_size == train_micro_batch_size_per_gpu x gradient_accumulation_steps
+  x dp`` with ``dp = world / sp`` (an SP group trains one micro-batch);
+* memory per GPU under the ZeRO stage (parameters, gradients, optimizer state partitioned over
+  all ``world`` ranks, ZeRO-3's live parameters, workspace) and the activation budget left;
+* budgets (``m_mem``, ``m_comp`` / ``max_tokens``, ``auto`` resolved exactly as the sampler does)
+  against every shape of the distribution: shapes over a budget even at B=1 are listed with the
+  budget; an error under ``oversize: "error"``, a warning with the skipped share under ``"skip"``.
+
+Prints a report and the exact ``deepspeed`` command. With ``--print-command`` the report goes to
+stderr and stdout carries only the command (shell-quoted), for scripts::
+
+    CMD=$(ds-adaptive dry-run ... --print-command) && eval "$CMD"
+
+Exit status: 0 all checks passed (warnings allowed), 1 a check failed, 2 bad arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import re
+import shlex
+import sys
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+GIB = float(1 << 30)
+TRAIN_SCRIPT = Path(__file__).resolve().parent.parent / "launch" / "train_wan.py"
+MODELS = ("tiny", "wan2.1-1.3b", "wan2.1-14b")
+
+
+@dataclass
+class Report:
+    """Lines of the report, and the problems (failed checks) and warnings found."""
+
+    lines: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def row(self, key: str, text: str, status: str = "") -> None:
+        self.lines.append(f"  {key:<12} {text}" + (f"  [{status}]" if status else ""))
+
+    def fail(self, key: str, msg: str) -> None:
+        self.problems.append(msg)
+        self.row(key, msg.splitlines()[0], "FAIL")
+
+    def warn(self, key: str, msg: str) -> None:
+        self.warnings.append(msg)
+        self.row(key, msg, "warn")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Nodes and GPUs of the launch."""
+
+    nodes: list[tuple[str, int]]
+    """(host, GPUs used on it) per node, in launch order."""
+    hostfile: Optional[str] = None
+    num_gpus: Optional[int] = None
+    num_nodes: Optional[int] = None
+
+    @property
+    def world(self) -> int:
+        return sum(n for _, n in self.nodes)
+
+
+class UsageError(ValueError):
+    """Arguments that do not describe a launch."""
+
+
+_HOST_RE = re.compile(r"^(\S+)\s+slots=(\d+)\s*$")
+
+
+def parse_hostfile(path: str) -> list[tuple[str, int]]:
+    """DeepSpeed hostfile -> [(host, slots)] (``host slots=N`` lines, ``#`` comments)."""
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"--hostfile {path} does not exist (format: one 'hostname slots=N' line per node, "
+                         "see launch/hostfile.example)")
+    hosts: list[tuple[str, int]] = []
+    for i, raw in enumerate(p.read_text().splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        m = _HOST_RE.match(line)
+        if not m:
+            raise UsageError(f"{path} line {i}: {raw.strip()!r} is not 'hostname slots=N'")
+        host, slots = m.group(1), int(m.group(2))
+        if any(h == host for h, _ in hosts):
+            raise UsageError(f"{path} line {i}: host {host} appears twice; give each node one line")
+        if slots < 1:
+            raise UsageError(f"{path} line {i}: {host} has slots={slots}; each node needs slots >= 1")
+        hosts.append((host, slots))
+    if not hosts:
+        raise UsageError(f"{path} lists no node; add lines like 'node-001 slots=8'")
+    return hosts
+
+
+def resolve_layout(world: Optional[int], num_gpus: Optional[int], num_nodes: Optional[int],
+                   hostfile: Optional[str]) -> Layout:
+    """The launch layout from the flags, as the ``deepspeed`` launcher would use them."""
+    for name, v in (("--world", world), ("--num-gpus", num_gpus), ("--num-nodes", num_nodes)):
+        if v is not None and v < 1:
+            raise UsageError(f"{name} must be >= 1, got {v}")
+    if world is not None and (num_gpus is not None or hostfile is not None):
+        raise UsageError("give either --world N, or --num-gpus G [--num-nodes K], or --hostfile FILE "
+                         "[--num-gpus G] [--num-nodes K]; not --world with the others")
+    if hostfile is not None:
+        hosts = parse_hostfile(hostfile)
+        if num_nodes is not None:
+            if num_nodes > len(hosts):
+                raise UsageError(f"--num-nodes {num_nodes} but {hostfile} lists {len(hosts)} node(s)")
+            hosts = hosts[:num_nodes]
+        if num_gpus is not None:
+            short = [f"{h} (slots={s})" for h, s in hosts if s < num_gpus]
+            if short:
+                raise UsageError(f"--num-gpus {num_gpus} per node but {hostfile} gives fewer slots on: "
+                                 f"{', '.join(short)}")
+            hosts = [(h, num_gpus) for h, _ in hosts]
+        return Layout(nodes=hosts, hostfile=hostfile, num_gpus=num_gpus, num_nodes=num_nodes)
+    if world is not None:
+        k = num_nodes or 1
+        if world % k:
+            raise UsageError(f"--world {world} is not divisible by --num-nodes {k}")
+        return Layout(nodes=[(f"node{i}", world // k) for i in range(k)], num_gpus=world // k,
+                      num_nodes=num_nodes)
+    if num_gpus is not None:
+        k = num_nodes or 1
+        return Layout(nodes=[(f"node{i}", num_gpus) for i in range(k)], num_gpus=num_gpus, num_nodes=num_nodes)
+    raise UsageError("say where it runs: --world N, --num-gpus G [--num-nodes K], or --hostfile FILE")
+
+
+def deepspeed_command(layout: Layout, args: argparse.Namespace, sp: int, extra: list[str]) -> list[str]:
+    """The ``deepspeed`` launcher command for this layout."""
+    cmd = ["deepspeed"]
+    if layout.hostfile:
+        cmd += ["--hostfile", layout.hostfile]
+        if layout.num_nodes is not None:
+            cmd += ["--num_nodes", str(layout.num_nodes)]
+        if layout.num_gpus is not None:
+            cmd += ["--num_gpus", str(layout.num_gpus)]
+    else:
+        if len(layout.nodes) > 1:
+            cmd += ["--num_nodes", str(len(layout.nodes))]
+        cmd += ["--num_gpus", str(layout.nodes[0][1])]
+    if args.master_addr:
+        cmd += ["--master_addr", args.master_addr]
+    if args.master_port:
+        cmd += ["--master_port", str(args.master_port)]
+    script = TRAIN_SCRIPT
+    try:
+        script_s = os.path.relpath(script) if not os.path.relpath(script).startswith("..") else str(script)
+    except ValueError:
+        script_s = str(script)
+    cmd += [script_s, "--deepspeed_config", args.deepspeed_config, "--model", args.model]
+    if args.layers:
+        cmd += ["--layers", str(args.layers)]
+    cmd += ["--sp", str(sp)]
+    if args.shapes:
+        cmd += ["--shapes", args.shapes]
+    return cmd + list(extra)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ds-adaptive dry-run", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--deepspeed_config", "--deepspeed-config", required=True, help="the ds_config json to check")
+    p.add_argument("--model", default="wan2.1-1.3b", choices=MODELS, help="Wan preset (default: %(default)s)")
+    p.add_argument("--layers", type=int, default=None, help="override the number of blocks (as the trainer's --layers)")
+    p.add_argument("--world", type=int, default=None, help="total ranks (GPUs), all on one node unless --num-nodes")
+    p.add_argument("--num-gpus", "--num_gpus", type=int, default=None, help="GPUs per node")
+    p.add_argument("--num-nodes", "--num_nodes", type=int, default=None, help="nodes (default 1, or the hostfile's)")
+    p.add_argument("--hostfile", default=None, help="DeepSpeed hostfile ('hostname slots=N' per node)")
+    p.add_argument("--master-addr", "--master_addr", default=None, help="passed to the deepspeed launcher")
+    p.add_argument("--master-port", "--master_port", type=int, default=None, help="passed to the deepspeed launcher")
+    p.add_argument("--sp", type=int, default=None,
+                   help="Ulysses degree (default: the ds_config's sequence_parallel_size, else 1)")
+    p.add_argument("--shapes", default=None,
+                   help="shape-distribution json (default: adaptive_load.sampler.shapes, else the shipped mix)")
+    p.add_argument("--gpu-mem-gib", type=float, default=None,
+                   help="GPU memory in GiB (default: the sampler profile's device)")
+    p.add_argument("--print-command", action="store_true",
+                   help="report on stderr, only the deepspeed command on stdout")
+    return p
+
+
+def _resolve_relative(path: Optional[str], config_path: str) -> Optional[str]:
+    if path is None or os.path.isabs(path):
+        return path
+    beside = Path(config_path).parent / path
+    return str(beside) if beside.exists() else path
+
+
+def run_checks(args: argparse.Namespace, extra: list[str]) -> tuple[Report, Optional[list[str]]]:
+    """All checks; returns the report and the command (None when the layout itself is unusable)."""
+    from ds_adaptive.config import ConfigError, load_adaptive_config, prepare_ds_config, read_ds_config
+    from ds_adaptive.cost import CostModel, ProfileError, SequenceParallelError, load_profile
+    from ds_adaptive.models.wan import WanConfigError, count_parameters, get_wan_config
+    from ds_adaptive.parallel.ulysses import MESH_KEYS, check_heads, resolve_sp_size
+    from ds_adaptive.planner import resolve_budgets
+    from ds_adaptive.shapes import ShapeError, load_shape_distribution
+
+    rep = Report()
+    cfg_path = args.deepspeed_config
+    rep.lines.append(f"ds-adaptive dry-run: {cfg_path}, model {args.model}")
+
+    # ---- ds_config and the adaptive_load block
+    raw: dict = {}
+    adaptive = None
+    try:
+        raw = read_ds_config(cfg_path)
+        adaptive = load_adaptive_config(cfg_path)
+        s = adaptive.sampler
+        rep.row("config", f"adaptive_load valid: enabled={adaptive.enabled}, sampler {s.mode}/{s.cost_model}, "
+                          f"profile {s.profile}, oversize={s.oversize}", "ok")
+    except ConfigError as exc:
+        rep.fail("config", str(exc))
+    zero = raw.get("zero_optimization") or {}
+    stage = int(zero.get("stage", 0)) if isinstance(zero, dict) else 0
+
+    # ---- model
+    wcfg = None
+    try:
+        overrides = {"num_layers": args.layers} if args.layers else {}
+        wcfg = get_wan_config(args.model, **overrides)
+        n_params = count_parameters(wcfg)
+        rep.row("model", f"{args.model}: {wcfg.num_layers} blocks, dim {wcfg.dim}, {wcfg.num_heads} heads, "
+                         f"{n_params / 1e9:.3f} B parameters", "ok")
+    except WanConfigError as exc:
+        rep.fail("model", f"--model/--layers: {exc}")
+        n_params = 0
+
+    # ---- topology
+    layout = None
+    sp = dp = None
+    try:
+        layout = resolve_layout(args.world, args.num_gpus, args.num_nodes, args.hostfile)
+    except UsageError as exc:
+        rep.fail("topology", str(exc))
+    if layout is not None:
+        world = layout.world
+        where = (f"{len(layout.nodes)} node(s) x {layout.nodes[0][1]} GPU(s)" if len({n for _, n in layout.nodes}) == 1
+                 else " + ".join(f"{h}:{n}" for h, n in layout.nodes))
+        try:
+            sp = resolve_sp_size(args.sp, raw, world)
+            dp = world // sp
+            rep.row("topology", f"world {world} = {where}; Ulysses sp {sp} -> dp {dp} "
+                                f"(SP groups = {sp} consecutive ranks)", "ok")
+        except SequenceParallelError as exc:
+            rep.fail("topology", str(exc))
+        if sp is not None and sp > 1:
+            sizes = [n for _, n in layout.nodes]
+            if any(n % sp for n in sizes):
+                rep.warn("topology", f"sp {sp} does not divide the GPUs per node ({sizes}): some SP groups span two "
+                                     "nodes and their all-to-alls leave NVLink (slow); pick sp dividing the GPUs per node")
+        if sp is not None and all(k in raw for k in MESH_KEYS):
+            rep.warn("ds_config", "data_parallel_size + sequence_parallel_size make DeepSpeed build a (dp, sp) mesh; the "
+                                  "trainer removes them before deepspeed.initialize (DeepSpeed 0.19.8's mesh breaks ZeRO-3 "
+                                  "checkpoints and ZeRO-0/1/2 gradients; docs/ULYSSES.md)")
+        if len(layout.nodes) > 1 and not layout.hostfile:
+            rep.warn("topology", f"{len(layout.nodes)} nodes without --hostfile: the deepspeed launcher reads "
+                                 "/job/hostfile by default; pass --hostfile")
+    heads_ok = True
+    if wcfg is not None and sp is not None:
+        try:
+            check_heads(wcfg.num_heads, sp, what=args.model)
+            rep.row("heads", f"{wcfg.num_heads} heads / sp {sp} = {wcfg.num_heads // sp} per rank", "ok")
+        except SequenceParallelError as exc:
+            heads_ok = False
+            rep.fail("heads", str(exc))
+
+    # ---- batch keys
+    gas = None
+    if dp is not None and raw:
+        tbs, micro, gas_cfg = (raw.get("train_batch_size"), raw.get("train_micro_batch_size_per_gpu"),
+                               raw.get("gradient_accumulation_steps"))
+        try:
+            if None not in (tbs, micro, gas_cfg) and tbs != micro * gas_cfg * dp:
+                raise ConfigError(
+                    f"ds_config train_batch_size={tbs} != train_micro_batch_size_per_gpu {micro} x "
+                    f"gradient_accumulation_steps {gas_cfg} x dp {dp} (= world {dp * sp} / sp {sp}) = "
+                    f"{micro * gas_cfg * dp}; set train_batch_size to {micro * gas_cfg * dp}, or drop it (the trainer "
+                    "derives it) -- an SP group of sp ranks trains one micro-batch")
+            gas = prepare_ds_config(raw, dp_size=dp, on_gpu=True)["gradient_accumulation_steps"]
+            rep.row("batch", f"gradient_accumulation_steps {gas} per optimizer step, dp {dp}; micro-batch sizes "
+                             f"come from the sampler (train_micro_batch_size_per_gpu is nominal)", "ok")
+        except ConfigError as exc:
+            rep.fail("batch", str(exc))
+
+    # ---- memory and budgets
+    if adaptive is not None and wcfg is not None and sp is not None and dp is not None and heads_ok:
+        _check_memory_and_budgets(rep, args, adaptive, wcfg, n_params, stage, sp, dp, CostModel, load_profile,
+                                  resolve_budgets, load_shape_distribution, (ProfileError, ShapeError, ValueError,
+                                                                             FileNotFoundError))
+
+    cmd = deepspeed_command(layout, args, sp or args.sp or 1, extra) if layout is not None else None
+    return rep, cmd
+
+
+def _check_memory_and_budgets(rep, args, adaptive, wcfg, n_params, stage, sp, dp, CostModel, load_profile,
+                              resolve_budgets, load_shape_distribution, errors) -> None:
+    s = adaptive.sampler
+    try:
+        if s.profile is None:
+            raise ValueError("adaptive_load.sampler.profile is null: the memory model needs a profile "
+                             "(a shipped name or a `ds-adaptive calibrate` json)")
+        profile = load_profile(_resolve_relative(s.profile, args.deepspeed_config))
+        shapes_file = args.shapes or _resolve_relative(s.shapes, args.deepspeed_config)
+        dist_ = load_shape_distribution(shapes_file)
+    except errors as exc:
+        rep.fail("budgets", str(exc))
+        return
+    pmodel = profile.raw.get("model", {}).get("name")
+    if pmodel not in (None, args.model):
+        rep.warn("profile", f"profile '{profile.name}' was measured for {pmodel}, checking {args.model}: costs and "
+                            f"activation memory are extrapolated; run `ds-adaptive calibrate --model {args.model}`")
+    world = sp * dp
+    gpu = args.gpu_mem_gib or profile.gpu_mem_gib
+    # static memory of THIS model under the ds_config's ZeRO stage, partitioned over all world ranks
+    bpp = profile.bytes_per_param
+
+    def sharded(kind: str, default: float, from_stage: int) -> float:  # GiB per GPU
+        return n_params * bpp.get(kind, default) / (world if stage >= from_stage else 1) / GIB
+
+    parts = {"params": sharded("params", 2.0, 3), "grads": sharded("grads", 2.0, 2),
+             "optimizer": sharded("optimizer", 12.0, 1),
+             "zero3 live": (profile.stage3_live_params * bpp.get("params", 2.0) / GIB) if stage >= 3 else 0.0,
+             "workspace": profile.workspace_gib}
+    static = sum(parts.values())
+    rep.row("memory/GPU", f"ZeRO-{stage} over {world} ranks: " + " + ".join(f"{k} {v:.2f}" for k, v in parts.items())
+            + f" = {static:.2f} GiB static of {gpu:.1f} GiB", "ok" if static < gpu * s.mem_utilization else "FAIL")
+    if static >= gpu * s.mem_utilization:
+        rep.problems.append(
+            f"static memory {static:.1f} GiB per GPU (ZeRO-{stage}, {world} ranks) leaves nothing of "
+            f"{gpu:.1f} GiB x mem_utilization {s.mem_utilization} for activations; use ZeRO-3, more GPUs, "
+            "or a smaller model")
+        return
+    try:
+        cost = CostModel(profile, s.cost_model, p=s.p, sp=sp, num_heads=wcfg.num_heads)
+        mode = s.mode if adaptive.enabled else "tokens"
+        uniq = sorted({w.shape for w in dist_})
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            b = resolve_budgets(mode=mode, cost=cost, shapes=uniq, m_mem=s.m_mem, m_comp=s.m_comp,
+                                max_tokens=s.max_tokens, gpu_mem_gib=gpu, mem_utilization=s.mem_utilization,
+                                zero_stage=stage, dp_size=dp)
+    except errors as exc:
+        rep.fail("budgets", str(exc))
+        return
+    unit = cost.unit
+    desc = f"mode {mode}: m_mem {b['m_mem']:.2f} GiB" + (f" ({'auto' if s.m_mem == 'auto' else 'set'})")
+    if mode == "dual":
+        desc += f", m_comp {b['m_comp']:.4g} {unit} ({'auto' if s.m_comp == 'auto' else 'set'})"
+    if mode == "tokens":
+        desc += f", max_tokens {b['max_tokens']}"
+    rep.row("budgets", desc, "ok")
+    if static + b["m_mem"] > gpu:
+        rep.fail("budgets", f"m_mem {b['m_mem']:.1f} GiB of activations + {static:.1f} GiB static memory of {args.model} "
+                            f"= {static + b['m_mem']:.1f} GiB > {gpu:.1f} GiB per GPU: batches planned to m_mem would run "
+                            f"out of memory. Set sampler.m_mem <= {max(gpu * s.mem_utilization - static, 0):.1f} or use "
+                            f"a profile calibrated for {args.model} (`ds-adaptive calibrate`)")
+    total_w = sum(w.weight for w in dist_)
+    weight = {}
+    for w in dist_:
+        weight[w.shape] = weight.get(w.shape, 0.0) + w.weight
+    longest = max(uniq, key=lambda x: x.tokens)
+    over = []
+    for shape in uniq:
+        mem1, c1 = cost.per_gpu_memory(shape), cost.batch_cost(shape, 1)
+        why = []
+        if mem1 > b["m_mem"] * (1 + 1e-12):
+            why.append(f"activation memory {mem1:.2f} GiB > m_mem {b['m_mem']:.2f} GiB")
+        if mode == "dual" and c1 > b["m_comp"] * (1 + 1e-12):
+            why.append(f"cost {c1:.4g} {unit} > m_comp {b['m_comp']:.4g} {unit}")
+        if mode == "tokens" and cost.padded_tokens(shape) > b["max_tokens"]:
+            why.append(f"{cost.padded_tokens(shape)} tokens > max_tokens {b['max_tokens']}")
+        if why:
+            over.append((shape, why))
+    mem_l = cost.per_gpu_memory(longest)
+    rep.row("shapes", f"{len(uniq)} shapes; longest {longest} = {longest.tokens} tokens (padded "
+                      f"{cost.padded_tokens(longest)}, {cost.padded_tokens(longest) // sp} per rank): "
+                      f"{mem_l:.2f} GiB activations, {cost.batch_cost(longest, 1):.4g} {unit} per GPU at B=1; "
+                      f"peak ~{static + mem_l:.1f} of {gpu:.1f} GiB", "ok" if not over else "")
+    for shape, why in over:
+        share = weight[shape] / total_w
+        msg = (f"shape {shape} ({shape.tokens} tokens, {100 * share:.1f}% of the mix) does not fit one GPU even at "
+               f"batch size 1 with sp {sp}: {'; '.join(why)}")
+        if s.oversize == "error":
+            rep.fail("oversize", msg + ". Raise the budget (sampler.m_mem / m_comp / max_tokens), use a higher sp, "
+                                       "drop the shape, or set sampler.oversize: \"skip\"")
+        else:
+            rep.warn("oversize", msg + " -> skipped (oversize: skip)")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
+    args = build_parser().parse_args(argv)
+    out = sys.stderr if args.print_command else sys.stdout
+    try:
+        rep, cmd = run_checks(args, extra)
+    except UsageError as exc:
+        print(f"ds-adaptive dry-run: error: {exc}", file=sys.stderr)
+        return 2
+    for line in rep.lines:
+        print(line, file=out)
+    if cmd is not None:
+        print(f"  {'command':<12} {shlex.join(cmd)}", file=out)
+    if rep.problems:
+        print(f"\nFAILED: {len(rep.problems)} problem(s):", file=out)
+        for i, p in enumerate(rep.problems, 1):
+            print(f"  {i}. {p}", file=out)
+        return 1
+    print(f"\nOK{f' ({len(rep.warnings)} warning(s))' if rep.warnings else ''}: the configuration can launch.",
+          file=out)
+    if args.print_command and cmd is not None:
+        print(shlex.join(cmd))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
