@@ -17,7 +17,19 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+_THIS = sys.modules[__name__]
 CONFIGS = ROOT / "launch" / "configs"
+
+
+def pytest_collectstart(collector) -> None:
+    """Keep ``from conftest import launch_ranks, ROOT`` working in the test modules of tests/.
+
+    tests/gpu has its own conftest.py; both are imported under the module name ``conftest``, and the
+    one imported last would answer. Before a module of this directory is imported, point the name
+    back at this file.
+    """
+    if isinstance(collector, pytest.Module) and collector.path.parent == Path(__file__).resolve().parent:
+        sys.modules["conftest"] = _THIS
 
 
 def _free_port() -> int:
@@ -58,8 +70,7 @@ def launch_ranks(argv: list[str], world: int, *, cwd: Path, timeout: float = 600
 
 @pytest.fixture
 def run_ranks():
-    """``run_ranks(argv, world, cwd=..., timeout=...)``: see ``launch_ranks``. (A fixture, because test
-    modules cannot import this conftest by name: tests/gpu has its own.)"""
+    """``run_ranks(argv, world, cwd=..., timeout=...)``: ``launch_ranks`` as a fixture."""
     return launch_ranks
 
 
