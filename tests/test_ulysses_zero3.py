@@ -52,6 +52,7 @@ SCRIPT = textwrap.dedent("""
     if not MESH:
         sp = init_sequence_parallel(2, num_heads=2)
         uw = apply_ulysses(model, sp)
+    model.gradient_checkpointing = not MESH   # the attention all-to-alls run again in the recompute
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_cfg)
     if MESH:
         sp = init_sequence_parallel(2, num_heads=2)
