@@ -160,7 +160,7 @@ def floor_bytes(B: int, S: int, D: int, per_token: bool, xbytes: int = 2, mbytes
 
 
 def methods():
-    compiled = torch.compile(ln_modulate_reference, dynamic=False)
+    compiled = torch.compile(lambda x, shift, scale: ln_modulate_reference(x, shift, scale), dynamic=False)
     return {"ours": ln_modulate, "eager": ln_modulate_reference, "compile": compiled}
 
 
@@ -169,20 +169,37 @@ def time_case(name: str, B: int, S: int, D: int, per_token: bool, l2_bytes: int,
     n_sets = max(1, min(4, math.ceil(2 * l2_bytes / per_set)))
     sets = [make_inputs(B, S, D, per_token) for _ in range(n_sets)]
     for st in sets:
-        # torch.compile mishandles leaf *views* as graph inputs (its backward returns a [D] grad for
-        # a [1, 1, D] view), so the compile baseline reads contiguous copies of shift/scale.
+        # torch.compile (2.11) returns a [D] gradient for a [1, 1, D] shift/scale graph input (seen
+        # with B = 1, leaf views and contiguous leaves alike). The compile baseline therefore takes
+        # the modulation as Wan does: per-sample, the [B, 6, D] table sliced inside the compiled
+        # function; per-token (where the table would add a [B, S, 6, D] gradient), contiguous copies.
         st["shift_c"] = st["shift"].detach().clone().requires_grad_()
         st["scale_c"] = st["scale"].detach().clone().requires_grad_()
+        if not per_token:
+            st["table"] = torch.cat([st["shift_c"].detach(), st["scale_c"].detach()], dim=1).requires_grad_()
     out: Dict = {"case": name, "B": B, "S": S, "D": D, "per_token": per_token, "input_sets": n_sets}
     rep = 100 if quick else 300
     for mname, fn in methods().items():
-        ks, kc = ("shift_c", "scale_c") if mname == "compile" else ("shift", "scale")
         for kind in ("fwd", "fwd+bwd"):
             key = f"{mname} {kind}"
-            if kind == "fwd":
-                calls = [(lambda s=s: _nograd(lambda: fn(s["x"], s[ks], s[kc]))) for s in sets]
+            if mname == "compile" and not per_token:
+                def inputs(s):
+                    return s["x"], s["table"]
+
+                def call(s, fn=fn):
+                    return fn(s["x"], s["table"][:, 0:1], s["table"][:, 1:2])
             else:
-                calls = [(lambda s=s: torch.autograd.grad(fn(s["x"], s[ks], s[kc]), (s["x"], s[ks], s[kc]), s["dy"]))
+                ks, kc = ("shift_c", "scale_c") if mname == "compile" else ("shift", "scale")
+
+                def inputs(s, ks=ks, kc=kc):
+                    return s["x"], s[ks], s[kc]
+
+                def call(s, fn=fn, ks=ks, kc=kc):
+                    return fn(s["x"], s[ks], s[kc])
+            if kind == "fwd":
+                calls = [(lambda s=s, call=call: _nograd(lambda: call(s))) for s in sets]
+            else:
+                calls = [(lambda s=s, call=call, inputs=inputs: torch.autograd.grad(call(s), inputs(s), s["dy"]))
                          for s in sets]
             try:
                 try:
