@@ -146,7 +146,8 @@ SCRIPT = textwrap.dedent("""
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     from ds_adaptive.models.testing import random_init_
     from ds_adaptive.models.wan import WanModel, sdpa_attention
-    from ds_adaptive.parallel import apply_ulysses, init_sequence_parallel, make_ulysses_attention
+    from ds_adaptive.parallel import (SequenceParallelError, apply_ulysses, init_sequence_parallel,
+                                      make_ulysses_attention)
 
     rank = dist.get_rank()
     sp = init_sequence_parallel(2, num_heads=2)
@@ -216,6 +217,35 @@ SCRIPT = textwrap.dedent("""
         model.set_attention(make_ulysses_attention(sp, lambda q, k, v, valid_len=None: sdpa_attention(q, k, v)))
         bad = model(lat, t, ctx)
     assert (bad - good).abs().max() > 1e-3, "padding must be masked out of attention"
+    # replicated inputs: identical passes, a per-rank difference is named
+    sp.assert_replicated(lat, t, ctx)
+    try:
+        sp.assert_replicated(lat, t + rank, what="the timesteps")
+        raise AssertionError("different timesteps on the SP ranks were not detected")
+    except SequenceParallelError as exc:
+        assert "the timesteps differs between SP ranks" in str(exc) and "tensor(s) [1] of 2" in str(exc), exc
+    assert torch.equal(sp.group_sum(torch.full((2,), float(rank + 1))), torch.full((2,), 3.0))
+
+    # check_engine: what DeepSpeed 0.19.8 does with SP (fake engines carrying the attributes it reads)
+    class Engine:
+        def __init__(self, stage, ds_sp=1, rs=True, seq_dp=2):
+            self.stage, self.sequence_parallel_size, self.rs, self.seq_dp_world_size = stage, ds_sp, rs, seq_dp
+            self.module = model
+        def zero_optimization_stage(self):
+            return self.stage
+        def zero_reduce_scatter(self):
+            return self.rs
+    assert sp.check_engine(Engine(2)) == 2.0 and sp.check_engine(Engine(0)) == 2.0
+    assert sp.check_engine(Engine(3)) == 2.0   # plain parameters: no ds_process_group, the world
+    for engine, msg in [(Engine(2, ds_sp=2), "ZeRO stage 2 with DeepSpeed's (dp, sp) mesh"),
+                        (Engine(3, ds_sp=2, rs=False), "reduce_scatter=false"),
+                        (Engine(3, ds_sp=4), "sequence_parallel_size=4 but the SP groups have sp=2"),
+                        (Engine(1, seq_dp=1), "reduces gradients over 1 ranks, not the world (2)")]:
+        try:
+            sp.check_engine(engine)
+            raise AssertionError(f"check_engine accepted {vars(engine)}")
+        except SequenceParallelError as exc:
+            assert msg in str(exc), (msg, str(exc))
     if rank == 0:
         print("ULYSSES_SP2_OK", flush=True)
 """)

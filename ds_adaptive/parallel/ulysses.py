@@ -156,13 +156,42 @@ class SequenceParallel:
                         f"parameter {name} is ZeRO-3 partitioned over {n} ranks, not the world ({world}): "
                         "the gradient reduction would not include every SP rank. Build the model under "
                         "deepspeed.zero.Init without data_parallel_group (or without zero.Init).")
-                break
         else:
             n = int(getattr(engine, "seq_dp_world_size", world))
             if n != world:
                 raise SequenceParallelError(
                     f"DeepSpeed reduces gradients over {n} ranks, not the world ({world}); {fix}.")
         return self.loss_scale
+
+    def group_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum of ``t`` (detached) over the SP group, e.g. the full per-sample losses from the partial
+        ones for logging; ``t`` itself (detached) when sp=1. A collective: call on every rank of the group."""
+        t = t.detach()
+        if not self.enabled:
+            return t
+        out = t.clone()
+        dist.all_reduce(out, group=self.group)
+        return out
+
+    def assert_replicated(self, *tensors: torch.Tensor, what: str = "the batch") -> None:
+        """Raise unless every rank of the SP group holds the same values in ``tensors`` (compares an
+        fp64 checksum per tensor; a collective). The ranks of a group must train on identical inputs
+        (latents, noise, timesteps, text): a rank that draws its own noise silently breaks Ulysses."""
+        if not self.enabled:
+            return
+        sums = torch.stack([torch.stack([t.detach().double().sum(), t.detach().double().square().sum()])
+                            for t in tensors]).flatten()
+        gathered = [torch.empty_like(sums) for _ in range(self.sp_size)]
+        dist.all_gather(gathered, sums, group=self.group)
+        for r, other in enumerate(gathered):
+            if not torch.allclose(other, sums, rtol=1e-12, atol=0.0):
+                bad = [i for i in range(len(tensors)) if not torch.allclose(other[2 * i:2 * i + 2],
+                                                                            sums[2 * i:2 * i + 2], rtol=1e-12)]
+                raise SequenceParallelError(
+                    f"{what} differs between SP ranks {self.sp_rank} and {r} (tensor(s) {bad} of {len(tensors)}): "
+                    "all ranks of an SP group must get identical inputs. Draw noise / timesteps from per-sample "
+                    "seeds (not per-rank RNG state) and give the group the same batch (Topology.sp_rank "
+                    "must not change what the sampler yields).")
 
     def describe(self) -> str:
         return (f"sp {self.sp_rank}/{self.sp_size}, dp {self.dp_rank}/{self.dp_size} "
