@@ -192,10 +192,11 @@ def _build_model(args, cfg: AdaptiveLoadConfig, ds_cfg: dict):
     with deepspeed.zero.Init(config_dict_or_path=ds_cfg, enabled=stage == 3):
         model = WanModel(wcfg)
     model.gradient_checkpointing = bool(args.grad_ckpt)
-    if cfg.fused_ln_modulate:
-        from .ops.ln_modulate import ln_modulate
+    # Explicit both ways: the fused op only when asked for (loaded / JIT-built now, not inside
+    # the first step), the torch reference otherwise.
+    from ds_adaptive.patches.deepspeed import enable_from_ds_config
 
-        model.set_ln_modulate(ln_modulate)
+    model.set_ln_modulate(enable_from_ds_config({"adaptive_load": {"fused_ln_modulate": cfg.fused_ln_modulate}}))
     return model, wcfg
 
 

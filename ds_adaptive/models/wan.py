@@ -51,7 +51,9 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch.utils.checkpoint import checkpoint
 
-from ds_adaptive.ops.ln_modulate import ln_modulate as _default_ln_modulate
+# Plain torch by default: the fused op is opt-in (adaptive_load.fused_ln_modulate -> set_ln_modulate),
+# so a baseline run never picks it up implicitly.
+from ds_adaptive.ops.ln_modulate import ln_modulate_reference as _default_ln_modulate
 
 AttentionFn = Callable[..., torch.Tensor]
 """``fn(q, k, v, **kwargs) -> out``, all ``[B, S, H, Dh]``."""
@@ -421,7 +423,7 @@ class WanModel(nn.Module):
 
     def set_ln_modulate(self, fn: Optional[LnModulateFn]) -> None:
         """Use ``fn(x, shift, scale, eps, weight=None, bias=None)`` at every norm+modulate site
-        (2 per block + head); None restores ``ds_adaptive.ops.ln_modulate.ln_modulate``."""
+        (2 per block + head); None restores the torch reference ``ln_modulate_reference``."""
         fn = _default_ln_modulate if fn is None else fn
         _set_plain_attr(self, "ln_modulate_fn", fn)
         for m in (*self.blocks, self.head):
