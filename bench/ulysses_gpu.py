@@ -37,7 +37,6 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -292,7 +291,7 @@ def check_big(model, degrees, inputs) -> dict:
 
     from ds_adaptive.parallel import apply_ulysses, init_sequence_parallel
 
-    lat, t, ctx, tgt, shape = inputs
+    lat, t, ctx, _, shape = inputs
     outs = {}
     with torch.no_grad():
         for k in degrees:

@@ -28,8 +28,6 @@ Exit status: 0 all checks passed (warnings allowed), 1 a check failed, 2 bad arg
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import math
 import os
 import re
 import shlex
