@@ -1,6 +1,7 @@
 """Guards Ulysses SP for Wan: shard/pad math, valid-length attention, config/group resolution, and SP=2 == SP=1 (outputs, losses, all gradients) on 2 gloo ranks."""
 from __future__ import annotations
 
+import copy
 import os
 import textwrap
 from pathlib import Path
@@ -133,6 +134,12 @@ def test_apply_ulysses_sp1_is_the_plain_model() -> None:
     assert torch.allclose(loss, (ref - target).square().flatten(1).mean(1), rtol=1e-6)
     with pytest.raises(ValueError, match="target must be"):
         model(lat, t, ctx, target=target[:, :, :1])
+    twin = copy.deepcopy(model)  # e.g. an EMA copy: it must run its own weights, not the original's
+    with torch.no_grad():
+        twin.head.head.bias.add_(1.0)
+    assert torch.equal(model(lat, t, ctx), ref)
+    assert torch.allclose(twin(lat, t, ctx), ref + 1.0, atol=1e-5)
+    assert twin.forward.__self__ is twin
     remove_ulysses(model)
     assert "forward" not in model.__dict__ and torch.equal(model(lat, t, ctx), ref)
 
@@ -214,9 +221,17 @@ SCRIPT = textwrap.dedent("""
     lat, t, ctx = torch.randn(1, 16, 3, 6, 10, generator=g), torch.tensor([500.0]), torch.randn(1, 7, 4096, generator=g)
     with torch.no_grad():
         good = model(lat, t, ctx)
-        model.set_attention(make_ulysses_attention(sp, lambda q, k, v, valid_len=None: sdpa_attention(q, k, v)))
-        bad = model(lat, t, ctx)
+        bad_model = copy.deepcopy(model)
+        bad_model.set_attention(make_ulysses_attention(sp, lambda q, k, v, valid_len=None: sdpa_attention(q, k, v)))
+        bad = bad_model(lat, t, ctx)
     assert (bad - good).abs().max() > 1e-3, "padding must be masked out of attention"
+    # a deepcopy (EMA) of a model under Ulysses runs its own weights over the same groups
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        assert torch.equal(twin(lat, t, ctx), good)
+        twin.head.head.bias.add_(1.0)
+        assert torch.allclose(twin(lat, t, ctx), good + 1.0, atol=1e-5) and torch.equal(model(lat, t, ctx), good)
+
     # replicated inputs: identical passes, a per-rank difference is named
     sp.assert_replicated(lat, t, ctx)
     try:

@@ -33,6 +33,7 @@ every stage when DeepSpeed has no (dp, sp) mesh), so the reduced gradient is
 """
 from __future__ import annotations
 
+import copy
 import math
 import sys
 import types
@@ -595,6 +596,15 @@ class UlyssesWan:
 
     __call__ = forward
 
+    def __deepcopy__(self, memo):
+        # copy.deepcopy(model) (an EMA copy, say) copies this too: the copy drives the copied model over the
+        # same process groups (groups cannot be copied; the attention fn is shared, it holds no state).
+        new = object.__new__(UlyssesWan)
+        memo[id(self)] = new
+        new.model = copy.deepcopy(self.model, memo)
+        new.sp = self.sp
+        return new
+
 
 def apply_ulysses(model: WanModel, sp: SequenceParallel) -> UlyssesWan:
     """Install Ulysses on ``model`` and route ``model.forward`` through it (idempotent).
@@ -615,6 +625,7 @@ def apply_ulysses(model: WanModel, sp: SequenceParallel) -> UlyssesWan:
     original = type(model).forward
 
     def forward(self, latents, timestep, context, target=None):
+        uw = getattr(self, _PATCH_MARKER)  # looked up per call: a deepcopy of the model drives its own weights
         if target is None:
             return uw.forward(latents, timestep, context)
         return uw.per_sample_loss(latents, timestep, context, target)
