@@ -275,3 +275,45 @@ def test_sp2_equals_sp1_outputs_losses_and_gradients(tmp_path: Path) -> None:
     results = launch_ranks([str(script)], 2, cwd=tmp_path, timeout=240, env=env)
     out = results[0].stdout
     assert "ULYSSES_SP2_OK" in out and out.count(" ok") == 5, out[-4000:]
+
+
+MEGATRON = textwrap.dedent("""
+    import copy, os, warnings
+    import torch, torch.distributed as dist
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    dist.init_process_group("gloo")          # plain torch.distributed: deepspeed.comm gets attached by us
+    from megatron.core import parallel_state as ps
+    ps.initialize_model_parallel(context_parallel_size=2, create_gloo_process_groups=True)
+    from ds_adaptive.models.testing import random_init_
+    from ds_adaptive.models.wan import WanModel
+    from ds_adaptive.parallel import SequenceParallelError, apply_ulysses, init_sequence_parallel
+
+    sp = init_sequence_parallel()
+    assert (sp.source, sp.sp_size, sp.sp_rank, sp.dp_size) == ("megatron", 2, dist.get_rank(), 1), sp
+    try:
+        init_sequence_parallel(4)
+        raise AssertionError("a degree different from megatron's context_parallel_size was accepted")
+    except SequenceParallelError as exc:
+        assert "context_parallel_size=2" in str(exc), exc
+    ref = random_init_(WanModel("tiny"), seed=4)
+    model = copy.deepcopy(ref)
+    apply_ulysses(model, sp)
+    g = torch.Generator().manual_seed(0)
+    lat, t, ctx = torch.randn(1, 16, 3, 6, 10, generator=g), torch.tensor([250.0]), torch.randn(1, 5, 4096, generator=g)
+    with torch.no_grad():
+        assert torch.allclose(model(lat, t, ctx), ref(lat, t, ctx), atol=2e-6)
+    if dist.get_rank() == 0:
+        print("ULYSSES_MEGATRON_OK", flush=True)
+""")
+
+
+@pytest.mark.slow
+def test_megatron_context_parallel_groups(tmp_path: Path) -> None:
+    pytest.importorskip("megatron.core", reason="megatron-core is optional")
+    script = tmp_path / "ulysses_megatron.py"
+    script.write_text(MEGATRON)
+    env = {"PYTHONPATH": str(ROOT), "TORCH_EXTENSIONS_DIR": os.environ.get(
+        "TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions"))}
+    results = launch_ranks([str(script)], 2, cwd=tmp_path, timeout=240, env=env)
+    assert "ULYSSES_MEGATRON_OK" in results[0].stdout, results[0].stdout[-4000:]
