@@ -1,23 +1,36 @@
 """Step timers and balance figures across data-parallel ranks; JSONL / TensorBoard logs; run summary.
 
-Per micro-step every rank records its compute time (from the batch on the device to the end
-of backward, with a device sync so that queued kernels are counted), the samples and tokens
+Per micro-step every rank records how long its forward + backward took, the samples and tokens
 it processed and its quadratic pressure ``sum_b S_b^2``. Once per optimizer step one small
-``all_gather`` brings every rank's figures to every rank, so all ranks hold the same
-history and the same summary:
+``all_gather`` brings every rank's figures to every rank, so all ranks hold the same history
+and the same summary:
 
-* ``cv_step``: coefficient of variation (std / mean over ranks) of compute time, per
-  micro-step, averaged over the step's micro-steps (the paper's CV_step);
+* ``cv_step``: coefficient of variation (std / mean over ranks) of per-rank *compute* time,
+  per micro-step, averaged over the step's micro-steps (the paper's CV_step);
+* ``cv_step_wall``: the same CV of per-rank *wall-clock* time of the same region;
 * ``compute_cv``: the same CV of the quadratic pressure ``B x S^2`` (the paper's Compute CV);
-* ``idle_frac``: share of the step's slowest-rank time that the average rank sits idle,
-  ``sum_m (max_r t - mean_r t) / sum_m max_r t``;
+* ``idle_frac``: share of the step's slowest-rank compute time that the average rank sits
+  idle, ``sum_m (max_r t - mean_r t) / sum_m max_r t``;
 * ``peak_mem`` / ``mem_capacity``: per-rank peak accelerator memory in the step (host RSS
   on CPU) and the device capacity;
 * ``tokens_per_s`` / ``samples_per_s``: global tokens (samples) of the step / step wall time.
 
-Caveat on the timings: under ZeRO-3 the per-layer parameter all-gathers run inside forward
-and backward, so a fast rank may wait on a slow one inside its micro-step; that wait is in
-its compute time. ``compute_cv`` (from shapes alone) does not have this blind spot.
+Compute time versus wall-clock time. Under ZeRO-3 every module's parameters are all-gathered
+inside forward and backward, and gradients are reduce-scattered inside backward: collectives
+that complete only when every rank has reached them. A rank with a light batch therefore
+*waits* inside its own forward/backward for the rank with the heavy one, and a wall-clock timer
+around forward + backward reads about the same on every rank (``cv_step_wall`` is small even
+when the load is not balanced). :class:`ComputeTimer` (``StepMetrics.attach_engine(engine)``)
+takes those waits out: it brackets every DeepSpeed entry point that can wait for another rank
+(ZeRO-3's parameter fetch before a module's forward and backward, the gradient reduce hook, the
+backward epilogue; see ``WAIT_POINTS``) and subtracts them from the micro-step's region
+(``data_ready()`` .. ``backward_done()``). On CUDA both the region and the windows are CUDA
+events on the compute stream, read once per optimizer step (no per-micro-step sync): a window's
+length is how long the *stream* stalled there (a stream wait on NCCL or an idle stream while the
+host blocked), so kernels that were still queued while the host waited count as compute, not as
+waiting. On the CPU, where gloo collectives block the caller, the same points are timed with
+``perf_counter``. Without an engine (or with ``attach_engine`` not called) compute time is the
+region's wall-clock time, as before.
 """
 from __future__ import annotations
 
@@ -53,6 +66,112 @@ def cv(values) -> float:
     return math.sqrt(sum((v - mean) ** 2 for v in vals) / len(vals)) / mean
 
 
+# (attribute path from the DeepSpeed engine, method name): every entry point through which a
+# rank can wait for another one inside forward/backward. ZeRO-3 calls them through ``self.``,
+# so an instance attribute that wraps the bound method is what runs.
+WAIT_POINTS = (
+    ("optimizer.parameter_offload", "pre_sub_module_forward_function"),   # ZeRO-3 all-gather wait (fwd)
+    ("optimizer.parameter_offload", "pre_sub_module_backward_function"),  # ZeRO-3 all-gather wait (bwd)
+    ("optimizer", "reduce_ready_partitions_and_remove_grads"),            # gradient reduce(-scatter) hook
+    ("", "_backward_epilogue"),                                           # final reduce + stream syncs
+)
+
+
+class ComputeTimer:
+    """Per micro-step: the wall-clock length of a region and the part of it spent inside
+    DeepSpeed's wait points (``WAIT_POINTS``); compute = region - waits.
+
+    ``begin()`` / ``end()`` bracket one micro-step's forward + backward; ``collect()`` returns
+    ``[(wall_ms, wait_ms), ...]`` for the micro-steps since the last call (one device sync on
+    CUDA). Windows nest (the epilogue calls the reduce hook): only the outermost one counts.
+    Calls outside a region pass straight through, so evaluation and the optimizer step cost
+    one attribute check per call.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.wrapped: list[str] = []
+        self._active = False
+        self._depth = 0
+        self._start = None
+        self._windows: list = []
+        self._done: list = []         # (start, end, windows) per micro-step
+        self._pool: list = []         # reusable CUDA events
+
+    # timestamps: CUDA events on the current stream, or perf_counter seconds
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        ev = self._pool.pop() if self._pool else torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def _ms(self, a, b) -> float:
+        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+
+    def attach(self, engine) -> list[str]:
+        """Wrap the wait points that ``engine`` has; returns their names (empty: none found,
+        compute time then equals wall-clock time)."""
+        for path, name in WAIT_POINTS:
+            owner = engine
+            for part in filter(None, path.split(".")):
+                owner = getattr(owner, part, None)
+            fn = getattr(owner, name, None) if owner is not None else None
+            if fn is None or getattr(fn, "_ds_adaptive_wait_point", False):
+                continue
+            setattr(owner, name, self._wrap(fn))
+            self.wrapped.append(f"{path + '.' if path else ''}{name}")
+        return list(self.wrapped)
+
+    def _wrap(self, fn):
+        timer = self
+
+        def wait_point(*args, **kwargs):
+            if not timer._active:
+                return fn(*args, **kwargs)
+            timer._depth += 1
+            t0 = timer._mark() if timer._depth == 1 else None
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                timer._depth -= 1
+                if t0 is not None:
+                    timer._windows.append((t0, timer._mark()))
+
+        wait_point._ds_adaptive_wait_point = True
+        wait_point.__wrapped__ = fn
+        return wait_point
+
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    def begin(self) -> None:
+        self._windows = []
+        self._depth = 0
+        self._start = self._mark()
+        self._active = True
+
+    def end(self) -> None:
+        if not self._active:
+            raise RuntimeError("ComputeTimer.end() without begin()")
+        self._active = False
+        self._done.append((self._start, self._mark(), self._windows))
+        self._windows = []
+
+    def collect(self) -> list[tuple[float, float]]:
+        """``(wall_ms, wait_ms)`` of every micro-step ended since the last call."""
+        if self.cuda and self._done:
+            torch.cuda.synchronize()
+        out = []
+        for start, end, windows in self._done:
+            out.append((self._ms(start, end), sum(self._ms(a, b) for a, b in windows)))
+            if self.cuda:
+                self._pool.extend([start, end, *(e for w in windows for e in w)])
+        self._done = []
+        return out
+
+
 @dataclass
 class StepRecord:
     """One optimizer step, global over ranks (identical on every rank)."""
@@ -66,12 +185,16 @@ class StepRecord:
     cv_step: float
     compute_cv: float
     idle_frac: float
-    compute_ms: list = field(default_factory=list)   # per rank, summed over the micro-steps
+    compute_ms: list = field(default_factory=list)   # per rank, summed over the micro-steps (waits excluded)
     samples_per_rank: list = field(default_factory=list)
     tokens_per_rank: list = field(default_factory=list)
     peak_mem_gib: list = field(default_factory=list)  # per rank
     mem_capacity_gib: float = 0.0
     data_ms: float = 0.0                              # max over ranks, waiting for the DataLoader
+    cv_step_wall: float = 0.0                         # CV_step of the region's wall-clock time
+    wall_ms: list = field(default_factory=list)       # per rank, region wall-clock, summed over micro-steps
+    micro_compute_ms: list = field(default_factory=list)  # [micro][rank]
+    micro_wall_ms: list = field(default_factory=list)     # [micro][rank]
 
     @property
     def tokens_per_s(self) -> float:
@@ -92,9 +215,12 @@ class StepMetrics:
     """Collects per-micro-step figures on each rank and gathers them once per optimizer step.
 
     Call order per optimizer step: ``start_step()``, then for each micro-step ``data_ready()``
-    (batch on the device) and ``end_micro(samples, tokens, quad)`` (after backward), then
+    (batch on the device), ``backward_done()`` (after backward, before ``engine.step()``; optional,
+    else the region ends at ``end_micro``) and ``end_micro(samples, tokens, quad)``, then
     ``end_step(step, loss_num, loss_den, lr)``, which every rank must call (it all-gathers).
-    ``loss_num / loss_den`` summed over ranks is the step's loss.
+    ``loss_num / loss_den`` summed over ranks is the step's loss. ``attach_engine(engine)`` once
+    after ``deepspeed.initialize`` makes ``compute_ms`` / ``cv_step`` exclude the waits for other
+    ranks (module docstring); ``wall_ms`` / ``cv_step_wall`` keep the wall-clock view.
     """
 
     def __init__(self, cfg: MetricsConfig, *, micro_steps_per_step: int, device: torch.device,
@@ -110,6 +236,7 @@ class StepMetrics:
         self.history: list[StepRecord] = []
         self._acc = _accelerator()
         self._use_sync = cfg.sync_timing
+        self._timer: Optional[ComputeTimer] = None
         self._jsonl = None
         self._tb = None
         self._reset_step()
@@ -127,12 +254,28 @@ class StepMetrics:
                     print("ds_adaptive.metrics: the 'tensorboard' package is not installed; TensorBoard logs are "
                           "off (pip install tensorboard, or set adaptive_load.metrics.tensorboard=false)")
 
+    def attach_engine(self, engine) -> list[str]:
+        """Time compute without the waits for other ranks (see :class:`ComputeTimer`); returns
+        the DeepSpeed wait points found (none: compute time stays wall-clock time)."""
+        timer = ComputeTimer(self.device)
+        found = timer.attach(engine)
+        self._timer = timer if found else None
+        self.run_info["timing"] = "compute" if found else "wall"
+        self.run_info["timing_wait_points"] = found
+        return found
+
+    @property
+    def timing(self) -> str:
+        """``compute`` (waits for other ranks excluded) or ``wall``."""
+        return "compute" if self._timer is not None else "wall"
+
     # per-rank recording -------------------------------------------------------------------
     def _reset_step(self) -> None:
-        self._micro = []            # (compute_ms, samples, tokens, quad)
+        self._micro = []            # (host_ms, samples, tokens, quad)
         self._data_ms = 0.0
         self._t_fetch = time.perf_counter()
         self._t_micro = None
+        self._host_ms = None        # host wall-clock of the current micro-step's region
 
     def _sync(self) -> None:
         if self._use_sync:
@@ -150,17 +293,45 @@ class StepMetrics:
         now = time.perf_counter()
         self._data_ms += (now - self._t_fetch) * 1e3
         self._t_micro = now
+        self._host_ms = None
+        if self._timer is not None:
+            self._timer.begin()
+
+    def backward_done(self) -> None:
+        """Forward and backward of this micro-step are done (call before ``engine.step()``, whose
+        optimizer work and collectives are the same on every rank and not the batch's compute)."""
+        if self._t_micro is None:
+            raise RuntimeError("StepMetrics.backward_done() without data_ready()")
+        if self._timer is not None:
+            self._timer.end()
+        self._sync()
+        self._host_ms = (time.perf_counter() - self._t_micro) * 1e3
 
     def end_micro(self, samples: int, tokens: int, quad: float) -> None:
-        """Backward of this micro-step is done; sync so its kernels are counted, then stop the clock."""
+        """This micro-step is done; sync so its kernels are counted, then stop the clock."""
         if self._t_micro is None:
             raise RuntimeError("StepMetrics.end_micro() without data_ready()")
-        self._sync()
+        if self._host_ms is None:
+            if self._timer is not None:
+                self._timer.end()
+            self._sync()
         now = time.perf_counter()
+        host_ms = self._host_ms if self._host_ms is not None else (now - self._t_micro) * 1e3
         self._acc.max_memory_allocated()  # on CPU this samples the RSS peak; on CUDA it is a counter
-        self._micro.append(((now - self._t_micro) * 1e3, samples, tokens, quad))
+        self._micro.append((host_ms, samples, tokens, quad))
         self._t_micro = None
+        self._host_ms = None
         self._t_fetch = now
+
+    def _local_times(self) -> tuple[list[float], list[float]]:
+        """(compute_ms, wall_ms) per micro-step of this rank."""
+        if self._timer is None:
+            wall = [m[0] for m in self._micro]
+            return wall, wall
+        timed = self._timer.collect()
+        if len(timed) != len(self._micro):
+            raise RuntimeError(f"ComputeTimer timed {len(timed)} micro-steps, StepMetrics recorded {len(self._micro)}")
+        return [max(w - x, 0.0) for w, x in timed], [w for w, _ in timed]
 
     # global gather ------------------------------------------------------------------------
     def end_step(self, step: int, loss_num: float, loss_den: float, lr: float, *, log: bool = False) -> StepRecord:
@@ -171,22 +342,26 @@ class StepMetrics:
                                "(gradient_accumulation_steps)")
         count = 1.0 if self.count_this_rank else 0.0
         peak = float(self._acc.max_memory_allocated())
-        local = [m[0] for m in self._micro] + [m[1] * count for m in self._micro] + \
-                [m[2] * count for m in self._micro] + [m[3] for m in self._micro] + \
-                [loss_num * count, loss_den * count, peak, self._data_ms]
-        rows = self._gather(torch.tensor(local, dtype=torch.float64))
+        compute_local, wall_local = self._local_times()
         g = self.gas
+        local = compute_local + [m[1] * count for m in self._micro] + \
+            [m[2] * count for m in self._micro] + [m[3] for m in self._micro] + wall_local + \
+            [loss_num * count, loss_den * count, peak, self._data_ms]
+        rows = self._gather(torch.tensor(local, dtype=torch.float64))
         compute = [r[0:g] for r in rows]
         quad = [r[3 * g:4 * g] for r in rows]
-        per_micro_ms = list(zip(*compute))           # [micro][rank]
+        wall_ms = [r[4 * g:5 * g] for r in rows]
+        tail = 5 * g
+        per_micro_ms = [list(c) for c in zip(*compute)]      # [micro][rank]
+        per_micro_wall = [list(c) for c in zip(*wall_ms)]
         per_micro_quad = list(zip(*quad))
         max_sum = sum(max(c) for c in per_micro_ms)
         idle = sum(max(c) - sum(c) / len(c) for c in per_micro_ms) / max_sum if max_sum > 0 else 0.0
-        loss_den_all = sum(r[4 * g + 1] for r in rows)
+        loss_den_all = sum(r[tail + 1] for r in rows)
         wall = time.perf_counter() - self._step_t0
         rec = StepRecord(
             step=step,
-            loss=sum(r[4 * g] for r in rows) / loss_den_all if loss_den_all > 0 else float("nan"),
+            loss=sum(r[tail] for r in rows) / loss_den_all if loss_den_all > 0 else float("nan"),
             lr=float(lr),
             samples=int(round(sum(sum(r[g:2 * g]) for r in rows))),
             tokens=int(round(sum(sum(r[2 * g:3 * g]) for r in rows))),
@@ -197,9 +372,13 @@ class StepMetrics:
             compute_ms=[sum(c) for c in compute],
             samples_per_rank=[int(round(sum(r[g:2 * g]))) for r in rows],
             tokens_per_rank=[int(round(sum(r[2 * g:3 * g]))) for r in rows],
-            peak_mem_gib=[r[4 * g + 2] / GIB for r in rows],
+            peak_mem_gib=[r[tail + 2] / GIB for r in rows],
             mem_capacity_gib=float(self._acc.total_memory()) / GIB,
-            data_ms=max(r[4 * g + 3] for r in rows),
+            data_ms=max(r[tail + 3] for r in rows),
+            cv_step_wall=sum(cv(c) for c in per_micro_wall) / g,
+            wall_ms=[sum(w) for w in wall_ms],
+            micro_compute_ms=per_micro_ms,
+            micro_wall_ms=per_micro_wall,
         )
         self.history.append(rec)
         if self.is_writer and (log or step % self.cfg.interval == 0 or len(self.history) == 1):
@@ -223,7 +402,8 @@ class StepMetrics:
             self._jsonl.write(json.dumps(rec.as_dict()) + "\n")
             self._jsonl.flush()
         if self._tb is not None:
-            for key in ("loss", "lr", "cv_step", "compute_cv", "idle_frac", "tokens_per_s", "samples_per_s"):
+            for key in ("loss", "lr", "cv_step", "cv_step_wall", "compute_cv", "idle_frac", "tokens_per_s",
+                        "samples_per_s"):
                 self._tb.add_scalar(f"train/{key}", getattr(rec, key), rec.step)
             self._tb.add_scalar("train/peak_mem_gib_max", max(rec.peak_mem_gib), rec.step)
             self._tb.add_scalar("train/step_s", rec.wall_s, rec.step)
@@ -262,7 +442,9 @@ class StepMetrics:
             "peak_mem_frac": peak / cap if cap > 0 else 0.0,
             "mem_efficiency": (sum(sum(r.peak_mem_gib) / len(r.peak_mem_gib) for r in measured)
                                / len(measured) / cap) if measured and cap > 0 else 0.0,
+            "timing": self.timing,
             "cv_step": sum(r.cv_step for r in measured) / len(measured) if measured else 0.0,
+            "cv_step_wall": sum(r.cv_step_wall for r in measured) / len(measured) if measured else 0.0,
             "compute_cv": sum(r.compute_cv for r in measured) / len(measured) if measured else 0.0,
             "idle_frac": sum(r.idle_frac for r in measured) / len(measured) if measured else 0.0,
             "loss_window": k,
@@ -300,10 +482,14 @@ def format_summary(s: dict) -> str:
         f"{s['step_s_mean']:.3f} s/step (after {s['warmup_steps']} warm-up step(s))",
         f"  peak memory      {s['peak_mem_gib']:.2f} GiB of {s['mem_capacity_gib']:.1f} GiB "
         f"({100 * s['peak_mem_frac']:.1f}%; mean per-rank peak {100 * s['mem_efficiency']:.1f}%)",
-        f"  balance          CV_step {100 * s['cv_step']:.1f}%, compute CV {100 * s['compute_cv']:.1f}%, "
+        f"  balance          CV_step {100 * s['cv_step']:.1f}% ({s.get('timing', 'wall')} time; wall-clock "
+        f"{100 * s.get('cv_step_wall', s['cv_step']):.1f}%), compute CV {100 * s['compute_cv']:.1f}%, "
         f"idle {100 * s['idle_frac']:.1f}%",
         f"  loss             first-{s['loss_window']} mean {s['loss_first']:.4f} -> last-{s['loss_window']} mean "
         f"{s['loss_last']:.4f} ({'falling' if s['loss_fell'] else 'NOT falling'})",
-        "=" * 72,
     ]
+    if "eval_loss" in s:
+        lines.append(f"  held-out loss    {s['eval_loss']:.4f} ({s.get('eval', {}).get('samples', '?')} samples x "
+                     f"{s.get('eval', {}).get('timesteps', '?')} fixed timesteps)")
+    lines.append("=" * 72)
     return "\n".join(lines)
