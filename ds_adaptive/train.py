@@ -38,6 +38,8 @@ from .metrics import StepMetrics, format_summary
 from .shapes import MAX_TEXT_LEN, ShapeError
 
 CLIENT_STATE_KEY = "ds_adaptive"
+EVAL_SEED_OFFSET = 1_000_003   # held-out samples: the synthetic dataset with seed + this offset
+EVAL_TIMESTEPS = 4             # u = (k + 0.5) / EVAL_TIMESTEPS, k = 0..EVAL_TIMESTEPS-1
 
 
 class UsageError(ValueError):
@@ -72,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=None,
                    help="DataLoader workers per rank (default: 2 on GPU, 0 on CPU)")
     p.add_argument("--log-dir", default=None, help="override adaptive_load.metrics.log_dir")
+    p.add_argument("--compute-timing", action=argparse.BooleanOptionalAction, default=True,
+                   help="time each rank's compute without ZeRO's waits for other ranks (CV_step; default on); "
+                        "--no-compute-timing: wall-clock time only")
+    p.add_argument("--eval-samples", type=int, default=0,
+                   help="after training, the flow-matching loss on this many held-out synthetic samples at "
+                        f"{EVAL_TIMESTEPS} fixed timesteps with fixed noise (summary 'eval_loss'; default 0: off)")
     p.add_argument("--save", default=None, help="checkpoint directory")
     p.add_argument("--save-interval", type=int, default=0,
                    help="save every N steps (0: only at the end, when --save is given)")
@@ -151,6 +159,46 @@ def backward_micro_batch(engine, latents: torch.Tensor, context: torch.Tensor, i
     engine.backward(per_sample.mean() * weight)
     w = float(tokens_per_sample) if by == "tokens" else 1.0
     return float(per_sample.detach().sum()) * w, b * w
+
+
+@torch.no_grad()
+def evaluate(engine, dataset, *, dp_rank: int, dp_size: int, seed: int, shift: float, dtype: torch.dtype,
+             device: torch.device) -> float:
+    """Mean flow-matching loss over every sample of ``dataset`` (held out from training), each at
+    ``EVAL_TIMESTEPS`` fixed u with noise seeded by (seed, k, index): a pure function of the
+    weights, comparable across runs. Sample j goes to DP rank j % dp_size; every rank runs the same
+    number of forwards (ZeRO-3 gathers parameters collectively), padding with weight-0 repeats."""
+    n = len(dataset)
+    mine = list(range(dp_rank, n, dp_size))
+    per_rank = -(-n // dp_size)
+    k = EVAL_TIMESTEPS
+    u = (torch.arange(k, dtype=torch.float32, device=device) + 0.5) / k
+    sigma = shift * u / (1 + (shift - 1) * u)
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    was_training = engine.training
+    engine.eval()
+    try:
+        for j in range(per_rank):
+            idx = mine[j] if j < len(mine) else mine[-1] if mine else 0
+            sample = dataset[idx]
+            x0 = sample["latents"].to(device).float().unsqueeze(0).expand(k, *sample["latents"].shape)
+            eps = torch.empty_like(x0)
+            for row in range(k):
+                g = torch.Generator(device=device)
+                g.manual_seed(sample_seed(seed, row, idx))
+                eps[row] = torch.randn(x0.shape[1:], generator=g, device=device)
+            ctx = sample["context"].to(device)
+            ctx = F.pad(ctx, (0, 0, 0, MAX_TEXT_LEN - ctx.shape[0])).unsqueeze(0).expand(k, -1, -1)
+            s = sigma.view(k, 1, 1, 1, 1)
+            pred = engine(((1 - s) * x0 + s * eps).to(dtype), sigma * 1000.0, ctx.to(dtype))
+            loss = (pred.float() - (eps - x0)).pow(2).mean()
+            weight = 1.0 if j < len(mine) else 0.0
+            total += torch.stack([loss.double() * weight, torch.tensor(weight, dtype=torch.float64, device=device)])
+    finally:
+        engine.train(was_training)
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(total)
+    return float(total[0] / total[1])
 
 
 # --- helpers ---------------------------------------------------------------------------------
@@ -272,6 +320,9 @@ def train(args: argparse.Namespace) -> dict:
     if args.data != "synthetic" and (args.shapes or args.num_samples is not None):
         raise UsageError(f"--shapes and --num-samples describe the synthetic dataset; --data {args.data} "
                          "reads its samples and shapes from its index.json")
+    if args.eval_samples < 0 or (args.eval_samples and (args.data != "synthetic" or args.sp != 1)):
+        raise UsageError(f"--eval-samples {args.eval_samples}: held-out evaluation needs a count >= 0, "
+                         "--data synthetic (the held-out set is drawn from its shape mix) and --sp 1")
     cfg = load_adaptive_config(args.deepspeed_config)
     if args.fused_ln_modulate is not None:
         cfg.fused_ln_modulate = args.fused_ln_modulate
@@ -348,10 +399,16 @@ def train(args: argparse.Namespace) -> dict:
         "adaptive_load": cfg.enabled, "sampler": type(sampler).__name__, "sampler_mode":
             cfg.sampler.mode if cfg.enabled else "tokens", "fused_ln_modulate": cfg.fused_ln_modulate,
         "grad_ckpt": bool(args.grad_ckpt), "data": args.data, "dataset": dataset.describe(),
-        "loss_weighting": cfg.sampler.loss_weighting,
+        "loss_weighting": cfg.sampler.loss_weighting, "plan": sampler.epoch_stats(),
     }
+    if cfg.fused_ln_modulate:
+        from .ops.ln_modulate import op_status
+
+        run_info["ln_modulate_op"] = op_status()
     metrics = StepMetrics(cfg.metrics, micro_steps_per_step=gas, device=device, log_dir=log_dir,
                           is_writer=rank == 0, count_this_rank=topology.sp_rank == 0, run_info=run_info)
+    if args.compute_timing:
+        metrics.attach_engine(engine)
     if rank == 0:
         print(f"ds_adaptive: {args.model} ({wcfg.num_layers} blocks, dim {wcfg.dim}) on {world} {device.type} "
               f"rank(s), {run_info['dtype']}, gas {gas}; {dataset.describe()}; sampler {run_info['sampler']} "
@@ -393,6 +450,7 @@ def train(args: argparse.Namespace) -> dict:
                     num, den = backward_micro_batch(engine, latents, context, batch["index"], totals,
                                                     tokens_per_sample=tokens, dp_size=dp_size, by=weighting,
                                                     epoch=epoch, seed=args.seed, shift=args.shift, dtype=dtype)
+                    metrics.backward_done()
                     b = latents.shape[0]
                     if micro == gas - 1:
                         base = [g["lr"] for g in opt_groups]
@@ -430,6 +488,14 @@ def train(args: argparse.Namespace) -> dict:
 
     summary = metrics.summary()
     summary["final_step"] = global_step
+    if args.eval_samples:
+        held_out = build_dataset("synthetic", num_samples=args.eval_samples, shapes=shapes,
+                                 seed=args.seed + EVAL_SEED_OFFSET)
+        t0 = time.perf_counter()
+        summary["eval_loss"] = evaluate(engine, held_out, dp_rank=topology.dp_rank, dp_size=dp_size,
+                                        seed=args.seed + EVAL_SEED_OFFSET, shift=args.shift, dtype=dtype, device=device)
+        summary["eval"] = {"samples": args.eval_samples, "timesteps": EVAL_TIMESTEPS,
+                           "seed": args.seed + EVAL_SEED_OFFSET, "s": time.perf_counter() - t0}
     if rank == 0:
         path = metrics.write_summary(summary)
         print(format_summary(summary))
