@@ -1,0 +1,947 @@
+#!/usr/bin/env python
+"""End-to-end result: AdaptiveLoad vs the equal-token baseline on real multi-GPU training (issue 7).
+
+Four arms train the same model (Wan 2.1 1.3B shape: dim 1536, 12 heads, ffn 8960; fewer blocks so
+that all arms fit a few minutes) with ZeRO-3 for ONE epoch of the same synthetic dataset (same
+samples, same seed, same init, same memory budget):
+
+    baseline      equal-token bucketing (``tokens`` sampler) + torch reference LayerNorm-modulate
+    dual_ref      dual-constraint sampler (``dual``)         + torch reference LayerNorm-modulate
+    tokens_fused  equal-token bucketing                      + fused LayerNorm-modulate op
+    adaptive      dual-constraint sampler                    + fused op  (AdaptiveLoad)
+
+Each arm is the real trainer (``torchrun --nproc_per_node N launch/train_wan.py --deepspeed_config
+<arm config> ...``) in a subprocess; the benchmark reads its ``summary.json`` and ``metrics.jsonl``
+(every step). Per arm: tokens/s and samples/s after the warm-up (the first optimizer step), CV_step
+from per-rank *compute* time (ZeRO-3's waits for other ranks taken out, see ds_adaptive.metrics) and
+from wall-clock time, compute CV from the predicted cost of each rank's batch, peak memory per rank,
+loss per sample seen, held-out loss, and the simulator's prediction for the same run. Writes
+``e2e.json`` and ``e2e.png`` to ``--out`` and prints a table of ratios vs the baseline.
+
+    python bench/e2e.py --plan-only                       # predicted time per arm, nothing runs
+    python bench/e2e.py                                   # all GPUs of this node
+    python bench/e2e.py --device cpu --model tiny --num-gpus 2   # the same pipeline on 2 CPU processes
+    python bench/e2e.py --report-only --out bench/out/e2e # tables + plots again from e2e.json
+
+Reduced depth: the cost profile (``h100-wan2.1-1.3b``, 30 blocks) is rescaled to the trained depth
+(:func:`scale_profile_depth`), and the memory budget is the full-depth ``auto`` budget scaled by the
+activation memory per token, so every arm forms exactly the micro-batches the 30-block model would
+form at its default budgets; only the time per micro-batch shrinks. Method: docs/E2E.md.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from ds_adaptive.config import SamplerConfig  # noqa: E402
+from ds_adaptive.cost import CostModel, load_profile  # noqa: E402
+from ds_adaptive.planner import resolve_budgets  # noqa: E402
+from ds_adaptive.sampler import Topology, build_batch_sampler  # noqa: E402
+from ds_adaptive.shapes import load_shape_distribution  # noqa: E402
+
+FORMAT = "ds_adaptive.e2e/1"
+BASE_PROFILE = "h100-wan2.1-1.3b"
+# From the shipped profile's note: embed/head cost 2 ms per micro-batch + 12*dim*64 FLOP per token at
+# 400 TFLOP/s, not scaled by depth; everything else of the fitted time is the blocks'.
+EMBED_HEAD_MS = 2.0
+EMBED_HEAD_FLOP_PER_TOKEN_PER_DIM = 12 * 64
+EMBED_HEAD_FLOPS = 400e12
+SIM_WORLDS = (8, 16, 64, 1024)
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    sampler: str           # "tokens" | "dual"
+    fused: bool
+    label: str
+
+    @property
+    def enabled(self) -> bool:
+        """The baseline is the shipped ``enabled: false`` path (tokens sampler at the same budget)."""
+        return not (self.sampler == "tokens" and not self.fused)
+
+
+ARMS = {a.name: a for a in (
+    Arm("baseline", "tokens", False, "tokens + reference LN (baseline)"),
+    Arm("dual_ref", "dual", False, "dual + reference LN"),
+    Arm("tokens_fused", "tokens", True, "tokens + fused LN"),
+    Arm("adaptive", "dual", True, "dual + fused LN (AdaptiveLoad)"),
+)}
+
+
+# ================================================================================== cost model
+def scale_profile_depth(raw: dict, num_layers: int) -> dict:
+    """A profile dict for the same model with ``num_layers`` blocks instead of the profile's.
+
+    The shipped profiles are per-block measurements scaled by depth (their ``note``): full-model time
+    ``= layers * block(S) * 4/3 + embed/head``, activation memory per token ``= one block's
+    recomputed activations + layers * dim * 2 bytes (checkpointed block inputs) + embed/head``.
+    So: the block part of ``c0``, ``a`` and ``b`` scales by ``num_layers / layers``; the embed/head
+    part (``EMBED_HEAD_MS`` per micro-batch, ``12 * dim * 64`` FLOP per token) does not; ``m1`` loses
+    ``dim * 2`` bytes per token per removed block; parameters lose ``block_params`` per block; the
+    Ulysses comm term is per layer already (``CostModel`` multiplies by ``model.num_layers``).
+    """
+    L0 = int(raw["model"]["num_layers"])
+    if num_layers < 1:
+        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+    if num_layers == L0:
+        return copy.deepcopy(raw)
+    if "block_params" not in raw["model"]:
+        raise ValueError(f"profile {raw.get('name')} has no model.block_params: cannot rescale its depth")
+    f = num_layers / L0
+    dim = int(raw["model"]["dim"])
+    e_tok = EMBED_HEAD_FLOP_PER_TOKEN_PER_DIM * dim / EMBED_HEAD_FLOPS * 1e3   # ms per token
+    d = copy.deepcopy(raw)
+    c, c_raw = d["compute"], raw["compute"]
+    c["c0_ms"] = f * max(c_raw["c0_ms"] - EMBED_HEAD_MS, 0.0) + min(EMBED_HEAD_MS, c_raw["c0_ms"])
+    c["a_ms_per_token"] = f * max(c_raw["a_ms_per_token"] - e_tok, 0.0) + min(e_tok, c_raw["a_ms_per_token"])
+    c["b_ms_per_token2"] = f * c_raw["b_ms_per_token2"]
+    c.pop("fit", None)   # the fit's points are full-depth measurements
+    dbytes = 2 * dim / 2**30
+    d["memory"]["m1_gib_per_token"] = raw["memory"]["m1_gib_per_token"] - (L0 - num_layers) * dbytes
+    d["memory"].pop("fit", None)
+    params = int(raw["model"]["params"]) - (L0 - num_layers) * int(raw["model"]["block_params"])
+    d["model"]["num_layers"] = num_layers
+    d["model"]["params"] = params
+    d["static_memory"]["params"] = params
+    d["static_memory"]["stage3_live_params"] = min(int(raw["static_memory"]["stage3_live_params"]), params)
+    d.pop("measurements", None)
+    d["name"] = f"{raw.get('name', 'profile')}-{num_layers}blocks"
+    d["source"] = (f"{raw.get('name')} rescaled from {L0} to {num_layers} blocks by bench/e2e.py "
+                   "(scale_profile_depth): block terms x depth ratio, embed/head terms kept")
+    return d
+
+
+# ================================================================================== settings
+@dataclass
+class Settings:
+    device: str
+    num_gpus: int
+    model: str
+    layers: int
+    num_samples: int
+    shapes: Optional[str]
+    gas: int
+    grad_ckpt: bool
+    workers: int
+    eval_samples: int
+    m_mem: str
+    gpu_mem_gib: Optional[float]
+    lr: float
+    lr_scaling: str
+    seed: int
+    warmup_steps: int
+    arms: list
+    startup_s: float
+    step_overhead_s: float
+    budget_s: float
+    arm_timeout_s: float
+    deadline_s: float
+    sim_worlds: list
+    profile: str
+    work_dir: str
+    out: str
+    python: str = sys.executable
+
+    @property
+    def dp(self) -> int:
+        return self.num_gpus
+
+
+def default_num_gpus(device: str) -> int:
+    if device == "cpu":
+        return 2
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def resolve_settings(a: argparse.Namespace) -> Settings:
+    device = a.device or ("cuda" if _cuda_available() else "cpu")
+    cpu = device == "cpu"
+    from ds_adaptive.models.wan import get_wan_config
+
+    model = a.model or ("tiny" if cpu else "wan2.1-1.3b")
+    layers = a.layers or (get_wan_config(model).num_layers if cpu else 4)
+    shapes = a.shapes if a.shapes is not None else (
+        str(ROOT / "launch" / "configs" / "shapes_cpu.json") if cpu else None)
+    num_gpus = a.num_gpus if a.num_gpus is not None else default_num_gpus(device)
+    if num_gpus < 1:
+        raise SystemExit("bench/e2e.py: no GPU visible; pass --device cpu (or --num-gpus N)")
+    arms = [x.strip() for x in a.arms.split(",") if x.strip()]
+    bad = [x for x in arms if x not in ARMS]
+    if bad or not arms:
+        raise SystemExit(f"bench/e2e.py: unknown arm(s) {bad}; choose from {', '.join(ARMS)}")
+    return Settings(
+        device=device, num_gpus=num_gpus, model=model, layers=layers,
+        num_samples=a.num_samples or (96 if cpu else 150 * num_gpus), shapes=shapes, gas=a.gas,
+        grad_ckpt=not a.no_grad_ckpt, workers=a.workers if a.workers is not None else (0 if cpu else 4),
+        eval_samples=a.eval_samples if a.eval_samples is not None else (4 if cpu else 16),
+        m_mem=a.m_mem or ("3x" if cpu else "auto"), gpu_mem_gib=a.gpu_mem_gib, lr=a.lr if a.lr else (
+            2e-3 if cpu else 1e-4), lr_scaling=a.lr_scaling, seed=a.seed, warmup_steps=a.warmup_steps, arms=arms,
+        startup_s=a.startup_s if a.startup_s is not None else (10.0 if cpu else 35.0),
+        step_overhead_s=a.step_overhead_s if a.step_overhead_s is not None else (0.05 if cpu else 0.15),
+        budget_s=a.budget_s, arm_timeout_s=a.arm_timeout_s, deadline_s=a.deadline_s,
+        sim_worlds=[int(x) for x in a.sim_worlds.split(",") if x.strip()] if a.sim_worlds else [],
+        profile=a.profile,
+        work_dir=a.work_dir or str(Path(a.out) / "runs"), out=a.out)
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+# ================================================================================== planning
+@dataclass
+class Budgets:
+    m_mem_gib: float
+    m_comp_ms: float
+    max_tokens: int
+    rule: str
+    full_depth_m_mem_gib: Optional[float] = None
+
+
+def dataset_shapes(s: Settings):
+    from ds_adaptive.data import build_dataset
+
+    ds = build_dataset("synthetic", num_samples=s.num_samples, shapes=s.shapes, seed=s.seed)
+    return ds.sample_shapes(), ds.describe()
+
+
+def resolve_memory_budget(s: Settings, raw: dict, scaled: dict, shapes) -> Budgets:
+    """``auto``: the trainer's ``m_mem: auto`` for the FULL-depth profile on ``gpu_mem_gib`` (default:
+    the profile's device) and dp ranks, scaled by the activation memory per sample at the longest
+    shape, so batch sizes equal the full-depth ones. ``Kx``: K samples of the longest shape. A number:
+    GiB."""
+    uniq = sorted(set(shapes))
+    cost = CostModel(load_profile(scaled), "calibrated")
+    longest = max(uniq, key=lambda x: x.tokens)
+    full = None
+    rule = s.m_mem
+    if s.m_mem == "auto":
+        full_cost = CostModel(load_profile(raw), "calibrated")
+        b = resolve_budgets(mode="dual", cost=full_cost, shapes=uniq, m_mem="auto", m_comp="auto", max_tokens=None,
+                            gpu_mem_gib=s.gpu_mem_gib, mem_utilization=SamplerConfig().mem_utilization,
+                            zero_stage=3, dp_size=s.dp)
+        full = b["m_mem"]
+        m_mem = full * cost.per_gpu_memory(longest) / full_cost.per_gpu_memory(longest)
+        rule = (f"auto at full depth ({raw['model']['num_layers']} blocks, "
+                f"{s.gpu_mem_gib or raw['gpu_mem_gib']:.1f} GiB GPU, dp {s.dp}) = {full:.2f} GiB, scaled by "
+                f"activation memory per token to {s.layers} blocks")
+    elif s.m_mem.endswith("x"):
+        m_mem = float(s.m_mem[:-1]) * cost.per_gpu_memory(longest)
+        rule = f"{s.m_mem[:-1]} x the longest sample ({longest}, {longest.tokens} tokens)"
+    else:
+        m_mem = float(s.m_mem)
+        rule = f"{m_mem} GiB"
+    b = resolve_budgets(mode="dual", cost=cost, shapes=uniq, m_mem=m_mem, m_comp="auto", max_tokens=None,
+                        gpu_mem_gib=None, mem_utilization=SamplerConfig().mem_utilization, zero_stage=3,
+                        dp_size=s.dp)
+    return Budgets(m_mem_gib=m_mem, m_comp_ms=b["m_comp"], max_tokens=b["max_tokens"], rule=rule,
+                   full_depth_m_mem_gib=full)
+
+
+def sampler_config(s: Settings, arm: Arm, profile_path: str, budgets: Budgets) -> dict:
+    return {"mode": arm.sampler, "cost_model": "calibrated", "profile": profile_path,
+            "m_mem": budgets.m_mem_gib, "m_comp": "auto", "seed": s.seed, "lr_scaling": s.lr_scaling}
+
+
+def plan_arm(s: Settings, arm: Arm, shapes, profile_path: str, budgets: Budgets) -> dict:
+    """The plan every rank of ``arm`` will compute (pure function of the config): steps, samples,
+    drops, predicted per-rank cost of every micro-step (ms, the scaled calibrated profile)."""
+    cfg = SamplerConfig.model_validate(sampler_config(s, arm, profile_path, budgets))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        smp = build_batch_sampler(cfg, shapes, Topology(0, s.dp), micro_steps_per_step=s.gas, enabled=arm.enabled,
+                                  mode=arm.sampler)
+        plan = smp.plan
+    truth = CostModel(load_profile(profile_path), "calibrated")
+    sizes = plan.batch_sizes()
+    per = np.array([truth.per_gpu_cost(x) for x in plan.shapes])
+    cost = (truth.c0 + sizes * per[plan.batch_shape]).reshape(-1, s.dp)          # [micro, rank] ms
+    quad = (sizes * np.array([x.tokens ** 2 for x in plan.shapes])[plan.batch_shape]).reshape(-1, s.dp)
+    step_ms = cost.max(axis=1).reshape(-1, s.gas).sum(axis=1)
+    return {
+        "sampler": type(smp).__name__, "mode": arm.sampler, "steps": plan.num_steps,
+        "micro_steps": plan.num_micro_steps, "samples": plan.num_samples,
+        "tokens": int(plan.batch_tokens.sum()), "tail_dropped": len(plan.tail_dropped),
+        "oversize": len(plan.oversize), "max_batch": int(sizes.max()) if len(sizes) else 0,
+        "budgets": {"m_mem_gib": smp.params.m_mem, "m_comp_ms": smp.params.m_comp,
+                    "max_tokens": smp.params.max_tokens},
+        "predicted_micro_ms": cost.round(3).tolist(),
+        "predicted_step_ms": step_ms.round(3).tolist(),
+        "predicted_compute_s": float(cost.max(axis=1).sum() / 1e3),
+        "predicted_cv": [float(x) for x in cost.std(axis=1) / cost.mean(axis=1)],
+        "quad_cv": [float(x) for x in quad.std(axis=1) / np.maximum(quad.mean(axis=1), 1e-30)],
+        "step_samples": [int(plan.step_totals(k).samples) for k in range(plan.num_steps)],
+        "step_tokens": [int(plan.step_totals(k).tokens) for k in range(plan.num_steps)],
+    }
+
+
+def eval_estimate_s(s: Settings, profile_path: str) -> float:
+    """Forward-only held-out evaluation: ceil(E/dp) batches of EVAL_TIMESTEPS per rank, a forward ~1/4
+    of forward + backward + recomputed forward."""
+    if not s.eval_samples:
+        return 0.0
+    from ds_adaptive.data import build_dataset
+    from ds_adaptive.train import EVAL_SEED_OFFSET, EVAL_TIMESTEPS
+
+    held = build_dataset("synthetic", num_samples=s.eval_samples, shapes=s.shapes,
+                         seed=s.seed + EVAL_SEED_OFFSET).sample_shapes()
+    truth = CostModel(load_profile(profile_path), "calibrated")
+    per_rank = [sum(truth.batch_cost(held[j], EVAL_TIMESTEPS) / 4 for j in range(r, len(held), s.dp))
+                for r in range(s.dp)]
+    return max(per_rank) / 1e3
+
+
+def predict_arm_s(s: Settings, plan: dict, eval_s: float) -> dict:
+    compute = plan["predicted_compute_s"]
+    steps = plan["steps"]
+    total = s.startup_s + compute + steps * s.step_overhead_s + eval_s
+    return {"startup_s": s.startup_s, "compute_s": compute, "overhead_s": steps * s.step_overhead_s,
+            "eval_s": eval_s, "total_s": total}
+
+
+# ================================================================================== running
+def arm_ds_config(s: Settings, arm: Arm, profile_path: str, budgets: Budgets, log_dir: str) -> dict:
+    """The arm's ds_config: the shipped ZeRO-3 config (GPU) or the CPU one, with a constant LR (no
+    warm-up schedule: arms take different numbers of steps) and the arm's adaptive_load block."""
+    base_name = "cpu_tiny.json" if s.device == "cpu" else "zero3_adaptive.json"
+    base = json.loads((ROOT / "launch" / "configs" / base_name).read_text())
+    cfg = {k: v for k, v in base.items() if k not in ("adaptive_load", "scheduler")}
+    cfg["gradient_accumulation_steps"] = s.gas
+    cfg["optimizer"] = copy.deepcopy(base["optimizer"])
+    cfg["optimizer"]["params"]["lr"] = s.lr
+    cfg["adaptive_load"] = {
+        "enabled": arm.enabled,
+        "fused_ln_modulate": arm.fused,
+        "sampler": sampler_config(s, arm, profile_path, budgets),
+        "metrics": {"interval": 1, "log_dir": log_dir, "tensorboard": False, "jsonl": True, "sync_timing": True},
+    }
+    return cfg
+
+
+def trainer_command(s: Settings, arm: Arm, config_path: str, steps: int, log_dir: str) -> list[str]:
+    cmd = [s.python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(s.num_gpus),
+           str(ROOT / "launch" / "train_wan.py"), "--deepspeed_config", config_path, "--model", s.model,
+           "--layers", str(s.layers), "--steps", str(steps), "--num-samples", str(s.num_samples),
+           "--seed", str(s.seed), "--workers", str(s.workers), "--log-dir", log_dir,
+           "--eval-samples", str(s.eval_samples), "--compute-timing",
+           "--fused-ln-modulate" if arm.fused else "--no-fused-ln-modulate"]
+    if s.shapes:
+        cmd += ["--shapes", s.shapes]
+    if s.grad_ckpt:
+        cmd.append("--grad-ckpt")
+    return cmd
+
+
+def run_arm(s: Settings, arm: Arm, plan: dict, profile_path: str, budgets: Budgets, timeout_s: float) -> dict:
+    """Run one arm's trainer to the end of its epoch; returns its raw result (summary, per-step records)."""
+    wd = Path(s.work_dir) / arm.name
+    wd.mkdir(parents=True, exist_ok=True)
+    for old in ("metrics.jsonl", "summary.json"):
+        (wd / old).unlink(missing_ok=True)
+    cfg_path = wd / "ds_config.json"
+    cfg_path.write_text(json.dumps(arm_ds_config(s, arm, profile_path, budgets, str(wd)), indent=2) + "\n")
+    cmd = trainer_command(s, arm, str(cfg_path), plan["steps"], str(wd))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    if s.device == "cuda":
+        # The fused arms must run the fused kernels (an error, not a silent fallback); the others never do.
+        env["DS_ADAPTIVE_LN_MODULATE"] = "fused" if arm.fused else "reference"
+    log_path = wd / "train.log"
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        log.write("+ " + " ".join(cmd) + "\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, cwd=str(ROOT), env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=max(timeout_s, 1.0))
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            rc, timed_out = proc.returncode, True
+    wall = time.perf_counter() - t0
+    res = {"arm": arm.name, "label": arm.label, "command": cmd, "returncode": rc, "timed_out": timed_out,
+           "process_wall_s": wall, "timeout_s": timeout_s, "work_dir": str(wd)}
+    summary_path, jsonl_path = wd / "summary.json", wd / "metrics.jsonl"
+    if rc == 0 and summary_path.is_file() and jsonl_path.is_file():
+        res["summary"] = json.loads(summary_path.read_text())
+        res["records"] = [compact_record(json.loads(line)) for line in jsonl_path.read_text().splitlines()
+                          if line.strip()]
+        res["ok"] = True
+    else:
+        res["ok"] = False
+        res["log_tail"] = log_path.read_text(errors="replace")[-6000:]
+    return res
+
+
+RECORD_KEYS = ("step", "loss", "lr", "samples", "tokens", "wall_s", "cv_step", "cv_step_wall", "compute_cv",
+               "idle_frac", "compute_ms", "wall_ms", "micro_compute_ms", "micro_wall_ms", "samples_per_rank",
+               "tokens_per_rank", "peak_mem_gib", "mem_capacity_gib", "data_ms")
+
+
+def compact_record(r: dict) -> dict:
+    return {k: r[k] for k in RECORD_KEYS if k in r}
+
+
+# ================================================================================== aggregation
+def weighted_tail_mean(losses: Sequence[float], samples: Sequence[int], frac: float = 0.2) -> float:
+    """Mean loss per sample over the last ``frac`` of the samples seen, each step's samples carrying
+    the step's mean loss (a step straddling the boundary counts with its share inside)."""
+    total = float(sum(samples))
+    if total <= 0:
+        return float("nan")
+    start = total * (1 - frac)
+    num = den = 0.0
+    seen = 0.0
+    for loss, n in zip(losses, samples):
+        lo, hi = seen, seen + n
+        inside = max(0.0, hi - max(lo, start))
+        num += inside * loss
+        den += inside
+        seen = hi
+    return num / den if den else float("nan")
+
+
+def pearson(x: Sequence[float], y: Sequence[float]) -> float:
+    x, y = np.asarray(x, float), np.asarray(y, float)
+    if len(x) < 3 or x.std() == 0 or y.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(x, y)[0, 1])
+
+
+def _cv_rows(rows) -> list[float]:
+    out = []
+    for r in rows:
+        a = np.asarray(r, float)
+        out.append(float(a.std() / a.mean()) if a.size > 1 and a.mean() > 0 else 0.0)
+    return out
+
+
+def aggregate_arm(res: dict, plan: dict, warmup_steps: int, gas: int) -> dict:
+    """Figures of one finished arm (``res`` from :func:`run_arm`, ``plan`` from :func:`plan_arm`)."""
+    recs = res["records"]
+    summ = res["summary"]
+    w = min(warmup_steps, max(len(recs) - 1, 0))
+    meas = recs[w:]
+    wall = sum(r["wall_s"] for r in meas)
+    tokens = sum(r["tokens"] for r in meas)
+    samples = sum(r["samples"] for r in meas)
+    micro_c = [m for r in meas for m in r["micro_compute_ms"]]
+    micro_w = [m for r in meas for m in r["micro_wall_ms"]]
+    cv_c, cv_w = _cv_rows(micro_c), _cv_rows(micro_w)
+    mx = sum(max(m) for m in micro_c)
+    idle = sum(max(m) - sum(m) / len(m) for m in micro_c) / mx if mx > 0 else 0.0
+    first_micro = w * gas
+    pred = plan["predicted_micro_ms"][first_micro:first_micro + len(micro_c)]
+    pred_cv = plan["predicted_cv"][first_micro:first_micro + len(micro_c)]
+    quad_cv = plan["quad_cv"][first_micro:first_micro + len(micro_c)]
+    peak_per_rank = [max(r["peak_mem_gib"][k] for r in recs) for k in range(len(recs[0]["peak_mem_gib"]))]
+    cap = recs[-1]["mem_capacity_gib"]
+    losses = [r["loss"] for r in recs]
+    step_samples = [r["samples"] for r in recs]
+    cum = np.cumsum(step_samples).tolist()
+    n_ranks = len(recs[0]["compute_ms"])
+    seen = sum(step_samples)
+    return {
+        "arm": res["arm"], "label": res["label"], "ok": True,
+        "steps": len(recs), "warmup_steps": w, "measured_steps": len(meas),
+        "samples_seen": seen, "tokens_seen": sum(r["tokens"] for r in recs),
+        "samples_planned": plan["samples"], "samples_match_plan": seen == plan["samples"],
+        "tail_dropped": plan["tail_dropped"], "oversize": plan["oversize"],
+        "trainer_plan": summ.get("plan"),
+        "ln_modulate_op": summ.get("ln_modulate_op"),
+        "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+        "samples_per_s": samples / wall if wall > 0 else 0.0,
+        "step_s_mean": wall / len(meas) if meas else 0.0,
+        "train_wall_s": sum(r["wall_s"] for r in recs),
+        "process_wall_s": res["process_wall_s"],
+        "startup_s": res["process_wall_s"] - sum(r["wall_s"] for r in recs) - (summ.get("eval") or {}).get("s", 0.0),
+        "timing": summ.get("timing", "wall"),
+        "cv_step": float(np.mean(cv_c)) if cv_c else 0.0,
+        "cv_step_wall": float(np.mean(cv_w)) if cv_w else 0.0,
+        "cv_step_p90": float(np.quantile(cv_c, 0.9)) if cv_c else 0.0,
+        "cv_step_micro": cv_c, "cv_step_wall_micro": cv_w,
+        "compute_cv_pred": float(np.mean(pred_cv)) if pred_cv else 0.0,
+        "compute_cv_quad": float(np.mean(quad_cv)) if quad_cv else 0.0,
+        "idle_frac": idle,
+        "compute_ms_per_rank": [float(np.mean([m[k] for m in micro_c])) for k in range(n_ranks)] if micro_c else [],
+        "wall_ms_per_rank": [float(np.mean([m[k] for m in micro_w])) for k in range(n_ranks)] if micro_w else [],
+        "peak_mem_gib_per_rank": peak_per_rank, "mem_capacity_gib": cap,
+        "peak_mem_frac_per_rank": [p / cap for p in peak_per_rank] if cap else [],
+        "mem_efficiency": float(np.mean(peak_per_rank) / cap) if cap else 0.0,
+        "loss_curve": {"samples_seen": cum, "loss": losses},
+        "loss_last20": weighted_tail_mean(losses, step_samples, 0.2),
+        "eval_loss": summ.get("eval_loss"),
+        "tokens_per_s_steps": [r["tokens"] / r["wall_s"] if r["wall_s"] > 0 else 0.0 for r in recs],
+        "step_wall_s": [r["wall_s"] for r in recs],
+        "data_ms_max": max(r.get("data_ms", 0.0) for r in meas) if meas else 0.0,
+        "predicted": {
+            "tokens_per_s": plan_tokens_per_s(plan, w),
+            "step_s_mean": float(np.mean(plan["predicted_step_ms"][w:]) / 1e3) if plan["steps"] > w else 0.0,
+            "cv_step": float(np.mean(pred_cv)) if pred_cv else 0.0,
+            "pearson_batch_cost_vs_compute": pearson([x for m in pred for x in m], [x for m in micro_c for x in m]),
+            "pearson_step_max": pearson([max(m) for m in pred], [max(m) for m in micro_c]),
+            "measured_over_predicted_step_time": (wall / len(meas)) / (np.mean(plan["predicted_step_ms"][w:]) / 1e3)
+            if meas and plan["steps"] > w else float("nan"),
+            "micro_max_ms": [max(m) for m in pred], "measured_micro_max_ms": [max(m) for m in micro_c],
+        },
+    }
+
+
+def plan_tokens_per_s(plan: dict, warmup_steps: int) -> float:
+    t = sum(plan["predicted_step_ms"][warmup_steps:]) / 1e3
+    return sum(plan["step_tokens"][warmup_steps:]) / t if t > 0 else 0.0
+
+
+def ratios(arms: dict, base: str = "baseline") -> dict:
+    """Per arm: figure / baseline's (loss: relative difference)."""
+    b = arms.get(base)
+    if not b or not b.get("ok"):
+        return {}
+    out = {}
+    for name, a in arms.items():
+        if not a.get("ok"):
+            continue
+        r = {"tokens_per_s": a["tokens_per_s"] / b["tokens_per_s"] if b["tokens_per_s"] else float("nan"),
+             "samples_per_s": a["samples_per_s"] / b["samples_per_s"] if b["samples_per_s"] else float("nan"),
+             "train_wall_s": a["train_wall_s"] / b["train_wall_s"] if b["train_wall_s"] else float("nan"),
+             "cv_step": a["cv_step"] / b["cv_step"] if b["cv_step"] else float("nan"),
+             "max_peak_mem": max(a["peak_mem_gib_per_rank"]) / max(b["peak_mem_gib_per_rank"]),
+             "mem_efficiency": a["mem_efficiency"] / b["mem_efficiency"] if b["mem_efficiency"] else float("nan"),
+             "loss_last20_rel_diff": (a["loss_last20"] - b["loss_last20"]) / b["loss_last20"]}
+        if a.get("eval_loss") is not None and b.get("eval_loss"):
+            r["eval_loss_rel_diff"] = (a["eval_loss"] - b["eval_loss"]) / b["eval_loss"]
+        out[name] = r
+    return out
+
+
+# ================================================================================== simulator
+def simulator_section(s: Settings, plans: dict, arms: dict, profile_path: str, budgets: Budgets) -> dict:
+    """Prediction for the measured run (the arms' own plans: same world, samples, budgets) against the
+    measurement, and ``ds_adaptive.simulate`` at larger scales with the same profile and budgets."""
+    out = {"measured_world": s.num_gpus, "profile": profile_path}
+    tok, dual = plans.get("baseline") or plans.get("tokens_fused"), plans.get("dual_ref") or plans.get("adaptive")
+    if tok and dual:
+        w = s.warmup_steps
+        out["same_run"] = {
+            "predicted_tokens_per_s": {"tokens": plan_tokens_per_s(tok, w), "dual": plan_tokens_per_s(dual, w)},
+            "predicted_ratio_dual_over_tokens": plan_tokens_per_s(dual, w) / max(plan_tokens_per_s(tok, w), 1e-30),
+            "predicted_cv": {"tokens": float(np.mean(tok["predicted_cv"][w * s.gas:] or [0])),
+                             "dual": float(np.mean(dual["predicted_cv"][w * s.gas:] or [0]))},
+        }
+        meas = {}
+        for t_name, d_name, label in (("baseline", "dual_ref", "reference LN"), ("tokens_fused", "adaptive", "fused LN")):
+            a, b = arms.get(d_name), arms.get(t_name)
+            if a and b and a.get("ok") and b.get("ok"):
+                meas[label] = {"ratio_dual_over_tokens": a["tokens_per_s"] / b["tokens_per_s"],
+                               "cv_step": {"tokens": b["cv_step"], "dual": a["cv_step"]},
+                               "cv_step_wall": {"tokens": b["cv_step_wall"], "dual": a["cv_step_wall"]}}
+        out["same_run"]["measured"] = meas
+    if s.sim_worlds:
+        from ds_adaptive.simulate import simulate
+
+        cfg = SamplerConfig(profile=profile_path, m_mem=budgets.m_mem_gib, m_comp="auto", seed=s.seed)
+        dist = load_shape_distribution(s.shapes)
+        sims = {}
+        for world in s.sim_worlds:
+            t0 = time.perf_counter()
+            r = simulate(world=world, sp=1, steps=40, seed=s.seed, dist=dist, profile=profile_path, sampler_cfg=cfg,
+                         micro_steps_per_step=s.gas, samplers=("tokens", "dual"))
+            t, d = r["samplers"]["tokens"], r["samplers"]["dual"]
+            sims[str(world)] = {
+                "ratio_dual_over_tokens": d["predicted_tokens_per_s"] / t["predicted_tokens_per_s"],
+                "cv": {"tokens": t["compute_cv_mean"], "dual": d["compute_cv_mean"]},
+                "idle": {"tokens": t["idle_fraction"], "dual": d["idle_fraction"]},
+                "predicted_tokens_per_s": {"tokens": t["predicted_tokens_per_s"], "dual": d["predicted_tokens_per_s"]},
+                "seconds": time.perf_counter() - t0,
+            }
+        out["scale"] = sims
+    return out
+
+
+# ================================================================================== output
+def _fmt(x, spec=".3f", pct=False) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "-"
+    return f"{100 * x:.1f}%" if pct else format(x, spec)
+
+
+def table(report: dict) -> str:
+    arms, rat = report["arms"], report.get("ratios", {})
+    st = report["settings"]
+    lines = [f"End-to-end: {st['model']} ({st['layers']} blocks), {st['num_gpus']} x {report['environment']['device_name']}, "
+             f"ZeRO-3, gas {st['gas']}, one epoch of {st['num_samples']} samples (seed {st['seed']}), "
+             f"m_mem {report['budgets']['m_mem_gib']:.2f} GiB, m_comp {report['budgets']['m_comp_ms']:.0f} ms; "
+             f"warm-up {st['warmup_steps']} step(s) excluded"]
+    hdr = (f"{'arm':<14}{'steps':>6}{'seen/drop':>11}{'tok/s':>11}{'x base':>8}{'smp/s':>8}{'x base':>8}"
+           f"{'CV_step':>9}{'(wall)':>8}{'cCV pred':>9}{'idle':>7}{'peak GiB':>9}{'mem eff':>8}"
+           f"{'loss20':>8}{'d%':>7}{'eval':>8}{'d%':>7}")
+    lines += [hdr, "-" * len(hdr)]
+    for name, a in arms.items():
+        if not a.get("ok"):
+            lines.append(f"{name:<14}  FAILED: {a.get('error', '')}")
+            continue
+        r = rat.get(name, {})
+        lines.append(
+            f"{name:<14}{a['steps']:>6}{str(a['samples_seen']) + '/' + str(a['tail_dropped'] + a['oversize']):>11}"
+            f"{a['tokens_per_s']:>11,.0f}{_fmt(r.get('tokens_per_s'), '.3f'):>8}{a['samples_per_s']:>8.2f}"
+            f"{_fmt(r.get('samples_per_s'), '.3f'):>8}{_fmt(a['cv_step'], pct=True):>9}"
+            f"{_fmt(a['cv_step_wall'], pct=True):>8}{_fmt(a['compute_cv_pred'], pct=True):>9}"
+            f"{_fmt(a['idle_frac'], pct=True):>7}{max(a['peak_mem_gib_per_rank']):>9.2f}"
+            f"{_fmt(a['mem_efficiency'], pct=True):>8}{a['loss_last20']:>8.4f}"
+            f"{_fmt(r.get('loss_last20_rel_diff'), pct=True):>7}{_fmt(a.get('eval_loss'), '.4f'):>8}"
+            f"{_fmt(r.get('eval_loss_rel_diff'), pct=True):>7}")
+    sim = report.get("simulator", {})
+    same = sim.get("same_run")
+    if same:
+        lines.append("")
+        lines.append(f"Simulator vs measurement ({st['num_gpus']} GPUs, same samples and budgets): predicted "
+                     f"tokens/s dual/tokens {same['predicted_ratio_dual_over_tokens']:.3f}x, predicted CV tokens "
+                     f"{_fmt(same['predicted_cv']['tokens'], pct=True)} dual {_fmt(same['predicted_cv']['dual'], pct=True)}")
+        for label, m in same.get("measured", {}).items():
+            lines.append(f"  measured ({label}): dual/tokens {m['ratio_dual_over_tokens']:.3f}x, CV_step tokens "
+                         f"{_fmt(m['cv_step']['tokens'], pct=True)} dual {_fmt(m['cv_step']['dual'], pct=True)} "
+                         f"(wall-clock {_fmt(m['cv_step_wall']['tokens'], pct=True)} / "
+                         f"{_fmt(m['cv_step_wall']['dual'], pct=True)})")
+    for name, a in arms.items():
+        if a.get("ok"):
+            p = a["predicted"]
+            lines.append(f"  {name:<13} measured/predicted step time {_fmt(p['measured_over_predicted_step_time'], '.2f')}, "
+                         f"Pearson r (batch cost vs rank compute) {_fmt(p['pearson_batch_cost_vs_compute'], '.3f')}, "
+                         f"(step max) {_fmt(p['pearson_step_max'], '.3f')}")
+    if sim.get("scale"):
+        lines.append("")
+        lines.append("Simulated at scale (same profile, shape mix and budgets):")
+        lines.append(f"{'GPUs':>6}{'dual/tokens':>13}{'CV tokens':>11}{'CV dual':>9}{'idle tokens':>13}{'idle dual':>11}")
+        lines.append(f"{str(st['num_gpus']) + '*':>6}{_fmt(same and same['predicted_ratio_dual_over_tokens'], '.3f'):>13}"
+                     f"{_fmt(same and same['predicted_cv']['tokens'], pct=True):>11}"
+                     f"{_fmt(same and same['predicted_cv']['dual'], pct=True):>9}{'':>13}{'':>11}")
+        for world, v in sim["scale"].items():
+            lines.append(f"{world:>6}{v['ratio_dual_over_tokens']:>13.3f}{_fmt(v['cv']['tokens'], pct=True):>11}"
+                         f"{_fmt(v['cv']['dual'], pct=True):>9}{_fmt(v['idle']['tokens'], pct=True):>13}"
+                         f"{_fmt(v['idle']['dual'], pct=True):>11}")
+        lines.append("  (* the measured run's own plans)")
+    return "\n".join(lines)
+
+
+def plan_table(report: dict) -> str:
+    st, b = report["settings"], report["budgets"]
+    lines = [f"Plan: {st['model']} ({st['layers']} blocks) on {st['num_gpus']} {st['device']} rank(s), gas {st['gas']}, "
+             f"{st['num_samples']} samples; profile {Path(report['profile']['path']).name}",
+             f"  memory budget {b['m_mem_gib']:.3f} GiB ({b['rule']}); compute budget {b['m_comp_ms']:.1f} ms "
+             f"(costliest sample at B=1); tokens max_tokens {b['max_tokens']}",
+             f"  assumptions: start-up {st['startup_s']:.0f} s per arm, {st['step_overhead_s']:.2f} s per optimizer "
+             f"step; times of the (rescaled) {st['profile']} profile",
+             f"{'arm':<14}{'sampler':>8}{'steps':>6}{'micro':>6}{'samples':>8}{'dropped':>8}{'maxB':>6}"
+             f"{'compute s':>10}{'eval s':>8}{'total s':>9}{'pred CV':>9}"]
+    for name, p in report["plans"].items():
+        t = report["predicted_time"][name]
+        lines.append(f"{name:<14}{p['mode']:>8}{p['steps']:>6}{p['micro_steps']:>6}{p['samples']:>8}"
+                     f"{p['tail_dropped'] + p['oversize']:>8}{p['max_batch']:>6}{t['compute_s']:>10.1f}"
+                     f"{t['eval_s']:>8.1f}{t['total_s']:>9.1f}{_fmt(float(np.mean(p['predicted_cv'])), pct=True):>9}")
+    tot = report["predicted_total_s"]
+    verdict = "within" if tot <= st["budget_s"] else "OVER"
+    lines.append(f"predicted total for {len(report['plans'])} arm(s): {tot:.0f} s ({verdict} the {st['budget_s']:.0f} s "
+                 "budget; the fused op's one-time build is not included)")
+    few = [n for n, p in report["plans"].items() if p["steps"] < st["warmup_steps"] + 8]
+    if few:
+        lines.append(f"warning: arm(s) {few} have fewer than warm-up + 8 optimizer steps")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> Optional[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no PNG (run --report-only where it is)"
+    arms = {n: a for n, a in report["arms"].items() if a.get("ok")}
+    if not arms:
+        return "no finished arm to plot"
+    colors = {"baseline": "tab:red", "dual_ref": "tab:cyan", "tokens_fused": "tab:orange", "adaptive": "tab:blue"}
+    styles = {"baseline": "-", "dual_ref": "-", "tokens_fused": "--", "adaptive": "--"}
+    fig, ax = plt.subplots(2, 3, figsize=(19, 10))
+    st = report["settings"]
+    # (1) throughput per step
+    a0 = ax[0, 0]
+    for n, a in arms.items():
+        steps = np.arange(1, len(a["tokens_per_s_steps"]) + 1)
+        a0.plot(steps, a["tokens_per_s_steps"], marker=".", ls=styles.get(n, "-"), color=colors.get(n),
+                label=f"{n} ({a['tokens_per_s']:,.0f} tok/s)")
+    a0.axvspan(0.5, st["warmup_steps"] + 0.5, color="0.9", label="warm-up (excluded)")
+    a0.set(xlabel="optimizer step", ylabel="tokens/s (step tokens / step wall time)", title="Throughput per step")
+    a0.legend(fontsize=8)
+    # (2) CV_step distributions: compute vs wall-clock
+    a1 = ax[0, 1]
+    data, labels, cols = [], [], []
+    for n, a in arms.items():
+        data += [np.array(a["cv_step_micro"]) * 100, np.array(a["cv_step_wall_micro"]) * 100]
+        labels += [f"{n}\ncompute", f"{n}\nwall"]
+        cols += [colors.get(n), "0.7"]
+    bp = a1.boxplot(data, whis=(5, 95), showfliers=False, patch_artist=True)
+    for patch, c in zip(bp["boxes"], cols):
+        patch.set_facecolor(c)
+        patch.set_alpha(0.6)
+    a1.set_xticks(range(1, len(labels) + 1), labels, fontsize=7)
+    a1.set(ylabel="CV over ranks per micro-step [%]", title="CV_step: per-rank compute vs wall-clock time")
+    # (3) VRAM per rank
+    a2 = ax[0, 2]
+    width = 0.8 / len(arms)
+    offset = lambda i: (i - (len(arms) - 1) / 2) * width  # noqa: E731 - bars of one rank centred on it
+    n_ranks = len(next(iter(arms.values()))["peak_mem_gib_per_rank"])
+    for i, (n, a) in enumerate(arms.items()):
+        x = np.arange(len(a["peak_mem_gib_per_rank"])) + offset(i)
+        a2.bar(x, a["peak_mem_gib_per_rank"], width, color=colors.get(n), label=n)
+    a2.set_xticks(range(n_ranks))
+    cap = next(iter(arms.values()))["mem_capacity_gib"]
+    a2.axhline(cap, color="k", lw=0.8, ls="--", label=f"capacity {cap:.0f} GiB")
+    a2.set(xlabel="rank", ylabel="peak memory [GiB]", title="Peak memory per rank (whole run)")
+    a2.legend(fontsize=8)
+    # (4) loss per sample seen
+    a3 = ax[1, 0]
+    for n, a in arms.items():
+        lc = a["loss_curve"]
+        a3.plot(lc["samples_seen"], lc["loss"], marker=".", ls=styles.get(n, "-"), color=colors.get(n),
+                label=f"{n} (last 20%: {a['loss_last20']:.4f}" +
+                      (f", held-out {a['eval_loss']:.4f})" if a.get("eval_loss") is not None else ")"))
+    a3.set(xlabel="samples seen", ylabel="training loss (step mean per sample)", title="Loss vs samples seen")
+    a3.legend(fontsize=8)
+    # (5) predicted vs measured micro-step time
+    a4 = ax[1, 1]
+    for n, a in arms.items():
+        p = a["predicted"]
+        a4.scatter(np.array(p["micro_max_ms"]) / 1e3, np.array(p["measured_micro_max_ms"]) / 1e3, s=12, color=colors.get(n),
+                   label=f"{n} (r={_fmt(p['pearson_step_max'], '.3f')})")
+    a4.set(xlabel="predicted slowest-rank cost [s] (profile)", ylabel="measured slowest-rank compute [s]",
+           title="Cost model vs measurement, per micro-step")
+    a4.legend(fontsize=8)
+    # (6) per-rank compute vs wall per micro-step
+    a5 = ax[1, 2]
+    for i, (n, a) in enumerate(arms.items()):
+        x = np.arange(len(a["compute_ms_per_rank"])) + offset(i)
+        a5.bar(x, np.array(a["wall_ms_per_rank"]) / 1e3, width, color="0.85", edgecolor=colors.get(n))
+        a5.bar(x, np.array(a["compute_ms_per_rank"]) / 1e3, width, color=colors.get(n), label=f"{n} compute")
+    a5.set_xticks(range(n_ranks))
+    a5.set(xlabel="rank", ylabel="mean per micro-step [s]",
+           title="Per-rank compute (colour) inside wall-clock time (grey)")
+    a5.legend(fontsize=8)
+    fig.suptitle(f"AdaptiveLoad end-to-end: {st['model']} ({st['layers']} blocks), {st['num_gpus']} x "
+                 f"{report['environment']['device_name']}, ZeRO-3, {st['num_samples']} samples, one epoch")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return None
+
+
+def environment(s: Settings) -> dict:
+    env = {"python": sys.version.split()[0], "device": s.device, "device_name": "CPU"}
+    try:
+        import torch
+
+        env["torch"] = torch.__version__
+        if s.device == "cuda" and torch.cuda.is_available():
+            env["device_name"] = torch.cuda.get_device_name(0)
+            env["gpu_mem_gib"] = torch.cuda.get_device_properties(0).total_memory / 2**30
+            env["cuda"] = torch.version.cuda
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        import deepspeed
+
+        env["deepspeed"] = deepspeed.__version__
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        env["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                           timeout=10).stdout.strip() or None
+    except Exception:  # noqa: BLE001
+        env["git_commit"] = None
+    return env
+
+
+def finish(report: dict, out: Path, *, final: bool) -> None:
+    """Re-aggregate, write e2e.json (always) and, when ``final``, e2e.png and the table."""
+    plans = report["plans"]
+    arms = {}
+    for name, raw in report["raw"].items():
+        if raw.get("ok"):
+            try:
+                arms[name] = aggregate_arm(raw, plans[name], report["settings"]["warmup_steps"], report["settings"]["gas"])
+            except Exception as exc:  # noqa: BLE001 - a broken arm must not hide the others
+                arms[name] = {"arm": name, "ok": False, "error": f"aggregation failed: {type(exc).__name__}: {exc}"}
+        else:
+            arms[name] = {"arm": name, "ok": False,
+                          "error": "timed out" if raw.get("timed_out") else f"exit code {raw.get('returncode')}"
+                          if "returncode" in raw else raw.get("error", "not run")}
+    report["arms"] = arms
+    report["ratios"] = ratios(arms)
+    out.mkdir(parents=True, exist_ok=True)
+    if final:
+        s = Settings(**report["settings"])
+        try:
+            report["simulator"] = simulator_section(s, plans, arms, report["profile"]["path"], Budgets(**report["budgets"]))
+        except Exception as exc:  # noqa: BLE001
+            report["simulator"] = {"error": f"{type(exc).__name__}: {exc}"}
+    (out / "e2e.json").write_text(json.dumps(report, indent=1, default=float) + "\n")
+    if final:
+        logs = []
+        for name, raw in report["raw"].items():
+            path = Path(raw.get("work_dir", "")) / "train.log"
+            text = path.read_text(errors="replace") if raw.get("work_dir") and path.is_file() else raw.get("log_tail", "")
+            logs.append(f"===== {name} (rc {raw.get('returncode')}, {raw.get('process_wall_s', 0):.0f} s) =====\n"
+                        f"{text[-5000:]}\n")
+        if logs:
+            (out / "e2e_logs.txt").write_text("\n".join(logs))
+        msg = plot(report, out / "e2e.png")
+        text = table(report)
+        (out / "e2e.txt").write_text(text + "\n")
+        print(text, flush=True)
+        print(msg or f"wrote {out / 'e2e.json'}, {out / 'e2e.png'}, {out / 'e2e.txt'}", flush=True)
+
+
+# ================================================================================== main
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda when available")
+    ap.add_argument("--num-gpus", type=int, default=None, help="ranks per arm (default: all GPUs; 2 on CPU)")
+    ap.add_argument("--model", default=None, help="Wan preset (default: wan2.1-1.3b; tiny on CPU)")
+    ap.add_argument("--layers", type=int, default=None, help="transformer blocks (default: 4 on GPU; the preset's on CPU)")
+    ap.add_argument("--num-samples", type=int, default=None, help="dataset size = samples of the epoch (default 150 per GPU; 96 on CPU)")
+    ap.add_argument("--shapes", default=None, help="shape mix (default: the shipped Wan mix; launch/configs/shapes_cpu.json on CPU)")
+    ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {', '.join(ARMS)}")
+    ap.add_argument("--gas", type=int, default=1, help="gradient_accumulation_steps (default 1)")
+    ap.add_argument("--no-grad-ckpt", action="store_true", help="no activation checkpointing (the profile assumes it)")
+    ap.add_argument("--workers", type=int, default=None, help="DataLoader workers per rank (default 4; 0 on CPU)")
+    ap.add_argument("--eval-samples", type=int, default=None, help="held-out samples (default 16; 4 on CPU; 0: off)")
+    ap.add_argument("--m-mem", default=None,
+                    help="memory budget: 'auto' (full-depth auto budget, scaled; GPU default), 'Kx' (K longest "
+                         "samples; CPU default 3x) or GiB")
+    ap.add_argument("--gpu-mem-gib", type=float, default=None,
+                    help="GPU capacity behind m_mem auto (default: the profile's device, 79.19 GiB H100)")
+    ap.add_argument("--lr", type=float, default=None, help="constant AdamW LR (default 1e-4; 2e-3 on CPU)")
+    ap.add_argument("--lr-scaling", choices=["none", "linear", "sqrt"], default="none",
+                    help="sampler.lr_scaling of every arm (default none)")
+    ap.add_argument("--profile", default=BASE_PROFILE,
+                    help=f"cost profile (shipped name or json) of the FULL-depth model, rescaled to --layers "
+                         f"(default {BASE_PROFILE})")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warmup-steps", type=int, default=1, help="optimizer steps excluded from throughput and CV")
+    ap.add_argument("--startup-s", type=float, default=None, help="--plan-only: start-up per arm (default 35; 10 on CPU)")
+    ap.add_argument("--step-overhead-s", type=float, default=None,
+                    help="--plan-only: per optimizer step beyond the profile's compute (default 0.15; 0.05 on CPU)")
+    ap.add_argument("--budget-s", type=float, default=300.0, help="--plan-only: budget for all arms (default 300)")
+    ap.add_argument("--arm-timeout-s", type=float, default=0.0,
+                    help="kill an arm after this long (default: 3 x its prediction + 120 s)")
+    ap.add_argument("--deadline-s", type=float, default=0.0,
+                    help="start no arm whose prediction would end after this many seconds from the start (0: none)")
+    ap.add_argument("--sim-worlds", default=",".join(map(str, SIM_WORLDS)), help="simulator world sizes ('' for none)")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "e2e"), help="output directory (e2e.json/png/txt)")
+    ap.add_argument("--work-dir", default=None, help="per-arm configs and logs (default OUT/runs)")
+    ap.add_argument("--plan-only", action="store_true", help="print the plan and predicted time per arm; run nothing")
+    ap.add_argument("--report-only", action="store_true", help="re-aggregate and plot OUT/e2e.json; run nothing")
+    return ap
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    a = build_parser().parse_args(argv)
+    out = Path(a.out)
+    if a.report_only:
+        report = json.loads((out / "e2e.json").read_text())
+        finish(report, out, final=True)
+        return 0
+    s = resolve_settings(a)
+    if s.warmup_steps < 0 or s.gas < 1 or s.layers < 1:
+        raise SystemExit("bench/e2e.py: --warmup-steps >= 0, --gas >= 1, --layers >= 1")
+    raw = copy.deepcopy(dict(load_profile(s.profile).raw))
+    scaled = scale_profile_depth(raw, s.layers)
+    work = Path(s.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    profile_path = str((work / f"profile-{s.layers}blocks.json").resolve())
+    Path(profile_path).write_text(json.dumps(scaled, indent=1) + "\n")
+    shapes, described = dataset_shapes(s)
+    budgets = resolve_memory_budget(s, raw, scaled, shapes)
+    eval_s = eval_estimate_s(s, profile_path)
+    plans = {name: plan_arm(s, ARMS[name], shapes, profile_path, budgets) for name in s.arms}
+    pred = {name: predict_arm_s(s, p, eval_s) for name, p in plans.items()}
+    report = {
+        "format": FORMAT, "created": time.strftime("%Y-%m-%d %H:%M:%S"), "settings": asdict(s),
+        "environment": environment(s), "dataset": described,
+        "profile": {"path": profile_path, "base": s.profile, "layers": s.layers, "scaled": scaled["source"]
+                    if "source" in scaled else None,
+                    "c0_ms": scaled["compute"]["c0_ms"], "a_ms_per_token": scaled["compute"]["a_ms_per_token"],
+                    "b_ms_per_token2": scaled["compute"]["b_ms_per_token2"],
+                    "m1_gib_per_token": scaled["memory"]["m1_gib_per_token"]},
+        "budgets": asdict(budgets), "plans": plans, "predicted_time": pred,
+        "predicted_total_s": sum(p["total_s"] for p in pred.values()),
+        "arms_meta": {n: asdict(ARMS[n]) for n in s.arms},
+        "raw": {},
+    }
+    print(plan_table(report), flush=True)
+    if a.plan_only:
+        return 0
+    t_start = time.perf_counter()
+    for name in s.arms:
+        arm = ARMS[name]
+        elapsed = time.perf_counter() - t_start
+        if s.deadline_s and elapsed + pred[name]["total_s"] > s.deadline_s:
+            report["raw"][name] = {"ok": False, "error": f"skipped: {elapsed:.0f} s elapsed + predicted "
+                                                         f"{pred[name]['total_s']:.0f} s > deadline {s.deadline_s:.0f} s"}
+            print(f"[e2e] {name}: {report['raw'][name]['error']}", flush=True)
+            continue
+        timeout = s.arm_timeout_s or (3 * pred[name]["total_s"] + 120)
+        if s.deadline_s:
+            timeout = min(timeout, max(s.deadline_s - elapsed, 30.0))
+        print(f"[e2e] {name}: {arm.label}: {plans[name]['steps']} steps, predicted {pred[name]['total_s']:.0f} s "
+              f"(timeout {timeout:.0f} s)", flush=True)
+        res = run_arm(s, arm, plans[name], profile_path, budgets, timeout)
+        report["raw"][name] = res
+        if res["ok"]:
+            summ = res["summary"]
+            print(f"[e2e] {name}: done in {res['process_wall_s']:.0f} s: {summ['steps']} steps, "
+                  f"{summ['tokens_per_s']:,.0f} tok/s, CV_step {100 * summ['cv_step']:.1f}% "
+                  f"(wall {100 * summ.get('cv_step_wall', 0):.1f}%)", flush=True)
+        else:
+            print(f"[e2e] {name}: FAILED (rc {res['returncode']}, timed out {res['timed_out']}); log tail:\n"
+                  f"{res['log_tail'][-3000:]}", flush=True)
+        finish(report, out, final=False)
+    finish(report, out, final=True)
+    return 0 if all(r.get("ok") for r in report["raw"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

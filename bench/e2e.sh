@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# End-to-end benchmark on one GPU node (issue 7): AdaptiveLoad vs the equal-token baseline, four
+# arms of real ZeRO-3 training (bench/e2e.py; method in docs/E2E.md). Run from anywhere:
+#
+#   bash bench/e2e.sh [bench/e2e.py args ...]          e.g. --num-gpus 2, --plan-only
+#
+# Through the device tool (4 x H200; carry the wheelhouse built by ../shared/gpu/wheelhouse.sh):
+#   run(kind="nvidia-h200-x4", carry=[".whl"], timeout_s=560, command="bash bench/e2e.sh")
+#
+# Steps: install the offline wheelhouse (.whl/, when present: GPU nodes lack deepspeed/pydantic),
+# build the fused LayerNorm-Modulate op ONCE (cached in TORCH_EXTENSIONS_DIR; every arm loads it
+# from there), then bench/e2e.py with a deadline so that a slow node skips arms instead of running
+# past the call's limit. If the op cannot be built, only the two reference-LN arms run.
+# Outputs in $OUT (default bench/out/e2e): e2e.json, e2e.png, e2e.txt, e2e_logs.txt, build.log,
+# pip.log; per-arm configs and full logs in $WORK (default /tmp/e2e_runs, outside $OUT).
+# Knobs: OUT, WORK, DEADLINE_S (seconds for the arms, default 400), PYTHON (default python3),
+# TORCH_EXTENSIONS_DIR (default /tmp/torch_extensions).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench/out/e2e}
+WORK=${WORK:-/tmp/e2e_runs}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT" "$WORK"
+export PYTHONUNBUFFERED=1
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/torch_extensions}
+note() { echo "[e2e.sh $(date +%H:%M:%S) +$((SECONDS))s] $*"; }
+
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    >"$OUT/pip.log" 2>&1 || note "wheelhouse install failed (see pip.log)"
+  export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
+else
+  export PYTHONPATH=$PWD:${PYTHONPATH:-}
+fi
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=index,name,memory.total,clocks.max.sm --format=csv,noheader
+
+ARMS=()
+if [[ " $* " != *" --plan-only "* && " $* " != *" --device cpu "* && " $* " != *" --report-only "* ]]; then
+  note "building the fused LayerNorm-Modulate op (once; TORCH_EXTENSIONS_DIR=$TORCH_EXTENSIONS_DIR)"
+  if timeout 300 "$PY" -m ds_adaptive.cli report --load >"$OUT/build.log" 2>&1; then
+    note "fused op ready"
+  else
+    note "the fused op did not build or load (see build.log): running the reference-LN arms only"
+    tail -n 20 "$OUT/build.log"
+    [[ " $* " == *" --arms "* ]] || ARMS=(--arms baseline,dual_ref)
+  fi
+fi
+
+note "bench/e2e.py"
+"$PY" bench/e2e.py --out "$OUT" --work-dir "$WORK" --deadline-s "${DEADLINE_S:-400}" ${ARMS[@]+"${ARMS[@]}"} "$@"
+rc=$?
+note "done (rc=$rc)"
+exit $rc
