@@ -913,6 +913,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     }
     print(plan_table(report), flush=True)
     if a.plan_only:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "e2e_plan.json").write_text(json.dumps({k: v for k, v in report.items() if k != "raw"}, indent=1) + "\n")
         return 0
     t_start = time.perf_counter()
     for name in s.arms:
