@@ -79,11 +79,12 @@ class Arm:
         return not (self.sampler == "tokens" and not self.fused)
 
 
+# Run order: the headline pair first, then the single-component arms (a deadline cuts from the end).
 ARMS = {a.name: a for a in (
     Arm("baseline", "tokens", False, "tokens + reference LN (baseline)"),
+    Arm("adaptive", "dual", True, "dual + fused LN (AdaptiveLoad)"),
     Arm("dual_ref", "dual", False, "dual + reference LN"),
     Arm("tokens_fused", "tokens", True, "tokens + fused LN"),
-    Arm("adaptive", "dual", True, "dual + fused LN (AdaptiveLoad)"),
 )}
 
 
@@ -192,7 +193,7 @@ def resolve_settings(a: argparse.Namespace) -> Settings:
         raise SystemExit(f"bench/e2e.py: unknown arm(s) {bad}; choose from {', '.join(ARMS)}")
     return Settings(
         device=device, num_gpus=num_gpus, model=model, layers=layers,
-        num_samples=a.num_samples or (96 if cpu else 150 * num_gpus), shapes=shapes, gas=a.gas,
+        num_samples=a.num_samples or (128 if cpu else 150 * num_gpus), shapes=shapes, gas=a.gas,
         grad_ckpt=not a.no_grad_ckpt, workers=a.workers if a.workers is not None else (0 if cpu else 4),
         eval_samples=a.eval_samples if a.eval_samples is not None else (4 if cpu else 16),
         m_mem=a.m_mem or ("3x" if cpu else "auto"), gpu_mem_gib=a.gpu_mem_gib, lr=a.lr if a.lr else (
@@ -278,10 +279,11 @@ def plan_arm(s: Settings, arm: Arm, shapes, profile_path: str, budgets: Budgets)
         smp = build_batch_sampler(cfg, shapes, Topology(0, s.dp), micro_steps_per_step=s.gas, enabled=arm.enabled,
                                   mode=arm.sampler)
         plan = smp.plan
+    from ds_adaptive.simulate import predicted_times
+
     truth = CostModel(load_profile(profile_path), "calibrated")
     sizes = plan.batch_sizes()
-    per = np.array([truth.per_gpu_cost(x) for x in plan.shapes])
-    cost = (truth.c0 + sizes * per[plan.batch_shape]).reshape(-1, s.dp)          # [micro, rank] ms
+    cost = predicted_times(plan, truth)                  # [micro, rank] ms: the simulator's prediction
     quad = (sizes * np.array([x.tokens ** 2 for x in plan.shapes])[plan.batch_shape]).reshape(-1, s.dp)
     step_ms = cost.max(axis=1).reshape(-1, s.gas).sum(axis=1)
     return {
@@ -768,23 +770,24 @@ def plot(report: dict, path: Path) -> Optional[str]:
 
 
 def environment(s: Settings) -> dict:
+    """Versions and device names, read without creating a CUDA context in this (parent) process: a
+    context would hold memory on GPU 0 while the arms run."""
+    from importlib import metadata
+
     env = {"python": sys.version.split()[0], "device": s.device, "device_name": "CPU"}
-    try:
-        import torch
-
-        env["torch"] = torch.__version__
-        if s.device == "cuda" and torch.cuda.is_available():
-            env["device_name"] = torch.cuda.get_device_name(0)
-            env["gpu_mem_gib"] = torch.cuda.get_device_properties(0).total_memory / 2**30
-            env["cuda"] = torch.version.cuda
-    except Exception:  # noqa: BLE001
-        pass
-    try:
-        import deepspeed
-
-        env["deepspeed"] = deepspeed.__version__
-    except Exception:  # noqa: BLE001
-        pass
+    for pkg in ("torch", "deepspeed"):
+        try:
+            env[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            env[pkg] = None
+    if s.device == "cuda":
+        try:
+            q = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=30).stdout.strip().splitlines()
+            env["device_name"] = q[0].split(",")[0].strip() if q else "GPU"
+            env["gpus"] = q
+        except (OSError, subprocess.SubprocessError):
+            env["device_name"] = "GPU"
     try:
         env["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                                            timeout=10).stdout.strip() or None
@@ -824,7 +827,7 @@ def finish(report: dict, out: Path, *, final: bool) -> None:
             text = path.read_text(errors="replace") if raw.get("work_dir") and path.is_file() else raw.get("log_tail", "")
             logs.append(f"===== {name} (rc {raw.get('returncode')}, {raw.get('process_wall_s', 0):.0f} s) =====\n"
                         f"{text[-5000:]}\n")
-        if logs:
+        if any(not x.rstrip().endswith("=====") for x in logs):
             (out / "e2e_logs.txt").write_text("\n".join(logs))
         msg = plot(report, out / "e2e.png")
         text = table(report)
@@ -841,7 +844,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-gpus", type=int, default=None, help="ranks per arm (default: all GPUs; 2 on CPU)")
     ap.add_argument("--model", default=None, help="Wan preset (default: wan2.1-1.3b; tiny on CPU)")
     ap.add_argument("--layers", type=int, default=None, help="transformer blocks (default: 4 on GPU; the preset's on CPU)")
-    ap.add_argument("--num-samples", type=int, default=None, help="dataset size = samples of the epoch (default 150 per GPU; 96 on CPU)")
+    ap.add_argument("--num-samples", type=int, default=None, help="dataset size = samples of the epoch (default 150 per GPU; 128 on CPU)")
     ap.add_argument("--shapes", default=None, help="shape mix (default: the shipped Wan mix; launch/configs/shapes_cpu.json on CPU)")
     ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {', '.join(ARMS)}")
     ap.add_argument("--gas", type=int, default=1, help="gradient_accumulation_steps (default 1)")
@@ -873,7 +876,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "e2e"), help="output directory (e2e.json/png/txt)")
     ap.add_argument("--work-dir", default=None, help="per-arm configs and logs (default OUT/runs)")
     ap.add_argument("--plan-only", action="store_true", help="print the plan and predicted time per arm; run nothing")
-    ap.add_argument("--report-only", action="store_true", help="re-aggregate and plot OUT/e2e.json; run nothing")
+    ap.add_argument("--report-only", action="store_true",
+                    help="re-aggregate, tabulate and plot an e2e.json (--from-json, default OUT/e2e.json) into OUT")
+    ap.add_argument("--from-json", default=None, help="--report-only: the e2e.json to read (e.g. one fetched from a GPU run)")
     return ap
 
 
@@ -881,7 +886,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     a = build_parser().parse_args(argv)
     out = Path(a.out)
     if a.report_only:
-        report = json.loads((out / "e2e.json").read_text())
+        report = json.loads(Path(a.from_json or out / "e2e.json").read_text())
         finish(report, out, final=True)
         return 0
     s = resolve_settings(a)
