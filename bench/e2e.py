@@ -141,6 +141,7 @@ class Settings:
     num_samples: int
     shapes: Optional[str]
     gas: int
+    dual_gas: str
     grad_ckpt: bool
     workers: int
     eval_samples: int
@@ -193,7 +194,7 @@ def resolve_settings(a: argparse.Namespace) -> Settings:
         raise SystemExit(f"bench/e2e.py: unknown arm(s) {bad}; choose from {', '.join(ARMS)}")
     return Settings(
         device=device, num_gpus=num_gpus, model=model, layers=layers,
-        num_samples=a.num_samples or (128 if cpu else 150 * num_gpus), shapes=shapes, gas=a.gas,
+        num_samples=a.num_samples or (128 if cpu else 150 * num_gpus), shapes=shapes, gas=a.gas, dual_gas=a.dual_gas,
         grad_ckpt=not a.no_grad_ckpt, workers=a.workers if a.workers is not None else (0 if cpu else 4),
         eval_samples=a.eval_samples if a.eval_samples is not None else (4 if cpu else 16),
         m_mem=a.m_mem or ("3x" if cpu else "auto"), gpu_mem_gib=a.gpu_mem_gib, lr=a.lr if a.lr else (
@@ -265,18 +266,40 @@ def resolve_memory_budget(s: Settings, raw: dict, scaled: dict, shapes) -> Budge
                    full_depth_m_mem_gib=full)
 
 
-def sampler_config(s: Settings, arm: Arm, profile_path: str, budgets: Budgets) -> dict:
-    return {"mode": arm.sampler, "cost_model": "calibrated", "profile": profile_path,
-            "m_mem": budgets.m_mem_gib, "m_comp": "auto", "seed": s.seed, "lr_scaling": s.lr_scaling}
+def sampler_config(s: Settings, arm: Arm, profile_path: str, budgets: Budgets,
+                   reference_batch: Optional[int] = None) -> dict:
+    cfg = {"mode": arm.sampler, "cost_model": "calibrated", "profile": profile_path,
+           "m_mem": budgets.m_mem_gib, "m_comp": "auto", "seed": s.seed, "lr_scaling": s.lr_scaling}
+    if s.lr_scaling != "none":
+        cfg["reference_batch"] = reference_batch
+    return cfg
 
 
-def plan_arm(s: Settings, arm: Arm, shapes, profile_path: str, budgets: Budgets) -> dict:
+def plan_all(s: Settings, shapes, profile_path: str, budgets: Budgets) -> dict:
+    """Plans of the selected arms. ``--dual-gas match``: the dual arms accumulate over k micro-steps,
+    k = round(dual micro-steps / baseline optimizer steps), so that an optimizer step of every arm
+    holds about as many samples (the same number of updates per epoch: a fair loss-per-sample
+    comparison). ``--lr-scaling``: reference batch = the baseline's mean samples per optimizer step."""
+    tok = plan_arm(s, ARMS["baseline"], shapes, profile_path, budgets, s.gas)
+    ref = max(1, round(tok["samples"] / max(tok["steps"], 1))) if s.lr_scaling != "none" else None
+    if s.dual_gas == "match":
+        dual1 = plan_arm(s, ARMS["dual_ref"], shapes, profile_path, budgets, s.gas)
+        k = max(1, round(dual1["micro_steps"] / max(tok["micro_steps"], 1)))
+        dual_gas = s.gas * k
+    else:
+        dual_gas = int(s.dual_gas)
+    return {name: plan_arm(s, ARMS[name], shapes, profile_path, budgets,
+                           dual_gas if ARMS[name].sampler == "dual" else s.gas, ref) for name in s.arms}
+
+
+def plan_arm(s: Settings, arm: Arm, shapes, profile_path: str, budgets: Budgets, gas: int,
+             reference_batch: Optional[int] = None) -> dict:
     """The plan every rank of ``arm`` will compute (pure function of the config): steps, samples,
     drops, predicted per-rank cost of every micro-step (ms, the scaled calibrated profile)."""
-    cfg = SamplerConfig.model_validate(sampler_config(s, arm, profile_path, budgets))
+    cfg = SamplerConfig.model_validate(sampler_config(s, arm, profile_path, budgets, reference_batch))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        smp = build_batch_sampler(cfg, shapes, Topology(0, s.dp), micro_steps_per_step=s.gas, enabled=arm.enabled,
+        smp = build_batch_sampler(cfg, shapes, Topology(0, s.dp), micro_steps_per_step=gas, enabled=arm.enabled,
                                   mode=arm.sampler)
         plan = smp.plan
     from ds_adaptive.simulate import predicted_times
@@ -285,9 +308,10 @@ def plan_arm(s: Settings, arm: Arm, shapes, profile_path: str, budgets: Budgets)
     sizes = plan.batch_sizes()
     cost = predicted_times(plan, truth)                  # [micro, rank] ms: the simulator's prediction
     quad = (sizes * np.array([x.tokens ** 2 for x in plan.shapes])[plan.batch_shape]).reshape(-1, s.dp)
-    step_ms = cost.max(axis=1).reshape(-1, s.gas).sum(axis=1)
+    step_ms = cost.max(axis=1).reshape(-1, gas).sum(axis=1)
     return {
-        "sampler": type(smp).__name__, "mode": arm.sampler, "steps": plan.num_steps,
+        "sampler": type(smp).__name__, "mode": arm.sampler, "gas": gas, "reference_batch": reference_batch,
+        "steps": plan.num_steps,
         "micro_steps": plan.num_micro_steps, "samples": plan.num_samples,
         "tokens": int(plan.batch_tokens.sum()), "tail_dropped": len(plan.tail_dropped),
         "oversize": len(plan.oversize), "max_batch": int(sizes.max()) if len(sizes) else 0,
@@ -328,19 +352,19 @@ def predict_arm_s(s: Settings, plan: dict, eval_s: float) -> dict:
 
 
 # ================================================================================== running
-def arm_ds_config(s: Settings, arm: Arm, profile_path: str, budgets: Budgets, log_dir: str) -> dict:
+def arm_ds_config(s: Settings, arm: Arm, plan: dict, profile_path: str, budgets: Budgets, log_dir: str) -> dict:
     """The arm's ds_config: the shipped ZeRO-3 config (GPU) or the CPU one, with a constant LR (no
     warm-up schedule: arms take different numbers of steps) and the arm's adaptive_load block."""
     base_name = "cpu_tiny.json" if s.device == "cpu" else "zero3_adaptive.json"
     base = json.loads((ROOT / "launch" / "configs" / base_name).read_text())
     cfg = {k: v for k, v in base.items() if k not in ("adaptive_load", "scheduler")}
-    cfg["gradient_accumulation_steps"] = s.gas
+    cfg["gradient_accumulation_steps"] = plan["gas"]
     cfg["optimizer"] = copy.deepcopy(base["optimizer"])
     cfg["optimizer"]["params"]["lr"] = s.lr
     cfg["adaptive_load"] = {
         "enabled": arm.enabled,
         "fused_ln_modulate": arm.fused,
-        "sampler": sampler_config(s, arm, profile_path, budgets),
+        "sampler": sampler_config(s, arm, profile_path, budgets, plan.get("reference_batch")),
         "metrics": {"interval": 1, "log_dir": log_dir, "tensorboard": False, "jsonl": True, "sync_timing": True},
     }
     return cfg
@@ -367,7 +391,7 @@ def run_arm(s: Settings, arm: Arm, plan: dict, profile_path: str, budgets: Budge
     for old in ("metrics.jsonl", "summary.json"):
         (wd / old).unlink(missing_ok=True)
     cfg_path = wd / "ds_config.json"
-    cfg_path.write_text(json.dumps(arm_ds_config(s, arm, profile_path, budgets, str(wd)), indent=2) + "\n")
+    cfg_path.write_text(json.dumps(arm_ds_config(s, arm, plan, profile_path, budgets, str(wd)), indent=2) + "\n")
     cmd = trainer_command(s, arm, str(cfg_path), plan["steps"], str(wd))
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
@@ -450,8 +474,9 @@ def _cv_rows(rows) -> list[float]:
     return out
 
 
-def aggregate_arm(res: dict, plan: dict, warmup_steps: int, gas: int) -> dict:
+def aggregate_arm(res: dict, plan: dict, warmup_steps: int) -> dict:
     """Figures of one finished arm (``res`` from :func:`run_arm`, ``plan`` from :func:`plan_arm`)."""
+    gas = plan["gas"]
     recs = res["records"]
     summ = res["summary"]
     w = min(warmup_steps, max(len(recs) - 1, 0))
@@ -480,6 +505,7 @@ def aggregate_arm(res: dict, plan: dict, warmup_steps: int, gas: int) -> dict:
         "steps": len(recs), "warmup_steps": w, "measured_steps": len(meas),
         "samples_seen": seen, "tokens_seen": sum(r["tokens"] for r in recs),
         "samples_planned": plan["samples"], "samples_match_plan": seen == plan["samples"],
+        "steps_match_plan": len(recs) == plan["steps"],
         "tail_dropped": plan["tail_dropped"], "oversize": plan["oversize"],
         "trainer_plan": summ.get("plan"),
         "ln_modulate_op": summ.get("ln_modulate_op"),
@@ -488,7 +514,9 @@ def aggregate_arm(res: dict, plan: dict, warmup_steps: int, gas: int) -> dict:
         "step_s_mean": wall / len(meas) if meas else 0.0,
         "train_wall_s": sum(r["wall_s"] for r in recs),
         "process_wall_s": res["process_wall_s"],
-        "startup_s": res["process_wall_s"] - sum(r["wall_s"] for r in recs) - (summ.get("eval") or {}).get("s", 0.0),
+        # launcher, imports, process groups, model build, ZeRO-3 init, op load, and shutdown
+        "startup_shutdown_s": res["process_wall_s"] - sum(r["wall_s"] for r in recs) - (summ.get("eval") or {}).get("s", 0.0),
+        "eval_s": (summ.get("eval") or {}).get("s", 0.0),
         "timing": summ.get("timing", "wall"),
         "cv_step": float(np.mean(cv_c)) if cv_c else 0.0,
         "cv_step_wall": float(np.mean(cv_w)) if cv_w else 0.0,
@@ -559,8 +587,8 @@ def simulator_section(s: Settings, plans: dict, arms: dict, profile_path: str, b
         out["same_run"] = {
             "predicted_tokens_per_s": {"tokens": plan_tokens_per_s(tok, w), "dual": plan_tokens_per_s(dual, w)},
             "predicted_ratio_dual_over_tokens": plan_tokens_per_s(dual, w) / max(plan_tokens_per_s(tok, w), 1e-30),
-            "predicted_cv": {"tokens": float(np.mean(tok["predicted_cv"][w * s.gas:] or [0])),
-                             "dual": float(np.mean(dual["predicted_cv"][w * s.gas:] or [0]))},
+            "predicted_cv": {"tokens": float(np.mean(tok["predicted_cv"][w * tok["gas"]:] or [0])),
+                             "dual": float(np.mean(dual["predicted_cv"][w * dual["gas"]:] or [0]))},
         }
         meas = {}
         for t_name, d_name, label in (("baseline", "dual_ref", "reference LN"), ("tokens_fused", "adaptive", "fused LN")):
@@ -603,7 +631,8 @@ def table(report: dict) -> str:
     arms, rat = report["arms"], report.get("ratios", {})
     st = report["settings"]
     lines = [f"End-to-end: {st['model']} ({st['layers']} blocks), {st['num_gpus']} x {report['environment']['device_name']}, "
-             f"ZeRO-3, gas {st['gas']}, one epoch of {st['num_samples']} samples (seed {st['seed']}), "
+             f"ZeRO-3, gas {'/'.join(str(report['plans'][n]['gas']) for n in arms if n in report.get('plans', {}))} "
+             f"({', '.join(n for n in arms if n in report.get('plans', {}))}), one epoch of {st['num_samples']} samples (seed {st['seed']}), "
              f"m_mem {report['budgets']['m_mem_gib']:.2f} GiB, m_comp {report['budgets']['m_comp_ms']:.0f} ms; "
              f"warm-up {st['warmup_steps']} step(s) excluded"]
     hdr = (f"{'arm':<14}{'steps':>6}{'seen/drop':>11}{'tok/s':>11}{'x base':>8}{'smp/s':>8}{'x base':>8}"
@@ -641,7 +670,9 @@ def table(report: dict) -> str:
             p = a["predicted"]
             lines.append(f"  {name:<13} measured/predicted step time {_fmt(p['measured_over_predicted_step_time'], '.2f')}, "
                          f"Pearson r (batch cost vs rank compute) {_fmt(p['pearson_batch_cost_vs_compute'], '.3f')}, "
-                         f"(step max) {_fmt(p['pearson_step_max'], '.3f')}")
+                         f"(step max) {_fmt(p['pearson_step_max'], '.3f')}; process {a['process_wall_s']:.0f} s = "
+                         f"steps {a['train_wall_s']:.0f} s + eval {a['eval_s']:.0f} s + start-up/shutdown "
+                         f"{a['startup_shutdown_s']:.0f} s")
     if sim.get("scale"):
         lines.append("")
         lines.append("Simulated at scale (same profile, shape mix and budgets):")
@@ -659,17 +690,17 @@ def table(report: dict) -> str:
 
 def plan_table(report: dict) -> str:
     st, b = report["settings"], report["budgets"]
-    lines = [f"Plan: {st['model']} ({st['layers']} blocks) on {st['num_gpus']} {st['device']} rank(s), gas {st['gas']}, "
+    lines = [f"Plan: {st['model']} ({st['layers']} blocks) on {st['num_gpus']} {st['device']} rank(s), "
              f"{st['num_samples']} samples; profile {Path(report['profile']['path']).name}",
              f"  memory budget {b['m_mem_gib']:.3f} GiB ({b['rule']}); compute budget {b['m_comp_ms']:.1f} ms "
              f"(costliest sample at B=1); tokens max_tokens {b['max_tokens']}",
              f"  assumptions: start-up {st['startup_s']:.0f} s per arm, {st['step_overhead_s']:.2f} s per optimizer "
              f"step; times of the (rescaled) {st['profile']} profile",
-             f"{'arm':<14}{'sampler':>8}{'steps':>6}{'micro':>6}{'samples':>8}{'dropped':>8}{'maxB':>6}"
+             f"{'arm':<14}{'sampler':>8}{'gas':>4}{'steps':>6}{'micro':>6}{'samples':>8}{'dropped':>8}{'maxB':>6}"
              f"{'compute s':>10}{'eval s':>8}{'total s':>9}{'pred CV':>9}"]
     for name, p in report["plans"].items():
         t = report["predicted_time"][name]
-        lines.append(f"{name:<14}{p['mode']:>8}{p['steps']:>6}{p['micro_steps']:>6}{p['samples']:>8}"
+        lines.append(f"{name:<14}{p['mode']:>8}{p['gas']:>4}{p['steps']:>6}{p['micro_steps']:>6}{p['samples']:>8}"
                      f"{p['tail_dropped'] + p['oversize']:>8}{p['max_batch']:>6}{t['compute_s']:>10.1f}"
                      f"{t['eval_s']:>8.1f}{t['total_s']:>9.1f}{_fmt(float(np.mean(p['predicted_cv'])), pct=True):>9}")
     tot = report["predicted_total_s"]
@@ -803,7 +834,7 @@ def finish(report: dict, out: Path, *, final: bool) -> None:
     for name, raw in report["raw"].items():
         if raw.get("ok"):
             try:
-                arms[name] = aggregate_arm(raw, plans[name], report["settings"]["warmup_steps"], report["settings"]["gas"])
+                arms[name] = aggregate_arm(raw, plans[name], report["settings"]["warmup_steps"])
             except Exception as exc:  # noqa: BLE001 - a broken arm must not hide the others
                 arms[name] = {"arm": name, "ok": False, "error": f"aggregation failed: {type(exc).__name__}: {exc}"}
         else:
@@ -847,7 +878,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-samples", type=int, default=None, help="dataset size = samples of the epoch (default 150 per GPU; 128 on CPU)")
     ap.add_argument("--shapes", default=None, help="shape mix (default: the shipped Wan mix; launch/configs/shapes_cpu.json on CPU)")
     ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {', '.join(ARMS)}")
-    ap.add_argument("--gas", type=int, default=1, help="gradient_accumulation_steps (default 1)")
+    ap.add_argument("--gas", type=int, default=1, help="gradient_accumulation_steps of the tokens arms (default 1)")
+    ap.add_argument("--dual-gas", default="match",
+                    help="gradient_accumulation_steps of the dual arms: 'match' (default: as many samples per optimizer "
+                         "step as the baseline, see docs/E2E.md) or a number")
     ap.add_argument("--no-grad-ckpt", action="store_true", help="no activation checkpointing (the profile assumes it)")
     ap.add_argument("--workers", type=int, default=None, help="DataLoader workers per rank (default 4; 0 on CPU)")
     ap.add_argument("--eval-samples", type=int, default=None, help="held-out samples (default 16; 4 on CPU; 0: off)")
@@ -890,8 +924,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         finish(report, out, final=True)
         return 0
     s = resolve_settings(a)
-    if s.warmup_steps < 0 or s.gas < 1 or s.layers < 1:
-        raise SystemExit("bench/e2e.py: --warmup-steps >= 0, --gas >= 1, --layers >= 1")
+    if s.warmup_steps < 0 or s.gas < 1 or s.layers < 1 or not (s.dual_gas == "match" or s.dual_gas.isdigit()
+                                                                  and int(s.dual_gas) >= 1):
+        raise SystemExit("bench/e2e.py: --warmup-steps >= 0, --gas >= 1, --layers >= 1, --dual-gas match or >= 1")
     raw = copy.deepcopy(dict(load_profile(s.profile).raw))
     scaled = scale_profile_depth(raw, s.layers)
     work = Path(s.work_dir)
@@ -901,7 +936,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     shapes, described = dataset_shapes(s)
     budgets = resolve_memory_budget(s, raw, scaled, shapes)
     eval_s = eval_estimate_s(s, profile_path)
-    plans = {name: plan_arm(s, ARMS[name], shapes, profile_path, budgets) for name in s.arms}
+    plans = plan_all(s, shapes, profile_path, budgets)
     pred = {name: predict_arm_s(s, p, eval_s) for name, p in plans.items()}
     report = {
         "format": FORMAT, "created": time.strftime("%Y-%m-%d %H:%M:%S"), "settings": asdict(s),

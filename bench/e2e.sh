@@ -13,7 +13,9 @@
 # past the call's limit. If the op cannot be built, only the two reference-LN arms run.
 # Outputs in $OUT (default bench/out/e2e): e2e.json, e2e.png, e2e.txt, e2e_logs.txt, build.log,
 # pip.log; per-arm configs and full logs in $WORK (default /tmp/e2e_runs, outside $OUT).
-# Knobs: OUT, WORK, DEADLINE_S (seconds for the arms, default 400), PYTHON (default python3),
+# Knobs: OUT, WORK, WHEELS (wheel directory, default .whl; none: skip), TOTAL_S (the whole script's time budget, default 520 s: arms that would end
+# later are skipped, a running one is stopped), DEADLINE_S (seconds for the arms; default what
+# TOTAL_S leaves after install and build, minus 20 s for the report), PYTHON (default python3),
 # TORCH_EXTENSIONS_DIR (default /tmp/torch_extensions).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,8 +27,9 @@ export PYTHONUNBUFFERED=1
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/torch_extensions}
 note() { echo "[e2e.sh $(date +%H:%M:%S) +$((SECONDS))s] $*"; }
 
-if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+WHEELS=${WHEELS:-.whl}   # WHEELS=none: use the installed packages even if .whl/ exists
+if [ -d "$WHEELS" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
     >"$OUT/pip.log" 2>&1 || note "wheelhouse install failed (see pip.log)"
   export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
 else
@@ -46,8 +49,10 @@ if [[ " $* " != *" --plan-only "* && " $* " != *" --device cpu "* && " $* " != *
   fi
 fi
 
-note "bench/e2e.py"
-"$PY" bench/e2e.py --out "$OUT" --work-dir "$WORK" --deadline-s "${DEADLINE_S:-400}" ${ARMS[@]+"${ARMS[@]}"} "$@"
+DEADLINE=${DEADLINE_S:-$(( ${TOTAL_S:-520} - SECONDS - 20 ))}
+(( DEADLINE < 1 )) && DEADLINE=1
+note "bench/e2e.py (arms deadline ${DEADLINE} s)"
+"$PY" bench/e2e.py --out "$OUT" --work-dir "$WORK" --deadline-s "$DEADLINE" ${ARMS[@]+"${ARMS[@]}"} "$@"
 rc=$?
 note "done (rc=$rc)"
 exit $rc

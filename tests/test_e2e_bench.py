@@ -83,6 +83,47 @@ def test_compute_timer_subtracts_wait_windows_once():
         timer.end()
 
 
+class _FakeCudaEvent:
+    """torch.cuda.Event stand-in: record() takes the host clock, elapsed_time() in ms."""
+
+    created = 0
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        assert enable_timing
+        type(self).created += 1
+        self.t = None
+
+    def record(self, stream=None) -> None:
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, other: "_FakeCudaEvent") -> float:
+        return (other.t - self.t) * 1e3
+
+
+def test_compute_timer_cuda_path_pools_events_and_syncs_once_per_collect(monkeypatch):
+    """The CUDA branch's bookkeeping (events per window, one device sync per collect, events reused
+    across steps), with events that read the host clock."""
+    syncs = []
+    monkeypatch.setattr(torch.cuda, "Event", _FakeCudaEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: syncs.append(1))
+    eng = _FakeEngine(0.01)
+    timer = ComputeTimer(torch.device("cuda", 0))
+    timer.attach(eng)
+    for step in range(3):
+        for _ in range(2):                        # two micro-steps per collect
+            timer.begin()
+            time.sleep(0.02)
+            eng.optimizer.parameter_offload.pre_sub_module_forward_function(None)
+            timer.end()
+        timed = timer.collect()
+        assert len(timed) == 2 and len(syncs) == step + 1
+        for wall, wait in timed:
+            assert 28 <= wall and 9 <= wait <= wall and 15 <= wall - wait <= 35
+        if step == 0:
+            first = _FakeCudaEvent.created
+    assert _FakeCudaEvent.created == first      # later steps reuse the pooled events
+
+
 def test_step_metrics_report_compute_and_wall_per_micro_step():
     eng = _FakeEngine(0.03)
     m = StepMetrics(MetricsConfig(jsonl=False, tensorboard=False), micro_steps_per_step=2,
@@ -237,7 +278,7 @@ def _fake_arm(name: str, compute: list, wall: list, samples: list, loss: list) -
         recs.append({"step": k + 1, "loss": l, "lr": 1e-4, "samples": n, "tokens": 100 * n, "wall_s": sum(w) / 1e3 + 0.01,
                      "micro_compute_ms": [c], "micro_wall_ms": [w], "compute_ms": c, "wall_ms": w,
                      "peak_mem_gib": [1.0 + k, 2.0], "mem_capacity_gib": 10.0, "data_ms": 1.0})
-    plan = {"samples": sum(samples), "tail_dropped": 1, "oversize": 0, "steps": len(recs),
+    plan = {"samples": sum(samples), "tail_dropped": 1, "oversize": 0, "steps": len(recs), "gas": 1,
             "predicted_micro_ms": [[float(x) for x in c] for c in compute],
             "predicted_cv": [0.1] * len(recs), "quad_cv": [0.2] * len(recs),
             "predicted_step_ms": [max(c) for c in compute], "step_tokens": [100 * n for n in samples]}
@@ -251,8 +292,8 @@ def test_aggregate_ratios_and_table():
                                     [210, 210]], [4, 4, 4], [2.0, 1.8, 1.6])
     dual_res, dual_plan = _fake_arm("adaptive", [[200, 200], [150, 150], [150, 150]], [[205, 205], [155, 155],
                                     [155, 155]], [4, 4, 4], [2.0, 1.8, 1.7])
-    b = e2e.aggregate_arm(base_res, base_plan, warmup_steps=1, gas=1)
-    d = e2e.aggregate_arm(dual_res, dual_plan, warmup_steps=1, gas=1)
+    b = e2e.aggregate_arm(base_res, base_plan, warmup_steps=1)
+    d = e2e.aggregate_arm(dual_res, dual_plan, warmup_steps=1)
     assert b["measured_steps"] == 2 and b["samples_seen"] == 12 and b["samples_match_plan"]
     assert b["cv_step"] == pytest.approx((0.5 + 0.0) / 2)          # CV of (100, 300), then of (200, 200)
     assert b["cv_step_wall"] == pytest.approx(0.0)
@@ -269,8 +310,24 @@ def test_aggregate_ratios_and_table():
               "environment": {"device_name": "CPU"},
               "settings": {"model": "tiny", "layers": 2, "num_gpus": 2, "gas": 1, "num_samples": 13, "seed": 0,
                            "warmup_steps": 1}}
+    report["plans"] = {"baseline": base_plan, "adaptive": dual_plan}
     text = e2e.table(report)
     assert "baseline" in text and "adaptive" in text and "12/1" in text
+
+
+def test_aggregate_with_gradient_accumulation_excludes_whole_warmup_steps():
+    res, plan = _fake_arm("adaptive", [[100, 100], [300, 100], [100, 100], [200, 200]], [[300] * 2] * 4,
+                          [2, 2, 2, 2], [2.0, 1.9, 1.8, 1.7])
+    recs = res["records"]                      # regroup as 2 optimizer steps of 2 micro-steps
+    res["records"] = [{**recs[0], "micro_compute_ms": [recs[0]["micro_compute_ms"][0], recs[1]["micro_compute_ms"][0]],
+                       "micro_wall_ms": [recs[0]["micro_wall_ms"][0], recs[1]["micro_wall_ms"][0]], "samples": 4},
+                      {**recs[2], "micro_compute_ms": [recs[2]["micro_compute_ms"][0], recs[3]["micro_compute_ms"][0]],
+                       "micro_wall_ms": [recs[2]["micro_wall_ms"][0], recs[3]["micro_wall_ms"][0]], "samples": 4}]
+    plan.update(gas=2, steps=2, samples=8, predicted_step_ms=[400.0, 300.0], step_tokens=[400, 400])
+    a = e2e.aggregate_arm(res, plan, warmup_steps=1)
+    assert a["measured_steps"] == 1 and len(a["cv_step_micro"]) == 2   # the second step's two micro-steps
+    assert a["cv_step"] == 0.0 and a["samples_seen"] == 8 and a["steps_match_plan"]
+    assert a["predicted"]["micro_max_ms"] == [100.0, 200.0]           # the plan's micro-steps 2 and 3
 
 
 # ----------------------------------------------------------------------------------- a real run
@@ -289,7 +346,7 @@ def test_two_arm_cpu_run_end_to_end(tmp_path):
     for name, a in rep["arms"].items():
         assert a["ok"], a
         plan = rep["plans"][name]
-        assert a["steps"] == plan["steps"] >= 2 and a["samples_match_plan"]
+        assert a["steps"] == plan["steps"] >= 2 and a["samples_match_plan"] and a["steps_match_plan"]
         assert a["samples_seen"] + a["tail_dropped"] + a["oversize"] == 48
         assert a["trainer_plan"]["samples"] == plan["samples"]          # the trainer planned what we predicted
         assert a["timing"] == "compute" and a["eval_loss"] > 0
