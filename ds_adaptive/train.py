@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "else the shipped mixed Wan set)")
     p.add_argument("--shift", type=float, default=5.0, help="timestep shift of the flow-matching sampler (Wan: 5)")
     p.add_argument("--seed", type=int, default=0, help="model init, data and noise seed")
-    p.add_argument("--sp", type=int, default=1, help="Ulysses sequence-parallel degree (only 1 for now)")
+    p.add_argument("--sp", type=int, default=None,
+                   help="Ulysses sequence-parallel degree (default: the ds_config's sequence_parallel_size, else 1)")
     p.add_argument("--fused-ln-modulate", action=argparse.BooleanOptionalAction, default=None,
                    help="override adaptive_load.fused_ln_modulate")
     p.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing of every block")
@@ -123,8 +124,10 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
 
 
 def flow_matching_losses(model, latents: torch.Tensor, context: torch.Tensor, indices: torch.Tensor, *,
-                         epoch: int, seed: int, shift: float, dtype: torch.dtype) -> torch.Tensor:
-    """Per-sample flow-matching MSE ``[B]`` (fp32) of ``model`` on clean latents ``[B,16,T',H',W']``."""
+                         epoch: int, seed: int, shift: float, dtype: torch.dtype,
+                         sharded: bool = False) -> torch.Tensor:
+    """Per-sample flow-matching MSE ``[B]`` (fp32) of ``model`` on clean latents ``[B,16,T',H',W']``;
+    ``sharded`` (a model under ``apply_ulysses``): this rank's part of it, summing to it over the SP group."""
     x0 = latents.float()
     b = x0.shape[0]
     u = torch.empty(b, device=x0.device)
@@ -137,13 +140,15 @@ def flow_matching_losses(model, latents: torch.Tensor, context: torch.Tensor, in
     sigma = shift * u / (1 + (shift - 1) * u)
     s = sigma.view(b, 1, 1, 1, 1)
     x_t = (1 - s) * x0 + s * eps
+    if sharded:
+        return model(x_t.to(dtype), sigma * 1000.0, context.to(dtype), target=eps - x0)
     pred = model(x_t.to(dtype), sigma * 1000.0, context.to(dtype))
     return (pred.float() - (eps - x0)).pow(2).flatten(1).mean(1)
 
 
 def backward_micro_batch(engine, latents: torch.Tensor, context: torch.Tensor, indices: torch.Tensor, totals, *,
                          tokens_per_sample: int, dp_size: int, by: str, epoch: int, seed: int, shift: float,
-                         dtype: torch.dtype) -> tuple[float, float]:
+                         dtype: torch.dtype, sp=None) -> tuple[float, float]:
     """Forward and weighted backward of one micro-batch (all samples of one shape).
 
     The mean per-sample loss is scaled by ``totals.loss_weight`` (local share of the optimizer
@@ -152,12 +157,17 @@ def backward_micro_batch(engine, latents: torch.Tensor, context: torch.Tensor, i
     sample of the step. Returns ``(sum_i w_i * loss_i, sum_i w_i)`` of this micro-batch (detached),
     with ``w_i`` 1 (samples) or the sample's tokens.
     """
+    sharded = sp is not None and sp.enabled
     per_sample = flow_matching_losses(engine, latents, context, indices, epoch=epoch, seed=seed, shift=shift,
-                                      dtype=dtype)
+                                      dtype=dtype, sharded=sharded)
     b = per_sample.shape[0]
     weight = totals.loss_weight(b, b * tokens_per_sample, dp_size, by)
+    if sharded:  # x sp: DeepSpeed averages gradients over all dp*sp ranks (docs/ULYSSES.md)
+        weight *= sp.loss_scale
     engine.backward(per_sample.mean() * weight)
     w = float(tokens_per_sample) if by == "tokens" else 1.0
+    if sharded:  # the SP ranks' partial losses sum to the per-sample losses
+        per_sample = sp.group_sum(per_sample)
     return float(per_sample.detach().sum()) * w, b * w
 
 
@@ -215,6 +225,8 @@ def _validate_sp(sp: int, model: str, world: int) -> None:
     """Check ``--sp`` against the model and the world size, before any process group exists."""
     from .models.wan import get_wan_config
 
+    if sp is None:
+        return
     if sp < 1:
         raise UsageError(f"--sp must be >= 1, got {sp}")
     heads = get_wan_config(model).num_heads
@@ -223,9 +235,6 @@ def _validate_sp(sp: int, model: str, world: int) -> None:
                          "rank of a group heads/sp heads")
     if world % sp:
         raise UsageError(f"--sp {sp} must divide the number of ranks ({world})")
-    if sp > 1:
-        raise UsageError(f"--sp {sp}: Ulysses sequence parallelism is not yet supported by the trainer (it lands "
-                         "with the Ulysses issue); run with --sp 1")
 
 
 def _build_model(args, cfg: AdaptiveLoadConfig, ds_cfg: dict):
@@ -320,9 +329,10 @@ def train(args: argparse.Namespace) -> dict:
     if args.data != "synthetic" and (args.shapes or args.num_samples is not None):
         raise UsageError(f"--shapes and --num-samples describe the synthetic dataset; --data {args.data} "
                          "reads its samples and shapes from its index.json")
-    if args.eval_samples < 0 or (args.eval_samples and (args.data != "synthetic" or args.sp != 1)):
-        raise UsageError(f"--eval-samples {args.eval_samples}: held-out evaluation needs a count >= 0, "
-                         "--data synthetic (the held-out set is drawn from its shape mix) and --sp 1")
+    # under SP the engine returns the gathered output: every rank of a group scores its DP rank's samples
+    if args.eval_samples < 0 or (args.eval_samples and args.data != "synthetic"):
+        raise UsageError(f"--eval-samples {args.eval_samples}: held-out evaluation needs a count >= 0 and "
+                         "--data synthetic (the held-out set is drawn from its shape mix)")
     cfg = load_adaptive_config(args.deepspeed_config)
     if args.fused_ln_modulate is not None:
         cfg.fused_ln_modulate = args.fused_ln_modulate
@@ -334,9 +344,14 @@ def train(args: argparse.Namespace) -> dict:
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     if rank != 0:
         warnings.filterwarnings("ignore", category=UserWarning, module=r"ds_adaptive")
-    dp_size = world // args.sp
+    from .models.wan import get_wan_config
+    from .parallel import apply_ulysses, init_sequence_parallel, strip_mesh_keys
+
+    sp = init_sequence_parallel(args.sp, ds_config=raw, num_heads=get_wan_config(args.model).num_heads)
+    args.sp, dp_size = sp.sp_size, sp.dp_size
     on_gpu = device.type == "cuda"
-    ds_cfg = _ensure_optimizer(prepare_ds_config(raw, dp_size=dp_size, on_gpu=on_gpu), rank)
+    # no DeepSpeed (dp, sp) mesh: DeepSpeed 0.19.8's mesh breaks ZeRO-3 checkpoints (docs/ULYSSES.md)
+    ds_cfg = _ensure_optimizer(prepare_ds_config(strip_mesh_keys(raw), dp_size=dp_size, on_gpu=on_gpu), rank)
     gas = ds_cfg["gradient_accumulation_steps"]
     dtype = torch.bfloat16 if ds_cfg["bf16"]["enabled"] else (
         torch.float16 if (ds_cfg.get("fp16") or {}).get("enabled") else torch.float32)
@@ -350,15 +365,18 @@ def train(args: argparse.Namespace) -> dict:
                   f"synthetic dataset; --data {args.data} takes its shapes from its index.json", flush=True)
         dataset = build_dataset(args.data)
     model, wcfg = _build_model(args, cfg, ds_cfg)
+    if sp.enabled:
+        apply_ulysses(model, sp)  # sequence sharding + DistributedAttention; forward(..., target=) -> shard loss
 
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    from .sampler import Topology, build_batch_sampler
+    from .sampler import build_batch_sampler
 
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()
                                                                           if p.requires_grad], config=ds_cfg)
-    topology = Topology(dp_rank=rank // args.sp, dp_size=dp_size, sp_rank=rank % args.sp, sp_size=args.sp)
+    sp.check_engine(engine)  # DeepSpeed must reduce over all dp*sp ranks (else a clear error)
+    topology = sp.topology
     gpu_mem_gib = get_accelerator().total_memory(device.index or 0) / 2**30 if on_gpu else None
     sample_shapes = dataset.sample_shapes()
     zero_stage = int((ds_cfg.get("zero_optimization") or {}).get("stage", 0))
@@ -449,7 +467,8 @@ def train(args: argparse.Namespace) -> dict:
                     tokens = sample_shapes[int(batch["index"][0])].tokens
                     num, den = backward_micro_batch(engine, latents, context, batch["index"], totals,
                                                     tokens_per_sample=tokens, dp_size=dp_size, by=weighting,
-                                                    epoch=epoch, seed=args.seed, shift=args.shift, dtype=dtype)
+                                                    epoch=epoch, seed=args.seed, shift=args.shift, dtype=dtype,
+                                                    sp=sp)
                     metrics.backward_done()
                     b = latents.shape[0]
                     if micro == gas - 1:

@@ -82,6 +82,17 @@ CMD+=("$@")
 echo "train_wan.sh: $MODEL on $WHERE, $STEPS steps, config $DS_CONFIG"
 echo "+ ${CMD[*]}"
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
-  exit 0
+  # check config + topology without GPUs (report on stderr; exit 1 names what is wrong)
+  DRY=("$PY" -m ds_adaptive.cli dry-run --deepspeed_config "$DS_CONFIG" --model "$MODEL" --sp "${SP:-1}")
+  if [[ "$NUM_GPUS" == 0 ]]; then
+    DRY+=(--world "$NPROC")
+  elif [[ -n "${HOSTFILE:-}" ]]; then
+    DRY+=(--hostfile "$HOSTFILE")
+    [[ "$GPUS_GIVEN" == 1 ]] && DRY+=(--num-gpus "$NUM_GPUS")
+  else
+    DRY+=(--num-gpus "$NUM_GPUS")
+  fi
+  "${DRY[@]}" >&2
+  exit $?
 fi
 exec "${CMD[@]}"

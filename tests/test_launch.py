@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 from pathlib import Path
 
@@ -105,6 +106,9 @@ def test_main_job_on_cpu_prints_summary_and_loss_falls(tmp_path):
         pytest.fail("the `deepspeed` launcher is not on PATH: pip install -e '.[dev]' installs it")
     env = {k: v for k, v in os.environ.items() if k not in ("NUM_GPUS", "HOSTFILE", "DS_CONFIG", "MODEL", "STEPS")}
     env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU job even on a GPU machine
+    with socket.socket() as sock:  # a free rendezvous port: other jobs on the machine may hold 29500
+        sock.bind(("127.0.0.1", 0))
+        env["MASTER_PORT"] = str(sock.getsockname()[1])
     r = subprocess.run(["bash", str(SCRIPT)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-6000:]
