@@ -6,12 +6,15 @@
 #   GIT_COMMIT=<sha> OUT=/some/dir bash bench/gpu_check.sh
 #
 # Through the device tool (carry the wheelhouse built by ../shared/gpu/wheelhouse.sh):
-#   run(kind="nvidia-h100-x1", carry=[".whl"], timeout_s=540,
-#       command="GIT_COMMIT=<sha> PYTHONUNBUFFERED=1 bash bench/gpu_check.sh")
+#   run(kind="nvidia-h100-x1", carry=[".whl"], timeout_s=600,
+#       command="GIT_COMMIT=<sha> BENCH_ARGS='--tune --no-block' PYTHONUNBUFFERED=1 bash bench/gpu_check.sh")
 #
 # Environment knobs: STEPS (space-separated subset of: env build tests bench; default all),
-# BENCH_ARGS (extra args for bench/ln_modulate.py, e.g. "--quick --tune"), TEST_ARGS (for pytest),
-# PREBUILD=1 (also build the op through setup.py build_ext --inplace and load that).
+# BENCH_ARGS (extra args for bench/ln_modulate.py, e.g. "--quick --tune"; --tune also times both
+# kernel generations per case and prints the recommended DS_ADAPTIVE_LN_MODULATE_KERNELS),
+# TEST_ARGS (for pytest), PREBUILD=1 (also build the op through setup.py build_ext --inplace and
+# load that), DS_ADAPTIVE_LN_MODULATE_KERNELS (kernel generation policy, e.g. "v1" to run everything
+# on the previous kernels; the GPU tests run both generations explicitly either way).
 # Other engineers: add a step as a function do_NAME below (export -f it, give it a LIMIT) and
 # append NAME to STEPS_ALL.
 set -uo pipefail
@@ -19,7 +22,9 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/out/gpu_check}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/torch_extensions}
+# In the (git-ignored) repository folder: a later call on the same warm machine reuses the build,
+# so the steps can be split over calls (STEPS="env build tests", then STEPS="bench").
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.torch_extensions}
 STEPS_ALL="env build tests bench"
 STEPS=${STEPS:-$STEPS_ALL}
 declare -A STATUS
@@ -55,6 +60,7 @@ do_env() {
   python3 -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))'
   nvcc --version | tail -1
   echo "TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-unset} CUDA_HOME=${CUDA_HOME:-unset} TORCH_EXTENSIONS_DIR=$TORCH_EXTENSIONS_DIR"
+  echo "DS_ADAPTIVE_LN_MODULATE_KERNELS=${DS_ADAPTIVE_LN_MODULATE_KERNELS:-unset (compiled-in defaults)}"
   python3 -c 'import deepspeed; print("deepspeed", deepspeed.__version__)'
 }
 do_build() {  # the op, once: prebuilt through setup.py (PREBUILD=1) or JIT through DeepSpeed's builder
@@ -72,7 +78,7 @@ do_bench() {
 }
 export -f do_env do_build do_tests do_bench
 export OUT
-declare -A LIMIT=([env]=60 [build]=300 [tests]=240 [bench]=330)
+declare -A LIMIT=([env]=60 [build]=300 [tests]=240 [bench]=420)
 
 for s in $STEPS; do
   run_step "$s" "${LIMIT[$s]:-300}" "do_$s" || true

@@ -12,12 +12,26 @@ CUDA-graph replays so that Python launch overhead is not counted for any method 
 is also timed without a graph); inputs rotate over enough copies to exceed L2 when a case is
 small. Prints a table of ratios, writes JSON (--out) and a PNG bar chart next to it.
 
-  python bench/ln_modulate.py [--out bench/out/ln_modulate.json] [--quick] [--tune] [--no-block]
+The compile baseline computes the same thing as ours: LayerNorm + modulate with the same dtypes,
+gradients w.r.t. x and the modulation. Per-sample, the [B, 6, D] table is sliced *inside* the
+compiled function (torch 2.11's compiled backward returned a [D] gradient for a [1, 1, D] graph
+input); per-token, it takes the same strided [B, S, D] views of the [B, S, 6, D] table as ours
+(slicing that table inside would add a [B, S, 6, D] gradient, four fifths zeros). Its outputs and
+gradients are checked against eager before it is timed (``compile check``); if that fails, it is
+retried with contiguous copies of shift / scale, and the variant used is recorded.
+
+--variants (implied by --tune) times ours with every kernel generation (policy v1 and v2, see
+DS_ADAPTIVE_LN_MODULATE_KERNELS) per case, prints the winner per direction and layout and the
+policy string that picks them.
+
+  python bench/ln_modulate.py [--out bench/out/ln_modulate.json] [--quick] [--tune] [--variants]
+                              [--no-block] [--cases 0,3]
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import json
 import math
 import os
@@ -33,6 +47,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+# the module (``ds_adaptive.ops.ln_modulate`` as an attribute is the function of that name)
+lnm_mod = importlib.import_module("ds_adaptive.ops.ln_modulate")
 
 from ds_adaptive.ops.ln_modulate import ln_modulate, ln_modulate_reference, load_op, op_status  # noqa: E402
 
@@ -124,15 +141,16 @@ def copy_bandwidth() -> float:
 # cases
 # ------------------------------------------------------------------------------------------------
 _SEED = [0]
+DEVICE = "cuda"  # the CPU tests (tests/test_ln_modulate_bench.py) run the plumbing on "cpu"
 
 
 def _randn(*shape):
     # A private generator: stays usable even if a failed CUDA-graph capture left the default one
     # in capture state.
     _SEED[0] += 1
-    g = torch.Generator(device="cuda")
+    g = torch.Generator(device=DEVICE)
     g.manual_seed(_SEED[0])
-    return torch.randn(*shape, device="cuda", generator=g)
+    return torch.randn(*shape, device=DEVICE, generator=g)
 
 
 def make_inputs(B: int, S: int, D: int, per_token: bool, xdtype=torch.bfloat16):
@@ -159,64 +177,139 @@ def floor_bytes(B: int, S: int, D: int, per_token: bool, xbytes: int = 2, mbytes
     return {"fwd": fwd, "fwd+bwd": fwd + bwd}
 
 
-def methods():
-    compiled = torch.compile(lambda x, shift, scale: ln_modulate_reference(x, shift, scale), dynamic=False)
-    return {"ours": ln_modulate, "eager": ln_modulate_reference, "compile": compiled}
+COMPILE_BACKEND = "inductor"
 
 
-def time_case(name: str, B: int, S: int, D: int, per_token: bool, l2_bytes: int, quick: bool) -> Dict:
+def _compiled_fns(backend: str = "inductor"):
+    """torch.compile of the reference expression, per modulation layout (see the module doc):
+    'table' slices a [B, 6, D] table inside the compiled function (shift = slot 0, scale = slot 1);
+    'views' / 'copies' take shift and scale (strided views, or contiguous copies)."""
+    def per_sample(x, table):
+        return ln_modulate_reference(x, table[:, 0:1], table[:, 1:2])
+
+    def per_token(x, shift, scale):
+        return ln_modulate_reference(x, shift, scale)
+
+    return {"table": torch.compile(per_sample, dynamic=False, backend=backend),
+            "views": torch.compile(per_token, dynamic=False, backend=backend),
+            "copies": torch.compile(per_token, dynamic=False, backend=backend)}
+
+
+def _compile_inputs(st: Dict, variant: str):
+    """(call, inputs): the compiled baseline's call and the tensors it differentiates w.r.t."""
+    if variant == "table":
+        return (lambda fn: fn(st["x"], st["table_c"])), (st["x"], st["table_c"])
+    if variant == "views":
+        return (lambda fn: fn(st["x"], st["shift"], st["scale"])), (st["x"], st["shift"], st["scale"])
+    return (lambda fn: fn(st["x"], st["shift_c"], st["scale_c"])), (st["x"], st["shift_c"], st["scale_c"])
+
+
+def check_compile(st: Dict, fn, variant: str) -> str:
+    """'' when the compiled baseline reproduces eager's y and gradients (shapes and values), else why."""
+    call, inputs = _compile_inputs(st, variant)
+    try:
+        y = call(fn)
+        grads = torch.autograd.grad(y, inputs, st["dy"])
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"[:300]
+    y_ref = ln_modulate_reference(st["x"], st["shift"], st["scale"])
+    g_ref = torch.autograd.grad(y_ref, (st["x"], st["shift"], st["scale"]), st["dy"])
+    if variant == "table":  # gradient of the table: shift, scale at slots 0, 1, zeros elsewhere
+        gt = grads[1]
+        if tuple(gt.shape) != tuple(st["table_c"].shape):
+            return f"table gradient shape {tuple(gt.shape)}"
+        grads = (grads[0], gt[:, 0:1], gt[:, 1:2])
+        if gt.shape[1] > 2 and gt[:, 2:].abs().max().item() != 0.0:
+            return "nonzero gradient for unused table slots"
+    for name, g, r in zip(("dx", "dshift", "dscale"), grads, g_ref):
+        if tuple(g.shape) != tuple(r.shape) or g.dtype != r.dtype:
+            return f"{name}: {tuple(g.shape)} {g.dtype} vs eager {tuple(r.shape)} {r.dtype}"
+        tol = 1e-2 * (r.float().abs().max().item() + 1e-3)
+        err = (g.float() - r.float()).abs().max().item()
+        if not err <= tol:
+            return f"{name}: max |compile - eager| {err:.3g} > {tol:.3g}"
+    if not (y.float() - y_ref.float()).abs().max().item() <= 0.05:
+        return "y differs from eager"
+    return ""
+
+
+def time_case(name: str, B: int, S: int, D: int, per_token: bool, l2_bytes: int, quick: bool,
+              variants: bool = False) -> Dict:
     per_set = B * S * D * 2 * 3 + (B * S if per_token else B) * 6 * D * 4
     n_sets = max(1, min(4, math.ceil(2 * l2_bytes / per_set)))
     sets = [make_inputs(B, S, D, per_token) for _ in range(n_sets)]
     for st in sets:
-        # torch.compile (2.11) returns a [D] gradient for a [1, 1, D] shift/scale graph input (seen
-        # with B = 1, leaf views and contiguous leaves alike). The compile baseline therefore takes
-        # the modulation as Wan does: per-sample, the [B, 6, D] table sliced inside the compiled
-        # function; per-token (where the table would add a [B, S, 6, D] gradient), contiguous copies.
+        # compile-baseline inputs: a requires-grad copy of the [B, 6, D] table (sliced inside the
+        # compiled function), and contiguous shift / scale copies (fallback)
+        if not per_token:
+            st["table_c"] = st["table"].detach().clone().requires_grad_()
         st["shift_c"] = st["shift"].detach().clone().requires_grad_()
         st["scale_c"] = st["scale"].detach().clone().requires_grad_()
-        if not per_token:
-            st["table"] = torch.cat([st["shift_c"].detach(), st["scale_c"].detach()], dim=1).requires_grad_()
     out: Dict = {"case": name, "B": B, "S": S, "D": D, "per_token": per_token, "input_sets": n_sets}
     rep = 100 if quick else 300
-    for mname, fn in methods().items():
-        for kind in ("fwd", "fwd+bwd"):
-            key = f"{mname} {kind}"
-            if mname == "compile" and not per_token:
-                def inputs(s):
-                    return s["x"], s["table"]
+    compiled = _compiled_fns(COMPILE_BACKEND)
+    order = ["views", "copies"] if per_token else ["table", "copies"]
+    compile_variant = None
+    for v in order:
+        why = check_compile(sets[0], compiled[v], v)
+        out[f"compile check {v}"] = why or "ok"
+        if not why:
+            compile_variant = v
+            break
+        print(f"  {name}: compile baseline '{v}' failed its check: {why[:160]}", flush=True)
+    out["compile variant"] = compile_variant
 
-                def call(s, fn=fn):
-                    return fn(s["x"], s["table"][:, 0:1], s["table"][:, 1:2])
-            else:
-                ks, kc = ("shift_c", "scale_c") if mname == "compile" else ("shift", "scale")
-
-                def inputs(s, ks=ks, kc=kc):
-                    return s["x"], s[ks], s[kc]
-
-                def call(s, fn=fn, ks=ks, kc=kc):
-                    return fn(s["x"], s[ks], s[kc])
-            if kind == "fwd":
-                calls = [(lambda s=s, call=call: _nograd(lambda: call(s))) for s in sets]
-            else:
-                calls = [(lambda s=s, call=call, inputs=inputs: torch.autograd.grad(call(s), inputs(s), s["dy"]))
-                         for s in sets]
+    def timed(key: str, calls: List[Callable[[], object]], launch_key: Optional[str] = None) -> None:
+        try:
             try:
-                try:
-                    replay = graphed(calls)
-                    out[key] = bench_ms(replay, rep)
-                    del replay
-                except Exception as e:  # noqa: BLE001 - report, then time without a graph
-                    out[f"{key} graph_error"] = f"{type(e).__name__}: {e}"[:300]
-                    print(f"  {name} {key}: no CUDA graph ({out[f'{key} graph_error'][:120]})", flush=True)
-                    out[key] = bench_ms(rotating(calls), rep)
-                if mname == "ours":
-                    out[f"ours launch {kind}"] = bench_ms(rotating(calls), rep)
-            except Exception as e:  # noqa: BLE001
-                out[key] = float("nan")
-                out[f"{key} error"] = f"{type(e).__name__}: {e}"[:300]
-                print(f"  {name} {key}: FAILED {out[f'{key} error']}", flush=True)
-            torch.cuda.empty_cache()
+                replay = graphed(calls)
+                out[key] = bench_ms(replay, rep)
+                del replay
+            except Exception as e:  # noqa: BLE001 - report, then time without a graph
+                out[f"{key} graph_error"] = f"{type(e).__name__}: {e}"[:300]
+                print(f"  {name} {key}: no CUDA graph ({out[f'{key} graph_error'][:120]})", flush=True)
+                out[key] = bench_ms(rotating(calls), rep)
+            if launch_key:
+                out[launch_key] = bench_ms(rotating(calls), rep)
+        except Exception as e:  # noqa: BLE001
+            out[key] = float("nan")
+            out[f"{key} error"] = f"{type(e).__name__}: {e}"[:300]
+            print(f"  {name} {key}: FAILED {out[f'{key} error']}", flush=True)
+        torch.cuda.empty_cache()
+
+    def ours_calls(kind: str, fn=ln_modulate):
+        if kind == "fwd":
+            return [(lambda s=s: _nograd(lambda: fn(s["x"], s["shift"], s["scale"]))) for s in sets]
+        return [(lambda s=s: torch.autograd.grad(fn(s["x"], s["shift"], s["scale"]), (s["x"], s["shift"], s["scale"]),
+                                                 s["dy"])) for s in sets]
+
+    for kind in ("fwd", "fwd+bwd"):
+        timed(f"ours {kind}", ours_calls(kind), f"ours launch {kind}")
+        timed(f"eager {kind}", ours_calls(kind, ln_modulate_reference))
+        if compile_variant is None:
+            out[f"compile {kind}"] = float("nan")
+            out[f"compile {kind} error"] = "compiled baseline failed its check against eager"
+            continue
+        fn = compiled[compile_variant]
+        if kind == "fwd":
+            calls = [(lambda s=s: _nograd(lambda: _compile_inputs(s, compile_variant)[0](fn))) for s in sets]
+        else:
+            def step(s, fn=fn):
+                call, inputs = _compile_inputs(s, compile_variant)
+                return torch.autograd.grad(call(fn), inputs, s["dy"])
+
+            calls = [(lambda s=s: step(s)) for s in sets]
+        timed(f"compile {kind}", calls)
+
+    if variants:  # ours with each kernel generation (graphs keep the kernels they were captured with)
+        policy0 = lnm_mod.kernel_policy()
+        try:
+            for gen in ("v1", "v2"):
+                lnm_mod.set_kernel_policy(gen)
+                for kind in ("fwd", "fwd+bwd"):
+                    timed(f"ours[{gen}] {kind}", ours_calls(kind))
+        finally:
+            lnm_mod.set_kernel_policy(policy0)
     del sets
     torch.cuda.empty_cache()
     return out
@@ -227,8 +320,9 @@ def _nograd(c):
         return c()
 
 
-def check_case(B: int, S: int, D: int, per_token: bool) -> Dict[str, float]:
-    """Max |ours - fp64| vs max |eager - fp64| (bf16 rounding) on the bench inputs, fwd and dx."""
+def check_case(B: int, S: int, D: int, per_token: bool, variants: bool = False) -> Dict[str, float]:
+    """Max |ours - fp64| vs max |eager - fp64| (bf16 rounding) on the bench inputs, fwd and dx
+    (with --variants also for each kernel generation: ours[v1], ours[v2])."""
     s = make_inputs(B, S, D, per_token)
     x64 = s["x"].detach().double().requires_grad_()
     sh64 = s["shift"].detach().double().requires_grad_()
@@ -238,12 +332,23 @@ def check_case(B: int, S: int, D: int, per_token: bool) -> Dict[str, float]:
     ref = (x64 - mean) / torch.sqrt(var + 1e-6) * (1 + sc64) + sh64
     gref = torch.autograd.grad(ref, (x64, sh64, sc64), s["dy"].double())
     res = {}
-    for mname, fn in (("ours", ln_modulate), ("eager", ln_modulate_reference)):
-        y = fn(s["x"], s["shift"], s["scale"])
-        g = torch.autograd.grad(y, (s["x"], s["shift"], s["scale"]), s["dy"])
-        res[f"{mname} y err"] = float((y.double() - ref).abs().max())
-        res[f"{mname} dx err"] = float((g[0].double() - gref[0]).abs().max())
-        res[f"{mname} dscale rel"] = float((g[2].double() - gref[2]).norm() / gref[2].norm())
+    runs = [("ours", ln_modulate, None), ("eager", ln_modulate_reference, None)]
+    if variants:
+        runs += [("ours[v1]", ln_modulate, "v1"), ("ours[v2]", ln_modulate, "v2")]
+    policy0 = lnm_mod.kernel_policy()
+    try:
+        for mname, fn, gen in runs:
+            if gen is not None:
+                lnm_mod.set_kernel_policy(gen)
+            y = fn(s["x"], s["shift"], s["scale"])
+            g = torch.autograd.grad(y, (s["x"], s["shift"], s["scale"]), s["dy"])
+            res[f"{mname} y err"] = float((y.double() - ref).abs().max())
+            res[f"{mname} dx err"] = float((g[0].double() - gref[0]).abs().max())
+            res[f"{mname} dshift rel"] = float((g[1].double() - gref[1]).norm() / gref[1].norm())
+            res[f"{mname} dscale rel"] = float((g[2].double() - gref[2]).norm() / gref[2].norm())
+    finally:
+        if policy0 is not None:
+            lnm_mod.set_kernel_policy(policy0)
     del s
     torch.cuda.empty_cache()
     return res
@@ -252,54 +357,118 @@ def check_case(B: int, S: int, D: int, per_token: bool) -> Dict[str, float]:
 # ------------------------------------------------------------------------------------------------
 # tuning sweep (kernel-config variants compiled into the op for x bf16 / fp32 modulation)
 # ------------------------------------------------------------------------------------------------
-TUNE = {  # slot -> (D, direction, config names of variants 0..5; 0 = the shipped default)
-    0: (1536, "fwd", ["96x2", "32x6 r4", "192x1", "64x3", "96x2 pf", "96x2 pf modc"]),
-    1: (5120, "fwd", ["128x5", "160x4", "320x2", "640x1", "160x4 pf", "128x5 modc"]),
-    2: (1536, "bwd", ["192x1", "96x2", "64x3", "32x6", "192x1 pf", "96x2 pf"]),
-    3: (5120, "bwd", ["640x1", "320x2", "160x4", "128x5", "640x1 pf", "320x2 pf"]),
+TUNE = {  # slot -> (generation, D, direction, config names of variants 0..5; 0 = the shipped default)
+    0: ("v1", 1536, "fwd", ["96x2", "32x6 r4", "192x1", "64x3", "96x2 pf", "96x2 pf modc"]),
+    1: ("v1", 5120, "fwd", ["128x5", "160x4", "320x2", "640x1", "160x4 pf", "128x5 modc"]),
+    2: ("v1", 1536, "bwd", ["192x1", "96x2", "64x3", "32x6", "192x1 pf", "96x2 pf"]),
+    3: ("v1", 5120, "bwd", ["128x5", "320x2", "160x4", "640x1", "640x1 pf", "320x2 pf"]),
+    4: ("v2", 1536, "fwd", ["96x2 s4/2", "96x2 s3/3", "192x1 s4/2", "64x3 s4/2", "96x2 s2/3", "32x6 s4/2"]),
+    5: ("v2", 5120, "fwd", ["128x5 s3/2", "160x4 s3/2", "128x5 s4/3", "320x2 s3/2", "128x5 s2/3", "640x1 s3/2"]),
+    6: ("v2", 1536, "bwd", ["192x1 s4/3", "96x2 s4/3", "192x1 s3/2", "64x3 s4/3", "192x1 s6/4", "96x2 s3/2"]),
+    7: ("v2", 5120, "bwd", ["320x2 s3/2", "640x1 s3/2", "128x5 s3/2", "640x1 s4/3", "160x4 s3/2", "320x2 s4/3"]),
 }
 # Config "TPRxNV": threads per row x 16-byte accesses per thread per row; "r4": 4 rows per CTA;
-# "pf": next row prefetched; "modc": per-sample modulation cached in registers.
+# "pf": next row prefetched into registers; "modc": per-sample modulation cached in registers;
+# "sA/B": v2 shared-memory stages for per-sample / per-token modulation. v1 slot 3 variant 3 (640x1)
+# is the D = 5120 backward default before this change; the affine backward keeps 640x1.
+
+
+TUNE_S = {1536: (32760, 32760), 5120: (75600, 16384)}  # D -> S (per-sample, per-token), B = 1
 
 
 def tune(ext, quick: bool) -> List[Dict]:
+    """Every compiled-in configuration variant of x bf16 / fp32 modulation, per-sample and
+    per-token, at the Wan sizes (1x32760x1536, 1x75600x5120; per-token 1x32760x1536 only for
+    D = 1536 and 1x16384x5120 for D = 5120, which fits next to the [B, S, 6, D] table)."""
     rows = []
-    for slot, (D, kind, names) in TUNE.items():
-        S = 32760 if D == 1536 else 75600
-        s = make_inputs(1, S, D, False)
-        for variant, vname in enumerate(names):
-            ext.set_tuning(slot, variant)
-            if kind == "fwd":
-                fn = lambda: _nograd(lambda: ln_modulate(s["x"], s["shift"], s["scale"]))  # noqa: E731
-            else:  # fwd+bwd in one graph (backward runs on the forward's stream); fwd at its default
-                fn = lambda: torch.autograd.grad(ln_modulate(s["x"], s["shift"], s["scale"]),  # noqa: E731
-                                                 (s["x"], s["shift"], s["scale"]), s["dy"])
-            try:
-                res = fn()  # correctness of the variant: same results as variant 0 (up to summation order)
-                res = [res] if isinstance(res, torch.Tensor) else list(res)
-                if variant == 0:
-                    base = [r.detach().float().clone() for r in res]
-                diff = max(float((r.float() - b0).abs().max() / (b0.abs().max() + 1e-6)) for r, b0 in zip(res, base))
-                del res
-                ms = bench_ms(graphed([fn]), 100 if quick else 200)
-            except Exception as e:  # noqa: BLE001
-                ms, diff = float("nan"), float("nan")
-                print(f"tune slot {slot} variant {variant}: {e}", file=sys.stderr)
-            label = "fwd" if kind == "fwd" else "fwd+bwd"
-            row = {"slot": slot, "D": D, "kind": label, "variant": variant, "config": vname, "ms": ms,
-                   "max_rel_diff_vs_default": diff}
-            fwd0 = next((r["ms"] for r in rows if r["D"] == D and r["kind"] == "fwd" and r["variant"] == 0), None)
-            extra = ""
-            if kind == "bwd" and fwd0 is not None:
-                row["bwd_ms"] = ms - fwd0
-                extra = f"  (bwd ~ {ms - fwd0:.4f} ms)"
-            rows.append(row)
-            print(f"  tune {label} D={D} {kind} config {vname:>13}: {ms:.4f} ms{extra}  "
-                  f"[max rel diff vs default {diff:.1e}]", flush=True)
-        ext.set_tuning(slot, 0)
-        del s, base
-        torch.cuda.empty_cache()
+    policy0 = lnm_mod.kernel_policy()
+    for slot, (gen, D, kind, names) in TUNE.items():
+        lnm_mod.set_kernel_policy(gen)
+        for per_token in (False, True):
+            S = TUNE_S[D][per_token]
+            layout = "per-token" if per_token else "per-sample"
+            s = make_inputs(1, S, D, per_token)
+            base = None
+            for variant, vname in enumerate(names):
+                ext.set_tuning(slot, variant)
+                if kind == "fwd":
+                    fn = lambda: _nograd(lambda: ln_modulate(s["x"], s["shift"], s["scale"]))  # noqa: E731
+                else:  # fwd+bwd in one graph (backward runs on the forward's stream); fwd at its default
+                    fn = lambda: torch.autograd.grad(ln_modulate(s["x"], s["shift"], s["scale"]),  # noqa: E731
+                                                     (s["x"], s["shift"], s["scale"]), s["dy"])
+                try:
+                    res = fn()  # correctness of the variant: same results as variant 0 (up to summation order)
+                    res = [res] if isinstance(res, torch.Tensor) else list(res)
+                    if variant == 0:
+                        base = [r.detach().float().clone() for r in res]
+                    diff = max(float((r.float() - b0).abs().max() / (b0.abs().max() + 1e-6))
+                               for r, b0 in zip(res, base))
+                    del res
+                    ms = bench_ms(graphed([fn]), 50 if quick else 100)
+                except Exception as e:  # noqa: BLE001
+                    ms, diff = float("nan"), float("nan")
+                    print(f"tune slot {slot} variant {variant} {layout}: {e}", file=sys.stderr)
+                label = "fwd" if kind == "fwd" else "fwd+bwd"
+                row = {"slot": slot, "gen": gen, "D": D, "S": S, "layout": layout, "kind": label, "variant": variant,
+                       "config": vname, "ms": ms, "max_rel_diff_vs_default": diff}
+                extra = ""
+                if kind == "bwd":
+                    f0 = next((r["ms"] for r in rows if r["gen"] == gen and r["D"] == D and r["layout"] == layout
+                               and r["kind"] == "fwd" and r["variant"] == 0), None)
+                    if f0 is not None:
+                        row["bwd_ms"] = ms - f0
+                        extra = f"  (bwd ~ {ms - f0:.4f} ms)"
+                rows.append(row)
+                print(f"  tune {gen} {label:<7} D={D} {layout:<10} {vname:>13}: {ms:.4f} ms{extra}  "
+                      f"[max rel diff vs default {diff:.1e}]", flush=True)
+            ext.set_tuning(slot, 0)
+            del s, base
+            torch.cuda.empty_cache()
+    lnm_mod.set_kernel_policy(policy0)
     return rows
+
+
+def summarize_tuning(rows: List[Dict]) -> List[str]:
+    """One line per (slot, layout): the fastest variant and the default's time."""
+    lines = []
+    keys = sorted({(r["slot"], r["layout"]) for r in rows})
+    for slot, layout in keys:
+        rs = [r for r in rows if r["slot"] == slot and r["layout"] == layout and r["ms"] == r["ms"]]
+        if not rs:
+            continue
+        best = min(rs, key=lambda r: r["ms"])
+        d0 = next((r for r in rs if r["variant"] == 0), None)
+        ok = all(r["max_rel_diff_vs_default"] < 1e-2 for r in rs)
+        lines.append(f"  slot {slot} {best['gen']} {best['kind']:<7} D={best['D']} {layout:<10}: best {best['config']:>12} "
+                     f"{best['ms']:.4f} ms (variant {best['variant']}); default {d0['config'] if d0 else '?'} "
+                     f"{d0['ms'] if d0 else float('nan'):.4f} ms{'' if ok else '  [results differ!]'}")
+    return lines
+
+
+def recommend_policy(results: List[Dict]) -> Optional[Dict]:
+    """Per (direction, layout), the generation with the lower summed time over the cases that ran
+    both (backward = fwd+bwd - fwd); None without --variants data."""
+    score = {}
+    for r in results:
+        lay = "token" if r["per_token"] else "sample"
+        for gen in ("v1", "v2"):
+            f, fb = r.get(f"ours[{gen}] fwd"), r.get(f"ours[{gen}] fwd+bwd")
+            if f is None or fb is None or f != f or fb != fb:
+                continue
+            score.setdefault(("fwd", lay, gen), 0.0)
+            score[("fwd", lay, gen)] += f
+            score.setdefault(("bwd", lay, gen), 0.0)
+            score[("bwd", lay, gen)] += fb - f
+    if not score:
+        return None
+    policy = {}
+    for d in ("fwd", "bwd"):
+        for lay in ("sample", "token"):
+            a, b = score.get((d, lay, "v1")), score.get((d, lay, "v2"))
+            if a is None or b is None:
+                continue
+            policy[f"{d}_{lay}"] = {"v1": a, "v2": b, "winner": "v2" if b < a else "v1"}
+    return policy
 
 
 # ------------------------------------------------------------------------------------------------
@@ -367,62 +536,11 @@ def plot(results: List[Dict], path: Path) -> None:
     print(f"chart: {path}")
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "ln_modulate.json"))
-    ap.add_argument("--quick", action="store_true", help="fewer repetitions")
-    ap.add_argument("--tune", action="store_true", help="also time the compiled-in kernel-config variants")
-    ap.add_argument("--no-block", action="store_true", help="skip the Wan block benchmark")
-    ap.add_argument("--cases", default="", help="comma-separated case indices (default: all)")
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench/ln_modulate.py needs a CUDA GPU")
-        return 2
-    os.environ.setdefault("DS_ADAPTIVE_LN_MODULATE", "fused")
-    t0 = time.time()
-    ext = load_op(strict=True)
-    print(f"op loaded ({op_status()['source']}) in {time.time() - t0:.1f} s", flush=True)
-    props = torch.cuda.get_device_properties(0)
-    l2 = int(getattr(props, "L2_cache_size", 50 * 2**20))
-    bw = copy_bandwidth()
-    print(f"device {props.name}, {props.multi_processor_count} SMs, L2 {l2 / 2**20:.0f} MiB, "
-          f"copy bandwidth {bw / 1e12:.3f} TB/s (read + write)", flush=True)
-    meta = {"device": props.name, "sms": props.multi_processor_count, "l2_bytes": l2, "copy_bw_Bps": bw,
-            "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "commit": os.environ.get("GIT_COMMIT") or _git_commit(), "command": " ".join(sys.argv)}
-    tuning = tune(ext, args.quick) if args.tune else []
-    picked = [CASES[int(i)] for i in args.cases.split(",") if i.strip()] if args.cases else CASES
-    results = []
-    for name, B, S, D, per_token in picked:
-        r = time_case(name, B, S, D, per_token, l2, args.quick)
-        fb = floor_bytes(B, S, D, per_token)
-        for kind in ("fwd", "fwd+bwd"):
-            r[f"floor {kind}"] = fb[kind] / bw * 1e3
-            r[f"bytes {kind}"] = fb[kind]
-        try:
-            r.update(check_case(B, S, D, per_token))
-        except Exception as e:  # noqa: BLE001
-            print(f"  accuracy check of {name} failed: {e}", flush=True)
-        results.append(r)
-        torch.cuda.empty_cache()
-        print(f"  {name}: " + ", ".join(f"{k} {r[k]:.4f}" for k in r if isinstance(r[k], float) and "ms" not in k
-                                          and "err" not in k and "rel" not in k and "bytes" not in k), flush=True)
-    block = None
-    if not args.no_block:
-        try:
-            block = wan_block(args.quick)
-        except Exception as e:  # noqa: BLE001
-            print(f"Wan block benchmark failed: {type(e).__name__}: {e}", flush=True)
-            block = {"error": f"{type(e).__name__}: {e}"[:500]}
-
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "results": results, "tuning": tuning, "wan_block": block}, indent=2))
-    plot(results, out.with_suffix(".png"))
-
+def print_report(results: List[Dict], tuning: List[Dict], block: Optional[Dict], policy_rec: Optional[Dict],
+                 meta: Dict, bw: float) -> None:
+    """The summary tables (the last lines of the output: what the device tool's reply carries)."""
     print()
-    print(f"LayerNorm-Modulate, {props.name}, bf16 x / fp32 shift+scale, median ms (CUDA-graph replays), "
+    print(f"LayerNorm-Modulate, {meta['device']}, bf16 x / fp32 shift+scale, median ms (CUDA-graph replays), "
           f"floor at {bw / 1e12:.2f} TB/s")
     hdr = (f"{'case':<29} {'dir':<8} {'ours':>7} {'launch':>7} {'eager':>7} {'compile':>8} {'floor':>7} "
            f"{'ours/eager':>10} {'ours/comp':>9} {'ours/floor':>10}")
@@ -434,17 +552,118 @@ def main(argv: Optional[List[str]] = None) -> int:
             o, e, c, f = (r.get(f"{m} {kind}", nan) for m in ("ours", "eager", "compile", "floor"))
             print(f"{r['case']:<29} {kind:<8} {o:7.4f} {r.get(f'ours launch {kind}', nan):7.4f} {e:7.4f} {c:8.4f} "
                   f"{f:7.4f} {o / e:10.3f} {o / c:9.3f} {o / f:10.3f}")
+    print(f"(ours: kernels {meta['kernels']}; compile baseline: "
+          + "; ".join(f"{r['case']} {r.get('compile variant')}" for r in results) + ")")
+    if any("ours[v1] fwd" in r for r in results):
+        print()
+        print("kernel generations (ms; ratios of the faster one):")
+        print(f"{'case':<29} {'dir':<8} {'v1':>7} {'v2':>7} {'v2/v1':>6} {'best':>4} {'best/comp':>9} {'best/floor':>10}")
+        for r in results:
+            for kind in ("fwd", "fwd+bwd"):
+                a, b = r.get(f"ours[v1] {kind}", nan), r.get(f"ours[v2] {kind}", nan)
+                c, f = r.get(f"compile {kind}", nan), r.get(f"floor {kind}", nan)
+                best, bn = (b, "v2") if b < a else (a, "v1")
+                print(f"{r['case']:<29} {kind:<8} {a:7.4f} {b:7.4f} {b / a:6.3f} {bn:>4} {best / c:9.3f} {best / f:10.3f}")
+        if policy_rec:
+            rec = {k: int(v["winner"][1]) for k, v in policy_rec.items()}
+            rec["finalize"] = 2 if rec.get("bwd_sample", 2) == 2 else 1
+            full = {**lnm_mod.parse_kernel_policy(meta["kernels_default"], dict.fromkeys(lnm_mod.POLICY_KEYS, 1)),
+                    **rec}
+            print("summed over cases (ms): " + ", ".join(f"{k} v1 {v['v1']:.4f} / v2 {v['v2']:.4f}"
+                                                       for k, v in policy_rec.items()))
+            print(f"recommended: DS_ADAPTIVE_LN_MODULATE_KERNELS={lnm_mod.format_kernel_policy(full)}  "
+                  f"(compiled-in default: {meta['kernels_default']})")
+    if tuning:
+        print()
+        print("tuning sweep (x bf16, fp32 modulation; fastest variant per slot and layout):")
+        for line in summarize_tuning(tuning):
+            print(line)
     print()
-    print("accuracy vs fp64 (max abs; eager = torch's own bf16 rounding):")
+    print("accuracy vs fp64 (max abs; eager = torch's own bf16 rounding; rel = relative L2):")
     for r in results:
-        if "ours y err" not in r:
-            continue
-        print(f"  {r['case']:<29} y: ours {r['ours y err']:.3g} eager {r['eager y err']:.3g} | "
-              f"dx: ours {r['ours dx err']:.3g} eager {r['eager dx err']:.3g} | "
-              f"dscale rel: ours {r['ours dscale rel']:.2g} eager {r['eager dscale rel']:.2g}")
+        for m in ("ours", "ours[v1]", "ours[v2]"):
+            if f"{m} y err" not in r:
+                continue
+            print(f"  {r['case']:<29} {m:<8} y {r[f'{m} y err']:.3g} (eager {r['eager y err']:.3g}) | "
+                  f"dx {r[f'{m} dx err']:.3g} (eager {r['eager dx err']:.3g}) | "
+                  f"dshift rel {r[f'{m} dshift rel']:.2g} dscale rel {r[f'{m} dscale rel']:.2g} "
+                  f"(eager {r['eager dscale rel']:.2g})")
     if block and "error" not in block:
         print(f"Wan 1.3B block fwd+bwd at S={block['S']}: reference {block['reference ms']:.2f} ms, "
               f"fused {block['fused ms']:.2f} ms ({block['speedup']:.3f}x, {block['saved ms']:.2f} ms saved)")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "ln_modulate.json"))
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions")
+    ap.add_argument("--tune", action="store_true",
+                    help="also time the compiled-in kernel-config variants (implies --variants)")
+    ap.add_argument("--variants", action="store_true",
+                    help="also time ours with each kernel generation (v1, v2) per case and recommend a policy")
+    ap.add_argument("--no-block", action="store_true", help="skip the Wan block benchmark")
+    ap.add_argument("--cases", default="", help="comma-separated case indices (default: all)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/ln_modulate.py needs a CUDA GPU")
+        return 2
+    os.environ.setdefault("DS_ADAPTIVE_LN_MODULATE", "fused")
+    variants = args.variants or args.tune
+    t0 = time.time()
+    ext = load_op(strict=True)
+    status = op_status()
+    print(f"op loaded ({status['source']}) in {time.time() - t0:.1f} s; kernels {status['kernels']}", flush=True)
+    props = torch.cuda.get_device_properties(0)
+    l2 = int(getattr(props, "L2_cache_size", 50 * 2**20))
+    bw = copy_bandwidth()
+    print(f"device {props.name}, {props.multi_processor_count} SMs, L2 {l2 / 2**20:.0f} MiB, "
+          f"copy bandwidth {bw / 1e12:.3f} TB/s (read + write)", flush=True)
+    meta = {"device": props.name, "sms": props.multi_processor_count, "l2_bytes": l2, "copy_bw_Bps": bw,
+            "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "commit": os.environ.get("GIT_COMMIT") or _git_commit(), "command": " ".join(sys.argv),
+            "kernels": status["kernels"],
+            "kernels_default": lnm_mod.format_kernel_policy(dict(zip(lnm_mod.POLICY_KEYS, ext.default_kernels())))}
+    picked = [CASES[int(i)] for i in args.cases.split(",") if i.strip()] if args.cases else CASES
+    results = []
+    tuning: List[Dict] = []
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save(**extra):  # after every case too: a run cut off by a time limit keeps what it measured
+        out.write_text(json.dumps({"meta": meta, "results": results, "tuning": tuning, **extra}, indent=2))
+
+    for name, B, S, D, per_token in picked:
+        r = time_case(name, B, S, D, per_token, l2, args.quick, variants)
+        fb = floor_bytes(B, S, D, per_token)
+        for kind in ("fwd", "fwd+bwd"):
+            r[f"floor {kind}"] = fb[kind] / bw * 1e3
+            r[f"bytes {kind}"] = fb[kind]
+        try:
+            r.update(check_case(B, S, D, per_token, variants))
+        except Exception as e:  # noqa: BLE001
+            print(f"  accuracy check of {name} failed: {e}", flush=True)
+        results.append(r)
+        save()
+        torch.cuda.empty_cache()
+        print(f"  {name}: " + ", ".join(f"{k} {r[k]:.4f}" for k in r if isinstance(r[k], float) and "ms" not in k
+                                          and "err" not in k and "rel" not in k and "bytes" not in k), flush=True)
+    if args.tune:
+        tuning = tune(ext, args.quick)
+        save()
+    block = None
+    if not args.no_block:
+        try:
+            block = wan_block(args.quick)
+        except Exception as e:  # noqa: BLE001
+            print(f"Wan block benchmark failed: {type(e).__name__}: {e}", flush=True)
+            block = {"error": f"{type(e).__name__}: {e}"[:500]}
+
+    policy_rec = recommend_policy(results)
+    save(wan_block=block, policy_recommendation=policy_rec)
+    plot(results, out.with_suffix(".png"))
+
+    print_report(results, tuning, block, policy_rec, meta, bw)
     print(f"json: {out}")
     return 0
 

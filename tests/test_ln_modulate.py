@@ -311,3 +311,73 @@ def test_load_op_on_cpu_torch_reports_why():
     assert lnm.load_op(strict=False) is None
     with pytest.raises(RuntimeError, match="CPU-only build"):
         lnm.load_op(strict=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# kernel-generation policy (DS_ADAPTIVE_LN_MODULATE_KERNELS)
+# ------------------------------------------------------------------------------------------------
+DEFAULTS = dict(zip(lnm.POLICY_KEYS, (1, 2, 2, 2, 2)))
+
+
+def test_kernel_policy_spec_parsing():
+    parse = lnm.parse_kernel_policy
+    assert parse("", DEFAULTS) == DEFAULTS and parse(" default ", DEFAULTS) == DEFAULTS
+    assert set(parse("v1", DEFAULTS).values()) == {1}
+    assert set(parse("V2", DEFAULTS).values()) == {2}
+    assert parse("v1,fwd=v2", DEFAULTS) == dict(fwd_sample=2, fwd_token=2, bwd_sample=1, bwd_token=1, finalize=1)
+    assert parse("bwd=1", DEFAULTS) == dict(fwd_sample=1, fwd_token=2, bwd_sample=1, bwd_token=1, finalize=1)
+    assert parse("sample=v2 token=v1", DEFAULTS) == dict(fwd_sample=2, fwd_token=1, bwd_sample=2, bwd_token=1,
+                                                          finalize=2)
+    assert parse("all=v1,finalize=v2", DEFAULTS)["finalize"] == 2
+    for p in (parse("v1", DEFAULTS), parse("sample=v2", DEFAULTS), DEFAULTS):
+        assert parse(lnm.format_kernel_policy(p), DEFAULTS) == p
+    with pytest.raises(ValueError, match="bad generation 'v3'"):
+        parse("fwd=v3", DEFAULTS)
+    with pytest.raises(ValueError, match="unknown key 'forward'"):
+        parse("forward=v2", DEFAULTS)
+    with pytest.raises(ValueError, match="bad generation"):
+        parse("v7", DEFAULTS)
+
+
+class _FakeExt:
+    def __init__(self):
+        self.policy = [DEFAULTS[k] for k in lnm.POLICY_KEYS]
+
+    def default_kernels(self):
+        return [DEFAULTS[k] for k in lnm.POLICY_KEYS]
+
+    def get_kernels(self):
+        return list(self.policy)
+
+    def set_kernels(self, values):
+        assert len(values) == 5 and all(v in (1, 2) for v in values)
+        self.policy = list(values)
+
+
+def test_kernel_policy_env_is_applied_when_the_op_loads(monkeypatch):
+    ext = _FakeExt()
+    monkeypatch.delenv(lnm.KERNELS_ENV_VAR, raising=False)
+    lnm._apply_kernel_env(ext)
+    assert ext.policy == [1, 2, 2, 2, 2]
+    monkeypatch.setenv(lnm.KERNELS_ENV_VAR, "bwd_token=v1")
+    lnm._apply_kernel_env(ext)
+    assert ext.policy == [1, 2, 2, 1, 2]
+    monkeypatch.setenv(lnm.KERNELS_ENV_VAR, "v9")
+    with pytest.raises(ValueError, match=lnm.KERNELS_ENV_VAR):
+        lnm._apply_kernel_env(ext)
+    # set_kernel_policy / kernel_policy / op_status on a loaded (fake) op
+    monkeypatch.setattr(lnm, "_STATE", lnm._OpState())
+    lnm._STATE.tried, lnm._STATE.ext = True, ext
+    assert lnm.set_kernel_policy("v2") == dict.fromkeys(lnm.POLICY_KEYS, 2)
+    assert lnm.set_kernel_policy({"fwd_sample": 1}) == DEFAULTS
+    assert lnm.kernel_policy() == DEFAULTS
+    assert lnm.op_status()["kernels"] == lnm.format_kernel_policy(DEFAULTS)
+    with pytest.raises(ValueError, match="unknown keys"):
+        lnm.set_kernel_policy({"fwd": 2})
+
+
+def test_set_kernel_policy_needs_the_op(monkeypatch):
+    monkeypatch.setattr(lnm, "_STATE", lnm._OpState())
+    assert lnm.kernel_policy() is None
+    with pytest.raises(RuntimeError, match="unavailable"):
+        lnm.set_kernel_policy("v1")

@@ -40,6 +40,8 @@ struct FwdParams {
   float* rstd = nullptr;          // [N]
   float eps = 1e-6f;
   bool vectorized = true;  // all rows/pointers aligned for 16-byte access of x
+  // v2 row dealing, filled by ln_modulate_fwd: tile (seg, j) = rows seg * seg_len + j + k * tiles_per_seg
+  int64_t seg_len = 0, tiles_per_seg = 0, num_tiles = 0;
 };
 
 struct BwdParams {
@@ -64,10 +66,11 @@ struct BwdParams {
   float* partial = nullptr;  // [num_tiles, nq, D] fp32 (nq = 2 * per_sample + 2 * affine)
   int64_t seg_len = 0;       // rows that one reduction segment spans (S if per-sample, else N)
   int64_t tiles_per_seg = 0;
-  int64_t rows_per_tile = 0;
+  int64_t rows_per_tile = 0;  // v1: a tile is rows_per_tile consecutive rows; v2: rows j + k * tiles_per_seg
   int64_t num_tiles = 0;
   int nq = 0;
   int grid = 0;
+  int gen = 1;  // kernel generation the plan was made for (ln_modulate_bwd launches that one)
 };
 
 struct FinalizeParams {
@@ -82,6 +85,25 @@ struct FinalizeParams {
   int q_mod = 0;            // index of dshift in nq (dscale = q_mod + 1)
   int q_aff = 0;            // index of dweight in nq (dbias = q_aff + 1)
 };
+
+// Kernel generation per (direction, modulation layout) and of the finalize: 1 = v1 (one row per
+// CTA in registers, loads issued row by row), 2 = v2 (rows staged through shared memory with
+// cp.async, sample-aware row dealing, two-pass backward, single-launch finalize). v2 falls back to
+// v1 where it has no configuration (scalar path, D <= 512 x 16-bit / 256 x fp32, very large D,
+// GPUs older than sm_80, or when its stages do not fit in shared memory).
+struct KernelPolicy {
+  int fwd_sample = 2;  // forward, per-sample modulation ([B, 1, D])
+  int fwd_token = 2;   // forward, per-token modulation ([B, S, D])
+  int bwd_sample = 2;  // backward, per-sample
+  int bwd_token = 2;   // backward, per-token
+  int finalize = 2;    // tile-sum kernel of the backward's column partials
+};
+
+// Compiled-in defaults (the struct's initialisers), the current policy, and setting it (every field
+// 1 or 2; returns false and changes nothing otherwise). Takes effect for the next launch.
+KernelPolicy ln_modulate_default_policy();
+KernelPolicy ln_modulate_get_policy();
+bool ln_modulate_set_policy(const KernelPolicy& policy);
 
 // Largest D the kernels accept for this x dtype and access path.
 int ln_modulate_max_d(DType x, bool vectorized);
@@ -98,12 +120,16 @@ cudaError_t ln_modulate_bwd(const BwdParams& p, DType x, DType mod, cudaStream_t
 
 cudaError_t ln_modulate_finalize(const FinalizeParams& p, cudaStream_t stream);
 
-// Benchmark hook: variant (0 = default) of the kernel configuration for x bf16 / modulation fp32
-// at slot 0 fwd D=1536, 1 fwd D=5120, 2 bwd D=1536, 3 bwd D=5120. Returns false for a bad slot.
+// Benchmark hook: variant (0 = default) of the kernel configuration for x bf16 / modulation fp32.
+// v1 slots: 0 fwd D=1536, 1 fwd D=5120, 2 bwd D=1536, 3 bwd D=5120; v2 slots 4..7 likewise.
+// Returns false for a bad slot or variant.
+constexpr int kTuningSlots = 8;
 bool ln_modulate_set_tuning(int slot, int variant);
 
-// Threads per CTA and rows per CTA of the kernels that would run (for reports and tests).
-void ln_modulate_describe(const FwdParams& fp, const BwdParams& bp, DType x, DType mod, int out[4]);
+// Kernels that would run (for reports and tests): out[0] fwd threads/CTA, [1] fwd rows/CTA,
+// [2] bwd threads/CTA, [3] fwd resident CTAs, [4] fwd generation, [5] bwd generation,
+// [6] fwd dynamic shared memory, [7] bwd dynamic shared memory.
+void ln_modulate_describe(const FwdParams& fp, const BwdParams& bp, DType x, DType mod, int out[8]);
 
 }  // namespace ln_modulate
 }  // namespace ds_adaptive

@@ -1,6 +1,8 @@
-// Host launchers of the fused LayerNorm-Modulate op: dtype dispatch, persistent-grid sizing,
-// backward tiling plan and the finalize (tile-sum) kernel. No torch dependency.
+// Host launchers of the fused LayerNorm-Modulate op: dtype dispatch, kernel-generation policy,
+// persistent-grid sizing, backward tiling plan and the finalize (tile-sum) kernels. No torch
+// dependency.
 #include <algorithm>
+#include <atomic>
 #include <mutex>
 #include <unordered_map>
 
@@ -13,54 +15,140 @@ DS_LN_MOD_FOR_EACH_PAIR(DS_LN_MOD_EXTERN)
 
 namespace {
 
-// Resident CTAs of `fn` on the current device (occupancy x SMs), cached per (kernel, device).
-int resident_ctas(const void* fn, int threads) {
-  static std::mutex mu;
-  static std::unordered_map<const void*, int> cache[64];
+// Per-device facts, queried once.
+struct DeviceInfo {
+  int sms = 1;
+  int major = 0;
+  int smem_optin = 48 * 1024;  // largest dynamic shared memory a block may opt in to
+};
+
+int current_device() {
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) dev = 0;
+  return dev;
+}
+
+const DeviceInfo& device_info(int dev) {
+  static std::mutex mu;
+  static DeviceInfo info[64];
+  static bool have[64] = {};
+  std::lock_guard<std::mutex> lock(mu);
+  if (!have[dev]) {
+    DeviceInfo d;
+    int v = 0;
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess && v > 0) d.sms = v;
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess) d.major = v;
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess && v > 0)
+      d.smem_optin = v;
+    (void)cudaGetLastError();
+    info[dev] = d;
+    have[dev] = true;
+  }
+  return info[dev];
+}
+
+// Resident CTAs of `fn` on the current device (occupancy x SMs) with `smem` bytes of dynamic
+// shared memory, cached per (kernel, device). Kernels above 48 KB get their opt-in attribute set
+// here, before the first query and launch (on the first, eager call: CUDA-graph captures then find
+// it cached).
+int resident_ctas(const void* fn, int threads, int smem) {
+  static std::mutex mu;
+  static std::unordered_map<const void*, int> cache[64];
+  const int dev = current_device();
   {
     std::lock_guard<std::mutex> lock(mu);
     auto it = cache[dev].find(fn);
     if (it != cache[dev].end()) return it->second;
   }
-  int sms = 0, occ = 0;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms <= 0) sms = 1;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, fn, threads, 0) != cudaSuccess || occ <= 0) occ = 1;
+  const DeviceInfo& d = device_info(dev);
+  if (smem > 48 * 1024) (void)cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  int occ = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, fn, threads, smem) != cudaSuccess || occ <= 0) occ = 1;
   (void)cudaGetLastError();  // never leave a sticky error from the queries behind
-  const int n = occ * sms;
+  const int n = occ * d.sms;
   std::lock_guard<std::mutex> lock(mu);
   cache[dev][fn] = n;
   return n;
 }
 
-template <typename T, typename M>
-FwdChoice fwd_choice(const FwdParams& p) {
-  return fwd_select<T, M>(p);
+// Kernel-generation policy (see ln_modulate.h). Atomics: set from Python between launches.
+std::atomic<int> g_policy[5] = {KernelPolicy{}.fwd_sample, KernelPolicy{}.fwd_token, KernelPolicy{}.bwd_sample,
+                                KernelPolicy{}.bwd_token, KernelPolicy{}.finalize};
+
+KernelPolicy load_policy() {
+  KernelPolicy k;
+  k.fwd_sample = g_policy[0].load(std::memory_order_relaxed);
+  k.fwd_token = g_policy[1].load(std::memory_order_relaxed);
+  k.bwd_sample = g_policy[2].load(std::memory_order_relaxed);
+  k.bwd_token = g_policy[3].load(std::memory_order_relaxed);
+  k.finalize = g_policy[4].load(std::memory_order_relaxed);
+  return k;
 }
 
-FwdChoice fwd_dispatch(const FwdParams& p, DType x, DType mod) {
+// v2 needs cp.async (sm_80+); older GPUs run v1.
+int effective_gen(int requested) {
+  if (requested != 2) return 1;
+  return device_info(current_device()).major >= 8 ? 2 : 1;
+}
+
+FwdChoice fwd_dispatch_gen(const FwdParams& p, DType x, DType mod, int gen) {
   switch (x) {
     case DType::kBFloat16:
-      return mod == DType::kFloat32 ? fwd_choice<__nv_bfloat16, float>(p) : fwd_choice<__nv_bfloat16, __nv_bfloat16>(p);
+      return mod == DType::kFloat32 ? fwd_select<__nv_bfloat16, float>(p, gen)
+                                    : fwd_select<__nv_bfloat16, __nv_bfloat16>(p, gen);
     case DType::kFloat16:
-      return mod == DType::kFloat32 ? fwd_choice<__half, float>(p) : fwd_choice<__half, __half>(p);
+      return mod == DType::kFloat32 ? fwd_select<__half, float>(p, gen) : fwd_select<__half, __half>(p, gen);
     case DType::kFloat32:
-      return fwd_choice<float, float>(p);
+      return fwd_select<float, float>(p, gen);
   }
   return FwdChoice{};
 }
 
-BwdChoice bwd_dispatch(const BwdParams& p, DType x, DType mod) {
+BwdChoice bwd_dispatch_gen(const BwdParams& p, DType x, DType mod, int gen) {
   switch (x) {
     case DType::kBFloat16:
-      return mod == DType::kFloat32 ? bwd_select<__nv_bfloat16, float>(p) : bwd_select<__nv_bfloat16, __nv_bfloat16>(p);
+      return mod == DType::kFloat32 ? bwd_select<__nv_bfloat16, float>(p, gen)
+                                    : bwd_select<__nv_bfloat16, __nv_bfloat16>(p, gen);
     case DType::kFloat16:
-      return mod == DType::kFloat32 ? bwd_select<__half, float>(p) : bwd_select<__half, __half>(p);
+      return mod == DType::kFloat32 ? bwd_select<__half, float>(p, gen) : bwd_select<__half, __half>(p, gen);
     case DType::kFloat32:
-      return bwd_select<float, float>(p);
+      return bwd_select<float, float>(p, gen);
   }
   return BwdChoice{};
+}
+
+// v2 kernels index rows with 32-bit integers and need their stages to fit in shared memory.
+bool v2_ok(int smem, int64_t rows) { return rows <= kMaxRowsV2 && smem <= device_info(current_device()).smem_optin; }
+
+// The forward kernel for p under the current policy (v2 -> v1 where v2 has no configuration or
+// its stages do not fit in shared memory).
+FwdChoice fwd_dispatch(const FwdParams& p, DType x, DType mod) {
+  const bool tok = p.shift_ss != 0 || p.scale_ss != 0;
+  const KernelPolicy pol = load_policy();
+  const int gen = effective_gen(tok ? pol.fwd_token : pol.fwd_sample);
+  FwdChoice c = fwd_dispatch_gen(p, x, mod, gen);
+  if (c.fn != nullptr && c.gen == 2 && !v2_ok(c.smem, p.B * p.S)) c = fwd_dispatch_gen(p, x, mod, 1);
+  return c;
+}
+
+BwdChoice bwd_dispatch(const BwdParams& p, DType x, DType mod, int gen) {
+  BwdChoice c = bwd_dispatch_gen(p, x, mod, gen);
+  if (c.fn != nullptr && c.gen == 2 && !v2_ok(c.smem, p.B * p.S)) c = bwd_dispatch_gen(p, x, mod, 1);
+  return c;
+}
+
+int bwd_policy_gen(const BwdParams& p) {
+  const KernelPolicy pol = load_policy();
+  return effective_gen(p.per_sample ? pol.bwd_sample : pol.bwd_token);
+}
+
+// v2 forward row dealing (ln_modulate_rows.h) into a copy of the parameters; returns the grid.
+int fwd_v2_apply_tiling(FwdParams& q, int64_t resident) {
+  const Tiling t = fwd_v2_tiling(q.B, q.S, q.shift_ss != 0 || q.scale_ss != 0, resident);
+  q.seg_len = t.seg_len;
+  q.tiles_per_seg = t.tiles_per_seg;
+  q.num_tiles = t.num_tiles;
+  return t.grid;
 }
 
 bool pair_supported(DType x, DType mod) { return mod == DType::kFloat32 || mod == x; }
@@ -99,27 +187,94 @@ cudaError_t launch_finalize(const float* partial, int nq, int q, int D, int64_t 
   return cudaGetLastError();
 }
 
+// v2 finalize: both outputs of a pair (dshift + dscale, or dweight + dbias) in one launch
+// (blockIdx.z), blockDim.y (8 or 32) partial sums per column with four independent accumulators
+// each (more loads in flight than v1's single chain), combined by a fixed-order tree: the result
+// depends only on (tiles_per_group, blockDim.y), not on timing.
+__global__ void __launch_bounds__(1024) ln_mod_finalize_v2_kernel(const float* __restrict__ partial, int nq, int q0,
+                                                                  int D, int64_t groups, int64_t tiles_per_group,
+                                                                  float* __restrict__ out0, float* __restrict__ out1) {
+  __shared__ float sm[32][33];
+  float* const out = blockIdx.z == 0 ? out0 : out1;
+  if (out == nullptr) return;  // uniform per block
+  const int q = q0 + (int)blockIdx.z;
+  const int tx = threadIdx.x, ty = threadIdx.y, ry = blockDim.y;
+  const int col = blockIdx.x * 32 + tx;
+  const int64_t tile_stride = (int64_t)nq * D;
+  for (int64_t g = blockIdx.y; g < groups; g += gridDim.y) {
+    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+    if (col < D) {
+      const float* base = partial + (int64_t)q * D + col;
+      const int64_t t1 = (g + 1) * tiles_per_group;
+      int64_t t = g * tiles_per_group + ty;
+      for (; t + 3 * ry < t1; t += 4 * ry) {
+        a0 += base[t * tile_stride];
+        a1 += base[(t + ry) * tile_stride];
+        a2 += base[(t + 2 * ry) * tile_stride];
+        a3 += base[(t + 3 * ry) * tile_stride];
+      }
+      for (; t < t1; t += ry) a0 += base[t * tile_stride];
+    }
+    sm[ty][tx] = (a0 + a1) + (a2 + a3);
+    __syncthreads();
+    for (int h = ry >> 1; h > 0; h >>= 1) {
+      if (ty < h) sm[ty][tx] += sm[ty + h][tx];
+      __syncthreads();
+    }
+    if (ty == 0 && col < D) out[g * (int64_t)D + col] = sm[0][tx];
+    __syncthreads();
+  }
+}
+
+cudaError_t launch_finalize_v2(const float* partial, int nq, int q0, int D, int64_t groups, int64_t tiles_per_group,
+                               float* out0, float* out1, cudaStream_t stream) {
+  if ((out0 == nullptr && out1 == nullptr) || groups == 0) return cudaSuccess;
+  const int ry = tiles_per_group >= 128 ? 32 : 8;
+  dim3 block(32, ry);
+  dim3 grid((unsigned)((D + 31) / 32), (unsigned)std::min<int64_t>(groups, 65535), 2);
+  ln_mod_finalize_v2_kernel<<<grid, block, 0, stream>>>(partial, nq, q0, D, groups, tiles_per_group, out0, out1);
+  return cudaGetLastError();
+}
+
 }  // namespace
 
 namespace {
-int g_tuning[4] = {0, 0, 0, 0};
+std::atomic<int> g_tuning[kTuningSlots] = {};
 }  // namespace
 
-int tuning_variant(int slot) { return (slot >= 0 && slot < 4) ? g_tuning[slot] : 0; }
+int tuning_variant(int slot) {
+  return (slot >= 0 && slot < kTuningSlots) ? g_tuning[slot].load(std::memory_order_relaxed) : 0;
+}
 
 bool ln_modulate_set_tuning(int slot, int variant) {
-  if (slot < 0 || slot >= 4 || variant < 0 || variant > 5) return false;
-  g_tuning[slot] = variant;
+  if (slot < 0 || slot >= kTuningSlots || variant < 0 || variant > 5) return false;
+  g_tuning[slot].store(variant, std::memory_order_relaxed);
   return true;
 }
 
-void ln_modulate_describe(const FwdParams& fp, const BwdParams& bp, DType x, DType mod, int out[4]) {
+KernelPolicy ln_modulate_default_policy() { return KernelPolicy{}; }
+
+KernelPolicy ln_modulate_get_policy() { return load_policy(); }
+
+bool ln_modulate_set_policy(const KernelPolicy& k) {
+  const int v[5] = {k.fwd_sample, k.fwd_token, k.bwd_sample, k.bwd_token, k.finalize};
+  for (int i = 0; i < 5; ++i)
+    if (v[i] != 1 && v[i] != 2) return false;
+  for (int i = 0; i < 5; ++i) g_policy[i].store(v[i], std::memory_order_relaxed);
+  return true;
+}
+
+void ln_modulate_describe(const FwdParams& fp, const BwdParams& bp, DType x, DType mod, int out[8]) {
   const FwdChoice f = pair_supported(x, mod) ? fwd_dispatch(fp, x, mod) : FwdChoice{};
-  const BwdChoice b = pair_supported(x, mod) ? bwd_dispatch(bp, x, mod) : BwdChoice{};
+  const BwdChoice b = pair_supported(x, mod) ? bwd_dispatch(bp, x, mod, bwd_policy_gen(bp)) : BwdChoice{};
   out[0] = f.threads;
   out[1] = f.rows_per_cta;
   out[2] = b.threads;
-  out[3] = f.fn ? resident_ctas((const void*)f.fn, f.threads) : 0;
+  out[3] = f.fn ? resident_ctas((const void*)f.fn, f.threads, f.smem) : 0;
+  out[4] = f.fn ? f.gen : 0;
+  out[5] = b.fn ? b.gen : 0;
+  out[6] = f.smem;
+  out[7] = b.smem;
 }
 
 int ln_modulate_max_d(DType x, bool vectorized) {
@@ -133,8 +288,15 @@ cudaError_t ln_modulate_fwd(const FwdParams& p, DType x, DType mod, cudaStream_t
   if (!pair_supported(x, mod) || p.D <= 0 || p.D > ln_modulate_max_d(x, p.vectorized)) return cudaErrorInvalidValue;
   const FwdChoice c = fwd_dispatch(p, x, mod);
   if (c.fn == nullptr) return cudaErrorInvalidValue;
+  const int64_t resident = resident_ctas((const void*)c.fn, c.threads, c.smem);
+  if (c.gen == 2) {
+    FwdParams q = p;
+    const int grid = fwd_v2_apply_tiling(q, resident);
+    c.fn<<<grid, c.threads, c.smem, stream>>>(q);
+    return cudaGetLastError();
+  }
   const int64_t needed = (N + c.rows_per_cta - 1) / c.rows_per_cta;
-  const int grid = (int)std::min<int64_t>(needed, resident_ctas((const void*)c.fn, c.threads));
+  const int grid = (int)std::min<int64_t>(needed, resident);
   c.fn<<<grid, c.threads, 0, stream>>>(p);
   return cudaGetLastError();
 }
@@ -147,16 +309,25 @@ int64_t ln_modulate_bwd_plan(BwdParams& p, DType x, DType mod, int num_sms) {
   p.num_tiles = 0;
   p.grid = 0;
   if (N == 0 || !pair_supported(x, mod)) return 0;
-  const BwdChoice c = bwd_dispatch(p, x, mod);
+  const BwdChoice c = bwd_dispatch(p, x, mod, bwd_policy_gen(p));
   if (c.fn == nullptr) return 0;
-  const int64_t resident = resident_ctas((const void*)c.fn, c.threads);
-  const int64_t num_segs = p.per_sample ? p.B : 1;
-  p.seg_len = p.per_sample ? p.S : N;
-  int64_t tiles_per_seg = std::max<int64_t>(1, resident / num_segs);
-  p.rows_per_tile = (p.seg_len + tiles_per_seg - 1) / tiles_per_seg;
-  p.tiles_per_seg = (p.seg_len + p.rows_per_tile - 1) / p.rows_per_tile;
-  p.num_tiles = num_segs * p.tiles_per_seg;
-  p.grid = (int)std::min<int64_t>(p.num_tiles, resident);
+  p.gen = c.gen;
+  const int64_t resident = resident_ctas((const void*)c.fn, c.threads, c.smem);
+  if (c.gen == 2) {  // interleaved tiles (ln_modulate_rows.h)
+    const Tiling t = bwd_v2_tiling(p.B, p.S, p.per_sample, resident, &p.rows_per_tile);
+    p.seg_len = t.seg_len;
+    p.tiles_per_seg = t.tiles_per_seg;
+    p.num_tiles = t.num_tiles;
+    p.grid = t.grid;
+  } else {  // contiguous tiles of rows_per_tile rows
+    const int64_t num_segs = p.per_sample ? p.B : 1;
+    p.seg_len = p.per_sample ? p.S : N;
+    const int64_t tiles_per_seg = std::max<int64_t>(1, resident / num_segs);
+    p.rows_per_tile = (p.seg_len + tiles_per_seg - 1) / tiles_per_seg;
+    p.tiles_per_seg = (p.seg_len + p.rows_per_tile - 1) / p.rows_per_tile;
+    p.num_tiles = num_segs * p.tiles_per_seg;
+    p.grid = (int)std::min<int64_t>(p.num_tiles, resident);
+  }
   return p.nq > 0 ? p.num_tiles * p.nq * (int64_t)p.D : 0;
 }
 
@@ -166,14 +337,19 @@ cudaError_t ln_modulate_bwd(const BwdParams& p, DType x, DType mod, cudaStream_t
   if (!pair_supported(x, mod) || p.D <= 0 || p.D > ln_modulate_max_d(x, p.vectorized) || p.grid <= 0)
     return cudaErrorInvalidValue;
   if (p.nq > 0 && p.partial == nullptr) return cudaErrorInvalidValue;
-  const BwdChoice c = bwd_dispatch(p, x, mod);
-  if (c.fn == nullptr) return cudaErrorInvalidValue;
-  c.fn<<<p.grid, c.threads, 0, stream>>>(p);
+  const BwdChoice c = bwd_dispatch(p, x, mod, p.gen);  // the generation the plan was made for
+  if (c.fn == nullptr || c.gen != p.gen) return cudaErrorInvalidValue;
+  c.fn<<<p.grid, c.threads, c.smem, stream>>>(p);
   return cudaGetLastError();
 }
 
 cudaError_t ln_modulate_finalize(const FinalizeParams& p, cudaStream_t stream) {
   if (p.num_tiles == 0) return cudaSuccess;
+  if (load_policy().finalize == 2) {
+    cudaError_t e = launch_finalize_v2(p.partial, p.nq, p.q_mod, p.D, p.B, p.tiles_per_seg, p.dshift, p.dscale, stream);
+    if (e != cudaSuccess) return e;
+    return launch_finalize_v2(p.partial, p.nq, p.q_aff, p.D, 1, p.num_tiles, p.dweight, p.dbias, stream);
+  }
   cudaError_t e = launch_finalize(p.partial, p.nq, p.q_mod, p.D, p.B, p.tiles_per_seg, p.dshift, stream);
   if (e != cudaSuccess) return e;
   e = launch_finalize(p.partial, p.nq, p.q_mod + 1, p.D, p.B, p.tiles_per_seg, p.dscale, stream);

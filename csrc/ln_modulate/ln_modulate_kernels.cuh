@@ -511,21 +511,50 @@ __global__ void __launch_bounds__(TPR) ln_mod_bwd_kernel(const BwdParams p) {
 }
 
 // ----------------------------------------------------------------------------------------------
+// Second-generation kernels (staged cp.async pipelines, sample-aware row dealing)
+// ----------------------------------------------------------------------------------------------
+}  // namespace ln_modulate
+}  // namespace ds_adaptive
+
+#include "ln_modulate_v2.cuh"
+
+namespace ds_adaptive {
+namespace ln_modulate {
+
+// ----------------------------------------------------------------------------------------------
 // Kernel selection: specialisations for D in {1536, 3072, 5120}, generic masked paths otherwise.
+// `gen` (1 = v1, 2 = v2) comes from the kernel policy (ln_modulate_set_policy); a v2 request falls
+// back to v1 where no v2 configuration exists (scalar path, small or very large D).
 // ----------------------------------------------------------------------------------------------
 struct FwdChoice {
   void (*fn)(FwdParams) = nullptr;
   int threads = 0;
   int rows_per_cta = 1;
+  int smem = 0;  // dynamic shared memory (bytes)
+  int gen = 1;
 };
 struct BwdChoice {
   void (*fn)(BwdParams) = nullptr;
   int threads = 0;
+  int smem = 0;
+  int gen = 1;
 };
 
 template <typename T, typename M, int VEC, int NV, int TPR, int ROWS, bool EVEN, bool PF = false, bool MODC = false>
 FwdChoice fwd_make() {
-  return FwdChoice{&ln_mod_fwd_kernel<T, M, VEC, NV, TPR, ROWS, EVEN, PF, MODC>, TPR * ROWS, ROWS};
+  return FwdChoice{&ln_mod_fwd_kernel<T, M, VEC, NV, TPR, ROWS, EVEN, PF, MODC>, TPR * ROWS, ROWS, 0, 1};
+}
+
+// v2 forward: ST_PS stages for per-sample modulation, ST_TOK for per-token (rows 5x larger with
+// fp32 modulation of 16-bit x).
+template <typename T, typename M, int NV, int TPR, int ST_PS, int ST_TOK, bool EVEN>
+FwdChoice fwd_make_v2(const FwdParams& p) {
+  if (p.shift_ss != 0 || p.scale_ss != 0) {
+    constexpr int smem = ST_TOK * fwd_v2_stage_bytes<T, M, NV, TPR, true>();
+    return FwdChoice{&ln_mod_fwd_v2_kernel<T, M, NV, TPR, ST_TOK, EVEN, true>, TPR, 1, smem, 2};
+  }
+  constexpr int smem = ST_PS * fwd_v2_stage_bytes<T, M, NV, TPR, false>();
+  return FwdChoice{&ln_mod_fwd_v2_kernel<T, M, NV, TPR, ST_PS, EVEN, false>, TPR, 1, smem, 2};
 }
 
 template <typename T, typename M, int VEC, int NV, bool EVEN>
@@ -539,43 +568,50 @@ FwdChoice fwd_generic(int nvec) {
   return FwdChoice{};
 }
 
-// Tuning alternatives (benchmark only): for x bf16 / modulation fp32 and D in {1536, 5120}, a
-// variant index other than 0 (set through ln_modulate_set_tuning) picks another configuration.
-// Slots: 0 fwd 1536, 1 fwd 5120, 2 bwd 1536, 3 bwd 5120. Names in bench/ln_modulate.py (TUNE).
-int tuning_variant(int slot);
-
-template <typename T, typename M>
-FwdChoice fwd_tuned(const FwdParams& p) {
-  if constexpr (std::is_same<T, __nv_bfloat16>::value && std::is_same<M, float>::value) {
-    if (p.vectorized && p.D == 1536) {
-      switch (tuning_variant(0)) {
-        case 1: return fwd_make<T, M, 8, 6, 32, 4, true>();
-        case 2: return fwd_make<T, M, 8, 1, 192, 1, true>();
-        case 3: return fwd_make<T, M, 8, 3, 64, 1, true>();
-        case 4: return fwd_make<T, M, 8, 2, 96, 1, true, true, false>();
-        case 5: return fwd_make<T, M, 8, 2, 96, 1, true, true, true>();
-        default: break;
-      }
-    }
-    if (p.vectorized && p.D == 5120) {
-      switch (tuning_variant(1)) {
-        case 1: return fwd_make<T, M, 8, 4, 160, 1, true>();
-        case 2: return fwd_make<T, M, 8, 2, 320, 1, true>();
-        case 3: return fwd_make<T, M, 8, 1, 640, 1, true>();
-        case 4: return fwd_make<T, M, 8, 4, 160, 1, true, true, false>();
-        case 5: return fwd_make<T, M, 8, 5, 128, 1, true, false, true>();
-        default: break;
-      }
-    }
-  }
+// v2 on the generic vector path: the same TPR as v1 (NV = 4), only for 128..512 threads per row
+// (D of 513..16384 for 16-bit x); smaller rows stay on v1's multi-row warps, larger on v1.
+template <typename T, typename M, int NV>
+FwdChoice fwd_generic_v2(const FwdParams& p, int nvec) {
+  if (nvec <= 64 * NV) return FwdChoice{};
+  if (nvec <= 128 * NV) return fwd_make_v2<T, M, NV, 128, 3, 2, false>(p);
+  if (nvec <= 256 * NV) return fwd_make_v2<T, M, NV, 256, 3, 2, false>(p);
+  if (nvec <= 512 * NV) return fwd_make_v2<T, M, NV, 512, 3, 2, false>(p);
   return FwdChoice{};
 }
 
+// Tuning alternatives (benchmark only) for x bf16 / modulation fp32, D in {1536, 5120}: a variant
+// index other than 0 (set through ln_modulate_set_tuning) picks another configuration. Slots:
+// v1: 0 fwd 1536, 1 fwd 5120, 2 bwd 1536, 3 bwd 5120; v2: 4 fwd 1536, 5 fwd 5120, 6 bwd 1536,
+// 7 bwd 5120. Names in bench/ln_modulate.py (TUNE). Compiled in ln_modulate_tune.cu.
+int tuning_variant(int slot);
+FwdChoice fwd_tuned_bf16_f32(const FwdParams& p, int gen);
+BwdChoice bwd_tuned_bf16_f32(const BwdParams& p, int gen);
+
 template <typename T, typename M>
-FwdChoice fwd_select(const FwdParams& p) {
+FwdChoice fwd_select(const FwdParams& p, int gen) {
   constexpr int V = 16 / (int)sizeof(T);
-  if (const FwdChoice c = fwd_tuned<T, M>(p); c.fn != nullptr) return c;
+  if constexpr (std::is_same<T, __nv_bfloat16>::value && std::is_same<M, float>::value) {
+    if (const FwdChoice c = fwd_tuned_bf16_f32(p, gen); c.fn != nullptr) return c;
+  }
   if (!p.vectorized) return fwd_generic<T, M, 1, 8, false>(p.D);
+  if (gen == 2) {
+    if constexpr (V == 8) {
+      switch (p.D) {
+        case 1536: return fwd_make_v2<T, M, 2, 96, 4, 2, true>(p);
+        case 3072: return fwd_make_v2<T, M, 2, 192, 4, 2, true>(p);
+        case 5120: return fwd_make_v2<T, M, 5, 128, 3, 2, true>(p);
+        default: break;
+      }
+    } else {
+      switch (p.D) {
+        case 1536: return fwd_make_v2<T, M, 2, 192, 4, 2, true>(p);
+        case 3072: return fwd_make_v2<T, M, 2, 384, 3, 2, true>(p);
+        case 5120: return fwd_make_v2<T, M, 5, 256, 3, 2, true>(p);
+        default: break;
+      }
+    }
+    if (const FwdChoice c = fwd_generic_v2<T, M, 4>(p, p.D / V); c.fn != nullptr) return c;
+  }
   if constexpr (V == 8) {
     switch (p.D) {
       case 1536: return fwd_make<T, M, 8, 2, 96, 1, true>();
@@ -598,11 +634,54 @@ template <typename T, typename M, int VEC, int NV, int TPR, bool EVEN, bool PF =
 BwdChoice bwd_make(const BwdParams& p) {
   const bool affine = p.weight != nullptr;
   if (p.per_sample) {
-    if (affine) return BwdChoice{&ln_mod_bwd_kernel<T, M, VEC, NV, TPR, EVEN, true, true, PF>, TPR};
-    return BwdChoice{&ln_mod_bwd_kernel<T, M, VEC, NV, TPR, EVEN, true, false, PF>, TPR};
+    if (affine) return BwdChoice{&ln_mod_bwd_kernel<T, M, VEC, NV, TPR, EVEN, true, true, PF>, TPR, 0, 1};
+    return BwdChoice{&ln_mod_bwd_kernel<T, M, VEC, NV, TPR, EVEN, true, false, PF>, TPR, 0, 1};
   }
-  if (affine) return BwdChoice{&ln_mod_bwd_kernel<T, M, VEC, NV, TPR, EVEN, false, true, PF>, TPR};
-  return BwdChoice{&ln_mod_bwd_kernel<T, M, VEC, NV, TPR, EVEN, false, false, PF>, TPR};
+  if (affine) return BwdChoice{&ln_mod_bwd_kernel<T, M, VEC, NV, TPR, EVEN, false, true, PF>, TPR, 0, 1};
+  return BwdChoice{&ln_mod_bwd_kernel<T, M, VEC, NV, TPR, EVEN, false, false, PF>, TPR, 0, 1};
+}
+
+// v1 with elementwise affine only (the D = 5120 affine kernel of 16-bit x; its non-affine
+// instantiations live in the tuning unit).
+template <typename T, typename M, int VEC, int NV, int TPR, bool EVEN>
+BwdChoice bwd_make_affine(const BwdParams& p) {
+  if (p.weight == nullptr) return BwdChoice{};
+  if (p.per_sample) return BwdChoice{&ln_mod_bwd_kernel<T, M, VEC, NV, TPR, EVEN, true, true, false>, TPR, 0, 1};
+  return BwdChoice{&ln_mod_bwd_kernel<T, M, VEC, NV, TPR, EVEN, false, true, false>, TPR, 0, 1};
+}
+
+// v1 without elementwise affine only (configurations whose affine kernel would spill); affine
+// calls get an empty choice.
+template <typename T, typename M, int VEC, int NV, int TPR, bool EVEN, bool PF = false>
+BwdChoice bwd_make_noaffine(const BwdParams& p) {
+  if (p.weight != nullptr) return BwdChoice{};
+  if (p.per_sample) return BwdChoice{&ln_mod_bwd_kernel<T, M, VEC, NV, TPR, EVEN, true, false, PF>, TPR, 0, 1};
+  return BwdChoice{&ln_mod_bwd_kernel<T, M, VEC, NV, TPR, EVEN, false, false, PF>, TPR, 0, 1};
+}
+
+template <typename T, typename M, int NV, int TPR, int ST_PS, int ST_TOK, bool EVEN>
+BwdChoice bwd_make_v2(const BwdParams& p) {
+  const bool affine = p.weight != nullptr;
+  if (p.per_sample) {
+    constexpr int smem = ST_PS * bwd_v2_stage_bytes<T, M, NV, TPR, true>();
+    if (affine) return BwdChoice{&ln_mod_bwd_v2_kernel<T, M, NV, TPR, ST_PS, EVEN, true, true>, TPR, smem, 2};
+    return BwdChoice{&ln_mod_bwd_v2_kernel<T, M, NV, TPR, ST_PS, EVEN, true, false>, TPR, smem, 2};
+  }
+  constexpr int smem = ST_TOK * bwd_v2_stage_bytes<T, M, NV, TPR, false>();
+  if (affine) return BwdChoice{&ln_mod_bwd_v2_kernel<T, M, NV, TPR, ST_TOK, EVEN, false, true>, TPR, smem, 2};
+  return BwdChoice{&ln_mod_bwd_v2_kernel<T, M, NV, TPR, ST_TOK, EVEN, false, false>, TPR, smem, 2};
+}
+
+// The same without elementwise affine (tuning variants).
+template <typename T, typename M, int NV, int TPR, int ST_PS, int ST_TOK>
+BwdChoice bwd_make_v2_noaffine(const BwdParams& p) {
+  if (p.weight != nullptr) return BwdChoice{};
+  if (p.per_sample) {
+    constexpr int smem = ST_PS * bwd_v2_stage_bytes<T, M, NV, TPR, true>();
+    return BwdChoice{&ln_mod_bwd_v2_kernel<T, M, NV, TPR, ST_PS, true, true, false>, TPR, smem, 2};
+  }
+  constexpr int smem = ST_TOK * bwd_v2_stage_bytes<T, M, NV, TPR, false>();
+  return BwdChoice{&ln_mod_bwd_v2_kernel<T, M, NV, TPR, ST_TOK, true, false, false>, TPR, smem, 2};
 }
 
 template <typename T, typename M, int VEC, int NV, bool EVEN>
@@ -616,50 +695,49 @@ BwdChoice bwd_generic(const BwdParams& p, int nvec) {
   return BwdChoice{};
 }
 
-template <typename T, typename M, int VEC, int NV, int TPR, bool PF>
-BwdChoice bwd_make_tuned(const BwdParams& p) {
-  if (p.weight != nullptr) return BwdChoice{};  // alternatives exist for the non-affine kernels only
-  if (p.per_sample) return BwdChoice{&ln_mod_bwd_kernel<T, M, VEC, NV, TPR, true, true, false, PF>, TPR};
-  return BwdChoice{&ln_mod_bwd_kernel<T, M, VEC, NV, TPR, true, false, false, PF>, TPR};
-}
-
-template <typename T, typename M>
-BwdChoice bwd_tuned(const BwdParams& p) {
-  if constexpr (std::is_same<T, __nv_bfloat16>::value && std::is_same<M, float>::value) {
-    if (p.vectorized && p.D == 1536) {
-      switch (tuning_variant(2)) {
-        case 1: return bwd_make_tuned<T, M, 8, 2, 96, false>(p);
-        case 2: return bwd_make_tuned<T, M, 8, 3, 64, false>(p);
-        case 3: return bwd_make_tuned<T, M, 8, 6, 32, false>(p);
-        case 4: return bwd_make_tuned<T, M, 8, 1, 192, true>(p);
-        case 5: return bwd_make_tuned<T, M, 8, 2, 96, true>(p);
-        default: break;
-      }
-    }
-    if (p.vectorized && p.D == 5120) {
-      switch (tuning_variant(3)) {
-        case 1: return bwd_make_tuned<T, M, 8, 2, 320, false>(p);
-        case 2: return bwd_make_tuned<T, M, 8, 4, 160, false>(p);
-        case 3: return bwd_make_tuned<T, M, 8, 5, 128, false>(p);
-        case 4: return bwd_make_tuned<T, M, 8, 1, 640, true>(p);
-        case 5: return bwd_make_tuned<T, M, 8, 2, 320, true>(p);
-        default: break;
-      }
-    }
-  }
+template <typename T, typename M, int NV>
+BwdChoice bwd_generic_v2(const BwdParams& p, int nvec) {
+  if (nvec <= 64 * NV) return BwdChoice{};
+  if (nvec <= 128 * NV) return bwd_make_v2<T, M, NV, 128, 3, 2, false>(p);
+  if (nvec <= 256 * NV) return bwd_make_v2<T, M, NV, 256, 3, 2, false>(p);
+  if (nvec <= 512 * NV) return bwd_make_v2<T, M, NV, 512, 3, 2, false>(p);
   return BwdChoice{};
 }
 
 template <typename T, typename M>
-BwdChoice bwd_select(const BwdParams& p) {
+BwdChoice bwd_select(const BwdParams& p, int gen) {
   constexpr int V = 16 / (int)sizeof(T);
-  if (const BwdChoice c = bwd_tuned<T, M>(p); c.fn != nullptr) return c;
+  if constexpr (std::is_same<T, __nv_bfloat16>::value && std::is_same<M, float>::value) {
+    if (const BwdChoice c = bwd_tuned_bf16_f32(p, gen); c.fn != nullptr) return c;
+  }
   if (!p.vectorized) return bwd_generic<T, M, 1, 8, false>(p, p.D);
+  if (gen == 2) {
+    if constexpr (V == 8) {
+      switch (p.D) {
+        case 1536: return bwd_make_v2<T, M, 1, 192, 4, 3, true>(p);
+        case 3072: return bwd_make_v2<T, M, 1, 384, 3, 2, true>(p);
+        case 5120: return bwd_make_v2<T, M, 2, 320, 3, 2, true>(p);  // 2 CTAs/SM (640x1: 1)
+        default: break;
+      }
+    } else {
+      switch (p.D) {
+        case 1536: return bwd_make_v2<T, M, 1, 384, 3, 2, true>(p);
+        case 3072: return bwd_make_v2<T, M, 2, 384, 3, 2, true>(p);
+        case 5120: return bwd_make_v2<T, M, 2, 640, 3, 2, true>(p);
+        default: break;
+      }
+    }
+    if (const BwdChoice c = bwd_generic_v2<T, M, 2>(p, p.D / V); c.fn != nullptr) return c;
+  }
   if constexpr (V == 8) {
     switch (p.D) {
       case 1536: return bwd_make<T, M, 8, 1, 192, true>(p);
       case 3072: return bwd_make<T, M, 8, 1, 384, true>(p);
-      case 5120: return bwd_make<T, M, 8, 1, 640, true>(p);
+      case 5120:
+        // 128x5 (4-warp CTAs, two per SM) measured 0.88 ms vs 1.10 ms for 640x1 on the 14B shape
+        // (H100); its affine kernel would spill (four column accumulators), so affine keeps 640x1.
+        if (p.weight == nullptr) return bwd_make_noaffine<T, M, 8, 5, 128, true>(p);
+        return bwd_make_affine<T, M, 8, 1, 640, true>(p);
       default: break;
     }
   } else {
@@ -675,13 +753,13 @@ BwdChoice bwd_select(const BwdParams& p) {
 
 // Each (x, modulation) dtype pair is instantiated in its own .cu file (parallel compilation);
 // everyone else sees extern declarations.
-#define DS_LN_MOD_INSTANTIATE(T, M)                        \
-  template FwdChoice fwd_select<T, M>(const FwdParams& p); \
-  template BwdChoice bwd_select<T, M>(const BwdParams& p);
+#define DS_LN_MOD_INSTANTIATE(T, M)                                 \
+  template FwdChoice fwd_select<T, M>(const FwdParams& p, int gen); \
+  template BwdChoice bwd_select<T, M>(const BwdParams& p, int gen);
 
-#define DS_LN_MOD_EXTERN(T, M)                                    \
-  extern template FwdChoice fwd_select<T, M>(const FwdParams& p); \
-  extern template BwdChoice bwd_select<T, M>(const BwdParams& p);
+#define DS_LN_MOD_EXTERN(T, M)                                             \
+  extern template FwdChoice fwd_select<T, M>(const FwdParams& p, int gen); \
+  extern template BwdChoice bwd_select<T, M>(const BwdParams& p, int gen);
 
 #define DS_LN_MOD_FOR_EACH_PAIR(X)       \
   X(__nv_bfloat16, float)                \

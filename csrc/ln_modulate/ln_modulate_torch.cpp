@@ -264,8 +264,29 @@ bool ln_modulate_set_tuning_py(int64_t slot, int64_t variant) {
   return lnm::ln_modulate_set_tuning((int)slot, (int)variant);
 }
 
+std::vector<int64_t> policy_list(const lnm::KernelPolicy& k) {
+  return {k.fwd_sample, k.fwd_token, k.bwd_sample, k.bwd_token, k.finalize};
+}
+
+// Kernel-generation policy as [fwd_sample, fwd_token, bwd_sample, bwd_token, finalize] (1 or 2).
+std::vector<int64_t> ln_modulate_get_kernels_py() { return policy_list(lnm::ln_modulate_get_policy()); }
+std::vector<int64_t> ln_modulate_default_kernels_py() { return policy_list(lnm::ln_modulate_default_policy()); }
+
+void ln_modulate_set_kernels_py(const std::vector<int64_t>& v) {
+  TORCH_CHECK(v.size() == 5, "ln_modulate.set_kernels: expected 5 values [fwd_sample, fwd_token, bwd_sample, "
+              "bwd_token, finalize], got ", v.size());
+  lnm::KernelPolicy k;
+  k.fwd_sample = (int)v[0];
+  k.fwd_token = (int)v[1];
+  k.bwd_sample = (int)v[2];
+  k.bwd_token = (int)v[3];
+  k.finalize = (int)v[4];
+  TORCH_CHECK(lnm::ln_modulate_set_policy(k), "ln_modulate.set_kernels: every value must be 1 or 2, got ", v);
+}
+
 // Kernel configuration that a call with these shapes would use: fwd threads/CTA, fwd rows/CTA,
-// bwd threads/CTA, fwd resident CTAs (the persistent grid), bwd tiles, bwd rows per tile.
+// bwd threads/CTA, fwd resident CTAs (the persistent grid), bwd tiles, bwd rows per tile, fwd and
+// bwd kernel generation (1 = v1, 2 = v2), fwd and bwd dynamic shared memory (bytes), bwd grid.
 std::vector<int64_t> ln_modulate_describe_py(const at::Tensor& x, const at::Tensor& scale, bool affine) {
   check_x(x, "x");
   check_mod(scale, x, "scale");
@@ -279,6 +300,9 @@ std::vector<int64_t> ln_modulate_describe_py(const at::Tensor& x, const at::Tens
   fp.S = x.size(1);
   fp.D = (int)x.size(2);
   fp.vectorized = x.size(2) % vec == 0;
+  const Strides3 scs = strides_of(scale);  // per-token modulation selects other forward kernels
+  fp.shift_sb = fp.scale_sb = scs.sb;
+  fp.shift_ss = fp.scale_ss = scs.ss;
   lnm::BwdParams bp;
   bp.B = fp.B;
   bp.S = fp.S;
@@ -286,10 +310,10 @@ std::vector<int64_t> ln_modulate_describe_py(const at::Tensor& x, const at::Tens
   bp.per_sample = scale.size(1) == 1;
   bp.vectorized = fp.vectorized;
   bp.weight = affine ? dummy : nullptr;
-  int out[4] = {0, 0, 0, 0};
+  int out[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   lnm::ln_modulate_describe(fp, bp, xt, mt, out);
   lnm::ln_modulate_bwd_plan(bp, xt, mt, 0);
-  return {out[0], out[1], out[2], out[3], bp.num_tiles, bp.rows_per_tile};
+  return {out[0], out[1], out[2], out[3], bp.num_tiles, bp.rows_per_tile, out[4], bp.gen, out[6], out[7], bp.grid};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -306,4 +330,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("variant"));
   m.def("describe", &ln_modulate_describe_py, "kernel configuration for these shapes", py::arg("x"),
         py::arg("scale"), py::arg("affine") = false);
+  m.def("get_kernels", &ln_modulate_get_kernels_py,
+        "kernel-generation policy [fwd_sample, fwd_token, bwd_sample, bwd_token, finalize] (1 = v1, 2 = v2)");
+  m.def("default_kernels", &ln_modulate_default_kernels_py, "the compiled-in kernel-generation policy");
+  m.def("set_kernels", &ln_modulate_set_kernels_py, "set the kernel-generation policy (5 values, each 1 or 2)",
+        py::arg("policy"));
 }

@@ -41,6 +41,7 @@ SOURCE_FILES = (
     "ln_modulate_f16_f32.cu",
     "ln_modulate_f16_f16.cu",
     "ln_modulate_f32_f32.cu",
+    "ln_modulate_tune.cu",
 )
 # Oldest architecture the kernels are built for (warp shuffles, 16-byte loads, bf16 conversions).
 MIN_ARCH = (7, 0)

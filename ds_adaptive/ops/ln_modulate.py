@@ -14,6 +14,12 @@ Path selection (``DS_ADAPTIVE_LN_MODULATE``):
   ``auto`` (default): fused on CUDA tensors when the op loads (prebuilt or JIT-built through
   DeepSpeed's builder), else the torch reference with exactly one warning saying why;
   ``fused``: the fused op or an error; ``reference``: always the torch reference.
+
+Kernel generation (``DS_ADAPTIVE_LN_MODULATE_KERNELS``, read when the op loads; at run time
+``set_kernel_policy``): ``v1`` (one row per CTA in registers) or ``v2`` (rows staged through shared
+memory with cp.async, sample-aware row dealing, single-launch finalize) per direction and
+modulation layout, e.g. ``v1``, ``v2``, ``fwd=v2,bwd_sample=v1``; see ``parse_kernel_policy``.
+Unset: the compiled-in defaults (``csrc/ln_modulate/ln_modulate.h: KernelPolicy``).
 """
 from __future__ import annotations
 
@@ -29,6 +35,16 @@ from torch import Tensor
 
 ENV_VAR = "DS_ADAPTIVE_LN_MODULATE"
 MODES = ("auto", "fused", "reference")
+KERNELS_ENV_VAR = "DS_ADAPTIVE_LN_MODULATE_KERNELS"
+# Kernel-generation policy fields, in the order of the extension's get_kernels / set_kernels.
+POLICY_KEYS = ("fwd_sample", "fwd_token", "bwd_sample", "bwd_token", "finalize")
+_POLICY_GROUPS = {
+    "all": POLICY_KEYS,
+    "fwd": ("fwd_sample", "fwd_token"),
+    "bwd": ("bwd_sample", "bwd_token", "finalize"),
+    "sample": ("fwd_sample", "bwd_sample"),
+    "token": ("fwd_token", "bwd_token"),
+}
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Register-resident limits of the kernels (csrc/ln_modulate/ln_modulate.h): rows of up to 8192
 # elements on every path, 16384 for 16-bit x with D % 8 == 0 (16-byte loads).
@@ -134,13 +150,101 @@ def _load_extension():
             from .builder import LNModulateBuilder
 
             builder = LNModulateBuilder()
-            _STATE.ext = builder.load(verbose=False)
+            ext = builder.load(verbose=False)
+            if hasattr(ext, "set_kernels"):
+                _apply_kernel_env(ext)
+            _STATE.ext = ext
             _STATE.source = builder.loaded_from
         except Exception as e:  # noqa: BLE001 - any failure means "use the reference"
             _STATE.ext = None
             _STATE.error = f"{type(e).__name__}: {e}".strip()
         _STATE.tried = True
     return _STATE.ext
+
+
+def parse_kernel_policy(spec: str, defaults: dict) -> dict:
+    """Kernel-generation policy from a spec string, applied left to right on top of ``defaults``
+    (a dict over POLICY_KEYS with values 1 or 2).
+
+    ``""`` / ``"default"``: the defaults; ``"v1"`` / ``"v2"``: every field; otherwise a comma (or
+    space) separated list of ``key=v1|v2`` (``1`` / ``2`` accepted too) with keys ``fwd_sample``,
+    ``fwd_token``, ``bwd_sample``, ``bwd_token``, ``finalize`` or the groups ``all``, ``fwd``
+    (both forward fields), ``bwd`` (both backward fields and the finalize), ``sample``
+    (fwd_sample + bwd_sample), ``token`` (fwd_token + bwd_token). Raises ValueError naming the bad
+    item.
+    """
+    policy = {k: int(defaults[k]) for k in POLICY_KEYS}
+    text = (spec or "").strip().lower()
+    if text in ("", "default"):
+        return policy
+
+    def gen(value: str, item: str) -> int:
+        v = value.strip()
+        if v in ("v1", "1"):
+            return 1
+        if v in ("v2", "2"):
+            return 2
+        raise ValueError(f"{KERNELS_ENV_VAR}: bad generation {value!r} in {item!r} (expected v1 or v2)")
+
+    for item in text.replace(" ", ",").split(","):
+        if not item:
+            continue
+        if "=" not in item:
+            g = gen(item, item)
+            policy = {k: g for k in POLICY_KEYS}
+            continue
+        key, value = item.split("=", 1)
+        key = key.strip()
+        keys = _POLICY_GROUPS.get(key, (key,) if key in POLICY_KEYS else None)
+        if keys is None:
+            raise ValueError(f"{KERNELS_ENV_VAR}: unknown key {key!r} in {item!r} (expected one of "
+                             f"{', '.join(POLICY_KEYS + tuple(_POLICY_GROUPS))})")
+        g = gen(value, item)
+        for k in keys:
+            policy[k] = g
+    return policy
+
+
+def format_kernel_policy(policy: dict) -> str:
+    """The spec string that reproduces ``policy`` (for DS_ADAPTIVE_LN_MODULATE_KERNELS)."""
+    return ",".join(f"{k}=v{int(policy[k])}" for k in POLICY_KEYS)
+
+
+def _apply_kernel_env(ext) -> None:
+    spec = os.environ.get(KERNELS_ENV_VAR, "")
+    if spec.strip():
+        defaults = dict(zip(POLICY_KEYS, ext.default_kernels()))
+        policy = parse_kernel_policy(spec, defaults)
+        ext.set_kernels([policy[k] for k in POLICY_KEYS])
+
+
+def kernel_policy() -> Optional[dict]:
+    """The current kernel-generation policy of the loaded op ({field: 1 or 2}), or None when the
+    op is not loaded."""
+    ext = _STATE.ext
+    if ext is None:
+        return None
+    return dict(zip(POLICY_KEYS, (int(v) for v in ext.get_kernels())))
+
+
+def set_kernel_policy(spec="default") -> dict:
+    """Set the kernel-generation policy of the fused op (a spec string as parse_kernel_policy
+    takes, applied on top of the compiled-in defaults, or a dict over POLICY_KEYS); returns the
+    policy now in effect. Loads the op (RuntimeError if it is unavailable). Kernels are chosen at
+    launch: CUDA graphs keep the kernels they were captured with."""
+    ext = load_op(strict=True)
+    defaults = dict(zip(POLICY_KEYS, (int(v) for v in ext.default_kernels())))
+    if isinstance(spec, dict):
+        unknown = set(spec) - set(POLICY_KEYS)
+        if unknown:
+            raise ValueError(f"set_kernel_policy: unknown keys {sorted(unknown)}")
+        policy = {**defaults, **{k: int(v) for k, v in spec.items()}}
+        if any(v not in (1, 2) for v in policy.values()):
+            raise ValueError(f"set_kernel_policy: every value must be 1 or 2, got {spec}")
+    else:
+        policy = parse_kernel_policy(str(spec), defaults)
+    ext.set_kernels([policy[k] for k in POLICY_KEYS])
+    return kernel_policy()
 
 
 def load_op(strict: bool = False):
@@ -154,8 +258,10 @@ def load_op(strict: bool = False):
 
 def op_status() -> dict:
     """What ``ln_modulate`` would do on a CUDA tensor now (does not load the op)."""
+    policy = kernel_policy() if _STATE.ext is not None and hasattr(_STATE.ext, "get_kernels") else None
     return {"mode": get_mode(), "tried": _STATE.tried, "loaded": _STATE.ext is not None,
-            "source": _STATE.source, "error": _STATE.error}
+            "source": _STATE.source, "error": _STATE.error,
+            "kernels": format_kernel_policy(policy) if policy else None}
 
 
 def get_mode() -> str:

@@ -121,6 +121,10 @@ def _print(info: Dict[str, Any]) -> None:
     if "load" in info:
         st = info["load"]
         row("load", f"loaded from {st['source']}" if st["loaded"] else f"FAILED: {st['error']}")
+        if st.get("kernels"):
+            from .ln_modulate import KERNELS_ENV_VAR
+
+            row("kernels", f"{st['kernels']}  ({KERNELS_ENV_VAR}; v1 = row in registers, v2 = staged cp.async)")
     if "smoke_max_abs_err" in info:
         row("smoke test", f"max |fused - reference| = {info['smoke_max_abs_err']:.3g} (bf16, D=1536)")
 

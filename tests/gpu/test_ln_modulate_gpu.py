@@ -26,6 +26,19 @@ def _op():
     return lnm.load_op(strict=True)
 
 
+# Kernel generations (DS_ADAPTIVE_LN_MODULATE_KERNELS): every correctness test below that takes the
+# `kernels` fixture runs with all-v1 and all-v2 policies; tests without it run the default policy.
+GENS = ["v1", "v2"]
+
+
+@pytest.fixture
+def kernels(request):
+    prev = lnm.kernel_policy()
+    lnm.set_kernel_policy(request.param)
+    yield request.param
+    lnm.set_kernel_policy(prev)
+
+
 # ------------------------------------------------------------------------------------------------
 # fp64 reference, written independently of the op (explicit mean / biased variance)
 # ------------------------------------------------------------------------------------------------
@@ -112,24 +125,113 @@ def check(B, S, D, xdt, mdt, per_token, affine, seed=0, shift=None, scale=None):
 
 
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kernels", GENS, indirect=True)
 @pytest.mark.parametrize("affine", [False, True], ids=["plain", "affine"])
 @pytest.mark.parametrize("per_token", [False, True], ids=["per_sample", "per_token"])
 @pytest.mark.parametrize("xdt,mdt", COMBOS, ids=[f"x{str(a)[6:]}-m{str(b)[6:]}" for a, b in COMBOS])
 @pytest.mark.parametrize("B,S", BS, ids=[f"B{b}S{s}" for b, s in BS])
 @pytest.mark.parametrize("D", DS)
-def test_matches_fp64(D, B, S, xdt, mdt, per_token, affine):
+def test_matches_fp64(D, B, S, xdt, mdt, per_token, affine, kernels):
     check(B, S, D, xdt, mdt, per_token, affine, seed=D * 7 + B)
 
 
-@pytest.mark.parametrize("D", [1536, 5120, 1000])
+@pytest.mark.parametrize("kernels", GENS, indirect=True)
+@pytest.mark.parametrize("D", [1536, 5120, 1000, 3072])
 @pytest.mark.parametrize("per_token", [False, True])
-def test_long_sequences_multi_row_tiles(D, per_token):
+def test_long_sequences_multi_row_tiles(D, per_token, kernels):
     """S large enough that every backward tile spans many rows (and the fwd grid is persistent)."""
     check(2, 9001, D, BF16, F32, per_token, affine=True, seed=3)
+    check(3, 4099, D, BF16, F32, per_token, affine=False, seed=4)
 
 
-def test_wan_1_3b_shape():
+@pytest.mark.parametrize("kernels", GENS, indirect=True)
+def test_wan_1_3b_shape(kernels):
     check(1, 32760, 1536, BF16, F32, per_token=False, affine=False, seed=11)
+
+
+@pytest.mark.parametrize("kernels", GENS, indirect=True)
+@pytest.mark.parametrize("B,S,D,per_token", [(16, 1560, 1536, False), (1, 8190, 5120, False),
+                                             (1, 8190, 5120, True), (1, 32760, 1536, True)],
+                         ids=["16x1560x1536", "1x8190x5120", "tok-1x8190x5120", "tok-1x32760x1536"])
+def test_wan_shapes(B, S, D, per_token, kernels):
+    check(B, S, D, BF16, F32, per_token=per_token, affine=False, seed=12)
+
+
+@pytest.mark.parametrize("kernels", GENS, indirect=True)
+@pytest.mark.parametrize("affine", [False, True], ids=["plain", "affine"])
+@pytest.mark.parametrize("B,S", [(2000, 3), (700, 1), (300, 7)])
+def test_many_short_samples(B, S, affine, kernels):
+    """More samples than resident CTAs: backward CTAs loop over several tiles (v2: one per sample,
+    crossing tile boundaries inside the staged pipeline), forward deals rows round-robin."""
+    check(B, S, 1536, BF16, F32, per_token=False, affine=affine, seed=B + S)
+    check(B, S, 5120, BF16, F32, per_token=False, affine=affine, seed=B + S + 1)
+
+
+@pytest.mark.parametrize("kernels", GENS, indirect=True)
+@pytest.mark.parametrize("xdt", [BF16, F32])
+def test_largest_d_and_shared_memory_fallback(xdt, kernels):
+    """Largest vectorised D: v2's per-token stages would exceed shared memory there (fp32
+    modulation of 16-bit x), so the launcher falls back to v1; results must not change."""
+    D = lnm.MAX_D_VEC16 if xdt == BF16 else lnm.MAX_D_ANY
+    for per_token in (False, True):
+        check(2, 5, D, xdt, F32, per_token=per_token, affine=True, seed=5)
+
+
+def test_kernel_policy_selects_the_generation(_op):
+    x, sh, sc, w, b, dy = make(2, 9, 1536, BF16, F32, False, False)
+    _, shp, scp, _, _, _ = make(2, 9, 1536, BF16, F32, True, False)
+    prev = lnm.kernel_policy()
+    try:
+        default = dict(zip(lnm.POLICY_KEYS, _op.default_kernels()))
+        assert lnm.set_kernel_policy("default") == default
+        for spec, want in (("v1", (1, 1, 1, 1)), ("v2", (2, 2, 2, 2)), ("fwd_token=v2,bwd_sample=v2,v1", None),
+                           ("v1,fwd_token=v2,bwd_sample=v2", (1, 2, 2, 1))):
+            if want is None:  # later items override earlier ones: the trailing v1 wins
+                assert set(lnm.set_kernel_policy(spec).values()) == {1}
+                continue
+            pol = lnm.set_kernel_policy(spec)
+            ps, pt = _op.describe(x, sc), _op.describe(x, scp)
+            # describe: [..., 6] fwd generation, [7] bwd generation
+            assert (ps[6], pt[6], ps[7], pt[7]) == want, (spec, pol, ps, pt)
+        with pytest.raises(ValueError):
+            lnm.set_kernel_policy("fwd=v3")
+    finally:
+        lnm.set_kernel_policy(prev)
+    # the scalar path (unaligned, D odd) has no v2 kernels: v1 whatever the policy
+    lnm.set_kernel_policy("v2")
+    try:
+        xo = torch.randn(2, 9, 1001, device=CUDA, dtype=BF16)
+        so = torch.randn(2, 1, 1001, device=CUDA)
+        d = _op.describe(xo, so)
+        assert d[6] == 1 and d[7] == 1
+    finally:
+        lnm.set_kernel_policy(prev)
+
+
+@pytest.mark.parametrize("per_token", [False, True], ids=["per_sample", "per_token"])
+@pytest.mark.parametrize("D", [1536, 5120, 8192])
+def test_v1_and_v2_agree(D, per_token):
+    """Same inputs through both generations: y to one bf16 rounding, gradients to fp32 summation
+    order (the fp64 tests bound each generation; this one catches a generation-specific slip that
+    both fp64 bounds might tolerate)."""
+    x, sh, sc, w, b, dy = make(3, 517, D, BF16, F32, per_token, True, seed=D)
+    prev = lnm.kernel_policy()
+    res = {}
+    try:
+        for gen in GENS:
+            lnm.set_kernel_policy(gen)
+            res[gen] = run(lnm.ln_modulate, x, sh, sc, w, b, dy)
+    finally:
+        lnm.set_kernel_policy(prev)
+    names = ["y", "dx", "dshift", "dscale", "dweight", "dbias"]
+    for name, u, v in zip(names, res["v1"], res["v2"]):
+        assert u.shape == v.shape and u.dtype == v.dtype, name
+        if u.dtype == BF16:
+            torch.testing.assert_close(u.float(), v.float(), atol=2e-2, rtol=1e-2, msg=name)
+        else:
+            scale = v.abs().max().item() + 1e-6
+            err = (u - v).abs().max().item()
+            assert err <= 1e-4 * scale, f"{name}: v1 vs v2 max diff {err:.3g} (scale {scale:.3g})"
 
 
 def test_modulation_layouts():
@@ -194,8 +296,10 @@ def _poison_allocator(nbytes):
     torch.cuda.synchronize()
 
 
-@pytest.mark.parametrize("D,per_token", [(1536, False), (1000, True), (100, False), (5120, True)])
-def test_poisoned_outputs_fully_written(D, per_token):
+@pytest.mark.parametrize("kernels", GENS, indirect=True)
+@pytest.mark.parametrize("D,per_token", [(1536, False), (1000, True), (100, False), (5120, True), (5120, False),
+                                         (1536, True), (3072, False)])
+def test_poisoned_outputs_fully_written(D, per_token, kernels):
     B, S = 3, 53
     x, sh, sc, w, b, dy = make(B, S, D, BF16, F32, per_token, True)
     _poison_allocator(64 * B * S * D)
@@ -211,8 +315,10 @@ def test_poisoned_outputs_fully_written(D, per_token):
     assert torch.isfinite(y).all() and torch.isfinite(mean).all() and torch.isfinite(rstd).all()
 
 
-def test_deterministic():
-    x, sh, sc, w, b, dy = make(2, 3001, 1536, BF16, F32, False, True)
+@pytest.mark.parametrize("kernels", GENS, indirect=True)
+@pytest.mark.parametrize("D,per_token", [(1536, False), (5120, False), (1536, True)])
+def test_deterministic(D, per_token, kernels):
+    x, sh, sc, w, b, dy = make(2, 3001, D, BF16, F32, per_token, True)
     a = run(lnm.ln_modulate, x, sh, sc, w, b, dy)
     c = run(lnm.ln_modulate, x, sh, sc, w, b, dy)
     for u, v in zip(a, c):
@@ -227,7 +333,8 @@ def test_custom_op_registration_and_fake():
                            None, None, 1e-6))
 
 
-def test_torch_compile_matches_eager():
+@pytest.mark.parametrize("kernels", GENS, indirect=True)
+def test_torch_compile_matches_eager(kernels):
     x, sh, sc, w, b, dy = make(2, 257, 1536, BF16, F32, False, False)
     table = torch.randn(2, 6, 1536, device=CUDA)
 
@@ -246,10 +353,12 @@ def test_torch_compile_matches_eager():
         torch.testing.assert_close(c, e, atol=1e-2, rtol=1e-2)
 
 
-def test_cuda_graph_capture_and_replay():
-    x, sh, sc, w, b, dy = make(2, 129, 1536, BF16, F32, False, True)
+@pytest.mark.parametrize("kernels", GENS, indirect=True)
+@pytest.mark.parametrize("D", [1536, 5120])
+def test_cuda_graph_capture_and_replay(D, kernels):
+    x, sh, sc, w, b, dy = make(2, 129, D, BF16, F32, False, True)
     xs = x.clone().requires_grad_()
-    table = torch.randn(2, 6, 1536, device=CUDA).requires_grad_()
+    table = torch.randn(2, 6, D, device=CUDA).requires_grad_()
     ws = w.clone().requires_grad_()
 
     def step():
