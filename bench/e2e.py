@@ -40,7 +40,7 @@ import subprocess
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -515,7 +515,8 @@ def aggregate_arm(res: dict, plan: dict, warmup_steps: int) -> dict:
         "train_wall_s": sum(r["wall_s"] for r in recs),
         "process_wall_s": res["process_wall_s"],
         # launcher, imports, process groups, model build, ZeRO-3 init, op load, and shutdown
-        "startup_shutdown_s": res["process_wall_s"] - sum(r["wall_s"] for r in recs) - (summ.get("eval") or {}).get("s", 0.0),
+        "startup_shutdown_s": (res["process_wall_s"] - sum(r["wall_s"] for r in recs)
+                               - (summ.get("eval") or {}).get("s", 0.0)),
         "eval_s": (summ.get("eval") or {}).get("s", 0.0),
         "timing": summ.get("timing", "wall"),
         "cv_step": float(np.mean(cv_c)) if cv_c else 0.0,
@@ -591,7 +592,8 @@ def simulator_section(s: Settings, plans: dict, arms: dict, profile_path: str, b
                              "dual": float(np.mean(dual["predicted_cv"][w * dual["gas"]:] or [0]))},
         }
         meas = {}
-        for t_name, d_name, label in (("baseline", "dual_ref", "reference LN"), ("tokens_fused", "adaptive", "fused LN")):
+        pairs = (("baseline", "dual_ref", "reference LN"), ("tokens_fused", "adaptive", "fused LN"))
+        for t_name, d_name, label in pairs:
             a, b = arms.get(d_name), arms.get(t_name)
             if a and b and a.get("ok") and b.get("ok"):
                 meas[label] = {"ratio_dual_over_tokens": a["tokens_per_s"] / b["tokens_per_s"],
@@ -630,9 +632,11 @@ def _fmt(x, spec=".3f", pct=False) -> str:
 def table(report: dict) -> str:
     arms, rat = report["arms"], report.get("ratios", {})
     st = report["settings"]
-    lines = [f"End-to-end: {st['model']} ({st['layers']} blocks), {st['num_gpus']} x {report['environment']['device_name']}, "
-             f"ZeRO-3, gas {'/'.join(str(report['plans'][n]['gas']) for n in arms if n in report.get('plans', {}))} "
-             f"({', '.join(n for n in arms if n in report.get('plans', {}))}), one epoch of {st['num_samples']} samples (seed {st['seed']}), "
+    planned = [n for n in arms if n in report.get("plans", {})]
+    lines = [f"End-to-end: {st['model']} ({st['layers']} blocks), {st['num_gpus']} x "
+             f"{report['environment']['device_name']}, ZeRO-3, gas "
+             f"{'/'.join(str(report['plans'][n]['gas']) for n in planned)} ({', '.join(planned)}), one epoch of "
+             f"{st['num_samples']} samples (seed {st['seed']}), "
              f"m_mem {report['budgets']['m_mem_gib']:.2f} GiB, m_comp {report['budgets']['m_comp_ms']:.0f} ms; "
              f"warm-up {st['warmup_steps']} step(s) excluded"]
     hdr = (f"{'arm':<14}{'steps':>6}{'seen/drop':>11}{'tok/s':>11}{'x base':>8}{'smp/s':>8}{'x base':>8}"
@@ -659,7 +663,8 @@ def table(report: dict) -> str:
         lines.append("")
         lines.append(f"Simulator vs measurement ({st['num_gpus']} GPUs, same samples and budgets): predicted "
                      f"tokens/s dual/tokens {same['predicted_ratio_dual_over_tokens']:.3f}x, predicted CV tokens "
-                     f"{_fmt(same['predicted_cv']['tokens'], pct=True)} dual {_fmt(same['predicted_cv']['dual'], pct=True)}")
+                     f"{_fmt(same['predicted_cv']['tokens'], pct=True)} dual "
+                     f"{_fmt(same['predicted_cv']['dual'], pct=True)}")
         for label, m in same.get("measured", {}).items():
             lines.append(f"  measured ({label}): dual/tokens {m['ratio_dual_over_tokens']:.3f}x, CV_step tokens "
                          f"{_fmt(m['cv_step']['tokens'], pct=True)} dual {_fmt(m['cv_step']['dual'], pct=True)} "
@@ -668,7 +673,8 @@ def table(report: dict) -> str:
     for name, a in arms.items():
         if a.get("ok"):
             p = a["predicted"]
-            lines.append(f"  {name:<13} measured/predicted step time {_fmt(p['measured_over_predicted_step_time'], '.2f')}, "
+            lines.append(f"  {name:<13} measured/predicted step time "
+                         f"{_fmt(p['measured_over_predicted_step_time'], '.2f')}, "
                          f"Pearson r (batch cost vs rank compute) {_fmt(p['pearson_batch_cost_vs_compute'], '.3f')}, "
                          f"(step max) {_fmt(p['pearson_step_max'], '.3f')}; process {a['process_wall_s']:.0f} s = "
                          f"steps {a['train_wall_s']:.0f} s + eval {a['eval_s']:.0f} s + start-up/shutdown "
@@ -676,8 +682,10 @@ def table(report: dict) -> str:
     if sim.get("scale"):
         lines.append("")
         lines.append("Simulated at scale (same profile, shape mix and budgets):")
-        lines.append(f"{'GPUs':>6}{'dual/tokens':>13}{'CV tokens':>11}{'CV dual':>9}{'idle tokens':>13}{'idle dual':>11}")
-        lines.append(f"{str(st['num_gpus']) + '*':>6}{_fmt(same and same['predicted_ratio_dual_over_tokens'], '.3f'):>13}"
+        lines.append(f"{'GPUs':>6}{'dual/tokens':>13}{'CV tokens':>11}{'CV dual':>9}{'idle tokens':>13}"
+                     f"{'idle dual':>11}")
+        lines.append(f"{str(st['num_gpus']) + '*':>6}"
+                     f"{_fmt(same and same['predicted_ratio_dual_over_tokens'], '.3f'):>13}"
                      f"{_fmt(same and same['predicted_cv']['tokens'], pct=True):>11}"
                      f"{_fmt(same and same['predicted_cv']['dual'], pct=True):>9}{'':>13}{'':>11}")
         for world, v in sim["scale"].items():
@@ -705,7 +713,8 @@ def plan_table(report: dict) -> str:
                      f"{t['eval_s']:>8.1f}{t['total_s']:>9.1f}{_fmt(float(np.mean(p['predicted_cv'])), pct=True):>9}")
     tot = report["predicted_total_s"]
     verdict = "within" if tot <= st["budget_s"] else "OVER"
-    lines.append(f"predicted total for {len(report['plans'])} arm(s): {tot:.0f} s ({verdict} the {st['budget_s']:.0f} s "
+    lines.append(f"predicted total for {len(report['plans'])} arm(s): {tot:.0f} s ({verdict} the "
+                 f"{st['budget_s']:.0f} s "
                  "budget; the fused op's one-time build is not included)")
     few = [n for n, p in report["plans"].items() if p["steps"] < st["warmup_steps"] + 8]
     if few:
@@ -776,7 +785,8 @@ def plot(report: dict, path: Path) -> Optional[str]:
     a4 = ax[1, 1]
     for n, a in arms.items():
         p = a["predicted"]
-        a4.scatter(np.array(p["micro_max_ms"]) / 1e3, np.array(p["measured_micro_max_ms"]) / 1e3, s=12, color=colors.get(n),
+        a4.scatter(np.array(p["micro_max_ms"]) / 1e3, np.array(p["measured_micro_max_ms"]) / 1e3, s=12,
+                   color=colors.get(n),
                    label=f"{n} (r={_fmt(p['pearson_step_max'], '.3f')})")
     a4.set(xlabel="predicted slowest-rank cost [s] (profile)", ylabel="measured slowest-rank compute [s]",
            title="Cost model vs measurement, per micro-step")
@@ -847,7 +857,8 @@ def finish(report: dict, out: Path, *, final: bool) -> None:
     if final:
         s = Settings(**report["settings"])
         try:
-            report["simulator"] = simulator_section(s, plans, arms, report["profile"]["path"], Budgets(**report["budgets"]))
+            report["simulator"] = simulator_section(s, plans, arms, report["profile"]["path"],
+                                                    Budgets(**report["budgets"]))
         except Exception as exc:  # noqa: BLE001
             report["simulator"] = {"error": f"{type(exc).__name__}: {exc}"}
     (out / "e2e.json").write_text(json.dumps(report, indent=1, default=float) + "\n")
@@ -855,7 +866,8 @@ def finish(report: dict, out: Path, *, final: bool) -> None:
         logs = []
         for name, raw in report["raw"].items():
             path = Path(raw.get("work_dir", "")) / "train.log"
-            text = path.read_text(errors="replace") if raw.get("work_dir") and path.is_file() else raw.get("log_tail", "")
+            found = raw.get("work_dir") and path.is_file()
+            text = path.read_text(errors="replace") if found else raw.get("log_tail", "")
             logs.append(f"===== {name} (rc {raw.get('returncode')}, {raw.get('process_wall_s', 0):.0f} s) =====\n"
                         f"{text[-5000:]}\n")
         if any(not x.rstrip().endswith("=====") for x in logs):
@@ -869,19 +881,23 @@ def finish(report: dict, out: Path, *, final: bool) -> None:
 
 # ================================================================================== main
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda when available")
     ap.add_argument("--num-gpus", type=int, default=None, help="ranks per arm (default: all GPUs; 2 on CPU)")
     ap.add_argument("--model", default=None, help="Wan preset (default: wan2.1-1.3b; tiny on CPU)")
-    ap.add_argument("--layers", type=int, default=None, help="transformer blocks (default: 4 on GPU; the preset's on CPU)")
-    ap.add_argument("--num-samples", type=int, default=None, help="dataset size = samples of the epoch (default 150 per GPU; 128 on CPU)")
-    ap.add_argument("--shapes", default=None, help="shape mix (default: the shipped Wan mix; launch/configs/shapes_cpu.json on CPU)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="transformer blocks (default: 4 on GPU; the preset's on CPU)")
+    ap.add_argument("--num-samples", type=int, default=None,
+                    help="dataset size = samples of the epoch (default 150 per GPU; 128 on CPU)")
+    ap.add_argument("--shapes", default=None,
+                    help="shape mix (default: the shipped Wan mix; launch/configs/shapes_cpu.json on CPU)")
     ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {', '.join(ARMS)}")
     ap.add_argument("--gas", type=int, default=1, help="gradient_accumulation_steps of the tokens arms (default 1)")
     ap.add_argument("--dual-gas", default="match",
-                    help="gradient_accumulation_steps of the dual arms: 'match' (default: as many samples per optimizer "
-                         "step as the baseline, see docs/E2E.md) or a number")
+                    help="gradient_accumulation_steps of the dual arms: 'match' (default: as many samples per "
+                         "optimizer step as the baseline, see docs/E2E.md) or a number")
     ap.add_argument("--no-grad-ckpt", action="store_true", help="no activation checkpointing (the profile assumes it)")
     ap.add_argument("--workers", type=int, default=None, help="DataLoader workers per rank (default 4; 0 on CPU)")
     ap.add_argument("--eval-samples", type=int, default=None, help="held-out samples (default 16; 4 on CPU; 0: off)")
@@ -898,7 +914,8 @@ def build_parser() -> argparse.ArgumentParser:
                          f"(default {BASE_PROFILE})")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warmup-steps", type=int, default=1, help="optimizer steps excluded from throughput and CV")
-    ap.add_argument("--startup-s", type=float, default=None, help="--plan-only: start-up per arm (default 35; 10 on CPU)")
+    ap.add_argument("--startup-s", type=float, default=None,
+                    help="--plan-only: start-up per arm (default 35; 10 on CPU)")
     ap.add_argument("--step-overhead-s", type=float, default=None,
                     help="--plan-only: per optimizer step beyond the profile's compute (default 0.15; 0.05 on CPU)")
     ap.add_argument("--budget-s", type=float, default=300.0, help="--plan-only: budget for all arms (default 300)")
@@ -912,7 +929,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--plan-only", action="store_true", help="print the plan and predicted time per arm; run nothing")
     ap.add_argument("--report-only", action="store_true",
                     help="re-aggregate, tabulate and plot an e2e.json (--from-json, default OUT/e2e.json) into OUT")
-    ap.add_argument("--from-json", default=None, help="--report-only: the e2e.json to read (e.g. one fetched from a GPU run)")
+    ap.add_argument("--from-json", default=None,
+                    help="--report-only: the e2e.json to read (e.g. one fetched from a GPU run)")
     return ap
 
 
@@ -962,7 +980,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         elapsed = time.perf_counter() - t_start
         if s.deadline_s and elapsed + pred[name]["total_s"] > s.deadline_s:
             report["raw"][name] = {"ok": False, "error": f"skipped: {elapsed:.0f} s elapsed + predicted "
-                                                         f"{pred[name]['total_s']:.0f} s > deadline {s.deadline_s:.0f} s"}
+                                                         f"{pred[name]['total_s']:.0f} s > deadline "
+                                                         f"{s.deadline_s:.0f} s"}
             print(f"[e2e] {name}: {report['raw'][name]['error']}", flush=True)
             continue
         timeout = s.arm_timeout_s or (3 * pred[name]["total_s"] + 120)

@@ -274,8 +274,9 @@ def test_weighted_tail_mean_and_pearson():
 
 def _fake_arm(name: str, compute: list, wall: list, samples: list, loss: list) -> tuple[dict, dict]:
     recs = []
-    for k, (c, w, n, l) in enumerate(zip(compute, wall, samples, loss)):
-        recs.append({"step": k + 1, "loss": l, "lr": 1e-4, "samples": n, "tokens": 100 * n, "wall_s": sum(w) / 1e3 + 0.01,
+    for k, (c, w, n, lo) in enumerate(zip(compute, wall, samples, loss)):
+        recs.append({"step": k + 1, "loss": lo, "lr": 1e-4, "samples": n, "tokens": 100 * n,
+                     "wall_s": sum(w) / 1e3 + 0.01,
                      "micro_compute_ms": [c], "micro_wall_ms": [w], "compute_ms": c, "wall_ms": w,
                      "peak_mem_gib": [1.0 + k, 2.0], "mem_capacity_gib": 10.0, "data_ms": 1.0})
     plan = {"samples": sum(samples), "tail_dropped": 1, "oversize": 0, "steps": len(recs), "gas": 1,
