@@ -574,6 +574,9 @@ template <typename T, typename M, int NV>
 FwdChoice fwd_generic_v2(const FwdParams& p, int nvec) {
   if (nvec <= 64 * NV) return FwdChoice{};
   if (nvec <= 128 * NV) return fwd_make_v2<T, M, NV, 128, 3, 2, false>(p);
+  // Per-sample rows wider than 128 threads x NV vectors failed to launch on an H100 (D=8192 bf16,
+  // "invalid argument", 2026-11-22) while per-token ones ran: keep them on v1 until measured.
+  if (p.shift_ss == 0 && p.scale_ss == 0) return FwdChoice{};
   if (nvec <= 256 * NV) return fwd_make_v2<T, M, NV, 256, 3, 2, false>(p);
   if (nvec <= 512 * NV) return fwd_make_v2<T, M, NV, 512, 3, 2, false>(p);
   return FwdChoice{};
