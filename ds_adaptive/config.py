@@ -119,10 +119,16 @@ class MetricsConfig(_Block):
     """Write one JSON line per logged step to `log_dir`/metrics.jsonl."""
 
     sync_timing: bool = True
-    """Sync the device at the start and end of each micro-step's compute, so that its queued kernels
-    are timed on the rank that ran them and the step-end all-gather of timings is not (costs a
-    little throughput). ZeRO-3's layer-wise all-gathers still run inside forward/backward, so a fast
-    rank's time can include waiting there; `compute_cv` (from batch shapes) has no such blind spot."""
+    """Synchronize the device when each micro-step's timed region (batch on the device .. backward
+    done) starts and ends; it matters only for host-clock timing. With the trainer's default
+    `--compute-timing` on CUDA, per-rank compute time comes from CUDA events
+    (`metrics.ComputeTimer`: ZeRO-3's waits for other ranks inside forward/backward subtracted),
+    which need no sync: the setting then only keeps the host from queuing work ahead (a little
+    throughput) and makes `data_ms` include device work still queued when the batch arrives (the
+    optimizer step's, the host-to-device copy). With `--no-compute-timing`, or when no DeepSpeed
+    wait points are found (summary `timing: wall`), compute time is the region's host wall-clock
+    time, waits for other ranks included, and only with the sync does it cover the rank's kernels
+    rather than their launches. No effect on CPU."""
 
 
 class AdaptiveLoadConfig(_Block):
