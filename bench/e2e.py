@@ -24,9 +24,10 @@ loss per sample seen, held-out loss, and the simulator's prediction for the same
     python bench/e2e.py --report-only --out bench/out/e2e # tables + plots again from e2e.json
 
 Reduced depth: the cost profile (``h100-wan2.1-1.3b``, 30 blocks) is rescaled to the trained depth
-(:func:`scale_profile_depth`), and the memory budget is the full-depth ``auto`` budget scaled by the
-activation memory per token, so every arm forms exactly the micro-batches the 30-block model would
-form at its default budgets; only the time per micro-batch shrinks. Method: docs/E2E.md.
+(:meth:`ds_adaptive.cost.Profile.with_num_layers`), and the memory budget is the full-depth ``auto``
+budget scaled by the activation memory per token, so every arm forms exactly the micro-batches the
+30-block model would form at its default budgets; only the time per micro-batch shrinks. Method:
+docs/E2E.md.
 """
 from __future__ import annotations
 
@@ -58,11 +59,6 @@ from ds_adaptive.shapes import load_shape_distribution  # noqa: E402
 
 FORMAT = "ds_adaptive.e2e/1"
 BASE_PROFILE = "h100-wan2.1-1.3b"
-# From the shipped profile's note: embed/head cost 2 ms per micro-batch + 12*dim*64 FLOP per token at
-# 400 TFLOP/s, not scaled by depth; everything else of the fitted time is the blocks'.
-EMBED_HEAD_MS = 2.0
-EMBED_HEAD_FLOP_PER_TOKEN_PER_DIM = 12 * 64
-EMBED_HEAD_FLOPS = 400e12
 SIM_WORLDS = (8, 16, 64, 1024)
 
 
@@ -86,49 +82,6 @@ ARMS = {a.name: a for a in (
     Arm("dual_ref", "dual", False, "dual + reference LN"),
     Arm("tokens_fused", "tokens", True, "tokens + fused LN"),
 )}
-
-
-# ================================================================================== cost model
-def scale_profile_depth(raw: dict, num_layers: int) -> dict:
-    """A profile dict for the same model with ``num_layers`` blocks instead of the profile's.
-
-    The shipped profiles are per-block measurements scaled by depth (their ``note``): full-model time
-    ``= layers * block(S) * 4/3 + embed/head``, activation memory per token ``= one block's
-    recomputed activations + layers * dim * 2 bytes (checkpointed block inputs) + embed/head``.
-    So: the block part of ``c0``, ``a`` and ``b`` scales by ``num_layers / layers``; the embed/head
-    part (``EMBED_HEAD_MS`` per micro-batch, ``12 * dim * 64`` FLOP per token) does not; ``m1`` loses
-    ``dim * 2`` bytes per token per removed block; parameters lose ``block_params`` per block; the
-    Ulysses comm term is per layer already (``CostModel`` multiplies by ``model.num_layers``).
-    """
-    L0 = int(raw["model"]["num_layers"])
-    if num_layers < 1:
-        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
-    if num_layers == L0:
-        return copy.deepcopy(raw)
-    if "block_params" not in raw["model"]:
-        raise ValueError(f"profile {raw.get('name')} has no model.block_params: cannot rescale its depth")
-    f = num_layers / L0
-    dim = int(raw["model"]["dim"])
-    e_tok = EMBED_HEAD_FLOP_PER_TOKEN_PER_DIM * dim / EMBED_HEAD_FLOPS * 1e3   # ms per token
-    d = copy.deepcopy(raw)
-    c, c_raw = d["compute"], raw["compute"]
-    c["c0_ms"] = f * max(c_raw["c0_ms"] - EMBED_HEAD_MS, 0.0) + min(EMBED_HEAD_MS, c_raw["c0_ms"])
-    c["a_ms_per_token"] = f * max(c_raw["a_ms_per_token"] - e_tok, 0.0) + min(e_tok, c_raw["a_ms_per_token"])
-    c["b_ms_per_token2"] = f * c_raw["b_ms_per_token2"]
-    c.pop("fit", None)   # the fit's points are full-depth measurements
-    dbytes = 2 * dim / 2**30
-    d["memory"]["m1_gib_per_token"] = raw["memory"]["m1_gib_per_token"] - (L0 - num_layers) * dbytes
-    d["memory"].pop("fit", None)
-    params = int(raw["model"]["params"]) - (L0 - num_layers) * int(raw["model"]["block_params"])
-    d["model"]["num_layers"] = num_layers
-    d["model"]["params"] = params
-    d["static_memory"]["params"] = params
-    d["static_memory"]["stage3_live_params"] = min(int(raw["static_memory"]["stage3_live_params"]), params)
-    d.pop("measurements", None)
-    d["name"] = f"{raw.get('name', 'profile')}-{num_layers}blocks"
-    d["source"] = (f"{raw.get('name')} rescaled from {L0} to {num_layers} blocks by bench/e2e.py "
-                   "(scale_profile_depth): block terms x depth ratio, embed/head terms kept")
-    return d
 
 
 # ================================================================================== settings
@@ -945,8 +898,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if s.warmup_steps < 0 or s.gas < 1 or s.layers < 1 or not (s.dual_gas == "match" or s.dual_gas.isdigit()
                                                                   and int(s.dual_gas) >= 1):
         raise SystemExit("bench/e2e.py: --warmup-steps >= 0, --gas >= 1, --layers >= 1, --dual-gas match or >= 1")
-    raw = copy.deepcopy(dict(load_profile(s.profile).raw))
-    scaled = scale_profile_depth(raw, s.layers)
+    base = load_profile(s.profile)
+    raw = copy.deepcopy(dict(base.raw))
+    scaled = copy.deepcopy(dict(base.with_num_layers(s.layers).raw))
     work = Path(s.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     profile_path = str((work / f"profile-{s.layers}blocks.json").resolve())

@@ -26,9 +26,15 @@ Memory (GiB, all modes, from the profile)::
 Static memory (parameters, gradients, optimizer state under ZeRO) is separate: see
 :meth:`Profile.static_memory_gib`. Profiles are looked up by shipped name (``h100-wan2.1-1.3b``,
 ``h100-wan2.1-14b``) or by path (:func:`load_profile`).
+
+A profile describes the model at its full depth (``model.num_layers``: 30 blocks for Wan 1.3B, 40 for
+14B); :meth:`Profile.with_num_layers` rescales it to a model with fewer (or more) blocks, as trained
+with ``--layers N``.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -44,9 +50,21 @@ GIB = float(1 << 30)
 CostMode = Literal["calibrated", "power", "tokens"]
 COST_UNITS = {"calibrated": "ms", "power": "S^p", "tokens": "tokens"}
 
+# Depth-independent embed/head part of a calibrated profile's time (see Profile.with_num_layers):
+# patch/text/time embeddings and the head cost ~2 ms per micro-batch (launches, fwd+bwd) plus
+# 12 * dim * 64 FLOP per token at 400 TFLOP/s. Estimates, not fitted: changing them changes every
+# depth-rescaled plan (bench/e2e.py's GPU results were planned with these values).
+EMBED_HEAD_MS = 2.0
+EMBED_HEAD_FLOP_PER_TOKEN_PER_DIM = 12 * 64
+EMBED_HEAD_FLOPS = 400e12
+
 
 class ProfileError(ValueError):
     """A profile name that is not shipped, or a profile json that is malformed."""
+
+
+class ProfileDepthError(ProfileError):
+    """A profile that cannot be rescaled to another depth (no ``model.block_params``)."""
 
 
 class SequenceParallelError(ValueError):
@@ -100,6 +118,8 @@ class Profile:
     stage3_live_params: int
     workspace_gib: float
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    #: depth of the profile this one was rescaled from by :meth:`with_num_layers` (None: as loaded)
+    rescaled_from_layers: Optional[int] = field(default=None, compare=False)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], *, where: str = "<dict>") -> "Profile":
@@ -134,6 +154,76 @@ class Profile:
             workspace_gib=_num(static, "workspace_gib", where + " static_memory"),
             raw=dict(d),
         )
+
+    def with_num_layers(self, num_layers: int) -> "Profile":
+        """The same calibration for the model with ``num_layers`` transformer blocks instead of
+        ``self.num_layers`` (e.g. a run with ``--layers 4`` of the 30-block Wan 1.3B profile).
+
+        Calibrated time is ``blocks x block(S) + embed/head`` and activation memory per token is
+        ``one block's recomputed working set + blocks x dim x 2 bytes (checkpointed bf16 block inputs)
+        + embed/head`` (``ds-adaptive calibrate`` differences two depths; its measurements give
+        exactly 2.0 bytes per token per dim per block). With ``f = num_layers / self.num_layers``:
+
+        - ``c0_ms``: ``f x (c0 - EMBED_HEAD_MS) + EMBED_HEAD_MS`` (2 ms per micro-batch of
+          embed/head launches is depth-independent; the rest of the intercept is the blocks').
+        - ``a_ms_per_token``: ``f x (a - e) + e`` with ``e = 12 x dim x 64 FLOP / 400 TFLOP/s``, the
+          embed/head per-token time (depth-independent).
+        - ``b_ms_per_token2``: ``f x b`` (all of the S^2 term is attention, in the blocks).
+        - ``m1_gib_per_token``: minus ``dim x 2`` bytes per removed block; ``m0_gib`` unchanged
+          (per-sample, not per-block).
+        - Ulysses comm: unchanged per layer (``comm.bytes_per_token_per_layer``); :class:`CostModel`
+          multiplies it by ``num_layers``, so the total scales with depth.
+        - Static memory: ``params`` minus ``model.block_params`` per removed block (embeddings and
+          head kept), ``stage3_live_params`` capped at the new ``params``; ``bytes_per_param``,
+          ``workspace_gib``, ``gpu_mem_gib``, ``sp``, heads and dim unchanged. A budget of
+          ``m_mem: auto`` resolved with the result is the reduced model's own (its smaller static
+          memory): a reduced model gets larger micro-batches than the full-depth one.
+        - The calibration's fit points and raw measurements (full-depth) are dropped.
+
+        ``EMBED_HEAD_MS`` and the per-token FLOP are estimates, not fitted. Against the shipped
+        calibrations' own reduced-depth measurements (``measurements.raw``: 1.3B at 2 and 4 blocks,
+        14B at 1 and 2), the rescaled profiles predict time within 7% and activation memory within
+        15% at the points the full-depth fit uses (B x S >= 8192 tokens), as good as the full-depth
+        fit itself; latency-bound micro-batches (one short sample) are underpredicted there as at
+        full depth. Returns ``self`` when the depth is unchanged; the result's
+        ``rescaled_from_layers`` is the original depth. Needs ``model.block_params`` in the profile
+        json (written by ``ds-adaptive calibrate``).
+        """
+        L0 = self.num_layers
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+            raise ValueError(f"num_layers must be an int >= 1, got {num_layers!r}")
+        if num_layers == L0:
+            return self
+        raw = self.raw
+        if "block_params" not in raw.get("model", {}):
+            raise ProfileDepthError(f"profile {self.name} has no model.block_params: cannot rescale it from {L0} to "
+                               f"{num_layers} blocks; re-create it with `ds-adaptive calibrate`, or calibrate "
+                               f"the {num_layers}-block model")
+        # The arithmetic below is bench/e2e.py's former scale_profile_depth, operation for operation:
+        # e2e's GPU results were planned with it (tests/test_cost.py pins the numbers).
+        f = num_layers / L0
+        dim = int(raw["model"]["dim"])
+        e_tok = EMBED_HEAD_FLOP_PER_TOKEN_PER_DIM * dim / EMBED_HEAD_FLOPS * 1e3   # ms per token
+        d = copy.deepcopy(dict(raw))
+        c, c_raw = d["compute"], raw["compute"]
+        c["c0_ms"] = f * max(c_raw["c0_ms"] - EMBED_HEAD_MS, 0.0) + min(EMBED_HEAD_MS, c_raw["c0_ms"])
+        c["a_ms_per_token"] = f * max(c_raw["a_ms_per_token"] - e_tok, 0.0) + min(e_tok, c_raw["a_ms_per_token"])
+        c["b_ms_per_token2"] = f * c_raw["b_ms_per_token2"]
+        c.pop("fit", None)   # the fit's points are full-depth measurements
+        dbytes = 2 * dim / 2**30
+        d["memory"]["m1_gib_per_token"] = raw["memory"]["m1_gib_per_token"] - (L0 - num_layers) * dbytes
+        d["memory"].pop("fit", None)
+        params = int(raw["model"]["params"]) - (L0 - num_layers) * int(raw["model"]["block_params"])
+        d["model"]["num_layers"] = num_layers
+        d["model"]["params"] = params
+        d["static_memory"]["params"] = params
+        d["static_memory"]["stage3_live_params"] = min(int(raw["static_memory"]["stage3_live_params"]), params)
+        d.pop("measurements", None)
+        d["name"] = f"{raw.get('name', 'profile')}-{num_layers}blocks"
+        d["source"] = (f"{raw.get('name')} rescaled from {L0} to {num_layers} blocks by ds_adaptive.cost "
+                       "(Profile.with_num_layers): block terms x depth ratio, embed/head terms kept")
+        out = Profile.from_dict(d, where=f"{self.name} at {num_layers} blocks")
+        return dataclasses.replace(out, rescaled_from_layers=self.rescaled_from_layers or L0)
 
     def static_memory_gib(self, zero_stage: int, shard_ranks: int) -> float:
         """Parameters + gradients + optimizer state per GPU under ZeRO ``zero_stage`` (0-3) with

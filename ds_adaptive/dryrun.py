@@ -327,6 +327,16 @@ def _check_memory_and_budgets(rep, args, adaptive, wcfg, n_params, stage, sp, dp
     if pmodel not in (None, args.model):
         rep.warn("profile", f"profile '{profile.name}' was measured for {pmodel}, checking {args.model}: costs and "
                             f"activation memory are extrapolated; run `ds-adaptive calibrate --model {args.model}`")
+    if args.layers and args.layers != profile.num_layers:  # as the trainer: plan for the trained depth
+        from ds_adaptive.cost import ProfileDepthError
+
+        try:
+            base, profile = profile, profile.with_num_layers(args.layers)
+            rep.row("profile", f"'{base.name}' ({base.num_layers} blocks) rescaled to --layers {args.layers}: block "
+                               f"compute and activation terms x {args.layers}/{base.num_layers}, embed/head kept", "ok")
+        except ProfileDepthError as exc:
+            rep.warn("profile", f"{exc}; checking with the profile's full-depth costs and memory (the trainer "
+                                "does the same)")
     world = sp * dp
     gpu = args.gpu_mem_gib or profile.gpu_mem_gib
     # static memory of THIS model under the ds_config's ZeRO stage, partitioned over all world ranks

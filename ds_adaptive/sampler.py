@@ -397,12 +397,15 @@ def _detect_gpu_mem_gib() -> Optional[float]:
 def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape], topology: Topology, *,
                         micro_steps_per_step: int, enabled: bool = True, gpu_mem_gib: Optional[float] = None,
                         model_name: Optional[str] = None, zero_stage: Optional[int] = None,
-                        mode: Optional[str] = None) -> _PlannedBatchSampler:
+                        mode: Optional[str] = None, num_layers: Optional[int] = None) -> _PlannedBatchSampler:
     """The batch sampler that ``sampler_cfg`` describes, with ``auto`` budgets resolved.
 
     ``enabled=False`` builds the ``tokens`` baseline at the same memory budget (AdaptiveLoad off);
     ``mode`` overrides ``sampler_cfg.mode`` (the simulator builds every sampler from one config).
-    ``gpu_mem_gib`` defaults to the visible GPU, else the profile's device.
+    ``gpu_mem_gib`` defaults to the visible GPU, else the profile's device. ``num_layers``: the
+    trained model's depth (``--layers``); when it differs from the profile's, the profile is
+    rescaled to it (:meth:`Profile.with_num_layers`; ``sampler.cost.profile.rescaled_from_layers``
+    then holds the profile's own depth).
     """
     if isinstance(sampler_cfg, Mapping):
         sampler_cfg = SamplerConfig.model_validate(sampler_cfg)
@@ -418,6 +421,8 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
                       f"'{profile.raw['model']['name']}', training '{model_name}': predicted costs "
                       f"and memory will be off; run `ds-adaptive calibrate --model {model_name}`",
                       stacklevel=2)
+    if num_layers is not None:
+        profile = profile.with_num_layers(int(num_layers))
     num_heads = None
     if model_name:
         try:

@@ -99,8 +99,11 @@ def simulate(*, world: int, sp: int = 1, steps: int = 50, seed: int = 0,
              dist: Optional[Sequence[ShapeWeight]] = None, profile: str = "h100-wan2.1-1.3b",
              sampler_cfg: Optional[SamplerConfig] = None, micro_steps_per_step: int = 1,
              gpu_mem_gib: Optional[float] = None, samplers: Sequence[str] = SAMPLERS + (PAPER_VARIANT,),
-             keep_plans: bool = False) -> dict:
-    """Plan ``steps`` optimizer steps on ``world`` GPUs (Ulysses degree ``sp``) with each sampler."""
+             keep_plans: bool = False, num_layers: Optional[int] = None) -> dict:
+    """Plan ``steps`` optimizer steps on ``world`` GPUs (Ulysses degree ``sp``) with each sampler.
+
+    ``num_layers``: plan for a model of that many blocks (the profile rescaled by
+    :meth:`ds_adaptive.cost.Profile.with_num_layers`, as the trainer does for ``--layers``)."""
     if world % sp:
         raise ValueError(f"--world {world} is not divisible by --sp {sp}")
     dist = list(dist) if dist is not None else load_shape_distribution()
@@ -108,7 +111,9 @@ def simulate(*, world: int, sp: int = 1, steps: int = 50, seed: int = 0,
     if cfg.profile != profile and sampler_cfg is None:
         cfg = cfg.model_copy(update={"profile": profile})
     dp = world // sp
-    cost = CostModel(load_profile(cfg.profile), cfg.cost_model, p=cfg.p, sp=sp)
+    prof = load_profile(cfg.profile)
+    prof = prof.with_num_layers(num_layers) if num_layers is not None else prof
+    cost = CostModel(prof, cfg.cost_model, p=cfg.p, sp=sp)
     truth = CostModel(cost.profile, "calibrated", sp=sp)   # what the GPUs would take (ms)
     uniq = [d.shape for d in dist]
     budgets = resolve_budgets(mode="dual", cost=cost, shapes=uniq, m_mem=cfg.m_mem, m_comp=cfg.m_comp,
@@ -119,7 +124,8 @@ def simulate(*, world: int, sp: int = 1, steps: int = 50, seed: int = 0,
     n = int(math.ceil(per_step * steps * 1.3)) + cfg.window * dp
     shapes = draw_shapes(dist, n, seed)
     out = {"world": world, "sp": sp, "dp": dp, "micro_steps_per_step": micro_steps_per_step,
-           "steps": steps, "seed": seed, "profile": cost.profile.name, "cost_model": cost.mode,
+           "steps": steps, "seed": seed, "profile": cost.profile.name, "layers": cost.profile.num_layers,
+           "cost_model": cost.mode,
            "cost_unit": cost.unit, "dataset_samples": n,
            "budgets": {"m_mem_gib": budgets["m_mem"], "m_comp": budgets["m_comp"],
                        "max_tokens": budgets["max_tokens"]},
@@ -130,7 +136,8 @@ def simulate(*, world: int, sp: int = 1, steps: int = 50, seed: int = 0,
         if name == PAPER_VARIANT:
             mode, scfg = "dual", scfg.model_copy(update={"cost_model": "power"})
         s = build_batch_sampler(scfg, shapes, Topology(0, dp, 0, sp),
-                                micro_steps_per_step=micro_steps_per_step, mode=mode, gpu_mem_gib=gpu_mem_gib)
+                                micro_steps_per_step=micro_steps_per_step, mode=mode, gpu_mem_gib=gpu_mem_gib,
+                                num_layers=num_layers)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             plan = s.plan
@@ -198,6 +205,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="ds-adaptive simulate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default=None, help="shape-distribution json (default: the shipped Wan mix)")
     ap.add_argument("--profile", default="h100-wan2.1-1.3b", help="profile name or json path")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="transformer blocks of the trained model (as the trainer's --layers; default: the "
+                         "profile's): the profile is rescaled to that depth")
     ap.add_argument("--world", type=int, required=True, help="number of GPUs")
     ap.add_argument("--sp", type=int, default=1, help="Ulysses degree (default 1)")
     ap.add_argument("--steps", type=int, default=50, help="optimizer steps to plan (default 50)")
@@ -221,7 +231,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     dist = load_shape_distribution(args.shapes)
     res = simulate(world=args.world, sp=args.sp, steps=args.steps, seed=args.seed, dist=dist,
                    profile=args.profile, sampler_cfg=cfg, micro_steps_per_step=args.micro_steps_per_step,
-                   gpu_mem_gib=args.gpu_mem_gib, keep_plans=bool(args.plot))
+                   gpu_mem_gib=args.gpu_mem_gib, keep_plans=bool(args.plot), num_layers=args.layers)
     if args.plot:
         plot(res, args.plot)
     res.pop("_plans", None)

@@ -371,6 +371,7 @@ def train(args: argparse.Namespace) -> dict:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
+    from .cost import ProfileDepthError
     from .sampler import build_batch_sampler
 
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()
@@ -384,9 +385,21 @@ def train(args: argparse.Namespace) -> dict:
         raise ConfigError(f"adaptive_load.sampler.zero_stage is {cfg.sampler.zero_stage} but the ds_config's "
                           f"zero_optimization.stage is {zero_stage}; the trainer plans memory for the stage it "
                           "runs: drop sampler.zero_stage (it is for `ds-adaptive simulate`) or make them agree")
-    sampler = build_batch_sampler(cfg.sampler, sample_shapes, topology, micro_steps_per_step=gas,
-                                  enabled=cfg.enabled, gpu_mem_gib=gpu_mem_gib, model_name=args.model,
-                                  zero_stage=zero_stage)
+    build = dict(enabled=cfg.enabled, gpu_mem_gib=gpu_mem_gib, model_name=args.model, zero_stage=zero_stage)
+    try:  # --layers: plan with the profile rescaled to the trained depth (costs, activations, static memory)
+        sampler = build_batch_sampler(cfg.sampler, sample_shapes, topology, micro_steps_per_step=gas,
+                                      num_layers=args.layers, **build)
+    except ProfileDepthError as exc:
+        if rank == 0:
+            print(f"ds_adaptive.train: warning: {exc}; planning with the profile's full-depth costs and memory "
+                  "(conservative: smaller micro-batches than --layers needs)", flush=True)
+        sampler = build_batch_sampler(cfg.sampler, sample_shapes, topology, micro_steps_per_step=gas, **build)
+    prof = sampler.cost.profile
+    if prof.rescaled_from_layers is not None and rank == 0:
+        print(f"ds_adaptive.train: profile '{cfg.sampler.profile}' describes {prof.rescaled_from_layers} blocks; "
+              f"rescaled to --layers {prof.num_layers} for planning (Profile.with_num_layers: block compute and "
+              f"activation terms x {prof.num_layers}/{prof.rescaled_from_layers}, embed/head kept, static memory "
+              f"of {prof.params / 1e9:.3f}B params)", flush=True)
     if on_gpu and sampler.cost.profile.raw.get("gradient_checkpointing") and not args.grad_ckpt and rank == 0:
         print(f"ds_adaptive.train: warning: the memory budget comes from profile '{sampler.cost.profile.name}', "
               "measured with gradient checkpointing, but --grad-ckpt is off: activations will take more memory "

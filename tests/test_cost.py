@@ -137,3 +137,104 @@ def test_latency_bound_points_are_reported_not_fitted():
     used = [p["fit"] for p in fit["fit"]["points"]]
     assert used == [False, True, True, True]
     assert fit["fit"]["max_rel_err"] < 1e-6
+
+
+# ----------------------------------------------------------------------------------- depth rescaling
+def _legacy_scale_profile_depth(raw: dict, num_layers: int) -> dict:
+    """bench/e2e.py's scale_profile_depth as of commit a89da5d, verbatim (constants inlined): the e2e GPU
+    results were planned with it, so Profile.with_num_layers must reproduce it exactly."""
+    import copy
+
+    L0 = int(raw["model"]["num_layers"])
+    if num_layers == L0:
+        return copy.deepcopy(raw)
+    f = num_layers / L0
+    dim = int(raw["model"]["dim"])
+    e_tok = 12 * 64 * dim / 400e12 * 1e3
+    d = copy.deepcopy(raw)
+    c, c_raw = d["compute"], raw["compute"]
+    c["c0_ms"] = f * max(c_raw["c0_ms"] - 2.0, 0.0) + min(2.0, c_raw["c0_ms"])
+    c["a_ms_per_token"] = f * max(c_raw["a_ms_per_token"] - e_tok, 0.0) + min(e_tok, c_raw["a_ms_per_token"])
+    c["b_ms_per_token2"] = f * c_raw["b_ms_per_token2"]
+    c.pop("fit", None)
+    dbytes = 2 * dim / 2**30
+    d["memory"]["m1_gib_per_token"] = raw["memory"]["m1_gib_per_token"] - (L0 - num_layers) * dbytes
+    d["memory"].pop("fit", None)
+    params = int(raw["model"]["params"]) - (L0 - num_layers) * int(raw["model"]["block_params"])
+    d["model"]["num_layers"] = num_layers
+    d["model"]["params"] = params
+    d["static_memory"]["params"] = params
+    d["static_memory"]["stage3_live_params"] = min(int(raw["static_memory"]["stage3_live_params"]), params)
+    d.pop("measurements", None)
+    d["name"] = f"{raw.get('name', 'profile')}-{num_layers}blocks"
+    return d
+
+
+def test_with_num_layers_reproduces_the_e2e_rescaling_exactly():
+    """bench/e2e.py's GPU results were planned with its former scale_profile_depth: same json (key order,
+    every bit of every number) for both shipped profiles at many depths; only the provenance text moved."""
+    for name in ("h100-wan2.1-1.3b", "h100-wan2.1-14b"):
+        base = load_profile(name)
+        for n in (1, 2, 4, 6, 15, 29, base.num_layers):
+            new = dict(base.with_num_layers(n).raw)
+            old = _legacy_scale_profile_depth(dict(base.raw), n)
+            if n != base.num_layers:
+                assert new.pop("source").startswith(f"{name} rescaled from {base.num_layers} to {n} blocks")
+                old.pop("source")
+            assert json.dumps(new) == json.dumps(old), (name, n)
+    # the numbers the e2e GPU run (1.3B at 4 blocks) planned with, pinned
+    p4 = load_profile("h100-wan2.1-1.3b").with_num_layers(4)
+    assert (p4.name, p4.num_layers, p4.rescaled_from_layers) == ("h100-wan2.1-1.3b-4blocks", 4, 30)
+    assert (p4.c0_ms, p4.a_ms_per_token, p4.b_ms_per_token2) == (6.615536123510192, 0.0045288799936088,
+                                                                  1.8480783498305953e-07)
+    assert (p4.m0_gib, p4.m1_gib_per_token) == (0.04703417826343273, 0.00013515333858340757)
+    assert (p4.params, p4.stage3_live_params) == (211538496, 142881408)
+
+
+def test_with_num_layers_scales_block_terms_and_keeps_embed_head():
+    base = load_profile("h100-wan2.1-1.3b")
+    assert base.with_num_layers(base.num_layers) is base and base.rescaled_from_layers is None
+    half = base.with_num_layers(15)
+    full_cost, half_cost = CostModel(base), CostModel(half)
+    for tokens in (7800, 32760, 75600):       # block-dominated: half the blocks, ~half the time
+        assert half_cost.batch_cost(tokens, 1) == pytest.approx(full_cost.batch_cost(tokens, 1) / 2, rel=0.02)
+    assert half.b_ms_per_token2 == pytest.approx(base.b_ms_per_token2 / 2)
+    assert half.c0_ms == pytest.approx((base.c0_ms - 2.0) / 2 + 2.0)          # 2 ms embed/head kept
+    e_tok = 12 * 64 * base.dim / 400e12 * 1e3
+    assert half.a_ms_per_token == pytest.approx((base.a_ms_per_token - e_tok) / 2 + e_tok)
+    assert half.m0_gib == base.m0_gib
+    assert half.m1_gib_per_token == pytest.approx(base.m1_gib_per_token - 15 * 2 * base.dim / 2**30)
+    assert half.params == base.params - 15 * base.raw["model"]["block_params"]
+    assert (half.num_layers, half.rescaled_from_layers, half.sp, half.gpu_mem_gib) == (15, 30, 1, base.gpu_mem_gib)
+    assert (half.bytes_per_param, half.workspace_gib) == (base.bytes_per_param, base.workspace_gib)
+    # Ulysses comm is per layer in the json; the cost model multiplies by the (new) depth
+    assert half.comm_bytes_per_token_per_layer == base.comm_bytes_per_token_per_layer
+    assert CostModel(half, sp=2).comm_cost(32760) == pytest.approx(CostModel(base, sp=2).comm_cost(32760) / 2)
+    # less static memory -> a larger auto activation budget for the shallower model
+    assert half.static_memory_gib(3, 4) < base.static_memory_gib(3, 4)
+    assert CostModel(half).auto_memory_budget(dp_size=4) > CostModel(base).auto_memory_budget(dp_size=4)
+    # chained rescaling agrees with one step; the fit data of the full depth is dropped
+    assert half.with_num_layers(4).c0_ms == pytest.approx(base.with_num_layers(4).c0_ms)
+    assert "measurements" not in half.raw and "fit" not in half.raw["compute"]
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError):
+            base.with_num_layers(bad)
+    d = dict(base.raw)
+    d["model"] = {k: v for k, v in d["model"].items() if k != "block_params"}
+    with pytest.raises(ProfileError, match="block_params"):
+        load_profile(d).with_num_layers(4)
+
+
+@pytest.mark.parametrize("name", ["h100-wan2.1-1.3b", "h100-wan2.1-14b"])
+def test_rescaled_profile_predicts_the_calibrations_reduced_depth_measurements(name):
+    """The shipped calibrations timed the model at two small depths (1.3B: 2 and 4 blocks, 14B: 1 and 2);
+    the full-depth profile rescaled to those depths must predict them about as well as the full-depth
+    fit predicts its own points (time within 10%, activation memory within 16%), at the points the fit
+    uses (B x S >= 8192 tokens; one short sample is latency-bound at any depth)."""
+    base = load_profile(name)
+    rows = [r for r in base.raw["measurements"]["raw"] if r["B"] * r["S"] >= 8192]
+    assert {r["layers"] for r in rows} == set(base.raw["measurements"]["layers"]) and len(rows) >= 16
+    for r in rows:
+        cm = CostModel(base.with_num_layers(r["layers"]))
+        assert cm.batch_cost(r["S"], r["B"]) == pytest.approx(r["ms"], rel=0.10), r
+        assert cm.batch_memory(r["S"], r["B"]) == pytest.approx(r["act_gib"], rel=0.16), r

@@ -63,6 +63,22 @@ def test_print_command_is_scriptable_and_forwards_trainer_args(capsys, tmp_path:
                          "--steps", "100", "--grad-ckpt"]
 
 
+def test_layers_rescales_the_profile_to_the_checked_depth(capsys) -> None:
+    """--layers 4 of the 30-block profile: the activations and cost of the longest sample shrink with the
+    depth (block terms x 4/30, embed/head kept), as the trainer plans them."""
+    from ds_adaptive.cost import CostModel, load_profile
+
+    base = ("--deepspeed_config", ZERO3, "--model", "wan2.1-1.3b", "--num-gpus", "4")
+    code, full, _ = run(capsys, *base)
+    assert code == 0 and "rescaled" not in full
+    code, out, _ = run(capsys, *base, "--layers", "4")
+    assert code == 0, out
+    assert "'h100-wan2.1-1.3b' (30 blocks) rescaled to --layers 4" in out
+    p4 = CostModel(load_profile("h100-wan2.1-1.3b").with_num_layers(4))
+    assert f"{p4.per_gpu_memory(75600):.2f} GiB activations, {p4.batch_cost(75600, 1):.4g} ms per GPU at B=1" in out
+    assert "--layers 4" in [x for x in out.splitlines() if x.strip().startswith("command")][0]
+
+
 def test_heads_not_divisible_by_sp(capsys) -> None:
     code, out, _ = run(capsys, "--deepspeed_config", ZERO3, "--num-gpus", "8", "--sp", "8")
     assert code == 1
@@ -91,7 +107,10 @@ def test_oversize_sample_error_and_skip(capsys, tmp_path: Path) -> None:
     code, out, _ = run(capsys, "--deepspeed_config", cfg, "--num-gpus", "8", "--sp", "1")
     assert code == 1
     assert "shape 81x720x1280 (75600 tokens" in out
-    assert "activation memory 15.68 GiB > m_mem 6.00 GiB" in out and "use a higher sp" in out
+    from ds_adaptive.cost import CostModel
+
+    act = CostModel("h100-wan2.1-1.3b").per_gpu_memory(75600)   # the shipped calibration: ~15.9 GiB
+    assert f"activation memory {act:.2f} GiB > m_mem 6.00 GiB" in out and "use a higher sp" in out
     # sp=4 quarters the activation memory: it fits
     code, out, _ = run(capsys, "--deepspeed_config", cfg, "--num-gpus", "8", "--sp", "4")
     assert code == 0, out

@@ -1,7 +1,8 @@
 """Guards the end-to-end benchmark (bench/e2e.py) and the compute-time instrumentation it relies on:
 ZeRO-3 waits taken out of per-rank compute time (single process: compute ~ forward+backward wall time;
-two ranks: the heavier rank reports more compute while wall-clock times agree), depth rescaling of the
-cost profile, the GPU defaults' time budget, aggregation, and a real 2-arm run on 2 CPU processes."""
+two ranks: the heavier rank reports more compute while wall-clock times agree), the depth-rescaled cost
+profile it plans with (ds_adaptive.cost.Profile.with_num_layers), the GPU defaults' time budget,
+aggregation, and a real 2-arm run on 2 CPU processes."""
 from __future__ import annotations
 
 import importlib.util
@@ -16,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ds_adaptive.cost import CostModel, load_profile
+from ds_adaptive.cost import load_profile
 from ds_adaptive.metrics import WAIT_POINTS, ComputeTimer, StepMetrics
 from ds_adaptive.config import MetricsConfig
 
@@ -227,24 +228,6 @@ def test_a_rank_given_more_work_reports_more_compute_time(tmp_path, run_ranks):
     assert cv > 0.3 and cv > 3 * cv_wall, (cv, cv_wall)
 
 
-# ----------------------------------------------------------------------------------- cost profile
-def test_profile_depth_rescaling():
-    raw = dict(load_profile(e2e.BASE_PROFILE).raw)
-    assert e2e.scale_profile_depth(raw, raw["model"]["num_layers"]) == raw
-    half = e2e.scale_profile_depth(raw, 15)
-    full_cost, half_cost = CostModel(load_profile(raw)), CostModel(load_profile(half))
-    for tokens in (7800, 32760, 75600):       # block-dominated: half the blocks, ~half the time
-        assert half_cost.batch_cost(tokens, 1) == pytest.approx(full_cost.batch_cost(tokens, 1) / 2, rel=0.02)
-    assert half["compute"]["b_ms_per_token2"] == pytest.approx(raw["compute"]["b_ms_per_token2"] / 2)
-    assert half["compute"]["c0_ms"] == pytest.approx((raw["compute"]["c0_ms"] - 2.0) / 2 + 2.0)
-    dim = raw["model"]["dim"]
-    assert half["memory"]["m1_gib_per_token"] == pytest.approx(raw["memory"]["m1_gib_per_token"] - 15 * 2 * dim / 2**30)
-    assert half["model"]["params"] == raw["model"]["params"] - 15 * raw["model"]["block_params"]
-    assert load_profile(half).num_layers == 15
-    with pytest.raises(ValueError):
-        e2e.scale_profile_depth(raw, 0)
-
-
 def test_gpu_defaults_fit_the_time_budget(tmp_path):
     """The lead runs all four arms on 4 GPUs (or 2) in one short call: the default plan must predict
     <= 300 s and give every arm >= warm-up + 8 optimizer steps, all samples planned or counted."""
@@ -256,6 +239,11 @@ def test_gpu_defaults_fit_the_time_budget(tmp_path):
         plan = json.loads((out / "e2e_plan.json").read_text())
         assert plan["predicted_total_s"] <= 300
         assert plan["settings"]["layers"] < 30 and plan["settings"]["model"] == "wan2.1-1.3b"
+        # every arm plans with the full-depth profile rescaled by cost.py (tests/test_cost.py pins its numbers)
+        scaled = load_profile(e2e.BASE_PROFILE).with_num_layers(plan["settings"]["layers"])
+        assert json.loads(Path(plan["profile"]["path"]).read_text()) == dict(scaled.raw)
+        assert plan["profile"]["c0_ms"] == scaled.c0_ms
+        assert plan["profile"]["m1_gib_per_token"] == scaled.m1_gib_per_token
         n = plan["settings"]["num_samples"]
         for name, p in plan["plans"].items():
             assert p["steps"] >= 9, name

@@ -37,3 +37,15 @@ def test_targets_at_16_gpus_and_plot(tmp_path):
 def test_cli_rejects_bad_world(capsys):
     with pytest.raises(ValueError, match="not divisible"):
         simulate.main(["--world", "6", "--sp", "4"])
+
+
+def test_layers_plans_with_the_rescaled_profile(capsys):
+    assert simulate.main(["--world", "8", "--steps", "3", "--layers", "4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["profile"] == "h100-wan2.1-1.3b-4blocks" and out["layers"] == 4
+    full = simulate.simulate(world=8, steps=3, samplers=("dual",))
+    assert full["layers"] == 30 and full["profile"] == "h100-wan2.1-1.3b"
+    # the compute budget (costliest sample at B=1) shrinks with depth; the 4-block model's smaller static
+    # and activation memory leave a larger auto memory budget
+    assert out["budgets"]["m_comp"] < 0.2 * full["budgets"]["m_comp"]
+    assert out["budgets"]["m_mem_gib"] > full["budgets"]["m_mem_gib"]

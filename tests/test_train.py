@@ -219,6 +219,36 @@ def test_two_rank_baseline_on_disk_data(tmp_path, run_ranks):
         assert r["lr"] == pytest.approx(base_lr * r["samples"] / 4)
 
 
+@pytest.mark.slow
+def test_layers_plans_with_the_depth_rescaled_profile(tmp_path, cpu_config, run_ranks):
+    """--layers N below the profile's depth: the trainer plans with Profile.with_num_layers(N) and says so
+    in one line; without --layers (or with the profile's own depth) nothing is rescaled."""
+    from ds_adaptive.config import load_adaptive_config
+    from ds_adaptive.cost import load_profile
+    from ds_adaptive.data import build_dataset
+    from ds_adaptive.sampler import Topology, build_batch_sampler
+
+    raw = json.loads(cpu_config.read_text())
+    raw["adaptive_load"]["sampler"].update(m_mem=0.5, shapes=str(CONFIGS / "shapes_cpu.json"))  # 30 blocks fit
+    (tmp_path / "ds.json").write_text(json.dumps(raw))
+    common = ["--deepspeed_config", "ds.json", "--num-samples", "40", "--steps", "1", "--eval-samples", "0"]
+    out = run_ranks(train_argv(*common, "--layers", "1", "--log-dir", "l1"), 1, cwd=tmp_path)[0].stdout
+    lines = [x for x in out.splitlines() if "rescaled to --layers" in x]
+    assert lines == ["ds_adaptive.train: profile 'h100-wan2.1-1.3b' describes 30 blocks; rescaled to --layers 1 for "
+                     "planning (Profile.with_num_layers: block compute and activation terms x 1/30, embed/head kept, "
+                     f"static memory of {load_profile('h100-wan2.1-1.3b').with_num_layers(1).params / 1e9:.3f}B "
+                     "params)"], out[-3000:]
+    s = _summary(tmp_path / "l1")
+    assert s["layers"] == 1
+    # the plan the trainer logged is the one a sampler built on the rescaled profile makes
+    cfg = load_adaptive_config(tmp_path / "ds.json").sampler
+    shapes = build_dataset("synthetic", num_samples=40, shapes=str(CONFIGS / "shapes_cpu.json"), seed=0).sample_shapes()
+    smp = build_batch_sampler(cfg, shapes, Topology(0, 1), micro_steps_per_step=2, zero_stage=3, num_layers=1)
+    assert smp.cost.profile.rescaled_from_layers == 30 and s["plan"] == smp.epoch_stats()
+    out = run_ranks(train_argv(*common, "--layers", "30", "--log-dir", "l30"), 1, cwd=tmp_path)[0].stdout
+    assert "rescaled" not in out
+
+
 def test_cli_errors_are_clear(tmp_path, capsys, monkeypatch):
     cfg = CONFIGS / "cpu_tiny.json"
     assert main(["--deepspeed_config", str(tmp_path / "missing.json")]) == 2
