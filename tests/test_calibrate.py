@@ -10,7 +10,8 @@ import pytest
 from ds_adaptive import calibrate
 from ds_adaptive.cost import PROFILES_DIR, CostModel, load_profile
 
-BLOCK_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "h100_block_scaling.json"
+# Per-block H100 timings of Wan 1.3B/14B (copied from the project's shared/data, so CI has it).
+BLOCK_DATA = Path(__file__).resolve().parent / "data" / "h100_block_scaling.json"
 
 
 def test_cpu_tiny_end_to_end(tmp_path, capsys):
@@ -58,7 +59,6 @@ def test_ulysses_emulation_shapes():
     assert out.shape == q.shape
 
 
-@pytest.mark.skipif(not BLOCK_DATA.is_file(), reason=f"{BLOCK_DATA} not present")
 def test_block_scaling_profiles_agree_with_the_shipped_calibrations(tmp_path):
     """--from-block-scaling rebuilds profiles from per-block H100 timings (shared/data); the shipped
     profiles are full `ds-adaptive calibrate` runs on an H100. Two independent measurements of the

@@ -105,16 +105,35 @@ def test_check_heads_names_the_valid_degrees() -> None:
         UlyssesWan(WanModel("tiny"), _single(4))
 
 
+_SINGLE_PROCESS_CHECK = """
+import torch
+from ds_adaptive.parallel import init_sequence_parallel
+from ds_adaptive.parallel.ulysses import SequenceParallelError
+assert not torch.distributed.is_initialized()
+sp = init_sequence_parallel()
+assert (sp.sp_size, sp.sp_rank, sp.dp_size, sp.dp_rank, sp.source) == (1, 0, 1, 0, "single"), sp
+assert not sp.enabled and sp.loss_scale == 1.0
+t = sp.topology
+assert (t.dp_rank, t.dp_size, t.sp_rank, t.sp_size) == (0, 1, 0, 1), t
+try:
+    init_sequence_parallel(2)
+except SequenceParallelError as e:
+    assert "sp=2 needs torch.distributed" in str(e), e
+else:
+    raise AssertionError("sp=2 without torch.distributed must raise")
+print("ok")
+"""
+
+
 def test_single_process_layout() -> None:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        pytest.skip("a process group is already initialised in this session")
-    sp = init_sequence_parallel()
-    assert (sp.sp_size, sp.sp_rank, sp.dp_size, sp.dp_rank, sp.source) == (1, 0, 1, 0, "single")
-    assert not sp.enabled and sp.loss_scale == 1.0
-    t = sp.topology
-    assert (t.dp_rank, t.dp_size, t.sp_rank, t.sp_size) == (0, 1, 0, 1)
-    with pytest.raises(SequenceParallelError, match="sp=2 needs torch.distributed"):
-        init_sequence_parallel(2)
+    """Without torch.distributed: sp 1, dp 1; sp=2 is a clear error. Run in a fresh interpreter, since
+    other tests of the session may have initialised a process group in this one."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    r = subprocess.run([sys.executable, "-c", _SINGLE_PROCESS_CHECK], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
 
 
 def test_apply_ulysses_sp1_is_the_plain_model() -> None:
