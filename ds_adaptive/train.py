@@ -550,13 +550,33 @@ def main(argv: Optional[list[str]] = None) -> int:
     from .planner import PlanError
     from .sampler import SamplerStateError
 
+    ok = False
     try:
         train(args)
+        ok = True
     except (ConfigError, DataError, ShapeError, UsageError, FileNotFoundError, WanConfigError, PlanError,
             ProfileError, SequenceParallelError, SamplerStateError) as exc:
         print(f"ds-adaptive train: error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        _shutdown_distributed(barrier=ok)
     return 0
+
+
+def _shutdown_distributed(*, barrier: bool) -> None:
+    """Leave the process group in order. Without this, a rank that exits while another is still in
+    a collective (or with gloo's threads alive) can abort at interpreter exit ("terminate called
+    without an active exception"). The barrier, after a successful run only (after an error another
+    rank may never arrive), makes the ranks leave together."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        if barrier:
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
