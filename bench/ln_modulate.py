@@ -7,10 +7,17 @@ For each case (x bf16, fp32 shift/scale sliced out of a [B, 6, D] / [B, S, 6, D]
   floor    bytes that must move / measured device-to-device copy bandwidth (read + write)
 forward and forward+backward (torch.autograd.grad w.r.t. x and the shift/scale views).
 
-Times are medians of many runs (triton.testing.do_bench: L2 flushed before each run), taken on
-CUDA-graph replays so that Python launch overhead is not counted for any method (``ours launch``
-is also timed without a graph); inputs rotate over enough copies to exceed L2 when a case is
-small. Prints a table of ratios, writes JSON (--out) and a PNG bar chart next to it.
+Times are medians of many runs with the L2 flushed before each run, taken on CUDA-graph replays
+so that Python launch overhead is not counted for any method (``ours launch`` is also timed
+without a graph); inputs rotate over enough copies to exceed L2 when a case is small. Prints a
+table of ratios, writes JSON (--out) and a PNG bar chart next to it.
+
+L2 flush (--flush): ``read`` (default) reads a 256 MiB buffer before each run, leaving L2 full of
+clean, useless lines; ``zero`` writes it (what triton.testing.do_bench does), leaving ~50 MB of
+dirty lines whose write-back the timed kernel pays: measured on H100 (bench/ln_modulate_probe.cu),
+a device-to-device copy of the 16x1560x1536 forward's bytes takes 1.15x the floor after a zero
+flush and 1.03x after a read flush. ``both`` times every method under each (the zero-flush times
+under keys ``... @zero``); the floor's copy bandwidth is measured with the first.
 
 The compile baseline computes the same thing as ours: LayerNorm + modulate with the same dtypes,
 gradients w.r.t. x and the modulation. Per-sample, the [B, 6, D] table is sliced *inside* the
@@ -25,7 +32,7 @@ DS_ADAPTIVE_LN_MODULATE_KERNELS) per case, prints the winner per direction and l
 policy string that picks them.
 
   python bench/ln_modulate.py [--out bench/out/ln_modulate.json] [--quick] [--tune] [--variants]
-                              [--no-block] [--cases 0,3]
+                              [--no-block] [--cases 0,3] [--flush read|zero|both]
 """
 from __future__ import annotations
 
@@ -65,26 +72,44 @@ CASES = [
 # ------------------------------------------------------------------------------------------------
 # timing
 # ------------------------------------------------------------------------------------------------
-def bench_ms(fn: Callable[[], object], rep_ms: int = 300) -> float:
-    """Median ms of fn (L2 flushed before each run)."""
-    try:
-        from triton.testing import do_bench
+FLUSHES = ["read"]  # --flush: the first is the primary timing; "zero" adds keys "... @zero"
+_FLUSH_BUF: Dict[str, torch.Tensor] = {}
 
-        return float(do_bench(fn, warmup=50, rep=rep_ms, return_mode="median"))
-    except ImportError:
-        flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
-        for _ in range(5):
-            fn()
-        times = []
-        for _ in range(50):
-            flush.zero_()
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            torch.cuda.synchronize()
-            times.append(s.elapsed_time(e))
-        return float(sorted(times)[len(times) // 2])
+
+def _flush_l2(mode: str) -> None:
+    if "buf" not in _FLUSH_BUF:
+        _FLUSH_BUF["buf"] = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+        _FLUSH_BUF["sink"] = torch.empty((), dtype=torch.int64, device="cuda")
+    buf = _FLUSH_BUF["buf"]
+    if mode == "zero":
+        buf.zero_()
+    else:
+        _FLUSH_BUF["sink"].copy_(buf.sum(dtype=torch.int64))
+
+
+def bench_ms(fn: Callable[[], object], rep_ms: int = 300, flush: str = "read") -> float:
+    """Median ms of fn over about rep_ms of runs (at least 20), the L2 flushed before each run
+    ('read' or 'zero', see the module doc); CUDA events around fn only."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(5):
+        fn()
+    e.record()
+    torch.cuda.synchronize()
+    est = max(s.elapsed_time(e) / 5, 1e-3)
+    reps = int(min(1000, max(20, rep_ms / est)))
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for a, b in ev:
+        _flush_l2(flush)
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    times = sorted(a.elapsed_time(b) for a, b in ev)
+    return float(times[len(times) // 2])
 
 
 def graphed(fns: List[Callable[[], object]]) -> Callable[[], None]:
@@ -132,7 +157,7 @@ def copy_bandwidth() -> float:
     n = 1 << 30  # 1 GiB each way
     src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
-    ms = bench_ms(lambda: dst.copy_(src), rep_ms=500)
+    ms = bench_ms(lambda: dst.copy_(src), rep_ms=500, flush=FLUSHES[0])
     del src, dst
     return 2 * n / (ms * 1e-3)
 
@@ -263,14 +288,16 @@ def time_case(name: str, B: int, S: int, D: int, per_token: bool, l2_bytes: int,
         try:
             try:
                 replay = graphed(calls)
-                out[key] = bench_ms(replay, rep)
+                for i, fl in enumerate(FLUSHES):
+                    out[key if i == 0 else f"{key} @{fl}"] = bench_ms(replay, rep, flush=fl)
                 del replay
             except Exception as e:  # noqa: BLE001 - report, then time without a graph
                 out[f"{key} graph_error"] = f"{type(e).__name__}: {e}"[:300]
                 print(f"  {name} {key}: no CUDA graph ({out[f'{key} graph_error'][:120]})", flush=True)
-                out[key] = bench_ms(rotating(calls), rep)
+                for i, fl in enumerate(FLUSHES):
+                    out[key if i == 0 else f"{key} @{fl}"] = bench_ms(rotating(calls), rep, flush=fl)
             if launch_key:
-                out[launch_key] = bench_ms(rotating(calls), rep)
+                out[launch_key] = bench_ms(rotating(calls), rep, flush=FLUSHES[0])
         except Exception as e:  # noqa: BLE001
             out[key] = float("nan")
             out[f"{key} error"] = f"{type(e).__name__}: {e}"[:300]
@@ -404,7 +431,7 @@ def tune(ext, quick: bool) -> List[Dict]:
                     diff = max(float((r.float() - b0).abs().max() / (b0.abs().max() + 1e-6))
                                for r, b0 in zip(res, base))
                     del res
-                    ms = bench_ms(graphed([fn]), 50 if quick else 100)
+                    ms = bench_ms(graphed([fn]), 50 if quick else 100, flush=FLUSHES[0])
                 except Exception as e:  # noqa: BLE001
                     ms, diff = float("nan"), float("nan")
                     print(f"tune slot {slot} variant {variant} {layout}: {e}", file=sys.stderr)
@@ -552,8 +579,17 @@ def print_report(results: List[Dict], tuning: List[Dict], block: Optional[Dict],
             o, e, c, f = (r.get(f"{m} {kind}", nan) for m in ("ours", "eager", "compile", "floor"))
             print(f"{r['case']:<29} {kind:<8} {o:7.4f} {r.get(f'ours launch {kind}', nan):7.4f} {e:7.4f} {c:8.4f} "
                   f"{f:7.4f} {o / e:10.3f} {o / c:9.3f} {o / f:10.3f}")
-    print(f"(ours: kernels {meta['kernels']}; compile baseline: "
+    print(f"(ours: kernels {meta['kernels']}; L2 flush: {meta.get('flush', ['read'])[0]}; compile baseline: "
           + "; ".join(f"{r['case']} {r.get('compile variant')}" for r in results) + ")")
+    if any("ours fwd @zero" in r for r in results):
+        print()
+        print("the same after a zero_() L2 flush (triton do_bench's; the write-back of ~50 MB of dirty lines is timed too):")
+        print(f"{'case':<29} {'dir':<8} {'ours':>7} {'compile':>8} {'ours/comp':>9} {'ours/floor':>10}")
+        for r in results:
+            for kind in ("fwd", "fwd+bwd"):
+                o, c = r.get(f"ours {kind} @zero", nan), r.get(f"compile {kind} @zero", nan)
+                f = r.get(f"floor {kind}", nan)
+                print(f"{r['case']:<29} {kind:<8} {o:7.4f} {c:8.4f} {o / c:9.3f} {o / f:10.3f}")
     if any("ours[v1] fwd" in r for r in results):
         print()
         print("kernel generations (ms; ratios of the faster one):")
@@ -603,7 +639,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="also time ours with each kernel generation (v1, v2) per case and recommend a policy")
     ap.add_argument("--no-block", action="store_true", help="skip the Wan block benchmark")
     ap.add_argument("--cases", default="", help="comma-separated case indices (default: all)")
+    ap.add_argument("--flush", choices=["read", "zero", "both"], default="read",
+                    help="L2 flush before each timed run (see the module doc); both: read first, zero as '@zero'")
     args = ap.parse_args(argv)
+    FLUSHES[:] = ["read", "zero"] if args.flush == "both" else [args.flush]
     if not torch.cuda.is_available():
         print("bench/ln_modulate.py needs a CUDA GPU")
         return 2
@@ -622,7 +661,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "commit": os.environ.get("GIT_COMMIT") or _git_commit(), "command": " ".join(sys.argv),
-            "kernels": status["kernels"],
+            "kernels": status["kernels"], "flush": list(FLUSHES),
             "kernels_default": lnm_mod.format_kernel_policy(dict(zip(lnm_mod.POLICY_KEYS, ext.default_kernels())))}
     picked = [CASES[int(i)] for i in args.cases.split(",") if i.strip()] if args.cases else CASES
     results = []

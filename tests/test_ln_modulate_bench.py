@@ -120,10 +120,10 @@ def test_time_case_and_check_case_plumbing_on_cpu(bench, monkeypatch, per_token)
     monkeypatch.setattr(bench, "COMPILE_BACKEND", "aot_eager")
     calls = []
 
-    def fake_bench(fn, rep_ms=300):
+    def fake_bench(fn, rep_ms=300, flush="read"):
         fn()
-        calls.append(rep_ms)
-        return 0.5
+        calls.append((rep_ms, flush))
+        return 0.5 if flush == "read" else 0.75
 
     def fake_graphed(fns):
         def replay():
@@ -133,12 +133,14 @@ def test_time_case_and_check_case_plumbing_on_cpu(bench, monkeypatch, per_token)
 
     monkeypatch.setattr(bench, "bench_ms", fake_bench)
     monkeypatch.setattr(bench, "graphed", fake_graphed)
+    monkeypatch.setattr(bench, "FLUSHES", ["read", "zero"])  # --flush both
     torch._dynamo.reset()
     r = bench.time_case("cpu case", 2, 8, 64, per_token, l2_bytes=1 << 16, quick=True, variants=False)
     assert r["compile variant"] == ("views" if per_token else "table"), r
     for m in ("ours", "eager", "compile"):
         for kind in ("fwd", "fwd+bwd"):
             assert r[f"{m} {kind}"] == 0.5, (m, kind, r.get(f"{m} {kind} error"))
+            assert r[f"{m} {kind} @zero"] == 0.75, (m, kind)
     assert r["ours launch fwd"] == 0.5 and not any(k.endswith("error") for k in r)
     acc = bench.check_case(2, 8, 64, per_token, variants=False)
     assert acc["ours y err"] == acc["eager y err"]  # on the CPU ours is the reference
@@ -170,7 +172,7 @@ def test_variants_tune_and_report_plumbing_on_cpu(bench, monkeypatch, capsys):
     lnm = bench.lnm_mod
     monkeypatch.setattr(bench, "DEVICE", "cpu")
     monkeypatch.setattr(bench, "COMPILE_BACKEND", "aot_eager")
-    monkeypatch.setattr(bench, "bench_ms", lambda fn, rep_ms=300: (fn(), 0.25)[1])
+    monkeypatch.setattr(bench, "bench_ms", lambda fn, rep_ms=300, flush="read": (fn(), 0.25)[1])
     monkeypatch.setattr(bench, "graphed", lambda fns: (lambda: [f() for f in fns]))
     monkeypatch.setattr(bench, "TUNE_S", {1536: (8, 8), 5120: (4, 4)})
     ext = _FakeExt()

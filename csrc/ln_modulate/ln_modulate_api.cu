@@ -2,6 +2,7 @@
 // persistent-grid sizing, backward tiling plan and the finalize (tile-sum) kernels. No torch
 // dependency.
 #include <algorithm>
+#include <cstdint>
 #include <atomic>
 #include <mutex>
 #include <unordered_map>
@@ -125,7 +126,10 @@ bool v2_ok(int smem, int64_t rows) { return rows <= kMaxRowsV2 && smem <= device
 FwdChoice fwd_dispatch(const FwdParams& p, DType x, DType mod) {
   const bool tok = p.shift_ss != 0 || p.scale_ss != 0;
   const KernelPolicy pol = load_policy();
-  const int gen = effective_gen(tok ? pol.fwd_token : pol.fwd_sample);
+  int gen = effective_gen(tok ? pol.fwd_token : pol.fwd_sample);
+  // Per-sample modulation of a single sample: v1 with one CTA per row is as fast as v2 at D = 1536
+  // and 5% faster at D = 5120 (H100, bench/ln_modulate_probe.cu), so v2 defers to it.
+  if (!tok && p.B == 1) gen = 1;
   FwdChoice c = fwd_dispatch_gen(p, x, mod, gen);
   if (c.fn != nullptr && c.gen == 2 && !v2_ok(c.smem, p.B * p.S)) c = fwd_dispatch_gen(p, x, mod, 1);
   return c;
@@ -296,7 +300,7 @@ cudaError_t ln_modulate_fwd(const FwdParams& p, DType x, DType mod, cudaStream_t
     return cudaGetLastError();
   }
   const int64_t needed = (N + c.rows_per_cta - 1) / c.rows_per_cta;
-  const int grid = (int)std::min<int64_t>(needed, resident);
+  const int grid = (int)std::min<int64_t>(needed, c.per_row_grid ? (int64_t)INT32_MAX : resident);
   c.fn<<<grid, c.threads, 0, stream>>>(p);
   return cudaGetLastError();
 }
@@ -319,6 +323,12 @@ int64_t ln_modulate_bwd_plan(BwdParams& p, DType x, DType mod, int num_sms) {
     p.tiles_per_seg = t.tiles_per_seg;
     p.num_tiles = t.num_tiles;
     p.grid = t.grid;
+  } else if (c.per_row) {  // one row per tile, one CTA per tile (per-token, no column partials)
+    p.seg_len = N;
+    p.rows_per_tile = 1;
+    p.tiles_per_seg = N;
+    p.num_tiles = N;
+    p.grid = (int)std::min<int64_t>(N, INT32_MAX);
   } else {  // contiguous tiles of rows_per_tile rows
     const int64_t num_segs = p.per_sample ? p.B : 1;
     p.seg_len = p.per_sample ? p.S : N;

@@ -182,13 +182,20 @@ __device__ __forceinline__ void row_allreduce2(float& a, float& b, float* red_a,
 //   PF : software prefetch: the next row's x is loaded before this row is reduced (2x bytes in
 //        flight per thread, NV * VEC more registers)
 //   MODC: per-sample shift / (1 + scale) stay in registers while consecutive rows share a sample
+//   HOIST: the row's shift / scale are loaded before its reduction (in flight with x; costs
+//        2 * NV * VEC registers), instead of after it
+//   XCS: x is loaded with the streaming (evict-first) hint, else through the read-only cache
+//   MODCS: (HOIST only) shift / scale are loaded with the streaming hint (per-token rows are read
+//        once), else through the read-only cache (per-sample rows are re-read by every row)
 // Persistent grid: CTA c takes rows c * ROWS + rg, c * ROWS + rg + gridDim.x * ROWS, ... (with
 // MODC: the contiguous rows [c * chunk, (c + 1) * chunk), its ROWS row groups interleaved).
 // Measured on H100 (bf16 x, fp32 modulation, bench/ln_modulate.py --tune): PF and MODC cost more
 // (registers, occupancy) than they save, so the defaults use neither; they stay as tuning variants.
 // ----------------------------------------------------------------------------------------------
-template <typename T, typename M, int VEC, int NV, int TPR, int ROWS, bool EVEN, bool PF, bool MODC>
+template <typename T, typename M, int VEC, int NV, int TPR, int ROWS, bool EVEN, bool PF, bool MODC,
+          bool HOIST = false, bool XCS = true, bool MODCS = false>
 __global__ void __launch_bounds__(TPR* ROWS) ln_mod_fwd_kernel(const FwdParams p) {
+  static_assert(!(HOIST && MODC), "HOIST and MODC are alternatives");
   static_assert(TPR % 32 == 0 && TPR <= 1024, "TPR: a multiple of 32, at most 1024");
   static_assert(ROWS == 1 || TPR == 32, "several rows per CTA only with one warp per row");
   __shared__ float red[2][32];
@@ -222,7 +229,7 @@ __global__ void __launch_bounds__(TPR* ROWS) ln_mod_fwd_kernel(const FwdParams p
     for (int i = 0; i < NV; ++i) {
       const int c = i * TPR + t;
       if (EVEN || c < nvec) {
-        load_vec<VEC, T, true>(xr + (int64_t)c * VEC, dst[i]);
+        load_vec<VEC, T, XCS>(xr + (int64_t)c * VEC, dst[i]);
       } else {
 #pragma unroll
         for (int j = 0; j < VEC; ++j) dst[i][j] = 0.f;
@@ -238,6 +245,18 @@ __global__ void __launch_bounds__(TPR* ROWS) ln_mod_fwd_kernel(const FwdParams p
     const int64_t next = row + step;
     if (PF && next < end) load_x(next, vn);  // in flight while this row is reduced
     const int64_t b = row / p.S, s = row - b * p.S;
+    const M* shr = static_cast<const M*>(p.shift) + b * p.shift_sb + s * p.shift_ss;
+    const M* scr = static_cast<const M*>(p.scale) + b * p.scale_sb + s * p.scale_ss;
+    if constexpr (HOIST) {  // in flight while the row is reduced
+#pragma unroll
+      for (int i = 0; i < NV; ++i) {
+        const int c = i * TPR + t;
+        if (EVEN || c < nvec) {
+          load_vec<VEC, M, MODCS>(shr + (int64_t)c * VEC, msh[i]);
+          load_vec<VEC, M, MODCS>(scr + (int64_t)c * VEC, msc[i]);
+        }
+      }
+    }
 
     float sum = 0.f;
 #pragma unroll
@@ -262,8 +281,6 @@ __global__ void __launch_bounds__(TPR* ROWS) ln_mod_fwd_kernel(const FwdParams p
     const float var = row_allreduce<TPR>(sq, red[1]) * inv_d;
     const float rstd = rsqrtf(var + p.eps);
 
-    const M* shr = static_cast<const M*>(p.shift) + b * p.shift_sb + s * p.shift_ss;
-    const M* scr = static_cast<const M*>(p.scale) + b * p.scale_sb + s * p.scale_ss;
     if constexpr (MODC) {
       if (mod_per_row || b != cached_b) {
         cached_b = b;
@@ -286,8 +303,10 @@ __global__ void __launch_bounds__(TPR* ROWS) ln_mod_fwd_kernel(const FwdParams p
       const int c = i * TPR + t;
       if (EVEN || c < nvec) {
         if constexpr (!MODC) {  // modulation loaded per access group (few registers live)
-          load_vec<VEC, M, false>(shr + (int64_t)c * VEC, msh[i]);
-          load_vec<VEC, M, false>(scr + (int64_t)c * VEC, msc[i]);
+          if constexpr (!HOIST) {
+            load_vec<VEC, M, false>(shr + (int64_t)c * VEC, msh[i]);
+            load_vec<VEC, M, false>(scr + (int64_t)c * VEC, msc[i]);
+          }
 #pragma unroll
           for (int j = 0; j < VEC; ++j) msc[i][j] += 1.f;
         }
@@ -337,9 +356,12 @@ __global__ void __launch_bounds__(TPR* ROWS) ln_mod_fwd_kernel(const FwdParams p
 //   PER_SAMPLE: acc += dy, dy * ln (columns)    else: dshift = dy, dscale = dy * ln (elementwise)
 //   AFFINE:     acc += dln * xhat, dln          (columns)
 // PER_SAMPLE keeps 1 + scale of the tile's sample in registers; PF prefetches the next row's dy
-// and x before this row is reduced.
+// and x before this row is reduced. STST: dx (and per-token dshift / dscale) are stored with the
+// streaming (evict-first) hint, else with plain stores. LDCS: dy and x are loaded with the
+// streaming hint, else through the read-only cache.
 // ----------------------------------------------------------------------------------------------
-template <typename T, typename M, int VEC, int NV, int TPR, bool EVEN, bool PER_SAMPLE, bool AFFINE, bool PF>
+template <typename T, typename M, int VEC, int NV, int TPR, bool EVEN, bool PER_SAMPLE, bool AFFINE, bool PF,
+          bool STST = true, bool LDCS = true>
 __global__ void __launch_bounds__(TPR) ln_mod_bwd_kernel(const BwdParams p) {
   static_assert(TPR % 32 == 0 && TPR <= 1024, "TPR: a multiple of 32, at most 1024");
   __shared__ float red[2][2][32];
@@ -363,8 +385,8 @@ __global__ void __launch_bounds__(TPR) ln_mod_bwd_kernel(const BwdParams p) {
     for (int i = 0; i < NV; ++i) {
       const int c = i * TPR + t;
       if (EVEN || c < nvec) {
-        load_vec<VEC, T, true>(dyr + (int64_t)c * VEC, dy[i]);
-        load_vec<VEC, T, true>(xr + (int64_t)c * VEC, x[i]);
+        load_vec<VEC, T, LDCS>(dyr + (int64_t)c * VEC, dy[i]);
+        load_vec<VEC, T, LDCS>(xr + (int64_t)c * VEC, x[i]);
       } else {
 #pragma unroll
         for (int j = 0; j < VEC; ++j) dy[i][j] = x[i][j] = 0.f;
@@ -423,7 +445,7 @@ __global__ void __launch_bounds__(TPR) ln_mod_bwd_kernel(const BwdParams p) {
 #pragma unroll
             for (int j = 0; j < VEC; ++j) sc[j] += 1.f;
             if (write_dshift) {
-              store_vec<VEC, M, true>(static_cast<M*>(p.dshift_tok) + row * (int64_t)D + (int64_t)c * VEC, dy[i]);
+              store_vec<VEC, M, STST>(static_cast<M*>(p.dshift_tok) + row * (int64_t)D + (int64_t)c * VEC, dy[i]);
             }
           }
           if constexpr (AFFINE) {
@@ -459,7 +481,7 @@ __global__ void __launch_bounds__(TPR) ln_mod_bwd_kernel(const BwdParams p) {
             s2 = fmaf(g, xhat, s2);
           }
           if constexpr (!PER_SAMPLE) {
-            store_vec<VEC, M, true>(static_cast<M*>(p.dscale_tok) + row * (int64_t)D + (int64_t)c * VEC, tok_sc);
+            store_vec<VEC, M, STST>(static_cast<M*>(p.dscale_tok) + row * (int64_t)D + (int64_t)c * VEC, tok_sc);
           }
         }
       }
@@ -473,7 +495,7 @@ __global__ void __launch_bounds__(TPR) ln_mod_bwd_kernel(const BwdParams p) {
           float o[VEC];
 #pragma unroll
           for (int j = 0; j < VEC; ++j) o[j] = rstd * (dy[i][j] - fmaf(xh[i][j], m2, m1));
-          store_vec<VEC, T, true>(dxr + (int64_t)c * VEC, o);
+          store_vec<VEC, T, STST>(dxr + (int64_t)c * VEC, o);
         }
       }
       if constexpr (PF) {
@@ -532,17 +554,51 @@ struct FwdChoice {
   int rows_per_cta = 1;
   int smem = 0;  // dynamic shared memory (bytes)
   int gen = 1;
+  bool per_row_grid = false;  // v1: one CTA per row group (grid = rows), not a persistent grid
 };
 struct BwdChoice {
   void (*fn)(BwdParams) = nullptr;
   int threads = 0;
   int smem = 0;
   int gen = 1;
+  bool per_row = false;  // v1 per-token without affine: one row per tile, one CTA per tile
 };
 
 template <typename T, typename M, int VEC, int NV, int TPR, int ROWS, bool EVEN, bool PF = false, bool MODC = false>
 FwdChoice fwd_make() {
   return FwdChoice{&ln_mod_fwd_kernel<T, M, VEC, NV, TPR, ROWS, EVEN, PF, MODC>, TPR * ROWS, ROWS, 0, 1};
+}
+
+// v1 per-token forward (measured on H100, bench/ln_modulate_probe.cu): one CTA per row (grid =
+// rows; the persistent grid was 2-3% slower), shift / scale loaded before the row reduction with
+// the streaming hint (they are read once) when that costs at most 32 registers, x through the
+// read-only cache.
+template <typename T, typename M, int VEC, int NV, int TPR, bool EVEN>
+FwdChoice fwd_make_tok() {
+  constexpr bool HOIST = NV * VEC <= 16 && TPR < 1024;  // 1024 threads: 64 registers, HOIST would spill
+  FwdChoice c{&ln_mod_fwd_kernel<T, M, VEC, NV, TPR, 1, EVEN, false, false, HOIST, false, HOIST>, TPR, 1, 0, 1};
+  c.per_row_grid = true;
+  return c;
+}
+
+template <typename T, typename M, int VEC, int NV, bool EVEN>
+FwdChoice fwd_generic_tok(int nvec) {
+  if (nvec <= 32 * NV) return fwd_make<T, M, VEC, NV, 32, 4, EVEN>();  // several rows per CTA
+  if (nvec <= 64 * NV) return fwd_make_tok<T, M, VEC, NV, 64, EVEN>();
+  if (nvec <= 128 * NV) return fwd_make_tok<T, M, VEC, NV, 128, EVEN>();
+  if (nvec <= 256 * NV) return fwd_make_tok<T, M, VEC, NV, 256, EVEN>();
+  if (nvec <= 512 * NV) return fwd_make_tok<T, M, VEC, NV, 512, EVEN>();
+  if (nvec <= 1024 * NV) return fwd_make_tok<T, M, VEC, NV, 1024, EVEN>();
+  return FwdChoice{};
+}
+
+// v1 per-token forward / backward of 16-bit x with fp32 modulation: 8-byte x accesses (VEC = 4), so
+// that every warp access of the fp32 shift / scale (forward) or scale, dshift, dscale (backward)
+// covers whole 32-byte sectors (16-byte x accesses make each warp instruction touch half of 32
+// sectors); measured 0.311 vs 0.344 ms for the 1x32760x1536 backward on H100.
+template <typename T, typename M>
+constexpr bool tok_narrow() {
+  return sizeof(T) == 2 && sizeof(M) == 4;
 }
 
 // v2 forward: ST_PS stages for per-sample modulation, ST_TOK for per-token (rows 5x larger with
@@ -597,6 +653,31 @@ FwdChoice fwd_select(const FwdParams& p, int gen) {
     if (const FwdChoice c = fwd_tuned_bf16_f32(p, gen); c.fn != nullptr) return c;
   }
   if (!p.vectorized) return fwd_generic<T, M, 1, 8, false>(p.D);
+  const bool tok = p.shift_ss != 0 || p.scale_ss != 0;
+  if (tok && gen == 1) {
+    if constexpr (tok_narrow<T, M>()) {
+      switch (p.D) {
+        case 1536: return fwd_make_tok<T, M, 4, 2, 192, true>();
+        case 3072: return fwd_make_tok<T, M, 4, 2, 384, true>();
+        case 5120: return fwd_make_tok<T, M, 4, 4, 320, true>();
+        default: return fwd_generic_tok<T, M, 4, 4, false>(p.D / 4);
+      }
+    } else if constexpr (V == 8) {
+      switch (p.D) {
+        case 1536: return fwd_make_tok<T, M, 8, 2, 96, true>();
+        case 3072: return fwd_make_tok<T, M, 8, 2, 192, true>();
+        case 5120: return fwd_make_tok<T, M, 8, 5, 128, true>();
+        default: return fwd_generic_tok<T, M, 8, 4, false>(p.D / 8);
+      }
+    } else {
+      switch (p.D) {
+        case 1536: return fwd_make_tok<T, M, 4, 2, 192, true>();
+        case 3072: return fwd_make_tok<T, M, 4, 2, 384, true>();
+        case 5120: return fwd_make_tok<T, M, 4, 5, 256, true>();
+        default: return fwd_generic_tok<T, M, 4, 4, false>(p.D / 4);
+      }
+    }
+  }
   if (gen == 2) {
     if constexpr (V == 8) {
       switch (p.D) {
@@ -615,22 +696,27 @@ FwdChoice fwd_select(const FwdParams& p, int gen) {
     }
     if (const FwdChoice c = fwd_generic_v2<T, M, 4>(p, p.D / V); c.fn != nullptr) return c;
   }
+  FwdChoice c;
   if constexpr (V == 8) {
     switch (p.D) {
-      case 1536: return fwd_make<T, M, 8, 2, 96, 1, true>();
-      case 3072: return fwd_make<T, M, 8, 2, 192, 1, true>();
-      case 5120: return fwd_make<T, M, 8, 5, 128, 1, true>();
-      default: break;
+      case 1536: c = fwd_make<T, M, 8, 2, 96, 1, true>(); break;
+      case 3072: c = fwd_make<T, M, 8, 2, 192, 1, true>(); break;
+      case 5120: c = fwd_make<T, M, 8, 5, 128, 1, true>(); break;
+      default: c = fwd_generic<T, M, V, 4, false>(p.D / V); break;
     }
   } else {
     switch (p.D) {
-      case 1536: return fwd_make<T, M, 4, 2, 192, 1, true>();
-      case 3072: return fwd_make<T, M, 4, 2, 384, 1, true>();
-      case 5120: return fwd_make<T, M, 4, 5, 256, 1, true>();
-      default: break;
+      case 1536: c = fwd_make<T, M, 4, 2, 192, 1, true>(); break;
+      case 3072: c = fwd_make<T, M, 4, 2, 384, 1, true>(); break;
+      case 5120: c = fwd_make<T, M, 4, 5, 256, 1, true>(); break;
+      default: c = fwd_generic<T, M, V, 4, false>(p.D / V); break;
     }
   }
-  return fwd_generic<T, M, V, 4, false>(p.D / V);
+  // Per-sample modulation of one sample: one CTA per row (measured on H100: 0.0779 vs 0.0795 ms at
+  // 1x32760x1536, 0.527 vs 0.557 ms at 1x75600x5120); with several samples the persistent grid
+  // (or v2's sample-aware dealing) is faster (0.0632 vs 0.0682 ms at 16x1560x1536).
+  c.per_row_grid = !tok && p.B == 1 && c.rows_per_cta == 1;
+  return c;
 }
 
 template <typename T, typename M, int VEC, int NV, int TPR, bool EVEN, bool PF = false>
@@ -660,6 +746,31 @@ BwdChoice bwd_make_noaffine(const BwdParams& p) {
   if (p.weight != nullptr) return BwdChoice{};
   if (p.per_sample) return BwdChoice{&ln_mod_bwd_kernel<T, M, VEC, NV, TPR, EVEN, true, false, PF>, TPR, 0, 1};
   return BwdChoice{&ln_mod_bwd_kernel<T, M, VEC, NV, TPR, EVEN, false, false, PF>, TPR, 0, 1};
+}
+
+// v1 per-token backward (measured on H100, bench/ln_modulate_probe.cu): plain stores (the
+// streaming hint was 1-4% slower), dy / x through the read-only cache, and without elementwise
+// affine one CTA per row (per_row: the plan makes every row a tile; 0.344 vs 0.387 ms for the
+// persistent contiguous tiles at 1x32760x1536). Affine keeps the persistent tiles: per-row tiles
+// would need a [rows, 2, D] partial buffer for dweight / dbias.
+template <typename T, typename M, int VEC, int NV, int TPR, bool EVEN>
+BwdChoice bwd_make_tok(const BwdParams& p) {
+  if (p.weight != nullptr)
+    return BwdChoice{&ln_mod_bwd_kernel<T, M, VEC, NV, TPR, EVEN, false, true, false, false, false>, TPR, 0, 1};
+  BwdChoice c{&ln_mod_bwd_kernel<T, M, VEC, NV, TPR, EVEN, false, false, false, false, false>, TPR, 0, 1};
+  c.per_row = true;
+  return c;
+}
+
+template <typename T, typename M, int VEC, int NV, bool EVEN>
+BwdChoice bwd_generic_tok(const BwdParams& p, int nvec) {
+  if (nvec <= 32 * NV) return bwd_make_tok<T, M, VEC, NV, 32, EVEN>(p);
+  if (nvec <= 64 * NV) return bwd_make_tok<T, M, VEC, NV, 64, EVEN>(p);
+  if (nvec <= 128 * NV) return bwd_make_tok<T, M, VEC, NV, 128, EVEN>(p);
+  if (nvec <= 256 * NV) return bwd_make_tok<T, M, VEC, NV, 256, EVEN>(p);
+  if (nvec <= 512 * NV) return bwd_make_tok<T, M, VEC, NV, 512, EVEN>(p);
+  if (nvec <= 1024 * NV) return bwd_make_tok<T, M, VEC, NV, 1024, EVEN>(p);
+  return BwdChoice{};
 }
 
 template <typename T, typename M, int NV, int TPR, int ST_PS, int ST_TOK, bool EVEN>
@@ -714,6 +825,30 @@ BwdChoice bwd_select(const BwdParams& p, int gen) {
     if (const BwdChoice c = bwd_tuned_bf16_f32(p, gen); c.fn != nullptr) return c;
   }
   if (!p.vectorized) return bwd_generic<T, M, 1, 8, false>(p, p.D);
+  if (!p.per_sample && gen == 1) {
+    if constexpr (tok_narrow<T, M>()) {
+      switch (p.D) {
+        case 1536: return bwd_make_tok<T, M, 4, 1, 384, true>(p);
+        case 3072: return bwd_make_tok<T, M, 4, 2, 384, true>(p);
+        case 5120: return bwd_make_tok<T, M, 4, 2, 640, true>(p);
+        default: return bwd_generic_tok<T, M, 4, 2, false>(p, p.D / 4);
+      }
+    } else if constexpr (V == 8) {
+      switch (p.D) {
+        case 1536: return bwd_make_tok<T, M, 8, 1, 192, true>(p);
+        case 3072: return bwd_make_tok<T, M, 8, 1, 384, true>(p);
+        case 5120: return bwd_make_tok<T, M, 8, 1, 640, true>(p);
+        default: return bwd_generic_tok<T, M, 8, 2, false>(p, p.D / 8);
+      }
+    } else {
+      switch (p.D) {
+        case 1536: return bwd_make_tok<T, M, 4, 1, 384, true>(p);
+        case 3072: return bwd_make_tok<T, M, 4, 2, 384, true>(p);
+        case 5120: return bwd_make_tok<T, M, 4, 2, 640, true>(p);
+        default: return bwd_generic_tok<T, M, 4, 2, false>(p, p.D / 4);
+      }
+    }
+  }
   if (gen == 2) {
     if constexpr (V == 8) {
       switch (p.D) {

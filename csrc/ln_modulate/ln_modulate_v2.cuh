@@ -265,9 +265,10 @@ __global__ void __launch_bounds__(TPR) ln_mod_fwd_v2_kernel(const FwdParams p) {
 // Products that feed a later subtraction are rounded explicitly (__fmul_rn), so both passes see
 // bit-identical g. Column partials are written once per tile (interleaved rows of one segment).
 // mean / rstd of the row travel through the stage too (lane 0 of each warp copies them and
-// broadcasts with a shuffle).
+// broadcasts with a shuffle). STST: outputs stored with the streaming hint, else plain stores.
 // ----------------------------------------------------------------------------------------------
-template <typename T, typename M, int NV, int TPR, int STAGES, bool EVEN, bool PER_SAMPLE, bool AFFINE>
+template <typename T, typename M, int NV, int TPR, int STAGES, bool EVEN, bool PER_SAMPLE, bool AFFINE,
+          bool STST = true>
 __global__ void __launch_bounds__(TPR) ln_mod_bwd_v2_kernel(const BwdParams p) {
   constexpr int VEC = 16 / (int)sizeof(T);
   constexpr int MCH = PER_SAMPLE ? 0 : VEC * (int)sizeof(M) / 16;  // per-token scale chunks per access
@@ -420,9 +421,9 @@ __global__ void __launch_bounds__(TPR) ln_mod_bwd_v2_kernel(const BwdParams p) {
           }
           if constexpr (!PER_SAMPLE) {
             M* const dsc = static_cast<M*>(p.dscale_tok) + row * (int64_t)D + (int64_t)c * VEC;
-            store_vec<VEC, M, true>(dsc, tok_sc);
+            store_vec<VEC, M, STST>(dsc, tok_sc);
             if (write_dshift) {
-              store_vec<VEC, M, true>(static_cast<M*>(p.dshift_tok) + row * (int64_t)D + (int64_t)c * VEC, dyv);
+              store_vec<VEC, M, STST>(static_cast<M*>(p.dshift_tok) + row * (int64_t)D + (int64_t)c * VEC, dyv);
             }
           }
         }
@@ -457,7 +458,7 @@ __global__ void __launch_bounds__(TPR) ln_mod_bwd_v2_kernel(const BwdParams p) {
             if constexpr (AFFINE) g = __fmul_rn(g, w[j]);
             o[j] = rstd * (g - fmaf(xhat, m2, m1));
           }
-          store_vec<VEC, T, true>(dxr + (int64_t)c * VEC, o);
+          store_vec<VEC, T, STST>(dxr + (int64_t)c * VEC, o);
         }
       }
       cons.advance(grid, N, seg_len, tps, num_tiles);
