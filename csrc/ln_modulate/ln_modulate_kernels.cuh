@@ -831,7 +831,11 @@ BwdChoice bwd_select(const BwdParams& p, int gen) {
         case 1536: return bwd_make_tok<T, M, 4, 1, 384, true>(p);
         case 3072: return bwd_make_tok<T, M, 4, 2, 384, true>(p);
         case 5120: return bwd_make_tok<T, M, 4, 2, 640, true>(p);
-        default: return bwd_generic_tok<T, M, 4, 2, false>(p, p.D / 4);
+        default:
+          // up to 1024 threads x 2 accesses of 4 elements (D <= 8192); wider rows take the
+          // 16-byte generic kernels below
+          if (p.D / 4 <= 1024 * 2) return bwd_generic_tok<T, M, 4, 2, false>(p, p.D / 4);
+          break;
       }
     } else if constexpr (V == 8) {
       switch (p.D) {
