@@ -201,15 +201,16 @@ static BwdParams bwd_params(const Buffers& b) {
   return p;
 }
 
-enum class Grid { kPersistent, kRoundRobin, kPerRow };
+enum class Grid { kPersistent, kRoundRobin, kPerRow, kHalf, kQuarter };  // kHalf / kQuarter: grid = rows / 2, / 4
 
 // v1 forward launcher.
-template <int NV, int TPR, bool HOIST = false, int VEC = 8, bool XCS = true, bool MODCS = false>
+template <int NV, int TPR, bool HOIST = false, int VEC = 8, bool XCS = true, bool MODCS = false, bool PF = false>
 static std::function<void(cudaStream_t)> fwd_v1(const Buffers& b, Grid g) {
-  auto k = &ln_mod_fwd_kernel<BF, float, VEC, NV, TPR, 1, true, false, false, HOIST, XCS, MODCS>;
+  auto k = &ln_mod_fwd_kernel<BF, float, VEC, NV, TPR, 1, true, PF, false, HOIST, XCS, MODCS>;
   const int64_t N = b.B * b.S;
   const int res = resident(k, TPR, 0);
-  const int grid = g == Grid::kPerRow ? (int)N : (int)std::min<int64_t>(N, res);
+  const int grid = g == Grid::kPerRow ? (int)N : g == Grid::kHalf ? (int)((N + 1) / 2)
+                   : g == Grid::kQuarter ? (int)((N + 3) / 4) : (int)std::min<int64_t>(N, res);
   const FwdParams p = fwd_params(b);
   return [=](cudaStream_t s) { k<<<grid, TPR, 0, s>>>(p); };
 }
@@ -232,7 +233,7 @@ static std::function<void(cudaStream_t)> fwd_v2(const Buffers& b) {
 }
 
 // v1 backward (no affine). Per-sample: contiguous tiles per sample as the extension plans them.
-template <int NV, int TPR, bool STST, bool LDCS = true, int VEC = 8>
+template <int NV, int TPR, bool STST, bool LDCS = true, int VEC = 8, bool PF = false>
 static std::function<void(cudaStream_t)> bwd_v1(const Buffers& b, Grid g) {
   BwdParams p = bwd_params(b);
   const int64_t N = b.B * b.S;
@@ -247,17 +248,20 @@ static std::function<void(cudaStream_t)> bwd_v1(const Buffers& b, Grid g) {
     const int grid = (int)std::min<int64_t>(p.num_tiles, res);
     return [=](cudaStream_t s) { k<<<grid, TPR, 0, s>>>(p); };
   }
-  auto k = &ln_mod_bwd_kernel<BF, float, VEC, NV, TPR, true, false, false, false, STST, LDCS>;
+  auto k = &ln_mod_bwd_kernel<BF, float, VEC, NV, TPR, true, false, false, PF, STST, LDCS>;
   const int res = resident(k, TPR, 0);
   p.seg_len = N;
   if (g == Grid::kPersistent) {  // contiguous chunks (the extension's v1 plan)
     p.rows_per_tile = (N + res - 1) / res;
+  } else if (g == Grid::kHalf || g == Grid::kQuarter) {  // tiles of 2 / 4 consecutive rows, one CTA each
+    p.rows_per_tile = g == Grid::kHalf ? 2 : 4;
   } else {
     p.rows_per_tile = 1;
   }
   p.tiles_per_seg = (N + p.rows_per_tile - 1) / p.rows_per_tile;
   p.num_tiles = p.tiles_per_seg;
-  const int grid = g == Grid::kPerRow ? (int)p.num_tiles : (int)std::min<int64_t>(p.num_tiles, res);
+  const int grid = (g == Grid::kPerRow || g == Grid::kHalf || g == Grid::kQuarter)
+                       ? (int)p.num_tiles : (int)std::min<int64_t>(p.num_tiles, res);
   return [=](cudaStream_t s) { k<<<grid, TPR, 0, s>>>(p); };
 }
 
@@ -372,11 +376,17 @@ int main(int argc, char** argv) {
   }
 
   struct Case { const char* name; int64_t B, S; int D; bool tok; };
-  const Case cases[] = {{"per-token 1x32760x1536", 1, 32760, 1536, true},
-                        {"per-sample 1x32760x1536", 1, 32760, 1536, false},
-                        {"per-sample 16x1560x1536", 16, 1560, 1536, false},
-                        {"per-token 1x16384x5120", 1, 16384, 5120, true},
-                        {"per-sample 1x75600x5120", 1, 75600, 5120, false}};
+  const Case all_cases[] = {{"per-token 1x32760x1536", 1, 32760, 1536, true},
+                            {"per-sample 1x32760x1536", 1, 32760, 1536, false},
+                            {"per-sample 16x1560x1536", 16, 1560, 1536, false},
+                            {"per-token 1x16384x5120", 1, 16384, 5120, true},
+                            {"per-sample 1x75600x5120", 1, 75600, 5120, false}};
+  // PROBE_CASES=0,2 (indices into all_cases) limits the run
+  std::vector<Case> cases;
+  const char* sel = std::getenv("PROBE_CASES");
+  for (int i = 0; i < 5; ++i)
+    if (sel == nullptr || std::string(",") .append(sel).append(",").find("," + std::to_string(i) + ",") != std::string::npos)
+      cases.push_back(all_cases[i]);
   for (const Case& c : cases) {
     const int D = c.D;
     Buffers b = make(c.B, c.S, D, c.tok);
@@ -386,21 +396,15 @@ int main(int argc, char** argv) {
     std::vector<Variant> fv;
     if (D == 1536) {
       fv = {
-          {"v1 96x2 (shipped)", fwd_v1<2, 96>(b, Grid::kPersistent)},
-          {"v1 96x2 per-row grid", fwd_v1<2, 96>(b, Grid::kPerRow)},
-          {"v1 96x2 hoist per-row grid", fwd_v1<2, 96, true>(b, Grid::kPerRow)},
-          {"v1 8B 192x2 hoist per-row grid", fwd_v1<2, 192, true, 4>(b, Grid::kPerRow)},
-          {"v1 8B 192x2 hoist modcs per-row grid", fwd_v1<2, 192, true, 4, true, true>(b, Grid::kPerRow)},
-          {"v1 8B 192x2 hoist xldg per-row grid", fwd_v1<2, 192, true, 4, false>(b, Grid::kPerRow)},
-          {"v1 8B 192x2 hoist xldg modcs per-row", fwd_v1<2, 192, true, 4, false, true>(b, Grid::kPerRow)},
-          {"v1 8B 128x3 hoist per-row grid", fwd_v1<3, 128, true, 4>(b, Grid::kPerRow)},
-          {"v1 8B 128x3 per-row grid", fwd_v1<3, 128, false, 4>(b, Grid::kPerRow)},
-          {"v1 8B 96x4 per-row grid", fwd_v1<4, 96, false, 4>(b, Grid::kPerRow)},
-          {"v1 8B 96x4", fwd_v1<4, 96, false, 4>(b, Grid::kPersistent)},
-          {"v1 8B 96x4 xldg per-row grid", fwd_v1<4, 96, false, 4, false>(b, Grid::kPerRow)},
-          {"v1 8B 64x6 per-row grid", fwd_v1<6, 64, false, 4>(b, Grid::kPerRow)},
-          {"v1 8B 64x6 hoist per-row grid", fwd_v1<6, 64, true, 4>(b, Grid::kPerRow)},
-          {"v2 96x2 s4/s2", fwd_v2<2, 96, 4, 2>(b)},
+          {"v1 96x2 (v1 persistent)", fwd_v1<2, 96>(b, Grid::kPersistent)},
+          {"v1 8B 192x2 hoist xldg modcs per-row (shipped tok)", fwd_v1<2, 192, true, 4, false, true>(b, Grid::kPerRow)},
+          {"v1 8B 192x2 hoist xldg modcs grid/2", fwd_v1<2, 192, true, 4, false, true>(b, Grid::kHalf)},
+          {"v1 8B 192x2 hoist xldg modcs grid/2 pf", fwd_v1<2, 192, true, 4, false, true, true>(b, Grid::kHalf)},
+          {"v1 8B 192x2 hoist xldg modcs grid/4 pf", fwd_v1<2, 192, true, 4, false, true, true>(b, Grid::kQuarter)},
+          {"v1 8B 128x3 hoist xldg modcs per-row", fwd_v1<3, 128, true, 4, false, true>(b, Grid::kPerRow)},
+          {"v1 96x2 per-row (shipped B=1)", fwd_v1<2, 96>(b, Grid::kPerRow)},
+          {"v1 96x2 grid/2 pf", fwd_v1<2, 96, false, 8, true, false, true>(b, Grid::kHalf)},
+          {"v2 96x2 s4/s2 (shipped B>1)", fwd_v2<2, 96, 4, 2>(b)},
           {"v2 96x2 s3/s3", fwd_v2<2, 96, 3, 3>(b)},
       };
     } else {  // D = 5120
@@ -435,6 +439,10 @@ int main(int argc, char** argv) {
         bv.push_back({"v1 8B 384x1 plain ldg per-row grid", bwd_v1<1, 384, false, false, 4>(b, Grid::kPerRow)});
         bv.push_back({"v1 8B 128x3 plain ldg per-row grid", bwd_v1<3, 128, false, false, 4>(b, Grid::kPerRow)});
         bv.push_back({"v1 8B 64x6 plain ldg per-row grid", bwd_v1<6, 64, false, false, 4>(b, Grid::kPerRow)});
+        bv.push_back({"v1 8B 384x1 plain ldg tiles of 2", bwd_v1<1, 384, false, false, 4>(b, Grid::kHalf)});
+        bv.push_back({"v1 8B 384x1 plain ldg tiles of 2 pf", bwd_v1<1, 384, false, false, 4, true>(b, Grid::kHalf)});
+        bv.push_back({"v1 8B 384x1 plain ldg tiles of 4 pf", bwd_v1<1, 384, false, false, 4, true>(b, Grid::kQuarter)});
+        bv.push_back({"v1 8B 192x2 plain ldg tiles of 2 pf", bwd_v1<2, 192, false, false, 4, true>(b, Grid::kHalf)});
       }
     } else {  // D = 5120
       bv = {

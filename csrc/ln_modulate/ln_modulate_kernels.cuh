@@ -681,7 +681,7 @@ FwdChoice fwd_select(const FwdParams& p, int gen) {
   if (gen == 2) {
     if constexpr (V == 8) {
       switch (p.D) {
-        case 1536: return fwd_make_v2<T, M, 2, 96, 4, 2, true>(p);
+        case 1536: return fwd_make_v2<T, M, 2, 96, 3, 2, true>(p);  // s3: 0.0555 vs s4 0.0560 ms (16x1560, H100)
         case 3072: return fwd_make_v2<T, M, 2, 192, 4, 2, true>(p);
         case 5120: return fwd_make_v2<T, M, 5, 128, 3, 2, true>(p);
         default: break;
@@ -856,7 +856,8 @@ BwdChoice bwd_select(const BwdParams& p, int gen) {
   if (gen == 2) {
     if constexpr (V == 8) {
       switch (p.D) {
-        case 1536: return bwd_make_v2<T, M, 1, 192, 4, 3, true>(p);
+        // 96x2 s3: 0.0838 vs 192x1 s4 0.0871 ms at 16x1560, 0.1084 vs 0.1112 at 1x32760 (H100, probe)
+        case 1536: return bwd_make_v2<T, M, 2, 96, 3, 3, true>(p);
         case 3072: return bwd_make_v2<T, M, 1, 384, 3, 2, true>(p);
         case 5120: return bwd_make_v2<T, M, 2, 320, 3, 2, true>(p);  // 2 CTAs/SM (640x1: 1)
         default: break;
