@@ -29,12 +29,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ds_adaptive.calibrate import TEXT_LEN, _config_dict  # noqa: E402
+from ds_adaptive.balance.calibrate import TEXT_LEN, _config_dict  # noqa: E402
 from ds_adaptive.config import SamplerConfig  # noqa: E402
-from ds_adaptive.cost import CostModel, load_profile  # noqa: E402
-from ds_adaptive.sampler import Topology, build_batch_sampler  # noqa: E402
+from ds_adaptive.balance.cost import CostModel, load_profile  # noqa: E402
+from ds_adaptive.balance.sampler import Topology, build_batch_sampler  # noqa: E402
 from ds_adaptive.shapes import TEXT_DIM, load_shape_distribution  # noqa: E402
-from ds_adaptive.simulate import draw_shapes  # noqa: E402
+from ds_adaptive.balance.simulate import draw_shapes  # noqa: E402
 
 
 def candidate_batches(profile: str, shapes_file, m_mem, n_samples: int, seed: int, p: float):

@@ -24,7 +24,7 @@ loss per sample seen, held-out loss, and the simulator's prediction for the same
     python bench/e2e.py --report-only --out bench/out/e2e # tables + plots again from e2e.json
 
 Reduced depth: the cost profile (``h100-wan2.1-1.3b``, 30 blocks) is rescaled to the trained depth
-(:meth:`ds_adaptive.cost.Profile.with_num_layers`), and the memory budget is the full-depth ``auto``
+(:meth:`ds_adaptive.balance.cost.Profile.with_num_layers`), and the memory budget is the full-depth ``auto``
 budget scaled by the activation memory per token, so every arm forms exactly the micro-batches the
 30-block model would form at its default budgets; only the time per micro-batch shrinks. Method:
 docs/E2E.md.
@@ -52,9 +52,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from ds_adaptive.config import SamplerConfig  # noqa: E402
-from ds_adaptive.cost import CostModel, load_profile  # noqa: E402
-from ds_adaptive.planner import resolve_budgets  # noqa: E402
-from ds_adaptive.sampler import Topology, build_batch_sampler  # noqa: E402
+from ds_adaptive.balance.cost import CostModel, load_profile  # noqa: E402
+from ds_adaptive.balance.planner import resolve_budgets  # noqa: E402
+from ds_adaptive.balance.sampler import Topology, build_batch_sampler  # noqa: E402
 from ds_adaptive.shapes import load_shape_distribution  # noqa: E402
 
 FORMAT = "ds_adaptive.e2e/1"
@@ -255,7 +255,7 @@ def plan_arm(s: Settings, arm: Arm, shapes, profile_path: str, budgets: Budgets,
         smp = build_batch_sampler(cfg, shapes, Topology(0, s.dp), micro_steps_per_step=gas, enabled=arm.enabled,
                                   mode=arm.sampler)
         plan = smp.plan
-    from ds_adaptive.simulate import predicted_times
+    from ds_adaptive.balance.simulate import predicted_times
 
     truth = CostModel(load_profile(profile_path), "calibrated")
     sizes = plan.batch_sizes()
@@ -533,7 +533,7 @@ def ratios(arms: dict, base: str = "baseline") -> dict:
 # ================================================================================== simulator
 def simulator_section(s: Settings, plans: dict, arms: dict, profile_path: str, budgets: Budgets) -> dict:
     """Prediction for the measured run (the arms' own plans: same world, samples, budgets) against the
-    measurement, and ``ds_adaptive.simulate`` at larger scales with the same profile and budgets."""
+    measurement, and ``ds_adaptive.balance.simulate`` at larger scales with the same profile and budgets."""
     out = {"measured_world": s.num_gpus, "profile": profile_path}
     tok, dual = plans.get("baseline") or plans.get("tokens_fused"), plans.get("dual_ref") or plans.get("adaptive")
     if tok and dual:
@@ -554,7 +554,7 @@ def simulator_section(s: Settings, plans: dict, arms: dict, profile_path: str, b
                                "cv_step_wall": {"tokens": b["cv_step_wall"], "dual": a["cv_step_wall"]}}
         out["same_run"]["measured"] = meas
     if s.sim_worlds:
-        from ds_adaptive.simulate import simulate
+        from ds_adaptive.balance.simulate import simulate
 
         cfg = SamplerConfig(profile=profile_path, m_mem=budgets.m_mem_gib, m_comp="auto", seed=s.seed)
         dist = load_shape_distribution(s.shapes)

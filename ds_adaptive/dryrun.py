@@ -207,10 +207,10 @@ def _resolve_relative(path: Optional[str], config_path: str) -> Optional[str]:
 def run_checks(args: argparse.Namespace, extra: list[str]) -> tuple[Report, Optional[list[str]]]:
     """All checks; returns the report and the command (None when the layout itself is unusable)."""
     from ds_adaptive.config import ConfigError, load_adaptive_config, prepare_ds_config, read_ds_config
-    from ds_adaptive.cost import CostModel, ProfileError, SequenceParallelError, load_profile
+    from ds_adaptive.balance.cost import CostModel, ProfileError, SequenceParallelError, load_profile
     from ds_adaptive.models.wan import WanConfigError, count_parameters, get_wan_config
     from ds_adaptive.parallel.ulysses import MESH_KEYS, check_heads, resolve_sp_size
-    from ds_adaptive.planner import resolve_budgets
+    from ds_adaptive.balance.planner import resolve_budgets
     from ds_adaptive.shapes import ShapeError, load_shape_distribution
 
     rep = Report()
@@ -328,7 +328,7 @@ def _check_memory_and_budgets(rep, args, adaptive, wcfg, n_params, stage, sp, dp
         rep.warn("profile", f"profile '{profile.name}' was measured for {pmodel}, checking {args.model}: costs and "
                             f"activation memory are extrapolated; run `ds-adaptive calibrate --model {args.model}`")
     if args.layers and args.layers != profile.num_layers:  # as the trainer: plan for the trained depth
-        from ds_adaptive.cost import ProfileDepthError
+        from ds_adaptive.balance.cost import ProfileDepthError
 
         try:
             base, profile = profile, profile.with_num_layers(args.layers)

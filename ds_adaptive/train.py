@@ -371,8 +371,8 @@ def train(args: argparse.Namespace) -> dict:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    from .cost import ProfileDepthError
-    from .sampler import build_batch_sampler
+    from .balance.cost import ProfileDepthError
+    from .balance.sampler import build_batch_sampler
 
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()
                                                                           if p.requires_grad], config=ds_cfg)
@@ -545,10 +545,10 @@ def _save(engine, args, sampler, global_step: int, epoch: int, step_in_epoch: in
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    from .cost import ProfileError, SequenceParallelError
+    from .balance.cost import ProfileError, SequenceParallelError
     from .models.wan import WanConfigError
-    from .planner import PlanError
-    from .sampler import SamplerStateError
+    from .balance.planner import PlanError
+    from .balance.sampler import SamplerStateError
 
     ok = False
     try:

@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional, Protocol, Sequence, Union, runtime_checkable
 
 from ds_adaptive.config import SamplerConfig
-from ds_adaptive.planner import StepTotals
-from ds_adaptive.sampler import Topology, build_batch_sampler
+from ds_adaptive.balance.planner import StepTotals
+from ds_adaptive.balance.sampler import Topology, build_batch_sampler
 from ds_adaptive.shapes import SampleShape
 
 STATE_KEY = "ds_adaptive_sampler"

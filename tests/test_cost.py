@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from ds_adaptive.calibrate import fit_compute, fit_memory, nnls
-from ds_adaptive.cost import (PROFILES_DIR, CostModel, ProfileError, SequenceParallelError, load_profile,
+from ds_adaptive.balance.calibrate import fit_compute, fit_memory, nnls
+from ds_adaptive.balance.cost import (PROFILES_DIR, CostModel, ProfileError, SequenceParallelError, load_profile,
                               shipped_profiles)
 from ds_adaptive.shapes import SampleShape
 

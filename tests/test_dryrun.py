@@ -66,7 +66,7 @@ def test_print_command_is_scriptable_and_forwards_trainer_args(capsys, tmp_path:
 def test_layers_rescales_the_profile_to_the_checked_depth(capsys) -> None:
     """--layers 4 of the 30-block profile: the activations and cost of the longest sample shrink with the
     depth (block terms x 4/30, embed/head kept), as the trainer plans them."""
-    from ds_adaptive.cost import CostModel, load_profile
+    from ds_adaptive.balance.cost import CostModel, load_profile
 
     base = ("--deepspeed_config", ZERO3, "--model", "wan2.1-1.3b", "--num-gpus", "4")
     code, full, _ = run(capsys, *base)
@@ -107,7 +107,7 @@ def test_oversize_sample_error_and_skip(capsys, tmp_path: Path) -> None:
     code, out, _ = run(capsys, "--deepspeed_config", cfg, "--num-gpus", "8", "--sp", "1")
     assert code == 1
     assert "shape 81x720x1280 (75600 tokens" in out
-    from ds_adaptive.cost import CostModel
+    from ds_adaptive.balance.cost import CostModel
 
     act = CostModel("h100-wan2.1-1.3b").per_gpu_memory(75600)   # the shipped calibration: ~15.9 GiB
     assert f"activation memory {act:.2f} GiB > m_mem 6.00 GiB" in out and "use a higher sp" in out

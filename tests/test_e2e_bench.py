@@ -1,7 +1,7 @@
 """Guards the end-to-end benchmark (bench/e2e.py) and the compute-time instrumentation it relies on:
 ZeRO-3 waits taken out of per-rank compute time (single process: compute ~ forward+backward wall time;
 two ranks: the heavier rank reports more compute while wall-clock times agree), the depth-rescaled cost
-profile it plans with (ds_adaptive.cost.Profile.with_num_layers), the GPU defaults' time budget,
+profile it plans with (ds_adaptive.balance.cost.Profile.with_num_layers), the GPU defaults' time budget,
 aggregation, and a real 2-arm run on 2 CPU processes."""
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ds_adaptive.cost import load_profile
+from ds_adaptive.balance.cost import load_profile
 from ds_adaptive.metrics import WAIT_POINTS, ComputeTimer, StepMetrics
 from ds_adaptive.config import MetricsConfig
 

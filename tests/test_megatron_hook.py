@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT))
 
 from patches.megatron import (MegatronAdaptiveLoader, ShapedDataset, add_sampler_state,  # noqa: E402
                               dataset_shapes, load_sampler_state, restore_sampler_state, save_sampler_state)
-from ds_adaptive.sampler import Topology  # noqa: E402
+from ds_adaptive.balance.sampler import Topology  # noqa: E402
 from ds_adaptive.shapes import SampleShape  # noqa: E402
 
 SHAPES = [SampleShape(1, 480, 832), SampleShape(1, 720, 1280), SampleShape(17, 480, 832),

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ds_adaptive.cost import CostModel
-from ds_adaptive.planner import (OversizeSampleError, PlanError, PlannerParams, StepTotals, plan_epoch,
+from ds_adaptive.balance.cost import CostModel
+from ds_adaptive.balance.planner import (OversizeSampleError, PlanError, PlannerParams, StepTotals, plan_epoch,
                                  resolve_budgets, unique_shapes)
 from ds_adaptive.shapes import SampleShape, load_shape_distribution
 

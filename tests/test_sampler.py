@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ds_adaptive.config import SamplerConfig
-from ds_adaptive.planner import OversizeSampleError
-from ds_adaptive.sampler import (AdaptiveBatchSampler, FixedBucketSampler, SamplerStateError, TokenBucketSampler,
+from ds_adaptive.balance.planner import OversizeSampleError
+from ds_adaptive.balance.sampler import (AdaptiveBatchSampler, FixedBucketSampler, SamplerStateError, TokenBucketSampler,
                                  Topology, build_batch_sampler)
 from ds_adaptive.shapes import SampleShape, load_shape_distribution
 

@@ -82,7 +82,7 @@ WEIGHTING = textwrap.dedent("""
     from deepspeed.utils import safe_get_full_grad
     from ds_adaptive.data import SyntheticLatentDataset, collate_latents
     from ds_adaptive.models.wan import WanModel, get_wan_config
-    from ds_adaptive.planner import StepTotals
+    from ds_adaptive.balance.planner import StepTotals
     from ds_adaptive.shapes import SampleShape, ShapeWeight
     from ds_adaptive.train import backward_micro_batch, flow_matching_losses, init_distributed
 
@@ -224,9 +224,9 @@ def test_layers_plans_with_the_depth_rescaled_profile(tmp_path, cpu_config, run_
     """--layers N below the profile's depth: the trainer plans with Profile.with_num_layers(N) and says so
     in one line; without --layers (or with the profile's own depth) nothing is rescaled."""
     from ds_adaptive.config import load_adaptive_config
-    from ds_adaptive.cost import load_profile
+    from ds_adaptive.balance.cost import load_profile
     from ds_adaptive.data import build_dataset
-    from ds_adaptive.sampler import Topology, build_batch_sampler
+    from ds_adaptive.balance.sampler import Topology, build_batch_sampler
 
     raw = json.loads(cpu_config.read_text())
     raw["adaptive_load"]["sampler"].update(m_mem=0.5, shapes=str(CONFIGS / "shapes_cpu.json"))  # 30 blocks fit

@@ -26,7 +26,7 @@ SCRIPT = textwrap.dedent("""
     from ds_adaptive.models.testing import random_init_
     from ds_adaptive.models.wan import WanModel
     from ds_adaptive.parallel import apply_ulysses, init_sequence_parallel, strip_mesh_keys
-    from ds_adaptive.sampler import build_batch_sampler
+    from ds_adaptive.balance.sampler import build_batch_sampler
     from deepspeed.utils import safe_get_full_grad
 
     MESH = sys.argv[1] == "mesh"

@@ -46,7 +46,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from einops import rearrange
 
-from ds_adaptive.cost import SequenceParallelError
+from ds_adaptive.balance.cost import SequenceParallelError
 from ds_adaptive.models.wan import WanInputs, WanModel, sdpa_attention
 
 __all__ = [
@@ -96,8 +96,8 @@ class SequenceParallel:
 
     @property
     def topology(self):
-        """The sampler's view of this layout: ``ds_adaptive.sampler.Topology``."""
-        from ds_adaptive.sampler import Topology
+        """The sampler's view of this layout: ``ds_adaptive.balance.sampler.Topology``."""
+        from ds_adaptive.balance.sampler import Topology
 
         return Topology(dp_rank=self.dp_rank, dp_size=self.dp_size, sp_rank=self.sp_rank, sp_size=self.sp_size)
 
@@ -344,7 +344,7 @@ def init_sequence_parallel(sp_size: Optional[int] = None, *, ds_config: Optional
        ``deepspeed.initialize`` when the ds_config has ``data_parallel_size`` and
        ``sequence_parallel_size``): its ``sequence_parallel`` dimension;
     3. otherwise new groups of ``sp`` consecutive ranks (rank = dp_rank * sp + sp_rank, the layout
-       of ``ds_adaptive.sampler.Topology`` and of DeepSpeed's mesh), cached per (sp, world).
+       of ``ds_adaptive.balance.sampler.Topology`` and of DeepSpeed's mesh), cached per (sp, world).
 
     ``sp_size`` defaults to the ds_config's ``sequence_parallel_size`` (see :func:`resolve_sp_size`)
     or to what megatron / the mesh say. ``num_heads`` (if given) must be divisible by sp.

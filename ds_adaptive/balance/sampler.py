@@ -27,8 +27,8 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 import numpy as np
 
 from ds_adaptive.config import SamplerConfig
-from ds_adaptive.cost import CostModel, Profile, load_profile
-from ds_adaptive.planner import (EpochPlan, OversizeSampleError, PlanError, PlannerParams, StepTotals,
+from ds_adaptive.balance.cost import CostModel, Profile, load_profile
+from ds_adaptive.balance.planner import (EpochPlan, OversizeSampleError, PlanError, PlannerParams, StepTotals,
                                  plan_epoch, resolve_budgets, unique_shapes)
 from ds_adaptive.shapes import SampleShape
 

@@ -1,4 +1,4 @@
-"""Profile the real model on this GPU -> a cost/memory profile json for :mod:`ds_adaptive.cost`.
+"""Profile the real model on this GPU -> a cost/memory profile json for :mod:`ds_adaptive.balance.cost`.
 
 ``ds-adaptive calibrate --model wan2.1-1.3b --sp 1 --out h100-wan2.1-1.3b.json``
 
@@ -21,7 +21,7 @@ What it does (bf16, fwd+bwd, gradient checkpointing as in training):
 The json records device, torch version, date, model config, sp, the fit and its errors, the raw
 measurements, and the static memory (bytes per parameter for params/grads/optimizer under ZeRO).
 
-``python -m ds_adaptive.calibrate --from-block-scaling shared/data/h100_block_scaling.json`` rebuilds
+``python -m ds_adaptive.balance.calibrate --from-block-scaling shared/data/h100_block_scaling.json`` rebuilds
 the shipped profiles from measured per-block times (scaled by depth).
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from ds_adaptive.cost import GIB, PROFILE_FORMAT, PROFILES_DIR, Profile
+from ds_adaptive.balance.cost import GIB, PROFILE_FORMAT, PROFILES_DIR, Profile
 from ds_adaptive.shapes import TEXT_DIM, SampleShape
 
 # Wan 2.1 text-to-video architectures (from the released configs); used when the model module

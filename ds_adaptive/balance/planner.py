@@ -1,8 +1,8 @@
 """Pure planning: micro-batches under both budgets, dealt into cost-balanced micro-steps.
 
 No torch, no torch.distributed: a plan is a pure function of (sample shapes, order, cost model,
-:class:`PlannerParams`). The sampler (``ds_adaptive/sampler.py``) adds the epoch shuffle, ranks
-and resumable state; the simulator (``ds_adaptive/simulate.py``) scores plans.
+:class:`PlannerParams`). The sampler (``ds_adaptive/balance/sampler.py``) adds the epoch shuffle, ranks
+and resumable state; the simulator (``ds_adaptive/balance/simulate.py``) scores plans.
 
 Vocabulary
     batch       a micro-batch: ``B`` samples of ONE shape, processed by one data-parallel rank
@@ -48,7 +48,7 @@ from typing import Iterator, Literal, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
-from ds_adaptive.cost import CostModel
+from ds_adaptive.balance.cost import CostModel
 from ds_adaptive.shapes import SampleShape
 
 Mode = Literal["dual", "tokens", "fixed"]

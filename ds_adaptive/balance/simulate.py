@@ -31,9 +31,9 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ds_adaptive.config import SamplerConfig
-from ds_adaptive.cost import CostModel, load_profile
-from ds_adaptive.planner import EpochPlan, resolve_budgets
-from ds_adaptive.sampler import Topology, build_batch_sampler
+from ds_adaptive.balance.cost import CostModel, load_profile
+from ds_adaptive.balance.planner import EpochPlan, resolve_budgets
+from ds_adaptive.balance.sampler import Topology, build_batch_sampler
 from ds_adaptive.shapes import SampleShape, ShapeWeight, load_shape_distribution
 
 SAMPLERS = ("tokens", "fixed", "dual")
@@ -103,7 +103,7 @@ def simulate(*, world: int, sp: int = 1, steps: int = 50, seed: int = 0,
     """Plan ``steps`` optimizer steps on ``world`` GPUs (Ulysses degree ``sp``) with each sampler.
 
     ``num_layers``: plan for a model of that many blocks (the profile rescaled by
-    :meth:`ds_adaptive.cost.Profile.with_num_layers`, as the trainer does for ``--layers``)."""
+    :meth:`ds_adaptive.balance.cost.Profile.with_num_layers`, as the trainer does for ``--layers``)."""
     if world % sp:
         raise ValueError(f"--world {world} is not divisible by --sp {sp}")
     dist = list(dist) if dist is not None else load_shape_distribution()

@@ -72,7 +72,7 @@ class SequenceParallelError(ValueError):
 
 
 def shipped_profiles() -> list[str]:
-    """Names of the profiles shipped in ``ds_adaptive/profiles`` (without ``.json``)."""
+    """Names of the profiles shipped in ``ds_adaptive/balance/profiles`` (without ``.json``)."""
     return sorted(p.stem for p in PROFILES_DIR.glob("*.json"))
 
 
@@ -220,7 +220,7 @@ class Profile:
         d["static_memory"]["stage3_live_params"] = min(int(raw["static_memory"]["stage3_live_params"]), params)
         d.pop("measurements", None)
         d["name"] = f"{raw.get('name', 'profile')}-{num_layers}blocks"
-        d["source"] = (f"{raw.get('name')} rescaled from {L0} to {num_layers} blocks by ds_adaptive.cost "
+        d["source"] = (f"{raw.get('name')} rescaled from {L0} to {num_layers} blocks by ds_adaptive.balance.cost "
                        "(Profile.with_num_layers): block terms x depth ratio, embed/head terms kept")
         out = Profile.from_dict(d, where=f"{self.name} at {num_layers} blocks")
         return dataclasses.replace(out, rescaled_from_layers=self.rescaled_from_layers or L0)
