@@ -8,9 +8,11 @@ __version__ = "0.1.0"
 
 def _alias_source_patches() -> None:
     """setup.py ships the top-level ``patches/`` folder as ``ds_adaptive.patches`` (package_dir).
-    In a plain source checkout on PYTHONPATH (GPU nodes, ``deepspeed launch/train_wan.py``
-    without ``pip install``) there is no such subfolder, so register the same package by path."""
-    if "ds_adaptive.patches" in _sys.modules or _ilu.find_spec("ds_adaptive.patches") is not None:
+    In a source checkout (GPU nodes with the checkout on PYTHONPATH, a second checkout or git
+    worktree next to an editable install) the ``patches/`` beside this package is the one that
+    belongs to it: register it by path, so that the package and its patches come from the same
+    tree. Installed (no sibling ``patches/``), the package_dir mapping provides it."""
+    if "ds_adaptive.patches" in _sys.modules:
         return
     src = _os.path.join(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))), "patches")
     init = _os.path.join(src, "__init__.py")
