@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ds_adaptive.balance.calibrate import TEXT_LEN, _config_dict  # noqa: E402
 from ds_adaptive.config import SamplerConfig  # noqa: E402
 from ds_adaptive.balance.cost import CostModel, load_profile  # noqa: E402
-from ds_adaptive.balance.sampler import Topology, build_batch_sampler  # noqa: E402
+from ds_adaptive.balance.sampler import build_batch_sampler  # noqa: E402
+from ds_adaptive.layout import Layout  # noqa: E402
 from ds_adaptive.shapes import TEXT_DIM, load_shape_distribution  # noqa: E402
 from ds_adaptive.balance.simulate import draw_shapes  # noqa: E402
 
@@ -44,7 +45,7 @@ def candidate_batches(profile: str, shapes_file, m_mem, n_samples: int, seed: in
     pairs = set()
     for mode in ("tokens", "dual"):
         cfg = SamplerConfig(mode=mode, profile=profile, m_mem=m_mem, window=64)
-        s = build_batch_sampler(cfg, shapes, Topology(0, 8), micro_steps_per_step=1)
+        s = build_batch_sampler(cfg, shapes, Layout.explicit(dp_size=8), micro_steps_per_step=1)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             plan = s.plan

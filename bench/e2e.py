@@ -54,7 +54,8 @@ if str(ROOT) not in sys.path:
 from ds_adaptive.config import SamplerConfig  # noqa: E402
 from ds_adaptive.balance.cost import CostModel, load_profile  # noqa: E402
 from ds_adaptive.balance.planner import resolve_budgets  # noqa: E402
-from ds_adaptive.balance.sampler import Topology, build_batch_sampler  # noqa: E402
+from ds_adaptive.balance.sampler import build_batch_sampler  # noqa: E402
+from ds_adaptive.layout import Layout  # noqa: E402
 from ds_adaptive.shapes import load_shape_distribution  # noqa: E402
 
 FORMAT = "ds_adaptive.e2e/1"
@@ -252,7 +253,7 @@ def plan_arm(s: Settings, arm: Arm, shapes, profile_path: str, budgets: Budgets,
     cfg = SamplerConfig.model_validate(sampler_config(s, arm, profile_path, budgets, reference_batch))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        smp = build_batch_sampler(cfg, shapes, Topology(0, s.dp), micro_steps_per_step=gas, enabled=arm.enabled,
+        smp = build_batch_sampler(cfg, shapes, Layout.explicit(dp_size=s.dp), micro_steps_per_step=gas, enabled=arm.enabled,
                                   mode=arm.sampler)
         plan = smp.plan
     from ds_adaptive.balance.simulate import predicted_times

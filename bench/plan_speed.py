@@ -20,7 +20,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ds_adaptive.config import SamplerConfig  # noqa: E402
-from ds_adaptive.balance.sampler import Topology, build_batch_sampler  # noqa: E402
+from ds_adaptive.balance.sampler import build_batch_sampler  # noqa: E402
+from ds_adaptive.layout import Layout  # noqa: E402
 from ds_adaptive.shapes import load_shape_distribution  # noqa: E402
 from ds_adaptive.balance.simulate import draw_shapes  # noqa: E402
 
@@ -44,7 +45,7 @@ def main(argv=None) -> int:
     shapes = draw_shapes(load_shape_distribution(), n, 0)
     times, steps = [], 0
     for rep in range(args.repeats):
-        s = build_batch_sampler(cfg, shapes, Topology(0, dp, 0, args.sp), micro_steps_per_step=args.ga)
+        s = build_batch_sampler(cfg, shapes, Layout.explicit(dp_size=dp, sp_size=args.sp), micro_steps_per_step=args.ga)
         s.set_epoch(rep)
         t0 = time.perf_counter()
         with warnings.catch_warnings():

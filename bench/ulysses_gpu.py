@@ -9,7 +9,7 @@ video (latent 21x90x160, 75,600 tokens), B=1, loss on the shards (what the train
 
 perf   for each sp in --sp (default: every valid degree <= world: 1, 2, 4): all ranks run the case
        in SP groups of sp consecutive ranks (sp=1: every GPU alone); fwd+bwd of
-       ``model(x, t, ctx, target=v)``, --warmup untimed then --steps timed steps. Per GPU:
+       ``per_sample_mse(model(x, t, ctx, local=True), v)``, --warmup untimed then --steps timed steps. Per GPU:
        step time (median; the slowest rank is reported), peak memory, static memory (parameters +
        gradients, measured after the warm-up step) and activation memory = peak - static.
        Ratios against sp=1: activation memory (target for sp=2: <= 0.6) and step time.
@@ -216,7 +216,7 @@ def perf_case(model, sp, inputs, args, device) -> dict:
         _sync(device, sp.group)
         t0 = time.perf_counter()
         try:
-            loss = model(lat, t, ctx, target=tgt).sum()
+            loss = per_sample_mse(model(lat, t, ctx, local=True), tgt).sum()
             loss.backward()
             if cuda:
                 torch.cuda.synchronize(device)
@@ -264,12 +264,12 @@ def check_case(model, ref32, degrees, args, device, cfg, dtype) -> dict:
     res = {"shape": str(shape), "tokens": shape.tokens, "per_sp": []}
     base = None
     for k in degrees:
-        sp = init_sequence_parallel(k)
+        sp = Layout.detect(k)
         apply_ulysses(model, sp)
         with torch.no_grad():
             out = model(lat, t, ctx)                   # gathered
         model.zero_grad(set_to_none=True)
-        part = model(lat, t, ctx, target=tgt)          # loss on shards
+        part = per_sample_mse(model(lat, t, ctx, local=True), tgt)          # loss on shards
         (part.sum() / args.batch).backward()
         g = _grads(model, sp)
         o_err = float((out.float() - out32.float()).abs().max())
@@ -295,7 +295,7 @@ def check_big(model, degrees, inputs) -> dict:
     outs = {}
     with torch.no_grad():
         for k in degrees:
-            sp = init_sequence_parallel(k)
+            sp = Layout.detect(k)
             apply_ulysses(model, sp)
             try:
                 outs[k] = model(lat, t, ctx).float()
@@ -343,7 +343,7 @@ def main(argv=None) -> int:
     if args.mode in ("all", "perf"):
         rows = []
         for k in degrees:
-            rows.append(perf_case(model, init_sequence_parallel(k), inputs, args, device))
+            rows.append(perf_case(model, Layout.detect(k), inputs, args, device))
             if rank == 0:
                 r = rows[-1]
                 print(f"  sp={k}: {r['step_s']:.3f} s/step, peak {r['peak_gib']:.2f} GiB, activations "

@@ -63,8 +63,8 @@ class Report:
 
 
 @dataclass(frozen=True)
-class Layout:
-    """Nodes and GPUs of the launch."""
+class LaunchPlan:
+    """Nodes and GPUs of the launch (the process layout inside it is ``ds_adaptive.layout.Layout``)."""
 
     nodes: list[tuple[str, int]]
     """(host, GPUs used on it) per node, in launch order."""
@@ -110,7 +110,7 @@ def parse_hostfile(path: str) -> list[tuple[str, int]]:
 
 
 def resolve_layout(world: Optional[int], num_gpus: Optional[int], num_nodes: Optional[int],
-                   hostfile: Optional[str]) -> Layout:
+                   hostfile: Optional[str]) -> LaunchPlan:
     """The launch layout from the flags, as the ``deepspeed`` launcher would use them."""
     for name, v in (("--world", world), ("--num-gpus", num_gpus), ("--num-nodes", num_nodes)):
         if v is not None and v < 1:
@@ -130,20 +130,20 @@ def resolve_layout(world: Optional[int], num_gpus: Optional[int], num_nodes: Opt
                 raise UsageError(f"--num-gpus {num_gpus} per node but {hostfile} gives fewer slots on: "
                                  f"{', '.join(short)}")
             hosts = [(h, num_gpus) for h, _ in hosts]
-        return Layout(nodes=hosts, hostfile=hostfile, num_gpus=num_gpus, num_nodes=num_nodes)
+        return LaunchPlan(nodes=hosts, hostfile=hostfile, num_gpus=num_gpus, num_nodes=num_nodes)
     if world is not None:
         k = num_nodes or 1
         if world % k:
             raise UsageError(f"--world {world} is not divisible by --num-nodes {k}")
-        return Layout(nodes=[(f"node{i}", world // k) for i in range(k)], num_gpus=world // k,
+        return LaunchPlan(nodes=[(f"node{i}", world // k) for i in range(k)], num_gpus=world // k,
                       num_nodes=num_nodes)
     if num_gpus is not None:
         k = num_nodes or 1
-        return Layout(nodes=[(f"node{i}", num_gpus) for i in range(k)], num_gpus=num_gpus, num_nodes=num_nodes)
+        return LaunchPlan(nodes=[(f"node{i}", num_gpus) for i in range(k)], num_gpus=num_gpus, num_nodes=num_nodes)
     raise UsageError("say where it runs: --world N, --num-gpus G [--num-nodes K], or --hostfile FILE")
 
 
-def deepspeed_command(layout: Layout, args: argparse.Namespace, sp: int, extra: list[str]) -> list[str]:
+def deepspeed_command(layout: LaunchPlan, args: argparse.Namespace, sp: int, extra: list[str]) -> list[str]:
     """The ``deepspeed`` launcher command for this layout."""
     cmd = ["deepspeed"]
     if layout.hostfile:
@@ -197,21 +197,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _resolve_relative(path: Optional[str], config_path: str) -> Optional[str]:
-    if path is None or os.path.isabs(path):
-        return path
-    beside = Path(config_path).parent / path
-    return str(beside) if beside.exists() else path
-
-
 def run_checks(args: argparse.Namespace, extra: list[str]) -> tuple[Report, Optional[list[str]]]:
     """All checks; returns the report and the command (None when the layout itself is unusable)."""
     from ds_adaptive.config import ConfigError, load_adaptive_config, prepare_ds_config, read_ds_config
-    from ds_adaptive.balance.cost import CostModel, ProfileError, SequenceParallelError, load_profile
+    from ds_adaptive.layout import MESH_KEYS, Layout, SequenceParallelError, resolve_sp_size
     from ds_adaptive.models.wan import WanConfigError, count_parameters, get_wan_config
-    from ds_adaptive.parallel.ulysses import MESH_KEYS, check_heads, resolve_sp_size
-    from ds_adaptive.balance.planner import resolve_budgets
-    from ds_adaptive.shapes import ShapeError, load_shape_distribution
 
     rep = Report()
     cfg_path = args.deepspeed_config
@@ -228,8 +218,6 @@ def run_checks(args: argparse.Namespace, extra: list[str]) -> tuple[Report, Opti
                           f"profile {s.profile}, oversize={s.oversize}", "ok")
     except ConfigError as exc:
         rep.fail("config", str(exc))
-    zero = raw.get("zero_optimization") or {}
-    stage = int(zero.get("stage", 0)) if isinstance(zero, dict) else 0
 
     # ---- model
     wcfg = None
@@ -276,7 +264,7 @@ def run_checks(args: argparse.Namespace, extra: list[str]) -> tuple[Report, Opti
     heads_ok = True
     if wcfg is not None and sp is not None:
         try:
-            check_heads(wcfg.num_heads, sp, what=args.model)
+            Layout.for_world(sp, sp).validate(num_heads=wcfg.num_heads, what=args.model)
             rep.row("heads", f"{wcfg.num_heads} heads / sp {sp} = {wcfg.num_heads // sp} per rank", "ok")
         except SequenceParallelError as exc:
             heads_ok = False
@@ -302,75 +290,70 @@ def run_checks(args: argparse.Namespace, extra: list[str]) -> tuple[Report, Opti
 
     # ---- memory and budgets
     if adaptive is not None and wcfg is not None and sp is not None and dp is not None and heads_ok:
-        _check_memory_and_budgets(rep, args, adaptive, wcfg, n_params, stage, sp, dp, CostModel, load_profile,
-                                  resolve_budgets, load_shape_distribution, (ProfileError, ShapeError, ValueError,
-                                                                             FileNotFoundError))
+        run = _build_dry_run(rep, args, Layout.for_world(sp * dp, sp))
+        if run is not None:
+            _check_memory_and_budgets(rep, args, run, n_params)
 
     cmd = deepspeed_command(layout, args, sp or args.sp or 1, extra) if layout is not None else None
     return rep, cmd
 
 
-def _check_memory_and_budgets(rep, args, adaptive, wcfg, n_params, stage, sp, dp, CostModel, load_profile,
-                              resolve_budgets, load_shape_distribution, errors) -> None:
-    s = adaptive.sampler
+def _build_dry_run(rep: Report, args: argparse.Namespace, layout):
+    """``build_run`` on the meta device with the planned layout: the trainer's own assembly (profile,
+    depth rescaling, budgets, sampler), without GPUs or a process group. None (and a failed check) on error."""
+    from ds_adaptive.balance.cost import ProfileError, load_profile
+    from ds_adaptive.balance.planner import PlanError
+    from ds_adaptive.config import ConfigError
+    from ds_adaptive.run import build_run
+    from ds_adaptive.run_config import RunConfig
+    from ds_adaptive.shapes import ShapeError
+
     try:
-        if s.profile is None:
+        cfg = RunConfig.load(args.deepspeed_config, trainer={"model": args.model, "layers": args.layers,
+                                                             "sp": layout.sp_size},
+                             overrides={"sampler.shapes": args.shapes})
+        if cfg.adaptive_load.sampler.profile is None:
             raise ValueError("adaptive_load.sampler.profile is null: the memory model needs a profile "
                              "(a shipped name or a `ds-adaptive calibrate` json)")
-        profile = load_profile(_resolve_relative(s.profile, args.deepspeed_config))
-        shapes_file = args.shapes or _resolve_relative(s.shapes, args.deepspeed_config)
-        dist_ = load_shape_distribution(shapes_file)
-    except errors as exc:
+        gpu = args.gpu_mem_gib or load_profile(cfg.adaptive_load.sampler.profile).gpu_mem_gib
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            run = build_run(cfg, layout=layout, meta=True, gpu_mem_gib=gpu)
+    except (ProfileError, ShapeError, ValueError, FileNotFoundError, ConfigError, PlanError) as exc:
         rep.fail("budgets", str(exc))
-        return
+        return None
+    for note in run.notes:
+        if note.startswith("warning: "):
+            rep.warn("profile", note[len("warning: "):])
+        else:
+            rep.row("profile", note, "ok")
+    return run
+
+
+def _check_memory_and_budgets(rep: Report, args: argparse.Namespace, run, n_params: int) -> None:
+    """Static memory of the model under the run's ZeRO stage, the resolved budgets, and every shape of the
+    distribution against them (oversize shapes with their share of the mix)."""
+    from ds_adaptive.shapes import load_shape_distribution
+
+    s, profile, cost, stage, world = run.cfg.adaptive_load.sampler, run.profile, run.cost, run.zero_stage, \
+        run.layout.world
+    gpu = run.gpu_mem_gib
     pmodel = profile.raw.get("model", {}).get("name")
     if pmodel not in (None, args.model):
         rep.warn("profile", f"profile '{profile.name}' was measured for {pmodel}, checking {args.model}: costs and "
                             f"activation memory are extrapolated; run `ds-adaptive calibrate --model {args.model}`")
-    if args.layers and args.layers != profile.num_layers:  # as the trainer: plan for the trained depth
-        from ds_adaptive.balance.cost import ProfileDepthError
-
-        try:
-            base, profile = profile, profile.with_num_layers(args.layers)
-            rep.row("profile", f"'{base.name}' ({base.num_layers} blocks) rescaled to --layers {args.layers}: block "
-                               f"compute and activation terms x {args.layers}/{base.num_layers}, embed/head kept", "ok")
-        except ProfileDepthError as exc:
-            rep.warn("profile", f"{exc}; checking with the profile's full-depth costs and memory (the trainer "
-                                "does the same)")
-    world = sp * dp
-    gpu = args.gpu_mem_gib or profile.gpu_mem_gib
-    # static memory of THIS model under the ds_config's ZeRO stage, partitioned over all world ranks
-    bpp = profile.bytes_per_param
-
-    def sharded(kind: str, default: float, from_stage: int) -> float:  # GiB per GPU
-        return n_params * bpp.get(kind, default) / (world if stage >= from_stage else 1) / GIB
-
-    parts = {"params": sharded("params", 2.0, 3), "grads": sharded("grads", 2.0, 2),
-             "optimizer": sharded("optimizer", 12.0, 1),
-             "zero3 live": (profile.stage3_live_params * bpp.get("params", 2.0) / GIB) if stage >= 3 else 0.0,
-             "workspace": profile.workspace_gib}
+    parts = profile.static_memory_parts(stage, world, params=n_params)  # THIS model, partitioned over the world
     static = sum(parts.values())
+    ok = static < gpu * s.mem_utilization
     rep.row("memory/GPU", f"ZeRO-{stage} over {world} ranks: " + " + ".join(f"{k} {v:.2f}" for k, v in parts.items())
-            + f" = {static:.2f} GiB static of {gpu:.1f} GiB", "ok" if static < gpu * s.mem_utilization else "FAIL")
-    if static >= gpu * s.mem_utilization:
+            + f" = {static:.2f} GiB static of {gpu:.1f} GiB", "ok" if ok else "FAIL")
+    if not ok:
         rep.problems.append(
             f"static memory {static:.1f} GiB per GPU (ZeRO-{stage}, {world} ranks) leaves nothing of "
             f"{gpu:.1f} GiB x mem_utilization {s.mem_utilization} for activations; use ZeRO-3, more GPUs, "
             "or a smaller model")
         return
-    try:
-        cost = CostModel(profile, s.cost_model, p=s.p, sp=sp, num_heads=wcfg.num_heads)
-        mode = s.mode if adaptive.enabled else "tokens"
-        uniq = sorted({w.shape for w in dist_})
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            b = resolve_budgets(mode=mode, cost=cost, shapes=uniq, m_mem=s.m_mem, m_comp=s.m_comp,
-                                max_tokens=s.max_tokens, gpu_mem_gib=gpu, mem_utilization=s.mem_utilization,
-                                zero_stage=stage, dp_size=dp)
-    except errors as exc:
-        rep.fail("budgets", str(exc))
-        return
-    unit = cost.unit
+    b, mode, unit = run.budgets, run.sampler.mode, cost.unit
     desc = f"mode {mode}: m_mem {b['m_mem']:.2f} GiB" + (f" ({'auto' if s.m_mem == 'auto' else 'set'})")
     if mode == "dual":
         desc += f", m_comp {b['m_comp']:.4g} {unit} ({'auto' if s.m_comp == 'auto' else 'set'})"
@@ -382,33 +365,39 @@ def _check_memory_and_budgets(rep, args, adaptive, wcfg, n_params, stage, sp, dp
                             f"= {static + b['m_mem']:.1f} GiB > {gpu:.1f} GiB per GPU: batches planned to m_mem would run "
                             f"out of memory. Set sampler.m_mem <= {max(gpu * s.mem_utilization - static, 0):.1f} or use "
                             f"a profile calibrated for {args.model} (`ds-adaptive calibrate`)")
+    _check_shapes(rep, run, load_shape_distribution(s.shapes), static, gpu)
+
+
+def _oversize_reasons(cost, shape, b: dict, mode: str) -> list[str]:
+    mem1, c1, unit = cost.per_gpu_memory(shape), cost.batch_cost(shape, 1), cost.unit
+    why = []
+    if mem1 > b["m_mem"] * (1 + 1e-12):
+        why.append(f"activation memory {mem1:.2f} GiB > m_mem {b['m_mem']:.2f} GiB")
+    if mode == "dual" and c1 > b["m_comp"] * (1 + 1e-12):
+        why.append(f"cost {c1:.4g} {unit} > m_comp {b['m_comp']:.4g} {unit}")
+    if mode == "tokens" and cost.padded_tokens(shape) > b["max_tokens"]:
+        why.append(f"{cost.padded_tokens(shape)} tokens > max_tokens {b['max_tokens']}")
+    return why
+
+
+def _check_shapes(rep: Report, run, dist_, static: float, gpu: float) -> None:
+    cost, b, mode, sp = run.cost, run.budgets, run.sampler.mode, run.layout.sp_size
+    uniq = sorted({w.shape for w in dist_})
     total_w = sum(w.weight for w in dist_)
-    weight = {}
+    weight: dict = {}
     for w in dist_:
         weight[w.shape] = weight.get(w.shape, 0.0) + w.weight
+    over = [(shape, why) for shape in uniq if (why := _oversize_reasons(cost, shape, b, mode))]
     longest = max(uniq, key=lambda x: x.tokens)
-    over = []
-    for shape in uniq:
-        mem1, c1 = cost.per_gpu_memory(shape), cost.batch_cost(shape, 1)
-        why = []
-        if mem1 > b["m_mem"] * (1 + 1e-12):
-            why.append(f"activation memory {mem1:.2f} GiB > m_mem {b['m_mem']:.2f} GiB")
-        if mode == "dual" and c1 > b["m_comp"] * (1 + 1e-12):
-            why.append(f"cost {c1:.4g} {unit} > m_comp {b['m_comp']:.4g} {unit}")
-        if mode == "tokens" and cost.padded_tokens(shape) > b["max_tokens"]:
-            why.append(f"{cost.padded_tokens(shape)} tokens > max_tokens {b['max_tokens']}")
-        if why:
-            over.append((shape, why))
     mem_l = cost.per_gpu_memory(longest)
     rep.row("shapes", f"{len(uniq)} shapes; longest {longest} = {longest.tokens} tokens (padded "
                       f"{cost.padded_tokens(longest)}, {cost.padded_tokens(longest) // sp} per rank): "
-                      f"{mem_l:.2f} GiB activations, {cost.batch_cost(longest, 1):.4g} {unit} per GPU at B=1; "
+                      f"{mem_l:.2f} GiB activations, {cost.batch_cost(longest, 1):.4g} {cost.unit} per GPU at B=1; "
                       f"peak ~{static + mem_l:.1f} of {gpu:.1f} GiB", "ok" if not over else "")
     for shape, why in over:
-        share = weight[shape] / total_w
-        msg = (f"shape {shape} ({shape.tokens} tokens, {100 * share:.1f}% of the mix) does not fit one GPU even at "
-               f"batch size 1 with sp {sp}: {'; '.join(why)}")
-        if s.oversize == "error":
+        msg = (f"shape {shape} ({shape.tokens} tokens, {100 * weight[shape] / total_w:.1f}% of the mix) does not fit "
+               f"one GPU even at batch size 1 with sp {sp}: {'; '.join(why)}")
+        if run.cfg.adaptive_load.sampler.oversize == "error":
             rep.fail("oversize", msg + ". Raise the budget (sampler.m_mem / m_comp / max_tokens), use a higher sp, "
                                        "drop the shape, or set sampler.oversize: \"skip\"")
         else:

@@ -37,7 +37,8 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Protocol, Sequenc
 
 from ds_adaptive.config import SamplerConfig
 from ds_adaptive.balance.planner import StepTotals
-from ds_adaptive.balance.sampler import Topology, build_batch_sampler
+from ds_adaptive.balance.sampler import build_batch_sampler
+from ds_adaptive.layout import Layout
 from ds_adaptive.shapes import SampleShape
 
 STATE_KEY = "ds_adaptive_sampler"
@@ -95,7 +96,7 @@ class MegatronAdaptiveLoader:
     """
 
     def __init__(self, dataset: Any, sampler_cfg: Union[SamplerConfig, Mapping[str, Any]], *,
-                 micro_steps_per_step: Optional[int] = None, topology: Optional[Topology] = None,
+                 micro_steps_per_step: Optional[int] = None, layout: Optional[Layout] = None,
                  sp_size: Optional[int] = None, collate_fn: Optional[Callable] = None, num_workers: int = 0,
                  pin_memory: bool = False, enabled: bool = True, gpu_mem_gib: Optional[float] = None,
                  model_name: Optional[str] = None, zero_stage: Optional[int] = None) -> None:
@@ -103,9 +104,9 @@ class MegatronAdaptiveLoader:
 
         cfg = sampler_cfg if isinstance(sampler_cfg, SamplerConfig) else SamplerConfig.model_validate(sampler_cfg)
         self.dataset = dataset
-        self.topology = topology or Topology.detect(sp_size)
+        self.layout = layout or Layout.detect(sp_size)
         ga = micro_steps_per_step or _megatron_num_microbatches()
-        self.sampler = build_batch_sampler(cfg, dataset_shapes(dataset), self.topology,
+        self.sampler = build_batch_sampler(cfg, dataset_shapes(dataset), self.layout,
                                            micro_steps_per_step=ga, enabled=enabled, gpu_mem_gib=gpu_mem_gib,
                                            model_name=model_name, zero_stage=zero_stage)
         self._loader = torch.utils.data.DataLoader(dataset, batch_sampler=self.sampler, collate_fn=collate_fn,
@@ -146,7 +147,7 @@ class MegatronAdaptiveLoader:
                 continue
             self.micro_in_epoch += 1
             return batch
-        raise RuntimeError(f"epoch {self.epoch} has no micro-steps for this topology "
+        raise RuntimeError(f"epoch {self.epoch} has no micro-steps for this layout "
                            f"({len(self.dataset)} samples): the dataset is smaller than one optimizer step")
 
     def state_dict(self) -> dict:

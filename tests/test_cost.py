@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from ds_adaptive.balance.calibrate import fit_compute, fit_memory, nnls
-from ds_adaptive.balance.cost import (PROFILES_DIR, CostModel, ProfileError, SequenceParallelError, load_profile,
+from ds_adaptive.layout import SequenceParallelError
+from ds_adaptive.balance.cost import (PROFILES_DIR, CostModel, ProfileError, load_profile,
                               shipped_profiles)
 from ds_adaptive.shapes import SampleShape
 

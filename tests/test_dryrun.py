@@ -73,7 +73,7 @@ def test_layers_rescales_the_profile_to_the_checked_depth(capsys) -> None:
     assert code == 0 and "rescaled" not in full
     code, out, _ = run(capsys, *base, "--layers", "4")
     assert code == 0, out
-    assert "'h100-wan2.1-1.3b' (30 blocks) rescaled to --layers 4" in out
+    assert "profile 'h100-wan2.1-1.3b' describes 30 blocks; rescaled to --layers 4" in out
     p4 = CostModel(load_profile("h100-wan2.1-1.3b").with_num_layers(4))
     assert f"{p4.per_gpu_memory(75600):.2f} GiB activations, {p4.batch_cost(75600, 1):.4g} ms per GPU at B=1" in out
     assert "--layers 4" in [x for x in out.splitlines() if x.strip().startswith("command")][0]

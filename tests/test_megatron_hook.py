@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT))
 
 from patches.megatron import (MegatronAdaptiveLoader, ShapedDataset, add_sampler_state,  # noqa: E402
                               dataset_shapes, load_sampler_state, restore_sampler_state, save_sampler_state)
-from ds_adaptive.balance.sampler import Topology  # noqa: E402
+from ds_adaptive.layout import Layout  # noqa: E402
 from ds_adaptive.shapes import SampleShape  # noqa: E402
 
 SHAPES = [SampleShape(1, 480, 832), SampleShape(1, 720, 1280), SampleShape(17, 480, 832),
@@ -63,7 +63,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, cp: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         ps.initialize_model_parallel(context_parallel_size=cp, create_gloo_process_groups=True)
-        topo = Topology.detect()
+        topo = Layout.detect()
         ds = LatentDataset(600)
         loader = MegatronAdaptiveLoader(ds, CFG, micro_steps_per_step=2, collate_fn=collate)
         steps = loader.sampler.steps_per_epoch
@@ -166,7 +166,7 @@ def test_token_length_dataset_single_process():
             return self.lens
 
     loader = MegatronAdaptiveLoader(Seqs(), {**CFG, "m_mem": 2.0}, micro_steps_per_step=1,
-                                    topology=Topology(0, 1), collate_fn=list)
+                                    layout=Layout.explicit(), collate_fn=list)
     seen = []
     while loader.epoch == 0:
         b = next(loader)

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from ds_adaptive.config import SamplerConfig
 from ds_adaptive.balance.planner import OversizeSampleError
 from ds_adaptive.balance.sampler import (AdaptiveBatchSampler, FixedBucketSampler, SamplerStateError, TokenBucketSampler,
-                                 Topology, build_batch_sampler)
+                                 build_batch_sampler)
+from ds_adaptive.layout import Layout
 from ds_adaptive.shapes import SampleShape, load_shape_distribution
 
 DIST = load_shape_distribution()
@@ -31,7 +32,7 @@ def build(shapes, dp, sp=1, ga=2, cfg=CFG, **kw):
     """One sampler per rank of a dp x sp topology: {(dp_rank, sp_rank): sampler}."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return {(r, s): build_batch_sampler(cfg, shapes, Topology(r, dp, s, sp), micro_steps_per_step=ga, **kw)
+        return {(r, s): build_batch_sampler(cfg, shapes, Layout.explicit(dp_size=dp, sp_size=sp, dp_rank=r, sp_rank=s), micro_steps_per_step=ga, **kw)
                 for r in range(dp) for s in range(sp)}
 
 
@@ -61,8 +62,8 @@ def test_exactly_once_equal_counts_and_sp_groups(mode):
 
 def test_disabled_builds_the_token_baseline_at_the_same_memory_budget():
     shapes = mix(500)
-    on = build_batch_sampler(CFG, shapes, Topology(0, 2), micro_steps_per_step=1)
-    off = build_batch_sampler(CFG, shapes, Topology(0, 2), micro_steps_per_step=1, enabled=False)
+    on = build_batch_sampler(CFG, shapes, Layout.explicit(dp_size=2), micro_steps_per_step=1)
+    off = build_batch_sampler(CFG, shapes, Layout.explicit(dp_size=2), micro_steps_per_step=1, enabled=False)
     assert isinstance(off, TokenBucketSampler) and off.params.m_mem == on.params.m_mem
 
 
@@ -171,21 +172,21 @@ def test_state_errors_are_explained():
 def test_oversize_error_and_skip_through_the_sampler():
     shapes = [SampleShape(1, 480, 832)] * 40 + [SampleShape(81, 720, 1280)] * 2
     cfg = CFG.model_copy(update={"m_mem": 10.0})
-    s = build_batch_sampler(cfg, shapes, Topology(0, 2), micro_steps_per_step=1)
+    s = build_batch_sampler(cfg, shapes, Layout.explicit(dp_size=2), micro_steps_per_step=1)
     with pytest.raises(OversizeSampleError, match="sample 40 .*81x720x1280"):
         list(s)
-    s = build_batch_sampler(cfg.model_copy(update={"oversize": "skip"}), shapes, Topology(0, 2), micro_steps_per_step=1)
+    s = build_batch_sampler(cfg.model_copy(update={"oversize": "skip"}), shapes, Layout.explicit(dp_size=2), micro_steps_per_step=1)
     with pytest.warns(UserWarning, match="skipping 2 oversize"):
         list(s)
     assert s.epoch_stats()["oversize"] == 2
 
 
 def test_topology_detect_single_process_and_errors():
-    assert Topology.detect() == Topology(0, 1, 0, 1)
+    assert Layout.detect() == Layout.explicit()
     with pytest.raises(ValueError):
-        Topology(2, 2)
+        Layout.explicit(dp_size=2, dp_rank=2)
     with pytest.raises(Exception, match="sp=8|heads"):
-        build_batch_sampler(CFG, mix(10), Topology(0, 1, 0, 8), micro_steps_per_step=1)
+        build_batch_sampler(CFG, mix(10), Layout.explicit(sp_size=8), micro_steps_per_step=1)
 
 
 def test_works_as_a_dataloader_batch_sampler():
@@ -199,7 +200,7 @@ def test_works_as_a_dataloader_batch_sampler():
         def __getitem__(self, i):
             return torch.zeros(*shapes[i].latent_grid), i
 
-    s = build_batch_sampler(CFG, shapes, Topology(1, 2), micro_steps_per_step=1)
+    s = build_batch_sampler(CFG, shapes, Layout.explicit(dp_size=2, dp_rank=1), micro_steps_per_step=1)
     loader = torch.utils.data.DataLoader(DS(), batch_sampler=s)
     got = [idx.tolist() for _, idx in loader]
     assert got == list(s) and len(got) == len(s)
@@ -207,6 +208,6 @@ def test_works_as_a_dataloader_batch_sampler():
 
 def test_lr_scale_from_config():
     cfg = CFG.model_copy(update={"lr_scaling": "sqrt", "reference_batch": 16})
-    s = build_batch_sampler(cfg, mix(800), Topology(0, 2), micro_steps_per_step=1)
+    s = build_batch_sampler(cfg, mix(800), Layout.explicit(dp_size=2), micro_steps_per_step=1)
     t = s.step_totals(0)
     assert s.lr_scale(0) == pytest.approx((t.samples / 16) ** 0.5)

@@ -84,6 +84,7 @@ WEIGHTING = textwrap.dedent("""
     from ds_adaptive.models.wan import WanModel, get_wan_config
     from ds_adaptive.balance.planner import StepTotals
     from ds_adaptive.shapes import SampleShape, ShapeWeight
+    from ds_adaptive.layout import Layout
     from ds_adaptive.train import backward_micro_batch, flow_matching_losses, init_distributed
 
     by = sys.argv[1]
@@ -120,7 +121,8 @@ WEIGHTING = textwrap.dedent("""
     for micro in plan[rank]:
         batch = collate_latents([ds[i] for i in micro])
         backward_micro_batch(engine, batch["latents"], batch["context"], batch["index"], totals,
-                             tokens_per_sample=ds.shape_of(micro[0]).tokens, dp_size=world, by=by, **kw)
+                             tokens_per_sample=ds.shape_of(micro[0]).tokens,
+                             layout=Layout.explicit(dp_size=world, dp_rank=rank), by=by, **kw)
     got = {n: safe_get_full_grad(p).detach().clone() for n, p in engine.module.named_parameters()}
 
     ref = WanModel(wcfg)  # one process, every sample of the step
@@ -226,7 +228,8 @@ def test_layers_plans_with_the_depth_rescaled_profile(tmp_path, cpu_config, run_
     from ds_adaptive.config import load_adaptive_config
     from ds_adaptive.balance.cost import load_profile
     from ds_adaptive.data import build_dataset
-    from ds_adaptive.balance.sampler import Topology, build_batch_sampler
+    from ds_adaptive.balance.sampler import build_batch_sampler
+    from ds_adaptive.layout import Layout
 
     raw = json.loads(cpu_config.read_text())
     raw["adaptive_load"]["sampler"].update(m_mem=0.5, shapes=str(CONFIGS / "shapes_cpu.json"))  # 30 blocks fit
@@ -243,7 +246,7 @@ def test_layers_plans_with_the_depth_rescaled_profile(tmp_path, cpu_config, run_
     # the plan the trainer logged is the one a sampler built on the rescaled profile makes
     cfg = load_adaptive_config(tmp_path / "ds.json").sampler
     shapes = build_dataset("synthetic", num_samples=40, shapes=str(CONFIGS / "shapes_cpu.json"), seed=0).sample_shapes()
-    smp = build_batch_sampler(cfg, shapes, Topology(0, 1), micro_steps_per_step=2, zero_stage=3, num_layers=1)
+    smp = build_batch_sampler(cfg, shapes, Layout.explicit(), micro_steps_per_step=2, zero_stage=3, num_layers=1)
     assert smp.cost.profile.rescaled_from_layers == 30 and s["plan"] == smp.epoch_stats()
     out = run_ranks(train_argv(*common, "--layers", "30", "--log-dir", "l30"), 1, cwd=tmp_path)[0].stdout
     assert "rescaled" not in out
@@ -259,9 +262,9 @@ def test_cli_errors_are_clear(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert "adaptive_load.sampler.mdoe" in err and "mode" in err
     assert main(["--deepspeed_config", str(cfg), "--sp", "3"]) == 2
-    assert "must divide the attention heads of tiny (2)" in capsys.readouterr().err
+    assert "sp=3 does not divide the 2 attention heads of tiny" in capsys.readouterr().err
     assert main(["--deepspeed_config", str(cfg), "--sp", "2"]) == 2
-    assert "must divide the number of ranks (1)" in capsys.readouterr().err
+    assert "world size 1 (ranks) is not divisible by the Ulysses degree sp=2" in capsys.readouterr().err
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert main(["--deepspeed_config", str(cfg), "--sp", "2"]) == 2
     assert "not divisible by the Ulysses degree sp=2" in capsys.readouterr().err

@@ -12,13 +12,14 @@ import torch
 from conftest import ROOT, launch_ranks
 from ds_adaptive.models.testing import random_init_
 from ds_adaptive.models.wan import WanModel, sdpa_attention
-from ds_adaptive.parallel import (SequenceParallel, SequenceParallelError, UlyssesWan, apply_ulysses, check_heads,
-                                  init_sequence_parallel, remove_ulysses, resolve_sp_size, shard_plan,
-                                  shard_sequence, strip_mesh_keys, valid_len_attention)
+from ds_adaptive.layout import Layout, SequenceParallelError, resolve_sp_size, strip_mesh_keys
+from ds_adaptive.objective import per_sample_mse
+from ds_adaptive.parallel import (UlyssesWan, apply_ulysses, remove_ulysses, shard_plan, shard_sequence,
+                                  valid_len_attention)
 
 
-def _single(sp_size: int = 1, sp_rank: int = 0) -> SequenceParallel:
-    return SequenceParallel(sp_size=sp_size, sp_rank=sp_rank, dp_size=1, dp_rank=0)
+def _single(sp_size: int = 1, sp_rank: int = 0) -> Layout:
+    return Layout.explicit(sp_size=sp_size, sp_rank=sp_rank)
 
 
 # ------------------------------------------------------------------------------ shard math
@@ -95,28 +96,30 @@ def test_resolve_sp_size_and_mesh_keys() -> None:
     assert strip_mesh_keys(cfg) == {"train_batch_size": 8} and "data_parallel_size" in cfg
 
 
-def test_check_heads_names_the_valid_degrees() -> None:
-    check_heads(12, 4)
+def test_layout_validate_names_the_valid_degrees() -> None:
+    assert _single(4).validate(num_heads=12).sp_size == 4
     with pytest.raises(SequenceParallelError, match=r"sp=8 does not divide the 12 attention heads.*\[1, 2, 3, 4, 6, 12\]"):
-        check_heads(12, 8)
-    with pytest.raises(SequenceParallelError, match="sp must be an int >= 1"):
-        check_heads(12, 0)
+        _single(8).validate(num_heads=12)
+    with pytest.raises(SequenceParallelError, match="sp_size must be an int >= 1"):
+        _single(0)
     with pytest.raises(SequenceParallelError, match="does not divide the 2 attention heads"):
-        UlyssesWan(WanModel("tiny"), _single(4))
+        apply_ulysses(WanModel("tiny"), _single(4))
+    assert Layout.for_world(8, 2, rank=5) == Layout.explicit(dp_size=4, sp_size=2, dp_rank=2, sp_rank=1)
+    with pytest.raises(SequenceParallelError, match="world size 6 .* not divisible by the Ulysses degree sp=4"):
+        Layout.for_world(6, 4)
 
 
 _SINGLE_PROCESS_CHECK = """
 import torch
-from ds_adaptive.parallel import init_sequence_parallel
-from ds_adaptive.parallel.ulysses import SequenceParallelError
+from ds_adaptive.layout import Layout, SequenceParallelError
 assert not torch.distributed.is_initialized()
-sp = init_sequence_parallel()
-assert (sp.sp_size, sp.sp_rank, sp.dp_size, sp.dp_rank, sp.source) == (1, 0, 1, 0, "single"), sp
-assert not sp.enabled and sp.loss_scale == 1.0
-t = sp.topology
+sp = Layout.detect()
+assert (sp.sp_size, sp.sp_rank, sp.dp_size, sp.dp_rank, sp.source) == (1, 0, 1, 0, "explicit"), sp
+assert not sp.sp_enabled and sp.loss_scale == 1.0
+t = sp
 assert (t.dp_rank, t.dp_size, t.sp_rank, t.sp_size) == (0, 1, 0, 1), t
 try:
-    init_sequence_parallel(2)
+    Layout.detect(2)
 except SequenceParallelError as e:
     assert "sp=2 needs torch.distributed" in str(e), e
 else:
@@ -144,21 +147,21 @@ def test_apply_ulysses_sp1_is_the_plain_model() -> None:
     ctx, target = torch.randn(2, 5, 4096, generator=g), torch.randn(2, 16, 3, 6, 10, generator=g)
     ref = model(lat, t, ctx)
     keys = list(model.state_dict())
-    uw = apply_ulysses(model, _single())
-    assert apply_ulysses(model, _single()) is uw  # idempotent
+    apply_ulysses(model, _single())
+    apply_ulysses(model, _single())  # idempotent
+    assert model.sequence_parallel is None  # sp=1: the plain model runs
     assert list(model.state_dict()) == keys  # parameter names unchanged
     assert torch.equal(model(lat, t, ctx), ref)
-    loss = model(lat, t, ctx, target=target)
+    loss = per_sample_mse(model(lat, t, ctx, local=True), target)
     assert loss.shape == (2,) and loss.dtype == torch.float32
     assert torch.allclose(loss, (ref - target).square().flatten(1).mean(1), rtol=1e-6)
-    with pytest.raises(ValueError, match="target must be"):
-        model(lat, t, ctx, target=target[:, :, :1])
+    with pytest.raises(ValueError, match="differ in shape"):
+        per_sample_mse(model(lat, t, ctx, local=True), target[:, :, :1])
     twin = copy.deepcopy(model)  # e.g. an EMA copy: it must run its own weights, not the original's
     with torch.no_grad():
         twin.head.head.bias.add_(1.0)
     assert torch.equal(model(lat, t, ctx), ref)
     assert torch.allclose(twin(lat, t, ctx), ref + 1.0, atol=1e-5)
-    assert twin.forward.__self__ is twin
     remove_ulysses(model)
     assert "forward" not in model.__dict__ and torch.equal(model(lat, t, ctx), ref)
 
@@ -172,13 +175,14 @@ SCRIPT = textwrap.dedent("""
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     from ds_adaptive.models.testing import random_init_
     from ds_adaptive.models.wan import WanModel, sdpa_attention
-    from ds_adaptive.parallel import (SequenceParallelError, apply_ulysses, init_sequence_parallel,
-                                      make_ulysses_attention)
+    from ds_adaptive.layout import Layout, SequenceParallelError
+    from ds_adaptive.objective import per_sample_mse
+    from ds_adaptive.parallel import apply_ulysses, make_ulysses_attention
 
     rank = dist.get_rank()
-    sp = init_sequence_parallel(2, num_heads=2)
+    sp = Layout.detect(2).validate(num_heads=2)
     assert (sp.sp_size, sp.sp_rank, sp.dp_size, sp.source) == (2, rank, 1, "created"), sp
-    assert init_sequence_parallel(2) is sp   # cached: no new groups
+    assert Layout.detect(2) is sp   # cached: no new groups
     ref = random_init_(WanModel("tiny"), seed=1)
     model = copy.deepcopy(ref)
     uw = apply_ulysses(model, sp)
@@ -188,7 +192,7 @@ SCRIPT = textwrap.dedent("""
         out = {}
         for n, p in m.named_parameters():
             t = p.grad.clone()
-            dist.all_reduce(t, group=sp.group)
+            dist.all_reduce(t, group=sp.sp_group)
             out[n] = t
         return out
 
@@ -217,8 +221,8 @@ SCRIPT = textwrap.dedent("""
             out = model(lat, t, ctx)
         assert out.shape == out_ref.shape and torch.allclose(out, out_ref, atol=2e-6), (B, T, H, W)
         # 2. loss on shards: partial losses sum over the group to the full per-sample loss; all gradients
-        part = model(lat, t, ctx, target=tgt)
-        total = part.detach().clone(); dist.all_reduce(total, group=sp.group)
+        part = per_sample_mse(model(lat, t, ctx, local=True), tgt)
+        total = part.detach().clone(); dist.all_reduce(total, group=sp.sp_group)
         assert torch.allclose(total, loss_ref.detach(), rtol=1e-5, atol=1e-7), (total, loss_ref)
         (part * w).sum().backward()
         summed = grads_summed_over_group(model)
@@ -306,12 +310,13 @@ MEGATRON = textwrap.dedent("""
     ps.initialize_model_parallel(context_parallel_size=2, create_gloo_process_groups=True)
     from ds_adaptive.models.testing import random_init_
     from ds_adaptive.models.wan import WanModel
-    from ds_adaptive.parallel import SequenceParallelError, apply_ulysses, init_sequence_parallel
+    from ds_adaptive.layout import Layout, SequenceParallelError
+    from ds_adaptive.parallel import apply_ulysses
 
-    sp = init_sequence_parallel()
+    sp = Layout.detect()
     assert (sp.source, sp.sp_size, sp.sp_rank, sp.dp_size) == ("megatron", 2, dist.get_rank(), 1), sp
     try:
-        init_sequence_parallel(4)
+        Layout.detect(4)
         raise AssertionError("a degree different from megatron's context_parallel_size was accepted")
     except SequenceParallelError as exc:
         assert "context_parallel_size=2" in str(exc), exc

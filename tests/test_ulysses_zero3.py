@@ -25,7 +25,9 @@ SCRIPT = textwrap.dedent("""
     from ds_adaptive.data import SyntheticLatentDataset, collate_latents
     from ds_adaptive.models.testing import random_init_
     from ds_adaptive.models.wan import WanModel
-    from ds_adaptive.parallel import apply_ulysses, init_sequence_parallel, strip_mesh_keys
+    from ds_adaptive.layout import Layout, strip_mesh_keys
+    from ds_adaptive.objective import per_sample_mse
+    from ds_adaptive.parallel import apply_ulysses
     from ds_adaptive.balance.sampler import build_batch_sampler
     from deepspeed.utils import safe_get_full_grad
 
@@ -50,12 +52,12 @@ SCRIPT = textwrap.dedent("""
         if rank == 0:
             random_init_(model, seed=3)
     if not MESH:
-        sp = init_sequence_parallel(2, num_heads=2)
+        sp = Layout.detect(2).validate(num_heads=2)
         uw = apply_ulysses(model, sp)
     model.gradient_checkpointing = not MESH   # the attention all-to-alls run again in the recompute
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_cfg)
     if MESH:
-        sp = init_sequence_parallel(2, num_heads=2)
+        sp = Layout.detect(2).validate(num_heads=2)
         assert sp.source == "deepspeed-mesh", sp
         uw = apply_ulysses(model, sp)
     with warnings.catch_warnings(record=True) as caught:
@@ -68,7 +70,7 @@ SCRIPT = textwrap.dedent("""
     cfg = load_adaptive_config(str(ROOT_ / "launch/configs/cpu_tiny.json"))
     data = SyntheticLatentDataset(64, str(ROOT_ / "launch/configs/shapes_cpu.json"), seed=1)
     shapes = data.sample_shapes()
-    sampler = build_batch_sampler(cfg.sampler, shapes, sp.topology, micro_steps_per_step=GAS, model_name="tiny",
+    sampler = build_batch_sampler(cfg.sampler, shapes, sp, micro_steps_per_step=GAS, model_name="tiny",
                                   zero_stage=3, gpu_mem_gib=80.0)
     sampler.set_epoch(0)
     assert sampler.steps_per_epoch >= STEPS, sampler.steps_per_epoch
@@ -97,7 +99,7 @@ SCRIPT = textwrap.dedent("""
         for micro in range(GAS):
             ids = mine[step * GAS + micro]
             x_t, t, ctx, target = flow_batch(ids, step)
-            partial = engine(x_t, t, ctx, target=target)          # [B] this shard's part of each MSE
+            partial = per_sample_mse(engine(x_t, t, ctx, local=True), target)          # [B] this shard's part of each MSE
             weight = totals.loss_weight(len(ids), 0, sp.dp_size, "samples")
             engine.backward(partial.mean() * weight * scale)
             if micro == GAS - 1:   # the step's reduced gradient, before clipping (a collective)
@@ -109,7 +111,7 @@ SCRIPT = textwrap.dedent("""
 
     if not MESH:  # sp=4 over the same 4 ranks (plain model, 4 heads): uneven padding, ranks holding only padding
         from ds_adaptive.models.wan import get_wan_config
-        sp4 = init_sequence_parallel(4)
+        sp4 = Layout.detect(4)
         ref4 = random_init_(WanModel(get_wan_config("tiny", num_heads=4)), seed=5)
         m4 = copy.deepcopy(ref4)
         apply_ulysses(m4, sp4)
@@ -119,11 +121,11 @@ SCRIPT = textwrap.dedent("""
             t, ctx = torch.tensor([10.0, 900.0]), torch.randn(2, 6, 4096, generator=g)
             ref4.zero_grad(); m4.zero_grad()
             (ref4(lat, t, ctx) - tgt).square().flatten(1).mean(1).sum().backward()
-            part = m4(lat, t, ctx, target=tgt)
+            part = per_sample_mse(m4(lat, t, ctx, local=True), tgt)
             part.sum().backward()
             for (n, a), b in zip(m4.named_parameters(), ref4.parameters()):
                 gsum = a.grad.clone()
-                dist.all_reduce(gsum, group=sp4.group)
+                dist.all_reduce(gsum, group=sp4.sp_group)
                 err = float((gsum - b.grad).abs().max() / b.grad.abs().max().clamp_min(1e-30))
                 assert err < 2e-5, (grid, n, err)
             with torch.no_grad():

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Union
 
+from ds_adaptive.layout import Layout
 from ds_adaptive.shapes import SampleShape, pad_to_multiple
 
 PROFILE_FORMAT = "ds_adaptive.profile/1"
@@ -65,10 +66,6 @@ class ProfileError(ValueError):
 
 class ProfileDepthError(ProfileError):
     """A profile that cannot be rescaled to another depth (no ``model.block_params``)."""
-
-
-class SequenceParallelError(ValueError):
-    """The Ulysses degree does not fit the model (heads % sp != 0, sp < 1)."""
 
 
 def shipped_profiles() -> list[str]:
@@ -225,19 +222,28 @@ class Profile:
         out = Profile.from_dict(d, where=f"{self.name} at {num_layers} blocks")
         return dataclasses.replace(out, rescaled_from_layers=self.rescaled_from_layers or L0)
 
-    def static_memory_gib(self, zero_stage: int, shard_ranks: int) -> float:
-        """Parameters + gradients + optimizer state per GPU under ZeRO ``zero_stage`` (0-3) with
-        ``shard_ranks`` ranks sharing the partition (DeepSpeed+Ulysses partitions over dp*sp), plus
-        the working set (ZeRO-3's gathered layers, kernel workspace). GiB."""
+    def static_memory_parts(self, zero_stage: int, shard_ranks: int, params: Optional[int] = None) -> dict:
+        """GiB per GPU of ``params`` (default: the profile's model) under ZeRO ``zero_stage`` (0-3) with
+        ``shard_ranks`` ranks sharing the partition (DeepSpeed+Ulysses partitions over dp*sp):
+        ``{"params", "grads", "optimizer", "zero3 live", "workspace"}``."""
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
         n = max(int(shard_ranks), 1)
+        count = self.params if params is None else int(params)
         bpp = self.bytes_per_param
-        p, g, o = bpp.get("params", 2.0), bpp.get("grads", 2.0), bpp.get("optimizer", 12.0)
-        per_param = (p / (n if zero_stage >= 3 else 1) + g / (n if zero_stage >= 2 else 1)
-                     + o / (n if zero_stage >= 1 else 1))
-        live = self.stage3_live_params * p if zero_stage >= 3 else 0.0
-        return (self.params * per_param + live) / GIB + self.workspace_gib
+
+        def sharded(kind: str, default: float, from_stage: int) -> float:
+            return count * bpp.get(kind, default) / (n if zero_stage >= from_stage else 1) / GIB
+
+        return {"params": sharded("params", 2.0, 3), "grads": sharded("grads", 2.0, 2),
+                "optimizer": sharded("optimizer", 12.0, 1),
+                "zero3 live": self.stage3_live_params * bpp.get("params", 2.0) / GIB if zero_stage >= 3 else 0.0,
+                "workspace": self.workspace_gib}
+
+    def static_memory_gib(self, zero_stage: int, shard_ranks: int) -> float:
+        """Parameters + gradients + optimizer state per GPU plus the working set (ZeRO-3's gathered
+        layers, kernel workspace), GiB: the sum of :meth:`static_memory_parts`."""
+        return sum(self.static_memory_parts(zero_stage, shard_ranks).values())
 
 
 def load_profile(name_or_path: Union[str, Path, Mapping[str, Any]]) -> Profile:
@@ -279,15 +285,8 @@ class CostModel:
         self.profile = profile if isinstance(profile, Profile) else load_profile(profile)
         if mode not in COST_UNITS:
             raise ValueError(f"cost mode must be one of {sorted(COST_UNITS)}, got {mode!r}")
-        if not isinstance(sp, int) or isinstance(sp, bool) or sp < 1:
-            raise SequenceParallelError(f"sequence-parallel degree sp must be an int >= 1, got {sp!r}")
         heads = self.profile.num_heads if num_heads is None else int(num_heads)
-        if heads % sp != 0:
-            divisors = [d for d in range(1, heads + 1) if heads % d == 0]
-            raise SequenceParallelError(
-                f"Ulysses sp={sp} does not divide the model's {heads} attention heads (profile "
-                f"'{self.profile.name}'): each SP rank must hold heads/sp whole heads. "
-                f"Use sp in {divisors}.")
+        Layout.explicit(sp_size=sp).validate(num_heads=heads, what=f"the model of profile '{self.profile.name}'")
         if not p > 0:
             raise ValueError(f"power-law exponent p must be > 0, got {p!r}")
         self.mode: CostMode = mode

@@ -1,6 +1,6 @@
 """Batch samplers for torch's DataLoader: this rank's index list per micro-step, resumable.
 
-    sampler = build_batch_sampler(cfg.sampler, dataset.sample_shapes(), Topology.detect(sp),
+    sampler = build_batch_sampler(cfg.sampler, dataset.sample_shapes(), Layout.detect(sp),
                                   micro_steps_per_step=gradient_accumulation_steps)
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=...)
     for epoch in ...:
@@ -10,23 +10,22 @@
 
 Every DP rank gets the same number of micro-steps; the ``sp`` ranks of one Ulysses group get
 identical batches (the plan is indexed by ``dp_rank`` only). The plan is a pure function of
-(seed, epoch, shapes, config, topology), computed identically on every rank (no communication).
+(seed, epoch, shapes, config, layout), computed identically on every rank (no communication).
 ``state_dict(consumed_steps)`` / ``load_state_dict`` resume mid-epoch, also on another world size:
-the samples of the epoch not yet consumed are re-planned for the new topology.
+the samples of the epoch not yet consumed are re-planned for the new layout.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import math
-import os
 import warnings
-from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 
 from ds_adaptive.config import SamplerConfig
+from ds_adaptive.layout import Layout
 from ds_adaptive.balance.cost import CostModel, Profile, load_profile
 from ds_adaptive.balance.planner import (EpochPlan, OversizeSampleError, PlanError, PlannerParams, StepTotals,
                                  plan_epoch, resolve_budgets, unique_shapes)
@@ -37,7 +36,7 @@ try:  # a torch Sampler when torch is there (the planner itself never needs torc
 except ImportError:  # pragma: no cover
     _SamplerBase = object
 
-__all__ = ["Topology", "StepTotals", "OversizeSampleError", "AdaptiveBatchSampler", "TokenBucketSampler",
+__all__ = ["StepTotals", "OversizeSampleError", "AdaptiveBatchSampler", "TokenBucketSampler",
            "FixedBucketSampler", "build_batch_sampler", "SamplerStateError", "STATE_FORMAT"]
 
 STATE_FORMAT = "ds_adaptive.sampler_state/1"
@@ -45,112 +44,6 @@ STATE_FORMAT = "ds_adaptive.sampler_state/1"
 
 class SamplerStateError(ValueError):
     """A sampler state that does not belong to this dataset / sampler."""
-
-
-# ============================================================================== topology
-@dataclass(frozen=True)
-class Topology:
-    """Where this process sits: data-parallel rank/size and Ulysses (sequence-parallel) rank/size.
-
-    ``world_size = dp_size * sp_size``; the ``sp_size`` ranks of one SP group share a dp_rank and
-    receive identical batches.
-    """
-
-    dp_rank: int
-    dp_size: int
-    sp_rank: int = 0
-    sp_size: int = 1
-
-    def __post_init__(self) -> None:
-        if self.dp_size < 1 or self.sp_size < 1:
-            raise ValueError(f"dp_size and sp_size must be >= 1, got {self.dp_size}, {self.sp_size}")
-        if not 0 <= self.dp_rank < self.dp_size or not 0 <= self.sp_rank < self.sp_size:
-            raise ValueError(f"rank out of range: dp_rank {self.dp_rank} / {self.dp_size}, "
-                             f"sp_rank {self.sp_rank} / {self.sp_size}")
-
-    @property
-    def world_size(self) -> int:
-        return self.dp_size * self.sp_size
-
-    @classmethod
-    def detect(cls, sp_size: Optional[int] = None) -> "Topology":
-        """From megatron-core's parallel_state if initialised (data-parallel and context-parallel
-        groups), else DeepSpeed's sequence-parallel groups, else torch.distributed (consecutive
-        ranks form one SP group of ``sp_size``), else a single process."""
-        topo = _from_megatron(sp_size)
-        if topo is None:
-            topo = _from_deepspeed(sp_size)
-        if topo is None:
-            topo = _from_torch_distributed(sp_size)
-        if topo is None:
-            topo = cls(0, 1, 0, sp_size or 1) if (sp_size or 1) == 1 else cls(0, 1, 0, sp_size)
-        return topo
-
-
-def _check_sp(found: int, wanted: Optional[int], source: str) -> None:
-    if wanted is not None and wanted != found:
-        raise ValueError(f"Topology.detect(sp_size={wanted}) but {source} has a sequence/context-parallel "
-                         f"size of {found}; pass sp_size={found} or initialise {source} with {wanted}")
-
-
-def _from_megatron(sp_size: Optional[int]) -> Optional[Topology]:
-    try:
-        from megatron.core import parallel_state as ps
-    except Exception:
-        return None
-    try:
-        if not ps.model_parallel_is_initialized():
-            return None
-        cp = ps.get_context_parallel_world_size() or 1
-        _check_sp(cp, sp_size, "megatron-core parallel_state (context_parallel_size)")
-        return Topology(dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
-                        sp_rank=ps.get_context_parallel_rank() if cp > 1 else 0, sp_size=cp)
-    except (AssertionError, RuntimeError, AttributeError):
-        return None
-
-
-def _from_deepspeed(sp_size: Optional[int]) -> Optional[Topology]:
-    try:
-        import torch.distributed as dist
-        from deepspeed.utils import groups
-    except Exception:
-        return None
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    mesh = getattr(groups, "mesh_device", None)
-    mpu = getattr(groups, "mpu", None)
-    try:
-        if mesh is not None:
-            sp = dist.get_world_size(mesh.get_group(mesh_dim="sequence_parallel"))
-            sp_rank = dist.get_rank(mesh.get_group(mesh_dim="sequence_parallel"))
-            dpg = mesh.get_group(mesh_dim="data_parallel")
-            dp, dp_rank = dist.get_world_size(dpg), dist.get_rank(dpg)
-        elif mpu is not None and hasattr(mpu, "get_sequence_parallel_world_size"):
-            sp = mpu.get_sequence_parallel_world_size()
-            sp_rank = mpu.get_sequence_parallel_rank()
-            dp = dist.get_world_size() // sp
-            dp_rank = (mpu.get_data_parallel_rank() if hasattr(mpu, "get_data_parallel_rank")
-                       else dist.get_rank() // sp)
-        else:
-            return None
-    except (KeyError, AssertionError, RuntimeError):
-        return None
-    _check_sp(sp, sp_size, "DeepSpeed's groups")
-    return Topology(dp_rank, dp, sp_rank, sp)
-
-
-def _from_torch_distributed(sp_size: Optional[int]) -> Optional[Topology]:
-    try:
-        import torch.distributed as dist
-    except Exception:
-        return None
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    world, rank = dist.get_world_size(), dist.get_rank()
-    sp = sp_size or 1
-    if world % sp:
-        raise ValueError(f"world size {world} is not divisible by the Ulysses degree sp={sp}")
-    return Topology(dp_rank=rank // sp, dp_size=world // sp, sp_rank=rank % sp, sp_size=sp)
 
 
 # ============================================================================== samplers
@@ -180,32 +73,32 @@ class _PlannedBatchSampler(_SamplerBase):
 
     mode = "dual"
 
-    def __init__(self, shapes: Sequence[SampleShape], topology: Topology, cost: CostModel, *,
+    def __init__(self, shapes: Sequence[SampleShape], layout: Layout, cost: CostModel, *,
                  micro_steps_per_step: int, m_mem: float, m_comp: Optional[float] = None,
                  max_tokens: Optional[int] = None, fixed_batch_sizes: Optional[Mapping[str, int]] = None,
                  window: int = 256, seed: int = 0, oversize: str = "error", balance_tolerance: float = 0.03,
                  lr_scaling: str = "none", reference_batch: Optional[int] = None,
                  loss_weighting: str = "samples") -> None:
-        if cost.sp != topology.sp_size:
-            raise ValueError(f"cost model sp={cost.sp} but topology sp_size={topology.sp_size}")
+        if cost.sp != layout.sp_size:
+            raise ValueError(f"cost model sp={cost.sp} but layout sp_size={layout.sp_size}")
         self.shapes = [s if isinstance(s, SampleShape) else int(s) for s in shapes]
         if not self.shapes:
             raise ValueError("the dataset has no samples (sample_shapes() is empty)")
-        self.topology = topology
+        self.layout = layout
         self.cost = cost
         self.seed = int(seed)
         self.lr_scaling = lr_scaling
         self.reference_batch = reference_batch
         self.loss_weighting = loss_weighting
         self.params = PlannerParams(
-            mode=self.mode, dp_size=topology.dp_size, micro_steps_per_step=int(micro_steps_per_step),
+            mode=self.mode, dp_size=layout.dp_size, micro_steps_per_step=int(micro_steps_per_step),
             m_mem=float(m_mem), m_comp=None if m_comp is None else float(m_comp), max_tokens=max_tokens,
             fixed_batch_sizes=dict(fixed_batch_sizes) if fixed_batch_sizes else None, window=int(window),
             oversize=oversize, balance_tolerance=float(balance_tolerance))
         self._uniq, self._sid = unique_shapes(self.shapes)
         self._fingerprint = shapes_fingerprint(self.shapes)
         self.epoch = 0
-        self._segments: list[dict] = []      # earlier segments of this epoch (other topologies)
+        self._segments: list[dict] = []      # earlier segments of this epoch (other layouts)
         self._resume_step = 0                # first step (of the current plan) to yield
         self._cache: Optional[tuple] = None  # (key, plans, offsets)
 
@@ -225,7 +118,7 @@ class _PlannedBatchSampler(_SamplerBase):
 
     @property
     def plan(self) -> EpochPlan:
-        """The plan of the current segment of the current epoch (this topology)."""
+        """The plan of the current segment of the current epoch (this layout)."""
         return self._plans()[0]
 
     @property
@@ -242,7 +135,7 @@ class _PlannedBatchSampler(_SamplerBase):
     def __iter__(self) -> Iterator[list[int]]:
         plan, _ = self._plans()
         start_micro = self._resume_step * self.micro_steps_per_step
-        yield from plan.rank_batches(self.topology.dp_rank, start_micro)
+        yield from plan.rank_batches(self.layout.dp_rank, start_micro)
 
     def step_totals(self, step_in_epoch: int) -> StepTotals:
         """Global samples and tokens of optimizer step ``step_in_epoch`` (for loss weighting)."""
@@ -287,8 +180,8 @@ class _PlannedBatchSampler(_SamplerBase):
                 "shapes_sha": self._fingerprint, "segments": segs}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume: same topology and config continue the saved plan exactly; otherwise the samples
-        of the epoch not yet consumed are re-planned for this topology/config."""
+        """Resume: same layout and config continue the saved plan exactly; otherwise the samples
+        of the epoch not yet consumed are re-planned for this layout/config."""
         if state.get("format") != STATE_FORMAT:
             raise SamplerStateError(f"sampler state has format {state.get('format')!r}, expected "
                                     f"{STATE_FORMAT!r}; it was not written by this sampler")
@@ -394,7 +287,7 @@ def _detect_gpu_mem_gib() -> Optional[float]:
     return None
 
 
-def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape], topology: Topology, *,
+def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape], layout: Layout, *,
                         micro_steps_per_step: int, enabled: bool = True, gpu_mem_gib: Optional[float] = None,
                         model_name: Optional[str] = None, zero_stage: Optional[int] = None,
                         mode: Optional[str] = None, num_layers: Optional[int] = None) -> _PlannedBatchSampler:
@@ -431,14 +324,14 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
             num_heads = int(getattr(get_wan_config(model_name), "num_heads"))
         except Exception:
             num_heads = None
-    cost = CostModel(profile, sampler_cfg.cost_model, p=sampler_cfg.p, sp=topology.sp_size, num_heads=num_heads)
+    cost = CostModel(profile, sampler_cfg.cost_model, p=sampler_cfg.p, sp=layout.sp_size, num_heads=num_heads)
     budgets = resolve_budgets(
         mode=chosen, cost=cost, shapes=shapes, m_mem=sampler_cfg.m_mem, m_comp=sampler_cfg.m_comp,
         max_tokens=sampler_cfg.max_tokens, gpu_mem_gib=gpu_mem_gib or _detect_gpu_mem_gib(),
         mem_utilization=sampler_cfg.mem_utilization,
-        zero_stage=sampler_cfg.zero_stage if zero_stage is None else zero_stage, dp_size=topology.dp_size)
+        zero_stage=sampler_cfg.zero_stage if zero_stage is None else zero_stage, dp_size=layout.dp_size)
     return _CLASSES[chosen](
-        shapes, topology, cost, micro_steps_per_step=micro_steps_per_step, m_mem=budgets["m_mem"],
+        shapes, layout, cost, micro_steps_per_step=micro_steps_per_step, m_mem=budgets["m_mem"],
         m_comp=budgets["m_comp"] if chosen == "dual" else None,
         max_tokens=budgets["max_tokens"] if chosen == "tokens" else None,
         fixed_batch_sizes=sampler_cfg.fixed_batch_sizes, window=sampler_cfg.window, seed=sampler_cfg.seed,

@@ -33,7 +33,8 @@ import numpy as np
 from ds_adaptive.config import SamplerConfig
 from ds_adaptive.balance.cost import CostModel, load_profile
 from ds_adaptive.balance.planner import EpochPlan, resolve_budgets
-from ds_adaptive.balance.sampler import Topology, build_batch_sampler
+from ds_adaptive.balance.sampler import build_batch_sampler
+from ds_adaptive.layout import Layout
 from ds_adaptive.shapes import SampleShape, ShapeWeight, load_shape_distribution
 
 SAMPLERS = ("tokens", "fixed", "dual")
@@ -135,7 +136,7 @@ def simulate(*, world: int, sp: int = 1, steps: int = 50, seed: int = 0,
         mode, scfg = name, cfg.model_copy(update={"seed": seed})
         if name == PAPER_VARIANT:
             mode, scfg = "dual", scfg.model_copy(update={"cost_model": "power"})
-        s = build_batch_sampler(scfg, shapes, Topology(0, dp, 0, sp),
+        s = build_batch_sampler(scfg, shapes, Layout.explicit(dp_size=dp, sp_size=sp),
                                 micro_steps_per_step=micro_steps_per_step, mode=mode, gpu_mem_gib=gpu_mem_gib,
                                 num_layers=num_layers)
         with warnings.catch_warnings():

@@ -408,9 +408,13 @@ class WanModel(nn.Module):
         self.gradient_checkpointing = False
         self.set_attention(None)
         self.set_ln_modulate(None)
+        self.set_sequence_parallel(None)
         self.init_weights()
 
     # ---- hooks for the fused op and sequence parallelism ----
+    # The one patching mechanism of ds_adaptive: these setters store plain (non-module) attributes that
+    # forward reads. ds_adaptive.ops.apply_ln_modulate and ds_adaptive.parallel.apply_ulysses call them;
+    # nothing replaces a method.
 
     def set_attention(self, fn: Optional[AttentionFn]) -> None:
         """Use ``fn(q, k, v, **kwargs) -> out`` (all ``[B, S, H, Dh]``) as every block's
@@ -428,6 +432,11 @@ class WanModel(nn.Module):
         _set_plain_attr(self, "ln_modulate_fn", fn)
         for m in (*self.blocks, self.head):
             _set_plain_attr(m, "ln_modulate", fn)
+
+    def set_sequence_parallel(self, runner: Optional[Callable[..., Any]]) -> None:
+        """Route ``forward`` through ``runner(model, latents, timestep, context, local=...)`` (the Ulysses
+        runner of ``ds_adaptive.parallel.apply_ulysses``); None restores the plain forward."""
+        _set_plain_attr(self, "sequence_parallel", runner)
 
     # ---- the split forward ----
 
@@ -480,9 +489,16 @@ class WanModel(nn.Module):
         return rearrange(tokens, "b (f h w) (pt ph pw c) -> b c (f pt) (h ph) (w pw)",
                          f=f, h=h, w=w, pt=pt, ph=ph, pw=pw)
 
-    def forward(self, latents: torch.Tensor, timestep: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+    def forward(self, latents: torch.Tensor, timestep: torch.Tensor, context: torch.Tensor, *, local: bool = False):
         """latents [B, 16, T', H', W'], timestep [B] float in [0, 1000], context [B, L, 4096]
-        -> [B, 16, T', H', W'] in the activation (parameter) dtype."""
+        -> the prediction [B, 16, T', H', W'] in the activation (parameter) dtype.
+
+        ``local=True``: the caller takes this rank's share of the prediction. Under sequence
+        parallelism that is a ``ds_adaptive.parallel.LocalOutput`` (this rank's token shard, no
+        all-gather); without it the shard is the whole prediction, returned as above.
+        """
+        if self.sequence_parallel is not None:
+            return self.sequence_parallel(self, latents, timestep, context, local=local)
         inputs = self.embed(latents, timestep, context)
         freqs = self.rope(inputs.grid, inputs.tokens.device)
         x = self.run_blocks(inputs.tokens, inputs, freqs)

@@ -11,3 +11,4 @@ from .ln_modulate import (  # noqa: F401
     load_op,
     op_status,
 )
+from .apply import apply_ln_modulate  # noqa: F401,E402

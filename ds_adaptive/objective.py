@@ -1,0 +1,110 @@
+"""The training objective in one place: rectified flow matching as Wan 2.1 trains it.
+
+For a clean latent ``x0`` and noise ``eps``: ``x_t = (1 - sigma) x0 + sigma eps``, target
+``eps - x0``, ``sigma = shift*u / (1 + (shift-1)*u)`` with ``u ~ U(0, 1)``, timestep
+``1000 * sigma``. Every sample's ``(u, eps)`` comes from its own generator seeded by
+(seed, epoch, sample index), so a sample's loss does not depend on which rank or micro-batch it
+lands in, the ranks of a Ulysses group draw the same noise, and a resumed run draws what the
+straight run would have.
+
+Held-out evaluation uses ``EVAL_TIMESTEPS`` fixed ``u = (k + 0.5) / EVAL_TIMESTEPS`` and noise
+seeded by (seed, k, index): a pure function of the weights.
+
+Weighting (unbiased gradients with variable batch sizes) is the planner's
+``StepTotals.loss_weight``; the trainer multiplies by ``Layout.loss_scale`` under SP.
+"""
+from __future__ import annotations
+
+from typing import Union
+
+import numpy as np
+import torch
+
+EVAL_TIMESTEPS = 4
+"""Fixed timesteps per held-out sample: u = (k + 0.5) / EVAL_TIMESTEPS, k = 0..EVAL_TIMESTEPS-1."""
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """63-bit seed of one sample's (u, eps) draw."""
+    return int(np.random.SeedSequence([seed, epoch, index]).generate_state(2, np.uint64)[0] >> np.uint64(1))
+
+
+def shifted_sigma(u: torch.Tensor, shift: float) -> torch.Tensor:
+    """Wan's timestep shift: ``sigma = shift*u / (1 + (shift-1)*u)`` (same shape as ``u``)."""
+    return shift * u / (1 + (shift - 1) * u)
+
+
+def draw_noise(x0: torch.Tensor, indices, *, seed: int, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample ``u [B]`` and ``eps`` (like ``x0`` [B, ...], fp32), each row from its own generator."""
+    b = x0.shape[0]
+    u = torch.empty(b, device=x0.device)
+    eps = torch.empty_like(x0)
+    for row, idx in enumerate(torch.as_tensor(indices).tolist()):
+        g = torch.Generator(device=x0.device)
+        g.manual_seed(sample_seed(seed, epoch, idx))
+        u[row] = torch.rand((), generator=g, device=x0.device)
+        eps[row] = torch.randn(x0.shape[1:], generator=g, device=x0.device)
+    return u, eps
+
+
+def noisy_inputs(x0: torch.Tensor, u: torch.Tensor, eps: torch.Tensor, *,
+                 shift: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(x_t, timestep, target)`` of clean latents ``x0`` [B, C, T', H', W'] (fp32) at ``u`` [B] with ``eps``."""
+    sigma = shifted_sigma(u, shift)
+    s = sigma.view(-1, *([1] * (x0.dim() - 1)))
+    return (1 - s) * x0 + s * eps, sigma * 1000.0, eps - x0
+
+
+def per_sample_mse(pred, target: torch.Tensor) -> torch.Tensor:
+    """Per-sample MSE ``[B]`` (fp32) of a prediction against the full ``target`` [B, C, T', H', W'].
+
+    ``pred`` is the model's full output (same shape as ``target``), or under sequence parallelism this
+    rank's ``ds_adaptive.parallel.LocalOutput``: then the result is this rank's part, ``sum over the
+    shard's real tokens of (pred - target)^2 / elements per sample``, which sums to the per-sample MSE
+    over the SP group (padding tokens are excluded by the shard's valid length).
+    """
+    if isinstance(pred, torch.Tensor):
+        if pred.shape != target.shape:
+            raise ValueError(f"prediction {list(pred.shape)} and target {list(target.shape)} differ in shape")
+        return (pred.float() - target).pow(2).flatten(1).mean(1)
+    if target.dim() != 5 or target.shape[0] != pred.tokens.shape[0]:
+        raise ValueError(f"target must be [B, C, T', H', W'] with B={pred.tokens.shape[0]}, got {list(target.shape)}")
+    tgt = pred.shard_target(target)
+    numel = int(np.prod(target.shape[1:]))
+    return (pred.valid_tokens.float() - tgt.float()).square().sum(dim=(1, 2)) / numel
+
+
+def flow_matching_losses(model, latents: torch.Tensor, context: torch.Tensor, indices, *, epoch: int, seed: int,
+                         shift: float, dtype: torch.dtype, local: bool = False) -> torch.Tensor:
+    """Per-sample flow-matching MSE ``[B]`` (fp32) of ``model`` (a WanModel or its DeepSpeed engine) on clean
+    latents ``[B, 16, T', H', W']``. ``local`` (under sequence parallelism): this rank's part of it,
+    summing to it over the SP group."""
+    x0 = latents.float()
+    u, eps = draw_noise(x0, indices, seed=seed, epoch=epoch)
+    x_t, timestep, target = noisy_inputs(x0, u, eps, shift=shift)
+    kwargs = {"local": True} if local else {}
+    pred = model(x_t.to(dtype), timestep, context.to(dtype), **kwargs)
+    return per_sample_mse(pred, target)
+
+
+def eval_inputs(latents: torch.Tensor, index: int, *, seed: int, shift: float,
+                timesteps: int = EVAL_TIMESTEPS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(x_t, timestep, target)`` of one held-out sample ``latents`` [C, T', H', W'] at the ``timesteps``
+    fixed u values (a batch of ``timesteps`` rows), noise seeded by (seed, k, index)."""
+    device = latents.device
+    k = timesteps
+    u = (torch.arange(k, dtype=torch.float32, device=device) + 0.5) / k
+    x0 = latents.float().unsqueeze(0).expand(k, *latents.shape)
+    eps = torch.empty_like(x0)
+    for row in range(k):
+        g = torch.Generator(device=device)
+        g.manual_seed(sample_seed(seed, row, index))
+        eps[row] = torch.randn(x0.shape[1:], generator=g, device=device)
+    return noisy_inputs(x0, u, eps, shift=shift)
+
+
+def mean_mse(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean squared error over every element (fp32 scalar): the held-out loss of one sample's batch."""
+    return (pred.float() - target).pow(2).mean()
+
+

@@ -1,0 +1,28 @@
+"""The one switch for the fused LayerNorm-Modulate op in a model: :func:`apply_ln_modulate`.
+
+The run configuration decides (``adaptive_load.fused_ln_modulate``, overridden by the trainer's
+``--fused-ln-modulate`` / ``--no-fused-ln-modulate``); ``build_run`` calls this once per model.
+
+Environment override (the only one, documented here and in ``ds_adaptive.ops.ln_modulate``):
+``DS_ADAPTIVE_LN_MODULATE`` = ``auto`` (default) | ``fused`` | ``reference`` selects the path inside
+the fused function on each call: with ``reference`` even an enabled model runs the torch reference,
+with ``fused`` a missing CUDA op is an error instead of a warning. It never enables the op in a model
+whose configuration disabled it.
+"""
+from __future__ import annotations
+
+import torch
+
+from .ln_modulate import ln_modulate, ln_modulate_reference, load_op
+
+
+def apply_ln_modulate(model, enabled: bool, *, load: bool = True):
+    """Use the fused op at every adaLN site of ``model`` (a ``WanModel``: ``set_ln_modulate``) when
+    ``enabled``, else the plain torch reference. Explicit both ways. With ``enabled`` and ``load`` on a
+    CUDA machine the op is loaded (or JIT-built) now, not inside the first step; without it the op
+    falls back to the reference with one warning. Returns the function installed."""
+    fn = ln_modulate if enabled else ln_modulate_reference
+    if enabled and load and torch.cuda.is_available():
+        load_op(strict=False)
+    model.set_ln_modulate(fn)
+    return fn

@@ -1,0 +1,201 @@
+"""``build_run``: the one place where a run is assembled, read top to bottom.
+
+    cfg = RunConfig.load("launch/configs/zero3_adaptive.json", trainer={"model": "wan2.1-1.3b"})
+    run = build_run(cfg, layout=Layout.detect(...), device=device)   # the trainer, the Megatron hook
+    run = build_run(cfg, layout=Layout.for_world(16, sp=2), meta=True)  # the dry run: no GPU, no process group
+
+A :class:`Run` holds the layout, the DeepSpeed config prepared for ``deepspeed.initialize``, the
+dataset, the model (fused-op and attention choices applied), the batch sampler with its resolved
+budgets and cost profile, and the notes a launcher should print. ``meta=True`` builds the model on
+the meta device (shapes, no memory, no ZeRO partitioning) and never touches torch.distributed: the
+dry run follows the same code path as training.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from .config import ConfigError, prepare_ds_config
+from .layout import Layout, strip_mesh_keys
+from .run_config import RunConfig
+
+__all__ = ["Run", "build_run", "DEFAULT_NUM_SAMPLES"]
+
+DEFAULT_NUM_SAMPLES = 10000
+"""Size of the synthetic dataset when ``trainer.num_samples`` is not given."""
+
+
+@dataclass
+class Run:
+    """Everything a training job (or its dry run) consists of, before the engine exists."""
+
+    cfg: RunConfig
+    layout: Layout
+    device: torch.device
+    ds_config: dict
+    """The dict for ``deepspeed.initialize`` (our block and the mesh keys stripped, precision/batch resolved)."""
+    dtype: torch.dtype
+    model_config: Any
+    """The ``WanConfig`` of the trained model (``--layers`` applied)."""
+    model: Any
+    """The ``WanModel`` (meta tensors in a dry run)."""
+    dataset: Any
+    sampler: Any
+    """The batch sampler (``ds_adaptive.balance.sampler``): plan, budgets, cost model."""
+    gpu_mem_gib: Optional[float] = None
+    """GPU memory the budgets were resolved for (None: the visible GPU or the profile's device)."""
+    notes: list = field(default_factory=list)
+    """Messages for the launcher to print once (rank 0): profile rescaling, memory-plan warnings."""
+
+    @property
+    def gas(self) -> int:
+        """Micro-steps per optimizer step (``gradient_accumulation_steps``)."""
+        return int(self.ds_config["gradient_accumulation_steps"])
+
+    @property
+    def zero_stage(self) -> int:
+        return int((self.ds_config.get("zero_optimization") or {}).get("stage", 0))
+
+    @property
+    def cost(self):
+        """The sampler's ``CostModel`` (profile rescaled to the trained depth, SP-aware)."""
+        return self.sampler.cost
+
+    @property
+    def profile(self):
+        return self.sampler.cost.profile
+
+    @property
+    def budgets(self) -> dict:
+        """Resolved per-micro-batch budgets: ``m_mem`` GiB, ``m_comp`` (cost unit), ``max_tokens``."""
+        p = self.sampler.params
+        return {"m_mem": p.m_mem, "m_comp": p.m_comp, "max_tokens": p.max_tokens, "unit": self.cost.unit}
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.type in ("cuda", "meta")
+
+
+def build_run(cfg: RunConfig, *, layout: Optional[Layout] = None, device: Optional[torch.device] = None,
+              meta: bool = False, gpu_mem_gib: Optional[float] = None) -> Run:
+    """Assemble a run from its configuration.
+
+    ``layout``: default :meth:`Layout.detect` (needs torch.distributed for sp > 1); a dry run passes an
+    explicit one. ``device``: default CPU (the meta device with ``meta``). ``gpu_mem_gib``: GPU memory
+    for ``auto`` budgets (default: the visible GPU, else the profile's device).
+    """
+    from .models.wan import get_wan_config
+
+    t = cfg.trainer
+    overrides = {"num_layers": t.layers} if t.layers else {}
+    model_config = get_wan_config(t.model, **overrides)
+    if layout is None:
+        layout = Layout.detect(t.sp, ds_config=cfg.ds_config)
+    layout.validate(num_heads=model_config.num_heads, what=t.model)
+    device = torch.device("meta") if meta else (device or torch.device("cpu"))
+    on_gpu = device.type in ("cuda", "meta")  # a dry run checks a GPU launch
+    ds_config = _engine_config(cfg, layout, on_gpu=on_gpu, announce=layout.rank == 0 and not meta)
+    dtype = torch.bfloat16 if ds_config["bf16"]["enabled"] else (
+        torch.float16 if (ds_config.get("fp16") or {}).get("enabled") else torch.float32)
+    notes: list = []
+    dataset = _build_dataset(cfg, notes)
+    model = _build_model(cfg, model_config, ds_config, meta=meta)
+    if layout.sp_enabled and not meta:
+        from .parallel import apply_ulysses
+
+        apply_ulysses(model, layout)  # sequence sharding + DistributedAttention
+    if on_gpu and not meta and gpu_mem_gib is None:
+        from deepspeed.accelerator import get_accelerator
+
+        gpu_mem_gib = get_accelerator().total_memory(device.index or 0) / 2**30
+    sampler = _build_sampler(cfg, dataset, layout, ds_config, gpu_mem_gib, notes)
+    if on_gpu and sampler.cost.profile.raw.get("gradient_checkpointing") and not t.grad_ckpt:
+        notes.append(f"warning: the memory budget comes from profile '{sampler.cost.profile.name}', measured "
+                     "with gradient checkpointing, but --grad-ckpt is off: activations will take more memory "
+                     "than planned (OOM risk on GPU). Add --grad-ckpt or calibrate without it.")
+    return Run(cfg=cfg, layout=layout, device=device, ds_config=ds_config, dtype=dtype, model_config=model_config,
+               model=model, dataset=dataset, sampler=sampler, gpu_mem_gib=gpu_mem_gib, notes=notes)
+
+
+def _engine_config(cfg: RunConfig, layout: Layout, *, on_gpu: bool, announce: bool) -> dict:
+    """The ds_config for ``deepspeed.initialize``. No DeepSpeed (dp, sp) mesh: DeepSpeed 0.19.8's mesh
+    breaks ZeRO-3 checkpoints (docs/ULYSSES.md); ds_adaptive owns the SP groups."""
+    out = prepare_ds_config(strip_mesh_keys(cfg.ds_config), dp_size=layout.dp_size, on_gpu=on_gpu)
+    if "optimizer" not in out:
+        out["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0, "torch_adam": True}}
+        if announce:
+            print("ds_adaptive.train: the ds_config has no 'optimizer'; using AdamW(lr=1e-4) "
+                  "(add an 'optimizer' section to choose)")
+    stage = int((out.get("zero_optimization") or {}).get("stage", 0))
+    s = cfg.adaptive_load.sampler
+    if "zero_stage" in s.model_fields_set and s.zero_stage != stage:
+        raise ConfigError(f"adaptive_load.sampler.zero_stage is {s.zero_stage} but the ds_config's "
+                          f"zero_optimization.stage is {stage}; the trainer plans memory for the stage it "
+                          "runs: drop sampler.zero_stage (it is for `ds-adaptive simulate`) or make them agree")
+    return out
+
+
+def _build_dataset(cfg: RunConfig, notes: list):
+    from .data import build_dataset
+
+    t, s = cfg.trainer, cfg.adaptive_load.sampler
+    if t.data == "synthetic":
+        return build_dataset("synthetic", num_samples=t.num_samples or DEFAULT_NUM_SAMPLES, shapes=s.shapes,
+                             seed=t.seed)
+    if s.shapes:
+        notes.append(f"note: adaptive_load.sampler.shapes ({s.shapes}) describes the synthetic dataset; "
+                     f"--data {t.data} takes its shapes from its index.json")
+    return build_dataset(t.data)
+
+
+def _build_model(cfg: RunConfig, model_config, ds_config: dict, *, meta: bool):
+    """The WanModel with the run's op choice; ZeRO-3 partitions it as it is built (same init on every rank)."""
+    from .models.wan import WanModel
+    from .ops import apply_ln_modulate
+
+    enabled = cfg.adaptive_load.fused_ln_modulate
+    if meta:
+        with torch.device("meta"):
+            model = WanModel(model_config)
+        apply_ln_modulate(model, enabled, load=False)
+        return model
+    import deepspeed
+
+    torch.manual_seed(cfg.trainer.seed)
+    stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
+    with deepspeed.zero.Init(config_dict_or_path=ds_config, enabled=stage == 3):
+        model = WanModel(model_config)
+    model.gradient_checkpointing = bool(cfg.trainer.grad_ckpt)
+    apply_ln_modulate(model, enabled)  # loaded / JIT-built now, not inside the first step
+    return model
+
+
+def _build_sampler(cfg: RunConfig, dataset, layout: Layout, ds_config: dict, gpu_mem_gib, notes: list):
+    """The batch sampler; with ``--layers`` the profile is rescaled to the trained depth (or, when it
+    cannot be, used at full depth with a note)."""
+    from .balance.cost import ProfileDepthError
+    from .balance.sampler import build_batch_sampler
+
+    t = cfg.trainer
+    stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
+    kw = dict(micro_steps_per_step=int(ds_config["gradient_accumulation_steps"]), enabled=cfg.adaptive_load.enabled,
+              gpu_mem_gib=gpu_mem_gib, model_name=t.model, zero_stage=stage)
+    shapes = dataset.sample_shapes()
+    try:
+        sampler = build_batch_sampler(cfg.adaptive_load.sampler, shapes, layout, num_layers=t.layers, **kw)
+    except ProfileDepthError as exc:
+        notes.append(f"warning: {exc}; planning with the profile's full-depth costs and memory (conservative: "
+                     "smaller micro-batches than --layers needs)")
+        sampler = build_batch_sampler(cfg.adaptive_load.sampler, shapes, layout, **kw)
+    prof = sampler.cost.profile
+    if prof.rescaled_from_layers is not None:
+        notes.append(f"profile '{cfg.adaptive_load.sampler.profile}' describes {prof.rescaled_from_layers} blocks; "
+                     f"rescaled to --layers {prof.num_layers} for planning (Profile.with_num_layers: block compute "
+                     f"and activation terms x {prof.num_layers}/{prof.rescaled_from_layers}, embed/head kept, "
+                     f"static memory of {prof.params / 1e9:.3f}B params)")
+    if sampler.micro_steps_per_step != kw["micro_steps_per_step"]:
+        raise RuntimeError(f"the batch sampler plans {sampler.micro_steps_per_step} micro-steps per step, "
+                           f"DeepSpeed runs {kw['micro_steps_per_step']}")
+    return sampler

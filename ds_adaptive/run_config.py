@@ -1,0 +1,160 @@
+"""One validated run configuration: the ds_config's ``adaptive_load`` block plus the trainer's options.
+
+    cfg = RunConfig.load("launch/configs/cpu_tiny.json", trainer={"model": "tiny", "steps": 20})
+    cfg = run_config_from_args(args)         # the trainer's CLI: flags override fields of the same models
+
+One source per setting: a command-line flag sets a field of :class:`TrainerConfig` or overrides a
+field of the ``adaptive_load`` block (``--fused-ln-modulate`` -> ``adaptive_load.fused_ln_modulate``,
+``--log-dir`` -> ``adaptive_load.metrics.log_dir``, ``--shapes`` -> ``adaptive_load.sampler.shapes``);
+nothing downstream reads the flag again. Relative paths in the ds_config (``sampler.shapes``,
+``sampler.profile``) are resolved next to the ds_config first, then from the working directory.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .config import AdaptiveLoadConfig, load_adaptive_config, read_ds_config
+
+__all__ = ["TrainerConfig", "RunConfig", "UsageError", "run_config_from_args", "resolve_relative"]
+
+
+class UsageError(ValueError):
+    """A command-line flag combination the trainer cannot run."""
+
+
+class TrainerConfig(BaseModel):
+    """The trainer's options (the flags of ``ds-adaptive train``; each field names its flag)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True,
+                              protected_namespaces=())
+
+    model: str = "tiny"
+    """``--model``: Wan preset (tiny | wan2.1-1.3b | wan2.1-14b)."""
+    layers: Optional[int] = Field(None, ge=1)
+    """``--layers``: override the number of transformer blocks (the cost profile is rescaled to it)."""
+    steps: int = Field(20, ge=1)
+    """``--steps``: train until this global optimizer step."""
+    data: str = "synthetic"
+    """``--data``: 'synthetic' (the embedded default) or a directory written by ``ds-adaptive synth``."""
+    num_samples: Optional[int] = Field(None, ge=1)
+    """``--num-samples``: size of the synthetic dataset (default 10000)."""
+    shift: float = Field(5.0, gt=0.0)
+    """``--shift``: timestep shift of the flow-matching sampler (Wan: 5)."""
+    seed: int = 0
+    """``--seed``: model init, data and noise seed."""
+    sp: Optional[int] = Field(None, ge=1)
+    """``--sp``: Ulysses degree (default: the ds_config's sequence_parallel_size, else 1)."""
+    grad_ckpt: bool = False
+    """``--grad-ckpt``: activation checkpointing of every block."""
+    workers: Optional[int] = Field(None, ge=0)
+    """``--workers``: DataLoader workers per rank (default: 2 on GPU, 0 on CPU)."""
+    compute_timing: bool = True
+    """``--compute-timing``: time each rank's compute without ZeRO's waits (CV_step); off: wall clock only."""
+    eval_samples: int = Field(0, ge=0)
+    """``--eval-samples``: held-out flow-matching loss on this many synthetic samples after training (0: off)."""
+    save: Optional[str] = None
+    """``--save``: checkpoint directory."""
+    save_interval: int = Field(0, ge=0)
+    """``--save-interval``: save every N steps (0: only at the end, when ``save`` is given)."""
+    resume: Optional[str] = None
+    """``--resume``: the --save directory (its latest checkpoint) or DIR/global_stepN."""
+
+
+class RunConfig(BaseModel):
+    """Everything a run is assembled from (``build_run``): the ds_config, its validated ``adaptive_load``
+    block and the trainer's options."""
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, use_attribute_docstrings=True)
+
+    ds_config_path: Optional[str] = None
+    """Path of the ds_config json (None when built from a dict)."""
+    ds_config: dict
+    """The raw ds_config as DeepSpeed would read it (``prepare_ds_config`` makes the engine's copy)."""
+    adaptive_load: AdaptiveLoadConfig
+    """The validated ``adaptive_load`` block, CLI overrides applied, relative paths resolved."""
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    """The trainer's options."""
+
+    @classmethod
+    def load(cls, ds_config, *, trainer: Optional[dict] = None, overrides: Optional[dict] = None) -> "RunConfig":
+        """From a ds_config path or dict; ``overrides`` = {dotted adaptive_load key: value} (None values skipped)."""
+        path = None if isinstance(ds_config, dict) else str(ds_config)
+        raw = read_ds_config(ds_config)
+        block = load_adaptive_config(raw if path is None else path)
+        if path is not None:
+            s = block.sampler
+            s.shapes = resolve_relative(s.shapes, path)
+            s.profile = resolve_relative(s.profile, path)
+        for key, value in (overrides or {}).items():
+            if value is not None:
+                _set_dotted(block, key, value)
+        try:
+            opts = TrainerConfig.model_validate(trainer or {})
+        except ValidationError as exc:
+            raise UsageError(_flag_error(exc)) from None
+        return cls(ds_config_path=path, ds_config=raw, adaptive_load=block, trainer=opts)
+
+
+def resolve_relative(path: Optional[str], config_path: str) -> Optional[str]:
+    """A relative path from the ds_config is tried next to the config first, then from the CWD.
+    Names without a path separator or suffix (shipped profile names) are kept as they are."""
+    if path is None or os.path.isabs(path):
+        return path
+    beside = Path(config_path).parent / path
+    return str(beside) if beside.exists() else path
+
+
+def _set_dotted(block: BaseModel, key: str, value: Any) -> None:
+    *parents, leaf = key.split(".")
+    target = block
+    for p in parents:
+        target = getattr(target, p)
+    setattr(target, leaf, value)
+
+
+def _flag_error(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        name = str(err["loc"][0]) if err["loc"] else "?"
+        flag = "--" + name.replace("_", "-")
+        ctx = err.get("ctx") or {}
+        bound = next((f"{sym} {ctx[k]}" for k, sym in (("ge", ">="), ("gt", ">")) if k in ctx), None)
+        parts.append(f"{flag} must be {bound}, got {err.get('input')!r}" if bound
+                     else f"{flag}: {err['msg']} (got {err.get('input')!r})")
+    return "; ".join(parts)
+
+
+TRAINER_FLAGS = tuple(TrainerConfig.model_fields)
+"""argparse destinations that are TrainerConfig fields (the rest are overrides or launcher flags)."""
+
+
+def run_config_from_args(args) -> RunConfig:
+    """The trainer CLI's namespace -> a validated :class:`RunConfig`, with the checks that need no
+    process group done here (bad flags fail before any rank starts a collective)."""
+    trainer = {k: getattr(args, k) for k in TRAINER_FLAGS if getattr(args, k, None) is not None}
+    if args.data != "synthetic" and (args.shapes or args.num_samples is not None):
+        raise UsageError(f"--shapes and --num-samples describe the synthetic dataset; --data {args.data} "
+                         "reads its samples and shapes from its index.json")
+    if args.eval_samples and args.data != "synthetic":
+        raise UsageError(f"--eval-samples {args.eval_samples}: held-out evaluation needs --data synthetic "
+                         "(the held-out set is drawn from its shape mix)")
+    cfg = RunConfig.load(args.deepspeed_config, trainer=trainer, overrides={
+        "fused_ln_modulate": args.fused_ln_modulate, "metrics.log_dir": args.log_dir,
+        "sampler.shapes": args.shapes})
+    _check_planned_layout(cfg)
+    return cfg
+
+
+def _check_planned_layout(cfg: RunConfig) -> None:
+    """sp against the heads and the launcher's WORLD_SIZE, before torch.distributed exists."""
+    from .layout import Layout, resolve_sp_size
+    from .models.wan import get_wan_config
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    sp = resolve_sp_size(cfg.trainer.sp, cfg.ds_config, world)
+    Layout.for_world(world, sp).validate(num_heads=get_wan_config(cfg.trainer.model).num_heads,
+                                         what=cfg.trainer.model)

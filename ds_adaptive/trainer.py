@@ -1,0 +1,391 @@
+"""The trainer: a :class:`Trainer` drives one :class:`ds_adaptive.run.Run` with DeepSpeed.
+
+    run = build_run(cfg, layout=Layout.detect(sp), device=device)
+    trainer = Trainer(run)          # deepspeed.initialize, engine check, metrics, resume
+    summary = trainer.fit()         # train_step() until trainer.steps, save(), evaluate()
+
+Unbiased gradients with variable batch sizes: DeepSpeed averages gradients over the DP ranks and
+divides the loss by gradient_accumulation_steps (gas). With the sampler's global count W (samples,
+or tokens with ``loss_weighting: tokens``) of the optimizer step, each micro-step backpropagates
+``sum_i w_i * loss_i * dp * gas / W`` (``StepTotals.loss_weight``), so that the step's gradient is
+the gradient of ``sum_i w_i * loss_i / W`` over all samples of all ranks: what one process would
+compute on the same samples. Under Ulysses each rank's partial loss is also scaled by
+``Layout.loss_scale`` (docs/ULYSSES.md). The objective itself is ``ds_adaptive.objective``.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .data import DataError, build_dataset, collate_latents
+from .layout import Layout
+from .metrics import StepMetrics, format_summary
+from .objective import EVAL_TIMESTEPS, eval_inputs, flow_matching_losses, mean_mse
+from .run import Run
+from .run_config import UsageError
+from .shapes import MAX_TEXT_LEN
+
+__all__ = ["Trainer", "backward_micro_batch", "evaluate", "init_distributed", "shutdown_distributed",
+           "CLIENT_STATE_KEY", "EVAL_SEED_OFFSET"]
+
+CLIENT_STATE_KEY = "ds_adaptive"
+EVAL_SEED_OFFSET = 1_000_003   # held-out samples: the synthetic dataset with seed + this offset
+
+
+# --- distributed setup -----------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(local_rank: int) -> tuple[int, int, torch.device]:
+    """Initialise torch.distributed via DeepSpeed (NCCL on GPU, gloo on CPU); a plain
+    ``python -m ds_adaptive.train`` becomes a world of one."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
+    acc = get_accelerator()
+    local_rank = int(os.environ.get("LOCAL_RANK", local_rank))
+    if acc.device_name() == "cuda":
+        acc.set_device(local_rank)
+    deepspeed.init_distributed(dist_backend=acc.communication_backend_name(), verbose=False)
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    device = torch.device(acc.device_name(local_rank)) if acc.device_name() == "cuda" else torch.device("cpu")
+    return rank, world, device
+
+
+def shutdown_distributed(*, barrier: bool) -> None:
+    """Leave the process group in order. Without this, a rank that exits while another is still in
+    a collective (or with gloo's threads alive) can abort at interpreter exit ("terminate called
+    without an active exception"). The barrier, after a successful run only (after an error another
+    rank may never arrive), makes the ranks leave together."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        if barrier:
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+# --- one micro-batch and the held-out loss ---------------------------------------------------
+
+def backward_micro_batch(engine, latents: torch.Tensor, context: torch.Tensor, indices: torch.Tensor, totals, *,
+                         tokens_per_sample: int, layout: Layout, by: str, epoch: int, seed: int, shift: float,
+                         dtype: torch.dtype) -> tuple[float, float]:
+    """Forward and weighted backward of one micro-batch (all samples of one shape).
+
+    The mean per-sample loss is scaled by ``totals.loss_weight`` (local share of the optimizer
+    step's global samples or tokens x dp_size x micro-steps), which undoes DeepSpeed's DP mean and
+    its 1/gradient_accumulation_steps, and by ``layout.loss_scale`` under SP. Returns
+    ``(sum_i w_i * loss_i, sum_i w_i)`` of this micro-batch (detached), ``w_i`` 1 (samples) or the
+    sample's tokens; under SP the full per-sample losses (summed over the group).
+    """
+    sharded = layout.sp_enabled
+    per_sample = flow_matching_losses(engine, latents, context, indices, epoch=epoch, seed=seed, shift=shift,
+                                      dtype=dtype, local=sharded)
+    b = per_sample.shape[0]
+    weight = totals.loss_weight(b, b * tokens_per_sample, layout.dp_size, by)
+    if sharded:  # x sp: DeepSpeed averages gradients over all dp*sp ranks (docs/ULYSSES.md)
+        weight *= layout.loss_scale
+    engine.backward(per_sample.mean() * weight)
+    w = float(tokens_per_sample) if by == "tokens" else 1.0
+    per_sample = layout.group_sum(per_sample)  # the SP ranks' partial losses sum to the per-sample losses
+    return float(per_sample.detach().sum()) * w, b * w
+
+
+@torch.no_grad()
+def evaluate(engine, dataset, *, layout: Layout, seed: int, shift: float, dtype: torch.dtype,
+             device: torch.device) -> float:
+    """Mean flow-matching loss over every sample of ``dataset`` (held out from training), each at
+    ``EVAL_TIMESTEPS`` fixed u with noise seeded by (seed, k, index): a pure function of the
+    weights, comparable across runs. Sample j goes to DP rank j % dp_size; every rank runs the same
+    number of forwards (ZeRO-3 gathers parameters collectively), padding with weight-0 repeats.
+    Under SP the engine returns the gathered output: every rank of a group scores its DP rank's samples."""
+    n, dp_rank, dp_size = len(dataset), layout.dp_rank, layout.dp_size
+    mine = list(range(dp_rank, n, dp_size))
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    was_training = engine.training
+    engine.eval()
+    try:
+        for j in range(-(-n // dp_size)):
+            idx = mine[j] if j < len(mine) else mine[-1] if mine else 0
+            sample = dataset[idx]
+            x_t, timestep, target = eval_inputs(sample["latents"].to(device), idx, seed=seed, shift=shift)
+            ctx = sample["context"].to(device)
+            ctx = F.pad(ctx, (0, 0, 0, MAX_TEXT_LEN - ctx.shape[0])).unsqueeze(0).expand(EVAL_TIMESTEPS, -1, -1)
+            loss = mean_mse(engine(x_t.to(dtype), timestep, ctx.to(dtype)), target)
+            weight = 1.0 if j < len(mine) else 0.0
+            total += torch.stack([loss.double() * weight, torch.tensor(weight, dtype=torch.float64, device=device)])
+    finally:
+        engine.train(was_training)
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(total)
+    return float(total[0] / total[1])
+
+
+# --- the trainer -----------------------------------------------------------------------------
+
+class Trainer:
+    """Trains ``run`` with DeepSpeed: :meth:`train_step` one optimizer step, :meth:`save` /
+    :meth:`resume` checkpoints (sampler state in DeepSpeed's client_state), :meth:`evaluate` the
+    held-out loss, :meth:`fit` the whole loop. Construction initialises the engine (and resumes
+    when ``run.cfg.trainer.resume`` is set)."""
+
+    def __init__(self, run: Run) -> None:
+        import deepspeed
+
+        self.run = run
+        self.opts = run.cfg.trainer
+        self.layout = run.layout
+        self.is_main = run.layout.rank == 0
+        model = run.model
+        self.engine, _, _, _ = deepspeed.initialize(model=model, config=run.ds_config,
+                                                    model_parameters=[p for p in model.parameters()
+                                                                      if p.requires_grad])
+        self.layout.check_engine(self.engine)  # DeepSpeed must reduce over all dp*sp ranks (else a clear error)
+        self.global_step, self.epoch, self.step_in_epoch = 0, 0, 0
+        self._batches = None
+        self._shapes = run.dataset.sample_shapes()
+        for note in run.notes:
+            self.log(f"ds_adaptive.train: {note}")
+        if self.opts.resume:
+            self.resume(self.opts.resume)
+        self.metrics = self._build_metrics()
+
+    # ------------------------------------------------------------------ setup
+    def log(self, msg: str) -> None:
+        if self.is_main:
+            print(msg, flush=True)
+
+    def _build_metrics(self) -> StepMetrics:
+        run, al = self.run, self.run.cfg.adaptive_load
+        log_dir = al.metrics.log_dir
+        info = {
+            "model": self.opts.model, "layers": run.model_config.num_layers, "world_size": self.layout.world,
+            "dp_size": self.layout.dp_size, "sp": self.layout.sp_size, "device": run.device.type,
+            "dtype": str(run.dtype).replace("torch.", ""), "gradient_accumulation_steps": run.gas,
+            "adaptive_load": al.enabled, "sampler": type(run.sampler).__name__,
+            "sampler_mode": al.sampler.mode if al.enabled else "tokens", "fused_ln_modulate": al.fused_ln_modulate,
+            "grad_ckpt": bool(self.opts.grad_ckpt), "data": self.opts.data, "dataset": run.dataset.describe(),
+            "loss_weighting": al.sampler.loss_weighting, "plan": run.sampler.epoch_stats(),
+        }
+        if al.fused_ln_modulate:
+            from .ops.ln_modulate import op_status
+
+            info["ln_modulate_op"] = op_status()
+        metrics = StepMetrics(al.metrics, micro_steps_per_step=run.gas, device=run.device, log_dir=log_dir,
+                              is_writer=self.is_main, count_this_rank=self.layout.sp_rank == 0, run_info=info)
+        if self.opts.compute_timing:
+            metrics.attach_engine(self.engine)
+        w = run.model_config
+        self.log(f"ds_adaptive: {self.opts.model} ({w.num_layers} blocks, dim {w.dim}) on {self.layout.world} "
+                 f"{run.device.type} rank(s), {info['dtype']}, gas {run.gas}; {run.dataset.describe()}; sampler "
+                 f"{info['sampler']} ({run.sampler.steps_per_epoch} steps/epoch); logs in {log_dir}")
+        return metrics
+
+    # ------------------------------------------------------------------ one optimizer step
+    def _next_batch(self, micro: int) -> dict:
+        sampler = self.run.sampler
+        if self._batches is None:
+            sampler.set_epoch(self.epoch)  # a no-op for the epoch just resumed
+            if sampler.steps_per_epoch < 1:
+                raise DataError(f"the batch sampler planned no optimizer step for epoch {self.epoch} "
+                                f"({len(self.run.dataset)} samples, {self.layout.dp_size} DP ranks, gas "
+                                f"{self.run.gas}); use more samples")
+            workers = self.opts.workers if self.opts.workers is not None else (2 if self.run.device.type == "cuda"
+                                                                               else 0)
+            # Contexts travel padded to the batch's longest prompt and are zero-padded to Wan's 512 on the
+            # device: the model sees the same input, the host moves ~4x fewer bytes.
+            loader = torch.utils.data.DataLoader(self.run.dataset, batch_sampler=sampler,
+                                                 collate_fn=_collate_unpadded, num_workers=workers,
+                                                 pin_memory=self.run.device.type == "cuda")
+            self._batches = iter(loader)
+        try:
+            return next(self._batches)
+        except StopIteration:
+            raise RuntimeError(f"the batch sampler ran out after {micro} micro-step(s) of step {self.step_in_epoch} "
+                               f"of epoch {self.epoch}, but reported {sampler.steps_per_epoch} steps x "
+                               f"{self.run.gas} micro-steps") from None
+
+    def _optimizer_step(self, factor: float) -> float:
+        """The engine's boundary step with the LR scaled by ``factor`` for this step only (the
+        scheduler, if any, sets the next step's LR itself); returns the LR the step used."""
+        groups = self.engine.optimizer.param_groups
+        base = [g["lr"] for g in groups]
+        if factor != 1.0:
+            for g in groups:
+                g["lr"] *= factor
+        lr = groups[0]["lr"]
+        self.engine.step()
+        if factor != 1.0 and self.engine.lr_scheduler is None:
+            for g, b in zip(groups, base):
+                g["lr"] = b
+        return lr
+
+    def train_step(self):
+        """One optimizer step (gas micro-steps); returns the metrics record of the step."""
+        run, sampler, metrics = self.run, self.run.sampler, self.metrics
+        totals = sampler.step_totals(self.step_in_epoch)
+        factor = sampler.lr_scale(self.step_in_epoch)
+        metrics.start_step()
+        loss_num = loss_den = 0.0
+        step_lr = None
+        for micro in range(run.gas):
+            batch = self._next_batch(micro)
+            latents = batch["latents"].to(run.device, non_blocking=True)
+            context = batch["context"].to(run.device, non_blocking=True)
+            context = F.pad(context, (0, 0, 0, MAX_TEXT_LEN - context.shape[1]))
+            metrics.data_ready()
+            tokens = self._shapes[int(batch["index"][0])].tokens
+            num, den = backward_micro_batch(
+                self.engine, latents, context, batch["index"], totals, tokens_per_sample=tokens, layout=self.layout,
+                by=run.cfg.adaptive_load.sampler.loss_weighting, epoch=self.epoch, seed=self.opts.seed,
+                shift=self.opts.shift, dtype=run.dtype)
+            metrics.backward_done()
+            if micro == run.gas - 1:
+                step_lr = self._optimizer_step(factor)
+            else:
+                self.engine.step()  # no optimizer step inside the accumulation window
+            loss_num += num
+            loss_den += den
+            b = latents.shape[0]
+            metrics.end_micro(b, b * tokens, float(b * tokens ** 2))
+        self.global_step += 1
+        self.step_in_epoch += 1
+        rec = metrics.end_step(self.global_step, loss_num, loss_den, step_lr, log=self.global_step == self.opts.steps)
+        if rec.samples != totals.samples:
+            raise RuntimeError(f"step {self.global_step}: the ranks processed {rec.samples} samples but the "
+                               f"sampler's step_totals said {totals.samples}; the plan is inconsistent")
+        if self.step_in_epoch >= sampler.steps_per_epoch:
+            self.epoch += 1
+            self.step_in_epoch = 0
+            self._batches = None
+        return rec
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self) -> None:
+        """A DeepSpeed checkpoint ``global_step{N}`` in ``--save``, with the sampler state in client_state."""
+        t0 = time.perf_counter()
+        state = {CLIENT_STATE_KEY: {
+            "global_step": self.global_step, "epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
+            "sampler": self.run.sampler.state_dict(self.step_in_epoch), "seed": self.opts.seed,
+            "model": self.opts.model, "layers": self.opts.layers, "data": self.opts.data,
+            "world_size": self.layout.world}}
+        self.engine.save_checkpoint(self.opts.save, tag=f"global_step{self.global_step}", client_state=state)
+        self.log(f"saved checkpoint step {self.global_step} to {self.opts.save} ({time.perf_counter() - t0:.1f} s)")
+
+    def resume(self, path: str) -> None:
+        """Load ``path`` (the --save directory: its latest checkpoint, or DIR/global_stepN): weights,
+        optimizer, scheduler, sampler position."""
+        load_dir, tag = _checkpoint_location(path)
+        load_path, client = self.engine.load_checkpoint(load_dir, tag=tag)
+        if load_path is None:
+            raise UsageError(f"--resume {path}: DeepSpeed could not load a checkpoint from it")
+        state = (client or {}).get(CLIENT_STATE_KEY)
+        if state is None:
+            raise UsageError(f"--resume {path}: the checkpoint {load_path} was not written by ds_adaptive "
+                             f"(client_state has no '{CLIENT_STATE_KEY}')")
+        self.run.sampler.load_state_dict(state["sampler"])
+        self.global_step, self.epoch, self.step_in_epoch = state["global_step"], state["epoch"], state["step_in_epoch"]
+        self._batches = None
+        self.log(f"resumed from {load_path}: step {self.global_step} (epoch {self.epoch}, step {self.step_in_epoch} "
+                 "of the epoch)")
+
+    # ------------------------------------------------------------------ evaluation and the loop
+    def evaluate(self, num_samples: int) -> dict:
+        """Held-out loss on ``num_samples`` synthetic samples of the run's shape mix (seed + EVAL_SEED_OFFSET)."""
+        seed = self.opts.seed + EVAL_SEED_OFFSET
+        held_out = build_dataset("synthetic", num_samples=num_samples, shapes=self.run.cfg.adaptive_load.sampler.shapes,
+                                 seed=seed)
+        t0 = time.perf_counter()
+        loss = evaluate(self.engine, held_out, layout=self.layout, seed=seed, shift=self.opts.shift,
+                        dtype=self.run.dtype, device=self.run.device)
+        return {"eval_loss": loss, "eval": {"samples": num_samples, "timesteps": EVAL_TIMESTEPS, "seed": seed,
+                                            "s": time.perf_counter() - t0}}
+
+    def fit(self) -> dict:
+        """Train until ``trainer.steps``, saving every ``save_interval`` steps and at the end; then the
+        held-out loss (``eval_samples``). Returns the summary (identical on every rank)."""
+        o = self.opts
+        progress = _Progress(self.is_main, o.steps, self.global_step, self.run.cfg.adaptive_load.metrics.interval)
+        last_saved = self.global_step
+        try:
+            while self.global_step < o.steps:
+                rec = self.train_step()
+                progress.update(rec, o.steps)
+                if o.save and o.save_interval and self.global_step % o.save_interval == 0:
+                    self.save()
+                    last_saved = self.global_step
+            self._batches = None
+            if o.save and last_saved != self.global_step:
+                self.save()
+        finally:
+            progress.close()
+            self.metrics.close()
+        summary = self.metrics.summary()
+        summary["final_step"] = self.global_step
+        if o.eval_samples:
+            summary.update(self.evaluate(o.eval_samples))
+        if self.is_main:
+            path = self.metrics.write_summary(summary)
+            print(format_summary(summary))
+            print(f"summary written to {path}", flush=True)
+        return summary
+
+
+def _collate_unpadded(samples: list) -> dict:
+    return collate_latents(samples, pad_text_to=None)
+
+
+def _checkpoint_location(path: str) -> tuple[str, Optional[str]]:
+    """``--resume DIR`` (the --save directory: its 'latest' checkpoint) or ``DIR/global_stepN`` (that one)."""
+    p = Path(path)
+    if (p / "latest").is_file():
+        return str(p), None
+    if p.is_dir() and any(p.glob("*model_states.pt")):
+        return str(p.parent), p.name
+    raise UsageError(f"--resume {path}: no DeepSpeed checkpoint there (neither a 'latest' file nor *model_states.pt); "
+                     "pass the directory given to --save, or one of its global_stepN subdirectories")
+
+
+class _Progress:
+    """tqdm on an interactive rank 0; plain log lines every ``interval`` steps otherwise."""
+
+    def __init__(self, enabled: bool, total: int, initial: int, interval: int) -> None:
+        self.enabled, self.interval, self.bar, self.first = enabled, interval, None, True
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
+
+    def update(self, rec, total: int) -> None:
+        if not self.enabled:
+            return
+        msg = (f"loss {rec.loss:.4f}  {rec.tokens_per_s:,.0f} tok/s  {rec.samples} samples  "
+               f"CV_step {100 * rec.cv_step:.1f}%  peak {max(rec.peak_mem_gib):.2f} GiB")
+        if self.bar is not None:
+            self.bar.set_postfix_str(msg, refresh=False)
+            self.bar.update(1)
+        elif rec.step % self.interval == 0 or rec.step == total or self.first:
+            print(f"step {rec.step}/{total}  {msg}  ({rec.wall_s:.2f} s)", flush=True)
+        self.first = False
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
