@@ -287,7 +287,8 @@ def eval_estimate_s(s: Settings, profile_path: str) -> float:
     if not s.eval_samples:
         return 0.0
     from ds_adaptive.data import build_dataset
-    from ds_adaptive.train import EVAL_SEED_OFFSET, EVAL_TIMESTEPS
+    from ds_adaptive.objective import EVAL_TIMESTEPS
+    from ds_adaptive.trainer import EVAL_SEED_OFFSET
 
     held = build_dataset("synthetic", num_samples=s.eval_samples, shapes=s.shapes,
                          seed=s.seed + EVAL_SEED_OFFSET).sample_shapes()

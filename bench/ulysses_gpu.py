@@ -199,11 +199,12 @@ def perf_case(model, sp, inputs, args, device) -> dict:
     """Step time and memory of fwd+bwd with the loss on shards at one SP degree."""
     import torch
 
-    from ds_adaptive.parallel import apply_ulysses
+    from ds_adaptive.objective import per_sample_mse
+    from ds_adaptive.parallel import apply_ulysses, shard_plan
 
     lat, t, ctx, tgt, shape = inputs
-    uw = apply_ulysses(model, sp)
-    plan = uw.plan(shape.tokens)
+    apply_ulysses(model, sp)
+    plan = shard_plan(shape.tokens, sp)
     times = []
     cuda = device.type == "cuda"
     for i in range(args.warmup + args.steps):
@@ -213,7 +214,7 @@ def perf_case(model, sp, inputs, args, device) -> dict:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
                 static = torch.cuda.memory_allocated(device)
-        _sync(device, sp.group)
+        _sync(device, sp.sp_group)
         t0 = time.perf_counter()
         try:
             loss = per_sample_mse(model(lat, t, ctx, local=True), tgt).sum()
@@ -242,8 +243,8 @@ def _grads(model, sp):
     out = []
     for p in model.parameters():
         g = p.grad.detach().float().clone() if p.grad is not None else torch.zeros(p.shape, device=p.device)
-        if sp.enabled:
-            dist.all_reduce(g, group=sp.group)
+        if sp.sp_enabled:
+            dist.all_reduce(g, group=sp.sp_group)
         out.append(g.flatten())
     return torch.cat(out)
 
@@ -252,7 +253,9 @@ def check_case(model, ref32, degrees, args, device, cfg, dtype) -> dict:
     """SP=k vs SP=1 vs an fp32 reference on the (odd) check shape: outputs and summed gradients."""
     import torch
 
-    from ds_adaptive.parallel import apply_ulysses, init_sequence_parallel
+    from ds_adaptive.layout import Layout
+    from ds_adaptive.objective import per_sample_mse
+    from ds_adaptive.parallel import apply_ulysses
 
     lat, t, ctx, tgt, shape = make_inputs(cfg, parse_shape(args.check_shape), args.batch, args.text_len, device,
                                           dtype, args.seed + 1)
@@ -289,7 +292,9 @@ def check_big(model, degrees, inputs) -> dict:
     """Forward only at the perf shape: sp=k output vs sp=1 output (both in the model dtype)."""
     import torch
 
-    from ds_adaptive.parallel import apply_ulysses, init_sequence_parallel
+    from ds_adaptive.layout import Layout
+    from ds_adaptive.objective import per_sample_mse
+    from ds_adaptive.parallel import apply_ulysses
 
     lat, t, ctx, _, shape = inputs
     outs = {}
@@ -316,7 +321,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    from ds_adaptive.parallel import init_sequence_parallel
+    from ds_adaptive.layout import Layout
 
     rank, world, device = setup(args)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32

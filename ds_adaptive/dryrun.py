@@ -197,41 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def run_checks(args: argparse.Namespace, extra: list[str]) -> tuple[Report, Optional[list[str]]]:
-    """All checks; returns the report and the command (None when the layout itself is unusable)."""
-    from ds_adaptive.config import ConfigError, load_adaptive_config, prepare_ds_config, read_ds_config
-    from ds_adaptive.layout import MESH_KEYS, Layout, SequenceParallelError, resolve_sp_size
-    from ds_adaptive.models.wan import WanConfigError, count_parameters, get_wan_config
+def _check_topology(rep: Report, args: argparse.Namespace, raw: dict):
+    """The launch plan and the Ulysses degree: (launch plan or None, sp or None, dp or None)."""
+    from ds_adaptive.layout import MESH_KEYS, SequenceParallelError, resolve_sp_size
 
-    rep = Report()
-    cfg_path = args.deepspeed_config
-    rep.lines.append(f"ds-adaptive dry-run: {cfg_path}, model {args.model}")
-
-    # ---- ds_config and the adaptive_load block
-    raw: dict = {}
-    adaptive = None
-    try:
-        raw = read_ds_config(cfg_path)
-        adaptive = load_adaptive_config(cfg_path)
-        s = adaptive.sampler
-        rep.row("config", f"adaptive_load valid: enabled={adaptive.enabled}, sampler {s.mode}/{s.cost_model}, "
-                          f"profile {s.profile}, oversize={s.oversize}", "ok")
-    except ConfigError as exc:
-        rep.fail("config", str(exc))
-
-    # ---- model
-    wcfg = None
-    try:
-        overrides = {"num_layers": args.layers} if args.layers else {}
-        wcfg = get_wan_config(args.model, **overrides)
-        n_params = count_parameters(wcfg)
-        rep.row("model", f"{args.model}: {wcfg.num_layers} blocks, dim {wcfg.dim}, {wcfg.num_heads} heads, "
-                         f"{n_params / 1e9:.3f} B parameters", "ok")
-    except WanConfigError as exc:
-        rep.fail("model", f"--model/--layers: {exc}")
-        n_params = 0
-
-    # ---- topology
     layout = None
     sp = dp = None
     try:
@@ -261,6 +230,62 @@ def run_checks(args: argparse.Namespace, extra: list[str]) -> tuple[Report, Opti
         if len(layout.nodes) > 1 and not layout.hostfile:
             rep.warn("topology", f"{len(layout.nodes)} nodes without --hostfile: the deepspeed launcher reads "
                                  "/job/hostfile by default; pass --hostfile")
+    return layout, sp, dp
+
+
+def _check_batch_keys(rep: Report, raw: dict, sp: int, dp: int) -> None:
+    """train_batch_size = micro x gas x dp, and the gas the trainer derives."""
+    from ds_adaptive.config import ConfigError, prepare_ds_config
+
+    tbs, micro, gas_cfg = (raw.get("train_batch_size"), raw.get("train_micro_batch_size_per_gpu"),
+                           raw.get("gradient_accumulation_steps"))
+    try:
+        if None not in (tbs, micro, gas_cfg) and tbs != micro * gas_cfg * dp:
+            raise ConfigError(
+                f"ds_config train_batch_size={tbs} != train_micro_batch_size_per_gpu {micro} x "
+                f"gradient_accumulation_steps {gas_cfg} x dp {dp} (= world {dp * sp} / sp {sp}) = "
+                f"{micro * gas_cfg * dp}; set train_batch_size to {micro * gas_cfg * dp}, or drop it (the trainer "
+                "derives it) -- an SP group of sp ranks trains one micro-batch")
+        gas = prepare_ds_config(raw, dp_size=dp, on_gpu=True)["gradient_accumulation_steps"]
+        rep.row("batch", f"gradient_accumulation_steps {gas} per optimizer step, dp {dp}; micro-batch sizes "
+                         f"come from the sampler (train_micro_batch_size_per_gpu is nominal)", "ok")
+    except ConfigError as exc:
+        rep.fail("batch", str(exc))
+
+
+def run_checks(args: argparse.Namespace, extra: list[str]) -> tuple[Report, Optional[list[str]]]:
+    """All checks; returns the report and the command (None when the layout itself is unusable)."""
+    from ds_adaptive.config import ConfigError, load_adaptive_config, read_ds_config
+    from ds_adaptive.layout import Layout, SequenceParallelError
+    from ds_adaptive.models.wan import WanConfigError, count_parameters, get_wan_config
+
+    rep = Report()
+    cfg_path = args.deepspeed_config
+    rep.lines.append(f"ds-adaptive dry-run: {cfg_path}, model {args.model}")
+
+    raw: dict = {}
+    adaptive = None
+    try:
+        raw = read_ds_config(cfg_path)
+        adaptive = load_adaptive_config(cfg_path)
+        s = adaptive.sampler
+        rep.row("config", f"adaptive_load valid: enabled={adaptive.enabled}, sampler {s.mode}/{s.cost_model}, "
+                          f"profile {s.profile}, oversize={s.oversize}", "ok")
+    except ConfigError as exc:
+        rep.fail("config", str(exc))
+
+    wcfg = None
+    try:
+        overrides = {"num_layers": args.layers} if args.layers else {}
+        wcfg = get_wan_config(args.model, **overrides)
+        n_params = count_parameters(wcfg)
+        rep.row("model", f"{args.model}: {wcfg.num_layers} blocks, dim {wcfg.dim}, {wcfg.num_heads} heads, "
+                         f"{n_params / 1e9:.3f} B parameters", "ok")
+    except WanConfigError as exc:
+        rep.fail("model", f"--model/--layers: {exc}")
+        n_params = 0
+
+    launch, sp, dp = _check_topology(rep, args, raw)
     heads_ok = True
     if wcfg is not None and sp is not None:
         try:
@@ -270,31 +295,15 @@ def run_checks(args: argparse.Namespace, extra: list[str]) -> tuple[Report, Opti
             heads_ok = False
             rep.fail("heads", str(exc))
 
-    # ---- batch keys
-    gas = None
     if dp is not None and raw:
-        tbs, micro, gas_cfg = (raw.get("train_batch_size"), raw.get("train_micro_batch_size_per_gpu"),
-                               raw.get("gradient_accumulation_steps"))
-        try:
-            if None not in (tbs, micro, gas_cfg) and tbs != micro * gas_cfg * dp:
-                raise ConfigError(
-                    f"ds_config train_batch_size={tbs} != train_micro_batch_size_per_gpu {micro} x "
-                    f"gradient_accumulation_steps {gas_cfg} x dp {dp} (= world {dp * sp} / sp {sp}) = "
-                    f"{micro * gas_cfg * dp}; set train_batch_size to {micro * gas_cfg * dp}, or drop it (the trainer "
-                    "derives it) -- an SP group of sp ranks trains one micro-batch")
-            gas = prepare_ds_config(raw, dp_size=dp, on_gpu=True)["gradient_accumulation_steps"]
-            rep.row("batch", f"gradient_accumulation_steps {gas} per optimizer step, dp {dp}; micro-batch sizes "
-                             f"come from the sampler (train_micro_batch_size_per_gpu is nominal)", "ok")
-        except ConfigError as exc:
-            rep.fail("batch", str(exc))
+        _check_batch_keys(rep, raw, sp, dp)
 
-    # ---- memory and budgets
     if adaptive is not None and wcfg is not None and sp is not None and dp is not None and heads_ok:
         run = _build_dry_run(rep, args, Layout.for_world(sp * dp, sp))
         if run is not None:
             _check_memory_and_budgets(rep, args, run, n_params)
 
-    cmd = deepspeed_command(layout, args, sp or args.sp or 1, extra) if layout is not None else None
+    cmd = deepspeed_command(launch, args, sp or args.sp or 1, extra) if launch is not None else None
     return rep, cmd
 
 

@@ -154,7 +154,6 @@ def _check_planned_layout(cfg: RunConfig) -> None:
     from .layout import Layout, resolve_sp_size
     from .models.wan import get_wan_config
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    sp = resolve_sp_size(cfg.trainer.sp, cfg.ds_config, world)
-    Layout.for_world(world, sp).validate(num_heads=get_wan_config(cfg.trainer.model).num_heads,
-                                         what=cfg.trainer.model)
+    sp = resolve_sp_size(cfg.trainer.sp, cfg.ds_config)
+    Layout.explicit(sp_size=sp).validate(num_heads=get_wan_config(cfg.trainer.model).num_heads, what=cfg.trainer.model)
+    resolve_sp_size(sp, cfg.ds_config, int(os.environ.get("WORLD_SIZE", "1")))  # world % sp, data_parallel_size

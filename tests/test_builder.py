@@ -266,20 +266,20 @@ def test_report_shows_the_arch_handling(monkeypatch, capsys):
 
 
 # ------------------------------------------------------------------------------------------------
-# ds_config switch
+# the run configuration's switch
 # ------------------------------------------------------------------------------------------------
-def test_enable_from_ds_config(tmp_path):
-    from ds_adaptive.config import ConfigError
+def test_apply_ln_modulate_follows_the_run_config(tmp_path):
+    from ds_adaptive.models.wan import WanModel
+    from ds_adaptive.ops import apply_ln_modulate
     from ds_adaptive.ops.ln_modulate import ln_modulate, ln_modulate_reference
+    from ds_adaptive.run_config import RunConfig
 
-    try:
-        assert dsp.enable_from_ds_config({"adaptive_load": {"fused_ln_modulate": True}}) is ln_modulate
-        assert dsp.is_registered()
-        path = tmp_path / "ds.json"
-        path.write_text(json.dumps({"train_batch_size": 1, "adaptive_load": {"fused_ln_modulate": False}}))
-        assert dsp.enable_from_ds_config(str(path)) is ln_modulate_reference
-        assert dsp.enable_from_ds_config({}) is ln_modulate_reference
-        with pytest.raises(ConfigError, match="fused_ln_modulat"):
-            dsp.enable_from_ds_config({"adaptive_load": {"fused_ln_modulat": True}})
-    finally:
-        dsp.unregister_ops()
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 1, "adaptive_load": {"fused_ln_modulate": True}}))
+    model = WanModel("tiny")
+    on = RunConfig.load(str(path))
+    assert apply_ln_modulate(model, on.adaptive_load.fused_ln_modulate) is ln_modulate
+    assert model.ln_modulate_fn is ln_modulate and all(b.ln_modulate is ln_modulate for b in model.blocks)
+    off = RunConfig.load(str(path), overrides={"fused_ln_modulate": False})  # --no-fused-ln-modulate
+    assert apply_ln_modulate(model, off.adaptive_load.fused_ln_modulate) is ln_modulate_reference
+    assert model.head.ln_modulate is ln_modulate_reference

@@ -441,7 +441,7 @@ def parse_lengths(spec: str) -> list[SampleShape]:
     return out
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ds-adaptive calibrate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="wan2.1-1.3b", help="Wan config name (tiny, wan2.1-1.3b, wan2.1-14b)")
     ap.add_argument("--sp", type=int, default=1, help="Ulysses degree to emulate on one GPU (default 1)")
@@ -467,23 +467,68 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="model config override KEY=VALUE (e.g. dim=64), repeatable")
     ap.add_argument("--from-block-scaling", metavar="JSON",
                     help="instead of measuring, rebuild the shipped profiles from a per-block scaling json")
+    return ap
+
+
+def _rebuild_from_block_scaling(args: argparse.Namespace) -> int:
+    """--from-block-scaling: the shipped profiles from per-block timings, no measurement."""
+    src = Path(args.from_block_scaling)
+    data = json.loads(src.read_text())
+    out_dir = Path(args.out) if args.out else PROFILES_DIR
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name in WAN_ARCH:
+        prof = profile_from_block_scaling(data, name, source="shared/data/h100_block_scaling.json")
+        Profile.from_dict(prof)
+        path = out_dir / f"{prof['name']}.json"
+        path.write_text(json.dumps(prof, indent=1) + "\n")
+        c = prof["compute"]
+        print(f"{path}: c0={c['c0_ms']:.3f} ms a={c['a_ms_per_token']:.4g} ms/tok "
+              f"b={c['b_ms_per_token2']:.4g} ms/tok^2 fit max|err|={c['fit']['max_rel_err']:.1%}")
+    return 0
+
+
+def _parse_batch_sizes(ap: argparse.ArgumentParser, args: argparse.Namespace, shapes: list) -> dict:
+    if not args.batch_sizes:
+        return _batch_sizes(shapes, args.sp)
+    batch_sizes = {sh.tokens: [1] for sh in shapes}  # explicit: listed lengths get these sizes, the others B=1
+    for part in args.batch_sizes.split(";"):
+        try:
+            s, bs = part.split(":")
+            batch_sizes[int(s)] = [int(b) for b in bs.split(",")]
+        except ValueError:
+            ap.error(f"--batch-sizes: '{part}' is not TOKENS:B1,B2 (e.g. '1560:1,12;4096:1,4')")
+    return batch_sizes
+
+
+def _print_fit(compute: dict, memory: dict) -> None:
+    print("\nfull-model fit  t = c0 + B*(a*S + b*S^2)  [ms]")
+    print(f"  c0 = {compute['c0_ms']:.4g} ms   a = {compute['a_ms_per_token']:.4g} ms/token   "
+          f"b = {compute['b_ms_per_token2']:.4g} ms/token^2")
+    print(f"  {'S':>7} {'B':>4} {'measured':>10} {'predicted':>10} {'rel err':>8}")
+    for r in compute["fit"]["points"]:
+        tag = "" if r["fit"] else "  (latency-bound, not fitted)"
+        print(f"  {r['S']:>7} {r['B']:>4} {r['measured_ms']:>10.2f} {r['predicted_ms']:>10.2f} "
+              f"{r['rel_err']:>+8.1%}{tag}")
+    print(f"  max |rel err| {compute['fit']['max_rel_err']:.1%}, mean {compute['fit']['mean_rel_err']:.1%}")
+    if "points" in memory.get("fit", {}):
+        print(f"memory fit  act/B = m0 + m1*S: m0 = {memory['m0_gib']:.4g} GiB, "
+              f"m1 = {memory['m1_gib_per_token'] * 1024 ** 2:.4g} KiB/token; max |rel err| "
+              f"{memory['fit']['max_rel_err']:.1%}, mean {memory['fit']['mean_rel_err']:.1%}")
+
+
+def _memory_entry(mem_pts: list, full_cfg: dict, num_layers: int) -> dict:
+    if mem_pts:
+        return fit_memory(mem_pts)
+    d = int(full_cfg.get("dim", 0))  # CPU: no allocator statistics; analytic estimate (checkpointed bf16 inputs)
+    return {"m0_gib": TEXT_LEN * TEXT_DIM * 4 / GIB, "m1_gib_per_token": (num_layers + 6) * d * 2 * 3 / GIB,
+            "fit": {"note": "no device memory statistics on this device: analytic estimate"}}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
-
     if args.from_block_scaling:
-        src = Path(args.from_block_scaling)
-        data = json.loads(src.read_text())
-        out_dir = Path(args.out) if args.out else PROFILES_DIR
-        out_dir.mkdir(parents=True, exist_ok=True)
-        for name in WAN_ARCH:
-            prof = profile_from_block_scaling(data, name, source="shared/data/h100_block_scaling.json")
-            Profile.from_dict(prof)
-            path = out_dir / f"{prof['name']}.json"
-            path.write_text(json.dumps(prof, indent=1) + "\n")
-            c = prof["compute"]
-            print(f"{path}: c0={c['c0_ms']:.3f} ms a={c['a_ms_per_token']:.4g} ms/tok "
-                  f"b={c['b_ms_per_token2']:.4g} ms/tok^2 fit max|err|={c['fit']['max_rel_err']:.1%}")
-        return 0
-
+        return _rebuild_from_block_scaling(args)
     if not args.out:
         ap.error("--out is required (path of the profile json to write)")
     import torch
@@ -500,25 +545,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not 1 <= k1 < k2:
         ap.error(f"--layers needs 1 <= k1 < k2, got {k1},{k2}")
     shapes = parse_lengths(args.lengths) if args.lengths else list(DEFAULT_CALIBRATION_SHAPES)
-    if args.batch_sizes:  # explicit: listed lengths get these sizes, the others B=1
-        batch_sizes = {sh.tokens: [1] for sh in shapes}
-        for part in args.batch_sizes.split(";"):
-            try:
-                s, bs = part.split(":")
-                batch_sizes[int(s)] = [int(b) for b in bs.split(",")]
-            except ValueError:
-                ap.error(f"--batch-sizes: '{part}' is not TOKENS:B1,B2 (e.g. '1560:1,12;4096:1,4')")
-    else:
-        batch_sizes = _batch_sizes(shapes, args.sp)
+    batch_sizes = _parse_batch_sizes(ap, args, shapes)
     overrides = {}
     for ov in args.override:
         k, _, v = ov.partition("=")
         overrides[k] = json.loads(v) if v[:1] in "0123456789-[{tf" else v
-    try:
-        from ds_adaptive.models.wan import get_wan_config
-    except ImportError as exc:
-        print(f"calibrate: cannot import the Wan model (ds_adaptive.models.wan): {exc}", file=sys.stderr)
-        return 2
+    from ds_adaptive.models.wan import count_parameters, get_wan_config
+
     full_cfg = _config_dict(get_wan_config(args.model, **overrides))
     num_layers = int(full_cfg["num_layers"])
     device = torch.device(args.device)
@@ -533,21 +566,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     comp_pts, mem_pts = full_model_points(rows, num_layers)
     compute = fit_compute(comp_pts, min_fit_tokens=args.min_fit_tokens if any(
         p["B"] * p["S"] >= args.min_fit_tokens for p in comp_pts) else 0)
-    if mem_pts:
-        memory = fit_memory(mem_pts)
-    else:  # CPU: no allocator statistics; analytic estimate (checkpointed bf16 block inputs)
-        d = int(full_cfg.get("dim", 0))
-        memory = {"m0_gib": TEXT_LEN * TEXT_DIM * 4 / GIB,
-                  "m1_gib_per_token": (num_layers + 6) * d * 2 * 3 / GIB,
-                  "fit": {"note": "no device memory statistics on this device: analytic estimate"}}
+    memory = _memory_entry(mem_pts, full_cfg, num_layers)
     dim = int(full_cfg.get("dim", 0))
     counts = wan_param_counts(dim=dim, ffn_dim=int(full_cfg.get("ffn_dim", 4 * dim)), num_layers=num_layers)
-    try:  # the model's own count when it has one (exact for this implementation)
-        from ds_adaptive.models.wan import count_parameters
-
-        counts["total"] = int(count_parameters(get_wan_config(args.model, **overrides)))
-    except ImportError:
-        pass
+    counts["total"] = int(count_parameters(get_wan_config(args.model, **overrides)))  # exact for this model
     heads = int(full_cfg.get("num_heads", 1))
     name = args.name or Path(args.out).stem
     prof = {
@@ -573,19 +595,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     Profile.from_dict(prof)  # validate before writing
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(prof, indent=1) + "\n")
-    print("\nfull-model fit  t = c0 + B*(a*S + b*S^2)  [ms]")
-    print(f"  c0 = {compute['c0_ms']:.4g} ms   a = {compute['a_ms_per_token']:.4g} ms/token   "
-          f"b = {compute['b_ms_per_token2']:.4g} ms/token^2")
-    print(f"  {'S':>7} {'B':>4} {'measured':>10} {'predicted':>10} {'rel err':>8}")
-    for r in compute["fit"]["points"]:
-        tag = "" if r["fit"] else "  (latency-bound, not fitted)"
-        print(f"  {r['S']:>7} {r['B']:>4} {r['measured_ms']:>10.2f} {r['predicted_ms']:>10.2f} "
-              f"{r['rel_err']:>+8.1%}{tag}")
-    print(f"  max |rel err| {compute['fit']['max_rel_err']:.1%}, mean {compute['fit']['mean_rel_err']:.1%}")
-    if "points" in memory.get("fit", {}):
-        print(f"memory fit  act/B = m0 + m1*S: m0 = {memory['m0_gib']:.4g} GiB, "
-              f"m1 = {memory['m1_gib_per_token'] * 1024 ** 2:.4g} KiB/token; max |rel err| "
-              f"{memory['fit']['max_rel_err']:.1%}, mean {memory['fit']['mean_rel_err']:.1%}")
+    _print_fit(compute, memory)
     print(f"wrote {args.out} ({prof['wall_s']} s)")
     return 0
 

@@ -42,10 +42,7 @@ def collect(load: bool = False) -> Dict[str, Any]:
 
     from ds_adaptive.ops.builder import LNModulateBuilder, parse_arch_list, gencode_flags
 
-    try:
-        from ds_adaptive.patches.deepspeed import is_registered, register_ops
-    except ImportError:  # source checkout without the package_dir mapping
-        from patches.deepspeed import is_registered, register_ops  # type: ignore
+    from ds_adaptive.ops.registry import is_registered, register_ops
     register_ops()
     from deepspeed.accelerator import get_accelerator
     from deepspeed.ops.op_builder.all_ops import ALL_OPS
