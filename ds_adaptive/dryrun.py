@@ -299,7 +299,7 @@ def run_checks(args: argparse.Namespace, extra: list[str]) -> tuple[Report, Opti
         _check_batch_keys(rep, raw, sp, dp)
 
     if adaptive is not None and wcfg is not None and sp is not None and dp is not None and heads_ok:
-        run = _build_dry_run(rep, args, Layout.for_world(sp * dp, sp))
+        run = _build_dry_run(rep, args, Layout.for_world(sp * dp, sp), extra)
         if run is not None:
             _check_memory_and_budgets(rep, args, run, n_params)
 
@@ -307,9 +307,10 @@ def run_checks(args: argparse.Namespace, extra: list[str]) -> tuple[Report, Opti
     return rep, cmd
 
 
-def _build_dry_run(rep: Report, args: argparse.Namespace, layout):
+def _build_dry_run(rep: Report, args: argparse.Namespace, layout, extra: list[str]):
     """``build_run`` on the meta device with the planned layout: the trainer's own assembly (profile,
-    depth rescaling, budgets, sampler), without GPUs or a process group. None (and a failed check) on error."""
+    depth rescaling, budgets, sampler), without GPUs or a process group. None (and a failed check) on error.
+    Trainer flags after ``--`` that change the plan are honoured (``--grad-ckpt``)."""
     from ds_adaptive.balance.cost import ProfileError, load_profile
     from ds_adaptive.balance.planner import PlanError
     from ds_adaptive.config import ConfigError
@@ -319,7 +320,7 @@ def _build_dry_run(rep: Report, args: argparse.Namespace, layout):
 
     try:
         cfg = RunConfig.load(args.deepspeed_config, trainer={"model": args.model, "layers": args.layers,
-                                                             "sp": layout.sp_size},
+                                                             "sp": layout.sp_size, "grad_ckpt": "--grad-ckpt" in extra},
                              overrides={"sampler.shapes": args.shapes})
         if cfg.adaptive_load.sampler.profile is None:
             raise ValueError("adaptive_load.sampler.profile is null: the memory model needs a profile "

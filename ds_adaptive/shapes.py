@@ -13,7 +13,6 @@ the sequence is padded to a multiple of ``sp``.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -167,14 +166,11 @@ DEFAULT_SHAPES_FILE = Path(__file__).parent / "data" / "default_shapes.json"
 
 def load_shape_distribution(path: str | Path | None = None) -> list[ShapeWeight]:
     """Read a shape-distribution JSON file (default: the shipped mixed Wan fine-tuning mix)."""
+    from .jsonfile import read_json
+
     p = Path(path) if path is not None else DEFAULT_SHAPES_FILE
-    if not p.is_file():
-        raise FileNotFoundError(f"shape distribution file {p} does not exist; pass a JSON list of "
-                                '{"frames", "height", "width", "weight"} objects')
-    try:
-        data = json.loads(p.read_text())
-    except json.JSONDecodeError as exc:
-        raise ShapeError(f"{p} is not valid JSON: {exc}") from exc
+    data = read_json(p, missing=f"shape distribution file {p} does not exist; pass a JSON list of "
+                                '{"frames", "height", "width", "weight"} objects', invalid_error=ShapeError)
     if isinstance(data, dict) and "shapes" in data:
         data = data["shapes"]
     return parse_shape_distribution(data, source=str(p))

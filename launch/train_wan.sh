@@ -92,6 +92,7 @@ if [[ "${DRY_RUN:-0}" == 1 ]]; then
   else
     DRY+=(--num-gpus "$NUM_GPUS")
   fi
+  [[ "$GRAD_CKPT" == 1 ]] && DRY+=(-- --grad-ckpt)
   "${DRY[@]}" >&2
   exit $?
 fi

@@ -5,7 +5,6 @@ profile it plans with (ds_adaptive.balance.cost.Profile.with_num_layers), the GP
 aggregation, and a real 2-arm run on 2 CPU processes."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -20,19 +19,11 @@ import torch
 from ds_adaptive.balance.cost import load_profile
 from ds_adaptive.metrics import WAIT_POINTS, ComputeTimer, StepMetrics
 from ds_adaptive.config import MetricsConfig
+from ds_adaptive import e2e
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _load_e2e():
-    spec = importlib.util.spec_from_file_location("bench_e2e", ROOT / "bench" / "e2e.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_e2e"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-e2e = _load_e2e()
 
 
 # ----------------------------------------------------------------------------------- ComputeTimer
@@ -152,6 +143,7 @@ TIMER_RUN = textwrap.dedent("""
     import json, sys, time
     import torch, deepspeed
     from ds_adaptive.config import MetricsConfig
+from ds_adaptive import e2e
     from ds_adaptive.metrics import StepMetrics
     from ds_adaptive.models.wan import WanModel, get_wan_config
     from ds_adaptive.train import flow_matching_losses, init_distributed
@@ -233,9 +225,10 @@ def test_gpu_defaults_fit_the_time_budget(tmp_path):
     <= 300 s and give every arm >= warm-up + 8 optimizer steps, all samples planned or counted."""
     for gpus in (4, 2):
         out = tmp_path / f"g{gpus}"
-        rc = e2e.main(["--plan-only", "--device", "cuda", "--num-gpus", str(gpus), "--out", str(out),
-                       "--sim-worlds", ""])
-        assert rc == 0
+        r = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e.py"), "--plan-only", "--device", "cuda",
+                            "--num-gpus", str(gpus), "--out", str(out), "--sim-worlds", ""],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
         plan = json.loads((out / "e2e_plan.json").read_text())
         assert plan["predicted_total_s"] <= 300
         assert plan["settings"]["layers"] < 30 and plan["settings"]["model"] == "wan2.1-1.3b"

@@ -33,6 +33,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from ..jsonfile import read_json
 from ..shapes import LATENT_CHANNELS, MAX_TEXT_LEN, TEXT_DIM, SampleShape, ShapeError, validate_shape
 from .synthetic import DataError
 
@@ -138,13 +139,9 @@ def _read_index(root: Path) -> dict:
         raise DataError(f"dataset directory {root} does not exist (from --data); write one with "
                         f"'ds-adaptive synth --out {root} --num-samples N' or pass --data synthetic")
     path = root / INDEX_FILE
-    if not path.is_file():
-        raise DataError(f"{path} does not exist: {root} is not a ds_adaptive latent dataset (or its writer "
-                        "did not finish; the index is written last)")
-    try:
-        index = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise DataError(f"{path} is not valid JSON ({exc}); rewrite the dataset") from exc
+    index = read_json(path, missing=f"{path} does not exist: {root} is not a ds_adaptive latent dataset (or its "
+                                    "writer did not finish; the index is written last)",
+                      missing_error=DataError, invalid_error=DataError, fix="; rewrite the dataset")
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         raise DataError(f"{path}: 'format' must be {FORMAT!r}, got "
                         f"{index.get('format') if isinstance(index, dict) else type(index).__name__!r}")
