@@ -57,7 +57,7 @@ from ds_adaptive.balance.sampler import build_batch_sampler  # noqa: E402
 from ds_adaptive.layout import Layout  # noqa: E402
 from ds_adaptive.shapes import load_shape_distribution  # noqa: E402
 from ds_adaptive.e2e import (ARMS, BASE_PROFILE, FORMAT, SIM_WORLDS, Arm, aggregate_arm,  # noqa: E402,F401
-                             compact_record, plan_table, plan_tokens_per_s, ratios, table)
+                             compact_record, fmt, plan_table, plan_tokens_per_s, ratios, table)
 
 
 # Run order: the headline pair first, then the single-component arms (a deadline cuts from the end).
@@ -480,7 +480,7 @@ def plot(report: dict, path: Path) -> Optional[str]:
         p = a["predicted"]
         a4.scatter(np.array(p["micro_max_ms"]) / 1e3, np.array(p["measured_micro_max_ms"]) / 1e3, s=12,
                    color=colors.get(n),
-                   label=f"{n} (r={_fmt(p['pearson_step_max'], '.3f')})")
+                   label=f"{n} (r={fmt(p['pearson_step_max'], '.3f')})")
     a4.set(xlabel="predicted slowest-rank cost [s] (profile)", ylabel="measured slowest-rank compute [s]",
            title="Cost model vs measurement, per micro-step")
     a4.legend(fontsize=8)

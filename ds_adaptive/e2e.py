@@ -201,7 +201,8 @@ def ratios(arms: dict, base: str = "baseline") -> dict:
 
 
 
-def _fmt(x, spec=".3f", pct=False) -> str:
+def fmt(x, spec=".3f", pct=False) -> str:
+    """A table cell: ``-`` for None/NaN, a percentage with ``pct``."""
     if x is None or (isinstance(x, float) and not math.isfinite(x)):
         return "-"
     return f"{100 * x:.1f}%" if pct else format(x, spec)
@@ -229,33 +230,33 @@ def table(report: dict) -> str:
         r = rat.get(name, {})
         lines.append(
             f"{name:<14}{a['steps']:>6}{str(a['samples_seen']) + '/' + str(a['tail_dropped'] + a['oversize']):>11}"
-            f"{a['tokens_per_s']:>11,.0f}{_fmt(r.get('tokens_per_s'), '.3f'):>8}{a['samples_per_s']:>8.2f}"
-            f"{_fmt(r.get('samples_per_s'), '.3f'):>8}{_fmt(a['cv_step'], pct=True):>9}"
-            f"{_fmt(a['cv_step_wall'], pct=True):>8}{_fmt(a['compute_cv_pred'], pct=True):>9}"
-            f"{_fmt(a['idle_frac'], pct=True):>7}{max(a['peak_mem_gib_per_rank']):>9.2f}"
-            f"{_fmt(a['mem_efficiency'], pct=True):>8}{a['loss_last20']:>8.4f}"
-            f"{_fmt(r.get('loss_last20_rel_diff'), pct=True):>7}{_fmt(a.get('eval_loss'), '.4f'):>8}"
-            f"{_fmt(r.get('eval_loss_rel_diff'), pct=True):>7}")
+            f"{a['tokens_per_s']:>11,.0f}{fmt(r.get('tokens_per_s'), '.3f'):>8}{a['samples_per_s']:>8.2f}"
+            f"{fmt(r.get('samples_per_s'), '.3f'):>8}{fmt(a['cv_step'], pct=True):>9}"
+            f"{fmt(a['cv_step_wall'], pct=True):>8}{fmt(a['compute_cv_pred'], pct=True):>9}"
+            f"{fmt(a['idle_frac'], pct=True):>7}{max(a['peak_mem_gib_per_rank']):>9.2f}"
+            f"{fmt(a['mem_efficiency'], pct=True):>8}{a['loss_last20']:>8.4f}"
+            f"{fmt(r.get('loss_last20_rel_diff'), pct=True):>7}{fmt(a.get('eval_loss'), '.4f'):>8}"
+            f"{fmt(r.get('eval_loss_rel_diff'), pct=True):>7}")
     sim = report.get("simulator", {})
     same = sim.get("same_run")
     if same:
         lines.append("")
         lines.append(f"Simulator vs measurement ({st['num_gpus']} GPUs, same samples and budgets): predicted "
                      f"tokens/s dual/tokens {same['predicted_ratio_dual_over_tokens']:.3f}x, predicted CV tokens "
-                     f"{_fmt(same['predicted_cv']['tokens'], pct=True)} dual "
-                     f"{_fmt(same['predicted_cv']['dual'], pct=True)}")
+                     f"{fmt(same['predicted_cv']['tokens'], pct=True)} dual "
+                     f"{fmt(same['predicted_cv']['dual'], pct=True)}")
         for label, m in same.get("measured", {}).items():
             lines.append(f"  measured ({label}): dual/tokens {m['ratio_dual_over_tokens']:.3f}x, CV_step tokens "
-                         f"{_fmt(m['cv_step']['tokens'], pct=True)} dual {_fmt(m['cv_step']['dual'], pct=True)} "
-                         f"(wall-clock {_fmt(m['cv_step_wall']['tokens'], pct=True)} / "
-                         f"{_fmt(m['cv_step_wall']['dual'], pct=True)})")
+                         f"{fmt(m['cv_step']['tokens'], pct=True)} dual {fmt(m['cv_step']['dual'], pct=True)} "
+                         f"(wall-clock {fmt(m['cv_step_wall']['tokens'], pct=True)} / "
+                         f"{fmt(m['cv_step_wall']['dual'], pct=True)})")
     for name, a in arms.items():
         if a.get("ok"):
             p = a["predicted"]
             lines.append(f"  {name:<13} measured/predicted step time "
-                         f"{_fmt(p['measured_over_predicted_step_time'], '.2f')}, "
-                         f"Pearson r (batch cost vs rank compute) {_fmt(p['pearson_batch_cost_vs_compute'], '.3f')}, "
-                         f"(step max) {_fmt(p['pearson_step_max'], '.3f')}; process {a['process_wall_s']:.0f} s = "
+                         f"{fmt(p['measured_over_predicted_step_time'], '.2f')}, "
+                         f"Pearson r (batch cost vs rank compute) {fmt(p['pearson_batch_cost_vs_compute'], '.3f')}, "
+                         f"(step max) {fmt(p['pearson_step_max'], '.3f')}; process {a['process_wall_s']:.0f} s = "
                          f"steps {a['train_wall_s']:.0f} s + eval {a['eval_s']:.0f} s + start-up/shutdown "
                          f"{a['startup_shutdown_s']:.0f} s")
     if sim.get("scale"):
@@ -264,13 +265,13 @@ def table(report: dict) -> str:
         lines.append(f"{'GPUs':>6}{'dual/tokens':>13}{'CV tokens':>11}{'CV dual':>9}{'idle tokens':>13}"
                      f"{'idle dual':>11}")
         lines.append(f"{str(st['num_gpus']) + '*':>6}"
-                     f"{_fmt(same and same['predicted_ratio_dual_over_tokens'], '.3f'):>13}"
-                     f"{_fmt(same and same['predicted_cv']['tokens'], pct=True):>11}"
-                     f"{_fmt(same and same['predicted_cv']['dual'], pct=True):>9}{'':>13}{'':>11}")
+                     f"{fmt(same and same['predicted_ratio_dual_over_tokens'], '.3f'):>13}"
+                     f"{fmt(same and same['predicted_cv']['tokens'], pct=True):>11}"
+                     f"{fmt(same and same['predicted_cv']['dual'], pct=True):>9}{'':>13}{'':>11}")
         for world, v in sim["scale"].items():
-            lines.append(f"{world:>6}{v['ratio_dual_over_tokens']:>13.3f}{_fmt(v['cv']['tokens'], pct=True):>11}"
-                         f"{_fmt(v['cv']['dual'], pct=True):>9}{_fmt(v['idle']['tokens'], pct=True):>13}"
-                         f"{_fmt(v['idle']['dual'], pct=True):>11}")
+            lines.append(f"{world:>6}{v['ratio_dual_over_tokens']:>13.3f}{fmt(v['cv']['tokens'], pct=True):>11}"
+                         f"{fmt(v['cv']['dual'], pct=True):>9}{fmt(v['idle']['tokens'], pct=True):>13}"
+                         f"{fmt(v['idle']['dual'], pct=True):>11}")
         lines.append("  (* the measured run's own plans)")
     return "\n".join(lines)
 
@@ -290,7 +291,7 @@ def plan_table(report: dict) -> str:
         t = report["predicted_time"][name]
         lines.append(f"{name:<14}{p['mode']:>8}{p['gas']:>4}{p['steps']:>6}{p['micro_steps']:>6}{p['samples']:>8}"
                      f"{p['tail_dropped'] + p['oversize']:>8}{p['max_batch']:>6}{t['compute_s']:>10.1f}"
-                     f"{t['eval_s']:>8.1f}{t['total_s']:>9.1f}{_fmt(float(np.mean(p['predicted_cv'])), pct=True):>9}")
+                     f"{t['eval_s']:>8.1f}{t['total_s']:>9.1f}{fmt(float(np.mean(p['predicted_cv'])), pct=True):>9}")
     tot = report["predicted_total_s"]
     verdict = "within" if tot <= st["budget_s"] else "OVER"
     lines.append(f"predicted total for {len(report['plans'])} arm(s): {tot:.0f} s ({verdict} the "

@@ -143,7 +143,6 @@ TIMER_RUN = textwrap.dedent("""
     import json, sys, time
     import torch, deepspeed
     from ds_adaptive.config import MetricsConfig
-from ds_adaptive import e2e
     from ds_adaptive.metrics import StepMetrics
     from ds_adaptive.models.wan import WanModel, get_wan_config
     from ds_adaptive.train import flow_matching_losses, init_distributed
