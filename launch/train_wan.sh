@@ -21,6 +21,11 @@
 #               memory profiles assume it; 0 on CPU)
 #   PYTHON      python interpreter (default: python)
 #   DRY_RUN=1   print the deepspeed command instead of running it
+#   STOP_TIMEOUT  seconds a run may take to stop after SIGTERM/SIGINT before it is killed
+#               (default 0: wait; a second signal kills at once)
+#
+# Signals: SIGTERM/SIGINT/SIGHUP to this script reach every rank (not only DeepSpeed's launcher);
+# SIGKILL of it kills the whole run (no orphan ranks). See ds_adaptive/supervise.py.
 # Extra arguments go to the trainer (ds-adaptive train --help lists them).
 set -euo pipefail
 
@@ -95,4 +100,7 @@ if [[ "${DRY_RUN:-0}" == 1 ]]; then
   "${DRY[@]}" >&2
   exit $?
 fi
-exec "${CMD[@]}"
+# The supervisor forwards SIGTERM/SIGINT to every rank and leaves no orphan process behind, even
+# when it is SIGKILLed itself (ds_adaptive/supervise.py). STOP_TIMEOUT=S kills a run that has not
+# stopped S seconds after the first signal (default: wait; a second signal kills at once).
+exec "$PY" "$HERE/../ds_adaptive/supervise.py" -- "${CMD[@]}"
