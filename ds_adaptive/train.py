@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import (AdaptiveLoadConfig, ConfigError, load_adaptive_config, prepare_ds_config,
-                     read_ds_config)
+                     read_ds_config, require_block)
 from .data import DataError, build_dataset, collate_latents
 from .metrics import StepMetrics, format_summary
 from .shapes import MAX_TEXT_LEN, ShapeError
@@ -334,6 +334,8 @@ def train(args: argparse.Namespace) -> dict:
         raise UsageError(f"--eval-samples {args.eval_samples}: held-out evaluation needs a count >= 0 and "
                          "--data synthetic (the held-out set is drawn from its shape mix)")
     cfg = load_adaptive_config(args.deepspeed_config)
+    require_block(args.deepspeed_config, [f"--{'' if args.fused_ln_modulate else 'no-'}fused-ln-modulate"]
+                  if args.fused_ln_modulate is not None else [])
     if args.fused_ln_modulate is not None:
         cfg.fused_ln_modulate = args.fused_ln_modulate
     raw = read_ds_config(args.deepspeed_config)
