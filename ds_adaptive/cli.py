@@ -15,6 +15,7 @@ COMMANDS = {
     "report": ("ds_adaptive.ops.report", "status of the fused op: DeepSpeed registry, compatibility, build"),
     "config": ("ds_adaptive.config", "print the adaptive_load reference table, or --check a ds_config's block"),
     "dry-run": ("ds_adaptive.dryrun", "validate a ds_config + topology without GPUs and print the deepspeed command"),
+    "export": ("ds_adaptive.export", "a trained checkpoint (ZeRO shards consolidated) -> diffusers-format transformer"),
 }
 
 
