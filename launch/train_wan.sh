@@ -13,7 +13,8 @@
 #   NUM_PROCS   processes of the CPU run (default 2)
 #   HOSTFILE    DeepSpeed hostfile for multi-node runs (see launch/hostfile.example);
 #               MASTER_ADDR / MASTER_PORT pick the rendezvous (default: the first host, 29500)
-#   DS_CONFIG   ds_config json (default: zero3_adaptive.json on GPU, cpu_tiny.json on CPU)
+#   DS_CONFIG   ds_config json (default: zero3_adaptive.json on GPU, zero3_adaptive_14b.json for
+#               MODEL=wan2.1-14b, cpu_tiny.json on CPU)
 #   MODEL       tiny | wan2.1-1.3b | wan2.1-14b (default: wan2.1-1.3b on GPU, tiny on CPU)
 #   STEPS       optimizer steps (default: 50 on GPU, 20 on CPU)
 #   SP          Ulysses sequence-parallel degree (default 1)
@@ -55,8 +56,12 @@ if [[ "$NUM_GPUS" == 0 ]]; then
   LAUNCH+=(--num_gpus "$NPROC")
   WHERE="$NPROC CPU process(es)"
 else
-  DS_CONFIG="${DS_CONFIG:-$HERE/configs/zero3_adaptive.json}"
   MODEL="${MODEL:-wan2.1-1.3b}"
+  if [[ "$MODEL" == wan2.1-14b ]]; then  # the 14B config plans with the 14B calibration
+    DS_CONFIG="${DS_CONFIG:-$HERE/configs/zero3_adaptive_14b.json}"
+  else
+    DS_CONFIG="${DS_CONFIG:-$HERE/configs/zero3_adaptive.json}"
+  fi
   STEPS="${STEPS:-50}"
   GRAD_CKPT="${GRAD_CKPT:-1}"
   if [[ -n "${HOSTFILE:-}" ]]; then
