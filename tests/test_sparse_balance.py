@@ -262,3 +262,29 @@ def test_update_densities_at_the_epoch_boundary_and_resume_keeps_pending():
     with pytest.raises(ValueError, match="needs a sampler planned with a sparse-attention cost"):
         dense[0].update_densities(d1)
     assert "sparse" not in dense[0].state_dict(0)                               # dense state format unchanged
+
+
+# ------------------------------------------------------------------------------ calibrate --sparse masks
+@pytest.mark.parametrize("seq_len", [300, 384, 1000])
+def test_block_mask_selects_the_requested_key_blocks(seq_len):
+    from ds_adaptive.balance.calibrate_sparse import block_mask_dense, make_block_mask, select_kv_blocks
+
+    dens = [0.02, 0.34, 0.67, 1.0]
+    nb = -(-seq_len // 128)
+    num, idx = select_kv_blocks(dens, seq_len, seed=3)
+    assert num[0, :, 0].tolist() == [max(1, min(nb, round(r * nb))) for r in dens]
+    for h in range(len(dens)):                            # distinct, ascending, in range
+        for qb in range(nb):
+            row = idx[0, h, qb, :num[0, h, qb]].tolist()
+            assert row == sorted(set(row)) and all(0 <= x < nb for x in row)
+    mask = make_block_mask(dens, seq_len, seed=3)
+    assert int(mask.kv_num_blocks.sum()) == 0              # every selected block is a full block
+    ref = block_mask_dense(dens, seq_len, seed=3)
+    assert ref.shape == (len(dens), seq_len, seq_len)
+    assert torch_equal_blocks(mask.to_dense()[0], ref[:, ::128, ::128])
+    assert not torch_equal_blocks(make_block_mask(dens, seq_len, seed=4).to_dense()[0], ref[:, ::128, ::128]) \
+        or nb <= 3
+
+
+def torch_equal_blocks(a, b):
+    return bool((a.bool() == b.bool()).all())
