@@ -288,3 +288,22 @@ def test_block_mask_selects_the_requested_key_blocks(seq_len):
 
 def torch_equal_blocks(a, b):
     return bool((a.bool() == b.bool()).all())
+
+
+# ------------------------------------------------------------------------------ simulate --sparse
+def test_simulate_sparse_cli_and_arms(tmp_path, capsys):
+    from ds_adaptive.balance.simulate import main as simulate_main
+    from ds_adaptive.balance.simulate_sparse import simulate_sparse
+
+    r = simulate_sparse(world=8, sp=2, steps=8, seed=1)
+    s = r["samplers"]
+    assert set(s) == {"dense_cost", "sparse", "sparse_identity", "tokens", "dense_attention"}
+    assert s["sparse"]["compute_cv_mean"] < s["dense_cost"]["compute_cv_mean"]        # sparse cost balances better
+    assert r["rho_eff"]["balanced"]["75600"] <= r["rho_eff"]["identity"]["75600"]
+    assert s["dense_attention"]["timed_with"] == "dense" and s["sparse_identity"]["timed_with"] == "identity"
+    dm = synthetic_densities(30, 12, seed=9)
+    dm.save(tmp_path / "d.json")
+    assert simulate_main(["--world", "4", "--sp", "1", "--steps", "3", "--sparse", str(tmp_path / "d.json"),
+                          "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "sparse_identity" not in out["samplers"] and out["densities"]["source"].startswith("synthetic(")
