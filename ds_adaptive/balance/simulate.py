@@ -95,6 +95,19 @@ def _expected_batch(cost: CostModel, dist: Sequence[ShapeWeight], budgets: dict)
     return 1.0 / inv
 
 
+def simulated_dataset(cost: CostModel, dist: Sequence[ShapeWeight], cfg: SamplerConfig, *, dp: int, steps: int,
+                      seed: int, micro_steps_per_step: int, gpu_mem_gib: Optional[float]):
+    """``(budgets, n, shapes)``: the ``dual`` budgets under ``cost`` and ``n`` samples drawn from ``dist``,
+    enough for ``steps`` steps of the hungriest sampler plus one planning window."""
+    uniq = [d.shape for d in dist]
+    budgets = resolve_budgets(mode="dual", cost=cost, shapes=uniq, m_mem=cfg.m_mem, m_comp=cfg.m_comp,
+                              max_tokens=cfg.max_tokens, gpu_mem_gib=gpu_mem_gib,
+                              mem_utilization=cfg.mem_utilization, zero_stage=cfg.zero_stage, dp_size=dp)
+    per_step = dp * micro_steps_per_step * _expected_batch(cost, dist, budgets)
+    n = int(math.ceil(per_step * steps * 1.3)) + cfg.window * dp
+    return budgets, n, draw_shapes(dist, n, seed)
+
+
 def simulate(*, world: int, sp: int = 1, steps: int = 50, seed: int = 0,
              dist: Optional[Sequence[ShapeWeight]] = None, profile: str = "h100-wan2.1-1.3b",
              sampler_cfg: Optional[SamplerConfig] = None, micro_steps_per_step: int = 1,
@@ -115,14 +128,8 @@ def simulate(*, world: int, sp: int = 1, steps: int = 50, seed: int = 0,
     prof = prof.with_num_layers(num_layers) if num_layers is not None else prof
     cost = CostModel(prof, cfg.cost_model, p=cfg.p, sp=sp)
     truth = CostModel(cost.profile, "calibrated", sp=sp)   # what the GPUs would take (ms)
-    uniq = [d.shape for d in dist]
-    budgets = resolve_budgets(mode="dual", cost=cost, shapes=uniq, m_mem=cfg.m_mem, m_comp=cfg.m_comp,
-                              max_tokens=cfg.max_tokens, gpu_mem_gib=gpu_mem_gib,
-                              mem_utilization=cfg.mem_utilization, zero_stage=cfg.zero_stage, dp_size=dp)
-    # Enough samples for `steps` steps of the hungriest sampler, plus one planning window.
-    per_step = dp * micro_steps_per_step * _expected_batch(cost, dist, budgets)
-    n = int(math.ceil(per_step * steps * 1.3)) + cfg.window * dp
-    shapes = draw_shapes(dist, n, seed)
+    budgets, n, shapes = simulated_dataset(cost, dist, cfg, dp=dp, steps=steps, seed=seed,
+                                           micro_steps_per_step=micro_steps_per_step, gpu_mem_gib=gpu_mem_gib)
     out = {"world": world, "sp": sp, "dp": dp, "micro_steps_per_step": micro_steps_per_step,
            "steps": steps, "seed": seed, "profile": cost.profile.name, "layers": cost.profile.num_layers,
            "cost_model": cost.mode,

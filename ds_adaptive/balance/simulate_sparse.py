@@ -21,14 +21,12 @@ dense-cost planner balances) and ``tokens_per_s_sparse_over_dense_cost`` (predic
 """
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Optional, Sequence
 
 from ds_adaptive.balance.cost import CostModel, load_profile
-from ds_adaptive.balance.planner import resolve_budgets
 from ds_adaptive.balance.sampler import Topology, build_batch_sampler
-from ds_adaptive.balance.simulate import _expected_batch, draw_shapes, score_plan
+from ds_adaptive.balance.simulate import score_plan, simulated_dataset
 from ds_adaptive.balance.sparse import (DensityMap, KernelEfficiency, SparseAttentionCost, load_densities,
                                         synthetic_densities)
 from ds_adaptive.config import SamplerConfig
@@ -67,15 +65,9 @@ def simulate_sparse(*, world: int, sp: int = 1, steps: int = 50, seed: int = 0,
     sparse_id = SparseAttentionCost(dm, efficiency=eff, head_placement="identity")
     truth = {"balanced": CostModel(prof, sp=sp, sparse=sparse_bal), "identity": CostModel(prof, sp=sp, sparse=sparse_id),
              "dense": CostModel(prof, sp=sp)}
-    dense = truth["dense"]
-    uniq = [d.shape for d in dist]
-    budgets = resolve_budgets(mode="dual", cost=dense, shapes=uniq, m_mem=cfg.m_mem, m_comp=cfg.m_comp,
-                              max_tokens=cfg.max_tokens, gpu_mem_gib=gpu_mem_gib,
-                              mem_utilization=cfg.mem_utilization, zero_stage=cfg.zero_stage, dp_size=dp)
-    # Enough samples for `steps` steps of the hungriest arm (sparse batches are larger), plus a window.
-    per_step = dp * micro_steps_per_step * _expected_batch(dense, dist, budgets)
-    n = int(math.ceil(per_step * steps * 1.3)) + cfg.window * dp
-    shapes = draw_shapes(dist, n, seed)
+    # the dense budgets for every arm (sparse batches are larger: the dense-cost dataset is the hungriest)
+    _, n, shapes = simulated_dataset(truth["dense"], dist, cfg, dp=dp, steps=steps, seed=seed,
+                                     micro_steps_per_step=micro_steps_per_step, gpu_mem_gib=gpu_mem_gib)
     arms = [a for a in arms if sp > 1 or a != "sparse_identity"]
     spec = {"dense_cost": ("dual", None, "balanced"), "sparse": ("dual", sparse_bal, "balanced"),
             "sparse_identity": ("dual", sparse_id, "identity"), "tokens": ("tokens", None, "balanced"),
