@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, launch_ranks
+from conftest import launch_script
 from ds_adaptive.balance.heads import HeadPlacement, PlacementError
 from ds_adaptive.models.testing import random_init_
 from ds_adaptive.models.wan import WanModel, get_wan_config, sdpa_attention
@@ -151,8 +151,5 @@ SCRIPT = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_sp2_with_head_placement_equals_sp1(tmp_path: Path) -> None:
-    script = tmp_path / "head_placement_sp2.py"
-    script.write_text(SCRIPT)
-    env = {"PYTHONPATH": str(ROOT)}
-    out = launch_ranks([str(script)], 2, cwd=tmp_path, timeout=240, env=env)[0].stdout
+    out = launch_script(SCRIPT, 2, tmp_path, name="head_placement_sp2.py")
     assert "HEAD_PLACEMENT_SP2_OK" in out and out.count(" ok") == 6, out[-4000:]
