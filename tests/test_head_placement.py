@@ -70,6 +70,35 @@ def test_apply_and_remove_on_the_model():
         apply_head_placement(model, HeadPlacement(sp=2, perms=(None,) * 3), sp)
 
 
+def test_update_sparse_balance_feeds_sampler_and_model():
+    import warnings
+
+    from ds_adaptive.balance.sampler import Topology, build_batch_sampler
+    from ds_adaptive.balance.sparse import DensityMap, SparseAttentionCost, synthetic_densities
+    from ds_adaptive.config import SamplerConfig
+    from ds_adaptive.shapes import load_shape_distribution
+    from ds_adaptive.parallel.head_placement import update_sparse_balance
+
+    model = random_init_(WanModel(get_wan_config("tiny", num_heads=4)), seed=1)
+    sp = SequenceParallel(sp_size=2, sp_rank=1, dp_size=1, dp_rank=0)
+    dm = DensityMap(((0.5, 0.4, 0.05, 0.02), (0.6, 0.5, 0.03, 0.04)))
+    pl = update_sparse_balance(dm, model=model, sp=sp)
+    assert pl is not None and current_placement(model) is pl and model.blocks[0].attn_fn.perm == pl.perms[0]
+    assert update_sparse_balance(dm, model=model, sp=sp, enabled=False) is None
+    assert all(b.attn_fn is model.attention_fn for b in model.blocks)
+    with pytest.raises(ValueError, match="needs sp"):
+        update_sparse_balance(dm, model=model)
+    shapes = [d.shape for d in load_shape_distribution()] * 20
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sampler = build_batch_sampler(SamplerConfig(window=16), shapes, Topology(0, 2), micro_steps_per_step=1,
+                                      sparse=SparseAttentionCost(synthetic_densities(30, 12, seed=0)))
+    new = synthetic_densities(30, 12, seed=1)
+    assert update_sparse_balance(new, sampler=sampler, measured_at=100) is None
+    sampler.set_epoch(1)
+    assert sampler.cost.sparse.densities == new and sampler.density_updates[-1]["measured_at"] == 100
+
+
 SCRIPT = textwrap.dedent("""
     import copy, warnings
     import torch, torch.distributed as dist, deepspeed

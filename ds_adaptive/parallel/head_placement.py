@@ -21,6 +21,10 @@ DistributedAttention's kwargs).
     apply_head_placement(model, placement, sp)      # per block; re-call when the densities change
     remove_head_placement(model)                    # back to the model's attention fn
 
+When the sparse-attention profiler publishes new densities (the same table on every rank),
+:func:`update_sparse_balance` does both halves at once: the sampler re-plans with the sparse cost
+(``update_densities``) and the model's head placement is re-planned and re-applied.
+
 With sparse attention off, pass ``placement=None`` (or an identity placement): blocks run the
 model's attention fn unwrapped.
 """
@@ -32,7 +36,8 @@ import torch
 
 from ds_adaptive.balance.heads import HeadPlacement, check_placement, inverse_permutation, rank_heads
 
-__all__ = ["permute_heads", "place_heads", "apply_head_placement", "remove_head_placement", "current_placement"]
+__all__ = ["permute_heads", "place_heads", "apply_head_placement", "remove_head_placement", "current_placement",
+           "update_sparse_balance"]
 
 _PLACEMENT_ATTR = "_ds_adaptive_head_placement"
 
@@ -113,3 +118,31 @@ def remove_head_placement(model) -> None:
 def current_placement(model) -> Optional[HeadPlacement]:
     """The placement :func:`apply_head_placement` installed (None: none)."""
     return getattr(model, _PLACEMENT_ATTR, None)
+
+
+def update_sparse_balance(densities, *, model=None, sp=None, sampler=None, at_step: Optional[int] = None,
+                          measured_at: Optional[int] = None, enabled: bool = True,
+                          head_ids_kwarg: Optional[str] = None) -> Optional[HeadPlacement]:
+    """Hand new per-layer x head densities (``DensityMap`` / dict / json / metrics.jsonl path) to both
+    balancers: ``sampler.update_densities(densities, at_step, measured_at=...)`` (if a sampler is given:
+    next epoch boundary, or the re-plan point ``at_step``) and, if ``model`` and ``sp`` are given, a new
+    density-balanced head placement applied to the model now (``enabled=False``: sparse attention is
+    off, every block back to the plain attention). Call on every rank with the same densities.
+    Returns the placement applied (None when none)."""
+    from ds_adaptive.balance.heads import plan_head_placement
+    from ds_adaptive.balance.sparse import load_densities
+
+    dm = load_densities(densities)
+    if sampler is not None:
+        sampler.update_densities(dm, at_step, measured_at=measured_at)
+    if model is None:
+        return None
+    if sp is None:
+        raise ValueError("update_sparse_balance(model=...) needs sp (the SequenceParallel of the model's group)")
+    placement = None
+    if enabled and sp.sp_size > 1:
+        dm = dm.with_num_layers(len(model.blocks)) if dm.num_layers > len(model.blocks) else dm
+        placement = plan_head_placement(dm.density, sp.sp_size, dense_layers=dm.dense_layers)
+        placement = None if placement.is_identity() else placement
+    apply_head_placement(model, placement, sp, head_ids_kwarg=head_ids_kwarg)
+    return placement
