@@ -24,8 +24,33 @@ from ds_adaptive.balance.heads import balance_heads, identity_placement, placeme
 from ds_adaptive.balance.sparse import load_densities, synthetic_densities
 
 
+def analyze(path: str) -> dict:
+    """CPU, from a results json: fit rank time = c + k * (summed density of the rank's heads) over every
+    (layer, placement, rank) and report the scatter of the measurements around it (the part of the
+    per-rank time that no placement by density can balance)."""
+    import numpy as np
+
+    d = json.load(open(path))
+    x, y = [], []
+    for layer in d["layers"]:
+        for name in ("identity", "balanced"):
+            perm, k = layer[name]["perm"], d["heads"] // d["sp"]
+            for r in range(d["sp"]):
+                x.append(sum(layer["density"][h] for h in perm[r * k:(r + 1) * k]))
+                y.append(layer[name]["rank_ms"][r])
+    a = np.c_[np.ones(len(x)), x]
+    coef = np.linalg.lstsq(a, np.array(y), rcond=None)[0]
+    rel = (a @ coef - np.array(y)) / np.array(y)
+    out = {"c_ms": float(coef[0]), "ms_per_density": float(coef[1]), "rel_rms": float(np.sqrt(np.mean(rel ** 2))),
+           "rel_max": float(np.abs(rel).max()), "points": len(y)}
+    print(f"rank ms = {out['c_ms']:.3f} + {out['ms_per_density']:.3f} x summed density over {out['points']} "
+          f"(layer, placement, rank) points: relative scatter rms {out['rel_rms']:.3f}, max {out['rel_max']:.3f}")
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--analyze", default=None, metavar="JSON", help="no GPU: fit and print the scatter of a results json")
     ap.add_argument("--densities", default="synthetic", help="density json / metrics.jsonl, or 'synthetic'")
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--heads", type=int, default=12)
@@ -36,6 +61,9 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=7)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.analyze:
+        analyze(args.analyze)
+        return 0
     import torch
 
     dm = (synthetic_densities(args.layers, args.heads, seed=args.seed) if args.densities == "synthetic"
