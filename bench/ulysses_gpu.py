@@ -255,7 +255,7 @@ def check_case(model, ref32, degrees, args, device, cfg, dtype) -> dict:
 
     from ds_adaptive.layout import Layout
     from ds_adaptive.objective import per_sample_mse
-    from ds_adaptive.parallel import apply_ulysses
+    from ds_adaptive.parallel import apply_ulysses, shard_plan
 
     lat, t, ctx, tgt, shape = make_inputs(cfg, parse_shape(args.check_shape), args.batch, args.text_len, device,
                                           dtype, args.seed + 1)
@@ -278,7 +278,7 @@ def check_case(model, ref32, degrees, args, device, cfg, dtype) -> dict:
         o_err = float((out.float() - out32.float()).abs().max())
         g_err = float((g - g32).norm() / g32.norm())
         row = {"sp": k, "out_max_abs_err_vs_fp32": o_err, "out_max_abs": float(out32.abs().max()),
-               "grad_rel_err_vs_fp32": g_err, "padded": apply_ulysses(model, sp).plan(shape.tokens).padded_len}
+               "grad_rel_err_vs_fp32": g_err, "padded": shard_plan(shape.tokens, sp).padded_len}
         if k == 1:
             base = row
         else:

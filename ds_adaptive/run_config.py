@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .config import AdaptiveLoadConfig, load_adaptive_config, read_ds_config
+from .config import AdaptiveLoadConfig, load_adaptive_config, read_ds_config, require_block
 
 __all__ = ["TrainerConfig", "RunConfig", "UsageError", "run_config_from_args", "resolve_relative"]
 
@@ -142,6 +142,9 @@ def run_config_from_args(args) -> RunConfig:
     if args.eval_samples and args.data != "synthetic":
         raise UsageError(f"--eval-samples {args.eval_samples}: held-out evaluation needs --data synthetic "
                          "(the held-out set is drawn from its shape mix)")
+    # adaptive-load-only flags without an adaptive_load block would silently change nothing
+    require_block(args.deepspeed_config, [f"--{'' if args.fused_ln_modulate else 'no-'}fused-ln-modulate"]
+                  if args.fused_ln_modulate is not None else [])
     cfg = RunConfig.load(args.deepspeed_config, trainer=trainer, overrides={
         "fused_ln_modulate": args.fused_ln_modulate, "metrics.log_dir": args.log_dir,
         "sampler.shapes": args.shapes})

@@ -88,18 +88,23 @@ def train(args: argparse.Namespace) -> dict:
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     from .balance.cost import ProfileError
-    from .balance.planner import PlanError
+    from .balance.planner import OversizeSampleError, PlanError
     from .balance.sampler import SamplerStateError
     from .layout import SequenceParallelError
     from .models.wan import WanConfigError
+    from .models.weights import WanWeightsError
 
     ok = False
     try:
         train(args)
         ok = True
     except (ConfigError, DataError, ShapeError, UsageError, FileNotFoundError, WanConfigError, PlanError,
-            ProfileError, SequenceParallelError, SamplerStateError) as exc:
-        print(f"ds-adaptive train: error: {exc}", file=sys.stderr)
+            ProfileError, SequenceParallelError, SamplerStateError, OversizeSampleError, WanWeightsError) as exc:
+        # These come from the config, the plan or the files, which every rank sees alike: one message
+        # (rank 0's), not one per rank; a DataError may be one rank's own sample, so every rank says it.
+        rank = int(os.environ.get("RANK", "0") or 0)
+        if rank == 0 or isinstance(exc, DataError):
+            print(f"ds-adaptive train: error: {exc}", file=sys.stderr, flush=True)
         return 2
     finally:
         shutdown_distributed(barrier=ok)

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from .data import DataError, build_dataset, collate_latents
 from .layout import Layout
 from .metrics import StepMetrics, format_summary
+from .ops.apply import ln_modulate_summary
 from .objective import EVAL_TIMESTEPS, eval_inputs, flow_matching_losses, mean_mse
 from .run import Run
 from .run_config import UsageError
@@ -339,6 +340,7 @@ class Trainer:
             self.metrics.close()
         summary = self.metrics.summary()
         summary["final_step"] = self.global_step
+        summary.update(ln_modulate_summary(self.run.cfg.adaptive_load.fused_ln_modulate))
         if o.eval_samples:
             summary.update(self.evaluate(o.eval_samples))
         if self.is_main:

@@ -26,3 +26,16 @@ def apply_ln_modulate(model, enabled: bool, *, load: bool = True):
         load_op(strict=False)
     model.set_ln_modulate(fn)
     return fn
+
+
+def ln_modulate_summary(requested: bool) -> dict:
+    """What the model's LayerNorm-modulate sites really ran (for the run summary): the fused op only when
+    it was asked for (adaptive_load.fused_ln_modulate) and every call took it; on the CPU, or when the op
+    could not load, it falls back to the torch reference and the summary says so."""
+    from .ln_modulate import call_counts
+
+    calls = call_counts() if requested else {"fused": 0, "reference": 0}
+    ran = ("fused op" if calls["fused"] and not calls["reference"] else
+           "fused op and torch reference" if calls["fused"] else "torch reference")
+    return {"fused_ln_modulate": ran == "fused op", "fused_ln_modulate_requested": requested,
+            "ln_modulate": ran, "ln_modulate_calls": calls}
