@@ -242,8 +242,8 @@ BwdOut ln_modulate_backward_cpu(const Tensor& dy, const Tensor& x, const Tensor&
     dscale = (dyf * ln).to(scale.scalar_type());
   }
   const auto f32 = x.options().dtype(at::kFloat);
-  Tensor dweight = weight.has_value() ? (dln * xhat).sum({0, 1}).to(weight->scalar_type()) : at::empty({0}, f32);
-  Tensor dbias = bias.has_value() ? dln.sum({0, 1}).to(bias->scalar_type()) : at::empty({0}, f32);
+  Tensor dweight = weight.has_value() ? (dln * xhat).sum(at::IntArrayRef{0, 1}).to(weight->scalar_type()) : at::empty({0}, f32);
+  Tensor dbias = bias.has_value() ? dln.sum(at::IntArrayRef{0, 1}).to(bias->scalar_type()) : at::empty({0}, f32);
   return {dx.to(x.scalar_type()), dshift, dscale, dweight, dbias};
 }
 
