@@ -84,6 +84,7 @@ do_probe() {  # kernel-configuration sweep with nvcc alone (no extension build):
   /tmp/lnm_probe "$OUT/probe.json"
 }
 do_train() {  # the default job's tokens/s with and without the fused op (TRAIN_STEPS steps each)
+  [ -d /tmp/site/bin ] && export PATH=/tmp/site/bin:$PATH  # the deepspeed launcher of the wheelhouse
   for mode in fused-ln-modulate no-fused-ln-modulate; do
     echo "== train --$mode"
     STEPS=${TRAIN_STEPS:-8} bash launch/train_wan.sh --$mode --log-dir "$OUT/train_$mode" 2>&1 \
