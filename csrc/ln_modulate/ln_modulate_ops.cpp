@@ -123,6 +123,9 @@ class LnModulateFunction : public torch::autograd::Function<LnModulateFunction> 
     ctx->save_for_backward({x, mean, rstd, scale, weight.value_or(Tensor()), bias.value_or(Tensor())});
     ctx->saved_data["shift_dtype"] = static_cast<int64_t>(shift.scalar_type());
     ctx->mark_non_differentiable({mean, rstd});
+    // mean / rstd never get a gradient: without this, autograd fills two [B, S] zero tensors for
+    // them before every backward (two allocations and two fill launches; seen in torch.profiler).
+    ctx->set_materialize_grads(false);
     return {y, mean, rstd};
   }
 
