@@ -9,7 +9,9 @@
 #   run(kind="nvidia-h100-x1", carry=[".whl"], timeout_s=600,
 #       command="GIT_COMMIT=<sha> BENCH_ARGS='--tune --no-block' PYTHONUNBUFFERED=1 bash bench/gpu_check.sh")
 #
-# Environment knobs: STEPS (space-separated subset of: env build tests bench; default all),
+# Environment knobs: STEPS (space-separated subset of: env build tests bench probe train; default
+# env build tests bench; probe = bench/ln_modulate_probe.cu kernel sweep, PROBE_CASES picks its cases;
+# train = the default job with and without the fused op, TRAIN_STEPS steps each),
 # BENCH_ARGS (extra args for bench/ln_modulate.py, e.g. "--quick --tune"; --tune also times both
 # kernel generations per case and prints the recommended DS_ADAPTIVE_LN_MODULATE_KERNELS),
 # TEST_ARGS (for pytest), PREBUILD=1 (also build the op through setup.py build_ext --inplace and
@@ -76,9 +78,22 @@ do_tests() {
 do_bench() {
   python3 bench/ln_modulate.py --out "$OUT/ln_modulate.json" ${BENCH_ARGS:-}
 }
-export -f do_env do_build do_tests do_bench
+do_probe() {  # kernel-configuration sweep with nvcc alone (no extension build): PROBE_CASES picks cases
+  nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icsrc/ln_modulate bench/ln_modulate_probe.cu \
+    -o /tmp/lnm_probe || return 1
+  /tmp/lnm_probe "$OUT/probe.json"
+}
+do_train() {  # the default job's tokens/s with and without the fused op (TRAIN_STEPS steps each)
+  [ -d /tmp/site/bin ] && export PATH=/tmp/site/bin:$PATH  # the deepspeed launcher of the wheelhouse
+  for mode in fused-ln-modulate no-fused-ln-modulate; do
+    echo "== train --$mode"
+    STEPS=${TRAIN_STEPS:-8} bash launch/train_wan.sh --$mode --log-dir "$OUT/train_$mode" 2>&1 \
+      | grep -E "tokens/s|tok/s|run summary|peak memory|loss  |Error|error" | tail -14
+  done
+}
+export -f do_env do_build do_tests do_bench do_probe do_train
 export OUT
-declare -A LIMIT=([env]=60 [build]=300 [tests]=240 [bench]=420)
+declare -A LIMIT=([env]=60 [build]=300 [tests]=240 [bench]=420 [probe]=240 [train]=400)
 
 for s in $STEPS; do
   run_step "$s" "${LIMIT[$s]:-300}" "do_$s" || true

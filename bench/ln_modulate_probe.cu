@@ -283,6 +283,69 @@ struct Variant {
   std::function<void(cudaStream_t)> fn;
 };
 
+// H200 tuning of the DiT widths (per-sample modulation, bf16 x, fp32 modulation): candidate
+// configurations per width, the first forward one also computes mean / rstd for the backward.
+// "8B" = 8-byte x accesses (VEC 4), needed where D / 8 is not a multiple of 32 (D = 1152).
+static bool width_variants(int D, const Buffers& b, std::vector<Variant>& fv, std::vector<Variant>& bv) {
+  switch (D) {
+    case 1152:
+      fv = {{"v1 8B 96x3", fwd_v1<3, 96, false, 4>(b, Grid::kPersistent)},
+            {"v1 8B 96x3 per-row", fwd_v1<3, 96, false, 4>(b, Grid::kPerRow)},
+            {"v1 8B 288x1", fwd_v1<1, 288, false, 4>(b, Grid::kPersistent)},
+            {"v1 8B 32x9", fwd_v1<9, 32, false, 4>(b, Grid::kPersistent)},
+            {"v1 4B 192x3", fwd_v1<3, 192, false, 2>(b, Grid::kPersistent)},
+            {"v1 4B 96x6", fwd_v1<6, 96, false, 2>(b, Grid::kPersistent)}};
+      bv = {{"v1 8B 96x3", bwd_v1<3, 96, false, false, 4>(b, Grid::kPersistent)},
+            {"v1 8B 288x1", bwd_v1<1, 288, false, false, 4>(b, Grid::kPersistent)},
+            {"v1 8B 32x9", bwd_v1<9, 32, false, false, 4>(b, Grid::kPersistent)},
+            {"v1 4B 192x3", bwd_v1<3, 192, false, false, 2>(b, Grid::kPersistent)}};
+      return true;
+    case 2304:
+      fv = {{"v1 96x3", fwd_v1<3, 96>(b, Grid::kPersistent)},
+            {"v1 96x3 per-row", fwd_v1<3, 96>(b, Grid::kPerRow)},
+            {"v1 288x1", fwd_v1<1, 288>(b, Grid::kPersistent)},
+            {"v1 8B 192x3", fwd_v1<3, 192, false, 4>(b, Grid::kPersistent)},
+            {"v2 96x3 s3", fwd_v2<3, 96, 3, 2>(b)},
+            {"v2 96x3 s4", fwd_v2<3, 96, 4, 2>(b)},
+            {"v2 288x1 s4", fwd_v2<1, 288, 4, 2>(b)}};
+      bv = {{"v1 96x3", bwd_v1<3, 96, false, false>(b, Grid::kPersistent)},
+            {"v1 288x1", bwd_v1<1, 288, false, false>(b, Grid::kPersistent)},
+            {"v2 96x3 s3", bwd_v2<3, 96, 3, false>(b)},
+            {"v2 288x1 s3", bwd_v2<1, 288, 3, false>(b)},
+            {"v2 96x3 s2", bwd_v2<3, 96, 2, false>(b)}};
+      return true;
+    case 3072:
+      fv = {{"v1 192x2 (shipped v1)", fwd_v1<2, 192>(b, Grid::kPersistent)},
+            {"v1 192x2 per-row", fwd_v1<2, 192>(b, Grid::kPerRow)},
+            {"v1 128x3", fwd_v1<3, 128>(b, Grid::kPersistent)},
+            {"v1 96x4", fwd_v1<4, 96>(b, Grid::kPersistent)},
+            {"v2 192x2 s4 (shipped v2)", fwd_v2<2, 192, 4, 2>(b)},
+            {"v2 128x3 s3", fwd_v2<3, 128, 3, 2>(b)},
+            {"v2 96x4 s3", fwd_v2<4, 96, 3, 2>(b)}};
+      bv = {{"v2 384x1 s3 (shipped v2)", bwd_v2<1, 384, 3, true>(b)},
+            {"v1 384x1 (shipped v1)", bwd_v1<1, 384, true>(b, Grid::kPersistent)},
+            {"v2 192x2 s3", bwd_v2<2, 192, 3, false>(b)},
+            {"v2 128x3 s3", bwd_v2<3, 128, 3, false>(b)},
+            {"v1 128x3", bwd_v1<3, 128, false, false>(b, Grid::kPersistent)}};
+      return true;
+    case 4096:
+      fv = {{"v1 128x4", fwd_v1<4, 128>(b, Grid::kPersistent)},
+            {"v1 128x4 per-row", fwd_v1<4, 128>(b, Grid::kPerRow)},
+            {"v1 256x2", fwd_v1<2, 256>(b, Grid::kPersistent)},
+            {"v2 128x4 s3", fwd_v2<4, 128, 3, 2>(b)},
+            {"v2 256x2 s3", fwd_v2<2, 256, 3, 2>(b)},
+            {"v2 128x4 s4", fwd_v2<4, 128, 4, 2>(b)}};
+      bv = {{"v1 128x4", bwd_v1<4, 128, false, false>(b, Grid::kPersistent)},
+            {"v1 256x2", bwd_v1<2, 256, false, false>(b, Grid::kPersistent)},
+            {"v2 256x2 s3", bwd_v2<2, 256, 3, false>(b)},
+            {"v2 128x4 s3", bwd_v2<4, 128, 3, false>(b)},
+            {"v2 512x1 s3", bwd_v2<1, 512, 3, false>(b)}};
+      return true;
+    default:
+      return false;
+  }
+}
+
 static FILE* g_json = nullptr;
 static bool g_once = false;  // argv[2] == "once": each variant launched once inside a profiler range (ncu)
 static bool g_first = true;
@@ -380,11 +443,20 @@ int main(int argc, char** argv) {
                             {"per-sample 1x32760x1536", 1, 32760, 1536, false},
                             {"per-sample 16x1560x1536", 16, 1560, 1536, false},
                             {"per-token 1x16384x5120", 1, 16384, 5120, true},
-                            {"per-sample 1x75600x5120", 1, 75600, 5120, false}};
+                            {"per-sample 1x75600x5120", 1, 75600, 5120, false},
+                            // H200 tuning of the DiT widths (issue 18): 5.. per-sample, B x S rows
+                            {"per-sample 8x4096x1152", 8, 4096, 1152, false},
+                            {"per-sample 4x1024x2304", 4, 1024, 2304, false},
+                            {"per-sample 8x4096x2304", 8, 4096, 2304, false},
+                            {"per-sample 2x1536x3072", 2, 1536, 3072, false},
+                            {"per-sample 8x4096x3072", 8, 4096, 3072, false},
+                            {"per-sample 4x4096x4096", 4, 4096, 4096, false},
+                            {"per-sample 2x1560x1536", 2, 1560, 1536, false}};
+  constexpr int kNumCases = sizeof(all_cases) / sizeof(all_cases[0]);
   // PROBE_CASES=0,2 (indices into all_cases) limits the run
   std::vector<Case> cases;
   const char* sel = std::getenv("PROBE_CASES");
-  for (int i = 0; i < 5; ++i)
+  for (int i = 0; i < kNumCases; ++i)
     if (sel == nullptr || std::string(",") .append(sel).append(",").find("," + std::to_string(i) + ",") != std::string::npos)
       cases.push_back(all_cases[i]);
   for (const Case& c : cases) {
@@ -394,6 +466,15 @@ int main(int argc, char** argv) {
     const double fwd_bytes = 2 * n * 2 + 2 * mrows * D * 4 + 8 * rows;
     const double bwd_bytes = 3 * n * 2 + 8 * rows + mrows * D * 4 + 2 * mrows * D * 4;
     std::vector<Variant> fv;
+    std::vector<Variant> bv;
+    if (width_variants(D, b, fv, bv)) {
+      run_group(c.name, "fwd", b, fv, fwd_bytes, copy_bw);
+      fv[0].fn(0);  // mean / rstd for the backward
+      CK(cudaDeviceSynchronize());
+      run_group(c.name, "bwd", b, bv, bwd_bytes, copy_bw);
+      release(b);
+      continue;
+    }
     if (D == 1536) {
       fv = {
           {"v1 96x2 (v1 persistent)", fwd_v1<2, 96>(b, Grid::kPersistent)},
@@ -422,7 +503,6 @@ int main(int argc, char** argv) {
     run_group(c.name, "fwd", b, fv, fwd_bytes, copy_bw);
     fwd_v1<2, 96>(b, Grid::kPersistent)(0);  // mean / rstd for the backward
     CK(cudaDeviceSynchronize());
-    std::vector<Variant> bv;
     if (D == 1536) {
       bv = {
           {"v2 192x1 s4/s3 cs (shipped)", c.tok ? bwd_v2<1, 192, 3, true>(b) : bwd_v2<1, 192, 4, true>(b)},

@@ -1,4 +1,5 @@
-"""Guards ln_modulate on CPU: reference numerics vs fp64, the custom op (schema, fake, autograd), path selection."""
+"""Guards ln_modulate on CPU: reference numerics vs fp64, the public function, path selection, kernel policy
+(the C++ op itself: tests/test_ln_modulate_ops.py)."""
 from __future__ import annotations
 
 import importlib
@@ -7,13 +8,10 @@ import warnings
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 lnm = importlib.import_module("ds_adaptive.ops.ln_modulate")
 from ds_adaptive.ops import LayerNormModulate, ln_modulate, ln_modulate_reference  # noqa: E402
 
-OP = torch.ops.ds_adaptive.ln_modulate
-OP_BWD = torch.ops.ds_adaptive.ln_modulate_backward
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}
 
 
@@ -80,130 +78,6 @@ def test_reference_backward_matches_fp64(B, S, D, per_token, affine):
     want = torch.autograd.grad(ref64(*l64, 1e-6, *a64), l64 + [a for a in a64 if a is not None], dy.double())
     for g, r in zip(got, want):
         torch.testing.assert_close(g.double(), r, atol=5e-5 * (1 + r.abs().max().item()), rtol=1e-4)
-
-
-# ------------------------------------------------------------------------------------------------
-# the custom op (its CPU implementation is the kernel's math in torch)
-# ------------------------------------------------------------------------------------------------
-def test_custom_ops_are_registered():
-    assert hasattr(torch.ops.ds_adaptive, "ln_modulate")
-    assert hasattr(torch.ops.ds_adaptive, "ln_modulate_backward")
-    schema = str(OP.default._schema)
-    assert "Tensor x, Tensor shift, Tensor scale, Tensor? weight, Tensor? bias, float eps" in schema
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("per_token", [False, True])
-def test_op_forward_equals_reference_bitwise(dtype, per_token):
-    x, sh, sc, w, b, _ = make(2, 7, 48, dtype, torch.float32, per_token, True)
-    y, mean, rstd = OP(x, sh, sc, w, b, 1e-6)
-    assert torch.equal(y, ln_modulate_reference(x, sh, sc, 1e-6, w, b))
-    assert mean.dtype == rstd.dtype == torch.float32 and mean.shape == rstd.shape == (2, 7)
-    torch.testing.assert_close(mean, x.float().mean(-1))
-    torch.testing.assert_close(rstd, torch.rsqrt(x.float().var(-1, unbiased=False) + 1e-6))
-
-
-@pytest.mark.parametrize("case", ["per_sample", "per_token", "affine", "affine_per_token", "bias_only_weight"])
-def test_op_gradcheck_fp64(case):
-    B, S, D = 2, 5, 7
-    per_token = "per_token" in case
-    x, sh, sc, w, b, _ = make(B, S, D, torch.float64, torch.float64, per_token, "affine" in case or "bias" in case)
-    args = [x.requires_grad_(), sh.detach().clone().requires_grad_(), sc.detach().clone().requires_grad_()]
-    if "affine" in case or "bias" in case:
-        args += [w.double().requires_grad_(), b.double().requires_grad_()]
-        f = lambda x, sh, sc, w, b: OP(x, sh, sc, w, b, 1e-5)[0]  # noqa: E731
-    else:
-        f = lambda x, sh, sc: OP(x, sh, sc, None, None, 1e-5)[0]  # noqa: E731
-    assert torch.autograd.gradcheck(f, tuple(args))
-
-
-def test_op_gradcheck_strided_views_of_a_table():
-    """shift/scale as chunks of one [B, 6, D] table: gradients land in the right table rows."""
-    table = torch.randn(2, 6, 9, dtype=torch.float64, requires_grad=True)
-    x = torch.randn(2, 5, 9, dtype=torch.float64, requires_grad=True)
-    f = lambda x, t: OP(x, t[:, 0:1], t[:, 1:2], None, None, 1e-5)[0]  # noqa: E731
-    assert torch.autograd.gradcheck(f, (x, table))
-    y = f(x, table)
-    (gt,) = torch.autograd.grad(y.sum(), table)
-    assert gt[:, 2:].abs().sum() == 0 and gt[:, :2].abs().sum() > 0
-
-
-@pytest.mark.parametrize("per_token", [False, True])
-@pytest.mark.parametrize("affine", [False, True])
-def test_op_backward_matches_fp64_autograd(per_token, affine):
-    """The backward op's math (what the CUDA kernel implements) against fp64 autograd."""
-    x, sh, sc, w, b, dy = make(3, 11, 40, torch.float32, torch.float32, per_token, affine)
-    y, mean, rstd = OP(x, sh, sc, w, b, 1e-6)
-    dx, dshift, dscale, dw, db = OP_BWD(dy, x, mean, rstd, sc, w, b, per_token)
-    l64 = [t.double().requires_grad_() for t in (x, sh, sc)]
-    a64 = [t.double().requires_grad_() for t in (w, b)] if affine else [None, None]
-    want = torch.autograd.grad(ref64(*l64, 1e-6, *a64), l64 + [a for a in a64 if a is not None], dy.double())
-    got = [dx, dshift, dscale] + ([dw, db] if affine else [])
-    for g, r in zip(got, want):
-        torch.testing.assert_close(g.double(), r, atol=1e-4 * (1 + r.abs().max().item()), rtol=1e-4)
-    if not affine:
-        assert dw.numel() == 0 and db.numel() == 0
-
-
-def _fake_shapes(x, sh, sc, w, b, need):
-    dy = torch.zeros_like(x)
-    with FakeTensorMode() as mode:
-        fx, fsh, fsc, fdy = (mode.from_tensor(t) for t in (x, sh, sc, dy))
-        fw = mode.from_tensor(w) if w is not None else None
-        fb = mode.from_tensor(b) if b is not None else None
-        y, mean, rstd = OP(fx, fsh, fsc, fw, fb, 1e-6)
-        outs = OP_BWD(fdy, fx, mean, rstd, fsc, fw, fb, need)
-    return (y, mean, rstd), outs
-
-
-@pytest.mark.parametrize("dtype,mdtype", [(torch.bfloat16, torch.float32), (torch.float16, torch.float16),
-                                          (torch.float32, torch.float32)])
-@pytest.mark.parametrize("per_token", [False, True])
-@pytest.mark.parametrize("affine", [False, True])
-def test_fake_impl_shapes_and_dtypes(dtype, mdtype, per_token, affine):
-    B, S, D = 3, 7, 24
-    x, sh, sc, w, b, _ = make(B, S, D, dtype, mdtype, per_token, affine)
-    (y, mean, rstd), (dx, dshift, dscale, dw, db) = _fake_shapes(x, sh, sc, w, b, per_token)
-    assert (y.shape, y.dtype) == ((B, S, D), dtype)
-    assert (mean.shape, mean.dtype, rstd.shape, rstd.dtype) == ((B, S), torch.float32, (B, S), torch.float32)
-    assert (dx.shape, dx.dtype) == ((B, S, D), dtype)
-    rows = S if per_token else 1
-    assert (dshift.shape, dshift.dtype, dscale.shape, dscale.dtype) == ((B, rows, D), mdtype, (B, rows, D), mdtype)
-    assert dw.shape == ((D,) if affine else (0,)) and db.shape == ((D,) if affine else (0,))
-    # the real (CPU) implementation agrees with the fake one
-    real = OP_BWD(torch.zeros_like(x), x, *OP(x, sh, sc, w, b, 1e-6)[1:], sc, w, b, per_token)
-    for f, r in zip((dx, dshift, dscale, dw, db), real):
-        assert f.shape == r.shape and f.dtype == r.dtype
-
-
-@pytest.mark.parametrize("args", ["plain", "affine", "per_token_bf16"])
-def test_opcheck(args):
-    if args == "plain":
-        x, sh, sc, w, b, _ = make(2, 5, 16)
-    elif args == "affine":
-        x, sh, sc, w, b, _ = make(2, 5, 16, affine=True)
-    else:
-        x, sh, sc, w, b, _ = make(2, 5, 16, torch.bfloat16, torch.float32, per_token=True)
-    torch.library.opcheck(OP.default, (x, sh, sc, w, b, 1e-6))
-    torch.library.opcheck(OP.default, (x.requires_grad_(), sh.detach().requires_grad_(),
-                                       sc.detach().requires_grad_(), w, b, 1e-6))
-
-
-def test_torch_compile_of_the_op_matches_eager():
-    x, sh, sc, w, b, dy = make(2, 9, 32, affine=True)
-
-    def f(x, table, w):
-        return OP(x * 2, table[:, 0:1], table[:, 1:2], w, None, 1e-6)[0].sin()
-
-    table = torch.randn(2, 6, 32)
-    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
-    outs = []
-    for fn in (f, compiled):
-        leaves = [x.clone().requires_grad_(), table.clone().requires_grad_(), w.clone().requires_grad_()]
-        y = fn(*leaves)
-        outs.append([y] + list(torch.autograd.grad(y, leaves, dy)))
-    for e, c in zip(*outs):
-        torch.testing.assert_close(c, e)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -94,7 +94,7 @@ struct FinalizeParams {
 // Defaults from H100 measurements (bench/ln_modulate_probe.cu, bench/ln_modulate.py; ms, bf16 x,
 // fp32 modulation, L2 flushed by a read before each run):
 struct KernelPolicy {
-  int fwd_sample = 2;  // forward, per-sample ([B, 1, D]): v2 0.0562 vs v1 0.0598 at 16x1560x1536; B = 1 runs v1
+  int fwd_sample = 2;  // forward, per-sample ([B, 1, D]): v2 0.0562 vs v1 0.0598 at 16x1560x1536 (H200: also B = 1)
   int fwd_token = 1;   // forward, per-token ([B, S, D]): v1 (one CTA per row) 0.195 vs v2 0.275 at 1x32760x1536
   int bwd_sample = 2;  // backward, per-sample: v2 0.111 vs v1 0.113 at 1x32760x1536
   int bwd_token = 1;   // backward, per-token: v1 (one CTA per row, 8-byte x) 0.306 vs v2 0.363 at 1x32760x1536

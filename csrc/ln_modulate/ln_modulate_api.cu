@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <atomic>
 #include <mutex>
+#include <type_traits>
 #include <unordered_map>
 
 #include "ln_modulate_kernels.cuh"
@@ -92,30 +93,38 @@ int effective_gen(int requested) {
   return device_info(current_device()).major >= 8 ? 2 : 1;
 }
 
+// The dtype tag of a kernel element type.
+template <typename U>
+constexpr DType dtype_of() {
+  return std::is_same<U, float>::value ? DType::kFloat32
+                                       : (std::is_same<U, __half>::value ? DType::kFloat16 : DType::kBFloat16);
+}
+
+// Forward / backward dispatch over the (x, modulation) dtype pairs, generated from the one list of
+// instantiated pairs (DS_LN_MOD_FOR_EACH_PAIR, ln_modulate_kernels.cuh).
 FwdChoice fwd_dispatch_gen(const FwdParams& p, DType x, DType mod, int gen) {
-  switch (x) {
-    case DType::kBFloat16:
-      return mod == DType::kFloat32 ? fwd_select<__nv_bfloat16, float>(p, gen)
-                                    : fwd_select<__nv_bfloat16, __nv_bfloat16>(p, gen);
-    case DType::kFloat16:
-      return mod == DType::kFloat32 ? fwd_select<__half, float>(p, gen) : fwd_select<__half, __half>(p, gen);
-    case DType::kFloat32:
-      return fwd_select<float, float>(p, gen);
-  }
+#define DS_LN_MOD_FWD_CASE(T, M) \
+  if (x == dtype_of<T>() && mod == dtype_of<M>()) return fwd_select<T, M>(p, gen);
+  DS_LN_MOD_FOR_EACH_PAIR(DS_LN_MOD_FWD_CASE)
+#undef DS_LN_MOD_FWD_CASE
   return FwdChoice{};
 }
 
 BwdChoice bwd_dispatch_gen(const BwdParams& p, DType x, DType mod, int gen) {
-  switch (x) {
-    case DType::kBFloat16:
-      return mod == DType::kFloat32 ? bwd_select<__nv_bfloat16, float>(p, gen)
-                                    : bwd_select<__nv_bfloat16, __nv_bfloat16>(p, gen);
-    case DType::kFloat16:
-      return mod == DType::kFloat32 ? bwd_select<__half, float>(p, gen) : bwd_select<__half, __half>(p, gen);
-    case DType::kFloat32:
-      return bwd_select<float, float>(p, gen);
-  }
+#define DS_LN_MOD_BWD_CASE(T, M) \
+  if (x == dtype_of<T>() && mod == dtype_of<M>()) return bwd_select<T, M>(p, gen);
+  DS_LN_MOD_FOR_EACH_PAIR(DS_LN_MOD_BWD_CASE)
+#undef DS_LN_MOD_BWD_CASE
   return BwdChoice{};
+}
+
+// A supported (x, modulation) pair: one of the instantiated ones.
+bool pair_supported(DType x, DType mod) {
+#define DS_LN_MOD_PAIR_CASE(T, M) \
+  if (x == dtype_of<T>() && mod == dtype_of<M>()) return true;
+  DS_LN_MOD_FOR_EACH_PAIR(DS_LN_MOD_PAIR_CASE)
+#undef DS_LN_MOD_PAIR_CASE
+  return false;
 }
 
 // v2 kernels index rows with 32-bit integers and need their stages to fit in shared memory.
@@ -126,10 +135,10 @@ bool v2_ok(int smem, int64_t rows) { return rows <= kMaxRowsV2 && smem <= device
 FwdChoice fwd_dispatch(const FwdParams& p, DType x, DType mod) {
   const bool tok = p.shift_ss != 0 || p.scale_ss != 0;
   const KernelPolicy pol = load_policy();
-  int gen = effective_gen(tok ? pol.fwd_token : pol.fwd_sample);
-  // Per-sample modulation of a single sample: v1 with one CTA per row is as fast as v2 at D = 1536
-  // and 5% faster at D = 5120 (H100, bench/ln_modulate_probe.cu), so v2 defers to it.
-  if (!tok && p.B == 1) gen = 1;
+  const int gen = effective_gen(tok ? pol.fwd_token : pol.fwd_sample);
+  // (Until issue 18 a per-sample forward of one sample ran v1 whatever the policy, from H100
+  // measurements; on the H200 v2 is faster there too: 0.0624 vs 0.0657 ms at 1x32760x1536, 0.4197
+  // vs 0.4225 ms at 1x75600x5120, bench/ln_modulate_probe.cu.)
   FwdChoice c = fwd_dispatch_gen(p, x, mod, gen);
   if (c.fn != nullptr && c.gen == 2 && !v2_ok(c.smem, p.B * p.S)) c = fwd_dispatch_gen(p, x, mod, 1);
   return c;
@@ -155,7 +164,6 @@ int fwd_v2_apply_tiling(FwdParams& q, int64_t resident) {
   return t.grid;
 }
 
-bool pair_supported(DType x, DType mod) { return mod == DType::kFloat32 || mod == x; }
 
 // out[g, col] = sum over tiles [g * tiles_per_group, (g + 1) * tiles_per_group) of partial[t, q, col].
 // Block (32, 8): 32 columns, 8 tile-strided partial sums each, combined in a fixed order.

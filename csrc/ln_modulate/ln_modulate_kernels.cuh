@@ -174,6 +174,35 @@ __device__ __forceinline__ void row_allreduce2(float& a, float& b, float* red_a,
   }
 }
 
+// Row statistics of the forward kernels (v1 and v2): mean, then the variance from the registers
+// (never E[x^2] - mean^2): v is centred in place (v - mean; masked columns hold 0 and are skipped),
+// rstd = rsqrt(var + eps). Every thread of the row returns the same bits.
+template <int TPR, int NV, int VEC, bool EVEN>
+__device__ __forceinline__ float2 row_mean_rstd(float (&v)[NV][VEC], int t, int nvec, float inv_d, float eps,
+                                                float (&red)[2][32]) {
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < NV; ++i)
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) sum += v[i][j];
+  const float mean = row_allreduce<TPR>(sum, red[0]) * inv_d;
+  float sq = 0.f;
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    const int c = i * TPR + t;
+    if (EVEN || c < nvec) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const float d = v[i][j] - mean;
+        v[i][j] = d;
+        sq += d * d;
+      }
+    }
+  }
+  const float var = row_allreduce<TPR>(sq, red[1]) * inv_d;
+  return make_float2(mean, rsqrtf(var + eps));
+}
+
 // ----------------------------------------------------------------------------------------------
 // Forward
 //   VEC: elements per access (16 / sizeof(T), or 1 on the scalar path)
@@ -258,28 +287,8 @@ __global__ void __launch_bounds__(TPR* ROWS) ln_mod_fwd_kernel(const FwdParams p
       }
     }
 
-    float sum = 0.f;
-#pragma unroll
-    for (int i = 0; i < NV; ++i)
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) sum += v[i][j];
-    const float mean = row_allreduce<TPR>(sum, red[0]) * inv_d;
-
-    float sq = 0.f;
-#pragma unroll
-    for (int i = 0; i < NV; ++i) {
-      const int c = i * TPR + t;
-      if (EVEN || c < nvec) {
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-          const float d = v[i][j] - mean;
-          v[i][j] = d;
-          sq += d * d;
-        }
-      }
-    }
-    const float var = row_allreduce<TPR>(sq, red[1]) * inv_d;
-    const float rstd = rsqrtf(var + p.eps);
+    const float2 stats = row_mean_rstd<TPR, NV, VEC, EVEN>(v, t, nvec, inv_d, p.eps, red);
+    const float mean = stats.x, rstd = stats.y;
 
     if constexpr (MODC) {
       if (mod_per_row || b != cached_b) {
@@ -682,7 +691,11 @@ FwdChoice fwd_select(const FwdParams& p, int gen) {
     if constexpr (V == 8) {
       switch (p.D) {
         case 1536: return fwd_make_v2<T, M, 2, 96, 3, 2, true>(p);  // s3: 0.0555 vs s4 0.0560 ms (16x1560, H100)
-        case 3072: return fwd_make_v2<T, M, 2, 192, 4, 2, true>(p);
+        // H200 (bench/ln_modulate_probe.cu, read flush, ms): 8x4096x2304 96x3 0.0929 (v1 0.0914);
+        // 8x4096x3072 96x4 0.1164 vs 192x2 s4 > 0.122; 4x4096x4096 128x4 0.0811 vs 256x2 0.0886
+        case 2304: return fwd_make_v2<T, M, 3, 96, 3, 2, true>(p);
+        case 3072: return fwd_make_v2<T, M, 4, 96, 3, 2, true>(p);
+        case 4096: return fwd_make_v2<T, M, 4, 128, 3, 2, true>(p);
         case 5120: return fwd_make_v2<T, M, 5, 128, 3, 2, true>(p);
         default: break;
       }
@@ -699,8 +712,13 @@ FwdChoice fwd_select(const FwdParams& p, int gen) {
   FwdChoice c;
   if constexpr (V == 8) {
     switch (p.D) {
+      // D = 1152: D / 8 = 144 is no multiple of 32, so 8-byte x accesses (VEC 4): 96x3 unmasked
+      // (H200, 8x4096x1152: 0.0580 ms vs the generic masked 64x4 kernel's ~0.07)
+      case 1152: c = fwd_make<T, M, 4, 3, 96, 1, true>(); break;
       case 1536: c = fwd_make<T, M, 8, 2, 96, 1, true>(); break;
-      case 3072: c = fwd_make<T, M, 8, 2, 192, 1, true>(); break;
+      case 2304: c = fwd_make<T, M, 8, 3, 96, 1, true>(); break;
+      case 3072: c = fwd_make<T, M, 8, 3, 128, 1, true>(); break;  // H200: 128x3 0.0154 vs 192x2 0.0168 (2x1536)
+      case 4096: c = fwd_make<T, M, 8, 4, 128, 1, true>(); break;
       case 5120: c = fwd_make<T, M, 8, 5, 128, 1, true>(); break;
       default: c = fwd_generic<T, M, V, 4, false>(p.D / V); break;
     }
@@ -858,7 +876,13 @@ BwdChoice bwd_select(const BwdParams& p, int gen) {
       switch (p.D) {
         // 96x2 s3: 0.0838 vs 192x1 s4 0.0871 ms at 16x1560, 0.1084 vs 0.1112 at 1x32760 (H100, probe)
         case 1536: return bwd_make_v2<T, M, 2, 96, 3, 3, true>(p);
-        case 3072: return bwd_make_v2<T, M, 1, 384, 3, 2, true>(p);
+        // H200 (probe, read flush, ms): 8x4096x1152 v1 32x9 (8-byte x) 0.0695 (no unmasked v2 shape);
+        // 8x4096x2304 96x3 s2 0.1169 vs v1 0.1391; 8x4096x3072 128x3 s3 0.1574 vs 384x1 0.1778;
+        // 4x4096x4096 128x4 s3 0.1088 vs 256x2 0.1104
+        case 1152: return bwd_make<T, M, 4, 9, 32, true>(p);
+        case 2304: return bwd_make_v2<T, M, 3, 96, 2, 2, true>(p);
+        case 3072: return bwd_make_v2<T, M, 3, 128, 3, 2, true>(p);
+        case 4096: return bwd_make_v2<T, M, 4, 128, 3, 2, true>(p);
         case 5120: return bwd_make_v2<T, M, 2, 320, 3, 2, true>(p);  // 2 CTAs/SM (640x1: 1)
         default: break;
       }
@@ -874,8 +898,11 @@ BwdChoice bwd_select(const BwdParams& p, int gen) {
   }
   if constexpr (V == 8) {
     switch (p.D) {
+      case 1152: return bwd_make<T, M, 4, 9, 32, true>(p);  // 8-byte x, one warp per row (H200: 0.0695 ms)
       case 1536: return bwd_make<T, M, 8, 1, 192, true>(p);
+      case 2304: return bwd_make<T, M, 8, 3, 96, true>(p);
       case 3072: return bwd_make<T, M, 8, 1, 384, true>(p);
+      case 4096: return bwd_make<T, M, 8, 2, 256, true>(p);
       case 5120:
         // 128x5 (4-warp CTAs, two per SM) measured 0.88 ms vs 1.10 ms for 640x1 on the 14B shape
         // (H100); its affine kernel would spill (four column accumulators), so affine keeps 640x1.

@@ -1,9 +1,12 @@
-// Torch binding of the fused LayerNorm-Modulate op: argument checks, stride handling, output
-// allocation and the launches. Python registers these as the ds_adaptive::ln_modulate custom op
-// (ds_adaptive/ops/ln_modulate.py), which owns autograd and the fake (meta) implementations.
+// CUDA implementations of the ds_adaptive::ln_modulate / ln_modulate_backward ops (schemas,
+// autograd, CPU and Meta implementations: ln_modulate_ops.cpp): argument checks, stride handling,
+// output allocation and the launches, no host synchronisation. Plus the Python module of the
+// extension: kernel policy, tuning hook and kernel description (control functions only; the ops
+// are called through torch.ops.ds_adaptive).
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
+#include <torch/library.h>
 
 #include <optional>
 #include <string>
@@ -83,8 +86,10 @@ void check_cuda(cudaError_t e, const char* what) {
 
 }  // namespace
 
+namespace {
+
 // y [B, S, D] (x.dtype), mean [B, S] fp32, rstd [B, S] fp32.
-std::vector<at::Tensor> ln_modulate_forward(const at::Tensor& x, const at::Tensor& shift, const at::Tensor& scale,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> ln_modulate_forward(const at::Tensor& x, const at::Tensor& shift, const at::Tensor& scale,
                                             const std::optional<at::Tensor>& weight,
                                             const std::optional<at::Tensor>& bias, double eps) {
   check_x(x, "x");
@@ -139,7 +144,7 @@ std::vector<at::Tensor> ln_modulate_forward(const at::Tensor& x, const at::Tenso
 //   per-token scale ([B,S,D]):  dscale [B,S,D] in scale.dtype, dshift [B,S,D] when need_dshift
 //                               (else an empty tensor: the caller uses dy itself);
 //   dweight / dbias: empty when weight / bias is None.
-std::vector<at::Tensor> ln_modulate_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean,
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ln_modulate_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean,
                                              const at::Tensor& rstd, const at::Tensor& scale,
                                              const std::optional<at::Tensor>& weight,
                                              const std::optional<at::Tensor>& bias, bool need_dshift) {
@@ -174,7 +179,7 @@ std::vector<at::Tensor> ln_modulate_backward(const at::Tensor& dy, const at::Ten
   auto dweight = weight.has_value() ? at::empty({D}, f32) : at::empty({0}, f32);
   auto dbias = bias.has_value() ? at::empty({D}, f32) : at::empty({0}, f32);
 
-  auto finish = [&]() -> std::vector<at::Tensor> {
+  auto finish = [&]() -> std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> {
     if (per_sample) {
       dshift = dshift_f.view({B, 1, D}).to(scale.scalar_type());
       dscale = dscale_f.view({B, 1, D}).to(scale.scalar_type());
@@ -252,6 +257,13 @@ std::vector<at::Tensor> ln_modulate_backward(const at::Tensor& dy, const at::Ten
   return finish();
 }
 
+}  // namespace
+
+TORCH_LIBRARY_IMPL(ds_adaptive, CUDA, m) {
+  m.impl("ln_modulate", &ln_modulate_forward);
+  m.impl("ln_modulate_backward", &ln_modulate_backward);
+}
+
 int64_t ln_modulate_max_d_py(const std::string& dtype, bool vectorized) {
   lnm::DType t = lnm::DType::kFloat32;
   if (dtype == "bfloat16") t = lnm::DType::kBFloat16;
@@ -317,13 +329,7 @@ std::vector<int64_t> ln_modulate_describe_py(const at::Tensor& x, const at::Tens
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "ds_adaptive fused LayerNorm-Modulate CUDA kernels (use ds_adaptive.ops.ln_modulate)";
-  m.def("forward", &ln_modulate_forward, "y, mean, rstd = forward(x, shift, scale, weight, bias, eps)",
-        py::arg("x"), py::arg("shift"), py::arg("scale"), py::arg("weight"), py::arg("bias"), py::arg("eps"));
-  m.def("backward", &ln_modulate_backward,
-        "dx, dshift, dscale, dweight, dbias = backward(dy, x, mean, rstd, scale, weight, bias, need_dshift)",
-        py::arg("dy"), py::arg("x"), py::arg("mean"), py::arg("rstd"), py::arg("scale"), py::arg("weight"),
-        py::arg("bias"), py::arg("need_dshift"));
+  m.doc() = "ds_adaptive fused LayerNorm-Modulate: control functions (the ops are torch.ops.ds_adaptive.*)";
   m.def("max_d", &ln_modulate_max_d_py, "largest D the kernels hold in registers", py::arg("dtype"),
         py::arg("vectorized"));
   m.def("set_tuning", &ln_modulate_set_tuning_py, "benchmark hook: kernel-config variant per slot", py::arg("slot"),

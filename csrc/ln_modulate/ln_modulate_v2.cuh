@@ -184,27 +184,8 @@ __global__ void __launch_bounds__(TPR) ln_mod_fwd_v2_kernel(const FwdParams p) {
         for (int j = 0; j < VEC; ++j) v[i][j] = 0.f;
       }
     }
-    float sum = 0.f;
-#pragma unroll
-    for (int i = 0; i < NV; ++i)
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) sum += v[i][j];
-    const float mean = row_allreduce<TPR>(sum, red[0]) * inv_d;
-    float sq = 0.f;
-#pragma unroll
-    for (int i = 0; i < NV; ++i) {
-      const int c = i * TPR + t;
-      if (EVEN || c < nvec) {
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-          const float d = v[i][j] - mean;
-          v[i][j] = d;
-          sq += d * d;
-        }
-      }
-    }
-    const float var = row_allreduce<TPR>(sq, red[1]) * inv_d;
-    const float rstd = rsqrtf(var + p.eps);
+    const float2 stats = row_mean_rstd<TPR, NV, VEC, EVEN>(v, t, nvec, inv_d, p.eps, red);
+    const float mean = stats.x, rstd = stats.y;
 
     const M* shr = static_cast<const M*>(p.shift) + b * p.shift_sb + s * p.shift_ss;
     const M* scr = static_cast<const M*>(p.scale) + b * p.scale_sb + s * p.scale_ss;

@@ -34,6 +34,7 @@ from deepspeed.ops.op_builder.builder import CUDAOpBuilder, OpBuilder
 
 PREBUILT_MODULE = "ds_adaptive.ops._ln_modulate_C"
 SOURCE_FILES = (
+    "ln_modulate_ops.cpp",
     "ln_modulate_torch.cpp",
     "ln_modulate_api.cu",
     "ln_modulate_bf16_f32.cu",
@@ -43,6 +44,10 @@ SOURCE_FILES = (
     "ln_modulate_f32_f32.cu",
     "ln_modulate_tune.cu",
 )
+# The dispatcher registration alone (schemas, autograd, CPU and Meta implementations): no CUDA, so
+# it also builds as a CPU-only library (build_cpu_ops) for the CPU tests.
+OPS_SOURCE = "ln_modulate_ops.cpp"
+CPU_OPS_NAME = "ds_adaptive_ln_modulate_ops_cpu"
 # Oldest architecture the kernels are built for (warp shuffles, 16-byte loads, bf16 conversions).
 MIN_ARCH = (7, 0)
 # torch's named architectures (torch.utils.cpp_extension._get_cuda_arch_flags), kept in sync by hand.
@@ -372,3 +377,19 @@ class LNModulateBuilder(CUDAOpBuilder):
         mod = self.jit_load(verbose)
         self.loaded_from = "jit"
         return mod
+
+
+def build_cpu_ops(build_directory: Optional[str] = None, verbose: bool = False) -> str:
+    """Compile ``ln_modulate_ops.cpp`` alone with the host compiler into a library and load it
+    (``torch.ops.load_library``): ``torch.ops.ds_adaptive.ln_modulate*`` then exist with their CPU,
+    Meta, autograd and composite implementations, on a CPU-only torch too. For tests of the
+    registration; the CUDA extension (``LNModulateBuilder``) contains the same file. Returns the
+    library's path. Do not call it in a process that loads the CUDA extension (both define the
+    ops)."""
+    from torch.utils.cpp_extension import load
+
+    kwargs = {"build_directory": build_directory} if build_directory else {}
+    if build_directory:
+        os.makedirs(build_directory, exist_ok=True)
+    return load(name=CPU_OPS_NAME, sources=[str(csrc_dir() / OPS_SOURCE)], extra_cflags=["-O1"],
+                is_python_module=False, verbose=verbose, **kwargs)

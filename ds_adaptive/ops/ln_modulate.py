@@ -1,14 +1,14 @@
 """LayerNorm-Modulate (adaLN): ``y = LayerNorm(x) * (1 + scale) + shift``.
 
-Three layers, as in flash-attention:
+The op lives in C++ (``csrc/ln_modulate``), registered with the dispatcher when the extension
+loads: ``torch.ops.ds_adaptive.ln_modulate_apply`` (public entry: argument checks, layout
+normalisation), ``ln_modulate`` / ``ln_modulate_backward`` (schemas, CUDA kernels, the same math
+on CPU, Meta implementations for torch.compile), autograd as a C++ ``torch::autograd::Function``
+(see ``csrc/ln_modulate/ln_modulate_ops.cpp``). No Python runs per call beyond the path choice:
 
-* ``torch.ops.ds_adaptive.ln_modulate`` / ``ln_modulate_backward``: torch.library custom ops with
-  fake (meta) implementations, so they trace under torch.compile and capture in CUDA graphs. On
-  CUDA tensors they run the fused kernels (``csrc/ln_modulate``) when the extension loads; on CPU,
-  or without the extension, the same fp32 math in torch.
-* autograd (``register_autograd``): saves x, mean, rstd, scale (and the affine parameters).
 * ``ln_modulate()``: the public function, a drop-in for ``ln_modulate_reference`` and for
-  ``WanModel.set_ln_modulate``; ``LayerNormModulate``: the same as a module.
+  ``WanModel.set_ln_modulate``: the C++ op on CUDA tensors when it is loaded, else the torch
+  reference; ``LayerNormModulate``: the same as a module.
 
 Path selection (``DS_ADAPTIVE_LN_MODULATE``):
   ``auto`` (default): fused on CUDA tensors when the op loads (prebuilt or JIT-built through
@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -74,53 +74,6 @@ def ln_modulate_reference(x: torch.Tensor, shift: torch.Tensor, scale: torch.Ten
     return y.to(x.dtype)
 
 
-def _compute_dtype(x: Tensor) -> torch.dtype:
-    """fp32 for the kernel's dtypes (the reference numerics); fp64 stays fp64 (for gradcheck)."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-def _reference_forward(x: Tensor, shift: Tensor, scale: Tensor, weight: Optional[Tensor],
-                       bias: Optional[Tensor], eps: float) -> Tuple[Tensor, Tensor, Tensor]:
-    """(y, mean, rstd) in the kernel's layout: y as ln_modulate_reference (fp32 math, one rounding;
-    fp64 inputs in fp64); mean, rstd [B, S] in fp32 (fp64 for fp64 x)."""
-    cdt = _compute_dtype(x)
-    with torch.no_grad():
-        xf = x.to(cdt)
-        y = F.layer_norm(xf, (x.shape[-1],), None if weight is None else weight.to(cdt),
-                         None if bias is None else bias.to(cdt), eps)
-        y = (y * (1 + scale.to(cdt)) + shift.to(cdt)).to(x.dtype)
-        var, mean = torch.var_mean(xf, dim=-1, unbiased=False)
-        rstd = torch.rsqrt(var + eps)
-    return y, mean, rstd
-
-
-def _reference_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, scale: Tensor,
-                        weight: Optional[Tensor], bias: Optional[Tensor],
-                        need_dshift: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The backward kernel's math in fp32 torch (same outputs and conventions as the CUDA op)."""
-    cdt = _compute_dtype(x)
-    with torch.no_grad():
-        dyf, xf = dy.to(cdt), x.to(cdt)
-        xhat = (xf - mean.unsqueeze(-1).to(cdt)) * rstd.unsqueeze(-1).to(cdt)
-        ln = xhat
-        if weight is not None:
-            ln = xhat * weight.to(cdt) + (0.0 if bias is None else bias.to(cdt))
-        dln = dyf * (1 + scale.to(cdt))
-        g = dln if weight is None else dln * weight.to(cdt)
-        d = x.shape[-1]
-        dx = rstd.unsqueeze(-1) * (g - g.sum(-1, keepdim=True) / d - xhat * ((g * xhat).sum(-1, keepdim=True) / d))
-        if scale.shape[1] == 1:  # per-sample: reduce over s within each sample
-            dshift = dyf.sum(1, keepdim=True).to(scale.dtype)
-            dscale = (dyf * ln).sum(1, keepdim=True).to(scale.dtype)
-        else:
-            dshift = dyf.to(scale.dtype, copy=True) if need_dshift else scale.new_empty(0)
-            dscale = (dyf * ln).to(scale.dtype)
-        empty = x.new_empty(0, dtype=torch.float32)
-        dweight = (dln * xhat).sum((0, 1)).to(weight.dtype) if weight is not None else empty
-        dbias = dln.sum((0, 1)).to(bias.dtype) if bias is not None else empty.clone()
-        return dx.to(x.dtype), dshift, dscale, dweight, dbias
-
-
 # ------------------------------------------------------------------------------------------------
 # Extension loading (once per process) and path selection
 # ------------------------------------------------------------------------------------------------
@@ -131,6 +84,7 @@ class _OpState:
         self.ext = None
         self.error: Optional[str] = None
         self.source: Optional[str] = None  # "prebuilt" / "jit"
+        self.apply = None  # torch.ops.ds_adaptive.ln_modulate_apply.default once the extension is loaded
         self.warned: set = set()
         self.mode = "auto"  # last mode read from the environment
         self.calls = {"fused": 0, "reference": 0}  # eager ln_modulate calls per path (call_counts)
@@ -160,6 +114,7 @@ def _load_extension():
             ext = builder.load(verbose=False)
             if hasattr(ext, "set_kernels"):
                 _apply_kernel_env(ext)
+            _STATE.apply = torch.ops.ds_adaptive.ln_modulate_apply.default  # registered by the extension
             _STATE.ext = ext
             _STATE.source = builder.loaded_from
         except Exception as e:  # noqa: BLE001 - any failure means "use the reference"
@@ -304,6 +259,8 @@ def _kernel_limitation(x: Tensor) -> Optional[str]:
 
 
 def _use_fused(x: Tensor) -> bool:
+    """Whether ln_modulate runs the C++ op for this x; warns once (auto) or raises (fused) when it
+    cannot. x: a tensor (or anything with its is_cuda, device, dtype, shape, element_size)."""
     mode = get_mode()
     if mode == "reference":
         return False
@@ -325,87 +282,6 @@ def _use_fused(x: Tensor) -> bool:
                            f"(set {ENV_VAR}=reference to silence this): {_STATE.error}")
         return False
     return True
-
-
-# ------------------------------------------------------------------------------------------------
-# Custom ops
-# ------------------------------------------------------------------------------------------------
-def _kernel_ok(x: Tensor) -> bool:
-    """Whether the custom op's implementation runs the CUDA kernel for this x (op bodies run
-    eagerly, also under torch.compile)."""
-    return x.is_cuda and _kernel_limitation(x) is None and _load_extension() is not None
-
-
-@torch.library.custom_op("ds_adaptive::ln_modulate", mutates_args=())
-def _ln_modulate_op(x: Tensor, shift: Tensor, scale: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
-                    eps: float) -> Tuple[Tensor, Tensor, Tensor]:
-    """(y [B,S,D] x.dtype, mean [B,S] fp32, rstd [B,S] fp32); shift/scale [B, 1|S, D], one dtype
-    (fp32 or x.dtype); weight/bias fp32 [D] or None."""
-    if _kernel_ok(x):
-        y, mean, rstd = _STATE.ext.forward(x, shift, scale, weight, bias, eps)
-        return y, mean, rstd
-    return _reference_forward(x, shift, scale, weight, bias, eps)
-
-
-@_ln_modulate_op.register_fake
-def _ln_modulate_fake(x, shift, scale, weight, bias, eps):
-    b, s, d = x.shape
-    sdt = _compute_dtype(x)
-    return x.new_empty((b, s, d)), x.new_empty((b, s), dtype=sdt), x.new_empty((b, s), dtype=sdt)
-
-
-@torch.library.custom_op("ds_adaptive::ln_modulate_backward", mutates_args=())
-def _ln_modulate_backward_op(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, scale: Tensor,
-                             weight: Optional[Tensor], bias: Optional[Tensor],
-                             need_dshift: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dx, dshift, dscale, dweight, dbias). Per-sample scale [B,1,D]: dshift/dscale [B,1,D];
-    per-token: dscale [B,S,D] and dshift [B,S,D] if need_dshift else empty; all in scale.dtype.
-    dweight/dbias [D] in weight/bias dtype, fp32 on CUDA (empty when weight/bias is None)."""
-    if _kernel_ok(x):
-        return tuple(_STATE.ext.backward(dy, x, mean, rstd, scale, weight, bias, need_dshift))
-    return _reference_backward(dy, x, mean, rstd, scale, weight, bias, need_dshift)
-
-
-@_ln_modulate_backward_op.register_fake
-def _ln_modulate_backward_fake(dy, x, mean, rstd, scale, weight, bias, need_dshift):
-    b, s, d = x.shape
-    if scale.shape[1] == 1:
-        dshift = scale.new_empty((b, 1, d))
-        dscale = scale.new_empty((b, 1, d))
-    else:
-        dshift = scale.new_empty((b, s, d)) if need_dshift else scale.new_empty((0,))
-        dscale = scale.new_empty((b, s, d))
-    dweight = weight.new_empty((d,)) if weight is not None else x.new_empty((0,), dtype=torch.float32)
-    dbias = bias.new_empty((d,)) if bias is not None else x.new_empty((0,), dtype=torch.float32)
-    return x.new_empty((b, s, d)), dshift, dscale, dweight, dbias
-
-
-def _setup_context(ctx, inputs, output):
-    x, shift, scale, weight, bias, eps = inputs
-    _, mean, rstd = output
-    ctx.save_for_backward(x, mean, rstd, scale, weight, bias)
-    ctx.shift_dtype = shift.dtype
-    ctx.mark_non_differentiable(mean, rstd)
-
-
-def _backward(ctx, dy, _dmean, _drstd):
-    x, mean, rstd, scale, weight, bias = ctx.saved_tensors
-    if dy.dim() != 3 or dy.stride(-1) != 1:
-        dy = dy.contiguous()
-    per_token = scale.shape[1] != 1
-    # Per-token dshift is dy itself: alias it when the dtypes agree, let the kernel write it otherwise.
-    alias_dshift = per_token and ctx.shift_dtype == dy.dtype
-    dx, dshift, dscale, dweight, dbias = torch.ops.ds_adaptive.ln_modulate_backward(
-        dy, x, mean, rstd, scale, weight, bias, per_token and not alias_dshift)
-    if alias_dshift:
-        dshift = dy
-    need = ctx.needs_input_grad
-    return (dx if need[0] else None, dshift if need[1] else None, dscale if need[2] else None,
-            dweight if (weight is not None and need[3]) else None,
-            dbias if (bias is not None and need[4]) else None, None)
-
-
-torch.library.register_autograd("ds_adaptive::ln_modulate", _backward, setup_context=_setup_context)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -456,41 +332,28 @@ def ln_modulate(x: Tensor, shift: Tensor, scale: Tensor, eps: float = 1e-6, weig
     Returns:
         y: [B, S, D] in x.dtype, contiguous. Statistics and modulation in fp32, one rounding.
 
-    Differentiable in x, shift, scale, weight and bias. On CUDA tensors the fused kernels run when
-    the op loads; see the module docstring for DS_ADAPTIVE_LN_MODULATE.
+    Differentiable in x, shift, scale, weight and bias. On CUDA tensors the C++ op runs when the
+    extension loads; see the module docstring for DS_ADAPTIVE_LN_MODULATE.
     """
+    # The argument errors come from Python on every path (a C++ exception thrown by the op's own
+    # checks crashed the first GPU test run that provoked one, torch 2.11 on the H200: see
+    # docs/LN_MODULATE.md); the C++ op checks again for direct callers.
     _check_args(x, shift, scale, weight, bias)
-    fused = _use_fused(x)
+    if _is_cuda_float(x) and _use_fused(x):
+        if not torch.compiler.is_compiling():
+            _STATE.calls["fused"] += 1
+        return _STATE.apply(x, shift, scale, float(eps), weight, bias)
+    if not _is_cuda_float(x):
+        _use_fused(x)  # DS_ADAPTIVE_LN_MODULATE=fused: an error for CPU tensors
     if not torch.compiler.is_compiling():
-        _STATE.calls["fused" if fused else "reference"] += 1
-    if not fused:
-        return ln_modulate_reference(x, shift, scale, eps, weight, bias)
-    b, s, d = x.shape
-    if shift.dim() == 2:
-        shift = shift.unsqueeze(1)
-    if scale.dim() == 2:
-        scale = scale.unsqueeze(1)
-    # One modulation dtype: fp32, or x's when both already are.
-    if not (shift.dtype == scale.dtype and scale.dtype in (torch.float32, x.dtype)):
-        shift, scale = shift.float(), scale.float()
-    # One modulation layout: broadcast dims are expanded views (stride 0), autograd sums them back.
-    rows = max(shift.shape[1], scale.shape[1])
-    shift = shift.expand(b, rows, d)
-    scale = scale.expand(b, rows, d)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    if shift.stride(-1) != 1 and d > 1:
-        shift = shift.contiguous()
-    if scale.stride(-1) != 1 and d > 1:
-        scale = scale.contiguous()
-    if bias is not None and weight is None:
-        weight = torch.ones(d, device=x.device, dtype=torch.float32)
-    if weight is not None:
-        weight = weight.float().contiguous()
-    if bias is not None:
-        bias = bias.float().contiguous()
-    y, _, _ = torch.ops.ds_adaptive.ln_modulate(x, shift, scale, weight, bias, float(eps))
-    return y
+        _STATE.calls["reference"] += 1
+    return ln_modulate_reference(x, shift, scale, eps, weight, bias)
+
+
+def _is_cuda_float(x) -> bool:
+    """A floating-point CUDA tensor: the only inputs the C++ op may take (others go through
+    ``_check_args``, whose errors name what was expected)."""
+    return isinstance(x, Tensor) and x.is_cuda and x.is_floating_point()
 
 
 class LayerNormModulate(nn.Module):

@@ -411,3 +411,25 @@ def test_oversized_d_falls_back_with_one_warning(monkeypatch):
     monkeypatch.setenv(lnm.ENV_VAR, "fused")
     with pytest.raises(ValueError, match="register-resident"):
         lnm.ln_modulate(x, sh, sc)
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_no_host_synchronisation(per_token):
+    """The C++ dispatch (checks, allocation, launches, autograd) never synchronises with the GPU."""
+    x, sh, sc, w, b, dy = make(2, 129, 1536, BF16, F32, per_token, True)
+    leaves = [t.detach().clone().requires_grad_() for t in (x, sh, sc, w, b)]
+    torch.autograd.grad(lnm.ln_modulate(*leaves[:3], 1e-6, *leaves[3:]), leaves, dy)  # first call: caches filled
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = lnm.ln_modulate(*leaves[:3], 1e-6, *leaves[3:])
+        torch.autograd.grad(y, leaves, dy)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_cpp_autograd_function_is_used():
+    """ln_modulate on CUDA runs the C++ autograd Function (no Python custom op / autograd layer)."""
+    x, sh, sc, w, b, dy = make(2, 9, 1536, BF16, F32, False, False)
+    y = lnm.ln_modulate(x.requires_grad_(), sh, sc)
+    assert type(y.grad_fn).__name__ == "CppFunction"

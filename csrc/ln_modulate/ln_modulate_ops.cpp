@@ -1,0 +1,307 @@
+// Dispatcher registration of the fused LayerNorm-Modulate op: schemas, argument checks, the
+// public composite entry point, autograd (a torch::autograd::Function), the CPU implementation
+// (the kernels' math in ATen, fp64 stays fp64 for gradcheck) and the Meta implementations
+// (FakeTensor / torch.compile, symbolic shapes). No CUDA here: this file also builds on its own
+// as a CPU-only library (ds_adaptive.ops.builder.build_cpu_ops), which the CPU tests load; the
+// CUDA implementations are registered by ln_modulate_torch.cpp in the full extension.
+//
+//   ds_adaptive::ln_modulate_apply(x, shift, scale, eps, weight?, bias?) -> y
+//       what ds_adaptive.ops.ln_modulate calls: checks (ValueError / TypeError naming the expected
+//       and actual shapes), layout normalisation (2-D modulation -> [B, 1, D], one modulation
+//       dtype, broadcast dims as stride-0 expands, fp32 affine parameters), then ln_modulate.
+//   ds_adaptive::ln_modulate(x, shift, scale, weight?, bias?, eps) -> (y, mean, rstd)
+//   ds_adaptive::ln_modulate_backward(dy, x, mean, rstd, scale, weight?, bias?, need_dshift)
+//       -> (dx, dshift, dscale, dweight, dbias)
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <tuple>
+
+namespace {
+
+using at::Tensor;
+using std::optional;
+using FwdOut = std::tuple<Tensor, Tensor, Tensor>;
+using BwdOut = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
+
+// Statistics dtype: fp32 for the kernels' dtypes, fp64 for fp64 x (CPU implementation, gradcheck).
+at::ScalarType stats_dtype(const Tensor& x) { return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
+
+// ------------------------------------------------------------------------------------------------
+// Checks of the public entry point: the messages of the Python reference path
+// (ds_adaptive/ops/ln_modulate.py: _check_args), ValueError for shapes / devices, TypeError for dtypes.
+// ------------------------------------------------------------------------------------------------
+void check_apply_args(const Tensor& x, const Tensor& shift, const Tensor& scale, const optional<Tensor>& weight,
+                      const optional<Tensor>& bias) {
+  TORCH_CHECK_VALUE(x.dim() == 3, "ln_modulate: x must be a [B, S, D] tensor, got ", x.sym_sizes());
+  TORCH_CHECK_TYPE(x.is_floating_point(), "ln_modulate: x must be a floating-point tensor, got ", x.scalar_type());
+  const c10::SymInt& B = x.sym_size(0);
+  const c10::SymInt& S = x.sym_size(1);
+  const c10::SymInt& D = x.sym_size(2);
+  for (const auto& [name, m] : {std::pair<const char*, const Tensor&>{"shift", shift}, {"scale", scale}}) {
+    const bool ok = (m.dim() == 2 && (m.sym_size(0) == 1 || m.sym_size(0) == B) && m.sym_size(1) == D) ||
+                    (m.dim() == 3 && (m.sym_size(0) == 1 || m.sym_size(0) == B) &&
+                     (m.sym_size(1) == 1 || m.sym_size(1) == S) && m.sym_size(2) == D);
+    TORCH_CHECK_VALUE(ok, "ln_modulate: ", name, " must be [B, D], [B, 1, D] or [B, S, D] with B = ", B, ", S = ", S,
+                      ", D = ", D, " (B may be 1), got ", m.sym_sizes());
+    TORCH_CHECK_TYPE(m.is_floating_point(), "ln_modulate: ", name, " must be floating point, got ", m.scalar_type());
+    TORCH_CHECK_VALUE(m.device() == x.device(), "ln_modulate: ", name, " is on ", m.device(), " but x is on ",
+                      x.device());
+  }
+  for (const auto& [name, p] : {std::pair<const char*, const optional<Tensor>&>{"weight", weight}, {"bias", bias}}) {
+    if (!p.has_value()) continue;
+    TORCH_CHECK_VALUE(p->dim() == 1 && p->sym_size(0) == D, "ln_modulate: ", name, " must be a [D] = [", D,
+                      "] tensor or None, got ", p->sym_sizes());
+    TORCH_CHECK_VALUE(p->device() == x.device(), "ln_modulate: ", name, " is on ", p->device(), " but x is on ",
+                      x.device());
+  }
+}
+
+// Checks of the raw op (any backend): what every implementation relies on.
+void check_op_args(const Tensor& x, const Tensor& shift, const Tensor& scale, const optional<Tensor>& weight,
+                   const optional<Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 3, "ln_modulate: x must be [B, S, D], got shape ", x.sym_sizes());
+  for (const auto& [name, m] : {std::pair<const char*, const Tensor&>{"shift", shift}, {"scale", scale}}) {
+    TORCH_CHECK(m.device() == x.device(), "ln_modulate: ", name, " is on ", m.device(), " but x is on ", x.device());
+    TORCH_CHECK(m.dim() == 3 && m.sym_size(0) == x.sym_size(0) &&
+                    (m.sym_size(1) == 1 || m.sym_size(1) == x.sym_size(1)) && m.sym_size(2) == x.sym_size(2),
+                "ln_modulate: ", name, " must be [B, 1, D] or [B, S, D] = [", x.sym_size(0), ", 1 or ", x.sym_size(1),
+                ", ", x.sym_size(2), "], got ", m.sym_sizes());
+    TORCH_CHECK(m.scalar_type() == at::kFloat || m.scalar_type() == x.scalar_type(), "ln_modulate: ", name,
+                " must be float32 or x's dtype (", x.scalar_type(), "), got ", m.scalar_type());
+  }
+  TORCH_CHECK(shift.scalar_type() == scale.scalar_type(), "ln_modulate: shift and scale must share a dtype, got ",
+              shift.scalar_type(), " and ", scale.scalar_type());
+  for (const auto& [name, p] : {std::pair<const char*, const optional<Tensor>&>{"weight", weight}, {"bias", bias}}) {
+    if (!p.has_value()) continue;
+    TORCH_CHECK(p->device() == x.device(), "ln_modulate: ", name, " is on ", p->device(), " but x is on ", x.device());
+    TORCH_CHECK(p->dim() == 1 && p->sym_size(0) == x.sym_size(2), "ln_modulate: ", name, " must be [D = ",
+                x.sym_size(2), "], got ", p->sym_sizes());
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Op handles (typed, looked up once)
+// ------------------------------------------------------------------------------------------------
+const c10::TypedOperatorHandle<FwdOut(const Tensor&, const Tensor&, const Tensor&, const optional<Tensor>&,
+                                      const optional<Tensor>&, double)>&
+fwd_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("ds_adaptive::ln_modulate", "")
+                             .typed<FwdOut(const Tensor&, const Tensor&, const Tensor&, const optional<Tensor>&,
+                                           const optional<Tensor>&, double)>();
+  return op;
+}
+
+const c10::TypedOperatorHandle<BwdOut(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                      const optional<Tensor>&, const optional<Tensor>&, bool)>&
+bwd_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("ds_adaptive::ln_modulate_backward", "")
+                             .typed<BwdOut(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                           const optional<Tensor>&, const optional<Tensor>&, bool)>();
+  return op;
+}
+
+optional<Tensor> defined_or_none(const Tensor& t) { return t.defined() ? optional<Tensor>(t) : std::nullopt; }
+
+// ------------------------------------------------------------------------------------------------
+// Autograd: saves x, mean, rstd, scale, weight, bias (not y, not shift). Per-token dshift *is* dy:
+// returned as dy itself when the dtypes agree (no kernel write), written by the backward otherwise.
+// ------------------------------------------------------------------------------------------------
+class LnModulateFunction : public torch::autograd::Function<LnModulateFunction> {
+ public:
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const Tensor& x,
+                                                const Tensor& shift, const Tensor& scale,
+                                                const optional<Tensor>& weight, const optional<Tensor>& bias,
+                                                double eps) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [y, mean, rstd] = fwd_op().call(x, shift, scale, weight, bias, eps);
+    ctx->save_for_backward({x, mean, rstd, scale, weight.value_or(Tensor()), bias.value_or(Tensor())});
+    ctx->saved_data["shift_dtype"] = static_cast<int64_t>(shift.scalar_type());
+    ctx->mark_non_differentiable({mean, rstd});
+    // mean / rstd never get a gradient: without this, autograd fills two [B, S] zero tensors for
+    // them before every backward (two allocations and two fill launches; seen in torch.profiler).
+    ctx->set_materialize_grads(false);
+    return {y, mean, rstd};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const Tensor& x = saved[0];
+    const Tensor& scale = saved[3];
+    Tensor dy = grads[0];
+    if (!dy.defined()) return {Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+    // The kernels read dy through (b, s) strides; a non-unit last-dim stride (e.g. the stride-0
+    // expand of a scalar's gradient) is copied first.
+    if (dy.sym_size(2) != 1 && dy.sym_stride(2) != 1) dy = dy.contiguous();
+    const bool per_token = scale.sym_size(1) != 1;
+    const auto shift_dtype = static_cast<at::ScalarType>(ctx->saved_data["shift_dtype"].toInt());
+    const bool alias_dshift = per_token && shift_dtype == dy.scalar_type();
+    auto [dx, dshift, dscale, dweight, dbias] = bwd_op().call(
+        dy, x, saved[1], saved[2], scale, defined_or_none(saved[4]), defined_or_none(saved[5]),
+        per_token && !alias_dshift);
+    if (alias_dshift) dshift = dy;
+    return {ctx->needs_input_grad(0) ? dx : Tensor(),
+            ctx->needs_input_grad(1) ? dshift : Tensor(),
+            ctx->needs_input_grad(2) ? dscale : Tensor(),
+            saved[4].defined() && ctx->needs_input_grad(3) ? dweight : Tensor(),
+            saved[5].defined() && ctx->needs_input_grad(4) ? dbias : Tensor(),
+            Tensor()};
+  }
+};
+
+FwdOut ln_modulate_autograd(const Tensor& x, const Tensor& shift, const Tensor& scale, const optional<Tensor>& weight,
+                            const optional<Tensor>& bias, double eps) {
+  auto out = LnModulateFunction::apply(x, shift, scale, weight, bias, eps);
+  return {out[0], out[1], out[2]};
+}
+
+// ------------------------------------------------------------------------------------------------
+// Public composite entry point (CompositeImplicitAutograd: autograd records the layout ops, the
+// fused op's own Function does the rest).
+// ------------------------------------------------------------------------------------------------
+Tensor to_modulation_layout(const Tensor& m, const c10::SymInt& B, const c10::SymInt& rows, const c10::SymInt& D,
+                            at::ScalarType dtype) {
+  Tensor t = m.dim() == 2 ? m.unsqueeze(1) : m;
+  if (t.scalar_type() != dtype) t = t.to(dtype);
+  if (!(t.sym_size(0) == B && t.sym_size(1) == rows)) t = t.expand_symint({B, rows, D});  // stride-0 views
+  if (D != 1 && t.sym_stride(2) != 1) t = t.contiguous();
+  return t;
+}
+
+Tensor ln_modulate_apply(const Tensor& x_in, const Tensor& shift, const Tensor& scale, double eps,
+                         const optional<Tensor>& weight, const optional<Tensor>& bias) {
+  check_apply_args(x_in, shift, scale, weight, bias);
+  const c10::SymInt& B = x_in.sym_size(0);
+  const c10::SymInt& D = x_in.sym_size(2);
+  // One modulation dtype: fp32, or x's when both already are.
+  const at::ScalarType sdt = shift.scalar_type(), cdt = scale.scalar_type();
+  const at::ScalarType mdt =
+      (sdt == cdt && (cdt == at::kFloat || cdt == x_in.scalar_type())) ? cdt : at::kFloat;
+  // One modulation layout: per-token when either is, per-sample otherwise.
+  const bool tok = (shift.dim() == 3 && shift.sym_size(1) != 1) || (scale.dim() == 3 && scale.sym_size(1) != 1);
+  const c10::SymInt rows = tok ? x_in.sym_size(1) : c10::SymInt(1);
+  const Tensor sh = to_modulation_layout(shift, B, rows, D, mdt);
+  const Tensor sc = to_modulation_layout(scale, B, rows, D, mdt);
+  const Tensor x = (D != 1 && x_in.sym_stride(2) != 1) ? x_in.contiguous() : x_in;
+  optional<Tensor> w, b;  // in the statistics dtype (fp32; fp64 for fp64 x)
+  const at::ScalarType adt = stats_dtype(x_in);
+  if (weight.has_value()) w = weight->to(adt).contiguous();
+  if (bias.has_value()) {
+    b = bias->to(adt).contiguous();
+    if (!w.has_value()) w = at::ones_symint({D}, b->options());
+  }
+  return std::get<0>(fwd_op().call(x, sh, sc, w, b, eps));
+}
+
+// ------------------------------------------------------------------------------------------------
+// CPU implementation: the kernels' math in ATen (statistics and modulation in fp32, one rounding;
+// fp64 inputs in fp64). Also the reference the GPU tests compare the kernels with.
+// ------------------------------------------------------------------------------------------------
+FwdOut ln_modulate_cpu(const Tensor& x, const Tensor& shift, const Tensor& scale, const optional<Tensor>& weight,
+                       const optional<Tensor>& bias, double eps) {
+  check_op_args(x, shift, scale, weight, bias);
+  const at::ScalarType cdt = stats_dtype(x);
+  const Tensor xf = x.to(cdt);
+  optional<Tensor> wf, bf;
+  if (weight.has_value()) wf = weight->to(cdt);
+  if (bias.has_value()) bf = bias->to(cdt);
+  Tensor y = at::layer_norm(xf, {x.size(2)}, wf, bf, eps);
+  y = (y * (scale.to(cdt) + 1) + shift.to(cdt)).to(x.scalar_type());
+  auto [var, mean] = at::var_mean(xf, at::IntArrayRef{-1}, /*correction=*/at::Scalar(0), /*keepdim=*/false);
+  Tensor rstd = at::rsqrt(var + eps);
+  return {y, mean, rstd};
+}
+
+BwdOut ln_modulate_backward_cpu(const Tensor& dy, const Tensor& x, const Tensor& mean, const Tensor& rstd,
+                                const Tensor& scale, const optional<Tensor>& weight, const optional<Tensor>& bias,
+                                bool need_dshift) {
+  check_op_args(x, scale, scale, weight, bias);
+  TORCH_CHECK(dy.sizes() == x.sizes(), "ln_modulate: dy must match x ", x.sizes(), ", got ", dy.sizes());
+  const at::ScalarType cdt = stats_dtype(x);
+  const Tensor dyf = dy.to(cdt), xf = x.to(cdt);
+  const Tensor xhat = (xf - mean.unsqueeze(-1).to(cdt)) * rstd.unsqueeze(-1).to(cdt);
+  Tensor ln = xhat;
+  if (weight.has_value()) {
+    ln = xhat * weight->to(cdt);
+    if (bias.has_value()) ln = ln + bias->to(cdt);
+  }
+  const Tensor dln = dyf * (scale.to(cdt) + 1);
+  const Tensor g = weight.has_value() ? dln * weight->to(cdt) : dln;
+  const double d = static_cast<double>(x.size(2));
+  const Tensor dx = rstd.unsqueeze(-1).to(cdt) *
+                    (g - g.sum(-1, true) / d - xhat * ((g * xhat).sum(-1, true) / d));
+  Tensor dshift, dscale;
+  if (scale.size(1) == 1) {  // per-sample: reduce over s within each sample
+    dshift = dyf.sum(1, true).to(scale.scalar_type());
+    dscale = (dyf * ln).sum(1, true).to(scale.scalar_type());
+  } else {
+    dshift = need_dshift ? dyf.to(scale.scalar_type(), false, /*copy=*/true) : at::empty({0}, scale.options());
+    dscale = (dyf * ln).to(scale.scalar_type());
+  }
+  const auto f32 = x.options().dtype(at::kFloat);
+  Tensor dweight = weight.has_value() ? (dln * xhat).sum(at::IntArrayRef{0, 1}).to(weight->scalar_type()) : at::empty({0}, f32);
+  Tensor dbias = bias.has_value() ? dln.sum(at::IntArrayRef{0, 1}).to(bias->scalar_type()) : at::empty({0}, f32);
+  return {dx.to(x.scalar_type()), dshift, dscale, dweight, dbias};
+}
+
+// ------------------------------------------------------------------------------------------------
+// Meta implementations (shapes, dtypes, contiguous strides of every backend's outputs)
+// ------------------------------------------------------------------------------------------------
+FwdOut ln_modulate_meta(const Tensor& x, const Tensor& shift, const Tensor& scale, const optional<Tensor>& weight,
+                        const optional<Tensor>& bias, double eps) {
+  check_op_args(x, shift, scale, weight, bias);
+  const auto stats = x.options().dtype(stats_dtype(x));
+  return {at::empty_symint(x.sym_sizes(), x.options()), at::empty_symint({x.sym_size(0), x.sym_size(1)}, stats),
+          at::empty_symint({x.sym_size(0), x.sym_size(1)}, stats)};
+}
+
+BwdOut ln_modulate_backward_meta(const Tensor& dy, const Tensor& x, const Tensor& mean, const Tensor& rstd,
+                                 const Tensor& scale, const optional<Tensor>& weight, const optional<Tensor>& bias,
+                                 bool need_dshift) {
+  const c10::SymInt& B = x.sym_size(0);
+  const c10::SymInt& S = x.sym_size(1);
+  const c10::SymInt& D = x.sym_size(2);
+  Tensor dshift, dscale;
+  if (scale.sym_size(1) == 1) {
+    dshift = at::empty_symint({B, 1, D}, scale.options());
+    dscale = at::empty_symint({B, 1, D}, scale.options());
+  } else {
+    dshift = need_dshift ? at::empty_symint({B, S, D}, scale.options()) : at::empty({0}, scale.options());
+    dscale = at::empty_symint({B, S, D}, scale.options());
+  }
+  const auto f32 = x.options().dtype(at::kFloat);
+  Tensor dweight = weight.has_value() ? at::empty_symint({D}, weight->options()) : at::empty({0}, f32);
+  Tensor dbias = bias.has_value() ? at::empty_symint({D}, bias->options()) : at::empty({0}, f32);
+  return {at::empty_symint(x.sym_sizes(), x.options()), dshift, dscale, dweight, dbias};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ds_adaptive, m) {
+  m.def("ln_modulate_apply(Tensor x, Tensor shift, Tensor scale, float eps=1e-06, Tensor? weight=None, "
+        "Tensor? bias=None) -> Tensor");
+  m.def("ln_modulate(Tensor x, Tensor shift, Tensor scale, Tensor? weight, Tensor? bias, float eps) "
+        "-> (Tensor, Tensor, Tensor)");
+  m.def("ln_modulate_backward(Tensor dy, Tensor x, Tensor mean, Tensor rstd, Tensor scale, Tensor? weight, "
+        "Tensor? bias, bool need_dshift) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(ds_adaptive, CompositeImplicitAutograd, m) { m.impl("ln_modulate_apply", &ln_modulate_apply); }
+
+TORCH_LIBRARY_IMPL(ds_adaptive, Autograd, m) { m.impl("ln_modulate", &ln_modulate_autograd); }
+
+TORCH_LIBRARY_IMPL(ds_adaptive, CPU, m) {
+  m.impl("ln_modulate", &ln_modulate_cpu);
+  m.impl("ln_modulate_backward", &ln_modulate_backward_cpu);
+}
+
+TORCH_LIBRARY_IMPL(ds_adaptive, Meta, m) {
+  m.impl("ln_modulate", &ln_modulate_meta);
+  m.impl("ln_modulate_backward", &ln_modulate_backward_meta);
+}

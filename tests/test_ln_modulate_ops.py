@@ -1,0 +1,219 @@
+"""Guards the C++ registration of ln_modulate (csrc/ln_modulate/ln_modulate_ops.cpp): schemas, the C++
+autograd Function, CPU and Meta implementations, the composite entry point's checks and layouts, and the
+Python layer's choice of the C++ op. Built here as a CPU-only library (no CUDA needed); on a GPU machine
+the full extension (which contains the same file) is loaded instead."""
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+lnm = importlib.import_module("ds_adaptive.ops.ln_modulate")
+from ds_adaptive.ops import ln_modulate_reference  # noqa: E402
+from ds_adaptive.ops.builder import build_cpu_ops  # noqa: E402
+from test_ln_modulate import make, ref64  # noqa: E402  (inputs and fp64 reference of the Python-side tests)
+
+
+@pytest.fixture(scope="module")
+def ops(tmp_path_factory):
+    """torch.ops.ds_adaptive with the op registered (built once per session, ~30 s on 2 cores)."""
+    if torch.cuda.is_available():
+        lnm.load_op(strict=True)  # the CUDA extension registers the same ops (two definitions would clash)
+    else:
+        if shutil.which(os.environ.get("CXX", "c++")) is None:
+            pytest.skip("no C++ compiler: the CPU build of the op's registration needs one")
+        build_cpu_ops(os.environ.get("DS_ADAPTIVE_CPU_OPS_DIR") or str(tmp_path_factory.mktemp("lnm_ops")))
+    return torch.ops.ds_adaptive
+
+
+def test_schemas(ops):
+    assert str(ops.ln_modulate.default._schema) == (
+        "ds_adaptive::ln_modulate(Tensor x, Tensor shift, Tensor scale, Tensor? weight, Tensor? bias, float eps) "
+        "-> (Tensor, Tensor, Tensor)")
+    assert str(ops.ln_modulate_backward.default._schema) == (
+        "ds_adaptive::ln_modulate_backward(Tensor dy, Tensor x, Tensor mean, Tensor rstd, Tensor scale, "
+        "Tensor? weight, Tensor? bias, bool need_dshift) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+    apply = str(ops.ln_modulate_apply.default._schema)
+    assert apply.startswith("ds_adaptive::ln_modulate_apply(Tensor x, Tensor shift, Tensor scale, float eps=")
+    assert apply.endswith("Tensor? weight=None, Tensor? bias=None) -> Tensor")
+    for name, keys in (("ln_modulate", ("CPU", "Meta", "Autograd")), ("ln_modulate_backward", ("CPU", "Meta")),
+                       ("ln_modulate_apply", ("CompositeImplicitAutograd",))):
+        for key in keys:
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(f"ds_adaptive::{name}", key), (name, key)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("per_token", [False, True])
+def test_op_forward_equals_reference_bitwise(ops, dtype, per_token):
+    x, sh, sc, w, b, _ = make(2, 7, 48, dtype, torch.float32, per_token, True)
+    y, mean, rstd = ops.ln_modulate(x, sh, sc, w, b, 1e-6)
+    assert torch.equal(y, ln_modulate_reference(x, sh, sc, 1e-6, w, b))
+    assert mean.dtype == rstd.dtype == torch.float32 and mean.shape == rstd.shape == (2, 7)
+    torch.testing.assert_close(mean, x.float().mean(-1))
+    torch.testing.assert_close(rstd, torch.rsqrt(x.float().var(-1, unbiased=False) + 1e-6))
+
+
+@pytest.mark.parametrize("case", ["per_sample", "per_token", "affine", "affine_per_token"])
+def test_op_gradcheck_fp64(ops, case):
+    x, sh, sc, w, b, _ = make(2, 5, 7, torch.float64, torch.float64, "per_token" in case, "affine" in case)
+    args = [x.requires_grad_(), sh.detach().clone().requires_grad_(), sc.detach().clone().requires_grad_()]
+    if "affine" in case:
+        args += [w.double().requires_grad_(), b.double().requires_grad_()]
+        f = lambda x, sh, sc, w, b: ops.ln_modulate(x, sh, sc, w, b, 1e-5)[0]  # noqa: E731
+    else:
+        f = lambda x, sh, sc: ops.ln_modulate(x, sh, sc, None, None, 1e-5)[0]  # noqa: E731
+    assert torch.autograd.gradcheck(f, tuple(args))
+
+
+def test_apply_gradcheck_through_layouts(ops):
+    """The composite entry point: [B, D] modulation, a B-broadcast one, bias without weight, all
+    differentiated back to their own leaves (a [B, 6, D] table: gradients in the right rows only)."""
+    table = torch.randn(2, 6, 9, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(2, 5, 9, dtype=torch.float64, requires_grad=True)
+    bcast = torch.randn(1, 1, 9, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(9, dtype=torch.float64, requires_grad=True)
+    f = lambda x, t, s, b: ops.ln_modulate_apply(x, t[:, 0], s, 1e-5, None, b)  # noqa: E731
+    assert torch.autograd.gradcheck(f, (x, table, bcast, bias))
+    (gt,) = torch.autograd.grad(f(x, table, bcast, bias).sum(), table)
+    assert gt[:, 1:].abs().sum() == 0 and gt[:, 0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+@pytest.mark.parametrize("affine", [False, True])
+def test_op_backward_matches_fp64_autograd(ops, per_token, affine):
+    """The backward op's math (what the CUDA kernel implements) against fp64 autograd."""
+    x, sh, sc, w, b, dy = make(3, 11, 40, torch.float32, torch.float32, per_token, affine)
+    y, mean, rstd = ops.ln_modulate(x, sh, sc, w, b, 1e-6)
+    dx, dshift, dscale, dw, db = ops.ln_modulate_backward(dy, x, mean, rstd, sc, w, b, per_token)
+    l64 = [t.double().requires_grad_() for t in (x, sh, sc)]
+    a64 = [t.double().requires_grad_() for t in (w, b)] if affine else [None, None]
+    want = torch.autograd.grad(ref64(*l64, 1e-6, *a64), l64 + [a for a in a64 if a is not None], dy.double())
+    got = [dx, dshift, dscale] + ([dw, db] if affine else [])
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g.double(), r, atol=1e-4 * (1 + r.abs().max().item()), rtol=1e-4)
+    if not affine:
+        assert dw.numel() == 0 and db.numel() == 0
+
+
+def test_per_token_dshift_is_dy_itself(ops):
+    """Autograd in C++: per-token dshift of the same dtype as dy is dy (no copy); otherwise written."""
+    x, sh, sc, _, _, dy = make(2, 5, 16, per_token=True)
+    leaves = [t.detach().clone().requires_grad_() for t in (x, sh, sc)]
+    gx, gsh, gsc = torch.autograd.grad(ops.ln_modulate_apply(*leaves, 1e-6), leaves, dy)
+    assert gsh.data_ptr() == dy.data_ptr()
+    xb = x.bfloat16().requires_grad_()
+    (gsh32,) = torch.autograd.grad(ops.ln_modulate_apply(xb, leaves[1], leaves[2], 1e-6), leaves[1], dy.bfloat16())
+    assert gsh32.dtype == torch.float32 and torch.equal(gsh32, dy.bfloat16().float())
+
+
+@pytest.mark.parametrize("dtype,mdtype", [(torch.bfloat16, torch.float32), (torch.float16, torch.float16),
+                                          (torch.float32, torch.float32)])
+@pytest.mark.parametrize("per_token", [False, True])
+@pytest.mark.parametrize("affine", [False, True])
+def test_meta_impl_shapes_and_dtypes(ops, dtype, mdtype, per_token, affine):
+    B, S, D = 3, 7, 24
+    x, sh, sc, w, b, _ = make(B, S, D, dtype, mdtype, per_token, affine)
+    zeros = torch.zeros_like(x)
+    with FakeTensorMode() as mode:
+        fx, fsh, fsc, fdy = (mode.from_tensor(t) for t in (x, sh, sc, zeros))
+        fw, fb = (mode.from_tensor(t) if t is not None else None for t in (w, b))
+        y, mean, rstd = ops.ln_modulate(fx, fsh, fsc, fw, fb, 1e-6)
+        fake = ops.ln_modulate_backward(fdy, fx, mean, rstd, fsc, fw, fb, per_token)
+    assert (y.shape, y.dtype, mean.shape, mean.dtype) == ((B, S, D), dtype, (B, S), torch.float32)
+    rows = S if per_token else 1
+    assert (fake[1].shape, fake[1].dtype, fake[2].shape) == ((B, rows, D), mdtype, (B, rows, D))
+    real = ops.ln_modulate_backward(torch.zeros_like(x), x, *ops.ln_modulate(x, sh, sc, w, b, 1e-6)[1:], sc, w, b,
+                                    per_token)
+    for f, r in zip(fake, real):
+        assert f.shape == r.shape and f.dtype == r.dtype and f.stride() == r.stride()
+
+
+@pytest.mark.parametrize("args", ["plain", "affine", "per_token_bf16"])
+def test_opcheck(ops, args):
+    if args == "plain":
+        x, sh, sc, w, b, _ = make(2, 5, 16)
+    elif args == "affine":
+        x, sh, sc, w, b, _ = make(2, 5, 16, affine=True)
+    else:
+        x, sh, sc, w, b, _ = make(2, 5, 16, torch.bfloat16, torch.float32, per_token=True)
+    torch.library.opcheck(ops.ln_modulate.default, (x, sh, sc, w, b, 1e-6))
+    torch.library.opcheck(ops.ln_modulate.default, (x.requires_grad_(), sh.detach().requires_grad_(),
+                                                    sc.detach().requires_grad_(), w, b, 1e-6))
+
+
+def test_torch_compile_of_the_apply_op_matches_eager(ops):
+    x, _, _, w, _, dy = make(2, 9, 32, affine=True)
+
+    def f(x, table, w):
+        return ops.ln_modulate_apply(x * 2, table[:, 0], table[:, 1:2], 1e-6, w, None).sin()
+
+    table = torch.randn(2, 6, 32)
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True, dynamic=True)
+    outs = []
+    for fn in (f, compiled):
+        leaves = [x.clone().requires_grad_(), table.clone().requires_grad_(), w.clone().requires_grad_()]
+        y = fn(*leaves)
+        outs.append([y] + list(torch.autograd.grad(y, leaves, dy)))
+    for e, c in zip(*outs):
+        torch.testing.assert_close(c, e)
+
+
+BAD = [
+    (lambda x, sh, sc: (x[0], sh, sc), ValueError, r"x must be a \[B, S, D\] tensor"),
+    (lambda x, sh, sc: (x.long(), sh, sc), TypeError, "x must be a floating-point tensor"),
+    (lambda x, sh, sc: (x, sh[..., :3], sc), ValueError, r"shift must be \[B, D\], \[B, 1, D\] or \[B, S, D\]"),
+    (lambda x, sh, sc: (x, sh, sc[:, :, :, None]), ValueError, r"scale must be"),
+    (lambda x, sh, sc: (x, sh, sc.expand(2, 3, 8)), ValueError, r"scale must be .* S = 5"),
+    (lambda x, sh, sc: (x, sh.long(), sc), TypeError, "shift must be floating point"),
+    (lambda x, sh, sc: (x, sh.to("meta"), sc), ValueError, "shift is on meta but x is on cpu"),
+]
+
+
+@pytest.mark.parametrize("i", range(len(BAD)))
+def test_apply_checks_match_the_python_messages(ops, i):
+    bad, exc, match = BAD[i]
+    x, sh, sc, *_ = make(2, 5, 8)
+    args = bad(x, sh, sc)
+    with pytest.raises(exc, match=match):
+        ops.ln_modulate_apply(*args, 1e-6)
+    with pytest.raises(exc, match=match):  # the reference path's own checks say the same
+        lnm._check_args(*args, None, None)
+    with pytest.raises(ValueError, match=r"weight must be a \[D\] = \[8\] tensor or None"):
+        ops.ln_modulate_apply(x, sh, sc, 1e-6, torch.ones(7))
+    with pytest.raises(RuntimeError, match="must be float32 or x's dtype"):
+        ops.ln_modulate(x, sh.half(), sc.half(), None, None, 1e-6)
+
+
+class _CudaLooking(torch.Tensor):
+    """A CPU tensor that reports is_cuda (the Python layer's choice is what is tested)."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+def _graph_nodes(t, depth=4):
+    names, frontier = set(), [t.grad_fn]
+    for _ in range(depth):
+        frontier = [n for n in frontier if n is not None]
+        names |= {type(n).__name__ for n in frontier}
+        frontier = [nxt for n in frontier for nxt, _ in n.next_functions]
+    return names
+
+
+def test_python_layer_calls_the_cpp_op_when_loaded(ops, monkeypatch):
+    state = lnm._OpState()
+    state.tried, state.ext, state.apply = True, object(), ops.ln_modulate_apply.default
+    monkeypatch.setattr(lnm, "_STATE", state)
+    monkeypatch.setenv(lnm.ENV_VAR, "auto")
+    x, sh, sc, w, b, dy = make(2, 5, 24, affine=True)
+    xc = torch.Tensor._make_subclass(_CudaLooking, x.clone(), True)
+    y = lnm.ln_modulate(xc, sh, sc, 1e-6, w, b)
+    assert "CppFunction" in _graph_nodes(y)  # the C++ autograd Function, not the reference's graph
+    torch.testing.assert_close(y.as_subclass(torch.Tensor), ln_modulate_reference(x, sh, sc, 1e-6, w, b))
+    monkeypatch.setenv(lnm.ENV_VAR, "reference")
+    assert "CppFunction" not in _graph_nodes(lnm.ln_modulate(xc, sh, sc))
