@@ -558,6 +558,8 @@ class UlyssesWan:
         if tokens.shape[1] != shard.seq_len:
             raise ValueError(f"target has {tokens.shape[1]} tokens, the model output {shard.seq_len}: "
                              "give the target the latents' shape")
+        grid = tuple(n // p for n, p in zip(target.shape[2:], self.model.config.patch_size))
+        tokens = self.model.order_tokens(tokens, grid)  # the model's token order (cube order under sparse attention)
         return tokens[:, shard.start:shard.start + shard.valid]
 
     # ---------------------------------------------------------------- forward
