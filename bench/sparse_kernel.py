@@ -1,0 +1,131 @@
+"""Block-sparse attention kernel vs dense cuDNN SDPA, Wan 1.3B heads (12 x 128), bf16, fwd+bwd.
+
+For each S (default 32,760 and 75,600 tokens: 81x480x832 and 81x720x1280 videos), in one run:
+
+* dense: ``dense_attention`` (SDPA on [B, S, H, Dh] views) under the cuDNN backend, and flash;
+* sparse: ``flex_block_sparse_attention`` with a block top-k selection (128-token blocks, diagonal
+  kept, random block scores) at each density of --densities: time, speed-up vs cuDNN and effective
+  TFLOP/s (dense-equivalent FLOPs x selected share / time) as a share of cuDNN's;
+* overhead per layer and forward: predictor block scores + top-k + BlockMask build (what every
+  sparse layer pays), as a share of the sparse fwd+bwd at density 0.1; and a profiling pass
+  (exact logits of 128 rows, density, predictor loss + backward: every profile_interval steps).
+
+Timing: CUDA events, --warmup untimed then --reps timed calls, median. FLOPs: 4 B H S^2 Dh for the
+forward, x3.5 for fwd+bwd (backward = 2.5 forward). Prints a table, writes JSON (--out).
+
+    python bench/sparse_kernel.py --out bench/results/sparse_kernel_h200.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sparse_common import cuda_time as _time, run_meta  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq", type=int, nargs="+", default=[32760, 75600])
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--densities", type=float, nargs="+", default=[0.05, 0.1, 0.2, 0.4])
+    p.add_argument("--block", type=int, default=128)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--out", default="bench/results/sparse_kernel.json")
+    args = p.parse_args(argv)
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from ds_adaptive.sparse.attention import block_mask_from_selection, dense_attention, flex_block_sparse_attention
+    from ds_adaptive.sparse.predictor import LowRankPredictor
+    from ds_adaptive.sparse.profiler import exact_logits, profile_rows, sample_rows
+    from ds_adaptive.sparse.selection import blocks_for_density, select_blocks
+
+    dev = torch.device("cuda")
+    b, h, d = args.batch, args.heads, args.head_dim
+    rows = []
+    for s in args.seq:
+        g = torch.Generator(device=dev).manual_seed(s)
+        q, k, v = (torch.randn(b, s, h, d, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_(True)
+                   for _ in range(3))
+        dout = torch.randn(b, s, h, d, device=dev, dtype=torch.bfloat16, generator=g)
+        flops = 3.5 * 4 * b * h * s * s * d
+
+        def run(attn):
+            def f():
+                q.grad = k.grad = v.grad = None
+                attn().backward(dout)
+            return f
+
+        res = {"seq": s}
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            res["cudnn_ms"] = _time(run(lambda: dense_attention(q, k, v)), args.warmup, args.reps)
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            res["flash_ms"] = _time(run(lambda: dense_attention(q, k, v)), args.warmup, args.reps)
+        res["cudnn_tflops"] = flops / res["cudnn_ms"] / 1e9
+        nk = math.ceil(s / args.block)
+        res["sparse"] = []
+        for dens in args.densities:
+            kph = blocks_for_density(torch.full((h,), dens), nk)
+            scores = torch.randn(b, h, nk, nk, device=dev, generator=g)
+            sel = select_blocks(scores, kph, seq_len=s, block_size=args.block)
+            bm = block_mask_from_selection(sel)
+            share = float(sel.density().mean())
+            ms = _time(run(lambda: flex_block_sparse_attention(q, k, v, sel, block_mask=bm)), args.warmup, args.reps)
+            eff = flops * share / ms / 1e9
+            res["sparse"].append({"density": dens, "selected_share": share, "ms": ms,
+                                  "speedup_vs_cudnn": res["cudnn_ms"] / ms, "eff_tflops": eff,
+                                  "eff_vs_cudnn": eff / res["cudnn_tflops"]})
+        # overhead of one sparse layer's forward: predictor scores + top-k + BlockMask
+        pred = LowRankPredictor(1, h, d, 16).to(dev)
+        kph = blocks_for_density(torch.full((h,), 0.1), nk)
+        qd, kd = q.detach(), k.detach()
+
+        def select():
+            sc = pred.block_scores(0, qd, kd, args.block)
+            block_mask_from_selection(select_blocks(sc, kph, seq_len=s, block_size=args.block))
+        res["select_ms"] = _time(select, args.warmup, args.reps)
+        gen = torch.Generator().manual_seed(0)
+
+        def profile():
+            r = sample_rows(s, 128, generator=gen, device=dev)
+            lg = exact_logits(qd, kd, r)
+            profile_rows(lg, r, args.block, 0.99)
+            pred.loss(0, qd[:, r], kd, lg).backward()
+        res["profile_ms"] = _time(profile, args.warmup, args.reps)
+        sp01 = next((x["ms"] for x in res["sparse"] if abs(x["density"] - 0.1) < 1e-9), None)
+        res["select_share_at_0.1"] = res["select_ms"] / sp01 if sp01 else None
+        rows.append(res)
+        del q, k, v, dout
+        torch.cuda.empty_cache()
+
+    meta = run_meta(batch=b, heads=h, head_dim=d, block=args.block, warmup=args.warmup, reps=args.reps)
+    commit = meta["commit"]
+    print(f"# sparse kernel, {meta['device']}, torch {meta['torch']}, commit {commit}, B={b} H={h} Dh={d} bf16 fwd+bwd")
+    print(f"{'S':>7} {'cuDNN ms':>9} {'flash ms':>9} {'cuDNN TF/s':>10} | {'dens':>5} {'ms':>8} {'x cuDNN':>8} "
+          f"{'eff TF/s':>8} {'eff/cuDNN':>9}")
+    for r in rows:
+        for i, x in enumerate(r["sparse"]):
+            head = (f"{r['seq']:>7} {r['cudnn_ms']:9.2f} {r['flash_ms']:9.2f} {r['cudnn_tflops']:10.0f}" if i == 0
+                    else " " * 38)
+            print(f"{head} | {x['density']:5.2f} {x['ms']:8.2f} {x['speedup_vs_cudnn']:8.2f} {x['eff_tflops']:8.0f} "
+                  f"{x['eff_vs_cudnn']:9.2f}")
+        print(f"{'':>7} selection+predictor {r['select_ms']:.2f} ms = {100 * (r['select_share_at_0.1'] or 0):.1f}% "
+              f"of sparse fwd+bwd at 0.1; profiling pass {r['profile_ms']:.2f} ms")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
