@@ -11,7 +11,7 @@ rc=0
 for s in $STEPS; do
   echo "=== $s ($(date -u +%T))"
   case $s in
-    tests)  timeout 300 python -m pytest tests/gpu/test_sparse_gpu.py -q -x -p no:cacheprovider 2>&1 | tee "$OUT/tests.txt" || rc=1 ;;
+    tests)  timeout 360 python -m pytest tests/gpu/test_sparse_gpu.py -q -x -p no:cacheprovider 2>&1 | tee "$OUT/tests.txt" || rc=1 ;;
     kernel) timeout 300 python bench/sparse_kernel.py --out "$OUT/sparse_kernel.json" ${KERNEL_ARGS:-} 2>&1 | tee "$OUT/kernel.txt" || rc=1 ;;
     e2e)    timeout 420 python bench/sparse_e2e.py --out "$OUT/sparse_e2e.json" ${E2E_ARGS:-} 2>&1 | tee "$OUT/e2e.txt" || rc=1 ;;
   esac

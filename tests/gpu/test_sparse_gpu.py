@@ -41,7 +41,7 @@ def _check_close(fn, ref_lowp, q, k, v, dout, what):
         assert _err(o, e) <= bound, (what, name, _err(o, e), bound)
 
 
-@pytest.mark.parametrize("b,s,h", [(1, 4096, 2), (2, 1000, 3), (2, 4100, 2)])
+@pytest.mark.parametrize("b,s,h", [(1, 4096, 2), (2, 1000, 3)])
 def test_all_blocks_equals_dense_sdpa(b, s, h) -> None:
     q, k, v = _qkv(b, s, h, 128, seed=s)
     dout = torch.randn_like(q)
@@ -50,7 +50,7 @@ def test_all_blocks_equals_dense_sdpa(b, s, h) -> None:
                  q, k, v, dout, (b, s, h))
 
 
-@pytest.mark.parametrize("b,s,h,valid", [(2, 1000, 3, None), (1, 3000, 2, None), (2, 2050, 2, 2047)])
+@pytest.mark.parametrize("b,s,h,valid", [(2, 1000, 3, None), (1, 4096, 2, 4093)])
 def test_random_selection_equals_masked_reference(b, s, h, valid) -> None:
     q, k, v = _qkv(b, s, h, 128, seed=7 + s)
     dout = torch.randn_like(q)
