@@ -11,9 +11,9 @@ rc=0
 for s in $STEPS; do
   echo "=== $s ($(date -u +%T))"
   case $s in
-    tests)  timeout 360 python -m pytest tests/gpu/test_sparse_gpu.py -q -x -p no:cacheprovider 2>&1 | tee "$OUT/tests.txt" || rc=1 ;;
-    kernel) timeout 300 python bench/sparse_kernel.py --out "$OUT/sparse_kernel.json" ${KERNEL_ARGS:-} 2>&1 | tee "$OUT/kernel.txt" || rc=1 ;;
-    e2e)    timeout 420 python bench/sparse_e2e.py --out "$OUT/sparse_e2e.json" ${E2E_ARGS:-} 2>&1 | tee "$OUT/e2e.txt" || rc=1 ;;
+    tests)  timeout ${T_TESTS:-360} python -m pytest tests/gpu/test_sparse_gpu.py -q -x -p no:cacheprovider 2>&1 | tee "$OUT/tests.txt" || rc=1 ;;
+    kernel) timeout ${T_KERNEL:-330} python bench/sparse_kernel.py --out "$OUT/sparse_kernel.json" ${KERNEL_ARGS:-} 2>&1 | tee "$OUT/kernel.txt" || rc=1 ;;
+    e2e)    timeout ${T_E2E:-420} python bench/sparse_e2e.py --out "$OUT/sparse_e2e.json" ${E2E_ARGS:-} 2>&1 | tee "$OUT/e2e.txt" || rc=1 ;;
   esac
 done
 echo "=== done rc=$rc ($(date -u +%T))"

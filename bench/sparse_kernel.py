@@ -29,6 +29,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sparse_common import cuda_time as _time, run_meta  # noqa: E402
 
 
+VARIANTS = {
+    # name: (pad_to_block, kernel_options); "pad" is the op's default
+    "pad": (True, None),
+    "nopad": (False, None),
+    "pad_m128n128w8s2": (True, {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}),
+    "pad_tma": (True, {"USE_TMA": True}),
+}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq", type=int, nargs="+", default=[32760, 75600])
@@ -39,6 +48,8 @@ def main(argv=None) -> int:
     p.add_argument("--block", type=int, default=128)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--variants", nargs="+", default=["pad"], choices=sorted(VARIANTS),
+                   help="kernel variants to time (the first is the one the summary ratios use)")
     p.add_argument("--out", default="bench/results/sparse_kernel.json")
     args = p.parse_args(argv)
 
@@ -73,17 +84,26 @@ def main(argv=None) -> int:
         res["cudnn_tflops"] = flops / res["cudnn_ms"] / 1e9
         nk = math.ceil(s / args.block)
         res["sparse"] = []
+        sels = {}
         for dens in args.densities:
             kph = blocks_for_density(torch.full((h,), dens), nk)
-            scores = torch.randn(b, h, nk, nk, device=dev, generator=g)
-            sel = select_blocks(scores, kph, seq_len=s, block_size=args.block)
-            bm = block_mask_from_selection(sel)
-            share = float(sel.density().mean())
-            ms = _time(run(lambda: flex_block_sparse_attention(q, k, v, sel, block_mask=bm)), args.warmup, args.reps)
-            eff = flops * share / ms / 1e9
-            res["sparse"].append({"density": dens, "selected_share": share, "ms": ms,
-                                  "speedup_vs_cudnn": res["cudnn_ms"] / ms, "eff_tflops": eff,
-                                  "eff_vs_cudnn": eff / res["cudnn_tflops"]})
+            sels[dens] = select_blocks(torch.randn(b, h, nk, nk, device=dev, generator=g), kph, seq_len=s,
+                                       block_size=args.block)
+        for vname in args.variants:
+            pad, opts = VARIANTS[vname]
+            for dens, sel in sels.items():
+                share = float(sel.density().mean())
+                try:
+                    bm = block_mask_from_selection(sel, pad_to_block=pad)
+                    ms = _time(run(lambda: flex_block_sparse_attention(q, k, v, sel, block_mask=bm, pad_to_block=pad,
+                                                                       kernel_options=opts)), args.warmup, args.reps)
+                except Exception as exc:  # a tile config that does not compile: report, keep going
+                    print(f"variant {vname} at S={s} density {dens}: {type(exc).__name__}: {str(exc)[:300]}")
+                    break
+                eff = flops * share / ms / 1e9
+                res["sparse"].append({"variant": vname, "density": dens, "selected_share": share, "ms": ms,
+                                      "speedup_vs_cudnn": res["cudnn_ms"] / ms, "eff_tflops": eff,
+                                      "eff_vs_cudnn": eff / res["cudnn_tflops"]})
         # overhead of one sparse layer's forward: predictor scores + top-k + BlockMask
         pred = LowRankPredictor(1, h, d, 16).to(dev)
         kph = blocks_for_density(torch.full((h,), 0.1), nk)
@@ -101,7 +121,8 @@ def main(argv=None) -> int:
             profile_rows(lg, r, args.block, 0.99)
             pred.loss(0, qd[:, r], kd, lg).backward()
         res["profile_ms"] = _time(profile, args.warmup, args.reps)
-        sp01 = next((x["ms"] for x in res["sparse"] if abs(x["density"] - 0.1) < 1e-9), None)
+        sp01 = next((x["ms"] for x in res["sparse"] if abs(x["density"] - 0.1) < 1e-9
+                     and x["variant"] == args.variants[0]), None)
         res["select_share_at_0.1"] = res["select_ms"] / sp01 if sp01 else None
         rows.append(res)
         del q, k, v, dout
@@ -110,13 +131,13 @@ def main(argv=None) -> int:
     meta = run_meta(batch=b, heads=h, head_dim=d, block=args.block, warmup=args.warmup, reps=args.reps)
     commit = meta["commit"]
     print(f"# sparse kernel, {meta['device']}, torch {meta['torch']}, commit {commit}, B={b} H={h} Dh={d} bf16 fwd+bwd")
-    print(f"{'S':>7} {'cuDNN ms':>9} {'flash ms':>9} {'cuDNN TF/s':>10} | {'dens':>5} {'ms':>8} {'x cuDNN':>8} "
-          f"{'eff TF/s':>8} {'eff/cuDNN':>9}")
+    print(f"{'S':>7} {'cuDNN ms':>9} {'flash ms':>9} {'cuDNN TF/s':>10} | {'variant':>16} {'dens':>5} {'ms':>8} "
+          f"{'x cuDNN':>8} {'eff TF/s':>8} {'eff/cuDNN':>9}")
     for r in rows:
         for i, x in enumerate(r["sparse"]):
             head = (f"{r['seq']:>7} {r['cudnn_ms']:9.2f} {r['flash_ms']:9.2f} {r['cudnn_tflops']:10.0f}" if i == 0
                     else " " * 38)
-            print(f"{head} | {x['density']:5.2f} {x['ms']:8.2f} {x['speedup_vs_cudnn']:8.2f} {x['eff_tflops']:8.0f} "
+            print(f"{head} | {x['variant']:>16} {x['density']:5.2f} {x['ms']:8.2f} {x['speedup_vs_cudnn']:8.2f} {x['eff_tflops']:8.0f} "
                   f"{x['eff_vs_cudnn']:9.2f}")
         print(f"{'':>7} selection+predictor {r['select_ms']:.2f} ms = {100 * (r['select_share_at_0.1'] or 0):.1f}% "
               f"of sparse fwd+bwd at 0.1; profiling pass {r['profile_ms']:.2f} ms")

@@ -17,6 +17,7 @@ attended among themselves and padded query rows give 0.
 """
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from typing import Optional
@@ -111,29 +112,54 @@ def _flex(max_shapes: int):
     return _compiled
 
 
-def block_mask_from_selection(selection: BlockSelection):
-    """FlexAttention ``BlockMask`` with the selected blocks as full blocks (no partial blocks)."""
+@functools.lru_cache(maxsize=256)
+def _keys_below(seq_len: int):
+    """mask_mod of the ragged last key block (one function object per length: no recompiles)."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        return kv_idx < seq_len
+    return mask_mod
+
+
+def block_mask_from_selection(selection: BlockSelection, *, pad_to_block: bool = True):
+    """FlexAttention ``BlockMask`` with the selected blocks as full blocks.
+
+    ``pad_to_block`` and S not a multiple of the block: the mask is for S rounded up to whole
+    blocks (:func:`flex_block_sparse_attention` zero-pads q, k, v), so the kernel runs its
+    divisible-length path; the ragged last key block, where selected, becomes the one partial
+    block (``mask_mod``: key < S). Otherwise every block is full and flex masks the tail itself.
+    """
     from torch.nn.attention.flex_attention import BlockMask
-    zeros_num = torch.zeros_like(selection.kv_num)
-    zeros_idx = torch.zeros_like(selection.kv_idx)
-    return BlockMask.from_kv_blocks(zeros_num, zeros_idx, selection.kv_num, selection.kv_idx,
-                                    BLOCK_SIZE=selection.block_size,
-                                    seq_lengths=(selection.seq_len, selection.seq_len))
+    s, bs, n = selection.seq_len, selection.block_size, selection.num_blocks
+    if not pad_to_block or s % bs == 0:
+        return BlockMask.from_kv_blocks(torch.zeros_like(selection.kv_num), torch.zeros_like(selection.kv_idx),
+                                        selection.kv_num, selection.kv_idx, BLOCK_SIZE=bs, seq_lengths=(s, s))
+    # selected indices are ascending, so the last block, if selected, sits at position kv_num - 1
+    pos = (selection.kv_num.long() - 1).clamp_min(0).unsqueeze(-1)
+    has_last = ((selection.kv_idx.gather(-1, pos).squeeze(-1) == n - 1) & (selection.kv_num > 0)).to(torch.int32)
+    return BlockMask.from_kv_blocks(has_last, torch.full_like(selection.kv_idx, n - 1),
+                                    selection.kv_num - has_last, selection.kv_idx, BLOCK_SIZE=bs,
+                                    mask_mod=_keys_below(s), seq_lengths=(n * bs, n * bs))
 
 
 def flex_block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: BlockSelection, *,
-                                valid_len: Optional[int] = None, max_shapes: int = 64,
-                                block_mask=None) -> torch.Tensor:
+                                valid_len: Optional[int] = None, max_shapes: int = 64, block_mask=None,
+                                pad_to_block: bool = True, kernel_options: Optional[dict] = None) -> torch.Tensor:
     """Block-sparse attention by compiled FlexAttention (CUDA); see the module docstring.
 
-    ``block_mask``: a prebuilt :func:`block_mask_from_selection` of the (valid-length) selection,
-    e.g. cached by the caller for the activation-checkpointing recompute.
+    ``block_mask``: a prebuilt :func:`block_mask_from_selection` of the (valid-length) selection with
+    the same ``pad_to_block``, e.g. cached by the caller for the activation-checkpointing recompute.
+    ``kernel_options``: passed to flex_attention (tile sizes, warps, stages).
     """
     _check(q, k, v, selection)
     if not q.is_cuda:
         raise SparseKernelError("the flex block-sparse kernel needs CUDA tensors; use backend 'reference' on CPU")
     q, k, v, sel, pad = _split_valid(q, k, v, selection, valid_len)
-    key = (q.shape[0], q.shape[2], q.shape[1], q.shape[3], v.shape[3], q.dtype, sel.block_size, q.device.index)
+    s, bs = q.shape[1], sel.block_size
+    tail = (-s) % bs if pad_to_block else 0
+    if tail:  # whole blocks: the kernel's divisible path (the padded keys are masked in the last block)
+        q, k, v = (F.pad(t, (0, 0, 0, 0, 0, tail)) for t in (q, k, v))
+    key = (q.shape[0], q.shape[2], q.shape[1], q.shape[3], v.shape[3], q.dtype, bs, q.device.index,
+           tuple(sorted((kernel_options or {}).items())))
     with _lock:
         fn = _flex(max_shapes)
         if key not in _shapes:
@@ -143,10 +169,13 @@ def flex_block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                     f"(adaptive_load.sparse_attention.max_compiled_shapes = {max_shapes}); shape (B, H, S, Dh) = "
                     f"{key[:4]} would need one more compile. Raise max_compiled_shapes or bucket the shapes")
             _shapes.add(key)
-    bm = block_mask if block_mask is not None else block_mask_from_selection(sel)
+    bm = block_mask if block_mask is not None else block_mask_from_selection(sel, pad_to_block=pad_to_block)
     import torch._dynamo
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-        out = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=bm).transpose(1, 2)
+        out = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=bm,
+                 kernel_options=kernel_options).transpose(1, 2)
+    if tail:
+        out = out[:, :s]
     return F.pad(out, (0, 0, 0, 0, 0, pad)) if pad else out
 
 

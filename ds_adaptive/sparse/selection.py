@@ -26,7 +26,7 @@ class BlockSelection:
     kv_num: torch.Tensor
     """[B, H, nq] int32: number of selected key blocks of each query block."""
     kv_idx: torch.Tensor
-    """[B, H, nq, nk] int32: selected key-block indices first (``kv_idx[..., :kv_num]``)."""
+    """[B, H, nq, nk] int32: selected key-block indices first (``kv_idx[..., :kv_num]``), ascending."""
     block_size: int
     """Tokens per block (query and key)."""
     seq_len: int
@@ -94,7 +94,7 @@ def select_blocks(scores: torch.Tensor, k_per_head: torch.Tensor, *, seq_len: in
     keep_sink: key block 0 is always selected too.
     """
     b, h, nq, nk = scores.shape
-    k = torch.as_tensor(k_per_head, device=scores.device).long()
+    k = torch.as_tensor(k_per_head).long().cpu()  # validated on the host: no device sync
     if k.shape != (h,):
         raise SelectionError(f"k_per_head must have one entry per head ({h}), got shape {list(k.shape)}")
     if int(k.min()) < 1 or int(k.max()) > nk:
@@ -102,23 +102,23 @@ def select_blocks(scores: torch.Tensor, k_per_head: torch.Tensor, *, seq_len: in
     forced = int(keep_diagonal) + int(keep_sink)
     if nq != nk and keep_diagonal:
         raise SelectionError(f"keep_diagonal needs nq == nk, got {nq} query and {nk} key blocks")
+    k = k.clamp(min=min(forced, nk)) if forced else k
+    kmax = int(k.max())
     s = scores.float().clone()
     big = torch.finfo(torch.float32).max
     if keep_diagonal:
         s.diagonal(dim1=-2, dim2=-1).fill_(big)
     if keep_sink:
         s[..., 0] = big
-    if forced and int(k.min()) < forced:
-        k = k.clamp(min=min(forced, nk))
-    kmax = int(k.max())
     top = torch.topk(s, kmax, dim=-1, sorted=True).indices  # [B, H, nq, kmax]
-    # ascending block order inside each row's selection (better K/V locality in the kernel)
-    col = torch.arange(kmax, device=s.device)
-    valid = col < k.view(1, h, 1, 1)
+    k_dev = k.to(s.device, non_blocking=True)
+    # ascending block order inside each row's selection (K/V locality; flex_block_sparse_attention
+    # relies on it to find the ragged last block at position kv_num - 1)
+    valid = torch.arange(kmax, device=s.device) < k_dev.view(1, h, 1, 1)
     top = torch.where(valid, top, nk).sort(dim=-1).values
     kv_idx = torch.zeros(b, h, nq, nk, dtype=torch.int32, device=s.device)
     kv_idx[..., :kmax] = torch.where(top < nk, top, 0).to(torch.int32)
-    kv_num = k.view(1, h, 1).expand(b, h, nq).to(torch.int32).contiguous()
+    kv_num = k_dev.view(1, h, 1).expand(b, h, nq).to(torch.int32).contiguous()
     return BlockSelection(kv_num=kv_num, kv_idx=kv_idx, block_size=block_size, seq_len=seq_len)
 
 
