@@ -367,6 +367,10 @@ def train(args: argparse.Namespace) -> dict:
     model, wcfg = _build_model(args, cfg, ds_cfg)
     if sp.enabled:
         apply_ulysses(model, sp)  # sequence sharding + DistributedAttention; forward(..., target=) -> shard loss
+    from .sparse.telemetry import SparseTrainerHook  # DSV sparse attention (None when off)
+
+    sparse = SparseTrainerHook.attach(model, cfg.sparse_attention, sp=sp, device=device,
+                                      log_dir=args.log_dir or cfg.metrics.log_dir, is_writer=rank == 0)
 
     import deepspeed
     from deepspeed.accelerator import get_accelerator
@@ -420,6 +424,8 @@ def train(args: argparse.Namespace) -> dict:
                              f"(client_state has no '{CLIENT_STATE_KEY}')")
         sampler.load_state_dict(state["sampler"])
         global_step, epoch, step_in_epoch = state["global_step"], state["epoch"], state["step_in_epoch"]
+        if sparse is not None:
+            sparse.load(client)
         if rank == 0:
             print(f"resumed from {load_path}: step {global_step} (epoch {epoch}, step {step_in_epoch} of the epoch)")
 
@@ -491,6 +497,8 @@ def train(args: argparse.Namespace) -> dict:
                                 g["lr"] *= factor
                         step_lr = opt_groups[0]["lr"]
                     engine.step()
+                    if sparse is not None and micro == gas - 1:
+                        sparse.after_step()
                     if micro == gas - 1 and factor != 1.0 and engine.lr_scheduler is None:
                         for g, lr in zip(opt_groups, base):
                             g["lr"] = lr
@@ -504,22 +512,26 @@ def train(args: argparse.Namespace) -> dict:
                 if rec.samples != totals.samples:
                     raise RuntimeError(f"step {global_step}: the ranks processed {rec.samples} samples but the "
                                        f"sampler's step_totals said {totals.samples}; the plan is inconsistent")
+                if sparse is not None and (global_step % cfg.metrics.interval == 0 or global_step == args.steps):
+                    sparse.log(global_step, metrics)
                 progress.update(rec, args.steps)
                 if args.save and args.save_interval and global_step % args.save_interval == 0:
-                    _save(engine, args, sampler, global_step, epoch, step_in_epoch, world)
+                    _save(engine, args, sampler, global_step, epoch, step_in_epoch, world, sparse)
                     last_saved = global_step
             del batches, loader
             if step_in_epoch >= sampler.steps_per_epoch:
                 epoch += 1
                 step_in_epoch = 0
         if args.save and last_saved != global_step:
-            _save(engine, args, sampler, global_step, epoch, step_in_epoch, world)
+            _save(engine, args, sampler, global_step, epoch, step_in_epoch, world, sparse)
     finally:
         progress.close()
         metrics.close()
 
     summary = metrics.summary()
     summary["final_step"] = global_step
+    if sparse is not None:
+        sparse.finish(summary)
     if args.eval_samples:
         held_out = build_dataset("synthetic", num_samples=args.eval_samples, shapes=shapes,
                                  seed=args.seed + EVAL_SEED_OFFSET)
@@ -535,10 +547,12 @@ def train(args: argparse.Namespace) -> dict:
     return summary
 
 
-def _save(engine, args, sampler, global_step: int, epoch: int, step_in_epoch: int, world: int) -> None:
+def _save(engine, args, sampler, global_step: int, epoch: int, step_in_epoch: int, world: int, sparse=None) -> None:
     t0 = time.perf_counter()
-    engine.save_checkpoint(args.save, tag=f"global_step{global_step}",
-                           client_state=_checkpoint_state(sampler, global_step, epoch, step_in_epoch, args, world))
+    client_state = _checkpoint_state(sampler, global_step, epoch, step_in_epoch, args, world)
+    if sparse is not None:
+        client_state.update(sparse.client_state())
+    engine.save_checkpoint(args.save, tag=f"global_step{global_step}", client_state=client_state)
     if torch.distributed.get_rank() == 0:
         print(f"saved checkpoint step {global_step} to {args.save} ({time.perf_counter() - t0:.1f} s)", flush=True)
 

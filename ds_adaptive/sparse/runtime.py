@@ -85,7 +85,7 @@ class SparseAttentionRuntime:
 
     def __init__(self, cfg: Union[SparseAttentionConfig, dict, None], *, num_layers: int, num_heads: int,
                  head_dim: int, device: Union[str, torch.device, None] = None, sp_rank: int = 0, sp_size: int = 1,
-                 group=None):
+                 group=None, sp_group=None):
         cfg = cfg if isinstance(cfg, SparseAttentionConfig) else SparseAttentionConfig.model_validate(cfg or {})
         if cfg.predictor_rank > head_dim:
             raise ValueError(f"adaptive_load.sparse_attention.predictor_rank = {cfg.predictor_rank} is larger than "
@@ -97,6 +97,7 @@ class SparseAttentionRuntime:
         self.local_heads = num_heads // sp_size
         self.head_offset = sp_rank * self.local_heads
         self.group = group
+        self.sp_group, self.sp_size, self.sp_rank = sp_group, sp_size, sp_rank
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.predictor = LowRankPredictor(num_layers, num_heads, head_dim, cfg.predictor_rank, seed=cfg.seed).to(self.device)
         self.optimizer = torch.optim.AdamW(self.predictor.parameters(), lr=cfg.predictor_lr, weight_decay=0.0)
@@ -288,18 +289,53 @@ class SparseAttentionRuntime:
                               "sparse": sparse},
         }
 
+    def _all_head_density(self) -> torch.Tensor:
+        """[L, H] densities of all heads (gathered over the SP group: each rank profiles its own heads)."""
+        if self.sp_size == 1:
+            return self.head_density.clone()
+        dist = torch.distributed
+        parts = [torch.empty_like(self.head_density) for _ in range(self.sp_size)]
+        dist.all_gather(parts, self.head_density.contiguous(), group=self.sp_group)
+        return torch.cat(parts, dim=1)
+
     def state_dict(self) -> dict:
+        """Checkpoint state (a collective under SP > 1: call it on every rank). The predictor, its
+        optimizer and the schedule are replicated; head densities are gathered over the SP group."""
         return {"predictor": self.predictor.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "schedule": self.schedule.state_dict(), "head_density": self.head_density.clone(),
+                "schedule": self.schedule.state_dict(), "head_density": self._all_head_density(),
                 "generator": self._gen.get_state(), "last": {k: list(v) for k, v in self.last.items()}}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` (any SP degree: this rank takes its heads' densities; the row
+        sampler continues exactly where the saved rank's did, so SP > 1 resumes exactly on SP rank 0)."""
+        full = state["head_density"]
+        if tuple(full.shape) != (self.num_layers, self.num_heads):
+            raise ValueError(f"sparse state has head densities {list(full.shape)}, this run needs "
+                             f"[{self.num_layers}, {self.num_heads}] (layers, heads): a checkpoint of another model")
         self.predictor.load_state_dict(state["predictor"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.schedule.load_state_dict(state["schedule"])
-        if tuple(state["head_density"].shape) != tuple(self.head_density.shape):
-            raise ValueError(f"sparse state has head densities {list(state['head_density'].shape)}, this run "
-                             f"{list(self.head_density.shape)} (layers, local heads): another depth or SP degree")
-        self.head_density = state["head_density"].clone()
+        self.head_density = full[:, self.head_offset:self.head_offset + self.local_heads].clone()
         self._gen.set_state(state["generator"])
         self.last = {k: list(v) for k, v in state["last"].items()}
+
+    def summary(self) -> dict[str, Any]:
+        """For the run summary: stage, when stage 2 began, sparse layers, per-layer figures."""
+        m = self.metrics()
+        return {"stage": self.schedule.stage, "stage2_from_step": self.schedule.switched_at,
+                "config": self.cfg.model_dump(mode="json"), **{k.split("/", 1)[1]: v for k, v in m.items()}}
+
+
+def attach_sparse_attention(model, cfg: SparseAttentionConfig, *, sp=None, device=None
+                            ) -> Optional[SparseAttentionRuntime]:
+    """The trainer's hook: None when ``cfg.enabled`` is false, else a runtime installed on ``model``
+    (after ``apply_ulysses``: the selection runs on the local heads after the all-to-all)."""
+    if not cfg.enabled:
+        return None
+    mc = model.config
+    sp_size = sp.sp_size if sp is not None else 1
+    rt = SparseAttentionRuntime(cfg, num_layers=mc.num_layers, num_heads=mc.num_heads, head_dim=mc.head_dim,
+                                device=device, sp_rank=sp.sp_rank if sp is not None else 0, sp_size=sp_size,
+                                sp_group=sp.group if sp is not None and sp.enabled else None)
+    rt.install(model, sp)
+    return rt

@@ -34,3 +34,64 @@ def write_density_png(head_density: Union[torch.Tensor, Sequence[Sequence[float]
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+class SparseTrainerHook:
+    """What the trainer calls, in one place (so it moves as a unit into a Trainer class).
+
+    ``attach(model, cfg, sp, device, log_dir, is_writer)`` -> None when sparse attention is off.
+    Per optimizer step: :meth:`after_step` (predictor step, schedule); :meth:`log` on logged steps
+    (``sparse.jsonl`` in the log dir + TensorBoard scalars through ``StepMetrics.log_scalars``);
+    checkpoints: :meth:`client_state` / :meth:`load`; at the end :meth:`finish` adds the summary
+    entry and writes ``sparse_density.png``.
+    """
+
+    KEY = "sparse_attention"
+
+    def __init__(self, runtime, log_dir, is_writer: bool):
+        self.runtime, self.is_writer = runtime, is_writer
+        self.log_dir = Path(log_dir)
+        self._jsonl = None
+        if is_writer:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            self._jsonl = open(self.log_dir / "sparse.jsonl", "a")
+
+    @classmethod
+    def attach(cls, model, cfg, *, sp=None, device=None, log_dir=".", is_writer: bool = True):
+        from ds_adaptive.sparse.runtime import attach_sparse_attention
+        rt = attach_sparse_attention(model, cfg, sp=sp, device=device)
+        return None if rt is None else cls(rt, log_dir, is_writer)
+
+    def after_step(self) -> None:
+        self.runtime.step()
+
+    def log(self, step: int, metrics=None) -> dict:
+        m = self.runtime.metrics()
+        if self._jsonl is not None:
+            import json
+            self._jsonl.write(json.dumps({"step": step, **m}) + "\n")
+            self._jsonl.flush()
+        if metrics is not None and hasattr(metrics, "log_scalars"):
+            metrics.log_scalars(step, {k: v for k, v in m.items() if isinstance(v, (int, float))})
+        return m
+
+    def client_state(self) -> dict:
+        return {self.KEY: self.runtime.state_dict()}
+
+    def load(self, client_state: dict) -> None:
+        state = (client_state or {}).get(self.KEY)
+        if state is None:
+            raise ValueError("adaptive_load.sparse_attention is enabled but the checkpoint has no sparse-attention "
+                             "state (it was written without it): the predictor would restart from scratch. "
+                             "Resume with sparse_attention disabled, or start a new run")
+        self.runtime.load_state_dict(state)
+
+    def finish(self, summary: dict) -> None:
+        summary[self.KEY] = self.runtime.summary()
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        dens = self.runtime._all_head_density()  # a collective under SP: every rank calls finish
+        if self.is_writer:
+            write_density_png(dens, self.log_dir / "sparse_density.png",
+                              sparse_layers=self.runtime.schedule.sparse_layers())
