@@ -130,15 +130,15 @@ def block_mask_from_selection(selection: BlockSelection, *, pad_to_block: bool =
     """
     from torch.nn.attention.flex_attention import BlockMask
     s, bs, n = selection.seq_len, selection.block_size, selection.num_blocks
+    idx = selection.flex_indices()
     if not pad_to_block or s % bs == 0:
-        return BlockMask.from_kv_blocks(torch.zeros_like(selection.kv_num), torch.zeros_like(selection.kv_idx),
-                                        selection.kv_num, selection.kv_idx, BLOCK_SIZE=bs, seq_lengths=(s, s))
+        return BlockMask.from_kv_blocks(torch.zeros_like(selection.kv_num), torch.zeros_like(idx),
+                                        selection.kv_num, idx, BLOCK_SIZE=bs, seq_lengths=(s, s))
     # selected indices are ascending, so the last block, if selected, sits at position kv_num - 1
     pos = (selection.kv_num.long() - 1).clamp_min(0).unsqueeze(-1)
     has_last = ((selection.kv_idx.gather(-1, pos).squeeze(-1) == n - 1) & (selection.kv_num > 0)).to(torch.int32)
-    return BlockMask.from_kv_blocks(has_last, torch.full_like(selection.kv_idx, n - 1),
-                                    selection.kv_num - has_last, selection.kv_idx, BLOCK_SIZE=bs,
-                                    mask_mod=_keys_below(s), seq_lengths=(n * bs, n * bs))
+    return BlockMask.from_kv_blocks(has_last, torch.full_like(idx, n - 1), selection.kv_num - has_last, idx,
+                                    BLOCK_SIZE=bs, mask_mod=_keys_below(s), seq_lengths=(n * bs, n * bs))
 
 
 def flex_block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: BlockSelection, *,

@@ -47,9 +47,15 @@ class LowRankPredictor(nn.Module):
     @torch.no_grad()
     def block_scores(self, layer: int, q: torch.Tensor, k: torch.Tensor, block_size: int,
                      head_offset: int = 0) -> torch.Tensor:
-        """``[B, H, nq, nk]`` fp32: block means of the predicted logits (higher = more attention)."""
-        qp = pool_blocks(self.project(layer, q, "q", head_offset), block_size)
-        kp = pool_blocks(self.project(layer, k, "k", head_offset), block_size)
+        """``[B, H, nq, nk]`` fp32: block means of the predicted logits (higher = more attention).
+
+        The projection runs in q's dtype (no fp32 copy of q / k; tensor-core matmul with fp32
+        accumulation), the block means and their products in fp32."""
+        hl = q.shape[2]
+        wq = self.wq[layer, head_offset:head_offset + hl].to(q.dtype)
+        wk = self.wk[layer, head_offset:head_offset + hl].to(k.dtype)
+        qp = pool_blocks(torch.einsum("bshd,hdr->bshr", q, wq), block_size)
+        kp = pool_blocks(torch.einsum("bshd,hdr->bshr", k, wk), block_size)
         return torch.matmul(qp, kp.transpose(-1, -2))
 
     def loss(self, layer: int, q_rows: torch.Tensor, k: torch.Tensor, logits: torch.Tensor,

@@ -140,8 +140,11 @@ class SparseAttentionRuntime:
         if entry.selection is None:
             return dense_attention(q, k, v, valid_len=valid_len)
         if self.backend(q.device) == "flex":
+            # the BlockMask is transient (O(nq * nk) per layer): the cache keeps only the compact
+            # selection, and the checkpoint recompute rebuilds the mask from it
+            bm, entry.block_mask = entry.block_mask, None
             return flex_block_sparse_attention(q, k, v, entry.selection, valid_len=valid_len,
-                                               max_shapes=self.cfg.max_compiled_shapes, block_mask=entry.block_mask)
+                                               max_shapes=self.cfg.max_compiled_shapes, block_mask=bm)
         return masked_attention_reference(q, k, v, entry.selection, valid_len=valid_len)
 
     def _head_k(self, layer: int, nk: int) -> torch.Tensor:

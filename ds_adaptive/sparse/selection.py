@@ -1,10 +1,12 @@
 """Block selection: per query block, the top-k key blocks by predicted score (k per head).
 
 Shapes: ``B`` batch, ``H`` (local) heads, ``nq = nk = ceil(S / block)`` blocks of consecutive
-(cube-ordered) tokens. A selection is stored FlexAttention-style: ``kv_num [B, H, nq]`` int32
-blocks per query block and ``kv_idx [B, H, nq, nk]`` int32 block indices whose first
-``kv_num`` entries are the selected blocks (the rest is padding, never read), which is what
-``BlockMask.from_kv_blocks`` takes (we pass them as *full* blocks: no mask_mod runs).
+(cube-ordered) tokens. A selection is stored FlexAttention-style but compact: ``kv_num [B, H, nq]``
+int32 blocks per query block and ``kv_idx [B, H, nq, kmax]`` int32 block indices (ascending) whose
+first ``kv_num`` entries are the selected blocks (the rest is padding, never read); kmax <= nk is
+the largest k, so a layer's cached selection costs O(nq * k), not O(nq * nk).
+``attention.block_mask_from_selection`` widens it to what ``BlockMask.from_kv_blocks`` takes
+(we pass the blocks as *full* blocks: no mask_mod runs).
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ class BlockSelection:
     kv_num: torch.Tensor
     """[B, H, nq] int32: number of selected key blocks of each query block."""
     kv_idx: torch.Tensor
-    """[B, H, nq, nk] int32: selected key-block indices first (``kv_idx[..., :kv_num]``), ascending."""
+    """[B, H, nq, kmax] int32 (kmax <= nk): selected key-block indices first (``kv_idx[..., :kv_num]``), ascending."""
     block_size: int
     """Tokens per block (query and key)."""
     seq_len: int
@@ -34,7 +36,13 @@ class BlockSelection:
 
     @property
     def num_blocks(self) -> int:
-        return self.kv_idx.shape[-1]
+        """nk = nq = ceil(seq_len / block_size)."""
+        return math.ceil(self.seq_len / self.block_size)
+
+    def flex_indices(self) -> torch.Tensor:
+        """``[B, H, nq, nk]`` int32 contiguous: kv_idx widened with zeros (BlockMask.from_kv_blocks' layout)."""
+        pad = self.num_blocks - self.kv_idx.shape[-1]
+        return torch.nn.functional.pad(self.kv_idx, (0, pad)).contiguous() if pad else self.kv_idx.contiguous()
 
     def density(self) -> torch.Tensor:
         """[H] share of (query block, key block) pairs selected, averaged over the batch."""
@@ -43,7 +51,7 @@ class BlockSelection:
     def dense_block_mask(self) -> torch.Tensor:
         """[B, H, nq, nk] bool: True where a key block is selected."""
         nk = self.num_blocks
-        valid = torch.arange(nk, device=self.kv_idx.device) < self.kv_num.unsqueeze(-1)
+        valid = torch.arange(self.kv_idx.shape[-1], device=self.kv_idx.device) < self.kv_num.unsqueeze(-1)
         idx = torch.where(valid, self.kv_idx.long(), nk)
         dense = torch.zeros(*self.kv_idx.shape[:-1], nk + 1, dtype=torch.bool, device=self.kv_idx.device)
         dense.scatter_(-1, idx, True)
@@ -116,8 +124,7 @@ def select_blocks(scores: torch.Tensor, k_per_head: torch.Tensor, *, seq_len: in
     # relies on it to find the ragged last block at position kv_num - 1)
     valid = torch.arange(kmax, device=s.device) < k_dev.view(1, h, 1, 1)
     top = torch.where(valid, top, nk).sort(dim=-1).values
-    kv_idx = torch.zeros(b, h, nq, nk, dtype=torch.int32, device=s.device)
-    kv_idx[..., :kmax] = torch.where(top < nk, top, 0).to(torch.int32)
+    kv_idx = torch.where(top < nk, top, 0).to(torch.int32).contiguous()
     kv_num = k_dev.view(1, h, 1).expand(b, h, nq).to(torch.int32).contiguous()
     return BlockSelection(kv_num=kv_num, kv_idx=kv_idx, block_size=block_size, seq_len=seq_len)
 
