@@ -113,6 +113,8 @@ def main(argv=None) -> int:
         res["score_topk_ms"] = _time(lambda: select_blocks(pred.block_scores(0, qd, kd, args.block), kph, seq_len=s,
                                                            block_size=args.block), args.warmup, args.reps)
         res["mask_ms"] = _time(lambda: block_mask_from_selection(sel01), args.warmup, args.reps)
+        res["score_topk_lse_ms"] = _time(lambda: select_blocks(pred.block_scores(0, qd, kd, args.block, mode="lse"), kph,
+                                                               seq_len=s, block_size=args.block), args.warmup, args.reps)
         res["select_ms"] = res["score_topk_ms"] + 2 * res["mask_ms"]
         gen = torch.Generator().manual_seed(0)
 
@@ -142,7 +144,7 @@ def main(argv=None) -> int:
                   f"{x['eff_vs_cudnn']:9.2f}")
         print(f"{'':>7} per layer and step: scores+top-k {r['score_topk_ms']:.2f} ms + 2 x BlockMask {r['mask_ms']:.2f} ms "
               f"= {r['select_ms']:.2f} ms = {100 * (r['select_share_at_0.1'] or 0):.1f}% of sparse fwd+bwd at 0.1; "
-              f"profiling pass {r['profile_ms']:.2f} ms")
+              f"profiling pass {r['profile_ms']:.2f} ms; scores+top-k with block_score=lse {r['score_topk_lse_ms']:.2f} ms")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "results": rows}, indent=1))

@@ -158,6 +158,11 @@ class SparseAttentionConfig(_Block):
     predictor_rank: int = Field(16, ge=1, le=256)
     """Rank r of the per-head projections of q and k that predict the attention logits."""
 
+    block_score: Literal["mean", "lse"] = "mean"
+    """How the predictor scores a (query block, key block) pair: `mean` = block mean of the predicted
+    logits (O(nq nk r)); `lse` = log-sum-exp over the key block of the mean query's predicted logits
+    (O(nq S r), closer to the softmax mass: higher recall on RoPE-structured data, more time)."""
+
     predictor_lr: float = Field(1e-3, gt=0.0)
     """AdamW learning rate of the predictor (its own optimizer, not the DiT's)."""
 

@@ -299,3 +299,22 @@ def test_predictor_is_not_in_the_model_and_sparse_changes_the_output() -> None:
         model.set_attention(None)
         dense = model(lat, t, ctx)
     assert (sparse - dense).abs().max() > 1e-6  # negative control: the mask is really applied
+
+
+def test_lse_block_scores_rank_like_the_block_softmax_mass() -> None:
+    """block_score="lse" on an exact (identity-rank) predictor: its top block is the block of largest mass."""
+    from ds_adaptive.sparse import LowRankPredictor
+    q, k = planted_qk(GRID, 3, 32, order=ORDER, temperature=25.0, seed=1)
+    pred = LowRankPredictor(1, 3, 32, rank=32)
+    with torch.no_grad():
+        eye = torch.eye(32).expand(1, 3, 32, 32) * 32 ** -0.25
+        pred.wq.copy_(eye)
+        pred.wk.copy_(eye)
+    lse = pred.block_scores(0, q, k, 64, mode="lse")
+    mean = pred.block_scores(0, q, k, 64)
+    assert lse.shape == mean.shape == (1, 3, 16, 16)
+    # exact mass of each block for the mean query of each query block
+    qm = q.unflatten(1, (16, 64)).mean(2)  # [B, nq, H, Dh]
+    logits = torch.einsum("bqhd,bshd->bhqs", qm, k) / 32 ** 0.5
+    mass = torch.softmax(logits, -1).unflatten(-1, (16, 64)).sum(-1)
+    assert torch.equal(lse.argmax(-1), mass.argmax(-1))

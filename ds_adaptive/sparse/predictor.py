@@ -46,8 +46,10 @@ class LowRankPredictor(nn.Module):
 
     @torch.no_grad()
     def block_scores(self, layer: int, q: torch.Tensor, k: torch.Tensor, block_size: int,
-                     head_offset: int = 0) -> torch.Tensor:
-        """``[B, H, nq, nk]`` fp32: block means of the predicted logits (higher = more attention).
+                     head_offset: int = 0, mode: str = "mean") -> torch.Tensor:
+        """``[B, H, nq, nk]`` fp32 block scores (higher = more attention). ``mode="mean"``: block means
+        of the predicted logits; ``"lse"``: log-sum-exp over each key block of the predicted logits of
+        the query block's mean projection.
 
         The projection runs in q's dtype (no fp32 copy of q / k; tensor-core matmul with fp32
         accumulation), the block means and their products in fp32."""
@@ -55,8 +57,17 @@ class LowRankPredictor(nn.Module):
         wq = self.wq[layer, head_offset:head_offset + hl].to(q.dtype)
         wk = self.wk[layer, head_offset:head_offset + hl].to(k.dtype)
         qp = pool_blocks(torch.einsum("bshd,hdr->bshr", q, wq), block_size)
-        kp = pool_blocks(torch.einsum("bshd,hdr->bshr", k, wk), block_size)
-        return torch.matmul(qp, kp.transpose(-1, -2))
+        kt = torch.einsum("bshd,hdr->bshr", k, wk)
+        if mode == "mean":
+            return torch.matmul(qp, pool_blocks(kt, block_size).transpose(-1, -2))
+        # "lse": log-sum-exp over each key block of the mean query's predicted logits to every key
+        # (closer to the block's softmax mass than the mean logit; O(nq * S * r) per head)
+        logits = torch.matmul(qp, kt.float().transpose(1, 2).transpose(-1, -2))  # [B, H, nq, S]
+        s = logits.shape[-1]
+        nk = -(-s // block_size)
+        if nk * block_size != s:
+            logits = torch.nn.functional.pad(logits, (0, nk * block_size - s), value=float("-inf"))
+        return torch.logsumexp(logits.view(*logits.shape[:-1], nk, block_size), dim=-1)
 
     def loss(self, layer: int, q_rows: torch.Tensor, k: torch.Tensor, logits: torch.Tensor,
              head_offset: int = 0, valid_len: Optional[int] = None, cos_weight: float = 0.9) -> torch.Tensor:

@@ -165,7 +165,7 @@ class SparseAttentionRuntime:
         kph = self._head_k(layer, nk)
         if float(kph.float().mean()) / nk > cfg.dense_above:
             return None
-        scores = self.predictor.block_scores(layer, q, k, cfg.block_size, self.head_offset)
+        scores = self.predictor.block_scores(layer, q, k, cfg.block_size, self.head_offset, mode=cfg.block_score)
         return select_blocks(scores, kph, seq_len=s, block_size=cfg.block_size, keep_sink=cfg.keep_sink)
 
     def _forward_entry(self, layer, q, k, key, valid_len) -> _Entry:
