@@ -178,8 +178,8 @@ class SparseAttentionRuntime:
                 sel = selection if valid_len is None or valid_len >= q.shape[1] else truncate_selection(selection, valid_len)
                 bm = block_mask_from_selection(sel)
             self._select_events[layer].append((t0, self._clock(q.device)))
-            if selection is not None:
-                self.last["selected_density"][layer] = float(selection.density().mean())
+            if selection is not None:  # a device tensor: read in step(), no sync per layer here
+                self._selected[layer] = selection.density().mean()
         if torch.is_grad_enabled() and self.schedule.profile_now() and q.requires_grad:
             self._profile_and_train(layer, q, k, selection, valid_len)
         return _Entry(key, selection, bm)
@@ -219,6 +219,7 @@ class SparseAttentionRuntime:
         self._density_sum = torch.zeros(L, self.local_heads, dtype=torch.float64)
         self._density_n = torch.zeros(L, dtype=torch.float64)
         self._select_events: list[list] = [[] for _ in range(L)]
+        self._selected: dict[int, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ per optimizer step
     def step(self) -> None:
@@ -256,6 +257,8 @@ class SparseAttentionRuntime:
         layer_density = [float(self.head_density[i].mean()) if bool(measured[i]) else None
                          for i in range(self.num_layers)]
         mean_loss = float(layer_loss[trained.cpu()].mean()) if bool(trained.any()) else None
+        for i, d in self._selected.items():
+            self.last["selected_density"][i] = float(d)
         for i, evs in enumerate(self._select_events):
             if evs:
                 self.last["select_ms"][i] = sum(self._elapsed(a, b) for a, b in evs) / len(evs)
