@@ -66,10 +66,16 @@ class SparseTrainerHook:
         self.runtime.step()
 
     def log(self, step: int, metrics=None) -> dict:
+        """Write one ``sparse.jsonl`` record (a collective under SP: call on every rank). It carries
+        ``head_density`` [layers][heads] (all heads; unprofiled = 1.0) and ``dense_layers``, so
+        ``ds_adaptive.balance.sparse.load_densities(log_dir / "sparse.jsonl")`` reads it (issue 15)."""
         m = self.runtime.metrics()
+        dens = torch.nan_to_num(self.runtime._all_head_density(), nan=1.0)
         if self._jsonl is not None:
             import json
-            self._jsonl.write(json.dumps({"step": step, **m}) + "\n")
+            rec = {"step": step, **m, "head_density": dens.tolist(),
+                   "dense_layers": sorted(self.runtime.schedule.dense_layers)}
+            self._jsonl.write(json.dumps(rec) + "\n")
             self._jsonl.flush()
         if metrics is not None and hasattr(metrics, "log_scalars"):
             metrics.log_scalars(step, {k: v for k, v in m.items() if isinstance(v, (int, float))})
