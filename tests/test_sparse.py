@@ -318,3 +318,13 @@ def test_lse_block_scores_rank_like_the_block_softmax_mass() -> None:
     logits = torch.einsum("bqhd,bshd->bhqs", qm, k) / 32 ** 0.5
     mass = torch.softmax(logits, -1).unflatten(-1, (16, 64)).sum(-1)
     assert torch.equal(lse.argmax(-1), mass.argmax(-1))
+
+
+def test_head_placement_is_refused_not_mixed_up() -> None:
+    rt = SparseAttentionRuntime({"forced_density": 0.5, "dense_layers": [], "block_size": 16, "backend": "reference"},
+                                num_layers=1, num_heads=4, head_dim=16, sp_rank=1, sp_size=2)
+    q = torch.randn(1, 64, 2, 16)
+    out = rt.attention(0, q, q, q, head_ids=[2, 3])  # identity placement: fine
+    assert out.shape == q.shape
+    with pytest.raises(NotImplementedError, match="holds heads \\[0, 3\\]"):
+        rt.attention(0, q, q, q, head_ids=[0, 3])

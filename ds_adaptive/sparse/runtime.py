@@ -131,7 +131,16 @@ class SparseAttentionRuntime:
 
     # ------------------------------------------------------------------ the attention fn
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                  valid_len: Optional[int] = None, **_: Any) -> torch.Tensor:
+                  valid_len: Optional[int] = None, head_ids=None, **_: Any) -> torch.Tensor:
+        if head_ids is not None:
+            ids = [int(i) for i in head_ids]
+            if ids != list(range(self.head_offset, self.head_offset + self.local_heads)):
+                # per-head predictor weights and densities are indexed by position (identity placement)
+                raise NotImplementedError(
+                    f"layer {layer}: this rank holds heads {ids} (a density-balanced Ulysses head placement), but "
+                    "the sparse runtime indexes its per-head state by position (heads "
+                    f"{self.head_offset}..{self.head_offset + self.local_heads - 1}); run sparse attention without "
+                    "apply_head_placement for now")
         key = (tuple(q.shape), valid_len)
         entry = self._cache.get(layer)
         if not (_in_backward() and entry is not None and entry.key == key):
