@@ -133,6 +133,112 @@ class MetricsConfig(_Block):
     rather than their launches. No effect on CPU."""
 
 
+class SparseAttentionConfig(_Block):
+    """DSV dynamic sparse self-attention (ds_adaptive.sparse; docs/SPARSE.md)."""
+
+    enabled: bool = False
+    """Turn sparse self-attention on: cube token order, the low-rank predictor, block top-k selection
+    and the block-sparse kernel in the layers the schedule makes sparse."""
+
+    mass: float = Field(0.99, gt=0.5, le=1.0)
+    """Softmax mass a head's selected key blocks must hold: a head's density is the mean share of
+    key blocks needed to reach it on the profiled query rows, and its top-k follows that density."""
+
+    min_density: float = Field(0.02, ge=0.0, le=1.0)
+    """Lower bound of the per-head density used for top-k (share of key blocks per query block)."""
+
+    max_density: float = Field(1.0, gt=0.0, le=1.0)
+    """Upper bound of the per-head density used for top-k."""
+
+    block_size: int = Field(128, ge=16, le=1024)
+    """Tokens per query / key block of the block-sparse kernel (a multiple of 16; 128 on Hopper:
+    64-token blocks failed to compile in FlexAttention on H100)."""
+
+    cube: list[int] = Field(default_factory=lambda: [2, 8, 8])
+    """[frames, rows, columns] of the 3D token cubes of the token order (2x8x8 = 128 = one block)."""
+
+    predictor_rank: int = Field(16, ge=1, le=256)
+    """Rank r of the per-head projections of q and k that predict the attention logits."""
+
+    block_score: Literal["mean", "lse"] = "mean"
+    """How the predictor scores a (query block, key block) pair: `mean` = block mean of the predicted
+    logits (O(nq nk r)); `lse` = log-sum-exp over the key block of the mean query's predicted logits
+    (O(nq S r), closer to the softmax mass: higher recall on RoPE-structured data, more time)."""
+
+    predictor_lr: float = Field(1e-3, gt=0.0)
+    """AdamW learning rate of the predictor (its own optimizer, not the DiT's)."""
+
+    predictor_cos_weight: float = Field(0.9, ge=0.0, le=1.0)
+    """Weight of the cosine term of the predictor loss; the normalised-MSE term gets 1 - this."""
+
+    sample_rows: int = Field(128, ge=1)
+    """Query rows per layer and micro-step whose exact logits train the predictor and measure
+    density / recall (their logits cost [B, H, sample_rows, S] fp32 memory)."""
+
+    warmup_steps: int = Field(500, ge=0)
+    """Stage 1 (dense attention, predictor training) lasts at most this many optimizer steps."""
+
+    loss_threshold: float = Field(0.05, ge=0.0)
+    """Stage 1 ends early when the predictor loss (mean over layers, all ranks) is below this."""
+
+    profile_interval: int = Field(50, ge=1)
+    """In stage 2, re-measure densities / recall and train the predictor every this many steps."""
+
+    layer_density_threshold: float = Field(0.3, gt=0.0, le=1.0)
+    """In stage 2 a layer runs sparse only when its profiled mean head density is at most this."""
+
+    dense_above: float = Field(0.6, gt=0.0, le=1.0)
+    """A layer whose selected density is above this runs dense cuDNN/flash SDPA instead (the
+    block-sparse kernel is ~1.45x dense cost per selected block: break-even near 0.7 on H100/H200)."""
+
+    dense_layers: Optional[list[int]] = None
+    """Layers that always run dense (0-based). Default: the first and the last layer."""
+
+    keep_sink: bool = False
+    """Always select key block 0 too (an attention sink) besides the diagonal block."""
+
+    forced_density: Optional[float] = Field(None, gt=0.0, le=1.0)
+    """Benchmarks: skip stage 1 and profiling, run every non-dense layer sparse at this density."""
+
+    backend: Literal["auto", "flex", "reference"] = "auto"
+    """Sparse kernel: `flex` (compiled FlexAttention block-sparse, CUDA), `reference` (masked dense
+    torch, S^2 memory: tests / CPU), `auto` = flex on CUDA, reference on CPU."""
+
+    max_compiled_shapes: int = Field(64, ge=1)
+    """Distinct (batch, heads, tokens) shapes the flex kernel may be compiled for; one more is an
+    error (never a silent fallback to an unfused S^2 path)."""
+
+    seed: int = 0
+    """Seed of the predictor init and of the profiled row samples."""
+
+    @field_validator("cube")
+    @classmethod
+    def _cube_positive(cls, v):
+        if len(v) != 3 or any(n < 1 for n in v):
+            raise ValueError(f"must be 3 ints >= 1 [frames, rows, columns], got {list(v)}")
+        return v
+
+    @field_validator("block_size")
+    @classmethod
+    def _block_multiple(cls, v):
+        if v % 16:
+            raise ValueError(f"must be a multiple of 16 (tensor-core tiles), got {v}")
+        return v
+
+    @field_validator("dense_layers")
+    @classmethod
+    def _layers_non_negative(cls, v):
+        if v is not None and any(i < 0 for i in v):
+            raise ValueError(f"layer indices must be >= 0, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _density_bounds(self):
+        if self.min_density > self.max_density:
+            raise ValueError(f"min_density ({self.min_density}) must be <= max_density ({self.max_density})")
+        return self
+
+
 class AdaptiveLoadConfig(_Block):
     """The "adaptive_load" block of the ds_config json."""
 
@@ -149,6 +255,9 @@ class AdaptiveLoadConfig(_Block):
 
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     """The metrics sub-block."""
+
+    sparse_attention: SparseAttentionConfig = Field(default_factory=SparseAttentionConfig)
+    """The DSV sparse-attention sub-block (off by default)."""
 
 
 def _format_validation_error(exc: ValidationError, source: str) -> str:

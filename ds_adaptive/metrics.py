@@ -408,6 +408,12 @@ class StepMetrics:
             self._tb.add_scalar("train/peak_mem_gib_max", max(rec.peak_mem_gib), rec.step)
             self._tb.add_scalar("train/step_s", rec.wall_s, rec.step)
 
+    def log_scalars(self, step: int, values: dict) -> None:
+        """Extra scalars (e.g. ``sparse/density``) to TensorBoard under their own names (writer rank only)."""
+        if self.is_writer and self._tb is not None:
+            for key, value in values.items():
+                self._tb.add_scalar(key, value, step)
+
     def summary(self, warmup_steps: Optional[int] = None) -> dict:
         """Run totals; throughput and balance are measured after ``warmup_steps`` (default: 1 when
         the run has more than 2 steps: the first step pays for compilation and allocator growth)."""

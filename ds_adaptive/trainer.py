@@ -155,6 +155,7 @@ class Trainer:
         self.layout = run.layout
         self.is_main = run.layout.rank == 0
         model = run.model
+        self.sparse = self._attach_sparse(run)
         self.engine, _, _, _ = deepspeed.initialize(model=model, config=run.ds_config,
                                                     model_parameters=[p for p in model.parameters()
                                                                       if p.requires_grad])
@@ -169,6 +170,16 @@ class Trainer:
         self.metrics = self._build_metrics()
 
     # ------------------------------------------------------------------ setup
+    def _attach_sparse(self, run: Run):
+        """DSV sparse attention (``adaptive_load.sparse_attention``): installed on the model after
+        Ulysses and before ``deepspeed.initialize`` (its predictor lives outside the engine's
+        parameters); None when off."""
+        from .sparse.telemetry import SparseTrainerHook
+
+        al = run.cfg.adaptive_load
+        return SparseTrainerHook.attach(run.model, al.sparse_attention, layout=self.layout, device=run.device,
+                                        log_dir=al.metrics.log_dir, is_writer=self.is_main)
+
     def log(self, msg: str) -> None:
         if self.is_main:
             print(msg, flush=True)
@@ -260,6 +271,8 @@ class Trainer:
             metrics.backward_done()
             if micro == run.gas - 1:
                 step_lr = self._optimizer_step(factor)
+                if self.sparse is not None:
+                    self.sparse.after_step()  # predictor step, schedule, profiler
             else:
                 self.engine.step()  # no optimizer step inside the accumulation window
             loss_num += num
@@ -272,6 +285,9 @@ class Trainer:
         if rec.samples != totals.samples:
             raise RuntimeError(f"step {self.global_step}: the ranks processed {rec.samples} samples but the "
                                f"sampler's step_totals said {totals.samples}; the plan is inconsistent")
+        interval = run.cfg.adaptive_load.metrics.interval
+        if self.sparse is not None and (self.global_step % interval == 0 or self.global_step == self.opts.steps):
+            self.sparse.log(self.global_step, metrics)
         if self.step_in_epoch >= sampler.steps_per_epoch:
             self.epoch += 1
             self.step_in_epoch = 0
@@ -287,6 +303,8 @@ class Trainer:
             "sampler": self.run.sampler.state_dict(self.step_in_epoch), "seed": self.opts.seed,
             "model": self.opts.model, "layers": self.opts.layers, "data": self.opts.data,
             "world_size": self.layout.world}}
+        if self.sparse is not None:
+            state.update(self.sparse.client_state())
         self.engine.save_checkpoint(self.opts.save, tag=f"global_step{self.global_step}", client_state=state)
         self.log(f"saved checkpoint step {self.global_step} to {self.opts.save} ({time.perf_counter() - t0:.1f} s)")
 
@@ -302,6 +320,8 @@ class Trainer:
             raise UsageError(f"--resume {path}: the checkpoint {load_path} was not written by ds_adaptive "
                              f"(client_state has no '{CLIENT_STATE_KEY}')")
         self.run.sampler.load_state_dict(state["sampler"])
+        if self.sparse is not None:
+            self.sparse.load(client)
         self.global_step, self.epoch, self.step_in_epoch = state["global_step"], state["epoch"], state["step_in_epoch"]
         self._batches = None
         self.log(f"resumed from {load_path}: step {self.global_step} (epoch {self.epoch}, step {self.step_in_epoch} "
@@ -341,6 +361,8 @@ class Trainer:
         summary = self.metrics.summary()
         summary["final_step"] = self.global_step
         summary.update(ln_modulate_summary(self.run.cfg.adaptive_load.fused_ln_modulate))
+        if self.sparse is not None:
+            self.sparse.finish(summary)
         if o.eval_samples:
             summary.update(self.evaluate(o.eval_samples))
         if self.is_main:

@@ -57,6 +57,8 @@ from ds_adaptive.ops.ln_modulate import ln_modulate_reference as _default_ln_mod
 
 AttentionFn = Callable[..., torch.Tensor]
 """``fn(q, k, v, **kwargs) -> out``, all ``[B, S, H, Dh]``."""
+TokenOrder = Any
+"""An object with ``to_cube(x, grid, dim)`` / ``to_raster(x, grid, dim)`` (``ds_adaptive.sparse.CubeOrder``)."""
 LnModulateFn = Callable[..., torch.Tensor]
 """``fn(x, shift, scale, eps, weight=None, bias=None) -> y`` like ``ds_adaptive.ops.ln_modulate``."""
 
@@ -407,6 +409,7 @@ class WanModel(nn.Module):
         # Checkpoint each block (torch.utils.checkpoint, use_reentrant=False) while grad is enabled.
         self.gradient_checkpointing = False
         self.set_attention(None)
+        self.set_token_order(None)
         self.set_ln_modulate(None)
         self.set_sequence_parallel(None)
         self.init_weights()
@@ -422,8 +425,19 @@ class WanModel(nn.Module):
         are forwarded to fn. fn is not registered as a submodule."""
         fn = sdpa_attention if fn is None else fn
         _set_plain_attr(self, "attention_fn", fn)
-        for block in self.blocks:
-            _set_plain_attr(block, "attn_fn", fn)
+        per_layer = getattr(fn, "for_layer", None)  # a per-layer attention (sparse runtime): block i gets fn.for_layer(i)
+        for i, block in enumerate(self.blocks):
+            _set_plain_attr(block, "attn_fn", per_layer(i) if per_layer is not None else fn)
+
+    def set_token_order(self, order: Optional[TokenOrder]) -> None:
+        """Permute the tokens once after the patch embedding (and the RoPE table rows the same way)
+        and restore raster order in ``unpatchify``; ``order`` has ``to_cube(x, grid, dim)`` /
+        ``to_raster(x, grid, dim)`` (e.g. ``ds_adaptive.sparse.CubeOrder``). None: raster order."""
+        _set_plain_attr(self, "token_order", order)
+
+    def order_tokens(self, tokens: torch.Tensor, grid: Grid) -> torch.Tensor:
+        """Raster-order tokens ``[B, S, ...]`` (e.g. a patchified target) in the model's token order."""
+        return tokens if self.token_order is None else self.token_order.to_cube(tokens, grid, dim=1)
 
     def set_ln_modulate(self, fn: Optional[LnModulateFn]) -> None:
         """Use ``fn(x, shift, scale, eps, weight=None, bias=None)`` at every norm+modulate site
@@ -446,7 +460,7 @@ class WanModel(nn.Module):
         dtype = self.patch_embedding.weight.dtype  # the activation dtype
         x = self.patch_embedding(latents.to(dtype))  # [B, D, F, H, W]
         grid = tuple(int(n) for n in x.shape[2:])
-        tokens = x.flatten(2).transpose(1, 2).contiguous()
+        tokens = self.order_tokens(x.flatten(2).transpose(1, 2), grid).contiguous()
         t = timestep_embedding(timestep, self.config.freq_dim)
         time_emb = self.time_embedding(t.to(self.time_embedding[0].weight.dtype)).to(dtype)
         time_mod = self.time_projection(time_emb.to(self.time_projection[1].weight.dtype))
@@ -455,8 +469,11 @@ class WanModel(nn.Module):
         return WanInputs(tokens=tokens, time_mod=time_mod, time_emb=time_emb, context=ctx, grid=grid)
 
     def rope(self, grid: Grid, device: Optional[torch.device] = None) -> torch.Tensor:
-        """Rotary table ``[S, head_dim/2, 2]`` fp32 (cos, sin) for the token grid (F, H, W); see ``rope_table``."""
-        return rope_table(tuple(int(n) for n in grid), self.config.rope_split, self.config.rope_theta, device)
+        """Rotary table ``[S, head_dim/2, 2]`` fp32 (cos, sin) for the token grid (F, H, W) in the model's
+        token order (rows follow the tokens); see ``rope_table``."""
+        grid = tuple(int(n) for n in grid)
+        table = rope_table(grid, self.config.rope_split, self.config.rope_theta, device)
+        return table if self.token_order is None else self.token_order.to_cube(table, grid, dim=0)
 
     def run_blocks(self, x: torch.Tensor, inputs: WanInputs, freqs: torch.Tensor, **attn_kwargs: Any) -> torch.Tensor:
         """All blocks on x [B, S_local, D] with freqs [S_local, Dh/2, 2] (rows aligned with x's tokens).
@@ -485,6 +502,8 @@ class WanModel(nn.Module):
         if tokens.shape[1] != f * h * w:
             raise WanConfigError(f"unpatchify got {tokens.shape[1]} tokens for grid {tuple(grid)} "
                                  f"(= {f * h * w}); drop sequence-parallel padding before unpatchify")
+        if self.token_order is not None:
+            tokens = self.token_order.to_raster(tokens, grid, dim=1)
         pt, ph, pw = self.config.patch_size
         return rearrange(tokens, "b (f h w) (pt ph pw c) -> b c (f pt) (h ph) (w pw)",
                          f=f, h=h, w=w, pt=pt, ph=ph, pw=pw)

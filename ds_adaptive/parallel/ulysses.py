@@ -35,7 +35,7 @@ every stage when DeepSpeed has no (dp, sp) mesh), so the reduced gradient is
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -196,6 +196,9 @@ class LocalOutput:
     """(F, H, W) token grid of the sample."""
     patch_size: tuple[int, int, int] = (1, 2, 2)
     """(pt, ph, pw) of the model, to cut a full target the same way."""
+    token_order: Any = None
+    """The model's token order (``WanModel.token_order``, e.g. sparse attention's cube order), or None
+    for raster order: a full target is put in the same order before it is cut."""
 
     @property
     def valid_tokens(self) -> torch.Tensor:
@@ -210,6 +213,8 @@ class LocalOutput:
         if tokens.shape[1] != self.shard.seq_len:
             raise ValueError(f"target has {tokens.shape[1]} tokens, the model output {self.shard.seq_len}: "
                              "give the target the latents' shape")
+        if self.token_order is not None:
+            tokens = self.token_order.to_cube(tokens, self.grid, dim=1)
         return tokens[:, self.shard.start:self.shard.start + self.shard.valid]
 
 
@@ -237,7 +242,7 @@ class UlyssesWan:
         freqs = shard_sequence(model.rope(inputs.grid, x.device), shard, dim=0)
         x = model.run_blocks(x, inputs, freqs, **shard.attn_kwargs)
         return LocalOutput(tokens=model.head(x, inputs.time_emb), shard=shard, grid=inputs.grid,
-                           patch_size=tuple(model.config.patch_size))
+                           patch_size=tuple(model.config.patch_size), token_order=model.token_order)
 
     def __call__(self, model: WanModel, latents: torch.Tensor, timestep: torch.Tensor, context: torch.Tensor, *,
                  local: bool = False):

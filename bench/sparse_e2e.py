@@ -1,0 +1,104 @@
+"""Wan 2.1 1.3B, full depth, one GPU: sparse attention at a forced density vs dense, same run.
+
+Fixed batches (default B=1 of 81x480x832 -> 32,760 tokens and 81x720x1280 -> 75,600 tokens),
+bf16 parameters, every block activation-checkpointed, flow-matching-like MSE loss on random latents
+and T5-width context (512 tokens). Per shape: dense (SDPA, raster order) and sparse
+(``forced_density``; the first and last layer dense; cube order 2x8x8; flex block-sparse) fwd+bwd
+step time (median of --steps after --warmup; no optimizer step: it is the same for both) and peak
+memory. Prints the table of ratios, writes JSON.
+
+    python bench/sparse_e2e.py --out bench/results/sparse_e2e_h200.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sparse_common import cuda_time, run_meta  # noqa: E402
+
+SHAPES = {"81x480x832": (21, 60, 104), "81x720x1280": (21, 90, 160)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="wan2.1-1.3b")
+    p.add_argument("--layers", type=int, default=None, help="override the depth (smoke runs)")
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    p.add_argument("--density", type=float, default=0.1)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--out", default="bench/results/sparse_e2e.json")
+    args = p.parse_args(argv)
+
+    from ds_adaptive.models.testing import random_init_
+    from ds_adaptive.models.wan import WanModel, get_wan_config
+    from ds_adaptive.sparse import SparseAttentionRuntime
+
+    dev = torch.device("cuda")
+    over = {"num_layers": args.layers} if args.layers else {}
+    cfg = get_wan_config(args.model, **over)
+    model = random_init_(WanModel(cfg), seed=0).to(dev).to_dtype(torch.bfloat16)
+    model.gradient_checkpointing = True
+    rt = SparseAttentionRuntime({"enabled": True, "forced_density": args.density}, num_layers=cfg.num_layers,
+                                num_heads=cfg.num_heads, head_dim=cfg.head_dim, device=dev)
+    rows = []
+    for name in args.shapes:
+        t, hh, ww = SHAPES[name]
+        g = torch.Generator(device=dev).manual_seed(0)
+        lat = torch.randn(1, 16, t, hh, ww, device=dev, generator=g)
+        tgt = torch.randn(1, 16, t, hh, ww, device=dev, generator=g)
+        ctx = torch.randn(1, 512, 4096, device=dev, generator=g)
+        ts = torch.tensor([500.0], device=dev)
+        row = {"shape": name, "tokens": t * hh * ww // 4}
+        for mode in ("dense", "sparse"):
+            if mode == "sparse":
+                rt.install(model)
+            else:
+                model.set_attention(None)
+                model.set_token_order(None)
+
+            def step():
+                model.zero_grad(set_to_none=True)
+                loss = (model(lat, ts, ctx).float() - tgt).square().mean()
+                loss.backward()
+                if mode == "sparse":
+                    rt.step()
+            for _ in range(args.warmup):
+                step()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            row[f"{mode}_ms"] = cuda_time(step, 0, args.steps)
+            row[f"{mode}_peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+            if mode == "sparse":
+                m = rt.metrics()
+                row["sparse_layers"] = m["sparse/sparse_layers"]
+                row["selected_density"] = m["sparse/selected_density"]
+                row["select_ms_per_step"] = m["sparse/select_ms"]
+        row["speedup"] = row["dense_ms"] / row["sparse_ms"]
+        row["peak_ratio"] = row["sparse_peak_gib"] / row["dense_peak_gib"]
+        rows.append(row)
+        print(row, flush=True)
+    meta = run_meta(model=args.model, layers=cfg.num_layers, density=args.density, warmup=args.warmup,
+                    steps=args.steps)
+    commit = meta["commit"]
+    print(f"# Wan {args.model} ({cfg.num_layers} layers), {meta['device']}, commit {commit}, bf16, checkpointed, "
+          f"B=1, sparse density {args.density} (first/last dense)")
+    print(f"{'shape':>12} {'tokens':>7} {'dense ms':>9} {'sparse ms':>9} {'speedup':>8} {'dense GiB':>9} "
+          f"{'sparse GiB':>10} {'sel ms':>7}")
+    for r in rows:
+        print(f"{r['shape']:>12} {r['tokens']:>7} {r['dense_ms']:9.0f} {r['sparse_ms']:9.0f} {r['speedup']:8.2f} "
+              f"{r['dense_peak_gib']:9.1f} {r['sparse_peak_gib']:10.1f} {r['select_ms_per_step']:7.1f}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,358 @@
+"""The sparse-attention runtime: one object per model that owns the predictor, the schedule and the
+per-layer state, and is the model's attention function.
+
+Usage (single GPU or DeepSpeed, after ``apply_ulysses`` if SP is used)::
+
+    rt = SparseAttentionRuntime(cfg.sparse_attention, num_layers=30, num_heads=12, head_dim=128,
+                                device="cuda", sp_rank=layout.sp_rank, sp_size=layout.sp_size)
+    rt.install(model, layout)        # cube token order + per-layer attention (Ulysses-wrapped under SP)
+    for step ...:
+        loss.backward(); engine.step()
+        rt.step()                    # predictor AdamW step (grads all-reduced), schedule, timings
+        log(rt.metrics())
+
+Per layer and forward, :meth:`attention` (q, k, v ``[B, S, Hl, Dh]``, head-local after the
+all-to-all):
+
+1. inside an activation-checkpointing recompute (we are in the autograd engine's backward) it
+   reuses the selection the forward cached for this layer: same blocks, same numerics;
+2. else, if the schedule makes the layer sparse, it scores blocks with the predictor and selects
+   the top-k key blocks per query block (k per head from the head's profiled density), or runs
+   dense SDPA when that selection is denser than ``dense_above``;
+3. on profiling steps (stage 1: every step) it computes the exact logits of ``sample_rows`` query
+   rows, measures per-head density (blocks for ``mass``) and the selection's recall, and trains the
+   predictor on those rows (its own graph; gradients accumulate until :meth:`step`).
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Optional, Union
+
+import torch
+
+from ds_adaptive.config import SparseAttentionConfig
+from ds_adaptive.sparse.attention import (block_mask_from_selection, dense_attention, flex_block_sparse_attention,
+                                          masked_attention_reference, truncate_selection)
+from ds_adaptive.sparse.cube_order import CubeOrder
+from ds_adaptive.sparse.predictor import LowRankPredictor
+from ds_adaptive.sparse.profiler import exact_logits, profile_rows, sample_rows
+from ds_adaptive.sparse.schedule import SparseSchedule
+from ds_adaptive.sparse.selection import blocks_for_density, select_blocks
+
+
+def _in_backward() -> bool:
+    """True while the autograd engine runs a backward (where checkpointing recomputes forwards)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class _Entry:
+    __slots__ = ("key", "selection", "block_mask")
+
+    def __init__(self, key, selection, block_mask):
+        self.key, self.selection, self.block_mask = key, selection, block_mask
+
+
+class LayerAttention:
+    """``fn(q, k, v, **kwargs)`` bound to one layer of a runtime (what a block calls)."""
+
+    def __init__(self, runtime: "SparseAttentionRuntime", layer: int):
+        self.runtime, self.layer = runtime, layer
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        return self.runtime.attention(self.layer, q, k, v, **kwargs)
+
+
+class _UlyssesLayers:
+    """``set_attention`` target under Ulysses: per layer, DistributedAttention around that layer's fn."""
+
+    def __init__(self, runtime: "SparseAttentionRuntime", layout):
+        from ds_adaptive.parallel.ulysses import make_ulysses_attention
+        self._fns = [make_ulysses_attention(layout, local_attention=runtime.for_layer(i))
+                     for i in range(runtime.num_layers)]
+
+    def for_layer(self, i: int):
+        return self._fns[i]
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError("per-layer attention: install with model.set_attention(obj) so each block gets obj.for_layer(i)")
+
+
+class SparseAttentionRuntime:
+    """See the module docstring. ``sp_rank / sp_size``: this rank's heads are
+    ``[sp_rank * H/sp, (sp_rank+1) * H/sp)`` after the all-to-all; ``group``: the process group of
+    the predictor's gradient all-reduce (default: the world = DP x SP)."""
+
+    def __init__(self, cfg: Union[SparseAttentionConfig, dict, None], *, num_layers: int, num_heads: int,
+                 head_dim: int, device: Union[str, torch.device, None] = None, sp_rank: int = 0, sp_size: int = 1,
+                 group=None, sp_group=None):
+        cfg = cfg if isinstance(cfg, SparseAttentionConfig) else SparseAttentionConfig.model_validate(cfg or {})
+        if cfg.predictor_rank > head_dim:
+            raise ValueError(f"adaptive_load.sparse_attention.predictor_rank = {cfg.predictor_rank} is larger than "
+                             f"the head dim {head_dim}; use <= {head_dim} (default 16)")
+        if num_heads % sp_size:
+            raise ValueError(f"num_heads {num_heads} is not divisible by the SP degree {sp_size}")
+        self.cfg = cfg
+        self.num_layers, self.num_heads, self.head_dim = num_layers, num_heads, head_dim
+        self.local_heads = num_heads // sp_size
+        self.head_offset = sp_rank * self.local_heads
+        self.group = group
+        self.sp_group, self.sp_size, self.sp_rank = sp_group, sp_size, sp_rank
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.predictor = LowRankPredictor(num_layers, num_heads, head_dim, cfg.predictor_rank, seed=cfg.seed).to(self.device)
+        self.optimizer = torch.optim.AdamW(self.predictor.parameters(), lr=cfg.predictor_lr, weight_decay=0.0)
+        self.schedule = SparseSchedule(num_layers, warmup_steps=cfg.warmup_steps, loss_threshold=cfg.loss_threshold,
+                                       profile_interval=cfg.profile_interval,
+                                       layer_density_threshold=cfg.layer_density_threshold,
+                                       dense_layers=cfg.dense_layers, forced_density=cfg.forced_density)
+        self.order = CubeOrder(tuple(cfg.cube))
+        self._gen = torch.Generator().manual_seed(cfg.seed + 1 + 7919 * sp_rank)
+        nan = float("nan")
+        self.head_density = torch.full((num_layers, self.local_heads), nan)  # profiled, per local head
+        self._cache: dict[int, _Entry] = {}
+        self._reset_step_stats()
+        self.last: dict[str, Any] = {"loss": [nan] * num_layers, "recall": [nan] * num_layers,
+                                     "selected_density": [nan] * num_layers, "select_ms": [nan] * num_layers}
+
+    # ------------------------------------------------------------------ installation
+    def for_layer(self, i: int) -> LayerAttention:
+        return LayerAttention(self, i)
+
+    def install(self, model, layout=None) -> None:
+        """Cube token order + this runtime as every block's attention (Ulysses-wrapped when
+        ``layout.sp_enabled``; call after ``apply_ulysses``)."""
+        model.set_token_order(self.order)
+        model.set_attention(_UlyssesLayers(self, layout) if layout is not None and layout.sp_enabled else self)
+
+    def backend(self, device: torch.device) -> str:
+        if self.cfg.backend == "auto":
+            return "flex" if device.type == "cuda" else "reference"
+        return self.cfg.backend
+
+    # ------------------------------------------------------------------ the attention fn
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                  valid_len: Optional[int] = None, head_ids=None, **_: Any) -> torch.Tensor:
+        if head_ids is not None:
+            ids = [int(i) for i in head_ids]
+            if ids != list(range(self.head_offset, self.head_offset + self.local_heads)):
+                # per-head predictor weights and densities are indexed by position (identity placement)
+                raise NotImplementedError(
+                    f"layer {layer}: this rank holds heads {ids} (a density-balanced Ulysses head placement), but "
+                    "the sparse runtime indexes its per-head state by position (heads "
+                    f"{self.head_offset}..{self.head_offset + self.local_heads - 1}); run sparse attention without "
+                    "apply_head_placement for now")
+        key = (tuple(q.shape), valid_len)
+        entry = self._cache.get(layer)
+        if not (_in_backward() and entry is not None and entry.key == key):
+            entry = self._forward_entry(layer, q, k, key, valid_len)
+            self._cache[layer] = entry
+        if entry.selection is None:
+            return dense_attention(q, k, v, valid_len=valid_len)
+        if self.backend(q.device) == "flex":
+            # the BlockMask is transient (O(nq * nk) per layer): the cache keeps only the compact
+            # selection, and the checkpoint recompute rebuilds the mask from it
+            bm, entry.block_mask = entry.block_mask, None
+            return flex_block_sparse_attention(q, k, v, entry.selection, valid_len=valid_len,
+                                               max_shapes=self.cfg.max_compiled_shapes, block_mask=bm)
+        return masked_attention_reference(q, k, v, entry.selection, valid_len=valid_len)
+
+    def _head_k(self, layer: int, nk: int) -> torch.Tensor:
+        cfg = self.cfg
+        if cfg.forced_density is not None:
+            dens = torch.full((self.local_heads,), cfg.forced_density)
+            return blocks_for_density(dens, nk)
+        dens = self.head_density[layer]
+        return blocks_for_density(torch.nan_to_num(dens, nan=1.0), nk,
+                                  min_density=cfg.min_density, max_density=cfg.max_density)
+
+    @torch.no_grad()
+    def select(self, layer: int, q: torch.Tensor, k: torch.Tensor):
+        """The block selection of this layer for q, k ``[B, S, Hl, Dh]`` (None: run dense)."""
+        cfg = self.cfg
+        s = q.shape[1]
+        nk = math.ceil(s / cfg.block_size)
+        kph = self._head_k(layer, nk)
+        if float(kph.float().mean()) / nk > cfg.dense_above:
+            return None
+        scores = self.predictor.block_scores(layer, q, k, cfg.block_size, self.head_offset, mode=cfg.block_score)
+        return select_blocks(scores, kph, seq_len=s, block_size=cfg.block_size, keep_sink=cfg.keep_sink)
+
+    def _forward_entry(self, layer, q, k, key, valid_len) -> _Entry:
+        cfg = self.cfg
+        selection, bm = None, None
+        if self.schedule.is_sparse(layer):
+            t0 = self._clock(q.device)
+            selection = self.select(layer, q, k)
+            if selection is not None and self.backend(q.device) == "flex":
+                sel = selection if valid_len is None or valid_len >= q.shape[1] else truncate_selection(selection, valid_len)
+                bm = block_mask_from_selection(sel)
+            self._select_events[layer].append((t0, self._clock(q.device)))
+            if selection is not None:  # a device tensor: read in step(), no sync per layer here
+                self._selected[layer] = selection.density().mean()
+        if torch.is_grad_enabled() and self.schedule.profile_now() and q.requires_grad:
+            self._profile_and_train(layer, q, k, selection, valid_len)
+        return _Entry(key, selection, bm)
+
+    def _profile_and_train(self, layer, q, k, selection, valid_len) -> None:
+        cfg = self.cfg
+        rows = sample_rows(q.shape[1], cfg.sample_rows, generator=self._gen, valid_len=valid_len, device=q.device)
+        qd, kd = q.detach(), k.detach()
+        with torch.no_grad():
+            logits = exact_logits(qd, kd, rows, valid_len=valid_len)
+            stats = profile_rows(logits, rows, cfg.block_size, cfg.mass, selection)
+        # the predictor's own graph: identity saved-tensor hooks shield it from an enclosing
+        # activation-checkpoint region (whose hooks would otherwise pack these tensors)
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            loss = self.predictor.loss(layer, qd[:, rows], kd, logits, self.head_offset, valid_len,
+                                       cos_weight=cfg.predictor_cos_weight)
+            loss.backward()
+        self._loss_sum[layer] += loss.detach().to(self._loss_sum.device, torch.float64)
+        self._loss_n[layer] += 1
+        self._density_sum[layer] += stats.density.detach().double().cpu()
+        self._density_n[layer] += 1
+        if stats.recall is not None:
+            self.last["recall"][layer] = float(stats.recall.mean())
+
+    @staticmethod
+    def _clock(device: torch.device):
+        if device.type == "cuda":
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def _reset_step_stats(self) -> None:
+        L = self.num_layers
+        self._loss_sum = torch.zeros(L, dtype=torch.float64, device=self.device)
+        self._loss_n = torch.zeros(L, dtype=torch.float64, device=self.device)
+        self._density_sum = torch.zeros(L, self.local_heads, dtype=torch.float64)
+        self._density_n = torch.zeros(L, dtype=torch.float64)
+        self._select_events: list[list] = [[] for _ in range(L)]
+        self._selected: dict[int, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ per optimizer step
+    def step(self) -> None:
+        """After the DiT's optimizer step: all-reduce the predictor's gradients and losses over the
+        group, AdamW step, record densities, advance the schedule, read the selection timers."""
+        params = [p for p in self.predictor.parameters()]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1).double() for g in grads] + [self._loss_sum, self._loss_n])
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
+            dist.all_reduce(flat, group=self.group)
+        n_total = flat[-self.num_layers:]
+        loss_sum = flat[-2 * self.num_layers:-self.num_layers]
+        trained = n_total > 0
+        if bool(trained.any()):
+            # each head slice got n_total / sp contributions: average them
+            sp = self.num_heads // self.local_heads
+            per_layer = (n_total / sp).clamp_min(1.0)
+            off = 0
+            for p in params:
+                n = p.numel()
+                g = flat[off:off + n].view(p.shape) / per_layer.view(-1, *([1] * (p.dim() - 1)))
+                p.grad = g.to(p.dtype)
+                off += n
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        layer_loss = torch.where(trained, loss_sum / n_total.clamp_min(1.0), torch.nan).cpu()
+        for i in range(self.num_layers):
+            if bool(trained[i]):
+                self.last["loss"][i] = float(layer_loss[i])
+        dn = self._density_n
+        measured = dn > 0
+        if bool(measured.any()):
+            self.head_density[measured] = (self._density_sum[measured] / dn[measured, None]).float()
+        layer_density = [float(self.head_density[i].mean()) if bool(measured[i]) else None
+                         for i in range(self.num_layers)]
+        mean_loss = float(layer_loss[trained.cpu()].mean()) if bool(trained.any()) else None
+        for i, d in self._selected.items():
+            self.last["selected_density"][i] = float(d)
+        for i, evs in enumerate(self._select_events):
+            if evs:
+                self.last["select_ms"][i] = sum(self._elapsed(a, b) for a, b in evs) / len(evs)
+        self.schedule.end_step(mean_loss, layer_density)
+        self._reset_step_stats()
+        self._cache.clear()
+
+    @staticmethod
+    def _elapsed(a, b) -> float:
+        if isinstance(a, float):
+            return (b - a) * 1e3
+        b.synchronize()
+        return a.elapsed_time(b)
+
+    # ------------------------------------------------------------------ telemetry / state
+    def metrics(self) -> dict[str, Any]:
+        """Flat scalars for JSONL / TensorBoard (``sparse/...``) plus per-layer lists (``sparse/layers``)."""
+        def mean(xs):
+            xs = [x for x in xs if x == x]
+            return sum(xs) / len(xs) if xs else float("nan")
+        sparse = self.schedule.sparse_layers()
+        dens = [float(self.head_density[i].mean()) for i in range(self.num_layers)]
+        return {
+            "sparse/stage": self.schedule.stage,
+            "sparse/sparse_layers": len(sparse),
+            "sparse/density": mean(dens),
+            "sparse/selected_density": mean([self.last["selected_density"][i] for i in sparse]),
+            "sparse/recall": mean([self.last["recall"][i] for i in sparse]),
+            "sparse/predictor_loss": mean(self.last["loss"]),
+            "sparse/select_ms": sum(x for x in self.last["select_ms"] if x == x),
+            "sparse/layers": {"density": dens, "recall": list(self.last["recall"]),
+                              "selected_density": list(self.last["selected_density"]),
+                              "predictor_loss": list(self.last["loss"]), "select_ms": list(self.last["select_ms"]),
+                              "sparse": sparse},
+        }
+
+    def _all_head_density(self) -> torch.Tensor:
+        """[L, H] densities of all heads (gathered over the SP group: each rank profiles its own heads)."""
+        if self.sp_size == 1:
+            return self.head_density.clone()
+        dist = torch.distributed
+        parts = [torch.empty_like(self.head_density) for _ in range(self.sp_size)]
+        dist.all_gather(parts, self.head_density.contiguous(), group=self.sp_group)
+        return torch.cat(parts, dim=1)
+
+    def state_dict(self) -> dict:
+        """Checkpoint state (a collective under SP > 1: call it on every rank). The predictor, its
+        optimizer and the schedule are replicated; head densities are gathered over the SP group."""
+        return {"predictor": self.predictor.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "schedule": self.schedule.state_dict(), "head_density": self._all_head_density(),
+                "generator": self._gen.get_state(), "last": {k: list(v) for k, v in self.last.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` (any SP degree: this rank takes its heads' densities; the row
+        sampler continues exactly where the saved rank's did, so SP > 1 resumes exactly on SP rank 0)."""
+        full = state["head_density"]
+        if tuple(full.shape) != (self.num_layers, self.num_heads):
+            raise ValueError(f"sparse state has head densities {list(full.shape)}, this run needs "
+                             f"[{self.num_layers}, {self.num_heads}] (layers, heads): a checkpoint of another model")
+        self.predictor.load_state_dict(state["predictor"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.schedule.load_state_dict(state["schedule"])
+        self.head_density = full[:, self.head_offset:self.head_offset + self.local_heads].clone()
+        self._gen.set_state(state["generator"])
+        self.last = {k: list(v) for k, v in state["last"].items()}
+
+    def summary(self) -> dict[str, Any]:
+        """For the run summary: stage, when stage 2 began, sparse layers, per-layer figures."""
+        m = self.metrics()
+        return {"stage": self.schedule.stage, "stage2_from_step": self.schedule.switched_at,
+                "config": self.cfg.model_dump(mode="json"), **{k.split("/", 1)[1]: v for k, v in m.items()}}
+
+
+def attach_sparse_attention(model, cfg: SparseAttentionConfig, *, layout=None, device=None
+                            ) -> Optional[SparseAttentionRuntime]:
+    """The trainer's hook: None when ``cfg.enabled`` is false, else a runtime installed on ``model``
+    (after ``apply_ulysses``: the selection runs on the local heads after the all-to-all).
+    ``layout``: the run's :class:`ds_adaptive.layout.Layout` (None: one process, no SP)."""
+    if not cfg.enabled:
+        return None
+    mc = model.config
+    sp_on = layout is not None and layout.sp_enabled
+    rt = SparseAttentionRuntime(cfg, num_layers=mc.num_layers, num_heads=mc.num_heads, head_dim=mc.head_dim,
+                                device=device, sp_rank=layout.sp_rank if layout is not None else 0,
+                                sp_size=layout.sp_size if layout is not None else 1,
+                                sp_group=layout.sp_group if sp_on else None)
+    rt.install(model, layout)
+    return rt
