@@ -15,6 +15,8 @@ COMMANDS = {
     "report": ("ds_adaptive.ops.report", "status of the fused op: DeepSpeed registry, compatibility, build"),
     "config": ("ds_adaptive.config", "print the adaptive_load reference table, or --check a ds_config's block"),
     "dry-run": ("ds_adaptive.dryrun", "validate a ds_config + topology without GPUs and print the deepspeed command"),
+    "preprocess": ("ds_adaptive.preprocess.run", "media + captions -> latent shards (Wan VAE + umT5), multi-GPU, resumable"),
+    "stats": ("ds_adaptive.preprocess.stats", "shape histogram (table, PNG, shapes json) of a latent dataset or manifest"),
 }
 
 

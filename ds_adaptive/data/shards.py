@@ -43,18 +43,35 @@ _ENTRY_KEYS = ("id", "frames", "height", "width", "text_len", "file", "latents_k
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _umask() -> int:
+    """The process umask (read without changing it where /proc allows)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 class LatentShardWriter:
     """Append samples, get safetensors shards of about ``shard_bytes`` each and an index.
 
-    Use as a context manager, or call ``close()``: the index is written only then.
+    Use as a context manager, or call ``close()``: the index is written only then. Each shard file
+    is written under a temporary name and renamed, so a file under its final name is complete.
+    ``prefix`` names the files ``<prefix>-00000.safetensors``, ...; ``index=False`` writes no index
+    (a part of a dataset whose index ``write_index`` assembles later from ``entries``).
     """
 
     def __init__(self, out_dir: Union[str, Path], *, shard_bytes: int = 1 << 30, dtype: str = "float32",
-                 overwrite: bool = False) -> None:
+                 overwrite: bool = False, prefix: str = "shard", index: bool = True) -> None:
         if dtype not in _DTYPES:
             raise DataError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         self.out_dir = Path(out_dir)
-        if (self.out_dir / INDEX_FILE).exists() and not overwrite:
+        self.prefix, self.write_index = prefix, bool(index)
+        if index and (self.out_dir / INDEX_FILE).exists() and not overwrite:
             raise DataError(f"{self.out_dir / INDEX_FILE} already exists; pick another --out directory or "
                             "pass --overwrite to replace the dataset")
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -72,11 +89,18 @@ class LatentShardWriter:
         """Shard files written so far."""
         return self._shard
 
-    def _shard_name(self) -> str:
-        return f"shard-{self._shard:05d}.safetensors"
+    @property
+    def entries(self) -> list[dict]:
+        """Index entries of the samples added so far (their ``file`` is final once flushed)."""
+        return list(self._entries)
 
-    def add(self, sample_id: str, shape: SampleShape, latents: torch.Tensor, context: torch.Tensor) -> None:
-        """Queue one sample; ``latents`` must be ``shape.latent_shape``, ``context`` [L <= 512, 4096]."""
+    def _shard_name(self) -> str:
+        return f"{self.prefix}-{self._shard:05d}.safetensors"
+
+    def add(self, sample_id: str, shape: SampleShape, latents: torch.Tensor, context: torch.Tensor,
+            meta: Optional[dict] = None) -> None:
+        """Queue one sample; ``latents`` must be ``shape.latent_shape``, ``context`` [L <= 512, 4096].
+        ``meta``: extra JSON keys for its index entry (e.g. the source file); readers ignore them."""
         if self._closed:
             raise DataError("LatentShardWriter is closed")
         sample_id = str(sample_id)
@@ -97,7 +121,7 @@ class LatentShardWriter:
         self._entries.append({
             "id": sample_id, **shape.as_dict(), "latent_shape": list(shape.latent_shape),
             "text_len": int(context.shape[0]), "file": self._shard_name(),
-            "latents_key": lat_key, "context_key": ctx_key,
+            "latents_key": lat_key, "context_key": ctx_key, **(meta or {}),
         })
         if self._pending_bytes >= self.shard_bytes:
             self._flush()
@@ -105,7 +129,11 @@ class LatentShardWriter:
     def _flush(self) -> None:
         if not self._pending:
             return
-        save_file(self._pending, str(self.out_dir / self._shard_name()), metadata={"format": FORMAT})
+        final = self.out_dir / self._shard_name()
+        tmp = final.with_name(f"{final.name}.tmp{os.getpid()}")
+        save_file(self._pending, str(tmp), metadata={"format": FORMAT})
+        os.chmod(tmp, 0o666 & ~_umask())  # safetensors creates 0600 files; use the user's umask like open()
+        os.replace(tmp, final)
         self._pending, self._pending_bytes = {}, 0
         self._shard += 1
 
@@ -114,15 +142,9 @@ class LatentShardWriter:
         if self._closed:
             return self.out_dir / INDEX_FILE
         self._flush()
-        index = {"format": FORMAT, "version": VERSION, "latent_channels": LATENT_CHANNELS, "text_dim": TEXT_DIM,
-                 "num_samples": len(self._entries), "samples": self._entries}
-        tmp = self.out_dir / (INDEX_FILE + ".tmp")
-        # One sample per line: readable, diffable and still plain JSON.
-        head = json.dumps({k: v for k, v in index.items() if k != "samples"})[:-1]
-        rows = ",\n  ".join(json.dumps(e) for e in self._entries)
-        tmp.write_text(f'{head}, "samples": [\n  {rows}\n]}}\n')
-        os.replace(tmp, self.out_dir / INDEX_FILE)
         self._closed = True
+        if self.write_index:
+            write_index(self.out_dir, self._entries)
         return self.out_dir / INDEX_FILE
 
     def __enter__(self) -> "LatentShardWriter":
@@ -131,6 +153,20 @@ class LatentShardWriter:
     def __exit__(self, exc_type, *_exc) -> None:
         if exc_type is None:
             self.close()
+
+
+def write_index(out_dir: Union[str, Path], entries: list[dict]) -> Path:
+    """Write ``out_dir/index.json`` for ``entries`` (atomically: temporary file, then rename)."""
+    out_dir = Path(out_dir)
+    index = {"format": FORMAT, "version": VERSION, "latent_channels": LATENT_CHANNELS, "text_dim": TEXT_DIM,
+             "num_samples": len(entries), "samples": entries}
+    tmp = out_dir / (INDEX_FILE + ".tmp")
+    # One sample per line: readable, diffable and still plain JSON.
+    head = json.dumps({k: v for k, v in index.items() if k != "samples"})[:-1]
+    rows = ",\n  ".join(json.dumps(e) for e in entries)
+    tmp.write_text(f'{head}, "samples": [\n  {rows}\n]}}\n')
+    os.replace(tmp, out_dir / INDEX_FILE)
+    return out_dir / INDEX_FILE
 
 
 def _read_index(root: Path) -> dict:
