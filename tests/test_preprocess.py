@@ -322,3 +322,21 @@ def test_frame_counts_and_policy_errors():
         load_policy(None, video_sizes=["480x830"])
     with pytest.raises(PolicyError, match="unknown key 'fsp'"):
         load_policy(None, fsp=3)
+
+
+def test_csv_manifest_rows_and_row_problems(tmp_path):
+    from ds_adaptive.preprocess.manifest import ManifestError, read_manifest
+
+    (tmp_path / "m.csv").write_text('path,caption,start,end,fps\nv/a.mp4,"a, cat",1.5,4,12\nb.mp4,,,,\n'
+                                    'c.mp4,x,5,2,\nd.mp4,y,abc,,\n')
+    a, b, c, d = read_manifest(tmp_path / "m.csv")
+    assert (a.path, a.caption, a.start, a.end, a.fps, a.problem) == (str(tmp_path / "v" / "a.mp4"), "a, cat", 1.5,
+                                                                     4.0, 12.0, None)
+    assert "missing caption" in b.problem and "'end' (2.0) must be after 'start' (5.0)" in c.problem
+    assert "'start' must be a number" in d.problem and d.where == f"{tmp_path / 'm.csv'} line 5"
+    (tmp_path / "bad.csv").write_text("file,text\nx.mp4,y\n")
+    with pytest.raises(ManifestError, match="header with at least 'path'"):
+        read_manifest(tmp_path / "bad.csv")
+    (tmp_path / "u.jsonl").write_text('{"path": "x.mp4", "caption": "y", "lenght": 3}\n')
+    with pytest.raises(ManifestError, match="unknown column.*lenght"):
+        read_manifest(tmp_path / "u.jsonl")
