@@ -293,7 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--items-per-unit", type=int, default=32, help="input items per work unit (the resume grain)")
     j.add_argument("--shard-mb", type=float, default=1024, help="largest shard file, MiB")
     j.add_argument("--workers", type=int, default=None, help="decoding processes per rank (default: CPUs / ranks, "
-                   "at most 8; 0 decodes in the main process)")
+                   "at most 8; 0 decodes in the main process). Decoded clips reach the encoder through shared "
+                   "memory (/dev/shm; an 81x720x1280 clip is 224 MB): in a container give it room (--shm-size)")
     j.add_argument("--overwrite", action="store_true", help="clear a previous job's output in --out first")
     j.add_argument("--no-progress", action="store_true", help="no progress bar")
     j.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
