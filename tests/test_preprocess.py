@@ -336,3 +336,22 @@ def test_csv_manifest_rows_and_row_problems(tmp_path):
     (tmp_path / "u.jsonl").write_text('{"path": "x.mp4", "caption": "y", "lenght": 3}\n')
     with pytest.raises(ManifestError, match="unknown column.*lenght"):
         read_manifest(tmp_path / "u.jsonl")
+
+
+def test_overwrite_clears_only_preprocess_outputs_and_refuses_several_ranks(tmp_path):
+    from ds_adaptive.preprocess.run import PreprocessError, _check_settings
+
+    out = tmp_path / "out"
+    (out / "parts").mkdir(parents=True)
+    for name in ("preprocess.json", "index.json", "rejects.jsonl", "report.json", "shard-00000-00000.safetensors",
+                 "parts/unit-00000.json", "notes.txt"):
+        (out / name).write_text("{}")
+    with pytest.raises(PreprocessError, match="cannot run under several ranks"):
+        _check_settings(out, {"a": 1}, True, world=2)
+    _check_settings(out, {"a": 1}, True, world=1)
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == ["notes.txt", "parts", "preprocess.json"]
+    assert json.loads((out / "preprocess.json").read_text()) == {"a": 1}
+    (tmp_path / "synth").mkdir()
+    (tmp_path / "synth" / "index.json").write_text("{}")
+    with pytest.raises(PreprocessError, match="not written by preprocess"):
+        _check_settings(tmp_path / "synth", {"a": 1}, False, world=1)
