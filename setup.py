@@ -40,13 +40,13 @@ install_requires = [
 
 extras_require = {
     "dev": ["pytest>=7", "pytest-timeout", "hypothesis>=6", "matplotlib", "tensorboard",
-            "diffusers>=0.33", "megatron-core>=0.12",
+            "diffusers>=0.33", "accelerate", "megatron-core>=0.12",
             "av>=14", "transformers>=4.56", "ftfy"],  # the preprocess tests (tests/test_preprocess.py)
     # ds-adaptive preprocess: PyAV (wheels bundle FFmpeg), diffusers' AutoencoderKLWan, transformers' umT5,
     # ftfy (Wan's caption cleaning). Tested: av 18.1, diffusers 0.42.1, transformers 5.23 with torch 2.13.
-    "preprocess": ["av>=14", "diffusers>=0.33", "transformers>=4.56", "ftfy", "pillow"],
+    "preprocess": ["av>=14", "diffusers>=0.33", "accelerate", "transformers>=4.56", "ftfy", "pillow"],
     "megatron": ["megatron-core>=0.12"],
-    "diffusers": ["diffusers>=0.33"],
+    "diffusers": ["diffusers>=0.33", "accelerate"],  # from_pretrained of Wan needs accelerate
     "plots": ["matplotlib", "tensorboard"],
     "apex": [],  # not on PyPI: see the module docstring
 }

@@ -31,8 +31,8 @@ from typing import Optional, Union
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
+from ..files import save_safetensors
 from ..shapes import LATENT_CHANNELS, MAX_TEXT_LEN, TEXT_DIM, SampleShape, ShapeError, validate_shape
 from .synthetic import DataError
 
@@ -41,19 +41,6 @@ VERSION = 1
 INDEX_FILE = "index.json"
 _ENTRY_KEYS = ("id", "frames", "height", "width", "text_len", "file", "latents_key", "context_key")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _umask() -> int:
-    """The process umask (read without changing it where /proc allows)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except OSError:
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 class LatentShardWriter:
@@ -130,9 +117,8 @@ class LatentShardWriter:
         if not self._pending:
             return
         final = self.out_dir / self._shard_name()
-        tmp = final.with_name(f"{final.name}.tmp{os.getpid()}")
-        save_file(self._pending, str(tmp), metadata={"format": FORMAT})
-        os.chmod(tmp, 0o666 & ~_umask())  # safetensors creates 0600 files; use the user's umask like open()
+        tmp = final.with_name(f"{final.name}.tmp{os.getpid()}")  # renamed when complete
+        save_safetensors(self._pending, tmp, metadata={"format": FORMAT})  # mode from the umask, not 0600
         os.replace(tmp, final)
         self._pending, self._pending_bytes = {}, 0
         self._shard += 1
