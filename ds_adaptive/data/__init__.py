@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Union
 
 from .collate import collate_latents
-from .shards import INDEX_FILE, LatentShardDataset, LatentShardWriter
+from .shards import INDEX_FILE, LatentShardDataset, LatentShardWriter, write_index
 from .synthetic import DEFAULT_TEXT_LEN, DataError, SyntheticLatentDataset
 
 __all__ = ["DataError", "SyntheticLatentDataset", "LatentShardDataset", "LatentShardWriter", "collate_latents",
-           "build_dataset", "DEFAULT_TEXT_LEN", "INDEX_FILE"]
+           "build_dataset", "DEFAULT_TEXT_LEN", "INDEX_FILE", "write_index"]
 
 
 def build_dataset(data: str, *, num_samples: int = 10000, shapes: Union[str, Path, None] = None,

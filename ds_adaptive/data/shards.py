@@ -47,15 +47,19 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class LatentShardWriter:
     """Append samples, get safetensors shards of about ``shard_bytes`` each and an index.
 
-    Use as a context manager, or call ``close()``: the index is written only then.
+    Use as a context manager, or call ``close()``: the index is written only then. Each shard file
+    is written under a temporary name and renamed, so a file under its final name is complete.
+    ``prefix`` names the files ``<prefix>-00000.safetensors``, ...; ``index=False`` writes no index
+    (a part of a dataset whose index ``write_index`` assembles later from ``entries``).
     """
 
     def __init__(self, out_dir: Union[str, Path], *, shard_bytes: int = 1 << 30, dtype: str = "float32",
-                 overwrite: bool = False) -> None:
+                 overwrite: bool = False, prefix: str = "shard", index: bool = True) -> None:
         if dtype not in _DTYPES:
             raise DataError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         self.out_dir = Path(out_dir)
-        if (self.out_dir / INDEX_FILE).exists() and not overwrite:
+        self.prefix, self.write_index = prefix, bool(index)
+        if index and (self.out_dir / INDEX_FILE).exists() and not overwrite:
             raise DataError(f"{self.out_dir / INDEX_FILE} already exists; pick another --out directory or "
                             "pass --overwrite to replace the dataset")
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -73,11 +77,18 @@ class LatentShardWriter:
         """Shard files written so far."""
         return self._shard
 
-    def _shard_name(self) -> str:
-        return f"shard-{self._shard:05d}.safetensors"
+    @property
+    def entries(self) -> list[dict]:
+        """Index entries of the samples added so far (their ``file`` is final once flushed)."""
+        return list(self._entries)
 
-    def add(self, sample_id: str, shape: SampleShape, latents: torch.Tensor, context: torch.Tensor) -> None:
-        """Queue one sample; ``latents`` must be ``shape.latent_shape``, ``context`` [L <= 512, 4096]."""
+    def _shard_name(self) -> str:
+        return f"{self.prefix}-{self._shard:05d}.safetensors"
+
+    def add(self, sample_id: str, shape: SampleShape, latents: torch.Tensor, context: torch.Tensor,
+            meta: Optional[dict] = None) -> None:
+        """Queue one sample; ``latents`` must be ``shape.latent_shape``, ``context`` [L <= 512, 4096].
+        ``meta``: extra JSON keys for its index entry (e.g. the source file); readers ignore them."""
         if self._closed:
             raise DataError("LatentShardWriter is closed")
         sample_id = str(sample_id)
@@ -98,7 +109,7 @@ class LatentShardWriter:
         self._entries.append({
             "id": sample_id, **shape.as_dict(), "latent_shape": list(shape.latent_shape),
             "text_len": int(context.shape[0]), "file": self._shard_name(),
-            "latents_key": lat_key, "context_key": ctx_key,
+            "latents_key": lat_key, "context_key": ctx_key, **(meta or {}),
         })
         if self._pending_bytes >= self.shard_bytes:
             self._flush()
@@ -106,7 +117,10 @@ class LatentShardWriter:
     def _flush(self) -> None:
         if not self._pending:
             return
-        save_safetensors(self._pending, self.out_dir / self._shard_name(), metadata={"format": FORMAT})
+        final = self.out_dir / self._shard_name()
+        tmp = final.with_name(f"{final.name}.tmp{os.getpid()}")  # renamed when complete
+        save_safetensors(self._pending, tmp, metadata={"format": FORMAT})  # mode from the umask, not 0600
+        os.replace(tmp, final)
         self._pending, self._pending_bytes = {}, 0
         self._shard += 1
 
@@ -115,15 +129,9 @@ class LatentShardWriter:
         if self._closed:
             return self.out_dir / INDEX_FILE
         self._flush()
-        index = {"format": FORMAT, "version": VERSION, "latent_channels": LATENT_CHANNELS, "text_dim": TEXT_DIM,
-                 "num_samples": len(self._entries), "samples": self._entries}
-        tmp = self.out_dir / (INDEX_FILE + ".tmp")
-        # One sample per line: readable, diffable and still plain JSON.
-        head = json.dumps({k: v for k, v in index.items() if k != "samples"})[:-1]
-        rows = ",\n  ".join(json.dumps(e) for e in self._entries)
-        tmp.write_text(f'{head}, "samples": [\n  {rows}\n]}}\n')
-        os.replace(tmp, self.out_dir / INDEX_FILE)
         self._closed = True
+        if self.write_index:
+            write_index(self.out_dir, self._entries)
         return self.out_dir / INDEX_FILE
 
     def __enter__(self) -> "LatentShardWriter":
@@ -132,6 +140,20 @@ class LatentShardWriter:
     def __exit__(self, exc_type, *_exc) -> None:
         if exc_type is None:
             self.close()
+
+
+def write_index(out_dir: Union[str, Path], entries: list[dict]) -> Path:
+    """Write ``out_dir/index.json`` for ``entries`` (atomically: temporary file, then rename)."""
+    out_dir = Path(out_dir)
+    index = {"format": FORMAT, "version": VERSION, "latent_channels": LATENT_CHANNELS, "text_dim": TEXT_DIM,
+             "num_samples": len(entries), "samples": entries}
+    tmp = out_dir / (INDEX_FILE + ".tmp")
+    # One sample per line: readable, diffable and still plain JSON.
+    head = json.dumps({k: v for k, v in index.items() if k != "samples"})[:-1]
+    rows = ",\n  ".join(json.dumps(e) for e in entries)
+    tmp.write_text(f'{head}, "samples": [\n  {rows}\n]}}\n')
+    os.replace(tmp, out_dir / INDEX_FILE)
+    return out_dir / INDEX_FILE
 
 
 def _read_index(root: Path) -> dict:
