@@ -73,7 +73,7 @@ def test_apply_and_remove_on_the_model():
 def test_update_sparse_balance_feeds_sampler_and_model():
     import warnings
 
-    from ds_adaptive.balance.sampler import Topology, build_batch_sampler
+    from ds_adaptive.balance.sampler import build_batch_sampler
     from ds_adaptive.balance.sparse import DensityMap, SparseAttentionCost, synthetic_densities
     from ds_adaptive.config import SamplerConfig
     from ds_adaptive.shapes import load_shape_distribution
@@ -91,7 +91,7 @@ def test_update_sparse_balance_feeds_sampler_and_model():
     shapes = [d.shape for d in load_shape_distribution()] * 20
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        sampler = build_batch_sampler(SamplerConfig(window=16), shapes, Topology(0, 2), micro_steps_per_step=1,
+        sampler = build_batch_sampler(SamplerConfig(window=16), shapes, Layout.explicit(dp_size=2), micro_steps_per_step=1,
                                       sparse=SparseAttentionCost(synthetic_densities(30, 12, seed=0)))
     new = synthetic_densities(30, 12, seed=1)
     assert update_sparse_balance(new, sampler=sampler, measured_at=100) is None
