@@ -317,7 +317,13 @@ def _check_memory_and_budgets(rep, args, adaptive, wcfg, n_params, stage, sp, dp
         if s.profile is None:
             raise ValueError("adaptive_load.sampler.profile is null: the memory model needs a profile "
                              "(a shipped name or a `ds-adaptive calibrate` json)")
-        profile = load_profile(_resolve_relative(s.profile, args.deepspeed_config))
+        if s.profile == "auto":   # as the trainer: the detected GPU's profile (the H100 one without a GPU)
+            from ds_adaptive.balance.devices import resolve_auto_profile
+
+            profile, msg = resolve_auto_profile(args.model, gpu_mem_gib=args.gpu_mem_gib)
+            rep.row("profile", msg, "ok")
+        else:
+            profile = load_profile(_resolve_relative(s.profile, args.deepspeed_config))
         shapes_file = args.shapes or _resolve_relative(s.shapes, args.deepspeed_config)
         dist_ = load_shape_distribution(shapes_file)
     except errors as exc:
@@ -350,16 +356,17 @@ def _check_memory_and_budgets(rep, args, adaptive, wcfg, n_params, stage, sp, dp
              "zero3 live": (profile.stage3_live_params * bpp.get("params", 2.0) / GIB) if stage >= 3 else 0.0,
              "workspace": profile.workspace_gib}
     static = sum(parts.values())
+    usable = CostModel(profile).usable_memory_gib(gpu, s.mem_utilization)
     rep.row("memory/GPU", f"ZeRO-{stage} over {world} ranks: " + " + ".join(f"{k} {v:.2f}" for k, v in parts.items())
-            + f" = {static:.2f} GiB static of {gpu:.1f} GiB", "ok" if static < gpu * s.mem_utilization else "FAIL")
-    if static >= gpu * s.mem_utilization:
+            + f" = {static:.2f} GiB static of {gpu:.1f} GiB", "ok" if static < usable else "FAIL")
+    if static >= usable:
         rep.problems.append(
-            f"static memory {static:.1f} GiB per GPU (ZeRO-{stage}, {world} ranks) leaves nothing of "
-            f"{gpu:.1f} GiB x mem_utilization {s.mem_utilization} for activations; use ZeRO-3, more GPUs, "
-            "or a smaller model")
+            f"static memory {static:.1f} GiB per GPU (ZeRO-{stage}, {world} ranks) leaves nothing of the "
+            f"{usable:.1f} GiB usable (of {gpu:.1f} GiB; sampler.mem_utilization {s.mem_utilization}) for "
+            "activations; use ZeRO-3, more GPUs, or a smaller model")
         return
     try:
-        cost = CostModel(profile, s.cost_model, p=s.p, sp=sp, num_heads=wcfg.num_heads)
+        cost = CostModel(profile, s.cost_model, p=s.p, sp=sp, num_heads=wcfg.num_heads, checkpointing=s.checkpointing)
         mode = s.mode if adaptive.enabled else "tokens"
         uniq = sorted({w.shape for w in dist_})
         with warnings.catch_warnings():
@@ -370,6 +377,8 @@ def _check_memory_and_budgets(rep, args, adaptive, wcfg, n_params, stage, sp, dp
     except errors as exc:
         rep.fail("budgets", str(exc))
         return
+    from ds_adaptive.balance.memory import micro_batch_table, sample_memory
+
     unit = cost.unit
     desc = f"mode {mode}: m_mem {b['m_mem']:.2f} GiB" + (f" ({'auto' if s.m_mem == 'auto' else 'set'})")
     if mode == "dual":
@@ -380,7 +389,7 @@ def _check_memory_and_budgets(rep, args, adaptive, wcfg, n_params, stage, sp, dp
     if static + b["m_mem"] > gpu:
         rep.fail("budgets", f"m_mem {b['m_mem']:.1f} GiB of activations + {static:.1f} GiB static memory of {args.model} "
                             f"= {static + b['m_mem']:.1f} GiB > {gpu:.1f} GiB per GPU: batches planned to m_mem would run "
-                            f"out of memory. Set sampler.m_mem <= {max(gpu * s.mem_utilization - static, 0):.1f} or use "
+                            f"out of memory. Set sampler.m_mem <= {max(usable - static, 0):.1f} or use "
                             f"a profile calibrated for {args.model} (`ds-adaptive calibrate`)")
     total_w = sum(w.weight for w in dist_)
     weight = {}
@@ -389,7 +398,8 @@ def _check_memory_and_budgets(rep, args, adaptive, wcfg, n_params, stage, sp, dp
     longest = max(uniq, key=lambda x: x.tokens)
     over = []
     for shape in uniq:
-        mem1, c1 = cost.per_gpu_memory(shape), cost.batch_cost(shape, 1)
+        mem1 = sample_memory(cost, shape)   # at the checkpointing policy's fewest-memory block count
+        c1 = float(micro_batch_table(cost, shape, 1, b["m_mem"]).cost[1])
         why = []
         if mem1 > b["m_mem"] * (1 + 1e-12):
             why.append(f"activation memory {mem1:.2f} GiB > m_mem {b['m_mem']:.2f} GiB")
