@@ -19,6 +19,7 @@ compute on the same samples.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import sys
@@ -35,6 +36,7 @@ from .config import (AdaptiveLoadConfig, ConfigError, load_adaptive_config, prep
                      read_ds_config)
 from .data import DataError, build_dataset, collate_latents
 from .metrics import StepMetrics, format_summary
+from .models.flops import wan_train_flops
 from .shapes import MAX_TEXT_LEN, ShapeError
 
 CLIENT_STATE_KEY = "ds_adaptive"
@@ -71,7 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Ulysses sequence-parallel degree (default: the ds_config's sequence_parallel_size, else 1)")
     p.add_argument("--fused-ln-modulate", action=argparse.BooleanOptionalAction, default=None,
                    help="override adaptive_load.fused_ln_modulate")
-    p.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing of every block")
+    p.add_argument("--grad-ckpt", nargs="?", const="all", default=None, choices=["auto", "all", "none"],
+                   help="activation checkpointing: 'auto' (per micro-batch the fewest blocks that fit the memory "
+                        "budget, from the plan), 'all' (every block; the value of a bare --grad-ckpt) or 'none'; "
+                        "default: adaptive_load.sampler.checkpointing (auto)")
     p.add_argument("--workers", type=int, default=None,
                    help="DataLoader workers per rank (default: 2 on GPU, 0 on CPU)")
     p.add_argument("--log-dir", default=None, help="override adaptive_load.metrics.log_dir")
@@ -248,7 +253,8 @@ def _build_model(args, cfg: AdaptiveLoadConfig, ds_cfg: dict):
     stage = int((ds_cfg.get("zero_optimization") or {}).get("stage", 0))
     with deepspeed.zero.Init(config_dict_or_path=ds_cfg, enabled=stage == 3):
         model = WanModel(wcfg)
-    model.gradient_checkpointing = bool(args.grad_ckpt)
+    # 'all' / 'none' fixed; 'auto': the trainer sets model.set_checkpoint_blocks(n) per micro-batch
+    model.gradient_checkpointing = args.grad_ckpt == "all"
     # Explicit both ways: the fused op only when asked for (loaded / JIT-built now, not inside
     # the first step), the torch reference otherwise.
     from ds_adaptive.patches.deepspeed import enable_from_ds_config
@@ -288,6 +294,42 @@ def _checkpoint_state(sampler, global_step: int, epoch: int, step_in_epoch: int,
         "sampler": sampler.state_dict(step_in_epoch), "seed": args.seed, "model": args.model,
         "layers": args.layers, "data": args.data, "world_size": world,
     }}
+
+
+class _MemoryLog:
+    """Predicted vs measured peak memory per micro-batch (writer rank on GPU): ``memory.jsonl`` in the log
+    dir, one line per micro-step: shape, B, checkpointed blocks, predicted static + activation memory
+    (the plan's memory model) and the measured allocated peak of that micro-step."""
+
+    def __init__(self, sampler, zero_stage: int, shard_ranks: int, log_dir: str, enabled: bool) -> None:
+        self.cost = sampler.cost
+        self.static = self.cost.profile.static_memory_gib(zero_stage, shard_ranks)
+        self.errors: list[float] = []
+        self.file = None
+        if enabled:
+            Path(log_dir).mkdir(parents=True, exist_ok=True)
+            self.file = open(Path(log_dir) / "memory.jsonl", "a")
+
+    def record(self, step: int, micro: int, shape, batch: int, ckpt: int, measured_gib: float) -> None:
+        if self.file is None:
+            return
+        act = float(self.cost.ckpt_memory(shape, batch, ckpt))
+        pred = self.static + act
+        self.errors.append((pred - measured_gib) / measured_gib if measured_gib > 0 else 0.0)
+        self.file.write(json.dumps({"step": step, "micro": micro, "shape": str(shape), "tokens": int(shape.tokens),
+                                    "B": batch, "ckpt_blocks": ckpt, "static_gib": self.static, "act_gib": act,
+                                    "predicted_gib": pred, "measured_gib": measured_gib}) + "\n")
+        self.file.flush()
+
+    def summary(self) -> dict:
+        e = self.errors
+        return {"micro_steps": len(e), "max_abs_rel_err": max((abs(x) for x in e), default=0.0),
+                "mean_rel_err": sum(e) / len(e) if e else 0.0}
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
 
 
 class _Progress:
@@ -336,7 +378,13 @@ def train(args: argparse.Namespace) -> dict:
     cfg = load_adaptive_config(args.deepspeed_config)
     if args.fused_ln_modulate is not None:
         cfg.fused_ln_modulate = args.fused_ln_modulate
+    args.grad_ckpt = args.grad_ckpt or cfg.sampler.checkpointing
     raw = read_ds_config(args.deepspeed_config)
+    from .balance.memory import configure_allocator
+
+    alloc_msg = configure_allocator()   # before the first CUDA allocation
+    if os.environ.get("RANK", "0") == "0":
+        print(alloc_msg, flush=True)
 
     rank, world, device = init_distributed(args.local_rank)
     # DeepSpeed 0.19 still calls torch.distributed's renamed collectives (one FutureWarning per call
@@ -385,7 +433,9 @@ def train(args: argparse.Namespace) -> dict:
         raise ConfigError(f"adaptive_load.sampler.zero_stage is {cfg.sampler.zero_stage} but the ds_config's "
                           f"zero_optimization.stage is {zero_stage}; the trainer plans memory for the stage it "
                           "runs: drop sampler.zero_stage (it is for `ds-adaptive simulate`) or make them agree")
-    build = dict(enabled=cfg.enabled, gpu_mem_gib=gpu_mem_gib, model_name=args.model, zero_stage=zero_stage)
+    build = dict(enabled=cfg.enabled, gpu_mem_gib=gpu_mem_gib, model_name=args.model, zero_stage=zero_stage,
+                 checkpointing=args.grad_ckpt, profile_log=(lambda m: print(f"ds_adaptive.train: {m}", flush=True))
+                 if rank == 0 else None)
     try:  # --layers: plan with the profile rescaled to the trained depth (costs, activations, static memory)
         sampler = build_batch_sampler(cfg.sampler, sample_shapes, topology, micro_steps_per_step=gas,
                                       num_layers=args.layers, **build)
@@ -400,10 +450,8 @@ def train(args: argparse.Namespace) -> dict:
               f"rescaled to --layers {prof.num_layers} for planning (Profile.with_num_layers: block compute and "
               f"activation terms x {prof.num_layers}/{prof.rescaled_from_layers}, embed/head kept, static memory "
               f"of {prof.params / 1e9:.3f}B params)", flush=True)
-    if on_gpu and sampler.cost.profile.raw.get("gradient_checkpointing") and not args.grad_ckpt and rank == 0:
-        print(f"ds_adaptive.train: warning: the memory budget comes from profile '{sampler.cost.profile.name}', "
-              "measured with gradient checkpointing, but --grad-ckpt is off: activations will take more memory "
-              "than planned (OOM risk on GPU). Add --grad-ckpt or calibrate without it.", flush=True)
+    mem_log = _MemoryLog(sampler, zero_stage, dp_size * args.sp, args.log_dir or cfg.metrics.log_dir,
+                         rank == 0 and on_gpu)
     if sampler.micro_steps_per_step != gas:
         raise RuntimeError(f"the batch sampler plans {sampler.micro_steps_per_step} micro-steps per step, "
                            f"DeepSpeed runs {gas}")
@@ -429,7 +477,8 @@ def train(args: argparse.Namespace) -> dict:
         "device": device.type, "dtype": str(dtype).replace("torch.", ""), "gradient_accumulation_steps": gas,
         "adaptive_load": cfg.enabled, "sampler": type(sampler).__name__, "sampler_mode":
             cfg.sampler.mode if cfg.enabled else "tokens", "fused_ln_modulate": cfg.fused_ln_modulate,
-        "grad_ckpt": bool(args.grad_ckpt), "data": args.data, "dataset": dataset.describe(),
+        "grad_ckpt": args.grad_ckpt, "profile": sampler.cost.profile.name,
+        "checkpoint_source": sampler.cost.profile.checkpoint_source, "data": args.data, "dataset": dataset.describe(),
         "loss_weighting": cfg.sampler.loss_weighting, "plan": sampler.epoch_stats(),
     }
     if cfg.fused_ln_modulate:
@@ -478,6 +527,8 @@ def train(args: argparse.Namespace) -> dict:
                     context = F.pad(context, (0, 0, 0, MAX_TEXT_LEN - context.shape[1]))
                     metrics.data_ready()
                     tokens = sample_shapes[int(batch["index"][0])].tokens
+                    if args.grad_ckpt == "auto":   # the plan's count for this rank's batch (same on its SP group)
+                        model.set_checkpoint_blocks(sampler.checkpoint_blocks(step_in_epoch, micro))
                     num, den = backward_micro_batch(engine, latents, context, batch["index"], totals,
                                                     tokens_per_sample=tokens, dp_size=dp_size, by=weighting,
                                                     epoch=epoch, seed=args.seed, shift=args.shift, dtype=dtype,
@@ -496,7 +547,11 @@ def train(args: argparse.Namespace) -> dict:
                             g["lr"] = lr
                     loss_num += num
                     loss_den += den
-                    metrics.end_micro(b, b * tokens, float(b * tokens ** 2))
+                    n_ckpt = model.checkpointed_blocks() if model.training else 0
+                    flops = wan_train_flops(wcfg, tokens, b, n_ckpt)
+                    metrics.end_micro(b, b * tokens, float(b * tokens ** 2), *flops)
+                    mem_log.record(global_step + 1, micro, sample_shapes[int(batch["index"][0])], b, n_ckpt,
+                                   metrics.last_micro_peak_gib)
                 global_step += 1
                 step_in_epoch += 1
                 rec = metrics.end_step(global_step, loss_num, loss_den, step_lr,
@@ -517,9 +572,11 @@ def train(args: argparse.Namespace) -> dict:
     finally:
         progress.close()
         metrics.close()
+        mem_log.close()
 
     summary = metrics.summary()
     summary["final_step"] = global_step
+    summary["memory_prediction"] = mem_log.summary()
     if args.eval_samples:
         held_out = build_dataset("synthetic", num_samples=args.eval_samples, shapes=shapes,
                                  seed=args.seed + EVAL_SEED_OFFSET)
