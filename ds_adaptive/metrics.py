@@ -262,6 +262,7 @@ class StepMetrics:
         self.peak_tflops = _peak_tflops(cfg, device)
         self.run_info["peak_tflops"] = self.peak_tflops
         self.last_micro_peak_gib = 0.0
+        self.last_micro_reserved_gib = 0.0
         if is_writer:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             if cfg.jsonl:
@@ -346,6 +347,8 @@ class StepMetrics:
         peak = float(self._acc.max_memory_allocated())  # on CPU this samples the RSS peak; on CUDA a counter
         self._step_peak = max(self._step_peak, peak)
         self.last_micro_peak_gib = peak / GIB
+        self.last_micro_reserved_gib = (float(self._acc.max_memory_reserved()) / GIB
+                                        if self.device.type == "cuda" else 0.0)
         self._acc.reset_peak_memory_stats()
         self._micro.append((host_ms, samples, tokens, quad, model_flops, hw_flops))
         self._t_micro = None

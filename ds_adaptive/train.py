@@ -310,7 +310,8 @@ class _MemoryLog:
             Path(log_dir).mkdir(parents=True, exist_ok=True)
             self.file = open(Path(log_dir) / "memory.jsonl", "a")
 
-    def record(self, step: int, micro: int, shape, batch: int, ckpt: int, measured_gib: float) -> None:
+    def record(self, step: int, micro: int, shape, batch: int, ckpt: int, measured_gib: float,
+               reserved_gib: float = 0.0) -> None:
         if self.file is None:
             return
         act = float(self.cost.ckpt_memory(shape, batch, ckpt))
@@ -318,7 +319,8 @@ class _MemoryLog:
         self.errors.append((pred - measured_gib) / measured_gib if measured_gib > 0 else 0.0)
         self.file.write(json.dumps({"step": step, "micro": micro, "shape": str(shape), "tokens": int(shape.tokens),
                                     "B": batch, "ckpt_blocks": ckpt, "static_gib": self.static, "act_gib": act,
-                                    "predicted_gib": pred, "measured_gib": measured_gib}) + "\n")
+                                    "predicted_gib": pred, "measured_gib": measured_gib,
+                                    "reserved_gib": reserved_gib}) + "\n")
         self.file.flush()
 
     def summary(self) -> dict:
@@ -551,7 +553,7 @@ def train(args: argparse.Namespace) -> dict:
                     flops = wan_train_flops(wcfg, tokens, b, n_ckpt)
                     metrics.end_micro(b, b * tokens, float(b * tokens ** 2), *flops)
                     mem_log.record(global_step + 1, micro, sample_shapes[int(batch["index"][0])], b, n_ckpt,
-                                   metrics.last_micro_peak_gib)
+                                   metrics.last_micro_peak_gib, metrics.last_micro_reserved_gib)
                 global_step += 1
                 step_in_epoch += 1
                 rec = metrics.end_step(global_step, loss_num, loss_den, step_lr,

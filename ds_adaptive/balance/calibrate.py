@@ -328,6 +328,8 @@ def measure(model_name: str, *, layers: Sequence[int], shapes: Sequence[SampleSh
                 out.float().square().mean().backward()
 
             try:
+                if device.type == "cuda":   # the reserved peak below is then this point's own
+                    torch.cuda.empty_cache()
                 for _ in range(warmup):
                     step()
                 base = _reset_peak(device)
@@ -467,8 +469,20 @@ def checkpoint_fit(rows: Sequence[Mapping[str, Any]], *, min_fit_tokens: int = 8
 
 
 def fragmentation_margin(rows: Sequence[Mapping[str, Any]]) -> Optional[float]:
-    """Largest ``reserved - allocated`` peak (GiB) over the measured shape sweep, or None without data."""
-    vals = [r["reserved_gib"] - r["peak_gib"] for r in rows if r.get("reserved_gib")]
+    """Largest ``reserved - allocated`` peak (GiB) over the shape sweep's high-water marks, or None.
+
+    Only rows whose allocated peak is the largest so far at their depth count (rows in measurement
+    order; a new model per depth starts from an empty cache): there the reserved peak is the
+    measurement's own, while a smaller point after a larger one reads memory that the allocator
+    still caches from the larger one (reserved, free, reusable: not fragmentation)."""
+    vals, high = [], {}
+    for r in rows:
+        if not r.get("reserved_gib"):
+            continue
+        k = r["layers"]
+        if r["peak_gib"] >= high.get(k, 0.0):
+            high[k] = r["peak_gib"]
+            vals.append(r["reserved_gib"] - r["peak_gib"])
     return float(max(vals)) if vals else None
 
 
