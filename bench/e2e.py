@@ -253,7 +253,7 @@ def plan_arm(s: Settings, arm: Arm, shapes, profile_path: str, budgets: Budgets,
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         smp = build_batch_sampler(cfg, shapes, Topology(0, s.dp), micro_steps_per_step=gas, enabled=arm.enabled,
-                                  mode=arm.sampler)
+                                  mode=arm.sampler, checkpointing="all" if s.grad_ckpt else "none")
         plan = smp.plan
     from ds_adaptive.balance.simulate import predicted_times
 
@@ -332,8 +332,7 @@ def trainer_command(s: Settings, arm: Arm, config_path: str, steps: int, log_dir
            "--fused-ln-modulate" if arm.fused else "--no-fused-ln-modulate"]
     if s.shapes:
         cmd += ["--shapes", s.shapes]
-    if s.grad_ckpt:
-        cmd.append("--grad-ckpt")
+    cmd += ["--grad-ckpt", "all" if s.grad_ckpt else "none"]   # the arms' plans assume every block or none
     return cmd
 
 
