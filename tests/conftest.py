@@ -68,6 +68,14 @@ def launch_ranks(argv: list[str], world: int, *, cwd: Path, timeout: float = 600
     return results
 
 
+def launch_script(text: str, world: int, tmp_path: Path, *, name: str = "ranks.py", timeout: float = 240) -> str:
+    """Write ``text`` to ``tmp_path/name``, run it as ``world`` gloo ranks against this checkout
+    (PYTHONPATH = the repository root) and return rank 0's output."""
+    script = tmp_path / name
+    script.write_text(text)
+    return launch_ranks([str(script)], world, cwd=tmp_path, timeout=timeout, env={"PYTHONPATH": str(ROOT)})[0].stdout
+
+
 @pytest.fixture
 def run_ranks():
     """``run_ranks(argv, world, cwd=..., timeout=...)``: ``launch_ranks`` as a fixture."""

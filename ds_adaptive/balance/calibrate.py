@@ -21,6 +21,9 @@ What it does (bf16, fwd+bwd, gradient checkpointing as in training):
 The json records device, torch version, date, model config, sp, the fit and its errors, the raw
 measurements, and the static memory (bytes per parameter for params/grads/optimizer under ZeRO).
 
+``ds-adaptive calibrate --sparse --profile NAME --out X.json`` measures the block-sparse attention kernel's
+cost vs density instead (:mod:`ds_adaptive.balance.calibrate_sparse`).
+
 ``python -m ds_adaptive.balance.calibrate --from-block-scaling shared/data/h100_block_scaling.json`` rebuilds
 the shipped profiles from measured per-block times (scaled by depth).
 """
@@ -514,7 +517,15 @@ def parse_lengths(spec: str) -> list[SampleShape]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--sparse" in argv:   # the sparse kernel's efficiency table (ds_adaptive.balance.calibrate_sparse)
+        from ds_adaptive.balance import calibrate_sparse
+
+        return calibrate_sparse.main([a for a in argv if a != "--sparse"])
     ap = argparse.ArgumentParser(prog="ds-adaptive calibrate", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sparse", action="store_true",
+                    help="measure the block-sparse attention kernel's cost vs density instead (see "
+                         "`ds-adaptive calibrate --sparse --help`)")
     ap.add_argument("--model", default="wan2.1-1.3b", help="Wan config name (tiny, wan2.1-1.3b, wan2.1-14b)")
     ap.add_argument("--sp", type=int, default=1, help="Ulysses degree to emulate on one GPU (default 1)")
     ap.add_argument("--out", help="profile json to write")

@@ -14,6 +14,14 @@ and ``heads/sp`` attention heads), the cost model predicts:
     ``c0`` is the per-micro-batch overhead (kernel launches, embed/head), paid once per micro-batch;
     every rank runs exactly one micro-batch per micro-step, so ``c0`` never unbalances a micro-step.
 
+Sparse attention (``sparse=SparseAttentionCost``, calibrated mode only; ``ds_adaptive.balance.sparse``)::
+
+    per_gpu_cost(S) = (a * S_pad + b * S_pad**2 * q(S_pad)) / sp  +  sel(S_pad)  +  comm(S_pad)
+    q = 1 - attention_share * (1 - rho_eff(S)),  rho_eff from the busiest SP rank's head densities,
+    sel = selection (scoring, top-k, mask) of this rank's heads/sp heads in the layers that run sparse
+
+    With every density 1 (every layer dense) ``q == 1`` and ``sel == 0``: exactly the dense model.
+
 ``power`` (the paper's ``S^p``, unit "S^p"): ``per_gpu_cost = S_pad**p / sp``, ``c0 = 0``, no comm.
 
 ``tokens`` (linear, unit "tokens"): ``per_gpu_cost = S_pad / sp``, ``c0 = 0``, no comm.
@@ -39,11 +47,14 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Literal, Mapping, Optional, Union
 
 import numpy as np
 
 from ds_adaptive.shapes import SampleShape, pad_to_multiple
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ds_adaptive.balance.sparse import SparseAttentionCost
 
 PROFILE_FORMAT = "ds_adaptive.profile/1"
 PROFILES_DIR = Path(__file__).parent / "profiles"
@@ -342,11 +353,13 @@ class CostModel:
         p: exponent of ``power``.
         sp: Ulysses degree (ranks that share one sample's sequence).
         num_heads: attention heads of the model (default: the profile's); must divide by ``sp``.
+        sparse: a :class:`ds_adaptive.balance.sparse.SparseAttentionCost` (calibrated mode only):
+            the quadratic term scales with the busiest SP rank's attention density, plus selection.
     """
 
     def __init__(self, profile: Union[Profile, str, Path, Mapping[str, Any]], mode: CostMode = "calibrated",
                  *, p: float = 1.5, sp: int = 1, num_heads: Optional[int] = None,
-                 checkpointing: str = "all") -> None:
+                 sparse: "Optional[SparseAttentionCost]" = None, checkpointing: str = "all") -> None:
         self.profile = profile if isinstance(profile, Profile) else load_profile(profile)
         if checkpointing not in CHECKPOINT_POLICIES:
             raise ValueError(f"checkpointing must be one of {list(CHECKPOINT_POLICIES)}, got {checkpointing!r}")
@@ -367,6 +380,16 @@ class CostModel:
                 f"Use sp in {divisors}.")
         if not p > 0:
             raise ValueError(f"power-law exponent p must be > 0, got {p!r}")
+        if sparse is not None:
+            if mode != "calibrated":
+                raise ValueError(f"a sparse-attention cost needs cost mode 'calibrated' (ms), got {mode!r}")
+            dm = sparse.densities
+            if dm.num_heads != heads or dm.num_layers != self.profile.num_layers:
+                raise ValueError(
+                    f"density table has {dm.num_layers} layers x {dm.num_heads} heads but the model (profile "
+                    f"'{self.profile.name}') has {self.profile.num_layers} x {heads}: give densities of the "
+                    "trained model (DensityMap.with_num_layers for --layers)")
+        self.sparse = sparse
         self.mode: CostMode = mode
         self.p = float(p)
         self.sp = sp
@@ -401,6 +424,11 @@ class CostModel:
         """Compute cost of ONE sample on one GPU (without the micro-batch overhead c0)."""
         s = float(self.padded_tokens(shape_or_tokens))
         if self.mode == "calibrated":
+            if self.sparse is not None:
+                n = int(s)
+                quad = self._b1 * s * s * self.sparse.quadratic_factor(n, self.sp)
+                sel = self.sparse.selection_ms(n, self.sp, self.num_heads)   # this rank's heads/sp heads
+                return (self._a1 * s + quad) / self.sp + sel + self.comm_cost(shape_or_tokens)
             return (self._a1 * s + self._b1 * s * s) / self.sp + self.comm_cost(shape_or_tokens)
         if self.mode == "power":
             return s ** self.p / self.sp
@@ -537,9 +565,13 @@ class CostModel:
                 f"{dp_size * self.sp} ranks). Use a higher ZeRO stage, more ranks, or set sampler.m_mem.")
         return budget
 
+    def with_sparse(self, sparse: "Optional[SparseAttentionCost]") -> "CostModel":
+        """The same model with another (or no) sparse-attention term."""
+        return CostModel(self.profile, self.mode, p=self.p, sp=self.sp, num_heads=self.num_heads, sparse=sparse)
+
     def describe(self) -> dict:
         """Small JSON-able summary (for logs and plan fingerprints)."""
-        return {"mode": self.mode, "unit": self.unit, "p": self.p, "sp": self.sp,
+        return {"sparse": None if self.sparse is None else self.sparse.describe(),"mode": self.mode, "unit": self.unit, "p": self.p, "sp": self.sp,
                 "profile": self.profile.name, "c0": self.c0, "a_ms_per_token_sp1": self._a1,
                 "b_ms_per_token2_sp1": self._b1, "m0_gib": self.profile.m0_gib,
                 "m1_gib_per_token": self.profile.m1_gib_per_token,

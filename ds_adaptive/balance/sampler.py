@@ -13,9 +13,18 @@ identical batches (the plan is indexed by ``dp_rank`` only). The plan is a pure 
 (seed, epoch, shapes, config, topology), computed identically on every rank (no communication).
 ``state_dict(consumed_steps)`` / ``load_state_dict`` resume mid-epoch, also on another world size:
 the samples of the epoch not yet consumed are re-planned for the new topology.
+
+Sparse attention (``ds_adaptive.balance.sparse``): a sampler built with ``sparse=`` plans with the
+sparse cost; ``update_densities(densities, at_step=None)`` re-plans with the profiler's new
+densities at the next epoch boundary (default) or from optimizer step ``at_step`` of the current
+epoch (a re-plan point: the steps before it keep their plan, the not-yet-consumed samples are
+re-planned, exactly as after a resume; start a new iterator there). Every rank must pass the same
+densities (all-reduced / broadcast profiler output): the plan stays a pure function of its inputs.
+The active and pending densities are part of ``state_dict``.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -31,6 +40,7 @@ from ds_adaptive.balance.cost import CostModel, Profile, load_profile
 from ds_adaptive.balance.devices import resolve_auto_profile
 from ds_adaptive.balance.planner import (EpochPlan, OversizeSampleError, PlanError, PlannerParams, StepTotals,
                                  plan_epoch, resolve_budgets, unique_shapes)
+from ds_adaptive.balance.sparse import DensityMap, SparseAttentionCost, load_densities
 from ds_adaptive.shapes import SampleShape
 
 try:  # a torch Sampler when torch is there (the planner itself never needs torch)
@@ -195,7 +205,7 @@ class _PlannedBatchSampler(_SamplerBase):
                  max_tokens: Optional[int] = None, fixed_batch_sizes: Optional[Mapping[str, int]] = None,
                  window: int = 256, seed: int = 0, oversize: str = "error", balance_tolerance: float = 0.03,
                  lr_scaling: str = "none", reference_batch: Optional[int] = None,
-                 loss_weighting: str = "samples") -> None:
+                 loss_weighting: str = "samples", m_comp_auto: bool = False) -> None:
         if cost.sp != topology.sp_size:
             raise ValueError(f"cost model sp={cost.sp} but topology sp_size={topology.sp_size}")
         self.shapes = [s if isinstance(s, SampleShape) else int(s) for s in shapes]
@@ -214,6 +224,9 @@ class _PlannedBatchSampler(_SamplerBase):
             oversize=oversize, balance_tolerance=float(balance_tolerance))
         self._uniq, self._sid = unique_shapes(self.shapes)
         self._fingerprint = shapes_fingerprint(self.shapes)
+        self.m_comp_auto = bool(m_comp_auto)       # re-resolve m_comp when the densities change
+        self._pending: Optional[dict] = None       # densities waiting for the next epoch boundary
+        self.density_updates: list[dict] = []      # applied updates: {"epoch", "step", "at_step", "fingerprint"}
         self.epoch = 0
         self._segments: list[dict] = []      # earlier segments of this epoch (other topologies)
         self._resume_step = 0                # first step (of the current plan) to yield
@@ -232,6 +245,56 @@ class _PlannedBatchSampler(_SamplerBase):
             self._segments = []
             self._resume_step = 0
             self._cache = None
+            if self._pending is not None:
+                pending, self._pending = self._pending, None
+                self._set_sparse(SparseAttentionCost.from_description(pending["sparse"]), pending.get("measured_at"), None)
+
+    # ------------------------------------------------------------------ sparse attention
+    def update_densities(self, densities: "DensityMap | Mapping | str", at_step: Optional[int] = None, *,
+                         measured_at: Optional[int] = None) -> None:
+        """Plan with new per-layer x head attention densities (a :class:`DensityMap`, its dict, or a
+        density json / metrics.jsonl path).
+
+        ``at_step=None``: from the next epoch boundary (the next :meth:`set_epoch` to another epoch);
+        the current epoch's plan is unchanged. ``at_step=k``: from optimizer step ``k`` of the current
+        epoch (``k`` >= the steps this sampler already resumed past): steps ``< k`` keep their plan
+        and the epoch's samples not consumed by them are re-planned (exactly once, as after a resume);
+        iterate the sampler afresh from step ``k`` (a new DataLoader iterator). ``measured_at`` (the
+        global step the profiler measured at) is recorded in :attr:`density_updates`. Needs a sampler
+        built with ``sparse=``; call it on every rank with the same densities.
+        """
+        if self.cost.sparse is None:
+            raise ValueError("update_densities needs a sampler planned with a sparse-attention cost "
+                             "(build_batch_sampler(..., sparse=SparseAttentionCost(...)))")
+        dm = load_densities(densities)
+        if dm.num_layers != self.cost.sparse.densities.num_layers and dm.num_layers > self.cost.profile.num_layers:
+            dm = dm.with_num_layers(self.cost.profile.num_layers)
+        new = self.cost.sparse.with_densities(dm)
+        CostModel(self.cost.profile, self.cost.mode, p=self.cost.p, sp=self.cost.sp,
+                  num_heads=self.cost.num_heads, sparse=new)          # validates layers x heads now
+        if at_step is None:
+            self._pending = {"sparse": new.describe(), "measured_at": measured_at}
+            return
+        plan, start = self._plans()
+        at_step = int(at_step)
+        lo, hi = start + self._resume_step, start + plan.num_steps
+        if not lo <= at_step <= hi:
+            raise ValueError(f"update_densities(at_step={at_step}): the re-plan point must be a step of epoch "
+                             f"{self.epoch} not yet planned away, {lo}..{hi}")
+        self._segments.append({**self._segment_config(), "consumed_steps": at_step - start})
+        self._resume_step = 0
+        self._set_sparse(new, measured_at, at_step)
+
+    def _set_sparse(self, sparse: SparseAttentionCost, measured_at: Optional[int], at_step: Optional[int]) -> None:
+        self.cost = self.cost.with_sparse(sparse)
+        if self.m_comp_auto and self.params.mode == "dual":
+            m_comp = resolve_budgets(mode="dual", cost=self.cost, shapes=self._uniq, m_mem=self.params.m_mem,
+                                     m_comp="auto", max_tokens=self.params.max_tokens, gpu_mem_gib=None,
+                                     mem_utilization=1.0, zero_stage=0, dp_size=self.params.dp_size)["m_comp"]
+            self.params = dataclasses.replace(self.params, m_comp=m_comp)
+        self._cache = None
+        self.density_updates.append({"epoch": self.epoch, "at_step": at_step, "measured_at": measured_at,
+                                     "fingerprint": sparse.densities.fingerprint()})
 
     @property
     def plan(self) -> EpochPlan:
@@ -306,9 +369,13 @@ class _PlannedBatchSampler(_SamplerBase):
                              f"({start}..{start + plan.num_steps})")
         segs = [dict(s) for s in self._segments]
         segs.append({**self._segment_config(), "consumed_steps": consumed_steps - start})
-        return {"format": STATE_FORMAT, "mode": self.mode, "seed": self.seed, "epoch": self.epoch,
-                "consumed_steps": consumed_steps, "num_samples": len(self.shapes),
-                "shapes_sha": self._fingerprint, "segments": segs}
+        out = {"format": STATE_FORMAT, "mode": self.mode, "seed": self.seed, "epoch": self.epoch,
+               "consumed_steps": consumed_steps, "num_samples": len(self.shapes),
+               "shapes_sha": self._fingerprint, "segments": segs}
+        if self.cost.sparse is not None:   # run state, not config: restored by load_state_dict
+            out["sparse"] = {"active": self.cost.sparse.describe(), "m_comp": self.params.m_comp,
+                             "pending": self._pending}
+        return out
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume: same topology and config continue the saved plan exactly; otherwise the samples
@@ -328,6 +395,12 @@ class _PlannedBatchSampler(_SamplerBase):
         self.epoch = int(state["epoch"])
         segs = [dict(s) for s in state["segments"]]
         self._cache = None
+        sparse_state = state.get("sparse")
+        if sparse_state is not None and self.cost.sparse is not None:
+            self.cost = self.cost.with_sparse(SparseAttentionCost.from_description(sparse_state["active"]))
+            if self.m_comp_auto and sparse_state.get("m_comp") is not None:
+                self.params = dataclasses.replace(self.params, m_comp=float(sparse_state["m_comp"]))
+            self._pending = sparse_state.get("pending")
         last = segs[-1]
         if {k: v for k, v in last.items() if k != "consumed_steps"} == self._segment_config():
             self._segments = segs[:-1]
@@ -338,9 +411,13 @@ class _PlannedBatchSampler(_SamplerBase):
 
     # ------------------------------------------------------------------ internals
     def _segment_config(self) -> dict:
-        return {"params": self.params.as_dict(), "profile": _compact_profile(self.cost.profile),
-                "cost_mode": self.cost.mode, "p": self.cost.p, "sp": self.cost.sp,
-                "checkpointing": self.cost.checkpointing}
+        cfg = {"params": self.params.as_dict(), "profile": _compact_profile(self.cost.profile),
+               "cost_mode": self.cost.mode, "p": self.cost.p, "sp": self.cost.sp}
+        if self.cost.sparse is not None:   # only then: dense samplers keep their old state format
+            cfg["sparse"] = self.cost.sparse.describe()
+        if self.cost.checkpointing != "all":   # likewise: states without the key planned every block checkpointed
+            cfg["checkpointing"] = self.cost.checkpointing
+        return cfg
 
     def _order(self) -> np.ndarray:
         return np.random.default_rng([self.seed, self.epoch]).permutation(len(self.shapes))
@@ -363,8 +440,9 @@ class _PlannedBatchSampler(_SamplerBase):
         for k, seg in enumerate(self._segments):
             remaining = order[~consumed[order]]
             params = PlannerParams(**{**seg["params"], "fixed_batch_sizes": seg["params"].get("fixed_batch_sizes")})
+            sparse = SparseAttentionCost.from_description(seg["sparse"]) if seg.get("sparse") else None
             cost = CostModel(Profile.from_dict(seg["profile"], where="sampler state"), seg["cost_mode"],
-                             p=seg["p"], sp=seg["sp"], checkpointing=seg.get("checkpointing", "all"))
+                             p=seg["p"], sp=seg["sp"], sparse=sparse, checkpointing=seg.get("checkpointing", "all"))
             uniq, sid = unique_shapes(self.shapes)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -423,7 +501,8 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
                         micro_steps_per_step: int, enabled: bool = True, gpu_mem_gib: Optional[float] = None,
                         model_name: Optional[str] = None, zero_stage: Optional[int] = None,
                         mode: Optional[str] = None, num_layers: Optional[int] = None,
-                        checkpointing: Optional[str] = None, profile_log=None) -> _PlannedBatchSampler:
+                        sparse: Optional[SparseAttentionCost] = None, checkpointing: Optional[str] = None,
+                        profile_log=None) -> _PlannedBatchSampler:
     """The batch sampler that ``sampler_cfg`` describes, with ``auto`` budgets resolved.
 
     ``enabled=False`` builds the ``tokens`` baseline at the same memory budget (AdaptiveLoad off);
@@ -431,10 +510,11 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
     ``gpu_mem_gib`` defaults to the visible GPU, else the profile's device. ``num_layers``: the
     trained model's depth (``--layers``); when it differs from the profile's, the profile is
     rescaled to it (:meth:`Profile.with_num_layers`; ``sampler.cost.profile.rescaled_from_layers``
-    then holds the profile's own depth). ``checkpointing`` overrides ``sampler_cfg.checkpointing``
-    (the trainer's ``--grad-ckpt``). ``profile: auto`` resolves the profile for the detected GPU
-    (:func:`ds_adaptive.balance.devices.resolve_auto_profile`); its one-line message goes to
-    ``profile_log`` (e.g. ``print``) when given.
+    then holds the profile's own depth). ``sparse``: plan with the sparse-attention cost (its
+    densities may be updated later with ``update_densities``). ``checkpointing`` overrides
+    ``sampler_cfg.checkpointing`` (the trainer's ``--grad-ckpt``). ``profile: auto`` resolves the profile
+    for the detected GPU (:func:`ds_adaptive.balance.devices.resolve_auto_profile`); its one-line message
+    goes to ``profile_log`` (e.g. ``print``) when given.
     """
     if isinstance(sampler_cfg, Mapping):
         sampler_cfg = SamplerConfig.model_validate(sampler_cfg)
@@ -465,8 +545,10 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
             num_heads = int(getattr(get_wan_config(model_name), "num_heads"))
         except Exception:
             num_heads = None
+    if sparse is not None and num_layers is not None and sparse.densities.num_layers != profile.num_layers:
+        sparse = sparse.with_densities(sparse.densities.with_num_layers(profile.num_layers))
     cost = CostModel(profile, sampler_cfg.cost_model, p=sampler_cfg.p, sp=topology.sp_size, num_heads=num_heads,
-                     checkpointing=checkpointing or sampler_cfg.checkpointing)
+                     sparse=sparse, checkpointing=checkpointing or sampler_cfg.checkpointing)
     budgets = resolve_budgets(
         mode=chosen, cost=cost, shapes=shapes, m_mem=sampler_cfg.m_mem, m_comp=sampler_cfg.m_comp,
         max_tokens=sampler_cfg.max_tokens, gpu_mem_gib=gpu_mem_gib or _detect_gpu_mem_gib(),
@@ -479,4 +561,4 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
         fixed_batch_sizes=sampler_cfg.fixed_batch_sizes, window=sampler_cfg.window, seed=sampler_cfg.seed,
         oversize=sampler_cfg.oversize, balance_tolerance=sampler_cfg.balance_tolerance,
         lr_scaling=sampler_cfg.lr_scaling, reference_batch=sampler_cfg.reference_batch,
-        loss_weighting=sampler_cfg.loss_weighting)
+        loss_weighting=sampler_cfg.loss_weighting, m_comp_auto=sampler_cfg.m_comp == "auto")

@@ -96,6 +96,19 @@ def _expected_batch(cost: CostModel, dist: Sequence[ShapeWeight], budgets: dict)
     return 1.0 / inv
 
 
+def simulated_dataset(cost: CostModel, dist: Sequence[ShapeWeight], cfg: SamplerConfig, *, dp: int, steps: int,
+                      seed: int, micro_steps_per_step: int, gpu_mem_gib: Optional[float]):
+    """``(budgets, n, shapes)``: the ``dual`` budgets under ``cost`` and ``n`` samples drawn from ``dist``,
+    enough for ``steps`` steps of the hungriest sampler plus one planning window."""
+    uniq = [d.shape for d in dist]
+    budgets = resolve_budgets(mode="dual", cost=cost, shapes=uniq, m_mem=cfg.m_mem, m_comp=cfg.m_comp,
+                              max_tokens=cfg.max_tokens, gpu_mem_gib=gpu_mem_gib,
+                              mem_utilization=cfg.mem_utilization, zero_stage=cfg.zero_stage, dp_size=dp)
+    per_step = dp * micro_steps_per_step * _expected_batch(cost, dist, budgets)
+    n = int(math.ceil(per_step * steps * 1.3)) + cfg.window * dp
+    return budgets, n, draw_shapes(dist, n, seed)
+
+
 def simulate(*, world: int, sp: int = 1, steps: int = 50, seed: int = 0,
              dist: Optional[Sequence[ShapeWeight]] = None, profile: str = "h100-wan2.1-1.3b",
              sampler_cfg: Optional[SamplerConfig] = None, micro_steps_per_step: int = 1,
@@ -116,14 +129,8 @@ def simulate(*, world: int, sp: int = 1, steps: int = 50, seed: int = 0,
     prof = prof.with_num_layers(num_layers) if num_layers is not None else prof
     cost = CostModel(prof, cfg.cost_model, p=cfg.p, sp=sp)
     truth = CostModel(cost.profile, "calibrated", sp=sp)   # what the GPUs would take (ms)
-    uniq = [d.shape for d in dist]
-    budgets = resolve_budgets(mode="dual", cost=cost, shapes=uniq, m_mem=cfg.m_mem, m_comp=cfg.m_comp,
-                              max_tokens=cfg.max_tokens, gpu_mem_gib=gpu_mem_gib,
-                              mem_utilization=cfg.mem_utilization, zero_stage=cfg.zero_stage, dp_size=dp)
-    # Enough samples for `steps` steps of the hungriest sampler, plus one planning window.
-    per_step = dp * micro_steps_per_step * _expected_batch(cost, dist, budgets)
-    n = int(math.ceil(per_step * steps * 1.3)) + cfg.window * dp
-    shapes = draw_shapes(dist, n, seed)
+    budgets, n, shapes = simulated_dataset(cost, dist, cfg, dp=dp, steps=steps, seed=seed,
+                                           micro_steps_per_step=micro_steps_per_step, gpu_mem_gib=gpu_mem_gib)
     out = {"world": world, "sp": sp, "dp": dp, "micro_steps_per_step": micro_steps_per_step,
            "steps": steps, "seed": seed, "profile": cost.profile.name, "layers": cost.profile.num_layers,
            "cost_model": cost.mode,
@@ -222,6 +229,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--window", type=int, default=None, help="samples per DP rank per planning window")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--plot", default=None, help="write a PNG of CV per micro-step and per-rank load")
+    ap.add_argument("--sparse", default=None, metavar="DENSITIES",
+                    help="sparse attention: per layer x head densities ('synthetic' = drawn from 0.02-0.5, a density "
+                         "json, or a run's metrics.jsonl); compares the dense-cost and the sparse-aware dual planner "
+                         "timed with the sparse cost (ds_adaptive.balance.simulate_sparse)")
+    ap.add_argument("--efficiency", default=None,
+                    help="with --sparse: the kernel's efficiency table (a `calibrate --sparse` json; default DSV's anchors)")
+    ap.add_argument("--density-step", type=int, default=None,
+                    help="with --sparse METRICS.jsonl: use the densities logged at or before this step")
     args = ap.parse_args(argv)
     upd = {"profile": args.profile, "cost_model": args.cost_model, "p": args.p,
            "m_mem": args.m_mem if args.m_mem == "auto" else float(args.m_mem),
@@ -230,6 +245,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         upd["window"] = args.window
     cfg = SamplerConfig(**upd)
     dist = load_shape_distribution(args.shapes)
+    if args.sparse:
+        return _main_sparse(args, cfg, dist)
     res = simulate(world=args.world, sp=args.sp, steps=args.steps, seed=args.seed, dist=dist,
                    profile=args.profile, sampler_cfg=cfg, micro_steps_per_step=args.micro_steps_per_step,
                    gpu_mem_gib=args.gpu_mem_gib, keep_plans=bool(args.plot), num_layers=args.layers)
@@ -243,6 +260,25 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(_table(res))
         if args.plot:
             print(f"wrote {args.plot}")
+    return 0
+
+
+def _main_sparse(args, cfg: SamplerConfig, dist) -> int:
+    from ds_adaptive.balance import simulate_sparse as ss
+    from ds_adaptive.balance.sparse import load_densities
+
+    if args.layers is not None:
+        raise SystemExit("--sparse with --layers: give densities of the reduced model and a profile of its depth")
+    dens = args.sparse if args.sparse == "synthetic" else load_densities(args.sparse, step=args.density_step)
+    res = ss.simulate_sparse(world=args.world, sp=args.sp, steps=args.steps, seed=args.seed, densities=dens,
+                             efficiency=args.efficiency, dist=dist, profile=args.profile, sampler_cfg=cfg,
+                             micro_steps_per_step=args.micro_steps_per_step, gpu_mem_gib=args.gpu_mem_gib,
+                             keep_plans=bool(args.plot))
+    if args.plot:
+        ss.plot(res, args.plot)
+    res.pop("_plans", None)
+    res.pop("_truths", None)
+    print(json.dumps(res) if args.json else ss.table(res) + (f"\nwrote {args.plot}" if args.plot else ""))
     return 0
 
 
