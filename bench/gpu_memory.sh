@@ -25,7 +25,7 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=$PWD:/tmp/site:${PYTHONPATH:-}
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-git_rev=$(cat .gpu_rev 2>/dev/null || echo unknown)
+git_rev=${GIT_REV:-$(cat .gpu_rev 2>/dev/null || echo unknown)}   # .gpu_rev: written by whoever copies the tree (untracked)
 note "commit $git_rev"
 
 arm() {  # arm NAME CONFIG STEPS [trainer args...]
