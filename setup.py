@@ -39,9 +39,9 @@ install_requires = [
 
 extras_require = {
     "dev": ["pytest>=7", "pytest-timeout", "hypothesis>=6", "matplotlib", "tensorboard",
-            "diffusers>=0.33", "megatron-core>=0.12"],
+            "diffusers>=0.33", "accelerate", "megatron-core>=0.12"],
     "megatron": ["megatron-core>=0.12"],
-    "diffusers": ["diffusers>=0.33"],
+    "diffusers": ["diffusers>=0.33", "accelerate"],  # from_pretrained of Wan needs accelerate
     "plots": ["matplotlib", "tensorboard"],
     "apex": [],  # not on PyPI: see the module docstring
 }

@@ -15,6 +15,7 @@ COMMANDS = {
     "report": ("ds_adaptive.ops.report", "status of the fused op: DeepSpeed registry, compatibility, build"),
     "config": ("ds_adaptive.config", "print the adaptive_load reference table, or --check a ds_config's block"),
     "dry-run": ("ds_adaptive.dryrun", "validate a ds_config + topology without GPUs and print the deepspeed command"),
+    "export": ("ds_adaptive.export", "a trained checkpoint (ZeRO shards consolidated) -> diffusers-format transformer"),
 }
 
 
@@ -34,7 +35,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ds-adaptive: unknown command '{name}'.\n\n{_usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(COMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    try:
+        return int(module.main(rest) or 0)
+    except _user_errors() as exc:  # a bad input that a command did not turn into its own message
+        print(f"ds-adaptive {name}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _user_errors() -> tuple:
+    """The project's exception types for bad input (config, shapes, profiles, data, weights, plans)."""
+    from ds_adaptive.balance.cost import ProfileError, SequenceParallelError
+    from ds_adaptive.balance.planner import OversizeSampleError, PlanError
+    from ds_adaptive.config import ConfigError
+    from ds_adaptive.data.synthetic import DataError
+    from ds_adaptive.shapes import ShapeError
+
+    errors = [ConfigError, ShapeError, ProfileError, SequenceParallelError, PlanError, OversizeSampleError, DataError,
+              FileNotFoundError]
+    try:
+        from ds_adaptive.models.wan import WanConfigError
+        from ds_adaptive.models.weights import WanWeightsError
+
+        errors += [WanConfigError, WanWeightsError]
+    except ImportError:  # torch-free commands
+        pass
+    return tuple(errors)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,9 @@ class ConfigError(ValueError):
 
 
 class _Block(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    # strict: no coercion; "enabled": "yes" / "1" / 1 and "m_mem": "4" are errors, not true / 4.0
+    # (an int is still accepted where a float is expected).
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True, use_attribute_docstrings=True)
 
 
 class SamplerConfig(_Block):
@@ -209,10 +211,51 @@ def read_ds_config(ds_config: Union[str, Path, dict, None]) -> dict:
         raise ConfigError(f"ds_config file {path} is not valid JSON: {exc}") from exc
 
 
+MISSPELLING_CUTOFF = 0.75
+"""difflib ratio (of the lower-cased, alphanumeric-only key to "adaptiveload") from which a top-level key is taken
+for a misspelt block name; no DeepSpeed top-level key comes above 0.5."""
+
+
+def _normalised(key: str) -> str:
+    return "".join(c for c in key.lower() if c.isalnum())
+
+
+def misspelt_block_keys(raw: dict) -> list[str]:
+    """Top-level keys of a ds_config that look like a misspelling of ``adaptive_load`` ("adaptive_lod",
+    "AdaptiveLoad", "adaptive-load", ...). DeepSpeed ignores unknown top-level keys, so such a typo would
+    silently turn AdaptiveLoad off."""
+    import difflib
+
+    target = _normalised(BLOCK_KEY)
+    return [k for k in raw if isinstance(k, str) and k != BLOCK_KEY
+            and difflib.SequenceMatcher(None, _normalised(k), target).ratio() >= MISSPELLING_CUTOFF]
+
+
+def require_block(ds_config: Union[str, Path, dict, None], flags: list[str]) -> None:
+    """Raise ConfigError when command-line ``flags`` that only mean something with AdaptiveLoad are given
+    but the ds_config has no ``adaptive_load`` block (the run would silently be the baseline)."""
+    if not flags:
+        return
+    raw = read_ds_config(ds_config)
+    if BLOCK_KEY not in raw:
+        source = str(ds_config) if not isinstance(ds_config, dict) else "the ds_config dict"
+        raise ConfigError(f"{', '.join(flags)} given, but {source} has no '{BLOCK_KEY}' block: AdaptiveLoad would be "
+                          f"off and the flag(s) would change nothing you meant. Add an \"{BLOCK_KEY}\" block (e.g. "
+                          "from launch/configs/zero3_adaptive.json) or drop the flag(s)")
+
+
 def load_adaptive_config(ds_config: Union[str, Path, dict, None]) -> AdaptiveLoadConfig:
-    """Parse and validate the adaptive_load block; an absent block gives the defaults (disabled)."""
+    """Parse and validate the adaptive_load block; an absent block gives the defaults (disabled).
+
+    A top-level key that looks like a misspelling of ``adaptive_load`` is an error naming it."""
     source = str(ds_config) if not isinstance(ds_config, dict) else "the ds_config dict"
     raw = read_ds_config(ds_config)
+    typos = misspelt_block_keys(raw)
+    if typos:
+        raise ConfigError(f"top-level key(s) {', '.join(repr(k) for k in typos)} in {source} look like a misspelling of "
+                          f"'{BLOCK_KEY}'; DeepSpeed ignores unknown keys, so AdaptiveLoad would silently be off. "
+                          f"Rename the key to '{BLOCK_KEY}'" + (f" (the file also has an '{BLOCK_KEY}' block: merge them)"
+                                                                 if BLOCK_KEY in raw else ""))
     block: Any = raw.get(BLOCK_KEY, {})
     if not isinstance(block, dict):
         raise ConfigError(f"'{BLOCK_KEY}' in {source} must be a JSON object, got {type(block).__name__}")
@@ -353,6 +396,8 @@ def main(argv: Optional[list] = None) -> int:
         if args.check:
             cfg = load_adaptive_config(args.check)
             print(json.dumps({BLOCK_KEY: cfg.model_dump()}, indent=2))
+            if BLOCK_KEY not in read_ds_config(args.check):
+                print(f"note: {args.check} has no '{BLOCK_KEY}' block: the defaults above apply (AdaptiveLoad off)")
             return 0
         if args.readme:
             print(f"{args.readme}: {'updated' if update_readme(args.readme) else 'already current'}")

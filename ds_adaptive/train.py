@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import (AdaptiveLoadConfig, ConfigError, load_adaptive_config, prepare_ds_config,
-                     read_ds_config)
+                     read_ds_config, require_block)
 from .data import DataError, build_dataset, collate_latents
 from .metrics import StepMetrics, format_summary
 from .models.flops import wan_train_flops
@@ -378,6 +378,8 @@ def train(args: argparse.Namespace) -> dict:
         raise UsageError(f"--eval-samples {args.eval_samples}: held-out evaluation needs a count >= 0 and "
                          "--data synthetic (the held-out set is drawn from its shape mix)")
     cfg = load_adaptive_config(args.deepspeed_config)
+    require_block(args.deepspeed_config, [f"--{'' if args.fused_ln_modulate else 'no-'}fused-ln-modulate"]
+                  if args.fused_ln_modulate is not None else [])
     if args.fused_ln_modulate is not None:
         cfg.fused_ln_modulate = args.fused_ln_modulate
     args.grad_ckpt = args.grad_ckpt or cfg.sampler.checkpointing
@@ -579,6 +581,7 @@ def train(args: argparse.Namespace) -> dict:
     summary = metrics.summary()
     summary["final_step"] = global_step
     summary["memory_prediction"] = mem_log.summary()
+    summary.update(_ln_modulate_ran(cfg.fused_ln_modulate))
     if args.eval_samples:
         held_out = build_dataset("synthetic", num_samples=args.eval_samples, shapes=shapes,
                                  seed=args.seed + EVAL_SEED_OFFSET)
@@ -594,6 +597,19 @@ def train(args: argparse.Namespace) -> dict:
     return summary
 
 
+def _ln_modulate_ran(requested: bool) -> dict:
+    """What the model's LayerNorm-modulate sites really ran: the fused op only when it was asked for
+    (adaptive_load.fused_ln_modulate) and every call took it; on the CPU, or when the op could not load,
+    it falls back to the torch reference and the summary says so."""
+    from .ops.ln_modulate import call_counts
+
+    calls = call_counts() if requested else {"fused": 0, "reference": 0}
+    ran = ("fused op" if calls["fused"] and not calls["reference"] else
+           "fused op and torch reference" if calls["fused"] else "torch reference")
+    return {"fused_ln_modulate": ran == "fused op", "fused_ln_modulate_requested": requested,
+            "ln_modulate": ran, "ln_modulate_calls": calls}
+
+
 def _save(engine, args, sampler, global_step: int, epoch: int, step_in_epoch: int, world: int) -> None:
     t0 = time.perf_counter()
     engine.save_checkpoint(args.save, tag=f"global_step{global_step}",
@@ -606,16 +622,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     from .balance.cost import ProfileError, SequenceParallelError
     from .models.wan import WanConfigError
-    from .balance.planner import PlanError
+    from .balance.planner import OversizeSampleError, PlanError
     from .balance.sampler import SamplerStateError
+    from .models.weights import WanWeightsError
 
     ok = False
     try:
         train(args)
         ok = True
     except (ConfigError, DataError, ShapeError, UsageError, FileNotFoundError, WanConfigError, PlanError,
-            ProfileError, SequenceParallelError, SamplerStateError) as exc:
-        print(f"ds-adaptive train: error: {exc}", file=sys.stderr)
+            ProfileError, SequenceParallelError, SamplerStateError, OversizeSampleError, WanWeightsError) as exc:
+        # These come from the config, the plan or the files, which every rank sees alike: one message
+        # (rank 0's), not one per rank; a DataError may be one rank's own sample, so every rank says it.
+        rank = int(os.environ.get("RANK", "0") or 0)
+        if rank == 0 or isinstance(exc, DataError):
+            print(f"ds-adaptive train: error: {exc}", file=sys.stderr, flush=True)
         return 2
     finally:
         _shutdown_distributed(barrier=ok)

@@ -13,7 +13,8 @@
 #   NUM_PROCS   processes of the CPU run (default 2)
 #   HOSTFILE    DeepSpeed hostfile for multi-node runs (see launch/hostfile.example);
 #               MASTER_ADDR / MASTER_PORT pick the rendezvous (default: the first host, 29500)
-#   DS_CONFIG   ds_config json (default: zero3_adaptive.json on GPU, cpu_tiny.json on CPU)
+#   DS_CONFIG   ds_config json (default: zero3_adaptive.json on GPU, zero3_adaptive_14b.json for
+#               MODEL=wan2.1-14b, cpu_tiny.json on CPU)
 #   MODEL       tiny | wan2.1-1.3b | wan2.1-14b (default: wan2.1-1.3b on GPU, tiny on CPU)
 #   STEPS       optimizer steps (default: 50 on GPU, 20 on CPU)
 #   SP          Ulysses sequence-parallel degree (default 1)
@@ -23,6 +24,11 @@
 #               the caching allocator); a value you set is kept
 #   PYTHON      python interpreter (default: python)
 #   DRY_RUN=1   print the deepspeed command instead of running it
+#   STOP_TIMEOUT  seconds a run may take to stop after SIGTERM/SIGINT before it is killed
+#               (default 0: wait; a second signal kills at once)
+#
+# Signals: SIGTERM/SIGINT/SIGHUP to this script reach every rank (not only DeepSpeed's launcher);
+# SIGKILL of it kills the whole run (no orphan ranks). See ds_adaptive/supervise.py.
 # Extra arguments go to the trainer (ds-adaptive train --help lists them).
 set -euo pipefail
 
@@ -51,8 +57,12 @@ if [[ "$NUM_GPUS" == 0 ]]; then
   LAUNCH+=(--num_gpus "$NPROC")
   WHERE="$NPROC CPU process(es)"
 else
-  DS_CONFIG="${DS_CONFIG:-$HERE/configs/zero3_adaptive.json}"
   MODEL="${MODEL:-wan2.1-1.3b}"
+  if [[ "$MODEL" == wan2.1-14b ]]; then  # the 14B config plans with the 14B calibration
+    DS_CONFIG="${DS_CONFIG:-$HERE/configs/zero3_adaptive_14b.json}"
+  else
+    DS_CONFIG="${DS_CONFIG:-$HERE/configs/zero3_adaptive.json}"
+  fi
   STEPS="${STEPS:-50}"
   if [[ -n "${HOSTFILE:-}" ]]; then
     if [[ ! -f "$HOSTFILE" ]]; then
@@ -107,4 +117,7 @@ if [[ "${DRY_RUN:-0}" == 1 ]]; then
   "${DRY[@]}" >&2
   exit $?
 fi
-exec "${CMD[@]}"
+# The supervisor forwards SIGTERM/SIGINT to every rank and leaves no orphan process behind, even
+# when it is SIGKILLed itself (ds_adaptive/supervise.py). STOP_TIMEOUT=S kills a run that has not
+# stopped S seconds after the first signal (default: wait; a second signal kills at once).
+exec "$PY" "$HERE/../ds_adaptive/supervise.py" -- "${CMD[@]}"

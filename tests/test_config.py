@@ -142,3 +142,58 @@ def test_config_check_command(tmp_path, capsys):
     (tmp_path / "bad.json").write_text(json.dumps({"adaptive_load": {"enabeld": True}}))
     assert main(["--check", str(tmp_path / "bad.json")]) == 2
     assert "unknown key 'adaptive_load.enabeld'" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("block, key", [
+    ({"enabled": "yes"}, "adaptive_load.enabled"),
+    ({"enabled": "no"}, "adaptive_load.enabled"),
+    ({"enabled": "1"}, "adaptive_load.enabled"),
+    ({"enabled": 1}, "adaptive_load.enabled"),
+    ({"fused_ln_modulate": 0}, "adaptive_load.fused_ln_modulate"),
+    ({"sampler": {"m_mem": "40"}}, "adaptive_load.sampler.m_mem"),
+    ({"sampler": {"window": "64"}}, "adaptive_load.sampler.window"),
+    ({"sampler": {"window": 64.0}}, "adaptive_load.sampler.window"),
+    ({"sampler": {"p": "1.5"}}, "adaptive_load.sampler.p"),
+    ({"metrics": {"jsonl": "false"}}, "adaptive_load.metrics.jsonl"),
+])
+def test_no_coercion_of_booleans_and_numbers(block, key):
+    """strict: a string or number where a boolean is expected (or a string where a number is) is an error naming
+    the key and the value, never silently true / false / a number."""
+    with pytest.raises(ConfigError) as exc:
+        load_adaptive_config({"adaptive_load": block})
+    assert key in str(exc.value)
+    assert load_adaptive_config({"adaptive_load": {"sampler": {"m_mem": 40, "p": 2}}}).sampler.m_mem == 40.0
+
+
+@pytest.mark.parametrize("typo", ["adaptive_lod", "AdaptiveLoad", "adaptive-load", "adaptive_loads", "adaptve_load"])
+def test_misspelt_block_name_is_an_error_naming_it(tmp_path, typo):
+    path = _write(tmp_path, {"train_batch_size": 8, typo: {"enabled": True}})
+    with pytest.raises(ConfigError) as exc:
+        load_adaptive_config(path)
+    assert repr(typo) in str(exc.value) and "misspelling of 'adaptive_load'" in str(exc.value) and path in str(exc.value)
+
+
+def test_deepspeed_top_level_keys_are_not_taken_for_misspellings():
+    from ds_adaptive.config import misspelt_block_keys
+
+    keys = ["train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer",
+            "scheduler", "fp16", "bf16", "zero_optimization", "activation_checkpointing", "gradient_clipping",
+            "steps_per_print", "wall_clock_breakdown", "data_parallel_size", "sequence_parallel_size",
+            "tensorboard", "flops_profiler", "aio", "autotuning", "data_efficiency", "compression_training",
+            "comms_logger", "checkpoint", "dataloader_drop_last", "amp", "zero_allow_untested_optimizer"]
+    assert misspelt_block_keys({k: {} for k in keys}) == []
+
+
+def test_adaptive_flags_without_a_block_are_an_error(tmp_path, capsys):
+    from ds_adaptive.config import main as config_main, require_block
+    from ds_adaptive.train import main as train_main
+
+    path = _write(tmp_path, {"train_batch_size": 8, "zero_optimization": {"stage": 3}})
+    require_block(path, [])  # no flag: fine
+    with pytest.raises(ConfigError, match="--fused-ln-modulate given, but .* has no 'adaptive_load' block"):
+        require_block(path, ["--fused-ln-modulate"])
+    assert train_main(["--deepspeed_config", path, "--fused-ln-modulate"]) == 2
+    err = capsys.readouterr().err
+    assert "has no 'adaptive_load' block" in err and "Traceback" not in err
+    assert config_main(["--check", path]) == 0
+    assert "has no 'adaptive_load' block" in capsys.readouterr().out

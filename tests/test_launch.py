@@ -19,7 +19,7 @@ CONFIGS = ROOT / "launch" / "configs"
 SCRIPT = ROOT / "launch" / "train_wan.sh"
 
 
-@pytest.mark.parametrize("name", ["zero3_adaptive.json", "zero3_baseline.json", "cpu_tiny.json"])
+@pytest.mark.parametrize("name", ["zero3_adaptive.json", "zero3_adaptive_14b.json", "zero3_baseline.json", "cpu_tiny.json"])
 def test_shipped_configs_validate(name):
     raw = json.loads((CONFIGS / name).read_text())
     cfg = load_adaptive_config(CONFIGS / name)
@@ -119,7 +119,9 @@ def test_main_job_on_cpu_prints_summary_and_loss_falls(tmp_path):
     assert "ds_adaptive run summary" in out and "tokens/s" in out and "CV_step" in out
     s = json.loads((tmp_path / "runs" / "cpu_tiny" / "summary.json").read_text())
     assert s["steps"] == 20 and s["world_size"] == 2 and s["model"] == "tiny" and s["device"] == "cpu"
-    assert s["adaptive_load"] is True and s["fused_ln_modulate"] is True
+    assert s["adaptive_load"] is True and s["fused_ln_modulate_requested"] is True
+    assert s["fused_ln_modulate"] is False and s["ln_modulate"] == "torch reference"  # what ran on the CPU
+    assert s["ln_modulate_calls"]["reference"] > 0 and s["ln_modulate_calls"]["fused"] == 0
     assert s["samples"] > 40 and s["tokens"] > 10_000 and s["tokens_per_s"] > 0 and s["samples_per_s"] > 0
     assert 0 < s["peak_mem_gib"] < s["mem_capacity_gib"] and 0 <= s["cv_step"] < 1
     assert s["loss_window"] == 5 and s["loss_fell"] is True
@@ -137,3 +139,14 @@ def test_readme_commands_are_what_ci_runs():
     assert "pip install torch==2.13.0" in ci and 'pip install -e ".[dev]"' in ci
     assert ci.index("pip install torch==2.13.0") < ci.index('pip install -e ".[dev]"') < ci.index("python -m pytest tests")
     assert any("-eq 5" in line for line in ci)  # "no tests collected" fails CI
+
+
+def test_14b_config_plans_with_the_14b_profile():
+    """MODEL=wan2.1-14b picks zero3_adaptive_14b.json, whose profile is the 14B calibration (not the 1.3B one)."""
+    a = json.loads((CONFIGS / "zero3_adaptive.json").read_text())
+    b = json.loads((CONFIGS / "zero3_adaptive_14b.json").read_text())
+    assert b["adaptive_load"]["sampler"]["profile"] == "h100-wan2.1-14b"
+    assert {k: v for k, v in a.items() if k != "adaptive_load"} == {k: v for k, v in b.items() if k != "adaptive_load"}
+    r = _dry({"NUM_GPUS": "8", "SP": "2", "MODEL": "wan2.1-14b"})
+    assert r.returncode == 0, r.stderr
+    assert "zero3_adaptive_14b.json --model wan2.1-14b" in r.stdout.splitlines()[-1]

@@ -66,6 +66,13 @@ DEFAULT_CALIBRATION_SHAPES = [
     SampleShape(81, 720, 1280),   # 75600
 ]
 
+# CPU default (``--device cpu`` without --lengths): small grids of 64-2,304 tokens, so that a CPU run takes
+# seconds to a minute, not the >14 min of the GPU grids above.
+CPU_CALIBRATION_SHAPES = [SampleShape(f, s, s) for f, s in ((1, 128), (1, 256), (9, 256), (17, 256), (33, 256))]
+MAX_FIT_ERROR = 0.10
+"""Quality bar of a calibration: largest |relative error| of the compute fit over its fitted points.
+The shipped H100/H200 calibrations fit within 1.5-2.2%; a fit worse than 10% would mis-plan batches."""
+
 # Bytes per parameter of mixed-precision Adam under DeepSpeed: bf16 params, bf16 grads,
 # fp32 master weights + Adam m + v.
 BYTES_PER_PARAM = {"params": 2.0, "grads": 2.0, "optimizer": 12.0}
@@ -489,6 +496,17 @@ def fragmentation_margin(rows: Sequence[Mapping[str, Any]]) -> Optional[float]:
     return float(max(vals)) if vals else None
 
 
+def fit_quality_problem(compute: Mapping[str, Any], max_err: float = MAX_FIT_ERROR) -> Optional[str]:
+    """Why a compute fit is not usable (None when it is): error over the bar, or no length dependence."""
+    err = float(compute["fit"]["max_rel_err"])
+    if compute["a_ms_per_token"] <= 0 and compute["b_ms_per_token2"] <= 0:
+        return (f"the fit has a = b = 0 (cost does not grow with length; max |rel err| {err:.1%}): the timings "
+                "are dominated by overhead or noise")
+    if err > max_err:
+        return f"the fit's max |rel err| {err:.1%} is over the quality bar {max_err:.0%} (--max-fit-error)"
+    return None
+
+
 def _batch_sizes(shapes: Sequence[SampleShape], sp: int) -> dict[int, list[int]]:
     """B=1 for every length; short ones also in saturated batches (>= ~16k tokens) so the fit sees
     what the planner forms (many images per micro-batch)."""
@@ -526,7 +544,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--sparse", action="store_true",
                     help="measure the block-sparse attention kernel's cost vs density instead (see "
                          "`ds-adaptive calibrate --sparse --help`)")
-    ap.add_argument("--model", default="wan2.1-1.3b", help="Wan config name (tiny, wan2.1-1.3b, wan2.1-14b)")
+    ap.add_argument("--model", default=None,
+                    help="Wan config name (tiny, wan2.1-1.3b, wan2.1-14b; default wan2.1-1.3b, tiny with --device cpu)")
     ap.add_argument("--sp", type=int, default=1, help="Ulysses degree to emulate on one GPU (default 1)")
     ap.add_argument("--out", help="profile json to write")
     ap.add_argument("--name", help="profile name stored in the json (default: stem of --out)")
@@ -535,11 +554,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="default bf16 on cuda, fp32 on cpu")
     ap.add_argument("--layers", default="2,4", help="two depths k1,k2 to difference (default 2,4)")
     ap.add_argument("--lengths", default=None,
-                    help="comma list of FxHxW shapes (default: 8 Wan grids from 1x480x832 to 81x720x1280)")
+                    help="comma list of FxHxW shapes (default: 8 Wan grids from 1x480x832 to 81x720x1280; with "
+                         "--device cpu 5 small grids of 64-2304 tokens)")
     ap.add_argument("--batch-sizes", default=None,
                     help="extra batch sizes for short shapes, e.g. '1560:1,12;4096:1,4' (default: auto)")
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=None, help="untimed runs per point (default 2; 1 on cpu)")
+    ap.add_argument("--iters", type=int, default=None, help="timed runs per point (default 5; 2 on cpu)")
     ap.add_argument("--no-checkpointing", action="store_true", help="measure without gradient checkpointing")
     ap.add_argument("--checkpoint-memory", action=argparse.BooleanOptionalAction, default=True,
                     help="also measure every point in the other checkpointing mode: per-block memory with and "
@@ -551,6 +571,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="all-to-all bandwidth per GPU for the Ulysses comm term (GB/s)")
     ap.add_argument("--override", action="append", default=[],
                     help="model config override KEY=VALUE (e.g. dim=64), repeatable")
+    ap.add_argument("--max-fit-error", type=float, default=MAX_FIT_ERROR,
+                    help="quality bar: refuse to write a profile whose compute fit is worse (max |rel err|; "
+                         "default %(default)s) or does not grow with length")
+    ap.add_argument("--accept-poor-fit", action="store_true",
+                    help="write the profile even when the fit misses the quality bar (with a warning)")
     ap.add_argument("--from-block-scaling", metavar="JSON",
                     help="instead of measuring, rebuild the shipped profiles from a per-block scaling json")
     args = ap.parse_args(argv)
@@ -588,7 +613,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         ap.error(f"--layers must be two depths 'k1,k2', got {args.layers!r}")
     if not 1 <= k1 < k2:
         ap.error(f"--layers needs 1 <= k1 < k2, got {k1},{k2}")
-    shapes = parse_lengths(args.lengths) if args.lengths else list(DEFAULT_CALIBRATION_SHAPES)
+    on_cpu = args.device == "cpu"
+    args.warmup = args.warmup if args.warmup is not None else (1 if on_cpu else 2)
+    args.iters = args.iters if args.iters is not None else (2 if on_cpu else 5)
+    args.model = args.model or ("tiny" if on_cpu else "wan2.1-1.3b")
+    shapes = parse_lengths(args.lengths) if args.lengths else list(
+        CPU_CALIBRATION_SHAPES if on_cpu else DEFAULT_CALIBRATION_SHAPES)
     if args.batch_sizes:  # explicit: listed lengths get these sizes, the others B=1
         batch_sizes = {sh.tokens: [1] for sh in shapes}
         for part in args.batch_sizes.split(";"):
@@ -597,6 +627,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                 batch_sizes[int(s)] = [int(b) for b in bs.split(",")]
             except ValueError:
                 ap.error(f"--batch-sizes: '{part}' is not TOKENS:B1,B2 (e.g. '1560:1,12;4096:1,4')")
+    elif on_cpu:  # no saturated batches on a CPU: B=1, and B=4 for the two shortest lengths
+        short = sorted(sh.tokens for sh in shapes)[:2]
+        batch_sizes = {sh.tokens: [1, 4] if sh.tokens in short else [1] for sh in shapes}
     else:
         batch_sizes = _batch_sizes(shapes, args.sp)
     overrides = {}
@@ -669,8 +702,25 @@ def main(argv: Optional[list[str]] = None) -> int:
         "wall_s": round(time.perf_counter() - t_start, 1),
     }
     Profile.from_dict(prof)  # validate before writing
+    problem = fit_quality_problem(compute, args.max_fit_error)
+    if problem and not args.accept_poor_fit:
+        _print_fit(compute, memory)
+        print(f"calibrate: error: {problem}; the profile would mis-plan batches, so {args.out} was NOT written. "
+              "Measure longer lengths (--lengths), more --iters, on an idle device, or pass --accept-poor-fit to "
+              "write it anyway.", file=sys.stderr)
+        return 2
+    if problem:
+        prof["fit_warning"] = problem
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(prof, indent=1) + "\n")
+    _print_fit(compute, memory)
+    if problem:
+        print(f"calibrate: warning: {problem}; written anyway (--accept-poor-fit)", file=sys.stderr)
+    print(f"wrote {args.out} ({prof['wall_s']} s)")
+    return 0
+
+
+def _print_fit(compute: Mapping[str, Any], memory: Mapping[str, Any]) -> None:
     print("\nfull-model fit  t = c0 + B*(a*S + b*S^2)  [ms]")
     print(f"  c0 = {compute['c0_ms']:.4g} ms   a = {compute['a_ms_per_token']:.4g} ms/token   "
           f"b = {compute['b_ms_per_token2']:.4g} ms/token^2")
@@ -684,17 +734,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"memory fit  act/B = m0 + m1*S: m0 = {memory['m0_gib']:.4g} GiB, "
               f"m1 = {memory['m1_gib_per_token'] * 1024 ** 2:.4g} KiB/token; max |rel err| "
               f"{memory['fit']['max_rel_err']:.1%}, mean {memory['fit']['mean_rel_err']:.1%}")
-    if ckfit is not None:
-        bf, bc, rc = ckfit["memory"]["block_full"], ckfit["memory"]["block_checkpointed"], ckfit["recompute"]
+    ck, rc = memory.get("checkpointing"), compute.get("recompute")
+    if ck is not None and rc is not None:
+        bf, bc = ck["block_full"], ck["block_checkpointed"]
         print(f"per block: whole {bf['m1_gib_per_token'] * 2**30 / 1024:.1f} KiB/token (+{bf['m0_gib'] * 1024:.1f} MiB/sample, "
               f"max err {bf['fit']['max_rel_err']:.1%}), checkpointed {bc['m1_gib_per_token'] * 2**30 / 1024:.2f} KiB/token; "
               f"recompute c0 {rc['c0_ms']:.3g} ms a {rc['a_ms_per_token']:.3g} ms/token b {rc['b_ms_per_token2']:.3g} "
               f"ms/token^2 (max err {rc['fit']['max_rel_err']:.1%})")
-    if margin is not None:
-        print(f"fragmentation margin (reserved - allocated peak over the sweep): {margin:.3f} GiB "
-              f"(PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '')!r})")
-    print(f"wrote {args.out} ({prof['wall_s']} s)")
-    return 0
+    if memory.get("fragmentation_margin_gib") is not None:
+        print(f"fragmentation margin (reserved - allocated peak at the sweep's high-water marks): "
+              f"{memory['fragmentation_margin_gib']:.3f} GiB (PYTORCH_CUDA_ALLOC_CONF={memory.get('allocator', '')!r})")
 
 
 if __name__ == "__main__":

@@ -238,9 +238,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--density-step", type=int, default=None,
                     help="with --sparse METRICS.jsonl: use the densities logged at or before this step")
     args = ap.parse_args(argv)
+    budgets = {}
+    for key in ("m_mem", "m_comp"):
+        value = getattr(args, key)
+        try:
+            budgets[key] = value if value == "auto" else float(value)
+        except ValueError:
+            ap.error(f"--{key.replace('_', '-')} must be a number or 'auto', got {value!r}")
+    try:
+        return _run(args, budgets)
+    except (ValueError, FileNotFoundError) as exc:  # shapes, profile, topology, budgets: one message
+        print(f"ds-adaptive simulate: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace, budgets: dict) -> int:
     upd = {"profile": args.profile, "cost_model": args.cost_model, "p": args.p,
-           "m_mem": args.m_mem if args.m_mem == "auto" else float(args.m_mem),
-           "m_comp": args.m_comp if args.m_comp == "auto" else float(args.m_comp)}
+           **budgets}
     if args.window:
         upd["window"] = args.window
     cfg = SamplerConfig(**upd)

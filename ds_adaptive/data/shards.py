@@ -31,8 +31,8 @@ from typing import Optional, Union
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
+from ..files import save_safetensors
 from ..shapes import LATENT_CHANNELS, MAX_TEXT_LEN, TEXT_DIM, SampleShape, ShapeError, validate_shape
 from .synthetic import DataError
 
@@ -105,7 +105,7 @@ class LatentShardWriter:
     def _flush(self) -> None:
         if not self._pending:
             return
-        save_file(self._pending, str(self.out_dir / self._shard_name()), metadata={"format": FORMAT})
+        save_safetensors(self._pending, self.out_dir / self._shard_name(), metadata={"format": FORMAT})
         self._pending, self._pending_bytes = {}, 0
         self._shard += 1
 

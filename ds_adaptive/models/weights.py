@@ -366,6 +366,54 @@ def load_wan_weights(model: WanModel, path: PathLike, device: Optional[Union[str
     return model
 
 
+def _is_zero3_param(p: torch.nn.Parameter) -> bool:
+    return hasattr(p, "ds_id") and hasattr(p, "ds_shape")
+
+
+def init_from_pretrained(model: torch.nn.Module, path: PathLike, *, rank: Optional[int] = None) -> dict[str, Any]:
+    """Load Wan weights (diffusers or original layout) into a model that may be ZeRO-3-partitioned.
+
+    For fine-tuning (the trainer's ``--init-from``): call on every rank, after the model was built
+    (inside ``deepspeed.zero.Init`` or not) and before or after ``deepspeed.initialize``.
+
+    * A model whose parameters are materialised (ZeRO 0-2, one process): ``load_wan_weights``.
+    * ZeRO-3-partitioned parameters (``ds_id``): no rank ever holds the full model. Every rank reads
+      the checkpoint's headers and checks names and shapes (so every rank raises the same error, no
+      hang); then, one block at a time, the block's parameters are gathered
+      (``deepspeed.zero.GatheredParameters(modifier_rank=0)``), rank 0 copies the block's tensors from
+      the file into them, and leaving the context broadcasts them and re-partitions. Peak extra
+      memory: one block's parameters.
+
+    Returns ``{"path", "layout", "tensors", "zero3"}`` for the run's log and summary.
+    """
+    params = dict(model.named_parameters())
+    zero3 = any(_is_zero3_param(p) for p in params.values())
+    files = checkpoint_files(path)
+    if not zero3:
+        load_wan_weights(model, path)
+        layout = detect_layout(list(_Reader(files, "cpu").entries), str(path))
+        return {"path": str(path), "layout": layout, "tensors": len(params), "zero3": False}
+    import deepspeed
+
+    if rank is None:
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    reader = _Reader(files, "cpu")
+    shapes = {n: tuple(p.ds_shape) if _is_zero3_param(p) else tuple(p.shape) for n, p in params.items()}
+    plan = _plan(reader, shapes, str(path))
+    groups: dict[str, list[str]] = {}
+    for name in params:  # one group per transformer block, one for the rest
+        m = _BLOCK_RE.match(name)
+        groups.setdefault(f"blocks.{m.group(1)}" if m else "", []).append(name)
+    with torch.no_grad():
+        for names in groups.values():
+            with deepspeed.zero.GatheredParameters([params[n] for n in names], modifier_rank=0):
+                if rank == 0:
+                    for n in names:
+                        params[n].copy_(reader.get(plan[n]))
+    return {"path": str(path), "layout": detect_layout(list(reader.entries), str(path)), "tensors": len(plan),
+            "zero3": True}
+
+
 def load_pretrained(path: PathLike, dtype: Optional[torch.dtype] = None, device: Union[str, torch.device] = "cpu",
                     config: Optional[Union[WanConfig, str, Mapping[str, Any]]] = None,
                     keep_fp32: bool = True) -> WanModel:
@@ -395,7 +443,7 @@ def save_wan_weights(model: WanModel, directory: PathLike, layout: str = "wan") 
     """Write ``config.json`` + ``diffusion_pytorch_model.safetensors`` in the original Wan layout
     (``layout="wan"``) or diffusers' (``layout="diffusers"``, loadable by
     ``WanTransformer3DModel.from_pretrained``). Returns the weights file."""
-    from safetensors.torch import save_file
+    from ds_adaptive.files import save_safetensors
     if layout not in ("wan", "diffusers"):
         raise ValueError(f"layout must be 'wan' or 'diffusers', got {layout!r}")
     out = Path(directory)
@@ -409,7 +457,7 @@ def save_wan_weights(model: WanModel, directory: PathLike, layout: str = "wan") 
         cfg = original_config(model.config)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     f = out / f"{WEIGHTS_STEM}.safetensors"
-    save_file(sd, str(f), metadata={"format": "pt"})
+    save_safetensors(sd, f, metadata={"format": "pt"})
     return f
 
 

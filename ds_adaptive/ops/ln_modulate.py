@@ -133,9 +133,16 @@ class _OpState:
         self.source: Optional[str] = None  # "prebuilt" / "jit"
         self.warned: set = set()
         self.mode = "auto"  # last mode read from the environment
+        self.calls = {"fused": 0, "reference": 0}  # eager ln_modulate calls per path (call_counts)
 
 
 _STATE = _OpState()
+
+
+def call_counts() -> dict:
+    """Eager ``ln_modulate`` calls so far that ran the fused op / the torch reference (compiled calls are
+    not counted). The trainer's summary reports from this what really ran, not what was asked for."""
+    return dict(_STATE.calls)
 
 
 @torch.compiler.disable
@@ -453,7 +460,10 @@ def ln_modulate(x: Tensor, shift: Tensor, scale: Tensor, eps: float = 1e-6, weig
     the op loads; see the module docstring for DS_ADAPTIVE_LN_MODULATE.
     """
     _check_args(x, shift, scale, weight, bias)
-    if not _use_fused(x):
+    fused = _use_fused(x)
+    if not torch.compiler.is_compiling():
+        _STATE.calls["fused" if fused else "reference"] += 1
+    if not fused:
         return ln_modulate_reference(x, shift, scale, eps, weight, bias)
     b, s, d = x.shape
     if shift.dim() == 2:
