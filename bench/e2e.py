@@ -231,8 +231,8 @@ def plan_arm(s: Settings, arm: Arm, shapes, profile_path: str, budgets: Budgets,
     cfg = SamplerConfig.model_validate(sampler_config(s, arm, profile_path, budgets, reference_batch))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        smp = build_batch_sampler(cfg, shapes, Layout.explicit(dp_size=s.dp), micro_steps_per_step=gas, enabled=arm.enabled,
-                                  mode=arm.sampler)
+        smp = build_batch_sampler(cfg, shapes, Layout.explicit(dp_size=s.dp), micro_steps_per_step=gas,
+                                  enabled=arm.enabled, mode=arm.sampler, checkpointing="all" if s.grad_ckpt else "none")
         plan = smp.plan
     from ds_adaptive.balance.simulate import predicted_times
 
@@ -312,8 +312,7 @@ def trainer_command(s: Settings, arm: Arm, config_path: str, steps: int, log_dir
            "--fused-ln-modulate" if arm.fused else "--no-fused-ln-modulate"]
     if s.shapes:
         cmd += ["--shapes", s.shapes]
-    if s.grad_ckpt:
-        cmd.append("--grad-ckpt")
+    cmd += ["--grad-ckpt", "all" if s.grad_ckpt else "none"]   # the arms' plans assume every block or none
     return cmd
 
 
