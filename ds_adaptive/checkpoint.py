@@ -108,13 +108,14 @@ def write_checkpoint(engine, save_dir: PathLike, tag: str, client_state: dict, *
 
 
 def prune_checkpoints(save_dir: PathLike, keep: int, *, protect: str) -> list[Path]:
-    """Delete the oldest complete ``global_stepN`` checkpoints so that ``keep`` remain (``protect``
-    is never deleted; incomplete ones are left for a person to look at). ``keep`` <= 0: keep all."""
+    """Delete the oldest good ``global_stepN`` checkpoints so that ``keep`` good ones remain
+    (``protect`` is never deleted; incomplete or corrupt ones neither count nor are deleted: they are
+    left for a person to look at). ``keep`` <= 0: keep all."""
     if keep <= 0:
         return []
     save_dir = Path(save_dir)
     complete = sorted((step_of(p.name), p) for p in save_dir.iterdir()
-                      if p.is_dir() and step_of(p.name) is not None and (p / MARKER).is_file())
+                      if p.is_dir() and step_of(p.name) is not None and check_checkpoint(p) is None)
     gone = []
     for _, p in complete[:max(0, len(complete) - keep)]:
         if p.name != protect:
