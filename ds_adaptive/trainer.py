@@ -381,8 +381,9 @@ class Trainer:
         what = f"loss {rec.loss}" if not math.isfinite(rec.loss) else "gradient norm not finite"
         if applied:
             raise NonFiniteError(f"step {rec.step}: {what}, and the optimizer applied the update (this ds_config's "
-                                 "optimizer does not skip non-finite steps; use ZeRO stage 1-3): the weights are "
-                                 "no longer finite; resume from the last checkpoint")
+                                 "optimizer does not skip non-finite steps; use ZeRO stage 3, or set "
+                                 "'bf16': {'check_grad_overflow': true} with stage 1/2): the weights are no longer "
+                                 "finite; resume from the last checkpoint")
         self.log(f"ds_adaptive: step {rec.step}: {what}: update skipped ({len(self.nonfinite_steps)} non-finite "
                  f"step(s) so far)")
         if self.opts.nonfinite == "stop":
