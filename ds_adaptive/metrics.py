@@ -211,6 +211,7 @@ class StepRecord:
         """Hardware FLOPs utilisation (recomputed forwards of checkpointed blocks included)."""
         den = self.wall_s * self.world * self.peak_tflops * 1e12
         return self.hw_flops / den if den > 0 else 0.0
+    skipped: bool = False                             # the optimizer skipped the update (non-finite step)
 
     @property
     def tokens_per_s(self) -> float:
@@ -366,7 +367,8 @@ class StepMetrics:
         return [max(w - x, 0.0) for w, x in timed], [w for w, _ in timed]
 
     # global gather ------------------------------------------------------------------------
-    def end_step(self, step: int, loss_num: float, loss_den: float, lr: float, *, log: bool = False) -> StepRecord:
+    def end_step(self, step: int, loss_num: float, loss_den: float, lr: float, *, log: bool = False,
+                 skipped: bool = False) -> StepRecord:
         """Gather this step's figures from every rank (a collective); log on the writer rank every
         ``interval`` steps, at the run's first step, and when ``log`` is true (e.g. the last step)."""
         if len(self._micro) != self.gas:
@@ -416,6 +418,7 @@ class StepMetrics:
             hw_flops=sum(r[tail + 5] for r in rows),
             peak_tflops=self.peak_tflops,
             world=len(rows),
+            skipped=skipped,
         )
         self.history.append(rec)
         if self.is_writer and (log or step % self.cfg.interval == 0 or len(self.history) == 1):
@@ -436,7 +439,7 @@ class StepMetrics:
         if not self.is_writer:
             return
         if self._jsonl is not None:
-            self._jsonl.write(json.dumps(rec.as_dict()) + "\n")
+            self._jsonl.write(json.dumps(json_safe(rec.as_dict()), allow_nan=False) + "\n")
             self._jsonl.flush()
         if self._tb is not None:
             for key in ("loss", "lr", "cv_step", "cv_step_wall", "compute_cv", "idle_frac", "tokens_per_s",
@@ -463,9 +466,10 @@ class StepMetrics:
         wall = sum(r.wall_s for r in measured)
         tokens = sum(r.tokens for r in measured)
         samples = sum(r.samples for r in measured)
-        k = max(1, min(5, len(h) // 2))
-        first = sum(r.loss for r in h[:k]) / k
-        last = sum(r.loss for r in h[-k:]) / k
+        finite = [r.loss for r in h if math.isfinite(r.loss)]  # the trend of the steps that trained
+        k = max(1, min(5, len(finite) // 2))
+        first = sum(finite[:k]) / k if finite else float("nan")
+        last = sum(finite[-k:]) / k if finite else float("nan")
         cap = h[-1].mem_capacity_gib
         peak = max(max(r.peak_mem_gib) for r in h)
         return {
@@ -498,13 +502,14 @@ class StepMetrics:
             "peak_tflops": self.peak_tflops,
             "mfu": _utilisation(measured, "model_flops"),
             "hfu": _utilisation(measured, "hw_flops"),
+            "skipped_steps": [r.step for r in h if r.skipped],
         }
 
     def write_summary(self, summary: dict) -> Optional[Path]:
         if not self.is_writer:
             return None
         path = self.log_dir / "summary.json"
-        path.write_text(json.dumps(summary, indent=2) + "\n")
+        path.write_text(json.dumps(json_safe(summary), indent=2, allow_nan=False) + "\n")
         return path
 
     def close(self) -> None:
@@ -536,6 +541,18 @@ def _peak_tflops(cfg: MetricsConfig, device: torch.device) -> float:
         return 0.0
 
 
+def json_safe(obj):
+    """``obj`` with every non-finite float replaced by None (JSON has no NaN/Infinity: strict readers
+    reject Python's bare ``NaN``)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
 def format_summary(s: dict) -> str:
     """A short human-readable block of the run summary (printed on rank 0)."""
     lines = [
@@ -557,6 +574,14 @@ def format_summary(s: dict) -> str:
     if s.get("peak_tflops"):
         lines.append(f"  FLOPs            MFU {100 * s.get('mfu', 0.0):.1f}%, HFU {100 * s.get('hfu', 0.0):.1f}% "
                      f"(recompute excluded / included; dense bf16 peak {s['peak_tflops']:g} TFLOP/s per GPU)")
+    if s.get("nonfinite_steps"):
+        n = s["nonfinite_steps"]
+        lines.append(f"  non-finite       {len(n)} step(s) with a non-finite loss or gradient norm, update skipped "
+                     f"(steps {n[:10]}{' ...' if len(n) > 10 else ''}); the loss trend leaves them out")
+    if s.get("stopped"):
+        st = s["stopped"]
+        lines.append(f"  stopped          by {st['signal']} after step {st['step']}; checkpoint "
+                     f"{st.get('checkpoint') or 'none (no --save)'}")
     if "eval_loss" in s:
         lines.append(f"  held-out loss    {s['eval_loss']:.4f} ({s.get('eval', {}).get('samples', '?')} samples x "
                      f"{s.get('eval', {}).get('timesteps', '?')} fixed timesteps)")

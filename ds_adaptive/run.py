@@ -102,6 +102,8 @@ def build_run(cfg: RunConfig, *, layout: Optional[Layout] = None, device: Option
     notes: list = []
     dataset = _build_dataset(cfg, notes)
     model = _build_model(cfg, model_config, ds_config, meta=meta)
+    if t.init_from and not meta:
+        notes.append(_init_from(model, t.init_from))
     if layout.sp_enabled and not meta:
         from .parallel import apply_ulysses
 
@@ -167,6 +169,16 @@ def _build_model(cfg: RunConfig, model_config, ds_config: dict, *, meta: bool):
     model.gradient_checkpointing = cfg.adaptive_load.sampler.checkpointing == "all"
     apply_ln_modulate(model, enabled)  # loaded / JIT-built now, not inside the first step
     return model
+
+
+def _init_from(model, path: str) -> str:
+    """``--init-from``: pretrained Wan weights into the (possibly ZeRO-3-partitioned) model, every rank;
+    no rank holds the full model (``models.weights.init_from_pretrained``). Returns the log line."""
+    from .models.weights import init_from_pretrained
+
+    info = init_from_pretrained(model, path)
+    return (f"--init-from {info['path']}: {info['tensors']} tensors loaded ({info['layout']} layout"
+            f"{', block by block into ZeRO-3 partitions' if info['zero3'] else ''})")
 
 
 def _build_sampler(cfg: RunConfig, dataset, layout: Layout, ds_config: dict, gpu_mem_gib, notes: list):

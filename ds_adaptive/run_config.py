@@ -14,13 +14,17 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .config import AdaptiveLoadConfig, load_adaptive_config, read_ds_config, require_block
 
-__all__ = ["TrainerConfig", "RunConfig", "UsageError", "run_config_from_args", "resolve_relative"]
+__all__ = ["TrainerConfig", "RunConfig", "UsageError", "run_config_from_args", "resolve_relative",
+           "DEFAULT_SAVE_INTERVAL"]
+
+DEFAULT_SAVE_INTERVAL = 100
+"""Steps between periodic checkpoints when ``--save`` is given without ``--save-interval``."""
 
 
 class UsageError(ValueError):
@@ -57,10 +61,24 @@ class TrainerConfig(BaseModel):
     """``--eval-samples``: held-out flow-matching loss on this many synthetic samples after training (0: off)."""
     save: Optional[str] = None
     """``--save``: checkpoint directory."""
-    save_interval: int = Field(0, ge=0)
-    """``--save-interval``: save every N steps (0: only at the end, when ``save`` is given)."""
+    save_interval: Optional[int] = Field(None, ge=0)
+    """``--save-interval``: save every N steps (default with ``save``: ``DEFAULT_SAVE_INTERVAL``;
+    0: only at the end and on a stop signal)."""
+    keep_checkpoints: int = Field(3, ge=0)
+    """``--keep-checkpoints``: keep the N newest complete checkpoints in ``save`` (0: keep all)."""
     resume: Optional[str] = None
-    """``--resume``: the --save directory (its latest checkpoint) or DIR/global_stepN."""
+    """``--resume``: the --save directory (its newest complete checkpoint) or DIR/global_stepN."""
+    init_from: Optional[str] = None
+    """``--init-from``: start from pretrained Wan weights (diffusers or original layout) in this directory."""
+    nonfinite: Literal["skip", "stop"] = "skip"
+    """``--nonfinite``: a step with a non-finite loss or gradient norm is skipped (no update) or stops the run."""
+    nonfinite_limit: int = Field(20, ge=0)
+    """``--nonfinite-limit``: stop (exit 2) once more than N steps were skipped as non-finite."""
+
+    @property
+    def save_every(self) -> int:
+        """The effective save interval in steps (0: only at the end / on a stop signal)."""
+        return DEFAULT_SAVE_INTERVAL if self.save_interval is None else self.save_interval
 
 
 class RunConfig(BaseModel):

@@ -19,7 +19,7 @@ from typing import Optional
 from .config import ConfigError
 from .data import DataError
 from .objective import EVAL_TIMESTEPS, flow_matching_losses, sample_seed  # noqa: F401  (public names)
-from .run_config import UsageError, run_config_from_args
+from .run_config import DEFAULT_SAVE_INTERVAL, UsageError, run_config_from_args
 from .shapes import ShapeError
 from .trainer import backward_micro_batch, evaluate, init_distributed, shutdown_distributed  # noqa: F401
 
@@ -63,10 +63,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after training, the flow-matching loss on this many held-out synthetic samples at "
                         f"{EVAL_TIMESTEPS} fixed timesteps with fixed noise (summary 'eval_loss'; default 0: off)")
     p.add_argument("--save", default=None, help="checkpoint directory")
-    p.add_argument("--save-interval", type=int, default=0,
-                   help="save every N steps (0: only at the end, when --save is given)")
+    p.add_argument("--save-interval", type=int, default=None,
+                   help=f"save every N steps when --save is given (default {DEFAULT_SAVE_INTERVAL}; 0: only at the "
+                        "end and on SIGTERM/SIGINT)")
+    p.add_argument("--keep-checkpoints", type=int, default=None,
+                   help="keep the N newest complete checkpoints in --save, delete older ones (default 3; 0: keep all)")
     p.add_argument("--resume", default=None,
-                   help="resume from the latest checkpoint of this --save directory, or from DIR/global_stepN")
+                   help="resume from the newest complete checkpoint of this --save directory (a corrupt or "
+                        "incomplete 'latest' falls back to the previous one), or from DIR/global_stepN")
+    p.add_argument("--init-from", default=None,
+                   help="fine-tune: start from Wan weights in this directory (diffusers or original layout; "
+                        "--model/--layers must match them)")
+    p.add_argument("--nonfinite", choices=("skip", "stop"), default=None,
+                   help="a step whose loss or gradient norm is not finite: skip it (no update; default) or stop")
+    p.add_argument("--nonfinite-limit", type=int, default=None,
+                   help="stop (exit 2) once more than N steps were skipped as non-finite (default 20)")
     return p
 
 
@@ -102,12 +113,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     from .models.wan import WanConfigError
     from .models.weights import WanWeightsError
 
+    from .trainer import EXIT_PREEMPTED, NonFiniteError
+
     ok = False
     try:
-        train(args)
+        summary = train(args)
         ok = True
+        if summary.get("stopped"):
+            return EXIT_PREEMPTED  # stopped by a signal at a step boundary (checkpoint saved with --save)
     except (ConfigError, DataError, ShapeError, UsageError, FileNotFoundError, WanConfigError, PlanError,
-            ProfileError, SequenceParallelError, SamplerStateError, OversizeSampleError, WanWeightsError) as exc:
+            ProfileError, SequenceParallelError, SamplerStateError, OversizeSampleError, WanWeightsError,
+            NonFiniteError) as exc:
         # These come from the config, the plan or the files, which every rank sees alike: one message
         # (rank 0's), not one per rank; a DataError may be one rank's own sample, so every rank says it.
         rank = int(os.environ.get("RANK", "0") or 0)

@@ -15,6 +15,7 @@ compute on the same samples. Under Ulysses each rank's partial loss is also scal
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import sys
@@ -25,21 +26,27 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .checkpoint import CheckpointError, check_checkpoint, find_resumable, step_of, tag_for, write_checkpoint
 from .data import DataError, build_dataset, collate_latents
 from .layout import Layout
 from .metrics import StepMetrics, format_summary
 from .models.flops import wan_train_flops
 from .ops.apply import ln_modulate_summary
 from .objective import EVAL_TIMESTEPS, eval_inputs, flow_matching_losses, mean_mse
+from .preempt import EXIT_PREEMPTED, StopRequest
 from .run import Run
 from .run_config import UsageError
 from .shapes import MAX_TEXT_LEN
 
 __all__ = ["Trainer", "backward_micro_batch", "evaluate", "init_distributed", "shutdown_distributed",
-           "MemoryLog", "CLIENT_STATE_KEY", "EVAL_SEED_OFFSET"]
+           "MemoryLog", "CLIENT_STATE_KEY", "EVAL_SEED_OFFSET", "NonFiniteError", "EXIT_PREEMPTED"]
 
 CLIENT_STATE_KEY = "ds_adaptive"
 EVAL_SEED_OFFSET = 1_000_003   # held-out samples: the synthetic dataset with seed + this offset
+
+
+class NonFiniteError(RuntimeError):
+    """The run stops on non-finite steps (``--nonfinite stop``, or more than ``--nonfinite-limit``)."""
 
 
 # --- distributed setup -----------------------------------------------------------------------
@@ -156,6 +163,8 @@ class Trainer:
         self.opts = run.cfg.trainer
         self.layout = run.layout
         self.is_main = run.layout.rank == 0
+        self.stop = StopRequest.install()   # SIGTERM/SIGINT/SIGHUP: finish the step, save, exit EXIT_PREEMPTED
+        self.nonfinite_steps: list[int] = []
         model = run.model
         self.sparse = self._attach_sparse(run)
         self.engine, _, _, _ = deepspeed.initialize(model=model, config=run.ds_config,
@@ -169,6 +178,10 @@ class Trainer:
             self.log(f"ds_adaptive.train: {note}")
         if self.opts.resume:
             self.resume(self.opts.resume)
+            if self.global_step >= self.opts.steps:
+                raise UsageError(f"--resume {self.opts.resume}: the checkpoint is at step {self.global_step} and "
+                                 f"--steps is {self.opts.steps}: nothing left to train; pass --steps greater than "
+                                 f"{self.global_step} to continue")
         self.metrics = self._build_metrics()
         self.ckpt_policy = run.cfg.adaptive_load.sampler.checkpointing
         self.memory_log = MemoryLog(run.sampler, run.zero_stage, self.layout.world,
@@ -236,6 +249,8 @@ class Trainer:
             self._batches = iter(loader)
         try:
             return next(self._batches)
+        except DataError as exc:  # from a DataLoader worker the message carries the worker's traceback
+            raise DataError(_worker_message(str(exc))) from None
         except StopIteration:
             raise RuntimeError(f"the batch sampler ran out after {micro} micro-step(s) of step {self.step_in_epoch} "
                                f"of epoch {self.epoch}, but reported {sampler.steps_per_epoch} steps x "
@@ -295,7 +310,10 @@ class Trainer:
                                    metrics.last_micro_reserved_gib)
         self.global_step += 1
         self.step_in_epoch += 1
-        rec = metrics.end_step(self.global_step, loss_num, loss_den, step_lr, log=self.global_step == self.opts.steps)
+        applied = bool(self.engine.was_step_applied())  # False: DeepSpeed skipped a non-finite update
+        rec = metrics.end_step(self.global_step, loss_num, loss_den, step_lr, log=self.global_step == self.opts.steps,
+                               skipped=not applied)
+        self._check_finite(rec, applied)
         if rec.samples != totals.samples:
             raise RuntimeError(f"step {self.global_step}: the ranks processed {rec.samples} samples but the "
                                f"sampler's step_totals said {totals.samples}; the plan is inconsistent")
@@ -310,23 +328,43 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> None:
-        """A DeepSpeed checkpoint ``global_step{N}`` in ``--save``, with the sampler state in client_state."""
+        """A complete checkpoint ``global_step{N}`` in ``--save`` (sampler state in DeepSpeed's
+        client_state); ``latest`` moves after every rank's files are on disk (``ds_adaptive.checkpoint``),
+        then the oldest beyond ``--keep-checkpoints`` are deleted."""
         t0 = time.perf_counter()
         state = {CLIENT_STATE_KEY: {
             "global_step": self.global_step, "epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
             "sampler": self.run.sampler.state_dict(self.step_in_epoch), "seed": self.opts.seed,
             "model": self.opts.model, "layers": self.opts.layers, "data": self.opts.data,
-            "world_size": self.layout.world}}
+            "world_size": self.layout.world, "nonfinite_steps": list(self.nonfinite_steps)}}
         if self.sparse is not None:
             state.update(self.sparse.client_state())
-        self.engine.save_checkpoint(self.opts.save, tag=f"global_step{self.global_step}", client_state=state)
+        write_checkpoint(self.engine, self.opts.save, tag_for(self.global_step), state, step=self.global_step,
+                         keep=self.opts.keep_checkpoints, log=self.log)
         self.log(f"saved checkpoint step {self.global_step} to {self.opts.save} ({time.perf_counter() - t0:.1f} s)")
 
     def resume(self, path: str) -> None:
-        """Load ``path`` (the --save directory: its latest checkpoint, or DIR/global_stepN): weights,
-        optimizer, scheduler, sampler position."""
+        """Load ``path`` (the --save directory: its newest complete checkpoint, falling back from a
+        corrupt or incomplete ``latest``; or DIR/global_stepN: that one): weights, optimizer,
+        scheduler, sampler position."""
         load_dir, tag = _checkpoint_location(path)
-        load_path, client = self.engine.load_checkpoint(load_dir, tag=tag)
+        if tag is None:
+            try:
+                tag, skipped = find_resumable(load_dir)
+            except CheckpointError as exc:
+                raise UsageError(f"--resume {path}: {exc}") from None
+            for note in skipped:
+                self.log(f"ds_adaptive: --resume {path}: {note}; falling back to an older checkpoint")
+        else:
+            problem = check_checkpoint(Path(load_dir) / tag, need_marker=False)
+            if problem is not None:
+                raise UsageError(f"--resume {path}: {problem}; pass the --save directory to fall back to the "
+                                 "newest complete checkpoint")
+        try:
+            load_path, client = self.engine.load_checkpoint(load_dir, tag=tag)
+        except (RuntimeError, OSError, EOFError, KeyError, ValueError) as exc:
+            raise UsageError(f"--resume {path}: DeepSpeed could not load checkpoint {tag} "
+                             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
         if load_path is None:
             raise UsageError(f"--resume {path}: DeepSpeed could not load a checkpoint from it")
         state = (client or {}).get(CLIENT_STATE_KEY)
@@ -337,9 +375,38 @@ class Trainer:
         if self.sparse is not None:
             self.sparse.load(client)
         self.global_step, self.epoch, self.step_in_epoch = state["global_step"], state["epoch"], state["step_in_epoch"]
+        self.nonfinite_steps = list(state.get("nonfinite_steps", []))
         self._batches = None
         self.log(f"resumed from {load_path}: step {self.global_step} (epoch {self.epoch}, step {self.step_in_epoch} "
                  "of the epoch)")
+
+    # ------------------------------------------------------------------ non-finite steps
+    def _check_finite(self, rec, applied: bool) -> None:
+        """After the optimizer step: a non-finite loss (any rank: ``rec.loss`` is global) or gradient
+        norm is counted. DeepSpeed's ZeRO optimizers skip the update themselves when the global
+        gradient norm is inf/NaN (zeroed gradients, no LR-scheduler step, ``engine.skipped_steps``);
+        ``engine.was_step_applied()`` says whether it did. A non-finite step that was applied anyway
+        (an optimizer without that check) has corrupted the weights: the run stops."""
+        fp16 = bool((self.run.ds_config.get("fp16") or {}).get("enabled"))
+        bad = not math.isfinite(rec.loss) or (not applied and not fp16)  # fp16: overflow skips are loss scaling
+        if not bad:
+            return
+        self.nonfinite_steps.append(rec.step)
+        what = f"loss {rec.loss}" if not math.isfinite(rec.loss) else "gradient norm not finite"
+        if applied:
+            raise NonFiniteError(f"step {rec.step}: {what}, and the optimizer applied the update (this ds_config's "
+                                 "optimizer does not skip non-finite steps; use ZeRO stage 3, or set "
+                                 "'bf16': {'check_grad_overflow': true} with stage 1/2): the weights are no longer "
+                                 "finite; resume from the last checkpoint")
+        self.log(f"ds_adaptive: step {rec.step}: {what}: update skipped ({len(self.nonfinite_steps)} non-finite "
+                 f"step(s) so far)")
+        if self.opts.nonfinite == "stop":
+            raise NonFiniteError(f"step {rec.step}: {what} (--nonfinite stop); the update was not applied; resume "
+                                 "from the last checkpoint or use --nonfinite skip")
+        if len(self.nonfinite_steps) > self.opts.nonfinite_limit:
+            raise NonFiniteError(f"{len(self.nonfinite_steps)} non-finite steps (steps {self.nonfinite_steps[-5:]} "
+                                 f"the last), more than --nonfinite-limit {self.opts.nonfinite_limit}: the run "
+                                 "diverged; lower the learning rate or check the data")
 
     # ------------------------------------------------------------------ evaluation and the loop
     def evaluate(self, num_samples: int) -> dict:
@@ -354,16 +421,22 @@ class Trainer:
                                             "s": time.perf_counter() - t0}}
 
     def fit(self) -> dict:
-        """Train until ``trainer.steps``, saving every ``save_interval`` steps and at the end; then the
-        held-out loss (``eval_samples``). Returns the summary (identical on every rank)."""
+        """Train until ``trainer.steps``, saving every ``save_every`` steps and at the end; then the
+        held-out loss (``eval_samples``). On SIGTERM/SIGINT/SIGHUP every rank stops after the same
+        step, saves (with ``--save``) and the summary's ``stopped`` says so (the CLI exits
+        ``EXIT_PREEMPTED``). Returns the summary (identical on every rank)."""
         o = self.opts
         progress = _Progress(self.is_main, o.steps, self.global_step, self.run.cfg.adaptive_load.metrics.interval)
         last_saved = self.global_step
+        stopped = None
         try:
             while self.global_step < o.steps:
+                if self.stop.agreed(self.run.device):
+                    stopped = {"signal": self.stop.signal_name, "step": self.global_step}
+                    break
                 rec = self.train_step()
                 progress.update(rec, o.steps)
-                if o.save and o.save_interval and self.global_step % o.save_interval == 0:
+                if o.save and o.save_every and self.global_step % o.save_every == 0:
                     self.save()
                     last_saved = self.global_step
             self._batches = None
@@ -376,10 +449,19 @@ class Trainer:
         summary = self.metrics.summary()
         summary["final_step"] = self.global_step
         summary["memory_prediction"] = self.memory_log.summary()
+        summary["nonfinite_steps"] = list(self.nonfinite_steps)
         summary.update(ln_modulate_summary(self.run.cfg.adaptive_load.fused_ln_modulate))
         if self.sparse is not None:
             self.sparse.finish(summary)
-        if o.eval_samples:
+        if stopped is not None:
+            stopped["checkpoint"] = str(Path(o.save) / tag_for(self.global_step)) if o.save else None
+            stopped["exit_code"] = EXIT_PREEMPTED
+            summary["stopped"] = stopped
+            self.log(f"ds_adaptive: {stopped['signal']}: stopped after step {self.global_step} of {o.steps}; "
+                     + (f"checkpoint {stopped['checkpoint']}; continue with --resume {o.save}" if o.save else
+                        "no --save directory was given, so nothing was saved: the progress of this run is lost")
+                     + f" (exit {EXIT_PREEMPTED})")
+        elif o.eval_samples:
             summary.update(self.evaluate(o.eval_samples))
         if self.is_main:
             path = self.metrics.write_summary(summary)
@@ -426,6 +508,15 @@ class MemoryLog:
             self.file = None
 
 
+def _worker_message(msg: str) -> str:
+    """The original message of an exception re-raised by a DataLoader worker ("Caught X in DataLoader
+    worker process N. Original Traceback ...: X: <message>")."""
+    if "Original Traceback" not in msg:
+        return msg
+    last = msg.rstrip().splitlines()[-1]
+    return last.split(": ", 1)[1] if ": " in last else last
+
+
 def _collate_unpadded(samples: list) -> dict:
     return collate_latents(samples, pad_text_to=None)
 
@@ -433,12 +524,16 @@ def _collate_unpadded(samples: list) -> dict:
 def _checkpoint_location(path: str) -> tuple[str, Optional[str]]:
     """``--resume DIR`` (the --save directory: its 'latest' checkpoint) or ``DIR/global_stepN`` (that one)."""
     p = Path(path)
-    if (p / "latest").is_file():
+    if not p.is_dir():
+        raise UsageError(f"--resume {path}: no such directory; pass the directory given to --save, or one of its "
+                         "global_stepN subdirectories")
+    if (p / "latest").is_file() or any(step_of(c.name) is not None for c in p.iterdir() if c.is_dir()):
         return str(p), None
-    if p.is_dir() and any(p.glob("*model_states.pt")):
+    if any(p.glob("*model_states.pt")):
         return str(p.parent), p.name
-    raise UsageError(f"--resume {path}: no DeepSpeed checkpoint there (neither a 'latest' file nor *model_states.pt); "
-                     "pass the directory given to --save, or one of its global_stepN subdirectories")
+    raise UsageError(f"--resume {path}: no DeepSpeed checkpoint there (neither a 'latest' file, a global_stepN "
+                     "directory nor *model_states.pt); pass the directory given to --save, or one of its "
+                     "global_stepN subdirectories")
 
 
 class _Progress:

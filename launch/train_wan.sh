@@ -26,9 +26,15 @@
 #   DRY_RUN=1   print the deepspeed command instead of running it
 #   STOP_TIMEOUT  seconds a run may take to stop after SIGTERM/SIGINT before it is killed
 #               (default 0: wait; a second signal kills at once)
+#   SAVE_DIR    checkpoint directory (default: checkpoints/$MODEL; empty = no checkpoints)
+#   SAVE_INTERVAL  steps between checkpoints (default: 100 on GPU, 10 on CPU)
+#   KEEP_CHECKPOINTS  complete checkpoints kept in SAVE_DIR, older ones deleted (default 2; 0 = all)
+#   RESUME=1    continue from the newest complete checkpoint in SAVE_DIR, if there is one
 #
 # Signals: SIGTERM/SIGINT/SIGHUP to this script reach every rank (not only DeepSpeed's launcher);
-# SIGKILL of it kills the whole run (no orphan ranks). See ds_adaptive/supervise.py.
+# the ranks finish the current step, save a checkpoint into SAVE_DIR and exit 75 (EX_TEMPFAIL:
+# resume with RESUME=1). SIGKILL of it kills the whole run (no orphan ranks). See
+# ds_adaptive/supervise.py and ds_adaptive/preempt.py.
 # Extra arguments go to the trainer (ds-adaptive train --help lists them).
 set -euo pipefail
 
@@ -100,6 +106,19 @@ if [[ -z "${PYTORCH_CUDA_ALLOC_CONF+x}" ]]; then
   echo "train_wan.sh: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (fragmentation-safe; set it to override)"
 else
   echo "train_wan.sh: PYTORCH_CUDA_ALLOC_CONF=$PYTORCH_CUDA_ALLOC_CONF (yours, kept)"
+fi
+# Periodic checkpoints are on by default: a preempted or killed run loses at most SAVE_INTERVAL steps.
+SAVE_DIR="${SAVE_DIR-checkpoints/$MODEL}"
+if [[ -n "$SAVE_DIR" ]]; then
+  if [[ "$NUM_GPUS" == 0 ]]; then DEFAULT_INTERVAL=10; else DEFAULT_INTERVAL=100; fi
+  CMD+=(--save "$SAVE_DIR" --save-interval "${SAVE_INTERVAL:-$DEFAULT_INTERVAL}"
+        --keep-checkpoints "${KEEP_CHECKPOINTS:-2}")
+  if [[ "${RESUME:-0}" == 1 && -d "$SAVE_DIR" ]] && ls -d "$SAVE_DIR"/global_step* >/dev/null 2>&1; then
+    CMD+=(--resume "$SAVE_DIR")
+  fi
+elif [[ "${RESUME:-0}" == 1 ]]; then
+  echo "train_wan.sh: RESUME=1 needs SAVE_DIR (the directory to resume from)" >&2
+  exit 2
 fi
 CMD+=("$@")
 echo "train_wan.sh: $MODEL on $WHERE, $STEPS steps, config $DS_CONFIG"

@@ -54,7 +54,8 @@ def test_hostfile_example_is_a_deepspeed_hostfile():
 
 def _dry(env: dict, *args: str) -> subprocess.CompletedProcess:
     e = {k: v for k, v in os.environ.items() if k not in ("NUM_GPUS", "HOSTFILE", "DS_CONFIG", "MODEL", "STEPS", "SP",
-                                                       "GRAD_CKPT", "PYTORCH_CUDA_ALLOC_CONF")}
+                                                       "GRAD_CKPT", "PYTORCH_CUDA_ALLOC_CONF", "SAVE_DIR",
+                                                       "SAVE_INTERVAL", "KEEP_CHECKPOINTS", "RESUME")}
     return subprocess.run(["bash", str(SCRIPT), *args], env={**e, "DRY_RUN": "1", **env}, capture_output=True,
                           text=True, timeout=120)
 
@@ -67,6 +68,7 @@ def test_dry_run_cpu_defaults():
     assert "train_wan.py --deepspeed_config" in cmd and cmd.split("--deepspeed_config ")[1].split()[0].endswith(
         "launch/configs/cpu_tiny.json")
     assert "--model tiny --steps 20 --sp 1" in cmd
+    assert "--save checkpoints/tiny --save-interval 10 --keep-checkpoints 2" in cmd  # periodic checkpoints by default
 
 
 def test_dry_run_gpu_defaults_knobs_and_pass_through():
@@ -78,11 +80,25 @@ def test_dry_run_gpu_defaults_knobs_and_pass_through():
     assert "--model wan2.1-1.3b --steps 50" in cmd and "--grad-ckpt" not in cmd
     assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in r.stdout
     r = _dry({"NUM_GPUS": "8", "GRAD_CKPT": "1", "PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.8"})
-    assert r.stdout.splitlines()[-1].endswith("--grad-ckpt all") and "garbage_collection_threshold:0.8 (yours" in r.stdout
+    assert "--grad-ckpt all --save" in r.stdout.splitlines()[-1] and "garbage_collection_threshold:0.8 (yours" in r.stdout
+    assert "--save checkpoints/wan2.1-1.3b --save-interval 100 --keep-checkpoints 2" in cmd
     r = _dry({"NUM_GPUS": "4", "DS_CONFIG": str(CONFIGS / "zero3_baseline.json"), "MODEL": "wan2.1-14b",
-              "STEPS": "7", "SP": "2", "GRAD_CKPT": "0"}, "--save", "ck", "--save-interval", "5")
+              "STEPS": "7", "SP": "2", "GRAD_CKPT": "0", "SAVE_DIR": ""}, "--save", "ck", "--save-interval", "5")
     cmd = r.stdout.splitlines()[-1]
     assert "zero3_baseline.json --model wan2.1-14b --steps 7 --sp 2 --grad-ckpt none --save ck --save-interval 5" in cmd
+
+
+def test_dry_run_checkpoint_knobs(tmp_path):
+    env = {"NUM_GPUS": "0", "SAVE_DIR": str(tmp_path / "ck"), "SAVE_INTERVAL": "5", "KEEP_CHECKPOINTS": "0",
+           "RESUME": "1"}
+    cmd = _dry(env).stdout.splitlines()[-1]
+    assert f"--save {tmp_path / 'ck'} --save-interval 5 --keep-checkpoints 0" in cmd
+    assert "--resume" not in cmd  # nothing to resume from yet
+    (tmp_path / "ck" / "global_step5").mkdir(parents=True)
+    cmd = _dry(env).stdout.splitlines()[-1]
+    assert cmd.endswith(f"--keep-checkpoints 0 --resume {tmp_path / 'ck'}")
+    r = _dry({"NUM_GPUS": "0", "SAVE_DIR": "", "RESUME": "1"})
+    assert r.returncode == 2 and "RESUME=1 needs SAVE_DIR" in r.stderr
 
 
 def test_dry_run_multi_node(tmp_path):

@@ -283,7 +283,15 @@ class LatentShardDataset(torch.utils.data.Dataset):
             if tuple(t.shape) != tuple(want):
                 raise DataError(f"shard {path} tensor {key!r} of sample {e['id']!r} has shape "
                                 f"{tuple(t.shape)}, expected {tuple(want)}")
-            out[name] = t.float()
+            t = t.float()
+            finite = torch.isfinite(t)
+            if not bool(finite.all()):
+                bad = int((~finite).sum())
+                raise DataError(f"sample {i} (id {e['id']!r}) in shard {path}: tensor {key!r} holds {bad} "
+                                f"non-finite value(s) (NaN/inf) of {t.numel()}; the shard is corrupt or was "
+                                "written from a diverged encoder: re-encode this sample or drop it from "
+                                f"{self.index_path}")
+            out[name] = t
         out["index"] = i
         return out
 
