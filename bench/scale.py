@@ -35,7 +35,7 @@ from ds_adaptive.e2e import fmt, plan_tokens_per_s  # noqa: E402
 # 14B SP=4 on the H100 profile), so that >= 50 steps of one arm fit one 10-minute device command.
 CONFIGS = {
     "wan1.3b": {"model": "wan2.1-1.3b", "layers": 30, "sp": 1, "profile": "h100-wan2.1-1.3b",
-                "arms": ["baseline", "adaptive", "adaptive_sparse"], "m_mem": "1x", "num_samples": 1600,
+                "arms": ["baseline", "adaptive", "adaptive_sparse"], "m_mem": "1x", "num_samples": 400,
                 "startup_s": 60.0},
     "wan14b": {"model": "wan2.1-14b", "layers": 40, "sp": 4, "profile": "h100-wan2.1-14b",
                "arms": ["baseline", "adaptive"], "m_mem": "1x", "num_samples": 400, "startup_s": 120.0},
