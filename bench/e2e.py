@@ -288,7 +288,7 @@ def plan_arm(s: Settings, arm: Arm, shapes, profile_path: str, budgets: Budgets,
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         smp = build_batch_sampler(cfg, shapes, Layout.explicit(dp_size=s.dp, sp_size=s.sp), micro_steps_per_step=gas,
-                                  enabled=arm.enabled, mode=arm.sampler)
+                                  enabled=arm.enabled, mode=arm.sampler, checkpointing="all" if s.grad_ckpt else "none")
         plan = smp.plan
     from ds_adaptive.balance.simulate import predicted_times
 
@@ -394,8 +394,7 @@ def trainer_command(s: Settings, arm: Arm, config_path: str, steps: int, log_dir
            "--fused-ln-modulate" if arm.fused else "--no-fused-ln-modulate"]
     if s.shapes:
         cmd += ["--shapes", s.shapes]
-    if s.grad_ckpt:
-        cmd.append("--grad-ckpt")
+    cmd += ["--grad-ckpt", "all" if s.grad_ckpt else "none"]   # the arms' plans assume every block or none
     if s.sp > 1:
         cmd += ["--sp", str(s.sp)]
     return cmd

@@ -34,10 +34,10 @@ from ds_adaptive.e2e import fmt, plan_tokens_per_s  # noqa: E402
 # video per micro-batch) keeps a full-depth step near the costliest sample's time (~10 s at 1.3B, ~13 s at
 # 14B SP=4 on the H100 profile), so that >= 50 steps of one arm fit one 10-minute device command.
 CONFIGS = {
-    "wan1.3b": {"model": "wan2.1-1.3b", "layers": 30, "sp": 1, "profile": "h100-wan2.1-1.3b",
+    "wan1.3b": {"model": "wan2.1-1.3b", "layers": 30, "sp": 1, "profile": "{gpu}-wan2.1-1.3b",
                 "arms": ["baseline", "adaptive", "adaptive_sparse"], "m_mem": "1x", "num_samples": 400,
                 "startup_s": 60.0},
-    "wan14b": {"model": "wan2.1-14b", "layers": 40, "sp": 4, "profile": "h100-wan2.1-14b",
+    "wan14b": {"model": "wan2.1-14b", "layers": 40, "sp": 4, "profile": "{gpu}-wan2.1-14b",
                "arms": ["baseline", "adaptive"], "m_mem": "1x", "num_samples": 400, "startup_s": 120.0},
 }
 SEEDS = (0, 1, 2)
@@ -47,19 +47,23 @@ SETUP_S = 60.0           # per command: wheelhouse install + loading the cached 
 SIM_WORLDS = (8, 16)
 
 
-def e2e_args(config: str, *, num_gpus: int, seed: int, arms: list[str], out: str, profile: str | None = None) -> list[str]:
+def e2e_args(config: str, *, num_gpus: int, seed: int, arms: list[str], out: str, profile: str | None = None,
+             gpu: str = "h100") -> list[str]:
+    """``profile``: a profile (name or json) for every arm; else the config's shipped profile of ``gpu``
+    (h100 | h200)."""
     c = CONFIGS[config]
     if c["sp"] > 1 and num_gpus % c["sp"]:
         raise SystemExit(f"bench/scale.py: {config} needs a multiple of sp={c['sp']} GPUs, got {num_gpus}")
     return ["--device", "cuda", "--num-gpus", str(num_gpus), "--model", c["model"], "--layers", str(c["layers"]),
-            "--sp", str(c["sp"]), "--profile", profile or c["profile"], "--m-mem", c["m_mem"],
+            "--sp", str(c["sp"]), "--profile", profile or c["profile"].format(gpu=gpu), "--m-mem", c["m_mem"],
             "--num-samples", str(c["num_samples"]), "--min-steps", str(MIN_STEPS), "--gas", "1", "--dual-gas", "1",
             "--dual-m-comp", "match", "--seed", str(seed), "--arms", ",".join(arms),
             "--startup-s", str(c["startup_s"]), "--sim-worlds=", "--budget-s", str(COMMAND_LIMIT_S - SETUP_S),
             "--out", out]
 
 
-def run_args(config: str, *, num_gpus: int, seed: int, arm: str, out: str, profile: str | None = None) -> list[str]:
+def run_args(config: str, *, num_gpus: int, seed: int, arm: str, out: str, profile: str | None = None,
+             gpu: str = "h100") -> list[str]:
     """bench/e2e.py arguments of ONE arm's run. The dataset size is resolved here with ALL the config's arms
     (``--min-steps`` over every arm), then fixed (``--num-samples N``, no ``--min-steps``): an arm run alone
     trains exactly the samples the other arms of its seed train."""
@@ -68,9 +72,9 @@ def run_args(config: str, *, num_gpus: int, seed: int, arm: str, out: str, profi
     with tempfile.TemporaryDirectory() as tmp:
         with _quiet(False):
             e2e.main(e2e_args(config, num_gpus=num_gpus, seed=seed, arms=CONFIGS[config]["arms"], out=tmp,
-                              profile=profile) + ["--plan-only", "--work-dir", tmp])
+                              profile=profile, gpu=gpu) + ["--plan-only", "--work-dir", tmp])
         n = json.loads((Path(tmp) / "e2e_plan.json").read_text())["settings"]["num_samples"]
-    args = e2e_args(config, num_gpus=num_gpus, seed=seed, arms=[arm], out=out, profile=profile)
+    args = e2e_args(config, num_gpus=num_gpus, seed=seed, arms=[arm], out=out, profile=profile, gpu=gpu)
     i = args.index("--num-samples")
     args[i + 1] = str(n)
     j = args.index("--min-steps")
@@ -104,7 +108,7 @@ def plan(a: argparse.Namespace) -> int:
         for seed in SEEDS:
             d = out / "plan" / config / f"seed{seed}"
             args = e2e_args(config, num_gpus=a.num_gpus, seed=seed, arms=c["arms"], out=str(d),
-                            profile=a.profile) + ["--plan-only", "--work-dir", str(d / "runs")]
+                            profile=a.profile, gpu=a.gpu) + ["--plan-only", "--work-dir", str(d / "runs")]
             with _quiet(a.verbose):
                 e2e.main(args)
             rep = json.loads((d / "e2e_plan.json").read_text())
@@ -121,10 +125,10 @@ def plan(a: argparse.Namespace) -> int:
                              "predicted_cv": float(np.mean(p["predicted_cv"][w * p["gas"]:])),
                              "predicted_command_s": wall, "fits": wall <= COMMAND_LIMIT_S})
                 commands.append({"config": config, "seed": seed, "arm": arm, "predicted_s": wall,
-                                 "command": f"OUT=bench/out/scale bash bench/scale.sh {config} {arm} {seed}"})
+                                 "command": f"GPU_PROFILES={a.gpu} bash bench/scale.sh {config} {arm} {seed}"})
             if seed == SEEDS[0]:
                 sims[config] = [simulate_at(rep, w_, c["sp"]) for w_ in SIM_WORLDS]
-    report = {"num_gpus": a.num_gpus, "min_steps": MIN_STEPS, "command_limit_s": COMMAND_LIMIT_S, "setup_s": SETUP_S,
+    report = {"num_gpus": a.num_gpus, "gpu_profiles": a.profile or a.gpu, "min_steps": MIN_STEPS, "command_limit_s": COMMAND_LIMIT_S, "setup_s": SETUP_S,
               "rows": rows, "simulated": sims, "commands": commands,
               "total_predicted_s": sum(x["predicted_s"] for x in commands)}
     (out / "scale_plan.json").write_text(json.dumps(report, indent=1, default=float) + "\n")
@@ -134,7 +138,7 @@ def plan(a: argparse.Namespace) -> int:
 
 def plan_table(r: dict) -> str:
     lines = [f"At-scale plan on {r['num_gpus']} GPUs: one device command per (config, arm, seed), >= {r['min_steps']} "
-             f"optimizer steps after warm-up, gas 1 in every arm; predicted from the H100 profiles "
+             f"optimizer steps after warm-up, gas 1 in every arm; predicted from the {r['gpu_profiles']} profiles "
              f"(+{r['setup_s']:.0f} s setup per command; limit {r['command_limit_s']:.0f} s)",
              f"{'config':<9}{'seed':>5}{'arm':>17}{'samples':>8}{'drop':>5}{'steps':>6}{'d steps':>8}{'m_comp s':>9}"
              f"{'pred x':>8}{'pred CV':>8}{'cmd s':>7}{'fits':>6}"]
@@ -237,7 +241,8 @@ def main(argv=None) -> int:
     p = sub.add_parser("plan", help="predicted commands, wall time and gain; runs nothing (any machine)")
     p.add_argument("--num-gpus", type=int, default=8)
     p.add_argument("--configs", default=",".join(CONFIGS))
-    p.add_argument("--profile", default=None, help="override every config's cost profile (e.g. an H200 calibration)")
+    p.add_argument("--profile", default=None, help="one cost profile for every config (name or json)")
+    p.add_argument("--gpu", choices=["h100", "h200"], default="h100", help="shipped profiles of this GPU (default h100)")
     p.add_argument("--out", default=str(ROOT / "bench" / "out" / "scale"))
     p.add_argument("--verbose", action="store_true", help="print bench/e2e.py's plan table of every seed")
     g = sub.add_parser("args", help="print the bench/e2e.py arguments of one (config, arm, seed) run")
@@ -246,6 +251,7 @@ def main(argv=None) -> int:
     g.add_argument("--seed", type=int, required=True)
     g.add_argument("--num-gpus", type=int, required=True)
     g.add_argument("--profile", default=None)
+    g.add_argument("--gpu", choices=["h100", "h200"], default="h100")
     g.add_argument("--out", required=True)
     s = sub.add_parser("summary", help="table over seeds from <out>/<config>/seed<S>/<arm>/e2e.json")
     s.add_argument("--out", default=str(ROOT / "bench" / "out" / "scale"))
@@ -256,7 +262,7 @@ def main(argv=None) -> int:
     if a.cmd == "args":
         if a.arm not in CONFIGS[a.config]["arms"]:
             raise SystemExit(f"bench/scale.py: arm {a.arm!r} is not one of {a.config}'s arms {CONFIGS[a.config]['arms']}")
-        print(" ".join(run_args(a.config, num_gpus=a.num_gpus, seed=a.seed, arm=a.arm, out=a.out, profile=a.profile)))
+        print(" ".join(run_args(a.config, num_gpus=a.num_gpus, seed=a.seed, arm=a.arm, out=a.out, profile=a.profile, gpu=a.gpu)))
         return 0
     return summary(a)
 

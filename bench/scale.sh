@@ -8,8 +8,8 @@
 #
 # Through the device tool (8 x H200; carry the wheelhouse):
 #   run(kind="nvidia-h200-x8", carry=[".whl"], timeout_s=600, command="bash bench/scale.sh wan1.3b baseline 0")
-# Knobs: OUT (default bench/out/scale), NUM_GPUS (default: all visible), PROFILE (a calibrated profile json
-# for every arm, e.g. from `ds-adaptive calibrate` on the H200), TOTAL_S (default 590: bench/e2e.sh skips
+# Knobs: OUT (default bench/out/scale), NUM_GPUS (default: all visible), GPU_PROFILES (h200 default: the
+# shipped H200 profiles; h100), PROFILE (one calibrated profile json for every arm, overrides GPU_PROFILES), TOTAL_S (default 590: bench/e2e.sh skips
 # or stops an arm that would end later), and bench/e2e.sh's WORK, WHEELS, TORCH_EXTENSIONS_DIR.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,7 +26,7 @@ NGPU=${NUM_GPUS:-$(nvidia-smi -L | wc -l)}
 RUN_OUT=$OUT/$CONFIG/seed$SEED/$ARM
 mkdir -p "$RUN_OUT"
 ARGS=$("$PY" bench/scale.py args "$CONFIG" --arm "$ARM" --seed "$SEED" --num-gpus "$NGPU" --out "$RUN_OUT" \
-       ${PROFILE:+--profile "$PROFILE"}) || exit 2
+       --gpu "${GPU_PROFILES:-h200}" ${PROFILE:+--profile "$PROFILE"}) || exit 2
 # bench/e2e.sh: wheelhouse, one fused-op build, then bench/e2e.py with a deadline; --out comes from ARGS
 # (the last --out wins in argparse).
 OUT=$RUN_OUT WORK=${WORK:-/tmp/scale_runs/$CONFIG-$SEED} TOTAL_S=${TOTAL_S:-590} bash bench/e2e.sh $ARGS

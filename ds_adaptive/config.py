@@ -49,10 +49,18 @@ class SamplerConfig(_Block):
     p: float = Field(1.5, gt=0.0, le=4.0)
     """Exponent of the `power` cost model, cost = S^p."""
 
-    profile: Optional[str] = "h100-wan2.1-1.3b"
-    """Calibration profile: a shipped name (`h100-wan2.1-1.3b`, `h100-wan2.1-14b`) or a path to a
+    profile: Optional[str] = "auto"
+    """Calibration profile: `auto` (the shipped calibration of the detected GPU and the trained model,
+    e.g. `h200-wan2.1-1.3b`; on another GPU the nearest one scaled by dense bf16 peak, with a message
+    giving the one-line calibrate command; without a GPU the H100 one), a shipped name
+    (`h100-wan2.1-1.3b`, `h100-wan2.1-14b`, `h200-wan2.1-1.3b`, `h200-wan2.1-14b`) or a path to a
     profile json written by `ds-adaptive calibrate`. Required for `cost_model: calibrated` and for
     `m_mem: auto`."""
+
+    checkpointing: Literal["auto", "all", "none"] = "auto"
+    """Activation checkpointing: `auto` checkpoints, per micro-batch, only the first n blocks needed
+    for its activations to fit `m_mem` (from the plan; the cost model adds their recompute), `all`
+    every block, `none` no block. The trainer's `--grad-ckpt [auto|all|none]` overrides it."""
 
     m_comp: Union[float, Literal["auto"]] = "auto"
     """Compute budget per micro-batch per GPU, in the cost model's unit (ms for `calibrated`,
@@ -62,8 +70,10 @@ class SamplerConfig(_Block):
     """Memory budget per micro-batch per GPU, in GiB of activation memory. `auto`: the GPU's
     capacity x `mem_utilization` minus the model/optimizer state of the profile."""
 
-    mem_utilization: float = Field(0.85, gt=0.0, le=1.0)
-    """Fraction of GPU memory that `m_mem: auto` may plan for."""
+    mem_utilization: Optional[float] = Field(None, gt=0.0, le=1.0)
+    """Fraction of GPU memory that `m_mem: auto` may plan for (static + activations). null: capacity
+    minus the profile's measured fragmentation margin minus 3% headroom, or 0.85 when the profile
+    has no measured margin."""
 
     max_tokens: Optional[int] = Field(None, gt=0)
     """`tokens` mode: tokens per micro-batch (default: what `m_mem` allows for the longest sample)."""
@@ -119,6 +129,11 @@ class MetricsConfig(_Block):
 
     jsonl: bool = True
     """Write one JSON line per logged step to `log_dir`/metrics.jsonl."""
+
+    peak_tflops: Optional[float] = Field(None, gt=0.0)
+    """Dense bf16 peak of one GPU (TFLOP/s) for MFU / HFU; null: from the table of known GPUs
+    (`ds_adaptive/balance/devices.py`: H100/H200 989, A100 312, ...); MFU is not reported when the
+    GPU is unknown and this is null."""
 
     sync_timing: bool = True
     """Synchronize the device when each micro-step's timed region (batch on the device .. backward

@@ -310,7 +310,7 @@ def run_checks(args: argparse.Namespace, extra: list[str]) -> tuple[Report, Opti
 def _build_dry_run(rep: Report, args: argparse.Namespace, layout, extra: list[str]):
     """``build_run`` on the meta device with the planned layout: the trainer's own assembly (profile,
     depth rescaling, budgets, sampler), without GPUs or a process group. None (and a failed check) on error.
-    Trainer flags after ``--`` that change the plan are honoured (``--grad-ckpt``)."""
+    Trainer flags after ``--`` that change the plan are honoured (``--grad-ckpt [auto|all|none]``)."""
     from ds_adaptive.balance.cost import ProfileError, load_profile
     from ds_adaptive.balance.planner import PlanError
     from ds_adaptive.config import ConfigError
@@ -320,12 +320,20 @@ def _build_dry_run(rep: Report, args: argparse.Namespace, layout, extra: list[st
 
     try:
         cfg = RunConfig.load(args.deepspeed_config, trainer={"model": args.model, "layers": args.layers,
-                                                             "sp": layout.sp_size, "grad_ckpt": "--grad-ckpt" in extra},
-                             overrides={"sampler.shapes": args.shapes})
-        if cfg.adaptive_load.sampler.profile is None:
+                                                             "sp": layout.sp_size},
+                             overrides={"sampler.shapes": args.shapes, "sampler.checkpointing": _grad_ckpt_flag(extra)})
+        profile = cfg.adaptive_load.sampler.profile
+        if profile is None:
             raise ValueError("adaptive_load.sampler.profile is null: the memory model needs a profile "
-                             "(a shipped name or a `ds-adaptive calibrate` json)")
-        gpu = args.gpu_mem_gib or load_profile(cfg.adaptive_load.sampler.profile).gpu_mem_gib
+                             "(auto, a shipped name or a `ds-adaptive calibrate` json)")
+        if args.gpu_mem_gib:
+            gpu = args.gpu_mem_gib
+        elif profile == "auto":  # as the trainer: the detected GPU's profile (the H100 one without a GPU)
+            from ds_adaptive.balance.devices import resolve_auto_profile
+
+            gpu = resolve_auto_profile(args.model)[0].gpu_mem_gib
+        else:
+            gpu = load_profile(profile).gpu_mem_gib
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             run = build_run(cfg, layout=layout, meta=True, gpu_mem_gib=gpu)
@@ -338,6 +346,15 @@ def _build_dry_run(rep: Report, args: argparse.Namespace, layout, extra: list[st
         else:
             rep.row("profile", note, "ok")
     return run
+
+
+def _grad_ckpt_flag(extra: list[str]) -> Optional[str]:
+    """The trainer's ``--grad-ckpt [auto|all|none]`` among the flags after ``--`` (bare: all; absent: None)."""
+    if "--grad-ckpt" not in extra:
+        return None
+    i = extra.index("--grad-ckpt")
+    nxt = extra[i + 1] if i + 1 < len(extra) else None
+    return nxt if nxt in ("auto", "all", "none") else "all"
 
 
 def _check_memory_and_budgets(rep: Report, args: argparse.Namespace, run, n_params: int) -> None:
@@ -354,14 +371,15 @@ def _check_memory_and_budgets(rep: Report, args: argparse.Namespace, run, n_para
                             f"activation memory are extrapolated; run `ds-adaptive calibrate --model {args.model}`")
     parts = profile.static_memory_parts(stage, world, params=n_params)  # THIS model, partitioned over the world
     static = sum(parts.values())
-    ok = static < gpu * s.mem_utilization
+    usable = cost.usable_memory_gib(gpu, s.mem_utilization)
+    ok = static < usable
     rep.row("memory/GPU", f"ZeRO-{stage} over {world} ranks: " + " + ".join(f"{k} {v:.2f}" for k, v in parts.items())
             + f" = {static:.2f} GiB static of {gpu:.1f} GiB", "ok" if ok else "FAIL")
     if not ok:
         rep.problems.append(
-            f"static memory {static:.1f} GiB per GPU (ZeRO-{stage}, {world} ranks) leaves nothing of "
-            f"{gpu:.1f} GiB x mem_utilization {s.mem_utilization} for activations; use ZeRO-3, more GPUs, "
-            "or a smaller model")
+            f"static memory {static:.1f} GiB per GPU (ZeRO-{stage}, {world} ranks) leaves nothing of the "
+            f"{usable:.1f} GiB usable (of {gpu:.1f} GiB; sampler.mem_utilization {s.mem_utilization}) for "
+            "activations; use ZeRO-3, more GPUs, or a smaller model")
         return
     b, mode, unit = run.budgets, run.sampler.mode, cost.unit
     desc = f"mode {mode}: m_mem {b['m_mem']:.2f} GiB" + (f" ({'auto' if s.m_mem == 'auto' else 'set'})")
@@ -373,13 +391,17 @@ def _check_memory_and_budgets(rep: Report, args: argparse.Namespace, run, n_para
     if static + b["m_mem"] > gpu:
         rep.fail("budgets", f"m_mem {b['m_mem']:.1f} GiB of activations + {static:.1f} GiB static memory of {args.model} "
                             f"= {static + b['m_mem']:.1f} GiB > {gpu:.1f} GiB per GPU: batches planned to m_mem would run "
-                            f"out of memory. Set sampler.m_mem <= {max(gpu * s.mem_utilization - static, 0):.1f} or use "
+                            f"out of memory. Set sampler.m_mem <= {max(usable - static, 0):.1f} or use "
                             f"a profile calibrated for {args.model} (`ds-adaptive calibrate`)")
     _check_shapes(rep, run, load_shape_distribution(s.shapes), static, gpu)
 
 
 def _oversize_reasons(cost, shape, b: dict, mode: str) -> list[str]:
-    mem1, c1, unit = cost.per_gpu_memory(shape), cost.batch_cost(shape, 1), cost.unit
+    from ds_adaptive.balance.memory import micro_batch_table, sample_memory
+
+    # at the checkpointing policy's fewest-memory block count, and that count's cost (with recompute)
+    mem1, unit = sample_memory(cost, shape), cost.unit
+    c1 = float(micro_batch_table(cost, shape, 1, b["m_mem"]).cost[1])
     why = []
     if mem1 > b["m_mem"] * (1 + 1e-12):
         why.append(f"activation memory {mem1:.2f} GiB > m_mem {b['m_mem']:.2f} GiB")

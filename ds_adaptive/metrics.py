@@ -195,6 +195,22 @@ class StepRecord:
     wall_ms: list = field(default_factory=list)       # per rank, region wall-clock, summed over micro-steps
     micro_compute_ms: list = field(default_factory=list)  # [micro][rank]
     micro_wall_ms: list = field(default_factory=list)     # [micro][rank]
+    model_flops: float = 0.0                          # all ranks, fwd+bwd, recompute excluded (models/flops.py)
+    hw_flops: float = 0.0                             # the same with the recomputed forwards
+    peak_tflops: float = 0.0                          # dense bf16 peak of one GPU (0: unknown)
+    world: int = 1
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs utilisation of the step: model FLOPs / (wall x GPUs x peak); 0 when the peak is unknown."""
+        den = self.wall_s * self.world * self.peak_tflops * 1e12
+        return self.model_flops / den if den > 0 else 0.0
+
+    @property
+    def hfu(self) -> float:
+        """Hardware FLOPs utilisation (recomputed forwards of checkpointed blocks included)."""
+        den = self.wall_s * self.world * self.peak_tflops * 1e12
+        return self.hw_flops / den if den > 0 else 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -208,6 +224,8 @@ class StepRecord:
         d = asdict(self)
         d["tokens_per_s"] = self.tokens_per_s
         d["samples_per_s"] = self.samples_per_s
+        d["mfu"] = self.mfu
+        d["hfu"] = self.hfu
         return d
 
 
@@ -241,6 +259,10 @@ class StepMetrics:
         self._tb = None
         self._reset_step()
         self._step_t0 = time.perf_counter()
+        self.peak_tflops = _peak_tflops(cfg, device)
+        self.run_info["peak_tflops"] = self.peak_tflops
+        self.last_micro_peak_gib = 0.0
+        self.last_micro_reserved_gib = 0.0
         if is_writer:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             if cfg.jsonl:
@@ -271,7 +293,8 @@ class StepMetrics:
 
     # per-rank recording -------------------------------------------------------------------
     def _reset_step(self) -> None:
-        self._micro = []            # (host_ms, samples, tokens, quad)
+        self._micro = []            # (host_ms, samples, tokens, quad, model_flops, hw_flops)
+        self._step_peak = 0.0       # max over the step's micro-steps of the allocated peak (bytes)
         self._data_ms = 0.0
         self._t_fetch = time.perf_counter()
         self._t_micro = None
@@ -307,8 +330,12 @@ class StepMetrics:
         self._sync()
         self._host_ms = (time.perf_counter() - self._t_micro) * 1e3
 
-    def end_micro(self, samples: int, tokens: int, quad: float) -> None:
-        """This micro-step is done; sync so its kernels are counted, then stop the clock."""
+    def end_micro(self, samples: int, tokens: int, quad: float, model_flops: float = 0.0,
+                  hw_flops: float = 0.0) -> None:
+        """This micro-step is done; sync so its kernels are counted, then stop the clock. ``model_flops`` /
+        ``hw_flops``: the micro-batch's training FLOPs without / with recompute (``models/flops.py``),
+        counted like samples (once per SP group). ``last_micro_peak_gib`` is then this micro-step's
+        allocated-memory peak (the peak counter is reset for the next one; the step peak is their max)."""
         if self._t_micro is None:
             raise RuntimeError("StepMetrics.end_micro() without data_ready()")
         if self._host_ms is None:
@@ -317,8 +344,13 @@ class StepMetrics:
             self._sync()
         now = time.perf_counter()
         host_ms = self._host_ms if self._host_ms is not None else (now - self._t_micro) * 1e3
-        self._acc.max_memory_allocated()  # on CPU this samples the RSS peak; on CUDA it is a counter
-        self._micro.append((host_ms, samples, tokens, quad))
+        peak = float(self._acc.max_memory_allocated())  # on CPU this samples the RSS peak; on CUDA a counter
+        self._step_peak = max(self._step_peak, peak)
+        self.last_micro_peak_gib = peak / GIB
+        self.last_micro_reserved_gib = (float(self._acc.max_memory_reserved()) / GIB
+                                        if self.device.type == "cuda" else 0.0)
+        self._acc.reset_peak_memory_stats()
+        self._micro.append((host_ms, samples, tokens, quad, model_flops, hw_flops))
         self._t_micro = None
         self._host_ms = None
         self._t_fetch = now
@@ -341,12 +373,13 @@ class StepMetrics:
             raise RuntimeError(f"step {step}: recorded {len(self._micro)} micro-steps, expected {self.gas} "
                                "(gradient_accumulation_steps)")
         count = 1.0 if self.count_this_rank else 0.0
-        peak = float(self._acc.max_memory_allocated())
+        peak = max(self._step_peak, float(self._acc.max_memory_allocated()))
         compute_local, wall_local = self._local_times()
         g = self.gas
         local = compute_local + [m[1] * count for m in self._micro] + \
             [m[2] * count for m in self._micro] + [m[3] for m in self._micro] + wall_local + \
-            [loss_num * count, loss_den * count, peak, self._data_ms]
+            [loss_num * count, loss_den * count, peak, self._data_ms,
+             sum(m[4] for m in self._micro) * count, sum(m[5] for m in self._micro) * count]
         rows = self._gather(torch.tensor(local, dtype=torch.float64))
         compute = [r[0:g] for r in rows]
         quad = [r[3 * g:4 * g] for r in rows]
@@ -379,6 +412,10 @@ class StepMetrics:
             wall_ms=[sum(w) for w in wall_ms],
             micro_compute_ms=per_micro_ms,
             micro_wall_ms=per_micro_wall,
+            model_flops=sum(r[tail + 4] for r in rows),
+            hw_flops=sum(r[tail + 5] for r in rows),
+            peak_tflops=self.peak_tflops,
+            world=len(rows),
         )
         self.history.append(rec)
         if self.is_writer and (log or step % self.cfg.interval == 0 or len(self.history) == 1):
@@ -403,7 +440,7 @@ class StepMetrics:
             self._jsonl.flush()
         if self._tb is not None:
             for key in ("loss", "lr", "cv_step", "cv_step_wall", "compute_cv", "idle_frac", "tokens_per_s",
-                        "samples_per_s"):
+                        "samples_per_s", "mfu", "hfu"):
                 self._tb.add_scalar(f"train/{key}", getattr(rec, key), rec.step)
             self._tb.add_scalar("train/peak_mem_gib_max", max(rec.peak_mem_gib), rec.step)
             self._tb.add_scalar("train/step_s", rec.wall_s, rec.step)
@@ -458,6 +495,9 @@ class StepMetrics:
             "loss_last": last,
             "loss_fell": last < first,
             "losses": [r.loss for r in h],
+            "peak_tflops": self.peak_tflops,
+            "mfu": _utilisation(measured, "model_flops"),
+            "hfu": _utilisation(measured, "hw_flops"),
         }
 
     def write_summary(self, summary: dict) -> Optional[Path]:
@@ -474,6 +514,26 @@ class StepMetrics:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+def _utilisation(records, attr: str) -> float:
+    den = sum(r.wall_s * r.world * r.peak_tflops * 1e12 for r in records)
+    return sum(getattr(r, attr) for r in records) / den if den > 0 else 0.0
+
+
+def _peak_tflops(cfg: MetricsConfig, device: torch.device) -> float:
+    """Dense bf16 peak of one GPU: the config's ``peak_tflops``, else the known-GPU table; 0 on CPU
+    or an unknown GPU (MFU not reported)."""
+    if cfg.peak_tflops:
+        return float(cfg.peak_tflops)
+    if device.type != "cuda":
+        return 0.0
+    from .balance.devices import peak_tflops
+
+    try:
+        return float(peak_tflops(torch.cuda.get_device_name(device)) or 0.0)
+    except Exception:
+        return 0.0
 
 
 def format_summary(s: dict) -> str:
@@ -494,6 +554,9 @@ def format_summary(s: dict) -> str:
         f"  loss             first-{s['loss_window']} mean {s['loss_first']:.4f} -> last-{s['loss_window']} mean "
         f"{s['loss_last']:.4f} ({'falling' if s['loss_fell'] else 'NOT falling'})",
     ]
+    if s.get("peak_tflops"):
+        lines.append(f"  FLOPs            MFU {100 * s.get('mfu', 0.0):.1f}%, HFU {100 * s.get('hfu', 0.0):.1f}% "
+                     f"(recompute excluded / included; dense bf16 peak {s['peak_tflops']:g} TFLOP/s per GPU)")
     if "eval_loss" in s:
         lines.append(f"  held-out loss    {s['eval_loss']:.4f} ({s.get('eval', {}).get('samples', '?')} samples x "
                      f"{s.get('eval', {}).get('timesteps', '?')} fixed timesteps)")

@@ -111,10 +111,6 @@ def build_run(cfg: RunConfig, *, layout: Optional[Layout] = None, device: Option
 
         gpu_mem_gib = get_accelerator().total_memory(device.index or 0) / 2**30
     sampler = _build_sampler(cfg, dataset, layout, ds_config, gpu_mem_gib, notes)
-    if on_gpu and sampler.cost.profile.raw.get("gradient_checkpointing") and not t.grad_ckpt:
-        notes.append(f"warning: the memory budget comes from profile '{sampler.cost.profile.name}', measured "
-                     "with gradient checkpointing, but --grad-ckpt is off: activations will take more memory "
-                     "than planned (OOM risk on GPU). Add --grad-ckpt or calibrate without it.")
     return Run(cfg=cfg, layout=layout, device=device, ds_config=ds_config, dtype=dtype, model_config=model_config,
                model=model, dataset=dataset, sampler=sampler, gpu_mem_gib=gpu_mem_gib, notes=notes)
 
@@ -167,7 +163,8 @@ def _build_model(cfg: RunConfig, model_config, ds_config: dict, *, meta: bool):
     stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
     with deepspeed.zero.Init(config_dict_or_path=ds_config, enabled=stage == 3):
         model = WanModel(model_config)
-    model.gradient_checkpointing = bool(cfg.trainer.grad_ckpt)
+    # 'all' / 'none' fixed; 'auto': the Trainer sets model.set_checkpoint_blocks(n) per micro-batch from the plan
+    model.gradient_checkpointing = cfg.adaptive_load.sampler.checkpointing == "all"
     apply_ln_modulate(model, enabled)  # loaded / JIT-built now, not inside the first step
     return model
 
@@ -181,7 +178,7 @@ def _build_sampler(cfg: RunConfig, dataset, layout: Layout, ds_config: dict, gpu
     t = cfg.trainer
     stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
     kw = dict(micro_steps_per_step=int(ds_config["gradient_accumulation_steps"]), enabled=cfg.adaptive_load.enabled,
-              gpu_mem_gib=gpu_mem_gib, model_name=t.model, zero_stage=stage)
+              gpu_mem_gib=gpu_mem_gib, model_name=t.model, zero_stage=stage, profile_log=notes.append)
     shapes = dataset.sample_shapes()
     try:
         sampler = build_batch_sampler(cfg.adaptive_load.sampler, shapes, layout, num_layers=t.layers, **kw)
@@ -191,7 +188,10 @@ def _build_sampler(cfg: RunConfig, dataset, layout: Layout, ds_config: dict, gpu
         sampler = build_batch_sampler(cfg.adaptive_load.sampler, shapes, layout, **kw)
     prof = sampler.cost.profile
     if prof.rescaled_from_layers is not None:
-        notes.append(f"profile '{cfg.adaptive_load.sampler.profile}' describes {prof.rescaled_from_layers} blocks; "
+        name = cfg.adaptive_load.sampler.profile
+        if name == "auto":  # the resolved profile's own name (with_num_layers appends "-<n>blocks")
+            name = prof.name.removesuffix(f"-{prof.num_layers}blocks")
+        notes.append(f"profile '{name}' describes {prof.rescaled_from_layers} blocks; "
                      f"rescaled to --layers {prof.num_layers} for planning (Profile.with_num_layers: block compute "
                      f"and activation terms x {prof.num_layers}/{prof.rescaled_from_layers}, embed/head kept, "
                      f"static memory of {prof.params / 1e9:.3f}B params)")

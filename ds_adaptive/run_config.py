@@ -5,7 +5,8 @@
 
 One source per setting: a command-line flag sets a field of :class:`TrainerConfig` or overrides a
 field of the ``adaptive_load`` block (``--fused-ln-modulate`` -> ``adaptive_load.fused_ln_modulate``,
-``--log-dir`` -> ``adaptive_load.metrics.log_dir``, ``--shapes`` -> ``adaptive_load.sampler.shapes``);
+``--log-dir`` -> ``adaptive_load.metrics.log_dir``, ``--shapes`` -> ``adaptive_load.sampler.shapes``,
+``--grad-ckpt`` -> ``adaptive_load.sampler.checkpointing``);
 nothing downstream reads the flag again. Relative paths in the ds_config (``sampler.shapes``,
 ``sampler.profile``) are resolved next to the ds_config first, then from the working directory.
 """
@@ -48,8 +49,6 @@ class TrainerConfig(BaseModel):
     """``--seed``: model init, data and noise seed."""
     sp: Optional[int] = Field(None, ge=1)
     """``--sp``: Ulysses degree (default: the ds_config's sequence_parallel_size, else 1)."""
-    grad_ckpt: bool = False
-    """``--grad-ckpt``: activation checkpointing of every block."""
     workers: Optional[int] = Field(None, ge=0)
     """``--workers``: DataLoader workers per rank (default: 2 on GPU, 0 on CPU)."""
     compute_timing: bool = True
@@ -147,7 +146,7 @@ def run_config_from_args(args) -> RunConfig:
                   if args.fused_ln_modulate is not None else [])
     cfg = RunConfig.load(args.deepspeed_config, trainer=trainer, overrides={
         "fused_ln_modulate": args.fused_ln_modulate, "metrics.log_dir": args.log_dir,
-        "sampler.shapes": args.shapes})
+        "sampler.shapes": args.shapes, "sampler.checkpointing": args.grad_ckpt})
     _check_planned_layout(cfg)
     return cfg
 

@@ -49,7 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Ulysses sequence-parallel degree (default: the ds_config's sequence_parallel_size, else 1)")
     p.add_argument("--fused-ln-modulate", action=argparse.BooleanOptionalAction, default=None,
                    help="override adaptive_load.fused_ln_modulate")
-    p.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing of every block")
+    p.add_argument("--grad-ckpt", nargs="?", const="all", default=None, choices=["auto", "all", "none"],
+                   help="override adaptive_load.sampler.checkpointing: 'auto' (per micro-batch the fewest blocks "
+                        "that fit the memory budget, from the plan), 'all' (every block; the value of a bare "
+                        "--grad-ckpt) or 'none'; default: the config's (auto)")
     p.add_argument("--workers", type=int, default=None,
                    help="DataLoader workers per rank (default: 2 on GPU, 0 on CPU)")
     p.add_argument("--log-dir", default=None, help="override adaptive_load.metrics.log_dir")
@@ -73,7 +76,12 @@ def train(args: argparse.Namespace) -> dict:
     from .run import build_run
     from .trainer import Trainer
 
+    from .balance.memory import configure_allocator
+
     cfg = run_config_from_args(args)
+    alloc_msg = configure_allocator()  # before the first CUDA allocation
+    if os.environ.get("RANK", "0") == "0":
+        print(alloc_msg, flush=True)
     rank, _, device = init_distributed(args.local_rank)
     # DeepSpeed 0.19 still calls torch.distributed's renamed collectives (one FutureWarning per call
     # site and rank); and one copy of our own warnings is enough.

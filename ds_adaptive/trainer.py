@@ -14,6 +14,7 @@ compute on the same samples. Under Ulysses each rank's partial loss is also scal
 """
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from .data import DataError, build_dataset, collate_latents
 from .layout import Layout
 from .metrics import StepMetrics, format_summary
+from .models.flops import wan_train_flops
 from .ops.apply import ln_modulate_summary
 from .objective import EVAL_TIMESTEPS, eval_inputs, flow_matching_losses, mean_mse
 from .run import Run
@@ -34,7 +36,7 @@ from .run_config import UsageError
 from .shapes import MAX_TEXT_LEN
 
 __all__ = ["Trainer", "backward_micro_batch", "evaluate", "init_distributed", "shutdown_distributed",
-           "CLIENT_STATE_KEY", "EVAL_SEED_OFFSET"]
+           "MemoryLog", "CLIENT_STATE_KEY", "EVAL_SEED_OFFSET"]
 
 CLIENT_STATE_KEY = "ds_adaptive"
 EVAL_SEED_OFFSET = 1_000_003   # held-out samples: the synthetic dataset with seed + this offset
@@ -168,6 +170,9 @@ class Trainer:
         if self.opts.resume:
             self.resume(self.opts.resume)
         self.metrics = self._build_metrics()
+        self.ckpt_policy = run.cfg.adaptive_load.sampler.checkpointing
+        self.memory_log = MemoryLog(run.sampler, run.zero_stage, self.layout.world,
+                                    run.cfg.adaptive_load.metrics.log_dir, self.is_main and run.device.type == "cuda")
 
     # ------------------------------------------------------------------ setup
     def _attach_sparse(self, run: Run):
@@ -193,7 +198,9 @@ class Trainer:
             "dtype": str(run.dtype).replace("torch.", ""), "gradient_accumulation_steps": run.gas,
             "adaptive_load": al.enabled, "sampler": type(run.sampler).__name__,
             "sampler_mode": al.sampler.mode if al.enabled else "tokens", "fused_ln_modulate": al.fused_ln_modulate,
-            "grad_ckpt": bool(self.opts.grad_ckpt), "data": self.opts.data, "dataset": run.dataset.describe(),
+            "grad_ckpt": al.sampler.checkpointing, "profile": run.profile.name,
+            "checkpoint_source": run.profile.checkpoint_source, "data": self.opts.data,
+            "dataset": run.dataset.describe(),
             "loss_weighting": al.sampler.loss_weighting, "plan": run.sampler.epoch_stats(),
         }
         if al.fused_ln_modulate:
@@ -263,7 +270,10 @@ class Trainer:
             context = batch["context"].to(run.device, non_blocking=True)
             context = F.pad(context, (0, 0, 0, MAX_TEXT_LEN - context.shape[1]))
             metrics.data_ready()
-            tokens = self._shapes[int(batch["index"][0])].tokens
+            shape = self._shapes[int(batch["index"][0])]
+            tokens = shape.tokens
+            if self.ckpt_policy == "auto":  # the plan's count for this rank's batch (same on its SP group)
+                run.model.set_checkpoint_blocks(sampler.checkpoint_blocks(self.step_in_epoch, micro))
             num, den = backward_micro_batch(
                 self.engine, latents, context, batch["index"], totals, tokens_per_sample=tokens, layout=self.layout,
                 by=run.cfg.adaptive_load.sampler.loss_weighting, epoch=self.epoch, seed=self.opts.seed,
@@ -278,7 +288,11 @@ class Trainer:
             loss_num += num
             loss_den += den
             b = latents.shape[0]
-            metrics.end_micro(b, b * tokens, float(b * tokens ** 2))
+            n_ckpt = run.model.checkpointed_blocks() if run.model.training else 0
+            flops = wan_train_flops(run.model_config, tokens, b, n_ckpt)  # model and hardware FLOPs (MFU / HFU)
+            metrics.end_micro(b, b * tokens, float(b * tokens ** 2), *flops)
+            self.memory_log.record(self.global_step + 1, micro, shape, b, n_ckpt, metrics.last_micro_peak_gib,
+                                   metrics.last_micro_reserved_gib)
         self.global_step += 1
         self.step_in_epoch += 1
         rec = metrics.end_step(self.global_step, loss_num, loss_den, step_lr, log=self.global_step == self.opts.steps)
@@ -358,8 +372,10 @@ class Trainer:
         finally:
             progress.close()
             self.metrics.close()
+            self.memory_log.close()
         summary = self.metrics.summary()
         summary["final_step"] = self.global_step
+        summary["memory_prediction"] = self.memory_log.summary()
         summary.update(ln_modulate_summary(self.run.cfg.adaptive_load.fused_ln_modulate))
         if self.sparse is not None:
             self.sparse.finish(summary)
@@ -370,6 +386,44 @@ class Trainer:
             print(format_summary(summary))
             print(f"summary written to {path}", flush=True)
         return summary
+
+
+class MemoryLog:
+    """Predicted vs measured peak memory per micro-batch (writer rank on GPU): ``memory.jsonl`` in the log
+    dir, one line per micro-step: shape, B, checkpointed blocks, predicted static + activation memory
+    (the plan's memory model, ``ds_adaptive.balance.memory``) and the measured allocated peak of that micro-step."""
+
+    def __init__(self, sampler, zero_stage: int, shard_ranks: int, log_dir: str, enabled: bool) -> None:
+        self.cost = sampler.cost
+        self.static = self.cost.profile.static_memory_gib(zero_stage, shard_ranks)
+        self.errors: list[float] = []
+        self.file = None
+        if enabled:
+            Path(log_dir).mkdir(parents=True, exist_ok=True)
+            self.file = open(Path(log_dir) / "memory.jsonl", "a")
+
+    def record(self, step: int, micro: int, shape, batch: int, ckpt: int, measured_gib: float,
+               reserved_gib: float = 0.0) -> None:
+        if self.file is None:
+            return
+        act = float(self.cost.ckpt_memory(shape, batch, ckpt))
+        pred = self.static + act
+        self.errors.append((pred - measured_gib) / measured_gib if measured_gib > 0 else 0.0)
+        self.file.write(json.dumps({"step": step, "micro": micro, "shape": str(shape), "tokens": int(shape.tokens),
+                                    "B": batch, "ckpt_blocks": ckpt, "static_gib": self.static, "act_gib": act,
+                                    "predicted_gib": pred, "measured_gib": measured_gib,
+                                    "reserved_gib": reserved_gib}) + "\n")
+        self.file.flush()
+
+    def summary(self) -> dict:
+        e = self.errors
+        return {"micro_steps": len(e), "max_abs_rel_err": max((abs(x) for x in e), default=0.0),
+                "mean_rel_err": sum(e) / len(e) if e else 0.0}
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
 
 
 def _collate_unpadded(samples: list) -> dict:

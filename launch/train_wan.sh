@@ -18,8 +18,10 @@
 #   MODEL       tiny | wan2.1-1.3b | wan2.1-14b (default: wan2.1-1.3b on GPU, tiny on CPU)
 #   STEPS       optimizer steps (default: 50 on GPU, 20 on CPU)
 #   SP          Ulysses sequence-parallel degree (default 1)
-#   GRAD_CKPT   1 = activation checkpointing of every block (default: 1 on GPU, where the shipped
-#               memory profiles assume it; 0 on CPU)
+#   GRAD_CKPT   activation checkpointing: auto (per micro-batch the fewest blocks that fit the memory
+#               budget), 1/all (every block), 0/none; default: the config's sampler.checkpointing (auto)
+#   PYTORCH_CUDA_ALLOC_CONF  default expandable_segments:True (changing micro-batch shapes fragment
+#               the caching allocator); a value you set is kept
 #   PYTHON      python interpreter (default: python)
 #   DRY_RUN=1   print the deepspeed command instead of running it
 #   STOP_TIMEOUT  seconds a run may take to stop after SIGTERM/SIGINT before it is killed
@@ -51,7 +53,6 @@ if [[ "$NUM_GPUS" == 0 ]]; then
   DS_CONFIG="${DS_CONFIG:-$HERE/configs/cpu_tiny.json}"
   MODEL="${MODEL:-tiny}"
   STEPS="${STEPS:-20}"
-  GRAD_CKPT="${GRAD_CKPT:-0}"
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
   LAUNCH+=(--num_gpus "$NPROC")
   WHERE="$NPROC CPU process(es)"
@@ -63,7 +64,6 @@ else
     DS_CONFIG="${DS_CONFIG:-$HERE/configs/zero3_adaptive.json}"
   fi
   STEPS="${STEPS:-50}"
-  GRAD_CKPT="${GRAD_CKPT:-1}"
   if [[ -n "${HOSTFILE:-}" ]]; then
     if [[ ! -f "$HOSTFILE" ]]; then
       echo "train_wan.sh: HOSTFILE=$HOSTFILE does not exist (see launch/hostfile.example)" >&2
@@ -87,7 +87,20 @@ fi
 
 CMD=("${LAUNCH[@]}" "$HERE/train_wan.py" --deepspeed_config "$DS_CONFIG" --model "$MODEL" --steps "$STEPS"
      --sp "${SP:-1}")
-[[ "$GRAD_CKPT" == 1 ]] && CMD+=(--grad-ckpt)
+case "${GRAD_CKPT:-}" in
+  "") CKPT="" ;;
+  1|all) CKPT=all ;;
+  0|none) CKPT=none ;;
+  auto) CKPT=auto ;;
+  *) echo "train_wan.sh: GRAD_CKPT must be auto, all (1) or none (0), got '$GRAD_CKPT'" >&2; exit 2 ;;
+esac
+[[ -n "$CKPT" ]] && CMD+=(--grad-ckpt "$CKPT")
+if [[ -z "${PYTORCH_CUDA_ALLOC_CONF+x}" ]]; then
+  export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+  echo "train_wan.sh: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (fragmentation-safe; set it to override)"
+else
+  echo "train_wan.sh: PYTORCH_CUDA_ALLOC_CONF=$PYTORCH_CUDA_ALLOC_CONF (yours, kept)"
+fi
 CMD+=("$@")
 echo "train_wan.sh: $MODEL on $WHERE, $STEPS steps, config $DS_CONFIG"
 echo "+ ${CMD[*]}"
@@ -102,7 +115,7 @@ if [[ "${DRY_RUN:-0}" == 1 ]]; then
   else
     DRY+=(--num-gpus "$NUM_GPUS")
   fi
-  [[ "$GRAD_CKPT" == 1 ]] && DRY+=(-- --grad-ckpt)
+  [[ -n "$CKPT" ]] && DRY+=(-- --grad-ckpt "$CKPT")
   "${DRY[@]}" >&2
   exit $?
 fi

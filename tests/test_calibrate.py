@@ -20,7 +20,8 @@ def test_cpu_tiny_end_to_end(tmp_path, capsys):
     out = tmp_path / "tiny.json"
     rc = calibrate.main(["--model", "tiny", "--device", "cpu", "--layers", "1,2", "--lengths",
                          "1x64x64,1x128x128,5x64x64,9x64x64", "--batch-sizes", "16:1,2;64:1,2",
-                         "--warmup", "1", "--iters", "1", "--min-fit-tokens", "0", "--accept-poor-fit", "--out", str(out)])
+                         "--warmup", "1", "--iters", "1", "--min-fit-tokens", "0", "--accept-poor-fit",
+                         "--no-checkpoint-memory", "--out", str(out)])
     assert rc == 0
     prof = json.loads(out.read_text())
     assert prof["device"] == "cpu" and prof["model"]["name"] == "tiny" and prof["sp"] == 1
@@ -42,7 +43,8 @@ def test_cpu_tiny_ulysses_emulation(tmp_path):
     out = tmp_path / "tiny_sp2.json"
     assert calibrate.main(["--model", "tiny", "--device", "cpu", "--sp", "2", "--layers", "1,2", "--lengths",
                            "1x64x64,1x128x128,5x64x64", "--batch-sizes", "64:1", "--warmup", "0", "--iters", "1",
-                           "--min-fit-tokens", "0", "--accept-poor-fit", "--out", str(out)]) == 0
+                           "--min-fit-tokens", "0", "--accept-poor-fit", "--no-checkpoint-memory",
+                           "--out", str(out)]) == 0
     assert json.loads(out.read_text())["sp"] == 2
 
 

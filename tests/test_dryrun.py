@@ -108,8 +108,12 @@ def test_oversize_sample_error_and_skip(capsys, tmp_path: Path) -> None:
     assert code == 1
     assert "shape 81x720x1280 (75600 tokens" in out
     from ds_adaptive.balance.cost import CostModel
+    from ds_adaptive.balance.memory import sample_memory
 
-    act = CostModel("h100-wan2.1-1.3b").per_gpu_memory(75600)   # the shipped calibration: ~15.9 GiB
+    # the shipped calibration at the fewest-memory checkpoint count of `checkpointing: auto` (29 of 30
+    # blocks; all 30 hold one block input more): ~15.9 GiB
+    act = sample_memory(CostModel("h100-wan2.1-1.3b", checkpointing="auto"), 75600)
+    assert act < CostModel("h100-wan2.1-1.3b").per_gpu_memory(75600)
     assert f"activation memory {act:.2f} GiB > m_mem 6.00 GiB" in out and "use a higher sp" in out
     # sp=4 quarters the activation memory: it fits
     code, out, _ = run(capsys, "--deepspeed_config", cfg, "--num-gpus", "8", "--sp", "4")
@@ -173,8 +177,12 @@ def test_bad_adaptive_block_and_model_memory(capsys, tmp_path: Path) -> None:
     code, out, _ = run(capsys, "--deepspeed_config", str(tmp_path / "missing.json"), "--num-gpus", "8")
     assert code == 1 and "does not exist" in out
     # 14B with the 1.3B profile: m_mem auto assumes 1.3B's static memory -> would OOM
-    code, out, _ = run(capsys, "--deepspeed_config", ZERO3, "--model", "wan2.1-14b", "--num-gpus", "8", "--sp", "2")
+    p13 = write_config(tmp_path, "p13.json", sampler={"profile": "h100-wan2.1-1.3b"})
+    code, out, _ = run(capsys, "--deepspeed_config", p13, "--model", "wan2.1-14b", "--num-gpus", "8", "--sp", "2")
     assert code == 1 and "static memory of wan2.1-14b" in out and "measured for wan2.1-1.3b" in out
+    # the shipped config's `profile: auto` takes the 14B profile for the 14B model
+    code, out, _ = run(capsys, "--deepspeed_config", ZERO3, "--model", "wan2.1-14b", "--num-gpus", "8", "--sp", "2")
+    assert "profile auto: no GPU visible; using 'h100-wan2.1-14b'" in out and "measured for" not in out
 
 
 def test_layout_errors(capsys, tmp_path: Path) -> None:

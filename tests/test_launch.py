@@ -53,7 +53,8 @@ def test_hostfile_example_is_a_deepspeed_hostfile():
 
 
 def _dry(env: dict, *args: str) -> subprocess.CompletedProcess:
-    e = {k: v for k, v in os.environ.items() if k not in ("NUM_GPUS", "HOSTFILE", "DS_CONFIG", "MODEL", "STEPS", "SP")}
+    e = {k: v for k, v in os.environ.items() if k not in ("NUM_GPUS", "HOSTFILE", "DS_CONFIG", "MODEL", "STEPS", "SP",
+                                                       "GRAD_CKPT", "PYTORCH_CUDA_ALLOC_CONF")}
     return subprocess.run(["bash", str(SCRIPT), *args], env={**e, "DRY_RUN": "1", **env}, capture_output=True,
                           text=True, timeout=120)
 
@@ -73,12 +74,15 @@ def test_dry_run_gpu_defaults_knobs_and_pass_through():
     assert r.returncode == 0, r.stderr
     cmd = r.stdout.splitlines()[-1]
     assert "--num_gpus 8 " in cmd and "zero3_adaptive.json" in cmd
-    assert "--model wan2.1-1.3b --steps 50" in cmd and "--grad-ckpt" in cmd
+    # checkpointing comes from the config (sampler.checkpointing: auto) unless GRAD_CKPT says otherwise
+    assert "--model wan2.1-1.3b --steps 50" in cmd and "--grad-ckpt" not in cmd
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in r.stdout
+    r = _dry({"NUM_GPUS": "8", "GRAD_CKPT": "1", "PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.8"})
+    assert r.stdout.splitlines()[-1].endswith("--grad-ckpt all") and "garbage_collection_threshold:0.8 (yours" in r.stdout
     r = _dry({"NUM_GPUS": "4", "DS_CONFIG": str(CONFIGS / "zero3_baseline.json"), "MODEL": "wan2.1-14b",
               "STEPS": "7", "SP": "2", "GRAD_CKPT": "0"}, "--save", "ck", "--save-interval", "5")
     cmd = r.stdout.splitlines()[-1]
-    assert "zero3_baseline.json --model wan2.1-14b --steps 7 --sp 2 --save ck --save-interval 5" in cmd
-    assert "--grad-ckpt" not in cmd
+    assert "zero3_baseline.json --model wan2.1-14b --steps 7 --sp 2 --grad-ckpt none --save ck --save-interval 5" in cmd
 
 
 def test_dry_run_multi_node(tmp_path):

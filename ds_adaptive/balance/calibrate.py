@@ -34,6 +34,7 @@ import datetime as _dt
 import itertools
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -42,6 +43,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import numpy as np
 
 from ds_adaptive.balance.cost import GIB, PROFILE_FORMAT, PROFILES_DIR, Profile
+from ds_adaptive.balance.memory import configure_allocator
 from ds_adaptive.shapes import TEXT_DIM, SampleShape
 
 # Wan 2.1 text-to-video architectures (from the released configs); used when the model module
@@ -302,7 +304,7 @@ class UlyssesEmulation:
 def measure(model_name: str, *, layers: Sequence[int], shapes: Sequence[SampleShape],
             batch_sizes: Mapping[int, Sequence[int]], sp: int, device_name: str, dtype_name: str,
             warmup: int, iters: int, gradient_checkpointing: bool, overrides: Mapping[str, Any],
-            log=print) -> tuple[list[dict], dict]:
+            log=print, both_checkpointing: bool = False) -> tuple[list[dict], dict]:
     """Time fwd+bwd and record peak memory for every (depth, shape, B). Returns raw rows and the
     model config (as a dict)."""
     import torch
@@ -323,43 +325,48 @@ def measure(model_name: str, *, layers: Sequence[int], shapes: Sequence[SampleSh
             model = WanModel(cfg)
         model.to_dtype(dtype)
         model.train()
-        model.gradient_checkpointing = gradient_checkpointing
         if sp > 1:
             model.set_attention(UlyssesEmulation(sp))
-        for shape in shapes:
-            for b in batch_sizes.get(shape.tokens, [1]):
-                latents = torch.randn(b, *shape.latent_shape, device=device, dtype=dtype)
-                tstep = torch.rand(b, device=device) * 1000
-                ctx = torch.randn(b, TEXT_LEN, TEXT_DIM, device=device, dtype=dtype)
+        modes = [gradient_checkpointing, not gradient_checkpointing] if both_checkpointing else [gradient_checkpointing]
+        for shape, b, ckpt in ((sh, bb, m) for sh in shapes for bb in batch_sizes.get(sh.tokens, [1]) for m in modes):
+            model.gradient_checkpointing = ckpt
+            latents = torch.randn(b, *shape.latent_shape, device=device, dtype=dtype)
+            tstep = torch.rand(b, device=device) * 1000
+            ctx = torch.randn(b, TEXT_LEN, TEXT_DIM, device=device, dtype=dtype)
 
-                def step():
-                    out = _forward(model, latents, tstep, ctx, sp)
-                    out.float().square().mean().backward()
+            def step():
+                out = _forward(model, latents, tstep, ctx, sp)
+                out.float().square().mean().backward()
 
-                try:
-                    for _ in range(warmup):
-                        step()
-                    base = _reset_peak(device)
+            try:
+                if device.type == "cuda":   # the reserved peak below is then this point's own
+                    torch.cuda.empty_cache()
+                for _ in range(warmup):
+                    step()
+                base = _reset_peak(device)
+                _sync(device)
+                times = []
+                for _ in range(iters):
+                    t0 = time.perf_counter()
+                    step()
                     _sync(device)
-                    times = []
-                    for _ in range(iters):
-                        t0 = time.perf_counter()
-                        step()
-                        _sync(device)
-                        times.append((time.perf_counter() - t0) * 1e3)
-                    peak = _peak(device)
-                except torch.OutOfMemoryError:
-                    log(f"  layers={depth} {shape} B={b}: out of memory, skipped")
-                    model.zero_grad(set_to_none=False)
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
-                    continue
-                row = {"layers": depth, "shape": str(shape), "S": shape.padded_tokens(sp), "B": b,
-                       "ms": float(np.median(times)), "ms_all": [round(t, 4) for t in times],
-                       "act_gib": max(peak - base, 0) / GIB, "peak_gib": peak / GIB}
-                rows.append(row)
-                log(f"  layers={depth:>2} {str(shape):>14} S={row['S']:>6} B={b:>3}: "
-                    f"{row['ms']:9.2f} ms  act {row['act_gib']:.3f} GiB")
+                    times.append((time.perf_counter() - t0) * 1e3)
+                peak = _peak(device)
+                reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0
+            except torch.OutOfMemoryError:
+                log(f"  layers={depth} {shape} B={b} ckpt={ckpt}: out of memory, skipped")
+                model.zero_grad(set_to_none=False)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                continue
+            row = {"layers": depth, "shape": str(shape), "S": shape.padded_tokens(sp), "B": b,
+                   "ms": float(np.median(times)), "ms_all": [round(t, 4) for t in times],
+                   "act_gib": max(peak - base, 0) / GIB, "peak_gib": peak / GIB,
+                   "reserved_gib": reserved / GIB, "checkpointing": bool(ckpt)}
+            rows.append(row)
+            log(f"  layers={depth:>2} {str(shape):>14} S={row['S']:>6} B={b:>3} ckpt={int(ckpt)}: "
+                f"{row['ms']:9.2f} ms  act {row['act_gib']:.3f} GiB  reserved-allocated "
+                f"{row['reserved_gib'] - row['peak_gib']:.3f} GiB")
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -403,6 +410,9 @@ def full_model_points(rows: Sequence[Mapping[str, Any]], num_layers: int) -> tup
     overhead = t1 - k1 * per-block, full = overhead + num_layers * per-block. Memory the same
     way on the activation memory. With one depth only, scale it (full = t * L / k)."""
     by_key: dict[tuple, dict[int, Mapping]] = {}
+    modes = {r.get("checkpointing") for r in rows}
+    if len(modes) > 1:   # both modes measured: the fit is of the first row's mode (the profile's own)
+        rows = [r for r in rows if r.get("checkpointing") == rows[0].get("checkpointing")]
     for r in rows:
         by_key.setdefault((r["S"], r["B"], r["shape"]), {})[r["layers"]] = r
     comp, mem = [], []
@@ -422,6 +432,69 @@ def full_model_points(rows: Sequence[Mapping[str, Any]], num_layers: int) -> tup
         if gib > 0:
             mem.append({"S": s, "B": b, "shape": shape, "gib": gib})
     return comp, mem
+
+
+def checkpoint_fit(rows: Sequence[Mapping[str, Any]], *, min_fit_tokens: int = 8192) -> Optional[dict]:
+    """Per-block memory with and without checkpointing and the recompute time, from rows measured at
+    two depths in both modes (``measure(..., both_checkpointing=True)``). Per (S, B):
+
+    - whole block ``g = (act_none(k2) - act_none(k1)) / (k2 - k1)`` (GiB per micro-batch),
+    - checkpointed block ``c`` the same on the checkpointed rows (its kept input),
+    - recompute ``r = ((t_ckpt(k2) - t_ckpt(k1)) - (t_none(k2) - t_none(k1))) / (k2 - k1)`` (ms),
+
+    fitted as ``B (m0 + m1 S)`` and ``c0 + B (a S + b S^2)`` (non-negative, relative error; recompute on
+    points with B x S >= ``min_fit_tokens``). None when the rows lack a mode or a second depth."""
+    by: dict[tuple, dict] = {}
+    for r in rows:
+        if "checkpointing" not in r:
+            return None
+        by.setdefault((r["S"], r["B"]), {})[(bool(r["checkpointing"]), r["layers"])] = r
+    g_pts, c_pts, r_pts = [], [], []
+    for (s, b), d in sorted(by.items()):
+        depths = sorted({k for _, k in d})
+        if len(depths) < 2:
+            continue
+        k1, k2 = depths[0], depths[-1]
+        if not all((m, k) in d for m in (True, False) for k in (k1, k2)):
+            continue
+        g = (d[(False, k2)]["act_gib"] - d[(False, k1)]["act_gib"]) / (k2 - k1)
+        c = (d[(True, k2)]["act_gib"] - d[(True, k1)]["act_gib"]) / (k2 - k1)
+        rc = ((d[(True, k2)]["ms"] - d[(True, k1)]["ms"]) - (d[(False, k2)]["ms"] - d[(False, k1)]["ms"])) / (k2 - k1)
+        if g > 0:
+            g_pts.append({"S": s, "B": b, "gib": g})
+        if c > 0:
+            c_pts.append({"S": s, "B": b, "gib": c})
+        if rc > 0:
+            r_pts.append({"S": s, "B": b, "ms": rc})
+    if len(g_pts) < 2 or len(c_pts) < 2 or len(r_pts) < 3:
+        return None
+    full, kept = fit_memory(g_pts), fit_memory(c_pts)
+    use_min = min_fit_tokens if sum(p["B"] * p["S"] >= min_fit_tokens for p in r_pts) >= 3 else 0
+    rec = fit_compute(r_pts, min_fit_tokens=use_min)
+    return {
+        "memory": {"block_full": full, "block_checkpointed": kept, "source": "measured"},
+        "recompute": {**{k: rec[k] for k in ("c0_ms", "a_ms_per_token", "b_ms_per_token2")},
+                      "note": "recomputed forward of ONE block (ms): checkpointed minus plain fwd+bwd per block",
+                      "fit": rec["fit"]},
+    }
+
+
+def fragmentation_margin(rows: Sequence[Mapping[str, Any]]) -> Optional[float]:
+    """Largest ``reserved - allocated`` peak (GiB) over the shape sweep's high-water marks, or None.
+
+    Only rows whose allocated peak is the largest so far at their depth count (rows in measurement
+    order; a new model per depth starts from an empty cache): there the reserved peak is the
+    measurement's own, while a smaller point after a larger one reads memory that the allocator
+    still caches from the larger one (reserved, free, reusable: not fragmentation)."""
+    vals, high = [], {}
+    for r in rows:
+        if not r.get("reserved_gib"):
+            continue
+        k = r["layers"]
+        if r["peak_gib"] >= high.get(k, 0.0):
+            high[k] = r["peak_gib"]
+            vals.append(r["reserved_gib"] - r["peak_gib"])
+    return float(max(vals)) if vals else None
 
 
 def fit_quality_problem(compute: Mapping[str, Any], max_err: float = MAX_FIT_ERROR) -> Optional[str]:
@@ -484,6 +557,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=None, help="untimed runs per point (default 2; 1 on cpu)")
     ap.add_argument("--iters", type=int, default=None, help="timed runs per point (default 5; 2 on cpu)")
     ap.add_argument("--no-checkpointing", action="store_true", help="measure without gradient checkpointing")
+    ap.add_argument("--checkpoint-memory", action=argparse.BooleanOptionalAction, default=True,
+                    help="also measure every point in the other checkpointing mode: per-block memory with and "
+                         "without checkpointing and the recompute time, for `checkpointing: auto` (default on)")
     ap.add_argument("--min-fit-tokens", type=int, default=8192,
                     help="exclude latency-bound points with fewer tokens per micro-batch from the fit")
     ap.add_argument("--gpu-mem-gib", type=float, default=None, help="GPU capacity (default: detected)")
@@ -541,6 +617,28 @@ def _memory_entry(mem_pts: list, full_cfg: dict, num_layers: int) -> dict:
             "fit": {"note": "no device memory statistics on this device: analytic estimate"}}
 
 
+def _parse_overrides(items: list) -> dict:
+    """``--override key=value`` (json values: numbers, lists, objects, true/false) -> {key: value}."""
+    overrides = {}
+    for ov in items:
+        k, _, v = ov.partition("=")
+        overrides[k] = json.loads(v) if v[:1] in "0123456789-[{tf" else v
+    return overrides
+
+
+def _add_checkpoint_terms(rows: list, memory: dict, compute: dict, min_fit_tokens: int) -> None:
+    """Both checkpointing modes measured (``--checkpoint-memory``): the no-checkpointing memory terms and the
+    recompute cost; and the fragmentation margin over the sweep's high-water marks (GPU only)."""
+    ckfit = checkpoint_fit(rows, min_fit_tokens=min_fit_tokens)
+    if ckfit is not None:
+        memory["checkpointing"] = ckfit["memory"]
+        compute["recompute"] = ckfit["recompute"]
+    margin = fragmentation_margin(rows)
+    if margin is not None:
+        memory["fragmentation_margin_gib"] = margin
+        memory["allocator"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+
+
 def _write_profile(prof: dict, compute: dict, memory: dict, args: argparse.Namespace) -> int:
     """Validate, apply the fit-quality bar, write ``args.out`` and print the fit."""
     Profile.from_dict(prof)  # validate before writing
@@ -574,6 +672,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return _rebuild_from_block_scaling(args)
     if not args.out:
         ap.error("--out is required (path of the profile json to write)")
+    print(configure_allocator())   # as the trainer: before CUDA's allocator starts
     import torch
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -594,10 +693,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     shapes = parse_lengths(args.lengths) if args.lengths else list(
         CPU_CALIBRATION_SHAPES if on_cpu else DEFAULT_CALIBRATION_SHAPES)
     batch_sizes = _parse_batch_sizes(ap, args, shapes, on_cpu)
-    overrides = {}
-    for ov in args.override:
-        k, _, v = ov.partition("=")
-        overrides[k] = json.loads(v) if v[:1] in "0123456789-[{tf" else v
+    overrides = _parse_overrides(args.override)
     from ds_adaptive.models.wan import count_parameters, get_wan_config
 
     full_cfg = _config_dict(get_wan_config(args.model, **overrides))
@@ -610,11 +706,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     t_start = time.perf_counter()
     rows, _ = measure(args.model, layers=[k1, k2], shapes=shapes, batch_sizes=batch_sizes, sp=args.sp,
                       device_name=args.device, dtype_name=dtype, warmup=args.warmup, iters=args.iters,
-                      gradient_checkpointing=not args.no_checkpointing, overrides=overrides)
+                      gradient_checkpointing=not args.no_checkpointing, overrides=overrides,
+                      both_checkpointing=args.checkpoint_memory)
     comp_pts, mem_pts = full_model_points(rows, num_layers)
     compute = fit_compute(comp_pts, min_fit_tokens=args.min_fit_tokens if any(
         p["B"] * p["S"] >= args.min_fit_tokens for p in comp_pts) else 0)
     memory = _memory_entry(mem_pts, full_cfg, num_layers)
+    _add_checkpoint_terms(rows, memory, compute, args.min_fit_tokens)
     dim = int(full_cfg.get("dim", 0))
     counts = wan_param_counts(dim=dim, ffn_dim=int(full_cfg.get("ffn_dim", 4 * dim)), num_layers=num_layers)
     counts["total"] = int(count_parameters(get_wan_config(args.model, **overrides)))  # exact for this model
@@ -657,6 +755,16 @@ def _print_fit(compute: Mapping[str, Any], memory: Mapping[str, Any]) -> None:
         print(f"memory fit  act/B = m0 + m1*S: m0 = {memory['m0_gib']:.4g} GiB, "
               f"m1 = {memory['m1_gib_per_token'] * 1024 ** 2:.4g} KiB/token; max |rel err| "
               f"{memory['fit']['max_rel_err']:.1%}, mean {memory['fit']['mean_rel_err']:.1%}")
+    ck, rc = memory.get("checkpointing"), compute.get("recompute")
+    if ck is not None and rc is not None:
+        bf, bc = ck["block_full"], ck["block_checkpointed"]
+        print(f"per block: whole {bf['m1_gib_per_token'] * 2**30 / 1024:.1f} KiB/token (+{bf['m0_gib'] * 1024:.1f} MiB/sample, "
+              f"max err {bf['fit']['max_rel_err']:.1%}), checkpointed {bc['m1_gib_per_token'] * 2**30 / 1024:.2f} KiB/token; "
+              f"recompute c0 {rc['c0_ms']:.3g} ms a {rc['a_ms_per_token']:.3g} ms/token b {rc['b_ms_per_token2']:.3g} "
+              f"ms/token^2 (max err {rc['fit']['max_rel_err']:.1%})")
+    if memory.get("fragmentation_margin_gib") is not None:
+        print(f"fragmentation margin (reserved - allocated peak at the sweep's high-water marks): "
+              f"{memory['fragmentation_margin_gib']:.3f} GiB (PYTORCH_CUDA_ALLOC_CONF={memory.get('allocator', '')!r})")
 
 
 if __name__ == "__main__":

@@ -49,6 +49,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Mapping, Optional, Union
 
+import numpy as np
+
 from ds_adaptive.layout import Layout
 from ds_adaptive.shapes import SampleShape, pad_to_multiple
 
@@ -69,6 +71,22 @@ COST_UNITS = {"calibrated": "ms", "power": "S^p", "tokens": "tokens"}
 EMBED_HEAD_MS = 2.0
 EMBED_HEAD_FLOP_PER_TOKEN_PER_DIM = 12 * 64
 EMBED_HEAD_FLOPS = 400e12
+
+
+# Memory-aware activation checkpointing (ds_adaptive/balance/memory.py). Profiles written before
+# `calibrate` measured both memories carry no per-block numbers; they get these estimates (documented
+# in docs/MEMORY.md): a checkpointed block keeps its bf16 input (dim x 2 bytes per token); a whole block
+# holds what the all-checkpointed fit's per-token memory leaves after the L checkpointed inputs and
+# 6 x dim x 2 bytes of embed/head (the working set of the one block recomputed in backward), plus the
+# cross-attention's k/v over the 512 text tokens per sample; the recomputed forward of one block is
+# 0.3 / 1.3 of its checkpointed fwd+bwd (measured on an H200 at 7,800-32,760 tokens: checkpointing costs
+# 1.30-1.31x of fwd+bwd).
+RECOMPUTE_SHARE_ESTIMATE = 0.3 / 1.3
+CHECKPOINT_POLICIES = ("auto", "all", "none")
+# m_mem auto: without a measured fragmentation margin, capacity x this fraction; with one, capacity minus
+# the margin minus AUTO_HEADROOM x capacity (room for the memory model's error).
+DEFAULT_MEM_UTILIZATION = 0.85
+AUTO_HEADROOM = 0.03
 
 
 class ProfileError(ValueError):
@@ -98,6 +116,46 @@ def _num(d: Mapping, key: str, where: str, *, minimum: float = 0.0) -> float:
     return float(v)
 
 
+def _pair(d: Mapping, where: str) -> tuple:
+    return (_num(d, "m0_gib", where), _num(d, "m1_gib_per_token", where))
+
+
+def _checkpoint_fields(d: Mapping[str, Any], where: str) -> dict:
+    """The per-block memory / recompute numbers of a profile json (``memory.checkpointing``,
+    ``compute.recompute``, ``memory.fragmentation_margin_gib``), or estimates when it has none."""
+    mem, comp, model = d["memory"], d["compute"], d["model"]
+    gc = bool(d.get("gradient_checkpointing", True))
+    L = int(model["num_layers"])
+    dim = int(model["dim"])
+    margin = mem.get("fragmentation_margin_gib")
+    if margin is not None:
+        margin = _num(mem, "fragmentation_margin_gib", where + " memory")
+    ck = mem.get("checkpointing")
+    rc = comp.get("recompute")
+    if ck is not None and rc is not None:
+        return {"gradient_checkpointing": gc,
+                "block_full_gib": _pair(_need(ck, "block_full", where), where + " memory.checkpointing.block_full"),
+                "block_ckpt_gib": _pair(_need(ck, "block_checkpointed", where),
+                                        where + " memory.checkpointing.block_checkpointed"),
+                "recompute_ms": tuple(_num(rc, k, where + " compute.recompute")
+                                      for k in ("c0_ms", "a_ms_per_token", "b_ms_per_token2")),
+                "checkpoint_source": str(ck.get("source", "measured")),
+                "fragmentation_margin_gib": margin}
+    # Estimates (see RECOMPUTE_SHARE_ESTIMATE): only for profiles measured with every block checkpointed.
+    m1 = float(mem["m1_gib_per_token"])
+    c_tok = 2 * dim / GIB
+    ctx = 4 * 512 * dim * 2 / GIB                # cross-attn k, v (+ their pre-norm / normed copies), bf16
+    g_tok = max(m1 - (L + 6) * c_tok, c_tok) if gc else max(m1 / max(L, 1), c_tok)
+    share = RECOMPUTE_SHARE_ESTIMATE if gc else RECOMPUTE_SHARE_ESTIMATE / (1 - RECOMPUTE_SHARE_ESTIMATE)
+    c0 = float(comp["c0_ms"])
+    e_tok = EMBED_HEAD_FLOP_PER_TOKEN_PER_DIM * dim / EMBED_HEAD_FLOPS * 1e3
+    per_block = (max(c0 - EMBED_HEAD_MS, 0.0) / L, max(float(comp["a_ms_per_token"]) - e_tok, 0.0) / L,
+                 float(comp["b_ms_per_token2"]) / L)
+    return {"gradient_checkpointing": gc, "block_full_gib": (ctx, g_tok), "block_ckpt_gib": (0.0, c_tok),
+            "recompute_ms": tuple(share * v for v in per_block), "checkpoint_source": "estimated",
+            "fragmentation_margin_gib": margin}
+
+
 @dataclass(frozen=True)
 class Profile:
     """Coefficients of one (device, model, sp) calibration; see the module docstring for units.
@@ -125,6 +183,18 @@ class Profile:
     bytes_per_param: Mapping[str, float]
     stage3_live_params: int
     workspace_gib: float
+    #: the calibration ran with every block checkpointed (the c0/a/b and m0/m1 fits include the recompute)
+    gradient_checkpointing: bool = True
+    #: activation memory one block holds for backward when NOT checkpointed: (GiB per sample, GiB per token)
+    block_full_gib: tuple = (0.0, 0.0)
+    #: what a checkpointed block keeps (its input): (GiB per sample, GiB per token)
+    block_ckpt_gib: tuple = (0.0, 0.0)
+    #: recomputed forward of ONE block: (ms per micro-batch, ms per token, ms per token^2), at the profile's sp
+    recompute_ms: tuple = (0.0, 0.0, 0.0)
+    #: "measured" (calibrate ran with and without checkpointing) or "estimated" (see RECOMPUTE_SHARE_ESTIMATE)
+    checkpoint_source: str = "estimated"
+    #: reserved minus allocated peak over calibrate's shape sweep (GiB); None when not measured
+    fragmentation_margin_gib: Optional[float] = None
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
     #: depth of the profile this one was rescaled from by :meth:`with_num_layers` (None: as loaded)
     rescaled_from_layers: Optional[int] = field(default=None, compare=False)
@@ -141,7 +211,7 @@ class Profile:
         static = _need(d, "static_memory", where)
         sp = int(_num(d, "sp", where, minimum=1))
         heads = int(_num(model, "num_heads", where + " model", minimum=1))
-        return cls(
+        fields = dict(
             name=str(d.get("name", Path(where).stem)),
             device=str(_need(d, "device", where)),
             gpu_mem_gib=_num(d, "gpu_mem_gib", where, minimum=1e-3),
@@ -160,8 +230,8 @@ class Profile:
             bytes_per_param={k: float(v) for k, v in _need(static, "bytes_per_param", where).items()},
             stage3_live_params=int(_num(static, "stage3_live_params", where + " static_memory")),
             workspace_gib=_num(static, "workspace_gib", where + " static_memory"),
-            raw=dict(d),
         )
+        return cls(**fields, **_checkpoint_fields(d, where), raw=dict(d))
 
     def with_num_layers(self, num_layers: int) -> "Profile":
         """The same calibration for the model with ``num_layers`` transformer blocks instead of
@@ -295,8 +365,14 @@ class CostModel:
 
     def __init__(self, profile: Union[Profile, str, Path, Mapping[str, Any]], mode: CostMode = "calibrated",
                  *, p: float = 1.5, sp: int = 1, num_heads: Optional[int] = None,
-                 sparse: "Optional[SparseAttentionCost]" = None) -> None:
+                 sparse: "Optional[SparseAttentionCost]" = None, checkpointing: str = "all") -> None:
         self.profile = profile if isinstance(profile, Profile) else load_profile(profile)
+        if checkpointing not in CHECKPOINT_POLICIES:
+            raise ValueError(f"checkpointing must be one of {list(CHECKPOINT_POLICIES)}, got {checkpointing!r}")
+        #: activation checkpointing policy the plan is made for: ``all`` blocks (the profile's own
+        #: calibration when it was measured with checkpointing), ``none``, or ``auto`` (per micro-batch the
+        #: fewest blocks that fit ``m_mem``: :func:`ds_adaptive.balance.memory.checkpoint_blocks`)
+        self.checkpointing = checkpointing
         if mode not in COST_UNITS:
             raise ValueError(f"cost mode must be one of {sorted(COST_UNITS)}, got {mode!r}")
         heads = self.profile.num_heads if num_heads is None else int(num_heads)
@@ -393,19 +469,97 @@ class CostModel:
             b = min(b, int(math.floor((m_comp - self.c0) / c1 * (1 + 1e-12))) if c1 > 0 else b)
         return max(b, 0)
 
+    # ----------------------------------------------------------------------------- checkpointing
+    @property
+    def num_layers(self) -> int:
+        """Transformer blocks of the profiled model (the range of a checkpoint count is 0..num_layers)."""
+        return self.profile.num_layers
+
+    def profile_ckpt_blocks(self) -> int:
+        """Blocks checkpointed in the profile's own calibration (all or none)."""
+        return self.profile.num_layers if self.profile.gradient_checkpointing else 0
+
+    def ckpt_memory(self, shape_or_tokens: Union[SampleShape, int], batch_size, ckpt_blocks):
+        """Activation memory (GiB) of a micro-batch with the FIRST ``ckpt_blocks`` blocks checkpointed
+        (numpy arrays broadcast over ``batch_size`` / ``ckpt_blocks``).
+
+        Per sample, with ``E`` the embed/head + backward working set, ``c`` a checkpointed block's
+        input and ``g`` a whole block's activations (both ``per-sample + per-token x S/sp``)::
+
+            mem(n) = E + n c + max(L - n, 1) g
+
+        (the backward starts at the last block: with n < L the L - n whole blocks are held at once; with
+        n = L the last block is recomputed first, so one block's g is held on top of L inputs: checkpointing
+        the last block never saves memory). ``E`` comes from the profile's own fit (``m0 + m1 S`` at
+        all blocks checkpointed, or none), so ``mem(profile's own n)`` is that fit exactly."""
+        pr = self.profile
+        s = float(self.padded_tokens(shape_or_tokens)) / self.sp
+        L = pr.num_layers
+        own = pr.m0_gib + pr.m1_gib_per_token * s
+        g = pr.block_full_gib[0] + pr.block_full_gib[1] * s
+        c = pr.block_ckpt_gib[0] + pr.block_ckpt_gib[1] * s
+        e = own - (L * c + g if pr.gradient_checkpointing else L * g)
+        n = np.asarray(ckpt_blocks)
+        return np.asarray(batch_size) * (e + n * c + np.maximum(L - n, 1) * g)
+
+    def recompute_ms(self, shape_or_tokens: Union[SampleShape, int], batch_size):
+        """Time (ms) of ONE block's recomputed forward for a micro-batch (per GPU, Ulysses-aware:
+        compute / sp, plus that block's share of the all-to-alls)."""
+        pr = self.profile
+        s = float(self.padded_tokens(shape_or_tokens))
+        c0, a, b = pr.recompute_ms
+        per = (a * pr.sp * s + b * pr.sp * s * s) / self.sp
+        if self.sp > 1:
+            passes = 3.0 if pr.gradient_checkpointing else 2.0
+            per += self._comm_raw(s) / pr.num_layers / passes
+        return c0 + np.asarray(batch_size) * per
+
+    def _comm_raw(self, s: float) -> float:
+        return self._comm_ms_per_token * (s / self.sp) * (self.sp - 1) / self.sp
+
+    def ckpt_cost(self, shape_or_tokens: Union[SampleShape, int], batch_size, ckpt_blocks):
+        """Compute cost of a micro-batch (in :attr:`unit`) with ``ckpt_blocks`` blocks checkpointed:
+        the profile's cost, minus (or plus) the recomputed forwards of the blocks that differ from the
+        profile's calibration. Non-ms modes are scaled by the calibrated ratio. numpy-broadcasting."""
+        bs = np.asarray(batch_size)
+        base = self.c0 + bs * self.per_gpu_cost(shape_or_tokens)
+        delta = (np.asarray(ckpt_blocks) - self.profile_ckpt_blocks()) * self.recompute_ms(shape_or_tokens, bs)
+        if self.mode == "calibrated":
+            return base + delta
+        pr = self.profile
+        s = float(self.padded_tokens(shape_or_tokens))
+        ms = pr.c0_ms + bs * ((self._a1 * s + self._b1 * s * s) / self.sp + self._comm_raw(s))
+        return base * (ms + delta) / ms
+
     # ----------------------------------------------------------------------------- budgets
-    def auto_memory_budget(self, gpu_mem_gib: Optional[float] = None, utilization: float = 0.85,
+    def usable_memory_gib(self, gpu_mem_gib: Optional[float] = None, utilization: Optional[float] = None) -> float:
+        """GPU memory the plan may fill (static + activations), GiB: ``capacity x utilization`` when
+        given; else ``capacity - fragmentation margin - AUTO_HEADROOM x capacity`` when the profile
+        measured a margin (``ds-adaptive calibrate``); else ``capacity x DEFAULT_MEM_UTILIZATION``."""
+        cap = self.profile.gpu_mem_gib if gpu_mem_gib is None else float(gpu_mem_gib)
+        if utilization is not None:
+            return cap * float(utilization)
+        margin = self.profile.fragmentation_margin_gib
+        if margin is None:
+            return cap * DEFAULT_MEM_UTILIZATION
+        return cap * (1 - AUTO_HEADROOM) - margin
+
+    def auto_memory_budget(self, gpu_mem_gib: Optional[float] = None, utilization: Optional[float] = None,
                            *, zero_stage: int = 3, dp_size: int = 1) -> float:
-        """``m_mem: auto``: GPU capacity x utilisation minus the static memory (GiB).
+        """``m_mem: auto``: the usable GPU memory (:meth:`usable_memory_gib`) minus the static memory (GiB).
 
         ZeRO partitions over all ``dp_size * sp`` ranks (DeepSpeed's sequence-data-parallel group)."""
         cap = self.profile.gpu_mem_gib if gpu_mem_gib is None else float(gpu_mem_gib)
         static = self.profile.static_memory_gib(zero_stage, dp_size * self.sp)
-        budget = cap * utilization - static
+        usable = self.usable_memory_gib(cap, utilization)
+        budget = usable - static
         if budget <= 0:
+            how = (f"x mem_utilization {utilization}" if utilization is not None else
+                   "minus the fragmentation margin and headroom" if self.profile.fragmentation_margin_gib
+                   is not None else f"x {DEFAULT_MEM_UTILIZATION}")
             raise ValueError(
-                f"m_mem auto: GPU memory {cap:.1f} GiB x mem_utilization {utilization} = "
-                f"{cap * utilization:.1f} GiB does not cover the static memory {static:.1f} GiB "
+                f"m_mem auto: GPU memory {cap:.1f} GiB {how} = "
+                f"{usable:.1f} GiB does not cover the static memory {static:.1f} GiB "
                 f"(params/grads/optimizer of {self.profile.params / 1e9:.2f}B params, ZeRO-{zero_stage}, "
                 f"{dp_size * self.sp} ranks). Use a higher ZeRO stage, more ranks, or set sampler.m_mem.")
         return budget
@@ -420,4 +574,5 @@ class CostModel:
                 "profile": self.profile.name, "c0": self.c0, "a_ms_per_token_sp1": self._a1,
                 "b_ms_per_token2_sp1": self._b1, "m0_gib": self.profile.m0_gib,
                 "m1_gib_per_token": self.profile.m1_gib_per_token,
-                "comm_ms_per_token": self._comm_ms_per_token}
+                "comm_ms_per_token": self._comm_ms_per_token, "checkpointing": self.checkpointing,
+                "checkpoint_source": self.profile.checkpoint_source}

@@ -49,6 +49,7 @@ from typing import Iterator, Literal, Mapping, Optional, Sequence, Union
 import numpy as np
 
 from ds_adaptive.balance.cost import CostModel
+from ds_adaptive.balance.memory import MicroBatchTable, micro_batch_table, policy_blocks, sample_memory
 from ds_adaptive.shapes import SampleShape
 
 Mode = Literal["dual", "tokens", "fixed"]
@@ -150,6 +151,8 @@ class EpochPlan:
     oversize: list[int] = field(default_factory=list)
     tail_dropped: list[int] = field(default_factory=list)
     tail_replanned: int = 0
+    #: blocks to checkpoint (the first n) per batch: the checkpoint plan (ds_adaptive/balance/memory.py)
+    batch_ckpt: Optional[np.ndarray] = None
 
     @property
     def num_micro_steps(self) -> int:
@@ -178,6 +181,12 @@ class EpochPlan:
     def batch_sizes(self) -> np.ndarray:
         return np.diff(self.batch_offsets)
 
+    def checkpoint_blocks(self, micro_step: int, dp_rank: int) -> int:
+        """Blocks that rank ``dp_rank`` checkpoints in ``micro_step`` (from the plan's checkpoint plan)."""
+        if self.batch_ckpt is None:
+            raise ValueError("this plan carries no checkpoint plan")
+        return int(self.batch_ckpt[micro_step * self.dp_size + dp_rank])
+
     def step_totals(self, step: int) -> StepTotals:
         if not 0 <= step < self.num_steps:
             raise IndexError(f"optimizer step {step} is outside this plan (0..{self.num_steps - 1})")
@@ -194,14 +203,30 @@ class EpochPlan:
 
 # ============================================================================== shape tables
 class _ShapeTable:
-    """Per unique shape: per-sample cost/memory, largest feasible batch, tokens."""
+    """Per unique shape: per-sample cost/memory, largest feasible batch, tokens.
+
+    When the cost model's checkpointing policy is the profile's own calibration (``all`` blocks of a
+    checkpointed calibration), a batch costs ``c0 + B x cost1`` and holds ``B x mem1`` (``linear``).
+    Otherwise (``auto``: the checkpoint plan of :mod:`ds_adaptive.balance.memory` decides per batch)
+    costs, memory and checkpointed blocks come from a per-shape :class:`MicroBatchTable` over B;
+    ``mem1`` is then the per-sample memory at the policy's fewest-memory count (feasibility)."""
 
     def __init__(self, shapes: Sequence[SampleShape], cost: CostModel, params: PlannerParams) -> None:
         self.shapes = list(shapes)
         n = len(self.shapes)
         self.c0 = cost.c0
-        self.cost1 = np.array([cost.per_gpu_cost(s) for s in self.shapes], float)
-        self.mem1 = np.array([cost.per_gpu_memory(s) for s in self.shapes], float)
+        self.linear = policy_blocks(cost) == cost.profile_ckpt_blocks()
+        self.ckpt_fixed = policy_blocks(cost)
+        self.tables: list[Optional[MicroBatchTable]] = [None] * n
+        if self.linear:
+            self.cost1 = np.array([cost.per_gpu_cost(s) for s in self.shapes], float)
+            self.mem1 = np.array([cost.per_gpu_memory(s) for s in self.shapes], float)
+        else:
+            self.mem1 = np.array([sample_memory(cost, s) for s in self.shapes], float)
+            for u, s in enumerate(self.shapes):
+                b_mem = int(math.floor(params.m_mem / self.mem1[u] * (1 + 1e-12)))
+                self.tables[u] = micro_batch_table(cost, s, max(b_mem, 1), params.m_mem)
+            self.cost1 = np.array([t.cost[1] - self.c0 for t in self.tables], float)
         self.tokens = np.array([bucket_tokens(s) for s in self.shapes], np.int64)
         self.padded = np.array([cost.padded_tokens(s) for s in self.shapes], np.int64)
         self.bmax = np.zeros(n, np.int64)
@@ -211,7 +236,10 @@ class _ShapeTable:
             b, why = b_mem, (f"activation memory {self.mem1[u]:.3f} GiB > m_mem {params.m_mem:.3f} GiB"
                              if b_mem < 1 else "")
             if params.mode == "dual":
-                b_comp = int(math.floor((params.m_comp - self.c0) / self.cost1[u] * (1 + 1e-12)))
+                if self.linear:
+                    b_comp = int(math.floor((params.m_comp - self.c0) / self.cost1[u] * (1 + 1e-12)))
+                else:   # the table's cost is non-decreasing in B
+                    b_comp = int(np.searchsorted(self.tables[u].cost, params.m_comp * (1 + 1e-12), "right")) - 1
                 if b_comp < 1 and b >= 1:
                     why = (f"compute cost {self.c0 + self.cost1[u]:.4g} {cost.unit} > m_comp "
                            f"{params.m_comp:.4g} {cost.unit}")
@@ -238,7 +266,26 @@ class _ShapeTable:
                 self.why[u] = why
 
     def batch_cost(self, u: int, b: int) -> float:
-        return self.c0 + b * self.cost1[u]
+        return self.c0 + b * self.cost1[u] if self.linear else float(self.tables[u].cost[b])
+
+    def batch_memory(self, u: int, b: int) -> float:
+        return b * self.mem1[u] if self.linear else float(self.tables[u].memory[b])
+
+    def batch_ckpt(self, u: int, b: int) -> int:
+        return self.ckpt_fixed if self.linear else int(self.tables[u].ckpt[b])
+
+    def nearest_sizes(self, cand: np.ndarray, cap: np.ndarray, target: float) -> tuple[np.ndarray, np.ndarray]:
+        """Per candidate shape, the batch size in 1..cap whose cost is closest to ``target``, and that cost."""
+        if self.linear:
+            b = np.clip(np.rint((target - self.c0) / self.cost1[cand]), 1, cap).astype(np.int64)
+            return b, self.c0 + b * self.cost1[cand]
+        bs = np.empty(len(cand), np.int64)
+        for i, (u, c) in enumerate(zip(cand.tolist(), cap.tolist())):
+            row = self.tables[u].cost[1:c + 1]
+            j = int(np.clip(np.searchsorted(row, target), 1, max(len(row) - 1, 1)))
+            j = j - 1 if len(row) == 1 or abs(row[j - 1] - target) <= abs(row[j] - target) else j
+            bs[i] = j + 1
+        return bs, np.array([self.tables[u].cost[b] for u, b in zip(cand.tolist(), bs.tolist())], float)
 
 
 def unique_shapes(shapes: Sequence[Bucket]) -> tuple[list[Bucket], np.ndarray]:
@@ -303,10 +350,10 @@ def _dual_micro_step(table: _ShapeTable, counts: np.ndarray, dp: int, anchor_ok:
     live = np.flatnonzero((counts > 0) & anchor_ok)
     if live.size == 0:
         return None
-    cost1, bmax, c0 = table.cost1, table.bmax, table.c0
+    cost1, bmax = table.cost1, table.bmax
     ua = int(live[np.argmax(cost1[live])])
     ba = int(min(bmax[ua], counts[ua]))
-    target = c0 + ba * cost1[ua]
+    target = table.batch_cost(ua, ba)
     rem = counts.copy()
     k = int(min(dp, rem[ua] // ba))
     slots: list[tuple[int, int]] = [(ua, ba)] * k
@@ -317,8 +364,8 @@ def _dual_micro_step(table: _ShapeTable, counts: np.ndarray, dp: int, anchor_ok:
         if cand.size == 0:
             return None
         cap = np.minimum(bmax[cand], rem[cand])
-        b = np.clip(np.rint((target - c0) / cost1[cand]), 1, cap).astype(np.int64)
-        err = np.abs(c0 + b * cost1[cand] - target) / target
+        b, cb = table.nearest_sizes(cand, cap, target)
+        err = np.abs(cb - target) / target
         best = err.min()
         ties = np.flatnonzero(err <= max(best, near))
         i = int(ties[np.argmax(cost1[cand[ties]])])
@@ -326,7 +373,7 @@ def _dual_micro_step(table: _ShapeTable, counts: np.ndarray, dp: int, anchor_ok:
         n = int(min(dp - len(slots), rem[u] // bu))
         slots.extend([(u, bu)] * n)
         rem[u] -= n * bu
-    costs = np.array([c0 + bb * cost1[u] for u, bb in slots])
+    costs = np.array([table.batch_cost(u, bb) for u, bb in slots])
     cv = float(costs.std() / costs.mean()) if costs.mean() > 0 else 0.0
     return slots, cv
 
@@ -500,23 +547,33 @@ def plan_epoch(shape_ids: np.ndarray, shapes: Sequence[SampleShape], order: np.n
     bs = np.asarray(builder.shape, np.int64)
     offsets = np.asarray(builder.offsets, np.int64)
     sizes = np.diff(offsets)
+    if table.linear:
+        b_cost = (table.c0 + sizes * table.cost1[bs]) if bs.size else np.zeros(0)
+        b_mem = sizes * table.mem1[bs] if bs.size else np.zeros(0)
+        b_ckpt = np.full(bs.shape, table.ckpt_fixed, np.int64)
+    else:
+        pairs = list(zip(bs.tolist(), sizes.tolist()))
+        b_cost = np.array([table.batch_cost(u, b) for u, b in pairs], float)
+        b_mem = np.array([table.batch_memory(u, b) for u, b in pairs], float)
+        b_ckpt = np.array([table.batch_ckpt(u, b) for u, b in pairs], np.int64)
     return EpochPlan(
         dp_size=dp, micro_steps_per_step=ga, shapes=list(shapes),
         sample_ids=np.asarray(builder.ids, np.int64), batch_offsets=offsets, batch_shape=bs,
-        batch_cost=(table.c0 + sizes * table.cost1[bs]) if bs.size else np.zeros(0),
-        batch_memory=sizes * table.mem1[bs] if bs.size else np.zeros(0),
+        batch_cost=b_cost, batch_memory=b_mem,
         batch_tokens=sizes * table.tokens[bs] if bs.size else np.zeros(0, np.int64),
-        oversize=oversize, tail_dropped=tail_dropped, tail_replanned=replanned)
+        oversize=oversize, tail_dropped=tail_dropped, tail_replanned=replanned, batch_ckpt=b_ckpt)
 
 
 # ============================================================================== budgets
 def resolve_budgets(*, mode: Mode, cost: CostModel, shapes: Sequence[SampleShape],
                     m_mem: "float | str", m_comp: "float | str", max_tokens: Optional[int],
-                    gpu_mem_gib: Optional[float], mem_utilization: float, zero_stage: int,
+                    gpu_mem_gib: Optional[float], mem_utilization: Optional[float], zero_stage: int,
                     dp_size: int) -> dict:
     """Numbers for ``auto`` budgets.
 
-    - ``m_mem: auto`` = GPU capacity x ``mem_utilization`` - static memory (ZeRO stage, ranks).
+    - ``m_mem: auto`` = usable GPU memory - static memory (ZeRO stage, ranks); usable = capacity x
+      ``mem_utilization`` when set, else capacity minus the profile's measured fragmentation margin
+      and headroom (:meth:`CostModel.usable_memory_gib`).
     - ``m_comp: auto`` = the costliest sample (that fits ``m_mem``) at B=1, i.e. the smallest budget
       under which no sample is oversize: the longest video runs alone and sets the pace.
     - ``max_tokens`` (tokens mode) = the tokens that ``m_mem`` holds at the per-token memory of the
@@ -527,14 +584,15 @@ def resolve_budgets(*, mode: Mode, cost: CostModel, shapes: Sequence[SampleShape
         m_mem_v = cost.auto_memory_budget(gpu_mem_gib, mem_utilization, zero_stage=zero_stage, dp_size=dp_size)
     else:
         m_mem_v = float(m_mem)
-    fits = [s for s in uniq if cost.per_gpu_memory(s) <= m_mem_v] or uniq
-    if m_comp == "auto":
-        m_comp_v = max(cost.batch_cost(s, 1) for s in fits)
+    mem1 = {s: sample_memory(cost, s) for s in uniq}
+    fits = [s for s in uniq if mem1[s] <= m_mem_v] or uniq
+    if m_comp == "auto":   # B=1 with its checkpoint plan
+        m_comp_v = max(float(micro_batch_table(cost, s, 1, m_mem_v).cost[1]) for s in fits)
     else:
         m_comp_v = float(m_comp)
     if max_tokens is None:
         longest = max(fits, key=bucket_tokens)
-        per_tok = cost.per_gpu_memory(longest) / cost.padded_tokens(longest)
+        per_tok = mem1[longest] / cost.padded_tokens(longest)
         max_tokens_v = max(int(m_mem_v / per_tok), cost.padded_tokens(longest))
     else:
         max_tokens_v = int(max_tokens)

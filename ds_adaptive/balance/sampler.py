@@ -36,6 +36,7 @@ import numpy as np
 from ds_adaptive.config import SamplerConfig
 from ds_adaptive.layout import Layout
 from ds_adaptive.balance.cost import CostModel, Profile, load_profile
+from ds_adaptive.balance.devices import resolve_auto_profile
 from ds_adaptive.balance.planner import (EpochPlan, OversizeSampleError, PlanError, PlannerParams, StepTotals,
                                  plan_epoch, resolve_budgets, unique_shapes)
 from ds_adaptive.balance.sparse import DensityMap, SparseAttentionCost, load_densities
@@ -66,7 +67,7 @@ def shapes_fingerprint(shapes: Sequence[SampleShape]) -> str:
 
 def _compact_profile(p: Profile) -> dict:
     """The fields of a profile that planning depends on (stored in resume state)."""
-    return {
+    out = {
         "format": p.raw.get("format"), "name": p.name, "device": p.device, "gpu_mem_gib": p.gpu_mem_gib,
         "model": {"num_layers": p.num_layers, "num_heads": p.num_heads, "dim": p.dim, "params": p.params},
         "sp": p.sp,
@@ -75,7 +76,16 @@ def _compact_profile(p: Profile) -> dict:
         "comm": {"bytes_per_token_per_layer": p.comm_bytes_per_token_per_layer, "link_GBps": p.link_gbps},
         "static_memory": {"bytes_per_param": dict(p.bytes_per_param), "stage3_live_params": p.stage3_live_params,
                           "workspace_gib": p.workspace_gib},
+        "gradient_checkpointing": p.gradient_checkpointing,
     }
+    out["memory"]["checkpointing"] = {
+        "block_full": {"m0_gib": p.block_full_gib[0], "m1_gib_per_token": p.block_full_gib[1]},
+        "block_checkpointed": {"m0_gib": p.block_ckpt_gib[0], "m1_gib_per_token": p.block_ckpt_gib[1]},
+        "source": p.checkpoint_source}
+    out["compute"]["recompute"] = dict(zip(("c0_ms", "a_ms_per_token", "b_ms_per_token2"), p.recompute_ms))
+    if p.fragmentation_margin_gib is not None:
+        out["memory"]["fragmentation_margin_gib"] = p.fragmentation_margin_gib
+    return out
 
 
 class _PlannedBatchSampler(_SamplerBase):
@@ -210,6 +220,20 @@ class _PlannedBatchSampler(_SamplerBase):
                 return seg_plan.step_totals(step_in_epoch - seg_start)
         raise IndexError(f"step {step_in_epoch} is not in epoch {self.epoch}'s plan")
 
+    def checkpoint_blocks(self, step_in_epoch: int, micro: int) -> int:
+        """Blocks this rank checkpoints (the first n) in micro-step ``micro`` of optimizer step
+        ``step_in_epoch``: the plan's checkpoint plan (:mod:`ds_adaptive.balance.memory`), a pure
+        function of the batch and the budgets, so it is the same after a resume and on every rank of
+        an SP group. Call it with the trainer's own counters (the DataLoader runs the sampler ahead)."""
+        if not 0 <= micro < self.micro_steps_per_step:
+            raise IndexError(f"micro-step {micro} is outside 0..{self.micro_steps_per_step - 1}")
+        plan, start = self._plans()
+        for p, s0, n in ([(plan, start, plan.num_steps)] + self._segment_plans()):
+            if s0 <= step_in_epoch < s0 + n:
+                return p.checkpoint_blocks((step_in_epoch - s0) * self.micro_steps_per_step + micro,
+                                           self.layout.dp_rank)
+        raise IndexError(f"step {step_in_epoch} is not in epoch {self.epoch}'s plan")
+
     def lr_scale(self, step_in_epoch: int) -> float:
         """LR multiplier of the step from ``lr_scaling`` / ``reference_batch``."""
         return self.step_totals(step_in_epoch).lr_scale(self.lr_scaling, self.reference_batch)
@@ -284,6 +308,8 @@ class _PlannedBatchSampler(_SamplerBase):
                "cost_mode": self.cost.mode, "p": self.cost.p, "sp": self.cost.sp}
         if self.cost.sparse is not None:   # only then: dense samplers keep their old state format
             cfg["sparse"] = self.cost.sparse.describe()
+        if self.cost.checkpointing != "all":   # likewise: states without the key planned every block checkpointed
+            cfg["checkpointing"] = self.cost.checkpointing
         return cfg
 
     def _order(self) -> np.ndarray:
@@ -309,7 +335,7 @@ class _PlannedBatchSampler(_SamplerBase):
             params = PlannerParams(**{**seg["params"], "fixed_batch_sizes": seg["params"].get("fixed_batch_sizes")})
             sparse = SparseAttentionCost.from_description(seg["sparse"]) if seg.get("sparse") else None
             cost = CostModel(Profile.from_dict(seg["profile"], where="sampler state"), seg["cost_mode"],
-                             p=seg["p"], sp=seg["sp"], sparse=sparse)
+                             p=seg["p"], sp=seg["sp"], sparse=sparse, checkpointing=seg.get("checkpointing", "all"))
             uniq, sid = unique_shapes(self.shapes)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -368,7 +394,8 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
                         micro_steps_per_step: int, enabled: bool = True, gpu_mem_gib: Optional[float] = None,
                         model_name: Optional[str] = None, zero_stage: Optional[int] = None,
                         mode: Optional[str] = None, num_layers: Optional[int] = None,
-                        sparse: Optional[SparseAttentionCost] = None) -> _PlannedBatchSampler:
+                        sparse: Optional[SparseAttentionCost] = None, checkpointing: Optional[str] = None,
+                        profile_log=None) -> _PlannedBatchSampler:
     """The batch sampler that ``sampler_cfg`` describes, with ``auto`` budgets resolved.
 
     ``enabled=False`` builds the ``tokens`` baseline at the same memory budget (AdaptiveLoad off);
@@ -377,7 +404,10 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
     trained model's depth (``--layers``); when it differs from the profile's, the profile is
     rescaled to it (:meth:`Profile.with_num_layers`; ``sampler.cost.profile.rescaled_from_layers``
     then holds the profile's own depth). ``sparse``: plan with the sparse-attention cost (its
-    densities may be updated later with ``update_densities``).
+    densities may be updated later with ``update_densities``). ``checkpointing`` overrides
+    ``sampler_cfg.checkpointing`` (the trainer's ``--grad-ckpt``). ``profile: auto`` resolves the profile
+    for the detected GPU (:func:`ds_adaptive.balance.devices.resolve_auto_profile`); its one-line message
+    goes to ``profile_log`` (e.g. ``print``) when given.
     """
     if isinstance(sampler_cfg, Mapping):
         sampler_cfg = SamplerConfig.model_validate(sampler_cfg)
@@ -385,9 +415,14 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
     if chosen not in _CLASSES:
         raise ValueError(f"sampler mode must be one of {sorted(_CLASSES)}, got {chosen!r}")
     if sampler_cfg.profile is None:
-        raise PlanError("sampler.profile is null: a profile (shipped name or path of a "
+        raise PlanError("sampler.profile is null: a profile (auto, a shipped name or path of a "
                         "`ds-adaptive calibrate` json) is needed for the memory model")
-    profile = load_profile(sampler_cfg.profile)
+    if sampler_cfg.profile == "auto":
+        profile, msg = resolve_auto_profile(model_name, gpu_mem_gib=gpu_mem_gib)
+        if profile_log is not None:
+            profile_log(msg)
+    else:
+        profile = load_profile(sampler_cfg.profile)
     if model_name and profile.raw.get("model", {}).get("name") not in (None, model_name):
         warnings.warn(f"sampler.profile '{profile.name}' was measured for model "
                       f"'{profile.raw['model']['name']}', training '{model_name}': predicted costs "
@@ -406,7 +441,7 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
     if sparse is not None and num_layers is not None and sparse.densities.num_layers != profile.num_layers:
         sparse = sparse.with_densities(sparse.densities.with_num_layers(profile.num_layers))
     cost = CostModel(profile, sampler_cfg.cost_model, p=sampler_cfg.p, sp=layout.sp_size, num_heads=num_heads,
-                     sparse=sparse)
+                     sparse=sparse, checkpointing=checkpointing or sampler_cfg.checkpointing)
     budgets = resolve_budgets(
         mode=chosen, cost=cost, shapes=shapes, m_mem=sampler_cfg.m_mem, m_comp=sampler_cfg.m_comp,
         max_tokens=sampler_cfg.max_tokens, gpu_mem_gib=gpu_mem_gib or _detect_gpu_mem_gib(),

@@ -32,6 +32,7 @@ import numpy as np
 
 from ds_adaptive.config import SamplerConfig
 from ds_adaptive.balance.cost import CostModel, load_profile
+from ds_adaptive.balance.devices import resolve_auto_profile
 from ds_adaptive.balance.planner import EpochPlan, resolve_budgets
 from ds_adaptive.balance.sampler import build_batch_sampler
 from ds_adaptive.layout import Layout
@@ -125,7 +126,7 @@ def simulate(*, world: int, sp: int = 1, steps: int = 50, seed: int = 0,
     if cfg.profile != profile and sampler_cfg is None:
         cfg = cfg.model_copy(update={"profile": profile})
     dp = world // sp
-    prof = load_profile(cfg.profile)
+    prof = resolve_auto_profile(None)[0] if cfg.profile == "auto" else load_profile(cfg.profile)
     prof = prof.with_num_layers(num_layers) if num_layers is not None else prof
     cost = CostModel(prof, cfg.cost_model, p=cfg.p, sp=sp)
     truth = CostModel(cost.profile, "calibrated", sp=sp)   # what the GPUs would take (ms)

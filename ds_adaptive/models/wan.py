@@ -406,8 +406,10 @@ class WanModel(nn.Module):
         self.time_projection = nn.Sequential(nn.SiLU(), nn.Linear(d, 6 * d))
         self.blocks = nn.ModuleList(WanBlock(cfg) for _ in range(cfg.num_layers))
         self.head = WanHead(cfg)
-        # Checkpoint each block (torch.utils.checkpoint, use_reentrant=False) while grad is enabled.
+        # Checkpoint each block (torch.utils.checkpoint, use_reentrant=False) while grad is enabled;
+        # checkpoint_blocks (set_checkpoint_blocks) limits it to the first n blocks.
         self.gradient_checkpointing = False
+        self.checkpoint_blocks: Optional[int] = None
         self.set_attention(None)
         self.set_token_order(None)
         self.set_ln_modulate(None)
@@ -452,6 +454,23 @@ class WanModel(nn.Module):
         runner of ``ds_adaptive.parallel.apply_ulysses``); None restores the plain forward."""
         _set_plain_attr(self, "sequence_parallel", runner)
 
+    def set_checkpoint_blocks(self, n: Optional[int]) -> None:
+        """Checkpoint only the first ``n`` blocks (0..num_layers; more is clamped to all) while grad is
+        enabled; ``None`` restores ``gradient_checkpointing``'s all-or-nothing. Set before each forward
+        (the trainer does, per micro-batch, from the checkpoint plan of ``ds_adaptive.balance.memory``):
+        the first blocks are the ones backward reaches last, when the whole blocks after them are freed."""
+        if n is not None and (isinstance(n, bool) or int(n) != n or n < 0):
+            raise WanConfigError(f"set_checkpoint_blocks: n must be an int >= 0 or None, got {n!r}")
+        self.checkpoint_blocks = None if n is None else min(int(n), len(self.blocks))
+
+    def checkpointed_blocks(self) -> int:
+        """Blocks the next forward checkpoints (0 when grad is off)."""
+        if not torch.is_grad_enabled():
+            return 0
+        if self.checkpoint_blocks is not None:
+            return self.checkpoint_blocks
+        return len(self.blocks) if self.gradient_checkpointing else 0
+
     # ---- the split forward ----
 
     def embed(self, latents: torch.Tensor, timestep: torch.Tensor, context: torch.Tensor) -> WanInputs:
@@ -486,9 +505,9 @@ class WanModel(nn.Module):
                 f"rope table has shape {list(freqs.shape)} but x has {x.shape[1]} tokens; expected "
                 f"[{x.shape[1]}, {self.config.head_dim // 2}, 2]: shard model.rope(grid) along dim 0 "
                 "exactly like the tokens (same padding)")
-        ckpt = self.gradient_checkpointing and torch.is_grad_enabled()
-        for block in self.blocks:
-            if ckpt:
+        n_ckpt = self.checkpointed_blocks()
+        for i, block in enumerate(self.blocks):
+            if i < n_ckpt:
                 x = checkpoint(block, x, inputs.time_mod, inputs.context, freqs, use_reentrant=False, **attn_kwargs)
             else:
                 x = block(x, inputs.time_mod, inputs.context, freqs, **attn_kwargs)

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Issue 16 on one GPU: memory-aware activation checkpointing, fragmentation-safe budgets, H200
+# profiles, MFU. Two purposes, one call each (device time is scarce):
+#
+#   PURPOSE=calibrate bash bench/gpu_memory.sh   # H200 profiles (1.3B at 2/4 blocks, 14B at 1/2 blocks,
+#                                                 # both checkpointing modes + margin) + a 3-step smoke run
+#   PURPOSE=arms STEPS=40 bash bench/gpu_memory.sh   # Wan 1.3B full depth, default mixed distribution:
+#        adaptive (checkpointing auto), adaptive (every block checkpointed), baseline (auto)
+#
+# Outputs in $OUT (default bench/out/memory): calibrate: h200-wan2.1-1.3b.json, h200-wan2.1-14b.json,
+# calibrate.txt; arms: memory.json (summaries + predicted-vs-measured memory per micro-batch) and
+# arms.txt. All arms use the torch LayerNorm-modulate reference (--no-fused-ln-modulate: no op build
+# inside the call; the same for every arm). Profiles written by the calibrate call must be copied to
+# ds_adaptive/balance/profiles/ before the arms call (profile: auto picks them on an H200).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench/out/memory}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+note() { echo "[gpu_memory.sh $(date +%H:%M:%S) +${SECONDS}s] $*"; }
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    >/tmp/pip.log 2>&1 || { note "wheel install failed"; tail /tmp/pip.log; }
+fi
+export PYTHONPATH=$PWD:/tmp/site:${PYTHONPATH:-}
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+git_rev=${GIT_REV:-$(cat .gpu_rev 2>/dev/null || echo unknown)}   # .gpu_rev: written by whoever copies the tree (untracked)
+note "commit $git_rev"
+
+arm() {  # arm NAME CONFIG STEPS [trainer args...]
+  local name=$1 cfg=$2 steps=$3; shift 3
+  note "arm $name: $cfg, $steps steps, $*"
+  timeout "${ARM_TIMEOUT:-200}" "$PY" -m ds_adaptive.train --deepspeed_config "$cfg" --model wan2.1-1.3b \
+    --steps "$steps" --no-fused-ln-modulate --log-dir "/tmp/runs/$name" "$@" >"/tmp/runs_$name.log" 2>&1
+  local rc=$?
+  grep -E "profile auto|PYTORCH_CUDA_ALLOC_CONF|OutOfMemory|out of memory|Error" "/tmp/runs_$name.log" | head -5
+  tail -n 12 "/tmp/runs_$name.log"
+  note "arm $name rc=$rc"
+}
+
+case "${PURPOSE:-calibrate}" in
+calibrate)
+  note "calibrate wan2.1-1.3b (layers 2,4; with and without checkpointing)"
+  "$PY" -m ds_adaptive.balance.calibrate --model wan2.1-1.3b --sp 1 --out "$OUT/h200-wan2.1-1.3b.json" \
+    --name h200-wan2.1-1.3b 2>&1 | tee "$OUT/calibrate.txt"
+  note "calibrate wan2.1-14b (layers 1,2: 40 blocks extrapolated; warmup 1, iters 3)"
+  "$PY" -m ds_adaptive.balance.calibrate --model wan2.1-14b --sp 1 --layers 1,2 --warmup 1 --iters 3 \
+    --out "$OUT/h200-wan2.1-14b.json" --name h200-wan2.1-14b 2>&1 | tee -a "$OUT/calibrate.txt"
+  cp "$OUT"/h200-wan2.1-*.json ds_adaptive/balance/profiles/ 2>/dev/null
+  mkdir -p /tmp/runs
+  ARM_TIMEOUT=150 arm smoke launch/configs/zero3_adaptive.json "${SMOKE_STEPS:-3}" --grad-ckpt auto
+  "$PY" bench/memory_report.py --runs /tmp/runs --out "$OUT/smoke.json" 2>&1 | tee -a "$OUT/calibrate.txt"
+  ;;
+arms)
+  mkdir -p /tmp/runs
+  S=${STEPS:-40}
+  arm adaptive_auto launch/configs/zero3_adaptive.json "$S" --grad-ckpt auto
+  arm adaptive_all launch/configs/zero3_adaptive.json "$S" --grad-ckpt all
+  arm baseline_auto launch/configs/zero3_baseline.json "$S" --grad-ckpt auto
+  "$PY" bench/memory_report.py --runs /tmp/runs --out "$OUT/memory.json" --commit "$git_rev" 2>&1 | tee "$OUT/arms.txt"
+  ;;
+*) echo "PURPOSE must be calibrate or arms" >&2; exit 2 ;;
+esac
+note done
