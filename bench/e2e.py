@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import signal
 import subprocess
@@ -94,10 +95,14 @@ class Settings:
     work_dir: str
     out: str
     python: str = sys.executable
+    sp: int = 1                      # Ulysses degree (--sp): dp = num_gpus / sp
+    dual_m_comp: str = "auto"        # dual arms' compute budget: auto | match | ms
+    sparse_density: float = 0.1      # forced density of the sparse arm(s)
+    min_steps: int = 0               # --min-steps: grow num_samples until every arm has this many steps
 
     @property
     def dp(self) -> int:
-        return self.num_gpus
+        return self.num_gpus // self.sp
 
 
 def default_num_gpus(device: str) -> int:
@@ -120,6 +125,10 @@ def resolve_settings(a: argparse.Namespace) -> Settings:
     num_gpus = a.num_gpus if a.num_gpus is not None else default_num_gpus(device)
     if num_gpus < 1:
         raise SystemExit("bench/e2e.py: no GPU visible; pass --device cpu (or --num-gpus N)")
+    if a.sp < 1 or num_gpus % a.sp:
+        raise SystemExit(f"bench/e2e.py: --sp {a.sp} must be >= 1 and divide --num-gpus {num_gpus}")
+    if not (a.dual_m_comp in ("auto", "match") or _is_number(a.dual_m_comp)):
+        raise SystemExit(f"bench/e2e.py: --dual-m-comp must be auto, match or a number of ms, got {a.dual_m_comp!r}")
     arms = [x.strip() for x in a.arms.split(",") if x.strip()]
     bad = [x for x in arms if x not in ARMS]
     if bad or not arms:
@@ -136,7 +145,15 @@ def resolve_settings(a: argparse.Namespace) -> Settings:
         budget_s=a.budget_s, arm_timeout_s=a.arm_timeout_s, deadline_s=a.deadline_s,
         sim_worlds=[int(x) for x in a.sim_worlds.split(",") if x.strip()] if a.sim_worlds else [],
         profile=a.profile,
-        work_dir=a.work_dir or str(Path(a.out) / "runs"), out=a.out)
+        work_dir=a.work_dir or str(Path(a.out) / "runs"), out=a.out, sp=a.sp, dual_m_comp=a.dual_m_comp,
+        sparse_density=a.sparse_density, min_steps=a.min_steps)
+
+
+def _is_number(x: str) -> bool:
+    try:
+        return float(x) > 0
+    except ValueError:
+        return False
 
 
 def _cuda_available() -> bool:
@@ -171,12 +188,12 @@ def resolve_memory_budget(s: Settings, raw: dict, scaled: dict, shapes) -> Budge
     shape, so batch sizes equal the full-depth ones. ``Kx``: K samples of the longest shape. A number:
     GiB."""
     uniq = sorted(set(shapes))
-    cost = CostModel(load_profile(scaled), "calibrated")
+    cost = CostModel(load_profile(scaled), "calibrated", sp=s.sp)
     longest = max(uniq, key=lambda x: x.tokens)
     full = None
     rule = s.m_mem
     if s.m_mem == "auto":
-        full_cost = CostModel(load_profile(raw), "calibrated")
+        full_cost = CostModel(load_profile(raw), "calibrated", sp=s.sp)
         b = resolve_budgets(mode="dual", cost=full_cost, shapes=uniq, m_mem="auto", m_comp="auto", max_tokens=None,
                             gpu_mem_gib=s.gpu_mem_gib, mem_utilization=SamplerConfig().mem_utilization,
                             zero_stage=3, dp_size=s.dp)
@@ -199,9 +216,9 @@ def resolve_memory_budget(s: Settings, raw: dict, scaled: dict, shapes) -> Budge
 
 
 def sampler_config(s: Settings, arm: Arm, profile_path: str, budgets: Budgets,
-                   reference_batch: Optional[int] = None) -> dict:
+                   reference_batch: Optional[int] = None, m_comp: "float | str" = "auto") -> dict:
     cfg = {"mode": arm.sampler, "cost_model": "calibrated", "profile": profile_path,
-           "m_mem": budgets.m_mem_gib, "m_comp": "auto", "seed": s.seed, "lr_scaling": s.lr_scaling}
+           "m_mem": budgets.m_mem_gib, "m_comp": m_comp, "seed": s.seed, "lr_scaling": s.lr_scaling}
     if s.lr_scaling != "none":
         cfg["reference_batch"] = reference_batch
     return cfg
@@ -220,29 +237,69 @@ def plan_all(s: Settings, shapes, profile_path: str, budgets: Budgets) -> dict:
         dual_gas = s.gas * k
     else:
         dual_gas = int(s.dual_gas)
+    m_comp: "float | str" = "auto"
+    if s.dual_m_comp == "match":
+        m_comp = match_m_comp(s, shapes, profile_path, budgets, dual_gas, tok["steps"])
+    elif s.dual_m_comp != "auto":
+        m_comp = float(s.dual_m_comp)
     return {name: plan_arm(s, ARMS[name], shapes, profile_path, budgets,
-                           dual_gas if ARMS[name].sampler == "dual" else s.gas, ref) for name in s.arms}
+                           dual_gas if ARMS[name].sampler == "dual" else s.gas, ref,
+                           m_comp if ARMS[name].sampler == "dual" else "auto") for name in s.arms}
+
+
+def match_m_comp(s: Settings, shapes, profile_path: str, budgets: Budgets, gas: int, target_steps: int,
+                 iters: int = 24) -> float:
+    """``--dual-m-comp match``: the dual compute budget (ms) whose plan takes as many optimizer steps
+    as the baseline's (``target_steps``) at the same gradient accumulation: same samples, same gas,
+    same number of updates. Bisection on ``m_comp`` between the ``auto`` budget (the costliest sample
+    at B=1: the most micro-steps) and the cost of a whole ``m_mem`` batch of the cheapest shape (no
+    compute cap left: about the baseline's micro-steps). Step counts are not strictly monotone in
+    ``m_comp``; the budget whose count is closest to the target (then the smallest such budget) wins,
+    and the plan table shows any remaining difference."""
+    arm = ARMS["dual_ref"]
+    lo = budgets.m_comp_ms
+    truth = CostModel(load_profile(profile_path), "calibrated", sp=s.sp)
+    hi = max(lo, max(truth.batch_cost(x, max(1, int(budgets.m_mem_gib // max(truth.per_gpu_memory(x), 1e-12))))
+                     for x in set(shapes)))
+    steps = lambda mc: plan_arm(s, arm, shapes, profile_path, budgets, gas, None, mc)["steps"]  # noqa: E731
+    best = (abs(steps(lo) - target_steps), lo)
+    if steps(lo) <= target_steps:
+        return lo
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        n = steps(mid)
+        best = min(best, (abs(n - target_steps), mid))
+        if n == target_steps:
+            hi = mid
+        elif n > target_steps:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo < 1e-3 * hi:
+            break
+    return float(best[1])
 
 
 def plan_arm(s: Settings, arm: Arm, shapes, profile_path: str, budgets: Budgets, gas: int,
-             reference_batch: Optional[int] = None) -> dict:
+             reference_batch: Optional[int] = None, m_comp: "float | str" = "auto") -> dict:
     """The plan every rank of ``arm`` will compute (pure function of the config): steps, samples,
     drops, predicted per-rank cost of every micro-step (ms, the scaled calibrated profile)."""
-    cfg = SamplerConfig.model_validate(sampler_config(s, arm, profile_path, budgets, reference_batch))
+    cfg = SamplerConfig.model_validate(sampler_config(s, arm, profile_path, budgets, reference_batch, m_comp))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        smp = build_batch_sampler(cfg, shapes, Layout.explicit(dp_size=s.dp), micro_steps_per_step=gas,
+        smp = build_batch_sampler(cfg, shapes, Layout.explicit(dp_size=s.dp, sp_size=s.sp), micro_steps_per_step=gas,
                                   enabled=arm.enabled, mode=arm.sampler, checkpointing="all" if s.grad_ckpt else "none")
         plan = smp.plan
     from ds_adaptive.balance.simulate import predicted_times
 
-    truth = CostModel(load_profile(profile_path), "calibrated")
+    truth = CostModel(load_profile(profile_path), "calibrated", sp=s.sp)
     sizes = plan.batch_sizes()
     cost = predicted_times(plan, truth)                  # [micro, rank] ms: the simulator's prediction
     quad = (sizes * np.array([x.tokens ** 2 for x in plan.shapes])[plan.batch_shape]).reshape(-1, s.dp)
     step_ms = cost.max(axis=1).reshape(-1, gas).sum(axis=1)
     return {
         "sampler": type(smp).__name__, "mode": arm.sampler, "gas": gas, "reference_batch": reference_batch,
+        "m_comp": m_comp,
         "steps": plan.num_steps,
         "micro_steps": plan.num_micro_steps, "samples": plan.num_samples,
         "tokens": int(plan.batch_tokens.sum()), "tail_dropped": len(plan.tail_dropped),
@@ -259,6 +316,25 @@ def plan_arm(s: Settings, arm: Arm, shapes, profile_path: str, budgets: Budgets,
     }
 
 
+def plan_with_min_steps(s: Settings, raw: dict, scaled: dict, profile_path: str) -> tuple[dict, Budgets, dict]:
+    """Dataset, budgets and plans; with ``--min-steps N`` the dataset (``s.num_samples``, updated in
+    place) grows until every arm plans at least N optimizer steps after the warm-up."""
+    for _ in range(40):
+        shapes, described = dataset_shapes(s)
+        budgets = resolve_memory_budget(s, raw, scaled, shapes)
+        plans = plan_all(s, shapes, profile_path, budgets)
+        need = s.min_steps + s.warmup_steps
+        fewest = min(p["steps"] for p in plans.values())
+        dropped = any(p["tail_dropped"] for p in plans.values())
+        if not s.min_steps or (fewest >= need and not dropped):
+            return described, budgets, plans
+        # too few steps: grow in proportion; enough steps but an arm drops tail samples: one more sample
+        # per try (the same samples in every arm)
+        s.num_samples = (s.num_samples + 1 if fewest >= need else
+                         max(s.num_samples + s.dp, int(math.ceil(s.num_samples * need / max(fewest, 1) * 1.02))))
+    raise SystemExit(f"bench/e2e.py: --min-steps {s.min_steps}: no dataset size found (last {s.num_samples} samples)")
+
+
 def eval_estimate_s(s: Settings, profile_path: str) -> float:
     """Forward-only held-out evaluation: ceil(E/dp) batches of EVAL_TIMESTEPS per rank, a forward ~1/4
     of forward + backward + recomputed forward."""
@@ -270,7 +346,7 @@ def eval_estimate_s(s: Settings, profile_path: str) -> float:
 
     held = build_dataset("synthetic", num_samples=s.eval_samples, shapes=s.shapes,
                          seed=s.seed + EVAL_SEED_OFFSET).sample_shapes()
-    truth = CostModel(load_profile(profile_path), "calibrated")
+    truth = CostModel(load_profile(profile_path), "calibrated", sp=s.sp)
     per_rank = [sum(truth.batch_cost(held[j], EVAL_TIMESTEPS) / 4 for j in range(r, len(held), s.dp))
                 for r in range(s.dp)]
     return max(per_rank) / 1e3
@@ -288,7 +364,8 @@ def predict_arm_s(s: Settings, plan: dict, eval_s: float) -> dict:
 def arm_ds_config(s: Settings, arm: Arm, plan: dict, profile_path: str, budgets: Budgets, log_dir: str) -> dict:
     """The arm's ds_config: the shipped ZeRO-3 config (GPU) or the CPU one, with a constant LR (no
     warm-up schedule: arms take different numbers of steps) and the arm's adaptive_load block."""
-    base_name = "cpu_tiny.json" if s.device == "cpu" else "zero3_adaptive.json"
+    base_name = "cpu_tiny.json" if s.device == "cpu" else (
+        "zero3_adaptive_14b.json" if s.model == "wan2.1-14b" else "zero3_adaptive.json")
     base = json.loads((ROOT / "launch" / "configs" / base_name).read_text())
     cfg = {k: v for k, v in base.items() if k not in ("adaptive_load", "scheduler")}
     cfg["gradient_accumulation_steps"] = plan["gas"]
@@ -297,9 +374,14 @@ def arm_ds_config(s: Settings, arm: Arm, plan: dict, profile_path: str, budgets:
     cfg["adaptive_load"] = {
         "enabled": arm.enabled,
         "fused_ln_modulate": arm.fused,
-        "sampler": sampler_config(s, arm, profile_path, budgets, plan.get("reference_batch")),
+        "sampler": sampler_config(s, arm, profile_path, budgets, plan.get("reference_batch"), plan.get("m_comp", "auto")),
         "metrics": {"interval": 1, "log_dir": log_dir, "tensorboard": False, "jsonl": True, "sync_timing": True},
     }
+    if arm.sparse:
+        # DSV sparse attention at a forced density (no stage 1, no profiling; first and last layer dense).
+        # The plan is the dense-cost one: same micro-batches as the dual arm it is compared with.
+        cfg["adaptive_load"]["sparse_attention"] = {"enabled": True, "forced_density": s.sparse_density,
+                                                    "max_compiled_shapes": 256}
     return cfg
 
 
@@ -313,6 +395,8 @@ def trainer_command(s: Settings, arm: Arm, config_path: str, steps: int, log_dir
     if s.shapes:
         cmd += ["--shapes", s.shapes]
     cmd += ["--grad-ckpt", "all" if s.grad_ckpt else "none"]   # the arms' plans assume every block or none
+    if s.sp > 1:
+        cmd += ["--sp", str(s.sp)]
     return cmd
 
 
@@ -585,7 +669,18 @@ def build_parser() -> argparse.ArgumentParser:
                     help="dataset size = samples of the epoch (default 150 per GPU; 128 on CPU)")
     ap.add_argument("--shapes", default=None,
                     help="shape mix (default: the shipped Wan mix; launch/configs/shapes_cpu.json on CPU)")
-    ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {', '.join(ARMS)}")
+    ap.add_argument("--arms", default=",".join(n for n, a in ARMS.items() if not a.sparse),
+                    help=f"comma-separated subset of {', '.join(ARMS)} (default: all but the sparse arm)")
+    ap.add_argument("--sp", type=int, default=1, help="Ulysses degree: dp = num-gpus / sp (default 1)")
+    ap.add_argument("--dual-m-comp", default="auto",
+                    help="compute budget of the dual arms: auto (costliest sample at B=1), match (the budget whose "
+                         "plan takes as many optimizer steps as the baseline's at the same gas; use with "
+                         "--dual-gas equal to the baseline's) or ms")
+    ap.add_argument("--sparse-density", type=float, default=0.1,
+                    help="forced density of the adaptive_sparse arm's sparse attention (default 0.1)")
+    ap.add_argument("--min-steps", type=int, default=0,
+                    help="grow --num-samples (by 25%% at a time) until every arm plans at least this many "
+                         "optimizer steps (0: off)")
     ap.add_argument("--gas", type=int, default=1, help="gradient_accumulation_steps of the tokens arms (default 1)")
     ap.add_argument("--dual-gas", default="match",
                     help="gradient_accumulation_steps of the dual arms: 'match' (default: as many samples per "
@@ -644,10 +739,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     profile_path = str((work / f"profile-{s.layers}blocks.json").resolve())
     Path(profile_path).write_text(json.dumps(scaled, indent=1) + "\n")
-    shapes, described = dataset_shapes(s)
-    budgets = resolve_memory_budget(s, raw, scaled, shapes)
+    described, budgets, plans = plan_with_min_steps(s, raw, scaled, profile_path)
     eval_s = eval_estimate_s(s, profile_path)
-    plans = plan_all(s, shapes, profile_path, budgets)
     pred = {name: predict_arm_s(s, p, eval_s) for name, p in plans.items()}
     report = {
         "format": FORMAT, "created": time.strftime("%Y-%m-%d %H:%M:%S"), "settings": asdict(s),

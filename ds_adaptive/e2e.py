@@ -31,6 +31,7 @@ class Arm:
     sampler: str           # "tokens" | "dual"
     fused: bool
     label: str
+    sparse: bool = False   # DSV sparse attention at a forced density (bench/e2e.py --sparse-density)
 
     @property
     def enabled(self) -> bool:
@@ -44,6 +45,7 @@ ARMS = {a.name: a for a in (
     Arm("adaptive", "dual", True, "dual + fused LN (AdaptiveLoad)"),
     Arm("dual_ref", "dual", False, "dual + reference LN"),
     Arm("tokens_fused", "tokens", True, "tokens + fused LN"),
+    Arm("adaptive_sparse", "dual", True, "dual + fused LN + sparse attention (forced density)", sparse=True),
 )}
 
 
