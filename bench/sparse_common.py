@@ -3,26 +3,17 @@ from __future__ import annotations
 
 import datetime
 import os
-import statistics
 import subprocess
 
 import torch
 
 
 def cuda_time(fn, warmup: int, reps: int) -> float:
-    """Median ms of ``reps`` calls of fn (CUDA events) after ``warmup`` untimed calls."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    """Median ms of ``reps`` calls of fn (CUDA events) after ``warmup`` untimed calls: the package's
+    timer (``ds_adaptive.balance.calibrate_sparse.time_ms``), so benchmarks and calibration agree."""
+    from ds_adaptive.balance.calibrate_sparse import time_ms
+
+    return time_ms(fn, warmup=warmup, iters=reps)
 
 
 def run_meta(**extra) -> dict:
@@ -31,3 +22,14 @@ def run_meta(**extra) -> dict:
                                                             capture_output=True, text=True).stdout.strip()
     return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **extra}
+
+
+def write_results(path: str, meta: dict, rows: list) -> None:
+    """``{"meta": ..., "results": rows}`` as JSON at ``path`` (parent folders created)."""
+    import json
+    from pathlib import Path
+
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
+    print(f"wrote {out}")

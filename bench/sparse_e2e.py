@@ -12,14 +12,13 @@ memory. Prints the table of ratios, writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sparse_common import cuda_time, run_meta  # noqa: E402
+from sparse_common import cuda_time, run_meta, write_results  # noqa: E402
 
 SHAPES = {"81x480x832": (21, 60, 104), "81x720x1280": (21, 90, 160)}
 
@@ -93,10 +92,7 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['shape']:>12} {r['tokens']:>7} {r['dense_ms']:9.0f} {r['sparse_ms']:9.0f} {r['speedup']:8.2f} "
               f"{r['dense_peak_gib']:9.1f} {r['sparse_peak_gib']:10.1f} {r['select_ms_per_step']:7.1f}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
-    print(f"wrote {out}")
+    write_results(args.out, meta, rows)
     return 0
 
 

@@ -18,7 +18,6 @@ forward, x3.5 for fwd+bwd (backward = 2.5 forward). Prints a table, writes JSON 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -26,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sparse_common import cuda_time as _time, run_meta  # noqa: E402
+from sparse_common import cuda_time as _time, run_meta, write_results  # noqa: E402
 
 
 VARIANTS = {
@@ -145,10 +144,7 @@ def main(argv=None) -> int:
         print(f"{'':>7} per layer and step: scores+top-k {r['score_topk_ms']:.2f} ms + 2 x BlockMask {r['mask_ms']:.2f} ms "
               f"= {r['select_ms']:.2f} ms = {100 * (r['select_share_at_0.1'] or 0):.1f}% of sparse fwd+bwd at 0.1; "
               f"profiling pass {r['profile_ms']:.2f} ms; scores+top-k with block_score=lse {r['score_topk_lse_ms']:.2f} ms")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
-    print(f"wrote {out}")
+    write_results(args.out, meta, rows)
     return 0
 
 
