@@ -262,7 +262,7 @@ def test_model_with_cube_order_and_all_blocks_equals_dense_model() -> None:
     rt.schedule.dense_layers = frozenset()
     lat, t, ctx = _inputs()
     out = model(lat, t, ctx)
-    assert rt._cache[0].selection is not None and rt._cache[0].selection.density().min() == 1.0
+    assert rt.cached_selection(0) is not None and rt.cached_selection(0).density().min() == 1.0
     assert torch.allclose(out, ref(lat, t, ctx), atol=1e-10)
 
 
@@ -276,11 +276,11 @@ def test_checkpoint_recompute_reuses_the_forward_selection() -> None:
                                      "backend": "reference"}, num_layers=2, num_heads=2, head_dim=64)
         rt.install(model)
         calls = []
-        orig = rt.select
-        rt.select = lambda layer, q, k: calls.append(layer) or orig(layer, q, k)
+        orig = rt._select
+        rt._select = lambda layer, q, k: calls.append(layer) or orig(layer, q, k)
         model(lat, t, ctx).square().mean().backward()
         assert calls == [0, 1], calls  # one selection per layer, also with the recompute
-        assert 0.2 < float(rt._cache[0].selection.density().mean()) < 0.5
+        assert 0.2 < float(rt.cached_selection(0).density().mean()) < 0.5
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
     for n in grads[0]:
         assert torch.allclose(grads[0][n], grads[1][n], atol=1e-10), n
