@@ -124,8 +124,9 @@ def test_shipped_kernel_table_is_well_formed() -> None:
     t = ko.load_table()
     ko.validate_table(t)
     assert json.loads(ko.TABLE_PATH.read_text()) == t
-    for b in t["buckets"]:  # a bucket's options were measured no slower than torch's defaults
-        assert all(m["ms"] <= m["default_ms"] * 1.02 for m in b["measured"]), b
+    for b in t["buckets"]:  # a bucket's options were measured no slower than torch's defaults (mean ratio)
+        ratio = sum(m["ms"] / m["default_ms"] for m in b["measured"]) / len(b["measured"])
+        assert ratio <= 1.0 + 1e-9 and (b["options"] or ratio == 1.0), b
 
 
 @pytest.mark.parametrize("bad,match", [
