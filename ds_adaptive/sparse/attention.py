@@ -174,12 +174,18 @@ def block_mask_from_selection(selection: BlockSelection, *, pad_to_block: bool =
     q_args = dict(q_num_blocks=None, q_indices=None, full_q_num_blocks=None, full_q_indices=None)
     if with_q:
         # one transpose of all selected blocks; the ragged last key block's row is the partial set,
-        # the other rows the full sets (both share q_idx: rows past q_num are never read)
+        # the other rows the full sets (the kernel reads a row's first entry even at count 0, so
+        # every list has nk rows; the partial one is its own tensor: no aliased kernel inputs)
         q_num, q_idx = transpose_blocks(kv_num, idx, n)
         zero = torch.zeros_like(q_num)
-        q_part = torch.cat([zero[..., :-1], q_num[..., -1:]], -1) if ragged else zero
-        q_full = torch.cat([q_num[..., :-1], zero[..., -1:]], -1) if ragged else q_num
-        q_args = dict(q_num_blocks=q_part, q_indices=q_idx, full_q_num_blocks=q_full, full_q_indices=q_idx)
+        if ragged:
+            q_part = torch.cat([zero[..., :-1], q_num[..., -1:]], -1)
+            q_full = torch.cat([q_num[..., :-1], zero[..., -1:]], -1)
+            q_part_idx = q_idx.clone()
+        else:
+            q_part, q_full = zero, q_num
+            q_part_idx = torch.zeros((b, h, n, 1), dtype=torch.int32, device=dev)
+        q_args = dict(q_num_blocks=q_part, q_indices=q_part_idx, full_q_num_blocks=q_full, full_q_indices=q_idx)
     length = n * bs if ragged else s
     return BlockMask(seq_lengths=(length, length), kv_num_blocks=part_num, kv_indices=part_idx,
                      full_kv_num_blocks=full_num, full_kv_indices=idx, BLOCK_SIZE=(bs, bs),
