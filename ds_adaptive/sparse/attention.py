@@ -234,8 +234,8 @@ def flex_block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     if block_mask is None:
         need_q = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         block_mask = block_mask_from_selection(sel, pad_to_block=pad_to_block, with_q=need_q)
-    import torch._dynamo
-    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+    import torch._dynamo as dynamo  # (a plain `import torch._dynamo` would make `torch` local here)
+    with dynamo.config.patch(fail_on_recompile_limit_hit=True):
         out = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask,
                  kernel_options=kernel_options).transpose(1, 2)
     if tail:
