@@ -26,8 +26,9 @@ import torch
 
 from sparse_common import cuda_time
 
-SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense",
-              "aten::item")
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+"""CUDA runtime calls that make the host wait for the GPU (an ``.item()`` of a CUDA tensor shows as a
+memcpy + cudaStreamSynchronize; ``aten::item`` alone is also called on CPU tensors and is no sync)."""
 
 
 def legacy_block_mask(selection):

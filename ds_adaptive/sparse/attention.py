@@ -160,22 +160,21 @@ def block_mask_from_selection(selection: BlockSelection, *, pad_to_block: bool =
     s, bs, n = selection.seq_len, selection.block_size, selection.num_blocks
     kv_num = selection.kv_num.to(torch.int32)
     idx = selection.flex_indices()
-    b, h, nq = kv_num.shape
-    dev = kv_num.device
     ragged = pad_to_block and s % bs != 0
+    # every index tensor is nk wide, as from_kv_blocks makes them: a one-column partial kv list gave
+    # wrong outputs on the GPU (torch 2.11, B=2, ragged S; bench/results/ at 50dfe55)
     if ragged:  # selected indices are ascending: the last block, if selected, sits at kv_num - 1
         pos = (kv_num.long() - 1).clamp_min(0).unsqueeze(-1)
         has_last = ((idx.gather(-1, pos).squeeze(-1) == n - 1) & (kv_num > 0)).to(torch.int32)
-        part_num, part_idx = has_last, torch.full((b, h, nq, 1), n - 1, dtype=torch.int32, device=dev)
+        part_num, part_idx = has_last, torch.full_like(idx, n - 1)
         full_num = kv_num - has_last
     else:
-        part_num, part_idx = torch.zeros_like(kv_num), torch.zeros((b, h, nq, 1), dtype=torch.int32, device=dev)
+        part_num, part_idx = torch.zeros_like(kv_num), torch.zeros_like(idx)
         full_num = kv_num
     q_args = dict(q_num_blocks=None, q_indices=None, full_q_num_blocks=None, full_q_indices=None)
     if with_q:
         # one transpose of all selected blocks; the ragged last key block's row is the partial set,
-        # the other rows the full sets (the kernel reads a row's first entry even at count 0, so
-        # every list has nk rows; the partial one is its own tensor: no aliased kernel inputs)
+        # the other rows the full sets (the partial list is its own tensor: no aliased kernel inputs)
         q_num, q_idx = transpose_blocks(kv_num, idx, n)
         zero = torch.zeros_like(q_num)
         if ragged:
@@ -184,7 +183,7 @@ def block_mask_from_selection(selection: BlockSelection, *, pad_to_block: bool =
             q_part_idx = q_idx.clone()
         else:
             q_part, q_full = zero, q_num
-            q_part_idx = torch.zeros((b, h, n, 1), dtype=torch.int32, device=dev)
+            q_part_idx = torch.zeros_like(q_idx)
         q_args = dict(q_num_blocks=q_part, q_indices=q_part_idx, full_q_num_blocks=q_full, full_q_indices=q_idx)
     length = n * bs if ragged else s
     return BlockMask(seq_lengths=(length, length), kv_num_blocks=part_num, kv_indices=part_idx,
