@@ -215,6 +215,12 @@ class SparseAttentionConfig(_Block):
     forced_density: Optional[float] = Field(None, gt=0.0, le=1.0)
     """Benchmarks: skip stage 1 and profiling, run every non-dense layer sparse at this density."""
 
+    forced_after_warmup: bool = False
+    """With `forced_density`: run stage 1 first (dense, predictor training; it ends as usual), then
+    every non-dense layer sparse at `forced_density` (top-k by the trained predictor), profiling
+    every `profile_interval` steps (so density and recall are measured). For quality runs of a
+    randomly initialised model, whose natural density is too high for any layer to go sparse."""
+
     backend: Literal["auto", "flex", "reference"] = "auto"
     """Sparse kernel: `flex` (compiled FlexAttention block-sparse, CUDA), `reference` (masked dense
     torch, S^2 memory: tests / CPU), `auto` = flex on CUDA, reference on CPU."""

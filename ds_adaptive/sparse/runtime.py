@@ -104,7 +104,8 @@ class SparseAttentionRuntime:
         self.schedule = SparseSchedule(num_layers, warmup_steps=cfg.warmup_steps, loss_threshold=cfg.loss_threshold,
                                        profile_interval=cfg.profile_interval,
                                        layer_density_threshold=cfg.layer_density_threshold,
-                                       dense_layers=cfg.dense_layers, forced_density=cfg.forced_density)
+                                       dense_layers=cfg.dense_layers, forced_density=cfg.forced_density,
+                                       forced_after_warmup=cfg.forced_after_warmup)
         self.order = CubeOrder(tuple(cfg.cube))
         self._gen = torch.Generator().manual_seed(cfg.seed + 1 + 7919 * sp_rank)
         nan = float("nan")
