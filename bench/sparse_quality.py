@@ -342,6 +342,11 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     trainers, shapes, fixed, device = build_trainers(args, out_dir)
     hist = train(args, trainers)
+    rt = trainers["sparse"].sparse.runtime
+    doc = {"meta": {**meta(args, device), "shapes": shapes, "fixed_batch_sizes": fixed,
+                    "sparse_layers": rt.schedule.sparse_layers(), "stage2_from_step": rt.schedule.switched_at},
+           "history": hist}
+    out.write_text(json.dumps(doc, indent=1, default=str))  # the curves are kept even if what follows fails
     captured = capture_qk(trainers["sparse"], args.recall_samples, args.seed)
     recall = recall_table(trainers["sparse"], captured, args.density, args.recall_rows, args.seed)
     del captured
@@ -352,13 +357,10 @@ def main(argv=None) -> int:
         t.metrics.close()
         t.memory_log.close()
     print_table(s, recall, args.density)
+    doc.update(summary=s, recall=recall, sparse_runtime=sp_summary.get("sparse_attention"))
+    out.write_text(json.dumps(doc, indent=1, default=str))
     png = out.with_suffix(".png")
     plot(hist, args.stage1, png)
-    rt = trainers["sparse"].sparse.runtime
-    doc = {"meta": {**meta(args, device), "shapes": shapes, "fixed_batch_sizes": fixed,
-                    "sparse_layers": rt.schedule.sparse_layers(), "stage2_from_step": rt.schedule.switched_at},
-           "summary": s, "recall": recall, "history": hist, "sparse_runtime": sp_summary.get("sparse_attention")}
-    out.write_text(json.dumps(doc, indent=1, default=str))
     if args.runs_dir:
         import shutil
         for name in ("sparse_density.png", "sparse.jsonl"):
