@@ -10,7 +10,8 @@ noise (seeded per sample), same held-out samples:
   trains and the profiler measures every step; stage 2 every layer except the first and the last
   runs block-sparse at ``--density`` (top-k key blocks per query block by the trained predictor;
   ``forced_density`` + ``forced_after_warmup``: a randomly initialised model is dense, its natural
-  density would never make a layer sparse), re-profiled every ``--profile-interval`` steps.
+  density would never make a layer sparse), re-profiled every ``--profile-interval`` steps;
+  ``rebalance: off``, so that the sampler keeps the dense plan and both arms see the same batches.
 
 Data: the embedded default shape distribution (``ds_adaptive/data/default_shapes.json``) bounded to
 three shapes, because flex compiles once per shape: its image weight goes to one image shape, its
@@ -81,7 +82,8 @@ def arm_config(args, arm: str, shapes_path: Path, fixed: dict, log_dir: Path) ->
             "enabled": True, "forced_density": args.density, "forced_after_warmup": True,
             "warmup_steps": args.stage1, "loss_threshold": 0.0, "profile_interval": args.profile_interval,
             "dense_layers": [0, last], "backend": args.backend, "block_size": args.block_size,
-            "cube": args.cube, "sample_rows": args.sample_rows}
+            "cube": args.cube, "sample_rows": args.sample_rows,
+            "rebalance": "off"}  # the dense plan: both arms train the same batches
     return cfg
 
 
