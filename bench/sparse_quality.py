@@ -83,7 +83,7 @@ def arm_config(args, arm: str, shapes_path: Path, fixed: dict, log_dir: Path) ->
             "warmup_steps": args.stage1, "loss_threshold": 0.0, "profile_interval": args.profile_interval,
             "dense_layers": [0, last], "backend": args.backend, "block_size": args.block_size,
             "cube": args.cube, "sample_rows": args.sample_rows,
-            "rebalance": "off"}  # the dense plan: both arms train the same batches
+            "rebalance": args.rebalance}  # off (default): the dense plan, both arms train the same batches
     return cfg
 
 
@@ -314,6 +314,8 @@ def parse(argv=None):
     p.add_argument("--cube", type=int, nargs=3, default=[2, 8, 8])
     p.add_argument("--backend", default="auto")
     p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--rebalance", default="off", choices=["off", "epoch", "step"],
+                   help="sparse_attention.rebalance of the sparse arm (not off: its batches differ from the dense arm's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-samples", type=int, default=20000)
     p.add_argument("--eval-every", type=int, default=30)
