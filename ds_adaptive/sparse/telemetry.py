@@ -92,7 +92,7 @@ class SparseTrainerHook:
         self.runtime.step()
 
     def log(self, step: int, metrics=None) -> dict:
-        """Write one ``sparse.jsonl`` record (a collective under SP: call on every rank). It carries
+        """Write one ``sparse.jsonl`` record (call on every rank; the writer rank writes). It carries
         ``head_density`` [layers][heads] (all heads; unprofiled = 1.0) and ``dense_layers``, so
         ``ds_adaptive.balance.sparse.load_densities(log_dir / "sparse.jsonl")`` reads it (issue 15)."""
         m = self.runtime.metrics()
@@ -169,7 +169,7 @@ class SparseTrainerHook:
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
-        dens = self.runtime._all_head_density()  # a collective under SP: every rank calls finish
+        dens = self.runtime._all_head_density()  # the same on every rank (all-reduced in step())
         if self.is_writer:
             write_density_png(dens, self.log_dir / "sparse_density.png",
                               sparse_layers=self.runtime.schedule.sparse_layers())
