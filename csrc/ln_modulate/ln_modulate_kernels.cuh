@@ -203,6 +203,21 @@ __device__ __forceinline__ float2 row_mean_rstd(float (&v)[NV][VEC], int t, int 
   return make_float2(mean, rsqrtf(var + eps));
 }
 
+// shift / scale of one modulation row at this thread's columns (the forwards' MODC variants, which
+// keep them in registers while consecutive rows share a sample); masked columns are left as they are.
+template <int NV, int VEC, int TPR, bool EVEN, typename M>
+__device__ __forceinline__ void load_thread_mod(const M* shr, const M* scr, int t, int nvec, float (&msh)[NV][VEC],
+                                                float (&msc)[NV][VEC]) {
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    const int c = i * TPR + t;
+    if (EVEN || c < nvec) {
+      load_vec<VEC, M, false>(shr + (int64_t)c * VEC, msh[i]);
+      load_vec<VEC, M, false>(scr + (int64_t)c * VEC, msc[i]);
+    }
+  }
+}
+
 // ----------------------------------------------------------------------------------------------
 // Forward
 //   VEC: elements per access (16 / sizeof(T), or 1 on the scalar path)
@@ -293,16 +308,12 @@ __global__ void __launch_bounds__(TPR* ROWS) ln_mod_fwd_kernel(const FwdParams p
     if constexpr (MODC) {
       if (mod_per_row || b != cached_b) {
         cached_b = b;
+        load_thread_mod<NV, VEC, TPR, EVEN>(shr, scr, t, nvec, msh, msc);
 #pragma unroll
-        for (int i = 0; i < NV; ++i) {
-          const int c = i * TPR + t;
-          if (EVEN || c < nvec) {
-            load_vec<VEC, M, false>(shr + (int64_t)c * VEC, msh[i]);
-            load_vec<VEC, M, false>(scr + (int64_t)c * VEC, msc[i]);
+        for (int i = 0; i < NV; ++i)
+          if (EVEN || i * TPR + t < nvec)
 #pragma unroll
             for (int j = 0; j < VEC; ++j) msc[i][j] += 1.f;
-          }
-        }
       }
     }
 
@@ -712,9 +723,10 @@ FwdChoice fwd_select(const FwdParams& p, int gen) {
   FwdChoice c;
   if constexpr (V == 8) {
     switch (p.D) {
-      // D = 1152: D / 8 = 144 is no multiple of 32, so 8-byte x accesses (VEC 4): 96x3 unmasked
-      // (H200, 8x4096x1152: 0.0580 ms vs the generic masked 64x4 kernel's ~0.07)
-      case 1152: c = fwd_make<T, M, 4, 3, 96, 1, true>(); break;
+      // D = 1152: D / 8 = 144 is no multiple of 32, so narrower x accesses, unmasked: 4-byte (VEC 2)
+      // 96x6 (H200, 8x4096x1152, read flush: 0.0564 / 0.0566 ms in two runs vs 0.0580 for 8-byte
+      // 96x3 and ~0.07 for the generic masked 64x4 kernel)
+      case 1152: c = fwd_make<T, M, 2, 6, 96, 1, true>(); break;
       case 1536: c = fwd_make<T, M, 8, 2, 96, 1, true>(); break;
       case 2304: c = fwd_make<T, M, 8, 3, 96, 1, true>(); break;
       case 3072: c = fwd_make<T, M, 8, 3, 128, 1, true>(); break;  // H200: 128x3 0.0154 vs 192x2 0.0168 (2x1536)
