@@ -127,7 +127,7 @@ static double time_ms(const std::function<void(cudaStream_t)>& fn, const std::st
 
 template <typename K>
 static int resident(K kernel, int threads, int smem) {
-  if (smem > 48 * 1024) CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  if (smem > 0) CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));  // static smem counts too
   int occ = 0;
   CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, threads, smem));
   return std::max(occ, 1) * g_sms;

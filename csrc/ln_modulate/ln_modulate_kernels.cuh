@@ -622,15 +622,15 @@ constexpr bool tok_narrow() {
 }
 
 // v2 forward: ST_PS stages for per-sample modulation, ST_TOK for per-token (rows 5x larger with
-// fp32 modulation of 16-bit x).
-template <typename T, typename M, int NV, int TPR, int ST_PS, int ST_TOK, bool EVEN>
+// fp32 modulation of 16-bit x). MODC: per-sample shift / scale held in registers (see the kernel).
+template <typename T, typename M, int NV, int TPR, int ST_PS, int ST_TOK, bool EVEN, bool MODC = false>
 FwdChoice fwd_make_v2(const FwdParams& p) {
   if (p.shift_ss != 0 || p.scale_ss != 0) {
     constexpr int smem = ST_TOK * fwd_v2_stage_bytes<T, M, NV, TPR, true>();
     return FwdChoice{&ln_mod_fwd_v2_kernel<T, M, NV, TPR, ST_TOK, EVEN, true>, TPR, 1, smem, 2};
   }
   constexpr int smem = ST_PS * fwd_v2_stage_bytes<T, M, NV, TPR, false>();
-  return FwdChoice{&ln_mod_fwd_v2_kernel<T, M, NV, TPR, ST_PS, EVEN, false>, TPR, 1, smem, 2};
+  return FwdChoice{&ln_mod_fwd_v2_kernel<T, M, NV, TPR, ST_PS, EVEN, false, MODC>, TPR, 1, smem, 2};
 }
 
 template <typename T, typename M, int VEC, int NV, bool EVEN>
@@ -701,7 +701,11 @@ FwdChoice fwd_select(const FwdParams& p, int gen) {
   if (gen == 2) {
     if constexpr (V == 8) {
       switch (p.D) {
-        case 1536: return fwd_make_v2<T, M, 2, 96, 3, 2, true>(p);  // s3: 0.0555 vs s4 0.0560 ms (16x1560, H100)
+        // s3: 0.0555 vs s4 0.0560 ms (16x1560, H100). Per-sample shift / scale in registers (MODC; H200,
+        // bench/ln_modulate_probe.cu, read flush): 0.0584 vs 0.0620 ms at 1x32760, 0.0446 vs 0.0496 at
+        // 16x1560 (reading them from L1 for every row was most of the gap to a copy: without any
+        // modulation the same kernel shape ran 0.0542 / 0.0417)
+        case 1536: return fwd_make_v2<T, M, 2, 96, 3, 2, true, true>(p);
         // H200 (bench/ln_modulate_probe.cu, read flush, ms): 8x4096x2304 96x3 0.0929 (v1 0.0914);
         // 8x4096x3072 96x4 0.1164 vs 192x2 s4 > 0.122; 4x4096x4096 128x4 0.0811 vs 256x2 0.0886
         case 2304: return fwd_make_v2<T, M, 3, 96, 3, 2, true>(p);

@@ -101,8 +101,9 @@ constexpr int bwd_v2_stage_bytes() {
 // Forward v2. Per row as v1 (two passes over registers for mean and variance, one rounding of
 // y); x (and, TOK = per-token modulation, shift and scale) arrive through the stages; per-sample
 // shift / scale are read through L1 after the reduction (the CTA stays in one sample), or with
-// MODC (per-sample only; a tuning variant of bench/ln_modulate_probe.cu, not selected by the op)
-// held in registers while consecutive rows of the CTA share a sample (2 * NV * VEC registers).
+// MODC (per-sample only; the D = 1536 16-bit configuration, issue 18) held in registers while
+// consecutive rows of the CTA share a sample (2 * NV * VEC registers; reloaded when the sample
+// changes, so any row dealing is correct).
 // ----------------------------------------------------------------------------------------------
 template <typename T, typename M, int NV, int TPR, int STAGES, bool EVEN, bool TOK, bool MODC = false>
 __global__ void __launch_bounds__(TPR) ln_mod_fwd_v2_kernel(const FwdParams p) {
