@@ -651,7 +651,9 @@ FwdChoice fwd_generic_v2(const FwdParams& p, int nvec) {
   if (nvec <= 64 * NV) return FwdChoice{};
   if (nvec <= 128 * NV) return fwd_make_v2<T, M, NV, 128, 3, 2, false>(p);
   // Per-sample rows wider than 128 threads x NV vectors failed to launch on an H100 (D=8192 bf16,
-  // "invalid argument", 2026-11-22) while per-token ones ran: keep them on v1 until measured.
+  // "invalid argument", 2026-11-22) while per-token ones ran: keep them on v1 until measured. (Most
+  // likely cause: 3 stages x 16 KB = exactly 48 KB of dynamic shared memory without the opt-in, fixed
+  // in resident_ctas in issue 18; not re-tested on a GPU.)
   if (p.shift_ss == 0 && p.scale_ss == 0) return FwdChoice{};
   if (nvec <= 256 * NV) return fwd_make_v2<T, M, NV, 256, 3, 2, false>(p);
   if (nvec <= 512 * NV) return fwd_make_v2<T, M, NV, 512, 3, 2, false>(p);
