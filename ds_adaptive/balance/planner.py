@@ -587,12 +587,33 @@ def plan_epoch(shape_ids: np.ndarray, shapes: Sequence[SampleShape], order: np.n
         b_cost = np.array([table.batch_cost(u, b) for u, b in pairs], float)
         b_mem = np.array([table.batch_memory(u, b) for u, b in pairs], float)
         b_ckpt = np.array([table.batch_ckpt(u, b) for u, b in pairs], np.int64)
+        if dp > 1 and bs.size:
+            b_ckpt, b_cost, b_mem = _uniform_checkpoint_counts(cost, [shapes[u] for u in bs.tolist()], sizes, b_ckpt,
+                                                               b_cost, b_mem, dp)
     return EpochPlan(
         dp_size=dp, micro_steps_per_step=ga, shapes=list(shapes),
         sample_ids=np.asarray(builder.ids, np.int64), batch_offsets=offsets, batch_shape=bs,
         batch_cost=b_cost, batch_memory=b_mem,
         batch_tokens=sizes * table.tokens[bs] if bs.size else np.zeros(0, np.int64),
         oversize=oversize, tail_dropped=tail_dropped, tail_replanned=replanned, batch_ckpt=b_ckpt)
+
+
+def _uniform_checkpoint_counts(cost: CostModel, batch_shapes: list, sizes: np.ndarray, ckpt: np.ndarray,
+                               b_cost: np.ndarray, b_mem: np.ndarray, dp: int):
+    """Every DP rank of a micro-step checkpoints the same number of blocks: the largest of their own
+    plans (a larger count only lowers a batch's memory, so each still fits ``m_mem``). ZeRO-3 gathers
+    parameters with collectives in module order, and a rank that recomputes a block gathers in another
+    order than one that does not: different counts in one micro-step hang it (seen with 2 CPU ranks).
+    The batches whose count rises get its recompute in their cost (the plan's balance figures include it)."""
+    n = ckpt.reshape(-1, dp).max(axis=1).repeat(dp)
+    up = np.flatnonzero(n != ckpt)
+    if up.size == 0:
+        return ckpt, b_cost, b_mem
+    b_cost, b_mem = b_cost.copy(), b_mem.copy()
+    for j in up.tolist():
+        b_cost[j] = float(cost.ckpt_cost(batch_shapes[j], int(sizes[j]), int(n[j])))
+        b_mem[j] = float(cost.ckpt_memory(batch_shapes[j], int(sizes[j]), int(n[j])))
+    return n, b_cost, b_mem
 
 
 # ============================================================================== budgets
