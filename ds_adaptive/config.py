@@ -64,7 +64,11 @@ class SamplerConfig(_Block):
 
     m_comp: Union[float, Literal["auto"]] = "auto"
     """Compute budget per micro-batch per GPU, in the cost model's unit (ms for `calibrated`,
-    S^p for `power`, tokens for `tokens`). `auto`: the cost of the costliest sample at B=1."""
+    S^p for `power`, tokens for `tokens`). `auto`: with `checkpointing: auto` and the calibrated model,
+    the budget (at most the costliest sample's B=1 cost) with the highest predicted tokens/s over the
+    epoch's plan, recompute and per-step overheads included; samples costlier than it run alone
+    (docs/MEMORY.md); otherwise the cost of the costliest sample at B=1. A ds_config with
+    `"gradient_accumulation_steps": "auto"` lets the same search choose the micro-steps per step."""
 
     m_mem: Union[float, Literal["auto"]] = "auto"
     """Memory budget per micro-batch per GPU, in GiB of activation memory. `auto`: the GPU's

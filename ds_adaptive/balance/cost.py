@@ -92,10 +92,10 @@ AUTO_HEADROOM = 0.03
 # host-to-device copy and the synchronised start and end of the micro-step; per optimizer step: the
 # optimizer (ZeRO-3 AdamW on the fp32 partition, gradient norm, clipping, bf16 copy-back). Estimates per
 # billion parameters for profiles without a measured ``train_overheads`` block (documented in
-# docs/MEMORY.md): the issue-16 H200 arms (1.42B params, gas 1) ran ~0.9-1.1 s per step more than the
-# calibrated fwd+bwd; split here 1:4 between the micro-step and the optimizer step.
-MICRO_STEP_OVERHEAD_MS_PER_BPARAM = 100.0
-OPTIMIZER_STEP_OVERHEAD_MS_PER_BPARAM = 400.0
+# docs/MEMORY.md): the measurement of h200-wan2.1-1.3b (1.42B params, one H200, ZeRO-3: 193 ms per
+# micro-step, 920 ms per optimizer step; bench/RESULTS.md, issue 16) divided by its parameters.
+MICRO_STEP_OVERHEAD_MS_PER_BPARAM = 136.0
+OPTIMIZER_STEP_OVERHEAD_MS_PER_BPARAM = 648.0
 
 
 class ProfileError(ValueError):
