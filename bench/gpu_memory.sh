@@ -6,6 +6,7 @@
 #                                                 # both checkpointing modes + margin) + a 3-step smoke run
 #   PURPOSE=arms STEPS=40 bash bench/gpu_memory.sh   # Wan 1.3B full depth, default mixed distribution:
 #        adaptive (checkpointing auto), adaptive (every block checkpointed), baseline (auto)
+#   PURPOSE=baseline BASE_STEPS=3 bash bench/gpu_memory.sh   # zero3_baseline.json (0 OOM check)
 #   PURPOSE=throughput bash bench/gpu_memory.sh      # the throughput-optimal m_comp / gas auto (issue 16, 2nd
 #        session): adaptive auto vs adaptive all, each ONE WHOLE EPOCH of the same NUM_SAMPLES (default 250)
 #        samples of the default mix (same samples in both arms), metrics every step; the report adds the
@@ -79,6 +80,12 @@ throughput)
   tar czf "$OUT/arms.tar.gz" -C /tmp runs $(cd /tmp && ls runs_*.log)   # logs, summaries, jsonl (few files come back)
   "$PY" bench/memory_report.py --runs /tmp/runs --out "$OUT/memory.json" --commit "$git_rev" 2>&1 | tee "$OUT/arms.txt"
   ;;
-*) echo "PURPOSE must be calibrate, arms or throughput" >&2; exit 2 ;;
+baseline)   # the README's baseline command's config (zero3_baseline.json, its default checkpointing), BASE_STEPS steps
+  mkdir -p /tmp/runs
+  ARM_TIMEOUT=${ARM_TIMEOUT:-240} arm baseline_auto launch/configs/zero3_baseline.json "${BASE_STEPS:-3}"
+  tar czf "$OUT/arms.tar.gz" -C /tmp runs $(cd /tmp && ls runs_*.log)
+  "$PY" bench/memory_report.py --runs /tmp/runs --out "$OUT/memory.json" --commit "$git_rev" 2>&1 | tee "$OUT/arms.txt"
+  ;;
+*) echo "PURPOSE must be calibrate, arms, throughput or baseline" >&2; exit 2 ;;
 esac
 note done
