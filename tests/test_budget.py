@@ -134,3 +134,18 @@ def test_build_run_gives_deepspeed_the_sampler_count_and_the_trainer_checks_it()
 def test_plan_counts_map_to_the_model_depth():
     assert [model_checkpoint_blocks(n, 30, 30) for n in (0, 7, 30)] == [0, 7, 30]
     assert [model_checkpoint_blocks(n, 30, 2) for n in (0, 1, 15, 16, 29, 30)] == [0, 1, 1, 2, 2, 2]
+
+
+def test_density_updates_keep_the_policy_and_re_search_at_the_same_gas():
+    from ds_adaptive.balance.sparse import SparseAttentionCost, synthetic_densities
+
+    shapes = _shapes(200)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        s = build_batch_sampler(SamplerConfig(profile=H200), shapes, Layout.explicit(), micro_steps_per_step="auto",
+                                gpu_mem_gib=GIB, model_name="wan2.1-1.3b", zero_stage=3,
+                                sparse=SparseAttentionCost(synthetic_densities(30, 12, seed=0)))
+        gas = s.micro_steps_per_step
+        s.update_densities(synthetic_densities(30, 12, seed=1, lo=0.05, hi=0.2), at_step=1)
+    assert s.cost.checkpointing == "auto" and s.params.solo_over_budget   # with_sparse kept the policy
+    assert s.micro_steps_per_step == gas and s.budget_choice.micro_steps_per_step == gas   # DeepSpeed's gas is fixed

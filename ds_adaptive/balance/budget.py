@@ -56,10 +56,12 @@ from ds_adaptive.balance.planner import EpochPlan, PlannerParams, plan_epoch, un
 from ds_adaptive.shapes import SampleShape
 
 __all__ = ["BudgetChoice", "choose_compute_budget", "candidate_budgets", "predicted_time_ms", "uses_budget_search",
-           "SEARCH_SAMPLES", "GRID_POINTS"]
+           "SEARCH_SAMPLES", "SEARCH_SAMPLES_MAX", "GRID_POINTS"]
 
-#: samples of the epoch-0 order planned per candidate (all of them for smaller datasets)
+#: samples of the epoch-0 order planned per candidate (all of them for smaller datasets): at least this
+#: many and two planning windows, at most SEARCH_SAMPLES_MAX (1024 DP ranks: ~20 candidates in seconds)
 SEARCH_SAMPLES = 2048
+SEARCH_SAMPLES_MAX = 65536
 #: points of the geometric grid between the smallest per-shape candidate and the reference
 GRID_POINTS = 8
 
@@ -141,14 +143,14 @@ def choose_compute_budget(cost: CostModel, shapes: Sequence[SampleShape], *, m_m
                           balance_tolerance: float = 0.03, seed: int = 0,
                           max_samples: int = SEARCH_SAMPLES) -> BudgetChoice:
     """The candidate budget (:func:`candidate_budgets`) with the highest predicted tokens/s over the plan
-    of the first ``max(max_samples, 2 x window x dp_size)`` samples of epoch 0's order (the sampler's
-    shuffle for ``seed``).
+    of the first ``min(max(max_samples, 2 x window x dp_size), SEARCH_SAMPLES_MAX)`` samples of epoch 0's
+    order (the sampler's shuffle for ``seed``).
 
     ``shapes``: one entry per sample of the dataset. ``reference``: the costliest sample at B=1 that fits
     ``m_mem`` (``resolve_budgets``). Ties go to the larger budget. Oversize samples (over ``m_mem``) are
     left out of the search (the sampler's own plan reports them)."""
     uniq, sid = unique_shapes(list(shapes))
-    n = max(int(max_samples), 2 * window * dp_size)   # at least two planning windows
+    n = min(max(int(max_samples), 2 * window * dp_size), SEARCH_SAMPLES_MAX)   # two planning windows, capped
     order = np.random.default_rng([int(seed), 0]).permutation(len(shapes))[:n]
     mem1 = np.array([sample_memory(cost, s) for s in uniq])
     order = order[mem1[sid[order]] <= m_mem]

@@ -601,8 +601,9 @@ class CostModel:
         return budget
 
     def with_sparse(self, sparse: "Optional[SparseAttentionCost]") -> "CostModel":
-        """The same model with another (or no) sparse-attention term."""
-        return CostModel(self.profile, self.mode, p=self.p, sp=self.sp, num_heads=self.num_heads, sparse=sparse)
+        """The same model (checkpointing policy included) with another (or no) sparse-attention term."""
+        return CostModel(self.profile, self.mode, p=self.p, sp=self.sp, num_heads=self.num_heads, sparse=sparse,
+                         checkpointing=self.checkpointing)
 
     def describe(self) -> dict:
         """Small JSON-able summary (for logs and plan fingerprints)."""
