@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sparse attention on one GPU: GPU tests, kernel figures, end-to-end Wan 1.3B. Results under $OUT.
-#   STEPS="tests kernel e2e" (default all) GIT_COMMIT=<sha> OUT=<dir> bash bench/gpu_sparse.sh
+#   STEPS="tests kernel e2e" (default; "quality": the dense vs sparse training run, ~8 min)
+#   GIT_COMMIT=<sha> OUT=<dir> bash bench/gpu_sparse.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/out/gpu_sparse}
@@ -14,6 +15,7 @@ for s in $STEPS; do
     tests)  timeout ${T_TESTS:-360} python -m pytest tests/gpu/test_sparse_gpu.py -q -x -p no:cacheprovider 2>&1 | tee "$OUT/tests.txt" || rc=1 ;;
     kernel) timeout ${T_KERNEL:-330} python bench/sparse_kernel.py --out "$OUT/sparse_kernel.json" ${KERNEL_ARGS:-} 2>&1 | tee "$OUT/kernel.txt" || rc=1 ;;
     e2e)    timeout ${T_E2E:-420} python bench/sparse_e2e.py --out "$OUT/sparse_e2e.json" ${E2E_ARGS:-} 2>&1 | tee "$OUT/e2e.txt" || rc=1 ;;
+    quality) timeout ${T_QUALITY:-530} python bench/sparse_quality.py --out "$OUT/sparse_quality.json" --runs-dir /tmp/sparse_quality_runs ${QUALITY_ARGS:-} 2>&1 | tee "$OUT/quality.txt" || rc=1 ;;
   esac
 done
 echo "=== done rc=$rc ($(date -u +%T))"

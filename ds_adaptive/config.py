@@ -219,6 +219,23 @@ class SparseAttentionConfig(_Block):
     forced_density: Optional[float] = Field(None, gt=0.0, le=1.0)
     """Benchmarks: skip stage 1 and profiling, run every non-dense layer sparse at this density."""
 
+    forced_after_warmup: bool = False
+    """With `forced_density`: run stage 1 first (dense, predictor training; it ends as usual), then
+    every non-dense layer sparse at `forced_density` (top-k by the trained predictor), profiling
+    every `profile_interval` steps (so density and recall are measured). For quality runs of a
+    randomly initialised model, whose natural density is too high for any layer to go sparse."""
+
+    rebalance: Literal["off", "epoch", "step"] = "step"
+    """Feed the densities the layers really run at (profiled per head, all-reduced over the ranks;
+    1 for dense layers) to the balancers when they change: the batch sampler plans with the sparse
+    cost (issue 15; needs `sampler.cost_model: calibrated` and a profile of the trained depth) and,
+    under Ulysses SP, the heads are re-placed for equal density per rank. `step`: the sampler
+    re-plans the rest of the epoch from the next step; `epoch`: from the next epoch; `off`: never
+    (the plan is the dense plan, e.g. to compare with a dense run on the same batches)."""
+
+    rebalance_min_change: float = Field(0.02, ge=0.0, le=1.0)
+    """Re-plan only when some layer/head density changed by more than this since the last re-plan."""
+
     backend: Literal["auto", "flex", "reference"] = "auto"
     """Sparse kernel: `flex` (compiled FlexAttention block-sparse, CUDA), `reference` (masked dense
     torch, S^2 memory: tests / CPU), `auto` = flex on CUDA, reference on CPU."""

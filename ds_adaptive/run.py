@@ -109,7 +109,7 @@ def build_run(cfg: RunConfig, *, layout: Optional[Layout] = None, device: Option
         gpu_mem_gib = get_accelerator().total_memory(device.index or 0) / 2**30
     # Before the model: "gradient_accumulation_steps": "auto" is resolved by the sampler, and zero.Init
     # reads the ds_config.
-    sampler = _build_sampler(cfg, dataset, layout, ds_config, gpu_mem_gib, notes, model_blocks=model_config.num_layers)
+    sampler = _build_sampler(cfg, dataset, layout, ds_config, gpu_mem_gib, notes, model_config=model_config)
     model = _build_model(cfg, model_config, ds_config, meta=meta)
     if t.init_from and not meta:
         notes.append(_init_from(model, t.init_from))
@@ -185,10 +185,34 @@ def _init_from(model, path: str) -> str:
             f"{', block by block into ZeRO-3 partitions' if info['zero3'] else ''})")
 
 
+def _sparse_cost(cfg: RunConfig, model_config, notes: list):
+    """The sampler's sparse-attention cost when sparse attention feeds its densities to the balancers
+    (``sparse_attention.rebalance``): every density 1 at the start, which is the dense cost exactly
+    (the first plan is the dense plan); the trainer hands the profiled densities over later. None
+    when off, or with a cost model that has no sparse term (a note says so)."""
+    sa = cfg.adaptive_load.sparse_attention
+    if not sa.enabled or sa.rebalance == "off":
+        return None
+    cost_model = cfg.adaptive_load.sampler.cost_model
+    if cost_model != "calibrated":
+        notes.append(f"note: adaptive_load.sparse_attention.rebalance is '{sa.rebalance}' but sampler.cost_model is "
+                     f"'{cost_model}': the sampler plans dense costs (the sparse cost needs 'calibrated'); the "
+                     "Ulysses head placement still follows the profiled densities")
+        return None
+    from .balance.sparse import DensityMap, SparseAttentionCost
+
+    n, h = model_config.num_layers, model_config.num_heads
+    dense = sa.dense_layers if sa.dense_layers is not None else sorted({0, n - 1})
+    ones = DensityMap(tuple((1.0,) * h for _ in range(n)), dense_layers=tuple(i for i in dense if 0 <= i < n),
+                      source="initial (dense) densities")
+    return SparseAttentionCost(densities=ones, block_size=sa.block_size)
+
+
 def _build_sampler(cfg: RunConfig, dataset, layout: Layout, ds_config: dict, gpu_mem_gib, notes: list, *,
-                   model_blocks: int):
+                   model_config=None):
     """The batch sampler; with ``--layers`` the profile is rescaled to the trained depth (or, when it
-    cannot be, used at full depth with a note)."""
+    cannot be, used at full depth with a note). With sparse attention rebalancing, it plans with the
+    sparse cost (:func:`_sparse_cost`) when the profile has the trained model's layers."""
     from .balance.cost import ProfileDepthError
     from .balance.sampler import build_batch_sampler
 
@@ -198,12 +222,20 @@ def _build_sampler(cfg: RunConfig, dataset, layout: Layout, ds_config: dict, gpu
     kw = dict(micro_steps_per_step=gas if gas == "auto" else int(gas), enabled=cfg.adaptive_load.enabled,
               gpu_mem_gib=gpu_mem_gib, model_name=t.model, zero_stage=stage, profile_log=notes.append)
     shapes = dataset.sample_shapes()
+    sparse = _sparse_cost(cfg, model_config, notes) if model_config is not None else None
     try:
-        sampler = build_batch_sampler(cfg.adaptive_load.sampler, shapes, layout, num_layers=t.layers, **kw)
+        sampler = build_batch_sampler(cfg.adaptive_load.sampler, shapes, layout, num_layers=t.layers, sparse=sparse,
+                                      **kw)
     except ProfileDepthError as exc:
         notes.append(f"warning: {exc}; planning with the profile's full-depth costs and memory (conservative: "
                      "smaller micro-batches than --layers needs)")
         sampler = build_batch_sampler(cfg.adaptive_load.sampler, shapes, layout, **kw)
+    except ValueError as exc:  # the profile's depth is not the model's: no per-layer sparse cost
+        if sparse is None:
+            raise
+        notes.append(f"note: sparse-aware planning is off ({exc}); the sampler plans dense costs, the head "
+                     "placement still follows the profiled densities")
+        sampler = build_batch_sampler(cfg.adaptive_load.sampler, shapes, layout, num_layers=t.layers, **kw)
     prof = sampler.cost.profile
     if prof.rescaled_from_layers is not None:
         name = cfg.adaptive_load.sampler.profile
@@ -213,6 +245,7 @@ def _build_sampler(cfg: RunConfig, dataset, layout: Layout, ds_config: dict, gpu
                      f"rescaled to --layers {prof.num_layers} for planning (Profile.with_num_layers: block compute "
                      f"and activation terms x {prof.num_layers}/{prof.rescaled_from_layers}, embed/head kept, "
                      f"static memory of {prof.params / 1e9:.3f}B params)")
+    model_blocks = model_config.num_layers if model_config is not None else prof.num_layers
     if sampler.cost.checkpointing == "auto" and prof.num_layers != model_blocks:
         notes.append(f"checkpointing auto: the plan's checkpoint counts are for the profile's {prof.num_layers} "
                      f"blocks; the model has {model_blocks}: each count is mapped to the same share of its blocks "

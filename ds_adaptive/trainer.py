@@ -338,11 +338,34 @@ class Trainer:
         interval = run.cfg.adaptive_load.metrics.interval
         if self.sparse is not None and (self.global_step % interval == 0 or self.global_step == self.opts.steps):
             self.sparse.log(self.global_step, metrics)
+        if self.sparse is not None:
+            self._sparse_rebalance()
         if self.step_in_epoch >= sampler.steps_per_epoch:
             self.epoch += 1
             self.step_in_epoch = 0
             self._batches = None
         return rec
+
+    def _sparse_rebalance(self) -> None:
+        """Hand changed sparse-attention densities to the sampler (re-plan from the next step of this
+        epoch, or from the next epoch at its end) and the Ulysses head placement; a re-plan inside the
+        epoch restarts the loader at that step (samples stay exactly once, as after a resume)."""
+        sampler = self.run.sampler
+        ends = self.step_in_epoch >= sampler.steps_per_epoch
+        rec = self.sparse.rebalance(sampler, model=self.run.model, layout=self.layout,
+                                    at_step=None if ends else self.step_in_epoch, measured_at=self.global_step)
+        if rec is None:
+            return
+        if not rec["sampler"]:
+            what = "the sampler plans dense costs"
+        elif rec["at_step"] is None:
+            what = "the sampler re-plans from the next epoch"
+        else:
+            what = f"the sampler re-planned epoch {self.epoch} from its step {rec['at_step']}"
+            self._batches = None
+        heads = "; heads re-placed" if rec["placement"] is not None else ""
+        self.log(f"ds_adaptive: step {self.global_step}: sparse-attention densities changed (max "
+                 f"{rec['max_change']:.3f}): {what}{heads}")
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> None:
@@ -391,7 +414,7 @@ class Trainer:
                              f"(client_state has no '{CLIENT_STATE_KEY}')")
         self.run.sampler.load_state_dict(state["sampler"])
         if self.sparse is not None:
-            self.sparse.load(client)
+            self.sparse.load(client, model=self.run.model, layout=self.layout)
         self.global_step, self.epoch, self.step_in_epoch = state["global_step"], state["epoch"], state["step_in_epoch"]
         self.nonfinite_steps = list(state.get("nonfinite_steps", []))
         self._batches = None

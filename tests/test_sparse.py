@@ -277,7 +277,7 @@ def test_checkpoint_recompute_reuses_the_forward_selection() -> None:
         rt.install(model)
         calls = []
         orig = rt.select
-        rt.select = lambda layer, q, k: calls.append(layer) or orig(layer, q, k)
+        rt.select = lambda layer, q, k, heads=None: calls.append(layer) or orig(layer, q, k, heads)
         model(lat, t, ctx).square().mean().backward()
         assert calls == [0, 1], calls  # one selection per layer, also with the recompute
         assert 0.2 < float(rt._cache[0].selection.density().mean()) < 0.5
@@ -320,11 +320,33 @@ def test_lse_block_scores_rank_like_the_block_softmax_mass() -> None:
     assert torch.equal(lse.argmax(-1), mass.argmax(-1))
 
 
-def test_head_placement_is_refused_not_mixed_up() -> None:
-    rt = SparseAttentionRuntime({"forced_density": 0.5, "dense_layers": [], "block_size": 16, "backend": "reference"},
-                                num_layers=1, num_heads=4, head_dim=16, sp_rank=1, sp_size=2)
-    q = torch.randn(1, 64, 2, 16)
-    out = rt.attention(0, q, q, q, head_ids=[2, 3])  # identity placement: fine
-    assert out.shape == q.shape
-    with pytest.raises(NotImplementedError, match="holds heads \\[0, 3\\]"):
-        rt.attention(0, q, q, q, head_ids=[0, 3])
+def test_per_head_state_follows_the_head_ids_of_a_placement() -> None:
+    """A rank holding heads (3, 0) of a Ulysses head placement selects, attends and profiles exactly like
+    those heads of a runtime holding all heads: predictor weights, densities and k follow the head ids."""
+    cfg = {"warmup_steps": 0, "dense_layers": [], "layer_density_threshold": 1.0, "dense_above": 1.0,
+           "block_size": 16, "backend": "reference", "sample_rows": 1000, "min_density": 0.0}
+    full = SparseAttentionRuntime(cfg, num_layers=1, num_heads=4, head_dim=16)
+    part = SparseAttentionRuntime(cfg, num_layers=1, num_heads=4, head_dim=16, sp_rank=1, sp_size=2)
+    dens = torch.tensor([[0.15, 0.9, 0.5, 0.3]])
+    full.head_density, part.head_density = dens.clone(), dens.clone()
+    full.schedule.layer_density = part.schedule.layer_density = [0.46]  # profiled: stage 2 makes layer 0 sparse
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 96, 4, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    mine = [3, 0]
+    ref = full.attention(0, q, k, v)
+    out = part.attention(0, q[:, :, mine], k[:, :, mine], v[:, :, mine], head_ids=mine)
+    assert torch.allclose(out, ref[:, :, mine], atol=1e-12)
+    sel_full, sel_part = full._cache[0].selection, part._cache[0].selection
+    assert torch.equal(sel_part.kv_num, sel_full.kv_num[:, mine])
+    assert sel_part.kv_num[0, 0].float().mean() > sel_part.kv_num[0, 1].float().mean()  # head 3 (0.3) > head 0 (0.15)
+    # negative control: the same rank without the ids takes heads 2, 3 (its contiguous slice): different blocks
+    part._cache.clear()
+    part.attention(0, q[:, :, mine], k[:, :, mine], v[:, :, mine])
+    assert not torch.equal(part._cache[0].selection.kv_num, sel_full.kv_num[:, mine])
+    # profiling (grad-enabled q): the densities land on the original head ids
+    part._reset_step_stats()
+    qg = q[:, :, mine].clone().requires_grad_()
+    part.attention(0, qg, k[:, :, mine], v[:, :, mine], head_ids=mine)
+    assert part._density_n[0].tolist() == [1.0, 0.0, 0.0, 1.0]
+    with pytest.raises(ValueError, match="head_ids \\[0, 0\\] must be 2 distinct head ids"):
+        part.attention(0, q[:, :, mine], k[:, :, mine], v[:, :, mine], head_ids=[0, 0])

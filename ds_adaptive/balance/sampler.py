@@ -321,6 +321,8 @@ class _PlannedBatchSampler(_SamplerBase):
                "cost_mode": self.cost.mode, "p": self.cost.p, "sp": self.cost.sp}
         if self.cost.sparse is not None:   # only then: dense samplers keep their old state format
             cfg["sparse"] = self.cost.sparse.describe()
+        if self.cost.num_heads != self.cost.profile.num_heads:   # the trained model's heads (e.g. a smaller model)
+            cfg["num_heads"] = self.cost.num_heads
         if self.cost.checkpointing != "all":   # likewise: states without the key planned every block checkpointed
             cfg["checkpointing"] = self.cost.checkpointing
         return cfg
@@ -348,7 +350,8 @@ class _PlannedBatchSampler(_SamplerBase):
             params = PlannerParams(**{**seg["params"], "fixed_batch_sizes": seg["params"].get("fixed_batch_sizes")})
             sparse = SparseAttentionCost.from_description(seg["sparse"]) if seg.get("sparse") else None
             cost = CostModel(Profile.from_dict(seg["profile"], where="sampler state"), seg["cost_mode"],
-                             p=seg["p"], sp=seg["sp"], sparse=sparse, checkpointing=seg.get("checkpointing", "all"))
+                             p=seg["p"], sp=seg["sp"], num_heads=seg.get("num_heads"), sparse=sparse,
+                             checkpointing=seg.get("checkpointing", "all"))
             uniq, sid = unique_shapes(self.shapes)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")

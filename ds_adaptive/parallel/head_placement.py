@@ -94,6 +94,7 @@ def apply_head_placement(model, placement: Optional[HeadPlacement], sp, *,
     from ds_adaptive.models.wan import _set_plain_attr
 
     base = model.attention_fn            # set_attention's fn (placement wraps it per block, never replaces it)
+    per_layer = getattr(base, "for_layer", None)  # a per-layer fn (the sparse runtime): block i wraps for_layer(i)
     if placement is not None and placement.sp != sp.sp_size:
         raise ValueError(f"head placement planned for sp={placement.sp}, the SP group has sp={sp.sp_size}")
     if placement is not None and placement.num_layers != len(model.blocks):
@@ -101,7 +102,8 @@ def apply_head_placement(model, placement: Optional[HeadPlacement], sp, *,
     heads = model.config.num_heads
     for layer, block in enumerate(model.blocks):
         perm = None if placement is None else placement.perm(layer, heads)
-        _set_plain_attr(block, "attn_fn", place_heads(base, perm, sp_size=sp.sp_size, sp_rank=sp.sp_rank,
+        fn = per_layer(layer) if per_layer is not None else base
+        _set_plain_attr(block, "attn_fn", place_heads(fn, perm, sp_size=sp.sp_size, sp_rank=sp.sp_rank,
                                                       head_ids_kwarg=head_ids_kwarg))
     _set_plain_attr(model, _PLACEMENT_ATTR, placement)
 
@@ -110,8 +112,9 @@ def remove_head_placement(model) -> None:
     """Every block back to the model's attention fn (undo :func:`apply_head_placement`)."""
     from ds_adaptive.models.wan import _set_plain_attr
 
-    for block in model.blocks:
-        _set_plain_attr(block, "attn_fn", model.attention_fn)
+    per_layer = getattr(model.attention_fn, "for_layer", None)
+    for i, block in enumerate(model.blocks):
+        _set_plain_attr(block, "attn_fn", per_layer(i) if per_layer is not None else model.attention_fn)
     _set_plain_attr(model, _PLACEMENT_ATTR, None)
 
 

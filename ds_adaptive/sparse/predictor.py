@@ -16,7 +16,7 @@ them; ``SparseAttentionRuntime`` all-reduces their gradients over DP x SP.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -39,14 +39,23 @@ class LowRankPredictor(nn.Module):
         self.wk = nn.Parameter(basis.clone())
         self.rank = rank
 
-    def project(self, layer: int, x: torch.Tensor, which: str, head_offset: int = 0) -> torch.Tensor:
-        """x ``[B, S, Hl, Dh]`` (local heads ``head_offset .. head_offset+Hl``) -> ``[B, S, Hl, r]`` fp32."""
-        w = (self.wq if which == "q" else self.wk)[layer, head_offset:head_offset + x.shape[2]]
+    @staticmethod
+    def head_weights(w: torch.Tensor, layer: int, heads: "int | Sequence[int]", n: int) -> torch.Tensor:
+        """``w[layer]`` of the local heads ``[n, Dh, r]``: ``heads`` is the first head of a contiguous
+        slice (an int) or the original head id of each local head (a Ulysses head placement)."""
+        if isinstance(heads, int):
+            return w[layer, heads:heads + n]
+        return w[layer].index_select(0, torch.as_tensor(list(heads), dtype=torch.long, device=w.device))
+
+    def project(self, layer: int, x: torch.Tensor, which: str, head_offset: "int | Sequence[int]" = 0) -> torch.Tensor:
+        """x ``[B, S, Hl, Dh]`` (local heads ``head_offset .. head_offset+Hl``, or the head ids
+        ``head_offset``) -> ``[B, S, Hl, r]`` fp32."""
+        w = self.head_weights(self.wq if which == "q" else self.wk, layer, head_offset, x.shape[2])
         return torch.einsum("bshd,hdr->bshr", x.float(), w)
 
     @torch.no_grad()
     def block_scores(self, layer: int, q: torch.Tensor, k: torch.Tensor, block_size: int,
-                     head_offset: int = 0, mode: str = "mean") -> torch.Tensor:
+                     head_offset: "int | Sequence[int]" = 0, mode: str = "mean") -> torch.Tensor:
         """``[B, H, nq, nk]`` fp32 block scores (higher = more attention). ``mode="mean"``: block means
         of the predicted logits; ``"lse"``: log-sum-exp over each key block of the predicted logits of
         the query block's mean projection.
@@ -54,8 +63,8 @@ class LowRankPredictor(nn.Module):
         The projection runs in q's dtype (no fp32 copy of q / k; tensor-core matmul with fp32
         accumulation), the block means and their products in fp32."""
         hl = q.shape[2]
-        wq = self.wq[layer, head_offset:head_offset + hl].to(q.dtype)
-        wk = self.wk[layer, head_offset:head_offset + hl].to(k.dtype)
+        wq = self.head_weights(self.wq, layer, head_offset, hl).to(q.dtype)
+        wk = self.head_weights(self.wk, layer, head_offset, hl).to(k.dtype)
         qp = pool_blocks(torch.einsum("bshd,hdr->bshr", q, wq), block_size)
         kt = torch.einsum("bshd,hdr->bshr", k, wk)
         if mode == "mean":
@@ -70,7 +79,7 @@ class LowRankPredictor(nn.Module):
         return torch.logsumexp(logits.view(*logits.shape[:-1], nk, block_size), dim=-1)
 
     def loss(self, layer: int, q_rows: torch.Tensor, k: torch.Tensor, logits: torch.Tensor,
-             head_offset: int = 0, valid_len: Optional[int] = None, cos_weight: float = 0.9) -> torch.Tensor:
+             head_offset: "int | Sequence[int]" = 0, valid_len: Optional[int] = None, cos_weight: float = 0.9) -> torch.Tensor:
         """Loss of the predicted rows against the exact ones.
 
         q_rows ``[B, n, Hl, Dh]`` sampled queries, k ``[B, S, Hl, Dh]``, logits ``[B, Hl, n, S]`` exact

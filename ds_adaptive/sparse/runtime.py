@@ -104,11 +104,14 @@ class SparseAttentionRuntime:
         self.schedule = SparseSchedule(num_layers, warmup_steps=cfg.warmup_steps, loss_threshold=cfg.loss_threshold,
                                        profile_interval=cfg.profile_interval,
                                        layer_density_threshold=cfg.layer_density_threshold,
-                                       dense_layers=cfg.dense_layers, forced_density=cfg.forced_density)
+                                       dense_layers=cfg.dense_layers, forced_density=cfg.forced_density,
+                                       forced_after_warmup=cfg.forced_after_warmup)
         self.order = CubeOrder(tuple(cfg.cube))
         self._gen = torch.Generator().manual_seed(cfg.seed + 1 + 7919 * sp_rank)
         nan = float("nan")
-        self.head_density = torch.full((num_layers, self.local_heads), nan)  # profiled, per local head
+        # profiled density of every head [L, H] (original head ids), the same on every rank: each rank
+        # profiles the heads it holds, step() all-reduces the sums over the group (DP x SP)
+        self.head_density = torch.full((num_layers, num_heads), nan)
         self._cache: dict[int, _Entry] = {}
         self._reset_step_stats()
         self.last: dict[str, Any] = {"loss": [nan] * num_layers, "recall": [nan] * num_layers,
@@ -132,19 +135,11 @@ class SparseAttentionRuntime:
     # ------------------------------------------------------------------ the attention fn
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                   valid_len: Optional[int] = None, head_ids=None, **_: Any) -> torch.Tensor:
-        if head_ids is not None:
-            ids = [int(i) for i in head_ids]
-            if ids != list(range(self.head_offset, self.head_offset + self.local_heads)):
-                # per-head predictor weights and densities are indexed by position (identity placement)
-                raise NotImplementedError(
-                    f"layer {layer}: this rank holds heads {ids} (a density-balanced Ulysses head placement), but "
-                    "the sparse runtime indexes its per-head state by position (heads "
-                    f"{self.head_offset}..{self.head_offset + self.local_heads - 1}); run sparse attention without "
-                    "apply_head_placement for now")
-        key = (tuple(q.shape), valid_len)
+        heads = self._local_heads(layer, q, head_ids)
+        key = (tuple(q.shape), valid_len, heads)
         entry = self._cache.get(layer)
         if not (_in_backward() and entry is not None and entry.key == key):
-            entry = self._forward_entry(layer, q, k, key, valid_len)
+            entry = self._forward_entry(layer, q, k, key, valid_len, heads)
             self._cache[layer] = entry
         if entry.selection is None:
             return dense_attention(q, k, v, valid_len=valid_len)
@@ -156,33 +151,52 @@ class SparseAttentionRuntime:
                                                max_shapes=self.cfg.max_compiled_shapes, block_mask=bm)
         return masked_attention_reference(q, k, v, entry.selection, valid_len=valid_len)
 
-    def _head_k(self, layer: int, nk: int) -> torch.Tensor:
+    def _local_heads(self, layer: int, q: torch.Tensor, head_ids) -> tuple[int, ...]:
+        """The original ids of the heads on dim 2 of ``q``: ``head_ids`` from a Ulysses head placement
+        (``apply_head_placement(..., head_ids_kwarg="head_ids")``), else this rank's contiguous slice.
+        Per-head state (predictor weights, densities, k) is indexed by them."""
+        if head_ids is None:
+            return tuple(range(self.head_offset, self.head_offset + self.local_heads))
+        heads = tuple(int(h) for h in head_ids)
+        if len(heads) != q.shape[2] or len(set(heads)) != len(heads) or not all(0 <= h < self.num_heads for h in heads):
+            raise ValueError(f"layer {layer}: head_ids {list(heads)} must be {q.shape[2]} distinct head ids in "
+                             f"0..{self.num_heads - 1} (one per head on dim 2 of q {list(q.shape)})")
+        return heads
+
+    def _head_k(self, layer: int, nk: int, heads: tuple[int, ...]) -> torch.Tensor:
         cfg = self.cfg
         if cfg.forced_density is not None:
-            dens = torch.full((self.local_heads,), cfg.forced_density)
+            dens = torch.full((len(heads),), cfg.forced_density)
             return blocks_for_density(dens, nk)
-        dens = self.head_density[layer]
+        dens = self.head_density[layer, list(heads)]
         return blocks_for_density(torch.nan_to_num(dens, nan=1.0), nk,
                                   min_density=cfg.min_density, max_density=cfg.max_density)
 
     @torch.no_grad()
-    def select(self, layer: int, q: torch.Tensor, k: torch.Tensor):
-        """The block selection of this layer for q, k ``[B, S, Hl, Dh]`` (None: run dense)."""
+    def select(self, layer: int, q: torch.Tensor, k: torch.Tensor, heads: Optional[tuple[int, ...]] = None):
+        """The block selection of this layer for q, k ``[B, S, Hl, Dh]`` (None: run dense); ``heads``:
+        the original ids of q's heads (default: this rank's contiguous slice)."""
         cfg = self.cfg
+        heads = self._local_heads(layer, q, None) if heads is None else heads
         s = q.shape[1]
         nk = math.ceil(s / cfg.block_size)
-        kph = self._head_k(layer, nk)
+        kph = self._head_k(layer, nk, heads)
         if float(kph.float().mean()) / nk > cfg.dense_above:
             return None
-        scores = self.predictor.block_scores(layer, q, k, cfg.block_size, self.head_offset, mode=cfg.block_score)
+        scores = self.predictor.block_scores(layer, q, k, cfg.block_size, self._head_arg(heads), mode=cfg.block_score)
         return select_blocks(scores, kph, seq_len=s, block_size=cfg.block_size, keep_sink=cfg.keep_sink)
 
-    def _forward_entry(self, layer, q, k, key, valid_len) -> _Entry:
+    def _head_arg(self, heads: tuple[int, ...]):
+        """The predictor's head argument: the int offset for a contiguous slice (a view), else the ids."""
+        h0 = heads[0]
+        return h0 if heads == tuple(range(h0, h0 + len(heads))) else heads
+
+    def _forward_entry(self, layer, q, k, key, valid_len, heads) -> _Entry:
         cfg = self.cfg
         selection, bm = None, None
         if self.schedule.is_sparse(layer):
             t0 = self._clock(q.device)
-            selection = self.select(layer, q, k)
+            selection = self.select(layer, q, k, heads)
             if selection is not None and self.backend(q.device) == "flex":
                 sel = selection if valid_len is None or valid_len >= q.shape[1] else truncate_selection(selection, valid_len)
                 bm = block_mask_from_selection(sel)
@@ -190,10 +204,10 @@ class SparseAttentionRuntime:
             if selection is not None:  # a device tensor: read in step(), no sync per layer here
                 self._selected[layer] = selection.density().mean()
         if torch.is_grad_enabled() and self.schedule.profile_now() and q.requires_grad:
-            self._profile_and_train(layer, q, k, selection, valid_len)
+            self._profile_and_train(layer, q, k, selection, valid_len, heads)
         return _Entry(key, selection, bm)
 
-    def _profile_and_train(self, layer, q, k, selection, valid_len) -> None:
+    def _profile_and_train(self, layer, q, k, selection, valid_len, heads) -> None:
         cfg = self.cfg
         rows = sample_rows(q.shape[1], cfg.sample_rows, generator=self._gen, valid_len=valid_len, device=q.device)
         qd, kd = q.detach(), k.detach()
@@ -203,13 +217,14 @@ class SparseAttentionRuntime:
         # the predictor's own graph: identity saved-tensor hooks shield it from an enclosing
         # activation-checkpoint region (whose hooks would otherwise pack these tensors)
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-            loss = self.predictor.loss(layer, qd[:, rows], kd, logits, self.head_offset, valid_len,
+            loss = self.predictor.loss(layer, qd[:, rows], kd, logits, self._head_arg(heads), valid_len,
                                        cos_weight=cfg.predictor_cos_weight)
             loss.backward()
         self._loss_sum[layer] += loss.detach().to(self._loss_sum.device, torch.float64)
         self._loss_n[layer] += 1
-        self._density_sum[layer] += stats.density.detach().double().cpu()
-        self._density_n[layer] += 1
+        idx = list(heads)
+        self._density_sum[layer, idx] += stats.density.detach().to(self._density_sum.device, torch.float64)
+        self._density_n[layer, idx] += 1
         if stats.recall is not None:
             self.last["recall"][layer] = float(stats.recall.mean())
 
@@ -225,28 +240,33 @@ class SparseAttentionRuntime:
         L = self.num_layers
         self._loss_sum = torch.zeros(L, dtype=torch.float64, device=self.device)
         self._loss_n = torch.zeros(L, dtype=torch.float64, device=self.device)
-        self._density_sum = torch.zeros(L, self.local_heads, dtype=torch.float64)
-        self._density_n = torch.zeros(L, dtype=torch.float64)
+        self._density_sum = torch.zeros(L, self.num_heads, dtype=torch.float64, device=self.device)
+        self._density_n = torch.zeros(L, self.num_heads, dtype=torch.float64, device=self.device)
         self._select_events: list[list] = [[] for _ in range(L)]
         self._selected: dict[int, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ per optimizer step
     def step(self) -> None:
-        """After the DiT's optimizer step: all-reduce the predictor's gradients and losses over the
-        group, AdamW step, record densities, advance the schedule, read the selection timers."""
+        """After the DiT's optimizer step: all-reduce the predictor's gradients, losses and the profiled
+        head densities over the group (DP x SP: every rank ends with the same densities), AdamW step,
+        record densities, advance the schedule, read the selection timers."""
         params = [p for p in self.predictor.parameters()]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1).double() for g in grads] + [self._loss_sum, self._loss_n])
+        dsum, dn = self._density_sum.to(self._loss_sum.device), self._density_n.to(self._loss_sum.device)
+        flat = torch.cat([g.reshape(-1).double() for g in grads]
+                         + [dsum.reshape(-1), dn.reshape(-1), self._loss_sum, self._loss_n])
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
             dist.all_reduce(flat, group=self.group)
-        n_total = flat[-self.num_layers:]
-        loss_sum = flat[-2 * self.num_layers:-self.num_layers]
+        L, LH = self.num_layers, self.num_layers * self.num_heads
+        n_total = flat[-L:]
+        loss_sum = flat[-2 * L:-L]
+        dens = flat[-2 * L - 2 * LH:-2 * L].view(2, L, self.num_heads).cpu()
         trained = n_total > 0
         if bool(trained.any()):
-            # each head slice got n_total / sp contributions: average them
-            sp = self.num_heads // self.local_heads
-            per_layer = (n_total / sp).clamp_min(1.0)
+            # each rank's loss is the mean over its local heads: a head's summed gradient / n_total is
+            # its share of the mean over all heads and contributions (the same for any SP degree)
+            per_layer = n_total.clamp_min(1.0)
             off = 0
             for p in params:
                 n = p.numel()
@@ -259,11 +279,9 @@ class SparseAttentionRuntime:
         for i in range(self.num_layers):
             if bool(trained[i]):
                 self.last["loss"][i] = float(layer_loss[i])
-        dn = self._density_n
-        measured = dn > 0
-        if bool(measured.any()):
-            self.head_density[measured] = (self._density_sum[measured] / dn[measured, None]).float()
-        layer_density = [float(self.head_density[i].mean()) if bool(measured[i]) else None
+        measured = dens[1] > 0
+        self.head_density[measured] = (dens[0][measured] / dens[1][measured]).float()
+        layer_density = [float(self.head_density[i].mean()) if bool(measured[i].any()) else None
                          for i in range(self.num_layers)]
         mean_loss = float(layer_loss[trained.cpu()].mean()) if bool(trained.any()) else None
         for i, d in self._selected.items():
@@ -305,24 +323,21 @@ class SparseAttentionRuntime:
         }
 
     def _all_head_density(self) -> torch.Tensor:
-        """[L, H] densities of all heads (gathered over the SP group: each rank profiles its own heads)."""
-        if self.sp_size == 1:
-            return self.head_density.clone()
-        dist = torch.distributed
-        parts = [torch.empty_like(self.head_density) for _ in range(self.sp_size)]
-        dist.all_gather(parts, self.head_density.contiguous(), group=self.sp_group)
-        return torch.cat(parts, dim=1)
+        """[L, H] densities of all heads by original head id (NaN: not profiled yet); the same on
+        every rank (step() all-reduces them), so no collective here."""
+        return self.head_density.clone()
 
     def state_dict(self) -> dict:
-        """Checkpoint state (a collective under SP > 1: call it on every rank). The predictor, its
-        optimizer and the schedule are replicated; head densities are gathered over the SP group."""
+        """Checkpoint state. The predictor, its optimizer, the schedule and the head densities are
+        replicated (the same on every rank)."""
         return {"predictor": self.predictor.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "schedule": self.schedule.state_dict(), "head_density": self._all_head_density(),
                 "generator": self._gen.get_state(), "last": {k: list(v) for k, v in self.last.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` (any SP degree: this rank takes its heads' densities; the row
-        sampler continues exactly where the saved rank's did, so SP > 1 resumes exactly on SP rank 0)."""
+        """Restore :meth:`state_dict` (any SP degree or head placement: densities are kept for all heads;
+        the row sampler continues exactly where the saved rank's did, so SP > 1 resumes exactly on
+        SP rank 0)."""
         full = state["head_density"]
         if tuple(full.shape) != (self.num_layers, self.num_heads):
             raise ValueError(f"sparse state has head densities {list(full.shape)}, this run needs "
@@ -330,7 +345,7 @@ class SparseAttentionRuntime:
         self.predictor.load_state_dict(state["predictor"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.schedule.load_state_dict(state["schedule"])
-        self.head_density = full[:, self.head_offset:self.head_offset + self.local_heads].clone()
+        self.head_density = full.clone().float()
         self._gen.set_state(state["generator"])
         self.last = {k: list(v) for k, v in state["last"].items()}
 

@@ -16,12 +16,14 @@ class SparseSchedule:
     * stage 2: a layer is sparse iff it is not in ``dense_layers`` and its last profiled mean head
       density <= ``layer_density_threshold``; profiling + predictor training every
       ``profile_interval`` steps.
-    * ``forced_density``: stage 2 from step 0, every non-dense layer sparse, no profiling.
+    * ``forced_density``: stage 2 from step 0, every non-dense layer sparse, no profiling; with
+      ``forced_after_warmup`` stage 1 runs first as usual, then every non-dense layer is sparse (at
+      the forced density) and profiling continues every ``profile_interval`` steps.
     """
 
     def __init__(self, num_layers: int, *, warmup_steps: int, loss_threshold: float, profile_interval: int,
                  layer_density_threshold: float, dense_layers: Optional[Sequence[int]] = None,
-                 forced_density: Optional[float] = None):
+                 forced_density: Optional[float] = None, forced_after_warmup: bool = False):
         if dense_layers is None:
             dense_layers = sorted({0, num_layers - 1})
         bad = [i for i in dense_layers if not 0 <= i < num_layers]
@@ -35,14 +37,15 @@ class SparseSchedule:
         self.layer_density_threshold = layer_density_threshold
         self.dense_layers = frozenset(int(i) for i in dense_layers)
         self.forced_density = forced_density
+        self.forced_from_start = forced_density is not None and not forced_after_warmup
         self.step = 0
-        self.stage = 2 if forced_density is not None or warmup_steps == 0 else 1
+        self.stage = 2 if self.forced_from_start or warmup_steps == 0 else 1
         self.switched_at: Optional[int] = 0 if self.stage == 2 else None
         self.layer_density: list[Optional[float]] = [None] * num_layers
 
     def profile_now(self) -> bool:
         """Measure density / train the predictor in this optimizer step's forwards."""
-        if self.forced_density is not None:
+        if self.forced_from_start:
             return False
         return self.stage == 1 or self.step % self.profile_interval == 0
 
