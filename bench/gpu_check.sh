@@ -10,7 +10,9 @@
 #       command="GIT_COMMIT=<sha> BENCH_ARGS='--tune --no-block' PYTHONUNBUFFERED=1 bash bench/gpu_check.sh")
 #
 # Environment knobs: STEPS (space-separated subset of: env build tests bench probe train; default
-# env build tests bench; probe = bench/ln_modulate_probe.cu kernel sweep, PROBE_CASES picks its cases;
+# env build tests bench; probe = bench/ln_modulate_probe.cu kernel sweep, PROBE_CASES picks its cases,
+# PROBE_FWD_ONLY=1 skips its backward variants; host = host time per call (isolated fwd+bwd and per
+# op in a chain of 32) with a torch.profiler table, and the C++ argument checks raised on CUDA inputs;
 # train = the default job with and without the fused op, TRAIN_STEPS steps each),
 # BENCH_ARGS (extra args for bench/ln_modulate.py, e.g. "--quick --tune"; --tune also times both
 # kernel generations per case and prints the recommended DS_ADAPTIVE_LN_MODULATE_KERNELS),
@@ -78,6 +80,10 @@ do_tests() {
 do_bench() {
   python3 bench/ln_modulate.py --out "$OUT/ln_modulate.json" ${BENCH_ARGS:-}
 }
+do_host() {  # host time per call (isolated and in a chain), torch.profiler table, C++ check errors on CUDA
+  python3 bench/ln_modulate.py --host-only --out "$OUT/ln_modulate_host.json" || return 1
+  python3 bench/ln_modulate_cpp_errors.py
+}
 do_probe() {  # kernel-configuration sweep with nvcc alone (no extension build): PROBE_CASES picks cases
   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icsrc/ln_modulate bench/ln_modulate_probe.cu \
     -o /tmp/lnm_probe || return 1
@@ -91,9 +97,9 @@ do_train() {  # the default job's tokens/s with and without the fused op (TRAIN_
       | grep -E "tokens/s|tok/s|run summary|peak memory|loss  |Error|error" | tail -14
   done
 }
-export -f do_env do_build do_tests do_bench do_probe do_train
+export -f do_env do_build do_tests do_bench do_host do_probe do_train
 export OUT
-declare -A LIMIT=([env]=60 [build]=300 [tests]=240 [bench]=420 [probe]=240 [train]=400)
+declare -A LIMIT=([env]=60 [build]=300 [tests]=240 [bench]=420 [probe]=240 [train]=400 [host]=240)
 
 for s in $STEPS; do
   run_step "$s" "${LIMIT[$s]:-300}" "do_$s" || true

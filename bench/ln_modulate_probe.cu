@@ -15,6 +15,7 @@
 // Build and run (GPU machine; bench/gpu_probe.sh does this):
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icsrc/ln_modulate \
 //        bench/ln_modulate_probe.cu -o /tmp/lnm_probe && /tmp/lnm_probe out.json
+// (PROBE_CASES=1,2 picks cases, PROBE_FWD_ONLY=1 skips the backward variants.)
 #include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 
@@ -26,6 +27,7 @@
 #include <vector>
 
 #include "ln_modulate_kernels.cuh"
+#include "ln_modulate_probe_v3.cuh"  // benchmark-only v3 forward (not shipped)
 
 using namespace ds_adaptive::ln_modulate;
 using BF = __nv_bfloat16;
@@ -125,7 +127,7 @@ static double time_ms(const std::function<void(cudaStream_t)>& fn, const std::st
 
 template <typename K>
 static int resident(K kernel, int threads, int smem) {
-  if (smem > 48 * 1024) CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  if (smem > 0) CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));  // static smem counts too
   int occ = 0;
   CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, threads, smem));
   return std::max(occ, 1) * g_sms;
@@ -215,7 +217,7 @@ static std::function<void(cudaStream_t)> fwd_v1(const Buffers& b, Grid g) {
   return [=](cudaStream_t s) { k<<<grid, TPR, 0, s>>>(p); };
 }
 
-template <int NV, int TPR, int ST_PS, int ST_TOK>
+template <int NV, int TPR, int ST_PS, int ST_TOK, bool MODC = false>
 static std::function<void(cudaStream_t)> fwd_v2(const Buffers& b) {
   FwdParams p = fwd_params(b);
   if (b.per_token) {
@@ -225,11 +227,20 @@ static std::function<void(cudaStream_t)> fwd_v2(const Buffers& b) {
     p.seg_len = t.seg_len; p.tiles_per_seg = t.tiles_per_seg; p.num_tiles = t.num_tiles;
     return [=](cudaStream_t s) { k<<<t.grid, TPR, smem, s>>>(p); };
   }
-  auto k = &ln_mod_fwd_v2_kernel<BF, float, NV, TPR, ST_PS, true, false>;
+  auto k = &ln_mod_fwd_v2_kernel<BF, float, NV, TPR, ST_PS, true, false, MODC>;
   const int smem = ST_PS * fwd_v2_stage_bytes<BF, float, NV, TPR, false>();
   const Tiling t = fwd_v2_tiling(b.B, b.S, false, resident(k, TPR, smem));
   p.seg_len = t.seg_len; p.tiles_per_seg = t.tiles_per_seg; p.num_tiles = t.num_tiles;
   return [=](cudaStream_t s) { k<<<t.grid, TPR, smem, s>>>(p); };
+}
+
+// v3 forward (register pipeline of G-thread row groups, ln_modulate_v3.cuh); BAL: balanced grid.
+template <int VEC, int NV, int G, int MINB = 0, bool XCS = true, bool YCS = false, int DIAG = 0>
+static std::function<void(cudaStream_t)> fwd_v3(const Buffers& b, bool balanced) {
+  auto k = &ln_mod_fwd_v3_kernel<BF, float, VEC, NV, G, XCS, YCS, MINB, true, DIAG>;
+  const int grid = fwd_v3_grid(b.B * b.S, resident(k, kV3Threads, 0), kV3Threads / G, balanced);
+  const FwdParams p = fwd_params(b);
+  return [=](cudaStream_t s) { k<<<grid, kV3Threads, 0, s>>>(p); };
 }
 
 // v1 backward (no affine). Per-sample: contiguous tiles per sample as the extension plans them.
@@ -294,7 +305,14 @@ static bool width_variants(int D, const Buffers& b, std::vector<Variant>& fv, st
             {"v1 8B 288x1", fwd_v1<1, 288, false, 4>(b, Grid::kPersistent)},
             {"v1 8B 32x9", fwd_v1<9, 32, false, 4>(b, Grid::kPersistent)},
             {"v1 4B 192x3", fwd_v1<3, 192, false, 2>(b, Grid::kPersistent)},
-            {"v1 4B 96x6", fwd_v1<6, 96, false, 2>(b, Grid::kPersistent)}};
+            {"v1 4B 96x6 (shipped)", fwd_v1<6, 96, false, 2>(b, Grid::kPersistent)},
+            {"v3 16x9 bal", fwd_v3<8, 9, 16>(b, true)},
+            {"v3 16x9 bal m2", fwd_v3<8, 9, 16, 2>(b, true)},
+            {"v3 16x9 bal m3", fwd_v3<8, 9, 16, 3>(b, true)},
+            {"v3 16x9 m3", fwd_v3<8, 9, 16, 3>(b, false)},
+            {"v3 8B 32x9 bal", fwd_v3<4, 9, 32>(b, true)},
+            {"v3 8B 32x9 bal m3", fwd_v3<4, 9, 32, 3>(b, true)},
+            {"v3 8B 32x9 bal m4", fwd_v3<4, 9, 32, 4>(b, true)}};
       bv = {{"v1 8B 96x3", bwd_v1<3, 96, false, false, 4>(b, Grid::kPersistent)},
             {"v1 8B 288x1", bwd_v1<1, 288, false, false, 4>(b, Grid::kPersistent)},
             {"v1 8B 32x9", bwd_v1<9, 32, false, false, 4>(b, Grid::kPersistent)},
@@ -307,7 +325,9 @@ static bool width_variants(int D, const Buffers& b, std::vector<Variant>& fv, st
             {"v1 8B 192x3", fwd_v1<3, 192, false, 4>(b, Grid::kPersistent)},
             {"v2 96x3 s3", fwd_v2<3, 96, 3, 2>(b)},
             {"v2 96x3 s4", fwd_v2<3, 96, 4, 2>(b)},
-            {"v2 288x1 s4", fwd_v2<1, 288, 4, 2>(b)}};
+            {"v2 288x1 s4", fwd_v2<1, 288, 4, 2>(b)},
+            {"v3 32x9 bal m2", fwd_v3<8, 9, 32, 2>(b, true)},
+            {"v3 32x9 bal m3", fwd_v3<8, 9, 32, 3>(b, true)}};
       bv = {{"v1 96x3", bwd_v1<3, 96, false, false>(b, Grid::kPersistent)},
             {"v1 288x1", bwd_v1<1, 288, false, false>(b, Grid::kPersistent)},
             {"v2 96x3 s3", bwd_v2<3, 96, 3, false>(b)},
@@ -321,7 +341,9 @@ static bool width_variants(int D, const Buffers& b, std::vector<Variant>& fv, st
             {"v1 96x4", fwd_v1<4, 96>(b, Grid::kPersistent)},
             {"v2 192x2 s4 (shipped v2)", fwd_v2<2, 192, 4, 2>(b)},
             {"v2 128x3 s3", fwd_v2<3, 128, 3, 2>(b)},
-            {"v2 96x4 s3", fwd_v2<4, 96, 3, 2>(b)}};
+            {"v2 96x4 s3", fwd_v2<4, 96, 3, 2>(b)},
+            {"v3 32x12 bal m2", fwd_v3<8, 12, 32, 2>(b, true)},
+            {"v3 32x12 bal m3", fwd_v3<8, 12, 32, 3>(b, true)}};
       bv = {{"v2 384x1 s3 (shipped v2)", bwd_v2<1, 384, 3, true>(b)},
             {"v1 384x1 (shipped v1)", bwd_v1<1, 384, true>(b, Grid::kPersistent)},
             {"v2 192x2 s3", bwd_v2<2, 192, 3, false>(b)},
@@ -334,7 +356,8 @@ static bool width_variants(int D, const Buffers& b, std::vector<Variant>& fv, st
             {"v1 256x2", fwd_v1<2, 256>(b, Grid::kPersistent)},
             {"v2 128x4 s3", fwd_v2<4, 128, 3, 2>(b)},
             {"v2 256x2 s3", fwd_v2<2, 256, 3, 2>(b)},
-            {"v2 128x4 s4", fwd_v2<4, 128, 4, 2>(b)}};
+            {"v2 128x4 s4", fwd_v2<4, 128, 4, 2>(b)},
+            {"v3 32x16 bal m2", fwd_v3<8, 16, 32, 2>(b, true)}};
       bv = {{"v1 128x4", bwd_v1<4, 128, false, false>(b, Grid::kPersistent)},
             {"v1 256x2", bwd_v1<2, 256, false, false>(b, Grid::kPersistent)},
             {"v2 256x2 s3", bwd_v2<2, 256, 3, false>(b)},
@@ -349,6 +372,7 @@ static bool width_variants(int D, const Buffers& b, std::vector<Variant>& fv, st
 static FILE* g_json = nullptr;
 static bool g_once = false;  // argv[2] == "once": each variant launched once inside a profiler range (ncu)
 static bool g_first = true;
+static bool g_fwd_only = false;  // PROBE_FWD_ONLY=1: forward variants only
 
 static void json_row(const char* cs, const char* dir, const std::string& name, const char* mode, double ms,
                      double bytes, double floor_ms, double copy_ms, double diff) {
@@ -419,6 +443,7 @@ int main(int argc, char** argv) {
   CK(cudaMalloc(&g_flush, kFlush));
   CK(cudaMalloc(&g_sink, 4));
   g_once = argc > 2 && std::string(argv[2]) == "once";
+  g_fwd_only = std::getenv("PROBE_FWD_ONLY") != nullptr && std::string(std::getenv("PROBE_FWD_ONLY")) == "1";
   g_json = std::fopen(argc > 1 ? argv[1] : "ln_modulate_probe.json", "w");
   std::fprintf(g_json, "[\n");
   cudaDeviceProp prop;
@@ -469,6 +494,10 @@ int main(int argc, char** argv) {
     std::vector<Variant> bv;
     if (width_variants(D, b, fv, bv)) {
       run_group(c.name, "fwd", b, fv, fwd_bytes, copy_bw);
+      if (g_fwd_only) {
+        release(b);
+        continue;
+      }
       fv[0].fn(0);  // mean / rstd for the backward
       CK(cudaDeviceSynchronize());
       run_group(c.name, "bwd", b, bv, bwd_bytes, copy_bw);
@@ -487,6 +516,21 @@ int main(int argc, char** argv) {
           {"v1 96x2 grid/2 pf", fwd_v1<2, 96, false, 8, true, false, true>(b, Grid::kHalf)},
           {"v2 96x2 s4/s2 (shipped B>1)", fwd_v2<2, 96, 4, 2>(b)},
           {"v2 96x2 s3/s3", fwd_v2<2, 96, 3, 3>(b)},
+          {"v2 96x2 s3 modc", fwd_v2<2, 96, 3, 3, true>(b)},
+          {"v2 96x2 s4 modc", fwd_v2<2, 96, 4, 3, true>(b)},
+          {"v2 192x1 s4 modc", fwd_v2<1, 192, 4, 3, true>(b)},
+          {"v3 32x6", fwd_v3<8, 6, 32>(b, false)},
+          {"v3 32x6 bal", fwd_v3<8, 6, 32>(b, true)},
+          {"v3 32x6 diag: no modulation", fwd_v3<8, 6, 32, 0, true, false, 1>(b, true)},
+          {"v3 32x6 diag: no mean/rstd stores", fwd_v3<8, 6, 32, 0, true, false, 2>(b, true)},
+          {"v3 32x6 diag: copy x->y (no statistics)", fwd_v3<8, 6, 32, 0, true, false, 3>(b, true)},
+          {"v3 32x6 bal m3", fwd_v3<8, 6, 32, 3>(b, true)},
+          {"v3 32x6 m3", fwd_v3<8, 6, 32, 3>(b, false)},
+          {"v3 32x6 bal m4", fwd_v3<8, 6, 32, 4>(b, true)},
+          {"v3 32x6 bal m3 ldg", fwd_v3<8, 6, 32, 3, false>(b, true)},
+          {"v3 32x6 bal m3 ycs", fwd_v3<8, 6, 32, 3, true, true>(b, true)},
+          {"v3 16x12 bal m2", fwd_v3<8, 12, 16, 2>(b, true)},
+          {"v3 8B 32x12 bal m3", fwd_v3<4, 12, 32, 3>(b, true)},
       };
     } else {  // D = 5120
       fv = {
@@ -501,6 +545,10 @@ int main(int argc, char** argv) {
       };
     }
     run_group(c.name, "fwd", b, fv, fwd_bytes, copy_bw);
+    if (g_fwd_only) {
+      release(b);
+      continue;
+    }
     fwd_v1<2, 96>(b, Grid::kPersistent)(0);  // mean / rstd for the backward
     CK(cudaDeviceSynchronize());
     if (D == 1536) {

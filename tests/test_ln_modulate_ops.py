@@ -217,3 +217,34 @@ def test_python_layer_calls_the_cpp_op_when_loaded(ops, monkeypatch):
     torch.testing.assert_close(y.as_subclass(torch.Tensor), ln_modulate_reference(x, sh, sc, 1e-6, w, b))
     monkeypatch.setenv(lnm.ENV_VAR, "reference")
     assert "CppFunction" not in _graph_nodes(lnm.ln_modulate(xc, sh, sc))
+
+
+def test_eager_fast_entry_point_only_for_plain_tensors(ops, monkeypatch):
+    """The extension's `apply` (the op without torch.ops' Python layer) takes eager calls on plain
+    tensors; tensor subclasses (nn.Parameter too) and torch-function modes go through torch.ops,
+    whose __torch_function__ handling they may rely on. Same results either way."""
+    calls = []
+    state = lnm._OpState()
+    state.tried, state.ext, state.apply = True, object(), ops.ln_modulate_apply.default
+    state.fast_apply = lambda *a: calls.append("fast") or ops.ln_modulate_apply.default(*a)
+    monkeypatch.setattr(lnm, "_STATE", state)
+    monkeypatch.setattr(lnm, "_is_cuda_float", lambda x: True)
+    monkeypatch.setattr(lnm, "_use_fused", lambda x: True)
+    x, sh, sc, w, b, dy = make(2, 5, 24, affine=True)
+    ref = ln_modulate_reference(x, sh, sc, 1e-6, w, b)
+    torch.testing.assert_close(lnm.ln_modulate(x, sh, sc, 1e-6, w, b), ref)
+    assert calls == ["fast"]
+    y = lnm.ln_modulate(x, sh, sc, 1e-6, torch.nn.Parameter(w), b)  # a subclass: torch.ops
+    torch.testing.assert_close(y, ref)
+    seen = []
+
+    class Recording(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Recording():
+        torch.testing.assert_close(lnm.ln_modulate(x, sh, sc, 1e-6, w, b), ref)
+    assert calls == ["fast"]
+    assert ops.ln_modulate_apply.default in seen  # the mode saw the op
+    assert lnm.call_counts()["fused"] == 3

@@ -50,9 +50,12 @@ const DeviceInfo& device_info(int dev) {
 }
 
 // Resident CTAs of `fn` on the current device (occupancy x SMs) with `smem` bytes of dynamic
-// shared memory, cached per (kernel, device). Kernels above 48 KB get their opt-in attribute set
-// here, before the first query and launch (on the first, eager call: CUDA-graph captures then find
-// it cached).
+// shared memory, cached per (kernel, device). Every kernel with dynamic shared memory gets its
+// opt-in attribute set here, before the first query and launch (on the first, eager call: CUDA-graph
+// captures then find it cached): the 48 KB default limit counts static shared memory too, so exactly
+// 48 KB of stages plus the kernels' reduction buffer failed to launch ("invalid argument": v2
+// per-token forward at D = 4096 with 16-bit modulation and at D = 1152 fp32, found by
+// tests/gpu test_dit_widths, issue 18) while the old "> 48 KB" test skipped the attribute.
 int resident_ctas(const void* fn, int threads, int smem) {
   static std::mutex mu;
   static std::unordered_map<const void*, int> cache[64];
@@ -63,7 +66,7 @@ int resident_ctas(const void* fn, int threads, int smem) {
     if (it != cache[dev].end()) return it->second;
   }
   const DeviceInfo& d = device_info(dev);
-  if (smem > 48 * 1024) (void)cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (smem > 0) (void)cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   int occ = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, fn, threads, smem) != cudaSuccess || occ <= 0) occ = 1;
   (void)cudaGetLastError();  // never leave a sticky error from the queries behind
@@ -127,8 +130,11 @@ bool pair_supported(DType x, DType mod) {
   return false;
 }
 
-// v2 kernels index rows with 32-bit integers and need their stages to fit in shared memory.
-bool v2_ok(int smem, int64_t rows) { return rows <= kMaxRowsV2 && smem <= device_info(current_device()).smem_optin; }
+// v2 kernels index rows with 32-bit integers and need their stages, plus their static reduction
+// buffers (< 1 KB), to fit in shared memory.
+bool v2_ok(int smem, int64_t rows) {
+  return rows <= kMaxRowsV2 && smem + 1024 <= device_info(current_device()).smem_optin;
+}
 
 // The forward kernel for p under the current policy (v2 -> v1 where v2 has no configuration or
 // its stages do not fit in shared memory).

@@ -203,6 +203,21 @@ __device__ __forceinline__ float2 row_mean_rstd(float (&v)[NV][VEC], int t, int 
   return make_float2(mean, rsqrtf(var + eps));
 }
 
+// shift / scale of one modulation row at this thread's columns (the forwards' MODC variants, which
+// keep them in registers while consecutive rows share a sample); masked columns are left as they are.
+template <int NV, int VEC, int TPR, bool EVEN, typename M>
+__device__ __forceinline__ void load_thread_mod(const M* shr, const M* scr, int t, int nvec, float (&msh)[NV][VEC],
+                                                float (&msc)[NV][VEC]) {
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    const int c = i * TPR + t;
+    if (EVEN || c < nvec) {
+      load_vec<VEC, M, false>(shr + (int64_t)c * VEC, msh[i]);
+      load_vec<VEC, M, false>(scr + (int64_t)c * VEC, msc[i]);
+    }
+  }
+}
+
 // ----------------------------------------------------------------------------------------------
 // Forward
 //   VEC: elements per access (16 / sizeof(T), or 1 on the scalar path)
@@ -293,16 +308,12 @@ __global__ void __launch_bounds__(TPR* ROWS) ln_mod_fwd_kernel(const FwdParams p
     if constexpr (MODC) {
       if (mod_per_row || b != cached_b) {
         cached_b = b;
+        load_thread_mod<NV, VEC, TPR, EVEN>(shr, scr, t, nvec, msh, msc);
 #pragma unroll
-        for (int i = 0; i < NV; ++i) {
-          const int c = i * TPR + t;
-          if (EVEN || c < nvec) {
-            load_vec<VEC, M, false>(shr + (int64_t)c * VEC, msh[i]);
-            load_vec<VEC, M, false>(scr + (int64_t)c * VEC, msc[i]);
+        for (int i = 0; i < NV; ++i)
+          if (EVEN || i * TPR + t < nvec)
 #pragma unroll
             for (int j = 0; j < VEC; ++j) msc[i][j] += 1.f;
-          }
-        }
       }
     }
 
@@ -611,15 +622,15 @@ constexpr bool tok_narrow() {
 }
 
 // v2 forward: ST_PS stages for per-sample modulation, ST_TOK for per-token (rows 5x larger with
-// fp32 modulation of 16-bit x).
-template <typename T, typename M, int NV, int TPR, int ST_PS, int ST_TOK, bool EVEN>
+// fp32 modulation of 16-bit x). MODC: per-sample shift / scale held in registers (see the kernel).
+template <typename T, typename M, int NV, int TPR, int ST_PS, int ST_TOK, bool EVEN, bool MODC = false>
 FwdChoice fwd_make_v2(const FwdParams& p) {
   if (p.shift_ss != 0 || p.scale_ss != 0) {
     constexpr int smem = ST_TOK * fwd_v2_stage_bytes<T, M, NV, TPR, true>();
     return FwdChoice{&ln_mod_fwd_v2_kernel<T, M, NV, TPR, ST_TOK, EVEN, true>, TPR, 1, smem, 2};
   }
   constexpr int smem = ST_PS * fwd_v2_stage_bytes<T, M, NV, TPR, false>();
-  return FwdChoice{&ln_mod_fwd_v2_kernel<T, M, NV, TPR, ST_PS, EVEN, false>, TPR, 1, smem, 2};
+  return FwdChoice{&ln_mod_fwd_v2_kernel<T, M, NV, TPR, ST_PS, EVEN, false, MODC>, TPR, 1, smem, 2};
 }
 
 template <typename T, typename M, int VEC, int NV, bool EVEN>
@@ -640,7 +651,9 @@ FwdChoice fwd_generic_v2(const FwdParams& p, int nvec) {
   if (nvec <= 64 * NV) return FwdChoice{};
   if (nvec <= 128 * NV) return fwd_make_v2<T, M, NV, 128, 3, 2, false>(p);
   // Per-sample rows wider than 128 threads x NV vectors failed to launch on an H100 (D=8192 bf16,
-  // "invalid argument", 2026-11-22) while per-token ones ran: keep them on v1 until measured.
+  // "invalid argument", 2026-11-22) while per-token ones ran: keep them on v1 until measured. (Most
+  // likely cause: 3 stages x 16 KB = exactly 48 KB of dynamic shared memory without the opt-in, fixed
+  // in resident_ctas in issue 18; not re-tested on a GPU.)
   if (p.shift_ss == 0 && p.scale_ss == 0) return FwdChoice{};
   if (nvec <= 256 * NV) return fwd_make_v2<T, M, NV, 256, 3, 2, false>(p);
   if (nvec <= 512 * NV) return fwd_make_v2<T, M, NV, 512, 3, 2, false>(p);
@@ -690,7 +703,11 @@ FwdChoice fwd_select(const FwdParams& p, int gen) {
   if (gen == 2) {
     if constexpr (V == 8) {
       switch (p.D) {
-        case 1536: return fwd_make_v2<T, M, 2, 96, 3, 2, true>(p);  // s3: 0.0555 vs s4 0.0560 ms (16x1560, H100)
+        // s3: 0.0555 vs s4 0.0560 ms (16x1560, H100). Per-sample shift / scale in registers (MODC; H200,
+        // bench/ln_modulate_probe.cu, read flush): 0.0584 vs 0.0620 ms at 1x32760, 0.0446 vs 0.0496 at
+        // 16x1560 (reading them from L1 for every row was most of the gap to a copy: without any
+        // modulation the same kernel shape ran 0.0542 / 0.0417)
+        case 1536: return fwd_make_v2<T, M, 2, 96, 3, 2, true, true>(p);
         // H200 (bench/ln_modulate_probe.cu, read flush, ms): 8x4096x2304 96x3 0.0929 (v1 0.0914);
         // 8x4096x3072 96x4 0.1164 vs 192x2 s4 > 0.122; 4x4096x4096 128x4 0.0811 vs 256x2 0.0886
         case 2304: return fwd_make_v2<T, M, 3, 96, 3, 2, true>(p);
@@ -712,9 +729,10 @@ FwdChoice fwd_select(const FwdParams& p, int gen) {
   FwdChoice c;
   if constexpr (V == 8) {
     switch (p.D) {
-      // D = 1152: D / 8 = 144 is no multiple of 32, so 8-byte x accesses (VEC 4): 96x3 unmasked
-      // (H200, 8x4096x1152: 0.0580 ms vs the generic masked 64x4 kernel's ~0.07)
-      case 1152: c = fwd_make<T, M, 4, 3, 96, 1, true>(); break;
+      // D = 1152: D / 8 = 144 is no multiple of 32, so narrower x accesses, unmasked: 4-byte (VEC 2)
+      // 96x6 (H200, 8x4096x1152, read flush: 0.0564 / 0.0566 ms in two runs vs 0.0580 for 8-byte
+      // 96x3 and ~0.07 for the generic masked 64x4 kernel)
+      case 1152: c = fwd_make<T, M, 2, 6, 96, 1, true>(); break;
       case 1536: c = fwd_make<T, M, 8, 2, 96, 1, true>(); break;
       case 2304: c = fwd_make<T, M, 8, 3, 96, 1, true>(); break;
       case 3072: c = fwd_make<T, M, 8, 3, 128, 1, true>(); break;  // H200: 128x3 0.0154 vs 192x2 0.0168 (2x1536)

@@ -18,6 +18,7 @@
 #include <torch/library.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
 
 namespace {
@@ -30,13 +31,29 @@ using BwdOut = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
 // Statistics dtype: fp32 for the kernels' dtypes, fp64 for fp64 x (CPU implementation, gradcheck).
 at::ScalarType stats_dtype(const Tensor& x) { return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
 
+// Sizes and sizes in error messages, concrete values printed as integers ("[2, 5, 64]", the format of
+// c10's ArrayRef printing). Printing c10::SymInt / SymIntArrayRef through c10::str in these messages
+// segfaulted in the CUDA extension under torch 2.11 on the H200 whenever such a check failed
+// (bench/ln_modulate_cpp_errors.py, issue 18: the shape messages crashed, the device / dtype
+// messages of the same checks raised cleanly); these helpers never call SymInt's operator<<.
+std::string sym_str(const c10::SymInt& v) {
+  const auto c = v.maybe_as_int();
+  return c.has_value() ? std::to_string(*c) : std::string("<symbolic>");
+}
+
+std::string sizes_str(c10::SymIntArrayRef sizes) {
+  std::string out = "[";
+  for (size_t i = 0; i < sizes.size(); ++i) out += (i ? ", " : "") + sym_str(sizes[i]);
+  return out + "]";
+}
+
 // ------------------------------------------------------------------------------------------------
 // Checks of the public entry point: the messages of the Python reference path
 // (ds_adaptive/ops/ln_modulate.py: _check_args), ValueError for shapes / devices, TypeError for dtypes.
 // ------------------------------------------------------------------------------------------------
 void check_apply_args(const Tensor& x, const Tensor& shift, const Tensor& scale, const optional<Tensor>& weight,
                       const optional<Tensor>& bias) {
-  TORCH_CHECK_VALUE(x.dim() == 3, "ln_modulate: x must be a [B, S, D] tensor, got ", x.sym_sizes());
+  TORCH_CHECK_VALUE(x.dim() == 3, "ln_modulate: x must be a [B, S, D] tensor, got ", sizes_str(x.sym_sizes()));
   TORCH_CHECK_TYPE(x.is_floating_point(), "ln_modulate: x must be a floating-point tensor, got ", x.scalar_type());
   const c10::SymInt& B = x.sym_size(0);
   const c10::SymInt& S = x.sym_size(1);
@@ -45,16 +62,16 @@ void check_apply_args(const Tensor& x, const Tensor& shift, const Tensor& scale,
     const bool ok = (m.dim() == 2 && (m.sym_size(0) == 1 || m.sym_size(0) == B) && m.sym_size(1) == D) ||
                     (m.dim() == 3 && (m.sym_size(0) == 1 || m.sym_size(0) == B) &&
                      (m.sym_size(1) == 1 || m.sym_size(1) == S) && m.sym_size(2) == D);
-    TORCH_CHECK_VALUE(ok, "ln_modulate: ", name, " must be [B, D], [B, 1, D] or [B, S, D] with B = ", B, ", S = ", S,
-                      ", D = ", D, " (B may be 1), got ", m.sym_sizes());
+    TORCH_CHECK_VALUE(ok, "ln_modulate: ", name, " must be [B, D], [B, 1, D] or [B, S, D] with B = ", sym_str(B),
+                      ", S = ", sym_str(S), ", D = ", sym_str(D), " (B may be 1), got ", sizes_str(m.sym_sizes()));
     TORCH_CHECK_TYPE(m.is_floating_point(), "ln_modulate: ", name, " must be floating point, got ", m.scalar_type());
     TORCH_CHECK_VALUE(m.device() == x.device(), "ln_modulate: ", name, " is on ", m.device(), " but x is on ",
                       x.device());
   }
   for (const auto& [name, p] : {std::pair<const char*, const optional<Tensor>&>{"weight", weight}, {"bias", bias}}) {
     if (!p.has_value()) continue;
-    TORCH_CHECK_VALUE(p->dim() == 1 && p->sym_size(0) == D, "ln_modulate: ", name, " must be a [D] = [", D,
-                      "] tensor or None, got ", p->sym_sizes());
+    TORCH_CHECK_VALUE(p->dim() == 1 && p->sym_size(0) == D, "ln_modulate: ", name, " must be a [D] = [",
+                      sym_str(D), "] tensor or None, got ", sizes_str(p->sym_sizes()));
     TORCH_CHECK_VALUE(p->device() == x.device(), "ln_modulate: ", name, " is on ", p->device(), " but x is on ",
                       x.device());
   }
@@ -63,13 +80,13 @@ void check_apply_args(const Tensor& x, const Tensor& shift, const Tensor& scale,
 // Checks of the raw op (any backend): what every implementation relies on.
 void check_op_args(const Tensor& x, const Tensor& shift, const Tensor& scale, const optional<Tensor>& weight,
                    const optional<Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 3, "ln_modulate: x must be [B, S, D], got shape ", x.sym_sizes());
+  TORCH_CHECK(x.dim() == 3, "ln_modulate: x must be [B, S, D], got shape ", sizes_str(x.sym_sizes()));
   for (const auto& [name, m] : {std::pair<const char*, const Tensor&>{"shift", shift}, {"scale", scale}}) {
     TORCH_CHECK(m.device() == x.device(), "ln_modulate: ", name, " is on ", m.device(), " but x is on ", x.device());
     TORCH_CHECK(m.dim() == 3 && m.sym_size(0) == x.sym_size(0) &&
                     (m.sym_size(1) == 1 || m.sym_size(1) == x.sym_size(1)) && m.sym_size(2) == x.sym_size(2),
-                "ln_modulate: ", name, " must be [B, 1, D] or [B, S, D] = [", x.sym_size(0), ", 1 or ", x.sym_size(1),
-                ", ", x.sym_size(2), "], got ", m.sym_sizes());
+                "ln_modulate: ", name, " must be [B, 1, D] or [B, S, D] = [", sym_str(x.sym_size(0)), ", 1 or ",
+                sym_str(x.sym_size(1)), ", ", sym_str(x.sym_size(2)), "], got ", sizes_str(m.sym_sizes()));
     TORCH_CHECK(m.scalar_type() == at::kFloat || m.scalar_type() == x.scalar_type(), "ln_modulate: ", name,
                 " must be float32 or x's dtype (", x.scalar_type(), "), got ", m.scalar_type());
   }
@@ -79,7 +96,7 @@ void check_op_args(const Tensor& x, const Tensor& shift, const Tensor& scale, co
     if (!p.has_value()) continue;
     TORCH_CHECK(p->device() == x.device(), "ln_modulate: ", name, " is on ", p->device(), " but x is on ", x.device());
     TORCH_CHECK(p->dim() == 1 && p->sym_size(0) == x.sym_size(2), "ln_modulate: ", name, " must be [D = ",
-                x.sym_size(2), "], got ", p->sym_sizes());
+                sym_str(x.sym_size(2)), "], got ", sizes_str(p->sym_sizes()));
   }
 }
 
@@ -142,6 +159,11 @@ class LnModulateFunction : public torch::autograd::Function<LnModulateFunction> 
     const bool per_token = scale.sym_size(1) != 1;
     const auto shift_dtype = static_cast<at::ScalarType>(ctx->saved_data["shift_dtype"].toInt());
     const bool alias_dshift = per_token && shift_dtype == dy.scalar_type();
+    // Without create_graph (grad mode off in the backward) nothing can record the backward op: skip
+    // its Autograd / ADInplaceOrView dispatch (torch's not-implemented fallback walks the arguments
+    // on every call). With create_graph the fallback stays, so a double backward raises.
+    std::optional<at::AutoDispatchBelowADInplaceOrView> below_ad;
+    if (!at::GradMode::is_enabled()) below_ad.emplace();
     auto [dx, dshift, dscale, dweight, dbias] = bwd_op().call(
         dy, x, saved[1], saved[2], scale, defined_or_none(saved[4]), defined_or_none(saved[5]),
         per_token && !alias_dshift);

@@ -1,8 +1,11 @@
 // CUDA implementations of the ds_adaptive::ln_modulate / ln_modulate_backward ops (schemas,
 // autograd, CPU and Meta implementations: ln_modulate_ops.cpp): argument checks, stride handling,
 // output allocation and the launches, no host synchronisation. Plus the Python module of the
-// extension: kernel policy, tuning hook and kernel description (control functions only; the ops
-// are called through torch.ops.ds_adaptive).
+// extension: kernel policy, tuning hook and kernel description (control functions), and `apply`,
+// the eager entry point of ds_adaptive.ops.ln_modulate (the public op called unboxed through the
+// dispatcher; torch.compile and other callers use torch.ops.ds_adaptive).
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/cuda/EmptyTensor.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
@@ -80,6 +83,13 @@ const float* opt_ptr(const std::optional<at::Tensor>& t) {
   return t.has_value() ? t->data_ptr<float>() : nullptr;
 }
 
+// Output allocation straight from the CUDA caching allocator: the tensor at::empty would return,
+// without a dispatcher round trip per output (issue 18: each cost ~2-5 us of host time on the H200
+// host, nine per fwd+bwd).
+at::Tensor new_cuda(at::IntArrayRef size, at::ScalarType dtype, const at::Tensor& like) {
+  return at::Tensor(at::detail::empty_cuda(size, dtype, like.device(), std::nullopt));
+}
+
 void check_cuda(cudaError_t e, const char* what) {
   TORCH_CHECK(e == cudaSuccess, "ln_modulate: ", what, " failed: ", cudaGetErrorString(e));
 }
@@ -102,9 +112,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ln_modulate_forward(const at::Ten
   const int64_t B = x.size(0), S = x.size(1), D = x.size(2);
   TORCH_CHECK(D >= 1, "ln_modulate: D must be >= 1, got ", D);
   const c10::cuda::CUDAGuard guard(x.device());
-  auto y = at::empty({B, S, D}, x.options());
-  auto mean = at::empty({B, S}, x.options().dtype(at::kFloat));
-  auto rstd = at::empty({B, S}, x.options().dtype(at::kFloat));
+  auto y = new_cuda({B, S, D}, x.scalar_type(), x);
+  auto mean = new_cuda({B, S}, at::kFloat, x);
+  auto rstd = new_cuda({B, S}, at::kFloat, x);
   if (B * S == 0) return {y, mean, rstd};
 
   const lnm::DType xt = to_dtype(x.scalar_type());
@@ -163,26 +173,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ln_modula
               "ln_modulate: mean / rstd must be contiguous float32 [B, S] (from the forward)");
   const c10::cuda::CUDAGuard guard(x.device());
   const bool per_sample = scale.size(1) == 1;
-  const auto mod_opts = x.options().dtype(scale.scalar_type());
-  const auto f32 = x.options().dtype(at::kFloat);
+  const at::ScalarType mdt = scale.scalar_type();
 
-  auto dx = at::empty({B, S, D}, x.options());
+  auto dx = new_cuda({B, S, D}, x.scalar_type(), x);
   at::Tensor dshift, dscale;
-  at::Tensor dshift_f, dscale_f;  // fp32 finalize targets (per-sample)
+  at::Tensor dshift_f, dscale_f;  // fp32 finalize targets (per-sample), [B, 1, D]
   if (per_sample) {
-    dshift_f = at::empty({B, D}, f32);
-    dscale_f = at::empty({B, D}, f32);
+    dshift_f = new_cuda({B, 1, D}, at::kFloat, x);
+    dscale_f = new_cuda({B, 1, D}, at::kFloat, x);
   } else {
-    dscale = at::empty({B, S, D}, mod_opts);
-    dshift = need_dshift ? at::empty({B, S, D}, mod_opts) : at::empty({0}, mod_opts);
+    dscale = new_cuda({B, S, D}, mdt, x);
+    dshift = need_dshift ? new_cuda({B, S, D}, mdt, x) : new_cuda({0}, mdt, x);
   }
-  auto dweight = weight.has_value() ? at::empty({D}, f32) : at::empty({0}, f32);
-  auto dbias = bias.has_value() ? at::empty({D}, f32) : at::empty({0}, f32);
+  auto dweight = new_cuda({weight.has_value() ? D : 0}, at::kFloat, x);
+  auto dbias = new_cuda({bias.has_value() ? D : 0}, at::kFloat, x);
 
   auto finish = [&]() -> std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> {
     if (per_sample) {
-      dshift = dshift_f.view({B, 1, D}).to(scale.scalar_type());
-      dscale = dscale_f.view({B, 1, D}).to(scale.scalar_type());
+      dshift = mdt == at::kFloat ? dshift_f : dshift_f.to(mdt);
+      dscale = mdt == at::kFloat ? dscale_f : dscale_f.to(mdt);
     }
     return {dx, dshift, dscale, dweight, dbias};
   };
@@ -233,7 +242,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ln_modula
   TORCH_CHECK(p.grid > 0, "ln_modulate: no backward kernel for D = ", D);
   at::Tensor partial;
   if (nfloats > 0) {
-    partial = at::empty({nfloats}, f32);
+    partial = new_cuda({nfloats}, at::kFloat, x);
     p.partial = partial.data_ptr<float>();
   }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -328,8 +337,26 @@ std::vector<int64_t> ln_modulate_describe_py(const at::Tensor& x, const at::Tens
   return {out[0], out[1], out[2], out[3], bp.num_tiles, bp.rows_per_tile, out[4], bp.gen, out[6], out[7], bp.grid};
 }
 
+// Eager entry point of ds_adaptive.ops.ln_modulate: the ln_modulate_apply op called unboxed through
+// the dispatcher (the same kernels, autograd and dispatch keys / modes as torch.ops), without
+// torch.ops' Python argument parsing and boxing (issue 18: host time per call). The Python layer
+// takes torch.ops instead under torch.compile and for tensor subclasses / torch-function modes.
+at::Tensor ln_modulate_apply_py(const at::Tensor& x, const at::Tensor& shift, const at::Tensor& scale, double eps,
+                                const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("ds_adaptive::ln_modulate_apply", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                            const std::optional<at::Tensor>&, const std::optional<at::Tensor>&)>();
+  return op.call(x, shift, scale, eps, weight, bias);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "ds_adaptive fused LayerNorm-Modulate: control functions (the ops are torch.ops.ds_adaptive.*)";
+  m.doc() = "ds_adaptive fused LayerNorm-Modulate: control functions and the eager entry point `apply` (the ops are torch.ops.ds_adaptive.*)";
+  m.def("apply", &ln_modulate_apply_py,
+        "ds_adaptive::ln_modulate_apply(x, shift, scale, eps, weight, bias) without torch.ops' Python layer",
+        py::arg("x"), py::arg("shift"), py::arg("scale"), py::arg("eps"), py::arg("weight"), py::arg("bias"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("max_d", &ln_modulate_max_d_py, "largest D the kernels hold in registers", py::arg("dtype"),
         py::arg("vectorized"));
   m.def("set_tuning", &ln_modulate_set_tuning_py, "benchmark hook: kernel-config variant per slot", py::arg("slot"),

@@ -100,9 +100,12 @@ constexpr int bwd_v2_stage_bytes() {
 // ----------------------------------------------------------------------------------------------
 // Forward v2. Per row as v1 (two passes over registers for mean and variance, one rounding of
 // y); x (and, TOK = per-token modulation, shift and scale) arrive through the stages; per-sample
-// shift / scale are read through L1 after the reduction (the CTA stays in one sample).
+// shift / scale are read through L1 after the reduction (the CTA stays in one sample), or with
+// MODC (per-sample only; the D = 1536 16-bit configuration, issue 18) held in registers while
+// consecutive rows of the CTA share a sample (2 * NV * VEC registers; reloaded when the sample
+// changes, so any row dealing is correct).
 // ----------------------------------------------------------------------------------------------
-template <typename T, typename M, int NV, int TPR, int STAGES, bool EVEN, bool TOK>
+template <typename T, typename M, int NV, int TPR, int STAGES, bool EVEN, bool TOK, bool MODC = false>
 __global__ void __launch_bounds__(TPR) ln_mod_fwd_v2_kernel(const FwdParams p) {
   constexpr int VEC = 16 / (int)sizeof(T);
   constexpr int MCH = TOK ? VEC * (int)sizeof(M) / 16 : 0;  // 16-byte chunks per access of shift (and scale)
@@ -111,7 +114,10 @@ __global__ void __launch_bounds__(TPR) ln_mod_fwd_v2_kernel(const FwdParams p) {
   static_assert(TPR % 32 == 0 && TPR <= 1024, "TPR: a multiple of 32, at most 1024");
   static_assert(STAGES >= 2 && STAGES <= 8, "STAGES: 2..8");
   static_assert(!TOK || (VEC * (int)sizeof(M)) % 16 == 0, "per-token modulation: whole 16-byte chunks");
+  static_assert(!(TOK && MODC), "MODC: per-sample modulation only");
   __shared__ float red[2][32];
+  float msh[MODC ? NV : 1][VEC], msc[MODC ? NV : 1][VEC];  // MODC: shift, scale of sample cached_b
+  int cached_b = -1;
   const int t = threadIdx.x;
   const int N = (int)(p.B * p.S), S = (int)p.S;  // v2 runs only for N <= 2^30
   const int D = p.D;
@@ -190,12 +196,24 @@ __global__ void __launch_bounds__(TPR) ln_mod_fwd_v2_kernel(const FwdParams p) {
     const M* shr = static_cast<const M*>(p.shift) + b * p.shift_sb + s * p.shift_ss;
     const M* scr = static_cast<const M*>(p.scale) + b * p.scale_sb + s * p.scale_ss;
     T* yr = static_cast<T*>(p.y) + row * (int64_t)D;
+    if constexpr (MODC) {
+      if (b != cached_b) {
+        cached_b = b;
+        load_thread_mod<NV, VEC, TPR, EVEN>(shr, scr, t, nvec, msh, msc);
+      }
+    }
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
       const int c = i * TPR + t;
       if (EVEN || c < nvec) {
         float sh[VEC], sc[VEC];
-        if constexpr (TOK) {
+        if constexpr (MODC) {
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) {
+            sh[j] = msh[i][j];
+            sc[j] = msc[i][j];
+          }
+        } else if constexpr (TOK) {
           smem_unpack<VEC, M>(slot(st, NV + i * MCH), TPR, sh);
           smem_unpack<VEC, M>(slot(st, NV + NV * MCH + i * MCH), TPR, sc);
         } else {

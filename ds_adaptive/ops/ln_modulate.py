@@ -85,6 +85,9 @@ class _OpState:
         self.error: Optional[str] = None
         self.source: Optional[str] = None  # "prebuilt" / "jit"
         self.apply = None  # torch.ops.ds_adaptive.ln_modulate_apply.default once the extension is loaded
+        # the extension's `apply`: the same op called through the dispatcher without torch.ops' Python
+        # argument parsing (eager calls on plain tensors; issue 18: host time per call)
+        self.fast_apply = None
         self.warned: set = set()
         self.mode = "auto"  # last mode read from the environment
         self.calls = {"fused": 0, "reference": 0}  # eager ln_modulate calls per path (call_counts)
@@ -115,6 +118,7 @@ def _load_extension():
             if hasattr(ext, "set_kernels"):
                 _apply_kernel_env(ext)
             _STATE.apply = torch.ops.ds_adaptive.ln_modulate_apply.default  # registered by the extension
+            _STATE.fast_apply = getattr(ext, "apply", None)
             _STATE.ext = ext
             _STATE.source = builder.loaded_from
         except Exception as e:  # noqa: BLE001 - any failure means "use the reference"
@@ -340,14 +344,24 @@ def ln_modulate(x: Tensor, shift: Tensor, scale: Tensor, eps: float = 1e-6, weig
     # docs/LN_MODULATE.md); the C++ op checks again for direct callers.
     _check_args(x, shift, scale, weight, bias)
     if _is_cuda_float(x) and _use_fused(x):
-        if not torch.compiler.is_compiling():
-            _STATE.calls["fused"] += 1
+        if torch.compiler.is_compiling():
+            return _STATE.apply(x, shift, scale, float(eps), weight, bias)
+        _STATE.calls["fused"] += 1
+        if _STATE.fast_apply is not None and _plain(x, shift, scale, weight, bias):
+            return _STATE.fast_apply(x, shift, scale, float(eps), weight, bias)
         return _STATE.apply(x, shift, scale, float(eps), weight, bias)
     if not _is_cuda_float(x):
         _use_fused(x)  # DS_ADAPTIVE_LN_MODULATE=fused: an error for CPU tensors
     if not torch.compiler.is_compiling():
         _STATE.calls["reference"] += 1
     return ln_modulate_reference(x, shift, scale, eps, weight, bias)
+
+
+def _plain(*tensors) -> bool:
+    """Plain tensors (or None) and no torch-function mode: the extension's direct entry point
+    skips torch.ops' __torch_function__ handling, so subclasses (nn.Parameter included) and modes
+    take torch.ops. Dispatch modes / keys are unaffected: both paths call the dispatcher."""
+    return all(t is None or type(t) is Tensor for t in tensors) and not torch._C._is_torch_function_mode_enabled()
 
 
 def _is_cuda_float(x) -> bool:

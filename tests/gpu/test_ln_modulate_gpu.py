@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import importlib
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -155,6 +157,17 @@ def test_wan_1_3b_shape(kernels):
                          ids=["16x1560x1536", "1x8190x5120", "tok-1x8190x5120", "tok-1x32760x1536"])
 def test_wan_shapes(B, S, D, per_token, kernels):
     check(B, S, D, BF16, F32, per_token=per_token, affine=False, seed=12)
+
+
+@pytest.mark.parametrize("kernels", GENS, indirect=True)
+@pytest.mark.parametrize("affine", [False, True], ids=["plain", "affine"])
+@pytest.mark.parametrize("per_token", [False, True], ids=["per_sample", "per_token"])
+@pytest.mark.parametrize("xdt,mdt", COMBOS, ids=[f"x{str(a)[6:]}-m{str(b)[6:]}" for a, b in COMBOS])
+@pytest.mark.parametrize("D", [1152, 2304, 4096])
+def test_dit_widths(D, xdt, mdt, per_token, affine, kernels):
+    """The DiT widths with their own (H200-tuned) configurations, e.g. D = 1152's 4-byte 96x6 forward."""
+    check(3, 37, D, xdt, mdt, per_token, affine, seed=D + 7)
+    check(1, 301, D, xdt, mdt, per_token, affine, seed=D + 8)
 
 
 @pytest.mark.parametrize("kernels", GENS, indirect=True)
@@ -426,6 +439,50 @@ def test_no_host_synchronisation(per_token):
         torch.autograd.grad(y, leaves, dy)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_cpp_checks_raise_cleanly_on_cuda_inputs():
+    """The op's own C++ checks (called directly, without the Python layer's checks) raise the
+    documented errors for CUDA inputs. A failing shape check segfaulted under torch 2.11 when its
+    message printed c10::SymInt sizes (issue 18); run in a subprocess so a crash fails this test only."""
+    code = (
+        "import torch\n"
+        "from ds_adaptive.ops.ln_modulate import load_op\n"
+        "load_op(strict=True)\n"
+        "op = torch.ops.ds_adaptive.ln_modulate_apply.default\n"
+        "x = torch.randn(2, 5, 64, device='cuda', dtype=torch.bfloat16)\n"
+        "sh, sc = torch.randn(2, 64, device='cuda'), torch.randn(2, 64, device='cuda')\n"
+        "for args in ((x, sh[..., :32], sc), (x[0], sh, sc), (x, sh, sc[:1, :7])):\n"
+        "    try:\n"
+        "        op(*args, 1e-6, None, None)\n"
+        "        print('no error')\n"
+        "    except ValueError as e:\n"
+        "        print('ValueError', str(e).splitlines()[0])\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, f"rc {p.returncode}: {p.stderr[-2000:]}"
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith(("ValueError", "no error"))]
+    assert len(lines) == 3 and all(ln.startswith("ValueError ln_modulate: ") for ln in lines), p.stdout
+    assert "got [2, 32]" in lines[0] and "got [5, 64]" in lines[1] and "got [1, 7]" in lines[2], lines
+
+
+def test_fast_entry_point_matches_torch_ops():
+    """ln_modulate's eager entry point (the extension's `apply`) is the op torch.ops calls: same y
+    and gradients bit for bit, and it is what plain CUDA tensors take."""
+    assert lnm._STATE.fast_apply is not None
+    x, sh, sc, w, b, dy = make(3, 37, 1536, BF16, F32, False, True)
+    fast = run(lnm.ln_modulate, x, sh, sc, w, b, dy)
+    slow = run(lambda *a: torch.ops.ds_adaptive.ln_modulate_apply(*a), x, sh, sc, w, b, dy)
+    for u, v in zip(fast, slow):
+        assert torch.equal(u, v)
+    calls = []
+    real = lnm._STATE.fast_apply
+    try:
+        lnm._STATE.fast_apply = lambda *a: calls.append(1) or real(*a)
+        lnm.ln_modulate(x, sh, sc)
+    finally:
+        lnm._STATE.fast_apply = real
+    assert calls == [1]
 
 
 def test_cpp_autograd_function_is_used():
