@@ -6,6 +6,12 @@
 #                                                 # both checkpointing modes + margin) + a 3-step smoke run
 #   PURPOSE=arms STEPS=40 bash bench/gpu_memory.sh   # Wan 1.3B full depth, default mixed distribution:
 #        adaptive (checkpointing auto), adaptive (every block checkpointed), baseline (auto)
+#   PURPOSE=baseline BASE_STEPS=3 bash bench/gpu_memory.sh   # zero3_baseline.json (0 OOM check)
+#   PURPOSE=throughput bash bench/gpu_memory.sh      # the throughput-optimal m_comp / gas auto (issue 16, 2nd
+#        session): adaptive auto vs adaptive all, each ONE WHOLE EPOCH of the same NUM_SAMPLES (default 250)
+#        samples of the default mix (same samples in both arms), metrics every step; the report adds the
+#        all-steps tokens/s and the fitted training-loop overheads. ARM_TIMEOUT (default 330 s) sends SIGTERM:
+#        the trainer stops after the step and still writes its summary.
 #
 # Outputs in $OUT (default bench/out/memory): calibrate: h200-wan2.1-1.3b.json, h200-wan2.1-14b.json,
 # calibrate.txt; arms: memory.json (summaries + predicted-vs-measured memory per micro-batch) and
@@ -31,7 +37,7 @@ note "commit $git_rev"
 arm() {  # arm NAME CONFIG STEPS [trainer args...]
   local name=$1 cfg=$2 steps=$3; shift 3
   note "arm $name: $cfg, $steps steps, $*"
-  timeout "${ARM_TIMEOUT:-200}" "$PY" -m ds_adaptive.train --deepspeed_config "$cfg" --model wan2.1-1.3b \
+  timeout --kill-after=60 "${ARM_TIMEOUT:-200}" "$PY" -m ds_adaptive.train --deepspeed_config "$cfg" --model wan2.1-1.3b \
     --steps "$steps" --no-fused-ln-modulate --log-dir "/tmp/runs/$name" "$@" >"/tmp/runs_$name.log" 2>&1
   local rc=$?
   grep -E "profile auto|PYTORCH_CUDA_ALLOC_CONF|OutOfMemory|out of memory|Error" "/tmp/runs_$name.log" | head -5
@@ -60,6 +66,26 @@ arms)
   arm baseline_auto launch/configs/zero3_baseline.json "$S" --grad-ckpt auto
   "$PY" bench/memory_report.py --runs /tmp/runs --out "$OUT/memory.json" --commit "$git_rev" 2>&1 | tee "$OUT/arms.txt"
   ;;
-*) echo "PURPOSE must be calibrate or arms" >&2; exit 2 ;;
+throughput)
+  mkdir -p /tmp/runs
+  N=${NUM_SAMPLES:-250}
+  CFG=/tmp/zero3_adaptive_interval1.json   # the shipped config, metrics every step
+  "$PY" -c "import json; c = json.load(open('launch/configs/zero3_adaptive.json')); c['adaptive_load']['metrics']['interval'] = 1; json.dump(c, open('$CFG', 'w'))"
+  "$PY" bench/memory_plan.py --num-samples "$N" --steps 1 --configs "$CFG" --out "$OUT/memory_plan.json"
+  # one whole epoch per arm: the plan's steps (the trainer forms the same plan on this GPU)
+  read -r SA SL < <("$PY" -c "import json; r = json.load(open('$OUT/memory_plan.json'))['rows']; print(*[x['steps'] for x in r if x['epoch']])")
+  note "epoch steps: auto $SA, all $SL"
+  ARM_TIMEOUT=${ARM_TIMEOUT:-330} arm adaptive_auto "$CFG" "$SA" --grad-ckpt auto --num-samples "$N"
+  ARM_TIMEOUT=${ARM_TIMEOUT:-330} arm adaptive_all "$CFG" "$SL" --grad-ckpt all --num-samples "$N"
+  tar czf "$OUT/arms.tar.gz" -C /tmp runs $(cd /tmp && ls runs_*.log)   # logs, summaries, jsonl (few files come back)
+  "$PY" bench/memory_report.py --runs /tmp/runs --out "$OUT/memory.json" --commit "$git_rev" 2>&1 | tee "$OUT/arms.txt"
+  ;;
+baseline)   # the README's baseline command's config (zero3_baseline.json, its default checkpointing), BASE_STEPS steps
+  mkdir -p /tmp/runs
+  ARM_TIMEOUT=${ARM_TIMEOUT:-240} arm baseline_auto launch/configs/zero3_baseline.json "${BASE_STEPS:-3}"
+  tar czf "$OUT/arms.tar.gz" -C /tmp runs $(cd /tmp && ls runs_*.log)
+  "$PY" bench/memory_report.py --runs /tmp/runs --out "$OUT/memory.json" --commit "$git_rev" 2>&1 | tee "$OUT/arms.txt"
+  ;;
+*) echo "PURPOSE must be calibrate, arms, throughput or baseline" >&2; exit 2 ;;
 esac
 note done

@@ -3,8 +3,18 @@ and MFU, and the predicted-vs-measured peak memory per micro-batch; writes JSON.
 
     python bench/memory_report.py --runs /tmp/runs --out bench/out/memory/memory.json
 
-Each arm is a directory of ``ds_adaptive.train`` logs (``summary.json``, ``memory.jsonl``); an arm without
-``summary.json`` did not finish (its log says why: time limit or out of memory).
+Each arm is a directory of ``ds_adaptive.train`` logs (``summary.json``, ``memory.jsonl``, and with a
+metrics interval of 1 ``metrics.jsonl``); an arm without ``summary.json`` did not finish (its log says why:
+time limit or out of memory). With ``metrics.jsonl`` the report adds:
+
+- ``all steps`` tokens/s: every step's tokens over every step's wall time, the first included (the
+  summary leaves the warm-up step out). When every arm ran one whole epoch of the same dataset, this
+  compares the same samples.
+- the training-loop overheads the budget search models (``Profile.micro_step_overhead_ms``,
+  ``optimizer_step_overhead_ms``): a least-squares fit over the steps > 1 of all arms of
+  ``wall - sum of predicted batch costs = micro_step x micro-steps + optimizer_step`` (two arms with
+  different gradient_accumulation_steps make both identifiable), and the same with a free scale on the
+  predicted cost (``wall = scale x cost + ...``).
 """
 from __future__ import annotations
 
@@ -16,10 +26,14 @@ from pathlib import Path
 REFERENCE_ARM = "adaptive_all"     # every block checkpointed: the throughput reference
 
 
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
 def load_arm(d: Path) -> dict:
     s = d / "summary.json"
-    mem = [json.loads(line) for line in (d / "memory.jsonl").read_text().splitlines()] if (d / "memory.jsonl").exists() else []
-    out = {"arm": d.name, "finished": s.exists(), "memory": mem}
+    steps = [r for r in _jsonl(d / "metrics.jsonl") if "wall_s" in r and "step" in r]
+    out = {"arm": d.name, "finished": s.exists(), "memory": _jsonl(d / "memory.jsonl"), "steps": steps}
     if s.exists():
         out["summary"] = json.loads(s.read_text())
     return out
@@ -43,11 +57,44 @@ def memory_table(rows: list[dict], skip_steps: int = 1) -> list[dict]:
     return out
 
 
+def step_costs(arm: dict, profile: str) -> list[dict]:
+    """Per step (> 1) of an arm: wall ms, micro-steps and the predicted batch costs' sum (ms), from the
+    arm's metrics.jsonl and memory.jsonl (shape, B, checkpointed blocks of each micro-step)."""
+    from ds_adaptive.balance.cost import CostModel
+    from ds_adaptive.shapes import SampleShape
+
+    cost = CostModel(profile, checkpointing="auto")
+    by_step: dict[int, list[float]] = {}
+    for r in arm["memory"]:
+        f, h, w = (int(x) for x in r["shape"].split("x"))
+        by_step.setdefault(r["step"], []).append(float(cost.ckpt_cost(SampleShape(f, h, w), r["B"], r["ckpt_blocks"])))
+    return [{"step": s["step"], "wall_ms": 1e3 * s["wall_s"], "micro": len(by_step[s["step"]]),
+             "cost_ms": sum(by_step[s["step"]])} for s in arm["steps"] if s["step"] > 1 and s["step"] in by_step]
+
+
+def fit_overheads(rows: list[dict]) -> dict:
+    """Least squares of ``wall - cost = micro x t_micro + t_step`` and ``wall = k cost + micro t_micro + t_step``."""
+    import numpy as np
+
+    if len({r["micro"] for r in rows}) < 2:
+        return {"note": "needs arms with different micro-steps per step"}
+    wall = np.array([r["wall_ms"] for r in rows])
+    cost = np.array([r["cost_ms"] for r in rows])
+    micro = np.array([r["micro"] for r in rows], float)
+    one = np.ones_like(wall)
+    (tm, ts), *_ = np.linalg.lstsq(np.stack([micro, one], 1), wall - cost, rcond=None)
+    (k, tm3, ts3), *_ = np.linalg.lstsq(np.stack([cost, micro, one], 1), wall, rcond=None)
+    return {"steps": len(rows), "micro_step_ms": float(tm), "optimizer_step_ms": float(ts),
+            "with_scale": {"cost_scale": float(k), "micro_step_ms": float(tm3), "optimizer_step_ms": float(ts3)}}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", required=True, help="directory holding one log directory per arm")
     ap.add_argument("--out", required=True, help="JSON to write")
     ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--profile", default="h200-wan2.1-1.3b", help="profile of the predicted costs (default: the "
+                    "arm's summary's)")
     a = ap.parse_args(argv)
     arms = [load_arm(d) for d in sorted(Path(a.runs).iterdir()) if d.is_dir()]
     ref = next((x for x in arms if x["arm"] == REFERENCE_ARM and x["finished"]), None)
@@ -64,6 +111,24 @@ def main(argv=None) -> int:
         print(f"{x['arm']:<15} {'yes' if x['finished'] else 'NO':>4} {s.get('steps', 0):>5} {tps:>9.0f} {ratio:>10} "
               f"{s.get('peak_mem_gib', 0):>9.2f} {100 * s.get('peak_mem_frac', 0):>7.1f} {100 * s.get('mfu', 0):>6.1f} "
               f"{100 * s.get('hfu', 0):>6.1f} {err:>11.1%}")
+    fit_rows = []
+    for x in arms:
+        if x["steps"]:
+            x["all_steps_tokens_per_s"] = sum(r["tokens"] for r in x["steps"]) / sum(r["wall_s"] for r in x["steps"])
+            x["all_steps"] = {"steps": len(x["steps"]), "tokens": sum(r["tokens"] for r in x["steps"]),
+                              "wall_s": sum(r["wall_s"] for r in x["steps"])}
+            x["step_costs"] = step_costs(x, x.get("summary", {}).get("profile") or a.profile)
+            fit_rows += x["step_costs"]
+    ref_all = next((x.get("all_steps_tokens_per_s") for x in arms if x["arm"] == REFERENCE_ARM), None)
+    for x in arms:
+        if "all_steps_tokens_per_s" in x:
+            ratio = f"{x['all_steps_tokens_per_s'] / ref_all:.3f}" if ref_all else "-"
+            print(f"{x['arm']:<15} all steps (warm-up included): {x['all_steps']['steps']} steps, "
+                  f"{x['all_steps']['tokens']} tokens, {x['all_steps']['wall_s']:.1f} s, "
+                  f"{x['all_steps_tokens_per_s']:.0f} tok/s, x all-ckpt {ratio}")
+    overheads = fit_overheads(fit_rows) if fit_rows else {}
+    if overheads:
+        print(f"training-loop overheads (fit over steps > 1): {json.dumps(overheads)}")
     for x in arms:
         if not x["memory_table"]:
             continue
@@ -74,9 +139,11 @@ def main(argv=None) -> int:
                   f"{t['measured_gib_max']:>9.2f} {t['max_abs_rel_err']:>8.1%}")
     for x in arms:
         x.pop("memory", None)
+        x.pop("steps", None)
         if "summary" in x:
             x["summary"].pop("losses", None)
-    Path(a.out).write_text(json.dumps({"commit": a.commit, "reference_arm": REFERENCE_ARM, "arms": arms}, indent=1) + "\n")
+    Path(a.out).write_text(json.dumps({"commit": a.commit, "reference_arm": REFERENCE_ARM, "overheads": overheads,
+                                       "arms": arms}, indent=1) + "\n")
     print(f"\nwrote {a.out}")
     return 0
 

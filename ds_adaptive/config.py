@@ -64,7 +64,11 @@ class SamplerConfig(_Block):
 
     m_comp: Union[float, Literal["auto"]] = "auto"
     """Compute budget per micro-batch per GPU, in the cost model's unit (ms for `calibrated`,
-    S^p for `power`, tokens for `tokens`). `auto`: the cost of the costliest sample at B=1."""
+    S^p for `power`, tokens for `tokens`). `auto`: with `checkpointing: auto` and the calibrated model,
+    the budget (at most the costliest sample's B=1 cost) with the highest predicted tokens/s over the
+    epoch's plan, recompute and per-step overheads included; samples costlier than it run alone
+    (docs/MEMORY.md); otherwise the cost of the costliest sample at B=1. A ds_config with
+    `"gradient_accumulation_steps": "auto"` lets the same search choose the micro-steps per step."""
 
     m_mem: Union[float, Literal["auto"]] = "auto"
     """Memory budget per micro-batch per GPU, in GiB of activation memory. `auto`: the GPU's
@@ -422,6 +426,9 @@ def prepare_ds_config(ds_config: dict, *, dp_size: int, on_gpu: bool) -> dict:
     * Micro-batch sizes come from the batch sampler and vary, so DeepSpeed gets a nominal
       ``train_micro_batch_size_per_gpu = 1`` and the real ``gradient_accumulation_steps``: given
       directly, or derived from ``train_batch_size / (train_micro_batch_size_per_gpu x dp_size)``.
+      ``"gradient_accumulation_steps": "auto"`` stays ``"auto"`` here: the batch sampler chooses it with
+      the throughput-optimal compute budget (``ds_adaptive.balance.budget``) and ``build_run`` writes
+      the number in (``Run.ds_config``) before ``deepspeed.initialize``.
     * ``steps_per_print`` defaults to off (our metrics log every step).
     """
     out = strip_block(ds_config)
@@ -436,6 +443,14 @@ def prepare_ds_config(ds_config: dict, *, dp_size: int, on_gpu: bool) -> dict:
 
     gas = out.get("gradient_accumulation_steps")
     tbs, micro = out.get("train_batch_size"), out.get("train_micro_batch_size_per_gpu")
+    if gas == "auto":
+        if tbs is not None:
+            raise ConfigError(f"ds_config sets gradient_accumulation_steps 'auto' and train_batch_size {tbs!r}: "
+                              "with 'auto' the sampler chooses the micro-steps per optimizer step; drop "
+                              "train_batch_size, or set gradient_accumulation_steps to a number")
+        out["train_micro_batch_size_per_gpu"] = 1
+        out.setdefault("steps_per_print", 2**31 - 1)
+        return out
     if gas is None and tbs is not None:
         micro = micro or 1
         if not isinstance(tbs, int) or tbs % (micro * dp_size):
@@ -446,7 +461,8 @@ def prepare_ds_config(ds_config: dict, *, dp_size: int, on_gpu: bool) -> dict:
         gas = tbs // (micro * dp_size)
     gas = 1 if gas is None else gas
     if not isinstance(gas, int) or isinstance(gas, bool) or gas < 1:
-        raise ConfigError(f"ds_config gradient_accumulation_steps must be an int >= 1, got {gas!r}")
+        raise ConfigError(f"ds_config gradient_accumulation_steps must be an int >= 1, got {gas!r} (or \"auto\": "
+                          "the adaptive_load sampler chooses it)")
     out.pop("train_batch_size", None)
     out["train_micro_batch_size_per_gpu"] = 1
     out["gradient_accumulation_steps"] = gas

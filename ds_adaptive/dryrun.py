@@ -240,7 +240,7 @@ def _check_batch_keys(rep: Report, raw: dict, sp: int, dp: int) -> None:
     tbs, micro, gas_cfg = (raw.get("train_batch_size"), raw.get("train_micro_batch_size_per_gpu"),
                            raw.get("gradient_accumulation_steps"))
     try:
-        if None not in (tbs, micro, gas_cfg) and tbs != micro * gas_cfg * dp:
+        if None not in (tbs, micro, gas_cfg) and gas_cfg != "auto" and tbs != micro * gas_cfg * dp:
             raise ConfigError(
                 f"ds_config train_batch_size={tbs} != train_micro_batch_size_per_gpu {micro} x "
                 f"gradient_accumulation_steps {gas_cfg} x dp {dp} (= world {dp * sp} / sp {sp}) = "
@@ -385,6 +385,9 @@ def _check_memory_and_budgets(rep: Report, args: argparse.Namespace, run, n_para
     desc = f"mode {mode}: m_mem {b['m_mem']:.2f} GiB" + (f" ({'auto' if s.m_mem == 'auto' else 'set'})")
     if mode == "dual":
         desc += f", m_comp {b['m_comp']:.4g} {unit} ({'auto' if s.m_comp == 'auto' else 'set'})"
+        if run.sampler.params.solo_over_budget:
+            desc += " (throughput-optimal; samples over it run alone)"
+    desc += f", {run.gas} micro-step(s) per optimizer step"
     if mode == "tokens":
         desc += f", max_tokens {b['max_tokens']}"
     rep.row("budgets", desc, "ok")
@@ -405,7 +408,7 @@ def _oversize_reasons(cost, shape, b: dict, mode: str) -> list[str]:
     why = []
     if mem1 > b["m_mem"] * (1 + 1e-12):
         why.append(f"activation memory {mem1:.2f} GiB > m_mem {b['m_mem']:.2f} GiB")
-    if mode == "dual" and c1 > b["m_comp"] * (1 + 1e-12):
+    if mode == "dual" and c1 > b["m_comp"] * (1 + 1e-12) and not b.get("solo_over_budget"):
         why.append(f"cost {c1:.4g} {unit} > m_comp {b['m_comp']:.4g} {unit}")
     if mode == "tokens" and cost.padded_tokens(shape) > b["max_tokens"]:
         why.append(f"{cost.padded_tokens(shape)} tokens > max_tokens {b['max_tokens']}")

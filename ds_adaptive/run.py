@@ -69,9 +69,11 @@ class Run:
 
     @property
     def budgets(self) -> dict:
-        """Resolved per-micro-batch budgets: ``m_mem`` GiB, ``m_comp`` (cost unit), ``max_tokens``."""
+        """Resolved per-micro-batch budgets: ``m_mem`` GiB, ``m_comp`` (cost unit), ``max_tokens``;
+        ``solo_over_budget``: samples over ``m_comp`` run alone (the throughput-optimal ``m_comp: auto``)."""
         p = self.sampler.params
-        return {"m_mem": p.m_mem, "m_comp": p.m_comp, "max_tokens": p.max_tokens, "unit": self.cost.unit}
+        return {"m_mem": p.m_mem, "m_comp": p.m_comp, "max_tokens": p.max_tokens, "unit": self.cost.unit,
+                "solo_over_budget": p.solo_over_budget}
 
     @property
     def on_gpu(self) -> bool:
@@ -101,6 +103,13 @@ def build_run(cfg: RunConfig, *, layout: Optional[Layout] = None, device: Option
         torch.float16 if (ds_config.get("fp16") or {}).get("enabled") else torch.float32)
     notes: list = []
     dataset = _build_dataset(cfg, notes)
+    if on_gpu and not meta and gpu_mem_gib is None:
+        from deepspeed.accelerator import get_accelerator
+
+        gpu_mem_gib = get_accelerator().total_memory(device.index or 0) / 2**30
+    # Before the model: "gradient_accumulation_steps": "auto" is resolved by the sampler, and zero.Init
+    # reads the ds_config.
+    sampler = _build_sampler(cfg, dataset, layout, ds_config, gpu_mem_gib, notes, model_config=model_config)
     model = _build_model(cfg, model_config, ds_config, meta=meta)
     if t.init_from and not meta:
         notes.append(_init_from(model, t.init_from))
@@ -108,11 +117,6 @@ def build_run(cfg: RunConfig, *, layout: Optional[Layout] = None, device: Option
         from .parallel import apply_ulysses
 
         apply_ulysses(model, layout)  # sequence sharding + DistributedAttention
-    if on_gpu and not meta and gpu_mem_gib is None:
-        from deepspeed.accelerator import get_accelerator
-
-        gpu_mem_gib = get_accelerator().total_memory(device.index or 0) / 2**30
-    sampler = _build_sampler(cfg, dataset, layout, ds_config, gpu_mem_gib, notes, model_config=model_config)
     return Run(cfg=cfg, layout=layout, device=device, ds_config=ds_config, dtype=dtype, model_config=model_config,
                model=model, dataset=dataset, sampler=sampler, gpu_mem_gib=gpu_mem_gib, notes=notes)
 
@@ -214,7 +218,8 @@ def _build_sampler(cfg: RunConfig, dataset, layout: Layout, ds_config: dict, gpu
 
     t = cfg.trainer
     stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
-    kw = dict(micro_steps_per_step=int(ds_config["gradient_accumulation_steps"]), enabled=cfg.adaptive_load.enabled,
+    gas = ds_config["gradient_accumulation_steps"]   # an int, or "auto": the sampler chooses it
+    kw = dict(micro_steps_per_step=gas if gas == "auto" else int(gas), enabled=cfg.adaptive_load.enabled,
               gpu_mem_gib=gpu_mem_gib, model_name=t.model, zero_stage=stage, profile_log=notes.append)
     shapes = dataset.sample_shapes()
     sparse = _sparse_cost(cfg, model_config, notes) if model_config is not None else None
@@ -240,7 +245,28 @@ def _build_sampler(cfg: RunConfig, dataset, layout: Layout, ds_config: dict, gpu
                      f"rescaled to --layers {prof.num_layers} for planning (Profile.with_num_layers: block compute "
                      f"and activation terms x {prof.num_layers}/{prof.rescaled_from_layers}, embed/head kept, "
                      f"static memory of {prof.params / 1e9:.3f}B params)")
-    if sampler.micro_steps_per_step != kw["micro_steps_per_step"]:
+    model_blocks = model_config.num_layers if model_config is not None else prof.num_layers
+    if sampler.cost.checkpointing == "auto" and prof.num_layers != model_blocks:
+        notes.append(f"checkpointing auto: the plan's checkpoint counts are for the profile's {prof.num_layers} "
+                     f"blocks; the model has {model_blocks}: each count is mapped to the same share of its blocks "
+                     "(rounded up; pass --layers to plan at the model's depth)")
+    if gas == "auto":   # DeepSpeed runs what the sampler plans (the Trainer checks the engine agrees)
+        ds_config["gradient_accumulation_steps"] = sampler.micro_steps_per_step
+        notes.append(_gas_note(sampler))
+    elif sampler.micro_steps_per_step != kw["micro_steps_per_step"]:
         raise RuntimeError(f"the batch sampler plans {sampler.micro_steps_per_step} micro-steps per step, "
                            f"DeepSpeed runs {kw['micro_steps_per_step']}")
     return sampler
+
+
+def _gas_note(sampler) -> str:
+    """The launcher's line for ``gradient_accumulation_steps: auto``."""
+    c = sampler.budget_choice
+    if c is None:
+        return (f"gradient_accumulation_steps auto -> {sampler.micro_steps_per_step} (no compute-budget search: "
+                f"m_comp {sampler.params.m_comp} {sampler.cost.unit})")
+    return (f"gradient_accumulation_steps auto -> {c.micro_steps_per_step}, m_comp auto -> {c.m_comp:.0f} ms per "
+            f"micro-batch (throughput-optimal of {len(c.candidates)} candidates over {c.samples_planned} samples: "
+            f"predicted {c.predicted_tokens_per_s:,.0f} tokens/s, {c.predicted_tokens_per_s / c.reference_tokens_per_s:.3f}x "
+            f"the longest-sample budget {c.reference_m_comp:.0f} ms at 1 micro-step per step; overheads "
+            f"{sampler.cost.profile.overhead_source})")

@@ -30,6 +30,7 @@ from .checkpoint import CheckpointError, check_checkpoint, find_resumable, step_
 from .data import DataError, build_dataset, collate_latents
 from .layout import Layout
 from .metrics import StepMetrics, format_summary
+from .balance.memory import model_checkpoint_blocks
 from .models.flops import wan_train_flops
 from .ops.apply import ln_modulate_summary
 from .objective import EVAL_TIMESTEPS, eval_inputs, flow_matching_losses, mean_mse
@@ -39,7 +40,7 @@ from .run_config import UsageError
 from .shapes import MAX_TEXT_LEN
 
 __all__ = ["Trainer", "backward_micro_batch", "evaluate", "init_distributed", "shutdown_distributed",
-           "MemoryLog", "CLIENT_STATE_KEY", "EVAL_SEED_OFFSET", "NonFiniteError", "EXIT_PREEMPTED"]
+           "check_accumulation", "MemoryLog", "CLIENT_STATE_KEY", "EVAL_SEED_OFFSET", "NonFiniteError", "EXIT_PREEMPTED"]
 
 CLIENT_STATE_KEY = "ds_adaptive"
 EVAL_SEED_OFFSET = 1_000_003   # held-out samples: the synthetic dataset with seed + this offset
@@ -148,6 +149,19 @@ def evaluate(engine, dataset, *, layout: Layout, seed: int, shift: float, dtype:
     return float(total[0] / total[1])
 
 
+def check_accumulation(engine, sampler) -> None:
+    """DeepSpeed's gradient_accumulation_steps must be the sampler's micro-steps per optimizer step: the
+    engine divides the loss by it and steps the optimizer at its boundary, the plan's loss weights and
+    batches assume the sampler's count. Raises :class:`UsageError` naming both values."""
+    ds_gas = int(engine.gradient_accumulation_steps())
+    if ds_gas != sampler.micro_steps_per_step:
+        raise UsageError(
+            f"DeepSpeed runs gradient_accumulation_steps {ds_gas} but the batch sampler planned "
+            f"{sampler.micro_steps_per_step} micro-steps per optimizer step; build the engine from Run.ds_config "
+            "(build_run writes the sampler's count there for \"gradient_accumulation_steps\": \"auto\"), or set "
+            f"gradient_accumulation_steps to {sampler.micro_steps_per_step} in the ds_config")
+
+
 # --- the trainer -----------------------------------------------------------------------------
 
 class Trainer:
@@ -171,6 +185,7 @@ class Trainer:
                                                     model_parameters=[p for p in model.parameters()
                                                                       if p.requires_grad])
         self.layout.check_engine(self.engine)  # DeepSpeed must reduce over all dp*sp ranks (else a clear error)
+        check_accumulation(self.engine, run.sampler)
         self.global_step, self.epoch, self.step_in_epoch = 0, 0, 0
         self._batches = None
         self._shapes = run.dataset.sample_shapes()
@@ -287,8 +302,11 @@ class Trainer:
             metrics.data_ready()
             shape = self._shapes[int(batch["index"][0])]
             tokens = shape.tokens
+            plan_ckpt = None
             if self.ckpt_policy == "auto":  # the plan's count for this rank's batch (same on its SP group)
-                run.model.set_checkpoint_blocks(sampler.checkpoint_blocks(self.step_in_epoch, micro))
+                plan_ckpt = sampler.checkpoint_blocks(self.step_in_epoch, micro)
+                run.model.set_checkpoint_blocks(model_checkpoint_blocks(plan_ckpt, sampler.cost.num_layers,
+                                                                        run.model_config.num_layers))
             num, den = backward_micro_batch(
                 self.engine, latents, context, batch["index"], totals, tokens_per_sample=tokens, layout=self.layout,
                 by=run.cfg.adaptive_load.sampler.loss_weighting, epoch=self.epoch, seed=self.opts.seed,
@@ -306,8 +324,8 @@ class Trainer:
             n_ckpt = run.model.checkpointed_blocks() if run.model.training else 0
             flops = wan_train_flops(run.model_config, tokens, b, n_ckpt)  # model and hardware FLOPs (MFU / HFU)
             metrics.end_micro(b, b * tokens, float(b * tokens ** 2), *flops)
-            self.memory_log.record(self.global_step + 1, micro, shape, b, n_ckpt, metrics.last_micro_peak_gib,
-                                   metrics.last_micro_reserved_gib)
+            self.memory_log.record(self.global_step + 1, micro, shape, b, n_ckpt if plan_ckpt is None else plan_ckpt,
+                                   metrics.last_micro_peak_gib, metrics.last_micro_reserved_gib)
         self.global_step += 1
         self.step_in_epoch += 1
         applied = bool(self.engine.was_step_applied())  # False: DeepSpeed skipped a non-finite update

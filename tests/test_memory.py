@@ -65,7 +65,7 @@ def _sampler(topo, ckpt="auto", **cfg):
 
 
 def test_plan_carries_the_count_identical_on_every_rank_of_a_micro_step():
-    per_rank = {}
+    per_rank, own = {}, {}
     for dp_rank in range(2):
         for sp_rank in range(2):
             s, shapes = _sampler(Layout.explicit(dp_rank=dp_rank, dp_size=2, sp_rank=sp_rank, sp_size=2))
@@ -77,10 +77,14 @@ def test_plan_carries_the_count_identical_on_every_rank_of_a_micro_step():
             # the count is the checkpoint plan of the batch itself, and within the budget
             for k, ids in enumerate(batches):
                 n = per_rank[(dp_rank, sp_rank)][k]
-                assert n == int(checkpoint_blocks(cost, shapes[ids[0]], len(ids), s.params.m_mem))
+                own.setdefault((dp_rank, sp_rank), []).append(
+                    int(checkpoint_blocks(cost, shapes[ids[0]], len(ids), s.params.m_mem)))
                 assert float(cost.ckpt_memory(shapes[ids[0]], len(ids), n)) <= s.params.m_mem * (1 + 1e-9)
     assert per_rank[(0, 0)] == per_rank[(0, 1)] and per_rank[(1, 0)] == per_rank[(1, 1)]   # SP group
-    assert per_rank[(0, 0)] != per_rank[(1, 0)]          # DP ranks hold their own batches
+    # DP ranks hold their own batches but checkpoint the same count: ZeRO-3's gathers are collectives in
+    # module order, and different recompute hangs the micro-step (the largest of the ranks' plans)
+    assert per_rank[(0, 0)] == per_rank[(1, 0)] == [max(a, b) for a, b in zip(own[(0, 0)], own[(1, 0)])]
+    assert own[(0, 0)] != own[(1, 0)]   # ... which their own plans would not
     assert any(n not in (0, 30) for n in per_rank[(0, 0)])  # the budget binds: partial checkpointing
     # the plan's costs are the checkpoint-aware costs (the planner balances true cost)
     plan = s.plan

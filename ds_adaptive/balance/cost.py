@@ -87,6 +87,15 @@ CHECKPOINT_POLICIES = ("auto", "all", "none")
 # the margin minus AUTO_HEADROOM x capacity (room for the memory model's error).
 DEFAULT_MEM_UTILIZATION = 0.85
 AUTO_HEADROOM = 0.03
+# Training-loop time outside the calibrated fwd+bwd (ms), used by the throughput-optimal compute budget
+# (ds_adaptive/balance/budget.py). Per micro-step: ZeRO-3 parameter fetch / gradient reduce hooks, the
+# host-to-device copy and the synchronised start and end of the micro-step; per optimizer step: the
+# optimizer (ZeRO-3 AdamW on the fp32 partition, gradient norm, clipping, bf16 copy-back). Estimates per
+# billion parameters for profiles without a measured ``train_overheads`` block (documented in
+# docs/MEMORY.md): the measurement of h200-wan2.1-1.3b (1.42B params, one H200, ZeRO-3: 193 ms per
+# micro-step, 920 ms per optimizer step; bench/RESULTS.md, issue 16) divided by its parameters.
+MICRO_STEP_OVERHEAD_MS_PER_BPARAM = 136.0
+OPTIMIZER_STEP_OVERHEAD_MS_PER_BPARAM = 648.0
 
 
 class ProfileError(ValueError):
@@ -118,6 +127,20 @@ def _num(d: Mapping, key: str, where: str, *, minimum: float = 0.0) -> float:
 
 def _pair(d: Mapping, where: str) -> tuple:
     return (_num(d, "m0_gib", where), _num(d, "m1_gib_per_token", where))
+
+
+def _overhead_fields(d: Mapping[str, Any], where: str, params: int) -> dict:
+    """``train_overheads`` of a profile json (``micro_step_ms``, ``optimizer_step_ms``, ``source``), or the
+    per-parameter estimates (``MICRO_STEP_OVERHEAD_MS_PER_BPARAM``, ``OPTIMIZER_STEP_OVERHEAD_MS_PER_BPARAM``)."""
+    ov = d.get("train_overheads")
+    if ov is None:
+        return {"micro_step_overhead_ms": MICRO_STEP_OVERHEAD_MS_PER_BPARAM * params / 1e9,
+                "optimizer_step_overhead_ms": OPTIMIZER_STEP_OVERHEAD_MS_PER_BPARAM * params / 1e9,
+                "overhead_source": "estimated"}
+    w = where + " train_overheads"
+    return {"micro_step_overhead_ms": _num(ov, "micro_step_ms", w),
+            "optimizer_step_overhead_ms": _num(ov, "optimizer_step_ms", w),
+            "overhead_source": str(ov.get("source", "measured"))}
 
 
 def _checkpoint_fields(d: Mapping[str, Any], where: str) -> dict:
@@ -195,6 +218,12 @@ class Profile:
     checkpoint_source: str = "estimated"
     #: reserved minus allocated peak over calibrate's shape sweep (GiB); None when not measured
     fragmentation_margin_gib: Optional[float] = None
+    #: training-loop time per micro-step beyond the calibrated batch cost (ms): ZeRO-3 hooks, copies, syncs
+    micro_step_overhead_ms: float = 0.0
+    #: time of one optimizer step (ms): ZeRO-3 optimizer, gradient norm, clipping
+    optimizer_step_overhead_ms: float = 0.0
+    #: "measured" (a ``train_overheads`` block in the json) or "estimated" (per-parameter constants)
+    overhead_source: str = "estimated"
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
     #: depth of the profile this one was rescaled from by :meth:`with_num_layers` (None: as loaded)
     rescaled_from_layers: Optional[int] = field(default=None, compare=False)
@@ -231,7 +260,8 @@ class Profile:
             stage3_live_params=int(_num(static, "stage3_live_params", where + " static_memory")),
             workspace_gib=_num(static, "workspace_gib", where + " static_memory"),
         )
-        return cls(**fields, **_checkpoint_fields(d, where), raw=dict(d))
+        return cls(**fields, **_checkpoint_fields(d, where), **_overhead_fields(d, where, fields["params"]),
+                   raw=dict(d))
 
     def with_num_layers(self, num_layers: int) -> "Profile":
         """The same calibration for the model with ``num_layers`` transformer blocks instead of
@@ -256,6 +286,8 @@ class Profile:
           ``workspace_gib``, ``gpu_mem_gib``, ``sp``, heads and dim unchanged. A budget of
           ``m_mem: auto`` resolved with the result is the reduced model's own (its smaller static
           memory): a reduced model gets larger micro-batches than the full-depth one.
+        - ``train_overheads`` (measured): x the params ratio (per-parameter hooks and optimizer work);
+          without one, the per-parameter estimates apply to the new ``params`` anyway.
         - The calibration's fit points and raw measurements (full-depth) are dropped.
 
         ``EMBED_HEAD_MS`` and the per-token FLOP are estimates, not fitted. Against the shipped
@@ -297,6 +329,10 @@ class Profile:
         d["static_memory"]["params"] = params
         d["static_memory"]["stage3_live_params"] = min(int(raw["static_memory"]["stage3_live_params"]), params)
         d.pop("measurements", None)
+        if "train_overheads" in d:   # per-parameter work (hooks, optimizer): x the params ratio
+            ov = d["train_overheads"]
+            for k in ("micro_step_ms", "optimizer_step_ms"):
+                ov[k] = float(ov[k]) * params / int(raw["model"]["params"])
         d["name"] = f"{raw.get('name', 'profile')}-{num_layers}blocks"
         d["source"] = (f"{raw.get('name')} rescaled from {L0} to {num_layers} blocks by ds_adaptive.balance.cost "
                        "(Profile.with_num_layers): block terms x depth ratio, embed/head terms kept")
@@ -565,8 +601,9 @@ class CostModel:
         return budget
 
     def with_sparse(self, sparse: "Optional[SparseAttentionCost]") -> "CostModel":
-        """The same model with another (or no) sparse-attention term."""
-        return CostModel(self.profile, self.mode, p=self.p, sp=self.sp, num_heads=self.num_heads, sparse=sparse)
+        """The same model (checkpointing policy included) with another (or no) sparse-attention term."""
+        return CostModel(self.profile, self.mode, p=self.p, sp=self.sp, num_heads=self.num_heads, sparse=sparse,
+                         checkpointing=self.checkpointing)
 
     def describe(self) -> dict:
         """Small JSON-able summary (for logs and plan fingerprints)."""

@@ -32,7 +32,8 @@ import numpy as np
 from ds_adaptive.balance.cost import CHECKPOINT_POLICIES, CostModel
 from ds_adaptive.shapes import SampleShape
 
-__all__ = ["checkpoint_blocks", "micro_batch_table", "MicroBatchTable", "policy_blocks", "sample_memory", "CHECKPOINT_POLICIES"]
+__all__ = ["checkpoint_blocks", "micro_batch_table", "MicroBatchTable", "policy_blocks", "sample_memory",
+           "model_checkpoint_blocks", "CHECKPOINT_POLICIES"]
 
 
 def checkpoint_blocks(cost: CostModel, shape: Union[SampleShape, int], batch_sizes, m_mem: float,
@@ -59,6 +60,18 @@ def checkpoint_blocks(cost: CostModel, shape: Union[SampleShape, int], batch_siz
     n = np.clip(np.ceil(need - 1e-9), 0, L - 1).astype(np.int64)
     over = (cost.ckpt_memory(shape, bs, n) > m_mem * (1 + 1e-12)) & (n < L - 1)
     return np.where(over, n + 1, n)
+
+
+def model_checkpoint_blocks(n: int, plan_blocks: int, model_blocks: int) -> int:
+    """The plan's count ``n`` of ``plan_blocks`` (the profile's depth) for a model of ``model_blocks``: the
+    same share of blocks, rounded up (never fewer checkpointed than planned), ``n`` itself when the depths
+    agree. A model trained without ``--layers`` at another depth than its profile (``tiny`` planned with the
+    30-block 1.3B profile on CPU) gets ``ceil(n x model / plan)`` instead of ``min(n, model)`` (which made
+    any n >= 2 of 30 checkpoint both blocks of ``tiny``)."""
+    n, plan_blocks, model_blocks = int(n), int(plan_blocks), int(model_blocks)
+    if plan_blocks == model_blocks or plan_blocks < 1:
+        return n
+    return min(model_blocks, -(-n * model_blocks // plan_blocks))
 
 
 @dataclass(frozen=True)

@@ -84,6 +84,11 @@ class PlannerParams:
     window: int = 256
     oversize: Literal["error", "skip"] = "error"
     balance_tolerance: float = 0.03
+    #: ``dual``: a sample whose B=1 cost is over ``m_comp`` (but fits ``m_mem``) runs alone (B=1) instead of
+    #: being oversize, and the other ranks of its micro-step get batches up to its cost (within ``m_mem``).
+    #: Set by the throughput-optimal ``m_comp: auto`` (``ds_adaptive.balance.budget``), whose budget may be
+    #: below the longest sample's cost.
+    solo_over_budget: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in ("dual", "tokens", "fixed"):
@@ -230,9 +235,13 @@ class _ShapeTable:
         self.tokens = np.array([bucket_tokens(s) for s in self.shapes], np.int64)
         self.padded = np.array([cost.padded_tokens(s) for s in self.shapes], np.int64)
         self.bmax = np.zeros(n, np.int64)
+        self.bmem = np.zeros(n, np.int64)    # largest B within m_mem alone (fill batches of solo micro-steps)
+        self.m_comp = params.m_comp if params.mode == "dual" else None
+        self.solo = bool(params.solo_over_budget) and params.mode == "dual"
         self.why = [""] * n
         for u, s in enumerate(self.shapes):
             b_mem = int(math.floor(params.m_mem / self.mem1[u] * (1 + 1e-12)))
+            self.bmem[u] = max(b_mem, 0)
             b, why = b_mem, (f"activation memory {self.mem1[u]:.3f} GiB > m_mem {params.m_mem:.3f} GiB"
                              if b_mem < 1 else "")
             if params.mode == "dual":
@@ -243,6 +252,8 @@ class _ShapeTable:
                 if b_comp < 1 and b >= 1:
                     why = (f"compute cost {self.c0 + self.cost1[u]:.4g} {cost.unit} > m_comp "
                            f"{params.m_comp:.4g} {cost.unit}")
+                    if self.solo:   # runs alone; its micro-step's other batches are filled up to its cost
+                        b_comp, why = 1, ""
                 b = min(b, b_comp)
             elif params.mode == "tokens":
                 b_tok = int(params.max_tokens // self.padded[u])
@@ -273,6 +284,25 @@ class _ShapeTable:
 
     def batch_ckpt(self, u: int, b: int) -> int:
         return self.ckpt_fixed if self.linear else int(self.tables[u].ckpt[b])
+
+    def tail_cap(self, u: int) -> int:
+        """Largest batch of shape ``u`` in the epoch's re-planned last step: ``bmax``; with
+        ``solo_over_budget`` the memory bound (that step's batches are dealt cost-sorted, not filled to a
+        target, and the solo micro-steps' fill batches it re-batches were over ``m_comp`` already)."""
+        return int(self.bmem[u]) if self.solo else int(self.bmax[u])
+
+    def fill_cap(self, cand: np.ndarray, target: float) -> np.ndarray:
+        """Largest batch size a fill batch of each candidate shape may have in a micro-step whose target
+        cost is ``target``: ``bmax``, except in a solo micro-step (``solo_over_budget``, target over
+        ``m_comp``), where it may grow to the first size that reaches the target, within ``m_mem``."""
+        if not self.solo or target <= self.m_comp:
+            return self.bmax[cand]
+        if self.linear:
+            reach = np.ceil((target - self.c0) / self.cost1[cand]).astype(np.int64)
+        else:
+            reach = np.array([np.searchsorted(self.tables[u].cost[1:], target, "left") + 1 for u in cand.tolist()],
+                             np.int64)
+        return np.maximum(self.bmax[cand], np.minimum(reach, self.bmem[cand]))
 
     def nearest_sizes(self, cand: np.ndarray, cap: np.ndarray, target: float) -> tuple[np.ndarray, np.ndarray]:
         """Per candidate shape, the batch size in 1..cap whose cost is closest to ``target``, and that cost."""
@@ -363,7 +393,7 @@ def _dual_micro_step(table: _ShapeTable, counts: np.ndarray, dp: int, anchor_ok:
         cand = np.flatnonzero(rem > 0)
         if cand.size == 0:
             return None
-        cap = np.minimum(bmax[cand], rem[cand])
+        cap = np.minimum(table.fill_cap(cand, target), rem[cand])
         b, cb = table.nearest_sizes(cand, cap, target)
         err = np.abs(cb - target) / target
         best = err.min()
@@ -428,13 +458,14 @@ def _plan_bucket_window(table: _ShapeTable, pool: list[list[int]], params: Plann
 def _rebatch_tail(table: _ShapeTable, batches: list[tuple[int, list[int]]], n_slots: int
                   ) -> Optional[list[tuple[int, list[int]]]]:
     """Re-batch the tail samples into exactly ``n_slots`` batches (budget-filled, then the
-    costliest batch with B >= 2 split in two until there are enough); None if too few samples."""
+    costliest batch with B >= 2 split in two until there are enough); None if too few samples, or
+    if even budget-filled batches are more than ``n_slots`` (the whole epoch is less than one step)."""
     by_shape: dict[int, list[int]] = {}
     for u, ids in batches:
         by_shape.setdefault(u, []).extend(ids)
     out: list[tuple[int, list[int]]] = []
     for u, ids in sorted(by_shape.items()):
-        b = int(table.bmax[u])
+        b = table.tail_cap(u)
         out.extend((u, ids[i:i + b]) for i in range(0, len(ids), b))
     if sum(len(ids) for _, ids in out) < n_slots:
         return None
@@ -445,8 +476,8 @@ def _rebatch_tail(table: _ShapeTable, batches: list[tuple[int, list[int]]], n_sl
         h = len(ids) // 2
         out[i] = (u, ids[:h])
         out.append((u, ids[h:]))
-    if len(out) > n_slots:   # cannot happen: the tail is less than one step of batches
-        raise AssertionError(f"tail re-batching made {len(out)} batches for {n_slots} slots")
+    if len(out) > n_slots:   # an epoch shorter than one optimizer step: no full step can be formed
+        return None
     return out
 
 
@@ -459,7 +490,7 @@ def _absorb_into_last_step(builder: _Builder, table: _ShapeTable, tail: list[tup
     for u, ids in tail:
         for i in ids:
             room = [j for j in range(first, len(builder.shape)) if builder.shape[j] == u
-                    and builder.offsets[j + 1] - builder.offsets[j] < table.bmax[u]]
+                    and builder.offsets[j + 1] - builder.offsets[j] < table.tail_cap(u)]
             if not room:
                 left.append(i)
                 continue
@@ -556,6 +587,9 @@ def plan_epoch(shape_ids: np.ndarray, shapes: Sequence[SampleShape], order: np.n
         b_cost = np.array([table.batch_cost(u, b) for u, b in pairs], float)
         b_mem = np.array([table.batch_memory(u, b) for u, b in pairs], float)
         b_ckpt = np.array([table.batch_ckpt(u, b) for u, b in pairs], np.int64)
+        if dp > 1 and bs.size:
+            b_ckpt, b_cost, b_mem = _uniform_checkpoint_counts(cost, [shapes[u] for u in bs.tolist()], sizes, b_ckpt,
+                                                               b_cost, b_mem, dp)
     return EpochPlan(
         dp_size=dp, micro_steps_per_step=ga, shapes=list(shapes),
         sample_ids=np.asarray(builder.ids, np.int64), batch_offsets=offsets, batch_shape=bs,
@@ -564,20 +598,46 @@ def plan_epoch(shape_ids: np.ndarray, shapes: Sequence[SampleShape], order: np.n
         oversize=oversize, tail_dropped=tail_dropped, tail_replanned=replanned, batch_ckpt=b_ckpt)
 
 
+def _uniform_checkpoint_counts(cost: CostModel, batch_shapes: list, sizes: np.ndarray, ckpt: np.ndarray,
+                               b_cost: np.ndarray, b_mem: np.ndarray, dp: int):
+    """Every DP rank of a micro-step checkpoints the same number of blocks: the largest of their own
+    plans (a larger count only lowers a batch's memory, so each still fits ``m_mem``). ZeRO-3 gathers
+    parameters with collectives in module order, and a rank that recomputes a block gathers in another
+    order than one that does not: different counts in one micro-step hang it (seen with 2 CPU ranks).
+    The batches whose count rises get its recompute in their cost (the plan's balance figures include it)."""
+    n = ckpt.reshape(-1, dp).max(axis=1).repeat(dp)
+    up = np.flatnonzero(n != ckpt)
+    if up.size == 0:
+        return ckpt, b_cost, b_mem
+    b_cost, b_mem = b_cost.copy(), b_mem.copy()
+    for j in up.tolist():
+        b_cost[j] = float(cost.ckpt_cost(batch_shapes[j], int(sizes[j]), int(n[j])))
+        b_mem[j] = float(cost.ckpt_memory(batch_shapes[j], int(sizes[j]), int(n[j])))
+    return n, b_cost, b_mem
+
+
 # ============================================================================== budgets
 def resolve_budgets(*, mode: Mode, cost: CostModel, shapes: Sequence[SampleShape],
                     m_mem: "float | str", m_comp: "float | str", max_tokens: Optional[int],
                     gpu_mem_gib: Optional[float], mem_utilization: Optional[float], zero_stage: int,
-                    dp_size: int) -> dict:
-    """Numbers for ``auto`` budgets.
+                    dp_size: int, micro_steps_per_step: "int | str" = 1, window: int = 256,
+                    balance_tolerance: float = 0.03, seed: int = 0) -> dict:
+    """Numbers for ``auto`` budgets (``shapes``: one per sample; the budget search weighs shapes by count).
 
     - ``m_mem: auto`` = usable GPU memory - static memory (ZeRO stage, ranks); usable = capacity x
       ``mem_utilization`` when set, else capacity minus the profile's measured fragmentation margin
       and headroom (:meth:`CostModel.usable_memory_gib`).
-    - ``m_comp: auto`` = the costliest sample (that fits ``m_mem``) at B=1, i.e. the smallest budget
-      under which no sample is oversize: the longest video runs alone and sets the pace.
+    - ``m_comp: auto``: the reference = the costliest sample (that fits ``m_mem``) at B=1, i.e. the
+      smallest budget under which no sample is oversize. With the memory-aware checkpoint policy
+      (``dual``, calibrated, ``checkpointing: auto``) the throughput-optimal budget at or below it
+      (:func:`ds_adaptive.balance.budget.choose_compute_budget`; the plan then runs samples over it
+      alone: ``solo_over_budget``), else the reference itself.
+    - ``micro_steps_per_step``: an int is kept; ``"auto"`` = the search's choice (1 without a search).
     - ``max_tokens`` (tokens mode) = the tokens that ``m_mem`` holds at the per-token memory of the
       longest sample, so that both baselines run at the same memory budget as ``dual``.
+
+    Returns ``{"m_mem", "m_comp", "max_tokens", "micro_steps_per_step", "solo_over_budget", "budget_choice"}``
+    (``budget_choice``: the search's :class:`~ds_adaptive.balance.budget.BudgetChoice`, or None).
     """
     uniq = sorted(set(shapes))
     if m_mem == "auto":
@@ -586,8 +646,17 @@ def resolve_budgets(*, mode: Mode, cost: CostModel, shapes: Sequence[SampleShape
         m_mem_v = float(m_mem)
     mem1 = {s: sample_memory(cost, s) for s in uniq}
     fits = [s for s in uniq if mem1[s] <= m_mem_v] or uniq
+    choice = None
+    gas = micro_steps_per_step if micro_steps_per_step != "auto" else 1
     if m_comp == "auto":   # B=1 with its checkpoint plan
         m_comp_v = max(float(micro_batch_table(cost, s, 1, m_mem_v).cost[1]) for s in fits)
+        from ds_adaptive.balance.budget import choose_compute_budget, uses_budget_search
+
+        if uses_budget_search(cost, mode):
+            choice = choose_compute_budget(cost, shapes, m_mem=m_mem_v, reference=m_comp_v, dp_size=dp_size,
+                                           micro_steps_per_step=micro_steps_per_step, window=window,
+                                           balance_tolerance=balance_tolerance, seed=seed)
+            m_comp_v, gas = choice.m_comp, choice.micro_steps_per_step
     else:
         m_comp_v = float(m_comp)
     if max_tokens is None:
@@ -596,4 +665,5 @@ def resolve_budgets(*, mode: Mode, cost: CostModel, shapes: Sequence[SampleShape
         max_tokens_v = max(int(m_mem_v / per_tok), cost.padded_tokens(longest))
     else:
         max_tokens_v = int(max_tokens)
-    return {"m_mem": m_mem_v, "m_comp": m_comp_v, "max_tokens": max_tokens_v}
+    return {"m_mem": m_mem_v, "m_comp": m_comp_v, "max_tokens": max_tokens_v, "micro_steps_per_step": int(gas),
+            "solo_over_budget": choice is not None, "budget_choice": choice}

@@ -85,6 +85,8 @@ def _compact_profile(p: Profile) -> dict:
     out["compute"]["recompute"] = dict(zip(("c0_ms", "a_ms_per_token", "b_ms_per_token2"), p.recompute_ms))
     if p.fragmentation_margin_gib is not None:
         out["memory"]["fragmentation_margin_gib"] = p.fragmentation_margin_gib
+    out["train_overheads"] = {"micro_step_ms": p.micro_step_overhead_ms, "optimizer_step_ms": p.optimizer_step_overhead_ms,
+                              "source": p.overhead_source}
     return out
 
 
@@ -98,7 +100,8 @@ class _PlannedBatchSampler(_SamplerBase):
                  max_tokens: Optional[int] = None, fixed_batch_sizes: Optional[Mapping[str, int]] = None,
                  window: int = 256, seed: int = 0, oversize: str = "error", balance_tolerance: float = 0.03,
                  lr_scaling: str = "none", reference_batch: Optional[int] = None,
-                 loss_weighting: str = "samples", m_comp_auto: bool = False) -> None:
+                 loss_weighting: str = "samples", m_comp_auto: bool = False, solo_over_budget: bool = False,
+                 budget_choice=None) -> None:
         if cost.sp != layout.sp_size:
             raise ValueError(f"cost model sp={cost.sp} but layout sp_size={layout.sp_size}")
         self.shapes = [s if isinstance(s, SampleShape) else int(s) for s in shapes]
@@ -114,7 +117,9 @@ class _PlannedBatchSampler(_SamplerBase):
             mode=self.mode, dp_size=layout.dp_size, micro_steps_per_step=int(micro_steps_per_step),
             m_mem=float(m_mem), m_comp=None if m_comp is None else float(m_comp), max_tokens=max_tokens,
             fixed_batch_sizes=dict(fixed_batch_sizes) if fixed_batch_sizes else None, window=int(window),
-            oversize=oversize, balance_tolerance=float(balance_tolerance))
+            oversize=oversize, balance_tolerance=float(balance_tolerance), solo_over_budget=bool(solo_over_budget))
+        #: the throughput search behind ``m_comp: auto`` (:class:`ds_adaptive.balance.budget.BudgetChoice`), or None
+        self.budget_choice = budget_choice
         self._uniq, self._sid = unique_shapes(self.shapes)
         self._fingerprint = shapes_fingerprint(self.shapes)
         self.m_comp_auto = bool(m_comp_auto)       # re-resolve m_comp when the densities change
@@ -181,10 +186,14 @@ class _PlannedBatchSampler(_SamplerBase):
     def _set_sparse(self, sparse: SparseAttentionCost, measured_at: Optional[int], at_step: Optional[int]) -> None:
         self.cost = self.cost.with_sparse(sparse)
         if self.m_comp_auto and self.params.mode == "dual":
-            m_comp = resolve_budgets(mode="dual", cost=self.cost, shapes=self._uniq, m_mem=self.params.m_mem,
-                                     m_comp="auto", max_tokens=self.params.max_tokens, gpu_mem_gib=None,
-                                     mem_utilization=1.0, zero_stage=0, dp_size=self.params.dp_size)["m_comp"]
-            self.params = dataclasses.replace(self.params, m_comp=m_comp)
+            # micro-steps per step stay as DeepSpeed runs them; only the budget follows the new cost
+            b = resolve_budgets(mode="dual", cost=self.cost, shapes=self.shapes, m_mem=self.params.m_mem,
+                                m_comp="auto", max_tokens=self.params.max_tokens, gpu_mem_gib=None,
+                                mem_utilization=1.0, zero_stage=0, dp_size=self.params.dp_size,
+                                micro_steps_per_step=self.params.micro_steps_per_step, window=self.params.window,
+                                balance_tolerance=self.params.balance_tolerance, seed=self.seed)
+            self.params = dataclasses.replace(self.params, m_comp=b["m_comp"], solo_over_budget=b["solo_over_budget"])
+            self.budget_choice = b["budget_choice"]
         self._cache = None
         self.density_updates.append({"epoch": self.epoch, "at_step": at_step, "measured_at": measured_at,
                                      "fingerprint": sparse.densities.fingerprint()})
@@ -250,7 +259,11 @@ class _PlannedBatchSampler(_SamplerBase):
                 "tail_replanned": plan.tail_replanned,
                 "predicted_cv_mean": float(cv.mean()) if cv.size else 0.0,
                 "budgets": {"m_mem_gib": self.params.m_mem, "m_comp": self.params.m_comp,
-                            "max_tokens": self.params.max_tokens, "unit": self.cost.unit}}
+                            "max_tokens": self.params.max_tokens, "unit": self.cost.unit,
+                            "micro_steps_per_step": self.micro_steps_per_step,
+                            "solo_over_budget": self.params.solo_over_budget,
+                            "budget_search": None if self.budget_choice is None else {
+                                k: v for k, v in self.budget_choice.describe().items() if k != "candidates"}}}
 
     # ------------------------------------------------------------------ state
     def state_dict(self, consumed_steps: int) -> dict:
@@ -394,7 +407,7 @@ def _detect_gpu_mem_gib() -> Optional[float]:
 
 
 def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape], layout: Layout, *,
-                        micro_steps_per_step: int, enabled: bool = True, gpu_mem_gib: Optional[float] = None,
+                        micro_steps_per_step: "int | str", enabled: bool = True, gpu_mem_gib: Optional[float] = None,
                         model_name: Optional[str] = None, zero_stage: Optional[int] = None,
                         mode: Optional[str] = None, num_layers: Optional[int] = None,
                         sparse: Optional[SparseAttentionCost] = None, checkpointing: Optional[str] = None,
@@ -410,7 +423,10 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
     densities may be updated later with ``update_densities``). ``checkpointing`` overrides
     ``sampler_cfg.checkpointing`` (the trainer's ``--grad-ckpt``). ``profile: auto`` resolves the profile
     for the detected GPU (:func:`ds_adaptive.balance.devices.resolve_auto_profile`); its one-line message
-    goes to ``profile_log`` (e.g. ``print``) when given.
+    goes to ``profile_log`` (e.g. ``print``) when given. ``micro_steps_per_step``: DeepSpeed's
+    gradient_accumulation_steps, or ``"auto"``: the throughput-optimal ``m_comp: auto`` chooses it with the
+    budget (:mod:`ds_adaptive.balance.budget`; 1 without that search); the sampler's
+    ``micro_steps_per_step`` publishes it (the trainer sets DeepSpeed's value from it).
     """
     if isinstance(sampler_cfg, Mapping):
         sampler_cfg = SamplerConfig.model_validate(sampler_cfg)
@@ -449,12 +465,15 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
         mode=chosen, cost=cost, shapes=shapes, m_mem=sampler_cfg.m_mem, m_comp=sampler_cfg.m_comp,
         max_tokens=sampler_cfg.max_tokens, gpu_mem_gib=gpu_mem_gib or _detect_gpu_mem_gib(),
         mem_utilization=sampler_cfg.mem_utilization,
-        zero_stage=sampler_cfg.zero_stage if zero_stage is None else zero_stage, dp_size=layout.dp_size)
+        zero_stage=sampler_cfg.zero_stage if zero_stage is None else zero_stage, dp_size=layout.dp_size,
+        micro_steps_per_step=micro_steps_per_step, window=sampler_cfg.window,
+        balance_tolerance=sampler_cfg.balance_tolerance, seed=sampler_cfg.seed)
     return _CLASSES[chosen](
-        shapes, layout, cost, micro_steps_per_step=micro_steps_per_step, m_mem=budgets["m_mem"],
+        shapes, layout, cost, micro_steps_per_step=budgets["micro_steps_per_step"], m_mem=budgets["m_mem"],
         m_comp=budgets["m_comp"] if chosen == "dual" else None,
         max_tokens=budgets["max_tokens"] if chosen == "tokens" else None,
         fixed_batch_sizes=sampler_cfg.fixed_batch_sizes, window=sampler_cfg.window, seed=sampler_cfg.seed,
         oversize=sampler_cfg.oversize, balance_tolerance=sampler_cfg.balance_tolerance,
         lr_scaling=sampler_cfg.lr_scaling, reference_batch=sampler_cfg.reference_batch,
-        loss_weighting=sampler_cfg.loss_weighting, m_comp_auto=sampler_cfg.m_comp == "auto")
+        loss_weighting=sampler_cfg.loss_weighting, m_comp_auto=sampler_cfg.m_comp == "auto",
+        solo_over_budget=budgets["solo_over_budget"] and chosen == "dual", budget_choice=budgets["budget_choice"])

@@ -1,0 +1,151 @@
+"""Guards the throughput-optimal compute budget (ds_adaptive/balance/budget.py): deterministic, the same on
+every rank, reproduced on resume, never over the memory budget, samples over it run alone with balanced
+partners, gradient accumulation chosen with it and checked against DeepSpeed's."""
+from __future__ import annotations
+
+import math
+import types
+import warnings
+
+import numpy as np
+import pytest
+
+from ds_adaptive.balance.budget import candidate_budgets, predicted_time_ms, uses_budget_search
+from ds_adaptive.balance.cost import CostModel
+from ds_adaptive.balance.memory import model_checkpoint_blocks
+from ds_adaptive.balance.planner import OversizeSampleError, PlannerParams, plan_epoch, unique_shapes
+from ds_adaptive.balance.sampler import build_batch_sampler
+from ds_adaptive.config import ConfigError, SamplerConfig, prepare_ds_config
+from ds_adaptive.data import build_dataset
+from ds_adaptive.layout import Layout
+
+H200 = "h200-wan2.1-1.3b"
+GIB = 139.8
+
+
+def _shapes(n=300, seed=0):
+    return build_dataset("synthetic", num_samples=n, shapes=None, seed=seed).sample_shapes()
+
+
+def _sampler(shapes, dp=1, rank=0, gas="auto", **cfg):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return build_batch_sampler(SamplerConfig(profile=H200, **cfg), shapes, Layout.explicit(dp_size=dp, dp_rank=rank),
+                                   micro_steps_per_step=gas, gpu_mem_gib=GIB, model_name="wan2.1-1.3b", zero_stage=3)
+
+
+def test_budget_is_deterministic_identical_on_every_rank_and_beats_the_reference():
+    shapes = _shapes()
+    a, b, c = _sampler(shapes, dp=2, rank=0), _sampler(shapes, dp=2, rank=1), _sampler(shapes, dp=2, rank=0)
+    ch = a.budget_choice
+    assert ch is not None and a.params.solo_over_budget
+    assert (a.params, a.micro_steps_per_step) == (b.params, b.micro_steps_per_step) == (c.params, c.micro_steps_per_step)
+    assert np.array_equal(a.plan.sample_ids, b.plan.sample_ids) and np.array_equal(a.plan.batch_ckpt, c.plan.batch_ckpt)
+    # the chosen budget is the best candidate, at or below the longest sample's B=1 cost, and no worse than it
+    best = max(r["tokens_per_s"] for r in ch.candidates)
+    assert ch.predicted_tokens_per_s == best >= ch.reference_tokens_per_s > 0
+    assert ch.m_comp <= ch.reference_m_comp and ch.candidates[-1]["m_comp"] == ch.reference_m_comp
+    assert ch.micro_steps_per_step == math.ceil(ch.reference_m_comp / ch.m_comp - 1e-9)
+    # on the default mix the memory-aware budget is well below the longest video's (H200: ~1 s vs ~9 s)
+    assert ch.m_comp < 0.5 * ch.reference_m_comp and a.micro_steps_per_step > 1
+
+
+def test_every_candidate_plan_fits_memory_and_solo_samples_are_balanced():
+    shapes = _shapes(400)
+    cost = CostModel(H200, checkpointing="auto")
+    m_mem = cost.auto_memory_budget(GIB, zero_stage=3, dp_size=3)
+    uniq, sid = unique_shapes(shapes)
+    longest = max(uniq, key=lambda s: s.tokens)
+    ref = max(float(cost.ckpt_cost(s, 1, 0)) for s in uniq)
+    cands = candidate_budgets(cost, uniq, m_mem, ref)
+    assert cands == sorted(cands) and cands[-1] == ref and len(cands) >= 5
+    for m in cands[::3]:
+        params = PlannerParams(mode="dual", dp_size=3, micro_steps_per_step=2, m_mem=m_mem, m_comp=m, window=64,
+                               solo_over_budget=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plan = plan_epoch(sid, uniq, np.arange(len(shapes)), cost, params, seed=1)
+        assert plan.batch_memory.max() <= m_mem * (1 + 1e-9) and not plan.oversize     # memory is never traded
+        sizes = plan.batch_sizes()
+        solo = np.array([uniq[u] == longest for u in plan.batch_shape])
+        if float(cost.ckpt_cost(longest, 1, 0)) > m:   # the longest videos run alone ...
+            assert solo.any() and np.all(sizes[solo] == 1)
+        c = plan.micro_step_costs()
+        cv = c.std(axis=1) / c.mean(axis=1)
+        assert np.median(cv) < 0.05   # ... and their micro-steps' other batches are grown to their cost
+        assert predicted_time_ms(plan, cost) > c.max(axis=1).sum()
+    # without solo_over_budget an explicit budget below the longest sample is still an oversize error
+    with pytest.raises(OversizeSampleError, match="m_comp"):
+        plan_epoch(sid, uniq, np.arange(len(shapes)), cost,
+                   PlannerParams(mode="dual", dp_size=1, micro_steps_per_step=1, m_mem=m_mem, m_comp=cands[0]))
+
+
+def test_resume_reproduces_the_chosen_budget_and_plan():
+    shapes = _shapes()
+    s = _sampler(shapes, dp=2)
+    s.set_epoch(0)
+    state = s.state_dict(3)
+    r = _sampler(shapes, dp=2)
+    r.load_state_dict(state)
+    assert r.params == s.params and r.micro_steps_per_step == s.micro_steps_per_step
+    gas = s.micro_steps_per_step
+    assert list(r) == list(s.plan.rank_batches(0, 3 * gas))
+    assert [r.checkpoint_blocks(k, m) for k in range(3, 6) for m in range(gas)] == \
+        [s.checkpoint_blocks(k, m) for k in range(3, 6) for m in range(gas)]
+
+
+def test_gradient_accumulation_auto_and_fixed():
+    shapes = _shapes()
+    fixed = _sampler(shapes, gas=2)
+    assert fixed.micro_steps_per_step == 2 and fixed.budget_choice.micro_steps_per_step == 2
+    assert all(r["micro_steps_per_step"] == 2 for r in fixed.budget_choice.candidates)
+    # no search without the memory-aware policy: the longest sample's budget, one micro-step per step
+    every = _sampler(shapes, checkpointing="all")
+    assert every.budget_choice is None and every.micro_steps_per_step == 1 and not every.params.solo_over_budget
+    assert not uses_budget_search(CostModel(H200, "power", checkpointing="auto"), "dual")
+    assert not uses_budget_search(CostModel(H200, checkpointing="auto"), "tokens")
+    base = _sampler(shapes, mode="tokens")
+    assert base.micro_steps_per_step == 1 and base.budget_choice is None
+    # the ds_config: "auto" is kept for the sampler; with train_batch_size it is an error
+    assert prepare_ds_config({"gradient_accumulation_steps": "auto"}, dp_size=2, on_gpu=False)[
+        "gradient_accumulation_steps"] == "auto"
+    with pytest.raises(ConfigError, match="drop train_batch_size"):
+        prepare_ds_config({"gradient_accumulation_steps": "auto", "train_batch_size": 8}, dp_size=2, on_gpu=False)
+
+
+def test_build_run_gives_deepspeed_the_sampler_count_and_the_trainer_checks_it():
+    from ds_adaptive.run import build_run
+    from ds_adaptive.run_config import RunConfig, UsageError
+    from ds_adaptive.trainer import check_accumulation
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "launch" / "configs" / "zero3_adaptive.json"
+    cfg = RunConfig.load(str(path), trainer={"model": "wan2.1-1.3b", "num_samples": 300})
+    cfg.adaptive_load.sampler.profile = H200
+    run = build_run(cfg, layout=Layout.for_world(1, 1), meta=True, gpu_mem_gib=GIB)
+    assert run.ds_config["gradient_accumulation_steps"] == run.gas == run.sampler.micro_steps_per_step > 1
+    assert any("gradient_accumulation_steps auto ->" in n for n in run.notes)
+    check_accumulation(types.SimpleNamespace(gradient_accumulation_steps=lambda: run.gas), run.sampler)
+    with pytest.raises(UsageError, match=rf"DeepSpeed runs gradient_accumulation_steps 1 but the batch sampler planned "
+                                         rf"{run.gas}"):
+        check_accumulation(types.SimpleNamespace(gradient_accumulation_steps=lambda: 1), run.sampler)
+
+
+def test_plan_counts_map_to_the_model_depth():
+    assert [model_checkpoint_blocks(n, 30, 30) for n in (0, 7, 30)] == [0, 7, 30]
+    assert [model_checkpoint_blocks(n, 30, 2) for n in (0, 1, 15, 16, 29, 30)] == [0, 1, 1, 2, 2, 2]
+
+
+def test_density_updates_keep_the_policy_and_re_search_at_the_same_gas():
+    from ds_adaptive.balance.sparse import SparseAttentionCost, synthetic_densities
+
+    shapes = _shapes(200)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        s = build_batch_sampler(SamplerConfig(profile=H200), shapes, Layout.explicit(), micro_steps_per_step="auto",
+                                gpu_mem_gib=GIB, model_name="wan2.1-1.3b", zero_stage=3,
+                                sparse=SparseAttentionCost(synthetic_densities(30, 12, seed=0)))
+        gas = s.micro_steps_per_step
+        s.update_densities(synthetic_densities(30, 12, seed=1, lo=0.05, hi=0.2), at_step=1)
+    assert s.cost.checkpointing == "auto" and s.params.solo_over_budget   # with_sparse kept the policy
+    assert s.micro_steps_per_step == gas and s.budget_choice.micro_steps_per_step == gas   # DeepSpeed's gas is fixed
