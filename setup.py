@@ -81,7 +81,7 @@ setup(
     python_requires=">=3.10",
     packages=PACKAGES,
     package_dir={"ds_adaptive": "ds_adaptive", "ds_adaptive.patches": "patches"},
-    package_data={"ds_adaptive": ["data/*.json", "balance/profiles/*.json"],
+    package_data={"ds_adaptive": ["data/*.json", "balance/profiles/*.json", "sparse/*.json"],
                   "ds_adaptive.ops": ["csrc/**/*"]},
     include_package_data=True,
     install_requires=install_requires,

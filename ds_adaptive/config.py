@@ -240,6 +240,11 @@ class SparseAttentionConfig(_Block):
     """Sparse kernel: `flex` (compiled FlexAttention block-sparse, CUDA), `reference` (masked dense
     torch, S^2 memory: tests / CPU), `auto` = flex on CUDA, reference on CPU."""
 
+    selection_cache: Literal["host", "device"] = "host"
+    """Where a layer's selection waits between the forward and its activation-checkpointing
+    recompute: `host` (pinned CPU buffers, stream-ordered async copies, no GPU memory held across
+    the step; CUDA only) or `device` (kept on the GPU: [B, H, nq, k] int32 per sparse layer)."""
+
     max_compiled_shapes: int = Field(64, ge=1)
     """Distinct (batch, heads, tokens) shapes the flex kernel may be compiled for; one more is an
     error (never a silent fallback to an unfused S^2 path)."""

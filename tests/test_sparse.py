@@ -262,7 +262,7 @@ def test_model_with_cube_order_and_all_blocks_equals_dense_model() -> None:
     rt.schedule.dense_layers = frozenset()
     lat, t, ctx = _inputs()
     out = model(lat, t, ctx)
-    assert rt._cache[0].selection is not None and rt._cache[0].selection.density().min() == 1.0
+    assert rt.cached_selection(0) is not None and rt.cached_selection(0).density().min() == 1.0
     assert torch.allclose(out, ref(lat, t, ctx), atol=1e-10)
 
 
@@ -276,11 +276,11 @@ def test_checkpoint_recompute_reuses_the_forward_selection() -> None:
                                      "backend": "reference"}, num_layers=2, num_heads=2, head_dim=64)
         rt.install(model)
         calls = []
-        orig = rt.select
-        rt.select = lambda layer, q, k, heads=None: calls.append(layer) or orig(layer, q, k, heads)
+        orig = rt._select
+        rt._select = lambda layer, q, k, heads=None: calls.append(layer) or orig(layer, q, k, heads)
         model(lat, t, ctx).square().mean().backward()
         assert calls == [0, 1], calls  # one selection per layer, also with the recompute
-        assert 0.2 < float(rt._cache[0].selection.density().mean()) < 0.5
+        assert 0.2 < float(rt.cached_selection(0).density().mean()) < 0.5
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
     for n in grads[0]:
         assert torch.allclose(grads[0][n], grads[1][n], atol=1e-10), n
@@ -336,13 +336,13 @@ def test_per_head_state_follows_the_head_ids_of_a_placement() -> None:
     ref = full.attention(0, q, k, v)
     out = part.attention(0, q[:, :, mine], k[:, :, mine], v[:, :, mine], head_ids=mine)
     assert torch.allclose(out, ref[:, :, mine], atol=1e-12)
-    sel_full, sel_part = full._cache[0].selection, part._cache[0].selection
+    sel_full, sel_part = full.cached_selection(0), part.cached_selection(0)
     assert torch.equal(sel_part.kv_num, sel_full.kv_num[:, mine])
     assert sel_part.kv_num[0, 0].float().mean() > sel_part.kv_num[0, 1].float().mean()  # head 3 (0.3) > head 0 (0.15)
     # negative control: the same rank without the ids takes heads 2, 3 (its contiguous slice): different blocks
     part._cache.clear()
     part.attention(0, q[:, :, mine], k[:, :, mine], v[:, :, mine])
-    assert not torch.equal(part._cache[0].selection.kv_num, sel_full.kv_num[:, mine])
+    assert not torch.equal(part.cached_selection(0).kv_num, sel_full.kv_num[:, mine])
     # profiling (grad-enabled q): the densities land on the original head ids
     part._reset_step_stats()
     qg = q[:, :, mine].clone().requires_grad_()

@@ -120,36 +120,97 @@ def _keys_below(seq_len: int):
     return mask_mod
 
 
-def block_mask_from_selection(selection: BlockSelection, *, pad_to_block: bool = True):
-    """FlexAttention ``BlockMask`` with the selected blocks as full blocks.
+def transpose_blocks(kv_num: torch.Tensor, kv_idx: torch.Tensor, num_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The transposed block lists: for each key block, the query blocks that selected it.
+
+    kv_num ``[B, H, nq]``, kv_idx ``[B, H, nq, w]`` (first ``kv_num`` entries valid, any order) ->
+    ``(q_num [B, H, num_cols] int32, q_idx [B, H, num_cols, nq] int32)``, query blocks ascending,
+    entries past ``q_num`` 0. A handful of vectorised kernels, no host sync (a bool scatter, an int32
+    cumsum, one scatter of the positions), unlike ``BlockMask.from_kv_blocks``' vmapped dense
+    transpose and argsort.
+    """
+    b, h, nq, w = kv_idx.shape
+    valid = torch.arange(w, device=kv_idx.device) < kv_num.unsqueeze(-1)
+    dense = torch.zeros(b, h, nq, num_cols + 1, dtype=torch.bool, device=kv_idx.device)
+    dense.scatter_(-1, torch.where(valid, kv_idx.long(), num_cols), True)
+    dense_t = dense[..., :num_cols].transpose(-1, -2)  # [B, H, nk, nq] view
+    pos = dense_t.cumsum(-1, dtype=torch.int32)
+    q_num = pos[..., -1].contiguous()
+    q_idx = torch.zeros(b, h, num_cols, nq + 1, dtype=torch.int32, device=kv_idx.device)
+    rows = torch.arange(nq, dtype=torch.int32, device=kv_idx.device).expand(b, h, num_cols, nq)
+    q_idx.scatter_(-1, torch.where(dense_t, pos - 1, nq).long(), rows)
+    return q_num, q_idx[..., :nq].contiguous()
+
+
+def block_mask_from_selection(selection: BlockSelection, *, pad_to_block: bool = True, with_q: bool = True):
+    """FlexAttention ``BlockMask`` with the selected blocks as full blocks, built directly (no
+    ``from_kv_blocks``): the kv side is the selection's own index rows widened to nk (a fixed width,
+    so the compiled kernel does not depend on k), the q side (backward only) from
+    :func:`transpose_blocks`.
 
     ``pad_to_block`` and S not a multiple of the block: the mask is for S rounded up to whole
     blocks (:func:`flex_block_sparse_attention` zero-pads q, k, v), so the kernel runs its
     divisible-length path; the ragged last key block, where selected, becomes the one partial
     block (``mask_mod``: key < S). Otherwise every block is full and flex masks the tail itself.
+    ``with_q=False``: no q-side lists (enough for a forward without autograd, e.g. evaluation; a
+    non-reentrant checkpoint's first pass runs with autograd on and must save what its recompute
+    saves, so it gets the q side too).
     """
     from torch.nn.attention.flex_attention import BlockMask
     s, bs, n = selection.seq_len, selection.block_size, selection.num_blocks
+    kv_num = selection.kv_num.to(torch.int32)
     idx = selection.flex_indices()
-    if not pad_to_block or s % bs == 0:
-        return BlockMask.from_kv_blocks(torch.zeros_like(selection.kv_num), torch.zeros_like(idx),
-                                        selection.kv_num, idx, BLOCK_SIZE=bs, seq_lengths=(s, s))
-    # selected indices are ascending, so the last block, if selected, sits at position kv_num - 1
-    pos = (selection.kv_num.long() - 1).clamp_min(0).unsqueeze(-1)
-    has_last = ((selection.kv_idx.gather(-1, pos).squeeze(-1) == n - 1) & (selection.kv_num > 0)).to(torch.int32)
-    return BlockMask.from_kv_blocks(has_last, torch.full_like(idx, n - 1), selection.kv_num - has_last, idx,
-                                    BLOCK_SIZE=bs, mask_mod=_keys_below(s), seq_lengths=(n * bs, n * bs))
+    ragged = pad_to_block and s % bs != 0
+    # every index tensor is nk wide, as from_kv_blocks makes them: a one-column partial kv list gave
+    # wrong outputs on the GPU (torch 2.11, B=2, ragged S; bench/results/ at 50dfe55)
+    if ragged:  # selected indices are ascending: the last block, if selected, sits at kv_num - 1
+        pos = (kv_num.long() - 1).clamp_min(0).unsqueeze(-1)
+        has_last = ((idx.gather(-1, pos).squeeze(-1) == n - 1) & (kv_num > 0)).to(torch.int32)
+        part_num, part_idx = has_last, torch.full_like(idx, n - 1)
+        full_num = kv_num - has_last
+    else:
+        part_num, part_idx = torch.zeros_like(kv_num), torch.zeros_like(idx)
+        full_num = kv_num
+    q_args = dict(q_num_blocks=None, q_indices=None, full_q_num_blocks=None, full_q_indices=None)
+    if with_q:
+        # one transpose of all selected blocks; the ragged last key block's row is the partial set,
+        # the other rows the full sets (the partial list is its own tensor: no aliased kernel inputs)
+        q_num, q_idx = transpose_blocks(kv_num, idx, n)
+        zero = torch.zeros_like(q_num)
+        if ragged:
+            q_part = torch.cat([zero[..., :-1], q_num[..., -1:]], -1)
+            q_full = torch.cat([q_num[..., :-1], zero[..., -1:]], -1)
+            q_part_idx = q_idx.clone()
+        else:
+            q_part, q_full = zero, q_num
+            q_part_idx = torch.zeros_like(q_idx)
+        q_args = dict(q_num_blocks=q_part, q_indices=q_part_idx, full_q_num_blocks=q_full, full_q_indices=q_idx)
+    length = n * bs if ragged else s
+    return BlockMask(seq_lengths=(length, length), kv_num_blocks=part_num, kv_indices=part_idx,
+                     full_kv_num_blocks=full_num, full_kv_indices=idx, BLOCK_SIZE=(bs, bs),
+                     mask_mod=_keys_below(s) if ragged else _noop_mask(), **q_args)
+
+
+def _noop_mask():
+    from torch.nn.attention.flex_attention import noop_mask
+    return noop_mask
 
 
 def flex_block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: BlockSelection, *,
                                 valid_len: Optional[int] = None, max_shapes: int = 64, block_mask=None,
-                                pad_to_block: bool = True, kernel_options: Optional[dict] = None) -> torch.Tensor:
+                                pad_to_block: bool = True, kernel_options: Optional[dict] = None,
+                                density: Optional[float] = None) -> torch.Tensor:
     """Block-sparse attention by compiled FlexAttention (CUDA); see the module docstring.
 
     ``block_mask``: a prebuilt :func:`block_mask_from_selection` of the (valid-length) selection with
-    the same ``pad_to_block``, e.g. cached by the caller for the activation-checkpointing recompute.
-    ``kernel_options``: passed to flex_attention (tile sizes, warps, stages).
+    the same ``pad_to_block`` (built here otherwise, with the q side only when autograd needs it).
+    ``kernel_options``: passed to flex_attention (tile sizes, warps, stages); None: the measured
+    table of :mod:`ds_adaptive.sparse.kernel_options` for ``density`` (the selection's share of
+    key blocks, known on the host), torch's defaults where ``density`` is None or no entry fits.
     """
+    if kernel_options is None and density is not None:
+        from ds_adaptive.sparse.kernel_options import options_for
+        kernel_options = options_for(density, head_dim=q.shape[-1], dtype=q.dtype, device=q.device)
     _check(q, k, v, selection)
     if not q.is_cuda:
         raise SparseKernelError("the flex block-sparse kernel needs CUDA tensors; use backend 'reference' on CPU")
@@ -169,10 +230,12 @@ def flex_block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                     f"(adaptive_load.sparse_attention.max_compiled_shapes = {max_shapes}); shape (B, H, S, Dh) = "
                     f"{key[:4]} would need one more compile. Raise max_compiled_shapes or bucket the shapes")
             _shapes.add(key)
-    bm = block_mask if block_mask is not None else block_mask_from_selection(sel, pad_to_block=pad_to_block)
-    import torch._dynamo
-    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-        out = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=bm,
+    if block_mask is None:
+        need_q = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        block_mask = block_mask_from_selection(sel, pad_to_block=pad_to_block, with_q=need_q)
+    import torch._dynamo as dynamo  # (a plain `import torch._dynamo` would make `torch` local here)
+    with dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        out = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask,
                  kernel_options=kernel_options).transpose(1, 2)
     if tail:
         out = out[:, :s]

@@ -60,15 +60,18 @@ class LowRankPredictor(nn.Module):
         of the predicted logits; ``"lse"``: log-sum-exp over each key block of the predicted logits of
         the query block's mean projection.
 
-        The projection runs in q's dtype (no fp32 copy of q / k; tensor-core matmul with fp32
-        accumulation), the block means and their products in fp32."""
+        ``mean``: by linearity the block means of q / k are pooled first (one fp32-accumulating pass
+        over q and k, no copy of them) and projected in fp32 ([B, H, n, Dh] x [H, Dh, r]): a handful
+        of small kernels. ``lse`` projects every key in k's dtype (fp32 accumulation)."""
         hl = q.shape[2]
-        wq = self.head_weights(self.wq, layer, head_offset, hl).to(q.dtype)
-        wk = self.head_weights(self.wk, layer, head_offset, hl).to(k.dtype)
-        qp = pool_blocks(torch.einsum("bshd,hdr->bshr", q, wq), block_size)
-        kt = torch.einsum("bshd,hdr->bshr", k, wk)
+        wq = self.head_weights(self.wq, layer, head_offset, hl)
+        wk = self.head_weights(self.wk, layer, head_offset, hl)
         if mode == "mean":
-            return torch.matmul(qp, pool_blocks(kt, block_size).transpose(-1, -2))
+            qp = torch.matmul(pool_blocks(q, block_size), wq)  # [B, H, nq, r]
+            kp = torch.matmul(pool_blocks(k, block_size), wk)
+            return torch.matmul(qp, kp.transpose(-1, -2))
+        qp = torch.matmul(pool_blocks(q, block_size), wq)
+        kt = torch.einsum("bshd,hdr->bshr", k, wk.to(k.dtype))
         # "lse": log-sum-exp over each key block of the mean query's predicted logits to every key
         # (closer to the block's softmax mass than the mean logit; O(nq * S * r) per head)
         logits = torch.matmul(qp, kt.float().transpose(1, 2).transpose(-1, -2))  # [B, H, nq, S]

@@ -32,13 +32,12 @@ from typing import Any, Optional, Union
 import torch
 
 from ds_adaptive.config import SparseAttentionConfig
-from ds_adaptive.sparse.attention import (block_mask_from_selection, dense_attention, flex_block_sparse_attention,
-                                          masked_attention_reference, truncate_selection)
+from ds_adaptive.sparse.attention import dense_attention, flex_block_sparse_attention, masked_attention_reference
 from ds_adaptive.sparse.cube_order import CubeOrder
 from ds_adaptive.sparse.predictor import LowRankPredictor
 from ds_adaptive.sparse.profiler import exact_logits, profile_rows, sample_rows
 from ds_adaptive.sparse.schedule import SparseSchedule
-from ds_adaptive.sparse.selection import blocks_for_density, select_blocks
+from ds_adaptive.sparse.selection import BlockSelection, blocks_for_density, select_blocks
 
 
 def _in_backward() -> bool:
@@ -47,10 +46,37 @@ def _in_backward() -> bool:
 
 
 class _Entry:
-    __slots__ = ("key", "selection", "block_mask")
+    """One layer's selection of this step: ``selection`` (device tensors, for the forward itself),
+    ``stored`` (the copy kept for the checkpoint recompute: the same selection, or a
+    :class:`_HostCopy`), ``density`` (host-known selected share: the kernel-options bucket)."""
+    __slots__ = ("key", "selection", "stored", "density")
 
-    def __init__(self, key, selection, block_mask):
-        self.key, self.selection, self.block_mask = key, selection, block_mask
+    def __init__(self, key, selection, stored, density):
+        self.key, self.selection, self.stored, self.density = key, selection, stored, density
+
+
+class _HostCopy:
+    """A selection parked in pinned host buffers (reused per layer across steps): the device->host
+    and host->device copies are asynchronous and ordered on the current stream, so nothing waits
+    and no GPU memory is held between a layer's forward and its recompute."""
+
+    def __init__(self):
+        self._bufs: dict[int, tuple] = {}
+        self.meta: dict[int, tuple] = {}
+
+    def put(self, layer: int, sel: BlockSelection) -> None:
+        bufs = self._bufs.get(layer)
+        if bufs is None or any(b.shape != t.shape or b.dtype != t.dtype for b, t in zip(bufs, (sel.kv_num, sel.kv_idx))):
+            bufs = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda) for t in (sel.kv_num, sel.kv_idx))
+            self._bufs[layer] = bufs
+        for b, t in zip(bufs, (sel.kv_num, sel.kv_idx)):
+            b.copy_(t, non_blocking=True)
+        self.meta[layer] = (sel.block_size, sel.seq_len, sel.kv_idx.device)
+
+    def get(self, layer: int) -> BlockSelection:
+        bs, s, dev = self.meta[layer]
+        num, idx = (b.to(dev, non_blocking=True) for b in self._bufs[layer])
+        return BlockSelection(kv_num=num, kv_idx=idx, block_size=bs, seq_len=s)
 
 
 class LayerAttention:
@@ -113,6 +139,7 @@ class SparseAttentionRuntime:
         # profiles the heads it holds, step() all-reduces the sums over the group (DP x SP)
         self.head_density = torch.full((num_layers, num_heads), nan)
         self._cache: dict[int, _Entry] = {}
+        self._host = _HostCopy()
         self._reset_step_stats()
         self.last: dict[str, Any] = {"loss": [nan] * num_layers, "recall": [nan] * num_layers,
                                      "selected_density": [nan] * num_layers, "select_ms": [nan] * num_layers}
@@ -138,18 +165,29 @@ class SparseAttentionRuntime:
         heads = self._local_heads(layer, q, head_ids)
         key = (tuple(q.shape), valid_len, heads)
         entry = self._cache.get(layer)
-        if not (_in_backward() and entry is not None and entry.key == key):
+        if _in_backward() and entry is not None and entry.key == key:
+            # the checkpoint recompute: the forward's selection (from the host buffers, or kept)
+            selection = self.cached_selection(layer)
+        else:
             entry = self._forward_entry(layer, q, k, key, valid_len, heads)
             self._cache[layer] = entry
-        if entry.selection is None:
+            selection, entry.selection = entry.selection, None  # the forward's own reference only
+        if selection is None:
             return dense_attention(q, k, v, valid_len=valid_len)
         if self.backend(q.device) == "flex":
-            # the BlockMask is transient (O(nq * nk) per layer): the cache keeps only the compact
-            # selection, and the checkpoint recompute rebuilds the mask from it
-            bm, entry.block_mask = entry.block_mask, None
-            return flex_block_sparse_attention(q, k, v, entry.selection, valid_len=valid_len,
-                                               max_shapes=self.cfg.max_compiled_shapes, block_mask=bm)
-        return masked_attention_reference(q, k, v, entry.selection, valid_len=valid_len)
+            # the BlockMask is built inside the op from the compact selection (a few kernels, no
+            # sync; the q side, O(nq * nk), only with autograd on) and is never cached
+            return flex_block_sparse_attention(q, k, v, selection, valid_len=valid_len,
+                                               max_shapes=self.cfg.max_compiled_shapes, density=entry.density)
+        return masked_attention_reference(q, k, v, selection, valid_len=valid_len)
+
+    def cached_selection(self, layer: int) -> Optional[BlockSelection]:
+        """The selection this step's forward made for ``layer`` (what its recompute reuses); None:
+        the layer ran dense or has not run since the last :meth:`step`."""
+        entry = self._cache.get(layer)
+        if entry is None or entry.stored is None:
+            return None
+        return self._host.get(layer) if isinstance(entry.stored, _HostCopy) else entry.stored
 
     def _local_heads(self, layer: int, q: torch.Tensor, head_ids) -> tuple[int, ...]:
         """The original ids of the heads on dim 2 of ``q``: ``head_ids`` from a Ulysses head placement
@@ -176,15 +214,22 @@ class SparseAttentionRuntime:
     def select(self, layer: int, q: torch.Tensor, k: torch.Tensor, heads: Optional[tuple[int, ...]] = None):
         """The block selection of this layer for q, k ``[B, S, Hl, Dh]`` (None: run dense); ``heads``:
         the original ids of q's heads (default: this rank's contiguous slice)."""
+        return self._select(layer, q, k, heads)[0]
+
+    @torch.no_grad()
+    def _select(self, layer: int, q: torch.Tensor, k: torch.Tensor, heads: Optional[tuple[int, ...]] = None):
+        """(selection or None, its selected share known on the host: mean k / nk)."""
         cfg = self.cfg
         heads = self._local_heads(layer, q, None) if heads is None else heads
         s = q.shape[1]
         nk = math.ceil(s / cfg.block_size)
         kph = self._head_k(layer, nk, heads)
-        if float(kph.float().mean()) / nk > cfg.dense_above:
-            return None
+        density = float(kph.float().mean()) / nk
+        if density > cfg.dense_above:
+            return None, density
         scores = self.predictor.block_scores(layer, q, k, cfg.block_size, self._head_arg(heads), mode=cfg.block_score)
-        return select_blocks(scores, kph, seq_len=s, block_size=cfg.block_size, keep_sink=cfg.keep_sink)
+        return select_blocks(scores, kph, seq_len=s, block_size=cfg.block_size, keep_sink=cfg.keep_sink,
+                             inplace=True), density
 
     def _head_arg(self, heads: tuple[int, ...]):
         """The predictor's head argument: the int offset for a contiguous slice (a view), else the ids."""
@@ -192,20 +237,20 @@ class SparseAttentionRuntime:
         return h0 if heads == tuple(range(h0, h0 + len(heads))) else heads
 
     def _forward_entry(self, layer, q, k, key, valid_len, heads) -> _Entry:
-        cfg = self.cfg
-        selection, bm = None, None
+        selection, stored, density = None, None, None
         if self.schedule.is_sparse(layer):
             t0 = self._clock(q.device)
-            selection = self.select(layer, q, k, heads)
-            if selection is not None and self.backend(q.device) == "flex":
-                sel = selection if valid_len is None or valid_len >= q.shape[1] else truncate_selection(selection, valid_len)
-                bm = block_mask_from_selection(sel)
+            selection, density = self._select(layer, q, k, heads)
             self._select_events[layer].append((t0, self._clock(q.device)))
             if selection is not None:  # a device tensor: read in step(), no sync per layer here
                 self._selected[layer] = selection.density().mean()
+                stored = selection
+                if q.is_cuda and self.cfg.selection_cache == "host":
+                    self._host.put(layer, selection)
+                    stored = self._host
         if torch.is_grad_enabled() and self.schedule.profile_now() and q.requires_grad:
             self._profile_and_train(layer, q, k, selection, valid_len, heads)
-        return _Entry(key, selection, bm)
+        return _Entry(key, selection, stored, density)
 
     def _profile_and_train(self, layer, q, k, selection, valid_len, heads) -> None:
         cfg = self.cfg

@@ -93,13 +93,14 @@ def blocks_for_density(density: torch.Tensor | Sequence[float], num_blocks: int,
 
 
 def select_blocks(scores: torch.Tensor, k_per_head: torch.Tensor, *, seq_len: int, block_size: int,
-                  keep_diagonal: bool = True, keep_sink: bool = False) -> BlockSelection:
+                  keep_diagonal: bool = True, keep_sink: bool = False, inplace: bool = False) -> BlockSelection:
     """Top-k key blocks per query block.
 
     scores: [B, H, nq, nk] predicted block scores (any float dtype; higher = more attention).
     k_per_head: [H] ints in [1, nk]: key blocks per query block of each head.
     keep_diagonal: the query block's own key block (nq == nk) is always selected (it counts in k);
-    keep_sink: key block 0 is always selected too.
+    keep_sink: key block 0 is always selected too. ``inplace``: fp32 ``scores`` may be overwritten
+    (saves a copy; the runtime passes its own fresh scores). No host sync: k is validated on the host.
     """
     b, h, nq, nk = scores.shape
     k = torch.as_tensor(k_per_head).long().cpu()  # validated on the host: no device sync
@@ -112,16 +113,22 @@ def select_blocks(scores: torch.Tensor, k_per_head: torch.Tensor, *, seq_len: in
         raise SelectionError(f"keep_diagonal needs nq == nk, got {nq} query and {nk} key blocks")
     k = k.clamp(min=min(forced, nk)) if forced else k
     kmax = int(k.max())
-    s = scores.float().clone()
+    s = scores if inplace and scores.dtype == torch.float32 else scores.float().clone()
     big = torch.finfo(torch.float32).max
     if keep_diagonal:
         s.diagonal(dim1=-2, dim2=-1).fill_(big)
     if keep_sink:
         s[..., 0] = big
-    top = torch.topk(s, kmax, dim=-1, sorted=True).indices  # [B, H, nq, kmax]
-    k_dev = k.to(s.device, non_blocking=True)
-    # ascending block order inside each row's selection (K/V locality; flex_block_sparse_attention
+    one_k = int(k.min()) == kmax  # one k for all heads (e.g. forced density): no padding entries
+    # (per-head k: by score, so that a head's first k entries are its top k)
+    top = torch.topk(s, kmax, dim=-1, sorted=not one_k).indices  # [B, H, nq, kmax]
+    # ascending block order inside each row's selection (K/V locality; block_mask_from_selection
     # relies on it to find the ragged last block at position kv_num - 1)
+    if one_k:
+        kv_idx = top.to(torch.int32).sort(dim=-1).values
+        kv_num = torch.full((b, h, nq), kmax, dtype=torch.int32, device=s.device)
+        return BlockSelection(kv_num=kv_num, kv_idx=kv_idx, block_size=block_size, seq_len=seq_len)
+    k_dev = k.to(s.device, non_blocking=True)
     valid = torch.arange(kmax, device=s.device) < k_dev.view(1, h, 1, 1)
     top = torch.where(valid, top, nk).sort(dim=-1).values
     kv_idx = torch.where(top < nk, top, 0).to(torch.int32).contiguous()
@@ -130,14 +137,16 @@ def select_blocks(scores: torch.Tensor, k_per_head: torch.Tensor, *, seq_len: in
 
 
 def pool_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Mean over blocks of consecutive tokens: [B, S, H, r] -> [B, H, n, r] fp32 (partial last block: its own mean)."""
+    """Mean over blocks of consecutive tokens: [B, S, H, r] -> [B, H, n, r] fp32 (partial last block: its own mean).
+
+    Sums in fp32 straight from x's dtype (no fp32 copy, no padding copy of x)."""
     b, s, h, r = x.shape
-    n = math.ceil(s / block_size)
-    pad = n * block_size - s
-    xf = x.float()
-    if pad:
-        xf = torch.nn.functional.pad(xf, (0, 0, 0, 0, 0, pad))
-    summed = xf.view(b, n, block_size, h, r).sum(2)  # [B, n, H, r]
-    counts = torch.full((n,), float(block_size), device=x.device)
-    counts[-1] = s - (n - 1) * block_size
-    return (summed / counts.view(1, n, 1, 1)).transpose(1, 2)
+    full = s // block_size
+    parts = []
+    if full:
+        parts.append(x[:, :full * block_size].reshape(b, full, block_size, h, r).sum(2, dtype=torch.float32)
+                     .div_(block_size))
+    if full * block_size < s:
+        parts.append(x[:, full * block_size:].sum(1, keepdim=True, dtype=torch.float32).div_(s - full * block_size))
+    out = torch.cat(parts, 1) if len(parts) > 1 else parts[0]
+    return out.transpose(1, 2)
