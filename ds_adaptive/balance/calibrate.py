@@ -600,6 +600,13 @@ def _rebuild_from_block_scaling(args: argparse.Namespace) -> int:
     return 0
 
 
+def _device_defaults(args: argparse.Namespace, on_cpu: bool) -> None:
+    """--warmup / --iters / --model defaults: short runs and the tiny model on a CPU."""
+    args.warmup = args.warmup if args.warmup is not None else (1 if on_cpu else 2)
+    args.iters = args.iters if args.iters is not None else (2 if on_cpu else 5)
+    args.model = args.model or ("tiny" if on_cpu else "wan2.1-1.3b")
+
+
 def resolve_ln_modulate(choice: str, device_type: str) -> str:
     """``--ln-modulate`` -> ``fused`` | ``reference``. ``auto``: the fused op when it loads on CUDA (the
     run's default path with ``adaptive_load.fused_ln_modulate``), else the reference; ``fused`` off CUDA
@@ -732,9 +739,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not 1 <= k1 < k2:
         ap.error(f"--layers needs 1 <= k1 < k2, got {k1},{k2}")
     on_cpu = args.device == "cpu"
-    args.warmup = args.warmup if args.warmup is not None else (1 if on_cpu else 2)
-    args.iters = args.iters if args.iters is not None else (2 if on_cpu else 5)
-    args.model = args.model or ("tiny" if on_cpu else "wan2.1-1.3b")
+    _device_defaults(args, on_cpu)
     shapes = parse_lengths(args.lengths) if args.lengths else list(
         CPU_CALIBRATION_SHAPES if on_cpu else DEFAULT_CALIBRATION_SHAPES)
     batch_sizes = _parse_batch_sizes(ap, args, shapes, on_cpu)
@@ -748,8 +753,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     gpu_mem = args.gpu_mem_gib or (torch.cuda.get_device_properties(device).total_memory / GIB
                                    if device.type == "cuda" else 16.0)
     ln_path = resolve_ln_modulate(args.ln_modulate, device.type)
-    print(f"calibrate {args.model} on {dev_name} ({dtype}, sp={args.sp}, layers {k1},{k2} -> {num_layers}, "
-          f"LayerNorm-modulate {ln_path})")
+    print(f"calibrate {args.model} on {dev_name} ({dtype}, sp={args.sp}, layers {k1},{k2} -> {num_layers}, {ln_path})")
     t_start = time.perf_counter()
     rows, _ = measure(args.model, layers=[k1, k2], shapes=shapes, batch_sizes=batch_sizes, sp=args.sp,
                       device_name=args.device, dtype_name=dtype, warmup=args.warmup, iters=args.iters,
