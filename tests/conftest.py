@@ -38,12 +38,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _port_taken(results: list[subprocess.CompletedProcess]) -> bool:
+    """A rank failed because another process took the rendezvous port between ``_free_port`` and
+    the bind (happens when several test sessions share the machine)."""
+    return any(r.returncode != 0 and "address already in use" in r.stdout.lower() for r in results)
+
+
 def launch_ranks(argv: list[str], world: int, *, cwd: Path, timeout: float = 600,
                  env: dict | None = None) -> list[subprocess.CompletedProcess]:
     """Run ``python <argv>`` as ``world`` ranks of one gloo job; fail the test (with every rank's
-    output) if a rank fails or the job exceeds ``timeout`` seconds."""
-    port = str(_free_port())
+    output) if a rank fails or the job exceeds ``timeout`` seconds. A job whose rendezvous port was
+    taken by another process is started once more on a new port."""
     what = " ".join(a if len(a) < 60 else a[:57] + "..." for a in argv[:4]).replace("\n", " ")
+    for attempt in range(2):
+        results = _launch_once(argv, world, cwd=cwd, timeout=timeout, env=env, what=what)
+        if not (attempt == 0 and _port_taken(results)):
+            break
+    bad = [i for i, r in enumerate(results) if r.returncode != 0]
+    if bad:
+        outs = "\n".join(f"--- rank {i} (exit {r.returncode}) ---\n{r.stdout[-6000:]}" for i, r in enumerate(results))
+        pytest.fail(f"{world}-rank job `{what}` failed on rank(s) {bad}\n{outs}")
+    return results
+
+
+def _launch_once(argv: list[str], world: int, *, cwd: Path, timeout: float, env: dict | None,
+                 what: str) -> list[subprocess.CompletedProcess]:
+    port = str(_free_port())
     procs = []
     for rank in range(world):
         e = {**os.environ, **(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
@@ -61,10 +81,6 @@ def launch_ranks(argv: list[str], world: int, *, cwd: Path, timeout: float = 600
             p.kill()
         outs = "\n".join(f"--- rank {i} ---\n{p.communicate()[0][-4000:]}" for i, p in enumerate(procs))
         pytest.fail(f"{world}-rank job `{what}` timed out after {timeout} s\n{outs}")
-    bad = [i for i, r in enumerate(results) if r.returncode != 0]
-    if bad:
-        outs = "\n".join(f"--- rank {i} (exit {r.returncode}) ---\n{r.stdout[-6000:]}" for i, r in enumerate(results))
-        pytest.fail(f"{world}-rank job `{what}` failed on rank(s) {bad}\n{outs}")
     return results
 
 
