@@ -6,6 +6,9 @@
 #                                                 # both checkpointing modes + margin) + a 3-step smoke run
 #   PURPOSE=arms STEPS=40 bash bench/gpu_memory.sh   # Wan 1.3B full depth, default mixed distribution:
 #        adaptive (checkpointing auto), adaptive (every block checkpointed), baseline (auto)
+#   PURPOSE=calibrate_fused bash bench/gpu_memory.sh   # issue 16b: the 1.3B profile (2/4 blocks, both
+#        checkpointing modes) measured with the fused LayerNorm-modulate op (JIT-built inside the call) ->
+#        $OUT/h200-wan2.1-1.3b-fused.json; compare its memory entries with the shipped (reference) profile
 #   PURPOSE=baseline BASE_STEPS=3 bash bench/gpu_memory.sh   # zero3_baseline.json (0 OOM check)
 #   PURPOSE=throughput bash bench/gpu_memory.sh      # the throughput-optimal m_comp / gas auto (issue 16, 2nd
 #        session): adaptive auto vs adaptive all, each ONE WHOLE EPOCH of the same NUM_SAMPLES (default 250)
@@ -58,6 +61,11 @@ calibrate)
   ARM_TIMEOUT=150 arm smoke launch/configs/zero3_adaptive.json "${SMOKE_STEPS:-3}" --grad-ckpt auto
   "$PY" bench/memory_report.py --runs /tmp/runs --out "$OUT/smoke.json" 2>&1 | tee -a "$OUT/calibrate.txt"
   ;;
+calibrate_fused)
+  note "calibrate wan2.1-1.3b with the fused LayerNorm-modulate op (layers 2,4; both checkpointing modes)"
+  "$PY" -m ds_adaptive.balance.calibrate --model wan2.1-1.3b --sp 1 --ln-modulate fused \
+    --out "$OUT/h200-wan2.1-1.3b-fused.json" --name h200-wan2.1-1.3b 2>&1 | tee "$OUT/calibrate_fused.txt"
+  ;;
 arms)
   mkdir -p /tmp/runs
   S=${STEPS:-40}
@@ -86,6 +94,6 @@ baseline)   # the README's baseline command's config (zero3_baseline.json, its d
   tar czf "$OUT/arms.tar.gz" -C /tmp runs $(cd /tmp && ls runs_*.log)
   "$PY" bench/memory_report.py --runs /tmp/runs --out "$OUT/memory.json" --commit "$git_rev" 2>&1 | tee "$OUT/arms.txt"
   ;;
-*) echo "PURPOSE must be calibrate, arms, throughput or baseline" >&2; exit 2 ;;
+*) echo "PURPOSE must be calibrate, calibrate_fused, arms, throughput or baseline" >&2; exit 2 ;;
 esac
 note done

@@ -208,6 +208,16 @@ def _sparse_cost(cfg: RunConfig, model_config, notes: list):
     return SparseAttentionCost(densities=ones, block_size=sa.block_size)
 
 
+def run_ln_modulate_path(fused_requested: bool) -> str:
+    """The LayerNorm-modulate path a run's model computes with, for matching the profile's memory entries:
+    ``fused`` when ``adaptive_load.fused_ln_modulate`` asks for it and DS_ADAPTIVE_LN_MODULATE does not force
+    the reference, else ``reference``. (A CUDA op that fails to build also falls back; the trainer's summary
+    reports that from the op's call counts.)"""
+    from .ops.ln_modulate import get_mode
+
+    return "fused" if fused_requested and get_mode() != "reference" else "reference"
+
+
 def _build_sampler(cfg: RunConfig, dataset, layout: Layout, ds_config: dict, gpu_mem_gib, notes: list, *,
                    model_config=None):
     """The batch sampler; with ``--layers`` the profile is rescaled to the trained depth (or, when it
@@ -220,7 +230,8 @@ def _build_sampler(cfg: RunConfig, dataset, layout: Layout, ds_config: dict, gpu
     stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
     gas = ds_config["gradient_accumulation_steps"]   # an int, or "auto": the sampler chooses it
     kw = dict(micro_steps_per_step=gas if gas == "auto" else int(gas), enabled=cfg.adaptive_load.enabled,
-              gpu_mem_gib=gpu_mem_gib, model_name=t.model, zero_stage=stage, profile_log=notes.append)
+              gpu_mem_gib=gpu_mem_gib, model_name=t.model, zero_stage=stage, profile_log=notes.append,
+              ln_modulate=run_ln_modulate_path(cfg.adaptive_load.fused_ln_modulate))
     shapes = dataset.sample_shapes()
     sparse = _sparse_cost(cfg, model_config, notes) if model_config is not None else None
     try:

@@ -304,12 +304,14 @@ class UlyssesEmulation:
 def measure(model_name: str, *, layers: Sequence[int], shapes: Sequence[SampleShape],
             batch_sizes: Mapping[int, Sequence[int]], sp: int, device_name: str, dtype_name: str,
             warmup: int, iters: int, gradient_checkpointing: bool, overrides: Mapping[str, Any],
-            log=print, both_checkpointing: bool = False) -> tuple[list[dict], dict]:
-    """Time fwd+bwd and record peak memory for every (depth, shape, B). Returns raw rows and the
-    model config (as a dict)."""
+            log=print, both_checkpointing: bool = False, ln_modulate: str = "reference") -> tuple[list[dict], dict]:
+    """Time fwd+bwd and record peak memory for every (depth, shape, B), with the LayerNorm-modulate
+    path ``ln_modulate`` (``fused`` | ``reference``, as ``apply_ln_modulate`` installs it in a run).
+    Returns raw rows and the model config (as a dict)."""
     import torch
 
     from ds_adaptive.models.wan import WanModel, get_wan_config
+    from ds_adaptive.ops.apply import apply_ln_modulate
 
     device = torch.device(device_name)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[dtype_name]
@@ -325,6 +327,7 @@ def measure(model_name: str, *, layers: Sequence[int], shapes: Sequence[SampleSh
             model = WanModel(cfg)
         model.to_dtype(dtype)
         model.train()
+        apply_ln_modulate(model, ln_modulate == "fused")
         if sp > 1:
             model.set_attention(UlyssesEmulation(sp))
         modes = [gradient_checkpointing, not gradient_checkpointing] if both_checkpointing else [gradient_checkpointing]
@@ -572,6 +575,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "default %(default)s) or does not grow with length")
     ap.add_argument("--accept-poor-fit", action="store_true",
                     help="write the profile even when the fit misses the quality bar (with a warning)")
+    ap.add_argument("--ln-modulate", default="auto", choices=["auto", "fused", "reference"],
+                    help="LayerNorm-modulate path to measure with (its activation memory differs): auto (default) "
+                         "= the fused op when it loads on CUDA (as a run with adaptive_load.fused_ln_modulate), "
+                         "else the torch reference; recorded in the profile as \"ln_modulate\"")
     ap.add_argument("--from-block-scaling", metavar="JSON",
                     help="instead of measuring, rebuild the shipped profiles from a per-block scaling json")
     return ap
@@ -591,6 +598,51 @@ def _rebuild_from_block_scaling(args: argparse.Namespace) -> int:
         print(f"{path}: c0={c['c0_ms']:.3f} ms a={c['a_ms_per_token']:.4g} ms/tok "
               f"b={c['b_ms_per_token2']:.4g} ms/tok^2 fit max|err|={c['fit']['max_rel_err']:.1%}")
     return 0
+
+
+def _device_defaults(args: argparse.Namespace, on_cpu: bool) -> None:
+    """--warmup / --iters / --model defaults: short runs and the tiny model on a CPU."""
+    args.warmup = args.warmup if args.warmup is not None else (1 if on_cpu else 2)
+    args.iters = args.iters if args.iters is not None else (2 if on_cpu else 5)
+    args.model = args.model or ("tiny" if on_cpu else "wan2.1-1.3b")
+
+
+def resolve_ln_modulate(choice: str, device_type: str) -> str:
+    """``--ln-modulate`` -> ``fused`` | ``reference``. ``auto``: the fused op when it loads on CUDA (the
+    run's default path with ``adaptive_load.fused_ln_modulate``), else the reference; ``fused`` off CUDA
+    or with an op that does not load is an error (a profile must not claim a path it did not measure)."""
+    if choice == "reference":
+        return "reference"
+    if device_type != "cuda":
+        if choice == "fused":
+            raise SystemExit("calibrate: --ln-modulate fused needs a CUDA device (the op has no CPU path); "
+                             "use --ln-modulate reference or auto on the CPU")
+        return "reference"
+    from ds_adaptive.ops.ln_modulate import load_op
+
+    try:
+        return "fused" if load_op(strict=True) is not None else "reference"
+    except RuntimeError as exc:
+        if choice == "fused":
+            raise SystemExit(f"calibrate: --ln-modulate fused: {exc}; build the op (ds-adaptive ops) or "
+                             "pass --ln-modulate reference") from exc
+        print(f"calibrate: note: {exc}; measuring with the torch LayerNorm-modulate reference", file=sys.stderr)
+        return "reference"
+
+
+def ran_ln_modulate(requested: str) -> str:
+    """The path the measurement really ran (the op's call counts): ``fused`` only when every call took
+    the fused op. DS_ADAPTIVE_LN_MODULATE=reference forces the reference inside an enabled model."""
+    if requested != "fused":
+        return requested
+    from ds_adaptive.ops.ln_modulate import call_counts
+
+    calls = call_counts()
+    if calls["reference"] or not calls["fused"]:
+        print(f"calibrate: warning: --ln-modulate fused but the calls ran {calls}; recording \"reference\"",
+              file=sys.stderr)
+        return "reference"
+    return "fused"
 
 
 def _parse_batch_sizes(ap: argparse.ArgumentParser, args: argparse.Namespace, shapes: list, on_cpu: bool) -> dict:
@@ -687,9 +739,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not 1 <= k1 < k2:
         ap.error(f"--layers needs 1 <= k1 < k2, got {k1},{k2}")
     on_cpu = args.device == "cpu"
-    args.warmup = args.warmup if args.warmup is not None else (1 if on_cpu else 2)
-    args.iters = args.iters if args.iters is not None else (2 if on_cpu else 5)
-    args.model = args.model or ("tiny" if on_cpu else "wan2.1-1.3b")
+    _device_defaults(args, on_cpu)
     shapes = parse_lengths(args.lengths) if args.lengths else list(
         CPU_CALIBRATION_SHAPES if on_cpu else DEFAULT_CALIBRATION_SHAPES)
     batch_sizes = _parse_batch_sizes(ap, args, shapes, on_cpu)
@@ -702,12 +752,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     gpu_mem = args.gpu_mem_gib or (torch.cuda.get_device_properties(device).total_memory / GIB
                                    if device.type == "cuda" else 16.0)
-    print(f"calibrate {args.model} on {dev_name} ({dtype}, sp={args.sp}, layers {k1},{k2} -> {num_layers})")
+    ln_path = resolve_ln_modulate(args.ln_modulate, device.type)
+    print(f"calibrate {args.model} on {dev_name} ({dtype}, sp={args.sp}, layers {k1},{k2} -> {num_layers}, {ln_path})")
     t_start = time.perf_counter()
     rows, _ = measure(args.model, layers=[k1, k2], shapes=shapes, batch_sizes=batch_sizes, sp=args.sp,
                       device_name=args.device, dtype_name=dtype, warmup=args.warmup, iters=args.iters,
                       gradient_checkpointing=not args.no_checkpointing, overrides=overrides,
-                      both_checkpointing=args.checkpoint_memory)
+                      both_checkpointing=args.checkpoint_memory, ln_modulate=ln_path)
+    ln_path = ran_ln_modulate(ln_path)
     comp_pts, mem_pts = full_model_points(rows, num_layers)
     compute = fit_compute(comp_pts, min_fit_tokens=args.min_fit_tokens if any(
         p["B"] * p["S"] >= args.min_fit_tokens for p in comp_pts) else 0)
@@ -728,6 +780,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "date": _dt.datetime.now().isoformat(timespec="seconds"),
         "dtype": dtype,
         "gradient_checkpointing": not args.no_checkpointing,
+        "ln_modulate": ln_path,
         "model": {"name": args.model, "config": full_cfg, "num_layers": num_layers, "num_heads": heads,
                   "dim": dim, "params": counts["total"], "block_params": counts["block"]},
         "sp": args.sp,

@@ -58,6 +58,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from ds_adaptive.balance.sparse import SparseAttentionCost
 
 PROFILE_FORMAT = "ds_adaptive.profile/1"
+#: LayerNorm-modulate paths a profile can be calibrated with (``ln_modulate`` in the json; absent = reference)
+LN_MODULATE_PATHS = ("fused", "reference")
 PROFILES_DIR = Path(__file__).parent / "profiles"
 GIB = float(1 << 30)
 
@@ -224,6 +226,9 @@ class Profile:
     optimizer_step_overhead_ms: float = 0.0
     #: "measured" (a ``train_overheads`` block in the json) or "estimated" (per-parameter constants)
     overhead_source: str = "estimated"
+    #: LayerNorm-modulate path the calibration ran ("fused" op or torch "reference"; profiles without the key:
+    #: "reference"); its activation memory per token differs (:meth:`for_ln_modulate`)
+    ln_modulate: str = "reference"
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
     #: depth of the profile this one was rescaled from by :meth:`with_num_layers` (None: as loaded)
     rescaled_from_layers: Optional[int] = field(default=None, compare=False)
@@ -260,8 +265,35 @@ class Profile:
             stage3_live_params=int(_num(static, "stage3_live_params", where + " static_memory")),
             workspace_gib=_num(static, "workspace_gib", where + " static_memory"),
         )
+        ln = d.get("ln_modulate", "reference")
+        if ln not in LN_MODULATE_PATHS:
+            raise ProfileError(f"profile {where}: 'ln_modulate' must be one of {list(LN_MODULATE_PATHS)}, got {ln!r}")
         return cls(**fields, **_checkpoint_fields(d, where), **_overhead_fields(d, where, fields["params"]),
-                   raw=dict(d))
+                   ln_modulate=ln, raw=dict(d))
+
+    def for_ln_modulate(self, path: Optional[str]) -> "tuple[Profile, Optional[str]]":
+        """This calibration for a run whose LayerNorm-modulate sites run ``path`` (``fused`` | ``reference``;
+        None: unknown, no check). Returns ``(profile, message)``: ``self`` when the paths match; the json's
+        ``ln_modulate_variants[path]`` (its own ``compute`` and ``memory`` blocks, measured with that path by
+        ``ds-adaptive calibrate --ln-modulate PATH``) in place of the top-level ones when it has one, with a
+        note; else ``self`` with a warning naming both paths and the calibrate command (the fused op holds
+        less activation memory per token than the reference: 95 vs 113 KiB per Wan 1.3B block on an H200)."""
+        if path is None or path == self.ln_modulate:
+            return self, None
+        if path not in LN_MODULATE_PATHS:
+            raise ValueError(f"ln_modulate must be one of {list(LN_MODULATE_PATHS)} or None, got {path!r}")
+        variant = (self.raw.get("ln_modulate_variants") or {}).get(path)
+        if variant is not None:
+            d = {**copy.deepcopy(dict(self.raw)), **copy.deepcopy(dict(variant)), "ln_modulate": path}
+            d.pop("ln_modulate_variants", None)
+            out = Profile.from_dict(d, where=f"{self.name} ln_modulate_variants.{path}")
+            return out, (f"profile '{self.name}': using its '{path}' LayerNorm-modulate entries "
+                         f"(ln_modulate_variants.{path}: {', '.join(sorted(variant))}) for this run's {path} path")
+        model = self.raw.get("model", {}).get("name", "MODEL")
+        return self, (f"warning: profile '{self.name}' was calibrated with the {self.ln_modulate} LayerNorm-modulate "
+                      f"path, this run uses the {path} path: predicted activation memory will be off (the fused "
+                      f"op holds less per token); re-calibrate with `ds-adaptive calibrate --model {model} "
+                      f"--ln-modulate {path} --out PROFILE.json` and pass sampler.profile=PROFILE.json")
 
     def with_num_layers(self, num_layers: int) -> "Profile":
         """The same calibration for the model with ``num_layers`` transformer blocks instead of

@@ -411,7 +411,7 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
                         model_name: Optional[str] = None, zero_stage: Optional[int] = None,
                         mode: Optional[str] = None, num_layers: Optional[int] = None,
                         sparse: Optional[SparseAttentionCost] = None, checkpointing: Optional[str] = None,
-                        profile_log=None) -> _PlannedBatchSampler:
+                        profile_log=None, ln_modulate: Optional[str] = None) -> _PlannedBatchSampler:
     """The batch sampler that ``sampler_cfg`` describes, with ``auto`` budgets resolved.
 
     ``enabled=False`` builds the ``tokens`` baseline at the same memory budget (AdaptiveLoad off);
@@ -426,7 +426,9 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
     goes to ``profile_log`` (e.g. ``print``) when given. ``micro_steps_per_step``: DeepSpeed's
     gradient_accumulation_steps, or ``"auto"``: the throughput-optimal ``m_comp: auto`` chooses it with the
     budget (:mod:`ds_adaptive.balance.budget`; 1 without that search); the sampler's
-    ``micro_steps_per_step`` publishes it (the trainer sets DeepSpeed's value from it).
+    ``micro_steps_per_step`` publishes it (the trainer sets DeepSpeed's value from it). ``ln_modulate``: the
+    run's LayerNorm-modulate path (``fused`` | ``reference``); the profile's matching entries are used, or a
+    warning goes to ``profile_log`` (:meth:`Profile.for_ln_modulate`).
     """
     if isinstance(sampler_cfg, Mapping):
         sampler_cfg = SamplerConfig.model_validate(sampler_cfg)
@@ -447,6 +449,9 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
                       f"'{profile.raw['model']['name']}', training '{model_name}': predicted costs "
                       f"and memory will be off; run `ds-adaptive calibrate --model {model_name}`",
                       stacklevel=2)
+    profile, ln_msg = profile.for_ln_modulate(ln_modulate)
+    if ln_msg is not None:
+        (profile_log or (lambda m: warnings.warn(m, stacklevel=2)))(ln_msg)
     if num_layers is not None:
         profile = profile.with_num_layers(int(num_layers))
     num_heads = None
