@@ -135,5 +135,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0
 
 
+def exit_process(code: int) -> None:
+    """End a training process with ``code`` once :func:`main` has returned.
+
+    A multi-rank run ends with ``os._exit`` after flushing: by then the logs, checkpoints and the
+    summary are closed and the process group is destroyed, but C++ threads of gloo / DeepSpeed ops
+    can still abort the interpreter's teardown ("terminate called without an active exception",
+    signal 6), which would replace the run's exit code (0, or 75 after a preemption) with a crash.
+    A single process exits normally."""
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
+        sys.exit(code)
+    import logging
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())
