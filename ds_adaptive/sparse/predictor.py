@@ -16,6 +16,8 @@ them; ``SparseAttentionRuntime`` all-reduces their gradients over DP x SP.
 """
 from __future__ import annotations
 
+import functools
+
 from typing import Optional, Sequence
 
 import torch
@@ -23,6 +25,13 @@ import torch.nn as nn
 
 from ds_adaptive.sparse.selection import pool_blocks
 
+
+
+@functools.lru_cache(maxsize=256)
+def _head_index(heads: tuple, device: torch.device) -> torch.Tensor:
+    """The head ids as an index tensor on ``device``, made once per (placement, device): a head
+    placement changes only at a re-plan, and a fresh tensor per call is a blocking host-to-device copy."""
+    return torch.tensor(heads, dtype=torch.long, device=device)
 
 class LowRankPredictor(nn.Module):
     """``wq, wk``: ``[L, H, Dh, r]`` fp32 parameters (all heads of every layer, replicated)."""
@@ -45,7 +54,7 @@ class LowRankPredictor(nn.Module):
         slice (an int) or the original head id of each local head (a Ulysses head placement)."""
         if isinstance(heads, int):
             return w[layer, heads:heads + n]
-        return w[layer].index_select(0, torch.as_tensor(list(heads), dtype=torch.long, device=w.device))
+        return w[layer].index_select(0, _head_index(tuple(heads), w.device))
 
     def project(self, layer: int, x: torch.Tensor, which: str, head_offset: "int | Sequence[int]" = 0) -> torch.Tensor:
         """x ``[B, S, Hl, Dh]`` (local heads ``head_offset .. head_offset+Hl``, or the head ids
