@@ -1,5 +1,5 @@
 """Guards the C++ registration of ln_modulate (csrc/ln_modulate/ln_modulate_ops.cpp): schemas, the C++
-autograd Function, CPU and Meta implementations, the composite entry point's checks and layouts, and the
+autograd node, CPU and Meta implementations, the composite entry point's checks and layouts, and the
 Python layer's choice of the C++ op. Built here as a CPU-only library (no CUDA needed); on a GPU machine
 the full extension (which contains the same file) is loaded instead."""
 from __future__ import annotations

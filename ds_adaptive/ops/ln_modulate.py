@@ -3,7 +3,7 @@
 The op lives in C++ (``csrc/ln_modulate``), registered with the dispatcher when the extension
 loads: ``torch.ops.ds_adaptive.ln_modulate_apply`` (public entry: argument checks, layout
 normalisation), ``ln_modulate`` / ``ln_modulate_backward`` (schemas, CUDA kernels, the same math
-on CPU, Meta implementations for torch.compile), autograd as a C++ ``torch::autograd::Function``
+on CPU, Meta implementations for torch.compile), autograd as a hand-written C++ autograd node
 (see ``csrc/ln_modulate/ln_modulate_ops.cpp``). No Python runs per call beyond the path choice:
 
 * ``ln_modulate()``: the public function, a drop-in for ``ln_modulate_reference`` and for
