@@ -24,8 +24,8 @@
 #
 # Outputs in $OUT (default bench/out/memory): calibrate: h200-wan2.1-1.3b.json, h200-wan2.1-14b.json,
 # calibrate.txt; arms: memory.json (summaries + predicted-vs-measured memory per micro-batch) and
-# arms.txt. All arms use the torch LayerNorm-modulate reference (--no-fused-ln-modulate: no op build
-# inside the call; the same for every arm). Profiles written by the calibrate call must be copied to
+# arms.txt. The arms of PURPOSE=arms/throughput/baseline use the torch LayerNorm-modulate reference
+# (--no-fused-ln-modulate: no op build inside the call); PURPOSE=fused_arm runs the fused op (LN_FLAG). Profiles written by the calibrate call must be copied to
 # ds_adaptive/balance/profiles/ before the arms call (profile: auto picks them on an H200).
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -36,6 +36,8 @@ RUNS = (
      "zero3_baseline.json, 3 steps, 1 H200, f4eaebc"),
     ("baseline (memory)", "bench/results/memory/mem_baseline_auto.jsonl", "reference",
      "zero3_baseline.json, 2 steps, 1 H200, bc9c857"),
+    ("baseline (mem16c)", "bench/results/mem16c/mem_baseline_auto.jsonl", "reference",
+     "zero3_baseline.json, 3 steps, 1 H200, 6e4e0bf: planned WITH the term (n = 30)"),
     ("auto ref (memory16)", "bench/results/memory16/mem_adaptive_auto.jsonl", "reference", "150 samples, 6be0184"),
     ("all ref (memory16)", "bench/results/memory16/mem_adaptive_all.jsonl", "reference", "150 samples, 6be0184"),
     ("auto fused (mem16c)", "bench/results/mem16c/mem_adaptive_auto.jsonl", "fused", "350 samples, 38db71e"),
