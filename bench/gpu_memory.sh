@@ -16,6 +16,10 @@
 #        the carried tree so a warm machine reuses the build in the next call). One arm per call: both arms of
 #        350 samples do not fit one 600 s call. CALIB14=1 then calibrates the 14B profile with the fused op
 #        (1, 2 blocks) if the call has CALIB14_BUDGET (default 590) s left. $OUT: plan, arm tarball, report.
+#   PURPOSE=long LONG_TIMEOUT=540 bash bench/gpu_memory.sh   # the longest run one call allows: the shipped
+#        zero3_adaptive.json as is (fused op, gas auto, the default 10,000-sample mix, not a subset), --steps 200,
+#        metrics every step; SIGTERM at LONG_TIMEOUT s: the trainer finishes the step and writes its summary.
+#        Memory per micro-batch over a long stretch of the real distribution (OOM, fragmentation, prediction).
 #   PURPOSE=throughput bash bench/gpu_memory.sh      # the throughput-optimal m_comp / gas auto (issue 16, 2nd
 #        session): adaptive auto vs adaptive all, each ONE WHOLE EPOCH of the same NUM_SAMPLES (default 250)
 #        samples of the default mix (same samples in both arms), metrics every step; the report adds the
@@ -119,12 +123,24 @@ fused_arm)   # issue 16, third round: one arm with the fused op (see the header)
     note "14B calibration skipped: ${left} s left"
   fi
   ;;
+long)   # the shipped default config for as long as one call allows (see the header)
+  mkdir -p /tmp/runs
+  CFG=/tmp/zero3_adaptive_interval1.json   # the shipped config, metrics every step
+  "$PY" -c "import json; c = json.load(open('launch/configs/zero3_adaptive.json')); c['adaptive_load']['metrics']['interval'] = 1; json.dump(c, open('$CFG', 'w'))"
+  note "build/load the fused LayerNorm-modulate op (TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-default})"
+  "$PY" -m ds_adaptive.cli report --load 2>&1 | tail -n 6
+  left=$(( ${LONG_TIMEOUT:-540} - SECONDS ))
+  note "op ready; training until step ${LONG_STEPS:-200} or SIGTERM in ${left} s"
+  LN_FLAG=--fused-ln-modulate ARM_TIMEOUT=$left arm long_auto "$CFG" "${LONG_STEPS:-200}" --grad-ckpt auto
+  tar czf "$OUT/long.tar.gz" -C /tmp runs/long_auto runs_long_auto.log
+  "$PY" bench/memory_report.py --runs /tmp/runs --out "$OUT/memory_long.json" --commit "$git_rev" 2>&1 | tee "$OUT/long.txt"
+  ;;
 baseline)   # the README's baseline command's config (zero3_baseline.json, its default checkpointing), BASE_STEPS steps
   mkdir -p /tmp/runs
   ARM_TIMEOUT=${ARM_TIMEOUT:-240} arm baseline_auto launch/configs/zero3_baseline.json "${BASE_STEPS:-3}"
   tar czf "$OUT/arms.tar.gz" -C /tmp runs $(cd /tmp && ls runs_*.log)
   "$PY" bench/memory_report.py --runs /tmp/runs --out "$OUT/memory.json" --commit "$git_rev" 2>&1 | tee "$OUT/arms.txt"
   ;;
-*) echo "PURPOSE must be calibrate, calibrate_fused, arms, throughput, fused_arm or baseline" >&2; exit 2 ;;
+*) echo "PURPOSE must be calibrate, calibrate_fused, arms, throughput, fused_arm, long or baseline" >&2; exit 2 ;;
 esac
 note done
