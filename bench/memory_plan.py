@@ -3,8 +3,8 @@ the H200 calibration, for the trainer's default data (synthetic, 10,000 samples,
 
     python bench/memory_plan.py [--steps 30,200] [--num-samples 10000] [--out bench/out/memory_plan.json]
 
-The plans are the ones the trainer forms (same seed, budgets, profile and ``gradient_accumulation_steps``
-of the config: ``auto`` lets the throughput-optimal ``m_comp: auto`` choose it), so their tokens equal the
+The plans are the ones the trainer forms (same seed, budgets, profile entries of the config's
+LayerNorm-modulate path, and ``gradient_accumulation_steps`` of the config: ``auto`` lets the throughput-optimal ``m_comp: auto`` choose it), so their tokens equal the
 tokens a GPU run of that many optimizer steps trains. Predicted time = the cost model's batch costs (fwd +
 bwd + recompute of the checkpointed blocks) + the profile's per-micro-step and per-optimizer-step
 overheads (``ds_adaptive.balance.budget.predicted_time_ms``): a ratio between policies, not a measured speed.
@@ -36,7 +36,8 @@ def plan_rows(path: str, profile: str, steps: list[int], shapes, dp: int = 1) ->
             warnings.simplefilter("ignore")
             s = build_batch_sampler(cfg.sampler.model_copy(update={"profile": profile}), shapes,
                                     Layout.explicit(dp_size=dp), micro_steps_per_step=gas, enabled=cfg.enabled,
-                                    gpu_mem_gib=H200_GIB, model_name="wan2.1-1.3b", zero_stage=3, checkpointing=policy)
+                                    gpu_mem_gib=H200_GIB, model_name="wan2.1-1.3b", zero_stage=3, checkpointing=policy,
+                                    ln_modulate="fused" if cfg.fused_ln_modulate else "reference")
             s.set_epoch(0)
             plan = s.plan
         for n in steps + [plan.num_steps]:

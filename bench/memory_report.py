@@ -59,11 +59,14 @@ def memory_table(rows: list[dict], skip_steps: int = 1) -> list[dict]:
 
 def step_costs(arm: dict, profile: str) -> list[dict]:
     """Per step (> 1) of an arm: wall ms, micro-steps and the predicted batch costs' sum (ms), from the
-    arm's metrics.jsonl and memory.jsonl (shape, B, checkpointed blocks of each micro-step)."""
-    from ds_adaptive.balance.cost import CostModel
+    arm's metrics.jsonl and memory.jsonl (shape, B, checkpointed blocks of each micro-step), with the
+    profile's entries of the LayerNorm-modulate path the arm ran (its summary's ``fused_ln_modulate``)."""
+    from ds_adaptive.balance.cost import CostModel, load_profile
     from ds_adaptive.shapes import SampleShape
 
-    cost = CostModel(profile, checkpointing="auto")
+    fused = arm.get("summary", {}).get("fused_ln_modulate")
+    prof = load_profile(profile).for_ln_modulate(None if fused is None else "fused" if fused else "reference")[0]
+    cost = CostModel(prof, checkpointing="auto")
     by_step: dict[int, list[float]] = {}
     for r in arm["memory"]:
         f, h, w = (int(x) for x in r["shape"].split("x"))

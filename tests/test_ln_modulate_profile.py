@@ -47,7 +47,8 @@ def test_other_path_without_variant_warns_with_both_paths_and_the_command():
 
 
 def test_variant_replaces_compute_and_memory():
-    raw = _raw("h200-wan2.1-14b")   # a reference-path calibration with per-block memory
+    raw = _raw("h200-wan2.1-14b")   # its reference-path calibration (a variant since issue 16c), per-block memory
+    raw.update(raw.pop("ln_modulate_variants")["reference"], ln_modulate="reference")
     var = {"compute": copy.deepcopy(raw["compute"]), "memory": copy.deepcopy(raw["memory"])}
     var["memory"]["m1_gib_per_token"] *= 0.5
     var["memory"]["checkpointing"]["block_full"]["m1_gib_per_token"] *= 0.5
@@ -64,8 +65,9 @@ def test_variant_replaces_compute_and_memory():
     assert "ln_modulate_variants" not in out.raw
 
 
-def test_shipped_h200_profile_carries_both_paths_and_the_fused_holds_less():
-    prof = load_profile("h200-wan2.1-1.3b")
+@pytest.mark.parametrize("name", ["h200-wan2.1-1.3b", "h200-wan2.1-14b"])
+def test_shipped_h200_profile_carries_both_paths_and_the_fused_holds_less(name):
+    prof = load_profile(name)
     assert prof.ln_modulate == "fused"
     ref, msg = prof.for_ln_modulate("reference")
     assert ref.ln_modulate == "reference" and "ln_modulate_variants.reference" in msg

@@ -11,14 +11,16 @@ from ds_adaptive.balance.devices import gpu_spec, resolve_auto_profile
 from ds_adaptive.balance.memory import (checkpoint_blocks, configure_allocator, micro_batch_table, sample_memory)
 from ds_adaptive.balance.sampler import build_batch_sampler
 from ds_adaptive.layout import Layout
-from ds_adaptive.shapes import load_shape_distribution
+from ds_adaptive.shapes import SampleShape, load_shape_distribution
 
 SHAPES = sorted({w.shape for w in load_shape_distribution()})
 
 
-@pytest.mark.parametrize("profile", ["h100-wan2.1-1.3b", "h100-wan2.1-14b"])
+@pytest.mark.parametrize("profile", ["h100-wan2.1-1.3b", "h100-wan2.1-14b", "h200-wan2.1-1.3b", "h200-wan2.1-14b"])
 @pytest.mark.parametrize("m_mem", [7.5, 41.0, 96.3])
 def test_checkpoint_plan_fits_the_budget_for_every_shape_and_is_minimal(profile, m_mem):
+    from ds_adaptive.balance.memory import fewest_memory_blocks
+
     cost = CostModel(profile, checkpointing="auto")
     L = cost.num_layers
     for shape in SHAPES:
@@ -27,7 +29,8 @@ def test_checkpoint_plan_fits_the_budget_for_every_shape_and_is_minimal(profile,
             continue
         bs = np.arange(1, bmax + 1)
         n = checkpoint_blocks(cost, shape, bs, m_mem)
-        assert n.min() >= 0 and n.max() <= L - 1           # checkpointing the last block never helps
+        # the last block is checkpointed only where that holds less (a measured last-block term, H200)
+        assert n.min() >= 0 and n.max() <= fewest_memory_blocks(cost, shape)
         mem = cost.ckpt_memory(shape, bs, n)
         assert np.all(mem <= m_mem * (1 + 1e-9)), (shape, bs[mem > m_mem], mem[mem > m_mem])
         fewer = n > 0
@@ -157,9 +160,8 @@ def test_configure_allocator_keeps_the_users_setting():
     assert env["PYTORCH_CUDA_ALLOC_CONF"] == "backend:cudaMallocAsync"
 
 
-def test_calibrate_checkpoint_fit_recovers_per_block_numbers():
-    from ds_adaptive.balance.calibrate import checkpoint_fit, fragmentation_margin
-
+def _two_depth_rows(d0=0.0, d1=0.0):
+    """calibrate rows of a synthetic model: 2 and 4 blocks, both modes; (d0, d1): last-block term."""
     g0, g1, c1, e0, e1 = 0.004, 9.5e-5, 2.9e-6, 0.05, 3.0e-5       # GiB / sample, GiB / token
     r0, ra, rb = 0.2, 2.5e-4, 1.1e-8                                 # recompute per block (ms)
     rows = []
@@ -167,10 +169,17 @@ def test_calibrate_checkpoint_fit_recovers_per_block_numbers():
         for k in (2, 4):
             for ck in (True, False):
                 blocks = k * (c1 * s) + (g0 + g1 * s) if ck else k * (g0 + g1 * s)
-                act = b * (e0 + e1 * s + blocks) if ck else b * (e0 + e1 * s) + b * blocks
+                act = b * (e0 + e1 * s + blocks) if ck else b * (e0 + e1 * s + d0 + d1 * s) + b * blocks
                 ms = 5 + k * (3 * b * (ra * s + rb * s * s) + (r0 if ck else 0) + (b * (ra * s + rb * s * s) if ck else 0))
                 rows.append({"layers": k, "S": s, "B": b, "shape": str(s), "ms": ms, "act_gib": act,
                              "peak_gib": act + 20, "reserved_gib": act + 20.5 + s * 1e-6, "checkpointing": ck})
+    return rows, (g0, g1, c1, r0, ra, rb)
+
+
+def test_calibrate_checkpoint_fit_recovers_per_block_numbers():
+    from ds_adaptive.balance.calibrate import checkpoint_fit, fragmentation_margin
+
+    rows, (g0, g1, c1, r0, ra, rb) = _two_depth_rows()
     fit = checkpoint_fit(rows, min_fit_tokens=0)
     full, kept = fit["memory"]["block_full"], fit["memory"]["block_checkpointed"]
     assert full["m1_gib_per_token"] == pytest.approx(g1, rel=1e-6) and full["m0_gib"] == pytest.approx(g0, rel=1e-6)
@@ -179,6 +188,55 @@ def test_calibrate_checkpoint_fit_recovers_per_block_numbers():
     assert (rc["c0_ms"], rc["a_ms_per_token"], rc["b_ms_per_token2"]) == pytest.approx((r0, ra, rb), rel=1e-6)
     assert fragmentation_margin(rows) == pytest.approx(0.5 + 75600e-6)
     assert checkpoint_fit([dict(r, checkpointing=True) for r in rows]) is None   # one mode only: no fit
+    assert "last_block_whole" not in fit["memory"]      # E(none) == E(all): no last-block term
+
+
+def test_calibrate_fits_the_last_block_term_and_the_model_uses_it():
+    """E(none) - E(all) = d0 + d1 S per sample is recovered from the two-depth rows (on the points with
+    B x S >= min_fit_tokens); in the model it is held only while the last block is whole (n < L)."""
+    from ds_adaptive.balance.calibrate import checkpoint_fit
+
+    d0, d1 = 0.006, 1.4e-5
+    rows, _ = _two_depth_rows(d0, d1)
+    fit = checkpoint_fit(rows, min_fit_tokens=8192)
+    lw = fit["memory"]["last_block_whole"]
+    assert (lw["m0_gib"], lw["m1_gib_per_token"]) == pytest.approx((d0, d1), rel=1e-6)
+    assert {(p["S"], p["B"]) for p in lw["fit"]["points"]} == {(1560, 11), (7800, 3), (14040, 2), (32760, 1),
+                                                                 (75600, 1)}
+    raw = dict(load_profile("h200-wan2.1-1.3b").raw)
+    raw["memory"] = {**raw["memory"], "checkpointing": {**raw["memory"]["checkpointing"], "last_block_whole": lw}}
+    with_d = CostModel(load_profile(raw), checkpointing="auto")
+    raw["memory"]["checkpointing"] = {k: v for k, v in raw["memory"]["checkpointing"].items() if k != "last_block_whole"}
+    without = CostModel(load_profile(raw), checkpointing="auto")
+    L, S, B = with_d.num_layers, 75600, 3
+    d = B * (d0 + d1 * S)
+    assert with_d.ckpt_memory(S, B, L) == pytest.approx(without.ckpt_memory(S, B, L), rel=1e-12)   # the fit itself
+    for n in (0, 11, L - 1):
+        assert with_d.ckpt_memory(S, B, n) - without.ckpt_memory(S, B, n) == pytest.approx(d, rel=1e-9)
+    c = B * with_d.profile.block_ckpt_gib[1] * S
+    assert with_d.ckpt_memory(S, B, L - 1) - with_d.ckpt_memory(S, B, L) == pytest.approx(d - c, rel=1e-9)
+
+
+@pytest.mark.parametrize("path", ["fused", "reference"])
+def test_plan_checkpoints_the_last_block_only_when_that_alone_fits(path):
+    """Shipped H200 1.3B (both LayerNorm-modulate entries carry a measured last-block term > c): a budget
+    between mem(L) and mem(L - 1) checkpoints all L blocks, a budget at mem(L - 1) keeps L - 1; the
+    planner's per-sample feasibility is the smaller of the two."""
+    from ds_adaptive.balance.memory import fewest_memory_blocks
+
+    cost = CostModel(load_profile("h200-wan2.1-1.3b").for_ln_modulate(path)[0], checkpointing="auto")
+    L = cost.num_layers
+    for shape in (SampleShape(81, 720, 1280), SampleShape(33, 720, 1280), SampleShape(1, 480, 832)):
+        B = 7
+        lo, hi = float(cost.ckpt_memory(shape, B, L)), float(cost.ckpt_memory(shape, B, L - 1))
+        assert lo < hi and fewest_memory_blocks(cost, shape) == L
+        assert sample_memory(cost, shape) == pytest.approx(lo / B, rel=1e-12)
+        assert int(checkpoint_blocks(cost, shape, B, (lo + hi) / 2)) == L
+        assert int(checkpoint_blocks(cost, shape, B, hi)) == L - 1
+        assert int(checkpoint_blocks(cost, shape, B, lo * 0.99)) == L     # nothing fits: the fewest-memory count
+        t = micro_batch_table(cost, shape, B, (lo + hi) / 2)
+        assert t.ckpt[B] == L and np.all(t.memory[1:] <= (lo + hi) / 2) and np.all(np.diff(t.cost[1:]) >= 0)
+    assert fewest_memory_blocks(CostModel("h100-wan2.1-1.3b", checkpointing="auto"), 75600) == L - 1   # no term
 
 
 def test_wan_checkpoints_only_the_first_n_blocks_with_the_same_gradients():

@@ -135,15 +135,16 @@ def fit_compute(points: Sequence[Mapping[str, float]], *, min_fit_tokens: int = 
                     "min_fit_tokens": int(min_fit_tokens), "points": rows}}
 
 
-def fit_memory(points: Sequence[Mapping[str, float]]) -> dict:
-    """Fit activation memory per sample ``gib/B = m0 + m1*S`` (non-negative, relative error) to
-    points with keys ``S``, ``B`` and ``gib`` (activation memory of the micro-batch)."""
+def fit_memory(points: Sequence[Mapping[str, float]], *, relative: bool = True) -> dict:
+    """Fit activation memory per sample ``gib/B = m0 + m1*S`` (non-negative; relative error, or absolute
+    with ``relative=False``) to points with keys ``S``, ``B`` and ``gib`` (activation memory of the
+    micro-batch)."""
     pts = [dict(p) for p in points]
     s = np.array([p["S"] for p in pts], float)
     b = np.array([p["B"] for p in pts], float)
     y = np.array([p["gib"] for p in pts], float)
-    design = np.stack([b, b * s], axis=1) / y[:, None]
-    m0, m1 = nnls(design, np.ones_like(y))
+    design = np.stack([b, b * s], axis=1)
+    m0, m1 = nnls(design / y[:, None], np.ones_like(y)) if relative else nnls(design, y)
     rows = []
     for p in pts:
         pred = p["B"] * (m0 + m1 * p["S"])
@@ -444,6 +445,11 @@ def checkpoint_fit(rows: Sequence[Mapping[str, Any]], *, min_fit_tokens: int = 8
     - whole block ``g = (act_none(k2) - act_none(k1)) / (k2 - k1)`` (GiB per micro-batch),
     - checkpointed block ``c`` the same on the checkpointed rows (its kept input),
     - recompute ``r = ((t_ckpt(k2) - t_ckpt(k1)) - (t_none(k2) - t_none(k1))) / (k2 - k1)`` (ms),
+    - last-block term ``d = (act_none(k1) - k1 g) - (act_ckpt(k1) - k1 c - g)``: what the rest of the model
+      (embeddings, head, loss, the backward's working set) holds more when the last block is whole than
+      when every block is checkpointed (``CostModel.ckpt_memory``); a small difference of large numbers:
+      fitted with absolute error on the points with B x S >= ``min_fit_tokens`` (all when fewer than 2),
+      omitted when not above 1 KiB at 2 points,
 
     fitted as ``B (m0 + m1 S)`` and ``c0 + B (a S + b S^2)`` (non-negative, relative error; recompute on
     points with B x S >= ``min_fit_tokens``). None when the rows lack a mode or a second depth."""
@@ -452,7 +458,7 @@ def checkpoint_fit(rows: Sequence[Mapping[str, Any]], *, min_fit_tokens: int = 8
         if "checkpointing" not in r:
             return None
         by.setdefault((r["S"], r["B"]), {})[(bool(r["checkpointing"]), r["layers"])] = r
-    g_pts, c_pts, r_pts = [], [], []
+    g_pts, c_pts, r_pts, d_pts = [], [], [], []
     for (s, b), d in sorted(by.items()):
         depths = sorted({k for _, k in d})
         if len(depths) < 2:
@@ -469,13 +475,21 @@ def checkpoint_fit(rows: Sequence[Mapping[str, Any]], *, min_fit_tokens: int = 8
             c_pts.append({"S": s, "B": b, "gib": c})
         if rc > 0:
             r_pts.append({"S": s, "B": b, "ms": rc})
+        d_last = (d[(False, k1)]["act_gib"] - k1 * g) - (d[(True, k1)]["act_gib"] - k1 * c - g)
+        if d_last > 1e-6:   # GiB (1 KiB): above the float noise of the differences
+            d_pts.append({"S": s, "B": b, "gib": d_last})
     if len(g_pts) < 2 or len(c_pts) < 2 or len(r_pts) < 3:
         return None
     full, kept = fit_memory(g_pts), fit_memory(c_pts)
     use_min = min_fit_tokens if sum(p["B"] * p["S"] >= min_fit_tokens for p in r_pts) >= 3 else 0
     rec = fit_compute(r_pts, min_fit_tokens=use_min)
+    memory = {"block_full": full, "block_checkpointed": kept, "source": "measured"}
+    big = [p for p in d_pts if p["B"] * p["S"] >= min_fit_tokens]
+    if len(d_pts) >= 2:
+        memory["last_block_whole"] = {**fit_memory(big if len(big) >= 2 else d_pts, relative=False),
+                                      "note": "E(no block checkpointed) - E(every block): absolute-error fit"}
     return {
-        "memory": {"block_full": full, "block_checkpointed": kept, "source": "measured"},
+        "memory": memory,
         "recompute": {**{k: rec[k] for k in ("c0_ms", "a_ms_per_token", "b_ms_per_token2")},
                       "note": "recomputed forward of ONE block (ms): checkpointed minus plain fwd+bwd per block",
                       "fit": rec["fit"]},
@@ -815,6 +829,10 @@ def _print_fit(compute: Mapping[str, Any], memory: Mapping[str, Any]) -> None:
               f"max err {bf['fit']['max_rel_err']:.1%}), checkpointed {bc['m1_gib_per_token'] * 2**30 / 1024:.2f} KiB/token; "
               f"recompute c0 {rc['c0_ms']:.3g} ms a {rc['a_ms_per_token']:.3g} ms/token b {rc['b_ms_per_token2']:.3g} "
               f"ms/token^2 (max err {rc['fit']['max_rel_err']:.1%})")
+        if "last_block_whole" in ck:
+            lw = ck["last_block_whole"]
+            print(f"last block whole (n < L) adds {lw['m1_gib_per_token'] * 2**30 / 1024:.2f} KiB/token "
+                  f"(+{lw['m0_gib'] * 1024:.1f} MiB/sample, max err {lw['fit']['max_rel_err']:.1%})")
     if memory.get("fragmentation_margin_gib") is not None:
         print(f"fragmentation margin (reserved - allocated peak at the sweep's high-water marks): "
               f"{memory['fragmentation_margin_gib']:.3f} GiB (PYTORCH_CUDA_ALLOC_CONF={memory.get('allocator', '')!r})")

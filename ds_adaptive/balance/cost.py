@@ -162,6 +162,8 @@ def _checkpoint_fields(d: Mapping[str, Any], where: str) -> dict:
                 "block_full_gib": _pair(_need(ck, "block_full", where), where + " memory.checkpointing.block_full"),
                 "block_ckpt_gib": _pair(_need(ck, "block_checkpointed", where),
                                         where + " memory.checkpointing.block_checkpointed"),
+                "last_whole_gib": (_pair(ck["last_block_whole"], where + " memory.checkpointing.last_block_whole")
+                                   if "last_block_whole" in ck else (0.0, 0.0)),
                 "recompute_ms": tuple(_num(rc, k, where + " compute.recompute")
                                       for k in ("c0_ms", "a_ms_per_token", "b_ms_per_token2")),
                 "checkpoint_source": str(ck.get("source", "measured")),
@@ -214,6 +216,10 @@ class Profile:
     block_full_gib: tuple = (0.0, 0.0)
     #: what a checkpointed block keeps (its input): (GiB per sample, GiB per token)
     block_ckpt_gib: tuple = (0.0, 0.0)
+    #: extra activation memory when the LAST block is not checkpointed (n < L): (GiB per sample, GiB per token).
+    #: Backward then starts (head, loss) on top of a whole last block instead of L inputs; calibrate measures
+    #: it as E(none) - E(all) (``memory.checkpointing.last_block_whole``); 0 in profiles without it
+    last_whole_gib: tuple = (0.0, 0.0)
     #: recomputed forward of ONE block: (ms per micro-batch, ms per token, ms per token^2), at the profile's sp
     recompute_ms: tuple = (0.0, 0.0, 0.0)
     #: "measured" (calibrate ran with and without checkpointing) or "estimated" (see RECOMPUTE_SHARE_ESTIMATE)
@@ -552,23 +558,27 @@ class CostModel:
         (numpy arrays broadcast over ``batch_size`` / ``ckpt_blocks``).
 
         Per sample, with ``E`` the embed/head + backward working set, ``c`` a checkpointed block's
-        input and ``g`` a whole block's activations (both ``per-sample + per-token x S/sp``)::
+        input, ``g`` a whole block's activations and ``d`` the last-block term (all three
+        ``per-sample + per-token x S/sp``)::
 
-            mem(n) = E + n c + max(L - n, 1) g
+            mem(n) = E + n c + max(L - n, 1) g + (d if n < L else 0)
 
-        (the backward starts at the last block: with n < L the L - n whole blocks are held at once; with
-        n = L the last block is recomputed first, so one block's g is held on top of L inputs: checkpointing
-        the last block never saves memory). ``E`` comes from the profile's own fit (``m0 + m1 S`` at
-        all blocks checkpointed, or none), so ``mem(profile's own n)`` is that fit exactly."""
+        (the backward starts at the last block: with n < L the L - n whole blocks are held at once and the
+        head's backward runs on top of them, ``d`` more than the working set the all-checkpointed fit saw;
+        with n = L the last block is recomputed after the head's backward, so one block's g is held on top
+        of L inputs: checkpointing the last block saves ``d - c``, nothing in profiles without ``d``).
+        ``E`` comes from the profile's own fit (``m0 + m1 S`` at all blocks checkpointed, or none), so
+        ``mem(profile's own n)`` is that fit exactly."""
         pr = self.profile
         s = float(self.padded_tokens(shape_or_tokens)) / self.sp
         L = pr.num_layers
         own = pr.m0_gib + pr.m1_gib_per_token * s
         g = pr.block_full_gib[0] + pr.block_full_gib[1] * s
         c = pr.block_ckpt_gib[0] + pr.block_ckpt_gib[1] * s
-        e = own - (L * c + g if pr.gradient_checkpointing else L * g)
+        d = pr.last_whole_gib[0] + pr.last_whole_gib[1] * s
+        e = own - (L * c + g if pr.gradient_checkpointing else L * g + d)
         n = np.asarray(ckpt_blocks)
-        return np.asarray(batch_size) * (e + n * c + np.maximum(L - n, 1) * g)
+        return np.asarray(batch_size) * (e + n * c + np.maximum(L - n, 1) * g + np.where(n < L, d, 0.0))
 
     def recompute_ms(self, shape_or_tokens: Union[SampleShape, int], batch_size):
         """Time (ms) of ONE block's recomputed forward for a micro-batch (per GPU, Ulysses-aware:

@@ -8,12 +8,14 @@ that its activations fit the memory budget ``m_mem`` (GiB, static memory already
 
     n(B, S) = min { n in 0..L-1 : B * mem(S, n) <= m_mem }          (policy "auto")
 
-with ``mem(S, n) = E + n c + max(L - n, 1) g`` per sample (:meth:`CostModel.ckpt_memory`). ``n`` is
-the count of the FIRST blocks (closest to the input): backward reaches them last, when the whole
-blocks after them have already been freed. ``n = L`` is never chosen by ``auto``: checkpointing the
-last block saves no memory (backward recomputes it at once) and costs its forward. When even
-``n = L - 1`` does not fit, ``L - 1`` is returned; the planner never forms such a batch (its
-feasibility check is the all-checkpointed memory, which is larger).
+with ``mem(S, n) = E + n c + max(L - n, 1) g + (d if n < L)`` per sample (:meth:`CostModel.ckpt_memory`).
+``n`` is the count of the FIRST blocks (closest to the input): backward reaches them last, when the
+whole blocks after them have already been freed. ``n = L`` is chosen only when ``n = L - 1`` does not
+fit and checkpointing the last block as well holds less (the profile's last-block term ``d``, the
+head's backward on top of a whole last block, exceeds the block input ``c``: measured on an H200 for
+Wan 1.3B, 6-10 KiB/token with the fused LayerNorm-modulate op, 14-18 with the torch reference, vs
+3); profiles without ``d`` never choose it. When nothing fits, the fewest-memory count is returned;
+the planner never forms such a batch (its feasibility check is that count's memory, :func:`sample_memory`).
 
 The plan is a pure function of (B, S, profile, m_mem, policy): identical on every rank of a
 micro-step (they hold the same batch, or, across DP ranks, their own batch of the same plan), and
@@ -32,7 +34,8 @@ import numpy as np
 from ds_adaptive.balance.cost import CHECKPOINT_POLICIES, CostModel
 from ds_adaptive.shapes import SampleShape
 
-__all__ = ["checkpoint_blocks", "micro_batch_table", "MicroBatchTable", "policy_blocks", "sample_memory",
+__all__ = ["checkpoint_blocks", "fewest_memory_blocks", "micro_batch_table", "MicroBatchTable", "policy_blocks",
+           "sample_memory",
            "model_checkpoint_blocks", "CHECKPOINT_POLICIES"]
 
 
@@ -59,7 +62,21 @@ def checkpoint_blocks(cost: CostModel, shape: Union[SampleShape, int], batch_siz
     need = (bs * m0 - m_mem) / (bs * -slope)
     n = np.clip(np.ceil(need - 1e-9), 0, L - 1).astype(np.int64)
     over = (cost.ckpt_memory(shape, bs, n) > m_mem * (1 + 1e-12)) & (n < L - 1)
-    return np.where(over, n + 1, n)
+    n = np.where(over, n + 1, n)
+    if fewest_memory_blocks(cost, shape) == L:   # L - 1 over budget: the last block checkpointed too holds less
+        n = np.where((n == L - 1) & (cost.ckpt_memory(shape, bs, n) > m_mem * (1 + 1e-12)), L, n)
+    return n
+
+
+def fewest_memory_blocks(cost: CostModel, shape: Union[SampleShape, int]) -> int:
+    """The checkpoint count of the policy that holds the least activation memory for ``shape``: ``all``
+    L, ``none`` 0; ``auto`` L - 1, or L when the profile's last-block term makes every block checkpointed
+    smaller (:meth:`CostModel.ckpt_memory`; the per-sample / per-token terms make it shape-dependent)."""
+    n = policy_blocks(cost, fewest_memory=True)
+    L = cost.num_layers
+    if cost.checkpointing == "auto" and L > 1 and cost.ckpt_memory(shape, 1, L) < cost.ckpt_memory(shape, 1, L - 1):
+        return L
+    return n
 
 
 def model_checkpoint_blocks(n: int, plan_blocks: int, model_blocks: int) -> int:
@@ -98,7 +115,8 @@ def micro_batch_table(cost: CostModel, shape: Union[SampleShape, int], max_batch
 
 def policy_blocks(cost: CostModel, *, fewest_memory: bool = False) -> int:
     """The fixed count of a policy (``all``: L, ``none``: 0); for ``auto`` -1 (it varies per batch), or
-    with ``fewest_memory`` the count that needs the least memory (L - 1; 0 for a single block)."""
+    with ``fewest_memory`` L - 1 (0 for a single block): the fewest-memory count of profiles without a
+    last-block term (:func:`fewest_memory_blocks` decides per shape)."""
     L = cost.num_layers
     if cost.checkpointing == "all":
         return L
@@ -111,7 +129,7 @@ def sample_memory(cost: CostModel, shape: Union[SampleShape, int]) -> float:
     """Activation memory (GiB) of ONE sample at the policy's fewest-memory checkpoint count: what a
     batch must fit at least (the planner's feasibility check). The profile's own fit when the policy
     is the profile's calibration."""
-    n = policy_blocks(cost, fewest_memory=True)
+    n = fewest_memory_blocks(cost, shape)
     if n == cost.profile_ckpt_blocks():
         return cost.per_gpu_memory(shape)
     return float(cost.ckpt_memory(shape, 1, n))
