@@ -85,9 +85,14 @@ do_host() {  # host time per call (isolated and in a chain), torch.profiler tabl
   python3 bench/ln_modulate_cpp_errors.py
 }
 do_probe() {  # kernel-configuration sweep with nvcc alone (no extension build): PROBE_CASES picks cases
-  nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icsrc/ln_modulate bench/ln_modulate_probe.cu \
-    -o /tmp/lnm_probe || return 1
-  /tmp/lnm_probe "$OUT/probe.json"
+  # PROBE_BIN: a probe binary built beforehand (e.g. on a CPU machine with the same nvcc) instead of building here
+  local bin=${PROBE_BIN:-}
+  if [ -z "$bin" ] || [ ! -x "$bin" ]; then
+    bin=/tmp/lnm_probe
+    nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icsrc/ln_modulate bench/ln_modulate_probe.cu \
+      -o "$bin" || return 1
+  fi
+  "$bin" "$OUT/probe.json"
 }
 do_train() {  # the default job's tokens/s with and without the fused op (TRAIN_STEPS steps each)
   [ -d /tmp/site/bin ] && export PATH=/tmp/site/bin:$PATH  # the deepspeed launcher of the wheelhouse

@@ -206,9 +206,10 @@ static BwdParams bwd_params(const Buffers& b) {
 enum class Grid { kPersistent, kRoundRobin, kPerRow, kHalf, kQuarter };  // kHalf / kQuarter: grid = rows / 2, / 4
 
 // v1 forward launcher.
-template <int NV, int TPR, bool HOIST = false, int VEC = 8, bool XCS = true, bool MODCS = false, bool PF = false>
+template <int NV, int TPR, bool HOIST = false, int VEC = 8, bool XCS = true, bool MODCS = false, bool PF = false,
+          bool MODC = false>
 static std::function<void(cudaStream_t)> fwd_v1(const Buffers& b, Grid g) {
-  auto k = &ln_mod_fwd_kernel<BF, float, VEC, NV, TPR, 1, true, PF, false, HOIST, XCS, MODCS>;
+  auto k = &ln_mod_fwd_kernel<BF, float, VEC, NV, TPR, 1, true, PF, MODC, HOIST, XCS, MODCS>;
   const int64_t N = b.B * b.S;
   const int res = resident(k, TPR, 0);
   const int grid = g == Grid::kPerRow ? (int)N : g == Grid::kHalf ? (int)((N + 1) / 2)
@@ -217,7 +218,9 @@ static std::function<void(cudaStream_t)> fwd_v1(const Buffers& b, Grid g) {
   return [=](cudaStream_t s) { k<<<grid, TPR, 0, s>>>(p); };
 }
 
-template <int NV, int TPR, int ST_PS, int ST_TOK, bool MODC = false>
+// EVEN = false: column masks (D < NV * TPR * 8, e.g. D = 1152); RES_DIV: the grid sized for resident / RES_DIV
+// CTAs (fewer CTAs, each with more rows).
+template <int NV, int TPR, int ST_PS, int ST_TOK, bool MODC = false, bool EVEN = true, int RES_DIV = 1>
 static std::function<void(cudaStream_t)> fwd_v2(const Buffers& b) {
   FwdParams p = fwd_params(b);
   if (b.per_token) {
@@ -227,9 +230,9 @@ static std::function<void(cudaStream_t)> fwd_v2(const Buffers& b) {
     p.seg_len = t.seg_len; p.tiles_per_seg = t.tiles_per_seg; p.num_tiles = t.num_tiles;
     return [=](cudaStream_t s) { k<<<t.grid, TPR, smem, s>>>(p); };
   }
-  auto k = &ln_mod_fwd_v2_kernel<BF, float, NV, TPR, ST_PS, true, false, MODC>;
+  auto k = &ln_mod_fwd_v2_kernel<BF, float, NV, TPR, ST_PS, EVEN, false, MODC>;
   const int smem = ST_PS * fwd_v2_stage_bytes<BF, float, NV, TPR, false>();
-  const Tiling t = fwd_v2_tiling(b.B, b.S, false, resident(k, TPR, smem));
+  const Tiling t = fwd_v2_tiling(b.B, b.S, false, std::max(1, resident(k, TPR, smem) / RES_DIV));
   p.seg_len = t.seg_len; p.tiles_per_seg = t.tiles_per_seg; p.num_tiles = t.num_tiles;
   return [=](cudaStream_t s) { k<<<t.grid, TPR, smem, s>>>(p); };
 }
@@ -306,13 +309,19 @@ static bool width_variants(int D, const Buffers& b, std::vector<Variant>& fv, st
             {"v1 8B 32x9", fwd_v1<9, 32, false, 4>(b, Grid::kPersistent)},
             {"v1 4B 192x3", fwd_v1<3, 192, false, 2>(b, Grid::kPersistent)},
             {"v1 4B 96x6 (shipped)", fwd_v1<6, 96, false, 2>(b, Grid::kPersistent)},
-            {"v3 16x9 bal", fwd_v3<8, 9, 16>(b, true)},
-            {"v3 16x9 bal m2", fwd_v3<8, 9, 16, 2>(b, true)},
-            {"v3 16x9 bal m3", fwd_v3<8, 9, 16, 3>(b, true)},
-            {"v3 16x9 m3", fwd_v3<8, 9, 16, 3>(b, false)},
-            {"v3 8B 32x9 bal", fwd_v3<4, 9, 32>(b, true)},
-            {"v3 8B 32x9 bal m3", fwd_v3<4, 9, 32, 3>(b, true)},
-            {"v3 8B 32x9 bal m4", fwd_v3<4, 9, 32, 4>(b, true)}};
+            // issue 18, third round: per-sample shift / scale held in registers (MODC)
+            {"v1 4B 96x6 modc", fwd_v1<6, 96, false, 2, true, false, false, true>(b, Grid::kPersistent)},
+            {"v1 8B 96x3 modc", fwd_v1<3, 96, false, 4, true, false, false, true>(b, Grid::kPersistent)},
+            {"v1 4B 192x3 modc", fwd_v1<3, 192, false, 2, true, false, false, true>(b, Grid::kPersistent)},
+            {"v1 8B 288x1 modc", fwd_v1<1, 288, false, 4, true, false, false, true>(b, Grid::kPersistent)},
+            {"v2 96x2 s3 masked", fwd_v2<2, 96, 3, 2, false, false>(b)},
+            {"v2 96x2 s3 masked modc", fwd_v2<2, 96, 3, 2, true, false>(b)},
+            {"v2 96x2 s4 masked modc", fwd_v2<2, 96, 4, 2, true, false>(b)},
+            {"v2 96x2 s2 masked modc", fwd_v2<2, 96, 2, 2, true, false>(b)},
+            {"v2 64x3 s3 masked modc", fwd_v2<3, 64, 3, 2, true, false>(b)},
+            {"v2 160x1 s4 masked modc", fwd_v2<1, 160, 4, 2, true, false>(b)},
+            {"v2 160x1 s6 masked modc", fwd_v2<1, 160, 6, 2, true, false>(b)},
+            {"v2 32x5 s4 masked modc", fwd_v2<5, 32, 4, 2, true, false>(b)}};
       bv = {{"v1 8B 96x3", bwd_v1<3, 96, false, false, 4>(b, Grid::kPersistent)},
             {"v1 8B 288x1", bwd_v1<1, 288, false, false, 4>(b, Grid::kPersistent)},
             {"v1 8B 32x9", bwd_v1<9, 32, false, false, 4>(b, Grid::kPersistent)},
@@ -519,18 +528,16 @@ int main(int argc, char** argv) {
           {"v2 96x2 s3 modc", fwd_v2<2, 96, 3, 3, true>(b)},
           {"v2 96x2 s4 modc", fwd_v2<2, 96, 4, 3, true>(b)},
           {"v2 192x1 s4 modc", fwd_v2<1, 192, 4, 3, true>(b)},
-          {"v3 32x6", fwd_v3<8, 6, 32>(b, false)},
-          {"v3 32x6 bal", fwd_v3<8, 6, 32>(b, true)},
-          {"v3 32x6 diag: no modulation", fwd_v3<8, 6, 32, 0, true, false, 1>(b, true)},
-          {"v3 32x6 diag: no mean/rstd stores", fwd_v3<8, 6, 32, 0, true, false, 2>(b, true)},
+          // issue 18, third round: stage counts and fewer / larger CTAs for the shipped MODC kernel
+          {"v2 96x2 s2 modc", fwd_v2<2, 96, 2, 3, true>(b)},
+          {"v2 96x2 s5 modc", fwd_v2<2, 96, 5, 3, true>(b)},
+          {"v2 96x2 s3 modc res/2", fwd_v2<2, 96, 3, 3, true, true, 2>(b)},
+          {"v2 96x2 s4 modc res/2", fwd_v2<2, 96, 4, 3, true, true, 2>(b)},
+          {"v2 96x2 s6 modc res/2", fwd_v2<2, 96, 6, 3, true, true, 2>(b)},
+          {"v2 192x1 s6 modc res/2", fwd_v2<1, 192, 6, 3, true, true, 2>(b)},
+          {"v2 96x2 s3 modc res/4", fwd_v2<2, 96, 3, 3, true, true, 4>(b)},
+          {"v1 96x2 modc", fwd_v1<2, 96, false, 8, true, false, false, true>(b, Grid::kPersistent)},
           {"v3 32x6 diag: copy x->y (no statistics)", fwd_v3<8, 6, 32, 0, true, false, 3>(b, true)},
-          {"v3 32x6 bal m3", fwd_v3<8, 6, 32, 3>(b, true)},
-          {"v3 32x6 m3", fwd_v3<8, 6, 32, 3>(b, false)},
-          {"v3 32x6 bal m4", fwd_v3<8, 6, 32, 4>(b, true)},
-          {"v3 32x6 bal m3 ldg", fwd_v3<8, 6, 32, 3, false>(b, true)},
-          {"v3 32x6 bal m3 ycs", fwd_v3<8, 6, 32, 3, true, true>(b, true)},
-          {"v3 16x12 bal m2", fwd_v3<8, 12, 16, 2>(b, true)},
-          {"v3 8B 32x12 bal m3", fwd_v3<4, 12, 32, 3>(b, true)},
       };
     } else {  // D = 5120
       fv = {

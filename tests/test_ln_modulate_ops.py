@@ -1,5 +1,5 @@
 """Guards the C++ registration of ln_modulate (csrc/ln_modulate/ln_modulate_ops.cpp): schemas, the C++
-autograd Function, CPU and Meta implementations, the composite entry point's checks and layouts, and the
+autograd node, CPU and Meta implementations, the composite entry point's checks and layouts, and the
 Python layer's choice of the C++ op. Built here as a CPU-only library (no CUDA needed); on a GPU machine
 the full extension (which contains the same file) is loaded instead."""
 from __future__ import annotations
@@ -200,7 +200,7 @@ def _graph_nodes(t, depth=4):
     names, frontier = set(), [t.grad_fn]
     for _ in range(depth):
         frontier = [n for n in frontier if n is not None]
-        names |= {type(n).__name__ for n in frontier}
+        names |= {n.name() for n in frontier}
         frontier = [nxt for n in frontier for nxt, _ in n.next_functions]
     return names
 
@@ -213,10 +213,10 @@ def test_python_layer_calls_the_cpp_op_when_loaded(ops, monkeypatch):
     x, sh, sc, w, b, dy = make(2, 5, 24, affine=True)
     xc = torch.Tensor._make_subclass(_CudaLooking, x.clone(), True)
     y = lnm.ln_modulate(xc, sh, sc, 1e-6, w, b)
-    assert "CppFunction" in _graph_nodes(y)  # the C++ autograd Function, not the reference's graph
+    assert "LnModulateBackward" in _graph_nodes(y)  # the C++ autograd node, not the reference's graph
     torch.testing.assert_close(y.as_subclass(torch.Tensor), ln_modulate_reference(x, sh, sc, 1e-6, w, b))
     monkeypatch.setenv(lnm.ENV_VAR, "reference")
-    assert "CppFunction" not in _graph_nodes(lnm.ln_modulate(xc, sh, sc))
+    assert "LnModulateBackward" not in _graph_nodes(lnm.ln_modulate(xc, sh, sc))
 
 
 def test_eager_fast_entry_point_only_for_plain_tensors(ops, monkeypatch):
@@ -248,3 +248,97 @@ def test_eager_fast_entry_point_only_for_plain_tensors(ops, monkeypatch):
     assert calls == ["fast"]
     assert ops.ln_modulate_apply.default in seen  # the mode saw the op
     assert lnm.call_counts()["fused"] == 3
+
+
+def test_autograd_node(ops):
+    """The hand-written C++ autograd node (issue 18: host time): y is its only differentiable output,
+    mean / rstd are plain tensors; saved tensors are version-checked and released after a backward
+    without retain_graph; gradients only for the inputs that need them; a double backward raises."""
+    x, sh, sc, w, b, dy = make(2, 5, 24, torch.float64, torch.float64, affine=True)
+    leaves = [t.detach().clone().requires_grad_() for t in (x, sh, sc, w, b)]
+    y, mean, rstd = ops.ln_modulate(*leaves, 1e-6)
+    assert y.grad_fn.name() == "LnModulateBackward" and len(y.grad_fn.next_functions) == 5
+    assert mean.grad_fn is None and rstd.grad_fn is None and not mean.requires_grad and not rstd.requires_grad
+    grads = torch.autograd.grad(y, leaves, dy, retain_graph=True)
+    again = torch.autograd.grad(y, leaves, dy)
+    ref = torch.autograd.grad(ln_modulate_reference(*leaves[:3], 1e-6, *leaves[3:]), leaves, dy)
+    for g, a, r in zip(grads, again, ref):
+        assert torch.equal(g, a)
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)  # the reference computes in fp32
+    with pytest.raises(RuntimeError, match="backward through the graph a second time|freed"):
+        torch.autograd.grad(y, leaves, dy)
+    # only the gradients asked for; inputs that do not require grad get none
+    xs = leaves[0].detach().requires_grad_()
+    y2, _, _ = ops.ln_modulate(xs, leaves[1].detach(), leaves[2], None, None, 1e-6)
+    (gx,) = torch.autograd.grad(y2, [xs], dy)
+    torch.testing.assert_close(gx, torch.autograd.grad(ln_modulate_reference(xs, leaves[1].detach(), leaves[2]),
+                                                       [xs], dy)[0], rtol=1e-5, atol=1e-5)
+    # an in-place change of a saved input is detected
+    xi = leaves[0].detach().clone().requires_grad_()
+    xv = xi * 1
+    y3, _, _ = ops.ln_modulate(xv, leaves[1], leaves[2], None, None, 1e-6)
+    xv.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y3.backward(dy)
+    # double backward: not implemented (raises instead of returning wrong second derivatives)
+    for per_token in (False, True):  # per-token: dshift is dy itself without create_graph
+        xd, shd, scd, _, _, dyd = make(2, 5, 24, torch.float64, torch.float64, per_token)
+        lv = [t.detach().clone().requires_grad_() for t in (xd, shd, scd)]
+        y4, _, _ = ops.ln_modulate(*lv, None, None, 1e-6)
+        g1 = torch.autograd.grad(y4, lv, dyd, create_graph=True)
+        torch.testing.assert_close(g1[1], torch.autograd.grad(ln_modulate_reference(*lv), lv, dyd)[1])
+        for g in g1:
+            with pytest.raises(RuntimeError, match="double backward .* is not implemented"):
+                torch.autograd.grad(g.sum(), lv)
+    with torch.no_grad():
+        assert ops.ln_modulate(*leaves, 1e-6)[0].grad_fn is None
+
+
+def test_fast_path_errors_are_the_python_errors(ops, monkeypatch):
+    """The eager fast path leaves the argument checks to the C++ op; when it raises, the Python layer's
+    check runs and raises its ValueError / TypeError (the extension's pybind entry point turns C++
+    errors into RuntimeError); an error that is no argument error propagates unchanged."""
+    def pybind_like(*a):
+        try:
+            return ops.ln_modulate_apply.default(*a)
+        except Exception as e:  # what pybind11 makes of a c10::ValueError
+            raise RuntimeError(str(e)) from None
+
+    state = lnm._OpState()
+    state.tried, state.ext, state.apply, state.fast_apply = True, object(), ops.ln_modulate_apply.default, pybind_like
+    monkeypatch.setattr(lnm, "_STATE", state)
+    monkeypatch.setattr(lnm, "_fast_path_ok", lambda *a: True)
+    x, sh, sc, w, b, dy = make(2, 5, 24)
+    torch.testing.assert_close(lnm.ln_modulate(x, sh, sc), ln_modulate_reference(x, sh, sc))
+    assert lnm.call_counts()["fused"] == 1
+    with pytest.raises(ValueError, match=r"shift must be \[B, D\], \[B, 1, D\] or \[B, S, D\]"):
+        lnm.ln_modulate(x, sh[..., :7], sc)
+    with pytest.raises(ValueError, match=r"weight must be a \[D\] = \[24\] tensor or None"):
+        lnm.ln_modulate(x, sh, sc, 1e-6, torch.ones(7))
+    with pytest.raises(RuntimeError, match="must be float32 or x's dtype"):
+        state.fast_apply = lambda *a: ops.ln_modulate.default(x, sh.half(), sc.half(), None, None, 1e-6)
+        lnm.ln_modulate(x, sh, sc)
+    assert lnm.call_counts()["fused"] == 1
+
+
+def test_fast_path_conditions_and_mode(monkeypatch):
+    """_fast_path_ok: only with the extension loaded, plain CUDA tensors of a kernel dtype, D within every
+    path's limit, mode not `reference` (the environment re-read on every call)."""
+    class Cudaish(torch.Tensor):
+        pass
+
+    state = lnm._OpState()
+    monkeypatch.setattr(lnm, "_STATE", state)
+    x, sh, sc, w, b, dy = make(1, 2, 8)
+    assert not lnm._fast_path_ok(x, sh, sc, None, None)  # no extension
+    state.fast_apply = object()
+    assert not lnm._fast_path_ok(x, sh, sc, None, None)  # CPU x
+    assert not lnm._fast_path_ok(torch.Tensor._make_subclass(Cudaish, x), sh, sc, None, None)
+    for mode in ("reference", "auto", "fused", "reference"):
+        monkeypatch.setenv(lnm.ENV_VAR, mode)
+        assert lnm._mode() == mode
+    monkeypatch.delenv(lnm.ENV_VAR)
+    assert lnm._mode() == "auto"
+    monkeypatch.setenv(lnm.ENV_VAR, "bogus")
+    with pytest.raises(ValueError, match="expected one of auto, fused, reference"):
+        lnm._mode()

@@ -1,5 +1,5 @@
 // Dispatcher registration of the fused LayerNorm-Modulate op: schemas, argument checks, the
-// public composite entry point, autograd (a torch::autograd::Function), the CPU implementation
+// public composite entry point, autograd (a hand-written autograd node), the CPU implementation
 // (the kernels' math in ATen, fp64 stays fp64 for gradcheck) and the Meta implementations
 // (FakeTensor / torch.compile, symbolic shapes). No CUDA here: this file also builds on its own
 // as a CPU-only library (ds_adaptive.ops.builder.build_cpu_ops), which the CPU tests load; the
@@ -14,9 +14,14 @@
 //       -> (dx, dshift, dscale, dweight, dbias)
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/saved_variable.h>
 #include <torch/library.h>
 
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -123,64 +128,113 @@ bwd_op() {
   return op;
 }
 
-optional<Tensor> defined_or_none(const Tensor& t) { return t.defined() ? optional<Tensor>(t) : std::nullopt; }
+// ------------------------------------------------------------------------------------------------
+// Autograd: a hand-written node (what torch's generated VariableType code does for native ops), not
+// a torch::autograd::Function. Issue 18, host time per call: the custom Function made mean / rstd
+// outputs of the autograd graph (wrapped, marked non-differentiable, given undefined gradients by the
+// engine) and paid CppNode's generic bookkeeping per call (output wrapping, saved-variable list,
+// ctx->saved_data map, per-output checks in the backward). Here y is the node's only input; mean / rstd
+// are plain tensors saved inside the node; saves x, mean, rstd, scale, weight, bias (not y, not shift).
+// Per-token dshift *is* dy: returned as dy itself when the dtypes agree (no kernel write), written by
+// the backward otherwise.
+// ------------------------------------------------------------------------------------------------
+using torch::autograd::Node;
+using torch::autograd::SavedVariable;
+using torch::autograd::variable_list;
+// Node pointers are std::shared_ptr<Node> up to torch 2.11 (deleted through torch::autograd::deleteNode)
+// and c10::intrusive_ptr<Node> in later versions: take the type from Edge and make the node to match.
+using NodePtr = decltype(torch::autograd::Edge().function);
+template <typename N, typename P>
+struct NodeMaker;
+template <typename N>
+struct NodeMaker<N, std::shared_ptr<Node>> {
+  template <typename... A>
+  static std::shared_ptr<N> make(A&&... a) {
+    return std::shared_ptr<N>(new N(std::forward<A>(a)...), [](N* n) { deleteNode(n); });  // ADL: torch::autograd
+  }
+};
+template <typename N>
+struct NodeMaker<N, c10::intrusive_ptr<Node>> {
+  template <typename... A>
+  static c10::intrusive_ptr<N> make(A&&... a) {
+    return c10::make_intrusive<N>(std::forward<A>(a)...);
+  }
+};
 
-// ------------------------------------------------------------------------------------------------
-// Autograd: saves x, mean, rstd, scale, weight, bias (not y, not shift). Per-token dshift *is* dy:
-// returned as dy itself when the dtypes agree (no kernel write), written by the backward otherwise.
-// ------------------------------------------------------------------------------------------------
-class LnModulateFunction : public torch::autograd::Function<LnModulateFunction> {
- public:
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const Tensor& x,
-                                                const Tensor& shift, const Tensor& scale,
-                                                const optional<Tensor>& weight, const optional<Tensor>& bias,
-                                                double eps) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    auto [y, mean, rstd] = fwd_op().call(x, shift, scale, weight, bias, eps);
-    ctx->save_for_backward({x, mean, rstd, scale, weight.value_or(Tensor()), bias.value_or(Tensor())});
-    ctx->saved_data["shift_dtype"] = static_cast<int64_t>(shift.scalar_type());
-    ctx->mark_non_differentiable({mean, rstd});
-    // mean / rstd never get a gradient: without this, autograd fills two [B, S] zero tensors for
-    // them before every backward (two allocations and two fill launches; seen in torch.profiler).
-    ctx->set_materialize_grads(false);
-    return {y, mean, rstd};
+struct LnModulateBackward : public Node {
+  SavedVariable x_, mean_, rstd_, scale_, weight_, bias_;
+  at::ScalarType shift_dtype_ = at::kFloat;
+  bool has_weight_ = false, has_bias_ = false;
+
+  std::string name() const override { return "LnModulateBackward"; }
+
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (SavedVariable* v : {&x_, &mean_, &rstd_, &scale_, &weight_, &bias_}) v->reset_data();
   }
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const Tensor& x = saved[0];
-    const Tensor& scale = saved[3];
+  // grads: {dy}; returns the gradients of (x, shift, scale, weight, bias), the node's next edges.
+  variable_list apply(variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
     Tensor dy = grads[0];
-    if (!dy.defined()) return {Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+    if (!dy.defined()) return variable_list(5);
+    const Tensor x = x_.unpack();
+    const Tensor scale = scale_.unpack();
+    const optional<Tensor> weight = has_weight_ ? optional<Tensor>(weight_.unpack()) : std::nullopt;
+    const optional<Tensor> bias = has_bias_ ? optional<Tensor>(bias_.unpack()) : std::nullopt;
     // The kernels read dy through (b, s) strides; a non-unit last-dim stride (e.g. the stride-0
     // expand of a scalar's gradient) is copied first.
     if (dy.sym_size(2) != 1 && dy.sym_stride(2) != 1) dy = dy.contiguous();
     const bool per_token = scale.sym_size(1) != 1;
-    const auto shift_dtype = static_cast<at::ScalarType>(ctx->saved_data["shift_dtype"].toInt());
-    const bool alias_dshift = per_token && shift_dtype == dy.scalar_type();
-    // Without create_graph (grad mode off in the backward) nothing can record the backward op: skip
-    // its Autograd / ADInplaceOrView dispatch (torch's not-implemented fallback walks the arguments
-    // on every call). With create_graph the fallback stays, so a double backward raises.
-    std::optional<at::AutoDispatchBelowADInplaceOrView> below_ad;
-    if (!at::GradMode::is_enabled()) below_ad.emplace();
-    auto [dx, dshift, dscale, dweight, dbias] = bwd_op().call(
-        dy, x, saved[1], saved[2], scale, defined_or_none(saved[4]), defined_or_none(saved[5]),
-        per_token && !alias_dshift);
-    if (alias_dshift) dshift = dy;
-    return {ctx->needs_input_grad(0) ? dx : Tensor(),
-            ctx->needs_input_grad(1) ? dshift : Tensor(),
-            ctx->needs_input_grad(2) ? dscale : Tensor(),
-            saved[4].defined() && ctx->needs_input_grad(3) ? dweight : Tensor(),
-            saved[5].defined() && ctx->needs_input_grad(4) ? dbias : Tensor(),
-            Tensor()};
+    const bool alias_dshift = per_token && shift_dtype_ == dy.scalar_type();
+    // The backward op is not differentiable: called below the Autograd key (no not-implemented
+    // fallback walking its arguments per call). With create_graph (grad mode on here) its outputs get
+    // an Error node, so that differentiating them again raises instead of silently giving zeros.
+    const bool create_graph = at::GradMode::is_enabled();
+    variable_list out(5);
+    {
+      at::AutoDispatchBelowADInplaceOrView below_ad;
+      auto [dx, dshift, dscale, dweight, dbias] =
+          bwd_op().call(dy, x, mean_.unpack(), rstd_.unpack(), scale, weight, bias, per_token && !alias_dshift);
+      if (alias_dshift) dshift = create_graph ? dy.clone() : dy;  // with create_graph: its own history
+      if (task_should_compute_output(0)) out[0] = dx;
+      if (task_should_compute_output(1)) out[1] = dshift;
+      if (task_should_compute_output(2)) out[2] = dscale;
+      if (has_weight_ && task_should_compute_output(3)) out[3] = dweight;
+      if (has_bias_ && task_should_compute_output(4)) out[4] = dbias;
+    }
+    if (create_graph) {
+      auto err = NodeMaker<torch::autograd::Error, NodePtr>::make(
+          "ds_adaptive::ln_modulate: double backward (differentiating its gradients) is not implemented",
+          torch::autograd::collect_next_edges(dy, x, scale));
+      for (const Tensor& g : out)
+        if (g.defined()) torch::autograd::set_history(g, err);
+    }
+    return out;
   }
 };
 
 FwdOut ln_modulate_autograd(const Tensor& x, const Tensor& shift, const Tensor& scale, const optional<Tensor>& weight,
                             const optional<Tensor>& bias, double eps) {
-  auto out = LnModulateFunction::apply(x, shift, scale, weight, bias, eps);
-  return {out[0], out[1], out[2]};
+  const bool requires_grad = torch::autograd::compute_requires_grad(x, shift, scale, weight, bias);
+  auto out = [&] {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return fwd_op().call(x, shift, scale, weight, bias, eps);
+  }();
+  if (!requires_grad) return out;
+  auto node = NodeMaker<LnModulateBackward, NodePtr>::make();
+  node->set_next_edges(torch::autograd::collect_next_edges(x, shift, scale, weight, bias));
+  node->x_ = SavedVariable(x, false);
+  node->mean_ = SavedVariable(std::get<1>(out), false);
+  node->rstd_ = SavedVariable(std::get<2>(out), false);
+  node->scale_ = SavedVariable(scale, false);
+  node->has_weight_ = weight.has_value();
+  node->has_bias_ = bias.has_value();
+  if (node->has_weight_) node->weight_ = SavedVariable(*weight, false);
+  if (node->has_bias_) node->bias_ = SavedVariable(*bias, false);
+  node->shift_dtype_ = shift.scalar_type();
+  torch::autograd::set_history(std::get<0>(out), node);
+  return out;
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -485,8 +485,12 @@ def test_fast_entry_point_matches_torch_ops():
     assert calls == [1]
 
 
-def test_cpp_autograd_function_is_used():
-    """ln_modulate on CUDA runs the C++ autograd Function (no Python custom op / autograd layer)."""
+def test_cpp_autograd_node_is_used():
+    """ln_modulate on CUDA runs the C++ autograd node (no Python custom op / autograd layer); mean /
+    rstd are no part of the autograd graph."""
     x, sh, sc, w, b, dy = make(2, 9, 1536, BF16, F32, False, False)
     y = lnm.ln_modulate(x.requires_grad_(), sh, sc)
-    assert type(y.grad_fn).__name__ == "CppFunction"
+    assert y.grad_fn.name() == "LnModulateBackward"
+    y, mean, rstd = torch.ops.ds_adaptive.ln_modulate(x, sh, sc, None, None, 1e-6)
+    assert y.grad_fn.name() == "LnModulateBackward" and mean.grad_fn is None and not rstd.requires_grad
+
