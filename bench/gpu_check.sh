@@ -13,7 +13,8 @@
 # env build tests bench; probe = bench/ln_modulate_probe.cu kernel sweep, PROBE_CASES picks its cases,
 # PROBE_FWD_ONLY=1 skips its backward variants; host = host time per call (isolated fwd+bwd and per
 # op in a chain of 32) with a torch.profiler table, and the C++ argument checks raised on CUDA inputs;
-# train = the default job with and without the fused op, TRAIN_STEPS steps each),
+# train = the default job with and without the fused op, TRAIN_STEPS steps each, each arm planning with its own
+# calibration; train_same = the same two arms on one pinned plan, bench/ln_modulate_e2e.py),
 # BENCH_ARGS (extra args for bench/ln_modulate.py, e.g. "--quick --tune"; --tune also times both
 # kernel generations per case and prints the recommended DS_ADAPTIVE_LN_MODULATE_KERNELS),
 # TEST_ARGS (for pytest), PREBUILD=1 (also build the op through setup.py build_ext --inplace and
@@ -102,9 +103,26 @@ do_train() {  # the default job's tokens/s with and without the fused op (TRAIN_
       | grep -E "tokens/s|tok/s|run summary|peak memory|loss  |Error|error" | tail -14
   done
 }
-export -f do_env do_build do_tests do_bench do_host do_probe do_train
+do_train_same() {  # the default job with and without the op on the SAME plan (bench/ln_modulate_e2e.py): both
+  # arms plan with the H200 profile's reference entries, so they train identical micro-batches; one epoch of
+  # TRAIN_SAMPLES (default 150) samples of the default mix, TRAIN_SAME_STEPS (default 7 = that epoch) steps
+  local d="$OUT/train_same" w=/tmp/train_same arm flag
+  rm -rf "$w"; mkdir -p "$d"
+  python3 bench/ln_modulate_e2e.py prepare --dir "$w" || return 1
+  for arm in op ref; do
+    flag=$([ "$arm" = op ] && echo --fused-ln-modulate || echo --no-fused-ln-modulate)
+    echo "== arm $arm ($flag)"
+    python3 -m ds_adaptive.train --deepspeed_config "$w/config.json" --model wan2.1-1.3b --grad-ckpt auto $flag \
+      --steps "${TRAIN_SAME_STEPS:-7}" --num-samples "${TRAIN_SAMPLES:-150}" --log-dir "$w/runs/$arm" >"$d/$arm.log" 2>&1 \
+      || { tail -n 30 "$d/$arm.log"; return 1; }
+    tail -n 4 "$d/$arm.log"
+    for f in summary.json metrics.jsonl memory.jsonl; do cp "$w/runs/$arm/$f" "$d/${arm}_$f" 2>/dev/null; done
+  done
+  python3 bench/ln_modulate_e2e.py report --runs "$w/runs" --out "$d/report.json"
+}
+export -f do_env do_build do_tests do_bench do_host do_probe do_train do_train_same
 export OUT
-declare -A LIMIT=([env]=60 [build]=300 [tests]=240 [bench]=420 [probe]=240 [train]=400 [host]=240)
+declare -A LIMIT=([env]=60 [build]=300 [tests]=240 [bench]=420 [probe]=240 [train]=400 [host]=240 [train_same]=400)
 
 for s in $STEPS; do
   run_step "$s" "${LIMIT[$s]:-300}" "do_$s" || true

@@ -714,6 +714,13 @@ FwdChoice fwd_select(const FwdParams& p, int gen) {
         case 3072: return fwd_make_v2<T, M, 4, 96, 3, 2, true>(p);
         case 4096: return fwd_make_v2<T, M, 4, 128, 3, 2, true>(p);
         case 5120: return fwd_make_v2<T, M, 5, 128, 3, 2, true>(p);
+        // D = 1152 (D / 8 = 144 vectors, no multiple of 32), per-sample: one warp per row, 5 of its 8-byte
+        // vector slots per thread (144 of 160 used, masked), shift / scale in registers, 4 stages. H200
+        // probe (8x4096x1152, read flush): 0.0441 ms vs 0.0569 for the v1 4-byte 96x6 below (1.24x vs
+        // 1.60x of the floor; bench/RESULTS.md, issue 18 third round). Per-token rows keep the generic path.
+        case 1152:
+          if (p.shift_ss == 0 && p.scale_ss == 0) return fwd_make_v2<T, M, 5, 32, 4, 2, false, true>(p);
+          break;
         default: break;
       }
     } else {

@@ -178,6 +178,7 @@ def test_many_short_samples(B, S, affine, kernels):
     crossing tile boundaries inside the staged pipeline), forward deals rows round-robin."""
     check(B, S, 1536, BF16, F32, per_token=False, affine=affine, seed=B + S)
     check(B, S, 5120, BF16, F32, per_token=False, affine=affine, seed=B + S + 1)
+    check(B, S, 1152, BF16, F32, per_token=False, affine=affine, seed=B + S + 2)   # one-warp v2 forward, masked
 
 
 @pytest.mark.parametrize("kernels", GENS, indirect=True)
