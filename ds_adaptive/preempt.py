@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["StopRequest", "EXIT_PREEMPTED", "STOP_SIGNALS"]
+__all__ = ["StopRequest", "EXIT_PREEMPTED", "STOP_SIGNALS", "ignore_stop_signals"]
 
 EXIT_PREEMPTED = 75
 """Exit status of a run stopped by a signal at a step boundary (sysexits' EX_TEMPFAIL: "try again",
@@ -75,3 +75,17 @@ class StopRequest:
         for s, h in self._previous.items():
             signal.signal(s, h)
         self._previous = {}
+
+
+def ignore_stop_signals(_worker_id: int = 0) -> None:
+    """``worker_init_fn`` of the training DataLoader: its workers ignore the stop signals.
+
+    ``timeout``, Ctrl-C in a terminal and schedulers (SLURM's preemption, Kubernetes) signal the whole
+    process group, DataLoader workers included. torch's workers die on SIGTERM, and the main process
+    then raises "DataLoader worker ... is killed by signal: Terminated" from its SIGCHLD handler in the
+    middle of the step, before the rank can finish the step, save and write its summary (seen on an
+    H200 when a run was stopped by ``timeout``). Ignoring the signals in the workers leaves the stop to
+    the ranks (:class:`StopRequest`); the workers still end with the main process (torch's watchdog
+    and the loader's shutdown)."""
+    for s in STOP_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)

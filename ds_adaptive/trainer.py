@@ -34,7 +34,7 @@ from .balance.memory import model_checkpoint_blocks
 from .models.flops import wan_train_flops
 from .ops.apply import ln_modulate_summary
 from .objective import EVAL_TIMESTEPS, eval_inputs, flow_matching_losses, mean_mse
-from .preempt import EXIT_PREEMPTED, StopRequest
+from .preempt import EXIT_PREEMPTED, StopRequest, ignore_stop_signals
 from .run import Run
 from .run_config import UsageError
 from .shapes import MAX_TEXT_LEN
@@ -260,7 +260,8 @@ class Trainer:
             # device: the model sees the same input, the host moves ~4x fewer bytes.
             loader = torch.utils.data.DataLoader(self.run.dataset, batch_sampler=sampler,
                                                  collate_fn=_collate_unpadded, num_workers=workers,
-                                                 pin_memory=self.run.device.type == "cuda")
+                                                 pin_memory=self.run.device.type == "cuda",
+                                                 worker_init_fn=ignore_stop_signals if workers else None)
             self._batches = iter(loader)
         try:
             return next(self._batches)

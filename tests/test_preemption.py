@@ -306,3 +306,44 @@ def test_init_from_a_diffusers_dir_in_build_run_reproduces_diffusers(tmp_path, r
     assert info["partitioned"] and any("--init-from" in n and "ZeRO-3" in n for n in info["notes"]), info
     torch.testing.assert_close(torch.load(tmp_path / "out.pt"), ref, rtol=1e-5, atol=1e-5)
     assert float(ref.abs().mean()) > 1e-2
+
+
+# --- a signal to the whole process group (timeout, Ctrl-C, SLURM) with DataLoader workers -----------
+
+class _SignalsItsOwnWorker(torch.utils.data.Dataset):
+    """Each item sends SIGTERM to the process that loads it (a DataLoader worker)."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> int:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)   # a worker without the fix is dead by now
+        return i
+
+
+def test_dataloader_workers_ignore_the_stop_signals():
+    from ds_adaptive.preempt import ignore_stop_signals
+
+    loader = torch.utils.data.DataLoader(_SignalsItsOwnWorker(), batch_size=None, num_workers=1,
+                                         worker_init_fn=ignore_stop_signals)
+    assert [int(x) for x in loader] == [0, 1, 2, 3]
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_process_group_with_loader_workers_stops_cleanly(tmp_path):
+    """`timeout`, Ctrl-C and schedulers signal the whole process group: the loader workers too. The rank
+    must still finish its step and write its summary (before: 'DataLoader worker ... killed by signal')."""
+    log = tmp_path / "log.txt"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "ds_adaptive.train", "--deepspeed_config", str(CPU_CONFIG),
+                                 *TRAIN, "--steps", "50", "--workers", "1", "--log-dir", "run"], cwd=tmp_path,
+                                stdout=f, stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
+        _wait_for(proc, log, "step 1/50", 240)
+        os.killpg(proc.pid, signal.SIGTERM)
+        rc = proc.wait(timeout=120)
+    out = log.read_text()
+    assert rc == EXIT_PREEMPTED, out[-4000:]
+    assert "killed by signal" not in out, out[-4000:]
+    stop = _summary(tmp_path / "run")["stopped"]
+    assert stop["signal"] == "SIGTERM" and 1 <= stop["step"] < 50, stop
