@@ -118,7 +118,10 @@ do_train_same() {  # the default job with and without the op on the SAME plan (b
     tail -n 4 "$d/$arm.log"
     for f in summary.json metrics.jsonl memory.jsonl; do cp "$w/runs/$arm/$f" "$d/${arm}_$f" 2>/dev/null; done
   done
-  python3 bench/ln_modulate_e2e.py report --runs "$w/runs" --out "$d/report.json"
+  python3 bench/ln_modulate_e2e.py report --runs "$w/runs" --out "$OUT/train_same_report.json" | tee "$d/report.txt"
+  # one archive: the device tool returns only a few files per call (at 6e36d50 the 10 files of this step did not
+  # come back and the report survived only in stdout)
+  tar czf "$OUT/train_same.tgz" -C "$OUT" train_same && rm -rf "$d"
 }
 export -f do_env do_build do_tests do_bench do_host do_probe do_train do_train_same
 export OUT
