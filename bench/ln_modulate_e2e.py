@@ -20,26 +20,24 @@ steps both arms finished (step 1 excluded: first allocations and kernel builds),
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import sys
 from pathlib import Path
+
+from ds_adaptive.balance.cost import load_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ROOT / "ds_adaptive" / "balance" / "profiles" / "h200-wan2.1-1.3b.json"
 CONFIG = ROOT / "launch" / "configs" / "zero3_adaptive.json"
 
 
-def reference_profile(src: dict) -> dict:
-    """``src`` with its ``ln_modulate_variants.reference`` entries at top level (as
-    ``Profile.for_ln_modulate('reference')`` merges them) and no variants left."""
-    variant = (src.get("ln_modulate_variants") or {}).get("reference")
-    if variant is None:
-        raise SystemExit(f"{PROFILE}: no ln_modulate_variants.reference entry: nothing to pin the plan to")
-    out = {**copy.deepcopy(src), **copy.deepcopy(variant), "ln_modulate": "reference"}
-    out.pop("ln_modulate_variants", None)
-    out["name"] = f"{src.get('name', 'profile')}-reference-pinned"
-    return out
+def reference_profile() -> dict:
+    """The shipped profile as a run on the reference path plans with it (``Profile.for_ln_modulate``: its
+    ``ln_modulate_variants.reference`` entries at top level, no variants left), renamed."""
+    prof, _ = load_profile(PROFILE).for_ln_modulate("reference")
+    if prof.ln_modulate != "reference":
+        raise SystemExit(f"{PROFILE}: no reference entries: nothing to pin the plan to")
+    return {**dict(prof.raw), "name": f"{prof.name}-reference-pinned"}
 
 
 def _auto_or(v: str):
@@ -48,7 +46,7 @@ def _auto_or(v: str):
 
 def prepare(d: Path, m_comp: str, gas: str) -> None:
     d.mkdir(parents=True, exist_ok=True)
-    (d / "profile.json").write_text(json.dumps(reference_profile(json.loads(PROFILE.read_text())), indent=1))
+    (d / "profile.json").write_text(json.dumps(reference_profile(), indent=1))
     cfg = json.loads(CONFIG.read_text())
     cfg["gradient_accumulation_steps"] = _auto_or(gas)
     s = cfg["adaptive_load"]["sampler"]
