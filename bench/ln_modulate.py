@@ -397,7 +397,7 @@ TUNE = {  # slot -> (generation, D, direction, config names of variants 0..5; 0 
     1: ("v1", 5120, "fwd", ["128x5", "160x4", "320x2", "640x1", "160x4 pf", "128x5 modc"]),
     2: ("v1", 1536, "bwd", ["192x1", "96x2", "64x3", "32x6", "192x1 pf", "96x2 pf"]),
     3: ("v1", 5120, "bwd", ["128x5", "320x2", "160x4", "640x1", "640x1 pf", "320x2 pf"]),
-    4: ("v2", 1536, "fwd", ["96x2 s3/2", "96x2 s3/3", "192x1 s4/2", "64x3 s4/2", "96x2 s2/3", "32x6 s4/2"]),
+    4: ("v2", 1536, "fwd", ["32x6 s4/2 modc", "96x2 s3/3", "192x1 s4/2", "64x3 s4/2", "96x2 s2/3", "32x6 s4/2"]),
     5: ("v2", 5120, "fwd", ["128x5 s3/2", "160x4 s3/2", "128x5 s4/3", "320x2 s3/2", "128x5 s2/3", "640x1 s3/2"]),
     6: ("v2", 1536, "bwd", ["96x2 s3/3", "96x2 s4/3", "192x1 s3/2", "64x3 s4/3", "192x1 s6/4", "96x2 s3/2"]),
     7: ("v2", 5120, "bwd", ["320x2 s3/2", "640x1 s3/2", "128x5 s3/2", "640x1 s4/3", "160x4 s3/2", "320x2 s4/3"]),
@@ -525,18 +525,28 @@ def host_us(fn: Callable[[], object], n: int = 300) -> float:
     return sorted(rounds)[2]
 
 
-def _chain_fns(s: Dict, n: int, layer_norm: bool) -> Callable[[], object]:
-    """fwd+bwd of a chain of n ops with one backward (what a training step sees): ours with its own
-    (shift, scale) leaf pair per op, as every adaLN in a model has, or F.layer_norm (no modulation)."""
-    pairs = [(s["shift"].detach().clone().requires_grad_(), s["scale"].detach().clone().requires_grad_())
-             for _ in range(n)]
-    inputs = [s["x"]] if layer_norm else [s["x"]] + [t for p in pairs for t in p]
+def _chain_fns(s: Dict, n: int, kind: str) -> Callable[[], object]:
+    """fwd+bwd of a chain of n ops with one backward (what a training step sees). kind: "ours" (its own
+    (shift, scale) leaf pair per op, as every adaLN in a model has), "ours, modulation without grad" (the
+    same op, gradients for x only: what the two extra leaf gradients cost), "F.layer_norm" (no affine) or
+    "F.layer_norm affine" (its own weight / bias leaf pair per op: as many gradients per op as ours)."""
     D = s["x"].shape[-1]
+    grad_mod = kind != "ours, modulation without grad"
+    if kind.startswith("ours"):
+        pairs = [(s["shift"].detach().clone().requires_grad_(grad_mod), s["scale"].detach().clone().requires_grad_(grad_mod))
+                 for _ in range(n)]
+    elif kind == "F.layer_norm affine":
+        pairs = [(torch.ones(D, device=DEVICE, dtype=s["x"].dtype, requires_grad=True),
+                  torch.zeros(D, device=DEVICE, dtype=s["x"].dtype, requires_grad=True)) for _ in range(n)]
+    else:
+        pairs = [(None, None)] * n
+    inputs = [s["x"]] + [t for p in pairs for t in p if t is not None and t.requires_grad]
+    F = torch.nn.functional
 
     def step():
         y = s["x"]
-        for sh, sc in pairs:
-            y = torch.nn.functional.layer_norm(y, (D,)) if layer_norm else ln_modulate(y, sh, sc)
+        for a, b in pairs:
+            y = F.layer_norm(y, (D,), a, b) if kind.startswith("F.") else ln_modulate(y, a, b)
         return torch.autograd.grad(y, inputs, s["dy"])
     return step
 
@@ -581,9 +591,9 @@ def host_overhead(chain: int = 32) -> Dict:
             s["x"], s["shift"], s["scale"], 1e-6, None, None)
     for k, fn in fns.items():
         res[f"{k} us"] = host_us(fn)
-    for name, ln in (("ours", False), ("F.layer_norm", True)):
-        t1 = host_us(_chain_fns(s, 1, ln), n=200)
-        tn = host_us(_chain_fns(s, chain, ln), n=60)  # 60 x ~3 ms per round: a steadier median than 20
+    for name in ("ours", "F.layer_norm", "ours, modulation without grad", "F.layer_norm affine"):
+        t1 = host_us(_chain_fns(s, 1, name), n=200)
+        tn = host_us(_chain_fns(s, chain, name), n=60)  # 60 x ~3 ms per round: a steadier median than 20
         res[f"{name} chain of {chain} fwd+bwd us"] = tn
         res[f"{name} marginal per op in a chain us"] = (tn - t1) / (chain - 1)
     return res
@@ -701,6 +711,8 @@ def print_targets(results: List[Dict], host: Optional[Dict]) -> None:
         print(f"  host time per fwd+bwd op in a chain of {n} with one backward (what a training step sees) "
               f"{m:.1f} us ({'met' if m <= 60 else 'MISSED'} <= 60; F.layer_norm "
               f"{host.get('F.layer_norm marginal per op in a chain us', nan):.1f} us)")
+        print(f"    same chain, ours with x's gradient only {host.get('ours, modulation without grad marginal per op in a chain us', nan):.1f} us; "
+              f"F.layer_norm with a weight / bias leaf pair per op {host.get('F.layer_norm affine marginal per op in a chain us', nan):.1f} us")
         print(f"  host time of one isolated fwd+bwd call (autograd.grad, engine start-up included) {h:.1f} us "
               f"({'met' if h <= 60 else 'MISSED'} <= 60; F.layer_norm {host.get('F.layer_norm fwd+bwd us', nan):.1f} "
               f"us, x*2 {host.get('x*2 fwd+bwd (engine baseline) us', nan):.1f} us)")

@@ -220,7 +220,8 @@ static std::function<void(cudaStream_t)> fwd_v1(const Buffers& b, Grid g) {
 
 // EVEN = false: column masks (D < NV * TPR * 8, e.g. D = 1152); RES_DIV: the grid sized for resident / RES_DIV
 // CTAs (fewer CTAs, each with more rows).
-template <int NV, int TPR, int ST_PS, int ST_TOK, bool MODC = false, bool EVEN = true, int RES_DIV = 1>
+template <int NV, int TPR, int ST_PS, int ST_TOK, bool MODC = false, bool EVEN = true, int RES_DIV = 1,
+          bool YCS = false>
 static std::function<void(cudaStream_t)> fwd_v2(const Buffers& b) {
   FwdParams p = fwd_params(b);
   if (b.per_token) {
@@ -230,7 +231,7 @@ static std::function<void(cudaStream_t)> fwd_v2(const Buffers& b) {
     p.seg_len = t.seg_len; p.tiles_per_seg = t.tiles_per_seg; p.num_tiles = t.num_tiles;
     return [=](cudaStream_t s) { k<<<t.grid, TPR, smem, s>>>(p); };
   }
-  auto k = &ln_mod_fwd_v2_kernel<BF, float, NV, TPR, ST_PS, EVEN, false, MODC>;
+  auto k = &ln_mod_fwd_v2_kernel<BF, float, NV, TPR, ST_PS, EVEN, false, MODC, YCS>;
   const int smem = ST_PS * fwd_v2_stage_bytes<BF, float, NV, TPR, false>();
   const Tiling t = fwd_v2_tiling(b.B, b.S, false, std::max(1, resident(k, TPR, smem) / RES_DIV));
   p.seg_len = t.seg_len; p.tiles_per_seg = t.tiles_per_seg; p.num_tiles = t.num_tiles;
@@ -321,7 +322,13 @@ static bool width_variants(int D, const Buffers& b, std::vector<Variant>& fv, st
             {"v2 64x3 s3 masked modc", fwd_v2<3, 64, 3, 2, true, false>(b)},
             {"v2 160x1 s4 masked modc", fwd_v2<1, 160, 4, 2, true, false>(b)},
             {"v2 160x1 s6 masked modc", fwd_v2<1, 160, 6, 2, true, false>(b)},
-            {"v2 32x5 s4 masked modc", fwd_v2<5, 32, 4, 2, true, false>(b)}};
+            {"v2 32x5 s4 masked modc", fwd_v2<5, 32, 4, 2, true, false>(b)},
+            // issue 18, fourth round: the one-warp MODC kernel's stage count, store hint, two warps
+            {"v2 32x5 s2 masked modc", fwd_v2<5, 32, 2, 2, true, false>(b)},
+            {"v2 32x5 s3 masked modc", fwd_v2<5, 32, 3, 2, true, false>(b)},
+            {"v2 32x5 s6 masked modc", fwd_v2<5, 32, 6, 2, true, false>(b)},
+            {"v2 32x5 s4 masked modc ycs", fwd_v2<5, 32, 4, 2, true, false, 1, true>(b)},
+            {"v2 64x3 s4 masked modc", fwd_v2<3, 64, 4, 2, true, false>(b)}};
       bv = {{"v1 8B 96x3", bwd_v1<3, 96, false, false, 4>(b, Grid::kPersistent)},
             {"v1 8B 288x1", bwd_v1<1, 288, false, false, 4>(b, Grid::kPersistent)},
             {"v1 8B 32x9", bwd_v1<9, 32, false, false, 4>(b, Grid::kPersistent)},
@@ -537,6 +544,16 @@ int main(int argc, char** argv) {
           {"v2 192x1 s6 modc res/2", fwd_v2<1, 192, 6, 3, true, true, 2>(b)},
           {"v2 96x2 s3 modc res/4", fwd_v2<2, 96, 3, 3, true, true, 4>(b)},
           {"v1 96x2 modc", fwd_v1<2, 96, false, 8, true, false, false, true>(b, Grid::kPersistent)},
+          // issue 18, fourth round: one warp (32x6) or two (64x3) per row with the modulation in registers
+          // (no CTA barrier in the row reductions), the streaming store hint for y
+          {"v2 32x6 s2 modc", fwd_v2<6, 32, 2, 3, true>(b)},
+          {"v2 32x6 s3 modc", fwd_v2<6, 32, 3, 3, true>(b)},
+          {"v2 32x6 s4 modc", fwd_v2<6, 32, 4, 3, true>(b)},
+          {"v2 32x6 s6 modc", fwd_v2<6, 32, 6, 3, true>(b)},
+          {"v2 64x3 s3 modc", fwd_v2<3, 64, 3, 3, true>(b)},
+          {"v2 64x3 s4 modc", fwd_v2<3, 64, 4, 3, true>(b)},
+          {"v2 96x2 s3 modc ycs", fwd_v2<2, 96, 3, 3, true, true, 1, true>(b)},
+          {"v2 32x6 s4 modc ycs", fwd_v2<6, 32, 4, 3, true, true, 1, true>(b)},
           {"v3 32x6 diag: copy x->y (no statistics)", fwd_v3<8, 6, 32, 0, true, false, 3>(b, true)},
       };
     } else {  // D = 5120

@@ -707,7 +707,14 @@ FwdChoice fwd_select(const FwdParams& p, int gen) {
         // bench/ln_modulate_probe.cu, read flush): 0.0584 vs 0.0620 ms at 1x32760, 0.0446 vs 0.0496 at
         // 16x1560 (reading them from L1 for every row was most of the gap to a copy: without any
         // modulation the same kernel shape ran 0.0542 / 0.0417)
-        case 1536: return fwd_make_v2<T, M, 2, 96, 3, 2, true, true>(p);
+        // Issue 18, fourth round: per-sample rows on one warp each (32x6: 6 vectors per lane, the row
+        // reductions shuffles only, no CTA barrier), shift / scale in registers, 4 stages. H200 probe (read
+        // flush, ms): 1x32760 0.0539 vs 0.0589 for 96x2 s3 MODC (1.136x vs 1.241x of the floor), 16x1560
+        // 0.0424 vs 0.0449 (1.170x vs 1.239x); 211 registers, 9 warps per SM. Per-token rows keep 96x2
+        // (their stages hold the modulation too: 32x6 would need 15 KB per stage and warp).
+        case 1536:
+          if (p.shift_ss == 0 && p.scale_ss == 0) return fwd_make_v2<T, M, 6, 32, 4, 2, true, true>(p);
+          return fwd_make_v2<T, M, 2, 96, 3, 2, true>(p);
         // H200 (bench/ln_modulate_probe.cu, read flush, ms): 8x4096x2304 96x3 0.0929 (v1 0.0914);
         // 8x4096x3072 96x4 0.1164 vs 192x2 s4 > 0.122; 4x4096x4096 128x4 0.0811 vs 256x2 0.0886
         case 2304: return fwd_make_v2<T, M, 3, 96, 3, 2, true>(p);

@@ -103,9 +103,9 @@ constexpr int bwd_v2_stage_bytes() {
 // shift / scale are read through L1 after the reduction (the CTA stays in one sample), or with
 // MODC (per-sample only; the D = 1536 16-bit configuration, issue 18) held in registers while
 // consecutive rows of the CTA share a sample (2 * NV * VEC registers; reloaded when the sample
-// changes, so any row dealing is correct).
+// changes, so any row dealing is correct). YCS: y stored with the streaming (evict-first) hint.
 // ----------------------------------------------------------------------------------------------
-template <typename T, typename M, int NV, int TPR, int STAGES, bool EVEN, bool TOK, bool MODC = false>
+template <typename T, typename M, int NV, int TPR, int STAGES, bool EVEN, bool TOK, bool MODC = false, bool YCS = false>
 __global__ void __launch_bounds__(TPR) ln_mod_fwd_v2_kernel(const FwdParams p) {
   constexpr int VEC = 16 / (int)sizeof(T);
   constexpr int MCH = TOK ? VEC * (int)sizeof(M) / 16 : 0;  // 16-byte chunks per access of shift (and scale)
@@ -241,7 +241,7 @@ __global__ void __launch_bounds__(TPR) ln_mod_fwd_v2_kernel(const FwdParams p) {
 #pragma unroll
           for (int j = 0; j < VEC; ++j) out[j] = fmaf(v[i][j] * rstd, sc[j] + 1.f, sh[j]);
         }
-        store_vec<VEC, T, false>(yr + (int64_t)c * VEC, out);
+        store_vec<VEC, T, YCS>(yr + (int64_t)c * VEC, out);
       }
     }
     if (t == 0) {
