@@ -221,7 +221,7 @@ static std::function<void(cudaStream_t)> fwd_v1(const Buffers& b, Grid g) {
 // EVEN = false: column masks (D < NV * TPR * 8, e.g. D = 1152); RES_DIV: the grid sized for resident / RES_DIV
 // CTAs (fewer CTAs, each with more rows).
 template <int NV, int TPR, int ST_PS, int ST_TOK, bool MODC = false, bool EVEN = true, int RES_DIV = 1,
-          bool YCS = false>
+          bool YCS = false, int XB = 16>
 static std::function<void(cudaStream_t)> fwd_v2(const Buffers& b) {
   FwdParams p = fwd_params(b);
   if (b.per_token) {
@@ -231,8 +231,8 @@ static std::function<void(cudaStream_t)> fwd_v2(const Buffers& b) {
     p.seg_len = t.seg_len; p.tiles_per_seg = t.tiles_per_seg; p.num_tiles = t.num_tiles;
     return [=](cudaStream_t s) { k<<<t.grid, TPR, smem, s>>>(p); };
   }
-  auto k = &ln_mod_fwd_v2_kernel<BF, float, NV, TPR, ST_PS, EVEN, false, MODC, YCS>;
-  const int smem = ST_PS * fwd_v2_stage_bytes<BF, float, NV, TPR, false>();
+  auto k = &ln_mod_fwd_v2_kernel<BF, float, NV, TPR, ST_PS, EVEN, false, MODC, YCS, XB>;
+  const int smem = ST_PS * fwd_v2_stage_bytes<BF, float, NV, TPR, false, XB>();
   const Tiling t = fwd_v2_tiling(b.B, b.S, false, std::max(1, resident(k, TPR, smem) / RES_DIV));
   p.seg_len = t.seg_len; p.tiles_per_seg = t.tiles_per_seg; p.num_tiles = t.num_tiles;
   return [=](cudaStream_t s) { k<<<t.grid, TPR, smem, s>>>(p); };
@@ -328,7 +328,15 @@ static bool width_variants(int D, const Buffers& b, std::vector<Variant>& fv, st
             {"v2 32x5 s3 masked modc", fwd_v2<5, 32, 3, 2, true, false>(b)},
             {"v2 32x5 s6 masked modc", fwd_v2<5, 32, 6, 2, true, false>(b)},
             {"v2 32x5 s4 masked modc ycs", fwd_v2<5, 32, 4, 2, true, false, 1, true>(b)},
-            {"v2 64x3 s4 masked modc", fwd_v2<3, 64, 4, 2, true, false>(b)}};
+            {"v2 64x3 s4 masked modc", fwd_v2<3, 64, 4, 2, true, false>(b)},
+            // 8-byte x accesses: one warp per row, 9 per lane, no masks
+            {"v2 8B 32x9 s2 modc", fwd_v2<9, 32, 2, 2, true, true, 1, false, 8>(b)},
+            {"v2 8B 32x9 s3 modc", fwd_v2<9, 32, 3, 2, true, true, 1, false, 8>(b)},
+            {"v2 8B 32x9 s4 modc", fwd_v2<9, 32, 4, 2, true, true, 1, false, 8>(b)},
+            {"v2 8B 32x9 s6 modc", fwd_v2<9, 32, 6, 2, true, true, 1, false, 8>(b)},
+            {"v2 8B 32x9 s8 modc", fwd_v2<9, 32, 8, 2, true, true, 1, false, 8>(b)},
+            {"v2 8B 96x3 s3 modc", fwd_v2<3, 96, 3, 2, true, true, 1, false, 8>(b)},
+            {"v2 8B 96x3 s4 modc", fwd_v2<3, 96, 4, 2, true, true, 1, false, 8>(b)}};
       bv = {{"v1 8B 96x3", bwd_v1<3, 96, false, false, 4>(b, Grid::kPersistent)},
             {"v1 8B 288x1", bwd_v1<1, 288, false, false, 4>(b, Grid::kPersistent)},
             {"v1 8B 32x9", bwd_v1<9, 32, false, false, 4>(b, Grid::kPersistent)},

@@ -623,14 +623,19 @@ constexpr bool tok_narrow() {
 
 // v2 forward: ST_PS stages for per-sample modulation, ST_TOK for per-token (rows 5x larger with
 // fp32 modulation of 16-bit x). MODC: per-sample shift / scale held in registers (see the kernel).
-template <typename T, typename M, int NV, int TPR, int ST_PS, int ST_TOK, bool EVEN, bool MODC = false>
+// XB: bytes per x access of the per-sample kernel (16, or 8 for D = 1152); per-token rows always 16.
+template <typename T, typename M, int NV, int TPR, int ST_PS, int ST_TOK, bool EVEN, bool MODC = false, int XB = 16>
 FwdChoice fwd_make_v2(const FwdParams& p) {
   if (p.shift_ss != 0 || p.scale_ss != 0) {
-    constexpr int smem = ST_TOK * fwd_v2_stage_bytes<T, M, NV, TPR, true>();
-    return FwdChoice{&ln_mod_fwd_v2_kernel<T, M, NV, TPR, ST_TOK, EVEN, true>, TPR, 1, smem, 2};
+    if constexpr (XB != 16) {
+      return FwdChoice{};  // per-token rows: 16-byte x accesses only (callers select XB = 8 per-sample only)
+    } else {
+      constexpr int smem = ST_TOK * fwd_v2_stage_bytes<T, M, NV, TPR, true>();
+      return FwdChoice{&ln_mod_fwd_v2_kernel<T, M, NV, TPR, ST_TOK, EVEN, true>, TPR, 1, smem, 2};
+    }
   }
-  constexpr int smem = ST_PS * fwd_v2_stage_bytes<T, M, NV, TPR, false>();
-  return FwdChoice{&ln_mod_fwd_v2_kernel<T, M, NV, TPR, ST_PS, EVEN, false, MODC>, TPR, 1, smem, 2};
+  constexpr int smem = ST_PS * fwd_v2_stage_bytes<T, M, NV, TPR, false, XB>();
+  return FwdChoice{&ln_mod_fwd_v2_kernel<T, M, NV, TPR, ST_PS, EVEN, false, MODC, false, XB>, TPR, 1, smem, 2};
 }
 
 template <typename T, typename M, int VEC, int NV, bool EVEN>
@@ -721,12 +726,13 @@ FwdChoice fwd_select(const FwdParams& p, int gen) {
         case 3072: return fwd_make_v2<T, M, 4, 96, 3, 2, true>(p);
         case 4096: return fwd_make_v2<T, M, 4, 128, 3, 2, true>(p);
         case 5120: return fwd_make_v2<T, M, 5, 128, 3, 2, true>(p);
-        // D = 1152 (D / 8 = 144 vectors, no multiple of 32), per-sample: one warp per row, 5 of its 8-byte
-        // vector slots per thread (144 of 160 used, masked), shift / scale in registers, 4 stages. H200
-        // probe (8x4096x1152, read flush): 0.0441 ms vs 0.0569 for the v1 4-byte 96x6 below (1.24x vs
-        // 1.60x of the floor; bench/RESULTS.md, issue 18 third round). Per-token rows keep the generic path.
+        // D = 1152 (D / 8 = 144 vectors, no multiple of 32), per-sample: one warp per row with 8-byte x
+        // accesses, 9 per lane (no masks), shift / scale in registers, 3 stages. H200 probe (8x4096x1152,
+        // read flush, ms): 0.0415 (1.159x of the floor) vs 0.0439 for 16-byte accesses, 5 per lane with
+        // the last half of the lanes masked (the third round's kernel), and 0.0569 for the v1 4-byte 96x6
+        // below (bench/RESULTS.md, issue 18 fourth round). Per-token rows keep the generic path.
         case 1152:
-          if (p.shift_ss == 0 && p.scale_ss == 0) return fwd_make_v2<T, M, 5, 32, 4, 2, false, true>(p);
+          if (p.shift_ss == 0 && p.scale_ss == 0) return fwd_make_v2<T, M, 9, 32, 3, 2, true, true, 8>(p);
           break;
         default: break;
       }

@@ -44,6 +44,28 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
 #endif
 }
 
+// 8-byte copy (cp.async.cg takes 16 bytes only; .ca also allocates in L1): the 8-byte x accesses of the
+// one-warp per-sample forward at D = 1152.
+__device__ __forceinline__ void cp_async8(void* smem, const void* gmem) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(s), "l"(gmem) : "memory");
+#else
+  *static_cast<uint2*>(smem) = __ldg(static_cast<const uint2*>(gmem));
+#endif
+}
+
+// One x access of XB bytes (16 or 8).
+template <int XB>
+__device__ __forceinline__ void cp_async_x(void* smem, const void* gmem) {
+  static_assert(XB == 16 || XB == 8, "x accesses of 16 or 8 bytes");
+  if constexpr (XB == 16) {
+    cp_async16(smem, gmem);
+  } else {
+    cp_async8(smem, gmem);
+  }
+}
+
 __device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
@@ -70,14 +92,14 @@ __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
-// VEC elements of U from shared memory: 16-byte chunk k at chunk0[k * chunk_stride].
-template <int VEC, typename U>
-__device__ __forceinline__ void smem_unpack(const uint4* chunk0, int chunk_stride, float (&out)[VEC]) {
-  constexpr int EPC = 16 / (int)sizeof(U);
-  static_assert(VEC % EPC == 0, "an access must be whole 16-byte chunks");
+// VEC elements of U from shared memory: chunk k (C: uint4 = 16 bytes, uint2 = 8) at chunk0[k * chunk_stride].
+template <int VEC, typename U, typename C>
+__device__ __forceinline__ void smem_unpack(const C* chunk0, int chunk_stride, float (&out)[VEC]) {
+  constexpr int EPC = (int)sizeof(C) / (int)sizeof(U);
+  static_assert(VEC % EPC == 0, "an access must be whole chunks");
 #pragma unroll
   for (int k = 0; k < VEC / EPC; ++k) {
-    const uint4 raw = chunk0[k * chunk_stride];
+    const C raw = chunk0[k * chunk_stride];
     const U* e = reinterpret_cast<const U*>(&raw);
 #pragma unroll
     for (int j = 0; j < EPC; ++j) out[k * EPC + j] = to_f<U>(e[j]);
@@ -87,10 +109,10 @@ __device__ __forceinline__ void smem_unpack(const uint4* chunk0, int chunk_strid
 // Dynamic shared memory of the v2 kernels (one declaration for all of them).
 extern __shared__ uint4 lnm_v2_smem[];
 
-// Shared-memory bytes of one stage.
-template <typename T, typename M, int NV, int TPR, bool TOK>
+// Shared-memory bytes of one stage (XB: bytes per x access, 16 or 8; 8 for per-sample rows only).
+template <typename T, typename M, int NV, int TPR, bool TOK, int XB = 16>
 constexpr int fwd_v2_stage_bytes() {
-  return NV * TPR * 16 * (1 + (TOK ? 2 * (16 / (int)sizeof(T)) * (int)sizeof(M) / 16 : 0));
+  return NV * TPR * XB * (1 + (TOK ? 2 * (16 / (int)sizeof(T)) * (int)sizeof(M) / 16 : 0));
 }
 template <typename T, typename M, int NV, int TPR, bool PER_SAMPLE>
 constexpr int bwd_v2_stage_bytes() {
@@ -104,10 +126,15 @@ constexpr int bwd_v2_stage_bytes() {
 // MODC (per-sample only; the D = 1536 16-bit configuration, issue 18) held in registers while
 // consecutive rows of the CTA share a sample (2 * NV * VEC registers; reloaded when the sample
 // changes, so any row dealing is correct). YCS: y stored with the streaming (evict-first) hint.
+// XB: bytes per x access, 16 or 8 (8: per-sample only; D = 1152 on one warp, 9 accesses of 4 elements
+// per lane, where 16-byte accesses leave half the lanes idle in the last of 5).
 // ----------------------------------------------------------------------------------------------
-template <typename T, typename M, int NV, int TPR, int STAGES, bool EVEN, bool TOK, bool MODC = false, bool YCS = false>
+template <typename T, typename M, int NV, int TPR, int STAGES, bool EVEN, bool TOK, bool MODC = false, bool YCS = false,
+          int XB = 16>
 __global__ void __launch_bounds__(TPR) ln_mod_fwd_v2_kernel(const FwdParams p) {
-  constexpr int VEC = 16 / (int)sizeof(T);
+  static_assert(XB == 16 || (XB == 8 && !TOK), "8-byte x accesses: per-sample modulation only");
+  using Chunk = typename Raw<XB>::type;  // one x access in a stage slot
+  constexpr int VEC = XB / (int)sizeof(T);
   constexpr int MCH = TOK ? VEC * (int)sizeof(M) / 16 : 0;  // 16-byte chunks per access of shift (and scale)
   constexpr int EPM = 16 / (int)sizeof(M);                  // modulation elements per chunk
   constexpr int SLOTS = NV * (1 + 2 * MCH);                 // 16-byte slots per thread per stage
@@ -127,8 +154,10 @@ __global__ void __launch_bounds__(TPR) ln_mod_fwd_v2_kernel(const FwdParams p) {
   const int seg_len = (int)p.seg_len, tps = (int)p.tiles_per_seg, num_tiles = (int)p.num_tiles;
   const int grid = (int)gridDim.x;
 
-  // Slot q of stage st of this thread.
-  auto slot = [&](int st, int q) -> uint4* { return lnm_v2_smem + (st * SLOTS + q) * TPR + t; };
+  // Slot q of stage st of this thread (XB bytes; per-token modulation slots: 16 bytes, XB = 16).
+  auto slot = [&](int st, int q) -> Chunk* {
+    return reinterpret_cast<Chunk*>(lnm_v2_smem) + (st * SLOTS + q) * TPR + t;
+  };
 
   auto issue = [&](const RowIter& it, int st) {
     if (it.valid()) {
@@ -139,7 +168,7 @@ __global__ void __launch_bounds__(TPR) ln_mod_fwd_v2_kernel(const FwdParams p) {
 #pragma unroll
       for (int i = 0; i < NV; ++i) {
         const int c = i * TPR + t;
-        if (EVEN || c < nvec) cp_async16(slot(st, i), xr + (int64_t)c * VEC);
+        if (EVEN || c < nvec) cp_async_x<XB>(slot(st, i), xr + (int64_t)c * VEC);
       }
       if constexpr (TOK) {
         const M* shr = static_cast<const M*>(p.shift) + b * p.shift_sb + s * p.shift_ss;
