@@ -596,6 +596,16 @@ def host_overhead(chain: int = 32) -> Dict:
         tn = host_us(_chain_fns(s, chain, name), n=60)  # 60 x ~3 ms per round: a steadier median than 20
         res[f"{name} chain of {chain} fwd+bwd us"] = tn
         res[f"{name} marginal per op in a chain us"] = (tn - t1) / (chain - 1)
+    # one kernel launch's host cost: the v1 finalize launches dshift's and dscale's tile sums separately
+    # (two launches per backward where v2 makes one); same chain otherwise
+    policy0 = lnm_mod.kernel_policy()
+    try:
+        lnm_mod.set_kernel_policy({**policy0, "finalize": 1})
+        t1 = host_us(_chain_fns(s, 1, "ours"), n=200)
+        tn = host_us(_chain_fns(s, chain, "ours"), n=60)
+        res["ours finalize=v1 (one launch more) marginal per op in a chain us"] = (tn - t1) / (chain - 1)
+    finally:
+        lnm_mod.set_kernel_policy(policy0)
     return res
 
 
@@ -712,7 +722,8 @@ def print_targets(results: List[Dict], host: Optional[Dict]) -> None:
               f"{m:.1f} us ({'met' if m <= 60 else 'MISSED'} <= 60; F.layer_norm "
               f"{host.get('F.layer_norm marginal per op in a chain us', nan):.1f} us)")
         print(f"    same chain, ours with x's gradient only {host.get('ours, modulation without grad marginal per op in a chain us', nan):.1f} us; "
-              f"F.layer_norm with a weight / bias leaf pair per op {host.get('F.layer_norm affine marginal per op in a chain us', nan):.1f} us")
+              f"F.layer_norm with a weight / bias leaf pair per op {host.get('F.layer_norm affine marginal per op in a chain us', nan):.1f} us; "
+              f"ours with one launch more {host.get('ours finalize=v1 (one launch more) marginal per op in a chain us', nan):.1f} us")
         print(f"  host time of one isolated fwd+bwd call (autograd.grad, engine start-up included) {h:.1f} us "
               f"({'met' if h <= 60 else 'MISSED'} <= 60; F.layer_norm {host.get('F.layer_norm fwd+bwd us', nan):.1f} "
               f"us, x*2 {host.get('x*2 fwd+bwd (engine baseline) us', nan):.1f} us)")

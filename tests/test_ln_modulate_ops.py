@@ -306,8 +306,8 @@ def test_fast_path_errors_are_the_python_errors(ops, monkeypatch):
 
     state = lnm._OpState()
     state.tried, state.ext, state.apply, state.fast_apply = True, object(), ops.ln_modulate_apply.default, pybind_like
+    state.try_apply = pybind_like  # the C++ fast path when its conditions hold (they always do here)
     monkeypatch.setattr(lnm, "_STATE", state)
-    monkeypatch.setattr(lnm, "_fast_path_ok", lambda *a: True)
     x, sh, sc, w, b, dy = make(2, 5, 24)
     torch.testing.assert_close(lnm.ln_modulate(x, sh, sc), ln_modulate_reference(x, sh, sc))
     assert lnm.call_counts()["fused"] == 1
@@ -316,24 +316,31 @@ def test_fast_path_errors_are_the_python_errors(ops, monkeypatch):
     with pytest.raises(ValueError, match=r"weight must be a \[D\] = \[24\] tensor or None"):
         lnm.ln_modulate(x, sh, sc, 1e-6, torch.ones(7))
     with pytest.raises(RuntimeError, match="must be float32 or x's dtype"):
-        state.fast_apply = lambda *a: ops.ln_modulate.default(x, sh.half(), sc.half(), None, None, 1e-6)
+        state.try_apply = lambda *a: ops.ln_modulate.default(x, sh.half(), sc.half(), None, None, 1e-6)
         lnm.ln_modulate(x, sh, sc)
     assert lnm.call_counts()["fused"] == 1
 
 
-def test_fast_path_conditions_and_mode(monkeypatch):
-    """_fast_path_ok: only with the extension loaded, plain CUDA tensors of a kernel dtype, D within every
-    path's limit, mode not `reference` (the environment re-read on every call)."""
-    class Cudaish(torch.Tensor):
-        pass
-
+def test_fast_path_layering_and_mode(monkeypatch):
+    """ln_modulate's eager fast path (the extension's try_apply, which checks its own conditions: GPU test
+    test_try_apply_conditions) runs only with the extension loaded, outside torch.compile, in a mode other
+    than `reference` (the environment re-read on every call); when try_apply returns None the checked
+    path runs (here: the reference, CPU tensors)."""
     state = lnm._OpState()
     monkeypatch.setattr(lnm, "_STATE", state)
     x, sh, sc, w, b, dy = make(1, 2, 8)
-    assert not lnm._fast_path_ok(x, sh, sc, None, None)  # no extension
-    state.fast_apply = object()
-    assert not lnm._fast_path_ok(x, sh, sc, None, None)  # CPU x
-    assert not lnm._fast_path_ok(torch.Tensor._make_subclass(Cudaish, x), sh, sc, None, None)
+    ref = ln_modulate_reference(x, sh, sc)
+    seen = []
+    state.try_apply = lambda *a: seen.append(a) or None
+    torch.testing.assert_close(lnm.ln_modulate(x, sh, sc), ref)
+    assert len(seen) == 1 and lnm.call_counts() == {"fused": 0, "reference": 1}
+    monkeypatch.setenv(lnm.ENV_VAR, "reference")
+    torch.testing.assert_close(lnm.ln_modulate(x, sh, sc), ref)
+    assert len(seen) == 1  # mode reference: not even tried
+    monkeypatch.setenv(lnm.ENV_VAR, "auto")
+    state.try_apply = lambda *a: seen.append(a) or ref * 2  # what the op returned is what the caller gets
+    torch.testing.assert_close(lnm.ln_modulate(x, sh, sc), ref * 2)
+    assert len(seen) == 2 and lnm.call_counts() == {"fused": 1, "reference": 2}
     for mode in ("reference", "auto", "fused", "reference"):
         monkeypatch.setenv(lnm.ENV_VAR, mode)
         assert lnm._mode() == mode

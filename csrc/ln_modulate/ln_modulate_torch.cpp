@@ -8,6 +8,8 @@
 #include <ATen/cuda/EmptyTensor.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
 #include <torch/library.h>
 
@@ -351,12 +353,47 @@ at::Tensor ln_modulate_apply_py(const at::Tensor& x, const at::Tensor& shift, co
   return op.call(x, shift, scale, eps, weight, bias);
 }
 
+// The eager fast path of ds_adaptive.ops.ln_modulate in one C++ call: the conditions the Python layer
+// used to check per call (issue 18, host time: ~3 us of Python on the H200 host at 91c7a84) checked
+// here, then `apply`. Takes the call when x, shift, scale (and weight / bias unless None) are plain
+// tensors (torch.Tensor or nn.Parameter, whose __torch_function__ is disabled; no other subclass), no
+// torch-function mode is active, and x is a CUDA [B, S, D] tensor of a kernel dtype with D within every
+// path's limit (kMaxDScalar); returns None otherwise, and the Python layer takes its checked path.
+// Argument errors of the op propagate (as RuntimeError: the Python layer then raises its own message).
+py::object ln_modulate_try_apply_py(py::handle x, py::handle shift, py::handle scale, double eps, py::handle weight,
+                                    py::handle bias) {
+  const auto plain = [](py::handle h) { return THPVariable_CheckExact(h.ptr()); };
+  const auto plain_or_none = [&](py::handle h) { return h.is_none() || plain(h); };
+  if (!plain(x) || !plain(shift) || !plain(scale) || !plain_or_none(weight) || !plain_or_none(bias) ||
+      at::impl::torch_function_mode_enabled())
+    return py::none();
+  const at::Tensor& xt = THPVariable_Unpack(x.ptr());
+  const at::ScalarType dt = xt.scalar_type();
+  if (!xt.is_cuda() || xt.dim() != 3 || xt.size(2) > lnm::kMaxDScalar ||
+      (dt != at::kFloat && dt != at::kHalf && dt != at::kBFloat16))
+    return py::none();
+  const std::optional<at::Tensor> w =
+      weight.is_none() ? std::nullopt : std::optional<at::Tensor>(THPVariable_Unpack(weight.ptr()));
+  const std::optional<at::Tensor> b =
+      bias.is_none() ? std::nullopt : std::optional<at::Tensor>(THPVariable_Unpack(bias.ptr()));
+  at::Tensor y;
+  {
+    py::gil_scoped_release no_gil;
+    y = ln_modulate_apply_py(xt, THPVariable_Unpack(shift.ptr()), THPVariable_Unpack(scale.ptr()), eps, w, b);
+  }
+  return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(y)));
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "ds_adaptive fused LayerNorm-Modulate: control functions and the eager entry point `apply` (the ops are torch.ops.ds_adaptive.*)";
   m.def("apply", &ln_modulate_apply_py,
         "ds_adaptive::ln_modulate_apply(x, shift, scale, eps, weight, bias) without torch.ops' Python layer",
         py::arg("x"), py::arg("shift"), py::arg("scale"), py::arg("eps"), py::arg("weight"), py::arg("bias"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("try_apply", &ln_modulate_try_apply_py,
+        "the eager fast path: `apply` when every argument is a plain tensor (or None), no torch-function mode "
+        "is active and x is a CUDA [B, S, D] tensor of a kernel dtype with D <= 8192; None otherwise",
+        py::arg("x"), py::arg("shift"), py::arg("scale"), py::arg("eps"), py::arg("weight"), py::arg("bias"));
   m.def("max_d", &ln_modulate_max_d_py, "largest D the kernels hold in registers", py::arg("dtype"),
         py::arg("vectorized"));
   m.def("set_tuning", &ln_modulate_set_tuning_py, "benchmark hook: kernel-config variant per slot", py::arg("slot"),

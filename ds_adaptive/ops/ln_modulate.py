@@ -88,6 +88,9 @@ class _OpState:
         # the extension's `apply`: the same op called through the dispatcher without torch.ops' Python
         # argument parsing (eager calls on plain tensors; issue 18: host time per call)
         self.fast_apply = None
+        # the extension's `try_apply`: the eager fast path in one C++ call (its conditions checked there;
+        # None when they do not hold), issue 18
+        self.try_apply = None
         self.warned: set = set()
         self.mode = "auto"  # last mode read from the environment
         self.fast_raw = None  # the raw environment value `mode` was parsed from (the fast path's _mode)
@@ -121,6 +124,7 @@ def _load_extension():
                 _apply_kernel_env(ext)
             _STATE.apply = torch.ops.ds_adaptive.ln_modulate_apply.default  # registered by the extension
             _STATE.fast_apply = getattr(ext, "apply", None)
+            _STATE.try_apply = getattr(ext, "try_apply", None)
             _STATE.ext = ext
             _STATE.source = builder.loaded_from
         except Exception as e:  # noqa: BLE001 - any failure means "use the reference"
@@ -361,18 +365,21 @@ def ln_modulate(x: Tensor, shift: Tensor, scale: Tensor, eps: float = 1e-6, weig
     Differentiable in x, shift, scale, weight and bias. On CUDA tensors the C++ op runs when the
     extension loads; see the module docstring for DS_ADAPTIVE_LN_MODULATE.
     """
-    if _fast_path_ok(x, shift, scale, weight, bias):
-        # Eager fast path (issue 18, host time per call). The C++ op checks the arguments (the same
-        # conditions as _check_args); on any error _check_args runs to raise the Python layer's
-        # ValueError / TypeError (the extension's pybind entry point would turn the C++ ones into
-        # RuntimeError), else the C++ error propagates.
+    try_apply = _STATE.try_apply
+    if try_apply is not None and not torch.compiler.is_compiling() and _mode() != "reference":
+        # Eager fast path (issue 18, host time per call): one C++ call checks that the arguments are plain
+        # tensors (or nn.Parameter) without a torch-function mode and that x is a CUDA [B, S, D] tensor of a
+        # kernel dtype with D <= 8192, then runs the op, which checks the rest; None when it does not apply.
+        # On an error _check_args runs to raise the Python layer's ValueError / TypeError (the extension's
+        # pybind entry point turns the C++ ones into RuntimeError), else the C++ error propagates.
         try:
-            y = _STATE.fast_apply(x, shift, scale, float(eps), weight, bias)
+            y = try_apply(x, shift, scale, eps, weight, bias)
         except Exception:
             _check_args(x, shift, scale, weight, bias)
             raise
-        _STATE.calls["fused"] += 1
-        return y
+        if y is not None:
+            _STATE.calls["fused"] += 1
+            return y
     _check_args(x, shift, scale, weight, bias)
     if _is_cuda_float(x) and _use_fused(x):
         if torch.compiler.is_compiling():
@@ -386,17 +393,6 @@ def ln_modulate(x: Tensor, shift: Tensor, scale: Tensor, eps: float = 1e-6, weig
     if not torch.compiler.is_compiling():
         _STATE.calls["reference"] += 1
     return ln_modulate_reference(x, shift, scale, eps, weight, bias)
-
-
-def _fast_path_ok(x, shift, scale, weight, bias) -> bool:
-    """The eager fast path of ln_modulate applies: the extension is loaded, not compiling, plain
-    tensors (no subclass, no torch-function mode), a CUDA x of a kernel dtype with D within every
-    path's limit, mode not ``reference``. Ordered cheapest first; ~1 us (issue 18)."""
-    return (_STATE.fast_apply is not None and not torch.compiler.is_compiling()
-            and type(x) is Tensor and type(shift) is Tensor and type(scale) is Tensor
-            and (weight is None or type(weight) is Tensor) and (bias is None or type(bias) is Tensor)
-            and x.is_cuda and x.dtype in _KERNEL_DTYPES and x.dim() == 3 and x.shape[2] <= MAX_D_ANY
-            and _mode() != "reference" and not torch._C._is_torch_function_mode_enabled())
 
 
 def _plain(*tensors) -> bool:

@@ -477,13 +477,45 @@ def test_fast_entry_point_matches_torch_ops():
     for u, v in zip(fast, slow):
         assert torch.equal(u, v)
     calls = []
-    real = lnm._STATE.fast_apply
+    real = lnm._STATE.try_apply
     try:
-        lnm._STATE.fast_apply = lambda *a: calls.append(1) or real(*a)
+        lnm._STATE.try_apply = lambda *a: calls.append(1) or real(*a)
         lnm.ln_modulate(x, sh, sc)
     finally:
-        lnm._STATE.fast_apply = real
+        lnm._STATE.try_apply = real
     assert calls == [1]
+
+
+def test_try_apply_conditions():
+    """The extension's try_apply (ln_modulate's eager fast path in one C++ call) runs the op exactly when
+    the Python layer's old checks held: plain tensors or nn.Parameter (whose __torch_function__ is
+    disabled), no torch-function mode, a CUDA [B, S, D] x of a kernel dtype with D <= 8192; None otherwise.
+    Its result equals torch.ops' bit for bit; argument errors of the op still raise."""
+    ext = lnm.load_op(strict=True)
+    x, sh, sc, w, b, dy = make(2, 5, 1536, BF16, F32, False, True)
+    ref = torch.ops.ds_adaptive.ln_modulate_apply(x, sh, sc, 1e-6, w, b)
+    assert torch.equal(ext.try_apply(x, sh, sc, 1e-6, w, b), ref)
+    assert torch.equal(ext.try_apply(x, sh, sc, 1e-6, torch.nn.Parameter(w), torch.nn.Parameter(b)), ref)
+
+    class Sub(torch.Tensor):
+        pass
+
+    class Mode(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    assert ext.try_apply(x.as_subclass(Sub), sh, sc, 1e-6, None, None) is None
+    assert ext.try_apply(x, sh, sc.as_subclass(Sub), 1e-6, None, None) is None
+    assert ext.try_apply(x, sh, sc, 1e-6, w.as_subclass(Sub), None) is None
+    assert ext.try_apply(x.cpu(), sh.cpu(), sc.cpu(), 1e-6, None, None) is None
+    assert ext.try_apply(x.double(), sh, sc, 1e-6, None, None) is None
+    assert ext.try_apply(x[0], sh, sc, 1e-6, None, None) is None  # 2-D x: the checked path names the error
+    wide = torch.zeros(1, 2, 8200, device="cuda", dtype=BF16)
+    assert ext.try_apply(wide, wide[:, :1].float(), wide[:, :1].float(), 1e-6, None, None) is None
+    with Mode():
+        assert ext.try_apply(x, sh, sc, 1e-6, None, None) is None
+    with pytest.raises((RuntimeError, ValueError), match="shift must be"):
+        ext.try_apply(x, sh[..., :7], sc, 1e-6, None, None)
 
 
 def test_cpp_autograd_node_is_used():
