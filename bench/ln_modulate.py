@@ -591,21 +591,49 @@ def host_overhead(chain: int = 32) -> Dict:
             s["x"], s["shift"], s["scale"], 1e-6, None, None)
     for k, fn in fns.items():
         res[f"{k} us"] = host_us(fn)
-    for name in ("ours", "F.layer_norm", "ours, modulation without grad", "F.layer_norm affine"):
-        t1 = host_us(_chain_fns(s, 1, name), n=200)
-        tn = host_us(_chain_fns(s, chain, name), n=60)  # 60 x ~3 ms per round: a steadier median than 20
-        res[f"{name} chain of {chain} fwd+bwd us"] = tn
-        res[f"{name} marginal per op in a chain us"] = (tn - t1) / (chain - 1)
-    # one kernel launch's host cost: the v1 finalize launches dshift's and dscale's tile sums separately
-    # (two launches per backward where v2 makes one); same chain otherwise
+    res.update(_chain_marginals(s, chain))
+    return res
+
+
+def _loop_us(fn: Callable[[], object], n: int) -> float:
+    """CPU wall time per call of fn over n calls (us), after 3 warm-up calls, the GPU drained before."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    return t
+
+
+def _chain_marginals(s: Dict, chain: int, rounds: int = 15) -> Dict:
+    """Marginal host time per op in a chain of `chain` ops with one backward, (T(chain) - T(1)) / (chain - 1),
+    for ours and torch's LayerNorm (plus: ours with x's gradient only, F.layer_norm with affine leaves, ours
+    with one launch more per op: the v1 finalize launches dshift's and dscale's tile sums separately). The
+    variants are timed in interleaved rounds (every round times each once) and reported as the median over
+    rounds with the spread: the host's drift between consecutive timings (+-5 us seen at bc0ec78, where the
+    first variant timed read 8 us high) then moves every variant alike."""
     policy0 = lnm_mod.kernel_policy()
+    names = ["ours", "F.layer_norm", "ours, modulation without grad", "F.layer_norm affine",
+             "ours finalize=v1 (one launch more)"]
+    fns = {n: (_chain_fns(s, 1, n.split(" finalize")[0]), _chain_fns(s, chain, n.split(" finalize")[0])) for n in names}
+    per: Dict[str, List[float]] = {n: [] for n in names}
     try:
-        lnm_mod.set_kernel_policy({**policy0, "finalize": 1})
-        t1 = host_us(_chain_fns(s, 1, "ours"), n=200)
-        tn = host_us(_chain_fns(s, chain, "ours"), n=60)
-        res["ours finalize=v1 (one launch more) marginal per op in a chain us"] = (tn - t1) / (chain - 1)
+        for _ in range(rounds):
+            for n in names:
+                lnm_mod.set_kernel_policy({**policy0, "finalize": 1} if "finalize=v1" in n else policy0)
+                f1, fc = fns[n]
+                t1, tn = _loop_us(f1, 100), _loop_us(fc, 15)
+                per[n].append((tn - t1) / (chain - 1))
     finally:
         lnm_mod.set_kernel_policy(policy0)
+    res: Dict = {"chain rounds": rounds}
+    for n, v in per.items():
+        v = sorted(v)
+        res[f"{n} marginal per op in a chain us"] = v[len(v) // 2]
+        res[f"{n} marginal per op in a chain us (min, max over rounds)"] = [v[0], v[-1]]
     return res
 
 
