@@ -543,7 +543,12 @@ def _chain_fns(s: Dict, n: int, kind: str) -> Callable[[], object]:
     """fwd+bwd of a chain of n ops with one backward (what a training step sees). kind: "ours" (its own
     (shift, scale) leaf pair per op, as every adaLN in a model has), "ours, modulation without grad" (the
     same op, gradients for x only: what the two extra leaf gradients cost), "F.layer_norm" (no affine) or
-    "F.layer_norm affine" (its own weight / bias leaf pair per op: as many gradients per op as ours)."""
+    "F.layer_norm affine" (its own weight / bias leaf pair per op: as many gradients per op as ours). A
+    suffix ", backward()" runs the backward as a training step does (y.backward(dy): the gradients accumulate
+    into the leaves' .grad, set to None again after each step as zero_grad(set_to_none=True) does) instead of
+    torch.autograd.grad returning every leaf's gradient to Python."""
+    into_grad = kind.endswith(", backward()")
+    kind = kind.replace(", backward()", "")
     D = s["x"].shape[-1]
     grad_mod = kind != "ours, modulation without grad"
     op = _old_fast_path if kind == "ours via apply (Python checks)" else ln_modulate
@@ -562,7 +567,12 @@ def _chain_fns(s: Dict, n: int, kind: str) -> Callable[[], object]:
         y = s["x"]
         for a, b in pairs:
             y = F.layer_norm(y, (D,), a, b) if kind.startswith("F.") else op(y, a, b)
-        return torch.autograd.grad(y, inputs, s["dy"])
+        if not into_grad:
+            return torch.autograd.grad(y, inputs, s["dy"])
+        y.backward(s["dy"])
+        for t in inputs:
+            t.grad = None
+        return None
     return step
 
 
@@ -632,7 +642,8 @@ def _chain_marginals(s: Dict, chain: int, rounds: int = 21) -> Dict:
     first variant timed read 8 us high) then moves every variant alike."""
     policy0 = lnm_mod.kernel_policy()
     names = ["ours", "F.layer_norm", "ours, modulation without grad", "F.layer_norm affine",
-             "ours finalize=v1 (one launch more)", "ours via apply (Python checks)"]
+             "ours finalize=v1 (one launch more)", "ours via apply (Python checks)", "ours, backward()",
+             "F.layer_norm affine, backward()"]
     fns = {n: (_chain_fns(s, 1, n.split(" finalize")[0]), _chain_fns(s, chain, n.split(" finalize")[0])) for n in names}
     per: Dict[str, List[float]] = {n: [] for n in names}
     try:
@@ -768,6 +779,9 @@ def print_targets(results: List[Dict], host: Optional[Dict]) -> None:
               f"F.layer_norm with a weight / bias leaf pair per op {host.get('F.layer_norm affine marginal per op in a chain us', nan):.1f} us; "
               f"ours with one launch more {host.get('ours finalize=v1 (one launch more) marginal per op in a chain us', nan):.1f} us; "
               f"ours through the old Python-checked path {host.get('ours via apply (Python checks) marginal per op in a chain us', nan):.1f} us")
+        print(f"    the same chain with y.backward() into .grad (as a training step): ours "
+              f"{host.get('ours, backward() marginal per op in a chain us', nan):.1f} us, F.layer_norm with a weight / bias "
+              f"leaf pair {host.get('F.layer_norm affine, backward() marginal per op in a chain us', nan):.1f} us")
         print(f"  host time of one isolated fwd+bwd call (autograd.grad, engine start-up included) {h:.1f} us "
               f"({'met' if h <= 60 else 'MISSED'} <= 60; F.layer_norm {host.get('F.layer_norm fwd+bwd us', nan):.1f} "
               f"us, x*2 {host.get('x*2 fwd+bwd (engine baseline) us', nan):.1f} us)")
