@@ -351,7 +351,11 @@ static bool width_variants(int D, const Buffers& b, std::vector<Variant>& fv, st
             {"v2 96x3 s4", fwd_v2<3, 96, 4, 2>(b)},
             {"v2 288x1 s4", fwd_v2<1, 288, 4, 2>(b)},
             {"v3 32x9 bal m2", fwd_v3<8, 9, 32, 2>(b, true)},
-            {"v3 32x9 bal m3", fwd_v3<8, 9, 32, 3>(b, true)}};
+            {"v3 32x9 bal m3", fwd_v3<8, 9, 32, 3>(b, true)},
+            // issue 18, fourth round: modulation in registers; one warp per row
+            {"v2 96x3 s3 modc", fwd_v2<3, 96, 3, 2, true>(b)},
+            {"v2 32x9 s3 modc", fwd_v2<9, 32, 3, 2, true>(b)},
+            {"v2 32x9 s4 modc", fwd_v2<9, 32, 4, 2, true>(b)}};
       bv = {{"v1 96x3", bwd_v1<3, 96, false, false>(b, Grid::kPersistent)},
             {"v1 288x1", bwd_v1<1, 288, false, false>(b, Grid::kPersistent)},
             {"v2 96x3 s3", bwd_v2<3, 96, 3, false>(b)},
@@ -367,7 +371,11 @@ static bool width_variants(int D, const Buffers& b, std::vector<Variant>& fv, st
             {"v2 128x3 s3", fwd_v2<3, 128, 3, 2>(b)},
             {"v2 96x4 s3", fwd_v2<4, 96, 3, 2>(b)},
             {"v3 32x12 bal m2", fwd_v3<8, 12, 32, 2>(b, true)},
-            {"v3 32x12 bal m3", fwd_v3<8, 12, 32, 3>(b, true)}};
+            {"v3 32x12 bal m3", fwd_v3<8, 12, 32, 3>(b, true)},
+            // issue 18, fourth round: modulation in registers; two warps per row
+            {"v2 96x4 s3 modc", fwd_v2<4, 96, 3, 2, true>(b)},
+            {"v2 64x6 s3 modc", fwd_v2<6, 64, 3, 2, true>(b)},
+            {"v2 64x6 s4 modc", fwd_v2<6, 64, 4, 2, true>(b)}};
       bv = {{"v2 384x1 s3 (shipped v2)", bwd_v2<1, 384, 3, true>(b)},
             {"v1 384x1 (shipped v1)", bwd_v1<1, 384, true>(b, Grid::kPersistent)},
             {"v2 192x2 s3", bwd_v2<2, 192, 3, false>(b)},
@@ -381,7 +389,10 @@ static bool width_variants(int D, const Buffers& b, std::vector<Variant>& fv, st
             {"v2 128x4 s3", fwd_v2<4, 128, 3, 2>(b)},
             {"v2 256x2 s3", fwd_v2<2, 256, 3, 2>(b)},
             {"v2 128x4 s4", fwd_v2<4, 128, 4, 2>(b)},
-            {"v3 32x16 bal m2", fwd_v3<8, 16, 32, 2>(b, true)}};
+            {"v3 32x16 bal m2", fwd_v3<8, 16, 32, 2>(b, true)},
+            // issue 18, fourth round: modulation in registers; two warps per row
+            {"v2 128x4 s3 modc", fwd_v2<4, 128, 3, 2, true>(b)},
+            {"v2 64x8 s3 modc", fwd_v2<8, 64, 3, 2, true>(b)}};
       bv = {{"v1 128x4", bwd_v1<4, 128, false, false>(b, Grid::kPersistent)},
             {"v1 256x2", bwd_v1<2, 256, false, false>(b, Grid::kPersistent)},
             {"v2 256x2 s3", bwd_v2<2, 256, 3, false>(b)},

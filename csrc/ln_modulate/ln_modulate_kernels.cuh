@@ -721,10 +721,18 @@ FwdChoice fwd_select(const FwdParams& p, int gen) {
           if (p.shift_ss == 0 && p.scale_ss == 0) return fwd_make_v2<T, M, 6, 32, 4, 2, true, true>(p);
           return fwd_make_v2<T, M, 2, 96, 3, 2, true>(p);
         // H200 (bench/ln_modulate_probe.cu, read flush, ms): 8x4096x2304 96x3 0.0929 (v1 0.0914);
-        // 8x4096x3072 96x4 0.1164 vs 192x2 s4 > 0.122; 4x4096x4096 128x4 0.0811 vs 256x2 0.0886
-        case 2304: return fwd_make_v2<T, M, 3, 96, 3, 2, true>(p);
-        case 3072: return fwd_make_v2<T, M, 4, 96, 3, 2, true>(p);
-        case 4096: return fwd_make_v2<T, M, 4, 128, 3, 2, true>(p);
+        // 8x4096x3072 96x4 0.1164 vs 192x2 s4 > 0.122; 4x4096x4096 128x4 0.0811 vs 256x2 0.0886.
+        // Issue 18, fourth round: per-sample rows with the modulation in registers (MODC), one warp per row at
+        // 2304 (32x9 s3: 0.0799 vs 0.0936 for 96x3 s3, 1.117x of the floor; 4x1024x2304 0.0142 vs 0.0183), two
+        // at 3072 (64x6 s4: 0.1075 vs 0.1177, 1.127x), 128x4 s3 at 4096 (0.0750 vs 0.0808, 1.179x; 64x8 0.0741
+        // needs all 255 registers). Per-token rows keep the shapes above.
+        case 2304:
+          if (p.shift_ss == 0 && p.scale_ss == 0) return fwd_make_v2<T, M, 9, 32, 3, 2, true, true>(p);
+          return fwd_make_v2<T, M, 3, 96, 3, 2, true>(p);
+        case 3072:
+          if (p.shift_ss == 0 && p.scale_ss == 0) return fwd_make_v2<T, M, 6, 64, 4, 2, true, true>(p);
+          return fwd_make_v2<T, M, 4, 96, 3, 2, true>(p);
+        case 4096: return fwd_make_v2<T, M, 4, 128, 3, 2, true, true>(p);
         case 5120: return fwd_make_v2<T, M, 5, 128, 3, 2, true>(p);
         // D = 1152 (D / 8 = 144 vectors, no multiple of 32), per-sample: one warp per row with 8-byte x
         // accesses, 9 per lane (no masks), shift / scale in registers, 3 stages. H200 probe (8x4096x1152,
