@@ -7,6 +7,7 @@ init; set TORCH_EXTENSIONS_DIR to a cached directory to pay that once (.ci/run d
 """
 from __future__ import annotations
 
+import glob
 import os
 import socket
 import subprocess
@@ -30,6 +31,28 @@ def pytest_collectstart(collector) -> None:
     """
     if isinstance(collector, pytest.Module) and collector.path.parent == Path(__file__).resolve().parent:
         sys.modules["conftest"] = _THIS
+
+
+# DeepSpeed's CPU communication backend (deepspeed/ops/csrc/cpu/comm/shm.cpp, 0.19.8) creates one shared-memory
+# buffer per rank, /dev/shm/deepspeed_allreduce_buffer_<rank>_<addr>_<port>_<n> (~69 MB each), and never unlinks
+# it: each multi-rank CPU job of the suite left ~140 MB behind, and repeated runs filled /dev/shm until the
+# kernel's OOM killer ended the suite (seen on the 24 GiB development machine). The jobs' buffers are removed once
+# their ranks have exited; whatever else this session left (jobs started without launch_ranks) at its end.
+_SHM_GLOB = "/dev/shm/deepspeed_allreduce_buffer_*"
+_SESSION_START = time.time()
+
+
+def _remove_shm(pattern: str, newer_than: float = 0.0) -> None:
+    for f in glob.glob(pattern):
+        try:
+            if os.path.getmtime(f) >= newer_than:
+                os.unlink(f)
+        except OSError:  # gone already, or not ours to remove
+            pass
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    _remove_shm(_SHM_GLOB, newer_than=_SESSION_START)
 
 
 def _free_port() -> int:
@@ -81,6 +104,8 @@ def _launch_once(argv: list[str], world: int, *, cwd: Path, timeout: float, env:
             p.kill()
         outs = "\n".join(f"--- rank {i} ---\n{p.communicate()[0][-4000:]}" for i, p in enumerate(procs))
         pytest.fail(f"{world}-rank job `{what}` timed out after {timeout} s\n{outs}")
+    finally:
+        _remove_shm(f"{_SHM_GLOB}_127.0.0.1_{port}_*")  # this job's ranks have exited (or were killed)
     return results
 
 
