@@ -509,20 +509,25 @@ def recommend_policy(results: List[Dict]) -> Optional[Dict]:
 # ------------------------------------------------------------------------------------------------
 # host time per call (GPU work tiny: the CPU loop time is the host cost)
 # ------------------------------------------------------------------------------------------------
+def _loop_us(fn: Callable[[], object], n: int) -> float:
+    """CPU wall time per call of fn over n calls (us), after 3 warm-up calls, the GPU drained before."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    return t
+
+
 def host_us(fn: Callable[[], object], n: int = 300) -> float:
     """Median over 5 rounds of the CPU wall time per call of fn, n calls per round (us); the GPU
     work of fn must be small enough that the GPU keeps up (no launch-queue back-pressure)."""
     for _ in range(100):
         fn()
-    torch.cuda.synchronize()
-    rounds = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        rounds.append((time.perf_counter() - t0) / n * 1e6)
-        torch.cuda.synchronize()
-    return sorted(rounds)[2]
+    return sorted(_loop_us(fn, n) for _ in range(5))[2]
 
 
 def _old_fast_path(x, shift, scale, eps=1e-6, weight=None, bias=None):
@@ -620,19 +625,6 @@ def host_overhead(chain: int = 32) -> Dict:
     return res
 
 
-def _loop_us(fn: Callable[[], object], n: int) -> float:
-    """CPU wall time per call of fn over n calls (us), after 3 warm-up calls, the GPU drained before."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t = (time.perf_counter() - t0) / n * 1e6
-    torch.cuda.synchronize()
-    return t
-
-
 def _chain_marginals(s: Dict, chain: int, rounds: int = 21) -> Dict:
     """Marginal host time per op in a chain of `chain` ops with one backward, (T(chain) - T(1)) / (chain - 1),
     for ours and torch's LayerNorm (plus: ours with x's gradient only, F.layer_norm with affine leaves, ours
@@ -641,15 +633,16 @@ def _chain_marginals(s: Dict, chain: int, rounds: int = 21) -> Dict:
     rounds with the spread: the host's drift between consecutive timings (+-5 us seen at bc0ec78, where the
     first variant timed read 8 us high) then moves every variant alike."""
     policy0 = lnm_mod.kernel_policy()
-    names = ["ours", "F.layer_norm", "ours, modulation without grad", "F.layer_norm affine",
-             "ours finalize=v1 (one launch more)", "ours via apply (Python checks)", "ours, backward()",
-             "F.layer_norm affine, backward()"]
-    fns = {n: (_chain_fns(s, 1, n.split(" finalize")[0]), _chain_fns(s, chain, n.split(" finalize")[0])) for n in names}
-    per: Dict[str, List[float]] = {n: [] for n in names}
+    variants = {n: (n, policy0) for n in ("ours", "F.layer_norm", "ours, modulation without grad", "F.layer_norm affine",
+                                          "ours via apply (Python checks)", "ours, backward()",
+                                          "F.layer_norm affine, backward()")}
+    variants["ours finalize=v1 (one launch more)"] = ("ours", {**policy0, "finalize": 1})
+    fns = {n: (_chain_fns(s, 1, kind), _chain_fns(s, chain, kind)) for n, (kind, _) in variants.items()}
+    per: Dict[str, List[float]] = {n: [] for n in variants}
     try:
         for _ in range(rounds):
-            for n in names:
-                lnm_mod.set_kernel_policy({**policy0, "finalize": 1} if "finalize=v1" in n else policy0)
+            for n, (_, policy) in variants.items():
+                lnm_mod.set_kernel_policy(policy)
                 f1, fc = fns[n]
                 t1, tn = _loop_us(f1, 100), _loop_us(fc, 25)
                 per[n].append((tn - t1) / (chain - 1))

@@ -35,43 +35,21 @@ namespace ln_modulate {
 // ----------------------------------------------------------------------------------------------
 // cp.async helpers
 // ----------------------------------------------------------------------------------------------
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+// One cp.async of N bytes (4, 8 or 16) from global to shared memory: 16-byte copies bypass L1 (.cg); 4- and
+// 8-byte ones (mean / rstd; the 8-byte x accesses of the D = 1152 forward) take .ca, the only variant for them.
+template <int N>
+__device__ __forceinline__ void cp_async(void* smem, const void* gmem) {
+  static_assert(N == 4 || N == 8 || N == 16, "cp.async copies 4, 8 or 16 bytes");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
-#else
-  *static_cast<uint4*>(smem) = __ldg(static_cast<const uint4*>(gmem));
-#endif
-}
-
-// 8-byte copy (cp.async.cg takes 16 bytes only; .ca also allocates in L1): the 8-byte x accesses of the
-// one-warp per-sample forward at D = 1152.
-__device__ __forceinline__ void cp_async8(void* smem, const void* gmem) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(s), "l"(gmem) : "memory");
-#else
-  *static_cast<uint2*>(smem) = __ldg(static_cast<const uint2*>(gmem));
-#endif
-}
-
-// One x access of XB bytes (16 or 8).
-template <int XB>
-__device__ __forceinline__ void cp_async_x(void* smem, const void* gmem) {
-  static_assert(XB == 16 || XB == 8, "x accesses of 16 or 8 bytes");
-  if constexpr (XB == 16) {
-    cp_async16(smem, gmem);
+  if constexpr (N == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
   } else {
-    cp_async8(smem, gmem);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(s), "l"(gmem), "n"(N) : "memory");
   }
-}
-
-__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem) : "memory");
 #else
-  *static_cast<float*>(smem) = *static_cast<const float*>(gmem);
+  using R = typename Raw<N>::type;
+  *static_cast<R*>(smem) = __ldg(static_cast<const R*>(gmem));
 #endif
 }
 
@@ -123,7 +101,7 @@ constexpr int bwd_v2_stage_bytes() {
 // Forward v2. Per row as v1 (two passes over registers for mean and variance, one rounding of
 // y); x (and, TOK = per-token modulation, shift and scale) arrive through the stages; per-sample
 // shift / scale are read through L1 after the reduction (the CTA stays in one sample), or with
-// MODC (per-sample only; the D = 1536 16-bit configuration, issue 18) held in registers while
+// MODC (per-sample only; the 16-bit configurations at D = 1152 .. 4096, issue 18) held in registers while
 // consecutive rows of the CTA share a sample (2 * NV * VEC registers; reloaded when the sample
 // changes, so any row dealing is correct). YCS: y stored with the streaming (evict-first) hint.
 // XB: bytes per x access, 16 or 8 (8: per-sample only; D = 1152 on one warp, 9 accesses of 4 elements
@@ -137,7 +115,7 @@ __global__ void __launch_bounds__(TPR) ln_mod_fwd_v2_kernel(const FwdParams p) {
   constexpr int VEC = XB / (int)sizeof(T);
   constexpr int MCH = TOK ? VEC * (int)sizeof(M) / 16 : 0;  // 16-byte chunks per access of shift (and scale)
   constexpr int EPM = 16 / (int)sizeof(M);                  // modulation elements per chunk
-  constexpr int SLOTS = NV * (1 + 2 * MCH);                 // 16-byte slots per thread per stage
+  constexpr int SLOTS = NV * (1 + 2 * MCH);                 // XB-byte slots per thread per stage
   static_assert(TPR % 32 == 0 && TPR <= 1024, "TPR: a multiple of 32, at most 1024");
   static_assert(STAGES >= 2 && STAGES <= 8, "STAGES: 2..8");
   static_assert(!TOK || (VEC * (int)sizeof(M)) % 16 == 0, "per-token modulation: whole 16-byte chunks");
@@ -168,7 +146,7 @@ __global__ void __launch_bounds__(TPR) ln_mod_fwd_v2_kernel(const FwdParams p) {
 #pragma unroll
       for (int i = 0; i < NV; ++i) {
         const int c = i * TPR + t;
-        if (EVEN || c < nvec) cp_async_x<XB>(slot(st, i), xr + (int64_t)c * VEC);
+        if (EVEN || c < nvec) cp_async<XB>(slot(st, i), xr + (int64_t)c * VEC);
       }
       if constexpr (TOK) {
         const M* shr = static_cast<const M*>(p.shift) + b * p.shift_sb + s * p.shift_ss;
@@ -179,8 +157,8 @@ __global__ void __launch_bounds__(TPR) ln_mod_fwd_v2_kernel(const FwdParams p) {
           if (EVEN || c < nvec) {
 #pragma unroll
             for (int k = 0; k < MCH; ++k) {
-              cp_async16(slot(st, NV + i * MCH + k), shr + (int64_t)c * VEC + k * EPM);
-              cp_async16(slot(st, NV + NV * MCH + i * MCH + k), scr + (int64_t)c * VEC + k * EPM);
+              cp_async<16>(slot(st, NV + i * MCH + k), shr + (int64_t)c * VEC + k * EPM);
+              cp_async<16>(slot(st, NV + NV * MCH + i * MCH + k), scr + (int64_t)c * VEC + k * EPM);
             }
           }
         }
@@ -332,8 +310,8 @@ __global__ void __launch_bounds__(TPR) ln_mod_bwd_v2_kernel(const BwdParams p) {
       for (int i = 0; i < NV; ++i) {
         const int c = i * TPR + t;
         if (EVEN || c < nvec) {
-          cp_async16(slot(st, i), dyr + (int64_t)c * VEC);
-          cp_async16(slot(st, NV + i), xr + (int64_t)c * VEC);
+          cp_async<16>(slot(st, i), dyr + (int64_t)c * VEC);
+          cp_async<16>(slot(st, NV + i), xr + (int64_t)c * VEC);
         }
       }
       if constexpr (!PER_SAMPLE) {
@@ -343,14 +321,14 @@ __global__ void __launch_bounds__(TPR) ln_mod_bwd_v2_kernel(const BwdParams p) {
           const int c = i * TPR + t;
           if (EVEN || c < nvec) {
 #pragma unroll
-            for (int k = 0; k < MCH; ++k) cp_async16(slot(st, 2 * NV + i * MCH + k), scr + (int64_t)c * VEC + k * EPM);
+            for (int k = 0; k < MCH; ++k) cp_async<16>(slot(st, 2 * NV + i * MCH + k), scr + (int64_t)c * VEC + k * EPM);
           }
         }
       }
       if (lane == 0) {
         float2* sl = stats + st * W + warp;
-        cp_async4(&sl->x, p.mean + r);
-        cp_async4(&sl->y, p.rstd + r);
+        cp_async<4>(&sl->x, p.mean + r);
+        cp_async<4>(&sl->y, p.rstd + r);
       }
     }
     cp_async_commit();
