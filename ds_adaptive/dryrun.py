@@ -143,6 +143,33 @@ def resolve_layout(world: Optional[int], num_gpus: Optional[int], num_nodes: Opt
     raise UsageError("say where it runs: --world N, --num-gpus G [--num-nodes K], or --hostfile FILE")
 
 
+def _script_path() -> str:
+    try:
+        rel = os.path.relpath(TRAIN_SCRIPT)
+        return rel if not rel.startswith("..") else str(TRAIN_SCRIPT)
+    except ValueError:
+        return str(TRAIN_SCRIPT)
+
+
+def _trainer_args(args: argparse.Namespace, sp: int, extra: list[str]) -> list[str]:
+    cmd = [_script_path(), "--deepspeed_config", args.deepspeed_config, "--model", args.model]
+    if args.layers:
+        cmd += ["--layers", str(args.layers)]
+    cmd += ["--sp", str(sp)]
+    if args.shapes:
+        cmd += ["--shapes", args.shapes]
+    return cmd + list(extra)
+
+
+def node_command(layout: LaunchPlan, args: argparse.Namespace, sp: int, extra: list[str]) -> list[str]:
+    """The per-node launcher command (multi-node without ssh: ``ds_adaptive/multinode.py``) of node
+    ``--node-rank``; every node runs it with its own index."""
+    return ["python", "-m", "ds_adaptive.multinode", "launch", "--nnodes", str(len(layout.nodes)),
+            "--node-rank", str(args.node_rank), "--nproc-per-node", str(layout.nodes[0][1]),
+            "--master-addr", args.master_addr or "127.0.0.1", "--master-port", str(args.master_port or 29500),
+            "--", *_trainer_args(args, sp, extra)]
+
+
 def deepspeed_command(layout: LaunchPlan, args: argparse.Namespace, sp: int, extra: list[str]) -> list[str]:
     """The ``deepspeed`` launcher command for this layout."""
     cmd = ["deepspeed"]
@@ -160,18 +187,7 @@ def deepspeed_command(layout: LaunchPlan, args: argparse.Namespace, sp: int, ext
         cmd += ["--master_addr", args.master_addr]
     if args.master_port:
         cmd += ["--master_port", str(args.master_port)]
-    script = TRAIN_SCRIPT
-    try:
-        script_s = os.path.relpath(script) if not os.path.relpath(script).startswith("..") else str(script)
-    except ValueError:
-        script_s = str(script)
-    cmd += [script_s, "--deepspeed_config", args.deepspeed_config, "--model", args.model]
-    if args.layers:
-        cmd += ["--layers", str(args.layers)]
-    cmd += ["--sp", str(sp)]
-    if args.shapes:
-        cmd += ["--shapes", args.shapes]
-    return cmd + list(extra)
+    return cmd + _trainer_args(args, sp, extra)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -186,6 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hostfile", default=None, help="DeepSpeed hostfile ('hostname slots=N' per node)")
     p.add_argument("--master-addr", "--master_addr", default=None, help="passed to the deepspeed launcher")
     p.add_argument("--master-port", "--master_port", type=int, default=None, help="passed to the deepspeed launcher")
+    p.add_argument("--launcher", choices=("deepspeed", "node"), default="deepspeed",
+                   help="deepspeed: one `deepspeed` command (single node, or --hostfile over ssh); node: one launcher "
+                        "per node without ssh (NNODES/NODE_RANK, Kubernetes, SLURM; ds_adaptive/multinode.py)")
+    p.add_argument("--node-rank", type=int, default=0, help="--launcher node: the node whose command is printed")
     p.add_argument("--sp", type=int, default=None,
                    help="Ulysses degree (default: the ds_config's sequence_parallel_size, else 1)")
     p.add_argument("--shapes", default=None,
@@ -223,14 +243,32 @@ def _check_topology(rep: Report, args: argparse.Namespace, raw: dict):
             if any(n % sp for n in sizes):
                 rep.warn("topology", f"sp {sp} does not divide the GPUs per node ({sizes}): some SP groups span two "
                                      "nodes and their all-to-alls leave NVLink (slow); pick sp dividing the GPUs per node")
+            elif len(sizes) > 1:
+                rep.row("nodes", f"{len(sizes)} nodes: every SP group of {sp} ranks stays inside one node", "ok")
+        _check_nodes(rep, args, layout)
         if sp is not None and all(k in raw for k in MESH_KEYS):
             rep.warn("ds_config", "data_parallel_size + sequence_parallel_size make DeepSpeed build a (dp, sp) mesh; the "
                                   "trainer removes them before deepspeed.initialize (DeepSpeed 0.19.8's mesh breaks ZeRO-3 "
                                   "checkpoints and ZeRO-0/1/2 gradients; docs/ULYSSES.md)")
-        if len(layout.nodes) > 1 and not layout.hostfile:
+        if len(layout.nodes) > 1 and not layout.hostfile and args.launcher == "deepspeed":
             rep.warn("topology", f"{len(layout.nodes)} nodes without --hostfile: the deepspeed launcher reads "
-                                 "/job/hostfile by default; pass --hostfile")
+                                 "/job/hostfile by default; pass --hostfile, or --launcher node (one launcher per "
+                                 "node, no ssh)")
     return layout, sp, dp
+
+
+def _check_nodes(rep: Report, args: argparse.Namespace, layout: LaunchPlan) -> None:
+    """--launcher node: every node runs the same number of ranks, and this node's index is one of them."""
+    if args.launcher != "node":
+        return
+    if layout.hostfile:
+        rep.fail("nodes", "--launcher node takes no --hostfile (the hostfile is for DeepSpeed's ssh launch); give "
+                          "--num-gpus G --num-nodes K")
+    elif not 0 <= args.node_rank < len(layout.nodes):
+        rep.fail("nodes", f"--node-rank {args.node_rank} but the job has {len(layout.nodes)} node(s): use "
+                          f"0..{len(layout.nodes) - 1}")
+    elif len(layout.nodes) > 1 and not args.master_addr:
+        rep.warn("nodes", "no --master-addr: every node needs node 0's address (MASTER_ADDR)")
 
 
 def _check_batch_keys(rep: Report, raw: dict, sp: int, dp: int) -> None:
@@ -303,7 +341,8 @@ def run_checks(args: argparse.Namespace, extra: list[str]) -> tuple[Report, Opti
         if run is not None:
             _check_memory_and_budgets(rep, args, run, n_params)
 
-    cmd = deepspeed_command(launch, args, sp or args.sp or 1, extra) if launch is not None else None
+    build = node_command if args.launcher == "node" else deepspeed_command
+    cmd = build(launch, args, sp or args.sp or 1, extra) if launch is not None else None
     return rep, cmd
 
 

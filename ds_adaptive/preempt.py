@@ -26,7 +26,10 @@ EXIT_PREEMPTED = 75
 i.e. resume with ``--resume``). Distinct from 0 (finished), 1 (a bug), 2 (a usage, config or data
 error) and 128+N (killed by signal N without stopping cleanly)."""
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)  # USR1: SLURM's --signal=USR1@N
+ENV_REPEAT_SIGNAL = "DS_ADAPTIVE_REPEAT_SIGNAL"
+"""``ignore`` (launch/train_wan.sh sets it under SLURM): a repeated stop signal is the same request (SLURM
+signals every process of a step and srun forwards its own copy; SLURM kills on its own at its deadline)."""
 
 
 class StopRequest:
@@ -48,6 +51,8 @@ class StopRequest:
         return self
 
     def _on_signal(self, signum, _frame) -> None:
+        if self.signal_name is not None and os.environ.get(ENV_REPEAT_SIGNAL) == "ignore":
+            return
         if self.signal_name is not None:  # the second one: stop now
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)

@@ -41,15 +41,22 @@ import sys
 import time
 from typing import Optional
 
-FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)  # USR1: SLURM's --signal=USR1@N
 LAUNCH_MODULE = "deepspeed.launcher.launch"
+# Multi-node without ssh: ds_adaptive/multinode.py's per-node launcher starts the ranks itself.
+NODE_LAUNCH_MODULE = "ds_adaptive.multinode"
 ENV_SUPERVISOR = "DS_ADAPTIVE_SUPERVISOR_PID"
+# DS_ADAPTIVE_REPEAT_SIGNAL=ignore (set by launch/train_wan.sh under SLURM): SLURM signals every process of the
+# step, and srun forwards its own copy, so one preemption arrives more than once; a repeat must not kill.
+ENV_REPEAT_SIGNAL = "DS_ADAPTIVE_REPEAT_SIGNAL"
 _PR_SET_PDEATHSIG = 1
 
 # The reaper: waits for EOF on stdin (the supervisor closed the pipe: it exited or was killed).
 # A supervisor that exits normally first writes "done"; anything else kills the group.
 _REAPER = r"""
 import os, signal, sys, time
+for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):  # a scheduler signals every process
+    signal.signal(s, signal.SIG_IGN)
 pgid = int(sys.argv[1])
 msg = sys.stdin.buffer.read()
 if msg.strip() == b"done":
@@ -84,18 +91,21 @@ def die_with_parent(sig: int = signal.SIGTERM) -> bool:
 
 
 def rank_processes(root_pid: int) -> list:
-    """The rank processes under ``root_pid``: children of a ``deepspeed.launcher.launch`` process
-    (psutil.Process objects; empty when none runs on this node)."""
+    """The rank processes under ``root_pid``: children of a ``deepspeed.launcher.launch`` process, or of
+    the per-node launcher ``ds_adaptive.multinode`` (which may be ``root_pid`` itself) (psutil.Process
+    objects; empty when none runs on this node)."""
     import psutil
 
     try:
-        tree = psutil.Process(root_pid).children(recursive=True)
+        root = psutil.Process(root_pid)
+        tree = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
         return []
     ranks = []
     for proc in tree:
         try:
-            if LAUNCH_MODULE in " ".join(proc.cmdline()):
+            cmd = " ".join(proc.cmdline())
+            if LAUNCH_MODULE in cmd or f"-m {NODE_LAUNCH_MODULE} launch" in cmd:
                 ranks.extend(proc.children())
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
@@ -129,6 +139,9 @@ class Supervisor:
 
     def _forward(self, signum: int) -> None:
         name = signal.Signals(signum).name
+        if len(self.signals) > 1 and os.environ.get(ENV_REPEAT_SIGNAL) == "ignore":
+            self.log(f"{name} again: ignored ({ENV_REPEAT_SIGNAL}=ignore: the scheduler kills the run itself)")
+            return
         if len(self.signals) > 1:
             self.log(f"second signal ({name}): killing every process of the run (SIGKILL)")
             self._kill_group()

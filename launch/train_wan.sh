@@ -11,8 +11,16 @@
 # Environment knobs:
 #   NUM_GPUS    GPUs per node (default: all visible GPUs; 0 = the CPU run)
 #   NUM_PROCS   processes of the CPU run (default 2)
-#   HOSTFILE    DeepSpeed hostfile for multi-node runs (see launch/hostfile.example);
+#   HOSTFILE    DeepSpeed hostfile for multi-node runs over ssh (see launch/hostfile.example);
 #               MASTER_ADDR / MASTER_PORT pick the rendezvous (default: the first host, 29500)
+#   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT
+#               multi-node without ssh: run this script once on every node (Kubernetes, by hand) with
+#               the node count, this node's index 0..NNODES-1 and node 0's address and port (default
+#               29500); Kubeflow's PET_NNODES / PET_NODE_RANK / PET_MASTER_ADDR / PET_MASTER_PORT and an
+#               Indexed Job's JOB_COMPLETION_INDEX are read too. Under SLURM (srun, one task per node or
+#               one per GPU; launch/slurm/train_wan.sbatch) they come from SLURM's variables.
+#   LAUNCH_MODE auto (default) | deepspeed | node | slurm: force how the job starts
+#   NODE_TIMEOUT  seconds without a heartbeat from a node before every node stops (default 60)
 #   DS_CONFIG   ds_config json (default: zero3_adaptive.json on GPU, zero3_adaptive_14b.json for
 #               MODEL=wan2.1-14b, cpu_tiny.json on CPU)
 #   MODEL       tiny | wan2.1-1.3b | wan2.1-14b (default: wan2.1-1.3b on GPU, tiny on CPU)
@@ -29,7 +37,8 @@
 #   SAVE_DIR    checkpoint directory (default: checkpoints/$MODEL; empty = no checkpoints)
 #   SAVE_INTERVAL  steps between checkpoints (default: 100 on GPU, 10 on CPU)
 #   KEEP_CHECKPOINTS  complete checkpoints kept in SAVE_DIR, older ones deleted (default 2; 0 = all)
-#   RESUME=1    continue from the newest complete checkpoint in SAVE_DIR, if there is one
+#   RESUME=1    continue from the newest complete checkpoint in SAVE_DIR, if there is one (default 1
+#               under SLURM: a requeued job resumes); multi-node: SAVE_DIR on a filesystem every node sees
 #
 # Signals: SIGTERM/SIGINT/SIGHUP to this script reach every rank (not only DeepSpeed's launcher);
 # the ranks finish the current step, save a checkpoint into SAVE_DIR and exit 75 (EX_TEMPFAIL:
@@ -40,6 +49,14 @@ set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PY="${PYTHON:-python}"
+
+# --- multi-node without ssh (ds_adaptive/multinode.py) -------------------------------------------
+# LAUNCH_MODE=deepspeed: single node or HOSTFILE (DeepSpeed's launcher); node: this script is this node's
+# launcher (NNODES / NODE_RANK / MASTER_ADDR / MASTER_PORT, Kubernetes' or SLURM's variables); task: SLURM
+# started one task per GPU and this one is a rank (RANK / LOCAL_RANK / WORLD_SIZE from SLURM_*).
+MULTINODE=(env "PYTHONPATH=$HERE/..${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m ds_adaptive.multinode)
+RDZV="$("${MULTINODE[@]}" env)" || exit 2
+eval "$RDZV"
 
 if [[ -z "${NUM_GPUS:-}" ]]; then
   NUM_GPUS="$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')"
@@ -84,7 +101,26 @@ else
     WHERE="$NUM_GPUS GPU(s)"
   fi
 fi
-[[ -n "${MASTER_PORT:-}" ]] && LAUNCH+=(--master_port "$MASTER_PORT")
+[[ -n "${MASTER_PORT:-}" && "$LAUNCH_MODE" == deepspeed ]] && LAUNCH+=(--master_port "$MASTER_PORT")
+if [[ "$LAUNCH_MODE" != deepspeed ]]; then  # multi-node without ssh: our per-node launcher, or this task is a rank
+  if [[ -n "${HOSTFILE:-}" ]]; then
+    echo "train_wan.sh: HOSTFILE is for DeepSpeed's ssh launch from one node; with NNODES/NODE_RANK (or under" \
+         "SLURM) every node runs this script itself: unset HOSTFILE, or the per-node variables" >&2
+    exit 2
+  fi
+  PER_NODE="${NPROC:-$NUM_GPUS}"
+  if [[ "$LAUNCH_MODE" == task ]]; then
+    LAUNCH=("$PY" -u)
+    PER_NODE="$LOCAL_SIZE"
+    WHERE="rank $RANK of $WORLD_SIZE (SLURM task $SLURM_PROCID, node $NODE_RANK of $NNODES)"
+  else
+    LAUNCH=("${MULTINODE[@]}" launch --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$PER_NODE"
+            --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" --)
+    WHERE="node $NODE_RANK of $NNODES ($(hostname)), $PER_NODE rank(s) per node, rendezvous $MASTER_ADDR:$MASTER_PORT"
+  fi
+  # a requeued SLURM job continues from its newest checkpoint
+  [[ "${DS_ADAPTIVE_SCHEDULER:-}" == slurm ]] && RESUME="${RESUME:-1}"
+fi
 
 if [[ ! -f "$DS_CONFIG" ]]; then
   echo "train_wan.sh: DS_CONFIG=$DS_CONFIG does not exist; pick one of $HERE/configs/*.json" >&2
@@ -126,7 +162,10 @@ echo "+ ${CMD[*]}"
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
   # check config + topology without GPUs (report on stderr; exit 1 names what is wrong)
   DRY=("$PY" -m ds_adaptive.cli dry-run --deepspeed_config "$DS_CONFIG" --model "$MODEL" --sp "${SP:-1}")
-  if [[ "$NUM_GPUS" == 0 ]]; then
+  if [[ "$LAUNCH_MODE" != deepspeed ]]; then  # nodes x ranks per node: SP groups must stay inside a node
+    DRY+=(--num-gpus "$PER_NODE" --num-nodes "$NNODES" --launcher node --node-rank "$NODE_RANK"
+          --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT")
+  elif [[ "$NUM_GPUS" == 0 ]]; then
     DRY+=(--world "$NPROC")
   elif [[ -n "${HOSTFILE:-}" ]]; then
     DRY+=(--hostfile "$HOSTFILE")
@@ -137,6 +176,9 @@ if [[ "${DRY_RUN:-0}" == 1 ]]; then
   [[ -n "$CKPT" ]] && DRY+=(-- --grad-ckpt "$CKPT")
   "${DRY[@]}" >&2
   exit $?
+fi
+if [[ "$LAUNCH_MODE" == task ]]; then
+  exec "${CMD[@]}"  # one SLURM task per GPU: srun owns the tasks and signals each rank itself
 fi
 # The supervisor forwards SIGTERM/SIGINT to every rank and leaves no orphan process behind, even
 # when it is SIGKILLed itself (ds_adaptive/supervise.py). STOP_TIMEOUT=S kills a run that has not
