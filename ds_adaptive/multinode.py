@@ -545,7 +545,8 @@ class NodeLauncher:
             code = 75 if 75 in codes else 0
         self._mark_done(code)
         if self.node == 0:
-            missing = self._wait_for_peers(min(10.0, self.node_timeout) if aborted else self.node_timeout)
+            missing = self._wait_for_peers(min(10.0, self.node_timeout) if aborted else self.node_timeout,
+                                           skip=dog.silent_nodes(2.5 * dog.interval))
             if missing and not aborted:
                 self.log(f"node(s) {', '.join(map(str, missing))} did not report their end within "
                          f"{self.node_timeout:g} s")
@@ -607,10 +608,11 @@ class NodeLauncher:
         except Exception:  # noqa: BLE001 - node 0 is gone; nobody waits for this node
             pass
 
-    def _wait_for_peers(self, timeout: float) -> list[int]:
-        """Node 0 holds the store until every node said it is done (or ``timeout`` s); returns the silent ones."""
+    def _wait_for_peers(self, timeout: float, skip: list[int]) -> list[int]:
+        """Node 0 holds the store until every node (but the silent ones in ``skip``) said it is done, or
+        ``timeout`` s; returns those that did not."""
         deadline = time.monotonic() + timeout
-        missing = list(range(1, self.nnodes))
+        missing = [k for k in range(1, self.nnodes) if k not in skip]
         while missing and time.monotonic() < deadline:
             missing = [k for k in missing if not self.store.check([_key("done", k)])]
             if missing:
