@@ -415,7 +415,7 @@ class NodeWatchdog:
     def silent_nodes(self, seconds: float) -> list[int]:
         """Nodes not done whose heartbeat has not moved for ``seconds`` (after it moved once)."""
         now = time.monotonic()
-        return [k for k, (beats, t) in sorted(self._seen.items())
+        return [k for k, (beats, t) in sorted(list(self._seen.items()))
                 if k not in self._done and beats > 0 and now - t > seconds]
 
     def abort_message(self) -> Optional[str]:

@@ -1,4 +1,4 @@
-"""Stopping at a step boundary on SIGTERM / SIGINT / SIGHUP (what a scheduler sends before preemption).
+"""Stopping at a step boundary on SIGTERM / SIGINT / SIGHUP / SIGUSR1 (what a scheduler sends before preemption).
 
     stop = StopRequest.install()          # in every rank, before training
     ...
@@ -10,6 +10,8 @@ step every rank contributes its flag to an all_reduce (MAX), so a signal that re
 (or reached the ranks at different steps) still stops all of them after the same step, which is
 what a consistent ZeRO-3 checkpoint needs. A second signal to a rank restores the default action
 and re-raises it (the rank dies at once); the launcher's supervisor does the same for the whole run.
+Under SLURM (``DS_ADAPTIVE_REPEAT_SIGNAL=ignore``) repeats are the same request: SLURM signals every
+process of a step, srun forwards its own copy, and SLURM kills by itself at its deadline.
 """
 from __future__ import annotations
 

@@ -13,12 +13,15 @@ What the supervisor does:
 
 * The command runs in its own session / process group (``start_new_session``): everything it
   starts (runner, per-node launcher, ranks, DataLoader workers) shares one process group.
-* SIGTERM / SIGINT / SIGHUP to the supervisor are forwarded **to the rank processes** (the
-  children of ``deepspeed.launcher.launch``), not to DeepSpeed's launchers, so the trainer's own
+* SIGTERM / SIGINT / SIGHUP / SIGUSR1 to the supervisor are forwarded **to the rank processes** (the
+  children of ``deepspeed.launcher.launch``, or of the per-node launcher ``ds_adaptive.multinode``
+  of a multi-node run without ssh), not to DeepSpeed's launchers, so the trainer's own
   handler decides how to stop (finish the step, save, exit with a distinct code) without a 30 s
   cap. When no local rank is found (multi-node: the ranks run under pdsh on the nodes), the signal
   goes to the runner, whose pdsh handler stops the remote launchers.
-* A second signal, or ``--stop-timeout`` seconds after the first, SIGKILLs the whole group.
+* A second signal, or ``--stop-timeout`` seconds after the first, SIGKILLs the whole group (a second
+  signal is ignored with ``DS_ADAPTIVE_REPEAT_SIGNAL=ignore``, set under SLURM: SLURM delivers one
+  preemption to every process, and again through srun).
 * SIGKILL of the supervisor cannot be caught: a small reaper process (its own session, its stdin
   the read end of a pipe that only the supervisor holds) sees the pipe close when the supervisor
   dies in any way and SIGKILLs the group. The ranks also ask the kernel for SIGTERM when their
@@ -153,8 +156,10 @@ class Supervisor:
                     r.send_signal(signum)
                 except Exception:  # noqa: BLE001 - gone already
                     pass
+            again = ("Repeats are ignored." if os.environ.get(ENV_REPEAT_SIGNAL) == "ignore" else
+                     "Send it again to kill them at once.")
             self.log(f"{name}: forwarded to {len(ranks)} rank process(es) {sorted(r.pid for r in ranks)}; they "
-                     "stop at the end of the current step. Send it again to kill them at once.")
+                     f"stop at the end of the current step. {again}")
         else:
             self.proc.send_signal(signum)
             self.log(f"{name}: no local rank process yet (or multi-node): forwarded to the launcher {self.proc.pid}")

@@ -127,7 +127,7 @@ def _readme_launch_examples() -> list[str]:
     lines = [line.split("  #")[0].strip() for b in blocks for line in b.splitlines()]
     lines = [line.removeprefix("# or: ") for line in lines]
     return [line for line in lines if "launch/train_wan.sh" in line and not line.startswith("pip ")
-            or line.startswith("deepspeed ")]
+            or line.startswith("deepspeed ") or "launch/slurm/train_wan.sbatch" in line]
 
 
 def test_readme_has_launch_examples():
@@ -156,6 +156,11 @@ def test_readme_example_passes_its_dry_run(example, tmp_path):
         env.setdefault("NUM_GPUS", "8")
         env["DRY_RUN"] = "1"
         cmd = words
+        if words[0] == "sbatch":  # the batch script's own dry run, in the job SLURM would give it
+            nodes = next((w.split("=", 1)[1] for w in words if w.startswith("--nodes=")), "2")
+            env.update(SLURM_JOB_ID="1", SLURM_JOB_NUM_NODES=nodes, SLURM_JOB_NODELIST=f"node[1-{nodes}]",
+                       SLURM_SUBMIT_DIR=str(ROOT))
+            cmd = ["bash", *[w for w in words[1:] if not w.startswith("--nodes=")]]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, f"{example}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     assert "OK" in r.stdout + r.stderr

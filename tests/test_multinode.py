@@ -451,3 +451,21 @@ def test_sbatch_usr1_stops_every_node_saves_requeues_and_the_requeued_job_resume
     assert resumed["first_step"] == k + 1 and resumed["last_step"] == STEPS
     assert first["losses"] + resumed["losses"] == pytest.approx(one_node_of_four, rel=0, abs=1e-6)
     assert all(out.count("started ranks") == 2 for out in outs)  # per-node logs, appended across the requeue
+
+
+@pytest.mark.slow
+def test_sbatch_one_task_per_rank_trains_like_one_node_of_four(tmp_path, one_node_of_four):
+    """TASKS=gpu: srun starts 2 x 2 tasks, each a rank (RANK/LOCAL_RANK/WORLD_SIZE from SLURM_PROCID/LOCALID/NTASKS)."""
+    port = _free_port(SLURM_PORT_BASE, SLURM_PORT_BASE + SLURM_PORT_SPAN)
+    env = _env(PATH=f"{SHIM}:{os.environ['PATH']}", SLURM_JOB_ID=port - SLURM_PORT_BASE, SLURM_JOB_NAME="wan",
+               SLURM_JOB_NUM_NODES=2, SLURM_JOB_NODELIST="localhost,127.0.0.2", SLURM_SUBMIT_DIR=ROOT, NUM_GPUS=0,
+               TASKS="gpu", STEPS=2, SAVE_DIR="")
+    r = subprocess.run(["bash", str(SBATCH), *TRAIN, "--log-dir", "tasks"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=600)
+    logs = sorted((tmp_path / "logs").glob(f"wan-{port - SLURM_PORT_BASE}-node*.log"))
+    outs = [log.read_text() for log in logs]
+    assert r.returncode == 0, r.stdout + r.stderr + "\n".join(o[-3000:] for o in outs)
+    assert len(logs) == 2 and "2 task(s) per node" in r.stdout
+    assert "rank 2 of 4 (SLURM task 2, node 1 of 2)" in outs[1] and "rank 3 of 4 (SLURM task 3, node 1 of 2)" in outs[1]
+    s = _summary(tmp_path / "tasks")
+    assert s["world_size"] == 4 and s["losses"] == pytest.approx(one_node_of_four[:2], rel=0, abs=1e-6)
