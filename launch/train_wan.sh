@@ -118,8 +118,8 @@ if [[ "$LAUNCH_MODE" != deepspeed ]]; then  # multi-node without ssh: our per-no
             --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" --)
     WHERE="node $NODE_RANK of $NNODES ($(hostname)), $PER_NODE rank(s) per node, rendezvous $MASTER_ADDR:$MASTER_PORT"
   fi
-  # a requeued SLURM job continues from its newest checkpoint
-  [[ "${DS_ADAPTIVE_SCHEDULER:-}" == slurm ]] && RESUME="${RESUME:-1}"
+  # a requeued SLURM job continues from its newest checkpoint (unless checkpoints are off: SAVE_DIR=)
+  [[ "${DS_ADAPTIVE_SCHEDULER:-}" == slurm && "${SAVE_DIR-default}" != "" ]] && RESUME="${RESUME:-1}"
 fi
 
 if [[ ! -f "$DS_CONFIG" ]]; then

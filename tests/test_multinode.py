@@ -338,19 +338,9 @@ def one_node_of_four(tmp_path_factory) -> list[float]:
 
 
 @pytest.mark.slow
-def test_two_nodes_without_ssh_train_like_one_node_of_four(tmp_path, one_node_of_four):
-    procs, logs = _start_nodes(tmp_path, "two", _free_port(), STEPS=3, SAVE_DIR="")
-    rcs = _wait_nodes(procs, logs)
-    outs = [log.read_text() for log in logs]
-    assert rcs == [0, 0], "\n".join(o[-3000:] for o in outs)
-    s = _summary(tmp_path / "two")
-    assert s["world_size"] == 4 and s["steps"] == 3
-    assert s["losses"] == pytest.approx(one_node_of_four[:3], rel=0, abs=1e-6)
-    assert "started ranks 0-1 of 4" in outs[0] and "started ranks 2-3 of 4" in outs[1]
-
-
-@pytest.mark.slow
 def test_sigterm_to_one_node_stops_both_at_one_step_and_resume_matches(tmp_path, one_node_of_four):
+    """Two launchers without ssh (NNODES=2, NODE_RANK 0 / 1): the interrupted run and its resume together give
+    the losses of one node of 4 processes."""
     port = _free_port()
     procs, logs = _start_nodes(tmp_path, "first", port, STEPS=STEPS, SAVE_DIR="ckpt", SAVE_INTERVAL=0)
     try:
@@ -362,7 +352,9 @@ def test_sigterm_to_one_node_stops_both_at_one_step_and_resume_matches(tmp_path,
     outs = [log.read_text() for log in logs]
     assert rcs == [EXIT_PREEMPTED, EXIT_PREEMPTED], "\n".join(o[-3000:] for o in outs)
     assert "SIGTERM: forwarded to 2 rank process(es)" in outs[1] and "forwarded" not in outs[0]
+    assert "started ranks 0-1 of 4" in outs[0] and "started ranks 2-3 of 4" in outs[1]
     first = _summary(tmp_path / "first")
+    assert first["world_size"] == 4
     k = first["stopped"]["step"]
     assert first["stopped"]["signal"] == "a signal to another rank" and 1 <= k < STEPS, first["stopped"]
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == f"global_step{k}"
