@@ -348,11 +348,13 @@ class NodeWatchdog:
     """Heartbeats of the node launchers through the job's TCP store, in a thread of each launcher (a
     store call never blocks the launcher's own loop).
 
-    Every launcher increments ``hb/<node>`` each ``interval`` s and reads the others' counters and the
-    job's ``abort`` message. A node whose counter stops moving for ``timeout`` s (after it moved once:
-    nodes start at different times) and that did not say it is done is lost: published as ``abort``,
-    first writer wins. A launcher that cannot reach the store (a closed connection: node 0's launcher,
-    which holds it, is gone) or gets no answer for ``timeout`` s has lost node 0."""
+    Every launcher increments ``hb/<node>`` each ``interval`` s and reads every node's counter and
+    ``done/<node>`` (0 while it runs, its exit status + 1 once its ranks ended) in one ``multi_get``, and
+    the job's ``abort`` message: three requests per node and beat. A node whose counter stops moving
+    for ``timeout`` s (after it moved once: nodes start at different times) and that is not done is
+    lost: published as ``abort``, first writer wins. A launcher that cannot reach the store (a closed
+    connection: node 0's launcher, which holds it, is gone) or gets no answer for ``timeout`` s has
+    lost node 0."""
 
     def __init__(self, store, *, node: int, nnodes: int, nproc: int, master: str, timeout: float,
                  interval: float = 1.0) -> None:
@@ -381,6 +383,12 @@ class NodeWatchdog:
         return f"node {node} ({self.hosts.get(node, '?')}, {_ranks_of(node, self.nproc)})"
 
     def _run(self) -> None:
+        try:
+            for k in range(self.nnodes):  # every key exists before the first multi_get (which would wait)
+                self.store.add(_key("hb", k), 0)
+                self.store.add(_key("done", k), 0)
+        except Exception as exc:  # noqa: BLE001 - see below
+            self.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         while not self._stop.is_set():
             try:
                 self.store.add(_key("hb", self.node), 1)
@@ -395,15 +403,18 @@ class NodeWatchdog:
 
     def _check_peers(self) -> None:
         now = time.monotonic()
-        for k in range(self.nnodes):
+        n = self.nnodes
+        values = [int(v) for v in self.store.multi_get([_key("hb", k) for k in range(n)] +
+                                                       [_key("done", k) for k in range(n)])]
+        for k in range(n):
+            beats, done = values[k], values[n + k]
             if k == self.node or k in self._done:
                 continue
-            if k not in self.hosts and self.store.check([_key("host", k)]):
-                self.hosts[k] = self.store.get(_key("host", k)).decode()
-            if self.store.check([_key("done", k)]):
+            if done:
                 self._done.add(k)
                 continue
-            beats = self.store.add(_key("hb", k), 0)
+            if beats and k not in self.hosts and self.store.check([_key("host", k)]):
+                self.hosts[k] = self.store.get(_key("host", k)).decode()
             last = self._seen.get(k)
             if last is None or beats != last[0]:
                 self._seen[k] = (beats, now)
@@ -604,7 +615,7 @@ class NodeLauncher:
 
     def _mark_done(self, code: int) -> None:
         try:
-            self.store.set(_key("done", self.node), str(code))
+            self.store.add(_key("done", self.node), code + 1)
         except Exception:  # noqa: BLE001 - node 0 is gone; nobody waits for this node
             pass
 
@@ -614,7 +625,7 @@ class NodeLauncher:
         deadline = time.monotonic() + timeout
         missing = [k for k in range(1, self.nnodes) if k not in skip]
         while missing and time.monotonic() < deadline:
-            missing = [k for k in missing if not self.store.check([_key("done", k)])]
+            missing = [k for k in missing if not self.store.add(_key("done", k), 0)]
             if missing:
                 time.sleep(0.2)
         return missing
