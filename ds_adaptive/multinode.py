@@ -577,7 +577,7 @@ class NodeLauncher:
                 break
             if bad:
                 failed_at = failed_at or time.monotonic()
-                i, c = bad[0]
+                i, c = min(bad, key=lambda ic: (ic[1] >= 0, ic[0]))  # a signal death first: the likely root cause
                 if c < 0 or time.monotonic() - failed_at > self.FAILURE_GRACE:
                     mine = self._rank_failure(dog, i, c)
                     aborted = self._publish(dog, mine)

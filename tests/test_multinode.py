@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -293,6 +294,28 @@ def test_a_node_that_vanishes_ends_the_other_within_the_node_timeout(tmp_path, l
         assert took < 4 + 15, took
     finally:
         _kill_all(procs)
+
+
+@pytest.mark.slow
+def test_a_rank_killed_by_a_signal_is_named_before_the_errors_it_causes(tmp_path):
+    """Local rank 0 fails first with status 1 (what a collective error looks like), rank 1 is SIGKILLed 1 s later:
+    the message names the killed rank, and the node exits with its status."""
+    (tmp_path / "rank.py").write_text(textwrap.dedent("""
+        import os, signal, sys, time
+        if os.environ["LOCAL_RANK"] == "0":
+            time.sleep(0.5)
+            sys.exit(1)
+        time.sleep(1.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """))
+    r = subprocess.run([sys.executable, "-m", "ds_adaptive.multinode", "launch", "--nnodes", "1", "--node-rank", "0",
+                        "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+                        "--", str(tmp_path / "rank.py")], cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 128 + signal.SIGKILL, r.stderr
+    lines = [x for x in r.stderr.splitlines() if "ending the job" in x]
+    assert len(lines) == 1 and f"node 0 ({socket.gethostname()}) rank 1 (local rank 1, pid " in lines[0], r.stderr
+    assert "was killed by SIGKILL" in lines[0]
 
 
 # --- two nodes of real training on one machine ----------------------------------------------------
