@@ -162,7 +162,7 @@ def _trainer_args(args: argparse.Namespace, sp: int, extra: list[str]) -> list[s
 
 
 def node_command(layout: LaunchPlan, args: argparse.Namespace, sp: int, extra: list[str]) -> list[str]:
-    """The per-node launcher command (multi-node without ssh: ``ds_adaptive/multinode.py``) of node
+    """The per-node launcher command (multi-node without ssh: ``ds_adaptive/multinode/``) of node
     ``--node-rank``; every node runs it with its own index."""
     return ["python", "-m", "ds_adaptive.multinode", "launch", "--nnodes", str(len(layout.nodes)),
             "--node-rank", str(args.node_rank), "--nproc-per-node", str(layout.nodes[0][1]),
@@ -204,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--master-port", "--master_port", type=int, default=None, help="passed to the deepspeed launcher")
     p.add_argument("--launcher", choices=("deepspeed", "node"), default="deepspeed",
                    help="deepspeed: one `deepspeed` command (single node, or --hostfile over ssh); node: one launcher "
-                        "per node without ssh (NNODES/NODE_RANK, Kubernetes, SLURM; ds_adaptive/multinode.py)")
+                        "per node without ssh (NNODES/NODE_RANK, Kubernetes, SLURM; ds_adaptive/multinode/)")
     p.add_argument("--node-rank", type=int, default=0, help="--launcher node: the node whose command is printed")
     p.add_argument("--sp", type=int, default=None,
                    help="Ulysses degree (default: the ds_config's sequence_parallel_size, else 1)")

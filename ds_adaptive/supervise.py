@@ -46,7 +46,7 @@ from typing import Optional
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)  # USR1: SLURM's --signal=USR1@N
 LAUNCH_MODULE = "deepspeed.launcher.launch"
-# Multi-node without ssh: ds_adaptive/multinode.py's per-node launcher starts the ranks itself.
+# Multi-node without ssh: the per-node launcher of ds_adaptive/multinode/ starts the ranks itself.
 NODE_LAUNCH_MODULE = "ds_adaptive.multinode"
 ENV_SUPERVISOR = "DS_ADAPTIVE_SUPERVISOR_PID"
 # DS_ADAPTIVE_REPEAT_SIGNAL=ignore (set by launch/train_wan.sh under SLURM): SLURM signals every process of the

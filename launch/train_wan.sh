@@ -50,7 +50,7 @@ set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PY="${PYTHON:-python}"
 
-# --- multi-node without ssh (ds_adaptive/multinode.py) -------------------------------------------
+# --- multi-node without ssh (ds_adaptive/multinode/) -------------------------------------------
 # LAUNCH_MODE=deepspeed: single node or HOSTFILE (DeepSpeed's launcher); node: this script is this node's
 # launcher (NNODES / NODE_RANK / MASTER_ADDR / MASTER_PORT, Kubernetes' or SLURM's variables); task: SLURM
 # started one task per GPU and this one is a rank (RANK / LOCAL_RANK / WORLD_SIZE from SLURM_*).
