@@ -24,6 +24,8 @@ EXIT_PEER_FAILED = 1
 DEFAULT_NODE_TIMEOUT = 60.0
 """Seconds without a heartbeat after which a node counts as lost (``NODE_TIMEOUT``)."""
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
+_STOPPED = 75  # ds_adaptive.preempt.EXIT_PREEMPTED (not imported: that module needs torch)
+_NORMAL = (0, _STOPPED)
 _KEY = "ds_adaptive/watchdog"      # store keys of the launchers (the ranks' own keys have other prefixes)
 
 
@@ -247,7 +249,7 @@ class NodeLauncher:
         if aborted:  # the failed rank's status on its node, EXIT_PEER_FAILED on the others
             code = own_status if own_status is not None else EXIT_PEER_FAILED
         else:
-            code = 75 if 75 in codes else 0
+            code = _STOPPED if _STOPPED in codes else 0
         self._mark_done(code)
         if self.node == 0:
             missing = self._wait_for_peers(min(10.0, self.node_timeout) if aborted else self.node_timeout,
@@ -265,7 +267,7 @@ class NodeLauncher:
         while True:
             handled = self._handle_signals(handled)
             codes = [p.poll() for p in self.procs]
-            bad = [(i, c) for i, c in enumerate(codes) if c not in (None, 0, 75)]
+            bad = [(i, c) for i, c in enumerate(codes) if c is not None and c not in _NORMAL]
             aborted = dog.abort_message()
             if aborted:
                 break
