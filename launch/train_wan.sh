@@ -40,7 +40,8 @@
 #   RESUME=1    continue from the newest complete checkpoint in SAVE_DIR, if there is one (default 1
 #               under SLURM: a requeued job resumes); multi-node: SAVE_DIR on a filesystem every node sees
 #
-# Signals: SIGTERM/SIGINT/SIGHUP to this script reach every rank (not only DeepSpeed's launcher);
+# Signals: SIGTERM/SIGINT/SIGHUP/SIGUSR1 to this script reach every rank (not only DeepSpeed's launcher);
+# multi-node without ssh: a signal to any one node's launcher stops every node after the same step;
 # the ranks finish the current step, save a checkpoint into SAVE_DIR and exit 75 (EX_TEMPFAIL:
 # resume with RESUME=1). SIGKILL of it kills the whole run (no orphan ranks). See
 # ds_adaptive/supervise.py and ds_adaptive/preempt.py.
