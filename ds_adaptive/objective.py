@@ -1,14 +1,17 @@
-"""The training objective in one place: rectified flow matching as Wan 2.1 trains it.
+"""The training objective in one place: rectified flow matching as Wan trains it.
 
 For a clean latent ``x0`` and noise ``eps``: ``x_t = (1 - sigma) x0 + sigma eps``, target
 ``eps - x0``, ``sigma = shift*u / (1 + (shift-1)*u)`` with ``u ~ U(0, 1)``, timestep
-``1000 * sigma``. Every sample's ``(u, eps)`` comes from its own generator seeded by
+``1000 * sigma``. A model's :class:`ds_adaptive.models.family.ObjectiveOptions` may restrict the noise
+levels to ``sigma_range`` (an expert of a mixture, e.g. Wan 2.2 A14B's high-noise expert on
+sigma >= 0.875): ``u`` is then uniform on the interval whose shifted sigma lies in the range, i.e. the
+full distribution conditioned on it. Every sample's ``(u, eps)`` comes from its own generator seeded by
 (seed, epoch, sample index), so a sample's loss does not depend on which rank or micro-batch it
 lands in, the ranks of a Ulysses group draw the same noise, and a resumed run draws what the
 straight run would have.
 
-Held-out evaluation uses ``EVAL_TIMESTEPS`` fixed ``u = (k + 0.5) / EVAL_TIMESTEPS`` and noise
-seeded by (seed, k, index): a pure function of the weights.
+Held-out evaluation uses ``EVAL_TIMESTEPS`` fixed ``u = lo + (hi - lo) (k + 0.5) / EVAL_TIMESTEPS`` (the
+model's u interval, (0, 1) by default) and noise seeded by (seed, k, index): a pure function of the weights.
 
 Weighting (unbiased gradients with variable batch sizes) is the planner's
 ``StepTotals.loss_weight``; the trainer multiplies by ``Layout.loss_scale`` under SP.
@@ -34,17 +37,24 @@ def shifted_sigma(u: torch.Tensor, shift: float) -> torch.Tensor:
     return shift * u / (1 + (shift - 1) * u)
 
 
-def draw_noise(x0: torch.Tensor, indices, *, seed: int, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sample ``u [B]`` and ``eps`` (like ``x0`` [B, ...], fp32), each row from its own generator."""
+def draw_noise(x0: torch.Tensor, indices, *, seed: int, epoch: int,
+               u_range: tuple[float, float] = (0.0, 1.0)) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample ``u [B]`` (uniform on ``u_range``) and ``eps`` (like ``x0`` [B, ...], fp32), each row from
+    its own generator."""
     b = x0.shape[0]
+    lo, hi = u_range
     u = torch.empty(b, device=x0.device)
     eps = torch.empty_like(x0)
     for row, idx in enumerate(torch.as_tensor(indices).tolist()):
         g = torch.Generator(device=x0.device)
         g.manual_seed(sample_seed(seed, epoch, idx))
-        u[row] = torch.rand((), generator=g, device=x0.device)
+        u[row] = lo + (hi - lo) * torch.rand((), generator=g, device=x0.device)
         eps[row] = torch.randn(x0.shape[1:], generator=g, device=x0.device)
     return u, eps
+
+
+def _u_range(objective, shift: float) -> tuple[float, float]:
+    return (0.0, 1.0) if objective is None else objective.u_range(shift)
 
 
 def noisy_inputs(x0: torch.Tensor, u: torch.Tensor, eps: torch.Tensor, *,
@@ -75,25 +85,26 @@ def per_sample_mse(pred, target: torch.Tensor) -> torch.Tensor:
 
 
 def flow_matching_losses(model, latents: torch.Tensor, context: torch.Tensor, indices, *, epoch: int, seed: int,
-                         shift: float, dtype: torch.dtype, local: bool = False) -> torch.Tensor:
-    """Per-sample flow-matching MSE ``[B]`` (fp32) of ``model`` (a WanModel or its DeepSpeed engine) on clean
-    latents ``[B, 16, T', H', W']``. ``local`` (under sequence parallelism): this rank's part of it,
-    summing to it over the SP group."""
+                         shift: float, dtype: torch.dtype, local: bool = False, objective=None) -> torch.Tensor:
+    """Per-sample flow-matching MSE ``[B]`` (fp32) of ``model`` (the DiT or its DeepSpeed engine) on clean
+    latents ``[B, C, T', H', W']``. ``local`` (under sequence parallelism): this rank's part of it,
+    summing to it over the SP group. ``objective``: the model's ``ObjectiveOptions`` (None: defaults)."""
     x0 = latents.float()
-    u, eps = draw_noise(x0, indices, seed=seed, epoch=epoch)
+    u, eps = draw_noise(x0, indices, seed=seed, epoch=epoch, u_range=_u_range(objective, shift))
     x_t, timestep, target = noisy_inputs(x0, u, eps, shift=shift)
     kwargs = {"local": True} if local else {}
     pred = model(x_t.to(dtype), timestep, context.to(dtype), **kwargs)
     return per_sample_mse(pred, target)
 
 
-def eval_inputs(latents: torch.Tensor, index: int, *, seed: int, shift: float,
-                timesteps: int = EVAL_TIMESTEPS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def eval_inputs(latents: torch.Tensor, index: int, *, seed: int, shift: float, timesteps: int = EVAL_TIMESTEPS,
+                objective=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(x_t, timestep, target)`` of one held-out sample ``latents`` [C, T', H', W'] at the ``timesteps``
-    fixed u values (a batch of ``timesteps`` rows), noise seeded by (seed, k, index)."""
+    fixed u values of the model's u interval (a batch of ``timesteps`` rows), noise seeded by (seed, k, index)."""
     device = latents.device
     k = timesteps
-    u = (torch.arange(k, dtype=torch.float32, device=device) + 0.5) / k
+    lo, hi = _u_range(objective, shift)
+    u = lo + (hi - lo) * ((torch.arange(k, dtype=torch.float32, device=device) + 0.5) / k)
     x0 = latents.float().unsqueeze(0).expand(k, *latents.shape)
     eps = torch.empty_like(x0)
     for row in range(k):

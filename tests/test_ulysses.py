@@ -14,7 +14,7 @@ from ds_adaptive.models.testing import random_init_
 from ds_adaptive.models.wan import WanModel, sdpa_attention
 from ds_adaptive.layout import Layout, SequenceParallelError, resolve_sp_size, strip_mesh_keys
 from ds_adaptive.objective import per_sample_mse
-from ds_adaptive.parallel import (UlyssesWan, apply_ulysses, remove_ulysses, shard_plan, shard_sequence,
+from ds_adaptive.parallel import (UlyssesRunner, apply_ulysses, remove_ulysses, shard_plan, shard_sequence,
                                   valid_len_attention)
 
 

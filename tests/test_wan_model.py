@@ -230,7 +230,7 @@ def test_config_presets_and_validation():
         get_wan_config("tiny", dim=8, num_heads=2)
     with pytest.raises(WanConfigError, match=r"unknown WanConfig key\(s\) \['heads'\]"):
         get_wan_config("tiny", heads=4)
-    with pytest.raises(WanConfigError, match="unknown Wan model 'wan2.2'.*wan2.1-14b"):
+    with pytest.raises(WanConfigError, match="unknown model 'wan2.2'.*wan2.1-14b"):
         get_wan_config("wan2.2")
     with pytest.raises(WanConfigError, match=r"needs \['ffn_dim', 'num_layers'\]"):
         get_wan_config({"dim": 64, "num_heads": 1})

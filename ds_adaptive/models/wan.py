@@ -51,6 +51,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch.utils.checkpoint import checkpoint
 
+from ds_adaptive.models.family import ModelError, set_plain_attr
+from ds_adaptive.models.wan21 import FAMILY as _WAN21
 # Plain torch by default: the fused op is opt-in (adaptive_load.fused_ln_modulate -> set_ln_modulate),
 # so a baseline run never picks it up implicitly.
 from ds_adaptive.ops.ln_modulate import ln_modulate_reference as _default_ln_modulate
@@ -65,7 +67,7 @@ LnModulateFn = Callable[..., torch.Tensor]
 Grid = tuple[int, int, int]
 
 
-class WanConfigError(ValueError):
+class WanConfigError(ModelError):
     """A WanConfig field (or a latent / context shape given to the model) is invalid."""
 
 
@@ -156,25 +158,24 @@ class WanConfig:
         return d
 
 
-WAN_CONFIGS: dict[str, WanConfig] = {
-    "wan2.1-1.3b": WanConfig(dim=1536, ffn_dim=8960, num_heads=12, num_layers=30),
-    "wan2.1-14b": WanConfig(dim=5120, ffn_dim=13824, num_heads=40, num_layers=40),
-    # CPU tests / smoke training: real text width, head_dim 64.
-    "tiny": WanConfig(dim=128, ffn_dim=256, num_heads=2, num_layers=2),
-}
+WAN_CONFIGS: dict[str, WanConfig] = {p.name: WanConfig(**p.arch) for p in _WAN21.presets}
+"""The Wan 2.1 presets (``ds_adaptive.models.wan21``); ``get_wan_config`` also knows every registered
+Wan-architecture model (``ds_adaptive.models.registry``)."""
 
 
 def get_wan_config(name_or_dict: Union[str, Mapping[str, Any], WanConfig], **overrides: Any) -> WanConfig:
-    """A WanConfig from a preset name (``WAN_CONFIGS``), a dict of WanConfig fields, or a
+    """A WanConfig from a model name (``ds_adaptive.models.registry``), a dict of WanConfig fields, or a
     WanConfig; ``overrides`` replace fields. Unknown names / keys are errors that list the valid ones."""
     fields = {f.name for f in dataclasses.fields(WanConfig)}
     if isinstance(name_or_dict, WanConfig):
         base = name_or_dict.to_dict()
     elif isinstance(name_or_dict, str):
-        if name_or_dict not in WAN_CONFIGS:
-            raise WanConfigError(f"unknown Wan model {name_or_dict!r}; known: {sorted(WAN_CONFIGS)} "
-                                 "(or pass a dict of WanConfig fields)")
-        base = WAN_CONFIGS[name_or_dict].to_dict()
+        from ds_adaptive.models.registry import get_model
+
+        try:
+            base = dict(get_model(name_or_dict).preset.arch)
+        except ModelError as exc:
+            raise WanConfigError(f"{exc} (or pass a dict of WanConfig fields)") from None
     elif isinstance(name_or_dict, Mapping):
         base = dict(name_or_dict)
     else:
@@ -258,11 +259,7 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     return out.transpose(1, 2)
 
 
-def _set_plain_attr(module: nn.Module, name: str, value: Any) -> None:
-    # Bypass nn.Module.__setattr__: an attention fn may itself be an nn.Module (DeepSpeed's
-    # DistributedAttention); registering it as a child of every block would put it in
-    # named_modules() and under ZeRO-3's hooks.
-    object.__setattr__(module, name, value)
+_set_plain_attr = set_plain_attr  # non-module attributes (ds_adaptive.models.family)
 
 
 # --------------------------------------------------------------------------------------------
@@ -378,6 +375,12 @@ class WanInputs:
     """[B, L, D] embedded text context."""
     grid: Grid
     """(F, H, W) token grid; S = F * H * W."""
+
+    def local(self, shard: Callable[[torch.Tensor, int], torch.Tensor]) -> "WanInputs":
+        """These inputs for one rank of a sequence-parallel group: ``shard(t, dim)`` cuts this rank's
+        (padded) slice of a per-token tensor along ``dim`` (``ds_adaptive.parallel.shard_sequence``).
+        The tokens are sharded; per-sample modulation and the text context are kept whole."""
+        return dataclasses.replace(self, tokens=shard(self.tokens, 1))
 
 
 def is_fp32_param(name: str) -> bool:
