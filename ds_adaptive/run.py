@@ -56,7 +56,7 @@ class Run:
     def objective(self):
         """The model's :class:`ds_adaptive.models.family.ObjectiveOptions` with the trainer's ``--objective``
         overrides."""
-        return self.preset.objective.with_overrides(self.cfg.trainer.objective)
+        return self.preset.objective_with(self.cfg.trainer.objective)
 
     @property
     def text_len(self) -> int:
@@ -108,7 +108,7 @@ def build_run(cfg: RunConfig, *, layout: Optional[Layout] = None, device: Option
     preset = get_model(t.model)
     overrides = {"num_layers": t.layers} if t.layers else {}
     model_config = preset.config(**overrides)
-    preset.objective.with_overrides(t.objective)  # a bad --objective fails before any work
+    preset.objective_with(t.objective)  # a bad --objective fails before any work
     if layout is None:
         layout = Layout.detect(t.sp, ds_config=cfg.ds_config)
     layout.validate(num_heads=model_config.num_heads, what=t.model)

@@ -198,7 +198,7 @@ def _check_planned_layout(cfg: RunConfig) -> None:
     from .models.registry import get_model
 
     model = get_model(cfg.trainer.model)
-    model.objective.with_overrides(cfg.trainer.objective)
+    model.objective_with(cfg.trainer.objective)
     sp = resolve_sp_size(cfg.trainer.sp, cfg.ds_config)
     Layout.explicit(sp_size=sp).validate(num_heads=model.config().num_heads, what=cfg.trainer.model)
     resolve_sp_size(sp, cfg.ds_config, int(os.environ.get("WORLD_SIZE", "1")))  # world % sp, data_parallel_size

@@ -95,7 +95,7 @@ def shutdown_distributed(*, barrier: bool) -> None:
 
 def backward_micro_batch(engine, latents: torch.Tensor, context: torch.Tensor, indices: torch.Tensor, totals, *,
                          tokens_per_sample: int, layout: Layout, by: str, epoch: int, seed: int, shift: float,
-                         dtype: torch.dtype, objective=None) -> tuple[float, float]:
+                         dtype: torch.dtype, objective=None, patch_size=(1, 2, 2)) -> tuple[float, float]:
     """Forward and weighted backward of one micro-batch (all samples of one shape).
 
     The mean per-sample loss is scaled by ``totals.loss_weight`` (local share of the optimizer
@@ -103,11 +103,11 @@ def backward_micro_batch(engine, latents: torch.Tensor, context: torch.Tensor, i
     its 1/gradient_accumulation_steps, and by ``layout.loss_scale`` under SP. Returns
     ``(sum_i w_i * loss_i, sum_i w_i)`` of this micro-batch (detached), ``w_i`` 1 (samples) or the
     sample's tokens; under SP the full per-sample losses (summed over the group). ``objective``: the
-    model's ``ObjectiveOptions`` (None: the defaults).
+    model's ``ObjectiveOptions`` (None: the defaults); ``patch_size``: the model's.
     """
     sharded = layout.sp_enabled
     per_sample = flow_matching_losses(engine, latents, context, indices, epoch=epoch, seed=seed, shift=shift,
-                                      dtype=dtype, local=sharded, objective=objective)
+                                      dtype=dtype, local=sharded, objective=objective, patch_size=patch_size)
     b = per_sample.shape[0]
     weight = totals.loss_weight(b, b * tokens_per_sample, layout.dp_size, by)
     if sharded:  # x sp: DeepSpeed averages gradients over all dp*sp ranks (docs/ULYSSES.md)
@@ -312,7 +312,8 @@ class Trainer:
             num, den = backward_micro_batch(
                 self.engine, latents, context, batch["index"], totals, tokens_per_sample=tokens, layout=self.layout,
                 by=run.cfg.adaptive_load.sampler.loss_weighting, epoch=self.epoch, seed=self.opts.seed,
-                shift=self.opts.shift, dtype=run.dtype, objective=run.objective)
+                shift=self.opts.shift, dtype=run.dtype, objective=run.objective,
+                patch_size=run.model_config.patch_size)
             metrics.backward_done()
             if micro == run.gas - 1:
                 step_lr = self._optimizer_step(factor)

@@ -67,10 +67,22 @@ def test_sigma_range_restricts_u_to_the_range(shift):
 def test_objective_overrides_are_checked():
     opts = ObjectiveOptions()
     assert opts.with_overrides({"sigma_range": [0.0, 0.875]}).sigma_range == (0.0, 0.875)
-    with pytest.raises(ModelError, match=r"unknown key\(s\) \['sigma'\]; valid keys: \['sigma_range'"):
+    with pytest.raises(ModelError, match=r"unknown key\(s\) \['sigma'\]; valid keys: \['first_frame_ratio', 'sig"):
         opts.with_overrides({"sigma": 1})
     with pytest.raises(ModelError, match="0 <= lo < hi <= 1"):
         opts.with_overrides({"sigma_range": [0.9, 0.5]})
+    with pytest.raises(ModelError, match=r"first_frame_ratio must be a number in \[0, 1\], got 2"):
+        opts.with_overrides({"first_frame_ratio": 2})
+
+
+def test_first_frame_conditioning_needs_per_token_timesteps():
+    from ds_adaptive.models.family import Model
+
+    m = get_model("tiny")
+    assert m.objective_with({"first_frame_ratio": 0.5}).first_frame_ratio == 0.5   # WanModel takes [B, S]
+    per_sample_only = Model(dataclasses.replace(m.family, per_token_timesteps=False), m.preset)
+    with pytest.raises(ModelError, match="takes one timestep per sample, not one per token"):
+        per_sample_only.objective_with({"first_frame_ratio": 0.5})
 
 
 # ---------------------------------------------------------------------------------------------------------

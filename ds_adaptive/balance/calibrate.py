@@ -293,6 +293,8 @@ def measure(model_name: str, *, layers: Sequence[int], shapes: Sequence[SampleSh
             log=print, both_checkpointing: bool = False, ln_modulate: str = "reference") -> tuple[list[dict], dict]:
     """Time fwd+bwd and record peak memory for every (depth, shape, B), with the LayerNorm-modulate
     path ``ln_modulate`` (``fused`` | ``reference``, as ``apply_ln_modulate`` installs it in a run).
+    A model trained with first-frame conditioning (``objective.first_frame_ratio > 0``) is measured with one
+    timestep per token on its videos (per-token modulation: the costlier path of its micro-batches).
     Returns raw rows and the model config (as a dict)."""
     import torch
 
@@ -320,7 +322,7 @@ def measure(model_name: str, *, layers: Sequence[int], shapes: Sequence[SampleSh
         for shape, b, ckpt in ((sh, bb, m) for sh in shapes for bb in batch_sizes.get(sh.tokens, [1]) for m in modes):
             model.gradient_checkpointing = ckpt
             latents = torch.randn(b, *shape.latent_shape, device=device, dtype=dtype)
-            tstep = torch.rand(b, device=device) * 1000
+            tstep = _timesteps(spec, b, shape, device)
             ctx = torch.randn(b, spec.text_len, cfg.text_dim, device=device, dtype=dtype)
 
             def step():
@@ -362,19 +364,29 @@ def measure(model_name: str, *, layers: Sequence[int], shapes: Sequence[SampleSh
     return rows, cfg_dict
 
 
+def _timesteps(model, b: int, shape: SampleShape, device):
+    """``[B]``, or ``[B, S]`` (one per token, frame 0 at 0) for a video of a model trained with first-frame
+    conditioning."""
+    import torch
+
+    if model.objective.first_frame_ratio > 0 and not shape.is_image:
+        t = torch.rand(b, shape.tokens, device=device) * 1000
+        f, h, w = shape.token_grid
+        t[:, : h * w] = 0.0
+        return t
+    return torch.rand(b, device=device) * 1000
+
+
 def _forward(model, latents, tstep, ctx, sp: int):
     if sp == 1:
         return model(latents, tstep, ctx)
     inputs = model.embed(latents, tstep, ctx)
-    x = inputs.tokens
-    s = x.shape[1]
+    s = inputs.tokens.shape[1]
     s_pad = -(-s // sp) * sp
-    freqs = model.rope(inputs.grid, x.device)
-    if s_pad != s:
-        x = torch_pad_seq(x, s_pad)
-        freqs = torch_pad_seq(freqs, s_pad, dim=0)
     local = s_pad // sp
-    x = model.run_blocks(x[:, :local], inputs, freqs[:local])
+    inputs = inputs.local(lambda t, dim: torch_pad_seq(t, s_pad, dim).narrow(dim, 0, local))  # rank 0's shard
+    freqs = torch_pad_seq(model.rope(inputs.grid, inputs.tokens.device), s_pad, dim=0)[:local]
+    x = model.run_blocks(inputs.tokens, inputs, freqs)
     return model.head(x, inputs.time_emb)
 
 
@@ -383,7 +395,7 @@ def torch_pad_seq(t, length: int, dim: int = 1):
 
     pad_shape = list(t.shape)
     pad_shape[dim] = length - t.shape[dim]
-    return torch.cat([t, t.new_zeros(pad_shape)], dim=dim)
+    return torch.cat([t, t.new_zeros(pad_shape)], dim=dim) if pad_shape[dim] else t
 
 
 def _config_dict(cfg) -> dict:

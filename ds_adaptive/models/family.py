@@ -118,11 +118,20 @@ class ObjectiveOptions:
     mixture trains on its range: the draw ``u ~ U(0, 1)`` is restricted to the ``u`` whose shifted sigma lies
     in it, i.e. the training distribution conditioned on the range."""
 
+    first_frame_ratio: float = 0.0
+    """Share of video samples trained image-to-video: the first latent frame is the clean conditioning image,
+    its tokens get timestep 0 (one timestep per token, diffusers' ``expand_timesteps``) and stay out of the
+    loss. Needs a family with per-token timesteps (``ModelFamily.per_token_timesteps``)."""
+
     def __post_init__(self) -> None:
         lo, hi = (float(v) for v in self.sigma_range)
         if not 0.0 <= lo < hi <= 1.0:
             raise ModelError(f"objective sigma_range must satisfy 0 <= lo < hi <= 1, got {self.sigma_range!r}")
         object.__setattr__(self, "sigma_range", (lo, hi))
+        r = self.first_frame_ratio
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r <= 1.0:
+            raise ModelError(f"objective first_frame_ratio must be a number in [0, 1], got {r!r}")
+        object.__setattr__(self, "first_frame_ratio", float(r))
 
     def u_range(self, shift: float) -> tuple[float, float]:
         """The uniform draw's interval for ``sigma_range`` under ``shift``."""
@@ -270,6 +279,14 @@ class Model:
 
     def param_counts(self, config: Any = None) -> dict:
         return self.family.param_counts(self.config() if config is None else config)
+
+    def objective_with(self, overrides: Mapping[str, Any]) -> ObjectiveOptions:
+        """The preset's objective options with ``overrides`` (``--objective``), checked against the family."""
+        opts = self.objective.with_overrides(overrides)
+        if opts.first_frame_ratio and not self.family.per_token_timesteps:
+            raise ModelError(f"--objective first_frame_ratio={opts.first_frame_ratio}: model {self.name} "
+                             f"({self.family.name}) takes one timestep per sample, not one per token")
+        return opts
 
     def describe(self) -> str:
         cfg = self.config()

@@ -82,4 +82,5 @@ FAMILY = ModelFamily(
     weights=weights,
     vae_class="AutoencoderKLWan",
     text_encoder_class="UMT5EncoderModel",
+    per_token_timesteps=True,   # WanModel takes timestep [B] or [B, S] (diffusers' expand_timesteps)
 )
