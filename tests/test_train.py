@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import TINY_MODELS
 from ds_adaptive.data import SyntheticLatentDataset, collate_latents
 from ds_adaptive.shapes import SampleShape, ShapeWeight
 from ds_adaptive.train import build_parser, flow_matching_losses, main, sample_seed
@@ -226,9 +227,11 @@ def _summary(log_dir) -> dict:
 
 
 @pytest.mark.slow
-def test_two_rank_zero3_run_and_resume_equivalence(tmp_path, cpu_config, run_ranks):
-    """4 steps straight (saving at step 2) == resume from step 2 and run 2 more: same losses, same samples."""
-    common = ["--deepspeed_config", str(cpu_config), "--num-samples", "400", "--seed", "3"]
+@pytest.mark.parametrize("model", TINY_MODELS)
+def test_two_rank_zero3_run_and_resume_equivalence(tmp_path, cpu_config, run_ranks, model):
+    """4 steps straight (saving at step 2) == resume from step 2 and run 2 more: same losses, same samples (for
+    each family's tiny model: tiny-ti2v trains half of its videos image-to-video, with per-token timesteps)."""
+    common = ["--deepspeed_config", str(cpu_config), "--num-samples", "400", "--seed", "3", "--model", model]
     run_ranks(train_argv(*common, "--steps", "4", "--log-dir", "straight", "--save", "ckpt",
                             "--save-interval", "2"), 2, cwd=tmp_path)
     straight = _summary(tmp_path / "straight")
@@ -342,7 +345,8 @@ def test_parser_accepts_the_deepspeed_launcher_flags():
 
 
 @pytest.mark.slow
-def test_ulysses_sp2_trains_like_sp1(tmp_path, cpu_config, run_ranks):
+@pytest.mark.parametrize("model", TINY_MODELS)
+def test_ulysses_sp2_trains_like_sp1(tmp_path, cpu_config, run_ranks, model):
     """dp=2: 4 ranks with --sp 2 and 2 ranks with --sp 1 get the same plan (fixed batch sizes), so the
     logged per-step losses (summed over each SP group) and the held-out loss must agree; checkpoints hold
     one shard per rank."""
@@ -353,7 +357,7 @@ def test_ulysses_sp2_trains_like_sp1(tmp_path, cpu_config, run_ranks):
         fixed_batch_sizes={f"{s['frames']}x{s['height']}x{s['width']}": 2 for s in shapes})
     (tmp_path / "fixed.json").write_text(json.dumps(cfg))
     common = ["--deepspeed_config", "fixed.json", "--num-samples", "200", "--seed", "1", "--steps", "3", "--grad-ckpt",
-              "--eval-samples", "3"]
+              "--eval-samples", "3", "--model", model]
     run_ranks(train_argv(*common, "--sp", "1", "--log-dir", "sp1"), 2, cwd=tmp_path)
     run_ranks(train_argv(*common, "--sp", "2", "--log-dir", "sp2", "--save", "ckpt"), 4, cwd=tmp_path)
     sp1, sp2 = _summary(tmp_path / "sp1"), _summary(tmp_path / "sp2")
