@@ -1,7 +1,9 @@
 """Guards fine-tuning I/O, for each model family's tiny model: `init_from_pretrained` loads a diffusers-saved model into
 a ZeRO-3-partitioned one (2 ranks) and reproduces diffusers' output; `ds-adaptive export` consolidates the ZeRO-3 shards
 of a trained checkpoint into a diffusers directory that WanTransformer3DModel.from_pretrained loads with identical
-outputs; bad checkpoints are one clear message; written files follow the user's umask."""
+outputs; the two experts of a mixture are exported into one pipeline directory that diffusers' WanPipeline loads, and
+--init-from reads an expert's own folder of it; bad checkpoints are one clear message; written files follow the
+user's umask."""
 from __future__ import annotations
 
 import json
@@ -120,6 +122,51 @@ def test_export_consolidates_zero3_and_diffusers_loads_it(trained, capsys):
 
     sd = load_file(str(tmp / "bf16" / "diffusion_pytorch_model.safetensors"))
     assert sd["scale_shift_table"].dtype == torch.float32 and sd["proj_out.weight"].dtype == torch.bfloat16
+
+
+def _tiny_pipeline(root, transformer, transformer_2):
+    """A diffusers WanPipeline directory (model_index.json with the A14B boundary) of tiny random components."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
+    from tokenizers import Tokenizer, models
+    from transformers import T5TokenizerFast, UMT5Config, UMT5EncoderModel
+
+    tok = T5TokenizerFast(tokenizer_object=Tokenizer(models.Unigram([("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)],
+                                                                     unk_id=2)),
+                          eos_token="</s>", unk_token="<unk>", pad_token="<pad>", extra_ids=0)
+    te = UMT5EncoderModel(UMT5Config(vocab_size=3, d_model=8, d_kv=4, d_ff=8, num_layers=1, num_heads=2))
+    vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1)
+    pipe = WanPipeline(tokenizer=tok, text_encoder=te, vae=vae, scheduler=UniPCMultistepScheduler(),
+                       transformer=transformer, transformer_2=transformer_2, boundary_ratio=0.875)
+    pipe.save_pretrained(str(root))
+    return root
+
+
+def test_both_experts_export_into_one_pipeline_and_init_from_reads_their_folders(trained, tmp_path, capsys):
+    """A14B: the high- and low-noise experts go to transformer/ and transformer_2/ of a pipeline directory, which
+    WanPipeline loads (boundary 0.875); --init-from of the pipeline gives each expert its own folder."""
+    from diffusers import WanPipeline
+
+    tmp, ref, outs, _, cfg = trained
+    if cfg.in_channels != 16:
+        pytest.skip("the A14B experts have the Wan 2.1 architecture (the 'tiny' parametrisation covers them)")
+    base = [diffusers_twin(random_init_(WanModel(cfg), seed=s)) for s in (10, 11)]
+    pipe_dir = _tiny_pipeline(tmp_path / "pipe", *base)
+    assert export_main([str(tmp / "ckpt"), "--to", str(pipe_dir), "--model", "tiny-a14b-low"]) == 0
+    assert "transformer_2" in capsys.readouterr().out
+    pipe = WanPipeline.from_pretrained(str(pipe_dir))
+    assert pipe.config.boundary_ratio == 0.875
+    x, t, c = _inputs(cfg)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe.transformer_2(x, t, c, return_dict=False)[0], outs["trained"],
+                                   rtol=1e-5, atol=1e-5)   # the trained low-noise expert
+        torch.testing.assert_close(pipe.transformer(x, t, c, return_dict=False)[0], base[0](x, t, c, return_dict=False)[0])
+    for name, want in (("tiny-a14b-low", outs["trained"]), ("tiny-a14b-high", base[0](x, t, c, return_dict=False)[0])):
+        spec = get_model(name)
+        net = WanModel(cfg)
+        info = spec.weights.init_from(net, str(pipe_dir), subfolder=spec.subfolder)
+        assert info["layout"] == "diffusers" and not info["zero3"]
+        with torch.no_grad():
+            torch.testing.assert_close(net(x, t, c), want.detach(), rtol=1e-5, atol=1e-5)
 
 
 def _umask() -> int:

@@ -16,6 +16,7 @@ __all__ = ["FAMILY_MODULES", "DEFAULT_MODEL", "families", "get_model", "model_na
 
 FAMILY_MODULES = (
     "ds_adaptive.models.wan21",
+    "ds_adaptive.models.wan22",
 )
 """Modules that define ``FAMILY``, in the order ``model_names()`` lists them."""
 

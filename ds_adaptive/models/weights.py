@@ -164,9 +164,9 @@ def config_from_dict(d: Mapping[str, Any], source: str = "config.json") -> WanCo
                       patch_size=tuple(d.get("patch_size", (1, 2, 2))), eps=d.get("eps", 1e-6),
                       cross_attn_norm=d.get("cross_attn_norm", True))
     elif "dim" in d and "num_heads" in d:
-        if d.get("model_type", "t2v") != "t2v":
+        if d.get("model_type", "t2v") not in ("t2v", "ti2v"):   # ti2v: Wan 2.2 TI2V-5B (no image branch)
             raise WanWeightsError(f"{source}: model_type={d['model_type']!r}; ds_adaptive.models.wan implements "
-                                  "Wan 2.1 T2V only")
+                                  "the Wan T2V / TI2V DiT only")
         if d.get("qk_norm", True) is not True:
             raise WanWeightsError(f"{source}: qk_norm=false is not supported (Wan 2.1 uses q/k RMSNorm)")
         # The original WanModel does not save patch_size, text_dim, cross_attn_norm (ignore_for_config).
