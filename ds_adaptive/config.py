@@ -116,7 +116,7 @@ class SamplerConfig(_Block):
     variable batch sizes give unbiased gradients."""
 
     shapes: Optional[str] = None
-    """Shape-distribution json for the synthetic dataset (default: the shipped mixed Wan set)."""
+    """Shape-distribution json for the synthetic dataset (default: the trained model's shipped mix)."""
 
 
 class MetricsConfig(_Block):

@@ -222,7 +222,8 @@ class Trainer:
         run, al = self.run, self.run.cfg.adaptive_load
         log_dir = al.metrics.log_dir
         info = {
-            "model": self.opts.model, "layers": run.model_config.num_layers, "world_size": self.layout.world,
+            "model": self.opts.model, "layers": run.model_config.num_layers, "objective": run.objective.as_dict(),
+            "world_size": self.layout.world,
             "dp_size": self.layout.dp_size, "sp": self.layout.sp_size, "device": run.device.type,
             "dtype": str(run.dtype).replace("torch.", ""), "gradient_accumulation_steps": run.gas,
             "adaptive_load": al.enabled, "sampler": type(run.sampler).__name__,

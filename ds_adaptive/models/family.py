@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
@@ -239,13 +240,13 @@ class Model:
         """The model of ``config`` (default: the preset's); device / ZeRO context is the caller's."""
         return self.family.build_model(self.config() if config is None else config)
 
-    @property
+    @cached_property
     def grid(self) -> GridRule:
         a = self.preset.arch
         return GridRule(self.preset.vae_stride, tuple(a.get("patch_size", (1, 2, 2))), int(a.get("in_channels", 16)),
                         vae=self.preset.vae)
 
-    @property
+    @cached_property
     def input_spec(self) -> InputSpec:
         return InputSpec(self.grid, int(self.preset.arch.get("text_dim", 4096)), self.preset.text_len, model=self.name)
 
