@@ -23,7 +23,7 @@ Weighting (unbiased gradients with variable batch sizes) is the planner's
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional
 
 import numpy as np
 import torch

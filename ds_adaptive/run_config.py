@@ -48,7 +48,7 @@ class TrainerConfig(BaseModel):
     num_samples: Optional[int] = Field(None, ge=1)
     """``--num-samples``: size of the synthetic dataset (default 10000)."""
     shift: float = Field(5.0, gt=0.0)
-    """``--shift``: timestep shift of the flow-matching sampler (default 5, as Wan trains)."""
+    """``--shift``: timestep shift of the flow-matching sampler (default 5)."""
     objective: dict[str, Any] = Field(default_factory=dict)
     """``--objective KEY=VALUE``: override the model's objective options (``ObjectiveOptions``, e.g.
     ``sigma_range=[0.875,1]``)."""

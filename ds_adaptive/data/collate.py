@@ -8,7 +8,7 @@ tests rely on. ``context_lens`` is returned too, for models that mask.
 """
 from __future__ import annotations
 
-from typing import Literal, Optional, Sequence, Union
+from typing import Literal, Sequence, Union
 
 import torch
 
