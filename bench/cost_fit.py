@@ -29,12 +29,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ds_adaptive.balance.calibrate import TEXT_LEN, _config_dict  # noqa: E402
+from ds_adaptive.balance.calibrate import _config_dict  # noqa: E402
 from ds_adaptive.config import SamplerConfig  # noqa: E402
 from ds_adaptive.balance.cost import CostModel, load_profile  # noqa: E402
 from ds_adaptive.balance.sampler import build_batch_sampler  # noqa: E402
 from ds_adaptive.layout import Layout  # noqa: E402
-from ds_adaptive.shapes import TEXT_DIM, load_shape_distribution  # noqa: E402
+from ds_adaptive.shapes import default_input_spec, load_shape_distribution  # noqa: E402
 from ds_adaptive.balance.simulate import draw_shapes  # noqa: E402
 
 
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     for shape, b in chosen:
         lat = torch.randn(b, *shape.latent_shape, device=device, dtype=dtype)
         ts = torch.rand(b, device=device) * 1000
-        ctx = torch.randn(b, TEXT_LEN, TEXT_DIM, device=device, dtype=dtype)
+        ctx = torch.randn(b, default_input_spec().text_len, cfg.text_dim, device=device, dtype=dtype)
 
         def step():
             model(lat, ts, ctx).float().square().mean().backward()

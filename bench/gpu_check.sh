@@ -14,7 +14,9 @@
 # PROBE_FWD_ONLY=1 skips its backward variants; host = host time per call (isolated fwd+bwd and per
 # op in a chain of 32) with a torch.profiler table, and the C++ argument checks raised on CUDA inputs;
 # train = the default job with and without the fused op, TRAIN_STEPS steps each, each arm planning with its own
-# calibration; train_same = the same two arms on one pinned plan, bench/ln_modulate_e2e.py),
+# calibration; train_same = the same two arms on one pinned plan, bench/ln_modulate_e2e.py; ti2v = Wan 2.2 TI2V-5B:
+# calibrate it on this GPU into ds_adaptive/balance/profiles/<gpu>-wan2.2-ti2v-5b.json (copied to $OUT), then its
+# default job, TI2V_STEPS steps (default 8), with that profile: tokens/s, MFU, peak memory in $OUT/ti2v_run),
 # BENCH_ARGS (extra args for bench/ln_modulate.py, e.g. "--quick --tune"; --tune also times both
 # kernel generations per case and prints the recommended DS_ADAPTIVE_LN_MODULATE_KERNELS),
 # TEST_ARGS (for pytest), PREBUILD=1 (also build the op through setup.py build_ext --inplace and
@@ -123,9 +125,25 @@ do_train_same() {  # the default job with and without the op on the SAME plan (b
   # come back and the report survived only in stdout)
   tar czf "$OUT/train_same.tgz" -C "$OUT" train_same && rm -rf "$d"
 }
-export -f do_env do_build do_tests do_bench do_host do_probe do_train do_train_same
+do_ti2v() {  # Wan 2.2 TI2V-5B: the calibration this GPU lacks, then the default job planned with it (one GPU: an H200;
+  # the 5B model's parameters, gradients and Adam state are ~75 GiB)
+  [ -d /tmp/site/bin ] && export PATH=/tmp/site/bin:$PATH
+  local key prof
+  key=$(python3 -c 'from ds_adaptive.balance.devices import detect_device_name, gpu_spec; s = gpu_spec(detect_device_name()); print(s.key if s else "gpu")') || return 1
+  prof=ds_adaptive/balance/profiles/$key-wan2.2-ti2v-5b.json
+  python3 -m ds_adaptive.cli calibrate --model wan2.2-ti2v-5b --out "$prof" 2>&1 | tail -n 30 || return 1
+  cp "$prof" "$OUT/" || return 1
+  MODEL=wan2.2-ti2v-5b STEPS=${TI2V_STEPS:-8} SAVE_DIR= bash launch/train_wan.sh --log-dir "$OUT/ti2v_run" \
+    >"$OUT/ti2v_train.log" 2>&1
+  local rc=$?
+  grep -E "profile auto|gradient_accumulation|Error|error" "$OUT/ti2v_train.log" | tail -8
+  sed -n '/run summary/,$p' "$OUT/ti2v_train.log" | head -20
+  return "$rc"
+}
+export -f do_env do_build do_tests do_bench do_host do_probe do_train do_train_same do_ti2v
 export OUT
-declare -A LIMIT=([env]=60 [build]=300 [tests]=240 [bench]=420 [probe]=240 [train]=400 [host]=240 [train_same]=400)
+declare -A LIMIT=([env]=60 [build]=300 [tests]=240 [bench]=420 [probe]=240 [train]=400 [host]=240 [train_same]=400
+                  [ti2v]=560)
 
 for s in $STEPS; do
   run_step "$s" "${LIMIT[$s]:-300}" "do_$s" || true

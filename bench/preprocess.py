@@ -71,7 +71,7 @@ def build_encoders(root: Path, device: torch.device):
     from diffusers import AutoencoderKLWan
     from transformers import UMT5Config, UMT5EncoderModel
 
-    from ds_adaptive.preprocess.encode import WanEncoders
+    from ds_adaptive.preprocess.encode import LatentEncoders
 
     t0 = time.perf_counter()
     torch.manual_seed(0)
@@ -87,7 +87,7 @@ def build_encoders(root: Path, device: torch.device):
     info = {"vae_params": sum(p.numel() for p in vae.parameters()),
             "text_encoder_params": sum(p.numel() for p in te.parameters()),
             "build_s": round(time.perf_counter() - t0, 2)}
-    return WanEncoders(vae, te, tokenizer(root), device=device), info
+    return LatentEncoders(vae, te, tokenizer(root), device=device), info
 
 
 def job_args(manifest: Path, out: Path, workers: int, tiling: str):

@@ -151,12 +151,11 @@ def capture_qk(trainer, num_samples: int, seed: int) -> list[dict]:
 
     from ds_adaptive.data import build_dataset
     from ds_adaptive.objective import eval_inputs
-    from ds_adaptive.shapes import MAX_TEXT_LEN
     from ds_adaptive.trainer import EVAL_SEED_OFFSET
 
     run, rt = trainer.run, trainer.sparse.runtime
-    ds = build_dataset("synthetic", num_samples=num_samples, shapes=run.cfg.adaptive_load.sampler.shapes,
-                       seed=seed + EVAL_SEED_OFFSET + 17)
+    ds = build_dataset("synthetic", num_samples=num_samples, spec=run.preset.input_spec,
+                       shapes=run.cfg.adaptive_load.sampler.shapes or run.preset.shapes, seed=seed + EVAL_SEED_OFFSET + 17)
     captured: list[dict] = []
     orig = rt.attention
 
@@ -170,7 +169,7 @@ def capture_qk(trainer, num_samples: int, seed: int) -> list[dict]:
         for i in range(len(ds)):
             s = ds[i]
             x_t, ts, _ = eval_inputs(s["latents"].to(run.device), i, seed=seed, shift=trainer.opts.shift)
-            ctx = F.pad(s["context"].to(run.device), (0, 0, 0, MAX_TEXT_LEN - s["context"].shape[0]))
+            ctx = F.pad(s["context"].to(run.device), (0, 0, 0, run.text_len - s["context"].shape[0]))
             captured.append({})
             trainer.engine(x_t.to(run.dtype), ts, ctx.unsqueeze(0).expand(x_t.shape[0], -1, -1).to(run.dtype))
     finally:

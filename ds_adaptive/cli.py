@@ -8,7 +8,7 @@ import importlib
 import sys
 
 COMMANDS = {
-    "train": ("ds_adaptive.train", "train Wan with DeepSpeed (same as launch/train_wan.py)"),
+    "train": ("ds_adaptive.train", "train a model with DeepSpeed + AdaptiveLoad (what the launch/ script runs)"),
     "synth": ("ds_adaptive.data.synth", "write a synthetic latent dataset to disk (index.json + safetensors)"),
     "simulate": ("ds_adaptive.balance.simulate", "plan many ranks on paper: CV, balance, predicted tokens/s per sampler"),
     "calibrate": ("ds_adaptive.balance.calibrate", "profile the real model on this GPU -> cost/memory profile json"),
@@ -16,7 +16,7 @@ COMMANDS = {
     "config": ("ds_adaptive.config", "print the adaptive_load reference table, or --check a ds_config's block"),
     "dry-run": ("ds_adaptive.dryrun", "validate a ds_config + topology without GPUs and print the deepspeed command"),
     "export": ("ds_adaptive.export", "a trained checkpoint (ZeRO shards consolidated) -> diffusers-format transformer"),
-    "preprocess": ("ds_adaptive.preprocess.run", "media + captions -> latent shards (Wan VAE + umT5), multi-GPU, resumable"),
+    "preprocess": ("ds_adaptive.preprocess.run", "media + captions -> latent shards (the model's VAE + text encoder), multi-GPU, resumable"),
     "stats": ("ds_adaptive.preprocess.stats", "shape histogram (table, PNG, shapes json) of a latent dataset or manifest"),
 }
 
@@ -53,16 +53,10 @@ def _user_errors() -> tuple:
     from ds_adaptive.data.synthetic import DataError
     from ds_adaptive.shapes import ShapeError
 
-    errors = [ConfigError, ShapeError, ProfileError, SequenceParallelError, PlanError, OversizeSampleError, DataError,
-              FileNotFoundError]
-    try:
-        from ds_adaptive.models.wan import WanConfigError
-        from ds_adaptive.models.weights import WanWeightsError
+    from ds_adaptive.models.family import ModelError
 
-        errors += [WanConfigError, WanWeightsError]
-    except ImportError:  # torch-free commands
-        pass
-    return tuple(errors)
+    return (ConfigError, ShapeError, ProfileError, SequenceParallelError, PlanError, OversizeSampleError, DataError,
+            FileNotFoundError, ModelError)
 
 
 if __name__ == "__main__":

@@ -116,7 +116,7 @@ class SamplerConfig(_Block):
     variable batch sizes give unbiased gradients."""
 
     shapes: Optional[str] = None
-    """Shape-distribution json for the synthetic dataset (default: the shipped mixed Wan set)."""
+    """Shape-distribution json for the synthetic dataset (default: the trained model's shipped mix)."""
 
 
 class MetricsConfig(_Block):
@@ -435,7 +435,7 @@ def prepare_ds_config(ds_config: dict, *, dp_size: int, on_gpu: bool) -> dict:
     bf16 = _resolve_switch(out.get("bf16", out.get("bfloat16")), "bf16", on_gpu)
     fp16 = _resolve_switch(out.get("fp16"), "fp16", False)
     if bf16 and fp16:
-        raise ConfigError("ds_config enables both 'bf16' and 'fp16'; enable one (bf16 is what Wan trains in)")
+        raise ConfigError("ds_config enables both 'bf16' and 'fp16'; enable one (bf16 is what the video DiTs train in)")
     out.pop("bfloat16", None)
     out["bf16"] = {**(out.get("bf16") or {}), "enabled": bf16}
     if "fp16" in out:

@@ -38,8 +38,7 @@ from pathlib import Path
 from typing import Optional
 
 GIB = float(1 << 30)
-TRAIN_SCRIPT = Path(__file__).resolve().parent.parent / "launch" / "train_wan.py"
-MODELS = ("tiny", "wan2.1-1.3b", "wan2.1-14b")
+TRAIN_SCRIPT = Path(__file__).resolve().parent.parent / "launch" / "train_wan.py"  # the launcher's file name
 
 
 @dataclass
@@ -194,7 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ds-adaptive dry-run", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--deepspeed_config", "--deepspeed-config", required=True, help="the ds_config json to check")
-    p.add_argument("--model", default="wan2.1-1.3b", choices=MODELS, help="Wan preset (default: %(default)s)")
+    from ds_adaptive.models.registry import default_model, model_names
+
+    p.add_argument("--model", default=default_model(), choices=model_names(), help="the model (default: %(default)s)")
     p.add_argument("--layers", type=int, default=None, help="override the number of blocks (as the trainer's --layers)")
     p.add_argument("--world", type=int, default=None, help="total ranks (GPUs), all on one node unless --num-nodes")
     p.add_argument("--num-gpus", "--num_gpus", type=int, default=None, help="GPUs per node")
@@ -295,7 +296,8 @@ def run_checks(args: argparse.Namespace, extra: list[str]) -> tuple[Report, Opti
     """All checks; returns the report and the command (None when the layout itself is unusable)."""
     from ds_adaptive.config import ConfigError, load_adaptive_config, read_ds_config
     from ds_adaptive.layout import Layout, SequenceParallelError
-    from ds_adaptive.models.wan import WanConfigError, count_parameters, get_wan_config
+    from ds_adaptive.models.family import ModelError
+    from ds_adaptive.models.registry import get_model
 
     rep = Report()
     cfg_path = args.deepspeed_config
@@ -315,11 +317,12 @@ def run_checks(args: argparse.Namespace, extra: list[str]) -> tuple[Report, Opti
     wcfg = None
     try:
         overrides = {"num_layers": args.layers} if args.layers else {}
-        wcfg = get_wan_config(args.model, **overrides)
-        n_params = count_parameters(wcfg)
+        model = get_model(args.model)
+        wcfg = model.config(**overrides)
+        n_params = model.param_counts(wcfg)["total"]
         rep.row("model", f"{args.model}: {wcfg.num_layers} blocks, dim {wcfg.dim}, {wcfg.num_heads} heads, "
-                         f"{n_params / 1e9:.3f} B parameters", "ok")
-    except WanConfigError as exc:
+                         f"{n_params / 1e9:.3f} B parameters; {model.grid.describe()}", "ok")
+    except ModelError as exc:
         rep.fail("model", f"--model/--layers: {exc}")
         n_params = 0
 
@@ -405,7 +408,7 @@ def _check_memory_and_budgets(rep: Report, args: argparse.Namespace, run, n_para
         run.layout.world
     gpu = run.gpu_mem_gib
     pmodel = profile.raw.get("model", {}).get("name")
-    if pmodel not in (None, args.model):
+    if pmodel not in (None, args.model, run.preset.profile_model):
         rep.warn("profile", f"profile '{profile.name}' was measured for {pmodel}, checking {args.model}: costs and "
                             f"activation memory are extrapolated; run `ds-adaptive calibrate --model {args.model}`")
     parts = profile.static_memory_parts(stage, world, params=n_params)  # THIS model, partitioned over the world
@@ -435,7 +438,7 @@ def _check_memory_and_budgets(rep: Report, args: argparse.Namespace, run, n_para
                             f"= {static + b['m_mem']:.1f} GiB > {gpu:.1f} GiB per GPU: batches planned to m_mem would run "
                             f"out of memory. Set sampler.m_mem <= {max(usable - static, 0):.1f} or use "
                             f"a profile calibrated for {args.model} (`ds-adaptive calibrate`)")
-    _check_shapes(rep, run, load_shape_distribution(s.shapes), static, gpu)
+    _check_shapes(rep, run, load_shape_distribution(s.shapes or run.preset.shapes, grid=run.preset.grid), static, gpu)
 
 
 def _oversize_reasons(cost, shape, b: dict, mode: str) -> list[str]:

@@ -13,11 +13,13 @@ from typing import Sequence
 
 import numpy as np
 
+from ds_adaptive.balance.devices import default_profile_name
+
 FORMAT = "ds_adaptive.e2e/1"
 
 
 
-BASE_PROFILE = "h100-wan2.1-1.3b"
+BASE_PROFILE = default_profile_name()
 
 
 

@@ -1,16 +1,20 @@
-"""``ds-adaptive export CKPT --to DIR``: a trained DeepSpeed checkpoint -> a diffusers-format Wan transformer.
+"""``ds-adaptive export CKPT --to DIR``: a trained DeepSpeed checkpoint -> a diffusers-format transformer.
 
-    ds-adaptive export ckpt --to wan_finetuned                 # the checkpoint 'latest' names
+    ds-adaptive export ckpt --to finetuned                     # the checkpoint 'latest' names
     ds-adaptive export ckpt/global_step1000 --to out --dtype bf16
+    ds-adaptive export ckpt_high --to my_pipeline && ds-adaptive export ckpt_low --to my_pipeline
 
 CKPT is a ``--save`` directory (its ``latest`` checkpoint, or ``--tag``) or one of its
 ``global_stepN`` subdirectories. ZeRO shards (stage 1-3, any number of ranks) are consolidated
-into full fp32 tensors with DeepSpeed's ``zero_to_fp32`` utilities on the CPU, renamed to
-diffusers' ``WanTransformer3DModel`` keys and written as ``DIR/config.json`` +
-``DIR/diffusion_pytorch_model.safetensors``: ``WanTransformer3DModel.from_pretrained(DIR)`` loads
-it, and so do ``WanModel.from_pretrained`` and the trainer's ``--init-from``. The model's shape
-(preset and ``--layers``) comes from the checkpoint's ds_adaptive state; ``--model`` / ``--layers``
-give it for checkpoints written by other code.
+into full fp32 tensors with DeepSpeed's ``zero_to_fp32`` utilities on the CPU and written by the
+model's weight adapter in diffusers' layout as ``DIR/config.json`` +
+``DIR/diffusion_pytorch_model.safetensors``: the diffusers transformer class loads it with
+``from_pretrained(DIR)``, and so does the trainer's ``--init-from``. When ``DIR`` is a diffusers
+pipeline directory (it has ``model_index.json``, e.g. a copy of the base pipeline) the weights go to
+the model's own folder in it (``transformer``, or ``transformer_2`` for the second expert of a
+mixture), so exporting both experts of a run pair into one copy gives a complete pipeline. The model
+(``--model`` and ``--layers`` of the run) comes from the checkpoint's ds_adaptive state;
+``--model`` / ``--layers`` give it for checkpoints written by other code.
 
 Exit status: 0 written, 2 a checkpoint or argument that cannot be exported (one message, no traceback).
 """
@@ -83,7 +87,7 @@ def consolidated_state_dict(save_dir: Path, tag: str) -> dict:
         raise ExportError(f"cannot consolidate the checkpoint {ckpt} ({type(exc).__name__}: {exc}); a shard is "
                           "missing or corrupt: export another checkpoint (--tag)") from None
     sd = {k: v for k, v in sd.items() if torch.is_tensor(v)}
-    # a run under Ulysses SP wraps the model (UlyssesWan.model)
+    # a run under Ulysses SP may wrap the model (wrapper.model)
     if sd and all(k.startswith("model.") for k in sd):
         sd = {k[len("model."):]: v for k, v in sd.items()}
     return sd
@@ -91,11 +95,12 @@ def consolidated_state_dict(save_dir: Path, tag: str) -> dict:
 
 def export_checkpoint(ckpt: str, out: str, *, tag: Optional[str] = None, dtype: str = "fp32",
                       model: Optional[str] = None, layers: Optional[int] = None) -> Path:
-    """Write the diffusers-format transformer of a DeepSpeed checkpoint to ``out``; returns the weights file."""
+    """Write the diffusers-format transformer of a DeepSpeed checkpoint to ``out`` (or to the model's folder of
+    the diffusers pipeline directory ``out``); returns the weights file."""
     import torch
 
-    from ds_adaptive.models.wan import WanConfigError, WanModel, get_wan_config
-    from ds_adaptive.models.weights import _plan, save_wan_weights
+    from ds_adaptive.models.family import ModelError
+    from ds_adaptive.models.registry import get_model
 
     if dtype not in DTYPES:
         raise ExportError(f"--dtype must be one of {DTYPES}, got {dtype!r}")
@@ -104,52 +109,49 @@ def export_checkpoint(ckpt: str, out: str, *, tag: Optional[str] = None, dtype: 
     name = model or state.get("model")
     if name is None:
         raise ExportError(f"{save_dir / tag} was not written by ds_adaptive (no '{CLIENT_STATE_KEY}' client state): "
-                          "pass --model (and --layers) to say which Wan preset it holds")
+                          "pass --model (and --layers) to say which model it holds")
     n_layers = layers if layers is not None else state.get("layers")
     try:
-        cfg = get_wan_config(name, **({"num_layers": n_layers} if n_layers else {}))
-    except (WanConfigError, ValueError) as exc:
+        spec = get_model(name)
+        cfg = spec.config(**({"num_layers": n_layers} if n_layers else {}))
+    except ModelError as exc:
         raise ExportError(f"model {name!r} (layers {n_layers}): {exc}") from None
     sd = consolidated_state_dict(save_dir, tag)
     with torch.device("meta"):
-        net = WanModel(cfg)
+        net = spec.build(cfg)
     net.to_dtype({"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype])
-    expected = {n: tuple(p.shape) for n, p in net.named_parameters()}
-
-    class _DictReader:  # the shape/name check of models.weights, on the consolidated tensors
-        entries = {k: (save_dir / tag, tuple(v.shape)) for k, v in sd.items()}
-
-    from ds_adaptive.models.weights import WanWeightsError
-
     try:
-        plan = _plan(_DictReader, expected, f"{save_dir / tag} (model {name}, {cfg.num_layers} blocks)")
-    except WanWeightsError as exc:
+        spec.weights.load_state_dict(net, sd, source=f"{save_dir / tag} (model {name}, {cfg.num_layers} blocks)")
+    except ModelError as exc:
         raise ExportError(f"{exc}\nIf the run used --layers N, pass --layers N.") from None
-    params = dict(net.named_parameters())
-    net.load_state_dict({n: sd[k].to(params[n].dtype) for n, k in plan.items()}, strict=True, assign=True)
-    return save_wan_weights(net, out, layout="diffusers")
+    target = Path(out)
+    if (target / "model_index.json").is_file():   # a diffusers pipeline: the model's own folder in it
+        target = target / spec.subfolder
+    return spec.weights.save(net, target, layout="diffusers")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="ds-adaptive export", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint", help="a --save directory, or one of its global_stepN subdirectories")
-    ap.add_argument("--to", required=True, metavar="DIR", help="output directory (config.json + safetensors)")
+    ap.add_argument("--to", required=True, metavar="DIR",
+                    help="output directory (config.json + safetensors), or a diffusers pipeline directory: the "
+                         "model's folder in it (transformer / transformer_2) is written")
     ap.add_argument("--tag", default=None, help="checkpoint tag in a --save directory (default: its 'latest')")
     ap.add_argument("--dtype", default="fp32", choices=DTYPES,
                     help="weights dtype (default fp32; bf16/fp16 keep diffusers' fp32 modules in fp32)")
-    ap.add_argument("--model", default=None, help="Wan preset, for checkpoints without ds_adaptive state")
+    ap.add_argument("--model", default=None, help="the model, for checkpoints without ds_adaptive state")
     ap.add_argument("--layers", type=int, default=None, help="number of blocks, when the run used --layers")
     args = ap.parse_args(argv)
-    from ds_adaptive.models.weights import WanWeightsError
+    from ds_adaptive.models.family import ModelError
 
     try:
         f = export_checkpoint(args.checkpoint, args.to, tag=args.tag, dtype=args.dtype, model=args.model,
                               layers=args.layers)
-    except (ExportError, WanWeightsError) as exc:
+    except (ExportError, ModelError) as exc:
         print(f"ds-adaptive export: error: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {f.parent / 'config.json'} and {f} (diffusers WanTransformer3DModel, {args.dtype})")
+    print(f"wrote {f.parent / 'config.json'} and {f} (diffusers layout, {args.dtype})")
     return 0
 
 

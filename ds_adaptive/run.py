@@ -5,8 +5,9 @@
     run = build_run(cfg, layout=Layout.for_world(16, sp=2), meta=True)  # the dry run: no GPU, no process group
 
 A :class:`Run` holds the layout, the DeepSpeed config prepared for ``deepspeed.initialize``, the
-dataset, the model (fused-op and attention choices applied), the batch sampler with its resolved
-budgets and cost profile, and the notes a launcher should print. ``meta=True`` builds the model on
+model's registry entry (``ds_adaptive.models.registry.get_model``: config, token grid, text length,
+objective options, weights), the dataset, the model (fused-op and attention choices applied), the
+batch sampler with its resolved budgets and cost profile, and the notes a launcher should print. ``meta=True`` builds the model on
 the meta device (shapes, no memory, no ZeRO partitioning) and never touches torch.distributed: the
 dry run follows the same code path as training.
 """
@@ -37,10 +38,12 @@ class Run:
     ds_config: dict
     """The dict for ``deepspeed.initialize`` (our block and the mesh keys stripped, precision/batch resolved)."""
     dtype: torch.dtype
+    preset: Any
+    """The registry entry of ``--model`` (:class:`ds_adaptive.models.family.Model`)."""
     model_config: Any
-    """The ``WanConfig`` of the trained model (``--layers`` applied)."""
+    """The family's config of the trained model (``--layers`` applied)."""
     model: Any
-    """The ``WanModel`` (meta tensors in a dry run)."""
+    """The model, a :class:`ds_adaptive.models.family.DiffusionTransformer` (meta tensors in a dry run)."""
     dataset: Any
     sampler: Any
     """The batch sampler (``ds_adaptive.balance.sampler``): plan, budgets, cost model."""
@@ -48,6 +51,17 @@ class Run:
     """GPU memory the budgets were resolved for (None: the visible GPU or the profile's device)."""
     notes: list = field(default_factory=list)
     """Messages for the launcher to print once (rank 0): profile rescaling, memory-plan warnings."""
+
+    @property
+    def objective(self):
+        """The model's :class:`ds_adaptive.models.family.ObjectiveOptions` with the trainer's ``--objective``
+        overrides."""
+        return self.preset.objective_with(self.cfg.trainer.objective)
+
+    @property
+    def text_len(self) -> int:
+        """Text tokens per sample after zero padding (the model's)."""
+        return self.preset.text_len
 
     @property
     def gas(self) -> int:
@@ -88,11 +102,13 @@ def build_run(cfg: RunConfig, *, layout: Optional[Layout] = None, device: Option
     explicit one. ``device``: default CPU (the meta device with ``meta``). ``gpu_mem_gib``: GPU memory
     for ``auto`` budgets (default: the visible GPU, else the profile's device).
     """
-    from .models.wan import get_wan_config
+    from .models.registry import get_model
 
     t = cfg.trainer
+    preset = get_model(t.model)
     overrides = {"num_layers": t.layers} if t.layers else {}
-    model_config = get_wan_config(t.model, **overrides)
+    model_config = preset.config(**overrides)
+    preset.objective_with(t.objective)  # a bad --objective fails before any work
     if layout is None:
         layout = Layout.detect(t.sp, ds_config=cfg.ds_config)
     layout.validate(num_heads=model_config.num_heads, what=t.model)
@@ -102,7 +118,7 @@ def build_run(cfg: RunConfig, *, layout: Optional[Layout] = None, device: Option
     dtype = torch.bfloat16 if ds_config["bf16"]["enabled"] else (
         torch.float16 if (ds_config.get("fp16") or {}).get("enabled") else torch.float32)
     notes: list = []
-    dataset = _build_dataset(cfg, notes)
+    dataset = _build_dataset(cfg, preset, notes)
     if on_gpu and not meta and gpu_mem_gib is None:
         from deepspeed.accelerator import get_accelerator
 
@@ -110,15 +126,16 @@ def build_run(cfg: RunConfig, *, layout: Optional[Layout] = None, device: Option
     # Before the model: "gradient_accumulation_steps": "auto" is resolved by the sampler, and zero.Init
     # reads the ds_config.
     sampler = _build_sampler(cfg, dataset, layout, ds_config, gpu_mem_gib, notes, model_config=model_config)
-    model = _build_model(cfg, model_config, ds_config, meta=meta)
+    model = _build_model(cfg, preset, model_config, ds_config, meta=meta)
     if t.init_from and not meta:
-        notes.append(_init_from(model, t.init_from))
+        notes.append(_init_from(model, t.init_from, preset))
     if layout.sp_enabled and not meta:
         from .parallel import apply_ulysses
 
         apply_ulysses(model, layout)  # sequence sharding + DistributedAttention
-    return Run(cfg=cfg, layout=layout, device=device, ds_config=ds_config, dtype=dtype, model_config=model_config,
-               model=model, dataset=dataset, sampler=sampler, gpu_mem_gib=gpu_mem_gib, notes=notes)
+    return Run(cfg=cfg, layout=layout, device=device, ds_config=ds_config, dtype=dtype, preset=preset,
+               model_config=model_config, model=model, dataset=dataset, sampler=sampler, gpu_mem_gib=gpu_mem_gib,
+               notes=notes)
 
 
 def _engine_config(cfg: RunConfig, layout: Layout, *, on_gpu: bool, announce: bool) -> dict:
@@ -139,28 +156,29 @@ def _engine_config(cfg: RunConfig, layout: Layout, *, on_gpu: bool, announce: bo
     return out
 
 
-def _build_dataset(cfg: RunConfig, notes: list):
+def _build_dataset(cfg: RunConfig, preset, notes: list):
+    """The dataset of the model's inputs (its grid rule, text width and length): the synthetic mix
+    (``sampler.shapes``, else the model's default mix) or ``--data DIR`` (checked against the model)."""
     from .data import build_dataset
 
     t, s = cfg.trainer, cfg.adaptive_load.sampler
     if t.data == "synthetic":
-        return build_dataset("synthetic", num_samples=t.num_samples or DEFAULT_NUM_SAMPLES, shapes=s.shapes,
-                             seed=t.seed)
+        return build_dataset("synthetic", num_samples=t.num_samples or DEFAULT_NUM_SAMPLES,
+                             shapes=s.shapes or preset.shapes, seed=t.seed, spec=preset.input_spec)
     if s.shapes:
         notes.append(f"note: adaptive_load.sampler.shapes ({s.shapes}) describes the synthetic dataset; "
                      f"--data {t.data} takes its shapes from its index.json")
-    return build_dataset(t.data)
+    return build_dataset(t.data, spec=preset.input_spec)
 
 
-def _build_model(cfg: RunConfig, model_config, ds_config: dict, *, meta: bool):
-    """The WanModel with the run's op choice; ZeRO-3 partitions it as it is built (same init on every rank)."""
-    from .models.wan import WanModel
+def _build_model(cfg: RunConfig, preset, model_config, ds_config: dict, *, meta: bool):
+    """The model with the run's op choice; ZeRO-3 partitions it as it is built (same init on every rank)."""
     from .ops import apply_ln_modulate
 
     enabled = cfg.adaptive_load.fused_ln_modulate
     if meta:
         with torch.device("meta"):
-            model = WanModel(model_config)
+            model = _checked(preset, preset.build(model_config))
         apply_ln_modulate(model, enabled, load=False)
         return model
     import deepspeed
@@ -168,19 +186,28 @@ def _build_model(cfg: RunConfig, model_config, ds_config: dict, *, meta: bool):
     torch.manual_seed(cfg.trainer.seed)
     stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
     with deepspeed.zero.Init(config_dict_or_path=ds_config, enabled=stage == 3):
-        model = WanModel(model_config)
+        model = _checked(preset, preset.build(model_config))
     # 'all' / 'none' fixed; 'auto': the Trainer sets model.set_checkpoint_blocks(n) per micro-batch from the plan
     model.gradient_checkpointing = cfg.adaptive_load.sampler.checkpointing == "all"
     apply_ln_modulate(model, enabled)  # loaded / JIT-built now, not inside the first step
     return model
 
 
-def _init_from(model, path: str) -> str:
-    """``--init-from``: pretrained Wan weights into the (possibly ZeRO-3-partitioned) model, every rank;
-    no rank holds the full model (``models.weights.init_from_pretrained``). Returns the log line."""
-    from .models.weights import init_from_pretrained
+def _checked(preset, model):
+    """``model`` if it has the runtime's setters and split forward (the family seam), else a ModelError."""
+    from .models.family import DiffusionTransformer, ModelError
 
-    info = init_from_pretrained(model, path)
+    if not isinstance(model, DiffusionTransformer):
+        raise ModelError(f"model {preset.name}: {type(model).__name__} lacks the runtime's setters "
+                         "(ds_adaptive.models.family.DiffusionTransformer)")
+    return model
+
+
+def _init_from(model, path: str, preset) -> str:
+    """``--init-from``: pretrained weights into the (possibly ZeRO-3-partitioned) model, every rank, through
+    the family's weight adapter; no rank holds the full model. A diffusers pipeline directory gives the
+    model's own folder (``transformer`` / ``transformer_2``). Returns the log line."""
+    info = preset.weights.init_from(model, path, subfolder=preset.subfolder)
     return (f"--init-from {info['path']}: {info['tensors']} tensors loaded ({info['layout']} layout"
             f"{', block by block into ZeRO-3 partitions' if info['zero3'] else ''})")
 

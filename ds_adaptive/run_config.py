@@ -38,7 +38,7 @@ class TrainerConfig(BaseModel):
                               protected_namespaces=())
 
     model: str = "tiny"
-    """``--model``: Wan preset (tiny | wan2.1-1.3b | wan2.1-14b)."""
+    """``--model``: a registered model (``ds_adaptive.models.registry.model_names()``)."""
     layers: Optional[int] = Field(None, ge=1)
     """``--layers``: override the number of transformer blocks (the cost profile is rescaled to it)."""
     steps: int = Field(20, ge=1)
@@ -48,7 +48,10 @@ class TrainerConfig(BaseModel):
     num_samples: Optional[int] = Field(None, ge=1)
     """``--num-samples``: size of the synthetic dataset (default 10000)."""
     shift: float = Field(5.0, gt=0.0)
-    """``--shift``: timestep shift of the flow-matching sampler (Wan: 5)."""
+    """``--shift``: timestep shift of the flow-matching sampler (default 5)."""
+    objective: dict[str, Any] = Field(default_factory=dict)
+    """``--objective KEY=VALUE``: override the model's objective options (``ObjectiveOptions``, e.g.
+    ``sigma_range=[0.875,1]``)."""
     seed: int = 0
     """``--seed``: model init, data and noise seed."""
     sp: Optional[int] = Field(None, ge=1)
@@ -69,7 +72,8 @@ class TrainerConfig(BaseModel):
     resume: Optional[str] = None
     """``--resume``: the --save directory (its newest complete checkpoint) or DIR/global_stepN."""
     init_from: Optional[str] = None
-    """``--init-from``: start from pretrained Wan weights (diffusers or original layout) in this directory."""
+    """``--init-from``: start from pretrained weights (diffusers or the family's original layout) in this
+    directory, or the model's folder of a diffusers pipeline directory."""
     nonfinite: Literal["skip", "stop"] = "skip"
     """``--nonfinite``: a step with a non-finite loss or gradient norm is skipped (no update) or stops the run."""
     nonfinite_limit: int = Field(20, ge=0)
@@ -153,6 +157,8 @@ def run_config_from_args(args) -> RunConfig:
     """The trainer CLI's namespace -> a validated :class:`RunConfig`, with the checks that need no
     process group done here (bad flags fail before any rank starts a collective)."""
     trainer = {k: getattr(args, k) for k in TRAINER_FLAGS if getattr(args, k, None) is not None}
+    if "objective" in trainer:
+        trainer["objective"] = parse_key_values(trainer["objective"], "--objective")
     if args.data != "synthetic" and (args.shapes or args.num_samples is not None):
         raise UsageError(f"--shapes and --num-samples describe the synthetic dataset; --data {args.data} "
                          "reads its samples and shapes from its index.json")
@@ -169,11 +175,30 @@ def run_config_from_args(args) -> RunConfig:
     return cfg
 
 
-def _check_planned_layout(cfg: RunConfig) -> None:
-    """sp against the heads and the launcher's WORLD_SIZE, before torch.distributed exists."""
-    from .layout import Layout, resolve_sp_size
-    from .models.wan import get_wan_config
+def parse_key_values(items, flag: str) -> dict:
+    """``["k=v", ...]`` -> ``{k: v}``; a value is JSON when it parses (numbers, lists, true/false), else a string."""
+    import json
 
+    out = {}
+    for item in items:
+        key, sep, value = str(item).partition("=")
+        if not sep or not key:
+            raise UsageError(f"{flag}: expected KEY=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def _check_planned_layout(cfg: RunConfig) -> None:
+    """The model and its objective overrides; sp against the heads and the launcher's WORLD_SIZE, before
+    torch.distributed exists."""
+    from .layout import Layout, resolve_sp_size
+    from .models.registry import get_model
+
+    model = get_model(cfg.trainer.model)
+    model.objective_with(cfg.trainer.objective)
     sp = resolve_sp_size(cfg.trainer.sp, cfg.ds_config)
-    Layout.explicit(sp_size=sp).validate(num_heads=get_wan_config(cfg.trainer.model).num_heads, what=cfg.trainer.model)
+    Layout.explicit(sp_size=sp).validate(num_heads=model.config().num_heads, what=cfg.trainer.model)
     resolve_sp_size(sp, cfg.ds_config, int(os.environ.get("WORLD_SIZE", "1")))  # world % sp, data_parallel_size

@@ -1,11 +1,11 @@
-"""``ds-adaptive train``: train Wan 2.1 with DeepSpeed (ZeRO-3) on mixed image + video latents, batched by AdaptiveLoad.
+"""``ds-adaptive train``: train a video DiT with DeepSpeed (ZeRO-3) on mixed image + video latents, batched by AdaptiveLoad.
 
     deepspeed launch/train_wan.py --deepspeed_config launch/configs/zero3_adaptive.json --model wan2.1-1.3b
     bash launch/train_wan.sh                      # the embedded default on this machine
 
 The thin command line: flags -> :class:`ds_adaptive.run_config.RunConfig` -> ``init_distributed`` ->
 :func:`ds_adaptive.run.build_run` -> :class:`ds_adaptive.trainer.Trainer` ``.fit()``. The objective
-(rectified flow matching, Wan's timestep shift, per-sample seeds) is ``ds_adaptive.objective``; loss
+(rectified flow matching, the timestep shift, per-sample seeds) is ``ds_adaptive.objective``; loss
 weighting and checkpoints are ``ds_adaptive.trainer``; docs/ARCHITECTURE.md shows the flow.
 """
 from __future__ import annotations
@@ -32,9 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deepspeed_config", "--deepspeed-config", required=True,
                    help="DeepSpeed json with the 'adaptive_load' block (see launch/configs/)")
     p.add_argument("--deepspeed", action="store_true", help="accepted for DeepSpeed launcher compatibility")
-    from .models.wan import WAN_CONFIGS
+    from .models.registry import model_names
 
-    p.add_argument("--model", default="tiny", choices=sorted(WAN_CONFIGS), help="Wan preset (default: %(default)s)")
+    p.add_argument("--model", default="tiny", choices=model_names(), help="the model (default: %(default)s)")
     p.add_argument("--layers", type=int, default=None, help="override the number of transformer blocks")
     p.add_argument("--steps", type=int, default=20, help="train until this global optimizer step")
     p.add_argument("--data", default="synthetic",
@@ -42,8 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-samples", type=int, default=None, help="size of the synthetic dataset (default 10000)")
     p.add_argument("--shapes", default=None,
                    help="shape-distribution json of the synthetic data (default: adaptive_load.sampler.shapes, "
-                        "else the shipped mixed Wan set)")
-    p.add_argument("--shift", type=float, default=5.0, help="timestep shift of the flow-matching sampler (Wan: 5)")
+                        "else the model's shipped mix)")
+    p.add_argument("--shift", type=float, default=5.0, help="timestep shift of the flow-matching sampler (default 5)")
+    p.add_argument("--objective", action="append", default=None, metavar="KEY=VALUE",
+                   help="override one of the model's objective options, e.g. sigma_range=[0.875,1] (noise levels "
+                        "trained on; an expert's own range by default); repeatable")
     p.add_argument("--seed", type=int, default=0, help="model init, data and noise seed")
     p.add_argument("--sp", type=int, default=None,
                    help="Ulysses sequence-parallel degree (default: the ds_config's sequence_parallel_size, else 1)")
@@ -72,8 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="resume from the newest complete checkpoint of this --save directory (a corrupt or "
                         "incomplete 'latest' falls back to the previous one), or from DIR/global_stepN")
     p.add_argument("--init-from", default=None,
-                   help="fine-tune: start from Wan weights in this directory (diffusers or original layout; "
-                        "--model/--layers must match them)")
+                   help="fine-tune: start from these weights (diffusers or the original layout, or a diffusers "
+                        "pipeline directory: the model's folder in it; --model/--layers must match them)")
     p.add_argument("--nonfinite", choices=("skip", "stop"), default=None,
                    help="a step whose loss or gradient norm is not finite: skip it (no update; default) or stop")
     p.add_argument("--nonfinite-limit", type=int, default=None,
@@ -110,8 +113,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from .balance.planner import OversizeSampleError, PlanError
     from .balance.sampler import SamplerStateError
     from .layout import SequenceParallelError
-    from .models.wan import WanConfigError
-    from .models.weights import WanWeightsError
+    from .models.family import ModelError
 
     from .trainer import EXIT_PREEMPTED, NonFiniteError
 
@@ -121,9 +123,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         ok = True
         if summary.get("stopped"):
             return EXIT_PREEMPTED  # stopped by a signal at a step boundary (checkpoint saved with --save)
-    except (ConfigError, DataError, ShapeError, UsageError, FileNotFoundError, WanConfigError, PlanError,
-            ProfileError, SequenceParallelError, SamplerStateError, OversizeSampleError, WanWeightsError,
-            NonFiniteError) as exc:
+    except (ConfigError, DataError, ShapeError, UsageError, FileNotFoundError, ModelError, PlanError,
+            ProfileError, SequenceParallelError, SamplerStateError, OversizeSampleError, NonFiniteError) as exc:
         # These come from the config, the plan or the files, which every rank sees alike: one message
         # (rank 0's), not one per rank; a DataError may be one rank's own sample, so every rank says it.
         rank = int(os.environ.get("RANK", "0") or 0)

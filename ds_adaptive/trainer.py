@@ -31,13 +31,11 @@ from .data import DataError, build_dataset, collate_latents
 from .layout import Layout
 from .metrics import StepMetrics, format_summary
 from .balance.memory import model_checkpoint_blocks
-from .models.flops import wan_train_flops
 from .ops.apply import ln_modulate_summary
 from .objective import EVAL_TIMESTEPS, eval_inputs, flow_matching_losses, mean_mse
 from .preempt import EXIT_PREEMPTED, StopRequest, ignore_stop_signals
 from .run import Run
 from .run_config import UsageError
-from .shapes import MAX_TEXT_LEN
 
 __all__ = ["Trainer", "backward_micro_batch", "evaluate", "init_distributed", "shutdown_distributed",
            "check_accumulation", "MemoryLog", "CLIENT_STATE_KEY", "EVAL_SEED_OFFSET", "NonFiniteError", "EXIT_PREEMPTED"]
@@ -97,18 +95,19 @@ def shutdown_distributed(*, barrier: bool) -> None:
 
 def backward_micro_batch(engine, latents: torch.Tensor, context: torch.Tensor, indices: torch.Tensor, totals, *,
                          tokens_per_sample: int, layout: Layout, by: str, epoch: int, seed: int, shift: float,
-                         dtype: torch.dtype) -> tuple[float, float]:
+                         dtype: torch.dtype, objective=None, patch_size=(1, 2, 2)) -> tuple[float, float]:
     """Forward and weighted backward of one micro-batch (all samples of one shape).
 
     The mean per-sample loss is scaled by ``totals.loss_weight`` (local share of the optimizer
     step's global samples or tokens x dp_size x micro-steps), which undoes DeepSpeed's DP mean and
     its 1/gradient_accumulation_steps, and by ``layout.loss_scale`` under SP. Returns
     ``(sum_i w_i * loss_i, sum_i w_i)`` of this micro-batch (detached), ``w_i`` 1 (samples) or the
-    sample's tokens; under SP the full per-sample losses (summed over the group).
+    sample's tokens; under SP the full per-sample losses (summed over the group). ``objective``: the
+    model's ``ObjectiveOptions`` (None: the defaults); ``patch_size``: the model's.
     """
     sharded = layout.sp_enabled
     per_sample = flow_matching_losses(engine, latents, context, indices, epoch=epoch, seed=seed, shift=shift,
-                                      dtype=dtype, local=sharded)
+                                      dtype=dtype, local=sharded, objective=objective, patch_size=patch_size)
     b = per_sample.shape[0]
     weight = totals.loss_weight(b, b * tokens_per_sample, layout.dp_size, by)
     if sharded:  # x sp: DeepSpeed averages gradients over all dp*sp ranks (docs/ULYSSES.md)
@@ -121,12 +120,13 @@ def backward_micro_batch(engine, latents: torch.Tensor, context: torch.Tensor, i
 
 @torch.no_grad()
 def evaluate(engine, dataset, *, layout: Layout, seed: int, shift: float, dtype: torch.dtype,
-             device: torch.device) -> float:
+             device: torch.device, text_len: int, objective=None) -> float:
     """Mean flow-matching loss over every sample of ``dataset`` (held out from training), each at
     ``EVAL_TIMESTEPS`` fixed u with noise seeded by (seed, k, index): a pure function of the
     weights, comparable across runs. Sample j goes to DP rank j % dp_size; every rank runs the same
     number of forwards (ZeRO-3 gathers parameters collectively), padding with weight-0 repeats.
-    Under SP the engine returns the gathered output: every rank of a group scores its DP rank's samples."""
+    Under SP the engine returns the gathered output: every rank of a group scores its DP rank's samples.
+    Contexts are zero-padded to ``text_len``; ``objective``: the model's options (its noise range)."""
     n, dp_rank, dp_size = len(dataset), layout.dp_rank, layout.dp_size
     mine = list(range(dp_rank, n, dp_size))
     total = torch.zeros(2, dtype=torch.float64, device=device)
@@ -136,9 +136,10 @@ def evaluate(engine, dataset, *, layout: Layout, seed: int, shift: float, dtype:
         for j in range(-(-n // dp_size)):
             idx = mine[j] if j < len(mine) else mine[-1] if mine else 0
             sample = dataset[idx]
-            x_t, timestep, target = eval_inputs(sample["latents"].to(device), idx, seed=seed, shift=shift)
+            x_t, timestep, target = eval_inputs(sample["latents"].to(device), idx, seed=seed, shift=shift,
+                                                objective=objective)
             ctx = sample["context"].to(device)
-            ctx = F.pad(ctx, (0, 0, 0, MAX_TEXT_LEN - ctx.shape[0])).unsqueeze(0).expand(EVAL_TIMESTEPS, -1, -1)
+            ctx = F.pad(ctx, (0, 0, 0, text_len - ctx.shape[0])).unsqueeze(0).expand(EVAL_TIMESTEPS, -1, -1)
             loss = mean_mse(engine(x_t.to(dtype), timestep, ctx.to(dtype)), target)
             weight = 1.0 if j < len(mine) else 0.0
             total += torch.stack([loss.double() * weight, torch.tensor(weight, dtype=torch.float64, device=device)])
@@ -221,7 +222,8 @@ class Trainer:
         run, al = self.run, self.run.cfg.adaptive_load
         log_dir = al.metrics.log_dir
         info = {
-            "model": self.opts.model, "layers": run.model_config.num_layers, "world_size": self.layout.world,
+            "model": self.opts.model, "layers": run.model_config.num_layers, "objective": run.objective.as_dict(),
+            "world_size": self.layout.world,
             "dp_size": self.layout.dp_size, "sp": self.layout.sp_size, "device": run.device.type,
             "dtype": str(run.dtype).replace("torch.", ""), "gradient_accumulation_steps": run.gas,
             "adaptive_load": al.enabled, "sampler": type(run.sampler).__name__,
@@ -256,8 +258,8 @@ class Trainer:
                                 f"{self.run.gas}); use more samples")
             workers = self.opts.workers if self.opts.workers is not None else (2 if self.run.device.type == "cuda"
                                                                                else 0)
-            # Contexts travel padded to the batch's longest prompt and are zero-padded to Wan's 512 on the
-            # device: the model sees the same input, the host moves ~4x fewer bytes.
+            # Contexts travel padded to the batch's longest prompt and are zero-padded to the model's text
+            # length (Wan: 512) on the device: the model sees the same input, the host moves ~4x fewer bytes.
             loader = torch.utils.data.DataLoader(self.run.dataset, batch_sampler=sampler,
                                                  collate_fn=_collate_unpadded, num_workers=workers,
                                                  pin_memory=self.run.device.type == "cuda",
@@ -299,7 +301,7 @@ class Trainer:
             batch = self._next_batch(micro)
             latents = batch["latents"].to(run.device, non_blocking=True)
             context = batch["context"].to(run.device, non_blocking=True)
-            context = F.pad(context, (0, 0, 0, MAX_TEXT_LEN - context.shape[1]))
+            context = F.pad(context, (0, 0, 0, run.text_len - context.shape[1]))
             metrics.data_ready()
             shape = self._shapes[int(batch["index"][0])]
             tokens = shape.tokens
@@ -311,7 +313,8 @@ class Trainer:
             num, den = backward_micro_batch(
                 self.engine, latents, context, batch["index"], totals, tokens_per_sample=tokens, layout=self.layout,
                 by=run.cfg.adaptive_load.sampler.loss_weighting, epoch=self.epoch, seed=self.opts.seed,
-                shift=self.opts.shift, dtype=run.dtype)
+                shift=self.opts.shift, dtype=run.dtype, objective=run.objective,
+                patch_size=run.model_config.patch_size)
             metrics.backward_done()
             if micro == run.gas - 1:
                 step_lr = self._optimizer_step(factor)
@@ -323,7 +326,7 @@ class Trainer:
             loss_den += den
             b = latents.shape[0]
             n_ckpt = run.model.checkpointed_blocks() if run.model.training else 0
-            flops = wan_train_flops(run.model_config, tokens, b, n_ckpt)  # model and hardware FLOPs (MFU / HFU)
+            flops = run.preset.flops(run.model_config, tokens, b, n_ckpt)  # model and hardware FLOPs (MFU / HFU)
             metrics.end_micro(b, b * tokens, float(b * tokens ** 2), *flops)
             self.memory_log.record(self.global_step + 1, micro, shape, b, n_ckpt if plan_ckpt is None else plan_ckpt,
                                    metrics.last_micro_peak_gib, metrics.last_micro_reserved_gib)
@@ -454,11 +457,12 @@ class Trainer:
     def evaluate(self, num_samples: int) -> dict:
         """Held-out loss on ``num_samples`` synthetic samples of the run's shape mix (seed + EVAL_SEED_OFFSET)."""
         seed = self.opts.seed + EVAL_SEED_OFFSET
-        held_out = build_dataset("synthetic", num_samples=num_samples, shapes=self.run.cfg.adaptive_load.sampler.shapes,
-                                 seed=seed)
+        run = self.run
+        held_out = build_dataset("synthetic", num_samples=num_samples, seed=seed, spec=run.preset.input_spec,
+                                 shapes=run.cfg.adaptive_load.sampler.shapes or run.preset.shapes)
         t0 = time.perf_counter()
         loss = evaluate(self.engine, held_out, layout=self.layout, seed=seed, shift=self.opts.shift,
-                        dtype=self.run.dtype, device=self.run.device)
+                        dtype=run.dtype, device=run.device, text_len=run.text_len, objective=run.objective)
         return {"eval_loss": loss, "eval": {"samples": num_samples, "timesteps": EVAL_TIMESTEPS, "seed": seed,
                                             "s": time.perf_counter() - t0}}
 

@@ -22,8 +22,10 @@
 #   LAUNCH_MODE auto (default) | deepspeed | node | slurm: force how the job starts
 #   NODE_TIMEOUT  seconds without a heartbeat from a node before every node stops (default 60)
 #   DS_CONFIG   ds_config json (default: zero3_adaptive.json on GPU, zero3_adaptive_14b.json for
-#               MODEL=wan2.1-14b, cpu_tiny.json on CPU)
-#   MODEL       tiny | wan2.1-1.3b | wan2.1-14b (default: wan2.1-1.3b on GPU, tiny on CPU)
+#               MODEL=wan2.1-14b, zero3_adaptive_ti2v5b.json for MODEL=wan2.2-ti2v-5b, cpu_tiny.json on CPU)
+#   MODEL       a registered model (`ds-adaptive train --help`): tiny | wan2.1-1.3b | wan2.1-14b |
+#               wan2.2-ti2v-5b | wan2.2-t2v-a14b-high | wan2.2-t2v-a14b-low | tiny-ti2v | ... (default:
+#               wan2.1-1.3b on GPU, tiny on CPU); the A14B experts train one per run, on their noise range
 #   STEPS       optimizer steps (default: 50 on GPU, 20 on CPU)
 #   SP          Ulysses sequence-parallel degree (default 1)
 #   GRAD_CKPT   activation checkpointing: auto (per micro-batch the fewest blocks that fit the memory
@@ -82,11 +84,11 @@ if [[ "$NUM_GPUS" == 0 ]]; then
   WHERE="$NPROC CPU process(es)"
 else
   MODEL="${MODEL:-wan2.1-1.3b}"
-  if [[ "$MODEL" == wan2.1-14b ]]; then  # the 14B config plans with the 14B calibration
-    DS_CONFIG="${DS_CONFIG:-$HERE/configs/zero3_adaptive_14b.json}"
-  else
-    DS_CONFIG="${DS_CONFIG:-$HERE/configs/zero3_adaptive.json}"
-  fi
+  case "$MODEL" in  # the 14B config plans with the 14B calibration
+    wan2.1-14b) DS_CONFIG="${DS_CONFIG:-$HERE/configs/zero3_adaptive_14b.json}" ;;
+    wan2.2-ti2v-5b) DS_CONFIG="${DS_CONFIG:-$HERE/configs/zero3_adaptive_ti2v5b.json}" ;;
+    *) DS_CONFIG="${DS_CONFIG:-$HERE/configs/zero3_adaptive.json}" ;;
+  esac
   STEPS="${STEPS:-50}"
   if [[ -n "${HOSTFILE:-}" ]]; then
     if [[ ! -f "$HOSTFILE" ]]; then

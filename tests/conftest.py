@@ -22,6 +22,17 @@ _THIS = sys.modules[__name__]
 CONFIGS = ROOT / "launch" / "configs"
 
 
+def _tiny_models() -> tuple:
+    """Each model family's first ``tiny*`` preset: the CPU test matrix runs once per family."""
+    from ds_adaptive.models.registry import families
+
+    return tuple(next(p.name for p in fam.presets if p.name.startswith("tiny"))
+                 for fam in families().values() if any(p.name.startswith("tiny") for p in fam.presets))
+
+
+TINY_MODELS = _tiny_models()
+
+
 def pytest_collectstart(collector) -> None:
     """Keep ``from conftest import launch_ranks, ROOT`` working in the test modules of tests/.
 

@@ -40,4 +40,4 @@ def test_console_script_is_installed(tmp_path):
     r = subprocess.run([exe, "synth", "--out", str(tmp_path / "s"), "--num-samples", "1"], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert "wrote synthetic Wan latents: 1 samples" in r.stdout
+    assert "wrote synthetic latents: 1 samples" in r.stdout

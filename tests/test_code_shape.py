@@ -3,6 +3,7 @@ never imports the runtime integrations in patches/ (issue 13)."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,3 +44,74 @@ def test_the_core_never_imports_patches():
            if m == "patches" or m.startswith(("patches.", "ds_adaptive.patches"))]
     assert not bad, "ds_adaptive/ must not import patches/ (patches build on the core, not the reverse): " + \
         "; ".join(bad)
+
+
+# The model seam (docs/ARCHITECTURE.md): outside ds_adaptive/models/ nothing names a model family. Docstrings and
+# comments may cite one as an example; identifiers, imports and string constants may not. The one exception is
+# the launcher script's file name.
+FAMILY_WORD = re.compile(r"wan(?!t)", re.IGNORECASE)
+SEAM_MODULES = {"ds_adaptive.models", "ds_adaptive.models.registry", "ds_adaptive.models.family"}
+SEAM_PARTS = {"models", "registry", "family"}
+ALLOWED_STRINGS = {"train_wan.py"}
+
+
+def _docstring_ids(tree) -> set:
+    ids = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            ids.add(id(node.value))  # module / class / function / attribute docstrings
+    return ids
+
+
+def _family_mentions(path: Path):
+    """(line, text) of every identifier, import or non-docstring string of ``path`` that names a family, and
+    every import of a ``ds_adaptive.models`` module other than the seam (registry, family)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    docs = _docstring_ids(tree)
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Name):
+            names = [node.id]
+        elif isinstance(node, ast.Attribute):
+            names = [node.attr]
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names = [node.name]
+        elif isinstance(node, ast.arg):
+            names = [node.arg]
+        elif isinstance(node, ast.keyword) and node.arg:
+            names = [node.arg]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names] + [a.asname or "" for a in node.names]
+            for a in node.names:
+                if a.name.startswith("ds_adaptive.models.") and a.name not in SEAM_MODULES:
+                    yield node.lineno, f"import {a.name}"
+        elif isinstance(node, ast.ImportFrom):
+            mod = ("." * node.level) + (node.module or "")
+            parts = mod.lstrip(".").split(".")
+            if "models" in parts and parts[-1] not in SEAM_PARTS:  # ds_adaptive.models.<not the seam>
+                yield node.lineno, f"from {mod} import ..."
+            names = [mod] + [a.name for a in node.names] + [a.asname or "" for a in node.names]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+            if node.value not in ALLOWED_STRINGS:
+                names = [node.value]
+        for n in names:
+            if n and FAMILY_WORD.search(n):
+                yield getattr(node, "lineno", 0), n[:80]
+
+
+def test_nothing_outside_models_names_a_model_family():
+    roots = [p for p in sorted(PACKAGE.rglob("*.py")) if p.relative_to(PACKAGE).parts[0] != "models"]
+    found = [f"{p.relative_to(ROOT)}:{line} {text!r}" for p in roots for line, text in _family_mentions(p)]
+    assert not found, ("outside ds_adaptive/models/ the package asks the registry (ds_adaptive.models.registry."
+                       "get_model) and never names a model family: " + "; ".join(found))
+
+
+def test_the_family_check_sees_names_imports_and_strings(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text('"""Docstrings may say Wan."""\nfrom ds_adaptive.models.wan import WanModel\n'
+                 'from .models.weights import x\nfrom .models.registry import get_model\n'
+                 'DEFAULT = "wan2.1-1.3b"\nwanted = "train_wan.py"\n# a Wan comment\n')
+    found = [text for _, text in _family_mentions(f)]
+    assert "from ds_adaptive.models.wan import ..." in found and "WanModel" in found
+    assert "from .models.weights import ..." in found and "wan2.1-1.3b" in found
+    assert not any("registry" in t or "Docstrings" in t or t == "wanted" or "train_wan" in t for t in found)

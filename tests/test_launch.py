@@ -19,7 +19,8 @@ CONFIGS = ROOT / "launch" / "configs"
 SCRIPT = ROOT / "launch" / "train_wan.sh"
 
 
-@pytest.mark.parametrize("name", ["zero3_adaptive.json", "zero3_adaptive_14b.json", "zero3_baseline.json", "cpu_tiny.json"])
+@pytest.mark.parametrize("name", ["zero3_adaptive.json", "zero3_adaptive_14b.json", "zero3_adaptive_ti2v5b.json",
+                                  "zero3_baseline.json", "cpu_tiny.json"])
 def test_shipped_configs_validate(name):
     raw = json.loads((CONFIGS / name).read_text())
     cfg = load_adaptive_config(CONFIGS / name)
@@ -166,3 +167,15 @@ def test_14b_config_plans_with_the_14b_profile():
     r = _dry({"NUM_GPUS": "8", "SP": "2", "MODEL": "wan2.1-14b"})
     assert r.returncode == 0, r.stderr
     assert "zero3_adaptive_14b.json --model wan2.1-14b" in r.stdout.splitlines()[-1]
+
+
+@pytest.mark.parametrize("model,config", [("wan2.2-ti2v-5b", "zero3_adaptive_ti2v5b.json"),
+                                          ("wan2.2-t2v-a14b-high", "zero3_adaptive.json")])
+def test_wan22_models_launch(model, config):
+    """MODEL=wan2.2-ti2v-5b picks its config (profile auto: the model's own calibration, or a twin's for an
+    A14B expert); the command carries the model."""
+    c = json.loads((CONFIGS / config).read_text())
+    assert c["adaptive_load"]["sampler"]["profile"] == "auto"
+    r = _dry({"NUM_GPUS": "8", "SP": "2", "MODEL": model})
+    assert r.returncode == 0, r.stderr
+    assert f"{config} --model {model}" in r.stdout.splitlines()[-1]

@@ -158,13 +158,13 @@ KILLED = textwrap.dedent("""
     import os, signal, sys
     from ds_adaptive.preprocess import encode, run
     calls = [0]
-    real = encode.WanEncoders.encode_video
+    real = encode.LatentEncoders.encode_video
     def encode_video(self, frames):
         calls[0] += 1
         if calls[0] == 2:  # rank 1's first unit (unit 1: c.mp4 gives 3 clips) is half encoded
             os.kill(os.getpid(), signal.SIGKILL)
         return real(self, frames)
-    encode.WanEncoders.encode_video = encode_video
+    encode.LatentEncoders.encode_video = encode_video
     sys.exit(run.main(sys.argv[1:]))
 """)
 
@@ -206,7 +206,7 @@ def test_encoding_matches_diffusers_wan_pipeline(assets):
     from PIL import Image
     from transformers import AutoTokenizer, UMT5EncoderModel
 
-    from ds_adaptive.preprocess.encode import WanEncoders
+    from ds_adaptive.preprocess.encode import LatentEncoders
 
     w = assets["weights"]
     vae = AutoencoderKLWan.from_pretrained(w["--vae"])
@@ -217,7 +217,7 @@ def test_encoding_matches_diffusers_wan_pipeline(assets):
             return sample
 
     pipe = WanVideoToVideoPipeline(tokenizer=tok, text_encoder=te, transformer=None, vae=vae, scheduler=CleanLatents())
-    ours = WanEncoders(vae, te, tok)
+    ours = LatentEncoders(vae, te, tok)
     frames = np.random.default_rng(0).integers(0, 256, (9, 48, 80, 3), dtype=np.uint8)
     video = pipe.video_processor.preprocess_video([Image.fromarray(f) for f in frames], height=48, width=80)
     with torch.no_grad():

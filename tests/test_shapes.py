@@ -1,12 +1,13 @@
-"""Guards shape arithmetic (pixels -> Wan latent -> tokens) and the shape-distribution files."""
+"""Guards shape arithmetic (pixels -> latent -> tokens by a model's grid rule) and the shape-distribution files."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from ds_adaptive.shapes import (DEFAULT_SHAPES_FILE, SampleShape, ShapeError, latent_to_token_grid,
-                                load_shape_distribution, num_tokens, pad_to_multiple, parse_shape_distribution)
+from ds_adaptive.models.registry import default_model, get_model
+from ds_adaptive.shapes import (GridRule, SampleShape, ShapeError, latent_to_token_grid, load_shape_distribution,
+                                num_tokens, pad_to_multiple, parse_shape_distribution)
 
 
 @pytest.mark.parametrize("frames, height, width, latent, tokens", [
@@ -66,7 +67,7 @@ def test_default_distribution_is_the_documented_mix():
     total = sum(w.weight for w in dist)
     image_share = sum(w.weight for w in dist if w.shape.is_image) / total
     assert 0.4 < image_share < 0.7
-    assert DEFAULT_SHAPES_FILE.is_file()
+    assert get_model(default_model()).shapes.is_file()
 
 
 @pytest.mark.parametrize("entries, match", [
@@ -94,3 +95,34 @@ def test_distribution_files(tmp_path):
     bad.write_text("[{")
     with pytest.raises(ShapeError, match="not valid JSON"):
         load_shape_distribution(bad)
+
+
+# A 4x16x16 VAE with 48 channels and a 1x2x2 patch (Wan 2.2 TI2V-5B's grid), and a made-up 2x4x4 / 2x1x1 one
+WIDE = GridRule((4, 16, 16), (1, 2, 2), 48, vae="wide VAE")
+ODD = GridRule((2, 4, 4), (2, 1, 1), 8)
+
+
+@pytest.mark.parametrize("grid, shape, latent, tokens", [
+    (WIDE, (121, 704, 1280), (48, 31, 44, 80), 27280),
+    (WIDE, (81, 480, 832), (48, 21, 30, 52), 8190),
+    (WIDE, (1, 704, 1280), (48, 1, 44, 80), 880),
+    (ODD, (5, 12, 8), (8, 3, 3, 2), 0),     # T' = 3 is not divisible by the time patch 2
+    (ODD, (7, 12, 8), (8, 4, 3, 2), 12),
+])
+def test_other_grid_rules(grid, shape, latent, tokens):
+    if not tokens:
+        with pytest.raises(ShapeError, match="3 latent frames, not a multiple of the time patch 2"):
+            SampleShape(*shape, grid)
+        return
+    s = SampleShape(*shape, grid)
+    assert s.latent_shape == latent and s.tokens == tokens == num_tokens(*shape, grid)
+    assert str(s) == "x".join(map(str, shape))
+
+
+def test_a_shape_under_another_rule_names_the_rule():
+    assert SampleShape(81, 480, 832, WIDE) != SampleShape(81, 480, 832)  # the rule is part of the shape
+    with pytest.raises(ShapeError, match=r"height must be a multiple of 32 \(wide VAE 4x16x16 \(48 channels\), "
+                                         r"patch 1x2x2\), got 720; resize or crop to 704 or 736"):
+        SampleShape(81, 720, 1280).with_grid(WIDE)
+    with pytest.raises(ShapeError, match="entry 3"):   # 720x1280 of the default mix does not fit WIDE
+        load_shape_distribution(get_model(default_model()).shapes, grid=WIDE)

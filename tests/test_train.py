@@ -1,5 +1,6 @@
-"""Guards the trainer: the flow-matching objective, unbiased loss weighting under ZeRO-3 with unequal batches,
-2-rank ZeRO-3 runs (adaptive and baseline, synthetic and on-disk data), resume equivalence and clear CLI errors."""
+"""Guards the trainer: the flow-matching objective (noise range, first-frame conditioning), unbiased loss weighting
+under ZeRO-3 with unequal batches, 2-rank ZeRO-3 runs (adaptive and baseline, synthetic and on-disk data), resume
+and SP equivalence for each model family's tiny model, and clear CLI errors."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import TINY_MODELS
 from ds_adaptive.data import SyntheticLatentDataset, collate_latents
 from ds_adaptive.shapes import SampleShape, ShapeWeight
 from ds_adaptive.train import build_parser, flow_matching_losses, main, sample_seed
@@ -74,6 +76,63 @@ def test_a_sample_loss_does_not_depend_on_its_batch():
         single = flow_matching_losses(model, alone["latents"], alone["context"], alone["index"], epoch=0, seed=0,
                                       shift=5.0, dtype=torch.float32)
         assert float(single[0].detach()) == pytest.approx(float(together[row].detach()), rel=1e-5)
+
+
+def test_first_frame_conditioning_inputs_timesteps_and_loss():
+    """first_frame_ratio 1: video samples keep latent frame 0 clean, get timestep 0 on its tokens (one timestep per
+    token) and leave it out of the loss; images are never conditioned; ratio 0 draws what no option draws."""
+    from ds_adaptive.models.family import ObjectiveOptions
+
+    ds = SyntheticLatentDataset(8, SHAPES[1:2], seed=0, text_len=(4, 8))   # 5x64x96: latent 2x8x12, 2x4x6 tokens
+    batch = collate_latents([ds[3], ds[5]])
+    x0 = batch["latents"]
+    model = _Recorder()
+    args = (batch["latents"], batch["context"], batch["index"])
+    kw = dict(epoch=1, seed=4, shift=5.0, dtype=torch.float32)
+    plain = flow_matching_losses(model, *args, **kw)
+    x_plain, t_plain, _ = model.seen
+    assert torch.equal(flow_matching_losses(model, *args, objective=ObjectiveOptions(), **kw), plain)
+    losses = flow_matching_losses(model, *args, objective=ObjectiveOptions(first_frame_ratio=1.0), **kw)
+    x_t, timestep, _ = model.seen
+    assert timestep.shape == (2, 2 * 4 * 6) and bool((timestep[:, :24] == 0).all())
+    assert torch.equal(timestep[:, 24:], t_plain[:, None].expand(2, 24))
+    assert torch.equal(x_t[:, :, 0], x0[:, :, 0]) and torch.equal(x_t[:, :, 1:], x_plain[:, :, 1:])
+    for row, idx in enumerate([3, 5]):   # zero prediction: the loss is the target's mean square over frames >= 1
+        g = torch.Generator().manual_seed(sample_seed(4, 1, idx))
+        torch.rand((), generator=g)
+        eps = torch.randn(x0.shape[1:], generator=g)
+        assert float(losses[row]) == pytest.approx(float((eps - x0[row])[:, 1:].pow(2).mean()), rel=1e-5)
+    half = ObjectiveOptions(first_frame_ratio=0.5)   # per-sample draws: some conditioned, some not, reproducibly
+    ids = torch.arange(40)
+    from ds_adaptive.objective import first_frame_draws
+    cond = first_frame_draws(ids, seed=4, epoch=1, ratio=half.first_frame_ratio)
+    assert 5 < int(cond.sum()) < 35 and torch.equal(cond, first_frame_draws(ids, seed=4, epoch=1, ratio=0.5))
+    images = collate_latents([SyntheticLatentDataset(4, SHAPES[:1], seed=0, text_len=(4, 8))[i] for i in (0, 1)])
+    flow_matching_losses(model, images["latents"], images["context"], images["index"],
+                         objective=ObjectiveOptions(first_frame_ratio=1.0), **kw)
+    assert model.seen[1].shape == (2,)   # images: one timestep per sample
+
+
+def test_masked_loss_on_sequence_shards_sums_to_the_full_masked_loss():
+    from ds_adaptive.layout import Layout
+    from ds_adaptive.objective import per_sample_mse
+    from ds_adaptive.parallel import LocalOutput, shard_plan, shard_sequence
+    from einops import rearrange
+
+    g = torch.Generator().manual_seed(0)
+    pred, target = torch.randn(2, 4, 3, 6, 10, generator=g), torch.randn(2, 4, 3, 6, 10, generator=g)
+    mask = torch.ones(2, 1, 3, 6, 10)
+    mask[0, :, 0] = 0.0
+    full = per_sample_mse(pred, target, mask)
+    assert float(full[0]) == pytest.approx(float((pred - target)[0, :, 1:].pow(2).mean()), rel=1e-6)
+    assert float(full[1]) == pytest.approx(float((pred - target)[1].pow(2).mean()), rel=1e-6)
+    tokens = rearrange(pred, "b c (f pt) (h ph) (w pw) -> b (f h w) (pt ph pw c)", pt=1, ph=2, pw=2)
+    parts = []
+    for r in range(2):
+        shard = shard_plan(tokens.shape[1], Layout.explicit(sp_size=2, sp_rank=r))
+        local = LocalOutput(tokens=shard_sequence(tokens, shard, dim=1), shard=shard, grid=(3, 3, 5))
+        parts.append(per_sample_mse(local, target, mask))
+    torch.testing.assert_close(parts[0] + parts[1], full, rtol=1e-5, atol=1e-7)
 
 
 WEIGHTING = textwrap.dedent("""
@@ -168,9 +227,11 @@ def _summary(log_dir) -> dict:
 
 
 @pytest.mark.slow
-def test_two_rank_zero3_run_and_resume_equivalence(tmp_path, cpu_config, run_ranks):
-    """4 steps straight (saving at step 2) == resume from step 2 and run 2 more: same losses, same samples."""
-    common = ["--deepspeed_config", str(cpu_config), "--num-samples", "400", "--seed", "3"]
+@pytest.mark.parametrize("model", TINY_MODELS)
+def test_two_rank_zero3_run_and_resume_equivalence(tmp_path, cpu_config, run_ranks, model):
+    """4 steps straight (saving at step 2) == resume from step 2 and run 2 more: same losses, same samples (for
+    each family's tiny model: tiny-ti2v trains half of its videos image-to-video, with per-token timesteps)."""
+    common = ["--deepspeed_config", str(cpu_config), "--num-samples", "400", "--seed", "3", "--model", model]
     run_ranks(train_argv(*common, "--steps", "4", "--log-dir", "straight", "--save", "ckpt",
                             "--save-interval", "2"), 2, cwd=tmp_path)
     straight = _summary(tmp_path / "straight")
@@ -284,7 +345,8 @@ def test_parser_accepts_the_deepspeed_launcher_flags():
 
 
 @pytest.mark.slow
-def test_ulysses_sp2_trains_like_sp1(tmp_path, cpu_config, run_ranks):
+@pytest.mark.parametrize("model", TINY_MODELS)
+def test_ulysses_sp2_trains_like_sp1(tmp_path, cpu_config, run_ranks, model):
     """dp=2: 4 ranks with --sp 2 and 2 ranks with --sp 1 get the same plan (fixed batch sizes), so the
     logged per-step losses (summed over each SP group) and the held-out loss must agree; checkpoints hold
     one shard per rank."""
@@ -295,7 +357,7 @@ def test_ulysses_sp2_trains_like_sp1(tmp_path, cpu_config, run_ranks):
         fixed_batch_sizes={f"{s['frames']}x{s['height']}x{s['width']}": 2 for s in shapes})
     (tmp_path / "fixed.json").write_text(json.dumps(cfg))
     common = ["--deepspeed_config", "fixed.json", "--num-samples", "200", "--seed", "1", "--steps", "3", "--grad-ckpt",
-              "--eval-samples", "3"]
+              "--eval-samples", "3", "--model", model]
     run_ranks(train_argv(*common, "--sp", "1", "--log-dir", "sp1"), 2, cwd=tmp_path)
     run_ranks(train_argv(*common, "--sp", "2", "--log-dir", "sp2", "--save", "ckpt"), 4, cwd=tmp_path)
     sp1, sp2 = _summary(tmp_path / "sp1"), _summary(tmp_path / "sp2")

@@ -1,4 +1,4 @@
-"""Guards Ulysses SP for Wan: shard/pad math, valid-length attention, config/group resolution, and SP=2 == SP=1 (outputs, losses, all gradients) on 2 gloo ranks."""
+"""Guards Ulysses SP: shard/pad math, valid-length attention, config/group resolution, and SP=2 == SP=1 (outputs, losses, all gradients; per-sample and per-token timesteps) on 2 gloo ranks, for each model family's tiny model."""
 from __future__ import annotations
 
 import copy
@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, launch_ranks
+from conftest import ROOT, TINY_MODELS, launch_ranks
 from ds_adaptive.models.testing import random_init_
 from ds_adaptive.models.wan import WanModel, sdpa_attention
 from ds_adaptive.layout import Layout, SequenceParallelError, resolve_sp_size, strip_mesh_keys
 from ds_adaptive.objective import per_sample_mse
-from ds_adaptive.parallel import (UlyssesWan, apply_ulysses, remove_ulysses, shard_plan, shard_sequence,
+from ds_adaptive.parallel import (UlyssesRunner, apply_ulysses, remove_ulysses, shard_plan, shard_sequence,
                                   valid_len_attention)
 
 
@@ -173,8 +173,9 @@ SCRIPT = textwrap.dedent("""
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    from ds_adaptive.models.registry import get_model
     from ds_adaptive.models.testing import random_init_
-    from ds_adaptive.models.wan import WanModel, sdpa_attention
+    from ds_adaptive.models.wan import sdpa_attention
     from ds_adaptive.layout import Layout, SequenceParallelError
     from ds_adaptive.objective import per_sample_mse
     from ds_adaptive.parallel import apply_ulysses, make_ulysses_attention
@@ -183,7 +184,8 @@ SCRIPT = textwrap.dedent("""
     sp = Layout.detect(2).validate(num_heads=2)
     assert (sp.sp_size, sp.sp_rank, sp.dp_size, sp.source) == (2, rank, 1, "created"), sp
     assert Layout.detect(2) is sp   # cached: no new groups
-    ref = random_init_(WanModel("tiny"), seed=1)
+    ref = random_init_(get_model(MODEL).build(), seed=1)
+    C, TD = ref.config.in_channels, ref.config.text_dim
     model = copy.deepcopy(ref)
     uw = apply_ulysses(model, sp)
     g = torch.Generator().manual_seed(5)
@@ -200,15 +202,16 @@ SCRIPT = textwrap.dedent("""
         return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
     # (B, T', H', W'): video with an odd token count (3x3x5 = 45 -> padded to 46), an image with 15
-    # tokens, an even image (1x4x6), one token (rank 1 holds only padding)
-    cases = [(2, 3, 6, 10, False), (1, 1, 6, 10, False), (3, 1, 8, 12, False), (1, 1, 2, 2, False),
-             (2, 3, 6, 10, True)]
-    for B, T, H, W, ckpt in cases:
+    # tokens, an even image (1x4x6), one token (rank 1 holds only padding); per-token timesteps (the
+    # modulation is sharded with the tokens)
+    cases = [(2, 3, 6, 10, False, False), (1, 1, 6, 10, False, False), (3, 1, 8, 12, False, False),
+             (1, 1, 2, 2, False, False), (2, 3, 6, 10, True, False), (2, 3, 6, 10, False, True)]
+    for B, T, H, W, ckpt, per_token in cases:
         model.gradient_checkpointing = ref.gradient_checkpointing = ckpt
-        lat = torch.randn(B, 16, T, H, W, generator=g)
-        t = torch.rand(B, generator=g) * 1000
-        ctx = torch.randn(B, 7, 4096, generator=g)
-        tgt = torch.randn(B, 16, T, H, W, generator=g)
+        lat = torch.randn(B, C, T, H, W, generator=g)
+        t = torch.rand(B, T * (H // 2) * (W // 2) if per_token else 1, generator=g).squeeze(1) * 1000
+        ctx = torch.randn(B, 7, TD, generator=g)
+        tgt = torch.randn(B, C, T, H, W, generator=g)
         w = torch.rand(B, generator=g) + 0.5
         ref.zero_grad(); model.zero_grad()
         out_ref = ref(lat, t, ctx)
@@ -238,10 +241,10 @@ SCRIPT = textwrap.dedent("""
         worst = max((rel(summed[n], g_ref[n]), n) for n in g_ref)
         assert worst[0] < 2e-5, ((B, T, H, W), "gathered", worst)
         if rank == 0:
-            print("case", (B, T, H, W, ckpt), "ok", flush=True)
+            print("case", (B, T, H, W, ckpt, per_token), "ok", flush=True)
 
     # negative control: padded keys NOT masked (local attention ignores valid_len) changes the output
-    lat, t, ctx = torch.randn(1, 16, 3, 6, 10, generator=g), torch.tensor([500.0]), torch.randn(1, 7, 4096, generator=g)
+    lat, t, ctx = torch.randn(1, C, 3, 6, 10, generator=g), torch.tensor([500.0]), torch.randn(1, 7, TD, generator=g)
     with torch.no_grad():
         good = model(lat, t, ctx)
         bad_model = copy.deepcopy(model)
@@ -290,14 +293,15 @@ SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.slow
-def test_sp2_equals_sp1_outputs_losses_and_gradients(tmp_path: Path) -> None:
+@pytest.mark.parametrize("model", TINY_MODELS)
+def test_sp2_equals_sp1_outputs_losses_and_gradients(tmp_path: Path, model: str) -> None:
     script = tmp_path / "ulysses_sp2.py"
-    script.write_text(SCRIPT)
+    script.write_text(f"MODEL = {model!r}\n" + SCRIPT)
     env = {"PYTHONPATH": str(ROOT), "TORCH_EXTENSIONS_DIR": os.environ.get(
         "TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions"))}
     results = launch_ranks([str(script)], 2, cwd=tmp_path, timeout=240, env=env)
     out = results[0].stdout
-    assert "ULYSSES_SP2_OK" in out and out.count(" ok") == 5, out[-4000:]
+    assert "ULYSSES_SP2_OK" in out and out.count(" ok") == 6, out[-4000:]
 
 
 MEGATRON = textwrap.dedent("""

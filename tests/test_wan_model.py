@@ -1,4 +1,4 @@
-"""Guards ds_adaptive.models.wan: numerics == diffusers' WanTransformer3DModel, and the SP / fused-op hooks."""
+"""Guards ds_adaptive.models.wan: numerics == diffusers' WanTransformer3DModel (per-sample and per-token timesteps), and the SP / fused-op hooks."""
 from __future__ import annotations
 
 import pytest
@@ -12,20 +12,27 @@ from ds_adaptive.ops.ln_modulate import ln_modulate_reference
 
 diffusers = pytest.importorskip("diffusers", reason="diffusers is the reference these tests compare with")
 
-# head_dim 128 (the released models) and head_dim 32 (rotary split 6/5/5 pairs, custom text width)
+# head_dim 128 (the released models), head_dim 32 (rotary split 6/5/5 pairs, custom text width) and a
+# 48-channel latent (Wan 2.2 TI2V-5B's VAE)
 CONFIGS = {
     "hd128": dict(dim=256, num_heads=2, num_layers=2, ffn_dim=512),
     "hd32": dict(dim=96, num_heads=3, num_layers=2, ffn_dim=160, text_dim=64),
+    "c48": dict(dim=96, num_heads=3, num_layers=2, ffn_dim=160, text_dim=64, in_channels=48, out_channels=48),
 }
 # (B, T', H', W'): an image (1 latent frame) and a video; token grids 1x3x5 and 3x3x5 (odd sizes)
 INPUTS = {"image": (2, 1, 6, 10), "video": (1, 3, 6, 10)}
 
 
-def _inputs(cfg, b, t, h, w, seed=0):
+def _inputs(cfg, b, t, h, w, seed=0, per_token=False):
+    """latents, timestep ([B], or [B, S] with ``per_token``: one per token, diffusers' expand_timesteps), context."""
     g = torch.Generator().manual_seed(seed)
     latents = torch.randn(b, cfg.in_channels, t, h, w, generator=g)
     timestep = torch.rand(b, generator=g) * 1000
     context = torch.randn(b, 7, cfg.text_dim, generator=g)
+    if per_token:  # per token, as TI2V's first-frame conditioning: frame 0 at t=0, the rest at per-token values
+        s = t * (h // 2) * (w // 2)
+        timestep = torch.rand(b, s, generator=g) * 1000
+        timestep[:, : (h // 2) * (w // 2)] = 0.0
     return latents, timestep, context
 
 
@@ -37,12 +44,16 @@ def _rel_err(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
 
 
-@pytest.mark.parametrize("inp", list(INPUTS))
-@pytest.mark.parametrize("cfg_name", list(CONFIGS))
-def test_matches_diffusers_forward_and_grads(cfg_name, inp):
+# per-token timesteps on the two small configs (the numerics do not depend on the width; CPU time)
+CASES = [(c, i, pt) for c in CONFIGS for i in INPUTS for pt in (False, True) if not (pt and c == "hd128")]
+
+
+@pytest.mark.parametrize("cfg_name,inp,per_token", CASES,
+                         ids=[f"{c}-{i}-{'t_token' if pt else 't_sample'}" for c, i, pt in CASES])
+def test_matches_diffusers_forward_and_grads(cfg_name, inp, per_token):
     model = _model(cfg_name)
     twin = diffusers_twin(model)
-    lat, ts, ctx = _inputs(model.config, *INPUTS[inp])
+    lat, ts, ctx = _inputs(model.config, *INPUTS[inp], per_token=per_token)
     ins_a = [t.clone().requires_grad_() for t in (lat, ts, ctx)]
     ins_b = [t.clone().requires_grad_() for t in (lat, ts, ctx)]
     out_a = model(*ins_a)
@@ -183,6 +194,48 @@ def test_set_ln_modulate_sites_and_strided_views():
     model.set_ln_modulate(None)
 
 
+def test_per_token_modulation_reaches_the_sites_as_token_rows():
+    """timestep [B, S]: every site gets fp32 [B, S, D] shift / scale views of one [B, S, rows, D] table
+    (what the fused op's per-token path reads); equal timesteps give the per-sample result."""
+    model = _model("hd32")
+    d, L = model.config.dim, model.config.num_layers
+    lat, ts, ctx = _inputs(model.config, *INPUTS["video"], per_token=True)
+    b, s = ts.shape
+    seen = []
+
+    def recording(x, shift, scale, eps, weight=None, bias=None):
+        seen.append((shift, scale))
+        return ln_modulate_reference(x, shift, scale, eps, weight, bias)
+
+    model.set_ln_modulate(recording)
+    with torch.no_grad():
+        model(lat, ts, ctx)
+        assert len(seen) == 2 * L + 1
+        for i, (shift, scale) in enumerate(seen):
+            rows = 2 if i == 2 * L else 6
+            assert shift.shape == scale.shape == (b, s, d) and shift.dtype == torch.float32
+            assert shift.stride() == scale.stride() == (s * rows * d, rows * d, 1)
+        model.set_ln_modulate(None)
+        same = ts[:, :1].expand(b, s) + 0.0   # one value per sample, written per token
+        assert _rel_err(model(lat, same, ctx), model(lat, same[:, 0], ctx)) <= 1e-5
+        assert _rel_err(model(lat, ts, ctx), model(lat, same[:, 0], ctx)) > 1e-3  # the per-token values matter
+
+
+def test_per_token_timesteps_follow_the_token_order():
+    """Under a token order (sparse attention's cube order) per-token timesteps are permuted with the tokens."""
+    from ds_adaptive.sparse import CubeOrder
+
+    model = _model("hd32")
+    lat, ts, ctx = _inputs(model.config, 1, 4, 8, 8, per_token=True)
+    with torch.no_grad():
+        ref = model(lat, ts, ctx)
+        model.set_token_order(CubeOrder((2, 2, 2)))
+        assert _rel_err(model(lat, ts, ctx), ref) <= 1e-5
+        inputs = model.embed(lat, ts, ctx)
+        assert inputs.per_token and inputs.time_mod.shape == (1, 64, 6, model.config.dim)
+        model.set_token_order(None)
+
+
 def test_gradient_checkpointing_same_grads_and_recomputes():
     model = _model("hd32")
     lat, ts, ctx = _inputs(model.config, *INPUTS["video"])
@@ -230,7 +283,7 @@ def test_config_presets_and_validation():
         get_wan_config("tiny", dim=8, num_heads=2)
     with pytest.raises(WanConfigError, match=r"unknown WanConfig key\(s\) \['heads'\]"):
         get_wan_config("tiny", heads=4)
-    with pytest.raises(WanConfigError, match="unknown Wan model 'wan2.2'.*wan2.1-14b"):
+    with pytest.raises(WanConfigError, match="unknown model 'wan2.2'.*wan2.1-14b"):
         get_wan_config("wan2.2")
     with pytest.raises(WanConfigError, match=r"needs \['ffn_dim', 'num_layers'\]"):
         get_wan_config({"dim": 64, "num_heads": 1})
@@ -245,8 +298,10 @@ def test_input_validation_names_the_problem():
         model(lat[:, :4], ts, ctx)
     with pytest.raises(WanConfigError, match="1x4x5 .* not divisible by the patch"):
         model(torch.randn(1, 16, 1, 4, 5), ts, ctx)
-    with pytest.raises(WanConfigError, match=r"timestep must be \[B\] = \[1\]"):
+    with pytest.raises(WanConfigError, match=r"timestep must be \[B\] = \[1\] .* or \[B, S\] = \[1, 4\]"):
         model(lat, ts[0], ctx)
+    with pytest.raises(WanConfigError, match=r"\[B, S\] = \[1, 4\] \(one per token\), got \[1, 5\]"):
+        model(lat, torch.zeros(1, 5), ctx)
     with pytest.raises(WanConfigError, match=r"context must be \[B, L, text_dim\] = \[1, L, 4096\]"):
         model(lat, ts, ctx[..., :64])
 

@@ -124,7 +124,7 @@ def test_original_released_config_and_prefixed_torch_file(model, tmp_path):
                 "freq_dim": 256, "in_dim": 16, "model_type": "t2v", "num_heads": 12, "num_layers": 30, "out_dim": 16,
                 "text_len": 512}
     assert config_from_dict(released) == get_wan_config("wan2.1-1.3b")
-    with pytest.raises(WanWeightsError, match="model_type='i2v'.*T2V only"):
+    with pytest.raises(WanWeightsError, match="model_type='i2v'.*T2V / TI2V DiT only"):
         config_from_dict(dict(released, model_type="i2v"))
     with pytest.raises(WanWeightsError, match="image_dim=1280 .*I2V"):
         config_from_dict({"_class_name": "WanTransformer3DModel", "num_attention_heads": 40, "image_dim": 1280})

@@ -4,8 +4,8 @@
 
 What it does (bf16, fwd+bwd, gradient checkpointing as in training):
 
-1. For each of ~8 real Wan token grids (images to 81x720x1280 videos) and a few batch sizes for the
-   short ones, time the model with ``k1`` and ``k2`` transformer blocks (``--layers k1,k2``) and
+1. For each of the model's ~8 calibration grids (``Preset.calibration_shapes``: images to its longest
+   videos) and a few batch sizes for the short ones, time the model with ``k1`` and ``k2`` transformer blocks (``--layers k1,k2``) and
    record the peak memory. Differencing the two depths separates the per-block cost from the
    embed/head overhead; the full model is ``overhead + num_layers * per_block``.
 2. Fit ``t = c0 + B * (a*S + b*S^2)`` (ms) by non-negative least squares on relative error, and
@@ -44,32 +44,12 @@ import numpy as np
 
 from ds_adaptive.balance.cost import GIB, PROFILE_FORMAT, PROFILES_DIR, Profile
 from ds_adaptive.balance.memory import configure_allocator
-from ds_adaptive.shapes import TEXT_DIM, SampleShape
+from ds_adaptive.models.registry import default_model, get_model, model_names
+from ds_adaptive.shapes import GridRule, SampleShape
 
-# Wan 2.1 text-to-video architectures (from the released configs); used when the model module
-# is not importable (building the shipped profiles) and to cross-check it.
-WAN_ARCH = {
-    "wan2.1-1.3b": {"dim": 1536, "ffn_dim": 8960, "num_heads": 12, "num_layers": 30},
-    "wan2.1-14b": {"dim": 5120, "ffn_dim": 13824, "num_heads": 40, "num_layers": 40},
-}
-TEXT_LEN = 512
-FREQ_DIM = 256
-
-# Real Wan token grids, short to long (frames x height x width).
-DEFAULT_CALIBRATION_SHAPES = [
-    SampleShape(1, 480, 832),     # 1560 tokens
-    SampleShape(1, 1024, 1024),   # 4096
-    SampleShape(17, 480, 832),    # 7800
-    SampleShape(33, 480, 832),    # 14040
-    SampleShape(49, 480, 832),    # 20280
-    SampleShape(81, 480, 832),    # 32760
-    SampleShape(49, 720, 1280),   # 46800
-    SampleShape(81, 720, 1280),   # 75600
-]
-
-# CPU default (``--device cpu`` without --lengths): small grids of 64-2,304 tokens, so that a CPU run takes
-# seconds to a minute, not the >14 min of the GPU grids above.
-CPU_CALIBRATION_SHAPES = [SampleShape(f, s, s) for f, s in ((1, 128), (1, 256), (9, 256), (17, 256), (33, 256))]
+CPU_MODEL = "tiny"
+"""``--device cpu``'s default model: its calibration grids are small (seconds on a CPU, not the >14 min of a
+GPU model's grids)."""
 MAX_FIT_ERROR = 0.10
 """Quality bar of a calibration: largest |relative error| of the compute fit over its fitted points.
 The shipped H100/H200 calibrations fit within 1.5-2.2%; a fit worse than 10% would mis-plan batches."""
@@ -156,21 +136,10 @@ def fit_memory(points: Sequence[Mapping[str, float]], *, relative: bool = True) 
 
 
 # ------------------------------------------------------------------------------------- profile
-def wan_param_counts(dim: int, ffn_dim: int, num_layers: int, **_: Any) -> dict:
-    """Parameters of a Wan 2.1 T2V DiT: per block (self-attn, cross-attn, FFN, norms, modulation)
-    and total (with patch/text/time embeddings and the head)."""
-    block = (4 * (dim * dim + dim)            # self-attn q, k, v, o
-             + 4 * (dim * dim + dim)          # cross-attn q, k, v, o
-             + 4 * dim                         # q/k RMS norms (self + cross)
-             + 2 * dim                         # norm3 (affine LayerNorm before cross-attn)
-             + 2 * dim * ffn_dim + ffn_dim + dim   # FFN
-             + 6 * dim)                        # modulation table
-    embed = (16 * 4 * dim + dim                # patch embedding 1x2x2 conv
-             + TEXT_DIM * dim + dim + dim * dim + dim   # text MLP
-             + FREQ_DIM * dim + dim + dim * dim + dim   # time MLP
-             + dim * 6 * dim + 6 * dim)        # time projection to 6 modulation vectors
-    head = dim * 64 + 64 + 2 * dim
-    return {"block": block, "total": block * num_layers + embed + head}
+def calibration_shapes(model_name: str) -> list[SampleShape]:
+    """The model's calibration grids (``Preset.calibration_shapes``) under its grid rule, short to long."""
+    m = get_model(model_name)
+    return [SampleShape(f, h, w, m.grid) for f, h, w in m.preset.calibration_shapes]
 
 
 def static_memory_entry(params: int, block_params: int, workspace_gib: float) -> dict:
@@ -194,6 +163,19 @@ def comm_entry(dim: int, gradient_checkpointing: bool, link_gbps: float = DEFAUL
                      "on 8xH100 NVSwitch: replace with an nccl-tests alltoall_perf busbw of your cluster")}
 
 
+def block_scaling_models(data: Mapping[str, Any]) -> dict[str, str]:
+    """{model name: block-scaling key} for the registered models a per-block scaling json measured: its
+    ``fits`` keys are released size labels ("1.3B"), the last ``-`` part of a preset's description
+    ("...-T2V-1.3B")."""
+    keys = set(data.get("fits", {}))
+    out = {}
+    for name in model_names():
+        label = get_model(name).preset.description.rsplit("-", 1)[-1]
+        if label in keys:
+            out[name] = label
+    return out
+
+
 def profile_from_block_scaling(data: Mapping[str, Any], model_name: str, *, source: str,
                                gradient_checkpointing: bool = True,
                                gpu_mem_gib: float = 79.19) -> dict:
@@ -207,9 +189,12 @@ def profile_from_block_scaling(data: Mapping[str, Any], model_name: str, *, sour
       + num_layers x dim x 2 bytes (checkpointed bf16 block inputs) + 6 x dim x 2 bytes (embed/head);
       per sample m0 = text context 512 x 4096 fp32 + its 512 x dim projection.
     """
-    key = {"wan2.1-1.3b": "1.3B", "wan2.1-14b": "14B"}[model_name]
-    arch = WAN_ARCH[model_name]
+    key = block_scaling_models(data)[model_name]
+    model = get_model(model_name)
+    cfg = model.config()
+    arch = {"dim": cfg.dim, "ffn_dim": cfg.ffn_dim, "num_heads": cfg.num_heads, "num_layers": cfg.num_layers}
     dim, layers = arch["dim"], arch["num_layers"]
+    text_len, text_dim = model.text_len, cfg.text_dim
     rows = sorted((r for r in data["block"] if r["model"] == key), key=lambda r: r["S"])
     if len(rows) < 3:
         raise ValueError(f"{source}: fewer than 3 block rows for model {key}")
@@ -227,11 +212,11 @@ def profile_from_block_scaling(data: Mapping[str, Any], model_name: str, *, sour
     pk = np.array([r["peak_GiB"] for r in rows], float)
     slope, intercept = np.polyfit(s, pk, 1)
     m1 = slope + (layers * dim * 2 + 6 * dim * 2) / GIB
-    m0 = (TEXT_LEN * TEXT_DIM * 4 + TEXT_LEN * dim * 2 * 2) / GIB
+    m0 = (text_len * text_dim * 4 + text_len * dim * 2 * 2) / GIB
     mem_points = [{"S": r["S"], "B": 1, "gib": (r["peak_GiB"] - intercept) + (layers * dim * 2 + 6 * dim * 2) * r["S"] / GIB + m0}
                   for r in rows]
     memory = fit_memory(mem_points)
-    counts = wan_param_counts(**arch)
+    counts = model.param_counts(cfg)
     block_weight_gib = counts["block"] * 4 / GIB      # bf16 weights + grads of the measured block
     workspace = max(float(intercept) - block_weight_gib, 0.0) + CONTEXT_AND_NCCL_GIB
     return {
@@ -308,24 +293,26 @@ def measure(model_name: str, *, layers: Sequence[int], shapes: Sequence[SampleSh
             log=print, both_checkpointing: bool = False, ln_modulate: str = "reference") -> tuple[list[dict], dict]:
     """Time fwd+bwd and record peak memory for every (depth, shape, B), with the LayerNorm-modulate
     path ``ln_modulate`` (``fused`` | ``reference``, as ``apply_ln_modulate`` installs it in a run).
+    A model trained with first-frame conditioning (``objective.first_frame_ratio > 0``) is measured with one
+    timestep per token on its videos (per-token modulation: the costlier path of its micro-batches).
     Returns raw rows and the model config (as a dict)."""
     import torch
 
-    from ds_adaptive.models.wan import WanModel, get_wan_config
     from ds_adaptive.ops.apply import apply_ln_modulate
 
+    spec = get_model(model_name)
     device = torch.device(device_name)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[dtype_name]
     rows: list[dict] = []
     cfg_dict: dict = {}
     torch.manual_seed(0)
     for depth in layers:
-        cfg = get_wan_config(model_name, **{**overrides, "num_layers": depth})
+        cfg = spec.config(**{**overrides, "num_layers": depth})
         cfg_dict = _config_dict(cfg)
         if cfg_dict.get("num_heads", sp) % sp != 0:
             raise SystemExit(f"--sp {sp} does not divide the model's {cfg_dict['num_heads']} heads")
         with torch.device(device):
-            model = WanModel(cfg)
+            model = spec.build(cfg)
         model.to_dtype(dtype)
         model.train()
         apply_ln_modulate(model, ln_modulate == "fused")
@@ -335,8 +322,8 @@ def measure(model_name: str, *, layers: Sequence[int], shapes: Sequence[SampleSh
         for shape, b, ckpt in ((sh, bb, m) for sh in shapes for bb in batch_sizes.get(sh.tokens, [1]) for m in modes):
             model.gradient_checkpointing = ckpt
             latents = torch.randn(b, *shape.latent_shape, device=device, dtype=dtype)
-            tstep = torch.rand(b, device=device) * 1000
-            ctx = torch.randn(b, TEXT_LEN, TEXT_DIM, device=device, dtype=dtype)
+            tstep = _timesteps(spec, b, shape, device)
+            ctx = torch.randn(b, spec.text_len, cfg.text_dim, device=device, dtype=dtype)
 
             def step():
                 out = _forward(model, latents, tstep, ctx, sp)
@@ -377,19 +364,29 @@ def measure(model_name: str, *, layers: Sequence[int], shapes: Sequence[SampleSh
     return rows, cfg_dict
 
 
+def _timesteps(model, b: int, shape: SampleShape, device):
+    """``[B]``, or ``[B, S]`` (one per token, frame 0 at 0) for a video of a model trained with first-frame
+    conditioning."""
+    import torch
+
+    if model.objective.first_frame_ratio > 0 and not shape.is_image:
+        t = torch.rand(b, shape.tokens, device=device) * 1000
+        f, h, w = shape.token_grid
+        t[:, : h * w] = 0.0
+        return t
+    return torch.rand(b, device=device) * 1000
+
+
 def _forward(model, latents, tstep, ctx, sp: int):
     if sp == 1:
         return model(latents, tstep, ctx)
     inputs = model.embed(latents, tstep, ctx)
-    x = inputs.tokens
-    s = x.shape[1]
+    s = inputs.tokens.shape[1]
     s_pad = -(-s // sp) * sp
-    freqs = model.rope(inputs.grid, x.device)
-    if s_pad != s:
-        x = torch_pad_seq(x, s_pad)
-        freqs = torch_pad_seq(freqs, s_pad, dim=0)
     local = s_pad // sp
-    x = model.run_blocks(x[:, :local], inputs, freqs[:local])
+    inputs = inputs.local(lambda t, dim: torch_pad_seq(t, s_pad, dim).narrow(dim, 0, local))  # rank 0's shard
+    freqs = torch_pad_seq(model.rope(inputs.grid, inputs.tokens.device), s_pad, dim=0)[:local]
+    x = model.run_blocks(inputs.tokens, inputs, freqs)
     return model.head(x, inputs.time_emb)
 
 
@@ -398,7 +395,7 @@ def torch_pad_seq(t, length: int, dim: int = 1):
 
     pad_shape = list(t.shape)
     pad_shape[dim] = length - t.shape[dim]
-    return torch.cat([t, t.new_zeros(pad_shape)], dim=dim)
+    return torch.cat([t, t.new_zeros(pad_shape)], dim=dim) if pad_shape[dim] else t
 
 
 def _config_dict(cfg) -> dict:
@@ -537,8 +534,8 @@ def _batch_sizes(shapes: Sequence[SampleShape], sp: int) -> dict[int, list[int]]
     return out
 
 
-def parse_lengths(spec: str) -> list[SampleShape]:
-    """``--lengths 1x480x832,81x720x1280`` -> shapes (FxHxW, real Wan grids)."""
+def parse_lengths(spec: str, grid: Optional[GridRule] = None) -> list[SampleShape]:
+    """``--lengths 1x480x832,81x720x1280`` -> shapes (FxHxW, valid under the model's ``grid``)."""
     out = []
     for item in spec.split(","):
         item = item.strip()
@@ -548,7 +545,7 @@ def parse_lengths(spec: str) -> list[SampleShape]:
             f, h, w = (int(v) for v in item.lower().split("x"))
         except ValueError:
             raise SystemExit(f"--lengths: '{item}' is not FRAMESxHEIGHTxWIDTH (e.g. 81x480x832)") from None
-        out.append(SampleShape(f, h, w))
+        out.append(SampleShape(f, h, w, grid))
     return out
 
 
@@ -557,8 +554,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--sparse", action="store_true",
                     help="measure the block-sparse attention kernel's cost vs density instead (see "
                          "`ds-adaptive calibrate --sparse --help`)")
-    ap.add_argument("--model", default=None,
-                    help="Wan config name (tiny, wan2.1-1.3b, wan2.1-14b; default wan2.1-1.3b, tiny with --device cpu)")
+    ap.add_argument("--model", default=None, choices=model_names(),
+                    help=f"the model (default {default_model()}, {CPU_MODEL} with --device cpu)")
     ap.add_argument("--sp", type=int, default=1, help="Ulysses degree to emulate on one GPU (default 1)")
     ap.add_argument("--out", help="profile json to write")
     ap.add_argument("--name", help="profile name stored in the json (default: stem of --out)")
@@ -567,8 +564,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="default bf16 on cuda, fp32 on cpu")
     ap.add_argument("--layers", default="2,4", help="two depths k1,k2 to difference (default 2,4)")
     ap.add_argument("--lengths", default=None,
-                    help="comma list of FxHxW shapes (default: 8 Wan grids from 1x480x832 to 81x720x1280; with "
-                         "--device cpu 5 small grids of 64-2304 tokens)")
+                    help="comma list of FxHxW shapes (default: the model's calibration grids, e.g. 8 from "
+                         "1x480x832 to 81x720x1280; the tiny model's are 5 small grids of 64-2304 tokens)")
     ap.add_argument("--batch-sizes", default=None,
                     help="extra batch sizes for short shapes, e.g. '1560:1,12;4096:1,4' (default: auto)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed runs per point (default 2; 1 on cpu)")
@@ -603,7 +600,7 @@ def _rebuild_from_block_scaling(args: argparse.Namespace) -> int:
     data = json.loads(Path(args.from_block_scaling).read_text())
     out_dir = Path(args.out) if args.out else PROFILES_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
-    for name in WAN_ARCH:
+    for name in block_scaling_models(data):
         prof = profile_from_block_scaling(data, name, source="shared/data/h100_block_scaling.json")
         Profile.from_dict(prof)
         path = out_dir / f"{prof['name']}.json"
@@ -618,7 +615,7 @@ def _device_defaults(args: argparse.Namespace, on_cpu: bool) -> None:
     """--warmup / --iters / --model defaults: short runs and the tiny model on a CPU."""
     args.warmup = args.warmup if args.warmup is not None else (1 if on_cpu else 2)
     args.iters = args.iters if args.iters is not None else (2 if on_cpu else 5)
-    args.model = args.model or ("tiny" if on_cpu else "wan2.1-1.3b")
+    args.model = args.model or (CPU_MODEL if on_cpu else default_model())
 
 
 def resolve_ln_modulate(choice: str, device_type: str) -> str:
@@ -675,11 +672,12 @@ def _parse_batch_sizes(ap: argparse.ArgumentParser, args: argparse.Namespace, sh
     return _batch_sizes(shapes, args.sp)
 
 
-def _memory_entry(mem_pts: list, full_cfg: dict, num_layers: int) -> dict:
+def _memory_entry(mem_pts: list, full_cfg: dict, num_layers: int, text_len: int) -> dict:
     if mem_pts:
         return fit_memory(mem_pts)
     d = int(full_cfg.get("dim", 0))  # CPU: no allocator statistics; analytic estimate (checkpointed bf16 inputs)
-    return {"m0_gib": TEXT_LEN * TEXT_DIM * 4 / GIB, "m1_gib_per_token": (num_layers + 6) * d * 2 * 3 / GIB,
+    return {"m0_gib": text_len * int(full_cfg["text_dim"]) * 4 / GIB,
+            "m1_gib_per_token": (num_layers + 6) * d * 2 * 3 / GIB,
             "fit": {"note": "no device memory statistics on this device: analytic estimate"}}
 
 
@@ -754,13 +752,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         ap.error(f"--layers needs 1 <= k1 < k2, got {k1},{k2}")
     on_cpu = args.device == "cpu"
     _device_defaults(args, on_cpu)
-    shapes = parse_lengths(args.lengths) if args.lengths else list(
-        CPU_CALIBRATION_SHAPES if on_cpu else DEFAULT_CALIBRATION_SHAPES)
+    model = get_model(args.model)
+    shapes = parse_lengths(args.lengths, model.grid) if args.lengths else [  # on a CPU: the tiny model's grids
+        s.with_grid(model.grid) for s in calibration_shapes(CPU_MODEL if on_cpu else args.model)]
     batch_sizes = _parse_batch_sizes(ap, args, shapes, on_cpu)
     overrides = _parse_overrides(args.override)
-    from ds_adaptive.models.wan import count_parameters, get_wan_config
-
-    full_cfg = _config_dict(get_wan_config(args.model, **overrides))
+    full_cfg = _config_dict(model.config(**overrides))
     num_layers = int(full_cfg["num_layers"])
     device = torch.device(args.device)
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -777,11 +774,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     comp_pts, mem_pts = full_model_points(rows, num_layers)
     compute = fit_compute(comp_pts, min_fit_tokens=args.min_fit_tokens if any(
         p["B"] * p["S"] >= args.min_fit_tokens for p in comp_pts) else 0)
-    memory = _memory_entry(mem_pts, full_cfg, num_layers)
+    memory = _memory_entry(mem_pts, full_cfg, num_layers, model.text_len)
     _add_checkpoint_terms(rows, memory, compute, args.min_fit_tokens)
     dim = int(full_cfg.get("dim", 0))
-    counts = wan_param_counts(dim=dim, ffn_dim=int(full_cfg.get("ffn_dim", 4 * dim)), num_layers=num_layers)
-    counts["total"] = int(count_parameters(get_wan_config(args.model, **overrides)))  # exact for this model
+    counts = model.param_counts(model.config(**overrides))
     heads = int(full_cfg.get("num_heads", 1))
     name = args.name or Path(args.out).stem
     prof = {

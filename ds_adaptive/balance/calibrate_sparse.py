@@ -158,7 +158,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--out", required=True, help="json to write")
     ap.add_argument("--seq-lens", default="32768,16384", help="sequence lengths (tokens), comma separated")
     ap.add_argument("--densities", default=",".join(map(str, DEFAULT_DENSITIES)))
-    ap.add_argument("--heads", type=int, default=12, help="attention heads per call (Wan 1.3B: 12)")
+    ap.add_argument("--heads", type=int, default=12, help="attention heads per call (e.g. 12: a 1.3B model's)")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--iters", type=int, default=10)
     args = ap.parse_args(argv)

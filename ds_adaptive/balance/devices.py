@@ -1,7 +1,8 @@
 """Known GPUs (dense bf16 peak, memory bandwidth) and ``profile: "auto"``: the profile for the GPU at hand.
 
 ``sampler.profile: "auto"`` (the default) picks the shipped calibration of the detected GPU and the
-trained model (``<gpu>-<model>.json`` in ``ds_adaptive/balance/profiles``, e.g. ``h200-wan2.1-1.3b``).
+trained model (``<gpu>-<model>.json`` in ``ds_adaptive/balance/profiles``, e.g. ``h200-wan2.1-1.3b``; a
+model of identical architecture and token grid uses its twin's, ``Preset.profile_model``).
 When none is shipped for that GPU, one message names the GPU found and the one-line calibrate
 command, and the nearest shipped profile of the model is used, its times scaled by the ratio of
 dense bf16 peaks (the Wan blocks' time is matmul- and attention-bound) and its capacity set to the
@@ -104,20 +105,32 @@ def scale_profile(profile: Profile, *, from_tflops: float, to_tflops: float, gpu
     return Profile.from_dict(d, where=d["name"])
 
 
+def default_profile_name() -> str:
+    """The shipped H100 calibration of the default model: the planners' reference profile (``simulate``)."""
+    from ds_adaptive.models.registry import default_model
+
+    return f"h100-{default_model()}"
+
+
 def resolve_auto_profile(model_name: Optional[str], device_name: Optional[str] = None, *,
                          gpu_mem_gib: Optional[float] = None, detect: bool = True) -> tuple[Profile, str]:
     """``profile: "auto"`` -> (profile, one-line message saying what was chosen and why).
 
     ``device_name`` defaults to the detected GPU (None on a CPU-only machine)."""
+    from ds_adaptive.models.registry import default_model, model_for_profile
+
     if device_name is None and detect:
         device_name = detect_device_name()
-    model = model_name or "wan2.1-1.3b"
+    model = model_name or default_model()
+    known = model_for_profile(model)
+    model = known.profile_model if known is not None else model
     candidates = _model_profiles(model)
     note = ""
     if not candidates:
-        note = (f" (no shipped profile for model '{model}'; using the wan2.1-1.3b calibrations, whose "
+        fallback = default_model()
+        note = (f" (no shipped profile for model '{model}'; using the {fallback} calibrations, whose "
                 "absolute costs and memory do not describe this model)")
-        model = "wan2.1-1.3b"
+        model = fallback
         candidates = _model_profiles(model)
     spec = gpu_spec(device_name)
     if device_name is None:

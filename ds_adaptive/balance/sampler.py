@@ -40,6 +40,7 @@ from ds_adaptive.balance.devices import resolve_auto_profile
 from ds_adaptive.balance.planner import (EpochPlan, OversizeSampleError, PlanError, PlannerParams, StepTotals,
                                  plan_epoch, resolve_budgets, unique_shapes)
 from ds_adaptive.balance.sparse import DensityMap, SparseAttentionCost, load_densities
+from ds_adaptive.models.registry import get_model
 from ds_adaptive.shapes import SampleShape
 
 try:  # a torch Sampler when torch is there (the planner itself never needs torch)
@@ -444,7 +445,8 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
             profile_log(msg)
     else:
         profile = load_profile(sampler_cfg.profile)
-    if model_name and profile.raw.get("model", {}).get("name") not in (None, model_name):
+    model = get_model(model_name) if model_name else None
+    if model is not None and profile.raw.get("model", {}).get("name") not in (None, model_name, model.profile_model):
         warnings.warn(f"sampler.profile '{profile.name}' was measured for model "
                       f"'{profile.raw['model']['name']}', training '{model_name}': predicted costs "
                       f"and memory will be off; run `ds-adaptive calibrate --model {model_name}`",
@@ -454,14 +456,7 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
         (profile_log or (lambda m: warnings.warn(m, stacklevel=2)))(ln_msg)
     if num_layers is not None:
         profile = profile.with_num_layers(int(num_layers))
-    num_heads = None
-    if model_name:
-        try:
-            from ds_adaptive.models.wan import get_wan_config
-
-            num_heads = int(getattr(get_wan_config(model_name), "num_heads"))
-        except Exception:
-            num_heads = None
+    num_heads = int(model.config().num_heads) if model is not None else None
     if sparse is not None and num_layers is not None and sparse.densities.num_layers != profile.num_layers:
         sparse = sparse.with_densities(sparse.densities.with_num_layers(profile.num_layers))
     cost = CostModel(profile, sampler_cfg.cost_model, p=sampler_cfg.p, sp=layout.sp_size, num_heads=num_heads,

@@ -31,8 +31,8 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ds_adaptive.config import SamplerConfig
-from ds_adaptive.balance.cost import CostModel, load_profile
-from ds_adaptive.balance.devices import resolve_auto_profile
+from ds_adaptive.balance.cost import CostModel, Profile, load_profile
+from ds_adaptive.balance.devices import default_profile_name, resolve_auto_profile
 from ds_adaptive.balance.planner import EpochPlan, resolve_budgets
 from ds_adaptive.balance.sampler import build_batch_sampler
 from ds_adaptive.layout import Layout
@@ -42,6 +42,15 @@ SAMPLERS = ("tokens", "fixed", "dual")
 # The paper's variant: dual-constraint with the power-law cost S^p (p = sampler.p), scored with
 # the calibrated model like every other sampler.
 PAPER_VARIANT = "dual_power"
+
+
+def profile_distribution(profile: Profile, path: Optional[str] = None) -> list[ShapeWeight]:
+    """The shape mix at ``path`` (default: the profiled model's shipped mix) under the profiled model's grid
+    rule; a profile of an unregistered model plans with the default model's."""
+    from ds_adaptive.models.registry import default_model, get_model, model_for_profile
+
+    m = model_for_profile(profile.raw.get("model", {}).get("name")) or get_model(default_model())
+    return load_shape_distribution(path or m.shapes, grid=m.grid)
 
 
 def draw_shapes(dist: Sequence[ShapeWeight], n: int, seed: int) -> list[SampleShape]:
@@ -111,22 +120,24 @@ def simulated_dataset(cost: CostModel, dist: Sequence[ShapeWeight], cfg: Sampler
 
 
 def simulate(*, world: int, sp: int = 1, steps: int = 50, seed: int = 0,
-             dist: Optional[Sequence[ShapeWeight]] = None, profile: str = "h100-wan2.1-1.3b",
+             dist: Optional[Sequence[ShapeWeight]] = None, profile: Optional[str] = None,
              sampler_cfg: Optional[SamplerConfig] = None, micro_steps_per_step: int = 1,
              gpu_mem_gib: Optional[float] = None, samplers: Sequence[str] = SAMPLERS + (PAPER_VARIANT,),
              keep_plans: bool = False, num_layers: Optional[int] = None) -> dict:
     """Plan ``steps`` optimizer steps on ``world`` GPUs (Ulysses degree ``sp``) with each sampler.
 
     ``num_layers``: plan for a model of that many blocks (the profile rescaled by
-    :meth:`ds_adaptive.balance.cost.Profile.with_num_layers`, as the trainer does for ``--layers``)."""
+    :meth:`ds_adaptive.balance.cost.Profile.with_num_layers`, as the trainer does for ``--layers``).
+    ``profile`` default: :func:`default_profile_name`; ``dist`` default: the profiled model's mix."""
     if world % sp:
         raise ValueError(f"--world {world} is not divisible by --sp {sp}")
-    dist = list(dist) if dist is not None else load_shape_distribution()
+    profile = profile or default_profile_name()
     cfg = sampler_cfg or SamplerConfig(profile=profile)
     if cfg.profile != profile and sampler_cfg is None:
         cfg = cfg.model_copy(update={"profile": profile})
     dp = world // sp
     prof = resolve_auto_profile(None)[0] if cfg.profile == "auto" else load_profile(cfg.profile)
+    dist = list(dist) if dist is not None else profile_distribution(prof)
     prof = prof.with_num_layers(num_layers) if num_layers is not None else prof
     cost = CostModel(prof, cfg.cost_model, p=cfg.p, sp=sp)
     truth = CostModel(cost.profile, "calibrated", sp=sp)   # what the GPUs would take (ms)
@@ -212,8 +223,8 @@ def _table(result: dict) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="ds-adaptive simulate", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", default=None, help="shape-distribution json (default: the shipped Wan mix)")
-    ap.add_argument("--profile", default="h100-wan2.1-1.3b", help="profile name or json path")
+    ap.add_argument("--shapes", default=None, help="shape-distribution json (default: the profiled model's shipped mix)")
+    ap.add_argument("--profile", default=default_profile_name(), help="profile name or json path (default: %(default)s)")
     ap.add_argument("--layers", type=int, default=None,
                     help="transformer blocks of the trained model (as the trainer's --layers; default: the "
                          "profile's): the profile is rescaled to that depth")
@@ -259,7 +270,8 @@ def _run(args: argparse.Namespace, budgets: dict) -> int:
     if args.window:
         upd["window"] = args.window
     cfg = SamplerConfig(**upd)
-    dist = load_shape_distribution(args.shapes)
+    dist = profile_distribution(resolve_auto_profile(None)[0] if args.profile == "auto" else load_profile(args.profile),
+                                args.shapes)
     if args.sparse:
         return _main_sparse(args, cfg, dist)
     res = simulate(world=args.world, sp=args.sp, steps=args.steps, seed=args.seed, dist=dist,

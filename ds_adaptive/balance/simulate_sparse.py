@@ -27,11 +27,12 @@ from typing import Optional, Sequence
 from ds_adaptive.balance.cost import CostModel, load_profile
 from ds_adaptive.balance.sampler import build_batch_sampler
 from ds_adaptive.layout import Layout
-from ds_adaptive.balance.simulate import score_plan, simulated_dataset
+from ds_adaptive.balance.devices import default_profile_name
+from ds_adaptive.balance.simulate import profile_distribution, score_plan, simulated_dataset
 from ds_adaptive.balance.sparse import (DensityMap, KernelEfficiency, SparseAttentionCost, load_densities,
                                         synthetic_densities)
 from ds_adaptive.config import SamplerConfig
-from ds_adaptive.shapes import ShapeWeight, load_shape_distribution
+from ds_adaptive.shapes import ShapeWeight
 
 ARMS = ("dense_cost", "sparse", "sparse_identity", "tokens", "dense_attention")
 
@@ -49,16 +50,17 @@ def resolve_densities(spec: "str | DensityMap", *, num_layers: int, num_heads: i
 
 def simulate_sparse(*, world: int, sp: int = 1, steps: int = 50, seed: int = 0,
                     densities: "str | DensityMap" = "synthetic", efficiency=None,
-                    dist: Optional[Sequence[ShapeWeight]] = None, profile: str = "h100-wan2.1-1.3b",
+                    dist: Optional[Sequence[ShapeWeight]] = None, profile: Optional[str] = None,
                     sampler_cfg: Optional[SamplerConfig] = None, micro_steps_per_step: int = 1,
                     gpu_mem_gib: Optional[float] = None, arms: Sequence[str] = ARMS,
                     keep_plans: bool = False) -> dict:
     """Plan ``steps`` optimizer steps on ``world`` GPUs with every arm and time them with the sparse truth."""
     if world % sp:
         raise ValueError(f"--world {world} is not divisible by --sp {sp}")
-    dist = list(dist) if dist is not None else load_shape_distribution()
+    profile = profile or default_profile_name()
     cfg = (sampler_cfg or SamplerConfig(profile=profile)).model_copy(update={"seed": seed, "profile": profile})
     prof = load_profile(profile)
+    dist = list(dist) if dist is not None else profile_distribution(prof)
     dm = resolve_densities(densities, num_layers=prof.num_layers, num_heads=prof.num_heads, seed=seed)
     eff = efficiency if isinstance(efficiency, KernelEfficiency) else KernelEfficiency.load(efficiency)
     dp = world // sp

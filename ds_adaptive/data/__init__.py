@@ -1,13 +1,16 @@
-"""Datasets of Wan latents: the embedded synthetic default and precomputed on-disk shards.
+"""Datasets of VAE latents: the embedded synthetic default and precomputed on-disk shards.
 
-Both expose ``__len__``, ``__getitem__(i) -> {"latents": [16,T',H',W'] float32,
-"context": [L,4096] float32, "index": i}`` and ``sample_shapes()`` (no tensor is loaded),
-which is what the batch sampler plans from. ``collate_latents`` stacks one micro-batch.
+Both expose ``__len__``, ``__getitem__(i) -> {"latents": [C,T',H',W'] float32,
+"context": [L,text_dim] float32, "index": i}`` and ``sample_shapes()`` (no tensor is loaded; the
+shapes carry the model's grid rule), which is what the batch sampler plans from. Both are built for
+a model's :class:`ds_adaptive.shapes.InputSpec`. ``collate_latents`` stacks one micro-batch.
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
+
+from ..shapes import InputSpec
 
 from .collate import collate_latents
 from .shards import INDEX_FILE, LatentShardDataset, LatentShardWriter, write_index
@@ -18,9 +21,10 @@ __all__ = ["DataError", "SyntheticLatentDataset", "LatentShardDataset", "LatentS
 
 
 def build_dataset(data: str, *, num_samples: int = 10000, shapes: Union[str, Path, None] = None,
-                  seed: int = 0) -> Union[SyntheticLatentDataset, LatentShardDataset]:
+                  seed: int = 0, spec: Optional[InputSpec] = None) -> Union[SyntheticLatentDataset, LatentShardDataset]:
     """``data == "synthetic"``: the embedded default (``num_samples``, ``shapes``, ``seed``);
-    otherwise a directory written by ``ds-adaptive synth`` / ``LatentShardWriter``."""
+    otherwise a directory written by ``ds-adaptive synth`` / ``preprocess``. ``spec``: the model's
+    inputs (default: the default model's); an on-disk dataset whose latents do not fit it is an error."""
     if data == "synthetic":
-        return SyntheticLatentDataset(num_samples, shapes, seed=seed)
-    return LatentShardDataset(data)
+        return SyntheticLatentDataset(num_samples, shapes, seed=seed, spec=spec)
+    return LatentShardDataset(data, spec=spec)

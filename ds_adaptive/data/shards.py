@@ -3,20 +3,23 @@
 Layout of a dataset directory::
 
     DIR/index.json
-    DIR/shard-00000.safetensors      # tensors "<id>.latents" [16, T', H', W'], "<id>.context" [L, 4096]
+    DIR/shard-00000.safetensors      # tensors "<id>.latents" [C, T', H', W'], "<id>.context" [L, text_dim]
     DIR/shard-00001.safetensors
     ...
 
 ``index.json``::
 
     {"format": "ds_adaptive.latents", "version": 1, "latent_channels": 16, "text_dim": 4096,
-     "num_samples": 2,
+     "vae": "Wan 2.1 VAE", "vae_stride": [4, 8, 8], "num_samples": 2,
      "samples": [
        {"id": "000000", "frames": 81, "height": 480, "width": 832, "latent_shape": [16, 21, 60, 104],
         "text_len": 97, "file": "shard-00000.safetensors",
         "latents_key": "000000.latents", "context_key": "000000.context"},
        ...]}
 
+A dataset is read for a model (its :class:`ds_adaptive.shapes.InputSpec`): latent channels, VAE stride and
+text width in the index must be the model's (``vae``/``vae_stride`` absent in indexes written before they
+were recorded: the channels and every entry's ``latent_shape`` are still checked against the model's rule).
 The index alone is enough to plan (``sample_shapes()`` reads no tensor). Shards are written
 first and the index last (atomically), so a directory with an index is complete. Files are
 checked when the dataset opens (existence, keys and tensor shapes from the safetensors
@@ -34,7 +37,7 @@ from safetensors import SafetensorError, safe_open
 
 from ..files import save_safetensors
 from ..jsonfile import read_json
-from ..shapes import LATENT_CHANNELS, MAX_TEXT_LEN, TEXT_DIM, SampleShape, ShapeError, validate_shape
+from ..shapes import InputSpec, SampleShape, ShapeError, default_input_spec
 from .synthetic import DataError
 
 FORMAT = "ds_adaptive.latents"
@@ -50,14 +53,17 @@ class LatentShardWriter:
     Use as a context manager, or call ``close()``: the index is written only then. Each shard file
     is written under a temporary name and renamed, so a file under its final name is complete.
     ``prefix`` names the files ``<prefix>-00000.safetensors``, ...; ``index=False`` writes no index
-    (a part of a dataset whose index ``write_index`` assembles later from ``entries``).
+    (a part of a dataset whose index ``write_index`` assembles later from ``entries``). ``spec``: the
+    model the latents are for (default: the default model's).
     """
 
     def __init__(self, out_dir: Union[str, Path], *, shard_bytes: int = 1 << 30, dtype: str = "float32",
-                 overwrite: bool = False, prefix: str = "shard", index: bool = True) -> None:
+                 overwrite: bool = False, prefix: str = "shard", index: bool = True,
+                 spec: Optional[InputSpec] = None) -> None:
         if dtype not in _DTYPES:
             raise DataError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         self.out_dir = Path(out_dir)
+        self.spec = spec or default_input_spec()
         self.prefix, self.write_index = prefix, bool(index)
         if index and (self.out_dir / INDEX_FILE).exists() and not overwrite:
             raise DataError(f"{self.out_dir / INDEX_FILE} already exists; pick another --out directory or "
@@ -87,7 +93,7 @@ class LatentShardWriter:
 
     def add(self, sample_id: str, shape: SampleShape, latents: torch.Tensor, context: torch.Tensor,
             meta: Optional[dict] = None) -> None:
-        """Queue one sample; ``latents`` must be ``shape.latent_shape``, ``context`` [L <= 512, 4096].
+        """Queue one sample; ``latents`` must be ``shape.latent_shape``, ``context`` [L <= text_len, text_dim].
         ``meta``: extra JSON keys for its index entry (e.g. the source file); readers ignore them."""
         if self._closed:
             raise DataError("LatentShardWriter is closed")
@@ -95,11 +101,15 @@ class LatentShardWriter:
         if sample_id in self._ids or "." in sample_id:
             raise DataError(f"sample id {sample_id!r} is duplicated or contains '.'; ids must be unique "
                             "and dot-free (keys are '<id>.latents')")
+        if shape.grid != self.spec.grid:
+            raise DataError(f"sample {sample_id}: shape {shape} is under {shape.grid.describe()}, the dataset is "
+                            f"written for {self.spec.describe()}")
         if tuple(latents.shape) != shape.latent_shape:
             raise DataError(f"sample {sample_id}: latents have shape {tuple(latents.shape)}, expected "
                             f"{shape.latent_shape} for {shape} (frames x height x width)")
-        if context.dim() != 2 or context.shape[1] != TEXT_DIM or not 1 <= context.shape[0] <= MAX_TEXT_LEN:
-            raise DataError(f"sample {sample_id}: context must be [L, {TEXT_DIM}] with 1 <= L <= {MAX_TEXT_LEN}, "
+        dim, max_len = self.spec.text_dim, self.spec.text_len
+        if context.dim() != 2 or context.shape[1] != dim or not 1 <= context.shape[0] <= max_len:
+            raise DataError(f"sample {sample_id}: context must be [L, {dim}] with 1 <= L <= {max_len}, "
                             f"got {tuple(context.shape)}")
         lat_key, ctx_key = f"{sample_id}.latents", f"{sample_id}.context"
         self._pending[lat_key] = latents.detach().to("cpu", self.dtype).contiguous()
@@ -131,7 +141,7 @@ class LatentShardWriter:
         self._flush()
         self._closed = True
         if self.write_index:
-            write_index(self.out_dir, self._entries)
+            write_index(self.out_dir, self._entries, spec=self.spec)
         return self.out_dir / INDEX_FILE
 
     def __enter__(self) -> "LatentShardWriter":
@@ -142,10 +152,13 @@ class LatentShardWriter:
             self.close()
 
 
-def write_index(out_dir: Union[str, Path], entries: list[dict]) -> Path:
-    """Write ``out_dir/index.json`` for ``entries`` (atomically: temporary file, then rename)."""
+def write_index(out_dir: Union[str, Path], entries: list[dict], *, spec: Optional[InputSpec] = None) -> Path:
+    """Write ``out_dir/index.json`` for ``entries`` of latents for ``spec`` (default: the default model's)
+    atomically: temporary file, then rename."""
     out_dir = Path(out_dir)
-    index = {"format": FORMAT, "version": VERSION, "latent_channels": LATENT_CHANNELS, "text_dim": TEXT_DIM,
+    spec = spec or default_input_spec()
+    index = {"format": FORMAT, "version": VERSION, "latent_channels": spec.grid.latent_channels,
+             "text_dim": spec.text_dim, "vae": spec.grid.vae, "vae_stride": list(spec.grid.vae_stride),
              "num_samples": len(entries), "samples": entries}
     tmp = out_dir / (INDEX_FILE + ".tmp")
     # One sample per line: readable, diffable and still plain JSON.
@@ -181,23 +194,40 @@ def _read_index(root: Path) -> dict:
 class LatentShardDataset(torch.utils.data.Dataset):
     """Reader of a directory written by ``LatentShardWriter`` / ``ds-adaptive synth``.
 
-    ``__getitem__(i)`` -> ``{"latents": [16, T', H', W'] float32, "context": [L, 4096] float32,
+    ``__getitem__(i)`` -> ``{"latents": [C, T', H', W'] float32, "context": [L, text_dim] float32,
     "index": i}``. ``verify=True`` checks every file, key and tensor shape on open (headers only).
+    ``spec``: the model the latents are read for (default: the default model's).
     """
 
-    def __init__(self, root: Union[str, Path], *, verify: bool = True) -> None:
+    def __init__(self, root: Union[str, Path], *, verify: bool = True, spec: Optional[InputSpec] = None) -> None:
         self.root = Path(root)
         self.index_path = self.root / INDEX_FILE
+        self.spec = spec or default_input_spec()
         index = _read_index(self.root)
+        self._check_model(index)
         self.entries: list[dict] = []
         self._shapes: list[SampleShape] = []
         for i, e in enumerate(index["samples"]):
             self.entries.append(self._check_entry(i, e))
-            self._shapes.append(SampleShape(e["frames"], e["height"], e["width"]))
+            self._shapes.append(SampleShape(e["frames"], e["height"], e["width"], self.spec.grid))
         self._handles: dict[str, object] = {}
         self._pid: Optional[int] = None
         if verify:
             self.verify()
+
+    def _check_model(self, index: dict) -> None:
+        """The index's latent channels / VAE stride / text width against the model's."""
+        grid = self.spec.grid
+        found = {"latent_channels": index.get("latent_channels"), "vae_stride": index.get("vae_stride"),
+                 "text_dim": index.get("text_dim")}
+        want = {"latent_channels": grid.latent_channels, "vae_stride": list(grid.vae_stride),
+                "text_dim": self.spec.text_dim}
+        bad = [f"{k} {found[k]} (expected {want[k]})" for k in want if found[k] is not None and found[k] != want[k]]
+        if bad:
+            vae = f" ({index['vae']})" if index.get("vae") else ""
+            raise DataError(f"{self.index_path}: the latents were written for another model{vae}: "
+                            f"{', '.join(bad)}; {self.spec.describe()}. Train a model of that VAE (--model) or "
+                            "re-encode the media for this one (ds-adaptive preprocess --model ...)")
 
     def _check_entry(self, i: int, e: object) -> dict:
         where = f"{self.index_path} sample {i}"
@@ -208,11 +238,17 @@ class LatentShardDataset(torch.utils.data.Dataset):
         if missing:
             raise DataError(f"{where}: missing key(s) {missing}; every entry needs {list(_ENTRY_KEYS)}")
         try:
-            validate_shape(e["frames"], e["height"], e["width"], where=where)
+            self.spec.grid.validate(e["frames"], e["height"], e["width"], where=where)
         except ShapeError as exc:
             raise DataError(str(exc)) from None
-        if not isinstance(e["text_len"], int) or not 1 <= e["text_len"] <= MAX_TEXT_LEN:
-            raise DataError(f"{where}: text_len must be an int in 1..{MAX_TEXT_LEN}, got {e['text_len']!r}")
+        n = self.spec.text_len
+        if not isinstance(e["text_len"], int) or not 1 <= e["text_len"] <= n:
+            raise DataError(f"{where}: text_len must be an int in 1..{n}, got {e['text_len']!r}")
+        shape = SampleShape(e["frames"], e["height"], e["width"], self.spec.grid)
+        if "latent_shape" in e and list(e["latent_shape"]) != list(shape.latent_shape):
+            raise DataError(f"{where}: latent_shape {e['latent_shape']} for {shape}, the model expects "
+                            f"{list(shape.latent_shape)} ({self.spec.describe()}); the latents were encoded for "
+                            "another model: re-encode them (ds-adaptive preprocess --model ...)")
         return e
 
     def verify(self) -> None:
@@ -229,9 +265,9 @@ class LatentShardDataset(torch.utils.data.Dataset):
                 with safe_open(str(path), framework="pt") as f:
                     keys = set(f.keys())
                     for e in entries:
-                        shape = SampleShape(e["frames"], e["height"], e["width"])
+                        shape = SampleShape(e["frames"], e["height"], e["width"], self.spec.grid)
                         expected = {e["latents_key"]: list(shape.latent_shape),
-                                    e["context_key"]: [e["text_len"], TEXT_DIM]}
+                                    e["context_key"]: [e["text_len"], self.spec.text_dim]}
                         for key, want in expected.items():
                             if key not in keys:
                                 raise DataError(f"shard {path} has no tensor {key!r} for sample {e['id']!r} "
@@ -275,7 +311,7 @@ class LatentShardDataset(torch.utils.data.Dataset):
         out = {}
         shape = self._shapes[i]
         for name, key, want in (("latents", e["latents_key"], shape.latent_shape),
-                                ("context", e["context_key"], (e["text_len"], TEXT_DIM))):
+                                ("context", e["context_key"], (e["text_len"], self.spec.text_dim))):
             try:
                 t = h.get_tensor(key)
             except SafetensorError as exc:

@@ -1,6 +1,6 @@
 """``ds-adaptive synth``: write the synthetic latent dataset to disk (index.json + safetensors shards).
 
-    ds-adaptive synth --out data/wan_synth --num-samples 1000 [--shapes FILE] [--seed S]
+    ds-adaptive synth --out data/synth --num-samples 1000 [--shapes FILE] [--seed S] [--model M]
 
 The samples are exactly those of the embedded default (``--data synthetic`` with the same
 ``--shapes``, ``--seed`` and ``--num-samples``), so a run on the written directory and a run on
@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Optional
 
-from ..shapes import MAX_TEXT_LEN, ShapeError
+from ..shapes import ShapeError
 from .shards import LatentShardWriter
 from .synthetic import DEFAULT_TEXT_LEN, DataError, SyntheticLatentDataset
 
@@ -23,11 +23,15 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="output directory (created; must not hold a dataset)")
     p.add_argument("--num-samples", type=int, required=True, help="number of samples to write")
+    p.add_argument("--model", default=None,
+                   help="the model the latents are for: its VAE's grid, channels and text width (default: the "
+                        "default model; `ds-adaptive train --help` lists them)")
     p.add_argument("--shapes", default=None,
-                   help="shape-distribution json (default: ds_adaptive/data/default_shapes.json)")
+                   help="shape-distribution json (default: the model's shipped mix)")
     p.add_argument("--seed", type=int, default=0, help="dataset seed (shapes, classes, text lengths, noise)")
-    p.add_argument("--text-len", type=int, nargs=2, default=list(DEFAULT_TEXT_LEN), metavar=("MIN", "MAX"),
-                   help=f"text length range, max <= {MAX_TEXT_LEN} (default: %(default)s)")
+    p.add_argument("--text-len", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
+                   help=f"text length range, max <= the model's text length (default: {list(DEFAULT_TEXT_LEN)} "
+                        "clipped to it)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="storage dtype of the tensors (read back as float32)")
     p.add_argument("--shard-mb", type=float, default=1024, help="target shard size in MiB (default 1024)")
@@ -40,16 +44,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.num_samples < 1:
         print(f"ds-adaptive synth: --num-samples must be >= 1, got {args.num_samples}", file=sys.stderr)
         return 2
+    from ..models.family import ModelError
+    from ..models.registry import default_model, get_model
+
     try:
-        ds = SyntheticLatentDataset(args.num_samples, args.shapes, seed=args.seed, text_len=tuple(args.text_len))
+        model = get_model(args.model or default_model())
+        ds = SyntheticLatentDataset(args.num_samples, args.shapes or model.shapes, seed=args.seed,
+                                    text_len=tuple(args.text_len) if args.text_len else None, spec=model.input_spec)
         t0 = time.perf_counter()
         with LatentShardWriter(args.out, shard_bytes=int(args.shard_mb * 2**20), dtype=args.dtype,
-                               overwrite=args.overwrite) as writer:
+                               overwrite=args.overwrite, spec=model.input_spec) as writer:
             for i in range(len(ds)):
                 s = ds[i]
                 writer.add(f"{i:08d}", ds.shape_of(i), s["latents"], s["context"])
         index = writer.close()
-    except (DataError, ShapeError, FileNotFoundError) as exc:
+    except (DataError, ShapeError, FileNotFoundError, ModelError) as exc:
         print(f"ds-adaptive synth: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {ds.describe()} to {args.out} ({writer.num_shards} shard file(s), index {index}) "

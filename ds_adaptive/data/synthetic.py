@@ -1,7 +1,8 @@
-"""The embedded default dataset: synthetic Wan 2.1 latents on a mixed image + video shape mix.
+"""The embedded default dataset: synthetic latents on a mixed image + video shape mix.
 
-Every sample is a VAE latent ``[16, T', H', W']`` (T' = (frames-1)/4+1, H' = height/8,
-W' = width/8) with a text embedding ``[L, 4096]`` (L <= 512, like umT5's output). The
+Every sample is a VAE latent ``[C, T', H', W']`` by the model's grid rule (``InputSpec.grid``; e.g. C = 16,
+T' = (frames-1)/4+1, H' = height/8, W' = width/8) with a text embedding ``[L, text_dim]`` (L <= the
+model's text length, like the text encoder's output). The
 latents carry learnable structure, so that a flow-matching loss really falls:
 
 * a sample belongs to one of ``num_classes`` "prompts";
@@ -9,7 +10,7 @@ latents carry learnable structure, so that a flow-matching loss really falls:
   class can be read from the context;
 * its latent is a fixed smooth function of (class, normalised position, latent frame):
   a class-specific channel bias plus a few moving plane waves with class-specific
-  frequencies, phases and velocities, mixed into the 16 channels, plus small iid noise.
+  frequencies, phases and velocities, mixed into the C channels, plus small iid noise.
   The function uses normalised coordinates, so one "prompt" looks alike at every
   resolution, and videos move (phase drift per latent frame).
 
@@ -28,9 +29,9 @@ from typing import Sequence, Union
 import numpy as np
 import torch
 
-from ..shapes import LATENT_CHANNELS, MAX_TEXT_LEN, TEXT_DIM, SampleShape, ShapeWeight, load_shape_distribution
+from ..shapes import InputSpec, SampleShape, ShapeWeight, default_input_spec, load_shape_distribution
 
-DEFAULT_WORLD_SEED = 20250225  # Wan 2.1's release date; fixes the learnable "world"
+DEFAULT_WORLD_SEED = 20250225  # fixes the learnable "world"
 DEFAULT_TEXT_LEN = (16, 256)
 
 
@@ -41,37 +42,39 @@ class DataError(ValueError):
 ShapesArg = Union[None, str, Path, Sequence[ShapeWeight]]
 
 
-def _resolve_shapes(shapes: ShapesArg) -> list[ShapeWeight]:
+def _resolve_shapes(shapes: ShapesArg, grid) -> list[ShapeWeight]:
+    """The distribution under the model's grid rule (pixel shapes of a list are re-read under it)."""
     if shapes is None or isinstance(shapes, (str, Path)):
-        return load_shape_distribution(shapes)
+        return load_shape_distribution(shapes, grid=grid)
     out = list(shapes)
     if not out or not all(isinstance(s, ShapeWeight) for s in out):
         raise DataError("shapes must be a path to a shape-distribution json or a non-empty list of ShapeWeight")
-    return out
+    return [w if w.shape.grid == grid else ShapeWeight(w.shape.with_grid(grid), w.weight) for w in out]
 
 
 class _World:
     """The fixed learnable structure: per-class text prototypes and latent functions."""
 
-    def __init__(self, num_classes: int, world_seed: int, waves: int = 4, noise_std: float = 0.1) -> None:
+    def __init__(self, num_classes: int, world_seed: int, channels: int, text_dim: int, waves: int = 4,
+                 noise_std: float = 0.1) -> None:
         rng = np.random.default_rng([world_seed, 0x7E47])
         self.num_classes = num_classes
         self.noise_std = noise_std
-        self.text_proto = rng.standard_normal((num_classes, TEXT_DIM), dtype=np.float32)
+        self.text_proto = rng.standard_normal((num_classes, text_dim), dtype=np.float32)
         # Plane waves: integer spatial frequencies (cycles per frame side), phase, velocity
         # (radians per latent frame). Low frequencies keep the function smooth.
         self.freq_h = rng.integers(-2, 3, size=(num_classes, waves)).astype(np.float32)
         self.freq_w = rng.integers(-2, 3, size=(num_classes, waves)).astype(np.float32)
         self.phase = rng.uniform(0, 2 * math.pi, size=(num_classes, waves)).astype(np.float32)
         self.velocity = rng.uniform(-0.6, 0.6, size=(num_classes, waves)).astype(np.float32)
-        # Per-element variance: bias 0.25 + waves sum(A^2)/2 ~ 0.74 + noise 0.01 ~ 1 (Wan's
-        # latents are normalised to about unit variance).
-        self.bias = (0.5 * rng.standard_normal((num_classes, LATENT_CHANNELS))).astype(np.float32)
-        self.mix = (rng.standard_normal((num_classes, LATENT_CHANNELS, waves))
+        # Per-element variance: bias 0.25 + waves sum(A^2)/2 ~ 0.74 + noise 0.01 ~ 1 (VAE latents are
+        # normalised to about unit variance).
+        self.bias = (0.5 * rng.standard_normal((num_classes, channels))).astype(np.float32)
+        self.mix = (rng.standard_normal((num_classes, channels, waves))
                     * math.sqrt(2 * 0.74 / waves)).astype(np.float32)
 
     def clean_latent(self, cls: int, latent_thw: tuple[int, int, int]) -> np.ndarray:
-        """The noiseless latent [16, T', H', W'] of class ``cls`` (float32)."""
+        """The noiseless latent [C, T', H', W'] of class ``cls`` (float32)."""
         t_n, h_n, w_n = latent_thw
         t = np.arange(t_n, dtype=np.float32)[:, None, None, None]
         h = (np.arange(h_n, dtype=np.float32) / h_n)[None, :, None, None]
@@ -85,38 +88,43 @@ class _World:
 
 
 class SyntheticLatentDataset(torch.utils.data.Dataset):
-    """Deterministic synthetic Wan latents drawn from a mixed image + video shape distribution.
+    """Deterministic synthetic latents drawn from a mixed image + video shape distribution.
 
     Args:
         num_samples: dataset length.
-        shapes: shape-distribution json path or ``ShapeWeight`` list (default: the shipped
-            ``ds_adaptive/data/default_shapes.json``).
+        shapes: shape-distribution json path or ``ShapeWeight`` list (default: the default model's
+            shipped mix, ``ds_adaptive/data/default_shapes.json``).
         seed: picks each sample's shape, class, text length and noise.
-        text_len: inclusive (min, max) text length L of the context, max <= 512.
+        text_len: inclusive (min, max) text length L of the context, max <= ``spec.text_len`` (default:
+            ``DEFAULT_TEXT_LEN`` clipped to the model's text length).
         num_classes: number of distinct "prompts" (latent functions).
         world_seed: fixes the prototypes and latent functions (keep the default to share
             the learnable structure across datasets).
+        spec: the model's inputs (grid rule, text width and length; default: the default model's).
 
-    ``__getitem__(i)`` -> ``{"latents": [16, T', H', W'] float32, "context": [L, 4096] float32,
+    ``__getitem__(i)`` -> ``{"latents": [C, T', H', W'] float32, "context": [L, text_dim] float32,
     "index": i}``.
     """
 
     def __init__(self, num_samples: int, shapes: ShapesArg = None, *, seed: int = 0,
-                 text_len: tuple[int, int] = DEFAULT_TEXT_LEN, num_classes: int = 16,
-                 world_seed: int = DEFAULT_WORLD_SEED) -> None:
+                 text_len: tuple[int, int] | None = None, num_classes: int = 16,
+                 world_seed: int = DEFAULT_WORLD_SEED, spec: InputSpec | None = None) -> None:
         if not isinstance(num_samples, int) or num_samples < 1:
             raise DataError(f"num_samples must be a positive int, got {num_samples!r}")
+        self.spec = spec or default_input_spec()
+        if text_len is None:
+            text_len = tuple(min(v, self.spec.text_len) for v in DEFAULT_TEXT_LEN)
         lo, hi = (int(v) for v in text_len)
-        if not 1 <= lo <= hi <= MAX_TEXT_LEN:
-            raise DataError(f"text_len must satisfy 1 <= min <= max <= {MAX_TEXT_LEN} (Wan's text_len), "
-                            f"got {text_len!r}")
+        if not 1 <= lo <= hi <= self.spec.text_len:
+            raise DataError(f"text_len must satisfy 1 <= min <= max <= {self.spec.text_len} (the model's text "
+                            f"length), got {text_len!r}")
         if num_classes < 1:
             raise DataError(f"num_classes must be >= 1, got {num_classes}")
         self.num_samples = num_samples
         self.seed = int(seed)
         self.text_len = (lo, hi)
-        self.distribution = _resolve_shapes(shapes)
-        self.world = _World(num_classes, world_seed)
+        self.distribution = _resolve_shapes(shapes, self.spec.grid)
+        self.world = _World(num_classes, world_seed, self.spec.grid.latent_channels, self.spec.text_dim)
         weights = np.array([s.weight for s in self.distribution], dtype=np.float64)
         draw = np.random.default_rng([self.seed, 0x5A4E]).choice(
             len(self.distribution), size=num_samples, p=weights / weights.sum())
@@ -154,11 +162,12 @@ class SyntheticLatentDataset(torch.utils.data.Dataset):
         shape = self.shape_of(index)
         latent = self.world.clean_latent(cls, shape.latent_grid)
         latent += self.world.noise_std * rng.standard_normal(latent.shape, dtype=np.float32)
-        context = self.world.text_proto[cls] + 0.5 * rng.standard_normal((length, TEXT_DIM), dtype=np.float32)
+        context = self.world.text_proto[cls] + 0.5 * rng.standard_normal((length, self.spec.text_dim),
+                                                                         dtype=np.float32)
         return {"latents": torch.from_numpy(latent), "context": torch.from_numpy(context), "index": index}
 
     def describe(self) -> str:
         n_img = sum(1 for k in self._shape_ids if self.distribution[k].shape.is_image)
-        return (f"synthetic Wan latents: {self.num_samples} samples ({n_img} images, "
+        return (f"synthetic latents: {self.num_samples} samples ({n_img} images, "
                 f"{self.num_samples - n_img} videos), {len(self.distribution)} shapes, seed {self.seed}")
 

@@ -1,4 +1,10 @@
-"""Models: the Wan 2.1 DiT (``wan``) and its checkpoint loading (``weights``)."""
-from .wan import (WAN_CONFIGS, WanConfig, WanConfigError, WanInputs, WanModel, count_parameters,  # noqa: F401
-                  get_wan_config, sdpa_attention)
-from .weights import WanWeightsError, load_wan_weights, save_wan_weights  # noqa: F401
+"""Model families behind one seam (``family.py``, docs/ARCHITECTURE.md "The model seam").
+
+``registry.get_model(name)`` -> a :class:`family.Model`: config, builder, token-grid rule, text length,
+FLOPs, weight adapter, objective options. The rest of the package asks it and never imports a family's
+module. Families: ``wan21`` (Wan 2.1 T2V); the Wan-architecture code is ``wan`` (the DiT, diffusers'
+numerics), ``weights`` (diffusers / original checkpoints), ``flops``; ``testing`` holds test helpers.
+"""
+from .family import (DiffusionTransformer, MediaDefaults, Model, ModelError, ModelFamily,  # noqa: F401
+                     ObjectiveOptions, Preset, WeightAdapter)
+from .registry import default_model, families, get_model, model_names  # noqa: F401

@@ -1,4 +1,4 @@
-"""Model FLOPs of Wan 2.1 training, for MFU / HFU (``metrics``; formula in docs/MEMORY.md).
+"""Model FLOPs of Wan DiT training (MFU / HFU, ``metrics``; formula in docs/MEMORY.md) and parameter counts.
 
 Per sample of ``S`` tokens (D = dim, F = ffn_dim, L = blocks, T = text tokens, 512), forward,
 counting a multiply-add as 2 FLOPs, linear layers and attention only (norms, RoPE, elementwise ops
@@ -41,3 +41,20 @@ def wan_train_flops(cfg, tokens: int, batch_size: int, ckpt_blocks: int = 0,
     model = 3 * fwd * batch_size
     n = min(max(int(ckpt_blocks), 0), cfg.num_layers)
     return model, model + n * block * batch_size
+
+
+def wan_param_counts(cfg) -> dict:
+    """Parameters of a Wan DiT config: ``{"block": per block, "total": all}`` (equal to
+    ``count_parameters``, tested). Per block 8 D^2 + 2 D F + 21 D + F: self- and cross-attention q, k, v, o
+    with biases, q/k RMSNorms, the affine LayerNorm before the cross-attention, the FFN, the [1, 6, D]
+    modulation table."""
+    d, f = cfg.dim, cfg.ffn_dim
+    norm3 = 2 * d if cfg.cross_attn_norm else 0
+    block = 8 * (d * d + d) + 4 * d + norm3 + 2 * d * f + f + d + 6 * d
+    patch = cfg.in_channels * math.prod(cfg.patch_size)
+    embed = (patch * d + d                                   # patch embedding Conv3d
+             + cfg.text_dim * d + d + d * d + d              # text MLP
+             + cfg.freq_dim * d + d + d * d + d              # time MLP
+             + d * 6 * d + 6 * d)                            # time projection to 6 modulation vectors
+    head = d * cfg.patch_channels + cfg.patch_channels + 2 * d
+    return {"block": int(block), "total": int(block * cfg.num_layers + embed + head)}

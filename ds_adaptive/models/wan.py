@@ -4,6 +4,7 @@ Shapes (B batch, S = F*H*W tokens, D = dim, Dh = head_dim, L text tokens)::
 
     latents [B, 16, T', H', W']  --patch 1x2x2 Conv3d-->  tokens [B, S, D], grid (F, H, W) = (T', H'/2, W'/2)
     timestep [B] float in [0, 1000] --sinusoid(256)--> MLP --> time_emb [B, D] --SiLU, Linear--> time_mod [B, 6, D]
+      (or one per token, timestep [B, S] -> time_emb [B, S, D], time_mod [B, S, 6, D]: diffusers' expand_timesteps)
     context [B, L, 4096] --Linear, GELU-tanh, Linear--> [B, L, D]
     30 / 40 blocks:  x += gate1 * SelfAttn(LN(x)*(1+scale1)+shift1, 3D RoPE)
                      x += CrossAttn(LN_affine(x), context)
@@ -51,6 +52,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch.utils.checkpoint import checkpoint
 
+from ds_adaptive.models.family import ModelError, set_plain_attr
+from ds_adaptive.models.wan21 import FAMILY as _WAN21
 # Plain torch by default: the fused op is opt-in (adaptive_load.fused_ln_modulate -> set_ln_modulate),
 # so a baseline run never picks it up implicitly.
 from ds_adaptive.ops.ln_modulate import ln_modulate_reference as _default_ln_modulate
@@ -65,7 +68,7 @@ LnModulateFn = Callable[..., torch.Tensor]
 Grid = tuple[int, int, int]
 
 
-class WanConfigError(ValueError):
+class WanConfigError(ModelError):
     """A WanConfig field (or a latent / context shape given to the model) is invalid."""
 
 
@@ -156,25 +159,24 @@ class WanConfig:
         return d
 
 
-WAN_CONFIGS: dict[str, WanConfig] = {
-    "wan2.1-1.3b": WanConfig(dim=1536, ffn_dim=8960, num_heads=12, num_layers=30),
-    "wan2.1-14b": WanConfig(dim=5120, ffn_dim=13824, num_heads=40, num_layers=40),
-    # CPU tests / smoke training: real text width, head_dim 64.
-    "tiny": WanConfig(dim=128, ffn_dim=256, num_heads=2, num_layers=2),
-}
+WAN_CONFIGS: dict[str, WanConfig] = {p.name: WanConfig(**p.arch) for p in _WAN21.presets}
+"""The Wan 2.1 presets (``ds_adaptive.models.wan21``); ``get_wan_config`` also knows every registered
+Wan-architecture model (``ds_adaptive.models.registry``)."""
 
 
 def get_wan_config(name_or_dict: Union[str, Mapping[str, Any], WanConfig], **overrides: Any) -> WanConfig:
-    """A WanConfig from a preset name (``WAN_CONFIGS``), a dict of WanConfig fields, or a
+    """A WanConfig from a model name (``ds_adaptive.models.registry``), a dict of WanConfig fields, or a
     WanConfig; ``overrides`` replace fields. Unknown names / keys are errors that list the valid ones."""
     fields = {f.name for f in dataclasses.fields(WanConfig)}
     if isinstance(name_or_dict, WanConfig):
         base = name_or_dict.to_dict()
     elif isinstance(name_or_dict, str):
-        if name_or_dict not in WAN_CONFIGS:
-            raise WanConfigError(f"unknown Wan model {name_or_dict!r}; known: {sorted(WAN_CONFIGS)} "
-                                 "(or pass a dict of WanConfig fields)")
-        base = WAN_CONFIGS[name_or_dict].to_dict()
+        from ds_adaptive.models.registry import get_model
+
+        try:
+            base = dict(get_model(name_or_dict).preset.arch)
+        except ModelError as exc:
+            raise WanConfigError(f"{exc} (or pass a dict of WanConfig fields)") from None
     elif isinstance(name_or_dict, Mapping):
         base = dict(name_or_dict)
     else:
@@ -258,11 +260,18 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     return out.transpose(1, 2)
 
 
-def _set_plain_attr(module: nn.Module, name: str, value: Any) -> None:
-    # Bypass nn.Module.__setattr__: an attention fn may itself be an nn.Module (DeepSpeed's
-    # DistributedAttention); registering it as a child of every block would put it in
-    # named_modules() and under ZeRO-3's hooks.
-    object.__setattr__(module, name, value)
+_set_plain_attr = set_plain_attr  # non-module attributes (ds_adaptive.models.family)
+
+
+def modulation(table: torch.Tensor, time: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``table [1, n, D]`` plus the time modulation in fp32, as n views (diffusers' ``scale_shift_table + temb``):
+    per sample ``time [B, n, D]`` (or ``[B, 1, D]``) -> ``[B, 1, D]`` each; per token ``time [B, S, n, D]`` (or
+    ``[B, S, 1, D]``) -> ``[B, S, D]`` each."""
+    n = table.shape[1]
+    if time.dim() == 4:
+        mod = table.float().unsqueeze(0) + time.float()
+        return tuple(m.squeeze(2) for m in mod.chunk(n, dim=2))
+    return (table.float() + time.float()).chunk(n, dim=1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -332,14 +341,15 @@ class WanBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, time_mod: torch.Tensor, context: torch.Tensor, freqs: torch.Tensor,
                 **attn_kwargs: Any) -> torch.Tensor:
-        """x [B, S, D] (activation dtype), time_mod [B, 6, D] fp32, context [B, L, D], freqs [S, Dh/2, 2].
+        """x [B, S, D] (activation dtype), time_mod [B, 6, D] or [B, S, 6, D] fp32, context [B, L, D],
+        freqs [S, Dh/2, 2].
 
         ``mod = modulation + time_mod`` is one fp32 ``[B, 6, D]`` table; shift / scale / gate are
         its ``[B, 1, D]`` chunk views (strides (6D, D, 1), no copies), in the order
-        shift1, scale1, gate1, shift2, scale2, gate2.
+        shift1, scale1, gate1, shift2, scale2, gate2. Per token: ``[B, S, 6, D]``, views ``[B, S, D]``
+        (strides (6SD, 6D, 1)).
         """
-        mod = self.modulation.float() + time_mod.float()
-        shift1, scale1, gate1, shift2, scale2, gate2 = mod.chunk(6, dim=1)
+        shift1, scale1, gate1, shift2, scale2, gate2 = modulation(self.modulation, time_mod)
         y = self.self_attn(self.ln_modulate(x, shift1, scale1, self.eps), freqs, self.attn_fn, **attn_kwargs)
         x = (x.float() + y.float() * gate1).to(x.dtype)
         x = x + self.cross_attn(self.norm3(x), context)
@@ -358,9 +368,8 @@ class WanHead(nn.Module):
         _set_plain_attr(self, "ln_modulate", _default_ln_modulate)
 
     def forward(self, x: torch.Tensor, time_emb: torch.Tensor) -> torch.Tensor:
-        """x [B, S, D], time_emb [B, D] -> [B, S, out_channels * prod(patch)] (x's dtype)."""
-        mod = self.modulation.float() + time_emb.float().unsqueeze(1)  # [B, 2, D] fp32
-        shift, scale = mod.chunk(2, dim=1)
+        """x [B, S, D], time_emb [B, D] or [B, S, D] -> [B, S, out_channels * prod(patch)] (x's dtype)."""
+        shift, scale = modulation(self.modulation, time_emb.unsqueeze(-2))  # [B, 2, D] / [B, S, 2, D] fp32
         return self.head(self.ln_modulate(x, shift, scale, self.eps))
 
 
@@ -371,13 +380,29 @@ class WanInputs:
     tokens: torch.Tensor
     """[B, S, D] patch tokens in the activation dtype, (f, h, w) row-major order."""
     time_mod: torch.Tensor
-    """[B, 6, D] fp32 time modulation (each block adds its own ``modulation`` table)."""
+    """[B, 6, D] fp32 time modulation (each block adds its own ``modulation`` table); per-token timesteps:
+    [B, S, 6, D], rows in the model's token order."""
     time_emb: torch.Tensor
-    """[B, D] time embedding (activation dtype) for the head's modulation."""
+    """[B, D] time embedding (activation dtype) for the head's modulation; per-token: [B, S, D]."""
     context: torch.Tensor
     """[B, L, D] embedded text context."""
     grid: Grid
     """(F, H, W) token grid; S = F * H * W."""
+
+    def local(self, shard: Callable[[torch.Tensor, int], torch.Tensor]) -> "WanInputs":
+        """These inputs for one rank of a sequence-parallel group: ``shard(t, dim)`` cuts this rank's
+        (padded) slice of a per-token tensor along ``dim`` (``ds_adaptive.parallel.shard_sequence``).
+        The tokens and per-token modulation are sharded; per-sample modulation and the text context are kept
+        whole."""
+        if not self.per_token:
+            return dataclasses.replace(self, tokens=shard(self.tokens, 1))
+        return dataclasses.replace(self, tokens=shard(self.tokens, 1), time_mod=shard(self.time_mod, 1),
+                                   time_emb=shard(self.time_emb, 1))
+
+    @property
+    def per_token(self) -> bool:
+        """The modulation is per token (``timestep [B, S]``)."""
+        return self.time_mod.dim() == 4
 
 
 def is_fp32_param(name: str) -> bool:
@@ -474,16 +499,22 @@ class WanModel(nn.Module):
     # ---- the split forward ----
 
     def embed(self, latents: torch.Tensor, timestep: torch.Tensor, context: torch.Tensor) -> WanInputs:
-        """latents [B, C_in, T', H', W'], timestep [B] (float, 0..1000), context [B, L, text_dim]."""
+        """latents [B, C_in, T', H', W'], timestep [B] or [B, S] (float, 0..1000; [B, S]: one per token in
+        (f, h, w) raster order, diffusers' ``expand_timesteps``), context [B, L, text_dim]."""
         self._check_inputs(latents, timestep, context)
         dtype = self.patch_embedding.weight.dtype  # the activation dtype
         x = self.patch_embedding(latents.to(dtype))  # [B, D, F, H, W]
         grid = tuple(int(n) for n in x.shape[2:])
         tokens = self.order_tokens(x.flatten(2).transpose(1, 2), grid).contiguous()
-        t = timestep_embedding(timestep, self.config.freq_dim)
+        per_token = timestep.dim() == 2
+        steps = self.order_tokens(timestep, grid).flatten() if per_token else timestep  # [B*S] or [B]
+        t = timestep_embedding(steps, self.config.freq_dim)
         time_emb = self.time_embedding(t.to(self.time_embedding[0].weight.dtype)).to(dtype)
         time_mod = self.time_projection(time_emb.to(self.time_projection[1].weight.dtype))
-        time_mod = time_mod.float().unflatten(1, (6, self.config.dim))
+        time_mod = time_mod.float().unflatten(1, (6, self.config.dim))  # [B(*S), 6, D]
+        if per_token:  # rows are (sample, token): [B, S, D] and [B, S, 6, D]
+            b = timestep.shape[0]
+            time_emb, time_mod = time_emb.unflatten(0, (b, -1)), time_mod.unflatten(0, (b, -1))
         ctx = self.text_embedding(context.to(self.text_embedding[0].weight.dtype))
         return WanInputs(tokens=tokens, time_mod=time_mod, time_emb=time_emb, context=ctx, grid=grid)
 
@@ -553,9 +584,10 @@ class WanModel(nn.Module):
         if t % pt or h % ph or w % pw:
             raise WanConfigError(f"latent grid {t}x{h}x{w} (T'xH'xW') is not divisible by the patch "
                                  f"{cfg.patch_size}; crop or resize the sample (H', W' must be even)")
-        if timestep.shape != (b,):
-            raise WanConfigError(f"timestep must be [B] = [{b}] (one float in [0, 1000] per sample), "
-                                 f"got {list(timestep.shape)}")
+        s = (t // pt) * (h // ph) * (w // pw)
+        if timestep.shape not in ((b,), (b, s)):
+            raise WanConfigError(f"timestep must be [B] = [{b}] (one float in [0, 1000] per sample) or [B, S] = "
+                                 f"[{b}, {s}] (one per token), got {list(timestep.shape)}")
         if context.dim() != 3 or context.shape[0] != b or context.shape[2] != cfg.text_dim:
             raise WanConfigError(f"context must be [B, L, text_dim] = [{b}, L, {cfg.text_dim}], "
                                  f"got {list(context.shape)}")

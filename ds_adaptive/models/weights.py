@@ -23,6 +23,7 @@ from typing import Any, Mapping, Optional, Union
 
 import torch
 
+from ds_adaptive.models.family import ModelError
 from ds_adaptive.models.wan import WanConfig, WanModel, get_wan_config, is_fp32_param
 
 PathLike = Union[str, Path]
@@ -30,7 +31,7 @@ WEIGHTS_STEM = "diffusion_pytorch_model"
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 
 
-class WanWeightsError(ValueError):
+class WanWeightsError(ModelError):
     """A checkpoint that does not fit the model (missing / unexpected key, shape, layout, config)."""
 
 
@@ -163,9 +164,9 @@ def config_from_dict(d: Mapping[str, Any], source: str = "config.json") -> WanCo
                       patch_size=tuple(d.get("patch_size", (1, 2, 2))), eps=d.get("eps", 1e-6),
                       cross_attn_norm=d.get("cross_attn_norm", True))
     elif "dim" in d and "num_heads" in d:
-        if d.get("model_type", "t2v") != "t2v":
+        if d.get("model_type", "t2v") not in ("t2v", "ti2v"):   # ti2v: Wan 2.2 TI2V-5B (no image branch)
             raise WanWeightsError(f"{source}: model_type={d['model_type']!r}; ds_adaptive.models.wan implements "
-                                  "Wan 2.1 T2V only")
+                                  "the Wan T2V / TI2V DiT only")
         if d.get("qk_norm", True) is not True:
             raise WanWeightsError(f"{source}: qk_norm=false is not supported (Wan 2.1 uses q/k RMSNorm)")
         # The original WanModel does not save patch_size, text_dim, cross_attn_norm (ignore_for_config).
@@ -207,9 +208,10 @@ def original_config(cfg: WanConfig) -> dict[str, Any]:
     return d
 
 
-def read_config(path: PathLike) -> Optional[WanConfig]:
-    """WanConfig from ``config.json`` of a checkpoint directory (or next to a weights file); None if absent."""
-    p = _model_dir(Path(path))
+def read_config(path: PathLike, subfolder: str = "transformer") -> Optional[WanConfig]:
+    """WanConfig from ``config.json`` of a checkpoint directory (or next to a weights file); None if absent.
+    ``subfolder``: the model's folder when ``path`` is a diffusers pipeline directory."""
+    p = _model_dir(Path(path), subfolder)
     f = (p if p.is_dir() else p.parent) / "config.json"
     if not f.is_file():
         return None
@@ -223,15 +225,19 @@ def read_config(path: PathLike) -> Optional[WanConfig]:
 # Reading checkpoints
 # --------------------------------------------------------------------------------------------
 
-def _model_dir(p: Path) -> Path:
-    if p.is_dir() and (p / "model_index.json").is_file() and (p / "transformer").is_dir():
-        return p / "transformer"  # a diffusers pipeline directory
+def _model_dir(p: Path, subfolder: str = "transformer") -> Path:
+    if p.is_dir() and (p / "model_index.json").is_file():  # a diffusers pipeline directory
+        if not (p / subfolder).is_dir():
+            raise WanWeightsError(f"{p} is a diffusers pipeline directory without a {subfolder}/ folder (the model's "
+                                  f"weights); pass the folder itself or the pipeline it belongs to")
+        return p / subfolder
     return p
 
 
-def checkpoint_files(path: PathLike) -> list[Path]:
-    """The weight files of a checkpoint directory or file (shards in index order)."""
-    p = _model_dir(Path(path))
+def checkpoint_files(path: PathLike, subfolder: str = "transformer") -> list[Path]:
+    """The weight files of a checkpoint directory or file (shards in index order); ``subfolder``: the
+    model's folder in a diffusers pipeline directory (``transformer_2``: the second expert of a mixture)."""
+    p = _model_dir(Path(path), subfolder)
     if p.is_file():
         return [p]
     if not p.is_dir():
@@ -337,7 +343,8 @@ def _plan(reader: _Reader, expected: Mapping[str, tuple[int, ...]], source: str)
     return plan
 
 
-def load_wan_weights(model: WanModel, path: PathLike, device: Optional[Union[str, torch.device]] = None) -> WanModel:
+def load_wan_weights(model: WanModel, path: PathLike, device: Optional[Union[str, torch.device]] = None, *,
+                     subfolder: str = "transformer") -> WanModel:
     """Load a checkpoint (any supported layout) into ``model`` in place, strictly.
 
     Materialised parameters are copied into (keeping their dtype and device); parameters on the
@@ -345,7 +352,7 @@ def load_wan_weights(model: WanModel, path: PathLike, device: Optional[Union[str
     ZeRO-3-partitioned model, load before ``deepspeed.initialize`` or inside
     ``deepspeed.zero.GatheredParameters(..., modifier_rank=0)``.
     """
-    files = checkpoint_files(path)
+    files = checkpoint_files(path, subfolder)
     params = dict(model.named_parameters())
     if device is None:
         real = [p.device for p in params.values() if p.device.type != "meta"]
@@ -370,7 +377,8 @@ def _is_zero3_param(p: torch.nn.Parameter) -> bool:
     return hasattr(p, "ds_id") and hasattr(p, "ds_shape")
 
 
-def init_from_pretrained(model: torch.nn.Module, path: PathLike, *, rank: Optional[int] = None) -> dict[str, Any]:
+def init_from_pretrained(model: torch.nn.Module, path: PathLike, *, rank: Optional[int] = None,
+                         subfolder: str = "transformer") -> dict[str, Any]:
     """Load Wan weights (diffusers or original layout) into a model that may be ZeRO-3-partitioned.
 
     For fine-tuning (the trainer's ``--init-from``): call on every rank, after the model was built
@@ -384,13 +392,15 @@ def init_from_pretrained(model: torch.nn.Module, path: PathLike, *, rank: Option
       the file into them, and leaving the context broadcasts them and re-partitions. Peak extra
       memory: one block's parameters.
 
-    Returns ``{"path", "layout", "tensors", "zero3"}`` for the run's log and summary.
+    ``subfolder``: the model's folder when ``path`` is a diffusers pipeline directory (``transformer_2``:
+    the low-noise expert of Wan 2.2 A14B). Returns ``{"path", "layout", "tensors", "zero3"}`` for the
+    run's log and summary.
     """
     params = dict(model.named_parameters())
     zero3 = any(_is_zero3_param(p) for p in params.values())
-    files = checkpoint_files(path)
+    files = checkpoint_files(path, subfolder)
     if not zero3:
-        load_wan_weights(model, path)
+        load_wan_weights(model, path, subfolder=subfolder)
         layout = detect_layout(list(_Reader(files, "cpu").entries), str(path))
         return {"path": str(path), "layout": layout, "tensors": len(params), "zero3": False}
     import deepspeed
@@ -416,14 +426,15 @@ def init_from_pretrained(model: torch.nn.Module, path: PathLike, *, rank: Option
 
 def load_pretrained(path: PathLike, dtype: Optional[torch.dtype] = None, device: Union[str, torch.device] = "cpu",
                     config: Optional[Union[WanConfig, str, Mapping[str, Any]]] = None,
-                    keep_fp32: bool = True) -> WanModel:
+                    keep_fp32: bool = True, subfolder: str = "transformer") -> WanModel:
     """Build a WanModel from a checkpoint without a random init (built on meta, then loaded).
 
     ``dtype``: parameter dtype (default fp32); with ``keep_fp32`` the parameters of
     ``is_fp32_param`` (modulation tables, time embedding, cross-attention norm) stay fp32, as
     diffusers does. ``config``: overrides / replaces ``config.json`` (needed when there is none).
+    ``subfolder``: the model's folder when ``path`` is a diffusers pipeline directory.
     """
-    cfg = get_wan_config(config) if config is not None else read_config(path)
+    cfg = get_wan_config(config) if config is not None else read_config(path, subfolder)
     if cfg is None:
         raise WanWeightsError(f"no config.json found for {path}; "
                               "pass config= (a WAN_CONFIGS name, a dict or a WanConfig)")
@@ -431,7 +442,7 @@ def load_pretrained(path: PathLike, dtype: Optional[torch.dtype] = None, device:
     with torch.device("meta"):
         model = WanModel(cfg)
     model.to_dtype(dtype, keep_fp32=keep_fp32)  # meta: sets the dtype each tensor is loaded as
-    load_wan_weights(model, path, device=device)
+    load_wan_weights(model, path, device=device, subfolder=subfolder)
     return model
 
 
@@ -474,3 +485,38 @@ def iter_state_dict(path: PathLike, device: str = "cpu") -> Iterator[tuple[str, 
     reader = _Reader(checkpoint_files(path), device)
     for key in reader.entries:
         yield key, reader.get(key)
+
+
+# --------------------------------------------------------------------------------------------
+# The family's weight adapter (ds_adaptive.models.family.WeightAdapter)
+# --------------------------------------------------------------------------------------------
+
+class _StateDictReader:
+    """``_plan``'s view of an in-memory state dict (names and shapes)."""
+
+    def __init__(self, state_dict: Mapping[str, torch.Tensor], source: str):
+        self.entries = {k: (Path(source), tuple(v.shape)) for k, v in state_dict.items()}
+
+
+class WanWeights:
+    """Weights of Wan-architecture models (Wan 2.1, Wan 2.2): what the package calls through
+    ``get_model(name).weights``."""
+
+    def init_from(self, model: torch.nn.Module, path: PathLike, *, subfolder: str = "transformer") -> dict[str, Any]:
+        return init_from_pretrained(model, path, subfolder=subfolder)
+
+    def load_state_dict(self, model: WanModel, state_dict: Mapping[str, torch.Tensor], *, source: str) -> WanModel:
+        """Assign ``state_dict`` (WanModel names; e.g. a consolidated DeepSpeed checkpoint) into ``model``
+        (meta-built), cast to each parameter's dtype; names and shapes are checked first (one
+        :class:`WanWeightsError` listing every problem)."""
+        params = dict(model.named_parameters())
+        plan = _plan(_StateDictReader(state_dict, source), {n: tuple(p.shape) for n, p in params.items()}, source)
+        model.load_state_dict({n: state_dict[k].to(params[n].dtype) for n, k in plan.items()}, strict=True,
+                              assign=True)
+        return model
+
+    def save(self, model: WanModel, directory: PathLike, *, layout: str = "diffusers") -> Path:
+        return save_wan_weights(model, directory, layout=layout)
+
+    def read_config(self, path: PathLike, *, subfolder: str = "transformer") -> Optional[WanConfig]:
+        return read_config(path, subfolder)

@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from ds_adaptive.balance.heads import HeadPlacement, check_placement, inverse_permutation, rank_heads
+from ds_adaptive.models.family import set_plain_attr
 
 __all__ = ["permute_heads", "place_heads", "apply_head_placement", "remove_head_placement", "current_placement",
            "update_sparse_balance"]
@@ -83,7 +84,7 @@ def place_heads(attn_fn: Callable[..., torch.Tensor], perm: Optional[Sequence[in
 
 def apply_head_placement(model, placement: Optional[HeadPlacement], sp, *,
                          head_ids_kwarg: Optional[str] = None) -> None:
-    """Give every block of ``model`` (a WanModel; Ulysses installed or not) its layer's placement
+    """Give every block of ``model`` (a DiffusionTransformer; Ulysses installed or not) its layer's placement
     around the model's current attention fn (``model.attention_fn``, e.g. the Ulysses attention of
     :func:`ds_adaptive.parallel.apply_ulysses`; call this after it: ``model.set_attention`` resets every
     block). Idempotent; call again with a new placement when the densities change; ``None`` restores
@@ -91,8 +92,6 @@ def apply_head_placement(model, placement: Optional[HeadPlacement], sp, *,
 
     ``sp``: the :class:`ds_adaptive.layout.Layout` of the model's SP group (for the rank's head ids) and the
     degree the placement must have been planned for."""
-    from ds_adaptive.models.wan import _set_plain_attr
-
     base = model.attention_fn            # set_attention's fn (placement wraps it per block, never replaces it)
     per_layer = getattr(base, "for_layer", None)  # a per-layer fn (the sparse runtime): block i wraps for_layer(i)
     if placement is not None and placement.sp != sp.sp_size:
@@ -103,19 +102,17 @@ def apply_head_placement(model, placement: Optional[HeadPlacement], sp, *,
     for layer, block in enumerate(model.blocks):
         perm = None if placement is None else placement.perm(layer, heads)
         fn = per_layer(layer) if per_layer is not None else base
-        _set_plain_attr(block, "attn_fn", place_heads(fn, perm, sp_size=sp.sp_size, sp_rank=sp.sp_rank,
+        set_plain_attr(block, "attn_fn", place_heads(fn, perm, sp_size=sp.sp_size, sp_rank=sp.sp_rank,
                                                       head_ids_kwarg=head_ids_kwarg))
-    _set_plain_attr(model, _PLACEMENT_ATTR, placement)
+    set_plain_attr(model, _PLACEMENT_ATTR, placement)
 
 
 def remove_head_placement(model) -> None:
     """Every block back to the model's attention fn (undo :func:`apply_head_placement`)."""
-    from ds_adaptive.models.wan import _set_plain_attr
-
     per_layer = getattr(model.attention_fn, "for_layer", None)
     for i, block in enumerate(model.blocks):
-        _set_plain_attr(block, "attn_fn", per_layer(i) if per_layer is not None else model.attention_fn)
-    _set_plain_attr(model, _PLACEMENT_ATTR, None)
+        set_plain_attr(block, "attn_fn", per_layer(i) if per_layer is not None else model.attention_fn)
+    set_plain_attr(model, _PLACEMENT_ATTR, None)
 
 
 def current_placement(model) -> Optional[HeadPlacement]:

@@ -1,4 +1,7 @@
-"""Ulysses sequence parallelism for the Wan DiT: SP groups, sequence sharding, DistributedAttention.
+"""Ulysses sequence parallelism for a video DiT: SP groups, sequence sharding, DistributedAttention.
+
+The model is any :class:`ds_adaptive.models.family.DiffusionTransformer` (its split forward
+``embed -> rope -> run_blocks -> head -> unpatchify`` and setters); nothing here knows a family.
 
 An SP group of ``sp`` ranks trains ONE micro-batch together: every rank embeds the (identical)
 batch, keeps its contiguous ``1/sp`` slice of the token sequence (padded to a multiple of sp),
@@ -43,10 +46,15 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from ds_adaptive.layout import Layout
-from ds_adaptive.models.wan import WanInputs, WanModel, sdpa_attention
+from ds_adaptive.models.family import DiffusionTransformer
 
-__all__ = ["SeqShard", "LocalOutput", "UlyssesWan", "shard_plan", "shard_sequence", "gather_sequence",
+__all__ = ["SeqShard", "LocalOutput", "UlyssesRunner", "shard_plan", "shard_sequence", "gather_sequence",
            "valid_len_attention", "make_ulysses_attention", "apply_ulysses", "remove_ulysses"]
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Unmasked SDPA on ``[B, S, H, Dh]``."""
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
 
 
 # ============================================================================== sharding
@@ -160,15 +168,15 @@ def valid_len_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     """
     s = q.shape[1]
     if valid_len is None or valid_len >= s:
-        return sdpa_attention(q, k, v)
+        return _sdpa(q, k, v)
     if valid_len < 1:
         raise ValueError(f"valid_len must be >= 1, got {valid_len}")
-    out = sdpa_attention(q[:, :valid_len], k[:, :valid_len], v[:, :valid_len])
+    out = _sdpa(q[:, :valid_len], k[:, :valid_len], v[:, :valid_len])
     return F.pad(out, (0, 0, 0, 0, 0, s - valid_len))
 
 
 def make_ulysses_attention(layout: Layout, local_attention=valid_len_attention):
-    """The attention fn for ``WanModel.set_attention``: DeepSpeed's DistributedAttention over the
+    """The attention fn for ``model.set_attention``: DeepSpeed's DistributedAttention over the
     SP group (all-to-all over heads, scatter_idx=2, gather_idx=1, batch dim 0) around
     ``local_attention`` (which receives ``valid_len``)."""
     from deepspeed.sequence.layer import DistributedAttention
@@ -197,7 +205,7 @@ class LocalOutput:
     patch_size: tuple[int, int, int] = (1, 2, 2)
     """(pt, ph, pw) of the model, to cut a full target the same way."""
     token_order: Any = None
-    """The model's token order (``WanModel.token_order``, e.g. sparse attention's cube order), or None
+    """The model's token order (``model.token_order``, e.g. sparse attention's cube order), or None
     for raster order: a full target is put in the same order before it is cut."""
 
     @property
@@ -218,11 +226,11 @@ class LocalOutput:
         return tokens[:, self.shard.start:self.shard.start + self.shard.valid]
 
 
-class UlyssesWan:
-    """Runs a :class:`WanModel` with its token sequence sharded over the layout's SP group.
+class UlyssesRunner:
+    """Runs a :class:`DiffusionTransformer` with its token sequence sharded over the layout's SP group.
 
     Installed by :func:`apply_ulysses` as the model's sequence-parallel runner
-    (``WanModel.set_sequence_parallel``): ``model(latents, t, ctx)`` then returns the full
+    (``model.set_sequence_parallel``): ``model(latents, t, ctx)`` then returns the full
     (all-gathered) output on every rank of the group, ``model(latents, t, ctx, local=True)`` this
     rank's :class:`LocalOutput`. The runner holds no parameters and no model: it drives
     ``model.embed / rope / run_blocks / head``, so parameter names, checkpoints and ZeRO-3 hooks are
@@ -232,19 +240,21 @@ class UlyssesWan:
     def __init__(self, layout: Layout) -> None:
         self.layout = layout
 
-    def forward_local(self, model: WanModel, latents: torch.Tensor, timestep: torch.Tensor,
+    def forward_local(self, model: DiffusionTransformer, latents: torch.Tensor, timestep: torch.Tensor,
                       context: torch.Tensor) -> LocalOutput:
-        """Embed the full batch, keep this rank's shard, run the blocks and the head on it."""
-        inputs: WanInputs = model.embed(latents, timestep, context)
+        """Embed the full batch, keep this rank's shard (the inputs' per-token tensors: ``inputs.local``), run
+        the blocks and the head on it."""
+        inputs = model.embed(latents, timestep, context)
         shard = shard_plan(inputs.tokens.shape[1], self.layout)
-        x = shard_sequence(inputs.tokens, shard, dim=1)
-        inputs.tokens = x  # drop the full [B, S, D] tokens (x is a copy)
+        inputs = inputs.local(lambda t, dim: shard_sequence(t, shard, dim=dim))  # copies: the full ones are freed
+        x = inputs.tokens
         freqs = shard_sequence(model.rope(inputs.grid, x.device), shard, dim=0)
         x = model.run_blocks(x, inputs, freqs, **shard.attn_kwargs)
         return LocalOutput(tokens=model.head(x, inputs.time_emb), shard=shard, grid=inputs.grid,
                            patch_size=tuple(model.config.patch_size), token_order=model.token_order)
 
-    def __call__(self, model: WanModel, latents: torch.Tensor, timestep: torch.Tensor, context: torch.Tensor, *,
+    def __call__(self, model: DiffusionTransformer, latents: torch.Tensor, timestep: torch.Tensor,
+                 context: torch.Tensor, *,
                  local: bool = False):
         out = self.forward_local(model, latents, timestep, context)
         if local:
@@ -256,25 +266,25 @@ class UlyssesWan:
         return self  # process groups cannot be copied; the runner is stateless
 
 
-def apply_ulysses(model: WanModel, layout: Layout) -> UlyssesWan:
+def apply_ulysses(model: DiffusionTransformer, layout: Layout) -> UlyssesRunner:
     """Shard ``model``'s sequence over ``layout``'s SP group (idempotent): DistributedAttention in every
-    block and the :class:`UlyssesWan` runner. Checks that sp divides the model's heads. With sp=1 the
+    block and the :class:`UlyssesRunner`. Checks that sp divides the model's heads. With sp=1 the
     model is left as it is (same numerics) and the runner is not installed. Call before or after
     ``deepspeed.initialize``; parameters are untouched. :func:`remove_ulysses` undoes it."""
-    layout.validate(num_heads=model.config.num_heads, what=f"this Wan model (dim {model.config.dim})")
+    layout.validate(num_heads=model.config.num_heads, what=f"this model (dim {model.config.dim})")
     prev = model.sequence_parallel
     if prev is not None:
         if prev.layout == layout:
             return prev
         remove_ulysses(model)
-    runner = UlyssesWan(layout)
+    runner = UlyssesRunner(layout)
     if layout.sp_enabled:
         model.set_attention(make_ulysses_attention(layout))
         model.set_sequence_parallel(runner)
     return runner
 
 
-def remove_ulysses(model: WanModel) -> None:
+def remove_ulysses(model: DiffusionTransformer) -> None:
     """Undo :func:`apply_ulysses`: the plain forward and the default attention."""
     model.set_sequence_parallel(None)
     model.set_attention(None)

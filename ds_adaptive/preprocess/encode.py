@@ -1,11 +1,14 @@
-"""Wan 2.1 encoders: diffusers' ``AutoencoderKLWan`` for pixels, transformers' umT5 for captions.
+"""A model's encoders: its diffusers VAE for pixels, its transformers text encoder for captions.
 
-Both follow diffusers' Wan pipelines exactly (checked against them in tests/test_preprocess.py):
+The classes and expected shapes are the model's (``get_model(name)``: ``family.vae_class`` /
+``text_encoder_class``, the grid rule's channels and stride, the text width and length); for the Wan
+families that is ``AutoencoderKLWan`` (Wan 2.1's 16-channel 4x8x8 VAE, Wan 2.2's 48-channel 4x16x16 one)
+and umT5-XXL. Both follow diffusers' Wan pipelines exactly (checked against them in tests/test_preprocess.py):
 
 * **Video/image -> latent** (``WanVideoToVideoPipeline.prepare_latents``): RGB uint8 ->
   ``x / 255 * 2 - 1`` in fp32, cast to the VAE dtype, ``[B, 3, T, H, W]``; the posterior's mode
   (its mean; Wan's own encoder returns ``mu`` too), in fp32, normalised per channel as
-  ``(mu - latents_mean) * (1 / latents_std)`` with the 16 values of the VAE config. The DiT is
+  ``(mu - latents_mean) * (1 / latents_std)`` with the per-channel values of the VAE config. The DiT is
   trained on these normalised latents (``x_0`` of flow matching).
 * **Caption -> context** (``WanPipeline._get_t5_prompt_embeds``): ``prompt_clean`` (ftfy +
   html unescape + whitespace), tokenised to ``text_len`` = 512 tokens (padding ``max_length``,
@@ -24,21 +27,21 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from ..shapes import LATENT_CHANNELS, MAX_TEXT_LEN, TEXT_DIM
+from ..shapes import InputSpec, default_input_spec
 
 PathLike = Union[str, Path]
 
 
 class EncoderError(ValueError):
-    """A model directory is missing or does not hold the expected Wan component."""
+    """A model directory is missing or does not hold the model's expected component."""
 
 
 def prompt_clean(text: str) -> str:
-    """Wan's caption cleaning (diffusers ``prompt_clean``; Wan's ``HuggingfaceTokenizer(clean='whitespace')``)."""
+    """Caption cleaning (diffusers' ``prompt_clean``: ftfy, html unescape, whitespace)."""
     try:
         import ftfy
     except ImportError:  # pragma: no cover - the preprocess extra installs it
-        raise EncoderError("caption cleaning needs ftfy (as Wan and diffusers' Wan pipelines do): "
+        raise EncoderError("caption cleaning needs ftfy (as diffusers' pipelines do): "
                            "pip install 'ds_adaptive[preprocess]'") from None
     text = html.unescape(html.unescape(ftfy.fix_text(text))).strip()
     return re.sub(r"\s+", " ", text).strip()
@@ -46,47 +49,62 @@ def prompt_clean(text: str) -> str:
 
 def _component_dir(path: Optional[PathLike], pipeline: Optional[PathLike], sub: str, flag: str) -> Path:
     if path is None and pipeline is None:
-        raise EncoderError(f"no {sub} weights: pass {flag} DIR or --pipeline DIR (a Wan diffusers pipeline "
+        raise EncoderError(f"no {sub} weights: pass {flag} DIR or --pipeline DIR (the model's diffusers pipeline "
                            f"directory with a {sub}/ folder)")
     d = Path(path) if path is not None else Path(pipeline) / sub
     src = flag if path is not None else f"--pipeline ({pipeline})"
     if not d.is_dir():
         raise EncoderError(f"{sub} directory {d} (from {src}) does not exist; weights are read from local "
-                           "diffusers-format directories only (save_pretrained / a downloaded Wan pipeline)")
+                           "diffusers-format directories only (save_pretrained / a downloaded pipeline)")
     return d
 
 
-class WanEncoders:
-    """The VAE, the text encoder and the tokenizer on one device.
+def _check_components(vae, text_encoder, spec: InputSpec) -> None:
+    """The VAE's channels / compression and the text encoder's width against the model's."""
+    grid, what = spec.grid, spec.describe()
+    z = getattr(vae.config, "z_dim", None)
+    if z != grid.latent_channels:
+        raise EncoderError(f"the VAE has z_dim {z}; {what} needs {grid.latent_channels} latent channels: pass the "
+                           "model's VAE (--vae / --pipeline) or the model of this VAE (--model)")
+    t, s = getattr(vae.config, "scale_factor_temporal", None), getattr(vae.config, "scale_factor_spatial", None)
+    if t is not None and s is not None and (t, s, s) != tuple(grid.vae_stride):
+        raise EncoderError(f"the VAE compresses {t}x{s}x{s}; {what} needs {'x'.join(map(str, grid.vae_stride))}")
+    d = getattr(text_encoder.config, "d_model", None)
+    if d != spec.text_dim:
+        raise EncoderError(f"the text encoder has d_model {d}; {what} needs {spec.text_dim}")
+
+
+class LatentEncoders:
+    """The VAE, the text encoder and the tokenizer of a model, on one device.
 
     Args:
-        vae: ``AutoencoderKLWan`` (z_dim 16). text_encoder: ``UMT5EncoderModel`` (d_model 4096).
+        vae: the model's diffusers VAE (``AutoencoderKLWan``: z_dim = the grid rule's channels).
+        text_encoder: its text encoder (``UMT5EncoderModel``, d_model = the model's text width).
         tokenizer: its tokenizer. device: where both models run.
         vae_tiling: ``"auto"`` tiles clips with more than ``tile_above`` pixels per frame (diffusers'
-            spatial tiling: 256 px tiles, stride 192), ``"on"`` always, ``"off"`` never.
-        text_len: tokens per caption (Wan: 512).
+            spatial tiling), ``"on"`` always, ``"off"`` never.
+        text_len: tokens per caption (default and maximum: the model's, 512 for Wan).
+        spec: the model's inputs (default: the default model's); the components are checked against it.
     """
 
     def __init__(self, vae, text_encoder, tokenizer, *, device: Union[str, torch.device] = "cpu",
-                 vae_tiling: str = "auto", tile_above: int = 720 * 1280, text_len: int = MAX_TEXT_LEN) -> None:
-        z = getattr(vae.config, "z_dim", None)
-        if z != LATENT_CHANNELS:
-            raise EncoderError(f"the VAE has z_dim {z}; Wan 2.1's AutoencoderKLWan has {LATENT_CHANNELS} channels")
-        d = getattr(text_encoder.config, "d_model", None)
-        if d != TEXT_DIM:
-            raise EncoderError(f"the text encoder has d_model {d}; Wan 2.1's umT5-xxl encoder has {TEXT_DIM}")
+                 vae_tiling: str = "auto", tile_above: int = 720 * 1280, text_len: Optional[int] = None,
+                 spec: Optional[InputSpec] = None) -> None:
+        self.spec = spec or default_input_spec()
+        _check_components(vae, text_encoder, self.spec)
+        text_len = self.spec.text_len if text_len is None else int(text_len)
         if vae_tiling not in ("auto", "on", "off"):
             raise EncoderError(f"vae_tiling must be auto, on or off, got {vae_tiling!r}")
-        if not 1 <= text_len <= MAX_TEXT_LEN:
-            raise EncoderError(f"text_len must be in 1..{MAX_TEXT_LEN}, got {text_len}")
+        if not 1 <= text_len <= self.spec.text_len:
+            raise EncoderError(f"text_len must be in 1..{self.spec.text_len}, got {text_len}")
         self.device = torch.device(device)
         self.vae = vae.to(self.device).eval().requires_grad_(False)
         self.text_encoder = text_encoder.to(self.device).eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.vae_tiling, self.tile_above, self.text_len = vae_tiling, int(tile_above), int(text_len)
-        cfg = vae.config
-        self._mean = torch.tensor(cfg.latents_mean, dtype=torch.float32).view(1, LATENT_CHANNELS, 1, 1, 1)
-        self._inv_std = 1.0 / torch.tensor(cfg.latents_std, dtype=torch.float32).view(1, LATENT_CHANNELS, 1, 1, 1)
+        cfg, c = vae.config, self.spec.grid.latent_channels
+        self._mean = torch.tensor(cfg.latents_mean, dtype=torch.float32).view(1, c, 1, 1, 1)
+        self._inv_std = 1.0 / torch.tensor(cfg.latents_std, dtype=torch.float32).view(1, c, 1, 1, 1)
 
     @property
     def vae_dtype(self) -> torch.dtype:
@@ -97,40 +115,44 @@ class WanEncoders:
         return next(self.text_encoder.parameters()).dtype
 
     @classmethod
-    def from_pretrained(cls, *, vae: Optional[PathLike] = None, text_encoder: Optional[PathLike] = None,
+    def from_pretrained(cls, model, *, vae: Optional[PathLike] = None, text_encoder: Optional[PathLike] = None,
                         tokenizer: Optional[PathLike] = None, pipeline: Optional[PathLike] = None,
                         device: Union[str, torch.device] = "cpu", dtype: torch.dtype = torch.float32,
-                        **kwargs) -> "WanEncoders":
-        """Load the three components from local directories (``--vae`` / ``--text-encoder`` /
+                        **kwargs) -> "LatentEncoders":
+        """Load the three components of ``model`` (a :class:`ds_adaptive.models.family.Model`: its family's
+        VAE and text-encoder classes) from local directories (``--vae`` / ``--text-encoder`` /
         ``--tokenizer``, each defaulting to the ``vae/``, ``text_encoder/``, ``tokenizer/`` folder of
         ``--pipeline``), in ``dtype`` on ``device``."""
-        from diffusers import AutoencoderKLWan
-        from transformers import AutoTokenizer, UMT5EncoderModel
+        import diffusers
+        import transformers
+        from transformers import AutoTokenizer
 
+        vae_cls = getattr(diffusers, model.family.vae_class)
+        te_cls = getattr(transformers, model.family.text_encoder_class)
         vae_dir = _component_dir(vae, pipeline, "vae", "--vae")
         te_dir = _component_dir(text_encoder, pipeline, "text_encoder", "--text-encoder")
         tok_dir = _component_dir(tokenizer, pipeline, "tokenizer", "--tokenizer")
         try:
-            vae_m = AutoencoderKLWan.from_pretrained(str(vae_dir), torch_dtype=dtype, local_files_only=True)
+            vae_m = vae_cls.from_pretrained(str(vae_dir), torch_dtype=dtype, local_files_only=True)
         except (OSError, ValueError, KeyError) as exc:
-            raise EncoderError(f"cannot load AutoencoderKLWan from {vae_dir}: {exc}") from None
+            raise EncoderError(f"cannot load {vae_cls.__name__} from {vae_dir}: {exc}") from None
         try:
-            te = UMT5EncoderModel.from_pretrained(str(te_dir), dtype=dtype, local_files_only=True)
+            te = te_cls.from_pretrained(str(te_dir), dtype=dtype, local_files_only=True)
         except (OSError, ValueError, KeyError) as exc:
-            raise EncoderError(f"cannot load UMT5EncoderModel from {te_dir}: {exc}") from None
+            raise EncoderError(f"cannot load {te_cls.__name__} from {te_dir}: {exc}") from None
         try:
             tok = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
         except (OSError, ValueError, KeyError) as exc:
             raise EncoderError(f"cannot load the tokenizer from {tok_dir}: {exc}") from None
-        return cls(vae_m, te.to(dtype), tok, device=device, **kwargs)
+        return cls(vae_m, te.to(dtype), tok, device=device, spec=model.input_spec, **kwargs)
 
     def _tiling_for(self, height: int, width: int) -> bool:
         return self.vae_tiling == "on" or (self.vae_tiling == "auto" and height * width > self.tile_above)
 
     @torch.no_grad()
     def encode_video(self, frames: torch.Tensor) -> torch.Tensor:
-        """uint8 ``[B, T, H, W, 3]`` (T = 4n+1; H, W multiples of 16) -> fp32 normalised latents
-        ``[B, 16, (T-1)/4+1, H/8, W/8]`` on the CPU."""
+        """uint8 ``[B, T, H, W, 3]`` (a shape of the model's grid rule) -> fp32 normalised latents
+        ``[B, C, (T-1)/t+1, H/s, W/s]`` on the CPU."""
         if frames.dtype != torch.uint8 or frames.dim() != 5 or frames.shape[-1] != 3:
             raise ValueError(f"frames must be uint8 [B, T, H, W, 3], got {frames.dtype} {tuple(frames.shape)}")
         x = frames.to(self.device, non_blocking=True).permute(0, 4, 1, 2, 3).float()
@@ -142,7 +164,7 @@ class WanEncoders:
 
     @torch.no_grad()
     def encode_text(self, captions: Sequence[str]) -> list[torch.Tensor]:
-        """Captions -> one ``[L_i, 4096]`` tensor each (text-encoder dtype, CPU), L_i = prompt tokens + EOS."""
+        """Captions -> one ``[L_i, text_dim]`` tensor each (text-encoder dtype, CPU), L_i = prompt tokens + EOS."""
         if not captions:
             return []
         tok = self.tokenizer([prompt_clean(c) for c in captions], padding="max_length", max_length=self.text_len,

@@ -21,7 +21,7 @@ from typing import Iterator, Optional
 
 import numpy as np
 
-from ..shapes import SampleShape
+from ..shapes import GridRule, SampleShape
 from .manifest import MediaItem
 from .policy import ShapePolicy, choose_bucket, clip_frame_counts, plan_resize, sampled_frame_count
 
@@ -52,10 +52,11 @@ class DecodedItem:
     starts: list = field(default_factory=list)
     source_frames: int = 0    # sampled frames before cutting into clips
     seconds: float = 0.0      # decode wall time
+    grid: Optional[GridRule] = None  # the policy's (the model's) grid rule
 
     @property
     def shapes(self) -> list[SampleShape]:
-        return [SampleShape(*c.shape[:3]) for c in self.clips]
+        return [SampleShape(*c.shape[:3], self.grid) for c in self.clips]
 
 
 def _open_image(path: str):
@@ -150,7 +151,7 @@ def planned_shapes(item: MediaItem, info: MediaInfo, policy: ShapePolicy) -> lis
     variable-rate file can misstate; ``preprocess`` decides on the frames it really decodes."""
     if info.kind == "image":
         h, w = choose_bucket(info.height, info.width, policy.image_buckets, policy)
-        return [SampleShape(1, h, w)]
+        return [policy.shape(1, h, w)]
     fps = item.fps or policy.fps
     start, end = _span(item, info.duration)
     n = sampled_frame_count(end - start, fps)
@@ -158,7 +159,7 @@ def planned_shapes(item: MediaItem, info: MediaInfo, policy: ShapePolicy) -> lis
     if not counts:
         raise _too_short(n, fps, policy, f"in {start:g}..{end:g} s")
     h, w = choose_bucket(info.height, info.width, policy.video_buckets, policy)
-    return [SampleShape(f, h, w) for f in counts]
+    return [policy.shape(f, h, w) for f in counts]
 
 
 def _decode_image(item: MediaItem, policy: ShapePolicy) -> DecodedItem:
@@ -169,7 +170,7 @@ def _decode_image(item: MediaItem, policy: ShapePolicy) -> DecodedItem:
     r = plan_resize(img.height, img.width, bucket)
     img = img.resize((r.resized_w, r.resized_h), Image.BICUBIC)
     arr = np.asarray(img.crop((r.left, r.top, r.left + r.width, r.top + r.height)), dtype=np.uint8)
-    return DecodedItem([arr[None].copy()], [0.0], 1)
+    return DecodedItem([arr[None].copy()], [0.0], 1, grid=policy.grid)
 
 
 def _sampled_frames(container, stream, start: float, end: float, fps: float,
@@ -248,7 +249,7 @@ def _decode_video(item: MediaItem, policy: ShapePolicy) -> DecodedItem:
     if not counts:
         span = f"in {start:g}..{end:g} s" if math.isfinite(end) else f"from {start:g} s to the end"
         raise _too_short(len(frames), fps, policy, span)
-    out = DecodedItem(source_frames=len(frames))
+    out = DecodedItem(source_frames=len(frames), grid=policy.grid)
     pos = 0
     for f in counts:
         out.clips.append(np.stack(frames[pos: pos + f]))

@@ -3,8 +3,12 @@
 Pure functions (no decoding, no torch): ``ds-adaptive preprocess`` applies them to decoded
 media and ``ds-adaptive stats`` to probed metadata, so both agree on the output shape mix.
 
-* **Frames.** A video is sampled at ``fps`` (Wan 2.1 trains at 16 fps) and cut into clips whose
-  frame counts come from ``frame_counts`` (each 4n+1, Wan's causal VAE): with
+A policy belongs to a model (``--model``): its defaults are the model's media defaults
+(``Preset.media``: Wan 2.1 samples 16 fps at 480p / 720p, Wan 2.2 TI2V-5B 24 fps at 704p) and its
+sizes and frame counts must fit the model's grid rule (VAE stride x patch).
+
+* **Frames.** A video is sampled at ``fps`` and cut into clips whose frame counts come from
+  ``frame_counts`` (each t*n+1, t the VAE's time stride: a causal VAE keeps the first frame): with
   ``long_clips: cut`` a long video gives consecutive clips of the largest count plus a tail clip
   of the largest count that fits the rest (if any fits); ``truncate`` keeps only the first clip.
   A video with fewer sampled frames than the smallest count is rejected as too short.
@@ -23,49 +27,71 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
-from ..shapes import SampleShape, ShapeError, validate_shape
+from ..shapes import GridRule, InputSpec, SampleShape, ShapeError, default_input_spec
 
 
 class PolicyError(ValueError):
     """A shape policy (from --policy or the command line) is invalid."""
 
 
-def parse_size(text: str, *, where: str = "size") -> tuple[int, int]:
-    """``"480x832"`` -> (480, 832) (height x width, both multiples of 16)."""
+def parse_size(text: str, *, where: str = "size", grid: Optional[GridRule] = None) -> tuple[int, int]:
+    """``"480x832"`` -> (480, 832) (height x width, multiples of the model's pixels per token: ``grid``,
+    default the default model's)."""
     parts = str(text).lower().split("x")
     if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
         raise PolicyError(f"{where}: expected HEIGHTxWIDTH like '480x832', got {text!r}")
     h, w = int(parts[0]), int(parts[1])
     try:
-        validate_shape(1, h, w, where=where)
+        (grid or default_input_spec().grid).validate(1, h, w, where=where)
     except ShapeError as exc:
         raise PolicyError(str(exc)) from None
     return h, w
 
 
-class ShapePolicy(BaseModel):
-    """How sources become clips of Wan shapes (frames at a target fps, bucketed sizes).
+def _context_spec(info: ValidationInfo) -> InputSpec:
+    return (info.context or {}).get("spec") or default_input_spec()
 
-    The defaults produce the shapes of ``ds_adaptive/data/default_shapes.json`` (the mix ``simulate``
-    and the synthetic data plan for by default), plus portrait 17- and 49-frame clips."""
+
+def _context_grid(info: ValidationInfo) -> GridRule:
+    return _context_spec(info).grid
+
+
+def _default(field_name: str):
+    """A field's default: the default model's media defaults (``Preset.media``)."""
+    def factory():
+        from ..models.registry import default_model, get_model
+
+        return list(v) if isinstance(v := getattr(get_model(default_model()).preset.media, field_name), tuple) else v
+    return factory
+
+
+class ShapePolicy(BaseModel):
+    """How sources become clips of a model's shapes (frames at a target fps, bucketed sizes).
+
+    Defaults are the model's (``load_policy(model=...)``; the default model's here): for Wan 2.1 they
+    produce the shapes of ``ds_adaptive/data/default_shapes.json`` (the mix ``simulate`` and the synthetic
+    data plan for by default), plus portrait 17- and 49-frame clips. The model's inputs come in the
+    validation context (``{"spec": InputSpec}``); ``spec`` and ``grid`` give them back."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
-    fps: float = Field(16.0, gt=0.0, le=240.0)
-    """Frame rate videos are sampled at, frames per second (Wan 2.1 trains at 16). A manifest row's
+    fps: float = Field(default_factory=_default("fps"), gt=0.0, le=240.0)
+    """Frame rate videos are sampled at, frames per second (the model's; Wan 2.1: 16). A manifest row's
     `fps` overrides it for that row."""
 
-    frame_counts: list[int] = [17, 33, 49, 81]
-    """Frame counts of video clips, each 4n+1 and > 1 (Wan's causal VAE keeps the first frame and
-    compresses the rest by 4). The largest is the longest clip."""
+    frame_counts: list[int] = Field(default_factory=_default("frame_counts"))
+    """Frame counts of video clips, each t*n+1 and > 1 (t: the VAE's time stride, 4 for Wan: the causal VAE
+    keeps the first frame and compresses the rest by t). The largest is the longest clip."""
 
-    video_sizes: list[str] = ["480x832", "832x480", "720x1280"]
-    """Buckets of video clips, "HEIGHTxWIDTH", sides multiples of 16 (Wan 2.1's 480p and 720p sets)."""
+    video_sizes: list[str] = Field(default_factory=_default("video_sizes"))
+    """Buckets of video clips, "HEIGHTxWIDTH", sides multiples of the model's pixels per token (16 for Wan
+    2.1: 480p and 720p; 32 for Wan 2.2 TI2V-5B: 704p)."""
 
-    image_sizes: list[str] = ["480x832", "832x480", "1024x1024", "720x1280"]
-    """Buckets of images, "HEIGHTxWIDTH", sides multiples of 16."""
+    image_sizes: list[str] = Field(default_factory=_default("image_sizes"))
+    """Buckets of images, "HEIGHTxWIDTH", sides multiples of the model's pixels per token."""
 
     long_clips: Literal["cut", "truncate"] = "cut"
     """A video longer than the longest clip: `cut` into consecutive clips (plus a shorter tail clip
@@ -82,70 +108,102 @@ class ShapePolicy(BaseModel):
     """Buckets whose |log(h/w)| is within this of the closest reachable bucket's count as the same
     aspect, and the largest of them wins (0.05: 480x832 and 720x1280 are one aspect class)."""
 
+    _spec: InputSpec = PrivateAttr(default_factory=default_input_spec)
+
     @field_validator("frame_counts")
     @classmethod
-    def _frames(cls, v: list[int]) -> list[int]:
+    def _frames(cls, v: list[int], info: ValidationInfo) -> list[int]:
         if not v:
             raise ValueError("needs at least one frame count")
+        grid = _context_grid(info)
+        k = grid.vae_stride[0]
         for f in v:
-            if f <= 1 or (f - 1) % 4:
-                raise ValueError(f"every frame count must be 4n+1 > 1 (5, 9, ..., 81), got {f}")
+            if not isinstance(f, int) or f <= 1:
+                raise ValueError(f"every frame count must be an int {k}n+1 > 1, got {f!r}")
+            try:
+                grid.validate(f, *grid.spatial_multiple)
+            except ShapeError as exc:
+                raise ValueError(str(exc)) from None
         return sorted(set(v))
 
     @field_validator("video_sizes", "image_sizes")
     @classmethod
-    def _sizes(cls, v: list[str], info) -> list[str]:
+    def _sizes(cls, v: list[str], info: ValidationInfo) -> list[str]:
         if not v:
             raise ValueError("needs at least one HEIGHTxWIDTH bucket")
         out = []
         for s in v:
-            h, w = parse_size(s, where=info.field_name)
+            h, w = parse_size(s, where=info.field_name, grid=_context_grid(info))
             if f"{h}x{w}" not in out:
                 out.append(f"{h}x{w}")
         return out
 
     @model_validator(mode="after")
-    def _cut_only(self) -> "ShapePolicy":
+    def _cut_only(self, info: ValidationInfo) -> "ShapePolicy":
         if self.max_clips_per_video is not None and self.long_clips != "cut":
             raise ValueError("max_clips_per_video applies to long_clips 'cut' only")
+        self._spec = _context_spec(info)
         return self
 
     @property
+    def spec(self) -> InputSpec:
+        """The inputs of the model the policy was validated for."""
+        return self._spec
+
+    @property
+    def grid(self) -> GridRule:
+        """The model's grid rule."""
+        return self._spec.grid
+
+    @property
     def video_buckets(self) -> list[tuple[int, int]]:
-        return [parse_size(s) for s in self.video_sizes]
+        return [parse_size(s, grid=self.grid) for s in self.video_sizes]
 
     @property
     def image_buckets(self) -> list[tuple[int, int]]:
-        return [parse_size(s) for s in self.image_sizes]
+        return [parse_size(s, grid=self.grid) for s in self.image_sizes]
+
+    def shape(self, frames: int, height: int, width: int) -> SampleShape:
+        """A shape under the policy's grid rule."""
+        return SampleShape(frames, height, width, self.grid)
 
     def output_shapes(self) -> list[SampleShape]:
         """Every shape this policy can produce (images first)."""
-        out = [SampleShape(1, h, w) for h, w in self.image_buckets]
-        out += [SampleShape(f, h, w) for f in self.frame_counts for h, w in self.video_buckets]
+        out = [self.shape(1, h, w) for h, w in self.image_buckets]
+        out += [self.shape(f, h, w) for f in self.frame_counts for h, w in self.video_buckets]
         return out
 
 
-def load_policy(path: Union[str, Path, None] = None, **overrides) -> ShapePolicy:
-    """A policy from a JSON file (``--policy``; keys = ``ShapePolicy`` fields) with ``overrides``
-    (command-line flags; None values are ignored). Errors name the key and the file."""
-    data: dict = {}
+def load_policy(path: Union[str, Path, None] = None, *, model=None, **overrides) -> ShapePolicy:
+    """A policy for ``model`` (a :class:`ds_adaptive.models.family.Model`; default: the default model):
+    its media defaults, then a JSON file (``--policy``; keys = ``ShapePolicy`` fields), then ``overrides``
+    (command-line flags; None values are ignored); validated under the model's grid rule. Errors name the
+    key and the file."""
+    if model is None:
+        from ..models.registry import default_model, get_model
+
+        model = get_model(default_model())
+    media = model.preset.media
+    data: dict = {"fps": media.fps, "frame_counts": list(media.frame_counts), "video_sizes": list(media.video_sizes),
+                  "image_sizes": list(media.image_sizes)}
     source = "the command line"
     if path is not None:
         p = Path(path)
         if not p.is_file():
             raise PolicyError(f"shape policy file {p} (from --policy) does not exist")
         try:
-            data = json.loads(p.read_text())
+            loaded = json.loads(p.read_text())
         except json.JSONDecodeError as exc:
             raise PolicyError(f"shape policy file {p} is not valid JSON: {exc}") from None
-        if not isinstance(data, dict):
+        if not isinstance(loaded, dict):
             raise PolicyError(f"shape policy file {p} must hold a JSON object of {sorted(ShapePolicy.model_fields)}")
+        data.update(loaded)
         source = f"{p} and the command line"
     data.update({k: v for k, v in overrides.items() if v is not None})
     try:
-        return ShapePolicy(**data)
+        return ShapePolicy.model_validate(data, context={"spec": model.input_spec})
     except ValidationError as exc:
-        lines = [f"invalid shape policy (from {source}):"]
+        lines = [f"invalid shape policy for model {model.name} (from {source}):"]
         for err in exc.errors():
             key = ".".join(str(x) for x in err["loc"]) or "policy"
             if err["type"] == "extra_forbidden":
@@ -157,21 +215,37 @@ def load_policy(path: Union[str, Path, None] = None, **overrides) -> ShapePolicy
 
 def add_policy_args(parser: argparse.ArgumentParser) -> None:
     """The shape-policy flags shared by ``preprocess`` and ``stats``."""
-    s = parser.add_argument_group("shape policy (a --policy json holds the same keys; flags override it)")
+    from ..models.registry import default_model, model_names
+
+    parser.add_argument("--model", default=None, choices=model_names(),
+                        help=f"the model the data is for: its VAE, text encoder, grid rule and media defaults "
+                             f"(default: {default_model()})")
+    s = parser.add_argument_group("shape policy (defaults: the model's; a --policy json holds the same keys; flags "
+                                  "override it)")
     s.add_argument("--policy", default=None, help="JSON file with ShapePolicy keys")
-    s.add_argument("--fps", type=float, default=None, help="sampling frame rate (default 16, Wan 2.1's)")
-    s.add_argument("--frames", type=int, nargs="+", default=None, help="clip frame counts, 4n+1 (default 17 33 49 81)")
-    s.add_argument("--video-sizes", nargs="+", default=None, help="video buckets HxW (default 480x832 832x480 720x1280)")
+    s.add_argument("--fps", type=float, default=None, help="sampling frame rate (default: the model's, e.g. 16)")
+    s.add_argument("--frames", type=int, nargs="+", default=None,
+                   help="clip frame counts, 4n+1 (default: the model's, e.g. 17 33 49 81)")
+    s.add_argument("--video-sizes", nargs="+", default=None,
+                   help="video buckets HxW (default: the model's, e.g. 480x832 832x480 720x1280)")
     s.add_argument("--image-sizes", nargs="+", default=None,
-                   help="image buckets HxW (default 480x832 832x480 1024x1024 720x1280)")
+                   help="image buckets HxW (default: the model's, e.g. 480x832 832x480 1024x1024 720x1280)")
     s.add_argument("--long-clips", choices=["cut", "truncate"], default=None,
                    help="long videos: cut into clips (default) or keep the first clip")
     s.add_argument("--max-clips-per-video", type=int, default=None, help="with cut: at most N clips per video")
 
 
+def model_from_args(args: argparse.Namespace):
+    """The model of ``--model`` (default: the default model)."""
+    from ..models.registry import default_model, get_model
+
+    return get_model(getattr(args, "model", None) or default_model())
+
+
 def policy_from_args(args: argparse.Namespace) -> ShapePolicy:
-    """``load_policy`` from the flags of ``add_policy_args``."""
-    return load_policy(args.policy, fps=args.fps, frame_counts=args.frames, video_sizes=args.video_sizes,
+    """``load_policy`` from the flags of ``add_policy_args`` (``--model`` gives the defaults and the grid)."""
+    return load_policy(args.policy, model=model_from_args(args), fps=args.fps, frame_counts=args.frames,
+                       video_sizes=args.video_sizes,
                        image_sizes=args.image_sizes, long_clips=args.long_clips,
                        max_clips_per_video=args.max_clips_per_video)
 

@@ -1,7 +1,12 @@
-"""``ds-adaptive preprocess``: media + captions -> Wan latent shards that ``train --data DIR`` reads.
+"""``ds-adaptive preprocess``: media + captions -> latent shards of a model that ``train --data DIR`` reads.
 
     ds-adaptive preprocess INPUT --out DIR --pipeline Wan2.1-T2V-1.3B-Diffusers
+    ds-adaptive preprocess INPUT --out DIR --model wan2.2-ti2v-5b --pipeline Wan2.2-TI2V-5B-Diffusers
     ds-adaptive preprocess INPUT --out DIR --vae V --text-encoder T --tokenizer K
+
+``--model`` (default: the default model) picks the VAE and text encoder classes, the grid rule the
+shapes must fit, the media defaults of the shape policy and the text length; the written dataset is
+for that model (``train --model`` checks it).
     torchrun --nproc-per-node 8 -m ds_adaptive.preprocess.run INPUT --out DIR --pipeline P   # one GPU each
 
 INPUT is a manifest (.jsonl / .csv: path, caption[, start, end, fps]) or a folder of media with
@@ -28,10 +33,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Optional
 
-from ..shapes import MAX_TEXT_LEN, SampleShape
+from ..shapes import SampleShape
 from .manifest import ManifestError, MediaItem, read_inputs
 from .media import MediaError, decode_item
-from .policy import PolicyError, ShapePolicy, add_policy_args, policy_from_args
+from .policy import PolicyError, ShapePolicy, add_policy_args, model_from_args, policy_from_args
 
 SETTINGS_FILE = "preprocess.json"
 REJECTS_FILE = "rejects.jsonl"
@@ -108,7 +113,8 @@ def settings_of(args: argparse.Namespace, items: list[MediaItem], policy: ShapeP
     models = {k: (str(Path(v).resolve()) if v else None)
               for k, v in (("pipeline", args.pipeline), ("vae", args.vae), ("text_encoder", args.text_encoder),
                            ("tokenizer", args.tokenizer))}
-    return {"format_version": FORMAT_VERSION, "input": str(Path(args.input).resolve()), "num_items": len(items),
+    return {"format_version": FORMAT_VERSION, "model": model_from_args(args).name,
+            "input": str(Path(args.input).resolve()), "num_items": len(items),
             "items_sha256": h.hexdigest(), "policy": policy.model_dump(), "models": models,
             "compute_dtype": args.dtype, "storage_dtype": storage_dtype, "vae_tiling": args.vae_tiling,
             "vae_batch": args.vae_batch, "text_len": args.text_len, "items_per_unit": args.items_per_unit,
@@ -196,11 +202,11 @@ def _encode_unit(k: int, unit: range, results, items: list[MediaItem], encoders,
     stats["text_s"] += time.perf_counter() - t0
     t0 = time.perf_counter()
     writer = LatentShardWriter(out, shard_bytes=int(args.shard_mb * 2**20), dtype=storage_dtype,
-                               prefix=f"shard-{k:05d}", index=False)
+                               prefix=f"shard-{k:05d}", index=False, spec=encoders.spec)
     shapes = Counter()
     for (item, starts, clip_shapes, latents), ctx in zip(accepted, contexts):
         for pos, (shape_t, start, z) in enumerate(zip(clip_shapes, starts, latents)):
-            shape = SampleShape(*shape_t)
+            shape = SampleShape(*shape_t, encoders.spec.grid)
             meta = {"source": item.path} if item.is_image else {"source": item.path, "start_s": round(start, 6)}
             # clips of one video share the caption: one copy each (safetensors refuses shared storage)
             writer.add(f"{item.index:08d}-{pos:03d}", shape, z, ctx if pos == 0 else ctx.clone(), meta=meta)
@@ -214,8 +220,9 @@ def _encode_unit(k: int, unit: range, results, items: list[MediaItem], encoders,
     return record
 
 
-def finalize(out: Path, n_units: int) -> Optional[dict]:
-    """When every unit record exists: write index.json, rejects.jsonl and report.json; else None."""
+def finalize(out: Path, n_units: int, spec=None) -> Optional[dict]:
+    """When every unit record exists: write index.json (latents for ``spec``, the model's inputs),
+    rejects.jsonl and report.json; else None."""
     from ..data.shards import write_index
 
     records = []
@@ -228,7 +235,7 @@ def finalize(out: Path, n_units: int) -> Optional[dict]:
     rejects = [x for r in records for x in r["rejects"]]
     _atomic_write(out / REJECTS_FILE, "".join(json.dumps(x) + "\n" for x in rejects))
     if entries:
-        write_index(out, entries)
+        write_index(out, entries, spec=spec)
     totals, shapes, kinds = Counter(), Counter(), Counter(_reason_kind(x["reason"]) for x in rejects)
     for r in records:
         totals.update(r["stats"])
@@ -239,7 +246,7 @@ def finalize(out: Path, n_units: int) -> Optional[dict]:
     report = {"out": str(out), "items": int(totals["items"]), "samples": len(entries),
               "images": int(totals["images"]), "videos": int(totals["videos"]), "rejects": len(rejects),
               "rejects_by_reason": dict(sorted(kinds.items())), "truncated_captions": int(totals["truncated_captions"]),
-              "shapes": dict(sorted(shapes.items(), key=lambda kv: SampleShape(*map(int, kv[0].split("x"))))),
+              "shapes": dict(sorted(shapes.items(), key=lambda kv: tuple(map(int, kv[0].split("x"))))),
               "seconds": {k: round(totals[k], 3) for k in ("decode_s", "vae_s", "text_s", "write_s")},
               "ranks_last_run": ranks}
     _atomic_write(out / REPORT_FILE, json.dumps(report, indent=1) + "\n")
@@ -254,7 +261,7 @@ def format_report(report: dict) -> str:
     if report["rejects"]:
         lines.append(f"  every reject with its path and reason: {Path(report['out']) / REJECTS_FILE}")
     if report["truncated_captions"]:
-        lines.append(f"  captions cut to the text length (as Wan does): {report['truncated_captions']}")
+        lines.append(f"  captions cut to the model's text length: {report['truncated_captions']}")
     lines.append("  shape (FxHxW)      samples")
     for s, n in report["shapes"].items():
         lines.append(f"  {s:<18} {n:>7}")
@@ -272,15 +279,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("input", help="manifest (.jsonl / .csv) or a folder of media with <stem>.txt captions")
     p.add_argument("--out", required=True, help="output dataset directory (created; resumed if it holds this job)")
     w = p.add_argument_group("weights (local diffusers-format directories; never downloaded)")
-    w.add_argument("--pipeline", default=None, help="a Wan diffusers pipeline directory (vae/, text_encoder/, tokenizer/)")
-    w.add_argument("--vae", default=None, help="AutoencoderKLWan directory (default: PIPELINE/vae)")
-    w.add_argument("--text-encoder", default=None, help="UMT5EncoderModel directory (default: PIPELINE/text_encoder)")
+    w.add_argument("--pipeline", default=None, help="the model's diffusers pipeline directory (vae/, text_encoder/, "
+                   "tokenizer/)")
+    w.add_argument("--vae", default=None, help="the model's VAE directory (default: PIPELINE/vae)")
+    w.add_argument("--text-encoder", default=None, help="its text encoder directory (default: PIPELINE/text_encoder)")
     w.add_argument("--tokenizer", default=None, help="tokenizer directory (default: PIPELINE/tokenizer)")
     add_policy_args(p)
     e = p.add_argument_group("encoding")
     e.add_argument("--device", default="auto", help="auto (cuda:LOCAL_RANK if CUDA is available, else cpu), cpu, cuda")
     e.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
-                   help="encoder dtype (auto: bfloat16 on GPU, as Wan runs them; float32 on CPU)")
+                   help="encoder dtype (auto: bfloat16 on GPU, as the pipelines run them; float32 on CPU)")
     e.add_argument("--storage-dtype", choices=["auto", "bfloat16", "float32"], default="auto",
                    help="dtype of the stored tensors (auto: the encoder dtype)")
     e.add_argument("--vae-tiling", choices=["auto", "on", "off"], default="auto",
@@ -288,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--vae-batch", type=int, default=1, help="consecutive same-shape clips per VAE call (images: "
                    "try 8)")
     e.add_argument("--text-batch", type=int, default=16, help="captions per text-encoder call")
-    e.add_argument("--text-len", type=int, default=MAX_TEXT_LEN, help="tokens per caption (Wan: 512)")
+    e.add_argument("--text-len", type=int, default=None, help="tokens per caption (default: the model's, 512)")
     j = p.add_argument_group("job")
     j.add_argument("--items-per-unit", type=int, default=32, help="input items per work unit (the resume grain)")
     j.add_argument("--shard-mb", type=float, default=1024, help="largest shard file, MiB")
@@ -317,15 +325,26 @@ def _device_and_dtypes(args, local_rank: int):
     return device, compute, storage
 
 
-def run(args: argparse.Namespace, encoders=None) -> dict:
-    """The job; ``encoders`` (a ``WanEncoders``) skips loading (tests, benchmarks). Returns this rank's summary."""
-    import torch
-
+def _check_args(args: argparse.Namespace, encoders):
+    """The counts, ``--text-len`` (default: the model's) and given encoders against ``--model``; returns the model."""
     for name in ("items_per_unit", "vae_batch", "text_batch"):
         if getattr(args, name) < 1:
             raise PreprocessError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if not 1 <= args.text_len <= MAX_TEXT_LEN:
-        raise PreprocessError(f"--text-len must be in 1..{MAX_TEXT_LEN}, got {args.text_len}")
+    model = model_from_args(args)
+    args.text_len = model.text_len if args.text_len is None else args.text_len
+    if not 1 <= args.text_len <= model.text_len:
+        raise PreprocessError(f"--text-len must be in 1..{model.text_len} (model {model.name}), got {args.text_len}")
+    if encoders is not None and encoders.spec.grid != model.grid:
+        raise PreprocessError(f"the encoders are for {encoders.spec.describe()}, --model is {model.describe()}")
+    return model
+
+
+def run(args: argparse.Namespace, encoders=None) -> dict:
+    """The job; ``encoders`` (``LatentEncoders`` of the model) skips loading (tests, benchmarks). Returns this
+    rank's summary."""
+    import torch
+
+    model = _check_args(args, encoders)
     rank, world, local = rank_info(args.local_rank)
     policy = policy_from_args(args)
     items = read_inputs(args.input)
@@ -344,10 +363,10 @@ def run(args: argparse.Namespace, encoders=None) -> dict:
     summary["units_done_before"] = sum(1 for k in range(len(units)) if k % world == rank) - len(mine)
     if mine:
         if encoders is None:
-            from .encode import WanEncoders
+            from .encode import LatentEncoders
 
-            encoders = WanEncoders.from_pretrained(
-                vae=args.vae, text_encoder=args.text_encoder, tokenizer=args.tokenizer, pipeline=args.pipeline,
+            encoders = LatentEncoders.from_pretrained(
+                model, vae=args.vae, text_encoder=args.text_encoder, tokenizer=args.tokenizer, pipeline=args.pipeline,
                 device=device, dtype=getattr(torch, compute), vae_tiling=args.vae_tiling, text_len=args.text_len)
         todo = [i for k in mine for i in units[k]]
         workers = args.workers if args.workers is not None else min(8, max(1, (os.cpu_count() or 1) // world - 1))
@@ -389,7 +408,7 @@ def run(args: argparse.Namespace, encoders=None) -> dict:
           + (f", peak GPU memory {summary['peak_gpu_mem_gib']:.1f} GiB" if "peak_gpu_mem_gib" in summary else "")
           + (f"; {summary['units_done_before']} unit(s) were already done" if summary["units_done_before"] else ""),
           flush=True)
-    report = finalize(out, len(units))
+    report = finalize(out, len(units), model.input_spec)
     if report is not None:
         print(format_report(report), flush=True)
     else:

@@ -48,7 +48,7 @@ def collect(source: str, policy: ShapePolicy, workers: int = 0) -> tuple[Counter
     if src.is_dir() and (src / "index.json").is_file():
         from ..data.shards import LatentShardDataset
 
-        shapes = Counter(LatentShardDataset(src, verify=False).sample_shapes())
+        shapes = Counter(LatentShardDataset(src, verify=False, spec=policy.spec).sample_shapes())
         return shapes, Counter(), f"shape mix of the latent dataset {src}"
     items = read_inputs(src)
     jobs = [(it, policy) for it in items]

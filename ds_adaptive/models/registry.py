@@ -1,0 +1,78 @@
+"""The model registry: ``--model NAME`` -> :class:`ds_adaptive.models.family.Model`.
+
+Each module of ``FAMILY_MODULES`` defines ``FAMILY`` (a :class:`ModelFamily` with its presets). They are
+imported on the first lookup; preset names are unique across families. Adding a family: its module
+(``models/<family>.py``), one line here, its profile and its tests.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Optional
+
+from ds_adaptive.models.family import Model, ModelError, ModelFamily, check_presets
+
+__all__ = ["FAMILY_MODULES", "DEFAULT_MODEL", "families", "get_model", "model_names", "default_model",
+           "model_for_profile"]
+
+FAMILY_MODULES = (
+    "ds_adaptive.models.wan21",
+    "ds_adaptive.models.wan22",
+)
+"""Modules that define ``FAMILY``, in the order ``model_names()`` lists them."""
+
+DEFAULT_MODEL = "wan2.1-1.3b"
+"""The model of a run that names none on a GPU (launcher, calibrate, simulate's default profile)."""
+
+_FAMILIES: Optional[dict[str, ModelFamily]] = None
+_MODELS: Optional[dict[str, Model]] = None
+
+
+def _load() -> dict[str, Model]:
+    global _FAMILIES, _MODELS
+    if _MODELS is None:
+        fams: dict[str, ModelFamily] = {}
+        models: dict[str, Model] = {}
+        for mod_name in FAMILY_MODULES:
+            fam = importlib.import_module(mod_name).FAMILY
+            if fam.name in fams:
+                raise ModelError(f"model family {fam.name!r} is defined twice ({mod_name})")
+            check_presets(fam.presets)
+            for p in fam.presets:
+                if p.name in models:
+                    raise ModelError(f"model {p.name!r} is defined by both {models[p.name].family.name} and {fam.name}")
+                models[p.name] = Model(fam, p)
+            fams[fam.name] = fam
+        _FAMILIES, _MODELS = fams, models
+    return _MODELS
+
+
+def families() -> dict[str, ModelFamily]:
+    """Every registered family by name."""
+    _load()
+    return dict(_FAMILIES)
+
+
+def model_names() -> list[str]:
+    """Every ``--model`` value, family by family."""
+    return list(_load())
+
+
+def get_model(name: str) -> Model:
+    """The model of a ``--model`` value; an unknown name is a :class:`ModelError` listing the known ones."""
+    models = _load()
+    if name not in models:
+        raise ModelError(f"unknown model {name!r}; known: {', '.join(models)}")
+    return models[name]
+
+
+def default_model() -> str:
+    """:data:`DEFAULT_MODEL`."""
+    return DEFAULT_MODEL
+
+
+def model_for_profile(profile_model: Optional[str]) -> Optional[Model]:
+    """The model a profile's ``model.name`` names (None when absent or unknown: e.g. a calibration of a
+    custom config)."""
+    if not profile_model:
+        return None
+    return _load().get(profile_model)

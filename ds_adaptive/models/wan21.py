@@ -1,0 +1,86 @@
+"""The Wan 2.1 family: text-to-video DiTs 1.3B and 14B (and ``tiny`` for tests) as data.
+
+The code is shared with every Wan-architecture family: the model is ``models/wan.py``
+(diffusers' ``WanTransformer3DModel`` numerics), weights ``models/weights.py``, FLOPs and
+parameter counts ``models/flops.py``. Architectures are the released configs
+(Wan-AI/Wan2.1-T2V-1.3B / -14B); the VAE is Wan 2.1's causal VAE (stride 4x8x8, 16 channels), the
+text encoder umT5-XXL (4096 features, 512 tokens).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ds_adaptive.models.family import MediaDefaults, ModelFamily, Preset
+
+_DATA = Path(__file__).resolve().parent.parent / "data"
+
+VAE_STRIDE = (4, 8, 8)
+VAE_NAME = "Wan 2.1 VAE"
+MEDIA = MediaDefaults(fps=16.0, frame_counts=(17, 33, 49, 81), video_sizes=("480x832", "832x480", "720x1280"),
+                      image_sizes=("480x832", "832x480", "1024x1024", "720x1280"))
+"""Wan 2.1's training data: 16 fps, 480p and 720p buckets (the shapes of ``data/default_shapes.json``)."""
+CALIBRATION_SHAPES = ((1, 480, 832), (1, 1024, 1024), (17, 480, 832), (33, 480, 832), (49, 480, 832),
+                      (81, 480, 832), (49, 720, 1280), (81, 720, 1280))
+"""Real token grids, short to long: 1,560 ... 75,600 tokens."""
+CPU_CALIBRATION_SHAPES = ((1, 128, 128), (1, 256, 256), (9, 256, 256), (17, 256, 256), (33, 256, 256))
+"""Small grids of 64-2,304 tokens: a CPU calibration of a tiny model takes seconds."""
+
+
+def make_config(arch, **overrides):
+    from ds_adaptive.models.wan import get_wan_config
+
+    return get_wan_config(arch, **overrides)
+
+
+def build_model(config):
+    from ds_adaptive.models.wan import WanModel
+
+    return WanModel(config)
+
+
+def train_flops(config, tokens: int, batch_size: int, ckpt_blocks: int = 0):
+    from ds_adaptive.models.flops import wan_train_flops
+
+    return wan_train_flops(config, tokens, batch_size, ckpt_blocks)
+
+
+def param_counts(config) -> dict:
+    from ds_adaptive.models.flops import wan_param_counts
+
+    return wan_param_counts(config)
+
+
+def weights():
+    from ds_adaptive.models.weights import WanWeights
+
+    return WanWeights()
+
+
+def wan_preset(name: str, arch: dict, **kw) -> Preset:
+    """A preset on Wan 2.1's VAE and data defaults (``kw`` overrides any Preset field)."""
+    base = dict(vae_stride=VAE_STRIDE, vae=VAE_NAME, shapes=_DATA / "default_shapes.json", media=MEDIA,
+                calibration_shapes=CALIBRATION_SHAPES)
+    return Preset(name=name, arch=arch, **{**base, **kw})
+
+
+FAMILY = ModelFamily(
+    name="wan2.1",
+    description="Wan 2.1 text-to-video DiT (diffusers WanTransformer3DModel)",
+    presets=(
+        wan_preset("wan2.1-1.3b", dict(dim=1536, ffn_dim=8960, num_heads=12, num_layers=30),
+                   description="Wan2.1-T2V-1.3B"),
+        wan_preset("wan2.1-14b", dict(dim=5120, ffn_dim=13824, num_heads=40, num_layers=40),
+                   description="Wan2.1-T2V-14B"),
+        # CPU tests / smoke training: real text width, head_dim 64.
+        wan_preset("tiny", dict(dim=128, ffn_dim=256, num_heads=2, num_layers=2),
+                   calibration_shapes=CPU_CALIBRATION_SHAPES, description="2-block test model"),
+    ),
+    make_config=make_config,
+    build_model=build_model,
+    train_flops=train_flops,
+    param_counts=param_counts,
+    weights=weights,
+    vae_class="AutoencoderKLWan",
+    text_encoder_class="UMT5EncoderModel",
+    per_token_timesteps=True,   # WanModel takes timestep [B] or [B, S] (diffusers' expand_timesteps)
+)
