@@ -48,11 +48,12 @@ def test_the_core_never_imports_patches():
 
 # The model seam (docs/ARCHITECTURE.md): outside ds_adaptive/models/ nothing names a model family. Docstrings and
 # comments may cite one as an example; identifiers, imports and string constants may not. The one exception is
-# the launcher script's file name.
+# the launcher scripts' file names.
 FAMILY_WORD = re.compile(r"wan(?!t)", re.IGNORECASE)
 SEAM_MODULES = {"ds_adaptive.models", "ds_adaptive.models.registry", "ds_adaptive.models.family"}
 SEAM_PARTS = {"models", "registry", "family"}
-ALLOWED_STRINGS = {"train_wan.py"}
+LAUNCHER_FILES = re.compile(r"train_wan\.(py|sh|sbatch)")
+"""The launcher scripts' file names (launch/train_wan.py, .sh, slurm/train_wan.sbatch) may be named in strings."""
 
 
 def _docstring_ids(tree) -> set:
@@ -92,8 +93,7 @@ def _family_mentions(path: Path):
                 yield node.lineno, f"from {mod} import ..."
             names = [mod] + [a.name for a in node.names] + [a.asname or "" for a in node.names]
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
-            if node.value not in ALLOWED_STRINGS:
-                names = [node.value]
+            names = [LAUNCHER_FILES.sub("", node.value)]
         for n in names:
             if n and FAMILY_WORD.search(n):
                 yield getattr(node, "lineno", 0), n[:80]
