@@ -195,11 +195,12 @@ def _build_model(cfg: RunConfig, preset, model_config, ds_config: dict, *, meta:
 
 def _checked(preset, model):
     """``model`` if it has the runtime's setters and split forward (the family seam), else a ModelError."""
-    from .models.family import DiffusionTransformer, ModelError
+    from .models.family import ModelError, missing_members
 
-    if not isinstance(model, DiffusionTransformer):
-        raise ModelError(f"model {preset.name}: {type(model).__name__} lacks the runtime's setters "
-                         "(ds_adaptive.models.family.DiffusionTransformer)")
+    missing = missing_members(model)
+    if missing:
+        raise ModelError(f"model {preset.name}: {type(model).__name__} lacks {', '.join(missing)} of the runtime's "
+                         "seam (ds_adaptive.models.family.DiffusionTransformer)")
     return model
 
 

@@ -87,6 +87,17 @@ class DiffusionTransformer(Protocol):
         """Tokens of the whole sequence -> latents."""
 
 
+def missing_members(model: Any) -> list[str]:
+    """The :class:`DiffusionTransformer` members ``model`` lacks (empty: it fits the seam).
+
+    ``isinstance(model, DiffusionTransformer)`` is not used: from Python 3.12 a runtime-checkable protocol
+    looks members up with ``inspect.getattr_static``, which does not see an ``nn.Module``'s submodules
+    (``blocks`` lives in ``_modules``), so every model would fail the check there."""
+    names = [n for n in DiffusionTransformer.__annotations__] + [
+        n for n, v in vars(DiffusionTransformer).items() if callable(v) and not n.startswith("_")]
+    return [n for n in dict.fromkeys(names) if not hasattr(model, n)]
+
+
 class WeightAdapter(Protocol):
     """Weights to and from a family's checkpoint layouts (diffusers and the family's original one)."""
 

@@ -21,13 +21,13 @@ def random_init_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     g = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith(("modulation", "scale_shift_table")):
-            v = 0.3 * torch.randn(p.shape, generator=g)
+            v = 0.3 * torch.randn(p.shape, generator=g, device="cpu")
         elif p.dim() >= 2:
-            v = torch.randn(p.shape, generator=g) / (p[0].numel() ** 0.5)
+            v = torch.randn(p.shape, generator=g, device="cpu") / (p[0].numel() ** 0.5)
         elif "norm" in name and name.endswith("weight"):
-            v = 1 + 0.2 * torch.randn(p.shape, generator=g)
+            v = 1 + 0.2 * torch.randn(p.shape, generator=g, device="cpu")
         else:
-            v = 0.1 * torch.randn(p.shape, generator=g)
+            v = 0.1 * torch.randn(p.shape, generator=g, device="cpu")
         p.copy_(v)
     return model
 
