@@ -111,7 +111,7 @@ class SparseAttentionRuntime:
 
     def __init__(self, cfg: Union[SparseAttentionConfig, dict, None], *, num_layers: int, num_heads: int,
                  head_dim: int, device: Union[str, torch.device, None] = None, sp_rank: int = 0, sp_size: int = 1,
-                 group=None, sp_group=None, backend=None):
+                 group=None, sp_group=None, backend=None, decision=None):
         cfg = cfg if isinstance(cfg, SparseAttentionConfig) else SparseAttentionConfig.model_validate(cfg or {})
         if cfg.predictor_rank > head_dim:
             raise ValueError(f"adaptive_load.sparse_attention.predictor_rank = {cfg.predictor_rank} is larger than "
@@ -137,6 +137,11 @@ class SparseAttentionRuntime:
         # cfg.backend for the device and dtype of q (build_run chooses it up front and says why)
         self.sparse_backend = backend
         self.backend_choice = None
+        # "sparse only where it pays": a balance.sparse.SparseAttentionCost (the planner's decision, its
+        # densities replaced by the ones the layers run at after every step); None: no cost check
+        self._decision_template = decision
+        self.decision = None
+        self.warmup_s = 0.0
         self._gen = torch.Generator().manual_seed(cfg.seed + 1 + 7919 * sp_rank)
         nan = float("nan")
         # profiled density of every head [L, H] (original head ids), the same on every rank: each rank
@@ -147,6 +152,9 @@ class SparseAttentionRuntime:
         self._reset_step_stats()
         self.last: dict[str, Any] = {"loss": [nan] * num_layers, "recall": [nan] * num_layers,
                                      "selected_density": [nan] * num_layers, "select_ms": [nan] * num_layers}
+        # layer calls of the schedule's sparse layers that ran sparse / dense (the cost check), whole run
+        self.calls = {"sparse": 0, "dense_by_cost": 0}
+        self._refresh_decision()
 
     # ------------------------------------------------------------------ installation
     def for_layer(self, i: int) -> LayerAttention:
@@ -188,6 +196,50 @@ class SparseAttentionRuntime:
         # (flex builds its BlockMask inside the op from the compact selection: a few kernels, no
         # sync; the q side, O(nq * nk), only with autograd on; never cached)
         return self.backend_for(q).attention(q, k, v, selection, valid_len=valid_len, density=entry.density)
+
+    def runs_sparse(self, layer: int, seq_len: int) -> bool:
+        """Whether a sparse layer of the schedule runs block-sparse at ``seq_len`` tokens (the full,
+        Ulysses-padded sequence): the planner's decision (``SparseAttentionCost.layer_decisions``) at
+        the densities the layers run at; True without a decision cost."""
+        if self.decision is None:
+            return True
+        ok = bool(self.decision.layer_decisions(seq_len, self.sp_size)[0][layer])
+        self.calls["sparse" if ok else "dense_by_cost"] += 1
+        return ok
+
+    def _refresh_decision(self) -> None:
+        """The decision cost at the densities the layers run at now (after a step or a resume)."""
+        if self._decision_template is None:
+            return
+        from ds_adaptive.balance.sparse import DensityMap
+        from ds_adaptive.sparse.telemetry import effective_densities
+
+        table = tuple(tuple(r) for r in effective_densities(self))
+        self.decision = self._decision_template.with_densities(
+            DensityMap(table, dense_layers=tuple(sorted(self.schedule.dense_layers)), source="sparse runtime"))
+
+    def warmup(self, shapes, *, dtype: torch.dtype, backward: bool = True) -> float:
+        """Before step 1: let the backend prepare (compile) for the ``(B, S)`` micro-batches of the plan
+        (S: the full, Ulysses-padded sequence) where a layer can run sparse at all (at the lowest
+        density it may run at); returns seconds spent (also added to ``warmup_s``)."""
+        cfg = self.cfg
+        low = cfg.forced_density if cfg.forced_density is not None else max(cfg.min_density, 1e-4)
+        probe = None
+        if self._decision_template is not None:
+            from ds_adaptive.balance.sparse import DensityMap
+
+            n, h = self.num_layers, self.num_heads
+            probe = self._decision_template.with_densities(
+                DensityMap(tuple((low,) * h for _ in range(n)), dense_layers=tuple(sorted(self.schedule.dense_layers))))
+        todo = sorted({(int(b), int(s)) for b, s in shapes
+                       if probe is None or bool(probe.layer_decisions(int(s), self.sp_size)[0].any())})
+        if not todo or len(self.schedule.dense_layers) >= self.num_layers:
+            return 0.0
+        backend = self.backend_for(torch.empty(0, 0, 0, self.head_dim, device=self.device, dtype=dtype))
+        spent = backend.warmup(todo, num_heads=self.local_heads, head_dim=self.head_dim, dtype=dtype,
+                               device=self.device, block_size=cfg.block_size, backward=backward)
+        self.warmup_s += spent
+        return spent
 
     def cached_selection(self, layer: int) -> Optional[BlockSelection]:
         """The selection this step's forward made for ``layer`` (what its recompute reuses); None:
@@ -246,7 +298,7 @@ class SparseAttentionRuntime:
 
     def _forward_entry(self, layer, q, k, key, valid_len, heads) -> _Entry:
         selection, stored, density = None, None, None
-        if self.schedule.is_sparse(layer):
+        if self.schedule.is_sparse(layer) and self.runs_sparse(layer, q.shape[1]):
             t0 = self._clock(q.device)
             selection, density = self._select(layer, q, k, heads)
             self._select_events[layer].append((t0, self._clock(q.device)))
@@ -343,6 +395,7 @@ class SparseAttentionRuntime:
             if evs:
                 self.last["select_ms"][i] = sum(self._elapsed(a, b) for a, b in evs) / len(evs)
         self.schedule.end_step(mean_loss, layer_density)
+        self._refresh_decision()
         self._reset_step_stats()
         self._cache.clear()
 
@@ -401,19 +454,27 @@ class SparseAttentionRuntime:
         self.head_density = full.clone().float()
         self._gen.set_state(state["generator"])
         self.last = {k: list(v) for k, v in state["last"].items()}
+        self._refresh_decision()
 
     def summary(self) -> dict[str, Any]:
         """For the run summary: stage, when stage 2 began, sparse layers, per-layer figures."""
         m = self.metrics()
+        be = self.sparse_backend
         return {"stage": self.schedule.stage, "stage2_from_step": self.schedule.switched_at,
-                "config": self.cfg.model_dump(mode="json"), **{k.split("/", 1)[1]: v for k, v in m.items()}}
+                "config": self.cfg.model_dump(mode="json"), **{k.split("/", 1)[1]: v for k, v in m.items()},
+                "backend": None if be is None else {"name": be.name, **be.stats()},
+                "backend_line": None if self.backend_choice is None else self.backend_choice.line,
+                "warmup_s": self.warmup_s, "layer_calls": dict(self.calls)}
 
 
-def attach_sparse_attention(model, cfg: SparseAttentionConfig, *, layout=None, device=None
-                            ) -> Optional[SparseAttentionRuntime]:
-    """The trainer's hook: None when ``cfg.enabled`` is false, else a runtime installed on ``model``
-    (after ``apply_ulysses``: the selection runs on the local heads after the all-to-all).
-    ``layout``: the run's :class:`ds_adaptive.layout.Layout` (None: one process, no SP)."""
+def attach_sparse_attention(model, cfg: SparseAttentionConfig, *, layout=None, device=None, choice=None,
+                            decision=None) -> Optional[SparseAttentionRuntime]:
+    """None when ``cfg.enabled`` is false, else a runtime installed on ``model`` (after
+    ``apply_ulysses``: the selection runs on the local heads after the all-to-all); ``build_run``
+    calls it. ``layout``: the run's :class:`ds_adaptive.layout.Layout` (None: one process, no SP);
+    ``choice``: a :class:`ds_adaptive.sparse.backends.BackendChoice` (None: chosen on first use);
+    ``decision``: the planner's :class:`ds_adaptive.balance.sparse.SparseAttentionCost` (sparse only
+    where it pays; None: no cost check)."""
     if not cfg.enabled:
         return None
     mc = model.config
@@ -421,6 +482,8 @@ def attach_sparse_attention(model, cfg: SparseAttentionConfig, *, layout=None, d
     rt = SparseAttentionRuntime(cfg, num_layers=mc.num_layers, num_heads=mc.num_heads, head_dim=mc.head_dim,
                                 device=device, sp_rank=layout.sp_rank if layout is not None else 0,
                                 sp_size=layout.sp_size if layout is not None else 1,
-                                sp_group=layout.sp_group if sp_on else None)
+                                sp_group=layout.sp_group if sp_on else None,
+                                backend=None if choice is None else choice.backend, decision=decision)
+    rt.backend_choice = choice
     rt.install(model, layout)
     return rt
