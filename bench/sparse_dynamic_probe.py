@@ -48,18 +48,6 @@ def _fwd_bwd(fn, q, k, v):
     out.backward(torch.ones_like(out))
 
 
-def _events_ms(fn, reps):
-    fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        fn()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / reps
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -71,7 +59,7 @@ def main(argv=None) -> int:
         return 2
     from ds_adaptive.sparse.backends import get_backend
     from ds_adaptive.sparse.backends.flex import block_mask_from_selection, compiled_graphs
-    from ds_adaptive.sparse.backends.measure import random_selection
+    from ds_adaptive.sparse.backends.measure import cuda_time_ms, random_selection
 
     dev = torch.device("cuda")
     fb = get_backend("flex")
@@ -128,7 +116,7 @@ def main(argv=None) -> int:
     for s in (32760, 75600):
         q, k, v = _qkv(1, s, dev, seed=1)
         sel = random_selection(1, H, s, BS, 0.1, device=dev, seed=2)
-        dyn = _events_ms(lambda: _fwd_bwd(lambda a, b_, c: fb.attention(a, b_, c, sel, density=0.1), q, k, v), args.reps)
+        dyn = cuda_time_ms(lambda: _fwd_bwd(lambda a, b_, c: fb.attention(a, b_, c, sel, density=0.1), q, k, v), args.reps)
         static = torch.compile(flex_attention, dynamic=False, fullgraph=True)
         n = math.ceil(s / BS)
         tail = n * BS - s
@@ -142,14 +130,14 @@ def main(argv=None) -> int:
         _fwd_bwd(static_fn, q, k, v)
         torch.cuda.synchronize()
         static_compile = time.perf_counter() - t0
-        stat = _events_ms(lambda: _fwd_bwd(static_fn, q, k, v), args.reps)
+        stat = cuda_time_ms(lambda: _fwd_bwd(static_fn, q, k, v), args.reps)
 
         def dense_fn(a, b_, c):
             with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
                 return F.scaled_dot_product_attention(a.transpose(1, 2), b_.transpose(1, 2),
                                                       c.transpose(1, 2)).transpose(1, 2)
 
-        dense = _events_ms(lambda: _fwd_bwd(dense_fn, q, k, v), args.reps)
+        dense = cuda_time_ms(lambda: _fwd_bwd(dense_fn, q, k, v), args.reps)
         row = {"S": s, "density": 0.1, "dynamic_ms": dyn, "static_ms": stat, "dense_ms": dense,
                "dynamic_over_static": dyn / stat, "speedup_vs_dense": dense / dyn, "efficiency_vs_dense": 0.1 * dense / dyn,
                "static_compile_s": static_compile}

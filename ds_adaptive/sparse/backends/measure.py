@@ -19,7 +19,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-__all__ = ["Measurement", "cache_key", "cache_path", "cached_curve", "measure_backend", "store",
+__all__ = ["Measurement", "cache_key", "cuda_time_ms", "cache_path", "cached_curve", "measure_backend", "store",
            "MEASURE_DENSITIES", "MEASURE_SEQ_LEN"]
 
 MEASURE_DENSITIES = (0.05, 0.1, 0.2, 0.4)
@@ -86,7 +86,8 @@ class Measurement:
     seconds: float = 0.0
 
 
-def _time_ms(fn, iters: int) -> float:
+def cudacuda_time_ms(fn, iters: int) -> float:
+    """Mean ms of ``fn()`` over ``iters`` calls after one untimed call (CUDA events)."""
     fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -133,7 +134,7 @@ def measure_backend(backend, device: Any, *, dtype: torch.dtype = torch.bfloat16
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         torch.autograd.backward(out, dout.transpose(1, 2))
 
-    dense_ms = _time_ms(dense, iters)
+    dense_ms = cuda_time_ms(dense, iters)
     rows, ratios = [], []
     for rho in densities:
         sel = random_selection(1, num_heads, seq_len, block_size, rho, device=dev)
@@ -142,7 +143,7 @@ def measure_backend(backend, device: Any, *, dtype: torch.dtype = torch.bfloat16
             out = backend.attention(q, k, v, sel, density=rho)
             torch.autograd.backward(out, dout)
 
-        ms = _time_ms(sparse, iters)
+        ms = cuda_time_ms(sparse, iters)
         rows.append({"density": rho, "ms": ms, "dense_ms": dense_ms, "efficiency": rho * dense_ms / ms})
         ratios.append(ms / dense_ms)
     key = cache_key(backend.name, dev, dtype=dtype, head_dim=head_dim, block_size=block_size)
