@@ -19,8 +19,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-__all__ = ["Measurement", "cache_key", "cuda_time_ms", "cache_path", "cached_curve", "measure_backend", "store",
-           "MEASURE_DENSITIES", "MEASURE_SEQ_LEN"]
+__all__ = ["Measurement", "cache_key", "cache_path", "cached_curve", "cuda_time_ms", "measure_backend",
+           "random_selection", "store", "MEASURE_DENSITIES", "MEASURE_SEQ_LEN"]
 
 MEASURE_DENSITIES = (0.05, 0.1, 0.2, 0.4)
 MEASURE_SEQ_LEN = 32760
@@ -86,7 +86,7 @@ class Measurement:
     seconds: float = 0.0
 
 
-def cudacuda_time_ms(fn, iters: int) -> float:
+def cuda_time_ms(fn, iters: int) -> float:
     """Mean ms of ``fn()`` over ``iters`` calls after one untimed call (CUDA events)."""
     fn()
     torch.cuda.synchronize()
