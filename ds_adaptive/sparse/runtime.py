@@ -35,9 +35,9 @@ from ds_adaptive.config import SparseAttentionConfig
 from ds_adaptive.sparse.attention import dense_attention
 from ds_adaptive.sparse.cube_order import CubeOrder
 from ds_adaptive.sparse.predictor import LowRankPredictor
-from ds_adaptive.sparse.profiler import exact_logits, profile_rows, sample_rows
+from ds_adaptive.sparse.profiler import exact_logits, profile_rows, sample_row_groups
 from ds_adaptive.sparse.schedule import SparseSchedule
-from ds_adaptive.sparse.selection import BlockSelection, blocks_for_density, select_blocks
+from ds_adaptive.sparse.selection import BlockSelection, blocks_for_density, pooled_lse_scores, select_blocks
 
 
 def _in_backward() -> bool:
@@ -287,9 +287,25 @@ class SparseAttentionRuntime:
         density = float(kph.float().mean()) / nk
         if density > cfg.dense_above:
             return None, density
-        scores = self.predictor.block_scores(layer, q, k, cfg.block_size, self._head_arg(heads), mode=cfg.block_score)
+        scores = self.block_scores(layer, q, k, heads)
         return select_blocks(scores, kph, seq_len=s, block_size=cfg.block_size, keep_sink=cfg.keep_sink,
                              inplace=True), density
+
+    @property
+    def uses_predictor(self) -> bool:
+        """Whether the selection scores with the low-rank predictor (``block_score`` ``lse`` / ``mean``):
+        only then is it trained on profiling steps."""
+        return self.cfg.block_score != "pooled_lse"
+
+    @torch.no_grad()
+    def block_scores(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+                     heads: Optional[tuple[int, ...]] = None) -> torch.Tensor:
+        """``[B, H, nq, nk]`` fp32 scores of ``cfg.block_score`` for q, k ``[B, S, Hl, Dh]``."""
+        cfg = self.cfg
+        if not self.uses_predictor:
+            return pooled_lse_scores(q, k, cfg.block_size)
+        heads = self._local_heads(layer, q, None) if heads is None else heads
+        return self.predictor.block_scores(layer, q, k, cfg.block_size, self._head_arg(heads), mode=cfg.block_score)
 
     def _head_arg(self, heads: tuple[int, ...]):
         """The predictor's head argument: the int offset for a contiguous slice (a view), else the ids."""
@@ -314,24 +330,26 @@ class SparseAttentionRuntime:
 
     def _profile_and_train(self, layer, q, k, selection, valid_len, heads) -> None:
         cfg = self.cfg
-        rows = sample_rows(q.shape[1], cfg.sample_rows, generator=self._gen, valid_len=valid_len, device=q.device)
+        rows, per_block = sample_row_groups(q.shape[1], cfg.sample_rows, cfg.block_size, generator=self._gen,
+                                            valid_len=valid_len, device=q.device)
         qd, kd = q.detach(), k.detach()
         with torch.no_grad():
             logits = exact_logits(qd, kd, rows, valid_len=valid_len)
-            stats = profile_rows(logits, rows, cfg.block_size, cfg.mass, selection)
-        # the predictor's own graph: identity saved-tensor hooks shield it from an enclosing
-        # activation-checkpoint region (whose hooks would otherwise pack these tensors)
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-            loss = self.predictor.loss(layer, qd[:, rows], kd, logits, self._head_arg(heads), valid_len,
-                                       cos_weight=cfg.predictor_cos_weight)
-            loss.backward()
-        self._loss_sum[layer] += loss.detach().to(self._loss_sum.device, torch.float64)
-        self._loss_n[layer] += 1
+            stats = profile_rows(logits, rows, cfg.block_size, cfg.mass, selection, per_block=per_block)
+        if self.uses_predictor:
+            # the predictor's own graph: identity saved-tensor hooks shield it from an enclosing
+            # activation-checkpoint region (whose hooks would otherwise pack these tensors)
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                loss = self.predictor.loss(layer, qd[:, rows], kd, logits, self._head_arg(heads), valid_len,
+                                           cos_weight=cfg.predictor_cos_weight)
+                loss.backward()
+            self._loss_sum[layer] += loss.detach().to(self._loss_sum.device, torch.float64)
+            self._loss_n[layer] += 1
         idx = list(heads)
         self._density_sum[layer, idx] += stats.density.detach().to(self._density_sum.device, torch.float64)
         self._density_n[layer, idx] += 1
-        if stats.recall is not None:
-            self.last["recall"][layer] = float(stats.recall.mean())
+        if stats.recall is not None:  # a device tensor: read in step(), no sync per layer here
+            self._recall[layer] = stats.recall.mean()
 
     @staticmethod
     def _clock(device: torch.device):
@@ -349,13 +367,34 @@ class SparseAttentionRuntime:
         self._density_n = torch.zeros(L, self.num_heads, dtype=torch.float64, device=self.device)
         self._select_events: list[list] = [[] for _ in range(L)]
         self._selected: dict[int, torch.Tensor] = {}
+        self._recall: dict[int, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ per optimizer step
     def step(self) -> None:
-        """After the DiT's optimizer step: all-reduce the predictor's gradients, losses and the profiled
-        head densities over the group (DP x SP: every rank ends with the same densities), AdamW step,
-        record densities, advance the schedule, read the selection timers."""
-        params = [p for p in self.predictor.parameters()]
+        """After the DiT's optimizer step: on a profiling step, all-reduce the profiled head densities
+        (and, when the selection uses it, the predictor's gradients and losses) over the group (DP x
+        SP: every rank ends with the same densities) and step the predictor's AdamW; then record, advance
+        the schedule, read the selection timers. Steps that did not profile exchange nothing (the
+        schedule, the same on every rank, says which: stage 2 profiles every ``profile_interval``)."""
+        mean_loss, layer_density = None, [None] * self.num_layers
+        if self.schedule.profile_now():
+            mean_loss, layer_density = self._exchange()
+        for i, d in self._selected.items():
+            self.last["selected_density"][i] = float(d)
+        for i, r in self._recall.items():
+            self.last["recall"][i] = float(r)
+        for i, evs in enumerate(self._select_events):
+            if evs:
+                self.last["select_ms"][i] = sum(self._elapsed(a, b) for a, b in evs) / len(evs)
+        self.schedule.end_step(mean_loss, layer_density)
+        self._refresh_decision()
+        self._reset_step_stats()
+        self._cache.clear()
+
+    def _exchange(self):
+        """One all-reduce of densities (+ predictor gradients and losses); the predictor's step.
+        Returns ``(mean predictor loss or None, per-layer mean density or None)``."""
+        params = [p for p in self.predictor.parameters()] if self.uses_predictor else []
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         dsum, dn = self._density_sum.to(self._loss_sum.device), self._density_n.to(self._loss_sum.device)
         flat = torch.cat([g.reshape(-1).double() for g in grads]
@@ -389,15 +428,7 @@ class SparseAttentionRuntime:
         layer_density = [float(self.head_density[i].mean()) if bool(measured[i].any()) else None
                          for i in range(self.num_layers)]
         mean_loss = float(layer_loss[trained.cpu()].mean()) if bool(trained.any()) else None
-        for i, d in self._selected.items():
-            self.last["selected_density"][i] = float(d)
-        for i, evs in enumerate(self._select_events):
-            if evs:
-                self.last["select_ms"][i] = sum(self._elapsed(a, b) for a, b in evs) / len(evs)
-        self.schedule.end_step(mean_loss, layer_density)
-        self._refresh_decision()
-        self._reset_step_stats()
-        self._cache.clear()
+        return mean_loss, layer_density
 
     @staticmethod
     def _elapsed(a, b) -> float:
