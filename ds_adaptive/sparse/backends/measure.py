@@ -87,16 +87,11 @@ class Measurement:
 
 
 def cuda_time_ms(fn, iters: int) -> float:
-    """Mean ms of ``fn()`` over ``iters`` calls after one untimed call (CUDA events)."""
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
+    """Median ms of ``fn()`` (CUDA events) over ``iters`` calls after 2 untimed ones: the package's
+    timer (``balance.calibrate_sparse.time_ms``), so measurements and calibration agree."""
+    from ds_adaptive.balance.calibrate_sparse import time_ms
+
+    return time_ms(fn, warmup=2, iters=iters)
 
 
 def random_selection(batch: int, heads: int, seq_len: int, block_size: int, density: float, *, device: Any,
