@@ -25,6 +25,7 @@ all-to-all):
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from typing import Any, Optional, Union
@@ -142,6 +143,7 @@ class SparseAttentionRuntime:
         self._decision_template = decision
         self.decision = None
         self.warmup_s = 0.0
+        self._force_dense = False
         self._gen = torch.Generator().manual_seed(cfg.seed + 1 + 7919 * sp_rank)
         nan = float("nan")
         # profiled density of every head [L, H] (original head ids), the same on every rank: each rank
@@ -179,8 +181,20 @@ class SparseAttentionRuntime:
         return self.sparse_backend
 
     # ------------------------------------------------------------------ the attention fn
+    @contextlib.contextmanager
+    def dense_only(self):
+        """Inside, every layer runs dense SDPA (no selection, no profiling): e.g. the held-out loss of a
+        model trained with sparse attention, evaluated with full attention."""
+        old, self._force_dense = self._force_dense, True
+        try:
+            yield self
+        finally:
+            self._force_dense = old
+
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                   valid_len: Optional[int] = None, head_ids=None, **_: Any) -> torch.Tensor:
+        if self._force_dense:
+            return dense_attention(q, k, v, valid_len=valid_len)
         heads = self._local_heads(layer, q, head_ids)
         key = (tuple(q.shape), valid_len, heads)
         entry = self._cache.get(layer)
