@@ -229,6 +229,8 @@ class SparseAttentionRuntime:
         from ds_adaptive.sparse.telemetry import effective_densities
 
         table = tuple(tuple(r) for r in effective_densities(self))
+        if self.decision is not None and self.decision.densities.density == table:
+            return  # unchanged (most stage-2 steps): keep the cost object and its cached decisions
         self.decision = self._decision_template.with_densities(
             DensityMap(table, dense_layers=tuple(sorted(self.schedule.dense_layers)), source="sparse runtime"))
 
