@@ -160,7 +160,8 @@ def test_flex_compiles_a_fixed_number_of_graphs_across_shapes_and_never_falls_ba
     start = compiled_graphs()
     seen = []
     for b, s, valid in [(1, 1000, None), (2, 1024, None), (1, 2000, 1900), (3, 1536, None), (1, 3000, None),
-                        (2, 2560, 2500), (5, 1100, None), (1, 896, None), (4, 777, None), (2, 1280, 1279)]:
+                        (2, 2560, 2500), (5, 1100, None), (1, 896, None), (4, 777, None), (2, 1280, 1279),
+                        (3, 1100, 1024)]:
         g = torch.Generator().manual_seed(s)
         q, k, v = (torch.randn(b, s, 2, 16, generator=g) for _ in range(3))
         sel = random_selection(b, 2, s, 128, 0.3, device="cpu", seed=s)
