@@ -142,6 +142,7 @@ class SparseAttentionRuntime:
         # densities replaced by the ones the layers run at after every step); None: no cost check
         self._decision_template = decision
         self.decision = None
+        self._decided: dict = {}
         self.warmup_s = 0.0
         self._force_dense = False
         self._gen = torch.Generator().manual_seed(cfg.seed + 1 + 7919 * sp_rank)
@@ -217,7 +218,10 @@ class SparseAttentionRuntime:
         the densities the layers run at; True without a decision cost."""
         if self.decision is None:
             return True
-        ok = bool(self.decision.layer_decisions(seq_len, self.sp_size)[0][layer])
+        row = self._decided.get(seq_len)
+        if row is None:  # once per sequence length and density table (hashing the cost per call is not free)
+            row = self._decided[seq_len] = self.decision.layer_decisions(seq_len, self.sp_size)[0]
+        ok = bool(row[layer])
         self.calls["sparse" if ok else "dense_by_cost"] += 1
         return ok
 
@@ -231,6 +235,7 @@ class SparseAttentionRuntime:
         table = tuple(tuple(r) for r in effective_densities(self))
         if self.decision is not None and self.decision.densities.density == table:
             return  # unchanged (most stage-2 steps): keep the cost object and its cached decisions
+        self._decided = {}
         self.decision = self._decision_template.with_densities(
             DensityMap(table, dense_layers=tuple(sorted(self.schedule.dense_layers)), source="sparse runtime"))
 
