@@ -100,7 +100,8 @@ SCRIPT = textwrap.dedent("""
     sp = Layout.detect(2).validate(num_heads=4)
     cfg = get_wan_config("tiny", num_heads=4)
     scfg = dict(enabled=True, warmup_steps=0, dense_layers=[], layer_density_threshold=1.0, dense_above=1.0, block_size=16,
-                cube=[1, 4, 4], backend="reference", sample_rows=100000, min_density=0.0, profile_interval=1)
+                cube=[1, 4, 4], backend="reference", sample_rows=100000, min_density=0.0, profile_interval=1,
+                block_score="lse")  # the predictor's per-head state is under test (the default trains none)
     ref = random_init_(WanModel(cfg), seed=3)
     model = copy.deepcopy(ref)
     rt_ref = SparseAttentionRuntime(scfg, num_layers=2, num_heads=4, head_dim=cfg.head_dim, group=solo)
