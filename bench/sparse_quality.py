@@ -86,7 +86,7 @@ def arm_config(args, arm: str, shapes_path: Path, fixed: dict, log_dir: Path) ->
             "enabled": True, "forced_density": args.density, "forced_after_warmup": True,
             "warmup_steps": args.stage1, "loss_threshold": 0.0, "profile_interval": args.profile_interval,
             "dense_layers": [0, last], "backend": args.backend, "block_size": args.block_size,
-            "cube": args.cube, "sample_rows": args.sample_rows,
+            "cube": args.cube, "sample_rows": args.sample_rows, "block_score": args.block_score,
             "rebalance": args.rebalance}  # off (default): the dense plan, both arms train the same batches
     return cfg
 
@@ -330,6 +330,8 @@ def parse(argv=None):
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--cube", type=int, nargs=3, default=[2, 8, 8])
     p.add_argument("--backend", default="auto")
+    p.add_argument("--block-score", default="pooled_lse", choices=["pooled_lse", "lse", "mean"],
+                   help="the sparse arm's block scores (the 600-step run at 1cd4fbb used the predictor's 'mean')")
     p.add_argument("--lr", type=float, default=2e-4)
     p.add_argument("--rebalance", default="off", choices=["off", "epoch", "step"],
                    help="sparse_attention.rebalance of the sparse arm (not off: its batches differ from the dense arm's)")
