@@ -179,10 +179,13 @@ class SparseAttentionConfig(_Block):
     predictor_rank: int = Field(16, ge=1, le=256)
     """Rank r of the per-head projections of q and k that predict the attention logits."""
 
-    block_score: Literal["mean", "lse"] = "mean"
-    """How the predictor scores a (query block, key block) pair: `mean` = block mean of the predicted
-    logits (O(nq nk r)); `lse` = log-sum-exp over the key block of the mean query's predicted logits
-    (O(nq S r), closer to the softmax mass: higher recall on RoPE-structured data, more time)."""
+    block_score: Literal["pooled_lse", "lse", "mean"] = "pooled_lse"
+    """How a (query block, key block) pair is scored for the top-k: `pooled_lse` = log-sum-exp over the
+    key block of the query block's mean query against the real keys (exact logits, no predictor:
+    keeps >= 0.95 of the softmax mass on RoPE-structured data with local windows, far regions and
+    sinks, docs/SPARSE.md; ~nq * S * Dh multiply-adds per head); `lse` = the same with the low-rank
+    predictor's logits; `mean` = block mean of the predicted logits (O(nq nk r); keeps 0.6-0.75 of
+    the mass there). Only `lse` and `mean` train the predictor."""
 
     predictor_lr: float = Field(1e-3, gt=0.0)
     """AdamW learning rate of the predictor (its own optimizer, not the DiT's)."""
@@ -236,18 +239,21 @@ class SparseAttentionConfig(_Block):
     rebalance_min_change: float = Field(0.02, ge=0.0, le=1.0)
     """Re-plan only when some layer/head density changed by more than this since the last re-plan."""
 
-    backend: Literal["auto", "flex", "reference"] = "auto"
-    """Sparse kernel: `flex` (compiled FlexAttention block-sparse, CUDA), `reference` (masked dense
-    torch, S^2 memory: tests / CPU), `auto` = flex on CUDA, reference on CPU."""
+    backend: str = "auto"
+    """Block-sparse kernel, by name from the backend registry (`ds_adaptive.sparse.backends`: `flex` =
+    compiled FlexAttention, CUDA; `reference` = masked dense torch, S^2 memory: tests / CPU; others
+    as registered), or `auto`: the fastest measured on this GPU among those that run here (a cached
+    measurement per GPU + torch version); with none, the reference, said loudly at start-up."""
 
     selection_cache: Literal["host", "device"] = "host"
     """Where a layer's selection waits between the forward and its activation-checkpointing
     recompute: `host` (pinned CPU buffers, stream-ordered async copies, no GPU memory held across
     the step; CUDA only) or `device` (kept on the GPU: [B, H, nq, k] int32 per sparse layer)."""
 
-    max_compiled_shapes: int = Field(64, ge=1)
-    """Distinct (batch, heads, tokens) shapes the flex kernel may be compiled for; one more is an
-    error (never a silent fallback to an unfused S^2 path)."""
+    max_compiled_graphs: int = Field(8, ge=1)
+    """Graphs a compiling backend (`flex`) may compile in the process. Shapes are dynamic: one graph
+    for B == 1 and one for B >= 2 per dtype / kernel-options bucket / training or evaluation, whatever
+    the sequence lengths; one more than this is an error (never a silent fallback to an unfused S^2 path)."""
 
     seed: int = 0
     """Seed of the predictor init and of the profiled row samples."""
@@ -264,6 +270,16 @@ class SparseAttentionConfig(_Block):
     def _block_multiple(cls, v):
         if v % 16:
             raise ValueError(f"must be a multiple of 16 (tensor-core tiles), got {v}")
+        return v
+
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, v):
+        from ds_adaptive.sparse.backends.registry import backend_names
+
+        names = backend_names()
+        if v != "auto" and v not in names:
+            raise ValueError(f"unknown sparse-attention backend '{v}'; use 'auto' or one of {names}")
         return v
 
     @field_validator("dense_layers")

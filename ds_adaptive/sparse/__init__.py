@@ -1,19 +1,29 @@
 """DSV dynamic sparse attention for the Wan DiT (docs/SPARSE.md).
 
 cube_order (token permutation into 3D cubes), predictor (rank-r q/k projections), selection (block
-top-k), profiler (exact density / recall on sampled rows), attention (FlexAttention block-sparse op,
-masked dense reference, dense SDPA), schedule (two stages), runtime (the per-model attention fn),
-telemetry (density PNG).
+top-k), profiler (exact density / recall on sampled rows), backends (the block-sparse kernels behind
+one interface: flex, reference, ...), attention (shared op pieces, dense SDPA), schedule (two
+stages), runtime (the per-model attention fn), telemetry (density PNG).
 """
-from ds_adaptive.sparse.attention import (SparseKernelError, block_mask_from_selection, dense_attention,
-                                          flex_block_sparse_attention, masked_attention_reference)
-from ds_adaptive.sparse.cube_order import CubeOrder, CubeOrderError, cube_permutation, inverse_permutation
-from ds_adaptive.sparse.predictor import LowRankPredictor
-from ds_adaptive.sparse.runtime import SparseAttentionRuntime
-from ds_adaptive.sparse.schedule import SparseSchedule
-from ds_adaptive.sparse.selection import BlockSelection, blocks_for_density, pool_blocks, select_blocks
+import importlib
 
-__all__ = ["BlockSelection", "CubeOrder", "CubeOrderError", "LowRankPredictor", "SparseAttentionRuntime",
-           "SparseKernelError", "SparseSchedule", "block_mask_from_selection", "blocks_for_density",
-           "cube_permutation", "dense_attention", "flex_block_sparse_attention", "inverse_permutation",
-           "masked_attention_reference", "pool_blocks", "select_blocks"]
+# Loaded on first use (PEP 562), so that the kernels (``ds_adaptive.sparse.backends``) import with torch
+# alone: the runtime needs the config (pydantic), a GPU probe of a backend does not.
+_EXPORTS = {
+    "SparseKernelError": "attention", "dense_attention": "attention",
+    "block_mask_from_selection": "backends.flex", "flex_block_sparse_attention": "backends.flex",
+    "masked_attention_reference": "backends.reference",
+    "CubeOrder": "cube_order", "CubeOrderError": "cube_order", "cube_permutation": "cube_order",
+    "inverse_permutation": "cube_order",
+    "LowRankPredictor": "predictor", "SparseAttentionRuntime": "runtime", "SparseSchedule": "schedule",
+    "BlockSelection": "selection", "blocks_for_density": "selection", "pool_blocks": "selection",
+    "select_blocks": "selection",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{mod}"), name)
