@@ -56,7 +56,7 @@ def planted_rope_qk(grid: Sequence[int], num_heads: int, head_dim: int, *, kinds
                     dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """q, k ``[B, S, H, Dh]`` whose attention has the structure of a video DiT, through Wan's 3D RoPE.
 
-    Per head, built in the rotary frame and then rotated by Wan's ``rope_table`` (the model's
+    Per head, built in the rotary frame and then rotated by the model's ``rope_table`` (the model's
     ``apply_rope``), so every position dependence is RoPE's own:
 
     * ``local``: q = k = a constant vector on the higher-frequency rotary pairs of all three axes
@@ -71,7 +71,7 @@ def planted_rope_qk(grid: Sequence[int], num_heads: int, head_dim: int, *, kinds
     ``kinds``: one per head (default: the four in turn). Returned in the order of ``order`` (cube
     order if given). Deterministic in ``seed``.
     """
-    from ds_adaptive.models.wan import apply_rope, rope_table
+    from ds_adaptive.models.rope import apply_rope, rope_table
 
     kinds = list(kinds) if kinds is not None else [PLANTED_KINDS[i % len(PLANTED_KINDS)] for i in range(num_heads)]
     if len(kinds) != num_heads or any(k not in PLANTED_KINDS for k in kinds):
