@@ -1,0 +1,201 @@
+"""Block-sparse attention by our Triton kernels: forward + backward, sequence length at run time.
+
+:func:`triton_block_sparse_attention` takes ``q, k, v`` ``[B, S, H, Dh]`` (any strides with a contiguous
+last dim; bf16 / fp16, fp32 for tests) and a compact
+:class:`~ds_adaptive.sparse.selection.BlockSelection` (blocks of ``block`` consecutive tokens, ragged
+last block allowed) and returns ``[B, S, H, Dh]`` in q's dtype. ``valid_len``: positions >= valid_len
+are padding, as in :func:`ds_adaptive.sparse.attention.masked_attention_reference`: the real tokens
+attend among themselves and padded rows give 0 (output and gradients).
+
+* forward: one program per (query tile, b, h) walks the row's selected key blocks (online softmax in
+  fp32, base 2) and saves the log-sum-exp ``[B, H, S]`` fp32 for backward;
+* backward, FlashAttention-2's split without atomics: the dQ kernel (per query tile over its key
+  blocks, computing ``delta = rowsum(out * dout)`` on the way) then the dK/dV kernel (per key tile over
+  the query blocks that selected its block: :func:`~ds_adaptive.sparse.attention.transpose_blocks`).
+  ``KernelConfig.atomic_dq`` instead adds dQ from the dK/dV kernel by fp32 atomics (fewer GEMMs, not
+  deterministic).
+
+S, B and the lists' widths are run-time arguments Triton never specialises on: a new sequence length
+or batch reuses the compiled kernels (one per dtype, head dim, block and tile config; the tile config
+comes from :mod:`~ds_adaptive.sparse.kernels.triton_configs`, never from S). The reference is
+:func:`~ds_adaptive.sparse.kernels.reference.reference_attention` (masked dense, any float dtype).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from ds_adaptive.sparse.attention import SparseKernelError, _check, transpose_blocks, truncate_selection
+from ds_adaptive.sparse.kernels.triton_configs import KernelConfig, config_for
+from ds_adaptive.sparse.selection import BlockSelection
+
+LOG2E = 1.0 / math.log(2.0)
+"""Softmax in base 2: scores are scaled by sm_scale * log2(e)."""
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+"""Input dtypes (fp32 runs tl.dot in TF32 on a GPU: for tests; training uses bf16 / fp16)."""
+HEAD_DIMS = (16, 32, 64, 128)
+"""Head dims the kernels compile for (the tiles hold a whole head row)."""
+
+_alloc = torch.empty
+"""Allocator of every buffer the kernels write (the tests poison it with NaN)."""
+
+
+def triton_status() -> tuple[bool, str]:
+    """(True, version) when triton imports, else (False, why)."""
+    try:
+        import triton
+    except Exception as exc:  # ImportError, or a broken install raising anything at import
+        return False, f"triton does not import: {type(exc).__name__}: {exc}"
+    return True, triton.__version__
+
+
+def _kernels():
+    from ds_adaptive.sparse.kernels import _triton_block_sparse
+    return _triton_block_sparse
+
+
+def interpreted() -> bool:
+    """True when the kernels were built under ``TRITON_INTERPRET=1`` (they then run on CPU tensors)."""
+    return type(_kernels().block_sparse_fwd).__name__ == "InterpretedFunction"
+
+
+def compiled_kernels() -> int:
+    """Compiled kernel variants in this process over the four kernels (a new S must not add one)."""
+    total = 0
+    for fn in _kernels().ALL_KERNELS:
+        caches = getattr(fn, "device_caches", None)
+        if caches is not None:  # triton >= 3.2: device -> (kernel_cache, ...)
+            total += sum(len(c[0]) for c in caches.values())
+        else:
+            total += sum(len(c) for c in getattr(fn, "cache", {}).values())
+    return total
+
+
+def _strides(t: torch.Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _prep(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _list_args(num: torch.Tensor, idx: torch.Tensor):
+    num = num.to(torch.int32).contiguous()
+    idx = idx.to(torch.int32)
+    idx = idx if idx.stride(-1) == 1 else idx.contiguous()
+    return num, idx, (num.stride(0), num.stride(1), idx.stride(0), idx.stride(1), idx.stride(2))
+
+
+def block_sparse_forward(q, k, v, kv_num, kv_idx, *, block: int, seq: int, config: KernelConfig):
+    """Raw forward on the first ``seq`` tokens: (out ``[B, S, H, Dh]`` (rows >= seq not written), lse
+    ``[B, H, seq]`` fp32, log2 domain of the scaled scores)."""
+    kern = _kernels()
+    b, s_full, h, d = q.shape
+    out = _alloc((b, s_full, h, d), dtype=q.dtype, device=q.device)
+    lse = _alloc((b, h, seq), dtype=torch.float32, device=q.device)
+    num, idx, lists = _list_args(kv_num, kv_idx)
+    t = config.fwd
+    grid = (math.ceil(seq / block) * (block // t.block_m), b * h)
+    kern.block_sparse_fwd[grid](q, k, v, out, lse, num, idx, seq, h, *_strides(q), *_strides(k), *_strides(v),
+                                *_strides(out), *lists, (1.0 / math.sqrt(d)) * LOG2E,
+                                BLOCK=block, BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=d,
+                                num_warps=t.num_warps, num_stages=t.num_stages)
+    return out, lse
+
+
+def block_sparse_backward(q, k, v, out, lse, dout, kv_num, kv_idx, *, block: int, seq: int,
+                          config: KernelConfig):
+    """Raw backward on the first ``seq`` tokens: (dq, dk, dv) ``[B, S, H, Dh]`` in q's dtype (rows >= seq
+    not written). ``out`` is the forward's (contiguous); ``dout`` is made contiguous like it."""
+    kern = _kernels()
+    b, s_full, h, d = q.shape
+    dout = dout.contiguous()
+    sm_scale = 1.0 / math.sqrt(d)
+    dq = _alloc((b, s_full, h, d), dtype=q.dtype, device=q.device)
+    dk = _alloc((b, s_full, h, d), dtype=q.dtype, device=q.device)
+    dv = _alloc((b, s_full, h, d), dtype=q.dtype, device=q.device)
+    delta = _alloc((b, h, seq), dtype=torch.float32, device=q.device)
+    num, idx, kv_lists = _list_args(kv_num, kv_idx)
+    nb = math.ceil(seq / block)
+    q_num, q_idx, q_lists = _list_args(*transpose_blocks(num, idx, nb))
+    common = (seq, h, *_strides(q), *_strides(k), *_strides(v), *_strides(out))
+    if config.atomic_dq:
+        dq_acc = torch.zeros((b, s_full, h, d), dtype=torch.float32, device=q.device)
+        kern.block_sparse_delta[(math.ceil(seq / 64), b * h)](out, dout, delta, seq, h, *_strides(out),
+                                                             BLOCK_M=64, HEAD_DIM=d)
+    else:
+        dq_acc = dq  # unused by the dK/dV kernel in split mode
+        t = config.dq
+        grid = (nb * (block // t.block_m), b * h)
+        kern.block_sparse_bwd_dq[grid](q, k, v, out, dout, dq, lse, delta, num, idx, *common, *kv_lists,
+                                       sm_scale * LOG2E, sm_scale, BLOCK=block, BLOCK_M=t.block_m,
+                                       BLOCK_N=t.block_n, HEAD_DIM=d, num_warps=t.num_warps,
+                                       num_stages=t.num_stages)
+    t = config.dkdv
+    grid = (nb * (block // t.block_n), b * h)
+    kern.block_sparse_bwd_dkdv[grid](q, k, v, dout, dk, dv, dq_acc, lse, delta, q_num, q_idx, *common, *q_lists,
+                                     sm_scale * LOG2E, sm_scale, BLOCK=block, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+                                     HEAD_DIM=d, ATOMIC_DQ=config.atomic_dq, num_warps=t.num_warps,
+                                     num_stages=t.num_stages)
+    if config.atomic_dq:
+        dq.copy_(dq_acc)
+    return dq, dk, dv
+
+
+class _TritonBlockSparse(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, kv_num, kv_idx, block, seq, config):
+        out, lse = block_sparse_forward(q, k, v, kv_num, kv_idx, block=block, seq=seq, config=config)
+        if seq < q.shape[1]:
+            out[:, seq:].zero_()
+        ctx.save_for_backward(q, k, v, out, lse, kv_num, kv_idx)
+        ctx.block, ctx.seq, ctx.config = block, seq, config
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, kv_num, kv_idx = ctx.saved_tensors
+        grads = block_sparse_backward(q, k, v, out, lse, dout, kv_num, kv_idx, block=ctx.block, seq=ctx.seq,
+                                      config=ctx.config)
+        if ctx.seq < q.shape[1]:
+            for g in grads:
+                g[:, ctx.seq:].zero_()
+        return (*grads, None, None, None, None, None)
+
+
+def check_inputs(q: torch.Tensor, selection: BlockSelection) -> None:
+    """Raise :class:`SparseKernelError` for inputs the kernels do not take (dtype, head dim, block, device)."""
+    d, bs = q.shape[-1], selection.block_size
+    if q.dtype not in DTYPES:
+        raise SparseKernelError(f"triton block-sparse attention takes {[str(t) for t in DTYPES]}, got {q.dtype}")
+    if d not in HEAD_DIMS:
+        raise SparseKernelError(f"triton block-sparse attention takes head dim in {HEAD_DIMS}, got {d}")
+    if bs < 16 or bs > 128 or bs & (bs - 1):
+        raise SparseKernelError(f"triton block-sparse attention takes blocks of 16..128 tokens (a power of two), got {bs}")
+    if not q.is_cuda and not (q.device.type == "cpu" and interpreted()):
+        raise SparseKernelError(f"triton block-sparse attention needs CUDA tensors (got {q.device}); CPU tensors run "
+                                "only under the Triton interpreter (TRITON_INTERPRET=1 before the kernels import)")
+
+
+def triton_block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: BlockSelection, *,
+                                  valid_len: Optional[int] = None, density: Optional[float] = None,
+                                  config: Optional[KernelConfig] = None) -> torch.Tensor:
+    """Block-sparse attention of ``q, k, v`` ``[B, S, H, Dh]`` over ``selection``; ``[B, S, H, Dh]`` in q's dtype.
+
+    ``density``: the selection's share of key blocks (host-known; picks the measured tile config's density
+    bucket); ``config``: explicit tiles (overrides the table). Differentiable in q, k, v.
+    """
+    _check(q, k, v, selection)
+    check_inputs(q, selection)
+    s = q.shape[1]
+    seq = s if valid_len is None else min(int(valid_len), s)
+    if seq < 1:
+        raise ValueError(f"valid_len must be >= 1, got {valid_len}")
+    sel = truncate_selection(selection, seq) if seq < s else selection
+    cfg = (config or config_for(q.shape[-1], sel.block_size, density, q.device)).check(sel.block_size)
+    q, k, v = _prep(q), _prep(k), _prep(v)
+    return _TritonBlockSparse.apply(q, k, v, sel.kv_num, sel.kv_idx, sel.block_size, seq, cfg)
+
