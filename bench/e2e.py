@@ -381,7 +381,7 @@ def arm_ds_config(s: Settings, arm: Arm, plan: dict, profile_path: str, budgets:
         # DSV sparse attention at a forced density (no stage 1, no profiling; first and last layer dense).
         # The plan is the dense-cost one: same micro-batches as the dual arm it is compared with.
         cfg["adaptive_load"]["sparse_attention"] = {"enabled": True, "forced_density": s.sparse_density,
-                                                    "max_compiled_shapes": 256}
+                                                    "max_compiled_graphs": 8}
     return cfg
 
 

@@ -35,13 +35,13 @@ def legacy_block_mask(selection):
     """The BlockMask as built before (``from_kv_blocks``: vmapped dense transpose + argsort)."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    from ds_adaptive.sparse.attention import _keys_below
+    from ds_adaptive.sparse.backends.flex import _keys_below, _length
     s, bs, n = selection.seq_len, selection.block_size, selection.num_blocks
     idx = selection.flex_indices()
     pos = (selection.kv_num.long() - 1).clamp_min(0).unsqueeze(-1)
     has_last = ((selection.kv_idx.gather(-1, pos).squeeze(-1) == n - 1) & (selection.kv_num > 0)).to(torch.int32)
     return BlockMask.from_kv_blocks(has_last, torch.full_like(idx, n - 1), selection.kv_num - has_last, idx,
-                                    BLOCK_SIZE=bs, mask_mod=_keys_below(s), seq_lengths=(n * bs, n * bs))
+                                    BLOCK_SIZE=bs, mask_mod=_keys_below(_length(s, idx.device)), seq_lengths=(n * bs, n * bs))
 
 
 def _gpu_ms(fn, reps: int) -> float:

@@ -236,18 +236,21 @@ class SparseAttentionConfig(_Block):
     rebalance_min_change: float = Field(0.02, ge=0.0, le=1.0)
     """Re-plan only when some layer/head density changed by more than this since the last re-plan."""
 
-    backend: Literal["auto", "flex", "reference"] = "auto"
-    """Sparse kernel: `flex` (compiled FlexAttention block-sparse, CUDA), `reference` (masked dense
-    torch, S^2 memory: tests / CPU), `auto` = flex on CUDA, reference on CPU."""
+    backend: str = "auto"
+    """Block-sparse kernel, by name from the backend registry (`ds_adaptive.sparse.backends`: `flex` =
+    compiled FlexAttention, CUDA; `reference` = masked dense torch, S^2 memory: tests / CPU; others
+    as registered), or `auto`: the fastest measured on this GPU among those that run here (a cached
+    measurement per GPU + torch version); with none, the reference, said loudly at start-up."""
 
     selection_cache: Literal["host", "device"] = "host"
     """Where a layer's selection waits between the forward and its activation-checkpointing
     recompute: `host` (pinned CPU buffers, stream-ordered async copies, no GPU memory held across
     the step; CUDA only) or `device` (kept on the GPU: [B, H, nq, k] int32 per sparse layer)."""
 
-    max_compiled_shapes: int = Field(64, ge=1)
-    """Distinct (batch, heads, tokens) shapes the flex kernel may be compiled for; one more is an
-    error (never a silent fallback to an unfused S^2 path)."""
+    max_compiled_graphs: int = Field(8, ge=1)
+    """Graphs a compiling backend (`flex`) may compile in the process. Shapes are dynamic: one graph
+    for B == 1 and one for B >= 2 per dtype / kernel-options bucket / training or evaluation, whatever
+    the sequence lengths; one more than this is an error (never a silent fallback to an unfused S^2 path)."""
 
     seed: int = 0
     """Seed of the predictor init and of the profiled row samples."""
@@ -264,6 +267,16 @@ class SparseAttentionConfig(_Block):
     def _block_multiple(cls, v):
         if v % 16:
             raise ValueError(f"must be a multiple of 16 (tensor-core tiles), got {v}")
+        return v
+
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, v):
+        from ds_adaptive.sparse.backends.registry import backend_names
+
+        names = backend_names()
+        if v != "auto" and v not in names:
+            raise ValueError(f"unknown sparse-attention backend '{v}'; use 'auto' or one of {names}")
         return v
 
     @field_validator("dense_layers")

@@ -32,7 +32,7 @@ from typing import Any, Optional, Union
 import torch
 
 from ds_adaptive.config import SparseAttentionConfig
-from ds_adaptive.sparse.attention import dense_attention, flex_block_sparse_attention, masked_attention_reference
+from ds_adaptive.sparse.attention import dense_attention
 from ds_adaptive.sparse.cube_order import CubeOrder
 from ds_adaptive.sparse.predictor import LowRankPredictor
 from ds_adaptive.sparse.profiler import exact_logits, profile_rows, sample_rows
@@ -111,7 +111,7 @@ class SparseAttentionRuntime:
 
     def __init__(self, cfg: Union[SparseAttentionConfig, dict, None], *, num_layers: int, num_heads: int,
                  head_dim: int, device: Union[str, torch.device, None] = None, sp_rank: int = 0, sp_size: int = 1,
-                 group=None, sp_group=None):
+                 group=None, sp_group=None, backend=None):
         cfg = cfg if isinstance(cfg, SparseAttentionConfig) else SparseAttentionConfig.model_validate(cfg or {})
         if cfg.predictor_rank > head_dim:
             raise ValueError(f"adaptive_load.sparse_attention.predictor_rank = {cfg.predictor_rank} is larger than "
@@ -133,6 +133,10 @@ class SparseAttentionRuntime:
                                        dense_layers=cfg.dense_layers, forced_density=cfg.forced_density,
                                        forced_after_warmup=cfg.forced_after_warmup)
         self.order = CubeOrder(tuple(cfg.cube))
+        # the block-sparse kernel (ds_adaptive.sparse.backends); None: chosen on first use from
+        # cfg.backend for the device and dtype of q (build_run chooses it up front and says why)
+        self.sparse_backend = backend
+        self.backend_choice = None
         self._gen = torch.Generator().manual_seed(cfg.seed + 1 + 7919 * sp_rank)
         nan = float("nan")
         # profiled density of every head [L, H] (original head ids), the same on every rank: each rank
@@ -154,10 +158,17 @@ class SparseAttentionRuntime:
         model.set_token_order(self.order)
         model.set_attention(_UlyssesLayers(self, layout) if layout is not None and layout.sp_enabled else self)
 
-    def backend(self, device: torch.device) -> str:
-        if self.cfg.backend == "auto":
-            return "flex" if device.type == "cuda" else "reference"
-        return self.cfg.backend
+    def backend_for(self, q: torch.Tensor):
+        """The block-sparse backend (chosen from ``cfg.backend`` for q's device and dtype on first use)."""
+        if self.sparse_backend is None:
+            from ds_adaptive.sparse.backends import select_backend
+
+            self.backend_choice = select_backend(self.cfg.backend, q.device, dtype=q.dtype, head_dim=q.shape[-1],
+                                                 block_size=self.cfg.block_size, backward=True)
+            self.sparse_backend = self.backend_choice.backend
+        if hasattr(self.sparse_backend, "max_graphs"):
+            self.sparse_backend.max_graphs = self.cfg.max_compiled_graphs
+        return self.sparse_backend
 
     # ------------------------------------------------------------------ the attention fn
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
@@ -174,12 +185,9 @@ class SparseAttentionRuntime:
             selection, entry.selection = entry.selection, None  # the forward's own reference only
         if selection is None:
             return dense_attention(q, k, v, valid_len=valid_len)
-        if self.backend(q.device) == "flex":
-            # the BlockMask is built inside the op from the compact selection (a few kernels, no
-            # sync; the q side, O(nq * nk), only with autograd on) and is never cached
-            return flex_block_sparse_attention(q, k, v, selection, valid_len=valid_len,
-                                               max_shapes=self.cfg.max_compiled_shapes, density=entry.density)
-        return masked_attention_reference(q, k, v, selection, valid_len=valid_len)
+        # (flex builds its BlockMask inside the op from the compact selection: a few kernels, no
+        # sync; the q side, O(nq * nk), only with autograd on; never cached)
+        return self.backend_for(q).attention(q, k, v, selection, valid_len=valid_len, density=entry.density)
 
     def cached_selection(self, layer: int) -> Optional[BlockSelection]:
         """The selection this step's forward made for ``layer`` (what its recompute reuses); None:
