@@ -221,3 +221,18 @@ def test_tile_config_checks_and_table() -> None:
         validate_table({"entries": [{"device": "X", "capability": [9, 0], "head_dim": 128, "block": 128,
                                      "buckets": [{**bucket, "config": {"fwd": {}}}]}]})
     assert config_for(64, 64, 0.1, "cpu") == default_config(64, 64)  # no GPU: the defaults
+
+
+def test_triton_backend_is_registered_and_says_what_it_needs() -> None:
+    from ds_adaptive.sparse.backends import backend_names, get_backend
+
+    assert "triton" in backend_names()
+    be = get_backend("triton")
+    assert "runs on cuda, not cpu" in be.unsupported("cpu")
+    assert "block_size [64, 128], not 32" in be.unsupported("meta", block_size=32)
+    assert "head dims [64, 128], not 96" in be.unsupported("meta", head_dim=96)
+    if _OK:  # "meta" is a GPU launch in a dry run
+        assert be.unsupported("meta", dtype=torch.bfloat16, head_dim=128, block_size=64) is None
+    else:
+        assert "needs triton" in be.unsupported("meta")
+    assert be.describe()["runtime_shapes"] and be.efficiency("cpu")(0.1) > 0

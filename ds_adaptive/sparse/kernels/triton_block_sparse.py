@@ -27,8 +27,8 @@ from typing import Optional
 
 import torch
 
-from ds_adaptive.sparse.attention import SparseKernelError, _check, transpose_blocks, truncate_selection
-from ds_adaptive.sparse.kernels.triton_configs import KernelConfig, config_for
+from ds_adaptive.sparse.attention import SparseKernelError, check_qkv, truncate_selection
+from ds_adaptive.sparse.kernels.triton_configs import KernelConfig, TileConfig, config_for
 from ds_adaptive.sparse.selection import BlockSelection
 
 LOG2E = 1.0 / math.log(2.0)
@@ -106,43 +106,69 @@ def block_sparse_forward(q, k, v, kv_num, kv_idx, *, block: int, seq: int, confi
     return out, lse
 
 
+class BackwardLaunch:
+    """One backward's buffers and block lists (the kv lists, their transpose for dK/dV); its kernels launch
+    one by one (:meth:`run` in order; ``bench/sparse_backends.py`` times each alone). Rows >= ``seq`` of the
+    gradients are not written. ``out`` is the forward's (contiguous); ``dout`` is made contiguous like it."""
+
+    def __init__(self, q, k, v, out, lse, dout, kv_num, kv_idx, *, block: int, seq: int):
+        from ds_adaptive.sparse.backends.flex import transpose_blocks
+
+        self.q, self.k, self.v, self.out, self.lse, self.dout = q, k, v, out, lse, dout.contiguous()
+        self.block, self.seq = block, seq
+        b, s_full, h, d = q.shape
+        self.shape = (b, s_full, h, d)
+        self.dq, self.dk, self.dv = (_alloc((b, s_full, h, d), dtype=q.dtype, device=q.device) for _ in range(3))
+        self.delta = _alloc((b, h, seq), dtype=torch.float32, device=q.device)
+        self.num, self.idx, self.kv_lists = _list_args(kv_num, kv_idx)
+        self.nb = math.ceil(seq / block)
+        self.q_num, self.q_idx, self.q_lists = _list_args(*transpose_blocks(self.num, self.idx, self.nb))
+        self.common = (seq, h, *_strides(q), *_strides(k), *_strides(v), *_strides(out))
+        self.sm_scale = 1.0 / math.sqrt(d)
+
+    def run_dq(self, t: TileConfig) -> None:
+        """delta and dq (split mode)."""
+        b, _, h, d = self.shape
+        grid = (self.nb * (self.block // t.block_m), b * h)
+        _kernels().block_sparse_bwd_dq[grid](
+            self.q, self.k, self.v, self.out, self.dout, self.dq, self.lse, self.delta, self.num, self.idx,
+            *self.common, *self.kv_lists, self.sm_scale * LOG2E, self.sm_scale, BLOCK=self.block, BLOCK_M=t.block_m,
+            BLOCK_N=t.block_n, HEAD_DIM=d, num_warps=t.num_warps, num_stages=t.num_stages)
+
+    def run_delta(self) -> None:
+        """delta alone (atomic mode: there is no dQ kernel to compute it)."""
+        b, _, h, d = self.shape
+        _kernels().block_sparse_delta[(math.ceil(self.seq / 64), b * h)](
+            self.out, self.dout, self.delta, self.seq, h, *_strides(self.out), BLOCK_M=64, HEAD_DIM=d)
+
+    def run_dkdv(self, t: TileConfig, atomic: bool) -> None:
+        """dk, dv (and, ``atomic``, dq by fp32 atomics into a zeroed scratch, then cast)."""
+        b, s_full, h, d = self.shape
+        dq_acc = torch.zeros((b, s_full, h, d), dtype=torch.float32, device=self.q.device) if atomic else self.dq
+        grid = (self.nb * (self.block // t.block_n), b * h)
+        _kernels().block_sparse_bwd_dkdv[grid](
+            self.q, self.k, self.v, self.dout, self.dk, self.dv, dq_acc, self.lse, self.delta, self.q_num,
+            self.q_idx, *self.common, *self.q_lists, self.sm_scale * LOG2E, self.sm_scale, BLOCK=self.block,
+            BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=d, ATOMIC_DQ=atomic, num_warps=t.num_warps,
+            num_stages=t.num_stages)
+        if atomic:
+            self.dq.copy_(dq_acc)
+
+    def run(self, config: KernelConfig):
+        """(dq, dk, dv)."""
+        if config.atomic_dq:
+            self.run_delta()
+        else:
+            self.run_dq(config.dq)
+        self.run_dkdv(config.dkdv, config.atomic_dq)
+        return self.dq, self.dk, self.dv
+
+
 def block_sparse_backward(q, k, v, out, lse, dout, kv_num, kv_idx, *, block: int, seq: int,
                           config: KernelConfig):
     """Raw backward on the first ``seq`` tokens: (dq, dk, dv) ``[B, S, H, Dh]`` in q's dtype (rows >= seq
-    not written). ``out`` is the forward's (contiguous); ``dout`` is made contiguous like it."""
-    kern = _kernels()
-    b, s_full, h, d = q.shape
-    dout = dout.contiguous()
-    sm_scale = 1.0 / math.sqrt(d)
-    dq = _alloc((b, s_full, h, d), dtype=q.dtype, device=q.device)
-    dk = _alloc((b, s_full, h, d), dtype=q.dtype, device=q.device)
-    dv = _alloc((b, s_full, h, d), dtype=q.dtype, device=q.device)
-    delta = _alloc((b, h, seq), dtype=torch.float32, device=q.device)
-    num, idx, kv_lists = _list_args(kv_num, kv_idx)
-    nb = math.ceil(seq / block)
-    q_num, q_idx, q_lists = _list_args(*transpose_blocks(num, idx, nb))
-    common = (seq, h, *_strides(q), *_strides(k), *_strides(v), *_strides(out))
-    if config.atomic_dq:
-        dq_acc = torch.zeros((b, s_full, h, d), dtype=torch.float32, device=q.device)
-        kern.block_sparse_delta[(math.ceil(seq / 64), b * h)](out, dout, delta, seq, h, *_strides(out),
-                                                             BLOCK_M=64, HEAD_DIM=d)
-    else:
-        dq_acc = dq  # unused by the dK/dV kernel in split mode
-        t = config.dq
-        grid = (nb * (block // t.block_m), b * h)
-        kern.block_sparse_bwd_dq[grid](q, k, v, out, dout, dq, lse, delta, num, idx, *common, *kv_lists,
-                                       sm_scale * LOG2E, sm_scale, BLOCK=block, BLOCK_M=t.block_m,
-                                       BLOCK_N=t.block_n, HEAD_DIM=d, num_warps=t.num_warps,
-                                       num_stages=t.num_stages)
-    t = config.dkdv
-    grid = (nb * (block // t.block_n), b * h)
-    kern.block_sparse_bwd_dkdv[grid](q, k, v, dout, dk, dv, dq_acc, lse, delta, q_num, q_idx, *common, *q_lists,
-                                     sm_scale * LOG2E, sm_scale, BLOCK=block, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-                                     HEAD_DIM=d, ATOMIC_DQ=config.atomic_dq, num_warps=t.num_warps,
-                                     num_stages=t.num_stages)
-    if config.atomic_dq:
-        dq.copy_(dq_acc)
-    return dq, dk, dv
+    not written); see :class:`BackwardLaunch`."""
+    return BackwardLaunch(q, k, v, out, lse, dout, kv_num, kv_idx, block=block, seq=seq).run(config)
 
 
 class _TritonBlockSparse(torch.autograd.Function):
@@ -188,7 +214,7 @@ def triton_block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     ``density``: the selection's share of key blocks (host-known; picks the measured tile config's density
     bucket); ``config``: explicit tiles (overrides the table). Differentiable in q, k, v.
     """
-    _check(q, k, v, selection)
+    check_qkv(q, k, v, selection)
     check_inputs(q, selection)
     s = q.shape[1]
     seq = s if valid_len is None else min(int(valid_len), s)

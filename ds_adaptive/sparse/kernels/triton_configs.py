@@ -119,6 +119,13 @@ def validate_table(table: dict) -> dict:
                 raise TritonConfigError(f"{where} bucket {j}: 'measured' must list the timings the choice rests on")
         if not e["buckets"] or last < 1.0:
             raise TritonConfigError(f"{where}: the last bucket must reach max_density 1.0, got {last}")
+        curve = e.get("curve")
+        if curve is not None:
+            dens, ratio = curve.get("density"), curve.get("ratio")
+            if not (isinstance(dens, list) and isinstance(ratio, list) and dens and len(dens) == len(ratio)
+                    and all(b > a for a, b in zip(dens, dens[1:])) and all(r > 0 for r in ratio)):
+                raise TritonConfigError(f"{where}: 'curve' needs ascending 'density' and positive 'ratio' lists "
+                                        f"of one length (fwd+bwd time / dense time), got {curve!r}")
     return table
 
 
@@ -136,26 +143,27 @@ def shipped_table() -> dict:
     return load_table(TABLE_PATH) if TABLE_PATH.exists() else {"entries": []}
 
 
-def config_for(head_dim: int, block: int, density: Optional[float], device: Any = None, *,
-               table: Optional[dict] = None) -> KernelConfig:
-    """The measured config of the first bucket with ``density <= max_density`` (density None: the first
-    bucket) of the table entry (``table``, default :func:`shipped_table`) for this GPU (same name, else same
-    compute capability), head dim and block; :func:`default_config` when none matches (also on CPU)."""
-    gpu = _gpu(device)
-    if gpu is not None:
-        name, cap = gpu
-        fits = [e for e in (table or shipped_table())["entries"] if e["head_dim"] == head_dim and e["block"] == block
-                and list(e["capability"]) == cap]
-        fits.sort(key=lambda e: e["device"] != name)
-        if fits:
-            for b in fits[0]["buckets"]:
-                if density is None or density <= b["max_density"] + 1e-9:
-                    return KernelConfig.from_json(b["config"], block)
-    return default_config(head_dim, block)
-
-
-def _gpu(device) -> Optional[tuple[str, list]]:
+def entry_for(head_dim: int, block: int, device: Any = None, *, table: Optional[dict] = None) -> Optional[dict]:
+    """The table entry (``table``, default :func:`shipped_table`) for this GPU (same name, else the same
+    compute capability), head dim and block; None off CUDA or when none matches."""
     import torch
+
     if device is None or torch.device(device).type != "cuda":
         return None
-    return torch.cuda.get_device_name(device), list(torch.cuda.get_device_capability(device))
+    name, cap = torch.cuda.get_device_name(device), list(torch.cuda.get_device_capability(device))
+    fits = [e for e in (table or shipped_table())["entries"]
+            if e["head_dim"] == head_dim and e["block"] == block and list(e["capability"]) == cap]
+    fits.sort(key=lambda e: e["device"] != name)
+    return fits[0] if fits else None
+
+
+def config_for(head_dim: int, block: int, density: Optional[float], device: Any = None, *,
+               table: Optional[dict] = None) -> KernelConfig:
+    """The config of the first bucket with ``density <= max_density`` (density None: the first bucket)
+    of :func:`entry_for`; :func:`default_config` when no entry matches (also on CPU, the interpreter)."""
+    entry = entry_for(head_dim, block, device, table=table)
+    if entry is not None:
+        for b in entry["buckets"]:
+            if density is None or density <= b["max_density"] + 1e-9:
+                return KernelConfig.from_json(b["config"], block)
+    return default_config(head_dim, block)
