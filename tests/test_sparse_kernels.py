@@ -4,7 +4,6 @@ block and with every block, valid_len < S, split tiles, atomic dQ), into NaN-poi
 table; the kernels' run-time (never specialised) arguments."""
 from __future__ import annotations
 
-import inspect
 import math
 import os
 from pathlib import Path
@@ -236,3 +235,26 @@ def test_triton_backend_is_registered_and_says_what_it_needs() -> None:
     else:
         assert "needs triton" in be.unsupported("meta")
     assert be.describe()["runtime_shapes"] and be.efficiency("cpu")(0.1) > 0
+
+
+def test_bench_table_from_a_sweep_is_a_valid_config_table() -> None:
+    """bench/sparse_backends.py: per-density winners become buckets (same config merged, edges at midpoints) that
+    validate and route densities; the curves take the worst shape."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import sparse_backends as sb
+
+    a = default_config(128, 128)
+    b = KernelConfig(fwd=TileConfig(64, 64, 4, 3), dq=a.dq, dkdv=a.dkdv)
+    rec = lambda d: {"density": d, "seq": 32760, "heads": 12, "fwd_ms": 1.0, "dq_ms": 1.0, "dkdv_ms": 1.0}  # noqa: E731
+    chosen = {0.05: (b, rec(0.05)), 0.1: (b, rec(0.1)), 0.2: (a, rec(0.2)), 0.4: (a, rec(0.4))}
+    meta = {"device": "GPU X", "torch": "2.11", "commit": "abc", "date": "today"}
+    table = validate_table(sb.build_table(chosen, meta, 128, 128, [9, 0], "3.6"))
+    buckets = table["entries"][0]["buckets"]
+    assert [x["max_density"] for x in buckets] == [0.15, 1.0] and len(buckets[0]["measured"]) == 2
+    assert KernelConfig.from_json(buckets[0]["config"], 128) == b
+    rows = [{"dense_ms": 10.0, "backends": {"triton": {"rows": [{"density": 0.1, "ms": 1.0, "eff_vs_dense": 1.0,
+                                                                  "speedup_vs_dense": 10.0}]}}},
+            {"dense_ms": 10.0, "backends": {"triton": {"rows": [{"density": 0.1, "ms": 2.0, "eff_vs_dense": 0.5,
+                                                                  "speedup_vs_dense": 5.0}]}}}]
+    assert sb.curves(rows) == {"triton": {0.1: {"g": 0.2, "eff": 0.5, "speedup": 5.0}}}

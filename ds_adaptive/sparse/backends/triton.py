@@ -51,10 +51,11 @@ class TritonBackend(SparseAttentionBackend):
 
     def warmup(self, shapes: Sequence[tuple[int, int]], *, num_heads: int, head_dim: int, dtype: torch.dtype,
                device: Any, block_size: int, backward: bool = True) -> float:
-        """Compile the kernels of every tile config the table can pick here (one short fwd(+bwd) each, at
-        B = 1 and three blocks: the shapes themselves do not matter, S and B are run-time arguments)."""
+        """Compile the kernels of every tile config the table can pick here (one short fwd(+bwd) launch each,
+        B = 1, three blocks: ``shapes`` do not matter, S and B are run-time arguments)."""
         from ds_adaptive.sparse.backends.measure import random_selection
-        from ds_adaptive.sparse.kernels import config_for, triton_block_sparse_attention
+        from ds_adaptive.sparse.kernels import config_for
+        from ds_adaptive.sparse.kernels.triton_block_sparse import block_sparse_backward, block_sparse_forward
         from ds_adaptive.sparse.kernels.triton_configs import entry_for
 
         dev = torch.device(device)
@@ -66,17 +67,14 @@ class TritonBackend(SparseAttentionBackend):
             key = (cfg, num_heads, head_dim, dtype, dev, block_size, backward)
             if key in self._warm:
                 continue
-            s = 3 * block_size - 1
-            g = torch.Generator(device="cpu").manual_seed(0)
-            q, k, v = (torch.randn(1, s, num_heads, head_dim, generator=g).to(dev, dtype).requires_grad_(backward)
-                       for _ in range(3))
+            s = 3 * block_size - 1  # three blocks, the last one ragged: the raw launches, no autograd
+            q, k, v, dout = (torch.randn(1, s, num_heads, head_dim, device=dev, dtype=dtype) for _ in range(4))
             sel = random_selection(1, num_heads, s, block_size, 0.5, device=dev)
-            with torch.enable_grad() if backward else torch.no_grad():
-                out = triton_block_sparse_attention(q, k, v, sel, config=cfg)
-                if backward:
-                    out.float().sum().backward()
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
+            out, lse = block_sparse_forward(q, k, v, sel.kv_num, sel.kv_idx, block=block_size, seq=s, config=cfg)
+            if backward:
+                block_sparse_backward(q, k, v, out, lse, dout, sel.kv_num, sel.kv_idx, block=block_size, seq=s,
+                                      config=cfg)
+            torch.cuda.synchronize(dev)
             self._warm.add(key)
         spent = time.perf_counter() - t0
         self._warmup_s += spent

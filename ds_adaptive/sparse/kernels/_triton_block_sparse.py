@@ -23,7 +23,7 @@ scores (log2 domain, internal to the op).
 import triton
 import triton.language as tl
 
-_RUNTIME_INTS = ["S", "sq_b", "sk_b", "sv_b", "so_b", "sn_b", "sn_h", "si_b", "si_h", "si_q"]
+_RUNTIME_INTS = ["S", "H", "sq_b", "sk_b", "sv_b", "so_b", "sn_b", "sn_h", "si_b", "si_h", "si_q"]
 """Arguments that vary with S, B, density or the valid length: never specialised (no recompiles)."""
 
 
@@ -182,8 +182,10 @@ def block_sparse_bwd_dkdv(Q, K, V, DO, DK, DV, DQacc, Lse, Delta, QNum, QIdx, S,
     n = tl.load(QNum + b * sn_b + h * sn_h + kb)
     idx_ptr = QIdx + b * si_b + h * si_h + kb.to(tl.int64) * si_q
     q_base = Q + b * sq_b + h * sq_h
-    o_base = b * so_b + h * so_h
-    row_base = bh.to(tl.int64) * S
+    o_base = b * so_b + h * so_h  # int64 once; the loop adds 32-bit offsets to pointers
+    do_base = DO + o_base
+    lse_base = Lse + bh.to(tl.int64) * S
+    delta_base = Delta + bh.to(tl.int64) * S
     SPLIT: tl.constexpr = BLOCK // BLOCK_M
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
@@ -192,9 +194,9 @@ def block_sparse_bwd_dkdv(Q, K, V, DO, DK, DV, DQacc, Lse, Delta, QNum, QIdx, S,
         offs_m = qb * BLOCK + (it % SPLIT) * BLOCK_M + tl.arange(0, BLOCK_M)
         rows = offs_m < S
         q = tl.load(q_base + offs_m[:, None] * sq_s + offs_d[None, :], mask=rows[:, None], other=0.0)
-        do = tl.load(DO + o_base + offs_m[:, None] * so_s + offs_d[None, :], mask=rows[:, None], other=0.0)
-        lse = tl.load(Lse + row_base + offs_m, mask=rows, other=0.0)
-        delta = tl.load(Delta + row_base + offs_m, mask=rows, other=0.0)
+        do = tl.load(do_base + offs_m[:, None] * so_s + offs_d[None, :], mask=rows[:, None], other=0.0)
+        lse = tl.load(lse_base + offs_m, mask=rows, other=0.0)
+        delta = tl.load(delta_base + offs_m, mask=rows, other=0.0)
         qkT = tl.dot(k, tl.trans(q))
         pT = tl.math.exp2(qkT * qk_scale - lse[None, :])
         if ATOMIC_DQ:  # keys >= S: exp2(0 - lse) may overflow and would reach dq through k = 0
@@ -211,7 +213,7 @@ def block_sparse_bwd_dkdv(Q, K, V, DO, DK, DV, DQacc, Lse, Delta, QNum, QIdx, S,
     tl.store(DV + o_off, dv.to(DV.dtype.element_ty), mask=keys[:, None])
 
 
-@triton.jit(do_not_specialize=["S", "so_b"])
+@triton.jit(do_not_specialize=["S", "H", "so_b"])
 def block_sparse_delta(Out, DO, Delta, S, H, so_b, so_s, so_h, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
     """delta = rowsum(out * dout) for the ATOMIC_DQ mode (the split mode's dQ kernel computes it itself)."""
     pid_m = tl.program_id(0)
