@@ -42,13 +42,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sparse_common import run_meta, write_results  # noqa: E402
 
-# (block_m, block_n, num_warps, num_stages) candidates per kernel; the first of each list is the default
-FWD_TILES = [(128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 4), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 2)]
-DQ_TILES = [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 2)]
-DKDV_TILES = [(64, 128, 8, 3), (64, 128, 8, 2), (128, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3)]
-DKDV_ATOMIC_TILES = [(64, 128, 8, 3), (64, 128, 8, 2), (64, 64, 4, 3)]
-SMALL_BLOCK_TILES = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 4), (64, 32, 4, 3), (32, 64, 4, 3), (64, 64, 8, 3)]
-"""Candidates of every kernel for 64-token blocks."""
+# (block_m, block_n, num_warps, num_stages) candidates per kernel and block size; the first of each list is
+# default_config's. All compile without register spills on sm90 (triton 3.6, offline ptxas check) except
+# dkdv 64x128w8s2 (8 bytes) and 64x64w4s2 at block 64 (none) -- kept as the nearest larger-tile variants.
+TILES = {
+    128: {"fwd": [(128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 4), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 2)],
+          "dq": [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 2)],
+          "dkdv": [(32, 128, 8, 3), (32, 128, 8, 2), (64, 128, 8, 2), (16, 128, 8, 4), (32, 64, 4, 3)],
+          "atomic": [(16, 128, 8, 4), (32, 128, 8, 3), (32, 128, 8, 2)]},
+    64: {"fwd": [(64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 3), (64, 64, 8, 3)],
+         "dq": [(64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 3), (64, 64, 8, 3)],
+         "dkdv": [(32, 64, 4, 3), (64, 64, 8, 3), (64, 64, 4, 2), (16, 64, 4, 3)],
+         "atomic": [(64, 64, 8, 3), (16, 64, 4, 3)]},
+}
 TARGET_MS = 400.0
 """Timed calls per measurement: about this many ms of GPU time (at least 1, at most --reps)."""
 ATOMIC_GAIN = 0.97
@@ -84,11 +90,7 @@ def measure(fn, reps_max: int) -> dict:
 def _tiles(block: int, kind: str) -> list:
     from ds_adaptive.sparse.kernels import TileConfig
 
-    if block < 128:
-        cands = [t for t in SMALL_BLOCK_TILES if block % t[0] == 0 and block % t[1] == 0]
-    else:
-        cands = {"fwd": FWD_TILES, "dq": DQ_TILES, "dkdv": DKDV_TILES, "atomic": DKDV_ATOMIC_TILES}[kind]
-    return [TileConfig(*t) for t in cands]
+    return [TileConfig(*t) for t in TILES[block][kind]]
 
 
 # ------------------------------------------------------------------------------------------ sweep
@@ -104,7 +106,7 @@ def sweep(q, k, v, dout, sels: dict, block: int, reps: int, allow_atomic: bool) 
     for dens, sel in sels.items():
         out, lse = block_sparse_forward(q, k, v, sel.kv_num, sel.kv_idx, block=block, seq=s, config=base)
         bl = BackwardLaunch(q, k, v, out, lse, dout, sel.kv_num, sel.kv_idx, block=block, seq=s)
-        bl.run_dq(base.dq)  # delta for the dK/dV timings
+        bl.run_delta()  # delta for the dQ and dK/dV timings
         jobs = [("fwd", t, lambda t=t: block_sparse_forward(q, k, v, sel.kv_num, sel.kv_idx, block=block, seq=s,
                                                            config=KernelConfig(t, base.dq, base.dkdv)))
                 for t in _tiles(block, "fwd")]
@@ -123,7 +125,7 @@ def sweep(q, k, v, dout, sels: dict, block: int, reps: int, allow_atomic: bool) 
             rows.append({"density": dens, "kernel": kind, "tile": t and t.short(), "ms": m["ms"], "first_ms": m["first_ms"]})
             if kind not in best or m["ms"] < best[kind][1]:
                 best[kind] = (t, m["ms"])
-        split_ms = best["dq"][1] + best["dkdv"][1]
+        split_ms = best["delta"][1] + best["dq"][1] + best["dkdv"][1]
         atomic_ms = best["delta"][1] + best["atomic"][1] if "atomic" in best else math.inf
         use_atomic = allow_atomic and atomic_ms < ATOMIC_GAIN * split_ms
         cfg = KernelConfig(best["fwd"][0], best["dq"][0], best["atomic" if use_atomic else "dkdv"][0],

@@ -19,9 +19,9 @@ from ds_adaptive.sparse.selection import BlockSelection, select_blocks
 DEV = "cuda"
 pytestmark = pytest.mark.skipif(not triton_status()[0], reason=f"needs triton: {triton_status()[1]}")
 
-ATOMIC = KernelConfig(fwd=TileConfig(128, 64, 8, 3), dq=TileConfig(128, 64, 8, 3), dkdv=TileConfig(64, 128, 8, 3),
+ATOMIC = KernelConfig(fwd=TileConfig(128, 64, 8, 3), dq=TileConfig(128, 64, 8, 3), dkdv=TileConfig(16, 128, 8, 4),
                       atomic_dq=True)
-SMALL = KernelConfig(fwd=TileConfig(64, 64, 4, 3), dq=TileConfig(64, 64, 4, 3), dkdv=TileConfig(64, 64, 4, 3))
+SMALL = KernelConfig(fwd=TileConfig(64, 32, 4, 3), dq=TileConfig(64, 32, 4, 3), dkdv=TileConfig(16, 64, 4, 3))
 
 
 def _qkv(b, s, h, d, dtype, seed):

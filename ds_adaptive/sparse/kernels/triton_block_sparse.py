@@ -79,7 +79,24 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
 
 
 def _prep(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
+    """``t`` if the tensor descriptors can read it in place (contiguous head dim, 16-byte aligned (b, h) rows),
+    else a contiguous copy."""
+    e = t.element_size()
+    ok = t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(t.stride(i) * e % 16 == 0 for i in range(3))
+    return t if ok else t.contiguous()
+
+
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _launch(kernel, grid, *args, **kw) -> None:
+    """Launch with the global scratch allocator the device-side tensor descriptors need (set per launch: it is
+    context-local, and autograd runs the backward in its own threads)."""
+    import triton
+
+    triton.set_allocator(_scratch)
+    kernel[grid](*args, **kw)
 
 
 def _list_args(num: torch.Tensor, idx: torch.Tensor):
@@ -99,10 +116,9 @@ def block_sparse_forward(q, k, v, kv_num, kv_idx, *, block: int, seq: int, confi
     num, idx, lists = _list_args(kv_num, kv_idx)
     t = config.fwd
     grid = (math.ceil(seq / block) * (block // t.block_m), b * h)
-    kern.block_sparse_fwd[grid](q, k, v, out, lse, num, idx, seq, h, *_strides(q), *_strides(k), *_strides(v),
-                                *_strides(out), *lists, (1.0 / math.sqrt(d)) * LOG2E,
-                                BLOCK=block, BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=d,
-                                num_warps=t.num_warps, num_stages=t.num_stages)
+    _launch(kern.block_sparse_fwd, grid, q, k, v, out, lse, num, idx, seq, h, *_strides(q), *_strides(k),
+            *_strides(v), *_strides(out), *lists, (1.0 / math.sqrt(d)) * LOG2E, BLOCK=block, BLOCK_M=t.block_m,
+            BLOCK_N=t.block_n, HEAD_DIM=d, num_warps=t.num_warps, num_stages=t.num_stages)
     return out, lse
 
 
@@ -126,39 +142,37 @@ class BackwardLaunch:
         self.common = (seq, h, *_strides(q), *_strides(k), *_strides(v), *_strides(out))
         self.sm_scale = 1.0 / math.sqrt(d)
 
+    def run_delta(self) -> None:
+        """delta = rowsum(out * dout), before the dQ / dK/dV kernels."""
+        b, _, h, d = self.shape
+        _launch(_kernels().block_sparse_delta, (math.ceil(self.seq / 64), b * h), self.out, self.dout, self.delta,
+                self.seq, h, *_strides(self.out), BLOCK_M=64, HEAD_DIM=d)
+
     def run_dq(self, t: TileConfig) -> None:
-        """delta and dq (split mode)."""
+        """dq (split mode; after :meth:`run_delta`)."""
         b, _, h, d = self.shape
         grid = (self.nb * (self.block // t.block_m), b * h)
-        _kernels().block_sparse_bwd_dq[grid](
-            self.q, self.k, self.v, self.out, self.dout, self.dq, self.lse, self.delta, self.num, self.idx,
-            *self.common, *self.kv_lists, self.sm_scale * LOG2E, self.sm_scale, BLOCK=self.block, BLOCK_M=t.block_m,
-            BLOCK_N=t.block_n, HEAD_DIM=d, num_warps=t.num_warps, num_stages=t.num_stages)
-
-    def run_delta(self) -> None:
-        """delta alone (atomic mode: there is no dQ kernel to compute it)."""
-        b, _, h, d = self.shape
-        _kernels().block_sparse_delta[(math.ceil(self.seq / 64), b * h)](
-            self.out, self.dout, self.delta, self.seq, h, *_strides(self.out), BLOCK_M=64, HEAD_DIM=d)
+        _launch(_kernels().block_sparse_bwd_dq, grid, self.q, self.k, self.v, self.dout, self.dq, self.lse,
+                self.delta, self.num, self.idx, *self.common, *self.kv_lists, self.sm_scale * LOG2E, self.sm_scale,
+                BLOCK=self.block, BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=d, num_warps=t.num_warps,
+                num_stages=t.num_stages)
 
     def run_dkdv(self, t: TileConfig, atomic: bool) -> None:
         """dk, dv (and, ``atomic``, dq by fp32 atomics into a zeroed scratch, then cast)."""
         b, s_full, h, d = self.shape
         dq_acc = torch.zeros((b, s_full, h, d), dtype=torch.float32, device=self.q.device) if atomic else self.dq
         grid = (self.nb * (self.block // t.block_n), b * h)
-        _kernels().block_sparse_bwd_dkdv[grid](
-            self.q, self.k, self.v, self.dout, self.dk, self.dv, dq_acc, self.lse, self.delta, self.q_num,
-            self.q_idx, *self.common, *self.q_lists, self.sm_scale * LOG2E, self.sm_scale, BLOCK=self.block,
-            BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=d, ATOMIC_DQ=atomic, num_warps=t.num_warps,
-            num_stages=t.num_stages)
+        _launch(_kernels().block_sparse_bwd_dkdv, grid, self.q, self.k, self.v, self.dout, self.dk, self.dv, dq_acc,
+                self.lse, self.delta, self.q_num, self.q_idx, *self.common, *self.q_lists, self.sm_scale * LOG2E,
+                self.sm_scale, BLOCK=self.block, BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=d,
+                ATOMIC_DQ=atomic, num_warps=t.num_warps, num_stages=t.num_stages)
         if atomic:
             self.dq.copy_(dq_acc)
 
     def run(self, config: KernelConfig):
         """(dq, dk, dv)."""
-        if config.atomic_dq:
-            self.run_delta()
-        else:
+        self.run_delta()
+        if not config.atomic_dq:
             self.run_dq(config.dq)
         self.run_dkdv(config.dkdv, config.atomic_dq)
         return self.dq, self.dk, self.dv
