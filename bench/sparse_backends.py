@@ -60,8 +60,26 @@ TARGET_MS = 400.0
 ATOMIC_GAIN = 0.97
 
 
+DEVICE = torch.device("cuda")
+"""Where the bench runs (``--device cpu`` under TRITON_INTERPRET=1: a plumbing check of the whole run on CPU)."""
+
+
 def _sync():
-    torch.cuda.synchronize()
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed_ms(fn) -> float:
+    if DEVICE.type != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b)
 
 
 def measure(fn, reps_max: int) -> dict:
@@ -75,12 +93,7 @@ def measure(fn, reps_max: int) -> dict:
     n = reps_max
     i = 0
     while i < n:
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
+        times.append(_timed_ms(fn))
         if i == 0:  # adapt the count to the call's length
             n = max(1, min(reps_max, int(TARGET_MS / max(times[0], 1e-3))))
         i += 1
@@ -153,7 +166,7 @@ def build_table(chosen: dict, meta: dict, head_dim: int, block: int, capability:
         else:
             buckets.append({"max_density": top, "config": cfg.to_json(), "measured": [rec]})
     entry = {"device": meta["device"], "capability": list(capability), "head_dim": head_dim,
-             "block": block, "dtype": "bfloat16", "torch": meta["torch"], "triton": triton_version,
+             "block": block, "dtype": meta["dtype"], "torch": meta["torch"], "triton": triton_version,
              "commit": meta["commit"], "date": meta["date"],
              "command": "python bench/sparse_backends.py " + " ".join(sys.argv[1:]), "buckets": buckets}
     return {"entries": [entry]}
@@ -202,6 +215,8 @@ class _Triton:
 
 def _backends(args, table, dev) -> tuple[list, list]:
     from ds_adaptive.sparse.backends import backend_names, get_backend
+    from ds_adaptive.sparse.kernels import triton_status
+    from ds_adaptive.sparse.kernels.triton_block_sparse import interpreted
 
     runs, skipped = [], []
     for name in backend_names():
@@ -210,7 +225,9 @@ def _backends(args, table, dev) -> tuple[list, list]:
         be = get_backend(name)
         if be.support.materialises_scores:
             continue
-        why = be.unsupported(dev, dtype=torch.bfloat16, head_dim=args.head_dim, block_size=args.block, backward=True)
+        why = be.unsupported(dev, dtype=args.dtype, head_dim=args.head_dim, block_size=args.block, backward=True)
+        if name == "triton" and dev.type == "cpu" and triton_status()[0] and interpreted():
+            why = None  # the plumbing check: the kernels under the Triton interpreter
         if why:
             skipped.append({"backend": name, "why": why})
             continue
@@ -224,7 +241,7 @@ def _backends(args, table, dev) -> tuple[list, list]:
 def _selection(b, h, s, block, dens, seed):
     from ds_adaptive.sparse.backends.measure import random_selection
 
-    return random_selection(b, h, s, block, dens, device="cuda", seed=seed)
+    return random_selection(b, h, s, block, dens, device=DEVICE, seed=seed)
 
 
 def table_rows(args, table, t_start) -> tuple[list, list]:
@@ -233,7 +250,7 @@ def table_rows(args, table, t_start) -> tuple[list, list]:
     from ds_adaptive.sparse.attention import dense_attention
     from ds_adaptive.sparse.kernels import compiled_kernels
 
-    dev = torch.device("cuda")
+    dev = DEVICE
     runs, skipped = _backends(args, table, dev)
     rows = []
     shapes = sorted(((s, h) for s in args.seq for h in args.heads), key=lambda x: x[0] ** 2 * x[1])
@@ -243,23 +260,27 @@ def table_rows(args, table, t_start) -> tuple[list, list]:
             skipped.append({"seq": s, "heads": h, "why": f"budget {args.budget_s} s spent"})
             continue
         g = torch.Generator(device=dev).manual_seed(s + h)
-        q, k, v = (torch.randn(1, s, h, d, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_(True)
+        q, k, v = (torch.randn(1, s, h, d, device=dev, dtype=args.dtype, generator=g).requires_grad_(True)
                    for _ in range(3))
-        dout = torch.randn(1, s, h, d, device=dev, dtype=torch.bfloat16, generator=g)
+        dout = torch.randn(1, s, h, d, device=dev, dtype=args.dtype, generator=g)
         flops = 3.5 * 4 * h * s * s * d
 
         def fb(attn, q=q, k=k, v=v, dout=dout):
             return lambda: torch.autograd.grad(attn(q, k, v), (q, k, v), dout)
 
         res = {"seq": s, "heads": h, "head_dim": d, "block": args.block, "backends": {}}
-        try:
-            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-                m = measure(fb(lambda a, b_, c: dense_attention(a, b_, c)), args.reps)
-            res["dense_kernel"] = "cudnn"
-        except RuntimeError:
-            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-                m = measure(fb(lambda a, b_, c: dense_attention(a, b_, c)), args.reps)
-            res["dense_kernel"] = "flash"
+        dense = fb(lambda a, b_, c: dense_attention(a, b_, c))
+        if dev.type != "cuda":
+            m, res["dense_kernel"] = measure(dense, args.reps), "cpu"
+        else:
+            try:
+                with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                    m = measure(dense, args.reps)
+                res["dense_kernel"] = "cudnn"
+            except RuntimeError:
+                with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                    m = measure(dense, args.reps)
+                res["dense_kernel"] = "flash"
         res["dense_ms"], res["dense_tflops"] = m["ms"], flops / m["ms"] / 1e9
         print(f"S={s} H={h}: dense ({res['dense_kernel']}) {m['ms']:.2f} ms, {res['dense_tflops']:.0f} TFLOP/s", flush=True)
         sels = {dens: _selection(1, h, s, args.block, dens, seed=int(dens * 1000)) for dens in args.densities}
@@ -270,10 +291,10 @@ def table_rows(args, table, t_start) -> tuple[list, list]:
                 continue
             rec = {"rows": []}
             t0 = time.perf_counter()
-            if hasattr(be, "warmup"):
-                rec["warmup_s"] = be.warmup([(1, s)], num_heads=h, head_dim=d, dtype=torch.bfloat16, device=dev,
-                                            block_size=args.block)
             try:
+                if hasattr(be, "warmup"):
+                    rec["warmup_s"] = be.warmup([(1, s)], num_heads=h, head_dim=d, dtype=args.dtype, device=dev,
+                                                block_size=args.block)
                 for dens, sel in sels.items():
                     share = float(sel.density().mean())
                     m = measure(fb(lambda a, b_, c, sel=sel, share=share: be.attention(a, b_, c, sel, density=share)),
@@ -299,7 +320,8 @@ def table_rows(args, table, t_start) -> tuple[list, list]:
                 res["backends"][name]["rel_diff_vs_triton_at_0.1"] = float((o - ref).abs().max() / ref.abs().max())
         rows.append(res)
         del q, k, v, dout, outs, sels
-        torch.cuda.empty_cache()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
     return rows, skipped
 
 
@@ -336,7 +358,7 @@ def curves(rows) -> dict:
 
 def print_report(rows, skipped, curve, meta, args) -> None:
     print(f"\n# sparse backends vs dense, {meta['device']}, torch {meta['torch']}, commit {meta['commit']}, B=1, "
-          f"Dh={args.head_dim}, block {args.block}, bf16 fwd+bwd")
+          f"Dh={args.head_dim}, block {args.block}, {meta['dtype']} fwd+bwd")
     print(f"{'S':>6} {'H':>3} {'dense ms':>9} {'TF/s':>5} | {'backend':>12} {'dens':>5} {'ms':>8} {'eff TF/s':>8} "
           f"{'eff/dense':>9} {'x dense':>7}")
     for r in rows:
@@ -369,7 +391,9 @@ def main(argv=None) -> int:
     p.add_argument("--heads", type=int, nargs="+", default=[12, 40])
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--densities", type=float, nargs="+", default=[0.05, 0.1, 0.2, 0.4])
-    p.add_argument("--block", type=int, default=128)
+    p.add_argument("--block", type=int, default=128, choices=[64, 128])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--device", default="cuda", help="cpu: a plumbing check under TRITON_INTERPRET=1 (tiny shapes)")
     p.add_argument("--backends", nargs="*", default=None, help="subset (names; 'flex_static' the per-shape baseline)")
     p.add_argument("--reps", type=int, default=5, help="most timed calls per measurement (fewer for long calls)")
     p.add_argument("--no-sweep", dest="sweep", action="store_false")
@@ -383,21 +407,27 @@ def main(argv=None) -> int:
     if args.quick:
         args.seq, args.heads, args.densities = [32760], [12], [0.05, 0.1, 0.4]
     t_start = time.perf_counter()
-    meta = run_meta(head_dim=args.head_dim, block=args.block, batch=1, dtype="bfloat16")
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    dtype_name, args.dtype = args.dtype, getattr(torch, args.dtype)
+    extra = dict(head_dim=args.head_dim, block=args.block, batch=1, dtype=dtype_name)
+    meta = run_meta(**extra) if DEVICE.type == "cuda" else {"device": "cpu (interpreter)", "torch": torch.__version__,
+                                                              "commit": "-", "date": "-", **extra}
     from ds_adaptive.sparse.kernels import triton_status
 
     table, sweep_rows = None, []
     if args.sweep and triton_status()[0] and (not args.backends or "triton" in args.backends):
         s, h = min(args.seq), min(args.heads)
-        g = torch.Generator(device="cuda").manual_seed(1)
-        q, k, v, dout = (torch.randn(1, s, h, args.head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+        g = torch.Generator(device=DEVICE).manual_seed(1)
+        q, k, v, dout = (torch.randn(1, s, h, args.head_dim, device=DEVICE, dtype=args.dtype, generator=g)
                          for _ in range(4))
         sels = {dens: _selection(1, h, s, args.block, dens, seed=int(dens * 1000)) for dens in args.densities}
         print(f"sweep at S={s} H={h} block {args.block}", flush=True)
         sweep_rows, chosen = sweep(q, k, v, dout, sels, args.block, args.reps, args.allow_atomic)
         import triton
 
-        table = build_table(chosen, meta, args.head_dim, args.block, list(torch.cuda.get_device_capability()),
+        cap = list(torch.cuda.get_device_capability()) if DEVICE.type == "cuda" else [0, 0]
+        table = build_table(chosen, meta, args.head_dim, args.block, cap,
                             triton.__version__)
         print(f"sweep: {time.perf_counter() - t_start:.1f} s", flush=True)
         del q, k, v, dout, sels
