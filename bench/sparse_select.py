@@ -2,7 +2,9 @@
 
 Parts (Wan 1.3B heads, density 0.1, random q / k, the runtime's own calls):
 
-* ``score_topk``: predictor block scores (``mean``) + ``select_blocks`` (once per step: the forward);
+* ``score_topk``: block scores of the default ``block_score`` (``pooled_lse``: exact logits of each
+  query block's mean query) + ``select_blocks`` (once per step: the forward); ``score_topk_<mode>``
+  the same for every ``block_score`` (``pooled_lse``, ``lse``, ``mean``: the last two by the predictor);
 * ``mask_full``: ``block_mask_from_selection`` with the q side, built twice per step under
   (non-reentrant) activation checkpointing: the first pass runs with autograd on and must save the
   same tensors as the recompute; ``mask_kv``: without the q side (a forward without autograd: eval);
@@ -78,7 +80,8 @@ def selection_overhead(s: int, args, *, trace=None, sparse_ms_at_01=None) -> dic
     from ds_adaptive.sparse.attention import block_mask_from_selection
     from ds_adaptive.sparse.predictor import LowRankPredictor
     from ds_adaptive.sparse.runtime import _HostCopy
-    from ds_adaptive.sparse.selection import blocks_for_density, select_blocks
+    from ds_adaptive.config import SparseAttentionConfig
+    from ds_adaptive.sparse.selection import blocks_for_density, pooled_lse_scores, select_blocks
 
     dev = torch.device("cuda")
     b, h, d, bs = args.batch, args.heads, args.head_dim, args.block
@@ -88,8 +91,13 @@ def selection_overhead(s: int, args, *, trace=None, sparse_ms_at_01=None) -> dic
     pred = LowRankPredictor(1, h, d, 16).to(dev)
     kph = blocks_for_density(torch.full((h,), 0.1), nk)
 
-    def score_topk():
-        return select_blocks(pred.block_scores(0, q, k, bs), kph, seq_len=s, block_size=bs, inplace=True)
+    scorers = {"pooled_lse": lambda: pooled_lse_scores(q, k, bs),
+               "lse": lambda: pred.block_scores(0, q, k, bs, mode="lse"),
+               "mean": lambda: pred.block_scores(0, q, k, bs, mode="mean")}
+
+    def topk(mode):
+        return lambda: select_blocks(scorers[mode](), kph, seq_len=s, block_size=bs, inplace=True)
+    score_topk = topk(SparseAttentionConfig().block_score)
     sel = score_topk()
     cache = _HostCopy()
 
@@ -97,6 +105,7 @@ def selection_overhead(s: int, args, *, trace=None, sparse_ms_at_01=None) -> dic
         cache.put(0, sel)
         return cache.get(0)
     parts = {"score_topk": _measure(score_topk, args),
+             **{f"score_topk_{m}": _measure(topk(m), args) for m in scorers},
              "mask_kv": _measure(lambda: block_mask_from_selection(sel, with_q=False), args),
              "mask_full": _measure(lambda: block_mask_from_selection(sel), args),
              "host_cache": _measure(host_cache, args),

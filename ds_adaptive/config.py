@@ -179,10 +179,13 @@ class SparseAttentionConfig(_Block):
     predictor_rank: int = Field(16, ge=1, le=256)
     """Rank r of the per-head projections of q and k that predict the attention logits."""
 
-    block_score: Literal["mean", "lse"] = "mean"
-    """How the predictor scores a (query block, key block) pair: `mean` = block mean of the predicted
-    logits (O(nq nk r)); `lse` = log-sum-exp over the key block of the mean query's predicted logits
-    (O(nq S r), closer to the softmax mass: higher recall on RoPE-structured data, more time)."""
+    block_score: Literal["pooled_lse", "lse", "mean"] = "pooled_lse"
+    """How a (query block, key block) pair is scored for the top-k: `pooled_lse` = log-sum-exp over the
+    key block of the query block's mean query against the real keys (exact logits, no predictor:
+    keeps >= 0.95 of the softmax mass on RoPE-structured data with local windows, far regions and
+    sinks, docs/SPARSE.md; ~nq * S * Dh multiply-adds per head); `lse` = the same with the low-rank
+    predictor's logits; `mean` = block mean of the predicted logits (O(nq nk r); keeps 0.6-0.75 of
+    the mass there). Only `lse` and `mean` train the predictor."""
 
     predictor_lr: float = Field(1e-3, gt=0.0)
     """AdamW learning rate of the predictor (its own optimizer, not the DiT's)."""

@@ -582,6 +582,14 @@ def format_summary(s: dict) -> str:
         st = s["stopped"]
         lines.append(f"  stopped          by {st['signal']} after step {st['step']}; checkpoint "
                      f"{st.get('checkpoint') or 'none (no --save)'}")
+    sa = s.get("sparse_attention")
+    if sa:
+        be, calls = sa.get("backend") or {}, sa.get("layer_calls") or {}
+        n_sparse = len((sa.get("layers") or {}).get("sparse", []))
+        compiled = f", {be['graphs']} compiled graph(s) ({be.get('compile_s', 0.0):.1f} s)" if "graphs" in be else ""
+        lines.append(f"  sparse attn      backend {be.get('name', '?')}, stage {sa.get('stage')}, {n_sparse} sparse "
+                     f"layer(s); layer calls sparse {calls.get('sparse', 0)}, dense by cost "
+                     f"{calls.get('dense_by_cost', 0)}; warm-up {sa.get('warmup_s', 0.0):.1f} s{compiled}")
     if "eval_loss" in s:
         lines.append(f"  held-out loss    {s['eval_loss']:.4f} ({s.get('eval', {}).get('samples', '?')} samples x "
                      f"{s.get('eval', {}).get('timesteps', '?')} fixed timesteps)")

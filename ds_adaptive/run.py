@@ -48,6 +48,9 @@ class Run:
     """GPU memory the budgets were resolved for (None: the visible GPU or the profile's device)."""
     notes: list = field(default_factory=list)
     """Messages for the launcher to print once (rank 0): profile rescaling, memory-plan warnings."""
+    sparse: Any = None
+    """The :class:`ds_adaptive.sparse.runtime.SparseAttentionRuntime` installed on the model (None:
+    sparse attention off): its backend (``sparse.backend_choice``), schedule and decision cost."""
 
     @property
     def gas(self) -> int:
@@ -107,9 +110,14 @@ def build_run(cfg: RunConfig, *, layout: Optional[Layout] = None, device: Option
         from deepspeed.accelerator import get_accelerator
 
         gpu_mem_gib = get_accelerator().total_memory(device.index or 0) / 2**30
+    # the block-sparse kernel for this device (its efficiency curve is the sparse cost's)
+    sparse_choice = _sparse_backend(cfg, model_config, dataset, device, dtype, notes)
+    sparse_cost = (None if sparse_choice is None else
+                   sparse_decision_cost(cfg.adaptive_load.sparse_attention, model_config, sparse_choice, device, dtype))
     # Before the model: "gradient_accumulation_steps": "auto" is resolved by the sampler, and zero.Init
     # reads the ds_config.
-    sampler = _build_sampler(cfg, dataset, layout, ds_config, gpu_mem_gib, notes, model_config=model_config)
+    sampler = _build_sampler(cfg, dataset, layout, ds_config, gpu_mem_gib, notes, model_config=model_config,
+                             sparse_cost=sparse_cost)
     model = _build_model(cfg, model_config, ds_config, meta=meta)
     if t.init_from and not meta:
         notes.append(_init_from(model, t.init_from))
@@ -117,8 +125,9 @@ def build_run(cfg: RunConfig, *, layout: Optional[Layout] = None, device: Option
         from .parallel import apply_ulysses
 
         apply_ulysses(model, layout)  # sequence sharding + DistributedAttention
+    sparse = _attach_sparse(cfg, model, layout, device, sampler, sparse_choice, sparse_cost)
     return Run(cfg=cfg, layout=layout, device=device, ds_config=ds_config, dtype=dtype, model_config=model_config,
-               model=model, dataset=dataset, sampler=sampler, gpu_mem_gib=gpu_mem_gib, notes=notes)
+               model=model, dataset=dataset, sampler=sampler, gpu_mem_gib=gpu_mem_gib, notes=notes, sparse=sparse)
 
 
 def _engine_config(cfg: RunConfig, layout: Layout, *, on_gpu: bool, announce: bool) -> dict:
@@ -185,13 +194,69 @@ def _init_from(model, path: str) -> str:
             f"{', block by block into ZeRO-3 partitions' if info['zero3'] else ''})")
 
 
-def _sparse_cost(cfg: RunConfig, model_config, notes: list):
-    """The sampler's sparse-attention cost when sparse attention feeds its densities to the balancers
-    (``sparse_attention.rebalance``): every density 1 at the start, which is the dense cost exactly
-    (the first plan is the dense plan); the trainer hands the profiled densities over later. None
-    when off, or with a cost model that has no sparse term (a note says so)."""
+def _sparse_backend(cfg: RunConfig, model_config, dataset, device: torch.device, dtype: torch.dtype, notes: list):
+    """The sparse-attention backend for this device (None: sparse attention off). What the trainer
+    would reject (``sparse.backends.check_sparse_config``) is a :class:`ConfigError` here, before
+    anything is built; the start-up lines (the backend and why; where sparse will not run) go to
+    ``notes``. ``auto`` on a GPU measures the candidates it has no cached measurement for."""
     sa = cfg.adaptive_load.sparse_attention
-    if not sa.enabled or sa.rebalance == "off":
+    if not sa.enabled:
+        return None
+    from .sparse.backends import select_backend
+    from .sparse.backends.check import check_sparse_config, sparse_config_notes
+
+    n = model_config.num_layers
+    longest = max((sh.tokens for sh in dataset.sample_shapes()), default=None)
+    problems = check_sparse_config(sa, n, device.type, head_dim=model_config.head_dim, dtype=dtype,
+                                   max_tokens=longest)
+    if problems:
+        raise ConfigError(problems[0])
+    notes.extend(sparse_config_notes(sa, n))
+    dist = torch.distributed
+    multi = device.type != "meta" and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    choice = None
+    if not multi or dist.get_rank() == 0:
+        choice = select_backend(sa.backend, device, dtype=dtype, head_dim=model_config.head_dim,
+                                block_size=sa.block_size, measure=device.type == "cuda",
+                                num_heads=model_config.num_heads)
+    if multi:  # one choice and one curve for every rank: the plans must be identical
+        from .sparse.backends import BackendChoice, get_backend
+
+        msg = [None if choice is None else (choice.backend.name, choice.line, choice.fallback, choice.curve)]
+        dist.broadcast_object_list(msg, src=0)
+        name, line, fallback, curve = msg[0]
+        choice = BackendChoice(get_backend(name), sa.backend, line, fallback=fallback, curve=curve)
+    notes.append(choice.line)
+    return choice
+
+
+def sparse_decision_cost(sa, model_config, choice, device: torch.device, dtype: torch.dtype):
+    """The sparse cost every density 1 (the dense cost exactly), with the chosen backend's efficiency
+    curve and the config's block / sink / ``dense_above``: what the sampler plans with and (its
+    densities replaced by the profiled ones) what the runtime decides with, so both make the same
+    per-layer decision (``SparseAttentionCost.layer_decisions``)."""
+    from .balance.sparse import DensityMap, SparseAttentionCost
+
+    n, h = model_config.num_layers, model_config.num_heads
+    dense = sa.dense_layers if sa.dense_layers is not None else sorted({0, n - 1})
+    ones = DensityMap(tuple((1.0,) * h for _ in range(n)), dense_layers=tuple(i for i in dense if 0 <= i < n),
+                      source="initial (dense) densities")
+    backend = choice.backend
+    eff = choice.curve or backend.efficiency(device if device.type != "meta" else "cuda", dtype=dtype,
+                                             head_dim=model_config.head_dim, block_size=sa.block_size)
+    return SparseAttentionCost(densities=ones, efficiency=eff, block_size=sa.block_size,
+                               min_blocks=1 + int(sa.keep_sink), dense_above=sa.dense_above,
+                               # a reference backend runs for exactness, not speed: no pay check
+                               pay_check=not backend.support.materialises_scores)
+
+
+def _sparse_cost(cfg: RunConfig, notes: list, sparse_cost):
+    """The sampler's sparse-attention cost when sparse attention feeds its densities to the balancers
+    (``sparse_attention.rebalance``): ``sparse_cost`` (every density 1 at the start, which is the
+    dense cost exactly: the first plan is the dense plan); the trainer hands the profiled densities
+    over later. None when off, or with a cost model that has no sparse term (a note says so)."""
+    sa = cfg.adaptive_load.sparse_attention
+    if sparse_cost is None or sa.rebalance == "off":
         return None
     cost_model = cfg.adaptive_load.sampler.cost_model
     if cost_model != "calibrated":
@@ -199,13 +264,20 @@ def _sparse_cost(cfg: RunConfig, model_config, notes: list):
                      f"'{cost_model}': the sampler plans dense costs (the sparse cost needs 'calibrated'); the "
                      "Ulysses head placement still follows the profiled densities")
         return None
-    from .balance.sparse import DensityMap, SparseAttentionCost
+    return sparse_cost
 
-    n, h = model_config.num_layers, model_config.num_heads
-    dense = sa.dense_layers if sa.dense_layers is not None else sorted({0, n - 1})
-    ones = DensityMap(tuple((1.0,) * h for _ in range(n)), dense_layers=tuple(i for i in dense if 0 <= i < n),
-                      source="initial (dense) densities")
-    return SparseAttentionCost(densities=ones, block_size=sa.block_size)
+
+def _attach_sparse(cfg: RunConfig, model, layout: Layout, device: torch.device, sampler, choice, sparse_cost):
+    """The sparse-attention runtime on the model (after Ulysses) with the chosen backend and, as its
+    decision, the sampler's sparse cost (or ``sparse_cost`` with the plan's profile when the sampler
+    plans dense costs): what runs is what the planner costs."""
+    if choice is None:
+        return None
+    from .sparse.runtime import attach_sparse_attention
+
+    decision = sampler.cost.sparse or sparse_cost.for_profile(sampler.cost.profile)
+    return attach_sparse_attention(model, cfg.adaptive_load.sparse_attention, layout=layout, device=device,
+                                   choice=choice, decision=decision)
 
 
 def run_ln_modulate_path(fused_requested: bool) -> str:
@@ -219,7 +291,7 @@ def run_ln_modulate_path(fused_requested: bool) -> str:
 
 
 def _build_sampler(cfg: RunConfig, dataset, layout: Layout, ds_config: dict, gpu_mem_gib, notes: list, *,
-                   model_config=None):
+                   model_config=None, sparse_cost=None):
     """The batch sampler; with ``--layers`` the profile is rescaled to the trained depth (or, when it
     cannot be, used at full depth with a note). With sparse attention rebalancing, it plans with the
     sparse cost (:func:`_sparse_cost`) when the profile has the trained model's layers."""
@@ -233,7 +305,7 @@ def _build_sampler(cfg: RunConfig, dataset, layout: Layout, ds_config: dict, gpu
               gpu_mem_gib=gpu_mem_gib, model_name=t.model, zero_stage=stage, profile_log=notes.append,
               ln_modulate=run_ln_modulate_path(cfg.adaptive_load.fused_ln_modulate))
     shapes = dataset.sample_shapes()
-    sparse = _sparse_cost(cfg, model_config, notes) if model_config is not None else None
+    sparse = _sparse_cost(cfg, notes, sparse_cost)
     try:
         sampler = build_batch_sampler(cfg.adaptive_load.sampler, shapes, layout, num_layers=t.layers, sparse=sparse,
                                       **kw)

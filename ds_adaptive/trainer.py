@@ -198,20 +198,35 @@ class Trainer:
                                  f"--steps is {self.opts.steps}: nothing left to train; pass --steps greater than "
                                  f"{self.global_step} to continue")
         self.metrics = self._build_metrics()
+        if self.sparse is not None:
+            self._warm_sparse()
         self.ckpt_policy = run.cfg.adaptive_load.sampler.checkpointing
         self.memory_log = MemoryLog(run.sampler, run.zero_stage, self.layout.world,
                                     run.cfg.adaptive_load.metrics.log_dir, self.is_main and run.device.type == "cuda")
 
     # ------------------------------------------------------------------ setup
     def _attach_sparse(self, run: Run):
-        """DSV sparse attention (``adaptive_load.sparse_attention``): installed on the model after
-        Ulysses and before ``deepspeed.initialize`` (its predictor lives outside the engine's
-        parameters); None when off."""
+        """DSV sparse attention (``adaptive_load.sparse_attention``): ``build_run`` installed its runtime
+        on the model (after Ulysses, before ``deepspeed.initialize``: the predictor lives outside the
+        engine's parameters); the hook logs, steps and checkpoints it. None when off."""
+        if run.sparse is None:
+            return None
         from .sparse.telemetry import SparseTrainerHook
 
-        al = run.cfg.adaptive_load
-        return SparseTrainerHook.attach(run.model, al.sparse_attention, layout=self.layout, device=run.device,
-                                        log_dir=al.metrics.log_dir, is_writer=self.is_main)
+        return SparseTrainerHook(run.sparse, run.cfg.adaptive_load.metrics.log_dir, self.is_main)
+
+    def _warm_sparse(self) -> None:
+        """Before step 1: the sparse backend compiles for the plan's (B, S) micro-batches (shapes are
+        dynamic: a handful of graphs whatever the plan; a re-plan adds none); the time is in the
+        summary (``sparse_attention.warmup_s``)."""
+        plan, cost = self.run.sampler.plan, self.run.sampler.cost
+        sizes = plan.batch_offsets[1:] - plan.batch_offsets[:-1]
+        shapes = {(int(b), cost.padded_tokens(plan.shapes[int(j)])) for b, j in zip(sizes, plan.batch_shape)}
+        t0 = time.perf_counter()
+        spent = self.sparse.runtime.warmup(shapes, dtype=self.run.dtype)
+        if spent:
+            self.log(f"ds_adaptive: sparse attention warm-up: {spent:.1f} s ({time.perf_counter() - t0:.1f} s with "
+                     f"planning) for {len(shapes)} planned (batch, tokens) pairs")
 
     def log(self, msg: str) -> None:
         if self.is_main:

@@ -146,7 +146,7 @@ GRID, ORDER = (4, 16, 16), CubeOrder((2, 4, 8))
 def _runtime(**over) -> SparseAttentionRuntime:
     cfg = dict(enabled=True, block_size=64, predictor_lr=2e-2, sample_rows=96, warmup_steps=40,
                loss_threshold=0.0, profile_interval=5, layer_density_threshold=0.5, dense_layers=[],
-               min_density=0.0, backend="reference")
+               min_density=0.0, backend="reference", block_score="mean")  # the predictor is under test
     cfg.update(over)
     return SparseAttentionRuntime(cfg, num_layers=1, num_heads=3, head_dim=32)
 
@@ -185,7 +185,9 @@ def test_predictor_loss_falls_and_recall_meets_095_on_planted_data() -> None:
     fresh.head_density = rt.head_density.clone()
     fresh.schedule.stage, fresh.schedule.layer_density = 2, list(rt.schedule.layer_density)
     _train(fresh, 1, seed0=7)
-    assert fresh.metrics()["sparse/recall"] < m["sparse/recall"] - 0.05, (fresh.metrics()["sparse/recall"], m)
+    # (at the block-level density the profiler chooses, random scores also keep much: compare misses)
+    miss, fresh_miss = 1 - m["sparse/recall"], 1 - fresh.metrics()["sparse/recall"]
+    assert fresh_miss > 2.5 * miss, (fresh_miss, miss)
 
 
 def test_schedule_switching() -> None:

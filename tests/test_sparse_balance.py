@@ -102,7 +102,8 @@ def test_sparse_cost_scales_only_the_attention_quadratic_term():
     prof_dense = CostModel(PROFILE)
     eff = KernelEfficiency((0.1, 0.5), (0.2, 1.0))                         # g = 2 rho below 0.5
     sc = SparseAttentionCost(_dense_map(0.25), efficiency=eff, attention_share=0.6, min_blocks=0,
-                             selection_ms_per_token_per_head=0.0, selection_ms_per_token2_per_head=0.0)
+                             selection_ms_per_token_per_head=0.0, selection_ms_per_token2_per_head=0.0,
+                             selection_ms_per_layer_call=0.0)
     cm = CostModel(PROFILE, sparse=sc)
     s = 32760.0
     a, b = prof_dense._a1, prof_dense._b1
@@ -135,7 +136,7 @@ def test_selection_term_only_for_sparse_layers():
     dm = DensityMap(tuple(tuple([0.1] * 12) for _ in range(30)), dense_layers=(0, 29))
     sc = SparseAttentionCost(dm)
     per_head = sc.selection_ms_per_token_per_head * 7800 + sc.selection_ms_per_token2_per_head * 7800 ** 2
-    assert sc.selection_ms(7800, 2, 12) == pytest.approx(28 * per_head * 6)
+    assert sc.selection_ms(7800, 2, 12) == pytest.approx(28 * (per_head * 6 + sc.selection_ms_per_layer_call))
     assert SparseAttentionCost(_dense_map(1.0)).selection_ms(7800, 2, 12) == 0.0
 
 

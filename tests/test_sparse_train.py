@@ -35,7 +35,8 @@ def _argv(*args: str) -> list[str]:
 @pytest.mark.slow
 def test_trainer_runs_stage1_then_stage2_with_telemetry(tmp_path, run_ranks) -> None:
     cfg = _config(tmp_path, {"warmup_steps": 2, "dense_layers": [], "layer_density_threshold": 1.0,
-                             "dense_above": 1.0, "profile_interval": 1, "sample_rows": 32})
+                             "dense_above": 1.0, "profile_interval": 1, "sample_rows": 32,
+                             "block_score": "lse"})  # the predictor path (the default selection trains none)
     run_ranks(_argv("--deepspeed_config", str(cfg), "--num-samples", "60", "--seed", "2", "--steps", "4",
                     "--log-dir", "run", "--save", "ckpt"), 1, cwd=tmp_path, timeout=240)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())

@@ -462,6 +462,7 @@ class CostModel:
                     f"density table has {dm.num_layers} layers x {dm.num_heads} heads but the model (profile "
                     f"'{self.profile.name}') has {self.profile.num_layers} x {heads}: give densities of the "
                     "trained model (DensityMap.with_num_layers for --layers)")
+            sparse = sparse.for_profile(self.profile)  # the layer's dense attention time: the pay check
         self.sparse = sparse
         self.mode: CostMode = mode
         self.p = float(p)

@@ -5,23 +5,27 @@ With block-sparse attention the calibrated per-sample cost (``ds_adaptive.balanc
 
     (a*S + b*S^2 * q(S) + sel(S)) / sp + comm(S)
     q(S)      = 1 - share * (1 - rho_eff(S))          only the attention part of b*S^2 scales
-    rho_eff(S) = mean over layers l of g(busiest_l(S))
+    rho_eff(S) = mean over layers l of r_l(S);  r_l = g(busiest_l(S)) where layer l runs sparse, else 1
     busiest_l(S) = max over SP ranks r of the mean density of r's heads in layer l under the head
-                   placement (ds_adaptive.balance.heads), each head's density floored at
-                   min_blocks / ceil(S / block_size) (a query block keeps >= min_blocks key blocks)
-    g(rho)    = sparse time / dense time of the kernel at density rho (fwd+bwd), from a table
-                measured by ``ds-adaptive calibrate --sparse``; default from DSV.md's H100 anchors:
-                g(rho) = min(1, 1.45 * rho) (FlexAttention block-sparse at ~70% of cuDNN's
-                efficiency; above break-even, rho ~ 0.69, the op falls back to dense: g = 1)
-    sel(S)    = selection (block scoring, top-k, mask build) of the layers that run sparse
-                (g < 1): heads * (sel_a * S + sel_b * S^2) per such layer, ms, forward once
+                   placement (ds_adaptive.balance.heads), each head in whole key blocks:
+                   ceil(rho * nb) / nb with nb = ceil(S / block_size), at least min_blocks / nb
+    g(rho)    = sparse time / dense time of the kernel at density rho (fwd+bwd): the chosen
+                backend's curve (SparseAttentionBackend.efficiency: measured on this GPU, shipped, or
+                the default from DSV.md's H100 anchors g(rho) = min(1, 1.45 * rho))
+    sel(S)    = selection (block scoring, top-k, mask build) of the layers that run sparse:
+                heads * (sel_a * S + sel_b * S^2) + sel_call per such layer, ms, forward once
+
+Layer l runs sparse at S (:meth:`SparseAttentionCost.layer_decisions`, the one decision the planner
+and the runtime share) iff it is not a dense layer, ``busiest_l(S) <= dense_above``, and sparse
+pays for one sample on one GPU: ``g * att(S) + sel_l(S) < att(S)`` with ``att(S) = share * b *
+S^2 / layers / sp`` the layer's dense attention (so images and short clips run dense where the
+selection would cost more than the kernel saves).
 
 Assumptions (stated because they shape every plan): ``share`` (the attention share of the
 quadratic term) is 1.0 for Wan: its S^2 term is self-attention (the profile's depth rescaling makes
-the same assumption); a layer whose busiest rank is above break-even runs dense (g = 1) and pays
-no selection; the SP group waits for its busiest rank at every all-to-all, so that rank's density
-is the group's. With every density 1 (or every layer dense) ``q = 1`` and ``sel = 0`` exactly: the
-dense model.
+the same assumption); a layer that runs dense pays no selection; the SP group waits for its
+busiest rank at every all-to-all, so that rank's density is the group's. With every density 1 (or
+every layer dense) ``q = 1`` and ``sel = 0`` exactly: the dense model.
 
 Density json (written by :meth:`DensityMap.save`, read by :func:`load_densities`)::
 
@@ -57,7 +61,12 @@ DSV_EFFICIENCY = {"density": [0.05, 0.1, 0.2, 0.4], "ratio": [0.0725, 0.145, 0.2
 # DSV.md (H100, 12 heads): block scoring + top-k 0.4 ms at 32k, 2.2 ms at 75k (~ S^2 in blocks);
 # mask build 2.2 ms at 75k (~ S). Per head and per layer, forward once (the mask is reused by the
 # recomputed forward and the backward).
-DEFAULT_SELECTION = {"ms_per_token_per_head": 2.2 / 75776 / 12, "ms_per_token2_per_head": 2.2 / 75776 ** 2 / 12}
+# The fixed part per sparse layer call (host launches of ~50 small kernels: scoring, top-k, the host
+# cache, two mask builds) is an estimate from docs/SPARSE.md's eager host-inclusive selection time
+# (1.77 ms at 32,760 tokens, of which 0.38 ms GPU): ~1 ms; bench/sparse_train_ab.py checks the
+# predicted micro-step time against the trainer's.
+DEFAULT_SELECTION = {"ms_per_token_per_head": 2.2 / 75776 / 12, "ms_per_token2_per_head": 2.2 / 75776 ** 2 / 12,
+                     "ms_per_layer_call": 1.0}
 
 
 class DensityError(ValueError):
@@ -255,13 +264,25 @@ class SparseAttentionCost:
 
     Args:
         densities: per layer x head densities (the profiler's latest).
-        efficiency: the kernel's ``g(rho)``.
+        efficiency: the kernel's ``g(rho)`` (the chosen backend's curve:
+            ``SparseAttentionBackend.efficiency``).
         head_placement: ``balanced`` (the run permutes heads with ds_adaptive.balance.heads, as
             ``ds_adaptive.parallel.head_placement`` applies it) or ``identity`` (contiguous heads).
         attention_share: share of the calibrated ``b*S^2`` that is attention (1.0 for Wan).
-        block_size, min_blocks: a query block keeps at least ``min_blocks`` key blocks of
-            ``block_size`` tokens: the density floor at short S.
+        block_size, min_blocks: a head selects ``ceil(rho * nb)`` of the ``nb = ceil(S / block_size)``
+            key blocks per query block, at least ``min_blocks`` (1 + ``keep_sink``), as the runtime's
+            top-k does: the density it runs at. ``min_blocks = 0``: densities used as fractions.
         selection_ms_per_token_per_head / selection_ms_per_token2_per_head: ``sel`` coefficients.
+        selection_ms_per_layer_call: the fixed part of a sparse layer's selection (host launches of
+            scoring, top-k and the mask builds), per sample (counted once per sample: conservative
+            for micro-batches of several samples).
+        attention_ms_per_token2_per_layer: dense attention fwd+bwd of one layer and one sample at
+            sp = 1 (ms / token^2); ``CostModel`` fills it from the profile (``share * b / layers``).
+            With it, a layer runs sparse at S only where that is faster than dense
+            (:meth:`layer_decisions`); None: no such check.
+        dense_above: a layer whose busiest rank's density is above this runs dense.
+        pay_check: False: every eligible layer runs sparse, even where it is slower (a reference
+            backend, whose point is exactness, not speed).
     """
 
     densities: DensityMap
@@ -272,6 +293,10 @@ class SparseAttentionCost:
     min_blocks: int = 1
     selection_ms_per_token_per_head: float = DEFAULT_SELECTION["ms_per_token_per_head"]
     selection_ms_per_token2_per_head: float = DEFAULT_SELECTION["ms_per_token2_per_head"]
+    selection_ms_per_layer_call: float = DEFAULT_SELECTION["ms_per_layer_call"]
+    attention_ms_per_token2_per_layer: Optional[float] = None
+    dense_above: float = 1.0
+    pay_check: bool = True
 
     def __post_init__(self) -> None:
         if self.head_placement not in ("balanced", "identity"):
@@ -280,23 +305,38 @@ class SparseAttentionCost:
             raise ValueError(f"attention_share must be in [0, 1], got {self.attention_share}")
         if self.block_size < 1 or self.min_blocks < 0:
             raise ValueError(f"block_size >= 1 and min_blocks >= 0 needed, got {self.block_size}, {self.min_blocks}")
+        if self.selection_ms_per_layer_call < 0 or (self.attention_ms_per_token2_per_layer or 0.0) < 0:
+            raise ValueError("selection_ms_per_layer_call and attention_ms_per_token2_per_layer must be >= 0")
 
     # ------------------------------------------------------------------ placement
     def rank_density_tables(self, sp: int) -> np.ndarray:
         """``[layers, sp, heads/sp]`` densities of every rank's heads under the placement."""
         return _rank_tables(self.densities, sp, self.head_placement)
 
-    # ------------------------------------------------------------------ cost terms
+    # ------------------------------------------------------------------ the decision
+    def layer_decisions(self, seq_len: int, sp: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(sparse [layers] bool, ratio [layers])`` at ``seq_len`` tokens (the sequence after the
+        Ulysses padding): which layers run block-sparse, and their kernel time / dense time (1.0 for
+        the dense ones). THE decision: the planner's cost (:meth:`quadratic_factor`,
+        :meth:`selection_ms`) and the runtime (``SparseAttentionRuntime``) both call this.
+
+        A layer runs sparse iff it is not in ``dense_layers``, its busiest SP rank's mean density (in
+        whole blocks) is at most ``dense_above``, and (``pay_check``, with the attention coefficient
+        known) ``g * dense + selection < dense`` for one sample on one GPU."""
+        return _decisions(self, int(seq_len), int(sp))
+
     def layer_ratios(self, seq_len: int, sp: int) -> np.ndarray:
-        """``[layers]`` g(busiest rank's mean density) at ``seq_len`` tokens (1.0 for dense layers)."""
+        """``[layers]`` kernel time / dense time at ``seq_len`` tokens (1.0 for layers that run dense)."""
+        return self.layer_decisions(seq_len, sp)[1]
+
+    def busiest_densities(self, seq_len: int, sp: int) -> np.ndarray:
+        """``[layers]`` the busiest SP rank's mean density of each layer, in whole key blocks."""
         tables = self.rank_density_tables(sp)
         nb = max(1, -(-int(seq_len) // self.block_size))
-        floor = min(1.0, self.min_blocks / nb)
-        busiest = np.maximum(tables, floor).mean(axis=2).max(axis=1)
-        out = np.array([self.efficiency(float(x)) for x in busiest])
-        for layer in self.densities.dense_layers:
-            out[layer] = 1.0
-        return out
+        if self.min_blocks >= 1:  # whole blocks, as the runtime's top-k: ceil(rho * nb) in [min_blocks, nb]
+            k = np.clip(np.ceil(tables * nb - 1e-9), min(self.min_blocks, nb), nb)
+            return (k / nb).mean(axis=2).max(axis=1)
+        return tables.mean(axis=2).max(axis=1)
 
     def rho_eff(self, seq_len: int, sp: int) -> float:
         """Mean over layers of the busiest rank's kernel time ratio (1.0: dense)."""
@@ -307,19 +347,31 @@ class SparseAttentionCost:
         when every layer runs dense."""
         return 1.0 - self.attention_share * (1.0 - self.rho_eff(seq_len, sp))
 
-    def selection_ms(self, seq_len: int, sp: int, num_heads: int) -> float:
-        """Selection time of one sample on one SP rank (ms): ``heads/sp`` heads per sparse layer."""
-        n_sparse = int(np.sum(self.layer_ratios(seq_len, sp) < 1.0))
-        if n_sparse == 0:
-            return 0.0
+    def layer_selection_ms(self, seq_len: int, sp: int, num_heads: int) -> float:
+        """Selection time of one sparse layer for one sample on one SP rank (ms)."""
         s = float(seq_len)
         per_head = self.selection_ms_per_token_per_head * s + self.selection_ms_per_token2_per_head * s * s
-        return n_sparse * per_head * num_heads / sp
+        return per_head * num_heads / sp + self.selection_ms_per_layer_call
+
+    def selection_ms(self, seq_len: int, sp: int, num_heads: int) -> float:
+        """Selection time of one sample on one SP rank (ms): ``heads/sp`` heads per sparse layer."""
+        n_sparse = int(np.sum(self.layer_decisions(seq_len, sp)[0]))
+        return 0.0 if n_sparse == 0 else n_sparse * self.layer_selection_ms(seq_len, sp, num_heads)
 
     def with_densities(self, densities: DensityMap) -> "SparseAttentionCost":
         import dataclasses
 
         return dataclasses.replace(self, densities=densities)
+
+    def for_profile(self, profile) -> "SparseAttentionCost":
+        """With ``attention_ms_per_token2_per_layer`` from a calibrated profile (``share * b / layers``
+        at sp = 1) unless already set; ``num_heads`` is the model's."""
+        if self.attention_ms_per_token2_per_layer is not None:
+            return self
+        import dataclasses
+
+        per_layer = profile.b_ms_per_token2 * profile.sp * self.attention_share / profile.num_layers
+        return dataclasses.replace(self, attention_ms_per_token2_per_layer=per_layer)
 
     def describe(self) -> dict:
         """JSON-able description (resume state, logs): everything the cost depends on."""
@@ -327,17 +379,45 @@ class SparseAttentionCost:
                 "head_placement": self.head_placement, "attention_share": self.attention_share,
                 "block_size": self.block_size, "min_blocks": self.min_blocks,
                 "selection_ms_per_token_per_head": self.selection_ms_per_token_per_head,
-                "selection_ms_per_token2_per_head": self.selection_ms_per_token2_per_head}
+                "selection_ms_per_token2_per_head": self.selection_ms_per_token2_per_head,
+                "selection_ms_per_layer_call": self.selection_ms_per_layer_call,
+                "attention_ms_per_token2_per_layer": self.attention_ms_per_token2_per_layer,
+                "dense_above": self.dense_above, "pay_check": self.pay_check}
 
     @classmethod
     def from_description(cls, d: Mapping[str, Any]) -> "SparseAttentionCost":
         eff = d["efficiency"]
+        att = d.get("attention_ms_per_token2_per_layer")
         return cls(densities=DensityMap.from_dict(d["densities"], where="sampler state"),
                    efficiency=KernelEfficiency(tuple(eff["density"]), tuple(eff["ratio"]), eff.get("source", "")),
                    head_placement=d["head_placement"], attention_share=float(d["attention_share"]),
                    block_size=int(d["block_size"]), min_blocks=int(d["min_blocks"]),
                    selection_ms_per_token_per_head=float(d["selection_ms_per_token_per_head"]),
-                   selection_ms_per_token2_per_head=float(d["selection_ms_per_token2_per_head"]))
+                   selection_ms_per_token2_per_head=float(d["selection_ms_per_token2_per_head"]),
+                   # states written before the pay check: no fixed selection term, no check
+                   selection_ms_per_layer_call=float(d.get("selection_ms_per_layer_call", 0.0)),
+                   attention_ms_per_token2_per_layer=None if att is None else float(att),
+                   dense_above=float(d.get("dense_above", 1.0)), pay_check=bool(d.get("pay_check", True)))
+
+
+@lru_cache(maxsize=4096)
+def _decisions(cost: SparseAttentionCost, seq_len: int, sp: int) -> tuple[np.ndarray, np.ndarray]:
+    busiest = cost.busiest_densities(seq_len, sp)
+    ratio = np.array([cost.efficiency(float(x)) for x in busiest])
+    sparse = busiest <= cost.dense_above + 1e-12
+    for layer in cost.densities.dense_layers:
+        sparse[layer] = False
+    if cost.pay_check:
+        sparse &= ratio < 1.0
+        if cost.attention_ms_per_token2_per_layer is not None:
+            dense_ms = cost.attention_ms_per_token2_per_layer * float(seq_len) ** 2 / sp
+            num_heads = cost.densities.num_heads
+            sel = cost.layer_selection_ms(seq_len, sp, num_heads)
+            sparse &= ratio * dense_ms + sel < dense_ms
+    ratio = np.where(sparse, ratio, 1.0)
+    sparse.setflags(write=False)
+    ratio.setflags(write=False)
+    return sparse, ratio
 
 
 @lru_cache(maxsize=64)

@@ -35,9 +35,9 @@ from ds_adaptive.config import SparseAttentionConfig
 from ds_adaptive.sparse.attention import dense_attention
 from ds_adaptive.sparse.cube_order import CubeOrder
 from ds_adaptive.sparse.predictor import LowRankPredictor
-from ds_adaptive.sparse.profiler import exact_logits, profile_rows, sample_rows
+from ds_adaptive.sparse.profiler import exact_logits, profile_rows, sample_row_groups
 from ds_adaptive.sparse.schedule import SparseSchedule
-from ds_adaptive.sparse.selection import BlockSelection, blocks_for_density, select_blocks
+from ds_adaptive.sparse.selection import BlockSelection, blocks_for_density, pooled_lse_scores, select_blocks
 
 
 def _in_backward() -> bool:
@@ -111,7 +111,7 @@ class SparseAttentionRuntime:
 
     def __init__(self, cfg: Union[SparseAttentionConfig, dict, None], *, num_layers: int, num_heads: int,
                  head_dim: int, device: Union[str, torch.device, None] = None, sp_rank: int = 0, sp_size: int = 1,
-                 group=None, sp_group=None, backend=None):
+                 group=None, sp_group=None, backend=None, decision=None):
         cfg = cfg if isinstance(cfg, SparseAttentionConfig) else SparseAttentionConfig.model_validate(cfg or {})
         if cfg.predictor_rank > head_dim:
             raise ValueError(f"adaptive_load.sparse_attention.predictor_rank = {cfg.predictor_rank} is larger than "
@@ -137,6 +137,11 @@ class SparseAttentionRuntime:
         # cfg.backend for the device and dtype of q (build_run chooses it up front and says why)
         self.sparse_backend = backend
         self.backend_choice = None
+        # "sparse only where it pays": a balance.sparse.SparseAttentionCost (the planner's decision, its
+        # densities replaced by the ones the layers run at after every step); None: no cost check
+        self._decision_template = decision
+        self.decision = None
+        self.warmup_s = 0.0
         self._gen = torch.Generator().manual_seed(cfg.seed + 1 + 7919 * sp_rank)
         nan = float("nan")
         # profiled density of every head [L, H] (original head ids), the same on every rank: each rank
@@ -147,6 +152,9 @@ class SparseAttentionRuntime:
         self._reset_step_stats()
         self.last: dict[str, Any] = {"loss": [nan] * num_layers, "recall": [nan] * num_layers,
                                      "selected_density": [nan] * num_layers, "select_ms": [nan] * num_layers}
+        # layer calls of the schedule's sparse layers that ran sparse / dense (the cost check), whole run
+        self.calls = {"sparse": 0, "dense_by_cost": 0}
+        self._refresh_decision()
 
     # ------------------------------------------------------------------ installation
     def for_layer(self, i: int) -> LayerAttention:
@@ -188,6 +196,50 @@ class SparseAttentionRuntime:
         # (flex builds its BlockMask inside the op from the compact selection: a few kernels, no
         # sync; the q side, O(nq * nk), only with autograd on; never cached)
         return self.backend_for(q).attention(q, k, v, selection, valid_len=valid_len, density=entry.density)
+
+    def runs_sparse(self, layer: int, seq_len: int) -> bool:
+        """Whether a sparse layer of the schedule runs block-sparse at ``seq_len`` tokens (the full,
+        Ulysses-padded sequence): the planner's decision (``SparseAttentionCost.layer_decisions``) at
+        the densities the layers run at; True without a decision cost."""
+        if self.decision is None:
+            return True
+        ok = bool(self.decision.layer_decisions(seq_len, self.sp_size)[0][layer])
+        self.calls["sparse" if ok else "dense_by_cost"] += 1
+        return ok
+
+    def _refresh_decision(self) -> None:
+        """The decision cost at the densities the layers run at now (after a step or a resume)."""
+        if self._decision_template is None:
+            return
+        from ds_adaptive.balance.sparse import DensityMap
+        from ds_adaptive.sparse.telemetry import effective_densities
+
+        table = tuple(tuple(r) for r in effective_densities(self))
+        self.decision = self._decision_template.with_densities(
+            DensityMap(table, dense_layers=tuple(sorted(self.schedule.dense_layers)), source="sparse runtime"))
+
+    def warmup(self, shapes, *, dtype: torch.dtype, backward: bool = True) -> float:
+        """Before step 1: let the backend prepare (compile) for the ``(B, S)`` micro-batches of the plan
+        (S: the full, Ulysses-padded sequence) where a layer can run sparse at all (at the lowest
+        density it may run at); returns seconds spent (also added to ``warmup_s``)."""
+        cfg = self.cfg
+        low = cfg.forced_density if cfg.forced_density is not None else max(cfg.min_density, 1e-4)
+        probe = None
+        if self._decision_template is not None:
+            from ds_adaptive.balance.sparse import DensityMap
+
+            n, h = self.num_layers, self.num_heads
+            probe = self._decision_template.with_densities(
+                DensityMap(tuple((low,) * h for _ in range(n)), dense_layers=tuple(sorted(self.schedule.dense_layers))))
+        todo = sorted({(int(b), int(s)) for b, s in shapes
+                       if probe is None or bool(probe.layer_decisions(int(s), self.sp_size)[0].any())})
+        if not todo or len(self.schedule.dense_layers) >= self.num_layers:
+            return 0.0
+        backend = self.backend_for(torch.empty(0, 0, 0, self.head_dim, device=self.device, dtype=dtype))
+        spent = backend.warmup(todo, num_heads=self.local_heads, head_dim=self.head_dim, dtype=dtype,
+                               device=self.device, block_size=cfg.block_size, backward=backward)
+        self.warmup_s += spent
+        return spent
 
     def cached_selection(self, layer: int) -> Optional[BlockSelection]:
         """The selection this step's forward made for ``layer`` (what its recompute reuses); None:
@@ -235,9 +287,25 @@ class SparseAttentionRuntime:
         density = float(kph.float().mean()) / nk
         if density > cfg.dense_above:
             return None, density
-        scores = self.predictor.block_scores(layer, q, k, cfg.block_size, self._head_arg(heads), mode=cfg.block_score)
+        scores = self.block_scores(layer, q, k, heads)
         return select_blocks(scores, kph, seq_len=s, block_size=cfg.block_size, keep_sink=cfg.keep_sink,
                              inplace=True), density
+
+    @property
+    def uses_predictor(self) -> bool:
+        """Whether the selection scores with the low-rank predictor (``block_score`` ``lse`` / ``mean``):
+        only then is it trained on profiling steps."""
+        return self.cfg.block_score != "pooled_lse"
+
+    @torch.no_grad()
+    def block_scores(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+                     heads: Optional[tuple[int, ...]] = None) -> torch.Tensor:
+        """``[B, H, nq, nk]`` fp32 scores of ``cfg.block_score`` for q, k ``[B, S, Hl, Dh]``."""
+        cfg = self.cfg
+        if not self.uses_predictor:
+            return pooled_lse_scores(q, k, cfg.block_size)
+        heads = self._local_heads(layer, q, None) if heads is None else heads
+        return self.predictor.block_scores(layer, q, k, cfg.block_size, self._head_arg(heads), mode=cfg.block_score)
 
     def _head_arg(self, heads: tuple[int, ...]):
         """The predictor's head argument: the int offset for a contiguous slice (a view), else the ids."""
@@ -246,7 +314,7 @@ class SparseAttentionRuntime:
 
     def _forward_entry(self, layer, q, k, key, valid_len, heads) -> _Entry:
         selection, stored, density = None, None, None
-        if self.schedule.is_sparse(layer):
+        if self.schedule.is_sparse(layer) and self.runs_sparse(layer, q.shape[1]):
             t0 = self._clock(q.device)
             selection, density = self._select(layer, q, k, heads)
             self._select_events[layer].append((t0, self._clock(q.device)))
@@ -262,24 +330,26 @@ class SparseAttentionRuntime:
 
     def _profile_and_train(self, layer, q, k, selection, valid_len, heads) -> None:
         cfg = self.cfg
-        rows = sample_rows(q.shape[1], cfg.sample_rows, generator=self._gen, valid_len=valid_len, device=q.device)
+        rows, per_block = sample_row_groups(q.shape[1], cfg.sample_rows, cfg.block_size, generator=self._gen,
+                                            valid_len=valid_len, device=q.device)
         qd, kd = q.detach(), k.detach()
         with torch.no_grad():
             logits = exact_logits(qd, kd, rows, valid_len=valid_len)
-            stats = profile_rows(logits, rows, cfg.block_size, cfg.mass, selection)
-        # the predictor's own graph: identity saved-tensor hooks shield it from an enclosing
-        # activation-checkpoint region (whose hooks would otherwise pack these tensors)
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-            loss = self.predictor.loss(layer, qd[:, rows], kd, logits, self._head_arg(heads), valid_len,
-                                       cos_weight=cfg.predictor_cos_weight)
-            loss.backward()
-        self._loss_sum[layer] += loss.detach().to(self._loss_sum.device, torch.float64)
-        self._loss_n[layer] += 1
+            stats = profile_rows(logits, rows, cfg.block_size, cfg.mass, selection, per_block=per_block)
+        if self.uses_predictor:
+            # the predictor's own graph: identity saved-tensor hooks shield it from an enclosing
+            # activation-checkpoint region (whose hooks would otherwise pack these tensors)
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                loss = self.predictor.loss(layer, qd[:, rows], kd, logits, self._head_arg(heads), valid_len,
+                                           cos_weight=cfg.predictor_cos_weight)
+                loss.backward()
+            self._loss_sum[layer] += loss.detach().to(self._loss_sum.device, torch.float64)
+            self._loss_n[layer] += 1
         idx = list(heads)
         self._density_sum[layer, idx] += stats.density.detach().to(self._density_sum.device, torch.float64)
         self._density_n[layer, idx] += 1
-        if stats.recall is not None:
-            self.last["recall"][layer] = float(stats.recall.mean())
+        if stats.recall is not None:  # a device tensor: read in step(), no sync per layer here
+            self._recall[layer] = stats.recall.mean()
 
     @staticmethod
     def _clock(device: torch.device):
@@ -297,13 +367,34 @@ class SparseAttentionRuntime:
         self._density_n = torch.zeros(L, self.num_heads, dtype=torch.float64, device=self.device)
         self._select_events: list[list] = [[] for _ in range(L)]
         self._selected: dict[int, torch.Tensor] = {}
+        self._recall: dict[int, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ per optimizer step
     def step(self) -> None:
-        """After the DiT's optimizer step: all-reduce the predictor's gradients, losses and the profiled
-        head densities over the group (DP x SP: every rank ends with the same densities), AdamW step,
-        record densities, advance the schedule, read the selection timers."""
-        params = [p for p in self.predictor.parameters()]
+        """After the DiT's optimizer step: on a profiling step, all-reduce the profiled head densities
+        (and, when the selection uses it, the predictor's gradients and losses) over the group (DP x
+        SP: every rank ends with the same densities) and step the predictor's AdamW; then record, advance
+        the schedule, read the selection timers. Steps that did not profile exchange nothing (the
+        schedule, the same on every rank, says which: stage 2 profiles every ``profile_interval``)."""
+        mean_loss, layer_density = None, [None] * self.num_layers
+        if self.schedule.profile_now():
+            mean_loss, layer_density = self._exchange()
+        for i, d in self._selected.items():
+            self.last["selected_density"][i] = float(d)
+        for i, r in self._recall.items():
+            self.last["recall"][i] = float(r)
+        for i, evs in enumerate(self._select_events):
+            if evs:
+                self.last["select_ms"][i] = sum(self._elapsed(a, b) for a, b in evs) / len(evs)
+        self.schedule.end_step(mean_loss, layer_density)
+        self._refresh_decision()
+        self._reset_step_stats()
+        self._cache.clear()
+
+    def _exchange(self):
+        """One all-reduce of densities (+ predictor gradients and losses); the predictor's step.
+        Returns ``(mean predictor loss or None, per-layer mean density or None)``."""
+        params = [p for p in self.predictor.parameters()] if self.uses_predictor else []
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         dsum, dn = self._density_sum.to(self._loss_sum.device), self._density_n.to(self._loss_sum.device)
         flat = torch.cat([g.reshape(-1).double() for g in grads]
@@ -337,14 +428,7 @@ class SparseAttentionRuntime:
         layer_density = [float(self.head_density[i].mean()) if bool(measured[i].any()) else None
                          for i in range(self.num_layers)]
         mean_loss = float(layer_loss[trained.cpu()].mean()) if bool(trained.any()) else None
-        for i, d in self._selected.items():
-            self.last["selected_density"][i] = float(d)
-        for i, evs in enumerate(self._select_events):
-            if evs:
-                self.last["select_ms"][i] = sum(self._elapsed(a, b) for a, b in evs) / len(evs)
-        self.schedule.end_step(mean_loss, layer_density)
-        self._reset_step_stats()
-        self._cache.clear()
+        return mean_loss, layer_density
 
     @staticmethod
     def _elapsed(a, b) -> float:
@@ -401,19 +485,27 @@ class SparseAttentionRuntime:
         self.head_density = full.clone().float()
         self._gen.set_state(state["generator"])
         self.last = {k: list(v) for k, v in state["last"].items()}
+        self._refresh_decision()
 
     def summary(self) -> dict[str, Any]:
         """For the run summary: stage, when stage 2 began, sparse layers, per-layer figures."""
         m = self.metrics()
+        be = self.sparse_backend
         return {"stage": self.schedule.stage, "stage2_from_step": self.schedule.switched_at,
-                "config": self.cfg.model_dump(mode="json"), **{k.split("/", 1)[1]: v for k, v in m.items()}}
+                "config": self.cfg.model_dump(mode="json"), **{k.split("/", 1)[1]: v for k, v in m.items()},
+                "backend": None if be is None else {"name": be.name, **be.stats()},
+                "backend_line": None if self.backend_choice is None else self.backend_choice.line,
+                "warmup_s": self.warmup_s, "layer_calls": dict(self.calls)}
 
 
-def attach_sparse_attention(model, cfg: SparseAttentionConfig, *, layout=None, device=None
-                            ) -> Optional[SparseAttentionRuntime]:
-    """The trainer's hook: None when ``cfg.enabled`` is false, else a runtime installed on ``model``
-    (after ``apply_ulysses``: the selection runs on the local heads after the all-to-all).
-    ``layout``: the run's :class:`ds_adaptive.layout.Layout` (None: one process, no SP)."""
+def attach_sparse_attention(model, cfg: SparseAttentionConfig, *, layout=None, device=None, choice=None,
+                            decision=None) -> Optional[SparseAttentionRuntime]:
+    """None when ``cfg.enabled`` is false, else a runtime installed on ``model`` (after
+    ``apply_ulysses``: the selection runs on the local heads after the all-to-all); ``build_run``
+    calls it. ``layout``: the run's :class:`ds_adaptive.layout.Layout` (None: one process, no SP);
+    ``choice``: a :class:`ds_adaptive.sparse.backends.BackendChoice` (None: chosen on first use);
+    ``decision``: the planner's :class:`ds_adaptive.balance.sparse.SparseAttentionCost` (sparse only
+    where it pays; None: no cost check)."""
     if not cfg.enabled:
         return None
     mc = model.config
@@ -421,6 +513,8 @@ def attach_sparse_attention(model, cfg: SparseAttentionConfig, *, layout=None, d
     rt = SparseAttentionRuntime(cfg, num_layers=mc.num_layers, num_heads=mc.num_heads, head_dim=mc.head_dim,
                                 device=device, sp_rank=layout.sp_rank if layout is not None else 0,
                                 sp_size=layout.sp_size if layout is not None else 1,
-                                sp_group=layout.sp_group if sp_on else None)
+                                sp_group=layout.sp_group if sp_on else None,
+                                backend=None if choice is None else choice.backend, decision=decision)
+    rt.backend_choice = choice
     rt.install(model, layout)
     return rt

@@ -150,3 +150,37 @@ def pool_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
         parts.append(x[:, full * block_size:].sum(1, keepdim=True, dtype=torch.float32).div_(s - full * block_size))
     out = torch.cat(parts, 1) if len(parts) > 1 else parts[0]
     return out.transpose(1, 2)
+
+
+SCORE_CHUNK_ELEMS = 1 << 26
+"""Query-key logits of :func:`pooled_lse_scores` held at once (64 Mi elements: 128 MiB in bf16)."""
+
+
+@torch.no_grad()
+def pooled_lse_scores(q: torch.Tensor, k: torch.Tensor, block_size: int, *,
+                      chunk_elems: int = SCORE_CHUNK_ELEMS) -> torch.Tensor:
+    """Block scores from the real q and k: for query block i and key block j, the log-sum-exp over
+    the keys of block j of the block's mean query's scaled logits, ``log sum_{t in j} exp(qbar_i .
+    k_t / sqrt(Dh))`` (the log of the block's softmax mass up to the row's normaliser, for the mean
+    query). q, k ``[B, S, H, Dh]`` -> ``[B, H, nq, nk]`` fp32.
+
+    No predictor: the logits are exact for the mean query, so what a block holds (a sink, a far
+    region, the local window through RoPE) is seen as attention sees it. Cost per head
+    ``nq * S * Dh`` multiply-adds in q's dtype (tensor cores) and ``nq * S`` exps, computed in query
+    chunks of at most ``chunk_elems`` logits (memory bounded whatever S)."""
+    b, s, h, d = q.shape
+    nb = -(-s // block_size)
+    full = s // block_size
+    qbar = pool_blocks(q, block_size).mul_(d ** -0.5).to(k.dtype)  # [B, H, nq, Dh]
+    kt = k.permute(0, 2, 3, 1)  # [B, H, Dh, S] (a view)
+    out = torch.empty(b, h, nb, nb, dtype=torch.float32, device=q.device)
+    step = max(1, chunk_elems // max(1, b * h * s))
+    for i in range(0, nb, step):
+        lg = torch.matmul(qbar[:, :, i:i + step], kt)  # [B, H, c, S]
+        c = lg.shape[2]
+        if full:
+            out[:, :, i:i + c, :full] = torch.logsumexp(
+                lg[..., :full * block_size].unflatten(-1, (full, block_size)).float(), dim=-1)
+        if full < nb:
+            out[:, :, i:i + c, full] = torch.logsumexp(lg[..., full * block_size:].float(), dim=-1)
+    return out

@@ -19,8 +19,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-__all__ = ["Measurement", "cache_key", "cache_path", "cached_curve", "measure_backend", "store",
-           "MEASURE_DENSITIES", "MEASURE_SEQ_LEN"]
+__all__ = ["Measurement", "cache_key", "cache_path", "cached_curve", "cuda_time_ms", "measure_backend",
+           "random_selection", "store", "MEASURE_DENSITIES", "MEASURE_SEQ_LEN"]
 
 MEASURE_DENSITIES = (0.05, 0.1, 0.2, 0.4)
 MEASURE_SEQ_LEN = 32760
@@ -86,16 +86,12 @@ class Measurement:
     seconds: float = 0.0
 
 
-def _time_ms(fn, iters: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
+def cuda_time_ms(fn, iters: int) -> float:
+    """Median ms of ``fn()`` (CUDA events) over ``iters`` calls after 2 untimed ones: the package's
+    timer (``balance.calibrate_sparse.time_ms``), so measurements and calibration agree."""
+    from ds_adaptive.balance.calibrate_sparse import time_ms
+
+    return time_ms(fn, warmup=2, iters=iters)
 
 
 def random_selection(batch: int, heads: int, seq_len: int, block_size: int, density: float, *, device: Any,
@@ -133,7 +129,7 @@ def measure_backend(backend, device: Any, *, dtype: torch.dtype = torch.bfloat16
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         torch.autograd.backward(out, dout.transpose(1, 2))
 
-    dense_ms = _time_ms(dense, iters)
+    dense_ms = cuda_time_ms(dense, iters)
     rows, ratios = [], []
     for rho in densities:
         sel = random_selection(1, num_heads, seq_len, block_size, rho, device=dev)
@@ -142,7 +138,7 @@ def measure_backend(backend, device: Any, *, dtype: torch.dtype = torch.bfloat16
             out = backend.attention(q, k, v, sel, density=rho)
             torch.autograd.backward(out, dout)
 
-        ms = _time_ms(sparse, iters)
+        ms = cuda_time_ms(sparse, iters)
         rows.append({"density": rho, "ms": ms, "dense_ms": dense_ms, "efficiency": rho * dense_ms / ms})
         ratios.append(ms / dense_ms)
     key = cache_key(backend.name, dev, dtype=dtype, head_dim=head_dim, block_size=block_size)

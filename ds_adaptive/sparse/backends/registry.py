@@ -100,6 +100,9 @@ class BackendChoice:
     """True: ``auto`` found no block-sparse kernel for the device and took an S^2 reference."""
     candidates: dict = field(default_factory=dict)
     """name -> ``{"ok": bool, "why": str | None, "g_ref": float | None, "measured": bool}``."""
+    curve: Any = None
+    """The chosen backend's :class:`~ds_adaptive.balance.sparse.KernelEfficiency` on this device
+    (what the cost model uses; the same on every rank when the choice was broadcast)."""
 
 
 def _device_name(device: torch.device) -> str:
@@ -126,7 +129,8 @@ def select_backend(requested: str, device: Any, *, dtype: torch.dtype = torch.bf
         line = f"sparse attention: backend '{b.name}' (configured) on {where}"
         if b.support.materialises_scores:
             line += ": masked dense reference, S^2 memory, no speed-up"
-        return BackendChoice(b, requested, line)
+        return BackendChoice(b, requested, line, curve=b.efficiency(dev, dtype=dtype, head_dim=head_dim,
+                                                                      block_size=block_size))
     cands: dict[str, dict] = {}
     fused, refs = [], []
     for name in backend_names():
@@ -143,11 +147,13 @@ def select_backend(requested: str, device: Any, *, dtype: torch.dtype = torch.bf
         limit = f", at most {ref.support.max_tokens:,} tokens" if ref.support.max_tokens else ""
         line = (f"sparse attention: WARNING: no block-sparse kernel runs on {where} ({reasons}); backend auto falls "
                 f"back to '{ref.name}' (masked dense torch: S^2 memory, no speed-up{limit})")
-        return BackendChoice(ref, requested, line, fallback=True, candidates=cands)
+        return BackendChoice(ref, requested, line, fallback=True, candidates=cands,
+                             curve=ref.efficiency(dev, dtype=dtype, head_dim=head_dim, block_size=block_size))
     if len(fused) == 1:
         b = fused[0]
         return BackendChoice(b, requested, f"sparse attention: backend '{b.name}' (auto: the only block-sparse kernel "
-                                           f"that runs on {where})", candidates=cands)
+                                           f"that runs on {where})", candidates=cands,
+                             curve=b.efficiency(dev, dtype=dtype, head_dim=head_dim, block_size=block_size))
     from ds_adaptive.sparse.backends import measure as m
 
     scored = []
@@ -163,10 +169,11 @@ def select_backend(requested: str, device: Any, *, dtype: torch.dtype = torch.bf
         g = curve(REFERENCE_DENSITY)
         tie = sum(curve(d) for d in (0.05, 0.1, 0.2, 0.4))
         cands[b.name].update(g_ref=g, measured=measured)
-        scored.append((g, tie, b))
+        scored.append((g, tie, b, curve))
     scored.sort(key=lambda t: (t[0], t[1]))
-    best = scored[0][2]
+    best, best_curve = scored[0][2], scored[0][3]
     table = ", ".join(f"{b.name} {g:.3f}{'' if cands[b.name]['measured'] else ' (not measured here)'}"
-                      for g, _, b in scored)
+                      for g, _, b, _ in scored)
     return BackendChoice(best, requested, f"sparse attention: backend '{best.name}' (auto on {where}: sparse/dense time "
-                                          f"at density {REFERENCE_DENSITY}: {table})", candidates=cands)
+                                          f"at density {REFERENCE_DENSITY}: {table})", candidates=cands,
+                         curve=best_curve)
