@@ -283,3 +283,19 @@ def test_bench_runs_end_to_end_on_cpu_under_the_interpreter(tmp_path) -> None:
     entry = validate_table(json.loads(table.read_text()))["entries"][0]
     assert entry["block"] == 64 and entry["curve"]["density"] == [0.5]
     assert {x["kernel"] for x in res["meta"]["sweep"]} == {"fwd", "dq", "dkdv", "atomic", "delta"}
+
+
+def test_auto_does_not_prefer_an_unmeasured_triton(monkeypatch) -> None:
+    """Without a measurement of this GPU, triton's curve is worse than flex's shipped one at auto's reference
+    density, so auto keeps flex until a measurement (or the shipped table) says otherwise."""
+    from ds_adaptive.sparse.backends import get_backend, select_backend
+    from ds_adaptive.sparse.backends import measure as m
+
+    monkeypatch.setattr(m, "cached_curve", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    flex, tri = get_backend("flex").efficiency("cuda"), get_backend("triton").efficiency("cuda")
+    assert "not measured" in tri.source and tri(0.1) > flex(0.1)
+    if _OK:
+        assert select_backend("auto", "meta").backend.name == "flex"

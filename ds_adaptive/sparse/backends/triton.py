@@ -17,7 +17,11 @@ import torch
 from ds_adaptive.sparse.backends.base import BackendSupport, SparseAttentionBackend
 from ds_adaptive.sparse.backends.registry import register_backend
 
-__all__ = ["TritonBackend"]
+__all__ = ["TritonBackend", "UNMEASURED_SLOPE"]
+
+UNMEASURED_SLOPE = 1.6
+"""g(rho) = 1.6 rho where this GPU has no measurement (flex's shipped curves at auto's reference density 0.1: 1.46-1.49 rho)."""
+UNMEASURED_DENSITY = (0.05, 0.1, 0.2, 0.4)
 
 
 @register_backend
@@ -93,7 +97,10 @@ class TritonBackend(SparseAttentionBackend):
             c = entry["curve"]
             return KernelEfficiency(tuple(c["density"]), tuple(c["ratio"]),
                                     source=f"triton, shipped {entry['device']} measurement ({c.get('source', '')})")
-        return KernelEfficiency.default()
+        # not measured on this GPU: assumed worse than every shipped flex curve, so that ``auto`` never
+        # prefers an unmeasured triton to a measured flex (``measure=True`` or the bench settles it)
+        return KernelEfficiency(UNMEASURED_DENSITY, tuple(UNMEASURED_SLOPE * d for d in UNMEASURED_DENSITY),
+                                source=f"triton: not measured on this GPU (assumed {UNMEASURED_SLOPE} x density)")
 
     def stats(self) -> dict:
         from ds_adaptive.sparse.kernels import compiled_kernels
