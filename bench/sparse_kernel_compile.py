@@ -1,5 +1,5 @@
 """Compile the Triton block-sparse kernels for a GPU architecture on any machine (no GPU needed) and report
-per tile config: shared memory, registers per thread and register spills (``cuobjdump --dump-resource-usage``
+per tile config: shared memory, registers per thread, register spills and resident programs per SM (sm90 limits) (``cuobjdump --dump-resource-usage``
 of the cubin, with the ptxas / cuobjdump that ship in triton's wheel).
 
 It is how the tile candidates of ``bench/sparse_backends.py`` (``TILES``) and ``default_config`` were chosen
@@ -56,8 +56,11 @@ def compile_tile(kind: str, tile, *, head_dim: int, block: int, arch: int) -> di
     usage = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
     os.unlink(f.name)
     fields = dict(x.split(":", 1) for x in next((ln for ln in usage.splitlines() if "REG:" in ln), "").split() if ":" in x)
-    return {"smem_kib": k.metadata.shared / 1024, "regs": int(fields.get("REG", -1)),
-            "spill_bytes": int(fields.get("STACK", -1))}
+    regs = int(fields.get("REG", -1))
+    smem = k.metadata.shared / 1024
+    # resident programs per SM on sm90: 228 KiB shared memory (1 KiB reserved per block), 64 Ki registers
+    per_sm = min(int(228 // (smem + 1)), 65536 // max(1, regs * 32 * tile.num_warps), 32 // tile.num_warps)
+    return {"smem_kib": smem, "regs": regs, "spill_bytes": int(fields.get("STACK", -1)), "programs_per_sm": per_sm}
 
 
 def main(argv=None) -> int:
@@ -81,7 +84,8 @@ def main(argv=None) -> int:
                                                                    arch=args.arch)}
             rows.append(r)
             print(f"{kind:6s} {t.short():14s} " + (r["error"] if "error" in r else
-                  f"smem {r['smem_kib']:6.1f} KiB  regs {r['regs']:3d}  spills {r['spill_bytes']} B"), flush=True)
+                  f"smem {r['smem_kib']:6.1f} KiB  regs {r['regs']:3d}  spills {r['spill_bytes']} B  "
+                  f"programs/SM {r['programs_per_sm']}"), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"triton": triton.__version__, "arch": args.arch, "head_dim": args.head_dim,
                                               "block": args.block, "rows": rows}, indent=1))
