@@ -130,7 +130,10 @@ class BackwardLaunch:
     def __init__(self, q, k, v, out, lse, dout, kv_num, kv_idx, *, block: int, seq: int):
         from ds_adaptive.sparse.backends.flex import transpose_blocks
 
-        self.q, self.k, self.v, self.out, self.lse, self.dout = q, k, v, out, lse, dout.contiguous()
+        # dout shares out's strides (contiguous) and, like every descriptor base, 16-byte alignment
+        if not (dout.is_contiguous() and dout.data_ptr() % 16 == 0):
+            dout = dout.clone(memory_format=torch.contiguous_format)
+        self.q, self.k, self.v, self.out, self.lse, self.dout = q, k, v, out, lse, dout
         self.block, self.seq = block, seq
         b, s_full, h, d = q.shape
         self.shape = (b, s_full, h, d)
