@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sparse attention on one GPU: GPU tests, kernel figures (kernel-options sweep -> table, selection
 # overhead, trace), end-to-end Wan 1.3B with the measured table. Results under $OUT.
-#   STEPS="tests kernel e2e" (default; "quality": the dense vs sparse training run, ~8 min)
+#   STEPS="tests kernel e2e" (default; "quality": the dense vs sparse training run, ~8 min per seed;
+#   "probe": dynamic-shape flex, <= 90 s; "ab": bench/sparse_train_ab.py, ~8 min)
 #   GIT_COMMIT=<sha> OUT=<dir> [SWEEP=0: no table written, e2e uses the shipped
 #   ds_adaptive/sparse/kernel_options.json] bash bench/gpu_sparse.sh
 set -uo pipefail
@@ -21,6 +22,8 @@ for s in $STEPS; do
               --trace "$OUT/trace_select.json" ${KERNEL_ARGS:-} 2>&1 | tee "$OUT/kernel.txt" || rc=1 ;;
     e2e)    tab=""; [ -f "$TABLE" ] && tab="--kernel-table $TABLE"
             timeout ${T_E2E:-420} python bench/sparse_e2e.py --out "$OUT/sparse_e2e.json" $tab ${E2E_ARGS:-} 2>&1 | tee "$OUT/e2e.txt" || rc=1 ;;
+    probe)  timeout ${T_PROBE:-150} python bench/sparse_dynamic_probe.py --out "$OUT/sparse_dynamic_probe.json" ${PROBE_ARGS:-} 2>&1 | tee "$OUT/probe.txt" || rc=1 ;;
+    ab)     timeout ${T_AB:-590} python bench/sparse_train_ab.py --out "$OUT/sparse_train_ab.json" ${AB_ARGS:-} 2>&1 | tee "$OUT/ab.txt" || rc=1 ;;
     quality) timeout ${T_QUALITY:-530} python bench/sparse_quality.py --out "$OUT/sparse_quality.json" --runs-dir /tmp/sparse_quality_runs ${QUALITY_ARGS:-} 2>&1 | tee "$OUT/quality.txt" || rc=1 ;;
   esac
 done

@@ -161,7 +161,8 @@ def main(argv=None) -> int:
                 share = float(sel.density().mean())
                 try:  # the kernel alone: the mask prebuilt (its cost is in the selection figures)
                     bm = block_mask_from_selection(sel)
-                    ms = _time(run(lambda: flex_block_sparse_attention(q, k, v, sel, kernel_options=opts, block_mask=bm)),
+                    ms = _time(run(lambda: flex_block_sparse_attention(q, k, v, sel, kernel_options=opts, block_mask=bm,
+                                                                     max_graphs=64)),
                                args.warmup, args.reps)
                 except Exception as exc:  # a tile config that does not compile: report, keep going
                     print(f"config {name} at S={s} density {dens}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)

@@ -6,19 +6,23 @@ from one config and trained step by step *interleaved* in one process (arm A ste
 noise (seeded per sample), same held-out samples:
 
 * ``dense``: plain SDPA attention;
-* ``sparse``: DSV's two stages: stage 1 (``--stage1`` steps) dense attention while the predictor
-  trains and the profiler measures every step; stage 2 every layer except the first and the last
-  runs block-sparse at ``--density`` (top-k key blocks per query block by the trained predictor;
+* ``sparse``: DSV's two stages: stage 1 (``--stage1`` steps) dense attention while the profiler
+  measures every step (and, with ``block_score`` lse / mean, the predictor trains); stage 2 every layer
+  except the first and the last runs block-sparse at ``--density`` (top-k key blocks per query block by
+  the run's block scores, default ``pooled_lse``;
   ``forced_density`` + ``forced_after_warmup``: a randomly initialised model is dense, its natural
   density would never make a layer sparse), re-profiled every ``--profile-interval`` steps;
   ``rebalance: off``, so that the sampler keeps the dense plan and both arms see the same batches.
 
 Data: the embedded default shape distribution (``ds_adaptive/data/default_shapes.json``) bounded to
-three shapes, because flex compiles once per shape: its image weight goes to one image shape, its
+three shapes (as the first runs, when flex compiled once per shape): its image weight goes to one image shape, its
 17-33-frame videos to one short video and its 49-81-frame videos to one long video, all at
 ``--resolution`` (default 480x832: 1,560 / 7,800 / 14,040 tokens on Wan's 1.3B grid) with fixed
 batch sizes of ~12-16k tokens (``--batch``). Held-out loss: ``Trainer.evaluate`` (held-out
-synthetic samples, 4 fixed timesteps each) every ``--eval-every`` steps.
+synthetic samples, 4 fixed timesteps each) every ``--eval-every`` steps, for both arms the same way, and
+for the sparse arm once more with dense attention in every layer (``SparseAttentionRuntime.dense_only``):
+is a gap in the weights, or in the attention the sparse arm evaluates with? ``--seeds 0 1 2`` runs both
+arms per seed, one after the other (one JSON per seed and one with the mean / spread of the ratios).
 
 At the end: the natural density (share of key blocks holding 99% of the softmax mass) the profiler
 measured in training, and on held-out inputs the recall (exact softmax mass inside the selected
@@ -115,6 +119,7 @@ def train(args, trainers) -> dict:
     """Interleaved steps; held-out loss every ``eval_every`` steps; stops both arms at the deadline."""
     total = args.stage1 + args.stage2
     hist = {a: {"loss": [], "step_s": [], "eval": []} for a in ARMS}
+    hist["sparse"]["eval_dense_attn"] = []  # the sparse arm's weights, evaluated with full attention
     t_start = time.perf_counter()
     stopped = None
     for step in range(1, total + 1):
@@ -124,8 +129,7 @@ def train(args, trainers) -> dict:
             hist[arm]["loss"].append(float(rec.loss))
             hist[arm]["step_s"].append(time.perf_counter() - t0)
         if step % args.eval_every == 0 or step == total:
-            for arm in ARMS:
-                hist[arm]["eval"].append((step, trainers[arm].evaluate(args.eval_samples)["eval_loss"]))
+            evaluate_arms(trainers, hist, step, args.eval_samples)
         if step % args.log_interval == 0 or step == 1:
             rt = trainers["sparse"].sparse.runtime
             print(f"step {step}/{total}  dense {hist['dense']['loss'][-1]:.4f}  sparse "
@@ -134,14 +138,22 @@ def train(args, trainers) -> dict:
         if time.perf_counter() - t_start > args.deadline_s:
             stopped = step
             print(f"deadline {args.deadline_s} s reached after step {step}: both arms stop here", flush=True)
-            for arm in ARMS:
-                if not hist[arm]["eval"] or hist[arm]["eval"][-1][0] != step:
-                    hist[arm]["eval"].append((step, trainers[arm].evaluate(args.eval_samples)["eval_loss"]))
+            if not hist["dense"]["eval"] or hist["dense"]["eval"][-1][0] != step:
+                evaluate_arms(trainers, hist, step, args.eval_samples)
             break
     hist["steps"] = len(hist["dense"]["loss"])
     hist["stopped_at_deadline"] = stopped
     hist["train_s"] = time.perf_counter() - t_start
     return hist
+
+
+def evaluate_arms(trainers, hist: dict, step: int, samples: int) -> None:
+    """Held-out loss of both arms the same way (``Trainer.evaluate``: the same held-out samples, timesteps
+    and noise), and of the sparse arm once more with dense attention in every layer."""
+    for arm in ARMS:
+        hist[arm]["eval"].append((step, trainers[arm].evaluate(samples)["eval_loss"]))
+    with trainers["sparse"].sparse.runtime.dense_only():
+        hist["sparse"]["eval_dense_attn"].append((step, trainers["sparse"].evaluate(samples)["eval_loss"]))
 
 
 @torch.no_grad()
@@ -182,7 +194,7 @@ def capture_qk(trainer, num_samples: int, seed: int) -> list[dict]:
 @torch.no_grad()
 def recall_table(trainer, captured: list[dict], density: float, rows: int, seed: int) -> list[dict]:
     """Per sparse layer: natural density on held-out inputs and the recall of the predictor's selection."""
-    from ds_adaptive.sparse.profiler import exact_logits, profile_rows, sample_rows
+    from ds_adaptive.sparse.profiler import exact_logits, profile_rows, sample_row_groups
     from ds_adaptive.sparse.selection import blocks_for_density, select_blocks
 
     rt = trainer.sparse.runtime
@@ -196,10 +208,10 @@ def recall_table(trainer, captured: list[dict], density: float, rows: int, seed:
             q, k, valid = sample[layer]
             s = q.shape[1]
             nk = math.ceil(s / bs)
-            r = sample_rows(s, rows, generator=gen, valid_len=valid, device=q.device)
+            r, per = sample_row_groups(s, rows, bs, generator=gen, valid_len=valid, device=q.device)
             logits = exact_logits(q, k, r, valid_len=valid)
-            nat = profile_rows(logits, r, bs, cfg.mass).density  # [H]
-            scores = rt.predictor.block_scores(layer, q, k, bs, rt.head_offset, mode=cfg.block_score)
+            nat = profile_rows(logits, r, bs, cfg.mass, per_block=per).density  # [H], what the profiler measures
+            scores = rt.block_scores(layer, q, k)  # the run's block_score
             rand = torch.rand(scores.shape, generator=gen).to(scores.device)
             k_forced = blocks_for_density(torch.full((q.shape[2],), density), nk)
             k_nat = blocks_for_density(nat.cpu(), nk)
@@ -226,7 +238,8 @@ def summarize(hist: dict, recall: list[dict], stage1: int) -> dict:
     steps = hist["steps"]
     lo = steps - max(1, int(round(steps * 0.2)))  # last 20% of steps
     tr = {a: window_mean(hist[a]["loss"]) for a in ARMS}
-    ev = {a: [v for s, v in hist[a]["eval"] if s > lo] or [hist[a]["eval"][-1][1]] for a in ARMS}
+    evals = {**{a: hist[a]["eval"] for a in ARMS}, "sparse_dense_attn": hist["sparse"]["eval_dense_attn"]}
+    ev = {a: [v for s, v in e if s > lo] or [e[-1][1]] for a, e in evals.items()}
     ev = {a: sum(v) / len(v) for a, v in ev.items()}
     st = {a: sorted(hist[a]["step_s"][stage1:])[len(hist[a]["step_s"][stage1:]) // 2]
           if len(hist[a]["step_s"]) > stage1 else float("nan") for a in ARMS}
@@ -234,6 +247,8 @@ def summarize(hist: dict, recall: list[dict], stage1: int) -> dict:
     s = {"steps": steps, "stage2_steps": max(0, steps - stage1), "last20_from_step": lo + 1,
          "train_loss_last20": tr, "eval_loss_last20": ev,
          "train_ratio": tr["sparse"] / tr["dense"], "eval_ratio": ev["sparse"] / ev["dense"],
+         "eval_ratio_dense_attn": ev["sparse_dense_attn"] / ev["dense"],
+         "stage1_end_eval": {a: next((v for st_, v in evals[a] if st_ >= stage1), None) for a in evals},
          "median_stage2_step_s": st, "step_time_ratio": st["dense"] / st["sparse"],
          "natural_density": mean("natural"), "natural_density_profiled": mean("natural_profiled"),
          "recall_forced": mean("rec_forced"), "recall_natural": mean("rec_natural"),
@@ -286,6 +301,8 @@ def print_table(s: dict, recall: list[dict], density: float) -> None:
     for key, name in (("train_loss_last20", "training loss, last 20%"), ("eval_loss_last20", "held-out loss, last 20%")):
         d, sp = s[key]["dense"], s[key]["sparse"]
         print(f"| {name} | {d:.5f} | {sp:.5f} | {sp / d:.4f} |")
+    d, sp = s["eval_loss_last20"]["dense"], s["eval_loss_last20"]["sparse_dense_attn"]
+    print(f"| held-out loss, last 20%, sparse arm evaluated with dense attention | {d:.5f} | {sp:.5f} | {sp / d:.4f} |")
     st = s["median_stage2_step_s"]
     print(f"| median stage-2 step time (s) | {st['dense']:.4f} | {st['sparse']:.4f} | {st['sparse'] / st['dense']:.3f} |")
     print(f"\nwithin 2%: training {s['train_within_2pct']}, held-out {s['eval_within_2pct']}")
@@ -316,7 +333,8 @@ def parse(argv=None):
     p.add_argument("--lr", type=float, default=2e-4)
     p.add_argument("--rebalance", default="off", choices=["off", "epoch", "step"],
                    help="sparse_attention.rebalance of the sparse arm (not off: its batches differ from the dense arm's)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="one run of both arms per seed (model init, "
+                   "data, noise), one after the other; the summary has every seed and the mean / spread of the ratios")
     p.add_argument("--num-samples", type=int, default=20000)
     p.add_argument("--eval-every", type=int, default=30)
     p.add_argument("--eval-samples", type=int, default=6)
@@ -338,12 +356,8 @@ def parse(argv=None):
     return args
 
 
-def main(argv=None) -> int:
-    args = parse(argv)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out_dir = Path(args.runs_dir) if args.runs_dir else out.parent / (out.stem + "_runs")
-    out_dir.mkdir(parents=True, exist_ok=True)
+def run_seed(args, out: Path, out_dir: Path) -> dict:
+    """Both arms for ``args.seed``: curves, recall, summary; writes ``out`` as it goes."""
     trainers, shapes, fixed, device = build_trainers(args, out_dir)
     hist = train(args, trainers)
     rt = trainers["sparse"].sparse.runtime
@@ -371,6 +385,39 @@ def main(argv=None) -> int:
             if (out_dir / "run_sparse" / name).exists():
                 shutil.copy(out_dir / "run_sparse" / name, out.parent / f"{out.stem}_{name}")
     print(f"wrote {out} and {png}")
+    del trainers, rt
+    import gc
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return doc
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    seeds, docs = list(args.seeds), {}
+    for seed in seeds:
+        args.seed = seed
+        one = out if len(seeds) == 1 else out.with_name(f"{out.stem}_seed{seed}{out.suffix}")
+        base = Path(args.runs_dir) if args.runs_dir else out.parent / (out.stem + "_runs")
+        out_dir = base if len(seeds) == 1 else base / f"seed{seed}"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        docs[seed] = run_seed(args, one, out_dir)
+    if len(seeds) > 1:
+        keys = ("train_ratio", "eval_ratio", "eval_ratio_dense_attn")
+        agg = {}
+        for k in keys:
+            xs = [docs[sd]["summary"][k] for sd in seeds]
+            m = sum(xs) / len(xs)
+            agg[k] = {"per_seed": xs, "mean": m, "std": (sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5}
+        print("\nover seeds " + ", ".join(map(str, seeds)) + ": " + "; ".join(
+            f"{k} {v['mean']:.4f} +- {v['std']:.4f}" for k, v in agg.items()))
+        out.write_text(json.dumps({"seeds": seeds, "aggregate": agg,
+                                   "per_seed_files": [str(out.with_name(f"{out.stem}_seed{sd}{out.suffix}"))
+                                                      for sd in seeds]}, indent=1))
+        print(f"wrote {out}")
     return 0
 
 

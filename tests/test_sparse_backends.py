@@ -160,7 +160,8 @@ def test_flex_compiles_a_fixed_number_of_graphs_across_shapes_and_never_falls_ba
     start = compiled_graphs()
     seen = []
     for b, s, valid in [(1, 1000, None), (2, 1024, None), (1, 2000, 1900), (3, 1536, None), (1, 3000, None),
-                        (2, 2560, 2500), (5, 1100, None), (1, 896, None), (4, 777, None), (2, 1280, 1279)]:
+                        (2, 2560, 2500), (5, 1100, None), (1, 896, None), (4, 777, None), (2, 1280, 1279),
+                        (3, 1100, 1024)]:
         g = torch.Generator().manual_seed(s)
         q, k, v = (torch.randn(b, s, 2, 16, generator=g) for _ in range(3))
         sel = random_selection(b, 2, s, 128, 0.3, device="cpu", seed=s)
@@ -259,3 +260,18 @@ def test_build_run_attaches_sparse_attention_and_the_dry_run_sees_it() -> None:
     cfg.adaptive_load.sparse_attention = SparseAttentionConfig(enabled=True, dense_layers=[30])
     with pytest.raises(ConfigError, match=r"dense_layers has \[30\]"):
         build_run(cfg, layout=Layout.for_world(1, 1), meta=True, gpu_mem_gib=140)
+
+
+def test_start_up_says_where_sparse_attention_will_not_run() -> None:
+    from ds_adaptive.layout import Layout
+    from ds_adaptive.run import build_run
+    from ds_adaptive.run_config import RunConfig
+
+    path = ROOT / "launch" / "configs" / "zero3_adaptive.json"
+    cfg = RunConfig.load(str(path), trainer={"model": "wan2.1-1.3b", "num_samples": 200, "layers": 2})
+    cfg.adaptive_load.sampler.profile = H200
+    cfg.adaptive_load.sparse_attention = SparseAttentionConfig(enabled=True)  # default dense layers: 0 and 1
+    run = build_run(cfg, layout=Layout.for_world(1, 1), meta=True, gpu_mem_gib=140)
+    notes = [n for n in run.notes if "sparse" in n]
+    assert any("every layer of the 2-layer model is in dense_layers ([0, 1])" in n for n in notes), notes
+    assert sum("sparse attention: backend" in n for n in notes) == 1  # one line for the backend

@@ -25,6 +25,7 @@ all-to-all):
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from typing import Any, Optional, Union
@@ -141,7 +142,9 @@ class SparseAttentionRuntime:
         # densities replaced by the ones the layers run at after every step); None: no cost check
         self._decision_template = decision
         self.decision = None
+        self._decided: dict = {}
         self.warmup_s = 0.0
+        self._force_dense = False
         self._gen = torch.Generator().manual_seed(cfg.seed + 1 + 7919 * sp_rank)
         nan = float("nan")
         # profiled density of every head [L, H] (original head ids), the same on every rank: each rank
@@ -179,8 +182,20 @@ class SparseAttentionRuntime:
         return self.sparse_backend
 
     # ------------------------------------------------------------------ the attention fn
+    @contextlib.contextmanager
+    def dense_only(self):
+        """Inside, every layer runs dense SDPA (no selection, no profiling): e.g. the held-out loss of a
+        model trained with sparse attention, evaluated with full attention."""
+        old, self._force_dense = self._force_dense, True
+        try:
+            yield self
+        finally:
+            self._force_dense = old
+
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                   valid_len: Optional[int] = None, head_ids=None, **_: Any) -> torch.Tensor:
+        if self._force_dense:
+            return dense_attention(q, k, v, valid_len=valid_len)
         heads = self._local_heads(layer, q, head_ids)
         key = (tuple(q.shape), valid_len, heads)
         entry = self._cache.get(layer)
@@ -203,7 +218,10 @@ class SparseAttentionRuntime:
         the densities the layers run at; True without a decision cost."""
         if self.decision is None:
             return True
-        ok = bool(self.decision.layer_decisions(seq_len, self.sp_size)[0][layer])
+        row = self._decided.get(seq_len)
+        if row is None:  # once per sequence length and density table (hashing the cost per call is not free)
+            row = self._decided[seq_len] = self.decision.layer_decisions(seq_len, self.sp_size)[0]
+        ok = bool(row[layer])
         self.calls["sparse" if ok else "dense_by_cost"] += 1
         return ok
 
@@ -215,6 +233,9 @@ class SparseAttentionRuntime:
         from ds_adaptive.sparse.telemetry import effective_densities
 
         table = tuple(tuple(r) for r in effective_densities(self))
+        if self.decision is not None and self.decision.densities.density == table:
+            return  # unchanged (most stage-2 steps): keep the cost object and its cached decisions
+        self._decided = {}
         self.decision = self._decision_template.with_densities(
             DensityMap(table, dense_layers=tuple(sorted(self.schedule.dense_layers)), source="sparse runtime"))
 

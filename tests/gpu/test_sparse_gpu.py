@@ -1,5 +1,7 @@
-"""Guards the flex block-sparse kernel on CUDA: all blocks == dense SDPA (bf16 tolerance, output and grads),
-any selection == the masked reference (odd lengths, B > 1, padding), the shape-budget guard, a sparse tiny Wan step."""
+"""Guards the block-sparse backends on CUDA: all blocks == dense SDPA (bf16 tolerance, output and grads), any
+selection == the masked reference for every registered backend that runs here (odd lengths, B > 1, padding),
+flex's dynamic shapes (fwd+bwd over many (B, S) without a graph past the warm-up's), the graph-budget guard,
+pooled_lse scores vs fp64, a sparse tiny Wan step."""
 from __future__ import annotations
 
 import math
@@ -9,7 +11,9 @@ import torch
 
 from ds_adaptive.sparse import (BlockSelection, SparseAttentionRuntime, SparseKernelError, dense_attention,
                                 flex_block_sparse_attention, masked_attention_reference, select_blocks)
-from ds_adaptive.sparse import attention as sparse_attention
+from ds_adaptive.sparse.backends import backend_names, get_backend
+from ds_adaptive.sparse.backends.flex import compiled_graphs
+from ds_adaptive.sparse.backends.measure import random_selection
 
 DEV = "cuda"
 
@@ -76,15 +80,57 @@ def test_random_selection_equals_masked_reference(b, s, h, valid) -> None:
         assert _err(a, c) > 1e-2
 
 
-def test_shape_budget_fails_loudly() -> None:
+def test_graph_budget_fails_loudly() -> None:
     q, k, v = _qkv(1, 640, 1, 128, seed=3)
     sel = BlockSelection.full(1, 1, 640, 128, device=DEV)
-    have = sparse_attention.compiled_shapes()
-    flex_block_sparse_attention(q, k, v, sel, max_shapes=have + 1)  # this shape: within the budget
-    q2, k2, v2 = _qkv(1, 768, 1, 128, seed=4)
-    with pytest.raises(SparseKernelError, match="max_compiled_shapes"):
-        flex_block_sparse_attention(q2, k2, v2, BlockSelection.full(1, 1, 768, 128, device=DEV),
-                                    max_shapes=sparse_attention.compiled_shapes())
+    flex_block_sparse_attention(q, k, v, sel, max_graphs=compiled_graphs() + 1)  # known, or one more: fine
+    with pytest.raises(SparseKernelError, match="max_compiled_graphs"):
+        flex_block_sparse_attention(q, k, v, sel, max_graphs=compiled_graphs() - 1)
+
+
+def test_flex_dynamic_shapes_fwd_bwd_compile_no_graph_past_the_warmup() -> None:
+    """B and S change every call (ragged S, whole blocks, Ulysses padding), forward and backward: after the
+    warm-up of B == 1 and B >= 2, no new graph; outputs stay exact."""
+    fb = get_backend("flex")
+    fb.warmup([(1, 1000), (2, 1000)], num_heads=2, head_dim=128, dtype=torch.bfloat16, device=DEV, block_size=128)
+    start = compiled_graphs()
+    for b, s, valid in [(1, 1560, None), (3, 1560, None), (2, 2048, None), (1, 4093, None), (1, 4096, 4000),
+                        (4, 777, None), (2, 3000, 2999), (2, 3000, 2944), (1, 7800, None)]:
+        q, k, v = _qkv(b, s, 2, 128, seed=s + b)
+        sel = random_selection(b, 2, s, 128, 0.3, device=DEV, seed=s)
+        out = fb.attention(q, k, v, sel, valid_len=valid, density=0.3)
+        out.backward(torch.randn_like(out))
+        assert torch.isfinite(q.grad).all() and compiled_graphs() == start, (b, s, compiled_graphs(), start)
+    q, k, v = _qkv(2, 1000, 2, 128, seed=5)
+    sel = random_selection(2, 2, 1000, 128, 0.3, device=DEV, seed=5)
+    _check_close(lambda a, c, e: fb.attention(a, c, e, sel, valid_len=990),
+                 lambda a, c, e: masked_attention_reference(a, c, e, sel, valid_len=990), q, k, v, torch.randn_like(q),
+                 "dynamic")
+
+
+@pytest.mark.parametrize("name", [n for n in backend_names()
+                                  if get_backend(n).unsupported("cuda", dtype=torch.bfloat16, head_dim=128,
+                                                                block_size=128) is None])
+@pytest.mark.parametrize("b,s,h,valid", [(1, 333, 2, None), (2, 1000, 3, 997), (3, 4093, 1, None)])
+def test_every_backend_equals_the_masked_reference(name, b, s, h, valid) -> None:
+    """The backend interface on odd shapes (each backend here: flex, reference, any other registered)."""
+    be = get_backend(name)
+    q, k, v = _qkv(b, s, h, 128, seed=11 + s)
+    sel = random_selection(b, h, s, 128, 0.25, device=DEV, seed=s)
+    _check_close(lambda a, c, e: be.attention(a, c, e, sel, valid_len=valid, density=0.25),
+                 lambda a, c, e: masked_attention_reference(a, c, e, sel, valid_len=valid), q, k, v,
+                 torch.randn_like(q), (name, b, s, h))
+
+
+def test_pooled_lse_scores_on_cuda_equal_fp64() -> None:
+    from ds_adaptive.sparse.selection import pooled_lse_scores
+
+    q, k, _ = _qkv(2, 1000, 3, 128, seed=21)
+    got = pooled_lse_scores(q.detach(), k.detach(), 128, chunk_elems=2 * 3 * 1000 * 3)  # 3 query blocks a chunk
+    qbar = torch.stack([q.detach()[:, i:i + 128].double().mean(1) for i in range(0, 1000, 128)], 2)  # [B, H, nq, D]
+    lg = torch.einsum("bhid,bshd->bhis", qbar, k.detach().double()) / math.sqrt(128)
+    want = torch.stack([torch.logsumexp(lg[..., j:j + 128], -1) for j in range(0, 1000, 128)], -1)
+    assert float((got.double() - want).abs().max()) < 0.05  # q, k and the pooled query in bf16
 
 
 def _tiny_wan_step(cache: str):

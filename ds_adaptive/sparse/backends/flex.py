@@ -197,6 +197,8 @@ def flex_block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     tail = (-s) % bs if pad_to_block else 0
     if tail:  # whole blocks: the kernel's divisible path (the padded keys are masked in the last block)
         q, k, v = (F.pad(t, (0, 0, 0, 0, 0, tail)) for t in (q, k, v))
+    elif pad:  # a valid_len slice of B > 1 samples is not contiguous: one stride pattern, one graph
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     with _lock:
         fn = _compiled_flex(bs if pad_to_block else None, max_graphs)
         before = _graphs["count"]

@@ -106,6 +106,8 @@ class BackendChoice:
 
 
 def _device_name(device: torch.device) -> str:
+    if device.type == "meta":
+        return "a GPU (dry run)"
     if device.type == "cuda" and torch.cuda.is_available():
         return torch.cuda.get_device_name(device)
     return device.type

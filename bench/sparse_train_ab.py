@@ -1,0 +1,338 @@
+"""Sparse attention in the real training loop: dense vs sparse on the SAME pinned plan, through the trainer.
+
+For each shape mix, arms built the way users run them (``build_run`` + ``Trainer``; one process, one arm
+after the other, each freed before the next) from one config that differs only in
+``adaptive_load.sparse_attention``:
+
+* ``dense``: no sparse attention;
+* ``sparse``: ``forced_density`` (default 0.1), first and last layer dense, ``rebalance: off``: the
+  sampler keeps the dense plan, so this arm trains exactly the dense arm's micro-batches (checked);
+* ``replan``: the same with ``rebalance: step``: the sampler re-plans with the sparse cost (the chosen
+  backend's curve and the pay decision) from step 2 on (other micro-batches: compared by tokens/s).
+
+Mixes: ``default`` (the shipped synthetic distribution, ``ds_adaptive/data/default_shapes.json``) and
+``long`` (81x480x832, 49x720x1280 and 81x720x1280 videos, equal weights: 32,760 / 46,800 / 75,600 tokens).
+
+Counted honestly: every arm runs ``--steps`` optimizer steps; tokens/s over steps 2..N, and "with
+warm-up": all tokens of steps 1..N over their time plus the sparse backend's warm-up (its compile for
+the plan's (B, S) pairs, before step 1; the engine build is the same work in every arm and is left out). Per arm: compile / warm-up seconds,
+compiled graphs, per-shape summed compute of the same micro-batches (sparse / dense), the first
+micro-step of each new (shape, B) pair (no such step may be slower sparse than dense), time per step
+outside compute, the selection time the runtime measured, and predicted vs measured micro-step compute
+(the plan's cost model; for the sparse arms with the sparse cost at the densities that ran).
+
+GPU budget (one H200, ~8 min for both mixes and three arms): Wan 1.3B at ``--layers 10`` (a third of its
+30 blocks: the attention share of a block, and so the sparse/dense ratio of the blocks, is the full
+model's; the embed/head and the optimizer are a larger share than at full depth, so the ratios are
+conservative), ``--gas 2`` micro-steps per step, ``--steps 41`` (40 counted after step 1), bf16, ZeRO-3,
+activation checkpointing as the shipped config plans it (auto), the plan's budgets from the calibrated
+H200 profile rescaled to 10 blocks. ``--plan-only`` prints the plans' predicted times on the meta device
+(no GPU) to choose these.
+
+    python bench/sparse_train_ab.py --out $OUT/sparse_train_ab.json              # H200, ~8 min
+    python bench/sparse_train_ab.py --plan-only --out /tmp/ab_plan.json           # CPU: predicted times
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+CONFIG = ROOT / "launch" / "configs" / "zero3_adaptive.json"
+LONG_MIX = [{"frames": 81, "height": 480, "width": 832, "weight": 1.0},
+            {"frames": 49, "height": 720, "width": 1280, "weight": 1.0},
+            {"frames": 81, "height": 720, "width": 1280, "weight": 1.0}]
+ARMS = ("dense", "sparse", "replan")
+
+
+def arm_config(args, mix: str, arm: str, out_dir: Path) -> dict:
+    cfg = json.loads(Path(args.config).read_text())
+    cfg["gradient_accumulation_steps"] = args.gas
+    al = cfg["adaptive_load"]
+    al["fused_ln_modulate"] = args.fused_ln
+    al["sampler"]["profile"] = args.profile
+    if mix == "long":
+        path = out_dir / "shapes_long.json"
+        path.write_text(json.dumps({"description": "sparse_train_ab.py long-video mix", "shapes": LONG_MIX}))
+        al["sampler"]["shapes"] = str(path)
+    elif mix == "cpu":  # the CPU smoke test's small shapes
+        al["sampler"]["shapes"] = str(ROOT / "launch" / "configs" / "shapes_cpu.json")
+    al["metrics"] = {"interval": 1, "log_dir": str(out_dir / f"{mix}_{arm}"), "tensorboard": False, "jsonl": True}
+    if arm != "dense":
+        al["sparse_attention"] = {"enabled": True, "forced_density": args.density, "backend": args.backend,
+                                  "rebalance": "off" if arm == "sparse" else "step", **args.sparse_extra}
+    return cfg
+
+
+def run_config(args, mix: str, arm: str, out_dir: Path):
+    from ds_adaptive.run_config import RunConfig
+
+    return RunConfig.load(arm_config(args, mix, arm, out_dir),
+                          trainer={"model": args.model, "layers": args.layers, "steps": args.steps, "seed": args.seed,
+                                   "num_samples": args.num_samples, "compute_timing": True})
+
+
+def micro_log(run, cfg, steps: list[dict], arm: str) -> list[dict]:
+    """Per micro-step: step, micro, shape, tokens, B, checkpointed blocks, measured compute ms. From the
+    trainer's ``memory.jsonl`` (written on a GPU); else from the plan (pinned arms only)."""
+    mem = Path(cfg.adaptive_load.metrics.log_dir) / "memory.jsonl"
+    info = {}
+    if mem.exists():
+        for line in mem.read_text().splitlines():
+            m = json.loads(line)
+            info[(m["step"], m["micro"])] = (m["shape"], m["tokens"], m["B"], m["ckpt_blocks"])
+    elif arm != "replan":
+        for j, (shape, b, ck) in enumerate(plan_micro(run, run.gas * len(steps))):
+            info[(j // run.gas + 1, j % run.gas)] = (str(shape), shape.tokens, b, ck)
+    rows = []
+    for st in steps:
+        for i, ms in enumerate(st["micro_compute_ms"]):
+            shape, tokens, b, ck = info.get((st["step"], i), (None, None, None, None))
+            rows.append({"step": st["step"], "micro": i, "shape": shape, "tokens": tokens, "B": b, "ckpt": ck,
+                         "compute_ms": ms})
+    return rows
+
+
+def plan_micro(run, n_micro: int) -> list[tuple]:
+    """(shape, B, checkpointed blocks) of the first ``n_micro`` micro-steps of the sampler's plan (dp = 1)."""
+    plan = run.sampler.plan
+    ckpt = plan.batch_ckpt
+    out = []
+    for j in range(min(n_micro, len(plan.batch_shape))):
+        b = int(plan.batch_offsets[j + 1] - plan.batch_offsets[j])
+        out.append((plan.shapes[int(plan.batch_shape[j])], b, int(ckpt[j]) if ckpt is not None else None))
+    return out
+
+
+def predicted_ms(run, micro: list[tuple], sparse) -> list[float]:
+    """The cost model's compute per micro-step ``(shape or tokens, B, checkpointed blocks)``: dense, or
+    with ``sparse`` (a SparseAttentionCost: the runtime's decision at the densities that ran)."""
+    from ds_adaptive.balance.cost import CostModel
+
+    cost = run.cost
+    if cost.mode != "calibrated":  # predictions in ms need the calibrated model (the plan's may be another)
+        cost = CostModel(cost.profile, sp=cost.sp, num_heads=cost.num_heads, checkpointing=cost.checkpointing)
+    cost = cost if sparse is None else cost.with_sparse(sparse)
+    layers = cost.num_layers
+    return [float(cost.ckpt_cost(shape, b, layers if ck is None else ck)) for shape, b, ck in micro]
+
+
+def run_arm(args, mix: str, arm: str, out_dir: Path, device) -> dict:
+    from ds_adaptive.layout import Layout
+    from ds_adaptive.run import build_run
+    from ds_adaptive.trainer import Trainer
+
+    cfg = run_config(args, mix, arm, out_dir)
+    import shutil
+    shutil.rmtree(cfg.adaptive_load.metrics.log_dir, ignore_errors=True)  # memory.jsonl appends
+    t0 = time.perf_counter()
+    run = build_run(cfg, layout=Layout.detect(1, ds_config=cfg.ds_config), device=device)
+    trainer = Trainer(run)  # engine, and the sparse backend's warm-up (compile) for the plan's (B, S) pairs
+    t_ready = time.perf_counter()
+    rt = run.sparse
+    plan_before = plan_micro(run, run.gas)  # step 1's micro-batches (a re-plan changes the later ones)
+    steps = []
+    for step in range(1, args.steps + 1):
+        rec = trainer.train_step()
+        steps.append({"step": step, "tokens": rec.tokens, "samples": rec.samples, "wall_s": rec.wall_s,
+                      "compute_ms": rec.compute_ms[0], "micro_compute_ms": [c[0] for c in rec.micro_compute_ms],
+                      "select_ms_per_micro": None if rt is None else rt.metrics()["sparse/select_ms"]})
+        if step == 1 or step % 10 == 0 or step == args.steps:
+            print(f"  {mix}/{arm} step {step}/{args.steps}: {rec.tokens / rec.wall_s:,.0f} tokens/s, "
+                  f"{rec.wall_s:.2f} s", flush=True)
+    t_end = time.perf_counter()
+    micro_rows = micro_log(run, cfg, steps, arm)
+    # predicted compute per micro-step: the plan's dense cost, or the sparse cost at the densities that ran
+    known = [r for r in micro_rows if r["tokens"] is not None]
+    for r, p in zip(known, predicted_ms(run, [(r["tokens"], r["B"], r["ckpt"]) for r in known],
+                                        None if rt is None else rt.decision)):
+        r["predicted_ms"] = p
+    sa = None
+    if trainer.sparse is not None:
+        summary: dict = {}
+        trainer.sparse.finish(summary)
+        sa = summary["sparse_attention"]
+    trainer.metrics.close()
+    trainer.memory_log.close()
+    out = {"mix": mix, "arm": arm, "build_s": t_ready - t0, "train_s": t_end - t_ready, "gas": run.gas,
+           "layers": run.model_config.num_layers, "plan_step1": [(str(s), b, c) for s, b, c in plan_before],
+           "steps": steps, "micro": micro_rows,
+           "warmup_s": None if rt is None else rt.warmup_s,
+           "backend": None if sa is None else sa.get("backend"), "layer_calls": None if sa is None else sa.get("layer_calls"),
+           "sparse_layers": None if rt is None else rt.schedule.sparse_layers()}
+    del trainer, run, rt
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return out
+
+
+def _tokens_per_s(arm: dict, first: int) -> float:
+    st = [s for s in arm["steps"] if s["step"] >= first]
+    return sum(s["tokens"] for s in st) / sum(s["wall_s"] for s in st)
+
+
+def compare(dense: dict, other: dict) -> dict:
+    """Ratios of ``other`` to ``dense`` (same mix)."""
+    res = {"tokens_per_s_2toN": _tokens_per_s(other, 2) / _tokens_per_s(dense, 2)}
+    # steps 1..N plus the sparse backend's warm-up (compile) before step 1; the engine build (the same
+    # work in every arm, and the first arm of a process also pays CUDA / DeepSpeed start-up) left out
+    warm = lambda a: sum(s["tokens"] for s in a["steps"]) / ((a["warmup_s"] or 0.0) + a["train_s"])  # noqa: E731
+    res["tokens_per_s_with_warmup"] = warm(other) / warm(dense)
+    res["outside_compute_s_per_step"] = {
+        name: sum(s["wall_s"] - s["compute_ms"] / 1e3 for s in a["steps"][1:]) / max(1, len(a["steps"]) - 1)
+        for name, a in (("dense", dense), (other["arm"], other))}
+    if other["arm"] == "sparse":  # the same micro-batches: per-shape compute and the new-pair steps
+        d_micro, s_micro = dense["micro"], other["micro"]
+        same = [(a["shape"], a["B"]) for a in d_micro] == [(b["shape"], b["B"]) for b in s_micro]
+        res["same_micro_batches"] = same
+        per_shape = defaultdict(lambda: [0.0, 0.0, 0])
+        first_pairs = []
+        seen = set()
+        for a, b in zip(d_micro, s_micro):
+            if a["step"] == 1:
+                continue
+            ps = per_shape[a["shape"]]
+            ps[0] += a["compute_ms"]
+            ps[1] += b["compute_ms"]
+            ps[2] += 1
+        for a, b in zip(d_micro, s_micro):
+            key = (a["shape"], a["B"])
+            if key not in seen:
+                seen.add(key)
+                first_pairs.append({"shape": a["shape"], "B": a["B"], "step": a["step"], "dense_ms": a["compute_ms"],
+                                    "sparse_ms": b["compute_ms"], "ratio": a["compute_ms"] / b["compute_ms"]})
+        res["per_shape_compute"] = {k: {"dense_ms": v[0], "sparse_ms": v[1], "micro_steps": v[2],
+                                        "speedup": v[0] / v[1] if v[1] else float("nan")}
+                                    for k, v in sorted(per_shape.items(), key=lambda kv: -kv[1][0])}
+        later = [p for p in first_pairs if p["step"] > 1]
+        res["new_pair_steps"] = first_pairs
+        res["worst_new_pair_speedup_after_step1"] = min((p["ratio"] for p in later), default=float("nan"))
+    return res
+
+
+def prediction_error(arm: dict) -> dict:
+    rows = [r for r in arm["micro"] if r.get("predicted_ms") and r["step"] > 1]
+    if not rows:
+        return {}
+    errs = [(r["predicted_ms"] - r["compute_ms"]) / r["compute_ms"] for r in rows]
+    per = defaultdict(list)
+    for r, e in zip(rows, errs):
+        per[r["shape"]].append(e)
+    return {"micro_steps": len(rows), "mean_abs_rel_err": sum(abs(e) for e in errs) / len(errs),
+            "sum_pred_over_measured": sum(r["predicted_ms"] for r in rows) / sum(r["compute_ms"] for r in rows),
+            "per_shape_mean_rel_err": {k: sum(v) / len(v) for k, v in per.items()}}
+
+
+def plan_only(args) -> int:
+    """Predicted step times of every arm's plan (meta device, no GPU): to choose layers / gas / steps."""
+    from ds_adaptive.layout import Layout
+    from ds_adaptive.run import build_run
+
+    out = {}
+    total = 0.0
+    for mix in args.mixes:
+        for arm in args.arms:
+            cfg = run_config(args, mix, arm, Path(args.out).parent)
+            run = build_run(cfg, layout=Layout.for_world(1, 1), meta=True, gpu_mem_gib=args.gpu_mem_gib)
+            if arm == "replan":  # what the trainer hands the sampler after step 1: the densities that run
+                run.sampler.update_densities(run.sparse.decision.densities, at_step=1)
+            micro = plan_micro(run, run.gas * args.steps)
+            sparse = None if run.sparse is None else run.sparse.decision
+            ms = predicted_ms(run, micro, sparse)
+            pairs = sorted({(str(s), b) for s, b, _ in micro})
+            step_s = sum(ms) / 1e3 / args.steps
+            total += sum(ms) / 1e3
+            out[f"{mix}/{arm}"] = {"gas": run.gas, "predicted_compute_s": sum(ms) / 1e3, "step_s": step_s,
+                                   "distinct_shape_B_pairs": len(pairs), "tokens": sum(s.tokens * b for s, b, _ in micro)}
+            print(f"{mix:>7}/{arm:<6}: gas {run.gas}, predicted compute {sum(ms) / 1e3:7.1f} s over {args.steps} steps "
+                  f"({step_s:.2f} s/step), {len(pairs)} distinct (shape, B) pairs", flush=True)
+    print(f"predicted compute of all arms: {total:.0f} s (plus per arm ~15-30 s engine build and step overheads)")
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--mixes", nargs="+", default=["default", "long"], choices=["default", "long", "cpu"])
+    ap.add_argument("--config", default=str(CONFIG), help="the base ds_config (CPU smoke: launch/configs/cpu_tiny.json)")
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    ap.add_argument("--model", default="wan2.1-1.3b")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--gas", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=41)
+    ap.add_argument("--density", type=float, default=0.1)
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--profile", default="auto")
+    ap.add_argument("--fused-ln", action="store_true", help="the fused LN-modulate op in every arm (JIT build)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--num-samples", type=int, default=20000)
+    ap.add_argument("--gpu-mem-gib", type=float, default=139.8, help="--plan-only: the GPU to plan for")
+    ap.add_argument("--plan-only", action="store_true")
+    ap.add_argument("--sparse-json", default="{}", help="more sparse_attention keys for the sparse arms (JSON)")
+    args = ap.parse_args(argv)
+    args.sparse_extra = json.loads(args.sparse_json)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if args.plan_only:
+        return plan_only(args)
+    from ds_adaptive.trainer import init_distributed
+
+    _, _, device = init_distributed(0)
+    runs_dir = out.parent / (out.stem + "_runs")
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    doc = {"args": vars(args), "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+           "torch": torch.__version__, "arms": [], "compare": {}}
+    t_all = time.perf_counter()
+    for mix in args.mixes:
+        arms = {}
+        for arm in args.arms:
+            arms[arm] = run_arm(args, mix, arm, runs_dir, device)
+            arms[arm]["prediction"] = prediction_error(arms[arm])
+            doc["arms"].append(arms[arm])
+            out.write_text(json.dumps(doc, indent=1, default=str))
+        if "dense" in arms:
+            doc["compare"][mix] = {a: compare(arms["dense"], arms[a]) for a in arms if a != "dense"}
+        out.write_text(json.dumps(doc, indent=1, default=str))
+    doc["total_s"] = time.perf_counter() - t_all
+    out.write_text(json.dumps(doc, indent=1, default=str))
+    print_table(doc)
+    print(f"wrote {out} ({doc['total_s']:.0f} s)")
+    return 0
+
+
+def print_table(doc: dict) -> None:
+    print("\n| mix | arm | tokens/s 2..N | vs dense | with warm-up vs dense | warm-up s | graphs | "
+          "outside compute s/step | pred/measured compute | worst new-pair speed-up |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for a in doc["arms"]:
+        c = doc["compare"].get(a["mix"], {}).get(a["arm"], {})
+        p = a.get("prediction") or {}
+        oc = c.get("outside_compute_s_per_step", {}).get(a["arm"])
+        if a["arm"] == "dense":
+            oc = sum(s["wall_s"] - s["compute_ms"] / 1e3 for s in a["steps"][1:]) / max(1, len(a["steps"]) - 1)
+        print(f"| {a['mix']} | {a['arm']} | {_tokens_per_s(a, 2):,.0f} | {c.get('tokens_per_s_2toN', 1.0):.3f} | "
+              f"{c.get('tokens_per_s_with_warmup', 1.0):.3f} | {a['warmup_s'] or 0.0:.1f} | "
+              f"{(a['backend'] or {}).get('graphs', '-')} | {oc:.2f} | {p.get('sum_pred_over_measured', float('nan')):.3f} | "
+              f"{c.get('worst_new_pair_speedup_after_step1', float('nan')):.2f} |")
+    for mix, cmp in doc["compare"].items():
+        ps = (cmp.get("sparse") or {}).get("per_shape_compute")
+        if ps:
+            print(f"\n{mix}: per-shape compute of the same micro-batches (steps 2..N), dense / sparse")
+            for shape, v in ps.items():
+                print(f"  {shape:>14}: {v['speedup']:.2f}x  ({v['micro_steps']} micro-steps, dense {v['dense_ms'] / 1e3:.1f} s)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
