@@ -44,19 +44,20 @@ from sparse_common import run_meta, write_results  # noqa: E402
 
 # (block_m, block_n, num_warps, num_stages) candidates per kernel and block size; the first of each list is
 # default_config's. All compile without register spills on sm90 (triton 3.6, offline ptxas check) except
-# dkdv 64x128w8s2 (8 bytes), kept as the wider-tile variant.
+# dkdv 64x128w8s2 (8 bytes; it tied the best dK/dV tile on the H200).
 TILES = {
-    128: {"fwd": [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3)],
-          "dq": [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 2)],
-          "dkdv": [(32, 128, 8, 3), (32, 128, 8, 2), (64, 128, 8, 2), (32, 64, 4, 3)],
-          "atomic": [(16, 128, 8, 4), (32, 128, 8, 2)]},
+    128: {"fwd": [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3)],
+          "dq": [(128, 128, 8, 2), (128, 64, 8, 2), (64, 128, 8, 2), (64, 64, 4, 2)],
+          "dkdv": [(32, 64, 4, 3), (64, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 4)],
+          "atomic": [(16, 128, 8, 4), (32, 128, 8, 2), (64, 64, 8, 2)]},
     64: {"fwd": [(64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 3), (64, 64, 8, 3)],
          "dq": [(64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 3), (64, 64, 8, 3)],
          "dkdv": [(32, 64, 4, 3), (64, 64, 8, 3), (64, 64, 4, 2), (16, 64, 4, 3)],
          "atomic": [(64, 64, 8, 3), (16, 64, 4, 3)]},
 }
-"""15 kernels to compile per block size (0.5-1 s each: 7.8 s of CPU for 14 on the dev machine, cold cache): the defaults, a shallower pipeline, a wider
-tile and a two-programs-per-SM tile per kernel (``bench/sparse_kernel_compile.py`` lists the alternatives tried)."""
+"""15 kernels to compile per block size (0.5-1 s each: 7.8 s of CPU for 14 on the dev machine, cold cache). Block 128:
+the H200 winners of 6eceb6a first (bench/results/sparse_backends_h200_6eceb6a), then a deeper pipeline, a narrower
+tile and a two-programs-per-SM tile per kernel; atomic dQ now by TMA bulk reductions."""
 TARGET_MS = 400.0
 """Timed calls per measurement: about this many ms of GPU time (at least 1, at most --reps)."""
 ATOMIC_GAIN = 0.97
@@ -109,15 +110,16 @@ def _tiles(block: int, kind: str) -> list:
 
 
 # ------------------------------------------------------------------------------------------ sweep
-def sweep(q, k, v, dout, sels: dict, block: int, reps: int, allow_atomic: bool) -> tuple[list, dict]:
-    """Each Triton kernel alone over its tile candidates at every density; returns (rows, {density: config})."""
+def sweep(q, k, v, dout, sels: dict, block: int, reps: int) -> tuple[list, dict, dict]:
+    """Each Triton kernel alone over its tile candidates at every density; returns (rows, split winners,
+    winners with atomic dQ where that backward is >= 3% faster), the winners as ``{density: (config, record)}``."""
     from ds_adaptive.sparse.kernels import KernelConfig, default_config
     from ds_adaptive.sparse.kernels.triton_block_sparse import BackwardLaunch, block_sparse_forward
 
     d = q.shape[-1]
     base = default_config(d, block)
     s = q.shape[1]
-    rows, chosen = [], {}
+    rows, chosen, chosen_atomic = [], {}, {}
     for dens, sel in sels.items():
         out, lse = block_sparse_forward(q, k, v, sel.kv_num, sel.kv_idx, block=block, seq=s, config=base)
         bl = BackwardLaunch(q, k, v, out, lse, dout, sel.kv_num, sel.kv_idx, block=block, seq=s)
@@ -142,16 +144,17 @@ def sweep(q, k, v, dout, sels: dict, block: int, reps: int, allow_atomic: bool) 
                 best[kind] = (t, m["ms"])
         split_ms = best["delta"][1] + best["dq"][1] + best["dkdv"][1]
         atomic_ms = best["delta"][1] + best["atomic"][1] if "atomic" in best else math.inf
-        use_atomic = allow_atomic and atomic_ms < ATOMIC_GAIN * split_ms
-        cfg = KernelConfig(best["fwd"][0], best["dq"][0], best["atomic" if use_atomic else "dkdv"][0],
-                           atomic_dq=use_atomic)
-        chosen[dens] = (cfg, {"density": dens, "seq": s, "heads": q.shape[2], "fwd_ms": best["fwd"][1],
-                              "dq_ms": best["dq"][1], "dkdv_ms": best["dkdv"][1], "split_bwd_ms": split_ms,
-                              "atomic_bwd_ms": atomic_ms if math.isfinite(atomic_ms) else None})
+        cfg = KernelConfig(best["fwd"][0], best["dq"][0], best["dkdv"][0])
+        rec = {"density": dens, "seq": s, "heads": q.shape[2], "fwd_ms": best["fwd"][1], "dq_ms": best["dq"][1],
+               "dkdv_ms": best["dkdv"][1], "split_bwd_ms": split_ms,
+               "atomic_bwd_ms": atomic_ms if math.isfinite(atomic_ms) else None}
+        chosen[dens] = (cfg, rec)
+        chosen_atomic[dens] = (KernelConfig(cfg.fwd, cfg.dq, best["atomic"][0], atomic_dq=True)
+                               if atomic_ms < ATOMIC_GAIN * split_ms else cfg, rec)
         print(f"  sweep {dens}: fwd {best['fwd'][0].short()} {best['fwd'][1]:.3f} ms, dq {best['dq'][0].short()} "
               f"{best['dq'][1]:.3f}, dkdv {best['dkdv'][0].short()} {best['dkdv'][1]:.3f}, split bwd {split_ms:.3f}, "
-              f"atomic bwd {atomic_ms:.3f} -> {cfg.short()}", flush=True)
-    return rows, chosen
+              f"atomic bwd {atomic_ms:.3f} -> {cfg.short()} (atomic dQ: {chosen_atomic[dens][0].short()})", flush=True)
+    return rows, chosen, chosen_atomic
 
 
 def build_table(chosen: dict, meta: dict, head_dim: int, block: int, capability: list, triton_version: str) -> dict:
@@ -201,12 +204,11 @@ class _FlexStatic:
 
 
 class _Triton:
-    """The triton backend with the bench's table (the sweep's, else the shipped one)."""
+    """The triton backend with the bench's table (the sweep's, else the shipped one); ``triton_atomic``: with the
+    sweep's atomic-dQ winners where those were >= 3% faster (a row of its own, not the shipped default)."""
 
-    name = "triton"
-
-    def __init__(self, table, block):
-        self.table, self.block = table, block
+    def __init__(self, table, block, name="triton"):
+        self.table, self.block, self.name = table, block, name
 
     def attention(self, q, k, v, sel, *, valid_len=None, density=None):
         from ds_adaptive.sparse.kernels import config_for, triton_block_sparse_attention
@@ -215,7 +217,7 @@ class _Triton:
         return triton_block_sparse_attention(q, k, v, sel, valid_len=valid_len, config=cfg)
 
 
-def _backends(args, table, dev) -> tuple[list, list]:
+def _backends(args, table, dev, atomic_table=None) -> tuple[list, list]:
     from ds_adaptive.sparse.backends import backend_names, get_backend
     from ds_adaptive.sparse.kernels import triton_status
     from ds_adaptive.sparse.kernels.triton_block_sparse import interpreted
@@ -234,11 +236,13 @@ def _backends(args, table, dev) -> tuple[list, list]:
             skipped.append({"backend": name, "why": why})
             continue
         runs.append(_Triton(table, args.block) if name == "triton" else be)
+        if name == "triton" and atomic_table is not None:
+            runs.append(_Triton(atomic_table, args.block, "triton_atomic"))
     if (not args.backends or "flex_static" in args.backends) and "flex_static" not in [b.name for b in runs] \
             and args.block == 128:
         runs.append(_FlexStatic())
     # ours first: when the budget runs out, the baselines of the largest shapes are what is skipped
-    runs.sort(key=lambda b: b.name != "triton")
+    runs.sort(key=lambda b: not b.name.startswith("triton"))
     return runs, skipped
 
 
@@ -248,14 +252,14 @@ def _selection(b, h, s, block, dens, seed):
     return random_selection(b, h, s, block, dens, device=DEVICE, seed=seed)
 
 
-def table_rows(args, table, t_start) -> tuple[list, list]:
+def table_rows(args, table, t_start, atomic_table=None) -> tuple[list, list]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from ds_adaptive.sparse.attention import dense_attention
     from ds_adaptive.sparse.kernels import compiled_kernels
 
     dev = DEVICE
-    runs, skipped = _backends(args, table, dev)
+    runs, skipped = _backends(args, table, dev, atomic_table)
     rows = []
     shapes = sorted(((s, h) for s in args.seq for h in args.heads), key=lambda x: x[0] ** 2 * x[1])
     for s, h in shapes:
@@ -310,7 +314,8 @@ def table_rows(args, table, t_start) -> tuple[list, list]:
                 # with autograd on, as timed (a no-grad call would compile another flex graph); never backward
                 outs[be.name] = be.attention(q, k, v, sels[min(sels, key=lambda x: abs(x - 0.1))],
                                              density=0.1).detach().float()
-                rec["new_seq"] = _new_seq(be, q, k, v, dout, s, h, args, compiled_kernels if be.name == "triton" else None)
+                counter = compiled_kernels if be.name.startswith("triton") else None
+                rec["new_seq"] = _new_seq(be, q, k, v, dout, s, h, args, counter)
             except Exception as exc:  # one backend failing must not lose the table: report it
                 rec["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                 print(f"  {be.name}: {rec['error']}", flush=True)
@@ -401,7 +406,9 @@ def main(argv=None) -> int:
     p.add_argument("--backends", nargs="*", default=None, help="subset (names; 'flex_static' the per-shape baseline)")
     p.add_argument("--reps", type=int, default=5, help="most timed calls per measurement (fewer for long calls)")
     p.add_argument("--no-sweep", dest="sweep", action="store_false")
-    p.add_argument("--allow-atomic", action="store_true", help="the table may pick atomic dQ (not deterministic)")
+    p.add_argument("--allow-atomic", action="store_true",
+                   help="the written table may pick atomic dQ (not deterministic); without it atomic dQ gets its own "
+                        "'triton_atomic' rows where the sweep found it >= 3%% faster")
     p.add_argument("--static-new-seq", action="store_true", help="flex_static's new-S compile at every S")
     p.add_argument("--quick", action="store_true", help="S 32,760, H 12, densities 0.05 0.1 0.4")
     p.add_argument("--budget-s", type=float, default=170.0)
@@ -419,7 +426,7 @@ def main(argv=None) -> int:
                                                               "commit": "-", "date": "-", **extra}
     from ds_adaptive.sparse.kernels import triton_status
 
-    table, sweep_rows = None, []
+    table, atomic_table, sweep_rows = None, None, []
     if args.sweep and triton_status()[0] and (not args.backends or "triton" in args.backends):
         s, h = min(args.seq), min(args.heads)
         g = torch.Generator(device=DEVICE).manual_seed(1)
@@ -427,15 +434,18 @@ def main(argv=None) -> int:
                          for _ in range(4))
         sels = {dens: _selection(1, h, s, args.block, dens, seed=int(dens * 1000)) for dens in args.densities}
         print(f"sweep at S={s} H={h} block {args.block}", flush=True)
-        sweep_rows, chosen = sweep(q, k, v, dout, sels, args.block, args.reps, args.allow_atomic)
+        sweep_rows, chosen, chosen_atomic = sweep(q, k, v, dout, sels, args.block, args.reps)
         import triton
 
         cap = list(torch.cuda.get_device_capability()) if DEVICE.type == "cuda" else [0, 0]
-        table = build_table(chosen, meta, args.head_dim, args.block, cap,
-                            triton.__version__)
+        table = build_table(chosen, meta, args.head_dim, args.block, cap, triton.__version__)
+        if any(c.atomic_dq for c, _ in chosen_atomic.values()):
+            atomic_table = build_table(chosen_atomic, meta, args.head_dim, args.block, cap, triton.__version__)
+            if args.allow_atomic:  # the shipped table (--table-out) may then pick atomic dQ
+                table, atomic_table = atomic_table, None
         print(f"sweep: {time.perf_counter() - t_start:.1f} s", flush=True)
         del q, k, v, dout, sels
-    rows, skipped = table_rows(args, table, t_start)
+    rows, skipped = table_rows(args, table, t_start, atomic_table)
     curve = curves(rows)
     if table is not None and "triton" in curve:
         c = curve["triton"]
@@ -451,7 +461,8 @@ def main(argv=None) -> int:
         print(f"wrote {args.table_out}")
     meta["wall_s"] = time.perf_counter() - t_start
     print_report(rows, skipped, curve, meta, args)
-    write_results(args.out, {**meta, "table": table, "sweep": sweep_rows, "curves": curve, "skipped": skipped}, rows)
+    write_results(args.out, {**meta, "table": table, "atomic_table": atomic_table, "sweep": sweep_rows, "curves": curve,
+                             "skipped": skipped}, rows)
     print(f"wall {meta['wall_s']:.1f} s")
     return 0
 

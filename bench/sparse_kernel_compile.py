@@ -27,7 +27,7 @@ PTRS = {
     "dkdv": {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "DO": "*bf16", "DK": "*bf16", "DV": "*bf16", "DQacc": "*fp32",
              "Lse": "*fp32", "Delta": "*fp32", "QNum": "*i32", "QIdx": "*i32"},
 }
-CONSTEXPRS = ("BLOCK", "BLOCK_M", "BLOCK_N", "HEAD_DIM", "ATOMIC_DQ")
+CONSTEXPRS = ("BLOCK", "BLOCK_M", "BLOCK_N", "HEAD_DIM", "ATOMIC_DQ", "TMA_REDUCE")
 
 
 def compile_tile(kind: str, tile, *, head_dim: int, block: int, arch: int) -> dict:
@@ -45,6 +45,7 @@ def compile_tile(kind: str, tile, *, head_dim: int, block: int, arch: int) -> di
     consts = {"BLOCK": block, "BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "HEAD_DIM": head_dim}
     if fn is K.block_sparse_bwd_dkdv:
         consts["ATOMIC_DQ"] = kind == "atomic"
+        consts["TMA_REDUCE"] = True
     try:
         k = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", arch, 32),
                            options={"num_warps": tile.num_warps, "num_stages": tile.num_stages})

@@ -286,15 +286,20 @@ def test_bench_runs_end_to_end_on_cpu_under_the_interpreter(tmp_path) -> None:
 
 
 def test_auto_does_not_prefer_an_unmeasured_triton(monkeypatch) -> None:
-    """Without a measurement of this GPU, triton's curve is worse than flex's shipped one at auto's reference
+    """The shipped table gives its GPU the measured curve; without a table entry or a measurement of this GPU, triton's curve is worse than flex's shipped one at auto's reference
     density, so auto keeps flex until a measurement (or the shipped table) says otherwise."""
     from ds_adaptive.sparse.backends import get_backend, select_backend
     from ds_adaptive.sparse.backends import measure as m
+
+    from ds_adaptive.sparse.kernels import triton_configs
 
     monkeypatch.setattr(m, "cached_curve", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    shipped = get_backend("triton").efficiency("cuda")  # the shipped H200 table's measured curve
+    assert "shipped NVIDIA H200 measurement" in shipped.source and 0.1 < shipped(0.1) < 0.2
+    monkeypatch.setattr(triton_configs, "shipped_table", lambda: {"entries": []})
     flex, tri = get_backend("flex").efficiency("cuda"), get_backend("triton").efficiency("cuda")
     assert "not measured" in tri.source and tri(0.1) > flex(0.1)
     if _OK:

@@ -161,11 +161,13 @@ def block_sparse_bwd_dkdv(Q, K, V, DO, DK, DV, DQacc, Lse, Delta, QNum, QIdx, S,
                           sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, so_b, so_s, so_h,
                           sn_b, sn_h, si_b, si_h, si_q, qk_scale, sm_scale,
                           BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          HEAD_DIM: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+                          HEAD_DIM: tl.constexpr, ATOMIC_DQ: tl.constexpr, TMA_REDUCE: tl.constexpr):
     """Grid (ceil(S / BLOCK) * BLOCK / BLOCK_N, B * H): dk, dv of BLOCK_N keys over the query blocks that
     selected their key block (QNum / QIdx: the transposed lists, sn_* / si_* their strides). DO, DK, DV (and
     the fp32 DQacc of ATOMIC_DQ) share the so_* strides. Query rows >= S read as 0 with lse = delta = 0, so
-    their p = exp2(0) = 1 meets a zero dout and a zero q: no contribution."""
+    their p = exp2(0) = 1 meets a zero dout and a zero q: no contribution. ATOMIC_DQ adds each step's dq tile
+    into the fp32 DQacc by a TMA bulk reduction (TMA_REDUCE; rows >= S skipped by the descriptor) or, where the
+    interpreter has no descriptor reductions, by per-element atomics."""
     b, h, bh, kb, key0, offs_n, keys = _program(H, S, BLOCK, BLOCK_N)
     k = _tile_desc(K + b * sk_b + h * sk_h, S, sk_s, BLOCK_N, HEAD_DIM).load([key0, 0])
     v = _tile_desc(V + b * sv_b + h * sv_h, S, sv_s, BLOCK_N, HEAD_DIM).load([key0, 0])
@@ -176,6 +178,8 @@ def block_sparse_bwd_dkdv(Q, K, V, DO, DK, DV, DQacc, Lse, Delta, QNum, QIdx, S,
     lse_base = Lse + bh.to(tl.int64) * S
     delta_base = Delta + bh.to(tl.int64) * S
     dq_base = DQacc + b * so_b + h * so_h
+    if ATOMIC_DQ and TMA_REDUCE:
+        dq_desc = _tile_desc(dq_base, S, so_s, BLOCK_M, HEAD_DIM)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     for it in range(0, n * (BLOCK // BLOCK_M)):
@@ -196,7 +200,11 @@ def block_sparse_bwd_dkdv(Q, K, V, DO, DK, DV, DQacc, Lse, Delta, QNum, QIdx, S,
         dk = tl.dot(dsT.to(q.dtype), q, dk)
         if ATOMIC_DQ:
             dq = tl.dot(tl.trans(dsT.to(k.dtype)), k) * sm_scale
-            tl.atomic_add(dq_base + offs_m[:, None] * so_s + tl.arange(0, HEAD_DIM)[None, :], dq, mask=rows[:, None])
+            if TMA_REDUCE:
+                dq_desc.atomic_add([row0, 0], dq)
+            else:
+                tl.atomic_add(dq_base + offs_m[:, None] * so_s + tl.arange(0, HEAD_DIM)[None, :], dq,
+                              mask=rows[:, None])
     _tile_desc(DK + b * so_b + h * so_h, S, so_s, BLOCK_N, HEAD_DIM).store([key0, 0],
                                                                            (dk * sm_scale).to(DK.dtype.element_ty))
     _tile_desc(DV + b * so_b + h * so_h, S, so_s, BLOCK_N, HEAD_DIM).store([key0, 0], dv.to(DV.dtype.element_ty))

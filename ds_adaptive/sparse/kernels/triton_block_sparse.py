@@ -168,7 +168,7 @@ class BackwardLaunch:
         _launch(_kernels().block_sparse_bwd_dkdv, grid, self.q, self.k, self.v, self.dout, self.dk, self.dv, dq_acc,
                 self.lse, self.delta, self.q_num, self.q_idx, *self.common, *self.q_lists, self.sm_scale * LOG2E,
                 self.sm_scale, BLOCK=self.block, BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=d,
-                ATOMIC_DQ=atomic, num_warps=t.num_warps, num_stages=t.num_stages)
+                ATOMIC_DQ=atomic, TMA_REDUCE=not interpreted(), num_warps=t.num_warps, num_stages=t.num_stages)
         if atomic:
             self.dq.copy_(dq_acc)
 
