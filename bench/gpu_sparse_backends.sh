@@ -2,7 +2,8 @@
 # Sparse-attention backends on one GPU: the Triton kernels' GPU tests, then bench/sparse_backends.py (tile sweep
 # -> table, every backend vs cuDNN dense on one table, first call of a new S). Results under $OUT.
 #   STEPS="tests bench" (default)   OUT=<dir>   BENCH_ARGS="--quick" (a subset)   GIT_COMMIT=<sha>
-# Budget on one H200: tests ~1-1.5 min (Triton compiles ~20 kernel variants), bench ~2-2.5 min (--budget-s 170).
+# Budget on one H200: tests ~1-1.5 min (Triton compiles ~20 kernel variants), bench 79 s at 6eceb6a (all backends);
+# BENCH_ARGS="--backends triton": the sweep + ours + cuDNN only (~50 s; flex does not change between our runs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/out/gpu_sparse_backends}

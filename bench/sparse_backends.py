@@ -6,7 +6,9 @@ query block's own block kept), for every (S, H) of --seq x --heads (cheapest fir
 * ``cudnn``: dense SDPA fwd+bwd under the cuDNN backend (flash where cuDNN refuses) -- the yardstick;
 * every registered backend of ``ds_adaptive.sparse.backends`` that runs here and does not materialise S x S
   (``flex``: compiled FlexAttention with dynamic shapes; ``triton``: ours, with the tile table of the sweep);
-* ``flex_static``: FlexAttention compiled per shape (dynamic=False, the pre-backend path), a baseline.
+* ``flex_static``: FlexAttention compiled per shape (dynamic=False, the pre-backend path), a baseline;
+* ``triton_atomic``: ours with dQ by TMA bulk reductions where the sweep found that backward >= 3% faster
+  (not deterministic; the written table keeps the split backward unless --allow-atomic).
 
 Columns: fwd+bwd ms (CUDA events, median), effective TFLOP/s (dense FLOPs x selected block share / time, dense
 FLOPs = 3.5 x 4 B H S^2 Dh), efficiency vs cuDNN (= effective / cuDNN TFLOP/s), speed-up vs cuDNN. Per backend and
@@ -21,9 +23,10 @@ same config merge into one bucket. --table-out writes the table in ``ds_adaptive
 format (with the measured curve g(rho) = triton ms / cuDNN ms, the max over the shapes run) for the triton rows and
 for shipping; without a sweep the shipped table (or the defaults) is used.
 
-Budget: the default table (4 shapes x 4 densities x cudnn/flex/flex_static/triton + sweep) was planned at ~2-2.5
-min on one H200; --budget-s (default 170) skips the remaining (shape, backend) groups once spent and lists them.
-Subsets: --seq/--heads/--densities/--backends, --quick (S 32,760, H 12, densities 0.05 0.1 0.4).
+Budget: the default table (4 shapes x 4 densities x cudnn/flex/flex_static/triton + sweep) took 79 s on one H200
+(6eceb6a); --budget-s (default 170) skips the remaining (shape, backend) groups once spent and lists them (ours
+first in each shape). Subsets: --seq/--heads/--densities/--backends (``--backends triton``: the sweep, ours and
+cuDNN only, ~50 s), --quick (S 32,760, H 12, densities 0.05 0.1 0.4).
 
     python bench/sparse_backends.py --out $OUT/sparse_backends.json --table-out $OUT/triton_configs.json
 """
