@@ -16,6 +16,9 @@ Through the backend interface (``get_backend("flex")``), bf16, H = 12, Dh = 128,
 
     python bench/sparse_dynamic_probe.py --out $OUT/sparse_dynamic_probe.json [--measure]
 
+Needs only torch (+ triton) on the GPU node: ``ds_adaptive.sparse.backends`` imports without pydantic /
+DeepSpeed.
+
 Prints a table; writes JSON (--out) after every phase, so a timeout still leaves the phases done.
 """
 from __future__ import annotations

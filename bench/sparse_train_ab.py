@@ -8,26 +8,31 @@ after the other, each freed before the next) from one config that differs only i
 * ``sparse``: ``forced_density`` (default 0.1), first and last layer dense, ``rebalance: off``: the
   sampler keeps the dense plan, so this arm trains exactly the dense arm's micro-batches (checked);
 * ``replan``: the same with ``rebalance: step``: the sampler re-plans with the sparse cost (the chosen
-  backend's curve and the pay decision) from step 2 on (other micro-batches: compared by tokens/s).
+  backend's curve and the pay decision) from step 2 on (other micro-batches: compared by tokens/s);
+* ``profiled`` (not by default): the pinned sparse arm with stage 1 for one step and profiling (exact
+  logits of sampled rows, density all-reduce) every ``--profile-interval`` steps in stage 2: the
+  profiling steps' extra time, amortised over the default interval (50), is the stage-2 overhead.
 
 Mixes: ``default`` (the shipped synthetic distribution, ``ds_adaptive/data/default_shapes.json``) and
 ``long`` (81x480x832, 49x720x1280 and 81x720x1280 videos, equal weights: 32,760 / 46,800 / 75,600 tokens).
 
 Counted honestly: every arm runs ``--steps`` optimizer steps; tokens/s over steps 2..N, and "with
 warm-up": all tokens of steps 1..N over their time plus the sparse backend's warm-up (its compile for
-the plan's (B, S) pairs, before step 1; the engine build is the same work in every arm and is left out). Per arm: compile / warm-up seconds,
-compiled graphs, per-shape summed compute of the same micro-batches (sparse / dense), the first
-micro-step of each new (shape, B) pair (no such step may be slower sparse than dense), time per step
-outside compute, the selection time the runtime measured, and predicted vs measured micro-step compute
-(the plan's cost model; for the sparse arms with the sparse cost at the densities that ran).
+the plan's (B, S) pairs, before step 1; the engine build is the same work in every arm and is left
+out). Per arm: compile / warm-up seconds, compiled graphs, per-shape summed compute of the same
+micro-batches (sparse / dense), the first micro-step of each new (shape, B) pair (no such step may be
+slower sparse than dense), time per step outside compute, the selection time the runtime measured,
+and predicted vs measured micro-step compute (the plan's cost model; for the sparse arms with the
+sparse cost at the densities that ran).
 
-GPU budget (one H200, ~8 min for both mixes and three arms): Wan 1.3B at ``--layers 10`` (a third of its
-30 blocks: the attention share of a block, and so the sparse/dense ratio of the blocks, is the full
-model's; the embed/head and the optimizer are a larger share than at full depth, so the ratios are
-conservative), ``--gas 2`` micro-steps per step, ``--steps 41`` (40 counted after step 1), bf16, ZeRO-3,
-activation checkpointing as the shipped config plans it (auto), the plan's budgets from the calibrated
-H200 profile rescaled to 10 blocks. ``--plan-only`` prints the plans' predicted times on the meta device
-(no GPU) to choose these.
+GPU budget (one H200, ~8 min: both mixes, three arms): Wan 1.3B at ``--layers 8`` (of its 30 blocks:
+the attention share of a block, and so the sparse/dense ratio of the blocks, is the full model's; the
+embed/head and the optimizer step are a larger share than at full depth, so the tokens/s ratios are
+conservative), ``--gas 1`` micro-step per optimizer step (a step is one micro-batch: 0.6-2 s),
+``--steps 41`` (40 counted after step 1), bf16, ZeRO-3, activation checkpointing as the shipped config
+plans it (auto), budgets from the calibrated H200 profile rescaled to 8 blocks (``--plan-only``
+predicts ~270 s of compute for the six arms; it prints every arm's predicted time on the meta
+device, no GPU, to choose these). Full depth: ``--layers 30 --gas 6`` (~4x the time).
 
     python bench/sparse_train_ab.py --out $OUT/sparse_train_ab.json              # H200, ~8 min
     python bench/sparse_train_ab.py --plan-only --out /tmp/ab_plan.json           # CPU: predicted times
@@ -37,7 +42,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import sys
 import time
 from collections import defaultdict
@@ -52,7 +56,8 @@ CONFIG = ROOT / "launch" / "configs" / "zero3_adaptive.json"
 LONG_MIX = [{"frames": 81, "height": 480, "width": 832, "weight": 1.0},
             {"frames": 49, "height": 720, "width": 1280, "weight": 1.0},
             {"frames": 81, "height": 720, "width": 1280, "weight": 1.0}]
-ARMS = ("dense", "sparse", "replan")
+ARMS = ("dense", "sparse", "replan", "profiled")
+DEFAULT_ARMS = ("dense", "sparse", "replan")
 
 
 def arm_config(args, mix: str, arm: str, out_dir: Path) -> dict:
@@ -70,7 +75,10 @@ def arm_config(args, mix: str, arm: str, out_dir: Path) -> dict:
     al["metrics"] = {"interval": 1, "log_dir": str(out_dir / f"{mix}_{arm}"), "tensorboard": False, "jsonl": True}
     if arm != "dense":
         al["sparse_attention"] = {"enabled": True, "forced_density": args.density, "backend": args.backend,
-                                  "rebalance": "off" if arm == "sparse" else "step", **args.sparse_extra}
+                                  "rebalance": "step" if arm == "replan" else "off", **args.sparse_extra}
+    if arm == "profiled":  # stage 1 for one step, then forced sparse with profiling every --profile-interval
+        al["sparse_attention"].update(forced_after_warmup=True, warmup_steps=1, loss_threshold=0.0,
+                                      profile_interval=args.profile_interval)
     return cfg
 
 
@@ -143,8 +151,9 @@ def run_arm(args, mix: str, arm: str, out_dir: Path, device) -> dict:
     plan_before = plan_micro(run, run.gas)  # step 1's micro-batches (a re-plan changes the later ones)
     steps = []
     for step in range(1, args.steps + 1):
+        profiling = rt is not None and rt.schedule.profile_now()
         rec = trainer.train_step()
-        steps.append({"step": step, "tokens": rec.tokens, "samples": rec.samples, "wall_s": rec.wall_s,
+        steps.append({"step": step, "profiled": profiling, "tokens": rec.tokens, "samples": rec.samples, "wall_s": rec.wall_s,
                       "compute_ms": rec.compute_ms[0], "micro_compute_ms": [c[0] for c in rec.micro_compute_ms],
                       "select_ms_per_micro": None if rt is None else rt.metrics()["sparse/select_ms"]})
         if step == 1 or step % 10 == 0 or step == args.steps:
@@ -192,6 +201,8 @@ def compare(dense: dict, other: dict) -> dict:
     res["outside_compute_s_per_step"] = {
         name: sum(s["wall_s"] - s["compute_ms"] / 1e3 for s in a["steps"][1:]) / max(1, len(a["steps"]) - 1)
         for name, a in (("dense", dense), (other["arm"], other))}
+    if other["arm"] == "profiled":  # the profiling steps' extra time vs the same steps of the sparse arm
+        res["profiling"] = profiling_overhead(other)
     if other["arm"] == "sparse":  # the same micro-batches: per-shape compute and the new-pair steps
         d_micro, s_micro = dense["micro"], other["micro"]
         same = [(a["shape"], a["B"]) for a in d_micro] == [(b["shape"], b["B"]) for b in s_micro]
@@ -219,6 +230,20 @@ def compare(dense: dict, other: dict) -> dict:
         res["new_pair_steps"] = first_pairs
         res["worst_new_pair_speedup_after_step1"] = min((p["ratio"] for p in later), default=float("nan"))
     return res
+
+
+def profiling_overhead(arm: dict, interval: int = 50) -> dict:
+    """Stage-2 profiling steps vs the other stage-2 steps of the same arm (per token: the batches differ
+    by step), and that extra time amortised over ``interval`` steps (the default profile_interval)."""
+    st = [s for s in arm["steps"] if s["step"] > 2]
+    prof = [s for s in st if s["profiled"]]
+    plain = [s for s in st if not s["profiled"]]
+    if not prof or not plain:
+        return {}
+    per_tok = lambda xs: sum(s["wall_s"] for s in xs) / sum(s["tokens"] for s in xs)  # noqa: E731
+    extra = per_tok(prof) / per_tok(plain) - 1.0
+    return {"profiling_steps": len(prof), "extra_per_profiling_step": extra,
+            f"amortised_over_{interval}_steps": extra / interval}
 
 
 def prediction_error(arm: dict) -> dict:
@@ -267,7 +292,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--mixes", nargs="+", default=["default", "long"], choices=["default", "long", "cpu"])
     ap.add_argument("--config", default=str(CONFIG), help="the base ds_config (CPU smoke: launch/configs/cpu_tiny.json)")
-    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    ap.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS), choices=list(ARMS))
+    ap.add_argument("--profile-interval", type=int, default=10, help="the profiled arm's profile_interval")
     ap.add_argument("--model", default="wan2.1-1.3b")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--gas", type=int, default=1)

@@ -50,9 +50,11 @@ def _config(tmp_path: Path) -> Path:
     cfg["adaptive_load"]["sampler"].update(shapes=str(CONFIGS / "shapes_cpu.json"), cost_model="calibrated",
                                            profile="h100-wan2.1-1.3b")
     cfg["adaptive_load"]["sparse_attention"] = {
-        "enabled": True, "block_size": 32, "cube": [1, 4, 8], "backend": "reference", "warmup_steps": 2,
+        "enabled": True, "block_size": 16, "cube": [1, 4, 4], "backend": "reference", "warmup_steps": 2,
         "dense_layers": [], "layer_density_threshold": 1.0, "dense_above": 1.0, "profile_interval": 1,
-        "sample_rows": 32, "rebalance": "step", "rebalance_min_change": 0.0}
+        # a random tiny model needs every block for 0.99 of a query block's mass: a lower target, so that
+        # the profiled densities are below 1 and move from step to step
+        "sample_rows": 32, "mass": 0.7, "rebalance": "step", "rebalance_min_change": 0.0}
     path = tmp_path / "rebalance.json"
     path.write_text(json.dumps(cfg))
     return path
@@ -70,8 +72,9 @@ def test_trainer_feeds_densities_to_the_sampler_and_resume_reproduces(tmp_path, 
               timeout=240)
     a, b = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("a", "b"))
     reb = a["sparse_attention"]["rebalances"]
-    assert [r["at_step"] for r in reb] == [2, 3, 4, 5] and all(r["sampler"] for r in reb), reb
-    assert len({r["fingerprint"] for r in reb}) == 4  # each re-plan changed the plan
+    ats = [r["at_step"] for r in reb]
+    assert len(ats) >= 3 and ats[0] == 2 and ats == sorted(set(ats)) and all(r["sampler"] for r in reb), reb
+    assert len({r["fingerprint"] for r in reb}) == len(reb)  # each re-plan changed the plan
     assert b["sparse_attention"]["rebalances"] == reb
     assert b["losses"] == pytest.approx(a["losses"][3:], rel=1e-6)
 
@@ -97,7 +100,8 @@ SCRIPT = textwrap.dedent("""
     sp = Layout.detect(2).validate(num_heads=4)
     cfg = get_wan_config("tiny", num_heads=4)
     scfg = dict(enabled=True, warmup_steps=0, dense_layers=[], layer_density_threshold=1.0, dense_above=1.0, block_size=16,
-                cube=[1, 4, 4], backend="reference", sample_rows=100000, min_density=0.0, profile_interval=1)
+                cube=[1, 4, 4], backend="reference", sample_rows=100000, min_density=0.0, profile_interval=1,
+                block_score="lse")  # the predictor's per-head state is under test (the default trains none)
     ref = random_init_(WanModel(cfg), seed=3)
     model = copy.deepcopy(ref)
     rt_ref = SparseAttentionRuntime(scfg, num_layers=2, num_heads=4, head_dim=cfg.head_dim, group=solo)

@@ -5,16 +5,25 @@ top-k), profiler (exact density / recall on sampled rows), backends (the block-s
 one interface: flex, reference, ...), attention (shared op pieces, dense SDPA), schedule (two
 stages), runtime (the per-model attention fn), telemetry (density PNG).
 """
-from ds_adaptive.sparse.attention import SparseKernelError, dense_attention
-from ds_adaptive.sparse.backends.flex import block_mask_from_selection, flex_block_sparse_attention
-from ds_adaptive.sparse.backends.reference import masked_attention_reference
-from ds_adaptive.sparse.cube_order import CubeOrder, CubeOrderError, cube_permutation, inverse_permutation
-from ds_adaptive.sparse.predictor import LowRankPredictor
-from ds_adaptive.sparse.runtime import SparseAttentionRuntime
-from ds_adaptive.sparse.schedule import SparseSchedule
-from ds_adaptive.sparse.selection import BlockSelection, blocks_for_density, pool_blocks, select_blocks
+import importlib
 
-__all__ = ["BlockSelection", "CubeOrder", "CubeOrderError", "LowRankPredictor", "SparseAttentionRuntime",
-           "SparseKernelError", "SparseSchedule", "block_mask_from_selection", "blocks_for_density",
-           "cube_permutation", "dense_attention", "flex_block_sparse_attention", "inverse_permutation",
-           "masked_attention_reference", "pool_blocks", "select_blocks"]
+# Loaded on first use (PEP 562), so that the kernels (``ds_adaptive.sparse.backends``) import with torch
+# alone: the runtime needs the config (pydantic), a GPU probe of a backend does not.
+_EXPORTS = {
+    "SparseKernelError": "attention", "dense_attention": "attention",
+    "block_mask_from_selection": "backends.flex", "flex_block_sparse_attention": "backends.flex",
+    "masked_attention_reference": "backends.reference",
+    "CubeOrder": "cube_order", "CubeOrderError": "cube_order", "cube_permutation": "cube_order",
+    "inverse_permutation": "cube_order",
+    "LowRankPredictor": "predictor", "SparseAttentionRuntime": "runtime", "SparseSchedule": "schedule",
+    "BlockSelection": "selection", "blocks_for_density": "selection", "pool_blocks": "selection",
+    "select_blocks": "selection",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{mod}"), name)

@@ -33,12 +33,15 @@ def sample_row_groups(seq_len: int, n: int, block_size: int, *, generator: Optio
                       per_block: int = ROWS_PER_BLOCK) -> tuple[torch.Tensor, int]:
     """``(rows, per_block)``: ``per_block`` random rows (sorted) from each of ``n // per_block`` random
     query blocks that lie wholly in the valid tokens, block after block (what :func:`profile_rows`
-    needs to measure a query block's need); ``(sample_rows(...), 1)`` when no whole block is valid or
-    fewer than ``per_block`` rows are asked for. Drawn on the host: no device sync."""
+    needs to measure a query block's need); every row of the whole blocks (``per_block = block_size``)
+    when ``n`` covers them; ``(sample_rows(...), 1)`` when no whole block is valid or fewer than
+    ``per_block`` rows are asked for. Drawn on the host: no device sync."""
     valid = seq_len if valid_len is None else min(valid_len, seq_len)
     whole = valid // block_size
     if whole < 1 or n < per_block or per_block > block_size or per_block < 2:
         return sample_rows(seq_len, n, generator=generator, valid_len=valid_len, device=device), 1
+    if n >= whole * block_size:  # every row of every whole block (no draw: the same on every rank)
+        return torch.arange(whole * block_size).to(device), block_size
     blocks = torch.randperm(whole, generator=generator)[:n // per_block].sort().values
     picks = torch.stack([torch.randperm(block_size, generator=generator)[:per_block] for _ in range(len(blocks))])
     rows = (blocks[:, None] * block_size + picks.sort(dim=1).values).reshape(-1)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -126,8 +126,9 @@ def select_backend(requested: str, device: Any, *, dtype: torch.dtype = torch.bf
         b = get_backend(requested)
         why = b.unsupported(dev, **kw)
         if why is not None:
+            fits = [n for n in backend_names() if get_backend(n).unsupported(dev, **kw) is None]
             raise SparseBackendError(f"{CONFIG_KEY} is '{requested}' but {why}; use 'auto' or a backend that runs "
-                                     f"on {where} ({', '.join(n for n in backend_names() if get_backend(n).unsupported(dev, **kw) is None) or 'none'})")
+                                     f"on {where} ({', '.join(fits) or 'none'})")
         line = f"sparse attention: backend '{b.name}' (configured) on {where}"
         if b.support.materialises_scores:
             line += ": masked dense reference, S^2 memory, no speed-up"
