@@ -143,6 +143,11 @@ def test_fp32_matches_fp64_reference_fwd_bwd(interp, monkeypatch, b, s, h, d, bs
     assert _err(lse2 * math.log(2.0), lse) < 2e-5
     if valid is not None:  # padded rows: exactly 0, output and gradients
         assert out[:, valid:].abs().max() == 0 and all(g[:, valid:].abs().max() == 0 for g in grads)
+    if cfg is None:  # the registered backend is this op (its contract: density is a hint, valid_len as here)
+        from ds_adaptive.sparse.backends import get_backend
+        with torch.no_grad():
+            via_backend = get_backend("triton").attention(q, k, v, sel, valid_len=valid, density=0.3)
+        assert torch.equal(via_backend, out.detach())
 
 
 @interpreter_only
