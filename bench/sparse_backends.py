@@ -180,6 +180,15 @@ def build_table(chosen: dict, meta: dict, head_dim: int, block: int, capability:
     return {"entries": [entry]}
 
 
+def merge_tables(old, new: dict) -> dict:
+    """``new``'s entries plus those of ``old`` (a table file already at --table-out) for other (GPU, head dim,
+    block): one file can ship block 64 and 128, head dims 64 and 128, several GPUs."""
+    key = lambda e: (e["device"], tuple(e["capability"]), e["head_dim"], e["block"])  # noqa: E731
+    mine = {key(e) for e in new["entries"]}
+    kept = [e for e in (old or {}).get("entries", []) if key(e) not in mine]
+    return {**(old or {}), **new, "entries": new["entries"] + kept}
+
+
 # ------------------------------------------------------------------------------------------ rows
 class _FlexStatic:
     """FlexAttention compiled per shape (dynamic=False): the pre-backend path, a baseline only."""
@@ -415,7 +424,8 @@ def main(argv=None) -> int:
     p.add_argument("--static-new-seq", action="store_true", help="flex_static's new-S compile at every S")
     p.add_argument("--quick", action="store_true", help="S 32,760, H 12, densities 0.05 0.1 0.4")
     p.add_argument("--budget-s", type=float, default=170.0)
-    p.add_argument("--table-out", default=None, help="write the swept tile table (triton_configs.json format)")
+    p.add_argument("--table-out", default=None, help="write the swept tile table (triton_configs.json format; "
+                                                       "entries of an existing file for other GPU/head dim/block kept)")
     p.add_argument("--out", default="bench/results/sparse_backends.json")
     args = p.parse_args(argv)
     if args.quick:
@@ -460,8 +470,10 @@ def main(argv=None) -> int:
     if args.table_out and table is not None:
         from ds_adaptive.sparse.kernels.triton_configs import validate_table
 
-        Path(args.table_out).write_text(json.dumps(validate_table(table), indent=1))
-        print(f"wrote {args.table_out}")
+        merged = merge_tables(json.loads(Path(args.table_out).read_text()) if Path(args.table_out).exists() else None,
+                              table)
+        Path(args.table_out).write_text(json.dumps(validate_table(merged), indent=1))
+        print(f"wrote {args.table_out} ({len(merged['entries'])} entries)")
     meta["wall_s"] = time.perf_counter() - t_start
     print_report(rows, skipped, curve, meta, args)
     write_results(args.out, {**meta, "table": table, "atomic_table": atomic_table, "sweep": sweep_rows, "curves": curve,

@@ -263,6 +263,10 @@ def test_bench_table_from_a_sweep_is_a_valid_config_table() -> None:
             {"dense_ms": 10.0, "backends": {"triton": {"rows": [{"density": 0.1, "ms": 2.0, "eff_vs_dense": 0.5,
                                                                   "speedup_vs_dense": 5.0}]}}}]
     assert sb.curves(rows) == {"triton": {0.1: {"g": 0.2, "eff": 0.5, "speedup": 5.0}}}
+    # --table-out into an existing file: other head dims' (blocks', GPUs') entries stay, the same one is replaced
+    d64 = {**table["entries"][0], "head_dim": 64}
+    merged = validate_table(sb.merge_tables({"entries": [d64, table["entries"][0]]}, table))
+    assert [e["head_dim"] for e in merged["entries"]] == [128, 64]
 
 
 @needs_triton
