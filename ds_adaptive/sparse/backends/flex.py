@@ -258,8 +258,11 @@ class FlexBackend(SparseAttentionBackend):
 
     def warmup(self, shapes: Sequence[tuple[int, int]], *, num_heads: int, head_dim: int, dtype: torch.dtype,
                device: Any, block_size: int, backward: bool = True) -> float:
-        """One fwd (+bwd) per graph class of ``shapes`` (B == 1 or not; one-block sequences), at the
-        class's shortest S and a 10% random selection; classes already warm cost nothing."""
+        """Per graph class of ``shapes`` (B == 1 or not; one-block sequences), at the class's shortest S
+        and a 10% random selection: fwd+bwd, plain and under a non-reentrant activation checkpoint (as
+        the trainer runs it), or a forward without autograd; classes already warm cost nothing."""
+        from torch.utils.checkpoint import checkpoint
+
         from ds_adaptive.sparse.backends.measure import random_selection
 
         dev = torch.device(device)
@@ -270,16 +273,19 @@ class FlexBackend(SparseAttentionBackend):
                 todo[key] = (int(b), int(s))
         t0 = time.perf_counter()
         for key, (b, s) in todo.items():
-            g = torch.Generator(device="cpu").manual_seed(0)
-            q, k, v = (torch.randn(b, s, num_heads, head_dim, generator=g).to(dev, dtype) for _ in range(3))
+            q, k, v = (torch.randn(b, s, num_heads, head_dim, device=dev, dtype=dtype) for _ in range(3))
             sel = random_selection(b, num_heads, s, block_size, 0.1, device=dev)
-            with torch.enable_grad() if backward else torch.no_grad():
-                if backward:
-                    for t in (q, k, v):
-                        t.requires_grad_()
-                out = self.attention(q, k, v, sel, density=0.1)
-                if backward:
-                    out.float().sum().backward()
+            fn = lambda q_, k_, v_: self.attention(q_, k_, v_, sel, density=0.1)  # noqa: E731
+            if backward:
+                for t in (q, k, v):
+                    t.requires_grad_()
+                fn(q, k, v).float().sum().backward()
+                # as the trainer runs it: a non-reentrant checkpoint's first pass (saved-tensor hooks on)
+                # and its recompute inside the backward
+                checkpoint(fn, q, k, v, use_reentrant=False).float().sum().backward()
+            else:
+                with torch.no_grad():
+                    fn(q, k, v)
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             self._warm.add(key)
