@@ -41,7 +41,10 @@ install_requires = [
 extras_require = {
     "dev": ["pytest>=7", "pytest-timeout", "hypothesis>=6", "matplotlib", "tensorboard",
             "diffusers>=0.33", "accelerate", "megatron-core>=0.12",
-            "av>=14", "transformers>=4.56", "ftfy"],  # the preprocess tests (tests/test_preprocess.py)
+            "av>=14", "transformers>=4.56", "ftfy",  # the preprocess tests (tests/test_preprocess.py)
+            "triton>=3.2"],  # tests/test_sparse_kernels.py: the block-sparse kernels under the Triton interpreter
+    # our Triton block-sparse kernels (GPU nodes get triton with torch's CUDA wheels; on CPU: the interpreter)
+    "triton": ["triton>=3.2"],
     # ds-adaptive preprocess: PyAV (wheels bundle FFmpeg), diffusers' AutoencoderKLWan, transformers' umT5,
     # ftfy (Wan's caption cleaning). Tested: av 18.1, diffusers 0.42.1, transformers 5.23 with torch 2.13.
     "preprocess": ["av>=14", "diffusers>=0.33", "accelerate", "transformers>=4.56", "ftfy", "pillow"],
