@@ -300,6 +300,13 @@ class AdaptiveLoadConfig(_Block):
     """Use the fused LayerNorm-Modulate CUDA op in the model's adaLN sites (falls back to the
     torch reference with one warning when the op cannot be built)."""
 
+    block_fusion: Literal["off", "rope", "regions"] = "off"
+    """Compile each block's elementwise pieces outside attention (`ds_adaptive/models/fusion.py`): `rope`
+    the q/k RMSNorm + RoPE, `regions` also the gated residuals and the cross-attention LayerNorm, one
+    kernel each way instead of 4-10. Linear layers, attention (dense, Ulysses or sparse) and the
+    LayerNorm-modulate op stay as they are. `off`: eager. Measure before turning it on
+    (`bench/block_profile.py`)."""
+
     sampler: SamplerConfig = Field(default_factory=SamplerConfig)
     """The sampler sub-block."""
 

@@ -112,6 +112,12 @@ def build_run(cfg: RunConfig, *, layout: Optional[Layout] = None, device: Option
     sampler = _build_sampler(cfg, dataset, layout, ds_config, gpu_mem_gib, notes, model_config=model_config,
                              device=device, meta=meta)
     model = _build_model(cfg, model_config, ds_config, meta=meta)
+    if not meta:
+        from .models.fusion import apply_block_fusion
+
+        note = apply_block_fusion(model, cfg.adaptive_load.block_fusion)
+        if note:
+            notes.append(note)
     if t.init_from and not meta:
         notes.append(_init_from(model, t.init_from))
     if layout.sp_enabled and not meta:

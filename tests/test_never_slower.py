@@ -10,7 +10,8 @@ import warnings
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from ds_adaptive.balance.simulate import score_plan, simulate
+from ds_adaptive.balance.simulate import simulate
+from conftest import CONFIGS
 from ds_adaptive.shapes import SampleShape, ShapeWeight, load_shape_distribution
 
 PROFILES = ("h100-wan2.1-1.3b", "h200-wan2.1-1.3b")
@@ -34,29 +35,19 @@ def mixes(draw):
 
 
 def _tokens_per_s(dist, world: int, profile: str, steps: int) -> tuple[float, float]:
-    """Predicted tokens/s of the dual and the equal-token plan over the whole simulated epoch (a dataset
-    sized for ``steps`` steps): the first steps alone are a random draw of the dual plan's shuffled
-    micro-steps, where one 40 s video micro-step more or less decides a comparison."""
+    """Predicted tokens/s of the dual and the equal-token plan over the whole simulated epoch."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         r = simulate(world=world, steps=steps, dist=dist, profile=profile, samplers=("tokens", "dual"),
-                     keep_plans=True)
-    out = []
-    for name in ("dual", "tokens"):
-        plan = r["_plans"][name]
-        out.append(score_plan(plan, plan.num_steps, plan.batch_memory.max(), r["_truth"])["predicted_tokens_per_s"])
-    return out[0], out[1]
-
-
-LOW_RES = [ShapeWeight(SampleShape(1, 256, 256), 30), ShapeWeight(SampleShape(1, 240, 320), 20),
-           ShapeWeight(SampleShape(9, 256, 256), 15), ShapeWeight(SampleShape(17, 240, 320), 15),
-           ShapeWeight(SampleShape(33, 256, 256), 10), ShapeWeight(SampleShape(17, 128, 128), 10)]
+                     whole_epoch=True)
+    s = r["samplers"]
+    return s["dual"]["predicted_tokens_per_s"], s["tokens"]["predicted_tokens_per_s"]
 
 
 @pytest.mark.parametrize("world", [8, 64])
 @pytest.mark.parametrize("mix", ["default", "low-res"])
 def test_named_mixes(mix, world):
-    dist = load_shape_distribution() if mix == "default" else LOW_RES
+    dist = load_shape_distribution(None if mix == "default" else CONFIGS / "shapes_cpu.json")   # 64-1,280 tokens
     for profile in PROFILES:
         dual, tokens = _tokens_per_s(dist, world, profile, steps=10)
         assert dual >= tokens * (1 - 1e-9), (mix, world, profile, dual, tokens)

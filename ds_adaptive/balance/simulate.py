@@ -138,9 +138,12 @@ def simulate(*, world: int, sp: int = 1, steps: int = 50, seed: int = 0,
              dist: Optional[Sequence[ShapeWeight]] = None, profile: str = "h100-wan2.1-1.3b",
              sampler_cfg: Optional[SamplerConfig] = None, micro_steps_per_step: int = 1,
              gpu_mem_gib: Optional[float] = None, samplers: Sequence[str] = SAMPLERS + (PAPER_VARIANT,),
-             keep_plans: bool = False, num_layers: Optional[int] = None) -> dict:
+             keep_plans: bool = False, num_layers: Optional[int] = None, whole_epoch: bool = False) -> dict:
     """Plan ``steps`` optimizer steps on ``world`` GPUs (Ulysses degree ``sp``) with each sampler.
 
+    ``whole_epoch``: score every plan over its whole epoch (a dataset sized for ``steps`` steps of the
+    hungriest sampler), not its first ``steps`` steps: the first steps alone are a draw of the dual plan's
+    shuffled micro-steps, where one micro-step of long videos more or less decides a comparison.
     ``num_layers``: plan for a model of that many blocks (the profile rescaled by
     :meth:`ds_adaptive.balance.cost.Profile.with_num_layers`, as the trainer does for ``--layers``)."""
     if world % sp:
@@ -174,7 +177,8 @@ def simulate(*, world: int, sp: int = 1, steps: int = 50, seed: int = 0,
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             plan = s.plan
-        res = score_plan(plan, steps, s.params.m_mem, truth)
+        res = score_plan(plan, plan.num_steps if whole_epoch else steps, s.params.m_mem, truth)
+        res["plan_mode"], res["m_comp"] = s.params.mode, s.params.m_comp
         res["oversize"] = len(plan.oversize)
         res["tail_dropped"] = len(plan.tail_dropped)
         out["samplers"][name] = res
