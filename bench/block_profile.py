@@ -99,23 +99,18 @@ def _sync() -> None:
 
 
 def time_ms(fn, iters: int, warmup: int) -> float:
-    """Median ms of ``fn`` (CUDA events; wall clock on the CPU)."""
+    """Median ms of ``fn`` (CUDA events: calibrate_sparse.time_ms; wall clock on the CPU)."""
+    if DEVICE.type == "cuda":
+        from ds_adaptive.balance.calibrate_sparse import time_ms as cuda_ms
+
+        return cuda_ms(fn, warmup=warmup, iters=iters)
     for _ in range(warmup):
         fn()
-    _sync()
     out = []
     for _ in range(iters):
-        if DEVICE.type != "cuda":
-            t0 = time.perf_counter()
-            fn()
-            out.append((time.perf_counter() - t0) * 1e3)
-            continue
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
+        t0 = time.perf_counter()
         fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b))
+        out.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(out)
 
 
