@@ -159,3 +159,22 @@ def test_two_ranks_calibrate_once_agree_and_reuse_the_cache(tmp_path):
     second, _ = job()
     assert second[0][2:4] == second[1][2:4] == first[0][2:4]   # the cached profile: the same plan as the first run
     assert "start-up calibration cached" in second[0][4] and second[0][4] == second[1][4]
+
+
+def test_ship_a_calibration_as_the_profiles_other_path(tmp_path):
+    base = json.loads((ac.Path(ac.__file__).parent / "profiles" / "h100-wan2.1-1.3b.json").read_text())
+    cal = json.loads((ac.Path(ac.__file__).parent / "profiles" / "h200-wan2.1-1.3b.json").read_text())
+    cal.pop("ln_modulate_variants")   # stands in for a fused start-up calibration of the same model
+    out = ac.ship_variant(base, cal)
+    prof, note = Profile.from_dict(out).for_ln_modulate("fused")
+    assert prof.ln_modulate == "fused" and prof.c0_ms == cal["compute"]["c0_ms"] and "ln_modulate_variants.fused" in note
+    assert ac.calibration_reason("auto", "wan2.1-1.3b", H100, "fused") is not None   # the shipped json is unchanged
+    with pytest.raises(ValueError, match="already has 'fused'"):
+        ac.ship_variant(out, cal)
+    with pytest.raises(ValueError, match="model 'tiny'"):
+        ac.ship_variant(base, {**cal, "model": {**cal["model"], "name": "tiny"}})
+    p, c = tmp_path / "p.json", tmp_path / "c.json"
+    p.write_text(json.dumps(base))
+    c.write_text(json.dumps(cal))
+    assert ac.main(["ship", str(c), str(p)]) == 0 and "fused" in json.loads(p.read_text())["ln_modulate_variants"]
+    assert ac.main(["ship", str(c), str(p)]) == 2

@@ -21,6 +21,8 @@ A calibration that fails (an error, a fit over the quality bar) is not cached; t
 would do: the cached entry it would use, or that rank 0 would calibrate, and why.
 
 Entry point: :func:`startup_profile`, called by ``ds_adaptive.run.build_run`` (the one assembly path).
+To ship a cached calibration as a profile's other path: ``python -m ds_adaptive.balance.autocalibrate ship
+CACHED.json ds_adaptive/balance/profiles/<gpu>-<model>.json`` (:func:`ship_variant`).
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ from ds_adaptive.balance.cost import PROFILE_FORMAT, Profile, shipped_profiles
 from ds_adaptive.shapes import SampleShape
 
 __all__ = ["QuickProtocol", "quick_protocol", "cache_dir", "cache_key", "cache_path", "calibration_reason",
-           "quick_calibrate", "startup_profile", "CACHE_ENV", "PROTOCOL_VERSION", "CalibrationFailed"]
+           "quick_calibrate", "startup_profile", "ship_variant", "CACHE_ENV", "PROTOCOL_VERSION", "CalibrationFailed"]
 
 #: environment variable naming the cache directory (``sampler.profile_cache`` takes precedence)
 CACHE_ENV = "DS_ADAPTIVE_CACHE_DIR"
@@ -293,3 +295,49 @@ def startup_profile(setting: Optional[str], *, model_name: str, ln_modulate: str
     if res["profile"] is None:
         return None
     return Profile.from_dict(res["profile"], where=res["profile"].get("name", "start-up calibration"))
+
+
+# ------------------------------------------------------------------------------------- shipping
+def ship_variant(base: Mapping[str, Any], calibrated: Mapping[str, Any]) -> dict:
+    """``base`` (a shipped profile json) with ``calibrated`` (a start-up calibration of the same model on the
+    same GPU kind, another LayerNorm-modulate path) as ``ln_modulate_variants[<its path>]``: its ``compute`` and
+    ``memory`` blocks, which ``Profile.for_ln_modulate`` puts in place of the top-level ones for a run on that
+    path. Refuses another model, the base's own path, or a path the base already has."""
+    model, bmodel = calibrated.get("model", {}).get("name"), base.get("model", {}).get("name")
+    path, bpath = calibrated.get("ln_modulate", "reference"), base.get("ln_modulate", "reference")
+    if model != bmodel:
+        raise ValueError(f"the calibration is of model {model!r}, the profile of {bmodel!r}")
+    variants = dict(base.get("ln_modulate_variants") or {})
+    if path == bpath or path in variants:
+        raise ValueError(f"the profile already has {path!r} entries (its own path is {bpath!r})")
+    out = json.loads(json.dumps(dict(base)))
+    variants[path] = {"compute": calibrated["compute"], "memory": calibrated["memory"],
+                      "source": f"{calibrated.get('source')} on {calibrated.get('device')}, {calibrated.get('date')}"}
+    out["ln_modulate_variants"] = variants
+    Profile.from_dict(out, where=f"{base.get('name')} + {path} variant").for_ln_modulate(path)
+    return out
+
+
+def main(argv=None) -> int:
+    """``python -m ds_adaptive.balance.autocalibrate ship CACHED.json PROFILE.json``: add a start-up calibration
+    to a profile json as its other LayerNorm-modulate path (``ship_variant``), in place."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m ds_adaptive.balance.autocalibrate", description=main.__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("ship")
+    s.add_argument("cached", type=Path, help="a profile json from the start-up calibration cache")
+    s.add_argument("profile", type=Path, help="the profile json to extend (e.g. ds_adaptive/balance/profiles/h100-wan2.1-1.3b.json)")
+    args = ap.parse_args(argv)
+    try:
+        out = ship_variant(json.loads(args.profile.read_text()), json.loads(args.cached.read_text()))
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"autocalibrate ship: error: {exc}", file=sys.stderr)
+        return 2
+    args.profile.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"{args.profile}: added ln_modulate_variants[{json.loads(args.cached.read_text()).get('ln_modulate')!r}]")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
