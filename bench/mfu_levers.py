@@ -35,7 +35,7 @@ import ln_modulate_e2e as pinned  # noqa: E402
 ZERO_CANDIDATE = {"reduce_bucket_size": 200_000_000, "stage3_prefetch_bucket_size": 200_000_000,
                   "stage3_max_live_parameters": 3_000_000_000, "stage3_max_reuse_distance": 3_000_000_000,
                   "stage3_param_persistence_threshold": 1_000_000}
-TRAIN = ("python -m ds_adaptive.train --deepspeed_config {cfg} --model wan2.1-1.3b --steps {steps} "
+TRAIN = ("{py} -m ds_adaptive.train --deepspeed_config {cfg} --model wan2.1-1.3b --steps {steps} "
          "--num-samples {n} --fused-ln-modulate --log-dir {runs}/{arm}")
 
 
@@ -49,7 +49,7 @@ def prepare(d: Path, gas: str, steps: int, n: int) -> None:
     (d / "config_fusion.json").write_text(json.dumps(fusion, indent=1))
     (d / "config_zero.json").write_text(json.dumps(zero, indent=1))
     for arm, name in (("ref", "config.json"), ("fusion", "config_fusion.json"), ("zero", "config_zero.json")):
-        print(TRAIN.format(cfg=d / name, steps=steps, n=n, runs=d / "runs", arm=arm))
+        print(TRAIN.format(py=sys.executable, cfg=d / name, steps=steps, n=n, runs=d / "runs", arm=arm))
 
 
 def report(runs: Path, arms: list, out: Path) -> dict:
