@@ -149,7 +149,7 @@ do_levers() {  # trainer A/B of block fusion and ZeRO-3 settings on one pinned p
   local w="$OUT/levers"
   python3 bench/mfu_levers.py prepare --dir "$w" --gas "${LEVERS_GAS:-2}" --steps "${LEVERS_STEPS:-21}" \
     --num-samples "${TRAIN_SAMPLES:-2000}" | while read -r cmd; do
-      case "$cmd" in *ds_adaptive.train*) arm=${cmd##*/}; echo "arm $arm"; eval "$cmd" >"$w/$arm.log" 2>&1 || tail -n 20 "$w/$arm.log";; esac
+      case "$cmd" in *ds_adaptive.train*) arm=${cmd##*/}; echo "arm $arm"; eval "$cmd" </dev/null >"$w/$arm.log" 2>&1 || tail -n 20 "$w/$arm.log";; esac
     done
   python3 bench/mfu_levers.py report --runs "$w/runs" --arms "${LEVERS_ARMS:-ref,fusion,zero}" --out "$OUT/levers.json"
 }
