@@ -11,7 +11,8 @@
 #
 # Opt-in steps (STEPS=...): mfu (bench/block_profile.py, MFU_ARGS), pertoken (per-token GPU tests +
 # bench/ln_modulate_per_token.py), firstuse (the default job twice with an empty profile cache:
-# FIRSTUSE_STEPS), levers (bench/mfu_levers.py A/B: LEVERS_GAS, LEVERS_STEPS, LEVERS_ARMS).
+# FIRSTUSE_STEPS), levers (bench/mfu_levers.py A/B: LEVERS_GAS, LEVERS_STEPS, LEVERS_RUN = arms to train in this
+# call, LEVERS_ARMS = arms to report; split the arms over calls on a warm machine: the prepared dir is kept).
 # Environment knobs: STEPS (space-separated subset of: env build tests bench probe train; default
 # env build tests bench; probe = bench/ln_modulate_probe.cu kernel sweep, PROBE_CASES picks its cases,
 # PROBE_FWD_ONLY=1 skips its backward variants; host = host time per call (isolated fwd+bwd and per
@@ -147,11 +148,15 @@ do_firstuse() {  # the default job twice with profile auto and an empty cache: t
 }
 do_levers() {  # trainer A/B of block fusion and ZeRO-3 settings on one pinned plan (bench/mfu_levers.py)
   local w="$OUT/levers"
+  [ -f "$w/config.json" ] && [ -n "${LEVERS_RUN:-}" ] && echo "levers: re-preparing $w (same pinned plan)"
   python3 bench/mfu_levers.py prepare --dir "$w" --gas "${LEVERS_GAS:-2}" --steps "${LEVERS_STEPS:-21}" \
     --num-samples "${TRAIN_SAMPLES:-2000}" | while read -r cmd; do
-      case "$cmd" in *ds_adaptive.train*) arm=${cmd##*/}; echo "arm $arm"; eval "$cmd" </dev/null >"$w/$arm.log" 2>&1 || tail -n 20 "$w/$arm.log";; esac
+      case "$cmd" in *ds_adaptive.train*) arm=${cmd##*/}
+        case ",${LEVERS_RUN:-ref,fusion,zero}," in *",$arm,"*) ;; *) continue;; esac   # arms to run in this call
+        echo "arm $arm"; eval "$cmd" </dev/null >"$w/$arm.log" 2>&1 || tail -n 20 "$w/$arm.log";; esac
     done
-  python3 bench/mfu_levers.py report --runs "$w/runs" --arms "${LEVERS_ARMS:-ref,fusion,zero}" --out "$OUT/levers.json"
+  python3 bench/mfu_levers.py report --runs "$w/runs" --arms "${LEVERS_ARMS:-${LEVERS_RUN:-ref,fusion,zero}}" \
+    --out "$OUT/levers.json"
 }
 export -f do_env do_build do_tests do_bench do_host do_probe do_train do_train_same do_mfu do_pertoken do_firstuse do_levers
 export OUT
