@@ -9,6 +9,10 @@
 #   run(kind="nvidia-h100-x1", carry=[".whl"], timeout_s=600,
 #       command="GIT_COMMIT=<sha> BENCH_ARGS='--tune --no-block' PYTHONUNBUFFERED=1 bash bench/gpu_check.sh")
 #
+# Opt-in steps (STEPS=...): mfu (bench/block_profile.py, MFU_ARGS), pertoken (per-token GPU tests +
+# bench/ln_modulate_per_token.py), firstuse (the default job twice with an empty profile cache:
+# FIRSTUSE_STEPS), levers (bench/mfu_levers.py A/B: LEVERS_GAS, LEVERS_STEPS, LEVERS_RUN = arms to train in this
+# call, LEVERS_ARMS = arms to report; split the arms over calls on a warm machine: the prepared dir is kept).
 # Environment knobs: STEPS (space-separated subset of: env build tests bench probe train; default
 # env build tests bench; probe = bench/ln_modulate_probe.cu kernel sweep, PROBE_CASES picks its cases,
 # PROBE_FWD_ONLY=1 skips its backward variants; host = host time per call (isolated fwd+bwd and per
@@ -140,10 +144,42 @@ do_ti2v() {  # Wan 2.2 TI2V-5B: the calibration this GPU lacks, then the default
   sed -n '/run summary/,$p' "$OUT/ti2v_train.log" | head -20
   return "$rc"
 }
-export -f do_env do_build do_tests do_bench do_host do_probe do_train do_train_same do_ti2v
+# --- issue "fast on any GPU": opt-in steps (not in STEPS_ALL) -----------------------------------
+do_mfu() {  # one Wan block traced at 3 sizes + A/B of adaptive_load.block_fusion (bench/block_profile.py)
+  python3 bench/block_profile.py --out "$OUT/block_profile.json" ${MFU_ARGS:-} && \
+    tar czf "$OUT/block_traces.tgz" -C "$OUT" $(cd "$OUT" && ls block_trace_*.json) && rm -f "$OUT"/block_trace_*.json
+}
+do_pertoken() {  # per-token LN-modulate: GPU tests of the path + fwd+bwd vs floor, leaves vs the table's gradient
+  python3 -m pytest tests/gpu/test_ln_modulate_gpu.py -q -x -k "per_token" ${TEST_ARGS:-} 2>&1 | tail -n 5
+  python3 bench/ln_modulate_per_token.py --out "$OUT/ln_modulate_per_token.json"
+}
+do_firstuse() {  # the default job twice with profile auto and an empty cache: the first calibrates, the second reads
+  export DS_ADAPTIVE_CACHE_DIR="$OUT/profile_cache"
+  rm -rf "$DS_ADAPTIVE_CACHE_DIR"
+  for run in 1 2; do
+    STEPS=${FIRSTUSE_STEPS:-6} SAVE_DIR= bash launch/train_wan.sh --num-samples "${TRAIN_SAMPLES:-400}" \
+      --log-dir "$OUT/firstuse$run" >"$OUT/firstuse$run.log" 2>&1 || { tail -n 30 "$OUT/firstuse$run.log"; return 1; }
+    grep -E "calibrat|profile:|gradient_accumulation_steps auto|tokens/s|MFU|peak" "$OUT/firstuse$run.log" | tail -n 12
+  done
+  ls -l "$DS_ADAPTIVE_CACHE_DIR"/profiles
+}
+do_levers() {  # trainer A/B of block fusion and ZeRO-3 settings on one pinned plan (bench/mfu_levers.py)
+  local w="$OUT/levers"
+  [ -f "$w/config.json" ] && [ -n "${LEVERS_RUN:-}" ] && echo "levers: re-preparing $w (same pinned plan)"
+  python3 bench/mfu_levers.py prepare --dir "$w" --gas "${LEVERS_GAS:-2}" --steps "${LEVERS_STEPS:-21}" \
+    --num-samples "${TRAIN_SAMPLES:-2000}" | while read -r cmd; do
+      case "$cmd" in *ds_adaptive.train*) arm=${cmd##*/}
+        case ",${LEVERS_RUN:-ref,fusion,zero}," in *",$arm,"*) ;; *) continue;; esac   # arms to run in this call
+        echo "arm $arm"; eval "$cmd" </dev/null >"$w/$arm.log" 2>&1 || tail -n 20 "$w/$arm.log";; esac
+    done
+  python3 bench/mfu_levers.py report --runs "$w/runs" --arms "${LEVERS_ARMS:-${LEVERS_RUN:-ref,fusion,zero}}" \
+    --out "$OUT/levers.json"
+}
+export -f do_env do_build do_tests do_bench do_host do_probe do_train do_train_same do_ti2v do_mfu do_pertoken \
+  do_firstuse do_levers
 export OUT
 declare -A LIMIT=([env]=60 [build]=300 [tests]=240 [bench]=420 [probe]=240 [train]=400 [host]=240 [train_same]=400
-                  [ti2v]=560)
+                  [ti2v]=560 [mfu]=300 [pertoken]=240 [firstuse]=560 [levers]=560)
 
 for s in $STEPS; do
   run_step "$s" "${LIMIT[$s]:-300}" "do_$s" || true

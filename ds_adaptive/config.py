@@ -50,12 +50,19 @@ class SamplerConfig(_Block):
     """Exponent of the `power` cost model, cost = S^p."""
 
     profile: Optional[str] = "auto"
-    """Calibration profile: `auto` (the shipped calibration of the detected GPU and the trained model,
-    e.g. `h200-wan2.1-1.3b`; on another GPU the nearest one scaled by dense bf16 peak, with a message
-    giving the one-line calibrate command; without a GPU the H100 one), a shipped name
-    (`h100-wan2.1-1.3b`, `h100-wan2.1-14b`, `h200-wan2.1-1.3b`, `h200-wan2.1-14b`) or a path to a
-    profile json written by `ds-adaptive calibrate`. Required for `cost_model: calibrated` and for
-    `m_mem: auto`."""
+    """Calibration profile: `auto` (the shipped calibration of the detected GPU, the trained model and the
+    run's LayerNorm-modulate path, e.g. `h200-wan2.1-1.3b`; when none is shipped for them, rank 0
+    calibrates at start-up (about a minute for Wan 1.3B), every rank plans with that profile and it is
+    cached in `profile_cache` for the next run; without a GPU the H100 one), `calibrate` (the same
+    start-up calibration, or its cached result, whatever is shipped), a shipped name (`h100-wan2.1-1.3b`,
+    `h100-wan2.1-14b`, `h200-wan2.1-1.3b`, `h200-wan2.1-14b`) or a path to a profile json written by
+    `ds-adaptive calibrate`. Required for `cost_model: calibrated` and for `m_mem: auto`."""
+
+    profile_cache: Optional[str] = None
+    """Directory of the profiles calibrated at start-up (`profile: auto` / `calibrate`), one json per GPU
+    name, model, LayerNorm-modulate path, torch version and profile format. null: $DS_ADAPTIVE_CACHE_DIR,
+    else $XDG_CACHE_HOME/ds_adaptive, else ~/.cache/ds_adaptive (a `profiles/` folder in it). Delete a
+    file there to calibrate again."""
 
     checkpointing: Literal["auto", "all", "none"] = "auto"
     """Activation checkpointing: `auto` checkpoints, per micro-batch, only the first n blocks needed
@@ -65,10 +72,12 @@ class SamplerConfig(_Block):
     m_comp: Union[float, Literal["auto"]] = "auto"
     """Compute budget per micro-batch per GPU, in the cost model's unit (ms for `calibrated`,
     S^p for `power`, tokens for `tokens`). `auto`: with `checkpointing: auto` and the calibrated model,
-    the budget (at most the costliest sample's B=1 cost) with the highest predicted tokens/s over the
-    epoch's plan, recompute and per-step overheads included; samples costlier than it run alone
-    (docs/MEMORY.md); otherwise the cost of the costliest sample at B=1. A ds_config with
-    `"gradient_accumulation_steps": "auto"` lets the same search choose the micro-steps per step."""
+    the budget (below or above the costliest sample's B=1 cost, up to the costliest batch within
+    `m_mem`) with the highest predicted tokens/s over the epoch's plan, recompute and per-step overheads
+    included; samples costlier than it run alone; when the equal-token plan is predicted faster than
+    every such budget, that plan (docs/MEMORY.md); otherwise the cost of the costliest sample at B=1.
+    A ds_config with `"gradient_accumulation_steps": "auto"` lets the same search choose the micro-steps
+    per step."""
 
     m_mem: Union[float, Literal["auto"]] = "auto"
     """Memory budget per micro-batch per GPU, in GiB of activation memory. `auto`: the GPU's
@@ -306,6 +315,13 @@ class AdaptiveLoadConfig(_Block):
     fused_ln_modulate: bool = False
     """Use the fused LayerNorm-Modulate CUDA op in the model's adaLN sites (falls back to the
     torch reference with one warning when the op cannot be built)."""
+
+    block_fusion: Literal["off", "rope", "regions"] = "off"
+    """Compile each block's elementwise pieces outside attention (`ds_adaptive/models/fusion.py`): `rope`
+    the q/k RMSNorm + RoPE, `regions` also the gated residuals and the cross-attention LayerNorm, one
+    kernel each way instead of 4-10. Linear layers, attention (dense, Ulysses or sparse) and the
+    LayerNorm-modulate op stay as they are. `off`: eager. Measure before turning it on
+    (`bench/block_profile.py`)."""
 
     sampler: SamplerConfig = Field(default_factory=SamplerConfig)
     """The sampler sub-block."""

@@ -370,7 +370,7 @@ def _build_dry_run(rep: Report, args: argparse.Namespace, layout, extra: list[st
                              "(auto, a shipped name or a `ds-adaptive calibrate` json)")
         if args.gpu_mem_gib:
             gpu = args.gpu_mem_gib
-        elif profile == "auto":  # as the trainer: the detected GPU's profile (the H100 one without a GPU)
+        elif profile in ("auto", "calibrate"):  # as the trainer: the detected GPU's profile (H100 without a GPU)
             from ds_adaptive.balance.devices import resolve_auto_profile
 
             gpu = resolve_auto_profile(args.model)[0].gpu_mem_gib

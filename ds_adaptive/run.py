@@ -133,8 +133,10 @@ def build_run(cfg: RunConfig, *, layout: Optional[Layout] = None, device: Option
     # Before the model: "gradient_accumulation_steps": "auto" is resolved by the sampler, and zero.Init
     # reads the ds_config.
     sampler = _build_sampler(cfg, dataset, layout, ds_config, gpu_mem_gib, notes, model_config=model_config,
-                             sparse_cost=sparse_cost)
+                             sparse_cost=sparse_cost, device=device, meta=meta)
     model = _build_model(cfg, preset, model_config, ds_config, meta=meta)
+    if not meta:
+        notes.extend(_block_fusion(model, cfg.adaptive_load.block_fusion, t.model))
     if t.init_from and not meta:
         notes.append(_init_from(model, t.init_from, preset))
     if layout.sp_enabled and not meta:
@@ -211,6 +213,19 @@ def _checked(preset, model):
         raise ModelError(f"model {preset.name}: {type(model).__name__} lacks {', '.join(missing)} of the runtime's "
                          "seam (ds_adaptive.models.family.DiffusionTransformer)")
     return model
+
+
+def _block_fusion(model, mode: str, model_name: str) -> list:
+    """``adaptive_load.block_fusion`` on the model (a family's model that has compiled block pieces offers
+    ``apply_block_fusion``); the launcher's note, if any."""
+    if mode == "off":
+        return []
+    fuse = getattr(model, "apply_block_fusion", None)
+    if fuse is None:
+        raise ConfigError(f"adaptive_load.block_fusion is '{mode}' but model {model_name} has no compiled block "
+                          "pieces; set it to 'off'")
+    note = fuse(mode)
+    return [note] if note else []
 
 
 def _init_from(model, path: str, preset) -> str:
@@ -319,19 +334,26 @@ def run_ln_modulate_path(fused_requested: bool) -> str:
 
 
 def _build_sampler(cfg: RunConfig, dataset, layout: Layout, ds_config: dict, gpu_mem_gib, notes: list, *,
-                   model_config=None, sparse_cost=None):
+                   model_config=None, sparse_cost=None, device: Optional[torch.device] = None, meta: bool = False):
     """The batch sampler; with ``--layers`` the profile is rescaled to the trained depth (or, when it
     cannot be, used at full depth with a note). With sparse attention rebalancing, it plans with the
-    sparse cost (:func:`_sparse_cost`) when the profile has the trained model's layers."""
+    sparse cost (:func:`_sparse_cost`) when the profile has the trained model's layers. ``profile: auto``
+    on a GPU / model / LayerNorm-modulate path with no shipped profile, and ``profile: calibrate``, plan with
+    the start-up calibration (rank 0 measures or reads the cache, every rank gets its result:
+    :func:`ds_adaptive.balance.autocalibrate.startup_profile`; collective when torch.distributed is up)."""
+    from .balance.autocalibrate import startup_profile
     from .balance.cost import ProfileDepthError
     from .balance.sampler import build_batch_sampler
 
-    t = cfg.trainer
+    t, s = cfg.trainer, cfg.adaptive_load.sampler
     stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
     gas = ds_config["gradient_accumulation_steps"]   # an int, or "auto": the sampler chooses it
+    ln_path = run_ln_modulate_path(cfg.adaptive_load.fused_ln_modulate)
+    calibrated = startup_profile(s.profile, model_name=t.model, ln_modulate=ln_path, cache=s.profile_cache, meta=meta,
+                                 device=device or torch.device("cpu"), notes=notes)
     kw = dict(micro_steps_per_step=gas if gas == "auto" else int(gas), enabled=cfg.adaptive_load.enabled,
               gpu_mem_gib=gpu_mem_gib, model_name=t.model, zero_stage=stage, profile_log=notes.append,
-              ln_modulate=run_ln_modulate_path(cfg.adaptive_load.fused_ln_modulate))
+              ln_modulate=ln_path, profile=calibrated)
     shapes = dataset.sample_shapes()
     sparse = _sparse_cost(cfg, notes, sparse_cost)
     try:
@@ -350,7 +372,7 @@ def _build_sampler(cfg: RunConfig, dataset, layout: Layout, ds_config: dict, gpu
     prof = sampler.cost.profile
     if prof.rescaled_from_layers is not None:
         name = cfg.adaptive_load.sampler.profile
-        if name == "auto":  # the resolved profile's own name (with_num_layers appends "-<n>blocks")
+        if name in ("auto", "calibrate"):  # the resolved profile's own name (with_num_layers appends "-<n>blocks")
             name = prof.name.removesuffix(f"-{prof.num_layers}blocks")
         notes.append(f"profile '{name}' describes {prof.rescaled_from_layers} blocks; "
                      f"rescaled to --layers {prof.num_layers} for planning (Profile.with_num_layers: block compute "
@@ -376,8 +398,15 @@ def _gas_note(sampler) -> str:
     if c is None:
         return (f"gradient_accumulation_steps auto -> {sampler.micro_steps_per_step} (no compute-budget search: "
                 f"m_comp {sampler.params.m_comp} {sampler.cost.unit})")
+    if c.plan_mode == "tokens":
+        return (f"gradient_accumulation_steps auto -> {c.micro_steps_per_step}: equal-token batches (max_tokens "
+                f"{sampler.params.max_tokens}); the budget search predicts the equal-token plan faster than every "
+                f"balanced one ({c.equal_token_tokens_per_s:,.0f} vs {max(r['tokens_per_s'] for r in c.candidates):,.0f} "
+                f"tokens/s over {c.samples_planned} samples)")
     return (f"gradient_accumulation_steps auto -> {c.micro_steps_per_step}, m_comp auto -> {c.m_comp:.0f} ms per "
             f"micro-batch (throughput-optimal of {len(c.candidates)} candidates over {c.samples_planned} samples: "
             f"predicted {c.predicted_tokens_per_s:,.0f} tokens/s, {c.predicted_tokens_per_s / c.reference_tokens_per_s:.3f}x "
-            f"the longest-sample budget {c.reference_m_comp:.0f} ms at 1 micro-step per step; overheads "
-            f"{sampler.cost.profile.overhead_source})")
+            f"the longest-sample budget {c.reference_m_comp:.0f} ms at 1 micro-step per step"
+            + (f", {c.predicted_tokens_per_s / c.equal_token_tokens_per_s:.3f}x the equal-token plan"
+               if c.equal_token_tokens_per_s else "")
+            + f"; overheads {sampler.cost.profile.overhead_source})")

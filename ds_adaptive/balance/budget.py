@@ -23,8 +23,24 @@ cost-balanced across DP ranks, and the imbalance a budget causes is in its predi
 
 Candidates: the reference (the costliest sample at B=1 with its own checkpoint plan: the old ``auto``),
 each shape's B=1 cost and the cost of its largest micro-batch that needs no checkpointing (the per-shape
-efficiency optimum when the overheads are small), and a geometric grid between the smallest of them and
-the reference; all at most the reference.
+efficiency optimum when the overheads are small), a geometric grid between the smallest of them and
+the reference, and a geometric grid ABOVE the reference up to the costliest micro-batch that fits
+``m_mem`` (:func:`upper_budget`). The grid above matters when every sample is short (low resolution,
+image-only sets): the reference is then a few tens of ms, about the per-micro-batch cost ``c0`` plus the
+per-micro-step loop overhead, and micro-batches sized to it are dominated by those fixed costs; the
+equal-token baseline, whose batches fill the memory, was predicted 2.8x faster on such a set. The
+*equal-token plan* (mode ``tokens`` at the same ``m_mem`` and ``max_tokens``) is scored as well: its
+costliest micro-batch is a candidate budget (under it every batch the baseline forms is feasible), and
+its predicted tokens/s is published (``BudgetChoice.equal_token_tokens_per_s``). When it is predicted faster
+than every dual candidate, the choice is that plan itself (``BudgetChoice.plan_mode == "tokens"``: the
+sampler forms equal-token batches at the same budgets). That happens with few samples per rank and
+shape, where balancing the micro-steps splits batches (more micro-steps, each paying ``c0`` and the loop
+overhead) by more than the balance gains; with the grid above the reference it is the exception (none
+of the random mixes of ``tests/test_never_slower.py`` at 8 and 64 GPUs needs it).
+
+The samples planned per candidate grow with the budget so that its plan has several micro-steps
+(:data:`SEARCH_MICRO_STEPS`, at most ``SEARCH_SAMPLES_ABOVE_MAX``), and a plan of a prefix of the epoch
+is scored without its re-planned last step.
 
 Samples costlier than the chosen budget (the longest videos) run alone, B=1: the plan is made with
 ``PlannerParams.solo_over_budget``, so such a sample is never oversize while it fits ``m_mem``, and the
@@ -56,7 +72,8 @@ from ds_adaptive.balance.planner import EpochPlan, PlannerParams, plan_epoch, un
 from ds_adaptive.shapes import SampleShape
 
 __all__ = ["BudgetChoice", "choose_compute_budget", "candidate_budgets", "predicted_time_ms", "uses_budget_search",
-           "SEARCH_SAMPLES", "SEARCH_SAMPLES_MAX", "GRID_POINTS"]
+           "upper_budget", "SEARCH_SAMPLES", "SEARCH_SAMPLES_MAX", "SEARCH_SAMPLES_ABOVE_MAX", "SEARCH_MICRO_STEPS",
+           "GRID_POINTS", "GRID_POINTS_ABOVE"]
 
 #: samples of the epoch-0 order planned per candidate (all of them for smaller datasets): at least this
 #: many and two planning windows, at most SEARCH_SAMPLES_MAX (1024 DP ranks: ~20 candidates in seconds)
@@ -64,6 +81,12 @@ SEARCH_SAMPLES = 2048
 SEARCH_SAMPLES_MAX = 65536
 #: points of the geometric grid between the smallest per-shape candidate and the reference
 GRID_POINTS = 8
+#: points of the geometric grid above the reference, up to the costliest micro-batch within m_mem
+GRID_POINTS_ABOVE = 10
+#: a candidate's plan should have at least this many micro-steps: the samples planned for a large budget
+#: grow with it (at most SEARCH_SAMPLES_ABOVE_MAX, at most the dataset; ~0.15 s per 10^6 samples)
+SEARCH_MICRO_STEPS = 8
+SEARCH_SAMPLES_ABOVE_MAX = 1 << 21
 
 
 @dataclass(frozen=True)
@@ -80,11 +103,17 @@ class BudgetChoice:
     samples_planned: int
     #: every candidate: {"m_comp", "micro_steps_per_step", "tokens_per_s", "micro_steps"}
     candidates: tuple = field(default=(), repr=False)
+    #: predicted tokens/s of the equal-token plan of the same samples at the same m_mem (None: not scored)
+    equal_token_tokens_per_s: Optional[float] = None
+    #: the planner mode to run: "dual", or "tokens" when the equal-token plan is predicted faster than every
+    #: dual candidate (few samples per rank, where balancing splits batches into more micro-steps)
+    plan_mode: str = "dual"
 
     def describe(self) -> dict:
         return {"m_comp": self.m_comp, "micro_steps_per_step": self.micro_steps_per_step,
                 "predicted_tokens_per_s": self.predicted_tokens_per_s, "reference_m_comp": self.reference_m_comp,
                 "reference_tokens_per_s": self.reference_tokens_per_s, "samples_planned": self.samples_planned,
+                "equal_token_tokens_per_s": self.equal_token_tokens_per_s, "plan_mode": self.plan_mode,
                 "candidates": [dict(c) for c in self.candidates]}
 
 
@@ -95,10 +124,23 @@ def uses_budget_search(cost: CostModel, mode: str) -> bool:
     return mode == "dual" and cost.mode == "calibrated" and cost.checkpointing == "auto"
 
 
-def candidate_budgets(cost: CostModel, shapes: Sequence[SampleShape], m_mem: float, reference: float) -> list[float]:
-    """Candidate budgets (ascending, all <= ``reference``, the reference included): per shape its B=1
-    cost and the cost of its largest micro-batch without checkpointing, and a geometric grid of
-    ``GRID_POINTS`` between the smallest of those and the reference. Near-duplicates (within 3%) dropped."""
+def upper_budget(cost: CostModel, shapes: Sequence[SampleShape], m_mem: float) -> float:
+    """The cost of the costliest micro-batch that fits ``m_mem`` (over ``shapes``, each at its largest
+    memory-feasible batch with its checkpoint plan): no budget above it changes a plan."""
+    top = 0.0
+    for s in sorted(set(shapes)):
+        b_mem = int(math.floor(m_mem / sample_memory(cost, s) * (1 + 1e-12)))
+        if b_mem >= 1:
+            top = max(top, float(micro_batch_table(cost, s, b_mem, m_mem).cost[b_mem]))
+    return top
+
+
+def candidate_budgets(cost: CostModel, shapes: Sequence[SampleShape], m_mem: float, reference: float,
+                      upper: Optional[float] = None) -> list[float]:
+    """Candidate budgets (ascending, the reference included): per shape its B=1 cost and the cost of its
+    largest micro-batch without checkpointing, a geometric grid of ``GRID_POINTS`` between the smallest of
+    those and the reference, and, when ``upper`` (:func:`upper_budget`) is over the reference, a geometric
+    grid of ``GRID_POINTS_ABOVE`` from the reference to ``upper``. Near-duplicates (within 3%) dropped."""
     per_shape: list[float] = []
     for s in sorted(set(shapes)):
         b_mem = int(math.floor(m_mem / sample_memory(cost, s) * (1 + 1e-12)))
@@ -117,6 +159,8 @@ def candidate_budgets(cost: CostModel, shapes: Sequence[SampleShape], m_mem: flo
             out.append(float(c))
     if out[-1] != reference:
         out[-1] = float(reference)   # the reference itself, not a near-duplicate of it
+    if upper is not None and upper > reference * 1.03:
+        out.extend(float(c) for c in np.geomspace(reference, upper, GRID_POINTS_ABOVE + 1)[1:])
     return out
 
 
@@ -138,41 +182,105 @@ def _gas_for(m_comp: float, reference: float, micro_steps_per_step: Union[int, s
     return max(1, int(math.ceil(reference / m_comp - 1e-9)))
 
 
+def _samples_for(m: float, cost: CostModel, base: int, mean_cost: float, dp_size: int) -> int:
+    """Samples to plan for candidate ``m``: ``base`` (two planning windows, at least ``max_samples``, at
+    most ``SEARCH_SAMPLES_MAX``: the old search), more for a budget whose micro-steps hold more than
+    ``SEARCH_MICRO_STEPS`` of them (estimated with the mean per-sample cost ``mean_cost``), at most
+    ``SEARCH_SAMPLES_ABOVE_MAX``. A tiny-resolution set at 64 GPUs needs ~10^5 samples for ONE micro-step
+    that fills the memory."""
+    if mean_cost <= 0:
+        return base
+    need = int(SEARCH_MICRO_STEPS * dp_size * max(m - cost.c0, 0.0) / mean_cost)
+    return max(base, min(need, SEARCH_SAMPLES_ABOVE_MAX))
+
+
 def choose_compute_budget(cost: CostModel, shapes: Sequence[SampleShape], *, m_mem: float, reference: float,
                           dp_size: int, micro_steps_per_step: Union[int, str] = 1, window: int = 256,
                           balance_tolerance: float = 0.03, seed: int = 0,
-                          max_samples: int = SEARCH_SAMPLES) -> BudgetChoice:
+                          max_samples: int = SEARCH_SAMPLES, max_tokens: Optional[int] = None) -> BudgetChoice:
     """The candidate budget (:func:`candidate_budgets`) with the highest predicted tokens/s over the plan
-    of the first ``min(max(max_samples, 2 x window x dp_size), SEARCH_SAMPLES_MAX)`` samples of epoch 0's
-    order (the sampler's shuffle for ``seed``).
+    of the first samples of epoch 0's order (the sampler's shuffle for ``seed``): for each candidate the
+    first ``min(max(max_samples, 2 x window x dp), SEARCH_SAMPLES_MAX)`` samples, more for large budgets
+    (:func:`_samples_for`). A plan of a prefix of the epoch is scored without its last optimizer step
+    (:func:`_tokens_per_s`).
 
     ``shapes``: one entry per sample of the dataset. ``reference``: the costliest sample at B=1 that fits
-    ``m_mem`` (``resolve_budgets``). Ties go to the larger budget. Oversize samples (over ``m_mem``) are
+    ``m_mem`` (``resolve_budgets``). ``max_tokens``: the equal-token baseline's budget at this ``m_mem``;
+    when given, the equal-token plan of the same samples is scored (``equal_token_tokens_per_s``) and its
+    costliest batch is a candidate. Ties go to the larger budget. Oversize samples (over ``m_mem``) are
     left out of the search (the sampler's own plan reports them)."""
     uniq, sid = unique_shapes(list(shapes))
-    n = min(max(int(max_samples), 2 * window * dp_size), SEARCH_SAMPLES_MAX)   # two planning windows, capped
-    order = np.random.default_rng([int(seed), 0]).permutation(len(shapes))[:n]
+    order = np.random.default_rng([int(seed), 0]).permutation(len(shapes))
     mem1 = np.array([sample_memory(cost, s) for s in uniq])
     order = order[mem1[sid[order]] <= m_mem]
-    rows = []
-    best = None
-    for m in candidate_budgets(cost, [uniq[i] for i in np.unique(sid[order])] or uniq, m_mem, reference):
-        gas = _gas_for(m, reference, micro_steps_per_step)
-        params = PlannerParams(mode="dual", dp_size=dp_size, micro_steps_per_step=gas, m_mem=m_mem, m_comp=m,
-                               window=window, oversize="skip", balance_tolerance=balance_tolerance,
-                               solo_over_budget=True)
+    present = [uniq[i] for i in np.unique(sid[order])] or uniq
+    upper = upper_budget(cost, present, m_mem)
+    cands = candidate_budgets(cost, present, m_mem, reference, upper=upper)
+    base = min(max(int(max_samples), 2 * window * dp_size), SEARCH_SAMPLES_MAX)
+    per = np.array([cost.per_gpu_cost(s) for s in uniq])
+    mean_cost = float(per[sid[order[:base]]].mean()) if len(order) else 0.0
+    rows: dict[float, dict] = {}   # by budget: the reference is also a grid point
+
+    def plan_for(params: PlannerParams, m: float) -> tuple[float, EpochPlan, int]:
+        n = _samples_for(m, cost, base, mean_cost, dp_size)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            plan = plan_epoch(sid, uniq, order, cost, params, seed=seed)
-        ms = predicted_time_ms(plan, cost)
-        tps = float(plan.batch_tokens.sum()) / ms * 1e3 if ms > 0 and plan.num_steps else 0.0
-        rows.append({"m_comp": m, "micro_steps_per_step": gas, "tokens_per_s": tps, "micro_steps": plan.num_micro_steps})
-        if best is None or tps >= best["tokens_per_s"]:   # ascending candidates: ties go to the larger budget
-            best = rows[-1]
-    ref = rows[-1]
+            plan = plan_epoch(sid, uniq, order[:n], cost, params, seed=seed)
+        # a prefix of the epoch: its re-planned last step is not the epoch's
+        return _tokens_per_s(plan, cost, steady=n < len(order)), plan, min(n, len(order))
+
+    def score(m: float) -> dict:
+        if m not in rows:
+            gas = _gas_for(m, reference, micro_steps_per_step)
+            tps, plan, n = plan_for(PlannerParams(mode="dual", dp_size=dp_size, micro_steps_per_step=gas, m_mem=m_mem,
+                                                  m_comp=m, window=window, oversize="skip",
+                                                  balance_tolerance=balance_tolerance, solo_over_budget=True), m)
+            rows[m] = {"m_comp": m, "micro_steps_per_step": gas, "tokens_per_s": tps, "micro_steps": plan.num_micro_steps,
+                       "samples": n}
+        return rows[m]
+
+    equal_tps = None
+    if max_tokens is not None:   # the equal-token plan of the same samples: scored, and its costliest batch a candidate
+        gas = _gas_for(reference, reference, micro_steps_per_step)   # "auto": 1, as the baseline runs it
+        equal_tps, eq, _ = plan_for(PlannerParams(mode="tokens", dp_size=dp_size, micro_steps_per_step=gas,
+                                                  m_mem=m_mem, max_tokens=int(max_tokens), window=window,
+                                                  oversize="skip"), max(upper, reference))
+        if eq.batch_cost.size:
+            top = float(eq.batch_cost.max())
+            if all(abs(top - c) > 0.03 * c for c in cands):
+                cands = sorted(cands + [top])
+    table = [score(m) for m in cands]
+    best = table[_best_index(table)]
+    ref = score(float(reference))
     if best["tokens_per_s"] <= 0:
         best = ref
-    return BudgetChoice(m_comp=best["m_comp"], micro_steps_per_step=best["micro_steps_per_step"],
-                        predicted_tokens_per_s=best["tokens_per_s"], reference_m_comp=reference,
-                        reference_tokens_per_s=ref["tokens_per_s"], samples_planned=int(len(order)),
-                        candidates=tuple(rows))
+    # never slower than the baseline by the same prediction: its plan is the last candidate
+    tokens_wins = equal_tps is not None and equal_tps > best["tokens_per_s"]
+    return BudgetChoice(m_comp=best["m_comp"], micro_steps_per_step=best["micro_steps_per_step"] if not tokens_wins
+                        else _gas_for(reference, reference, micro_steps_per_step),
+                        predicted_tokens_per_s=equal_tps if tokens_wins else best["tokens_per_s"],
+                        reference_m_comp=reference, reference_tokens_per_s=ref["tokens_per_s"],
+                        samples_planned=int(best["samples"]), candidates=tuple(table),
+                        equal_token_tokens_per_s=equal_tps, plan_mode="tokens" if tokens_wins else "dual")
+
+
+def _tokens_per_s(plan: EpochPlan, cost: CostModel, steady: bool) -> float:
+    """Predicted tokens/s of ``plan``; with ``steady`` without its last optimizer step (when it has more than
+    one): the planner re-batches the samples left at the end into one step of smaller batches, which a
+    prefix of the epoch would weigh far more than the whole epoch does (a budget whose micro-steps take
+    thousands of short samples has only a few in the prefix)."""
+    steps = plan.num_steps - 1 if steady and plan.num_steps > 1 else plan.num_steps
+    if steps < 1:
+        return 0.0
+    ms = predicted_time_ms(plan, cost, steps)
+    nb = steps * plan.micro_steps_per_step * plan.dp_size
+    return float(plan.batch_tokens[:nb].sum()) / ms * 1e3 if ms > 0 else 0.0
+
+
+def _best_index(rows: Sequence[dict]) -> int:
+    """Index of the highest tokens/s in ascending-budget rows; ties go to the larger budget."""
+    best = 0
+    for i, r in enumerate(rows):
+        if r["tokens_per_s"] >= rows[best]["tokens_per_s"]:
+            best = i
+    return best

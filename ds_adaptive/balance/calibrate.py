@@ -290,12 +290,14 @@ class UlyssesEmulation:
 def measure(model_name: str, *, layers: Sequence[int], shapes: Sequence[SampleShape],
             batch_sizes: Mapping[int, Sequence[int]], sp: int, device_name: str, dtype_name: str,
             warmup: int, iters: int, gradient_checkpointing: bool, overrides: Mapping[str, Any],
-            log=print, both_checkpointing: bool = False, ln_modulate: str = "reference") -> tuple[list[dict], dict]:
+            log=print, both_checkpointing: bool = False, ln_modulate: str = "reference",
+            deadline: Optional[float] = None, progress=None) -> tuple[list[dict], dict]:
     """Time fwd+bwd and record peak memory for every (depth, shape, B), with the LayerNorm-modulate
     path ``ln_modulate`` (``fused`` | ``reference``, as ``apply_ln_modulate`` installs it in a run).
     A model trained with first-frame conditioning (``objective.first_frame_ratio > 0``) is measured with one
     timestep per token on its videos (per-token modulation: the costlier path of its micro-batches).
-    Returns raw rows and the model config (as a dict)."""
+    ``deadline`` (a ``time.perf_counter()`` value): points not started by then are skipped (logged).
+    ``progress(done, total)`` is called after every point. Returns raw rows and the model config (as a dict)."""
     import torch
 
     from ds_adaptive.ops.apply import apply_ln_modulate
@@ -306,6 +308,8 @@ def measure(model_name: str, *, layers: Sequence[int], shapes: Sequence[SampleSh
     rows: list[dict] = []
     cfg_dict: dict = {}
     torch.manual_seed(0)
+    n_modes = 2 if both_checkpointing else 1
+    total, done = len(layers) * n_modes * sum(len(batch_sizes.get(sh.tokens, [1])) for sh in shapes), 0
     for depth in layers:
         cfg = spec.config(**{**overrides, "num_layers": depth})
         cfg_dict = _config_dict(cfg)
@@ -320,6 +324,10 @@ def measure(model_name: str, *, layers: Sequence[int], shapes: Sequence[SampleSh
             model.set_attention(UlyssesEmulation(sp))
         modes = [gradient_checkpointing, not gradient_checkpointing] if both_checkpointing else [gradient_checkpointing]
         for shape, b, ckpt in ((sh, bb, m) for sh in shapes for bb in batch_sizes.get(sh.tokens, [1]) for m in modes):
+            done += 1
+            if deadline is not None and time.perf_counter() > deadline:
+                log(f"  layers={depth} {shape} B={b} ckpt={ckpt}: skipped (over the time budget)")
+                continue
             model.gradient_checkpointing = ckpt
             latents = torch.randn(b, *shape.latent_shape, device=device, dtype=dtype)
             tstep = _timesteps(spec, b, shape, device)
@@ -330,20 +338,7 @@ def measure(model_name: str, *, layers: Sequence[int], shapes: Sequence[SampleSh
                 out.float().square().mean().backward()
 
             try:
-                if device.type == "cuda":   # the reserved peak below is then this point's own
-                    torch.cuda.empty_cache()
-                for _ in range(warmup):
-                    step()
-                base = _reset_peak(device)
-                _sync(device)
-                times = []
-                for _ in range(iters):
-                    t0 = time.perf_counter()
-                    step()
-                    _sync(device)
-                    times.append((time.perf_counter() - t0) * 1e3)
-                peak = _peak(device)
-                reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0
+                times, base, peak, reserved = _time_point(step, device, warmup, iters)
             except torch.OutOfMemoryError:
                 log(f"  layers={depth} {shape} B={b} ckpt={ckpt}: out of memory, skipped")
                 model.zero_grad(set_to_none=False)
@@ -358,6 +353,8 @@ def measure(model_name: str, *, layers: Sequence[int], shapes: Sequence[SampleSh
             log(f"  layers={depth:>2} {str(shape):>14} S={row['S']:>6} B={b:>3} ckpt={int(ckpt)}: "
                 f"{row['ms']:9.2f} ms  act {row['act_gib']:.3f} GiB  reserved-allocated "
                 f"{row['reserved_gib'] - row['peak_gib']:.3f} GiB")
+            if progress is not None:
+                progress(done, total)
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -375,6 +372,26 @@ def _timesteps(model, b: int, shape: SampleShape, device):
         t[:, : h * w] = 0.0
         return t
     return torch.rand(b, device=device) * 1000
+
+def _time_point(step, device, warmup: int, iters: int) -> tuple[list, int, int, int]:
+    """``warmup`` untimed and ``iters`` timed calls of ``step``: (times in ms, allocated bytes before, allocated
+    peak, reserved peak)."""
+    import torch
+
+    if device.type == "cuda":   # the reserved peak is then this point's own
+        torch.cuda.empty_cache()
+    for _ in range(warmup):
+        step()
+    base = _reset_peak(device)
+    _sync(device)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        step()
+        _sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0
+    return times, base, _peak(device), reserved
 
 
 def _forward(model, latents, tstep, ctx, sp: int):
@@ -724,6 +741,50 @@ def _write_profile(prof: dict, compute: dict, memory: dict, args: argparse.Names
     return 0
 
 
+def profile_from_rows(rows: Sequence[Mapping[str, Any]], *, model_name: str, overrides: Mapping[str, Any],
+                      layers: Sequence[int], sp: int, device_name: str, gpu_mem_gib: float, dtype: str,
+                      ln_modulate: str, gradient_checkpointing: bool = True, min_fit_tokens: int = 8192,
+                      link_gbps: float = DEFAULT_LINK_GBPS, name: str, source: str, wall_s: float) -> dict:
+    """The profile json (dict) of :func:`measure`'s rows: depth-differenced full-model points, the compute and
+    memory fits, the checkpointing terms and fragmentation margin when both modes were measured, static
+    memory and comm. Shared by ``ds-adaptive calibrate`` and the start-up calibration
+    (:mod:`ds_adaptive.balance.autocalibrate`); validate with :func:`fit_quality_problem` before use."""
+    import torch
+
+    model = get_model(model_name)
+    full_cfg = _config_dict(model.config(**overrides))
+    num_layers = int(full_cfg["num_layers"])
+    comp_pts, mem_pts = full_model_points(rows, num_layers)
+    compute = fit_compute(comp_pts, min_fit_tokens=min_fit_tokens if any(
+        p["B"] * p["S"] >= min_fit_tokens for p in comp_pts) else 0)
+    memory = _memory_entry(mem_pts, full_cfg, num_layers, model.text_len)
+    _add_checkpoint_terms(list(rows), memory, compute, min_fit_tokens)
+    dim = int(full_cfg.get("dim", 0))
+    counts = model.param_counts(model.config(**overrides))
+    heads = int(full_cfg.get("num_heads", 1))
+    return {
+        "format": PROFILE_FORMAT,
+        "name": name,
+        "source": source,
+        "device": device_name,
+        "gpu_mem_gib": float(gpu_mem_gib),
+        "torch": torch.__version__,
+        "date": _dt.datetime.now().isoformat(timespec="seconds"),
+        "dtype": dtype,
+        "gradient_checkpointing": bool(gradient_checkpointing),
+        "ln_modulate": ln_modulate,
+        "model": {"name": model_name, "config": full_cfg, "num_layers": num_layers, "num_heads": heads,
+                  "dim": dim, "params": counts["total"], "block_params": counts["block"]},
+        "sp": sp,
+        "compute": compute,
+        "memory": memory,
+        "comm": comm_entry(dim, gradient_checkpointing, link_gbps),
+        "static_memory": static_memory_entry(counts["total"], counts["block"], CONTEXT_AND_NCCL_GIB),
+        "measurements": {"layers": list(layers), "raw": list(rows), "full_model": comp_pts, "full_model_memory": mem_pts},
+        "wall_s": round(float(wall_s), 1),
+    }
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--sparse" in argv:   # the sparse kernel's efficiency table (ds_adaptive.balance.calibrate_sparse)
@@ -771,36 +832,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                       gradient_checkpointing=not args.no_checkpointing, overrides=overrides,
                       both_checkpointing=args.checkpoint_memory, ln_modulate=ln_path)
     ln_path = ran_ln_modulate(ln_path)
-    comp_pts, mem_pts = full_model_points(rows, num_layers)
-    compute = fit_compute(comp_pts, min_fit_tokens=args.min_fit_tokens if any(
-        p["B"] * p["S"] >= args.min_fit_tokens for p in comp_pts) else 0)
-    memory = _memory_entry(mem_pts, full_cfg, num_layers, model.text_len)
-    _add_checkpoint_terms(rows, memory, compute, args.min_fit_tokens)
-    dim = int(full_cfg.get("dim", 0))
-    counts = model.param_counts(model.config(**overrides))
-    heads = int(full_cfg.get("num_heads", 1))
-    name = args.name or Path(args.out).stem
-    prof = {
-        "format": PROFILE_FORMAT,
-        "name": name,
-        "source": f"ds-adaptive calibrate {' '.join(argv if argv is not None else sys.argv[1:])}",
-        "device": dev_name,
-        "gpu_mem_gib": float(gpu_mem),
-        "torch": torch.__version__,
-        "date": _dt.datetime.now().isoformat(timespec="seconds"),
-        "dtype": dtype,
-        "gradient_checkpointing": not args.no_checkpointing,
-        "ln_modulate": ln_path,
-        "model": {"name": args.model, "config": full_cfg, "num_layers": num_layers, "num_heads": heads,
-                  "dim": dim, "params": counts["total"], "block_params": counts["block"]},
-        "sp": args.sp,
-        "compute": compute,
-        "memory": memory,
-        "comm": comm_entry(dim, not args.no_checkpointing, args.link_gbps),
-        "static_memory": static_memory_entry(counts["total"], counts["block"], CONTEXT_AND_NCCL_GIB),
-        "measurements": {"layers": [k1, k2], "raw": rows, "full_model": comp_pts, "full_model_memory": mem_pts},
-        "wall_s": round(time.perf_counter() - t_start, 1),
-    }
+    prof = profile_from_rows(
+        rows, model_name=args.model, overrides=overrides, layers=(k1, k2), sp=args.sp, device_name=dev_name,
+        gpu_mem_gib=float(gpu_mem), dtype=dtype, ln_modulate=ln_path, gradient_checkpointing=not args.no_checkpointing,
+        min_fit_tokens=args.min_fit_tokens, link_gbps=args.link_gbps, name=args.name or Path(args.out).stem,
+        source=f"ds-adaptive calibrate {' '.join(argv if argv is not None else sys.argv[1:])}",
+        wall_s=time.perf_counter() - t_start)
+    compute, memory = prof["compute"], prof["memory"]
     return _write_profile(prof, compute, memory, args)
 
 

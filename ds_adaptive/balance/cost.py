@@ -411,6 +411,9 @@ def load_profile(name_or_path: Union[str, Path, Mapping[str, Any]]) -> Profile:
         shipped = PROFILES_DIR / f"{s}.json"
         if shipped.is_file():
             path = shipped
+        elif s == "calibrate":
+            raise ProfileError("sampler.profile 'calibrate' is resolved when a run is assembled (build_run: the "
+                               "start-up calibration); here give a shipped name, 'auto' or a profile json")
         else:
             raise ProfileError(
                 f"unknown profile '{s}' (sampler.profile): not a file and not a shipped name. "

@@ -419,9 +419,11 @@ def _plan_dual_window(table: _ShapeTable, pool: list[list[int]], params: Planner
         if res is None:
             break
         slots, cv = res
-        if cv > params.balance_tolerance and not final:
-            # The anchor shape has no good partners in this pool: let it wait for the next window.
-            ua = slots[0][0]
+        ua, ba = slots[0]
+        if not final and (cv > params.balance_tolerance or ba < table.bmax[ua]):
+            # The anchor shape has no good partners in this pool, or fewer samples left than one full batch
+            # (a smaller anchor makes a smaller micro-step, paying c0 and the loop overheads for fewer
+            # samples): let it wait for the next window, as the bucket baselines' incomplete batches do.
             anchor_ok = anchor_ok.copy()
             anchor_ok[ua] = False
             continue
@@ -540,7 +542,7 @@ def plan_epoch(shape_ids: np.ndarray, shapes: Sequence[SampleShape], order: np.n
     rng = np.random.default_rng([seed, 0x5A3C, dp, ga])
     builder = _Builder(table, dp)
     pool: list[list[int]] = [[] for _ in shapes]
-    w = max(params.window * dp, 1)
+    w = max(params.window if params.mode != "dual" else max(params.window, 2 * int(table.bmax.max(initial=0))), 1) * dp
     n = len(order)
     starts = list(range(0, n, w)) or [0]
     sid = np.asarray(shape_ids)
@@ -629,15 +631,17 @@ def resolve_budgets(*, mode: Mode, cost: CostModel, shapes: Sequence[SampleShape
       and headroom (:meth:`CostModel.usable_memory_gib`).
     - ``m_comp: auto``: the reference = the costliest sample (that fits ``m_mem``) at B=1, i.e. the
       smallest budget under which no sample is oversize. With the memory-aware checkpoint policy
-      (``dual``, calibrated, ``checkpointing: auto``) the throughput-optimal budget at or below it
-      (:func:`ds_adaptive.balance.budget.choose_compute_budget`; the plan then runs samples over it
-      alone: ``solo_over_budget``), else the reference itself.
+      (``dual``, calibrated, ``checkpointing: auto``) the throughput-optimal budget, below or above it
+      (:func:`ds_adaptive.balance.budget.choose_compute_budget`, which also scores the equal-token plan at
+      ``max_tokens``; the plan runs samples over a budget below the reference alone: ``solo_over_budget``),
+      else the reference itself.
     - ``micro_steps_per_step``: an int is kept; ``"auto"`` = the search's choice (1 without a search).
     - ``max_tokens`` (tokens mode) = the tokens that ``m_mem`` holds at the per-token memory of the
       longest sample, so that both baselines run at the same memory budget as ``dual``.
 
-    Returns ``{"m_mem", "m_comp", "max_tokens", "micro_steps_per_step", "solo_over_budget", "budget_choice"}``
-    (``budget_choice``: the search's :class:`~ds_adaptive.balance.budget.BudgetChoice`, or None).
+    Returns ``{"m_mem", "m_comp", "max_tokens", "micro_steps_per_step", "solo_over_budget", "budget_choice",
+    "plan_mode"}`` (``budget_choice``: the search's :class:`~ds_adaptive.balance.budget.BudgetChoice`, or None;
+    ``plan_mode``: ``mode``, or ``tokens`` when the search found the equal-token plan faster).
     """
     uniq = sorted(set(shapes))
     if m_mem == "auto":
@@ -648,6 +652,12 @@ def resolve_budgets(*, mode: Mode, cost: CostModel, shapes: Sequence[SampleShape
     fits = [s for s in uniq if mem1[s] <= m_mem_v] or uniq
     choice = None
     gas = micro_steps_per_step if micro_steps_per_step != "auto" else 1
+    if max_tokens is None:
+        longest = max(fits, key=bucket_tokens)
+        per_tok = mem1[longest] / cost.padded_tokens(longest)
+        max_tokens_v = max(int(m_mem_v / per_tok), cost.padded_tokens(longest))
+    else:
+        max_tokens_v = int(max_tokens)
     if m_comp == "auto":   # B=1 with its checkpoint plan
         m_comp_v = max(float(micro_batch_table(cost, s, 1, m_mem_v).cost[1]) for s in fits)
         from ds_adaptive.balance.budget import choose_compute_budget, uses_budget_search
@@ -655,15 +665,11 @@ def resolve_budgets(*, mode: Mode, cost: CostModel, shapes: Sequence[SampleShape
         if uses_budget_search(cost, mode):
             choice = choose_compute_budget(cost, shapes, m_mem=m_mem_v, reference=m_comp_v, dp_size=dp_size,
                                            micro_steps_per_step=micro_steps_per_step, window=window,
-                                           balance_tolerance=balance_tolerance, seed=seed)
+                                           balance_tolerance=balance_tolerance, seed=seed, max_tokens=max_tokens_v)
             m_comp_v, gas = choice.m_comp, choice.micro_steps_per_step
     else:
         m_comp_v = float(m_comp)
-    if max_tokens is None:
-        longest = max(fits, key=bucket_tokens)
-        per_tok = mem1[longest] / cost.padded_tokens(longest)
-        max_tokens_v = max(int(m_mem_v / per_tok), cost.padded_tokens(longest))
-    else:
-        max_tokens_v = int(max_tokens)
+    plan_mode = choice.plan_mode if choice is not None else mode
     return {"m_mem": m_mem_v, "m_comp": m_comp_v, "max_tokens": max_tokens_v, "micro_steps_per_step": int(gas),
-            "solo_over_budget": choice is not None, "budget_choice": choice}
+            "solo_over_budget": choice is not None and plan_mode == "dual", "budget_choice": choice,
+            "plan_mode": plan_mode}

@@ -102,7 +102,7 @@ class _PlannedBatchSampler(_SamplerBase):
                  window: int = 256, seed: int = 0, oversize: str = "error", balance_tolerance: float = 0.03,
                  lr_scaling: str = "none", reference_batch: Optional[int] = None,
                  loss_weighting: str = "samples", m_comp_auto: bool = False, solo_over_budget: bool = False,
-                 budget_choice=None) -> None:
+                 budget_choice=None, plan_mode: Optional[str] = None) -> None:
         if cost.sp != layout.sp_size:
             raise ValueError(f"cost model sp={cost.sp} but layout sp_size={layout.sp_size}")
         self.shapes = [s if isinstance(s, SampleShape) else int(s) for s in shapes]
@@ -114,8 +114,8 @@ class _PlannedBatchSampler(_SamplerBase):
         self.lr_scaling = lr_scaling
         self.reference_batch = reference_batch
         self.loss_weighting = loss_weighting
-        self.params = PlannerParams(
-            mode=self.mode, dp_size=layout.dp_size, micro_steps_per_step=int(micro_steps_per_step),
+        self.params = PlannerParams(   # plan_mode: "tokens" when the budget search found the baseline faster
+            mode=plan_mode or self.mode, dp_size=layout.dp_size, micro_steps_per_step=int(micro_steps_per_step),
             m_mem=float(m_mem), m_comp=None if m_comp is None else float(m_comp), max_tokens=max_tokens,
             fixed_batch_sizes=dict(fixed_batch_sizes) if fixed_batch_sizes else None, window=int(window),
             oversize=oversize, balance_tolerance=float(balance_tolerance), solo_over_budget=bool(solo_over_budget))
@@ -186,14 +186,16 @@ class _PlannedBatchSampler(_SamplerBase):
 
     def _set_sparse(self, sparse: SparseAttentionCost, measured_at: Optional[int], at_step: Optional[int]) -> None:
         self.cost = self.cost.with_sparse(sparse)
-        if self.m_comp_auto and self.params.mode == "dual":
-            # micro-steps per step stay as DeepSpeed runs them; only the budget follows the new cost
+        if self.m_comp_auto and self.mode == "dual":
+            # micro-steps per step stay as DeepSpeed runs them; only the budget (and plan mode) follow the new cost
             b = resolve_budgets(mode="dual", cost=self.cost, shapes=self.shapes, m_mem=self.params.m_mem,
                                 m_comp="auto", max_tokens=self.params.max_tokens, gpu_mem_gib=None,
                                 mem_utilization=1.0, zero_stage=0, dp_size=self.params.dp_size,
                                 micro_steps_per_step=self.params.micro_steps_per_step, window=self.params.window,
                                 balance_tolerance=self.params.balance_tolerance, seed=self.seed)
-            self.params = dataclasses.replace(self.params, m_comp=b["m_comp"], solo_over_budget=b["solo_over_budget"])
+            self.params = dataclasses.replace(self.params, m_comp=b["m_comp"], solo_over_budget=b["solo_over_budget"],
+                                              mode=b["plan_mode"],
+                                              max_tokens=b["max_tokens"] if b["plan_mode"] == "tokens" else None)
             self.budget_choice = b["budget_choice"]
         self._cache = None
         self.density_updates.append({"epoch": self.epoch, "at_step": at_step, "measured_at": measured_at,
@@ -254,7 +256,7 @@ class _PlannedBatchSampler(_SamplerBase):
         plan, start = self._plans()
         c = plan.micro_step_costs()
         cv = c.std(axis=1) / np.maximum(c.mean(axis=1), 1e-30) if c.size else np.zeros(0)
-        return {"epoch": self.epoch, "mode": self.mode, "steps": start + plan.num_steps,
+        return {"epoch": self.epoch, "mode": self.mode, "plan_mode": self.params.mode, "steps": start + plan.num_steps,
                 "micro_steps": plan.num_micro_steps, "samples": plan.num_samples,
                 "oversize": len(plan.oversize), "tail_dropped": len(plan.tail_dropped),
                 "tail_replanned": plan.tail_replanned,
@@ -412,7 +414,8 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
                         model_name: Optional[str] = None, zero_stage: Optional[int] = None,
                         mode: Optional[str] = None, num_layers: Optional[int] = None,
                         sparse: Optional[SparseAttentionCost] = None, checkpointing: Optional[str] = None,
-                        profile_log=None, ln_modulate: Optional[str] = None) -> _PlannedBatchSampler:
+                        profile_log=None, ln_modulate: Optional[str] = None,
+                        profile: Optional[Profile] = None) -> _PlannedBatchSampler:
     """The batch sampler that ``sampler_cfg`` describes, with ``auto`` budgets resolved.
 
     ``enabled=False`` builds the ``tokens`` baseline at the same memory budget (AdaptiveLoad off);
@@ -429,7 +432,9 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
     budget (:mod:`ds_adaptive.balance.budget`; 1 without that search); the sampler's
     ``micro_steps_per_step`` publishes it (the trainer sets DeepSpeed's value from it). ``ln_modulate``: the
     run's LayerNorm-modulate path (``fused`` | ``reference``); the profile's matching entries are used, or a
-    warning goes to ``profile_log`` (:meth:`Profile.for_ln_modulate`).
+    warning goes to ``profile_log`` (:meth:`Profile.for_ln_modulate`). ``profile``: plan with this profile
+    instead of ``sampler_cfg.profile`` (the start-up calibration's, ``ds_adaptive.balance.autocalibrate``);
+    ``profile: calibrate`` without one resolves like ``auto``.
     """
     if isinstance(sampler_cfg, Mapping):
         sampler_cfg = SamplerConfig.model_validate(sampler_cfg)
@@ -439,11 +444,11 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
     if sampler_cfg.profile is None:
         raise PlanError("sampler.profile is null: a profile (auto, a shipped name or path of a "
                         "`ds-adaptive calibrate` json) is needed for the memory model")
-    if sampler_cfg.profile == "auto":
+    if profile is None and sampler_cfg.profile in ("auto", "calibrate"):
         profile, msg = resolve_auto_profile(model_name, gpu_mem_gib=gpu_mem_gib)
         if profile_log is not None:
             profile_log(msg)
-    else:
+    elif profile is None:
         profile = load_profile(sampler_cfg.profile)
     model = get_model(model_name) if model_name else None
     if model is not None and profile.raw.get("model", {}).get("name") not in (None, model_name, model.profile_model):
@@ -468,12 +473,14 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
         zero_stage=sampler_cfg.zero_stage if zero_stage is None else zero_stage, dp_size=layout.dp_size,
         micro_steps_per_step=micro_steps_per_step, window=sampler_cfg.window,
         balance_tolerance=sampler_cfg.balance_tolerance, seed=sampler_cfg.seed)
+    plan_mode = budgets["plan_mode"] if chosen == "dual" else chosen
     return _CLASSES[chosen](
         shapes, layout, cost, micro_steps_per_step=budgets["micro_steps_per_step"], m_mem=budgets["m_mem"],
         m_comp=budgets["m_comp"] if chosen == "dual" else None,
-        max_tokens=budgets["max_tokens"] if chosen == "tokens" else None,
+        max_tokens=budgets["max_tokens"] if plan_mode == "tokens" else None,
         fixed_batch_sizes=sampler_cfg.fixed_batch_sizes, window=sampler_cfg.window, seed=sampler_cfg.seed,
         oversize=sampler_cfg.oversize, balance_tolerance=sampler_cfg.balance_tolerance,
         lr_scaling=sampler_cfg.lr_scaling, reference_batch=sampler_cfg.reference_batch,
         loss_weighting=sampler_cfg.loss_weighting, m_comp_auto=sampler_cfg.m_comp == "auto",
-        solo_over_budget=budgets["solo_over_budget"] and chosen == "dual", budget_choice=budgets["budget_choice"])
+        solo_over_budget=budgets["solo_over_budget"] and chosen == "dual", budget_choice=budgets["budget_choice"],
+        plan_mode=plan_mode)

@@ -10,11 +10,16 @@ synchronises every micro-step). Per sampler (``samplers.<mode>`` of the JSON):
     cv_p50, cv_p90         median and 90th percentile of that CV
     balance_efficiency     sum over micro-steps of mean rank time / sum of max rank time
     idle_fraction          1 - balance_efficiency (GPU time spent waiting for the slowest rank)
-    predicted_tokens_per_s tokens / sum of max-rank times (whole cluster; an SP group counts once)
-    predicted_step_ms      mean predicted optimizer-step time
+    predicted_tokens_per_s tokens / (sum of max-rank times + loop overheads) (whole cluster; an SP
+                           group counts once)
+    predicted_step_ms      mean predicted optimizer-step time, loop overheads included
+    loop_overhead_ms       the profile's per-micro-step and per-optimizer-step time, summed
 
 Times are always those of the calibrated profile (ms), also for samplers that plan with another
-cost model. ``dual_power`` is the paper's variant: dual-constraint batching with cost S^p.
+cost model: every batch with the recompute of the blocks its plan checkpoints, every micro-step and
+optimizer step with the profile's loop overheads (the budget search's own time model,
+``ds_adaptive.balance.budget.predicted_time_ms``). ``dual_power`` is the paper's variant:
+dual-constraint batching with cost S^p.
     samples, tokens, micro_steps, steps, oversize, tail_dropped
     memory_utilization     mean and max of batch memory / m_mem (VRAM efficiency of the plan)
 """
@@ -62,10 +67,26 @@ def draw_shapes(dist: Sequence[ShapeWeight], n: int, seed: int) -> list[SampleSh
 
 def predicted_times(plan: EpochPlan, truth: CostModel) -> np.ndarray:
     """[micro_steps, dp] per-GPU time of every batch under the ``truth`` cost model (the
-    calibrated one), whatever cost model the plan was made with."""
+    calibrated one), whatever cost model the plan was made with: fwd + bwd with the recomputed forwards
+    of the blocks the plan checkpoints in that batch (:meth:`CostModel.ckpt_cost`; a plan without a
+    checkpoint plan is timed at the profile's own calibration)."""
     sizes = plan.batch_sizes()
-    per = np.array([truth.per_gpu_cost(s) for s in plan.shapes])
-    return (truth.c0 + sizes * per[plan.batch_shape]).reshape(-1, plan.dp_size)
+    if plan.batch_ckpt is None:
+        per = np.array([truth.per_gpu_cost(s) for s in plan.shapes])
+        return (truth.c0 + sizes * per[plan.batch_shape]).reshape(-1, plan.dp_size)
+    out = np.empty(len(sizes), float)
+    for u in np.unique(plan.batch_shape).tolist():
+        j = plan.batch_shape == u
+        out[j] = truth.ckpt_cost(plan.shapes[u], sizes[j], plan.batch_ckpt[j])
+    return out.reshape(-1, plan.dp_size)
+
+
+def loop_overhead_ms(truth: CostModel, micro_steps: int, steps: int) -> float:
+    """Training-loop time outside fwd+bwd (ms): the profile's per-micro-step and per-optimizer-step
+    overheads (``Profile.micro_step_overhead_ms``, ``optimizer_step_overhead_ms``), as the budget search
+    predicts them (:func:`ds_adaptive.balance.budget.predicted_time_ms`)."""
+    pr = truth.profile
+    return micro_steps * pr.micro_step_overhead_ms + steps * pr.optimizer_step_overhead_ms
 
 
 def score_plan(plan: EpochPlan, steps: int, m_mem: float, truth: Optional[CostModel] = None) -> dict:
@@ -82,13 +103,16 @@ def score_plan(plan: EpochPlan, steps: int, m_mem: float, truth: Optional[CostMo
     tokens = int(plan.batch_tokens[:nb].sum())
     mem = plan.batch_memory[:nb] / m_mem
     sizes = plan.batch_sizes()[:nb]
+    loop = loop_overhead_ms(truth, n_micro, n_steps) if truth is not None else 0.0
+    wall = float(mx.sum()) + loop
     return {
         "steps": n_steps, "micro_steps": n_micro, "samples": int(sizes.sum()), "tokens": tokens,
         "compute_cv_mean": float(cv.mean()), "cv_p50": float(np.median(cv)), "cv_p90": float(np.quantile(cv, 0.9)),
         "cv_max": float(cv.max()),
         "balance_efficiency": float(mean.sum() / mx.sum()), "idle_fraction": float(1 - mean.sum() / mx.sum()),
-        "predicted_tokens_per_s": float(tokens / (mx.sum() / 1e3)),
-        "predicted_step_ms": float(mx.sum() / n_steps),
+        "predicted_tokens_per_s": float(tokens / (wall / 1e3)),
+        "predicted_step_ms": float(wall / n_steps),
+        "loop_overhead_ms": loop,
         "mean_batch_size": float(sizes.mean()),
         "memory_utilization": {"mean": float(mem.mean()), "max": float(mem.max())},
         "plan_total_steps": plan.num_steps,
@@ -123,9 +147,12 @@ def simulate(*, world: int, sp: int = 1, steps: int = 50, seed: int = 0,
              dist: Optional[Sequence[ShapeWeight]] = None, profile: Optional[str] = None,
              sampler_cfg: Optional[SamplerConfig] = None, micro_steps_per_step: int = 1,
              gpu_mem_gib: Optional[float] = None, samplers: Sequence[str] = SAMPLERS + (PAPER_VARIANT,),
-             keep_plans: bool = False, num_layers: Optional[int] = None) -> dict:
+             keep_plans: bool = False, num_layers: Optional[int] = None, whole_epoch: bool = False) -> dict:
     """Plan ``steps`` optimizer steps on ``world`` GPUs (Ulysses degree ``sp``) with each sampler.
 
+    ``whole_epoch``: score every plan over its whole epoch (a dataset sized for ``steps`` steps of the
+    hungriest sampler), not its first ``steps`` steps: the first steps alone are a draw of the dual plan's
+    shuffled micro-steps, where one micro-step of long videos more or less decides a comparison.
     ``num_layers``: plan for a model of that many blocks (the profile rescaled by
     :meth:`ds_adaptive.balance.cost.Profile.with_num_layers`, as the trainer does for ``--layers``).
     ``profile`` default: :func:`default_profile_name`; ``dist`` default: the profiled model's mix."""
@@ -161,7 +188,8 @@ def simulate(*, world: int, sp: int = 1, steps: int = 50, seed: int = 0,
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             plan = s.plan
-        res = score_plan(plan, steps, s.params.m_mem, truth)
+        res = score_plan(plan, plan.num_steps if whole_epoch else steps, s.params.m_mem, truth)
+        res["plan_mode"], res["m_comp"] = s.params.mode, s.params.m_comp
         res["oversize"] = len(plan.oversize)
         res["tail_dropped"] = len(plan.tail_dropped)
         out["samplers"][name] = res

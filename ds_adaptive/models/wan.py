@@ -209,6 +209,30 @@ def timestep_embedding(timestep: torch.Tensor, dim: int, max_period: float = 100
     return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
 
 
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, freqs: torch.Tensor,
+                 eps: float, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm (over all heads, D) and RoPE of the projected q, k ``[B, S, D]`` -> ``[B, S, H, Dh]`` each: the
+    eager block's ``norm_q`` / ``norm_k`` then ``apply_rope``, as one function (``ds_adaptive.models.fusion``
+    compiles it into one kernel per tensor, forward and backward)."""
+    d = q.shape[-1]
+    q = F.rms_norm(q, (d,), wq, eps).unflatten(-1, (heads, -1))
+    k = F.rms_norm(k, (d,), wk, eps).unflatten(-1, (heads, -1))
+    return apply_rope(q, freqs), apply_rope(k, freqs)
+
+
+def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``x + y * gate`` in fp32, rounded once to x's dtype (the block's two gated residuals)."""
+    return (x.float() + y.float() * gate).to(x.dtype)
+
+
+def fp32_layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                    eps: float) -> torch.Tensor:
+    """Affine LayerNorm over the last dim in fp32, rounded once to x's dtype (``FP32LayerNorm``)."""
+    w = None if weight is None else weight.float()
+    b = None if bias is None else bias.float()
+    return F.layer_norm(x.float(), (x.shape[-1],), w, b, eps).to(x.dtype)
+
+
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                    valid_len: Optional[int] = None) -> torch.Tensor:
     """Default self-attention core: torch SDPA. q, k, v ``[B, S, H, Dh]`` -> ``[B, S, H, Dh]``.
@@ -245,12 +269,15 @@ def modulation(table: torch.Tensor, time: torch.Tensor) -> tuple[torch.Tensor, .
 # --------------------------------------------------------------------------------------------
 
 class FP32LayerNorm(nn.LayerNorm):
-    """Affine LayerNorm computed in fp32, rounded once to the input dtype."""
+    """Affine LayerNorm computed in fp32, rounded once to the input dtype (``fp32_layer_norm``, or its
+    compiled form under block fusion: the plain attribute ``layer_norm_fn``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        _set_plain_attr(self, "layer_norm_fn", fp32_layer_norm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = None if self.weight is None else self.weight.float()
-        b = None if self.bias is None else self.bias.float()
-        return F.layer_norm(x.float(), self.normalized_shape, w, b, self.eps).to(x.dtype)
+        return self.layer_norm_fn(x, self.weight, self.bias, self.eps)
 
 
 class _Attention(nn.Module):
@@ -275,11 +302,28 @@ class _Attention(nn.Module):
 
 
 class WanSelfAttention(_Attention):
+    def __init__(self, dim: int, num_heads: int, eps: float):
+        super().__init__(dim, num_heads, eps)
+        _set_plain_attr(self, "qk_rope", None)   # block fusion: a compiled ``qk_norm_rope`` (None: the modules)
+
     def forward(self, x: torch.Tensor, freqs: torch.Tensor, attn_fn: AttentionFn, **attn_kwargs: Any) -> torch.Tensor:
         """x [B, S, D], freqs [S, Dh/2, 2] -> [B, S, D]; the core is ``attn_fn(q, k, v, **attn_kwargs)``."""
-        q, k, v = self._qkv(x, x)
-        out = attn_fn(apply_rope(q, freqs), apply_rope(k, freqs), v, **attn_kwargs)
+        wq, wk = self.norm_q.weight, self.norm_k.weight
+        if self.qk_rope is not None and _params_available(wq, wk):
+            q, k = self.qk_rope(self.q(x), self.k(x), wq, wk, freqs, self.norm_q.eps, self.num_heads)
+            v = self.v(x).unflatten(-1, (self.num_heads, -1))
+        else:
+            q, k, v = self._qkv(x, x)
+            q, k = apply_rope(q, freqs), apply_rope(k, freqs)
+        out = attn_fn(q, k, v, **attn_kwargs)
         return self.o(out.reshape(x.shape[0], x.shape[1], -1).to(x.dtype))
+
+
+def _params_available(*params: torch.Tensor) -> bool:
+    """False when ZeRO-3 holds one of ``params`` partitioned (a small parameter under
+    ``stage3_param_persistence_threshold`` is always available): read outside its module's forward, it
+    would not be gathered, so the fused path is skipped for the module path."""
+    return all(getattr(getattr(p, "ds_status", None), "name", "AVAILABLE") != "NOT_AVAILABLE" for p in params)
 
 
 class WanCrossAttention(_Attention):
@@ -304,6 +348,7 @@ class WanBlock(nn.Module):
         self.modulation = nn.Parameter(torch.randn(1, 6, d) / d ** 0.5)
         _set_plain_attr(self, "attn_fn", sdpa_attention)
         _set_plain_attr(self, "ln_modulate", _default_ln_modulate)
+        _set_plain_attr(self, "residual", gated_residual)   # block fusion: its compiled form
 
     def forward(self, x: torch.Tensor, time_mod: torch.Tensor, context: torch.Tensor, freqs: torch.Tensor,
                 **attn_kwargs: Any) -> torch.Tensor:
@@ -317,10 +362,10 @@ class WanBlock(nn.Module):
         """
         shift1, scale1, gate1, shift2, scale2, gate2 = modulation(self.modulation, time_mod)
         y = self.self_attn(self.ln_modulate(x, shift1, scale1, self.eps), freqs, self.attn_fn, **attn_kwargs)
-        x = (x.float() + y.float() * gate1).to(x.dtype)
+        x = self.residual(x, y, gate1)
         x = x + self.cross_attn(self.norm3(x), context)
         y = self.ffn(self.ln_modulate(x, shift2, scale2, self.eps))
-        return (x.float() + y.float() * gate2).to(x.dtype)
+        return self.residual(x, y, gate2)
 
 
 class WanHead(nn.Module):
@@ -439,6 +484,25 @@ class WanModel(nn.Module):
         _set_plain_attr(self, "ln_modulate_fn", fn)
         for m in (*self.blocks, self.head):
             _set_plain_attr(m, "ln_modulate", fn)
+
+    def set_block_fusion(self, qk_rope: Optional[Callable[..., Any]] = None, residual: Optional[Callable[..., Any]] = None,
+                         layer_norm: Optional[Callable[..., Any]] = None) -> None:
+        """Every block's elementwise pieces outside attention: ``qk_rope`` like ``qk_norm_rope`` (None: the
+        RMSNorm modules and ``apply_rope``), ``residual`` like ``gated_residual``, ``layer_norm`` like
+        ``fp32_layer_norm`` for the cross-attention norm (None: the references). ``ds_adaptive.models.fusion``
+        passes compiled forms (``adaptive_load.block_fusion``)."""
+        for block in self.blocks:
+            _set_plain_attr(block.self_attn, "qk_rope", qk_rope)
+            _set_plain_attr(block, "residual", residual or gated_residual)
+            if isinstance(block.norm3, FP32LayerNorm):
+                _set_plain_attr(block.norm3, "layer_norm_fn", layer_norm or fp32_layer_norm)
+
+    def apply_block_fusion(self, mode: str) -> Optional[str]:
+        """``adaptive_load.block_fusion`` (``off`` | ``rope`` | ``regions``): the compiled elementwise pieces of
+        :mod:`ds_adaptive.models.fusion` in every block; returns the launcher's one-line note (None for off)."""
+        from ds_adaptive.models.fusion import apply_block_fusion
+
+        return apply_block_fusion(self, mode)
 
     def set_sequence_parallel(self, runner: Optional[Callable[..., Any]]) -> None:
         """Route ``forward`` through ``runner(model, latents, timestep, context, local=...)`` (the Ulysses

@@ -311,6 +311,31 @@ def _poison_allocator(nbytes):
 
 
 @pytest.mark.parametrize("kernels", GENS, indirect=True)
+@pytest.mark.parametrize("kernels", GENS, indirect=True)
+@pytest.mark.parametrize("B,S,D", [(1, 32760, 1536), (2, 517, 1536), (3, 37, 3072), (1, 129, 5120)])
+def test_per_token_gradient_of_the_table(B, S, D, kernels):
+    """Per-token modulation as a training step differentiates it: shift / scale are chunks of a [B, S, 6, D]
+    fp32 table that requires grad (Wan 2.2 style), the gradient lands in the table (its other chunks zero);
+    every gradient vs fp64 within 2x torch's own low-precision error (bench/ln_modulate_per_token.py times
+    this path)."""
+    g = torch.Generator(device=CUDA).manual_seed(S + D)
+    x0 = (torch.randn(B, S, D, generator=g, device=CUDA) * 1.5 + 0.5).to(BF16)
+    t0 = torch.randn(B, S, 6, D, generator=g, device=CUDA) * 0.5
+    dy = torch.randn(B, S, D, generator=g, device=CUDA).to(BF16)
+
+    def grads(fn, xdt, tdt):
+        x, table = x0.to(xdt).requires_grad_(), t0.to(tdt).requires_grad_()
+        c = table.chunk(6, dim=2)
+        y = fn(x, c[2].squeeze(2), c[4].squeeze(2), 1e-6)
+        return [y.detach()] + list(torch.autograd.grad(y, [x, table], dy.to(y.dtype)))
+
+    ours = grads(lnm.ln_modulate, BF16, F32)
+    assert_close_to_fp64(ours, grads(lnm.ln_modulate_reference, BF16, F32),
+                         grads(ref64, torch.float64, torch.float64), ["y", "dx", "dtable"])
+    dtable = ours[2]
+    assert dtable[:, :, [0, 1, 3, 5]].abs().max() == 0 and dtable[:, :, 2].abs().max() > 0
+
+
 @pytest.mark.parametrize("D,per_token", [(1536, False), (1000, True), (100, False), (5120, True), (5120, False),
                                          (1536, True), (3072, False)])
 def test_poisoned_outputs_fully_written(D, per_token, kernels):

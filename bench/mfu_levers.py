@@ -1,0 +1,104 @@
+"""Trainer-level A/B of the MFU levers on the shipped job, every arm on the SAME pinned plan (one GPU).
+
+    python bench/mfu_levers.py prepare --dir D [--gas 2]
+        D/config.json             the shipped zero3_adaptive.json with the pinned plan of bench/ln_modulate_e2e.py
+                                  (the H200 1.3B profile's reference entries; m_comp auto; gas as given) and
+                                  metrics every step: the baseline arm "ref"
+        D/config_fusion.json      + adaptive_load.block_fusion "regions"     (arm "fusion")
+        D/config_zero.json        + ZeRO-3 settings for one GPU / few ranks  (arm "zero", ZERO_CANDIDATE)
+        and prints the train commands (one per arm, log dirs D/runs/<arm>)
+    python bench/mfu_levers.py report --runs D/runs [--arms ref,fusion,zero] [--out JSON]
+        checks that every arm ran the same micro-batches as "ref" (shape, B, checkpointed blocks, in order),
+        prints tokens/s, summed compute, MFU and peak memory per arm over the steps all arms finished
+        (step 1 excluded) and each arm's ratio to "ref"
+
+The plan is a pure function of profile, data and config, and neither lever enters it, so the arms train
+the same samples; tokens/s differences are the levers'. Keep what measures faster: a lever goes into the
+shipped config only on a measured gain.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
+
+import ln_modulate_e2e as pinned  # noqa: E402
+
+#: ZeRO-3 settings tried against the shipped ones (50M buckets, persistence 1e5, 1e9 live): larger buckets
+#: and prefetch, a reuse distance that keeps a block's parameters between its forward and recompute, and
+#: persistent parameters up to 1M elements (every norm, bias and modulation table of Wan 1.3B; ~10 MB)
+ZERO_CANDIDATE = {"reduce_bucket_size": 200_000_000, "stage3_prefetch_bucket_size": 200_000_000,
+                  "stage3_max_live_parameters": 3_000_000_000, "stage3_max_reuse_distance": 3_000_000_000,
+                  "stage3_param_persistence_threshold": 1_000_000}
+TRAIN = ("{py} -m ds_adaptive.train --deepspeed_config {cfg} --model wan2.1-1.3b --steps {steps} "
+         "--num-samples {n} --fused-ln-modulate --log-dir {runs}/{arm}")
+
+
+def prepare(d: Path, gas: str, steps: int, n: int) -> None:
+    pinned.prepare(d, "auto", gas)
+    base = json.loads((d / "config.json").read_text())
+    fusion = json.loads(json.dumps(base))
+    fusion["adaptive_load"]["block_fusion"] = "regions"
+    zero = json.loads(json.dumps(base))
+    zero["zero_optimization"].update(ZERO_CANDIDATE)
+    (d / "config_fusion.json").write_text(json.dumps(fusion, indent=1))
+    (d / "config_zero.json").write_text(json.dumps(zero, indent=1))
+    for arm, name in (("ref", "config.json"), ("fusion", "config_fusion.json"), ("zero", "config_zero.json")):
+        print(TRAIN.format(py=sys.executable, cfg=d / name, steps=steps, n=n, runs=d / "runs", arm=arm))
+
+
+def report(runs: Path, arms: list, out: Path) -> dict:
+    data = {a: pinned.load(runs / a) for a in arms}
+    last = min(pinned.same_plan(data[a], data[arms[0]]) for a in arms)
+    steps = [k for k in range(2, last + 1) if all(k in data[a]["steps"] for a in arms)]
+    if not steps:
+        raise SystemExit(f"{runs}: no common step after step 1 in metrics.jsonl (metrics interval must be 1)")
+    tokens = sum(data[arms[0]]["steps"][k]["tokens"] for k in steps)
+    rows = []
+    for a in arms:
+        st, s = data[a]["steps"], data[a]["summary"]
+        wall = sum(st[k]["wall_s"] for k in steps)
+        compute = sum(sum(sum(m) for m in st[k]["micro_compute_ms"]) for k in steps)
+        rows.append({"arm": a, "tokens_per_s": tokens / wall, "wall_s": wall, "compute_ms": compute,
+                     "summary_tokens_per_s": s.get("tokens_per_s"), "mfu": s.get("mfu"), "hfu": s.get("hfu"),
+                     "peak_mem_gib": s.get("peak_mem_gib")})
+    ref = rows[0]
+    print(f"same plan in all arms: steps {steps[0]}-{steps[-1]}, {tokens} tokens")
+    print(f"{'arm':8} {'tok/s':>8} {'x ref':>7} {'wall s':>8} {'compute s':>10} {'MFU':>6} {'peak GiB':>9}")
+    for r in rows:
+        r["ratio_tokens_per_s"] = r["tokens_per_s"] / ref["tokens_per_s"]
+        print(f"{r['arm']:8} {r['tokens_per_s']:8.0f} {r['ratio_tokens_per_s']:6.3f}x {r['wall_s']:8.1f} "
+              f"{r['compute_ms'] / 1e3:10.1f} {100 * (r['mfu'] or 0):5.1f}% {r['peak_mem_gib'] or 0:9.2f}")
+    res = {"steps": steps, "tokens": tokens, "rows": rows}
+    if out is not None:
+        out.write_text(json.dumps(res, indent=1))
+    return res
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("prepare")
+    a.add_argument("--dir", type=Path, required=True)
+    a.add_argument("--gas", default="2", help="micro-steps per optimizer step (default 2: 20 steps in ~2 min)")
+    a.add_argument("--steps", type=int, default=21)
+    a.add_argument("--num-samples", type=int, default=2000)
+    b = sub.add_parser("report")
+    b.add_argument("--runs", type=Path, required=True)
+    b.add_argument("--arms", default="ref,fusion,zero", help="comma list; the first is the baseline")
+    b.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    if args.cmd == "prepare":
+        prepare(args.dir, args.gas, args.steps, args.num_samples)
+    else:
+        report(args.runs, [x for x in args.arms.split(",") if x], args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""Guards self-calibration on first use (ds_adaptive/balance/autocalibrate.py): when it calibrates and why,
+the cache (location, key, stale entries), the fallback when a calibration fails, the dry run's report, and,
+through build_run on 2 gloo ranks with the tiny model on the CPU, that the first run calibrates on rank 0
+and writes the cache, the second reads it, and every rank plans with the same profile."""
+from __future__ import annotations
+
+import json
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import CONFIGS, ROOT, launch_ranks
+from ds_adaptive.balance import autocalibrate as ac
+from ds_adaptive.balance.cost import Profile
+
+H100 = "NVIDIA H100 80GB HBM3"
+H200 = "NVIDIA H200"
+
+
+def test_when_it_calibrates():
+    reason = ac.calibration_reason
+    assert reason("calibrate", "tiny", "cpu", "reference") == "sampler.profile is 'calibrate'"
+    assert reason("auto", "wan2.1-1.3b", None, "fused") is None                  # no GPU: the H100 profile, as before
+    assert reason("h100-wan2.1-1.3b", "wan2.1-1.3b", H100, "fused") is None      # a named profile is used as given
+    assert reason("auto", "wan2.1-1.3b", H100, "reference") is None              # shipped, measured on that path
+    assert "calibrated with the reference LayerNorm-modulate path" in reason("auto", "wan2.1-1.3b", H100, "fused")
+    assert reason("auto", "wan2.1-1.3b", H200, "fused") is None                  # shipped on the fused path ...
+    assert reason("auto", "wan2.1-1.3b", H200, "reference") is None              # ... with a reference variant
+    assert "no shipped profile for GPU 'NVIDIA L40S'" in reason("auto", "wan2.1-1.3b", "NVIDIA L40S", "fused")
+    assert "model 'tiny'" in reason("auto", "tiny", H200, "fused")
+
+
+def test_cache_location_and_key(tmp_path):
+    env = {ac.CACHE_ENV: str(tmp_path / "env"), "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    assert ac.cache_dir(str(tmp_path / "cfg"), env) == tmp_path / "cfg" / "profiles"     # the config first
+    assert ac.cache_dir(None, env) == tmp_path / "env" / "profiles"
+    assert ac.cache_dir(None, {"XDG_CACHE_HOME": str(tmp_path / "xdg")}) == tmp_path / "xdg" / "ds_adaptive" / "profiles"
+    key = ac.cache_key(H100, "wan2.1-1.3b", "fused")
+    assert key["torch"] == torch.__version__ and key["protocol"] == ac.PROTOCOL_VERSION
+    path = ac.cache_path(tmp_path, key)
+    assert path == ac.cache_path(tmp_path, dict(key)) and path.name.startswith("NVIDIA_H100_80GB_HBM3-wan2.1-1.3b-fused-")
+    assert ac.cache_path(tmp_path, {**key, "torch": "0.0"}) != path        # another torch: another entry
+    assert ac.cache_path(tmp_path, {**key, "ln_modulate": "reference"}) != path
+
+
+def test_quick_protocol_is_bounded():
+    gpu = ac.quick_protocol("wan2.1-1.3b", "cuda")
+    assert gpu.layers == (2, 4) and gpu.budget_s <= 90 and gpu.warmup + gpu.iters <= 4
+    assert max(s.tokens for s in gpu.shapes) == 75600 and min(s.tokens for s in gpu.shapes) == 1560
+    fitted = [s.tokens * b for s in gpu.shapes for b in gpu.batch_sizes.get(s.tokens, (1,)) if s.tokens * b >= 8192]
+    assert len(fitted) >= 5   # enough saturated points for c0 + a S + b S^2
+    assert ac.quick_protocol("wan2.1-14b", "cuda").layers == (1, 2)
+    assert ac.quick_protocol("tiny", "cpu").dtype == "fp32"
+
+
+def _calibrate(tmp_path, **kw):
+    notes: list = []
+    prof = ac.startup_profile("calibrate", model_name="tiny", ln_modulate="reference", device=torch.device("cpu"),
+                              cache=str(tmp_path), notes=notes, **kw)
+    return prof, notes
+
+
+def test_first_use_calibrates_and_caches_then_reads_the_cache(tmp_path, monkeypatch):
+    torch.set_num_threads(1)
+    prof, notes = _calibrate(tmp_path)
+    assert isinstance(prof, Profile) and prof.raw["model"]["name"] == "tiny" and prof.c0_ms > 0
+    assert len(notes) == 1 and notes[0].startswith("profile: calibrated at start-up in ")
+    files = list((tmp_path / "profiles").glob("*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["cache_key"]["device"] == "cpu"
+
+    def never(*a, **k):
+        raise AssertionError("calibrated although the cache holds the entry")
+
+    monkeypatch.setattr(ac, "quick_calibrate", never)
+    again, notes2 = _calibrate(tmp_path)
+    assert again == prof and "start-up calibration cached" in notes2[0] and str(files[0]) in notes2[0]
+    # a stale entry (another protocol) is not used: the run calibrates again
+    data = json.loads(files[0].read_text())
+    data["cache_key"]["protocol"] = -1
+    files[0].write_text(json.dumps(data))
+    stale, notes3 = _calibrate(tmp_path)
+    assert stale is None and "calibrated although" in notes3[0]   # it tried (and rank 0's error became a warning)
+
+
+def test_a_failed_calibration_falls_back_with_a_warning(tmp_path, monkeypatch):
+    def fails(*a, **k):
+        raise ac.CalibrationFailed("the fit's max |rel err| 35.3% is over the quality bar 10%")
+
+    monkeypatch.setattr(ac, "quick_calibrate", fails)
+    prof, notes = _calibrate(tmp_path)
+    assert prof is None and notes[0].startswith("warning: start-up calibration of tiny on cpu failed (the fit's")
+    assert not (tmp_path / "profiles").exists() or not list((tmp_path / "profiles").glob("*.json"))
+
+
+def test_the_dry_run_says_what_would_happen(tmp_path):
+    from ds_adaptive.layout import Layout
+    from ds_adaptive.run import build_run
+    from ds_adaptive.run_config import RunConfig
+
+    cfg = RunConfig.load(str(CONFIGS / "zero3_adaptive.json"), trainer={"model": "wan2.1-1.3b", "num_samples": 200})
+    cfg.adaptive_load.sampler.profile = "calibrate"
+    cfg.adaptive_load.sampler.profile_cache = str(tmp_path)
+    run = build_run(cfg, layout=Layout.for_world(8, 1), meta=True, gpu_mem_gib=79.2)
+    if torch.cuda.is_available():   # pragma: no cover - a GPU machine reports its own decision
+        pytest.skip("this check is for a machine without a GPU")
+    assert any(n.startswith("profile: sampler.profile is 'calibrate': rank 0 of the GPU job calibrates at start-up")
+               and str(tmp_path) in n for n in run.notes), run.notes
+    assert run.profile.name == "h100-wan2.1-1.3b"   # the fallback plans the check
+    assert not (tmp_path / "profiles").exists()       # a dry run never calibrates
+
+
+SCRIPT = textwrap.dedent("""
+    import hashlib, json, sys, warnings
+    import torch
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    from ds_adaptive.trainer import init_distributed
+    rank, world, device = init_distributed(0)
+    from ds_adaptive.layout import Layout
+    from ds_adaptive.run import build_run
+    from ds_adaptive.run_config import RunConfig
+    cfg = RunConfig.load(sys.argv[1], trainer={"model": "tiny", "num_samples": 48},
+                         overrides={"sampler.shapes": sys.argv[2]})
+    s = cfg.adaptive_load.sampler
+    s.profile, s.cost_model, s.profile_cache = "calibrate", "calibrated", sys.argv[3]
+    cfg.adaptive_load.fused_ln_modulate = False
+    run = build_run(cfg, layout=Layout.detect(1))
+    prof = hashlib.sha256(json.dumps({k: run.profile.raw[k] for k in ("compute", "memory", "device")},
+                                     sort_keys=True).encode()).hexdigest()[:16]
+    plan = hashlib.sha256(run.sampler.plan.sample_ids.tobytes()).hexdigest()[:16]
+    notes = [n for n in run.notes if n.startswith("profile:")]
+    print(f"RANK {rank} DP {run.layout.dp_size} PROFILE {prof} PLAN {plan} NOTE {notes[0] if notes else None}")
+""")
+
+
+@pytest.mark.slow
+def test_two_ranks_calibrate_once_agree_and_reuse_the_cache(tmp_path):
+    script = tmp_path / "calib_ranks.py"
+    script.write_text(SCRIPT)
+    cache = tmp_path / "cache"
+    argv = [str(script), str(CONFIGS / "cpu_tiny.json"), str(CONFIGS / "shapes_cpu.json"), str(cache)]
+
+    def job():
+        outs = [r.stdout for r in launch_ranks(argv, 2, cwd=tmp_path, timeout=300, env={"PYTHONPATH": str(ROOT)})]
+        lines = [re.search(r"RANK (\d) DP (\d) PROFILE (\w+) PLAN (\w+) NOTE (.*)", o) for o in outs]
+        assert all(lines), outs
+        return [m.groups() for m in lines], outs
+
+    first, outs = job()
+    assert [r[0] for r in first] == ["0", "1"] and {r[1] for r in first} == {"2"}
+    assert first[0][2:] == first[1][2:]               # same profile, same plan, same note on both ranks
+    assert first[0][4].startswith("profile: calibrated at start-up in ")
+    assert "calibrating tiny on cpu" in outs[0] and "calibrating tiny on cpu" not in outs[1]   # rank 0 only
+    files = list((cache / "profiles").glob("*.json"))
+    assert len(files) == 1
+    second, _ = job()
+    assert second[0][2:4] == second[1][2:4] == first[0][2:4]   # the cached profile: the same plan as the first run
+    assert "start-up calibration cached" in second[0][4] and second[0][4] == second[1][4]
+
+
+def test_ship_a_calibration_as_the_profiles_other_path(tmp_path):
+    base = json.loads((ac.Path(ac.__file__).parent / "profiles" / "h100-wan2.1-1.3b.json").read_text())
+    cal = json.loads((ac.Path(ac.__file__).parent / "profiles" / "h200-wan2.1-1.3b.json").read_text())
+    cal.pop("ln_modulate_variants")   # stands in for a fused start-up calibration of the same model
+    out = ac.ship_variant(base, cal)
+    prof, note = Profile.from_dict(out).for_ln_modulate("fused")
+    assert prof.ln_modulate == "fused" and prof.c0_ms == cal["compute"]["c0_ms"] and "ln_modulate_variants.fused" in note
+    assert ac.calibration_reason("auto", "wan2.1-1.3b", H100, "fused") is not None   # the shipped json is unchanged
+    with pytest.raises(ValueError, match="already has 'fused'"):
+        ac.ship_variant(out, cal)
+    with pytest.raises(ValueError, match="model 'tiny'"):
+        ac.ship_variant(base, {**cal, "model": {**cal["model"], "name": "tiny"}})
+    p, c = tmp_path / "p.json", tmp_path / "c.json"
+    p.write_text(json.dumps(base))
+    c.write_text(json.dumps(cal))
+    assert ac.main(["ship", str(c), str(p)]) == 0 and "fused" in json.loads(p.read_text())["ln_modulate_variants"]
+    assert ac.main(["ship", str(c), str(p)]) == 2

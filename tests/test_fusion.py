@@ -1,0 +1,126 @@
+"""Guards block fusion (ds_adaptive/models/fusion.py, adaptive_load.block_fusion): the fused functions are the
+eager block's own arithmetic (bit-identical uncompiled), the compiled forms match an fp64 reference within
+twice torch's own low-precision error forward and backward on awkward sizes, a whole model trains the same
+with every mode, and a ZeRO-3-partitioned RMSNorm weight sends the block down the module path."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from ds_adaptive.models import fusion, wan
+from ds_adaptive.models.wan import WanModel, get_wan_config
+
+torch.set_num_threads(1)
+
+
+def _model(seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    m = WanModel(get_wan_config("tiny", num_layers=2))
+    with torch.no_grad():   # the zero-initialised head would hide every difference upstream
+        m.head.head.weight.normal_(std=0.05)
+    return m.to_dtype(dtype)
+
+
+def _inputs(B=2, frames=3, h=6, w=10, seed=1, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    lat = torch.randn(B, 16, frames, h, w, generator=g).to(dtype)
+    return lat, torch.rand(B, generator=g) * 1000, torch.randn(B, 7, 4096, generator=g).to(dtype)
+
+
+def _loss_and_grads(model, inputs):
+    model.zero_grad(set_to_none=True)
+    out = model(*inputs)
+    loss = out.float().square().mean()
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_uncompiled_fused_functions_are_the_eager_block(dtype):
+    inputs = _inputs(dtype=dtype)
+    ref_loss, ref_grads = _loss_and_grads(_model(dtype=dtype), inputs)
+    m = _model(dtype=dtype)
+    m.set_block_fusion(qk_rope=wan.qk_norm_rope, residual=wan.gated_residual, layer_norm=wan.fp32_layer_norm)
+    loss, grads = _loss_and_grads(m, inputs)
+    assert loss == ref_loss and grads.keys() == ref_grads.keys()
+    for n in grads:
+        assert torch.equal(grads[n], ref_grads[n]), n
+
+
+def test_partitioned_norm_weight_takes_the_module_path(monkeypatch):
+    m = _model()
+    calls = []
+
+    def spy(*a):
+        calls.append(1)
+        return wan.qk_norm_rope(*a)
+
+    m.set_block_fusion(qk_rope=spy)
+    inputs = _inputs()
+    m(*inputs)
+    assert calls   # the fused function runs while the weights are whole
+    calls.clear()
+    w = m.blocks[0].self_attn.norm_q.weight
+    w.ds_status = types.SimpleNamespace(name="NOT_AVAILABLE")   # as ZeRO-3 marks a partitioned parameter
+    m(*inputs)
+    assert len(calls) == len(m.blocks) - 1   # that block read it through its module (ZeRO-3 gathers there)
+
+
+def test_unknown_mode_is_an_error():
+    with pytest.raises(ValueError, match=r"block_fusion must be one of \['off', 'rope', 'regions'\], got 'all'"):
+        fusion.apply_block_fusion(_model(), "all")
+
+
+def _rand(*shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * 1.3 + 0.2).to(dtype).requires_grad_()
+
+
+B, S, H, DH = 2, 37, 3, 12   # odd S, 3 heads, head_dim 12: rope split (2, 2, 2)
+D = H * DH
+FREQS = wan.rope_table((1, S, 1), get_wan_config({"dim": D, "ffn_dim": 8, "num_heads": H, "num_layers": 1}).rope_split)
+# name -> (call with the function, argument shapes, argument dtypes: None = the case's dtype)
+CASES = {
+    "qk_norm_rope": (lambda f, *t: f(*t, FREQS, 1e-6, H), [(B, S, D), (B, S, D), (D,), (D,)], [None] * 4),
+    "gated_residual": (lambda f, *t: f(*t), [(B, S, D), (B, S, D), (B, 1, D)], [None, None, torch.float32]),
+    "fp32_layer_norm": (lambda f, *t: f(*t, 1e-6), [(B, S, D), (D,), (D,)], [None, torch.float32, torch.float32]),
+}
+
+
+def _outputs_and_grads(call, args):
+    out = call(*args)
+    out = out if isinstance(out, tuple) else (out,)
+    # a weighting that varies along the last dim: the gradient of a plain sum hides errors of normalisations
+    loss = sum((o.float() * torch.linspace(-1, 1, o.shape[-1], dtype=torch.float32)).sum() for o in out)
+    grads = torch.autograd.grad(loss, args)
+    return [o.detach().double() for o in out] + [g.double() for g in grads]
+
+
+@pytest.mark.slow   # compiles 3 functions x 2 dtypes on the CPU (tens of seconds)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_matches_fp64_within_torchs_own_error(dtype):
+    for name, (call, shapes, kinds) in CASES.items():
+        args = [_rand(*sh, dtype=k or dtype, seed=i) for i, (sh, k) in enumerate(zip(shapes, kinds))]
+        ref = getattr(wan, name)
+        got = _outputs_and_grads(lambda *t: call(fusion.compiled(name), *t), args)
+        eager = _outputs_and_grads(lambda *t: call(ref, *t), args)
+        exact = _outputs_and_grads(lambda *t: call(ref, *t), [a.detach().double().requires_grad_() for a in args])
+        for i, (g, e, r) in enumerate(zip(got, eager, exact)):
+            bound = 2 * (e - r).abs().max() + 1e-6 * r.abs().max() + 1e-12
+            assert (g - r).abs().max() <= bound, (name, dtype, i, float((g - r).abs().max()), float(bound))
+
+
+@pytest.mark.slow   # compiles the model's fused functions on the CPU
+@pytest.mark.parametrize("mode", ["rope", "regions"])
+def test_a_model_trains_the_same_with_every_mode(mode):
+    inputs = _inputs()
+    ref_loss, ref_grads = _loss_and_grads(_model(), inputs)
+    m = _model()
+    assert fusion.apply_block_fusion(m, mode).startswith(f"block fusion '{mode}'")
+    loss, grads = _loss_and_grads(m, inputs)
+    assert torch.allclose(loss, ref_loss, rtol=1e-5)
+    for n in ref_grads:
+        assert torch.allclose(grads[n], ref_grads[n], rtol=1e-4, atol=1e-6 * ref_grads[n].abs().max()), n
+    assert fusion.apply_block_fusion(m, "off") is None and m.blocks[0].self_attn.qk_rope is None
