@@ -90,16 +90,41 @@ def consolidated_state_dict(save_dir: Path, tag: str) -> dict:
 
 
 def export_checkpoint(ckpt: str, out: str, *, tag: Optional[str] = None, dtype: str = "fp32",
-                      model: Optional[str] = None, layers: Optional[int] = None) -> Path:
-    """Write the diffusers-format transformer of a DeepSpeed checkpoint to ``out``; returns the weights file."""
+                      model: Optional[str] = None, layers: Optional[int] = None, lora: bool = False,
+                      base: Optional[str] = None) -> Path:
+    """Write the diffusers-format transformer of a DeepSpeed checkpoint to ``out``; returns the weights file.
+    ``lora``: write only the LoRA adapters of a LoRA checkpoint (``out/pytorch_lora_weights.safetensors``,
+    ``ds_adaptive.lora.export_lora``). A LoRA checkpoint exported whole gets its adapters merged into its
+    base (``base``: the base's directory, default the run's ``--init-from``)."""
     import torch
 
-    from ds_adaptive.models.wan import WanConfigError, WanModel, get_wan_config
-    from ds_adaptive.models.weights import _plan, save_wan_weights
+    from ds_adaptive.models.wan import WanModel
+    from ds_adaptive.models.weights import save_wan_weights
 
     if dtype not in DTYPES:
         raise ExportError(f"--dtype must be one of {DTYPES}, got {dtype!r}")
     save_dir, tag = resolve_checkpoint(ckpt, tag)
+    if lora:
+        from ds_adaptive.lora import export_lora
+
+        return export_lora(save_dir, tag, read_client_state(save_dir / tag), out,
+                           consolidated_state_dict(save_dir, tag))
+    cfg, sd = checkpoint_weights(save_dir, tag, model=model, layers=layers, base=base)
+    with torch.device("meta"):
+        net = WanModel(cfg)
+    net.to_dtype({"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype])
+    params = dict(net.named_parameters())
+    net.load_state_dict({n: sd[n].to(params[n].dtype) for n in params}, strict=True, assign=True)
+    return save_wan_weights(net, out, layout="diffusers")
+
+
+def checkpoint_weights(save_dir: Path, tag: str, *, model: Optional[str] = None, layers: Optional[int] = None,
+                       base: Optional[str] = None):
+    """``(WanConfig, {WanModel name: fp32 tensor})`` of the model a checkpoint holds (``export`` and
+    ``ds-adaptive sample``): ZeRO shards consolidated; a LoRA checkpoint's adapters merged into its base."""
+    from ds_adaptive.models.wan import WanConfigError, WanModel, get_wan_config
+    from ds_adaptive.models.weights import WanWeightsError, _plan
+
     state = read_client_state(save_dir / tag)
     name = model or state.get("model")
     if name is None:
@@ -111,23 +136,24 @@ def export_checkpoint(ckpt: str, out: str, *, tag: Optional[str] = None, dtype: 
     except (WanConfigError, ValueError) as exc:
         raise ExportError(f"model {name!r} (layers {n_layers}): {exc}") from None
     sd = consolidated_state_dict(save_dir, tag)
+    if state.get("lora"):
+        from ds_adaptive.lora import merged_weights
+
+        return cfg, merged_weights(cfg, state["lora"], sd, base=base, what=str(save_dir / tag))
+    import torch
+
     with torch.device("meta"):
         net = WanModel(cfg)
-    net.to_dtype({"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype])
     expected = {n: tuple(p.shape) for n, p in net.named_parameters()}
 
     class _DictReader:  # the shape/name check of models.weights, on the consolidated tensors
         entries = {k: (save_dir / tag, tuple(v.shape)) for k, v in sd.items()}
 
-    from ds_adaptive.models.weights import WanWeightsError
-
     try:
         plan = _plan(_DictReader, expected, f"{save_dir / tag} (model {name}, {cfg.num_layers} blocks)")
     except WanWeightsError as exc:
         raise ExportError(f"{exc}\nIf the run used --layers N, pass --layers N.") from None
-    params = dict(net.named_parameters())
-    net.load_state_dict({n: sd[k].to(params[n].dtype) for n, k in plan.items()}, strict=True, assign=True)
-    return save_wan_weights(net, out, layout="diffusers")
+    return cfg, {n: sd[k].float() for n, k in plan.items()}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -140,16 +166,26 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="weights dtype (default fp32; bf16/fp16 keep diffusers' fp32 modules in fp32)")
     ap.add_argument("--model", default=None, help="Wan preset, for checkpoints without ds_adaptive state")
     ap.add_argument("--layers", type=int, default=None, help="number of blocks, when the run used --layers")
+    ap.add_argument("--lora", action="store_true",
+                    help="LoRA checkpoints: write only the adapters, DIR/pytorch_lora_weights.safetensors in diffusers' "
+                         "PEFT format (WanPipeline.load_lora_weights(DIR) loads it)")
+    ap.add_argument("--base", default=None,
+                    help="LoRA checkpoints exported whole: the base model's directory (default: the run's --init-from); "
+                         "the adapters are merged into it")
     args = ap.parse_args(argv)
+    from ds_adaptive.lora import LoraError
     from ds_adaptive.models.weights import WanWeightsError
 
     try:
         f = export_checkpoint(args.checkpoint, args.to, tag=args.tag, dtype=args.dtype, model=args.model,
-                              layers=args.layers)
-    except (ExportError, WanWeightsError) as exc:
+                              layers=args.layers, lora=args.lora, base=args.base)
+    except (ExportError, WanWeightsError, LoraError) as exc:
         print(f"ds-adaptive export: error: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {f.parent / 'config.json'} and {f} (diffusers WanTransformer3DModel, {args.dtype})")
+    if args.lora:
+        print(f"wrote {f} (LoRA adapters, diffusers PEFT format: WanPipeline.load_lora_weights({str(f.parent)!r}))")
+    else:
+        print(f"wrote {f.parent / 'config.json'} and {f} (diffusers WanTransformer3DModel, {args.dtype})")
     return 0
 
 

@@ -19,6 +19,7 @@ import torch
 
 from .config import ConfigError, prepare_ds_config
 from .layout import Layout, strip_mesh_keys
+from .lora import adapter_parameters, apply_run_lora
 from .run_config import RunConfig
 
 __all__ = ["Run", "build_run", "DEFAULT_NUM_SAMPLES"]
@@ -48,6 +49,8 @@ class Run:
     """GPU memory the budgets were resolved for (None: the visible GPU or the profile's device)."""
     notes: list = field(default_factory=list)
     """Messages for the launcher to print once (rank 0): profile rescaling, memory-plan warnings."""
+    lora: Any = None
+    """``ds_adaptive.lora.LoraInfo`` when ``adaptive_load.lora`` is enabled (adapters injected, base frozen)."""
 
     @property
     def gas(self) -> int:
@@ -109,16 +112,22 @@ def build_run(cfg: RunConfig, *, layout: Optional[Layout] = None, device: Option
         gpu_mem_gib = get_accelerator().total_memory(device.index or 0) / 2**30
     # Before the model: "gradient_accumulation_steps": "auto" is resolved by the sampler, and zero.Init
     # reads the ds_config.
-    sampler = _build_sampler(cfg, dataset, layout, ds_config, gpu_mem_gib, notes, model_config=model_config)
+    lora_cfg = cfg.adaptive_load.lora  # LoRA: only the adapters have gradients and optimizer state (memory model)
+    adapters = adapter_parameters(model_config, lora_cfg) if lora_cfg.enabled else None
+    sampler = _build_sampler(cfg, dataset, layout, ds_config, gpu_mem_gib, notes, model_config=model_config,
+                             adapter_params=adapters)
     model = _build_model(cfg, model_config, ds_config, meta=meta)
     if t.init_from and not meta:
         notes.append(_init_from(model, t.init_from))
+    lora = apply_run_lora(cfg, model, meta=meta, device=device) if lora_cfg.enabled else None  # base names first
+    if lora is not None:
+        notes.append(lora.describe())
     if layout.sp_enabled and not meta:
         from .parallel import apply_ulysses
 
         apply_ulysses(model, layout)  # sequence sharding + DistributedAttention
     return Run(cfg=cfg, layout=layout, device=device, ds_config=ds_config, dtype=dtype, model_config=model_config,
-               model=model, dataset=dataset, sampler=sampler, gpu_mem_gib=gpu_mem_gib, notes=notes)
+               model=model, dataset=dataset, sampler=sampler, gpu_mem_gib=gpu_mem_gib, notes=notes, lora=lora)
 
 
 def _engine_config(cfg: RunConfig, layout: Layout, *, on_gpu: bool, announce: bool) -> dict:
@@ -219,7 +228,7 @@ def run_ln_modulate_path(fused_requested: bool) -> str:
 
 
 def _build_sampler(cfg: RunConfig, dataset, layout: Layout, ds_config: dict, gpu_mem_gib, notes: list, *,
-                   model_config=None):
+                   model_config=None, adapter_params=None):
     """The batch sampler; with ``--layers`` the profile is rescaled to the trained depth (or, when it
     cannot be, used at full depth with a note). With sparse attention rebalancing, it plans with the
     sparse cost (:func:`_sparse_cost`) when the profile has the trained model's layers."""
@@ -231,7 +240,7 @@ def _build_sampler(cfg: RunConfig, dataset, layout: Layout, ds_config: dict, gpu
     gas = ds_config["gradient_accumulation_steps"]   # an int, or "auto": the sampler chooses it
     kw = dict(micro_steps_per_step=gas if gas == "auto" else int(gas), enabled=cfg.adaptive_load.enabled,
               gpu_mem_gib=gpu_mem_gib, model_name=t.model, zero_stage=stage, profile_log=notes.append,
-              ln_modulate=run_ln_modulate_path(cfg.adaptive_load.fused_ln_modulate))
+              ln_modulate=run_ln_modulate_path(cfg.adaptive_load.fused_ln_modulate), adapter_params=adapter_params)
     shapes = dataset.sample_shapes()
     sparse = _sparse_cost(cfg, model_config, notes) if model_config is not None else None
     try:

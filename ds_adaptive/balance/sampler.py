@@ -411,7 +411,8 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
                         model_name: Optional[str] = None, zero_stage: Optional[int] = None,
                         mode: Optional[str] = None, num_layers: Optional[int] = None,
                         sparse: Optional[SparseAttentionCost] = None, checkpointing: Optional[str] = None,
-                        profile_log=None, ln_modulate: Optional[str] = None) -> _PlannedBatchSampler:
+                        profile_log=None, ln_modulate: Optional[str] = None,
+                        adapter_params: Optional[int] = None) -> _PlannedBatchSampler:
     """The batch sampler that ``sampler_cfg`` describes, with ``auto`` budgets resolved.
 
     ``enabled=False`` builds the ``tokens`` baseline at the same memory budget (AdaptiveLoad off);
@@ -428,7 +429,8 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
     budget (:mod:`ds_adaptive.balance.budget`; 1 without that search); the sampler's
     ``micro_steps_per_step`` publishes it (the trainer sets DeepSpeed's value from it). ``ln_modulate``: the
     run's LayerNorm-modulate path (``fused`` | ``reference``); the profile's matching entries are used, or a
-    warning goes to ``profile_log`` (:meth:`Profile.for_ln_modulate`).
+    warning goes to ``profile_log`` (:meth:`Profile.for_ln_modulate`). ``adapter_params``: a LoRA run's adapter
+    parameters, the only trained ones (:meth:`Profile.with_adapter_params`: static memory, hence ``m_mem: auto``).
     """
     if isinstance(sampler_cfg, Mapping):
         sampler_cfg = SamplerConfig.model_validate(sampler_cfg)
@@ -454,6 +456,8 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
         (profile_log or (lambda m: warnings.warn(m, stacklevel=2)))(ln_msg)
     if num_layers is not None:
         profile = profile.with_num_layers(int(num_layers))
+    if adapter_params is not None:
+        profile = profile.with_adapter_params(adapter_params)
     num_heads = None
     if model_name:
         try:
