@@ -341,7 +341,7 @@ class PreviewConfig(_Block):
     prompts: Optional[str] = None
     """Text embeddings of the preview prompts: a `.safetensors` file with one `[L, 4096]` umT5 embedding
     per prompt, the tensor names are the preview names (`ds-adaptive sample --text-encoder DIR --prompt
-    TEXT --save-embeddings FILE` writes one). null: the contexts of the first `num_prompts` training
+    TEXT --save-embeddings FILE` writes one, in prompt order; other files are read in name order). null: the contexts of the first `num_prompts` training
     samples (the synthetic dataset's embeddings, or your shards' captions)."""
 
     num_prompts: int = Field(2, ge=1, le=64)

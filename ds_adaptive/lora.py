@@ -236,13 +236,15 @@ def apply_lora(model: torch.nn.Module, lora_cfg, *, seed: int, base: Optional[di
                     base=dict(base or {}))
 
 
-def reseed_dropout(seed: int, step: int, rank: int) -> None:
-    """Reseed the global RNG that peft's LoRA dropout draws from, as a function of (seed, step, rank): a
-    resumed run draws the masks of the straight run (the trainer calls it before each optimizer step when
-    ``lora.dropout`` > 0; nothing else in a training step uses the global RNG)."""
-    from .objective import sample_seed
+def reseed_dropout(seed: int, step: int, micro: int, rank: int) -> None:
+    """Reseed the global RNG that peft's LoRA dropout draws from, as a function of (seed, step, micro-step,
+    rank): a resumed run draws the masks of the straight run. The trainer calls it before each micro-step's
+    forward when ``lora.dropout`` > 0 (after the batch is fetched: a new DataLoader iterator draws its base
+    seed from the global RNG). Activation checkpointing replays the RNG state in its recompute."""
+    import numpy as np
 
-    torch.manual_seed(sample_seed(seed, step, 0x10A4 + rank))
+    torch.manual_seed(int(np.random.SeedSequence([seed, step, micro, rank, 0x10A4]).generate_state(1, np.uint64)[0]
+                          >> np.uint64(1)))
 
 
 # --------------------------------------------------------------------------------------------

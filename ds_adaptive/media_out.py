@@ -119,3 +119,21 @@ def write_media(frames: np.ndarray, path: Union[str, Path], *, fps: int = 16) ->
     if suffix == ".png":
         return write_png(frames[0] if len(frames) == 1 else frame_strip(frames), path)
     raise ValueError(f"{path}: the file type is taken from the suffix, one of {MEDIA_SUFFIXES}")
+
+
+def load_vae(path, *, what: str = "--vae"):
+    """diffusers' ``AutoencoderKLWan`` from a local directory, fp32 on the CPU, eval mode; errors name ``what``
+    (the flag or config key) and raise ``ConfigError``."""
+    from .config import ConfigError
+
+    p = Path(path)
+    if not p.is_dir():
+        raise ConfigError(f"{what}: {p} is not a directory (a diffusers AutoencoderKLWan, e.g. a Wan pipeline's vae/)")
+    try:
+        from diffusers import AutoencoderKLWan
+    except ImportError:
+        raise ConfigError(f"{what} needs diffusers (pip install 'ds_adaptive[diffusers]')") from None
+    try:
+        return AutoencoderKLWan.from_pretrained(str(p), torch_dtype=torch.float32, local_files_only=True).eval()
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(f"{what}: cannot load AutoencoderKLWan from {p}: {exc}") from None

@@ -36,11 +36,12 @@ import torch.nn.functional as F
 
 from .config import ConfigError
 from .flow_sampler import euler_sample, initial_noise
+from .media_out import load_vae
 from .objective import sample_seed
 from .shapes import MAX_TEXT_LEN, TEXT_DIM, SampleShape
 
 __all__ = ["PreviewPrompt", "PreviewPlan", "PreviewRunner", "load_prompts", "plan_previews", "preview_memory_gib",
-           "load_embeddings"]
+           "load_embeddings", "save_embeddings"]
 
 GIB = float(1 << 30)
 
@@ -55,8 +56,21 @@ class PreviewPrompt:
     seed: int
 
 
+ORDER_KEY = "ds_adaptive_prompts"
+"""safetensors metadata key of :func:`save_embeddings`: the prompt names in their order (safetensors sorts keys)."""
+
+
+def save_embeddings(table: dict[str, torch.Tensor], path) -> Path:
+    """Write ``{name: [L, 4096]}`` text embeddings as safetensors, keeping the order of ``table``."""
+    from .files import save_safetensors
+
+    return save_safetensors({k: v.detach().float().contiguous().cpu() for k, v in table.items()}, path,
+                            metadata={"format": "pt", ORDER_KEY: json.dumps(list(table))})
+
+
 def load_embeddings(path, *, what: str) -> dict[str, torch.Tensor]:
-    """``{name: [L, 4096] fp32}`` from a safetensors file of text embeddings (file order); errors name the file."""
+    """``{name: [L, 4096] fp32}`` from a safetensors file of text embeddings, in the order :func:`save_embeddings`
+    wrote them (other files: name order); errors name the file."""
     from safetensors import safe_open
 
     p = Path(path)
@@ -65,7 +79,10 @@ def load_embeddings(path, *, what: str) -> dict[str, torch.Tensor]:
                           "--prompt TEXT --save-embeddings FILE`")
     try:
         with safe_open(str(p), framework="pt") as f:
-            out = {k: f.get_tensor(k).float() for k in f.keys()}
+            names = list(f.keys())
+            order = json.loads((f.metadata() or {}).get(ORDER_KEY, "[]"))
+            names = [n for n in order if n in names] + [n for n in names if n not in order]
+            out = {k: f.get_tensor(k).float() for k in names}
     except Exception as exc:  # noqa: BLE001
         raise ConfigError(f"{what}: {p} is not a readable safetensors file ({exc})") from None
     bad = [f"{k} {list(v.shape)}" for k, v in out.items() if v.dim() != 2 or v.shape[1] != TEXT_DIM
@@ -175,7 +192,7 @@ class PreviewRunner:
         if self.is_writer:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             if cfg.vae is not None:
-                self.vae = _load_vae(cfg.vae)
+                self.vae = load_vae(cfg.vae, what="adaptive_load.preview.vae")
 
     @classmethod
     def attach(cls, run, *, engine, metrics, log: Callable[[str], None]) -> Optional["PreviewRunner"]:
@@ -315,19 +332,3 @@ class PreviewRunner:
                 "max_peak_gib": max(peaks) if peaks else None,
                 "predicted_gib": max(self.plan.predicted_gib.values()) if self.plan.predicted_gib else None,
                 "budget_gib": self.plan.budget_gib}
-
-
-def _load_vae(path: str):
-    """diffusers' AutoencoderKLWan from a local directory (fp32 on the CPU; moved to the GPU per decode)."""
-    p = Path(path)
-    if not p.is_dir():
-        raise ConfigError(f"adaptive_load.preview.vae: {p} is not a directory (a diffusers AutoencoderKLWan, e.g. "
-                          "a Wan pipeline's vae/ folder)")
-    try:
-        from diffusers import AutoencoderKLWan
-    except ImportError:
-        raise ConfigError("adaptive_load.preview.vae needs diffusers (pip install 'ds_adaptive[diffusers]')") from None
-    try:
-        return AutoencoderKLWan.from_pretrained(str(p), torch_dtype=torch.float32, local_files_only=True).eval()
-    except (OSError, ValueError, KeyError) as exc:
-        raise ConfigError(f"adaptive_load.preview.vae: cannot load AutoencoderKLWan from {p}: {exc}") from None

@@ -295,13 +295,13 @@ class Trainer:
         run, sampler, metrics = self.run, self.run.sampler, self.metrics
         totals = sampler.step_totals(self.step_in_epoch)
         factor = sampler.lr_scale(self.step_in_epoch)
-        if run.lora is not None and run.lora.dropout > 0:  # dropout masks as a function of (seed, step, rank)
-            reseed_dropout(self.opts.seed, self.global_step, self.layout.rank)
         metrics.start_step()
         loss_num = loss_den = 0.0
         step_lr = None
         for micro in range(run.gas):
-            batch = self._next_batch(micro)
+            batch = self._next_batch(micro)  # (a new DataLoader iterator draws from the global RNG)
+            if run.lora is not None and run.lora.dropout > 0:  # dropout masks: (seed, step, micro, rank)
+                reseed_dropout(self.opts.seed, self.global_step, micro, self.layout.rank)
             latents = batch["latents"].to(run.device, non_blocking=True)
             context = batch["context"].to(run.device, non_blocking=True)
             context = F.pad(context, (0, 0, 0, MAX_TEXT_LEN - context.shape[1]))
