@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -306,3 +307,41 @@ def test_trained_adapters_export_to_diffusers_and_merge(lora_runs, capsys, monke
         assert export_main(["ckpt", "--to", "exp2", "--base", "base_moved"]) == 0
     finally:
         (tmp / "base_moved").rename(tmp / "base")
+
+
+@pytest.mark.slow
+def test_lora_under_ulysses_sp_and_its_preview(tmp_path):
+    """sp=2 (both ranks one Ulysses group) + ZeRO-3 + LoRA: the adapters train, and the preview the SP group
+    generates after step 3 is what the checkpoint of step 3 draws in one process (the warm-up schedule of
+    cpu_tiny.json gives steps 1 and 2 learning rate 0)."""
+    from PIL import Image
+
+    from conftest import launch_ranks
+    from ds_adaptive.data import build_dataset
+    from ds_adaptive.flow_sampler import euler_sample, initial_noise
+    from ds_adaptive.lora import read_lora_file
+    from ds_adaptive.media_out import latent_strip
+    from ds_adaptive.models.weights import save_wan_weights
+    from ds_adaptive.objective import sample_seed
+    from ds_adaptive.export import main as export_main
+    from ds_adaptive.sample import load_model
+
+    save_wan_weights(random_init_(WanModel(get_wan_config("tiny")), seed=9), tmp_path / "base", layout="diffusers")
+    cfg = _config(tmp_path, interval=3, num_prompts=1, guidance_scale=1.0, steps=3)
+    launch_ranks(["-m", "ds_adaptive.train", "--deepspeed_config", str(cfg), "--num-samples", "60", "--seed", "2",
+                  "--steps", "3", "--sp", "2", "--init-from", "base", "--log-dir", "sp2", "--save", "ckpt"], 2,
+                 cwd=tmp_path, env={"PYTHONPATH": str(ROOT)})
+    summary = json.loads((tmp_path / "sp2" / "summary.json").read_text())
+    assert summary["sp"] == 2 and summary["lora"]["rank"] == 4
+    assert export_main([str(tmp_path / "ckpt"), "--lora", "--to", str(tmp_path / "exp")]) == 0
+    pairs, _ = read_lora_file(tmp_path / "exp" / LORA_FILE)
+    assert any(float(b.abs().max()) > 0 for _, b in pairs.values())   # the step moved lora_B under SP
+
+    ds = build_dataset("synthetic", num_samples=60, shapes=str(ROOT / "launch" / "configs" / "shapes_cpu.json"), seed=2)
+    shape, ctx = ds.sample_shapes()[0], ds[0]["context"]
+    model, _ = load_model(str(tmp_path / "ckpt"), base=str(tmp_path / "base"))
+    x0 = euler_sample(model, initial_noise(shape.latent_shape, sample_seed(0, 0, 0)),
+                      torch.nn.functional.pad(ctx, (0, 0, 0, 512 - ctx.shape[0]))[None], steps=3, shift=5.0)
+    got = np.asarray(Image.open(tmp_path / "sp2" / "previews" / "step0000003_sample0.png")).astype(int)
+    diff = np.abs(got - latent_strip(x0[0]).astype(int))
+    assert diff.max() <= 2 and diff.mean() < 0.05
