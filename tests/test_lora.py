@@ -345,3 +345,25 @@ def test_lora_under_ulysses_sp_and_its_preview(tmp_path):
     got = np.asarray(Image.open(tmp_path / "sp2" / "previews" / "step0000003_sample0.png")).astype(int)
     diff = np.abs(got - latent_strip(x0[0]).astype(int))
     assert diff.max() <= 2 and diff.mean() < 0.05
+
+
+@pytest.mark.slow
+def test_lora_with_sparse_attention_and_previews(tmp_path):
+    """LoRA + DSV sparse attention (reference backend) + previews in one process: stage 2 runs sparse layers, the
+    previews of a sparse model are written, the losses stay finite."""
+    from conftest import launch_ranks
+    from ds_adaptive.models.weights import save_wan_weights
+
+    save_wan_weights(random_init_(WanModel(get_wan_config("tiny")), seed=9), tmp_path / "base", layout="diffusers")
+    cfg = json.loads(_config(tmp_path, interval=2, num_prompts=1).read_text())
+    cfg["adaptive_load"]["fused_ln_modulate"] = False
+    cfg["adaptive_load"]["sparse_attention"] = {
+        "enabled": True, "block_size": 32, "cube": [1, 4, 8], "backend": "reference", "warmup_steps": 2,
+        "dense_layers": [], "layer_density_threshold": 1.0, "dense_above": 1.0, "profile_interval": 1, "sample_rows": 32}
+    (tmp_path / "sparse.json").write_text(json.dumps(cfg))
+    launch_ranks(["-m", "ds_adaptive.train", "--deepspeed_config", "sparse.json", "--num-samples", "60", "--seed", "2",
+                  "--steps", "4", "--init-from", "base", "--log-dir", "run"], 1, cwd=tmp_path, env={"PYTHONPATH": str(ROOT)})
+    s = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert s["sparse_attention"]["sparse_layers"] >= 1 and s["preview"]["rounds"] == 2
+    assert all(np.isfinite(s["losses"])) and s["lora"]["rank"] == 4
+    assert (tmp_path / "run" / "previews" / "step0000004_sample0.png").is_file()
