@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("peft", reason="LoRA needs peft (pip install 'ds_adaptive[lora]')")
 
-from ds_adaptive.config import ConfigError, LoraConfig  # noqa: E402
+from ds_adaptive.config import LoraConfig  # noqa: E402
 from ds_adaptive.lora import (LORA_FILE, LoraError, adapter_pairs, adapter_parameters, apply_lora,  # noqa: E402
                               base_probe, check_base, check_resume, diffusers_lora, load_adapters, merge_adapters,
                               read_lora_file)
