@@ -5,7 +5,8 @@ Install (CPU or GPU node; install torch first so pip does not pull another build
     pip install -e ".[dev]"
 
 Extras:
-    dev        tests, plots and the optional integrations the tests cover (megatron-core, diffusers, preprocess)
+    dev        tests, plots and the optional integrations the tests cover (megatron-core, diffusers, preprocess, peft)
+    lora       peft (+ transformers), for LoRA fine-tuning (adaptive_load.lora); wandb is optional and not an extra
     preprocess ds-adaptive preprocess: PyAV, diffusers (Wan VAE), transformers (umT5), ftfy
     megatron   megatron-core, for the sampler inside Megatron's data pipeline (patches/megatron.py)
     diffusers  diffusers, for the fused op / Ulysses in diffusers' WanTransformer3DModel
@@ -42,12 +43,16 @@ extras_require = {
     "dev": ["pytest>=7", "pytest-timeout", "hypothesis>=6", "matplotlib", "tensorboard",
             "diffusers>=0.33", "accelerate", "megatron-core>=0.12",
             "av>=14", "transformers>=4.56", "ftfy",  # the preprocess tests (tests/test_preprocess.py)
-            "triton>=3.2"],  # tests/test_sparse_kernels.py: the block-sparse kernels under the Triton interpreter
+            "triton>=3.2",  # tests/test_sparse_kernels.py: the block-sparse kernels under the Triton interpreter
+            "peft>=0.17"],  # LoRA (tests/test_lora.py)
     # our Triton block-sparse kernels (GPU nodes get triton with torch's CUDA wheels; on CPU: the interpreter)
     "triton": ["triton>=3.2"],
     # ds-adaptive preprocess: PyAV (wheels bundle FFmpeg), diffusers' AutoencoderKLWan, transformers' umT5,
     # ftfy (Wan's caption cleaning). Tested: av 18.1, diffusers 0.42.1, transformers 5.23 with torch 2.13.
     "preprocess": ["av>=14", "diffusers>=0.33", "accelerate", "transformers>=4.56", "ftfy", "pillow"],
+    # adaptive_load.lora: peft injects the adapters (it imports transformers); diffusers' load_lora_weights reads the
+    # exported file. Tested: peft 0.21.2, transformers 5.24.
+    "lora": ["peft>=0.17", "transformers>=4.56"],
     "megatron": ["megatron-core>=0.12"],
     "diffusers": ["diffusers>=0.33", "accelerate"],  # from_pretrained of Wan needs accelerate
     "plots": ["matplotlib", "tensorboard"],

@@ -27,15 +27,7 @@ export PYTHONUNBUFFERED=1
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/torch_extensions}
 note() { echo "[e2e.sh $(date +%H:%M:%S) +$((SECONDS))s] $*"; }
 
-WHEELS=${WHEELS:-.whl}   # WHEELS=none: use the installed packages even if .whl/ exists
-if [ -d "$WHEELS" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
-    >"$OUT/pip.log" 2>&1 || note "wheelhouse install failed (see pip.log)"
-  export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
-else
-  export PYTHONPATH=$PWD:${PYTHONPATH:-}
-fi
-command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=index,name,memory.total,clocks.max.sm --format=csv,noheader
+source bench/bench_env.sh   # wheelhouse -> /tmp/site, PYTHONPATH, the GPU
 
 ARMS=()
 if [[ " $* " != *" --plan-only "* && " $* " != *" --device cpu "* && " $* " != *" --report-only "* ]]; then

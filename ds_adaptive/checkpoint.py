@@ -89,12 +89,14 @@ def _files(tag_dir: Path) -> dict[str, int]:
 
 
 def write_checkpoint(engine, save_dir: PathLike, tag: str, client_state: dict, *, step: int, keep: int = 0,
-                     log=print) -> Path:
+                     log=print, exclude_frozen: bool = False) -> Path:
     """Save a complete checkpoint (see the module doc); every rank calls it. ``keep`` > 0: keep
     only the ``keep`` newest complete ``global_stepN`` checkpoints (rank 0 deletes the rest after the
-    new one is complete). Returns the tag directory."""
+    new one is complete). ``exclude_frozen``: leave out parameters without gradients (LoRA: the frozen
+    base). Returns the tag directory."""
     save_dir = Path(save_dir)
-    engine.save_checkpoint(str(save_dir), tag=tag, client_state=client_state, save_latest=False)
+    engine.save_checkpoint(str(save_dir), tag=tag, client_state=client_state, save_latest=False,
+                           exclude_frozen_parameters=exclude_frozen)
     _barrier()
     tag_dir = save_dir / tag
     if _rank() == 0:

@@ -16,6 +16,7 @@ COMMANDS = {
     "config": ("ds_adaptive.config", "print the adaptive_load reference table, or --check a ds_config's block"),
     "dry-run": ("ds_adaptive.dryrun", "validate a ds_config + topology without GPUs and print the deepspeed command"),
     "export": ("ds_adaptive.export", "a trained checkpoint (ZeRO shards consolidated) -> diffusers-format transformer"),
+    "sample": ("ds_adaptive.sample", "generate videos from a checkpoint or exported model (Euler sampler, optional VAE)"),
     "preprocess": ("ds_adaptive.preprocess.run", "media + captions -> latent shards (the model's VAE + text encoder), multi-GPU, resumable"),
     "stats": ("ds_adaptive.preprocess.stats", "shape histogram (table, PNG, shapes json) of a latent dataset or manifest"),
 }

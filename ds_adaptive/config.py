@@ -143,6 +143,14 @@ class MetricsConfig(_Block):
     jsonl: bool = True
     """Write one JSON line per logged step to `log_dir`/metrics.jsonl."""
 
+    wandb: bool = False
+    """Also log to Weights & Biases (rank 0; the scalars TensorBoard gets, previews as images). Needs the
+    `wandb` package; when it is not installed the run says so once and logs without it."""
+
+    wandb_project: str = "ds_adaptive"
+    """W&B project of the run (its name is the log directory's name; entity and mode come from the usual
+    `WANDB_*` environment variables, e.g. `WANDB_MODE=offline`)."""
+
     peak_tflops: Optional[float] = Field(None, gt=0.0)
     """Dense bf16 peak of one GPU (TFLOP/s) for MFU / HFU; null: from the table of known GPUs
     (`ds_adaptive/balance/devices.py`: H100/H200 989, A100 312, ...); MFU is not reported when the
@@ -305,6 +313,119 @@ class SparseAttentionConfig(_Block):
         return self
 
 
+class LoraConfig(_Block):
+    """LoRA fine-tuning with peft (ds_adaptive.lora): low-rank adapters on the DiT's linears, base frozen."""
+
+    enabled: bool = False
+    """Train LoRA adapters instead of the whole DiT: the base weights are frozen (no gradients, no
+    optimizer state), only the adapters are optimised and saved in checkpoints. Needs `peft`
+    (`pip install 'ds_adaptive[lora]'`). Combine with `--init-from` to adapt pretrained Wan weights."""
+
+    rank: int = Field(32, ge=1, le=1024)
+    """Rank r of every adapter (`lora_A` is r x in, `lora_B` is out x r)."""
+
+    alpha: float = Field(32.0, gt=0.0)
+    """LoRA alpha: the adapter's output is scaled by alpha / rank (alpha / sqrt(rank) with `rslora`).
+    `ds-adaptive export --lora` folds this scale into `lora_B`, so the file loads with scale 1 anywhere."""
+
+    targets: list[str] = Field(default_factory=lambda: ["self_attn", "cross_attn", "ffn"])
+    """Linears of every block that get an adapter: groups `self_attn` (q, k, v, o), `cross_attn` (q, k, v,
+    o), `ffn` (both FFN linears), or single module paths inside a block such as `self_attn.q` or `ffn.0`."""
+
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapters' input (peft `lora_dropout`); its random mask is reseeded from (seed,
+    step, rank) every optimizer step, so a resumed run draws the masks of the straight run."""
+
+    init: Literal["kaiming", "gaussian"] = "kaiming"
+    """Initialisation of `lora_A` (`lora_B` starts at zero, so training starts from the base model):
+    peft's default Kaiming-uniform, or Gaussian with std 1/rank."""
+
+    rslora: bool = False
+    """Rank-stabilised LoRA: scale by alpha / sqrt(rank) instead of alpha / rank."""
+
+    @field_validator("targets")
+    @classmethod
+    def _targets_listed_once(cls, v):
+        if not v:
+            raise ValueError("must name at least one target (e.g. [\"self_attn\", \"cross_attn\", \"ffn\"])")
+        dup = sorted({t for t in v if v.count(t) > 1})
+        if dup:
+            raise ValueError(f"lists {dup} more than once")
+        return v
+
+
+class PreviewConfig(_Block):
+    """Sample previews during training (ds_adaptive.preview): fixed prompts and seeds, Euler sampler."""
+
+    enabled: bool = False
+    """Generate previews every `interval` optimizer steps (and after the last step)."""
+
+    interval: int = Field(500, ge=1)
+    """Optimizer steps between previews."""
+
+    prompts: Optional[str] = None
+    """Text embeddings of the preview prompts: a `.safetensors` file with one `[L, 4096]` umT5 embedding
+    per prompt, the tensor names are the preview names (`ds-adaptive sample --text-encoder DIR --prompt
+    TEXT --save-embeddings FILE` writes one, in prompt order; other files are read in name order). null: the contexts of the first `num_prompts` training
+    samples (the synthetic dataset's embeddings, or your shards' captions)."""
+
+    num_prompts: int = Field(2, ge=1, le=64)
+    """Previews per round (the first N prompts of `prompts`, or of the dataset); they are dealt out to
+    the data-parallel ranks, which generate in parallel."""
+
+    size: Optional[str] = None
+    """Video size of a preview in pixels, "FRAMESxHEIGHTxWIDTH" (e.g. "81x480x832"; frames 4n+1,
+    height and width multiples of 16). null: each dataset prompt's own sample shape (required with
+    `prompts`)."""
+
+    steps: int = Field(20, ge=1, le=1000)
+    """Euler steps of the flow-matching sampler (sigma from 1 to 0, Wan's shift)."""
+
+    shift: Optional[float] = Field(None, gt=0.0)
+    """Timestep shift of the sampler's sigma schedule; null: the trainer's `--shift`."""
+
+    guidance_scale: float = Field(1.0, ge=1.0)
+    """Classifier-free guidance scale; 1: no guidance (one forward per step), > 1: conditional and
+    unconditional forwards per step (batched when the memory budget allows)."""
+
+    negative: Optional[str] = None
+    """Name of the negative-prompt embedding in `prompts` (the unconditional branch of guidance);
+    null: an all-zero context."""
+
+    seed: int = 0
+    """Seed of the preview noise: preview j always starts from the same noise."""
+
+    vae: Optional[str] = None
+    """Directory of a diffusers `AutoencoderKLWan` (`save_pretrained` / a Wan pipeline's `vae/`): previews
+    are decoded to video (`format`). null: a latent preview PNG (latent frames side by side, the latent
+    channels projected to RGB)."""
+
+    format: Literal["mp4", "gif"] = "mp4"
+    """File format of decoded previews (mp4 via PyAV, gif via Pillow)."""
+
+    fps: int = Field(16, ge=1, le=120)
+    """Frames per second of decoded previews (Wan 2.1: 16)."""
+
+    @field_validator("size")
+    @classmethod
+    def _size_is_a_shape(cls, v):
+        if v is not None:
+            from .shapes import SampleShape, ShapeError
+
+            try:
+                SampleShape.parse(v)
+            except ShapeError as exc:
+                raise ValueError(str(exc)) from None
+        return v
+
+    @model_validator(mode="after")
+    def _file_prompts_need_a_size(self):
+        if self.enabled and self.prompts is not None and self.size is None:
+            raise ValueError("preview.prompts is a file of text embeddings, which carry no video size: set "
+                             "preview.size (e.g. \"33x480x832\")")
+        return self
+
+
 class AdaptiveLoadConfig(_Block):
     """The "adaptive_load" block of the ds_config json."""
 
@@ -331,6 +452,12 @@ class AdaptiveLoadConfig(_Block):
 
     sparse_attention: SparseAttentionConfig = Field(default_factory=SparseAttentionConfig)
     """The DSV sparse-attention sub-block (off by default)."""
+
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    """The LoRA fine-tuning sub-block (off by default)."""
+
+    preview: PreviewConfig = Field(default_factory=PreviewConfig)
+    """The sample-preview sub-block (off by default)."""
 
 
 def _format_validation_error(exc: ValidationError, source: str) -> str:

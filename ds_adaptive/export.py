@@ -94,22 +94,58 @@ def consolidated_state_dict(save_dir: Path, tag: str) -> dict:
 
 
 def export_checkpoint(ckpt: str, out: str, *, tag: Optional[str] = None, dtype: str = "fp32",
-                      model: Optional[str] = None, layers: Optional[int] = None) -> Path:
+                      model: Optional[str] = None, layers: Optional[int] = None, lora: bool = False,
+                      base: Optional[str] = None) -> Path:
     """Write the diffusers-format transformer of a DeepSpeed checkpoint to ``out`` (or to the model's folder of
-    the diffusers pipeline directory ``out``); returns the weights file."""
+    the diffusers pipeline directory ``out``); returns the weights file. ``lora``: write only the LoRA adapters
+    of a LoRA checkpoint (``out/pytorch_lora_weights.safetensors``, ``ds_adaptive.lora.export_lora``). A LoRA
+    checkpoint exported whole gets its adapters merged into its base (``base``: the base's directory, default
+    the run's ``--init-from``)."""
     import torch
 
-    from ds_adaptive.models.family import ModelError
     from ds_adaptive.models.registry import get_model
 
     if dtype not in DTYPES:
         raise ExportError(f"--dtype must be one of {DTYPES}, got {dtype!r}")
     save_dir, tag = resolve_checkpoint(ckpt, tag)
-    state = read_client_state(save_dir / tag)
-    name = model or state.get("model")
+    if lora:
+        from ds_adaptive.lora import export_lora
+
+        return export_lora(save_dir, tag, read_client_state(save_dir / tag), out,
+                           consolidated_state_dict(save_dir, tag))
+    cfg, sd = checkpoint_weights(save_dir, tag, model=model, layers=layers, base=base)
+    spec = get_model(cfg_model_name(save_dir, tag, model))
+    with torch.device("meta"):
+        net = spec.build(cfg)
+    net.to_dtype({"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype])
+    spec.weights.load_state_dict(net, sd, source=str(save_dir / tag))
+    target = Path(out)
+    if (target / "model_index.json").is_file():   # a diffusers pipeline: the model's own folder in it
+        target = target / spec.subfolder
+    return spec.weights.save(net, target, layout="diffusers")
+
+
+def cfg_model_name(save_dir: Path, tag: str, model: Optional[str] = None) -> str:
+    """The model a checkpoint holds: ``model`` (``--model``), else its ds_adaptive client state's."""
+    name = model or read_client_state(save_dir / tag).get("model")
     if name is None:
         raise ExportError(f"{save_dir / tag} was not written by ds_adaptive (no '{CLIENT_STATE_KEY}' client state): "
                           "pass --model (and --layers) to say which model it holds")
+    return name
+
+
+def checkpoint_weights(save_dir: Path, tag: str, *, model: Optional[str] = None, layers: Optional[int] = None,
+                       base: Optional[str] = None):
+    """``(model config, {model parameter name: fp32 tensor})`` of the model a checkpoint holds (``export`` and
+    ``ds-adaptive sample``): ZeRO shards consolidated, names and shapes checked by the family's weight adapter;
+    a LoRA checkpoint's adapters merged into its base."""
+    import torch
+
+    from ds_adaptive.models.family import ModelError
+    from ds_adaptive.models.registry import get_model
+
+    state = read_client_state(save_dir / tag)
+    name = cfg_model_name(save_dir, tag, model)
     n_layers = layers if layers is not None else state.get("layers")
     try:
         spec = get_model(name)
@@ -117,17 +153,18 @@ def export_checkpoint(ckpt: str, out: str, *, tag: Optional[str] = None, dtype: 
     except ModelError as exc:
         raise ExportError(f"model {name!r} (layers {n_layers}): {exc}") from None
     sd = consolidated_state_dict(save_dir, tag)
+    if state.get("lora"):
+        from ds_adaptive.lora import merged_weights
+
+        return cfg, merged_weights(cfg, state["lora"], sd, base=base, what=str(save_dir / tag))
     with torch.device("meta"):
         net = spec.build(cfg)
-    net.to_dtype({"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype])
+    net.to_dtype(torch.float32)
     try:
         spec.weights.load_state_dict(net, sd, source=f"{save_dir / tag} (model {name}, {cfg.num_layers} blocks)")
     except ModelError as exc:
         raise ExportError(f"{exc}\nIf the run used --layers N, pass --layers N.") from None
-    target = Path(out)
-    if (target / "model_index.json").is_file():   # a diffusers pipeline: the model's own folder in it
-        target = target / spec.subfolder
-    return spec.weights.save(net, target, layout="diffusers")
+    return cfg, {n: p.detach() for n, p in net.named_parameters()}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -142,16 +179,26 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="weights dtype (default fp32; bf16/fp16 keep diffusers' fp32 modules in fp32)")
     ap.add_argument("--model", default=None, help="the model, for checkpoints without ds_adaptive state")
     ap.add_argument("--layers", type=int, default=None, help="number of blocks, when the run used --layers")
+    ap.add_argument("--lora", action="store_true",
+                    help="LoRA checkpoints: write only the adapters, DIR/pytorch_lora_weights.safetensors in diffusers' "
+                         "PEFT format (WanPipeline.load_lora_weights(DIR) loads it)")
+    ap.add_argument("--base", default=None,
+                    help="LoRA checkpoints exported whole: the base model's directory (default: the run's --init-from); "
+                         "the adapters are merged into it")
     args = ap.parse_args(argv)
+    from ds_adaptive.lora import LoraError
     from ds_adaptive.models.family import ModelError
 
     try:
         f = export_checkpoint(args.checkpoint, args.to, tag=args.tag, dtype=args.dtype, model=args.model,
-                              layers=args.layers)
-    except (ExportError, ModelError) as exc:
+                              layers=args.layers, lora=args.lora, base=args.base)
+    except (ExportError, ModelError, LoraError) as exc:
         print(f"ds-adaptive export: error: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {f.parent / 'config.json'} and {f} (diffusers layout, {args.dtype})")
+    if args.lora:
+        print(f"wrote {f} (LoRA adapters, diffusers PEFT format: load_lora_weights({str(f.parent)!r}))")
+    else:
+        print(f"wrote {f.parent / 'config.json'} and {f} (diffusers layout, {args.dtype})")
     return 0
 
 

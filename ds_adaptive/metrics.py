@@ -258,6 +258,7 @@ class StepMetrics:
         self._timer: Optional[ComputeTimer] = None
         self._jsonl = None
         self._tb = None
+        self._wandb = None
         self._reset_step()
         self._step_t0 = time.perf_counter()
         self.peak_tflops = _peak_tflops(cfg, device)
@@ -276,6 +277,11 @@ class StepMetrics:
                 except ImportError:
                     print("ds_adaptive.metrics: the 'tensorboard' package is not installed; TensorBoard logs are "
                           "off (pip install tensorboard, or set adaptive_load.metrics.tensorboard=false)")
+            if cfg.wandb:
+                from .wandb_log import WandbLogger
+
+                self._wandb = WandbLogger.open(project=cfg.wandb_project, log_dir=self.log_dir,
+                                               config=json_safe(self.run_info))
 
     def attach_engine(self, engine) -> list[str]:
         """Time compute without the waits for other ranks (see :class:`ComputeTimer`); returns
@@ -441,18 +447,33 @@ class StepMetrics:
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(json_safe(rec.as_dict()), allow_nan=False) + "\n")
             self._jsonl.flush()
+        values = {f"train/{key}": getattr(rec, key) for key in (
+            "loss", "lr", "cv_step", "cv_step_wall", "compute_cv", "idle_frac", "tokens_per_s", "samples_per_s",
+            "mfu", "hfu")}
+        values["train/peak_mem_gib_max"] = max(rec.peak_mem_gib)
+        values["train/step_s"] = rec.wall_s
         if self._tb is not None:
-            for key in ("loss", "lr", "cv_step", "cv_step_wall", "compute_cv", "idle_frac", "tokens_per_s",
-                        "samples_per_s", "mfu", "hfu"):
-                self._tb.add_scalar(f"train/{key}", getattr(rec, key), rec.step)
-            self._tb.add_scalar("train/peak_mem_gib_max", max(rec.peak_mem_gib), rec.step)
-            self._tb.add_scalar("train/step_s", rec.wall_s, rec.step)
+            for key, value in values.items():
+                self._tb.add_scalar(key, value, rec.step)
+        if self._wandb is not None:
+            self._wandb.scalars(rec.step, values)
 
     def log_scalars(self, step: int, values: dict) -> None:
         """Extra scalars (e.g. ``sparse/density``) to TensorBoard under their own names (writer rank only)."""
         if self.is_writer and self._tb is not None:
             for key, value in values.items():
                 self._tb.add_scalar(key, value, step)
+        if self.is_writer and self._wandb is not None:
+            self._wandb.scalars(step, values)
+
+    def log_image(self, tag: str, image, step: int, caption: str = "") -> None:
+        """A uint8 ``[H, W, 3]`` image (e.g. a preview's frame strip) to TensorBoard and W&B (writer rank only)."""
+        if not self.is_writer:
+            return
+        if self._tb is not None:
+            self._tb.add_image(tag, image, step, dataformats="HWC")
+        if self._wandb is not None:
+            self._wandb.image(tag, image, step, caption)
 
     def summary(self, warmup_steps: Optional[int] = None) -> dict:
         """Run totals; throughput and balance are measured after ``warmup_steps`` (default: 1 when
@@ -519,6 +540,9 @@ class StepMetrics:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None
 
 
 def _utilisation(records, attr: str) -> float:

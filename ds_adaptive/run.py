@@ -20,6 +20,7 @@ import torch
 
 from .config import ConfigError, prepare_ds_config
 from .layout import Layout, strip_mesh_keys
+from .lora import adapter_parameters, apply_run_lora
 from .run_config import RunConfig
 
 __all__ = ["Run", "build_run", "DEFAULT_NUM_SAMPLES"]
@@ -65,6 +66,8 @@ class Run:
     def text_len(self) -> int:
         """Text tokens per sample after zero padding (the model's)."""
         return self.preset.text_len
+    lora: Any = None
+    """``ds_adaptive.lora.LoraInfo`` when ``adaptive_load.lora`` is enabled (adapters injected, base frozen)."""
 
     @property
     def gas(self) -> int:
@@ -132,13 +135,18 @@ def build_run(cfg: RunConfig, *, layout: Optional[Layout] = None, device: Option
                    sparse_decision_cost(cfg.adaptive_load.sparse_attention, model_config, sparse_choice, device, dtype))
     # Before the model: "gradient_accumulation_steps": "auto" is resolved by the sampler, and zero.Init
     # reads the ds_config.
+    lora_cfg = cfg.adaptive_load.lora  # LoRA: only the adapters have gradients and optimizer state (memory model)
+    adapters = adapter_parameters(model_config, lora_cfg) if lora_cfg.enabled else None
     sampler = _build_sampler(cfg, dataset, layout, ds_config, gpu_mem_gib, notes, model_config=model_config,
-                             sparse_cost=sparse_cost, device=device, meta=meta)
+                             sparse_cost=sparse_cost, device=device, meta=meta, adapter_params=adapters)
     model = _build_model(cfg, preset, model_config, ds_config, meta=meta)
     if not meta:
         notes.extend(_block_fusion(model, cfg.adaptive_load.block_fusion, t.model))
     if t.init_from and not meta:
         notes.append(_init_from(model, t.init_from, preset))
+    lora = apply_run_lora(cfg, model, meta=meta, device=device) if lora_cfg.enabled else None  # base names first
+    if lora is not None:
+        notes.append(lora.describe())
     if layout.sp_enabled and not meta:
         from .parallel import apply_ulysses
 
@@ -146,7 +154,7 @@ def build_run(cfg: RunConfig, *, layout: Optional[Layout] = None, device: Option
     sparse = _attach_sparse(cfg, model, layout, device, sampler, sparse_choice, sparse_cost)
     return Run(cfg=cfg, layout=layout, device=device, ds_config=ds_config, dtype=dtype, preset=preset,
                model_config=model_config, model=model, dataset=dataset, sampler=sampler, gpu_mem_gib=gpu_mem_gib,
-               notes=notes, sparse=sparse)
+               notes=notes, sparse=sparse, lora=lora)
 
 
 def _engine_config(cfg: RunConfig, layout: Layout, *, on_gpu: bool, announce: bool) -> dict:
@@ -334,7 +342,8 @@ def run_ln_modulate_path(fused_requested: bool) -> str:
 
 
 def _build_sampler(cfg: RunConfig, dataset, layout: Layout, ds_config: dict, gpu_mem_gib, notes: list, *,
-                   model_config=None, sparse_cost=None, device: Optional[torch.device] = None, meta: bool = False):
+                   model_config=None, sparse_cost=None, device: Optional[torch.device] = None, meta: bool = False,
+                   adapter_params=None):
     """The batch sampler; with ``--layers`` the profile is rescaled to the trained depth (or, when it
     cannot be, used at full depth with a note). With sparse attention rebalancing, it plans with the
     sparse cost (:func:`_sparse_cost`) when the profile has the trained model's layers. ``profile: auto``
@@ -353,7 +362,7 @@ def _build_sampler(cfg: RunConfig, dataset, layout: Layout, ds_config: dict, gpu
                                  device=device or torch.device("cpu"), notes=notes)
     kw = dict(micro_steps_per_step=gas if gas == "auto" else int(gas), enabled=cfg.adaptive_load.enabled,
               gpu_mem_gib=gpu_mem_gib, model_name=t.model, zero_stage=stage, profile_log=notes.append,
-              ln_modulate=ln_path, profile=calibrated)
+              ln_modulate=ln_path, profile=calibrated, adapter_params=adapter_params)
     shapes = dataset.sample_shapes()
     sparse = _sparse_cost(cfg, notes, sparse_cost)
     try:

@@ -110,6 +110,8 @@ class RunConfig(BaseModel):
             s = block.sampler
             s.shapes = resolve_relative(s.shapes, path)
             s.profile = resolve_relative(s.profile, path)
+            pv = block.preview
+            pv.prompts, pv.vae = resolve_relative(pv.prompts, path), resolve_relative(pv.vae, path)
         for key, value in (overrides or {}).items():
             if value is not None:
                 _set_dotted(block, key, value)

@@ -196,6 +196,17 @@ class SampleShape:
     def __str__(self) -> str:  # 81x480x832
         return f"{self.frames}x{self.height}x{self.width}"
 
+    @classmethod
+    def parse(cls, text: str, *, where: str = "") -> "SampleShape":
+        """``"81x480x832"`` (frames x height x width) -> SampleShape; ShapeError naming ``where`` otherwise."""
+        parts = str(text).lower().split("x")
+        if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+            ctx = f" ({where})" if where else ""
+            raise ShapeError(f"a shape is FRAMESxHEIGHTxWIDTH such as 81x480x832{ctx}, got {text!r}")
+        f, h, w = (int(p) for p in parts)
+        validate_shape(f, h, w, where=where)
+        return cls(f, h, w)
+
 
 def validate_shape(frames: int, height: int, width: int, *, where: str = "", grid: Optional[GridRule] = None) -> None:
     """Raise ShapeError unless ``grid`` (default: the default model's) can represent the shape."""

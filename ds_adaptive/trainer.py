@@ -29,10 +29,12 @@ import torch.nn.functional as F
 from .checkpoint import CheckpointError, check_checkpoint, find_resumable, step_of, tag_for, write_checkpoint
 from .data import DataError, build_dataset, collate_latents
 from .layout import Layout
+from .lora import CLIENT_KEY as LORA_KEY, reseed_dropout, resume_problem
 from .metrics import StepMetrics, format_summary
 from .balance.memory import model_checkpoint_blocks
 from .ops.apply import ln_modulate_summary
 from .objective import EVAL_TIMESTEPS, eval_inputs, flow_matching_losses, mean_mse
+from .preview import PreviewRunner
 from .preempt import EXIT_PREEMPTED, StopRequest, ignore_stop_signals
 from .run import Run
 from .run_config import UsageError
@@ -201,6 +203,7 @@ class Trainer:
         self.metrics = self._build_metrics()
         if self.sparse is not None:
             self._warm_sparse()
+        self.preview = PreviewRunner.attach(run, engine=self.engine, metrics=self.metrics, log=self.log)
         self.ckpt_policy = run.cfg.adaptive_load.sampler.checkpointing
         self.memory_log = MemoryLog(run.sampler, run.zero_stage, self.layout.world,
                                     run.cfg.adaptive_load.metrics.log_dir, self.is_main and run.device.type == "cuda")
@@ -313,7 +316,9 @@ class Trainer:
         loss_num = loss_den = 0.0
         step_lr = None
         for micro in range(run.gas):
-            batch = self._next_batch(micro)
+            batch = self._next_batch(micro)  # (a new DataLoader iterator draws from the global RNG)
+            if run.lora is not None and run.lora.dropout > 0:  # dropout masks: (seed, step, micro, rank)
+                reseed_dropout(self.opts.seed, self.global_step, micro, self.layout.rank)
             latents = batch["latents"].to(run.device, non_blocking=True)
             context = batch["context"].to(run.device, non_blocking=True)
             context = F.pad(context, (0, 0, 0, run.text_len - context.shape[1]))
@@ -399,8 +404,10 @@ class Trainer:
             "world_size": self.layout.world, "nonfinite_steps": list(self.nonfinite_steps)}}
         if self.sparse is not None:
             state.update(self.sparse.client_state())
+        if self.run.lora is not None:  # adapters only: the frozen base is rebuilt (seed / --init-from) on resume
+            state[CLIENT_STATE_KEY][LORA_KEY] = self.run.lora.client_state()
         write_checkpoint(self.engine, self.opts.save, tag_for(self.global_step), state, step=self.global_step,
-                         keep=self.opts.keep_checkpoints, log=self.log)
+                         keep=self.opts.keep_checkpoints, log=self.log, exclude_frozen=self.run.lora is not None)
         self.log(f"saved checkpoint step {self.global_step} to {self.opts.save} ({time.perf_counter() - t0:.1f} s)")
 
     def resume(self, path: str) -> None:
@@ -420,17 +427,21 @@ class Trainer:
             if problem is not None:
                 raise UsageError(f"--resume {path}: {problem}; pass the --save directory to fall back to the "
                                  "newest complete checkpoint")
-        try:
-            load_path, client = self.engine.load_checkpoint(load_dir, tag=tag)
+        try:  # a LoRA checkpoint has no frozen base weights: the module state is not loaded strictly
+            load_path, client = self.engine.load_checkpoint(load_dir, tag=tag, load_module_strict=self.run.lora is None)
         except (RuntimeError, OSError, EOFError, KeyError, ValueError) as exc:
-            raise UsageError(f"--resume {path}: DeepSpeed could not load checkpoint {tag} "
-                             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+            lora = resume_problem(self.run.lora, Path(load_dir) / tag)  # LoRA vs full fine-tuning, named
+            raise UsageError(f"--resume {path}: " + (lora or f"DeepSpeed could not load checkpoint {tag} "
+                             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")) from None
         if load_path is None:
             raise UsageError(f"--resume {path}: DeepSpeed could not load a checkpoint from it")
         state = (client or {}).get(CLIENT_STATE_KEY)
         if state is None:
             raise UsageError(f"--resume {path}: the checkpoint {load_path} was not written by ds_adaptive "
                              f"(client_state has no '{CLIENT_STATE_KEY}')")
+        lora = resume_problem(self.run.lora, Path(load_dir) / tag, state)
+        if lora is not None:
+            raise UsageError(f"--resume {path}: {lora}")
         self.run.sampler.load_state_dict(state["sampler"])
         if self.sparse is not None:
             self.sparse.load(client, model=self.run.model, layout=self.layout)
@@ -497,6 +508,8 @@ class Trainer:
                     break
                 rec = self.train_step()
                 progress.update(rec, o.steps)
+                if self.preview is not None:  # every rank: ZeRO-3 gathers parameters collectively
+                    self.preview.after_step(self.global_step, last=self.global_step == o.steps)
                 if o.save and o.save_every and self.global_step % o.save_every == 0:
                     self.save()
                     last_saved = self.global_step
@@ -514,6 +527,10 @@ class Trainer:
         summary.update(ln_modulate_summary(self.run.cfg.adaptive_load.fused_ln_modulate))
         if self.sparse is not None:
             self.sparse.finish(summary)
+        if self.run.lora is not None:
+            summary["lora"] = {k: v for k, v in self.run.lora.client_state().items() if k not in ("base", "modules")}
+        if self.preview is not None:
+            summary["preview"] = self.preview.summary()
         if stopped is not None:
             stopped["checkpoint"] = str(Path(o.save) / tag_for(self.global_step)) if o.save else None
             stopped["exit_code"] = EXIT_PREEMPTED

@@ -235,6 +235,9 @@ class Profile:
     #: LayerNorm-modulate path the calibration ran ("fused" op or torch "reference"; profiles without the key:
     #: "reference"); its activation memory per token differs (:meth:`for_ln_modulate`)
     ln_modulate: str = "reference"
+    #: LoRA: parameters added to the (frozen) model by adapters, the only ones with gradients and optimizer
+    #: state (json ``static_memory.adapter_params``; None: every parameter is trained). :meth:`with_adapter_params`
+    adapter_params: Optional[int] = None
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
     #: depth of the profile this one was rescaled from by :meth:`with_num_layers` (None: as loaded)
     rescaled_from_layers: Optional[int] = field(default=None, compare=False)
@@ -274,8 +277,11 @@ class Profile:
         ln = d.get("ln_modulate", "reference")
         if ln not in LN_MODULATE_PATHS:
             raise ProfileError(f"profile {where}: 'ln_modulate' must be one of {list(LN_MODULATE_PATHS)}, got {ln!r}")
+        adapters = static.get("adapter_params")
+        if adapters is not None:
+            adapters = int(_num(static, "adapter_params", where + " static_memory"))
         return cls(**fields, **_checkpoint_fields(d, where), **_overhead_fields(d, where, fields["params"]),
-                   ln_modulate=ln, raw=dict(d))
+                   ln_modulate=ln, adapter_params=adapters, raw=dict(d))
 
     def for_ln_modulate(self, path: Optional[str]) -> "tuple[Profile, Optional[str]]":
         """This calibration for a run whose LayerNorm-modulate sites run ``path`` (``fused`` | ``reference``;
@@ -377,21 +383,39 @@ class Profile:
         out = Profile.from_dict(d, where=f"{self.name} at {num_layers} blocks")
         return dataclasses.replace(out, rescaled_from_layers=self.rescaled_from_layers or L0)
 
+    def with_adapter_params(self, adapter_params: Optional[int]) -> "Profile":
+        """The same calibration for a LoRA run: ``adapter_params`` parameters are added to the model and are
+        the only trained ones (gradients and optimizer state); the model's own parameters are frozen and keep
+        only their weights. Activation memory and compute stay the profile's (the adapters' inputs are the
+        base linears' inputs, which full fine-tuning holds as well). None: back to full fine-tuning."""
+        d = copy.deepcopy(dict(self.raw))
+        static = d.setdefault("static_memory", {})
+        static.pop("adapter_params", None)
+        if adapter_params is not None:
+            if isinstance(adapter_params, bool) or int(adapter_params) != adapter_params or adapter_params < 0:
+                raise ValueError(f"adapter_params must be an int >= 0 or None, got {adapter_params!r}")
+            static["adapter_params"] = int(adapter_params)
+        return dataclasses.replace(self, adapter_params=None if adapter_params is None else int(adapter_params),
+                                   raw=d)
+
     def static_memory_parts(self, zero_stage: int, shard_ranks: int, params: Optional[int] = None) -> dict:
         """GiB per GPU of ``params`` (default: the profile's model) under ZeRO ``zero_stage`` (0-3) with
         ``shard_ranks`` ranks sharing the partition (DeepSpeed+Ulysses partitions over dp*sp):
-        ``{"params", "grads", "optimizer", "zero3 live", "workspace"}``."""
+        ``{"params", "grads", "optimizer", "zero3 live", "workspace"}``. With ``adapter_params`` (LoRA) the
+        weights are those of the model plus the adapters, gradients and optimizer state the adapters' only."""
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
         n = max(int(shard_ranks), 1)
         count = self.params if params is None else int(params)
+        trained = count if self.adapter_params is None else self.adapter_params
+        weights = count + (self.adapter_params or 0)
         bpp = self.bytes_per_param
 
-        def sharded(kind: str, default: float, from_stage: int) -> float:
-            return count * bpp.get(kind, default) / (n if zero_stage >= from_stage else 1) / GIB
+        def sharded(kind: str, default: float, from_stage: int, number: int) -> float:
+            return number * bpp.get(kind, default) / (n if zero_stage >= from_stage else 1) / GIB
 
-        return {"params": sharded("params", 2.0, 3), "grads": sharded("grads", 2.0, 2),
-                "optimizer": sharded("optimizer", 12.0, 1),
+        return {"params": sharded("params", 2.0, 3, weights), "grads": sharded("grads", 2.0, 2, trained),
+                "optimizer": sharded("optimizer", 12.0, 1, trained),
                 "zero3 live": self.stage3_live_params * bpp.get("params", 2.0) / GIB if zero_stage >= 3 else 0.0,
                 "workspace": self.workspace_gib}
 

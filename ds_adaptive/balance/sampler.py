@@ -415,7 +415,8 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
                         mode: Optional[str] = None, num_layers: Optional[int] = None,
                         sparse: Optional[SparseAttentionCost] = None, checkpointing: Optional[str] = None,
                         profile_log=None, ln_modulate: Optional[str] = None,
-                        profile: Optional[Profile] = None) -> _PlannedBatchSampler:
+                        profile: Optional[Profile] = None,
+                        adapter_params: Optional[int] = None) -> _PlannedBatchSampler:
     """The batch sampler that ``sampler_cfg`` describes, with ``auto`` budgets resolved.
 
     ``enabled=False`` builds the ``tokens`` baseline at the same memory budget (AdaptiveLoad off);
@@ -435,6 +436,8 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
     warning goes to ``profile_log`` (:meth:`Profile.for_ln_modulate`). ``profile``: plan with this profile
     instead of ``sampler_cfg.profile`` (the start-up calibration's, ``ds_adaptive.balance.autocalibrate``);
     ``profile: calibrate`` without one resolves like ``auto``.
+    ``adapter_params``: a LoRA run's adapter parameters, the only trained ones (:meth:`Profile.with_adapter_params`:
+    static memory, hence ``m_mem: auto``).
     """
     if isinstance(sampler_cfg, Mapping):
         sampler_cfg = SamplerConfig.model_validate(sampler_cfg)
@@ -461,6 +464,8 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
         (profile_log or (lambda m: warnings.warn(m, stacklevel=2)))(ln_msg)
     if num_layers is not None:
         profile = profile.with_num_layers(int(num_layers))
+    if adapter_params is not None:
+        profile = profile.with_adapter_params(adapter_params)
     num_heads = int(model.config().num_heads) if model is not None else None
     if sparse is not None and num_layers is not None and sparse.densities.num_layers != profile.num_layers:
         sparse = sparse.with_densities(sparse.densities.with_num_layers(profile.num_layers))

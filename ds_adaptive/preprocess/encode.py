@@ -162,15 +162,21 @@ class LatentEncoders:
         mu = self.vae.encode(x).latent_dist.mode().float()
         return ((mu - self._mean.to(mu.device)) * self._inv_std.to(mu.device)).cpu()
 
-    @torch.no_grad()
     def encode_text(self, captions: Sequence[str]) -> list[torch.Tensor]:
         """Captions -> one ``[L_i, text_dim]`` tensor each (text-encoder dtype, CPU), L_i = prompt tokens + EOS."""
-        if not captions:
-            return []
-        tok = self.tokenizer([prompt_clean(c) for c in captions], padding="max_length", max_length=self.text_len,
-                             truncation=True, add_special_tokens=True, return_attention_mask=True,
-                             return_tensors="pt")
-        ids, mask = tok.input_ids.to(self.device), tok.attention_mask.to(self.device)
-        hidden = self.text_encoder(ids, mask).last_hidden_state
-        lens = mask.gt(0).sum(dim=1).tolist()
-        return [hidden[i, : max(1, n)].cpu() for i, n in enumerate(lens)]
+        return encode_captions(self.text_encoder, self.tokenizer, captions, text_len=self.text_len, device=self.device)
+
+
+@torch.no_grad()
+def encode_captions(text_encoder, tokenizer, captions: Sequence[str], *, text_len: int = MAX_TEXT_LEN,
+                    device: Union[str, torch.device] = "cpu") -> list[torch.Tensor]:
+    """Text-encoder embeddings of ``captions`` as diffusers' ``WanPipeline`` computes them: one ``[L_i, 4096]`` tensor
+    each (text-encoder dtype, CPU), L_i = prompt tokens + EOS (``ds-adaptive sample`` uses it without a VAE)."""
+    if not captions:
+        return []
+    tok = tokenizer([prompt_clean(c) for c in captions], padding="max_length", max_length=text_len,
+                    truncation=True, add_special_tokens=True, return_attention_mask=True, return_tensors="pt")
+    ids, mask = tok.input_ids.to(device), tok.attention_mask.to(device)
+    hidden = text_encoder(ids, mask).last_hidden_state
+    lens = mask.gt(0).sum(dim=1).tolist()
+    return [hidden[i, : max(1, n)].cpu() for i, n in enumerate(lens)]
