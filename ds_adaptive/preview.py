@@ -38,7 +38,7 @@ from .config import ConfigError
 from .flow_sampler import euler_sample, initial_noise
 from .media_out import load_vae
 from .objective import sample_seed
-from .shapes import MAX_TEXT_LEN, TEXT_DIM, SampleShape
+from .shapes import InputSpec, SampleShape, default_input_spec
 
 __all__ = ["PreviewPrompt", "PreviewPlan", "PreviewRunner", "load_prompts", "plan_previews", "preview_memory_gib",
            "load_embeddings", "save_embeddings"]
@@ -68,9 +68,11 @@ def save_embeddings(table: dict[str, torch.Tensor], path) -> Path:
                             metadata={"format": "pt", ORDER_KEY: json.dumps(list(table))})
 
 
-def load_embeddings(path, *, what: str) -> dict[str, torch.Tensor]:
-    """``{name: [L, 4096] fp32}`` from a safetensors file of text embeddings, in the order :func:`save_embeddings`
-    wrote them (other files: name order); errors name the file."""
+def load_embeddings(path, *, what: str, spec: Optional[InputSpec] = None) -> dict[str, torch.Tensor]:
+    """``{name: [L, text_dim] fp32}`` from a safetensors file of text embeddings, in the order
+    :func:`save_embeddings` wrote them (other files: name order); checked against the model's ``spec`` (default:
+    the default model's); errors name the file."""
+    spec = spec or default_input_spec()
     from safetensors import safe_open
 
     p = Path(path)
@@ -85,22 +87,22 @@ def load_embeddings(path, *, what: str) -> dict[str, torch.Tensor]:
             out = {k: f.get_tensor(k).float() for k in names}
     except Exception as exc:  # noqa: BLE001
         raise ConfigError(f"{what}: {p} is not a readable safetensors file ({exc})") from None
-    bad = [f"{k} {list(v.shape)}" for k, v in out.items() if v.dim() != 2 or v.shape[1] != TEXT_DIM
-           or not 1 <= v.shape[0] <= MAX_TEXT_LEN]
+    bad = [f"{k} {list(v.shape)}" for k, v in out.items() if v.dim() != 2 or v.shape[1] != spec.text_dim
+           or not 1 <= v.shape[0] <= spec.text_len]
     if bad or not out:
-        raise ConfigError(f"{what}: {p} must hold text embeddings [L <= {MAX_TEXT_LEN}, {TEXT_DIM}], one per "
+        raise ConfigError(f"{what}: {p} must hold text embeddings [L <= {spec.text_len}, {spec.text_dim}], one per "
                           f"prompt; got {bad[:3] or 'no tensor'}")
     return out
 
 
-def load_prompts(cfg, dataset) -> tuple[list[PreviewPrompt], Optional[torch.Tensor]]:
+def load_prompts(cfg, dataset, spec: Optional[InputSpec] = None) -> tuple[list[PreviewPrompt], Optional[torch.Tensor]]:
     """The preview prompts of ``cfg`` (``config.PreviewConfig``) and the negative embedding (None: zeros):
     the first ``num_prompts`` embeddings of ``cfg.prompts`` (the negative one left out), or the contexts and
     shapes of the first ``num_prompts`` samples of ``dataset``."""
     size = SampleShape.parse(cfg.size, where="adaptive_load.preview.size") if cfg.size else None
     negative = None
     if cfg.prompts is not None:
-        table = load_embeddings(cfg.prompts, what="adaptive_load.preview.prompts")
+        table = load_embeddings(cfg.prompts, what="adaptive_load.preview.prompts", spec=spec)
         if cfg.negative is not None:
             if cfg.negative not in table:
                 raise ConfigError(f"adaptive_load.preview.negative {cfg.negative!r} is not in {cfg.prompts} "
@@ -200,7 +202,9 @@ class PreviewRunner:
         cfg = run.cfg.adaptive_load.preview
         if not cfg.enabled:
             return None
-        prompts, negative = load_prompts(cfg, run.dataset)
+        from .models.registry import get_model
+
+        prompts, negative = load_prompts(cfg, run.dataset, get_model(run.cfg.trainer.model).input_spec)
         shift = cfg.shift if cfg.shift is not None else run.cfg.trainer.shift
         return cls(run, cfg, prompts, negative, engine=engine, metrics=metrics, log=log, shift=shift)
 
@@ -266,10 +270,10 @@ class PreviewRunner:
             for r in range(rounds):
                 j = lay.dp_rank + r * lay.dp_size
                 p = prompts[j if j < n else (lay.dp_rank % n)]
-                ctx = F.pad(p.context, (0, 0, 0, MAX_TEXT_LEN - p.context.shape[0])).unsqueeze(0).to(device)
+                ctx = F.pad(p.context, (0, 0, 0, self.run.text_len - p.context.shape[0])).unsqueeze(0).to(device)
                 neg = None
                 if self.negative is not None:
-                    neg = F.pad(self.negative, (0, 0, 0, MAX_TEXT_LEN - self.negative.shape[0])).unsqueeze(0).to(device)
+                    neg = F.pad(self.negative, (0, 0, 0, self.run.text_len - self.negative.shape[0])).unsqueeze(0).to(device)
                 noise = initial_noise(p.shape.latent_shape, p.seed).to(device)
                 x0 = euler_sample(lambda x, t, c: engine(x, t, c), noise, ctx, steps=self.cfg.steps, shift=self.shift,
                                   guidance_scale=self.cfg.guidance_scale, negative=neg, batch_cfg=self.plan.batch_cfg,

@@ -173,7 +173,7 @@ def sample(args) -> list[Path]:
     from .flow_sampler import euler_sample, initial_noise
     from .media_out import decode_latents, latent_strip, write_media, write_png
     from .preview import save_embeddings
-    from .shapes import MAX_TEXT_LEN, SampleShape, ShapeError
+    from .shapes import SampleShape, ShapeError, default_input_spec
 
     prompts, negative = load_text_embeddings(args)
     written = []
@@ -208,7 +208,8 @@ def sample(args) -> list[Path]:
     if vae is None and fmt != "png":
         raise SampleError(f"--format {fmt} needs --vae (without a VAE the output is a latent preview PNG)")
     outs = _outputs(args.out, [n for n, _ in prompts], fmt)
-    pad = lambda e: torch.nn.functional.pad(e, (0, 0, 0, MAX_TEXT_LEN - e.shape[0])).unsqueeze(0).to(device)  # noqa: E731
+    text_len = default_input_spec().text_len   # the context length the DiT is fed (zero-padded)
+    pad = lambda e: torch.nn.functional.pad(e, (0, 0, 0, text_len - e.shape[0])).unsqueeze(0).to(device)  # noqa: E731
     neg = pad(negative) if negative is not None else None
     print(f"sampling {what}: {len(prompts)} prompt(s), {shape}, {args.steps} Euler steps, guidance {args.guidance:g}, "
           f"shift {args.shift:g}, {device}, {str(dtype).replace('torch.', '')}")

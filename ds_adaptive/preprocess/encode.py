@@ -168,12 +168,14 @@ class LatentEncoders:
 
 
 @torch.no_grad()
-def encode_captions(text_encoder, tokenizer, captions: Sequence[str], *, text_len: int = MAX_TEXT_LEN,
+def encode_captions(text_encoder, tokenizer, captions: Sequence[str], *, text_len: Optional[int] = None,
                     device: Union[str, torch.device] = "cpu") -> list[torch.Tensor]:
     """Text-encoder embeddings of ``captions`` as diffusers' ``WanPipeline`` computes them: one ``[L_i, 4096]`` tensor
-    each (text-encoder dtype, CPU), L_i = prompt tokens + EOS (``ds-adaptive sample`` uses it without a VAE)."""
+    each (text-encoder dtype, CPU), L_i = prompt tokens + EOS (``ds-adaptive sample`` uses it without a VAE).
+    ``text_len``: the tokenizer's padding length (default: the default model's text length)."""
     if not captions:
         return []
+    text_len = text_len or default_input_spec().text_len
     tok = tokenizer([prompt_clean(c) for c in captions], padding="max_length", max_length=text_len,
                     truncation=True, add_special_tokens=True, return_attention_mask=True, return_tensors="pt")
     ids, mask = tok.input_ids.to(device), tok.attention_mask.to(device)
