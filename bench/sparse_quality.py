@@ -95,8 +95,10 @@ def build_trainers(args, out_dir: Path):
     from ds_adaptive.layout import Layout
     from ds_adaptive.run import build_run
     from ds_adaptive.run_config import RunConfig
+    from ds_adaptive.balance.memory import configure_allocator
     from ds_adaptive.trainer import Trainer, init_distributed
 
+    configure_allocator()  # as the trainer's main does, before the first CUDA allocation
     _, _, device = init_distributed(0)
     if args.device == "cpu":
         device = torch.device("cpu")

@@ -313,8 +313,11 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.plan_only:
         return plan_only(args)
+    from ds_adaptive.balance.memory import configure_allocator
     from ds_adaptive.trainer import init_distributed
 
+    print(configure_allocator())  # as the trainer's main does, before the first CUDA allocation (the shipped
+    # plan runs at ~95% of memory: without expandable segments the dense arm OOMed at step 6 with 24 GiB reserved)
     _, _, device = init_distributed(0)
     runs_dir = out.parent / (out.stem + "_runs")
     runs_dir.mkdir(parents=True, exist_ok=True)
