@@ -14,19 +14,39 @@ and re-raises it (the rank dies at once); the launcher's supervisor does the sam
 from __future__ import annotations
 
 import os
+import re
 import signal
 from typing import Optional
 
 import torch
 
-__all__ = ["StopRequest", "EXIT_PREEMPTED", "STOP_SIGNALS", "ignore_stop_signals"]
+__all__ = ["StopRequest", "EXIT_PREEMPTED", "EXIT_PEER_LOST", "STOP_SIGNALS", "ignore_stop_signals", "peer_lost"]
 
 EXIT_PREEMPTED = 75
 """Exit status of a run stopped by a signal at a step boundary (sysexits' EX_TEMPFAIL: "try again",
 i.e. resume with ``--resume``). Distinct from 0 (finished), 1 (a bug), 2 (a usage, config or data
 error) and 128+N (killed by signal N without stopping cleanly)."""
 
+EXIT_PEER_LOST = 3
+"""Exit status of a rank whose collective broke because another rank died or failed (a consequence, not the
+cause: ``ds_adaptive/supervise.py`` reports the rank that ended first, with its own status)."""
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+_PEER_LOST = re.compile(r"gloo/transport|Connection (reset|closed) by peer|Broken pipe|NCCL (error|communicator "
+                        r"was aborted)|ProcessGroupNCCL|Socket Timeout|connectFullMesh")
+
+
+def peer_lost(exc: BaseException) -> bool:
+    """``exc`` is a collective that failed because another rank is gone (gloo's "Connection reset by peer",
+    NCCL's errors, torch.distributed's DistError family), not a bug of this rank."""
+    try:
+        from torch.distributed import DistError
+    except ImportError:  # pragma: no cover
+        DistError = ()
+    if isinstance(exc, DistError):
+        return True
+    return isinstance(exc, RuntimeError) and bool(_PEER_LOST.search(str(exc)))
 
 
 class StopRequest:

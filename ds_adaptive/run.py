@@ -17,9 +17,10 @@ from typing import Any, Optional
 
 import torch
 
-from .config import ConfigError, prepare_ds_config
+from .config import prepare_ds_config
 from .layout import Layout, strip_mesh_keys
 from .run_config import RunConfig
+from .validate import RunFacts, validate_run
 
 __all__ = ["Run", "build_run", "DEFAULT_NUM_SAMPLES"]
 
@@ -95,9 +96,12 @@ def build_run(cfg: RunConfig, *, layout: Optional[Layout] = None, device: Option
     model_config = get_wan_config(t.model, **overrides)
     if layout is None:
         layout = Layout.detect(t.sp, ds_config=cfg.ds_config)
-    layout.validate(num_heads=model_config.num_heads, what=t.model)
     device = torch.device("meta") if meta else (device or torch.device("cpu"))
     on_gpu = device.type in ("cuda", "meta")  # a dry run checks a GPU launch
+    # the cross-field rules (heads vs sp, batch keys, layer indices, sparse backend, budgets), once
+    validate_run(cfg.ds_config, cfg.adaptive_load, RunFacts(model=t.model, layers=t.layers, sp=layout.sp_size,
+                                                            world=layout.world_size,
+                                                            device="cuda" if on_gpu else device.type))
     ds_config = _engine_config(cfg, layout, on_gpu=on_gpu, announce=layout.rank == 0 and not meta)
     dtype = torch.bfloat16 if ds_config["bf16"]["enabled"] else (
         torch.float16 if (ds_config.get("fp16") or {}).get("enabled") else torch.float32)
@@ -130,12 +134,6 @@ def _engine_config(cfg: RunConfig, layout: Layout, *, on_gpu: bool, announce: bo
         if announce:
             print("ds_adaptive.train: the ds_config has no 'optimizer'; using AdamW(lr=1e-4) "
                   "(add an 'optimizer' section to choose)")
-    stage = int((out.get("zero_optimization") or {}).get("stage", 0))
-    s = cfg.adaptive_load.sampler
-    if "zero_stage" in s.model_fields_set and s.zero_stage != stage:
-        raise ConfigError(f"adaptive_load.sampler.zero_stage is {s.zero_stage} but the ds_config's "
-                          f"zero_optimization.stage is {stage}; the trainer plans memory for the stage it "
-                          "runs: drop sampler.zero_stage (it is for `ds-adaptive simulate`) or make them agree")
     return out
 
 

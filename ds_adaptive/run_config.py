@@ -68,6 +68,9 @@ class TrainerConfig(BaseModel):
     """``--keep-checkpoints``: keep the N newest complete checkpoints in ``save`` (0: keep all)."""
     resume: Optional[str] = None
     """``--resume``: the --save directory (its newest complete checkpoint) or DIR/global_stepN."""
+    overwrite: bool = False
+    """``--overwrite``: start a new run in ``save`` although it holds checkpoints of an earlier run (they are
+    deleted at start-up); without it that is an error naming them."""
     init_from: Optional[str] = None
     """``--init-from``: start from pretrained Wan weights (diffusers or original layout) in this directory."""
     nonfinite: Literal["skip", "stop"] = "skip"
@@ -170,10 +173,13 @@ def run_config_from_args(args) -> RunConfig:
 
 
 def _check_planned_layout(cfg: RunConfig) -> None:
-    """sp against the heads and the launcher's WORLD_SIZE, before torch.distributed exists."""
-    from .layout import Layout, resolve_sp_size
-    from .models.wan import get_wan_config
+    """The cross-field rules (``ds_adaptive.validate``) for the launcher's WORLD_SIZE and this machine's device,
+    before torch.distributed exists: a bad config fails on every rank before any collective."""
+    import torch
 
-    sp = resolve_sp_size(cfg.trainer.sp, cfg.ds_config)
-    Layout.explicit(sp_size=sp).validate(num_heads=get_wan_config(cfg.trainer.model).num_heads, what=cfg.trainer.model)
-    resolve_sp_size(sp, cfg.ds_config, int(os.environ.get("WORLD_SIZE", "1")))  # world % sp, data_parallel_size
+    from .validate import RunFacts, validate_run
+
+    t = cfg.trainer
+    validate_run(cfg.ds_config, cfg.adaptive_load, RunFacts(
+        model=t.model, layers=t.layers, sp=t.sp, world=int(os.environ.get("WORLD_SIZE", "1")),
+        device="cuda" if torch.cuda.is_available() else "cpu"))

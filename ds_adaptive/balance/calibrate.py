@@ -45,6 +45,7 @@ import numpy as np
 from ds_adaptive.balance.cost import GIB, PROFILE_FORMAT, PROFILES_DIR, Profile
 from ds_adaptive.balance.memory import configure_allocator
 from ds_adaptive.shapes import TEXT_DIM, SampleShape
+from ds_adaptive.validate import heads_sp_problem
 
 # Wan 2.1 text-to-video architectures (from the released configs); used when the model module
 # is not importable (building the shipped profiles) and to cross-check it.
@@ -322,8 +323,9 @@ def measure(model_name: str, *, layers: Sequence[int], shapes: Sequence[SampleSh
     for depth in layers:
         cfg = get_wan_config(model_name, **{**overrides, "num_layers": depth})
         cfg_dict = _config_dict(cfg)
-        if cfg_dict.get("num_heads", sp) % sp != 0:
-            raise SystemExit(f"--sp {sp} does not divide the model's {cfg_dict['num_heads']} heads")
+        problem = heads_sp_problem(cfg.num_heads, sp, f"{model_name} (--sp)")
+        if problem:
+            raise SystemExit(f"calibrate: {problem}")
         with torch.device(device):
             model = WanModel(cfg)
         model.to_dtype(dtype)
