@@ -360,6 +360,7 @@ def _grad_ckpt_flag(extra: list[str]) -> Optional[str]:
 def _check_memory_and_budgets(rep: Report, args: argparse.Namespace, run, n_params: int) -> None:
     """Static memory of the model under the run's ZeRO stage, the resolved budgets, and every shape of the
     distribution against them (oversize shapes with their share of the mix)."""
+    from ds_adaptive.balance.devices import calibrate_hint
     from ds_adaptive.shapes import load_shape_distribution
 
     s, profile, cost, stage, world = run.cfg.adaptive_load.sampler, run.profile, run.cost, run.zero_stage, \
@@ -368,7 +369,7 @@ def _check_memory_and_budgets(rep: Report, args: argparse.Namespace, run, n_para
     pmodel = profile.raw.get("model", {}).get("name")
     if pmodel not in (None, args.model):
         rep.warn("profile", f"profile '{profile.name}' was measured for {pmodel}, checking {args.model}: costs and "
-                            f"activation memory are extrapolated; run `ds-adaptive calibrate --model {args.model}`")
+                            f"activation memory are extrapolated; {calibrate_hint(args.model, profile.device)}")
     parts = profile.static_memory_parts(stage, world, params=n_params)  # THIS model, partitioned over the world
     static = sum(parts.values())
     usable = cost.usable_memory_gib(gpu, s.mem_utilization)

@@ -113,7 +113,8 @@ def build_run(cfg: RunConfig, *, layout: Optional[Layout] = None, device: Option
         gpu_mem_gib = get_accelerator().total_memory(device.index or 0) / 2**30
     # Before the model: "gradient_accumulation_steps": "auto" is resolved by the sampler, and zero.Init
     # reads the ds_config.
-    sampler = _build_sampler(cfg, dataset, layout, ds_config, gpu_mem_gib, notes, model_config=model_config)
+    sampler = _build_sampler(cfg, dataset, layout, ds_config, gpu_mem_gib, notes, model_config=model_config,
+                             device_type=device.type)
     model = _build_model(cfg, model_config, ds_config, meta=meta)
     if t.init_from and not meta:
         notes.append(_init_from(model, t.init_from))
@@ -206,18 +207,20 @@ def _sparse_cost(cfg: RunConfig, model_config, notes: list):
     return SparseAttentionCost(densities=ones, block_size=sa.block_size)
 
 
-def run_ln_modulate_path(fused_requested: bool) -> str:
+def run_ln_modulate_path(fused_requested: bool, device_type: str = "cuda") -> str:
     """The LayerNorm-modulate path a run's model computes with, for matching the profile's memory entries:
-    ``fused`` when ``adaptive_load.fused_ln_modulate`` asks for it and DS_ADAPTIVE_LN_MODULATE does not force
-    the reference, else ``reference``. (A CUDA op that fails to build also falls back; the trainer's summary
-    reports that from the op's call counts.)"""
+    ``fused`` when ``adaptive_load.fused_ln_modulate`` asks for it, the run computes on CUDA (``meta``: a dry run
+    of a GPU launch; the op has no CPU path) and DS_ADAPTIVE_LN_MODULATE does not force the reference, else
+    ``reference``. (A CUDA op that fails to build also falls back; the trainer's summary reports that from the
+    op's call counts.)"""
     from .ops.ln_modulate import get_mode
 
-    return "fused" if fused_requested and get_mode() != "reference" else "reference"
+    on_cuda = device_type in ("cuda", "meta")
+    return "fused" if fused_requested and on_cuda and get_mode() != "reference" else "reference"
 
 
 def _build_sampler(cfg: RunConfig, dataset, layout: Layout, ds_config: dict, gpu_mem_gib, notes: list, *,
-                   model_config=None):
+                   model_config=None, device_type: str = "cuda"):
     """The batch sampler; with ``--layers`` the profile is rescaled to the trained depth (or, when it
     cannot be, used at full depth with a note). With sparse attention rebalancing, it plans with the
     sparse cost (:func:`_sparse_cost`) when the profile has the trained model's layers."""
@@ -229,7 +232,7 @@ def _build_sampler(cfg: RunConfig, dataset, layout: Layout, ds_config: dict, gpu
     gas = ds_config["gradient_accumulation_steps"]   # an int, or "auto": the sampler chooses it
     kw = dict(micro_steps_per_step=gas if gas == "auto" else int(gas), enabled=cfg.adaptive_load.enabled,
               gpu_mem_gib=gpu_mem_gib, model_name=t.model, zero_stage=stage, profile_log=notes.append,
-              ln_modulate=run_ln_modulate_path(cfg.adaptive_load.fused_ln_modulate))
+              ln_modulate=run_ln_modulate_path(cfg.adaptive_load.fused_ln_modulate, device_type))
     shapes = dataset.sample_shapes()
     sparse = _sparse_cost(cfg, model_config, notes) if model_config is not None else None
     try:

@@ -96,7 +96,7 @@ def train(args: argparse.Namespace) -> dict:
 
     cfg = run_config_from_args(args)
     alloc_msg = configure_allocator()  # before the first CUDA allocation
-    if os.environ.get("RANK", "0") == "0" and alloc_msg:
+    if os.environ.get("RANK", "0") == "0" and _cuda_available():  # the CUDA allocator means nothing on a CPU run
         print(alloc_msg, flush=True)
     rank, _, device = init_distributed(args.local_rank)
     # --save writable, --init-from fits, the run lock, earlier checkpoints, disk space: before the model is built
@@ -114,6 +114,12 @@ def train(args: argparse.Namespace) -> dict:
         return Trainer(run).fit()
     finally:
         save_dir.release()
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def main(argv: Optional[list[str]] = None) -> int:
