@@ -211,9 +211,12 @@ def prune_checkpoints(save_dir: PathLike, keep: int, *, protect: str, run_id: Op
     return gone
 
 
-def last_good(save_dir: PathLike, run_id: Optional[str] = None) -> Optional[str]:
-    """The newest complete checkpoint of ``save_dir`` (of ``run_id``, when given) whose marker says ``good``."""
+def last_good(save_dir: PathLike, run_id: Optional[str] = None, exclude=()) -> Optional[str]:
+    """The newest complete checkpoint of ``save_dir`` (of ``run_id``, when given; not in ``exclude``) whose marker
+    says ``good`` (sizes checked, not contents)."""
     for tag in reversed(checkpoint_tags(save_dir)):
+        if tag in exclude:
+            continue
         marker = read_marker(Path(save_dir) / tag)
         if (marker is not None and marker.get("good", True) and (run_id is None or marker.get("run_id") == run_id)
                 and check_checkpoint(Path(save_dir) / tag, verify=False) is None):

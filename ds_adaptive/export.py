@@ -59,9 +59,9 @@ def verify_checkpoint(save_dir: Path, tag: str, log=print) -> None:
 
     problem = check_checkpoint(save_dir / tag, need_marker=False)
     if problem is not None:
-        good = last_good(save_dir)
+        good = last_good(save_dir, exclude=(tag,))
         raise ExportError(f"{problem}; nothing was written. Export another checkpoint"
-                          + (f" (--tag {good}: the newest one marked good)" if good and good != tag else " (--tag)"))
+                          + (f" (--tag {good}: the newest other one marked good)" if good else " (--tag)"))
     marker = read_marker(save_dir / tag) or {}
     if not marker.get("good", True):
         good = last_good(save_dir, marker.get("run_id"))

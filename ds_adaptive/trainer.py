@@ -296,6 +296,7 @@ class Trainer:
     def train_step(self):
         """One optimizer step (gas micro-steps); returns the metrics record of the step."""
         run, sampler, metrics = self.run, self.run.sampler, self.metrics
+        sampler.set_epoch(self.epoch)  # before the step's totals: at an epoch boundary they are the new epoch's
         totals = sampler.step_totals(self.step_in_epoch)
         factor = sampler.lr_scale(self.step_in_epoch)
         metrics.start_step()
