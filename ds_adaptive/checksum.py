@@ -68,7 +68,7 @@ def new_hasher(algorithm: str = ALGORITHM):
 def file_digest(path: PathLike, algorithm: str = ALGORITHM) -> str:
     """Hex digest of the file at ``path``, read in ``CHUNK``-byte pieces into one reused buffer."""
     h = new_hasher(algorithm)
-    buf = bytearray(CHUNK)
+    buf = bytearray(max(1, min(CHUNK, os.path.getsize(path))))
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
         try:

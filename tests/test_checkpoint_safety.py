@@ -274,6 +274,9 @@ def test_config_check_dry_run_and_build_run_share_the_cross_field_rules(tmp_path
         assert dry_main(["--deepspeed_config", path, "--model", "tiny", "--world", "2", "--device", "cpu",
                          "--gpu-mem-gib", "8"]) == 1
         assert message in capsys.readouterr().out
+    r = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=120,
+                       env={**_env(DRY_RUN="1", DS_CONFIG=flex)})  # DRY_RUN=1 of the CPU launch says --device cpu
+    assert r.returncode == 1 and "backend 'flex' needs cuda, this run computes on cpu" in r.stderr, r.stderr[-2000:]
     # and the trainer (build_run), before the model is built
     cfg = RunConfig.load(layers, trainer={"model": "tiny", "num_samples": 20})
     with pytest.raises(ConfigError, match=r"but tiny has 2 blocks"):
@@ -568,3 +571,41 @@ def test_a_failure_on_one_rank_stops_the_others_with_its_message(tmp_path):
         errors[1], errors
     assert check_checkpoint(tmp_path / "ck" / (tmp_path / "ck" / "latest").read_text().strip()) is None
     assert _shm(env["MASTER_PORT"]) == []
+
+
+HOLDS_THE_PORT = textwrap.dedent("""
+    import os, sys, time
+    open(os.path.join(sys.argv[-1], f"rank{os.environ['RANK']}.pid"), "w").write(str(os.getpid()))
+    time.sleep(120)
+""")
+
+
+def test_a_second_launch_on_a_busy_port_never_starts(tmp_path):
+    """Two launches on one MASTER_PORT: the second says so in one line (exit 2) and starts no rank, so none of
+    its ranks can join the first job's rendezvous; the first job runs on untouched."""
+    (tmp_path / "hold.py").write_text(HOLDS_THE_PORT)
+    env = _env()
+    cmd = [sys.executable, str(SUPERVISE), "--", "deepspeed", "--num_gpus", "2", "--master_port", env["MASTER_PORT"],
+           str(tmp_path / "hold.py"), str(tmp_path)]
+    first = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"rank{r}.pid").exists() for r in (0, 1)):
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()[0][-3000:]
+            time.sleep(0.2)
+        ranks = [int((tmp_path / f"rank{r}.pid").read_text()) for r in (0, 1)]
+        (tmp_path / "second").mkdir()
+        second = subprocess.run([*cmd[:-1], str(tmp_path / "second")], cwd=tmp_path, env=env, capture_output=True,
+                                text=True, timeout=60)
+        assert second.returncode == 2, second.stdout + second.stderr
+        assert second.stderr.splitlines() == [
+            f"ds_adaptive supervisor: error: MASTER_PORT {env['MASTER_PORT']} is in use on this host: held by another "
+            f"ds_adaptive run (supervisor pid {first.pid}, started " + second.stderr.split(", started ", 1)[1].split(")")[0]
+            + "); a second job on it fails or joins the first one's rendezvous. Choose a free port (MASTER_PORT=...), "
+              "or leave MASTER_PORT unset to have one picked"]
+        assert not any((tmp_path / "second").iterdir())  # no rank of the second launch started
+        for pid in ranks:
+            os.kill(pid, 0)  # the first job's ranks run on
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.wait(timeout=60)
