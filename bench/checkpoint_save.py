@@ -1,7 +1,7 @@
 """What content checksums add to a checkpoint save: the trainer's ``write_checkpoint`` vs the save it replaced.
 
-Arms, each a complete save of the same engine state into a fresh tag directory (deleted after each save, the
-page cache flushed with ``os.sync()`` between saves, untimed), interleaved over ``--repeats`` rounds:
+Arms, each a complete save of the same engine state into a fresh tag directory (deleted after each save;
+``os.sync()`` between saves, untimed), interleaved over ``--repeats`` rounds after one untimed warm-up save:
 
 * ``baseline``: DeepSpeed's ``save_checkpoint(save_latest=False)`` + the size-only completeness marker
   (what ``ds_adaptive.checkpoint.write_checkpoint`` did before checksums; torch's per-record CRC32 on);
@@ -147,15 +147,17 @@ def run(args) -> dict:
     size = 0
     verify_s = None
     client = {"ds_adaptive": {"global_step": 1}}
-    for r in range(args.repeats + 1):  # round 0 warms up (first-touch of the CPU copies, the writer's imports)
-        for name, fn in arms.items():
-            tag = f"global_step{r}_{name.replace('+', '_')}"
-            os.sync()
+    rounds = [("warm-up", ["checksums"])] + [(r, list(arms)) for r in range(1, args.repeats + 1)]
+    for r, names in rounds:  # the warm-up save (untimed): first-touch of the CPU copies, the writer's imports
+        for name in names:
+            fn = arms[name]
+            tag = f"global_step{r}_{name.replace('+', '_')}".replace("-", "_")
+            os.sync()  # the previous save's files are deleted: nothing left to write back
             t = time.perf_counter()
             fn(engine, root, tag, client)
             dt = time.perf_counter() - t
             size = sum(f.stat().st_size for f in (root / tag).iterdir() if f.is_file())
-            if r > 0:
+            if r != "warm-up":
                 times[name].append(dt)
             if name == "checksums" and r == args.repeats:
                 t = time.perf_counter()
@@ -177,7 +179,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="JSON file to write")
     ap.add_argument("--model", default="wan2.1-1.3b", help="Wan preset (default: %(default)s)")
     ap.add_argument("--layers", type=int, default=None, help="number of blocks (default: the preset's)")
-    ap.add_argument("--repeats", type=int, default=2, help="timed rounds of every arm (default 2; one more warms up)")
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="timed rounds of every arm (default 2, after one untimed warm-up save)")
     ap.add_argument("--dir", default="/tmp/ds_adaptive_checkpoint_bench", help="where the checkpoints are written")
     ap.add_argument("--synthetic-gib", type=float, default=0.0,
                     help="instead of a Wan engine: this many GiB of random tensors through DeepSpeed's torch writer")

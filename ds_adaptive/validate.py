@@ -135,10 +135,11 @@ def _model(facts: RunFacts):
 
 
 def _sp_problems(ds_config: Mapping[str, Any], facts: RunFacts, model) -> tuple[list[Problem], Optional[int]]:
+    """The Ulysses degree (``--sp`` / ``sequence_parallel_size``), then sp vs the heads, then sp vs the world."""
     from .layout import resolve_sp_size
 
     try:
-        sp = resolve_sp_size(facts.sp, ds_config, facts.world)
+        sp = resolve_sp_size(facts.sp, ds_config)
     except SequenceParallelError as exc:
         return [Problem("sp", str(exc), SequenceParallelError)], None
     out = []
@@ -146,6 +147,11 @@ def _sp_problems(ds_config: Mapping[str, Any], facts: RunFacts, model) -> tuple[
         msg = heads_sp_problem(model.num_heads, sp, facts.model)
         if msg:
             out.append(Problem("heads", msg, SequenceParallelError))
+    if facts.world is not None:
+        try:
+            resolve_sp_size(sp, ds_config, facts.world)
+        except SequenceParallelError as exc:
+            return out + [Problem("sp", str(exc), SequenceParallelError)], None
     return out, sp
 
 
