@@ -88,8 +88,9 @@ SHM_PREFIX = "/dev/shm/deepspeed_allreduce_buffer"
 
 # The reaper: waits for EOF on stdin (the supervisor closed the pipe: it exited or was killed).
 # A supervisor that exits normally first writes "done"; anything else kills the group.
+# Also removes the run's port lock file (argv[2], if any), which the dead supervisor held.
 _REAPER = r"""
-import os, signal, sys, time
+import fcntl, os, signal, sys, time
 pgid = int(sys.argv[1])
 msg = sys.stdin.buffer.read()
 if msg.strip() == b"done":
@@ -99,6 +100,14 @@ try:
     sys.stderr.write(f"ds_adaptive supervisor: the launcher died; killed its process group {pgid}\n")
 except ProcessLookupError:
     pass
+if len(sys.argv) > 2:
+    try:
+        fd = os.open(sys.argv[2], os.O_RDONLY)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free now: nobody else holds it
+        os.unlink(sys.argv[2])
+        os.close(fd)
+    except OSError:
+        pass
 """
 
 
@@ -516,8 +525,9 @@ class Supervisor:
             signal.signal(s, self._on_signal)
         env = {**os.environ, ENV_SUPERVISOR: str(os.getpid())}
         self.proc = subprocess.Popen(self.cmd, start_new_session=True, env=env)
-        self.reaper = subprocess.Popen([sys.executable, "-c", _REAPER, str(self.proc.pid)], stdin=subprocess.PIPE,
-                                       start_new_session=True)
+        lock = [str(_port_lock_path(self.port))] if self.port is not None else []
+        self.reaper = subprocess.Popen([sys.executable, "-c", _REAPER, str(self.proc.pid), *lock],
+                                       stdin=subprocess.PIPE, start_new_session=True)
         self.watch = RankWatch(self.proc.pid)
         try:
             rc = self._supervise()
