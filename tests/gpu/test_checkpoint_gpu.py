@@ -2,7 +2,6 @@
 has every file hashed while written (the digests match the files), loads back, and a changed byte is found."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,6 @@ def test_zero3_bf16_checkpoint_checksums_on_cuda(tmp_path):
     from ds_adaptive.models.wan import WanModel, get_wan_config
     from ds_adaptive.trainer import init_distributed
 
-    os.environ.setdefault("MASTER_PORT", "29561")
     init_distributed(0)
     raw = dict(read_ds_config(Path(__file__).resolve().parents[2] / "launch" / "configs" / "zero3_adaptive.json"))
     raw["gradient_accumulation_steps"] = 1
