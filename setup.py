@@ -37,6 +37,7 @@ install_requires = [
     "numpy",
     "safetensors>=0.4",
     "tqdm",
+    "xxhash>=3",                 # checkpoint checksums (XXH3-128, ~10x BLAKE2b); without it: BLAKE2b (hashlib)
 ]
 
 extras_require = {

@@ -155,12 +155,17 @@ def parse_shape(text: str) -> tuple[int, int, int]:
 
 
 def sp_degrees(args, world: int, heads: int) -> list[int]:
+    from ds_adaptive.validate import heads_sp_problem
+
     if args.sp:
         want = [int(v) for v in args.sp.split(",")]
-        bad = [k for k in want if k < 1 or world % k or heads % k]
+        bad = [k for k in want if k < 1 or world % k]
         if bad:
-            raise SystemExit(f"ulysses_gpu: --sp {args.sp}: {bad} must divide the world size ({world}) and the "
-                             f"model's {heads} heads")
+            raise SystemExit(f"ulysses_gpu: --sp {args.sp}: {bad} must divide the world size ({world})")
+        for k in want:
+            problem = heads_sp_problem(heads, k, "the model")
+            if problem:
+                raise SystemExit(f"ulysses_gpu: {problem}")
         return want
     return [k for k in (1, 2, 4, 8) if k <= world and world % k == 0 and heads % k == 0]
 

@@ -127,6 +127,13 @@ class SamplerConfig(_Block):
     shapes: Optional[str] = None
     """Shape-distribution json for the synthetic dataset (default: the trained model's shipped mix)."""
 
+    @field_validator("m_mem", "m_comp")
+    @classmethod
+    def _budget_positive(cls, v):
+        if v != "auto" and not v > 0:
+            raise ValueError("must be > 0 or \"auto\"")
+        return v
+
 
 class MetricsConfig(_Block):
     """Step timing, balance figures and logs."""
@@ -470,7 +477,7 @@ def _format_validation_error(exc: ValidationError, source: str) -> str:
             valid = ", ".join(sorted(parent.model_fields)) if parent else "?"
             lines.append(f"  - unknown key '{key}'. Valid keys here: {valid}")
         else:
-            lines.append(f"  - {key}: {err['msg']} (got {err.get('input')!r})")
+            lines.append(f"  - {key}: {err['msg'].removeprefix('Value error, ')} (got {err.get('input')!r})")
     lines.append("Fix the ds_config json; see README.md 'The ds_config block' for every field.")
     return "\n".join(lines)
 
@@ -584,12 +591,15 @@ def prepare_ds_config(ds_config: dict, *, dp_size: int, on_gpu: bool) -> dict:
       ``"auto"`` becomes off); explicit true/false are kept.
     * Micro-batch sizes come from the batch sampler and vary, so DeepSpeed gets a nominal
       ``train_micro_batch_size_per_gpu = 1`` and the real ``gradient_accumulation_steps``: given
-      directly, or derived from ``train_batch_size / (train_micro_batch_size_per_gpu x dp_size)``.
+      directly (a ``train_batch_size`` next to it must equal micro x gas x dp_size), or derived from
+      ``train_batch_size / (train_micro_batch_size_per_gpu x dp_size)`` (``ds_adaptive.validate.accumulation_steps``).
       ``"gradient_accumulation_steps": "auto"`` stays ``"auto"`` here: the batch sampler chooses it with
       the throughput-optimal compute budget (``ds_adaptive.balance.budget``) and ``build_run`` writes
       the number in (``Run.ds_config``) before ``deepspeed.initialize``.
     * ``steps_per_print`` defaults to off (our metrics log every step).
     """
+    from .validate import accumulation_steps
+
     out = strip_block(ds_config)
     bf16 = _resolve_switch(out.get("bf16", out.get("bfloat16")), "bf16", on_gpu)
     fp16 = _resolve_switch(out.get("fp16"), "fp16", False)
@@ -599,32 +609,10 @@ def prepare_ds_config(ds_config: dict, *, dp_size: int, on_gpu: bool) -> dict:
     out["bf16"] = {**(out.get("bf16") or {}), "enabled": bf16}
     if "fp16" in out:
         out["fp16"] = {**out["fp16"], "enabled": fp16}
-
-    gas = out.get("gradient_accumulation_steps")
-    tbs, micro = out.get("train_batch_size"), out.get("train_micro_batch_size_per_gpu")
-    if gas == "auto":
-        if tbs is not None:
-            raise ConfigError(f"ds_config sets gradient_accumulation_steps 'auto' and train_batch_size {tbs!r}: "
-                              "with 'auto' the sampler chooses the micro-steps per optimizer step; drop "
-                              "train_batch_size, or set gradient_accumulation_steps to a number")
-        out["train_micro_batch_size_per_gpu"] = 1
-        out.setdefault("steps_per_print", 2**31 - 1)
-        return out
-    if gas is None and tbs is not None:
-        micro = micro or 1
-        if not isinstance(tbs, int) or tbs % (micro * dp_size):
-            raise ConfigError(
-                f"ds_config train_batch_size={tbs!r} is not a multiple of train_micro_batch_size_per_gpu "
-                f"({micro}) x data-parallel size ({dp_size}); set 'gradient_accumulation_steps' instead "
-                "(micro-batch sizes are chosen by the adaptive_load sampler)")
-        gas = tbs // (micro * dp_size)
-    gas = 1 if gas is None else gas
-    if not isinstance(gas, int) or isinstance(gas, bool) or gas < 1:
-        raise ConfigError(f"ds_config gradient_accumulation_steps must be an int >= 1, got {gas!r} (or \"auto\": "
-                          "the adaptive_load sampler chooses it)")
+    # the one rule for the batch keys (ds_adaptive.validate): train_batch_size must agree, never silently dropped
+    out["gradient_accumulation_steps"] = accumulation_steps(out, dp_size)
     out.pop("train_batch_size", None)
     out["train_micro_batch_size_per_gpu"] = 1
-    out["gradient_accumulation_steps"] = gas
     out.setdefault("steps_per_print", 2**31 - 1)
     return out
 
@@ -690,17 +678,46 @@ def update_readme(path: Union[str, Path]) -> bool:
     return new != text
 
 
+def _cross_field_problems(args, raw: dict, block: AdaptiveLoadConfig) -> list:
+    """``config --check``: ``ds_adaptive.validate.run_problems`` with what the flags say about the run."""
+    from .validate import RunFacts, run_problems
+
+    device = args.device
+    if device is None:
+        try:
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        except ImportError:  # pragma: no cover - torch is a dependency
+            device = None
+    return run_problems(raw, block, RunFacts(model=args.model, layers=args.layers, sp=args.sp, world=args.world,
+                                             device=device))
+
+
 def main(argv: Optional[list] = None) -> int:
     """``python -m ds_adaptive.config [--readme README.md]``: print the reference table, or refresh it in a README."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="ds-adaptive config", description=main.__doc__)
     parser.add_argument("--readme", help="rewrite the generated table in this markdown file")
-    parser.add_argument("--check", metavar="DS_CONFIG", help="validate the adaptive_load block of this ds_config")
+    parser.add_argument("--check", metavar="DS_CONFIG",
+                        help="validate the adaptive_load block of this ds_config and the rules that span fields "
+                             "(ds_adaptive.validate); the flags below say what is known about the run")
+    parser.add_argument("--model", default=None, help="--check: the Wan preset it trains (layer indices, heads)")
+    parser.add_argument("--layers", type=int, default=None, help="--check: the trainer's --layers")
+    parser.add_argument("--sp", type=int, default=None, help="--check: the Ulysses degree")
+    parser.add_argument("--world", type=int, default=None, help="--check: ranks of the launch (batch keys vs dp)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                        help="--check: where the ranks compute (default: this machine's, as `ds-adaptive train`)")
     args = parser.parse_args(argv)
     try:
         if args.check:
             cfg = load_adaptive_config(args.check)
+            problems = _cross_field_problems(args, read_ds_config(args.check), cfg)
+            if problems:
+                for p in problems:
+                    print(f"ds-adaptive config: error: {p.message}")
+                return 2
             print(json.dumps({BLOCK_KEY: cfg.model_dump()}, indent=2))
             if BLOCK_KEY not in read_ds_config(args.check):
                 print(f"note: {args.check} has no '{BLOCK_KEY}' block: the defaults above apply (AdaptiveLoad off)")

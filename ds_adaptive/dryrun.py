@@ -10,8 +10,10 @@ Checks (each failure names the key / value, expected vs actual, and the fix; exi
   --num-gpus / --num-nodes like the ``deepspeed`` launcher); ``world % sp == 0``;
   ``heads % sp == 0``; ds_config ``sequence_parallel_size`` / ``data_parallel_size`` agree;
   an SP group that straddles nodes is a warning (its all-to-alls leave NVLink);
-* batch keys: ``train_batch_size == train_micro_batch_size_per_gpu x gradient_accumulation_steps
-  x dp`` with ``dp = world / sp`` (an SP group trains one micro-batch);
+* the cross-field rules of ``ds_adaptive.validate`` (what ``ds-adaptive config --check`` and the trainer
+  check too): heads vs sp; batch keys ``train_batch_size == train_micro_batch_size_per_gpu x
+  gradient_accumulation_steps x dp`` with ``dp = world / sp`` (an SP group trains one micro-batch);
+  ``sparse_attention.dense_layers`` inside the model; the sparse backend on ``--device``; budgets;
 * memory per GPU under the ZeRO stage (parameters, gradients, optimizer state partitioned over
   all ``world`` ranks, ZeRO-3's live parameters, workspace) and the activation budget left;
 * budgets (``m_mem``, ``m_comp`` / ``max_tokens``, ``auto`` resolved exactly as the sampler does)
@@ -211,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Ulysses degree (default: the ds_config's sequence_parallel_size, else 1)")
     p.add_argument("--shapes", default=None,
                    help="shape-distribution json (default: adaptive_load.sampler.shapes, else the shipped mix)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                   help="where the ranks compute (default cuda; the CPU run of launch/train_wan.sh passes cpu): "
+                        "decides e.g. which sparse-attention backends can run")
     p.add_argument("--gpu-mem-gib", type=float, default=None,
                    help="GPU memory in GiB (default: the sampler profile's device)")
     p.add_argument("--print-command", action="store_true",
@@ -272,30 +277,35 @@ def _check_nodes(rep: Report, args: argparse.Namespace, layout: LaunchPlan) -> N
         rep.warn("nodes", "no --master-addr: every node needs node 0's address (MASTER_ADDR)")
 
 
-def _check_batch_keys(rep: Report, raw: dict, sp: int, dp: int) -> None:
-    """train_batch_size = micro x gas x dp, and the gas the trainer derives."""
-    from ds_adaptive.config import ConfigError, prepare_ds_config
+def _check_rules(rep: Report, args: argparse.Namespace, raw: dict, adaptive, wcfg, sp, dp) -> bool:
+    """The cross-field rules of ``ds_adaptive.validate`` (heads vs sp, batch keys, layer indices, the sparse
+    backend on --device, budgets) for the planned launch; False when one failed. The topology's own sp / world
+    checks are ``_check_topology``'s rows."""
+    from ds_adaptive.config import AdaptiveLoadConfig, ConfigError
+    from ds_adaptive.validate import RunFacts, accumulation_steps, run_problems
 
-    tbs, micro, gas_cfg = (raw.get("train_batch_size"), raw.get("train_micro_batch_size_per_gpu"),
-                           raw.get("gradient_accumulation_steps"))
-    try:
-        if None not in (tbs, micro, gas_cfg) and gas_cfg != "auto" and tbs != micro * gas_cfg * dp:
-            raise ConfigError(
-                f"ds_config train_batch_size={tbs} != train_micro_batch_size_per_gpu {micro} x "
-                f"gradient_accumulation_steps {gas_cfg} x dp {dp} (= world {dp * sp} / sp {sp}) = "
-                f"{micro * gas_cfg * dp}; set train_batch_size to {micro * gas_cfg * dp}, or drop it (the trainer "
-                "derives it) -- an SP group of sp ranks trains one micro-batch")
-        gas = prepare_ds_config(raw, dp_size=dp, on_gpu=True)["gradient_accumulation_steps"]
-        rep.row("batch", f"gradient_accumulation_steps {gas} per optimizer step, dp {dp}; micro-batch sizes "
-                         f"come from the sampler (train_micro_batch_size_per_gpu is nominal)", "ok")
-    except ConfigError as exc:
-        rep.fail("batch", str(exc))
+    facts = RunFacts(model=args.model if wcfg is not None else None, layers=args.layers, sp=sp,
+                     world=sp * dp if sp is not None and dp is not None else None, device=args.device)
+    problems = [p for p in run_problems(raw, adaptive or AdaptiveLoadConfig(), facts) if p.key != "sp"]
+    for p in problems:
+        rep.fail(p.key.split(".")[0], p.message)
+    keys = {p.key for p in problems}
+    if wcfg is not None and sp is not None and "heads" not in keys:
+        rep.row("heads", f"{wcfg.num_heads} heads / sp {sp} = {wcfg.num_heads // sp} per rank", "ok")
+    if dp is not None and "batch" not in keys:
+        try:
+            gas = accumulation_steps(raw, dp, sp)
+            rep.row("batch", f"gradient_accumulation_steps {gas} per optimizer step, dp {dp}; micro-batch sizes "
+                             f"come from the sampler (train_micro_batch_size_per_gpu is nominal)", "ok")
+        except ConfigError:  # reported above
+            pass
+    return not problems
 
 
 def run_checks(args: argparse.Namespace, extra: list[str]) -> tuple[Report, Optional[list[str]]]:
     """All checks; returns the report and the command (None when the layout itself is unusable)."""
     from ds_adaptive.config import ConfigError, load_adaptive_config, read_ds_config
-    from ds_adaptive.layout import Layout, SequenceParallelError
+    from ds_adaptive.layout import Layout
     from ds_adaptive.models.family import ModelError
     from ds_adaptive.models.registry import get_model
 
@@ -327,19 +337,9 @@ def run_checks(args: argparse.Namespace, extra: list[str]) -> tuple[Report, Opti
         n_params = 0
 
     launch, sp, dp = _check_topology(rep, args, raw)
-    heads_ok = True
-    if wcfg is not None and sp is not None:
-        try:
-            Layout.for_world(sp, sp).validate(num_heads=wcfg.num_heads, what=args.model)
-            rep.row("heads", f"{wcfg.num_heads} heads / sp {sp} = {wcfg.num_heads // sp} per rank", "ok")
-        except SequenceParallelError as exc:
-            heads_ok = False
-            rep.fail("heads", str(exc))
+    rules_ok = _check_rules(rep, args, raw, adaptive, wcfg, sp, dp)
 
-    if dp is not None and raw:
-        _check_batch_keys(rep, raw, sp, dp)
-
-    if adaptive is not None and wcfg is not None and sp is not None and dp is not None and heads_ok:
+    if adaptive is not None and wcfg is not None and sp is not None and dp is not None and rules_ok:
         run = _build_dry_run(rep, args, Layout.for_world(sp * dp, sp), extra)
         if run is not None:
             _check_memory_and_budgets(rep, args, run, n_params)
@@ -402,6 +402,7 @@ def _grad_ckpt_flag(extra: list[str]) -> Optional[str]:
 def _check_memory_and_budgets(rep: Report, args: argparse.Namespace, run, n_params: int) -> None:
     """Static memory of the model under the run's ZeRO stage, the resolved budgets, and every shape of the
     distribution against them (oversize shapes with their share of the mix)."""
+    from ds_adaptive.balance.devices import calibrate_hint
     from ds_adaptive.shapes import load_shape_distribution
 
     s, profile, cost, stage, world = run.cfg.adaptive_load.sampler, run.profile, run.cost, run.zero_stage, \
@@ -410,7 +411,7 @@ def _check_memory_and_budgets(rep: Report, args: argparse.Namespace, run, n_para
     pmodel = profile.raw.get("model", {}).get("name")
     if pmodel not in (None, args.model, run.preset.profile_model):
         rep.warn("profile", f"profile '{profile.name}' was measured for {pmodel}, checking {args.model}: costs and "
-                            f"activation memory are extrapolated; run `ds-adaptive calibrate --model {args.model}`")
+                            f"activation memory are extrapolated; {calibrate_hint(args.model, profile.device)}")
     parts = profile.static_memory_parts(stage, world, params=n_params)  # THIS model, partitioned over the world
     static = sum(parts.values())
     usable = cost.usable_memory_gib(gpu, s.mem_utilization)

@@ -55,6 +55,24 @@ def resolve_checkpoint(path: str, tag: Optional[str] = None) -> tuple[Path, str]
     return p, tag
 
 
+def verify_checkpoint(save_dir: Path, tag: str, log=print) -> None:
+    """The checkpoint's files against its completeness marker (sizes and checksums, every byte read):
+    ExportError naming the first bad file. A checkpoint written by another program (no marker) is exported
+    as it is; one saved after non-finite steps is exported with a note naming the last good one."""
+    from ds_adaptive.checkpoint import check_checkpoint, last_good, read_marker
+
+    problem = check_checkpoint(save_dir / tag, need_marker=False)
+    if problem is not None:
+        good = last_good(save_dir, exclude=(tag,))
+        raise ExportError(f"{problem}; nothing was written. Export another checkpoint"
+                          + (f" (--tag {good}: the newest other one marked good)" if good else " (--tag)"))
+    marker = read_marker(save_dir / tag) or {}
+    if not marker.get("good", True):
+        good = last_good(save_dir, marker.get("run_id"))
+        log(f"ds-adaptive export: note: {tag} was saved after non-finite step(s) {marker.get('nonfinite_steps')}"
+            + (f"; the last checkpoint whose steps were all finite is {good} (--tag {good})" if good else ""))
+
+
 def read_client_state(ckpt_dir: Path) -> dict:
     """The ds_adaptive client state (model preset, layers, step, ...) of a checkpoint; {} if absent."""
     import torch
@@ -108,6 +126,7 @@ def export_checkpoint(ckpt: str, out: str, *, tag: Optional[str] = None, dtype: 
     if dtype not in DTYPES:
         raise ExportError(f"--dtype must be one of {DTYPES}, got {dtype!r}")
     save_dir, tag = resolve_checkpoint(ckpt, tag)
+    verify_checkpoint(save_dir, tag)
     if lora:
         from ds_adaptive.lora import export_lora
 

@@ -201,11 +201,12 @@ class Layout:
         if self.world % self.sp_size:
             raise SequenceParallelError(f"the world size {self.world} is not divisible by the Ulysses degree "
                                         f"sp={self.sp_size}: every SP group needs {self.sp_size} ranks")
-        if num_heads is not None and num_heads % self.sp_size:
-            divisors = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
-            raise SequenceParallelError(
-                f"Ulysses sp={self.sp_size} does not divide the {num_heads} attention heads of {what}: each rank "
-                f"of an SP group attends with heads/sp whole heads. Use sp in {divisors}.")
+        if num_heads is not None:
+            from .validate import heads_sp_problem  # the one message for this rule
+
+            problem = heads_sp_problem(num_heads, self.sp_size, what)
+            if problem:
+                raise SequenceParallelError(problem)
         return self
 
     # ------------------------------------------------------------------ properties

@@ -16,22 +16,42 @@ process of a step, srun forwards its own copy, and SLURM kills by itself at its 
 from __future__ import annotations
 
 import os
+import re
 import signal
 from typing import Optional
 
 import torch
 
-__all__ = ["StopRequest", "EXIT_PREEMPTED", "STOP_SIGNALS", "ignore_stop_signals"]
+__all__ = ["StopRequest", "EXIT_PREEMPTED", "EXIT_PEER_LOST", "STOP_SIGNALS", "ignore_stop_signals", "peer_lost"]
 
 EXIT_PREEMPTED = 75
 """Exit status of a run stopped by a signal at a step boundary (sysexits' EX_TEMPFAIL: "try again",
 i.e. resume with ``--resume``). Distinct from 0 (finished), 1 (a bug), 2 (a usage, config or data
 error) and 128+N (killed by signal N without stopping cleanly)."""
 
+EXIT_PEER_LOST = 3
+"""Exit status of a rank whose collective broke because another rank died or failed (a consequence, not the
+cause: ``ds_adaptive/supervise.py`` reports the rank that ended first, with its own status)."""
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)  # USR1: SLURM's --signal=USR1@N
 ENV_REPEAT_SIGNAL = "DS_ADAPTIVE_REPEAT_SIGNAL"
 """``ignore`` (launch/train_wan.sh sets it under SLURM): a repeated stop signal is the same request (SLURM
 signals every process of a step and srun forwards its own copy; SLURM kills on its own at its deadline)."""
+
+_PEER_LOST = re.compile(r"gloo/transport|Connection (reset|closed) by peer|Broken pipe|NCCL (error|communicator "
+                        r"was aborted)|ProcessGroupNCCL|Socket Timeout|connectFullMesh")
+
+
+def peer_lost(exc: BaseException) -> bool:
+    """``exc`` is a collective that failed because another rank is gone (gloo's "Connection reset by peer",
+    NCCL's errors, torch.distributed's DistError family), not a bug of this rank."""
+    try:
+        from torch.distributed import DistError
+    except ImportError:  # pragma: no cover
+        DistError = ()
+    if isinstance(exc, DistError):
+        return True
+    return isinstance(exc, RuntimeError) and bool(_PEER_LOST.search(str(exc)))
 
 
 class StopRequest:

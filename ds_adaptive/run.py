@@ -22,6 +22,7 @@ from .config import ConfigError, prepare_ds_config
 from .layout import Layout, strip_mesh_keys
 from .lora import adapter_parameters, apply_run_lora
 from .run_config import RunConfig
+from .validate import RunFacts, validate_run
 
 __all__ = ["Run", "build_run", "DEFAULT_NUM_SAMPLES"]
 
@@ -117,9 +118,12 @@ def build_run(cfg: RunConfig, *, layout: Optional[Layout] = None, device: Option
     preset.objective_with(t.objective)  # a bad --objective fails before any work
     if layout is None:
         layout = Layout.detect(t.sp, ds_config=cfg.ds_config)
-    layout.validate(num_heads=model_config.num_heads, what=t.model)
     device = torch.device("meta") if meta else (device or torch.device("cpu"))
     on_gpu = device.type in ("cuda", "meta")  # a dry run checks a GPU launch
+    # the cross-field rules (heads vs sp, batch keys, layer indices, sparse backend, budgets), once
+    validate_run(cfg.ds_config, cfg.adaptive_load, RunFacts(model=t.model, layers=t.layers, sp=layout.sp_size,
+                                                            world=layout.world_size,
+                                                            device="cuda" if on_gpu else device.type))
     ds_config = _engine_config(cfg, layout, on_gpu=on_gpu, announce=layout.rank == 0 and not meta)
     dtype = torch.bfloat16 if ds_config["bf16"]["enabled"] else (
         torch.float16 if (ds_config.get("fp16") or {}).get("enabled") else torch.float32)
@@ -166,12 +170,6 @@ def _engine_config(cfg: RunConfig, layout: Layout, *, on_gpu: bool, announce: bo
         if announce:
             print("ds_adaptive.train: the ds_config has no 'optimizer'; using AdamW(lr=1e-4) "
                   "(add an 'optimizer' section to choose)")
-    stage = int((out.get("zero_optimization") or {}).get("stage", 0))
-    s = cfg.adaptive_load.sampler
-    if "zero_stage" in s.model_fields_set and s.zero_stage != stage:
-        raise ConfigError(f"adaptive_load.sampler.zero_stage is {s.zero_stage} but the ds_config's "
-                          f"zero_optimization.stage is {stage}; the trainer plans memory for the stage it "
-                          "runs: drop sampler.zero_stage (it is for `ds-adaptive simulate`) or make them agree")
     return out
 
 
@@ -331,14 +329,16 @@ def _attach_sparse(cfg: RunConfig, model, layout: Layout, device: torch.device, 
                                    choice=choice, decision=decision)
 
 
-def run_ln_modulate_path(fused_requested: bool) -> str:
+def run_ln_modulate_path(fused_requested: bool, device_type: str = "cuda") -> str:
     """The LayerNorm-modulate path a run's model computes with, for matching the profile's memory entries:
-    ``fused`` when ``adaptive_load.fused_ln_modulate`` asks for it and DS_ADAPTIVE_LN_MODULATE does not force
-    the reference, else ``reference``. (A CUDA op that fails to build also falls back; the trainer's summary
-    reports that from the op's call counts.)"""
+    ``fused`` when ``adaptive_load.fused_ln_modulate`` asks for it, the run computes on CUDA (``meta``: a dry run
+    of a GPU launch; the op has no CPU path) and DS_ADAPTIVE_LN_MODULATE does not force the reference, else
+    ``reference``. (A CUDA op that fails to build also falls back; the trainer's summary reports that from the
+    op's call counts.)"""
     from .ops.ln_modulate import get_mode
 
-    return "fused" if fused_requested and get_mode() != "reference" else "reference"
+    on_cuda = device_type in ("cuda", "meta")
+    return "fused" if fused_requested and on_cuda and get_mode() != "reference" else "reference"
 
 
 def _build_sampler(cfg: RunConfig, dataset, layout: Layout, ds_config: dict, gpu_mem_gib, notes: list, *,
@@ -357,7 +357,7 @@ def _build_sampler(cfg: RunConfig, dataset, layout: Layout, ds_config: dict, gpu
     t, s = cfg.trainer, cfg.adaptive_load.sampler
     stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
     gas = ds_config["gradient_accumulation_steps"]   # an int, or "auto": the sampler chooses it
-    ln_path = run_ln_modulate_path(cfg.adaptive_load.fused_ln_modulate)
+    ln_path = run_ln_modulate_path(cfg.adaptive_load.fused_ln_modulate, (device or torch.device("cpu")).type)
     calibrated = startup_profile(s.profile, model_name=t.model, ln_modulate=ln_path, cache=s.profile_cache, meta=meta,
                                  device=device or torch.device("cpu"), notes=notes)
     kw = dict(micro_steps_per_step=gas if gas == "auto" else int(gas), enabled=cfg.adaptive_load.enabled,

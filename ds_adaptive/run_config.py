@@ -71,6 +71,9 @@ class TrainerConfig(BaseModel):
     """``--keep-checkpoints``: keep the N newest complete checkpoints in ``save`` (0: keep all)."""
     resume: Optional[str] = None
     """``--resume``: the --save directory (its newest complete checkpoint) or DIR/global_stepN."""
+    overwrite: bool = False
+    """``--overwrite``: start a new run in ``save`` although it holds checkpoints of an earlier run (they are
+    deleted at start-up); without it that is an error naming them."""
     init_from: Optional[str] = None
     """``--init-from``: start from pretrained weights (diffusers or the family's original layout) in this
     directory, or the model's folder of a diffusers pipeline directory."""
@@ -194,13 +197,16 @@ def parse_key_values(items, flag: str) -> dict:
 
 
 def _check_planned_layout(cfg: RunConfig) -> None:
-    """The model and its objective overrides; sp against the heads and the launcher's WORLD_SIZE, before
-    torch.distributed exists."""
-    from .layout import Layout, resolve_sp_size
-    from .models.registry import get_model
+    """The model's objective overrides and the cross-field rules (``ds_adaptive.validate``) for the launcher's
+    WORLD_SIZE and this machine's device, before torch.distributed exists: a bad config fails on every rank
+    before any collective."""
+    import torch
 
-    model = get_model(cfg.trainer.model)
-    model.objective_with(cfg.trainer.objective)
-    sp = resolve_sp_size(cfg.trainer.sp, cfg.ds_config)
-    Layout.explicit(sp_size=sp).validate(num_heads=model.config().num_heads, what=cfg.trainer.model)
-    resolve_sp_size(sp, cfg.ds_config, int(os.environ.get("WORLD_SIZE", "1")))  # world % sp, data_parallel_size
+    from .models.registry import get_model
+    from .validate import RunFacts, validate_run
+
+    t = cfg.trainer
+    get_model(t.model).objective_with(t.objective)
+    validate_run(cfg.ds_config, cfg.adaptive_load, RunFacts(
+        model=t.model, layers=t.layers, sp=t.sp, world=int(os.environ.get("WORLD_SIZE", "1")),
+        device="cuda" if torch.cuda.is_available() else "cpu"))

@@ -21,6 +21,7 @@ from .data import DataError
 from .objective import EVAL_TIMESTEPS, flow_matching_losses, sample_seed  # noqa: F401  (public names)
 from .run_config import DEFAULT_SAVE_INTERVAL, UsageError, run_config_from_args
 from .shapes import ShapeError
+from .supervise import ENV_SUPERVISOR
 from .trainer import backward_micro_batch, evaluate, init_distributed, shutdown_distributed  # noqa: F401
 
 
@@ -74,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", default=None,
                    help="resume from the newest complete checkpoint of this --save directory (a corrupt or "
                         "incomplete 'latest' falls back to the previous one), or from DIR/global_stepN")
+    p.add_argument("--overwrite", action="store_true", default=None,
+                   help="start a new run in --save although it holds checkpoints of an earlier run: they are "
+                        "deleted at start-up (without it: an error naming them; --resume continues that run)")
     p.add_argument("--init-from", default=None,
                    help="fine-tune: start from these weights (diffusers or the original layout, or a diffusers "
                         "pipeline directory: the model's folder in it; --model/--layers must match them)")
@@ -88,23 +92,37 @@ def train(args: argparse.Namespace) -> dict:
     """Run the training job; returns the summary (identical on every rank)."""
     from .layout import Layout
     from .run import build_run
+    from .startup import prepare_save_dir
     from .trainer import Trainer
 
     from .balance.memory import configure_allocator
 
     cfg = run_config_from_args(args)
     alloc_msg = configure_allocator()  # before the first CUDA allocation
-    if os.environ.get("RANK", "0") == "0":
+    if os.environ.get("RANK", "0") == "0" and _cuda_available():  # the CUDA allocator means nothing on a CPU run
         print(alloc_msg, flush=True)
     rank, _, device = init_distributed(args.local_rank)
-    # DeepSpeed 0.19 still calls torch.distributed's renamed collectives (one FutureWarning per call
-    # site and rank); and one copy of our own warnings is enough.
-    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
-    if rank != 0:
-        warnings.filterwarnings("ignore", category=UserWarning, module=r"ds_adaptive")
-    layout = Layout.detect(cfg.trainer.sp, ds_config=cfg.ds_config)
-    run = build_run(cfg, layout=layout, device=device)
-    return Trainer(run).fit()
+    # --save writable, --init-from fits, the run lock, earlier checkpoints, disk space: before the model is built
+    save_dir = prepare_save_dir(cfg, rank=rank, command=" ".join(sys.argv))
+    try:
+        for note in save_dir.notes:
+            print(note, flush=True)
+        # DeepSpeed 0.19 still calls torch.distributed's renamed collectives (one FutureWarning per call
+        # site and rank); and one copy of our own warnings is enough.
+        warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+        if rank != 0:
+            warnings.filterwarnings("ignore", category=UserWarning, module=r"ds_adaptive")
+        layout = Layout.detect(cfg.trainer.sp, ds_config=cfg.ds_config)
+        run = build_run(cfg, layout=layout, device=device)
+        return Trainer(run).fit()
+    finally:
+        save_dir.release()
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -115,6 +133,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from .layout import SequenceParallelError
     from .models.family import ModelError
 
+    from .preempt import EXIT_PEER_LOST, peer_lost
     from .trainer import EXIT_PREEMPTED, NonFiniteError
 
     ok = False
@@ -131,6 +150,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         if rank == 0 or isinstance(exc, DataError):
             print(f"ds-adaptive train: error: {exc}", file=sys.stderr, flush=True)
         return 2
+    except Exception as exc:
+        if not peer_lost(exc):
+            raise
+        # Another rank died or failed: this one's collective broke. The launcher's supervisor names the rank
+        # that failed first (one message); without it, each surviving rank says so in one line.
+        if not os.environ.get(ENV_SUPERVISOR):
+            print(f"ds-adaptive train: rank {os.environ.get('RANK', '0')}: lost contact with another rank "
+                  f"({str(exc).splitlines()[0][:200]}); stopping (exit {EXIT_PEER_LOST})", file=sys.stderr,
+                  flush=True)
+        return EXIT_PEER_LOST
     finally:
         shutdown_distributed(barrier=ok)
     return 0

@@ -20,13 +20,15 @@ import os
 import socket
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from .checkpoint import CheckpointError, check_checkpoint, find_resumable, step_of, tag_for, write_checkpoint
+from .checkpoint import (CheckpointError, check_checkpoint, find_resumable, last_good, read_marker, step_of, tag_for,
+                         write_checkpoint)
 from .data import DataError, build_dataset, collate_latents
 from .layout import Layout
 from .lora import CLIENT_KEY as LORA_KEY, reseed_dropout, resume_problem
@@ -182,6 +184,10 @@ class Trainer:
         self.is_main = run.layout.rank == 0
         self.stop = StopRequest.install()   # SIGTERM/SIGINT/SIGHUP: finish the step, save, exit EXIT_PREEMPTED
         self.nonfinite_steps: list[int] = []
+        # The run id in every checkpoint marker (retention deletes only this run's checkpoints); a resume from
+        # --save continues the run of the checkpoint it loads. Every rank draws it; rank 0's is the one written.
+        self.run_id = uuid.uuid4().hex[:12]
+        self.last_saved_step = 0
         model = run.model
         self.sparse = self._attach_sparse(run)
         self.engine, _, _, _ = deepspeed.initialize(model=model, config=run.ds_config,
@@ -310,6 +316,7 @@ class Trainer:
     def train_step(self):
         """One optimizer step (gas micro-steps); returns the metrics record of the step."""
         run, sampler, metrics = self.run, self.run.sampler, self.metrics
+        sampler.set_epoch(self.epoch)  # before the step's totals: at an epoch boundary they are the new epoch's
         totals = sampler.step_totals(self.step_in_epoch)
         factor = sampler.lr_scale(self.step_in_epoch)
         metrics.start_step()
@@ -406,9 +413,15 @@ class Trainer:
             state.update(self.sparse.client_state())
         if self.run.lora is not None:  # adapters only: the frozen base is rebuilt (seed / --init-from) on resume
             state[CLIENT_STATE_KEY][LORA_KEY] = self.run.lora.client_state()
+        # "good": every step since the previous checkpoint was finite; retention never deletes the newest good one
+        window = [s for s in self.nonfinite_steps if s > self.last_saved_step]
         write_checkpoint(self.engine, self.opts.save, tag_for(self.global_step), state, step=self.global_step,
-                         keep=self.opts.keep_checkpoints, log=self.log, exclude_frozen=self.run.lora is not None)
-        self.log(f"saved checkpoint step {self.global_step} to {self.opts.save} ({time.perf_counter() - t0:.1f} s)")
+                         keep=self.opts.keep_checkpoints, run_id=self.run_id, good=not window,
+                         nonfinite_steps=window, log=self.log, exclude_frozen=self.run.lora is not None)
+        self.last_saved_step = self.global_step
+        self.log(f"saved checkpoint step {self.global_step} to {self.opts.save} ({time.perf_counter() - t0:.1f} s)"
+                 + (f"; not marked good: non-finite step(s) {window[-5:]} since the previous checkpoint" if window
+                    else ""))
 
     def resume(self, path: str) -> None:
         """Load ``path`` (the --save directory: its newest complete checkpoint, falling back from a
@@ -417,13 +430,13 @@ class Trainer:
         load_dir, tag = _checkpoint_location(path)
         if tag is None:
             try:
-                tag, skipped = find_resumable(load_dir)
+                tag, skipped = find_resumable(load_dir, check=self._check_shared)
             except CheckpointError as exc:
                 raise UsageError(f"--resume {path}: {exc}") from None
             for note in skipped:
                 self.log(f"ds_adaptive: --resume {path}: {note}; falling back to an older checkpoint")
         else:
-            problem = check_checkpoint(Path(load_dir) / tag, need_marker=False)
+            problem = self._check_shared(Path(load_dir) / tag, need_marker=False)
             if problem is not None:
                 raise UsageError(f"--resume {path}: {problem}; pass the --save directory to fall back to the "
                                  "newest complete checkpoint")
@@ -447,9 +460,35 @@ class Trainer:
             self.sparse.load(client, model=self.run.model, layout=self.layout)
         self.global_step, self.epoch, self.step_in_epoch = state["global_step"], state["epoch"], state["step_in_epoch"]
         self.nonfinite_steps = list(state.get("nonfinite_steps", []))
+        self.last_saved_step = self.global_step
         self._batches = None
         self.log(f"resumed from {load_path}: step {self.global_step} (epoch {self.epoch}, step {self.step_in_epoch} "
                  "of the epoch)")
+        self._continue_run(Path(load_dir), tag)
+
+    def _check_shared(self, tag_dir: Path, need_marker: bool = True) -> Optional[str]:
+        """:func:`check_checkpoint` with the reading shared by the ranks (rank r reads files r, r + world, ...;
+        a collective): the first problem any rank found, on every rank."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return check_checkpoint(tag_dir, need_marker=need_marker)
+        mine = check_checkpoint(tag_dir, need_marker=need_marker, part=(dist.get_rank(), dist.get_world_size()))
+        found = [None] * dist.get_world_size()
+        dist.all_gather_object(found, mine)
+        return next((p for p in found if p is not None), None)
+
+    def _continue_run(self, load_dir: Path, tag: str) -> None:
+        """After a resume: keep the run id of a checkpoint loaded from --save (its retention goes on), and say
+        when the loaded checkpoint is not marked good (non-finite steps before it), naming the last good one."""
+        marker = read_marker(load_dir / tag) or {}
+        if self.opts.save and Path(self.opts.save).resolve() == load_dir.resolve() and marker.get("run_id"):
+            self.run_id = marker["run_id"]
+        if not marker.get("good", True):
+            good = last_good(load_dir, marker.get("run_id"))
+            self.log(f"ds_adaptive: note: {tag} was saved after non-finite step(s) {marker.get('nonfinite_steps')} "
+                     "(their updates were skipped); the last checkpoint whose steps were all finite is "
+                     + (f"{good}: --resume {load_dir / good} goes back to it" if good else "none"))
 
     # ------------------------------------------------------------------ non-finite steps
     def _check_finite(self, rec, applied: bool) -> None:

@@ -38,15 +38,19 @@
 #               (default 0: wait; a second signal kills at once)
 #   SAVE_DIR    checkpoint directory (default: checkpoints/$MODEL; empty = no checkpoints)
 #   SAVE_INTERVAL  steps between checkpoints (default: 100 on GPU, 10 on CPU)
-#   KEEP_CHECKPOINTS  complete checkpoints kept in SAVE_DIR, older ones deleted (default 2; 0 = all)
+#   KEEP_CHECKPOINTS  complete checkpoints of this run kept in SAVE_DIR, older ones deleted (default 2; 0 = all;
+#               the newest one saved after only finite steps is always kept)
 #   RESUME=1    continue from the newest complete checkpoint in SAVE_DIR, if there is one (default 1
 #               under SLURM: a requeued job resumes); multi-node: SAVE_DIR on a filesystem every node sees
+#   OVERWRITE=1 start a new run in a SAVE_DIR that holds an earlier run's checkpoints (they are deleted);
+#               without RESUME=1 or OVERWRITE=1 that is an error naming them
 #
 # Signals: SIGTERM/SIGINT/SIGHUP/SIGUSR1 to this script reach every rank (not only DeepSpeed's launcher);
 # multi-node without ssh: a signal to any one node's launcher stops every node after the same step;
 # the ranks finish the current step, save a checkpoint into SAVE_DIR and exit 75 (EX_TEMPFAIL:
-# resume with RESUME=1). SIGKILL of it kills the whole run (no orphan ranks). See
-# ds_adaptive/supervise.py and ds_adaptive/preempt.py.
+# resume with RESUME=1). SIGKILL of it kills the whole run (no orphan ranks). A rank killed by
+# signal N stops the others and the run exits 128+N with one line saying how to resume. See
+# ds_adaptive/supervise.py and ds_adaptive/preempt.py; exit codes in README "Signals, preemption and orphans".
 # Extra arguments go to the trainer (ds-adaptive train --help lists them).
 set -euo pipefail
 
@@ -60,6 +64,16 @@ PY="${PYTHON:-python}"
 MULTINODE=(env "PYTHONPATH=$HERE/..${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m ds_adaptive.multinode)
 RDZV="$("${MULTINODE[@]}" env)" || exit 2
 eval "$RDZV"
+
+# The command that resumes this run, for the message after a rank dies: the knobs you set, RESUME=1, the args.
+RESUME_HINT="RESUME=1"
+for knob in NUM_GPUS NUM_PROCS HOSTFILE MASTER_ADDR MASTER_PORT DS_CONFIG MODEL STEPS SP GRAD_CKPT SAVE_DIR \
+            SAVE_INTERVAL KEEP_CHECKPOINTS PYTHON STOP_TIMEOUT; do
+  [[ -n "${!knob+x}" ]] && RESUME_HINT+=" $knob=$(printf '%q' "${!knob}")"
+done
+RESUME_HINT+=" bash $(printf '%q' "${BASH_SOURCE[0]}")"
+for arg in "$@"; do [[ "$arg" != --overwrite ]] && RESUME_HINT+=" $(printf '%q' "$arg")"; done
+export DS_ADAPTIVE_RESUME_HINT="$RESUME_HINT"
 
 if [[ -z "${NUM_GPUS:-}" ]]; then
   NUM_GPUS="$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')"
@@ -140,7 +154,9 @@ case "${GRAD_CKPT:-}" in
   *) echo "train_wan.sh: GRAD_CKPT must be auto, all (1) or none (0), got '$GRAD_CKPT'" >&2; exit 2 ;;
 esac
 [[ -n "$CKPT" ]] && CMD+=(--grad-ckpt "$CKPT")
-if [[ -z "${PYTORCH_CUDA_ALLOC_CONF+x}" ]]; then
+if [[ "$NUM_GPUS" == 0 ]]; then
+  :  # the CUDA allocator's setting means nothing to the CPU run
+elif [[ -z "${PYTORCH_CUDA_ALLOC_CONF+x}" ]]; then
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   echo "train_wan.sh: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (fragmentation-safe; set it to override)"
 else
@@ -154,6 +170,8 @@ if [[ -n "$SAVE_DIR" ]]; then
         --keep-checkpoints "${KEEP_CHECKPOINTS:-2}")
   if [[ "${RESUME:-0}" == 1 && -d "$SAVE_DIR" ]] && ls -d "$SAVE_DIR"/global_step* >/dev/null 2>&1; then
     CMD+=(--resume "$SAVE_DIR")
+  elif [[ "${OVERWRITE:-0}" == 1 ]]; then
+    CMD+=(--overwrite)
   fi
 elif [[ "${RESUME:-0}" == 1 ]]; then
   echo "train_wan.sh: RESUME=1 needs SAVE_DIR (the directory to resume from)" >&2
@@ -168,8 +186,9 @@ if [[ "${DRY_RUN:-0}" == 1 ]]; then
   if [[ "$LAUNCH_MODE" != deepspeed ]]; then  # nodes x ranks per node: SP groups must stay inside a node
     DRY+=(--num-gpus "$PER_NODE" --num-nodes "$NNODES" --launcher node --node-rank "$NODE_RANK"
           --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT")
+    [[ "$NUM_GPUS" == 0 ]] && DRY+=(--device cpu)
   elif [[ "$NUM_GPUS" == 0 ]]; then
-    DRY+=(--world "$NPROC")
+    DRY+=(--world "$NPROC" --device cpu)
   elif [[ -n "${HOSTFILE:-}" ]]; then
     DRY+=(--hostfile "$HOSTFILE")
     [[ "$GPUS_GIVEN" == 1 ]] && DRY+=(--num-gpus "$NUM_GPUS")
@@ -185,5 +204,7 @@ if [[ "$LAUNCH_MODE" == task ]]; then
 fi
 # The supervisor forwards SIGTERM/SIGINT to every rank and leaves no orphan process behind, even
 # when it is SIGKILLed itself (ds_adaptive/supervise.py). STOP_TIMEOUT=S kills a run that has not
-# stopped S seconds after the first signal (default: wait; a second signal kills at once).
+# stopped S seconds after the first signal (default: wait; a second signal kills at once). It also
+# holds the rendezvous port (a busy default 29500 is replaced by a free one; a busy MASTER_PORT is
+# an error), stops every rank when one dies, and removes DeepSpeed's /dev/shm buffers at the end.
 exec "$PY" "$HERE/../ds_adaptive/supervise.py" -- "${CMD[@]}"

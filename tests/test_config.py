@@ -109,9 +109,25 @@ def test_batch_keys_become_nominal_micro_batch_and_real_gas():
     out = prepare_ds_config({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2}, dp_size=4, on_gpu=True)
     assert out["gradient_accumulation_steps"] == 2
     assert out["train_micro_batch_size_per_gpu"] == 1 and "train_batch_size" not in out
-    out = prepare_ds_config({"gradient_accumulation_steps": 3, "train_batch_size": 999}, dp_size=4, on_gpu=True)
+    out = prepare_ds_config({"gradient_accumulation_steps": 3, "train_batch_size": 12}, dp_size=4, on_gpu=True)
     assert out["gradient_accumulation_steps"] == 3 and "train_batch_size" not in out
     assert prepare_ds_config({}, dp_size=8, on_gpu=True)["gradient_accumulation_steps"] == 1
+
+
+def test_batch_keys_one_rule_for_the_trainer_and_the_dry_run():
+    """A train_batch_size that disagrees with gas x dp was silently dropped by the trainer and failed the dry run;
+    now both use ds_adaptive.validate.accumulation_steps: an error naming the value to set."""
+    from ds_adaptive.validate import accumulation_steps
+
+    raw = {"gradient_accumulation_steps": 3, "train_batch_size": 999}
+    with pytest.raises(ConfigError, match="train_batch_size=999 != .* gradient_accumulation_steps 3 x dp 4 = 12; "
+                                          "set train_batch_size to 12"):
+        prepare_ds_config(raw, dp_size=4, on_gpu=True)
+    with pytest.raises(ConfigError, match=r"x dp 4 \(= world 8 / sp 2\) = 12"):
+        accumulation_steps(raw, 4, sp=2)
+    assert accumulation_steps(raw, None) == 3  # dp not known yet (config --check without --world): types only
+    with pytest.raises(ConfigError, match="train_micro_batch_size_per_gpu must be an int >= 1, got 0"):
+        accumulation_steps({"train_micro_batch_size_per_gpu": 0}, None)
 
 
 def test_bad_batch_keys_are_errors():

@@ -2,6 +2,7 @@
 environment knobs, and the main job (no argument, CPU) prints its summary with a falling loss."""
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -134,6 +135,12 @@ def test_main_job_on_cpu_prints_summary_and_loss_falls(tmp_path):
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-6000:]
     assert "ds_adaptive run summary" in out and "tokens/s" in out and "CV_step" in out
+    # no misleading message on the CPU run: the fused op does not run there, the allocator setting is not the
+    # user's (and means nothing on a CPU), and a calibrate hint is a command that works as written
+    assert "uses the fused path" not in out and "set by the user" not in out and "PYTORCH_CUDA_ALLOC_CONF" not in out
+    hints = [x for x in out.splitlines() if "ds-adaptive calibrate" in x]
+    assert all("--out " in x and "on the GPU you train on" in x for x in hints), hints
+    assert not glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{env['MASTER_PORT']}_*")
     s = json.loads((tmp_path / "runs" / "cpu_tiny" / "summary.json").read_text())
     assert s["steps"] == 20 and s["world_size"] == 2 and s["model"] == "tiny" and s["device"] == "cpu"
     assert s["adaptive_load"] is True and s["fused_ln_modulate_requested"] is True

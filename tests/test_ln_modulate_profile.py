@@ -97,6 +97,8 @@ def test_run_path_follows_the_config_and_the_env_override(monkeypatch):
     monkeypatch.delenv("DS_ADAPTIVE_LN_MODULATE", raising=False)
     assert run_ln_modulate_path(True) == "fused"
     assert run_ln_modulate_path(False) == "reference"
+    assert run_ln_modulate_path(True, "cpu") == "reference"  # the op has no CPU path: the CPU run never says "fused"
+    assert run_ln_modulate_path(True, "meta") == "fused"      # the dry run checks a GPU launch
     monkeypatch.setenv("DS_ADAPTIVE_LN_MODULATE", "reference")
     assert run_ln_modulate_path(True) == "reference"
 

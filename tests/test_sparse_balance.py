@@ -71,7 +71,7 @@ def test_placement_examples_and_errors():
     assert rank_sums(d, perm, 2) == [0.55, 0.55] and sorted(perm) == [0, 1, 2, 3]
     assert balance_heads([0.2] * 8, 4) == list(range(8))            # nothing to gain: identity
     assert balance_heads(d, 1) == [0, 1, 2, 3]
-    with pytest.raises(PlacementError, match="sp=3 must divide the 4 heads"):
+    with pytest.raises(PlacementError, match="Ulysses sp=3 does not divide the 4 attention heads of the head placement"):
         balance_heads(d, 3)
     with pytest.raises(PlacementError, match="not a permutation"):
         check_placement([0, 0, 1, 2], 4, 2)

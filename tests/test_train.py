@@ -255,6 +255,16 @@ def test_two_rank_zero3_run_and_resume_equivalence(tmp_path, cpu_config, run_ran
 
 
 @pytest.mark.slow
+def test_training_goes_on_across_an_epoch_boundary(tmp_path, cpu_config, run_ranks):
+    """The first step of a new epoch takes its loss weights from the new epoch's plan (it took the old epoch's,
+    and the samples check then stopped every run at the first step of its second epoch)."""
+    run_ranks(train_argv("--deepspeed_config", str(cpu_config), "--num-samples", "40", "--layers", "1",
+                         "--steps", "12", "--log-dir", "logs"), 1, cwd=tmp_path)
+    s = _summary(tmp_path / "logs")
+    assert s["steps"] == 12 and s["plan"]["steps"] < 12, s["plan"]
+
+
+@pytest.mark.slow
 def test_two_rank_baseline_on_disk_data(tmp_path, run_ranks):
     """The equal-token baseline (adaptive_load.enabled=false) on a dataset written by `ds-adaptive synth`."""
     from ds_adaptive.data.synth import main as synth_main

@@ -46,6 +46,7 @@ from ds_adaptive.balance.cost import GIB, PROFILE_FORMAT, PROFILES_DIR, Profile
 from ds_adaptive.balance.memory import configure_allocator
 from ds_adaptive.models.registry import default_model, get_model, model_names
 from ds_adaptive.shapes import GridRule, SampleShape
+from ds_adaptive.validate import heads_sp_problem
 
 CPU_MODEL = "tiny"
 """``--device cpu``'s default model: its calibration grids are small (seconds on a CPU, not the >14 min of a
@@ -313,8 +314,9 @@ def measure(model_name: str, *, layers: Sequence[int], shapes: Sequence[SampleSh
     for depth in layers:
         cfg = spec.config(**{**overrides, "num_layers": depth})
         cfg_dict = _config_dict(cfg)
-        if cfg_dict.get("num_heads", sp) % sp != 0:
-            raise SystemExit(f"--sp {sp} does not divide the model's {cfg_dict['num_heads']} heads")
+        problem = heads_sp_problem(cfg.num_heads, sp, f"{model_name} (--sp)")
+        if problem:
+            raise SystemExit(f"calibrate: {problem}")
         with torch.device(device):
             model = spec.build(cfg)
         model.to_dtype(dtype)

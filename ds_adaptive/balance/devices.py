@@ -80,6 +80,18 @@ def calibrate_command(model_name: str, key: Optional[str]) -> str:
             f"ds_adaptive/balance/profiles/{prefix}-{model_name}.json")
 
 
+def calibrate_hint(model_name: str, device_name: Optional[str] = None, *, detect: bool = True) -> str:
+    """What to run for a profile of ``model_name``, as a command that works as written: on a GPU machine for
+    its GPU; without a GPU (calibrate measures the GPU it runs on; CPU timings fail its fit-quality bar) on the
+    GPU the run trains on."""
+    if device_name is None and detect:
+        device_name = detect_device_name()
+    spec = gpu_spec(device_name)
+    cmd = calibrate_command(model_name, spec.key if spec else None)
+    where = "" if device_name else " on the GPU you train on (no GPU here)"
+    return f"run `{cmd}`{where} and set sampler.profile to that file"
+
+
 def _model_profiles(model_name: str) -> list[str]:
     return [n for n in shipped_profiles() if n.endswith(f"-{model_name}")]
 

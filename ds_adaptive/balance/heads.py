@@ -53,8 +53,11 @@ def inverse_permutation(perm: Sequence[int]) -> list[int]:
 def check_placement(perm: Sequence[int], num_heads: int, sp: int) -> None:
     """Raise :class:`PlacementError` unless ``perm`` is a permutation of ``range(num_heads)`` and
     ``sp`` divides ``num_heads`` (equal head counts per rank)."""
-    if sp < 1 or num_heads % sp:
-        raise PlacementError(f"Ulysses sp={sp} must divide the {num_heads} heads (equal heads per rank)")
+    from ds_adaptive.validate import heads_sp_problem
+
+    problem = heads_sp_problem(num_heads, sp, "the head placement")
+    if problem:
+        raise PlacementError(problem)
     if len(perm) != num_heads or sorted(int(h) for h in perm) != list(range(num_heads)):
         raise PlacementError(f"head placement {list(perm)} is not a permutation of range({num_heads})")
 

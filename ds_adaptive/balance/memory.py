@@ -148,9 +148,11 @@ def configure_allocator(environ=None) -> str:
     import os
 
     env = os.environ if environ is None else environ
-    user = env.get("PYTORCH_CUDA_ALLOC_CONF")
-    if user is not None:
-        return (f"ds_adaptive: PYTORCH_CUDA_ALLOC_CONF={user!r} set by the user: kept (the memory budget's "
+    given = env.get("PYTORCH_CUDA_ALLOC_CONF")
+    if given == ALLOCATOR_CONF:  # e.g. exported by launch/train_wan.sh: nobody chose anything else
+        return f"ds_adaptive: PYTORCH_CUDA_ALLOC_CONF={ALLOCATOR_CONF} (fragmentation-safe allocator, the default)"
+    if given is not None:
+        return (f"ds_adaptive: PYTORCH_CUDA_ALLOC_CONF={given!r} from the environment: kept (the memory budget's "
                 f"fragmentation margin was measured with {ALLOCATOR_CONF!r})")
     env["PYTORCH_CUDA_ALLOC_CONF"] = ALLOCATOR_CONF
     return (f"ds_adaptive: PYTORCH_CUDA_ALLOC_CONF={ALLOCATOR_CONF} (fragmentation-safe allocator for changing "

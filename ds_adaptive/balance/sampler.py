@@ -36,7 +36,7 @@ import numpy as np
 from ds_adaptive.config import SamplerConfig
 from ds_adaptive.layout import Layout
 from ds_adaptive.balance.cost import CostModel, Profile, load_profile
-from ds_adaptive.balance.devices import resolve_auto_profile
+from ds_adaptive.balance.devices import calibrate_hint, resolve_auto_profile
 from ds_adaptive.balance.planner import (EpochPlan, OversizeSampleError, PlanError, PlannerParams, StepTotals,
                                  plan_epoch, resolve_budgets, unique_shapes)
 from ds_adaptive.balance.sparse import DensityMap, SparseAttentionCost, load_densities
@@ -457,7 +457,7 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
     if model is not None and profile.raw.get("model", {}).get("name") not in (None, model_name, model.profile_model):
         warnings.warn(f"sampler.profile '{profile.name}' was measured for model "
                       f"'{profile.raw['model']['name']}', training '{model_name}': predicted costs "
-                      f"and memory will be off; run `ds-adaptive calibrate --model {model_name}`",
+                      f"and memory will be off; {calibrate_hint(model_name)}",
                       stacklevel=2)
     profile, ln_msg = profile.for_ln_modulate(ln_modulate)
     if ln_msg is not None:

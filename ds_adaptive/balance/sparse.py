@@ -423,8 +423,11 @@ def _decisions(cost: SparseAttentionCost, seq_len: int, sp: int) -> tuple[np.nda
 @lru_cache(maxsize=64)
 def _rank_tables(densities: DensityMap, sp: int, policy: str) -> np.ndarray:
     h = densities.num_heads
-    if h % sp:
-        raise DensityError(f"Ulysses sp={sp} does not divide the density table's {h} heads")
+    from ds_adaptive.validate import heads_sp_problem
+
+    problem = heads_sp_problem(h, sp, "the density table")
+    if problem:
+        raise DensityError(problem)
     d = np.array(densities.density, float)
     if policy == "balanced":
         placement = plan_head_placement(densities.density, sp, dense_layers=densities.dense_layers)
