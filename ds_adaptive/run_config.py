@@ -194,13 +194,17 @@ def parse_key_values(items, flag: str) -> dict:
 
 
 def _check_planned_layout(cfg: RunConfig) -> None:
-    """The model and its objective overrides; sp against the heads and the launcher's WORLD_SIZE, before
-    torch.distributed exists."""
+    """The model and its objective overrides, the preview size on its grid; sp against the heads and the
+    launcher's WORLD_SIZE, before torch.distributed exists."""
     from .layout import Layout, resolve_sp_size
     from .models.registry import get_model
 
     model = get_model(cfg.trainer.model)
     model.objective_with(cfg.trainer.objective)
+    if cfg.adaptive_load.preview.enabled:  # the preview size on the model's grid
+        from .preview import preview_size
+
+        preview_size(cfg.adaptive_load.preview, model.input_spec)
     sp = resolve_sp_size(cfg.trainer.sp, cfg.ds_config)
     Layout.explicit(sp_size=sp).validate(num_heads=model.config().num_heads, what=cfg.trainer.model)
     resolve_sp_size(sp, cfg.ds_config, int(os.environ.get("WORLD_SIZE", "1")))  # world % sp, data_parallel_size

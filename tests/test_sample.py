@@ -35,12 +35,12 @@ def assets(tmp_path_factory):
     models = tiny_models(tmp / "enc")
     model = random_init_(WanModel(get_wan_config("tiny")), seed=4)
     save_wan_weights(model, tmp / "model", layout="diffusers")
-    info = apply_lora(model, LoraConfig(enabled=True, rank=2, alpha=4, targets=["self_attn"]), seed=0)
+    info = apply_lora(model, LoraConfig(enabled=True, rank=2, alpha=4, targets=["self_attn"]), seed=0, spec="tiny")
     with torch.no_grad():
         for n, p in model.named_parameters():
             if ".lora_B." in n:
                 p.normal_(0, 0.1)
-    tensors, meta = diffusers_lora(adapter_pairs(model.state_dict()), scale=info.scale)
+    tensors, meta = diffusers_lora(adapter_pairs(model.state_dict()), scale=info.scale, spec="tiny")
     (tmp / "lora").mkdir()
     save_safetensors(tensors, tmp / "lora" / LORA_FILE, metadata=meta)
     return tmp, models
