@@ -63,7 +63,7 @@ def model_of_source(source: Optional[str], *, tag: Optional[str] = None, model: 
         try:
             return model_of_weights(p)
         except ModelError as exc:
-            raise SampleError(f"{exc}; pass --model NAME") from None
+            raise SampleError(f"{exc} (--model NAME)") from None
     return get_model(cfg_model_name(*resolve_checkpoint(source, tag)))
 
 
@@ -78,9 +78,9 @@ def load_model(source: str, *, tag: Optional[str] = None, base: Optional[str] = 
     p = Path(source)
     if _is_model_dir(p):
         cfg = spec.weights.read_config(str(p), subfolder=spec.subfolder)
-        if cfg is not None and spec.config(num_layers=cfg.num_layers) != cfg:
-            raise SampleError(f"{source} holds another architecture than model {spec.name} ({cfg}); pass the "
-                              "model it was trained as (--model)")
+        if cfg is not None and not spec.takes_inputs_of(cfg):
+            raise SampleError(f"{source} holds a model ({cfg}) that does not read the inputs of model {spec.name} "
+                              f"({spec.input_spec.describe()}); pass the model it was trained as (--model)")
         model = spec.weights.load(str(p), config=cfg or spec.config(), subfolder=spec.subfolder, dtype=torch.float32)
         what = f"model {p} ({spec.name})"
     else:

@@ -347,6 +347,12 @@ class Model:
     def media(self) -> MediaDefaults:
         return self.preset.media
 
+    def takes_inputs_of(self, config: Any) -> bool:
+        """Whether a model of ``config`` (this family's) reads this model's inputs: the same latent channels,
+        patch and text width (e.g. weights of another depth or width trained on this model's data)."""
+        ref = self.config()
+        return all(getattr(config, k, None) == getattr(ref, k) for k in ("in_channels", "patch_size", "text_dim"))
+
     def flops(self, config: Any, tokens: int, batch_size: int, ckpt_blocks: int = 0) -> tuple[float, float]:
         return self.family.train_flops(config, tokens, batch_size, ckpt_blocks)
 

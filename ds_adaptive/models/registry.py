@@ -104,7 +104,8 @@ def model_of_weights(path) -> Model:
                 found.append(models[p.name])
     if not found:
         why = "; ".join(dict.fromkeys(seen)) if seen else "no config.json"
-        raise ModelError(f"{path}: the weights are not of a registered model's architecture ({why})")
+        raise ModelError(f"{path}: the weights are not of a registered model's architecture ({why}); name the "
+                         "registered model whose inputs (VAE latents, text encoder) they were trained on")
     if len({m.input_spec for m in found}) > 1:
         raise ModelError(f"{path}: the architecture is that of models with different inputs "
                          f"({', '.join(m.name for m in found)}): say which one")
