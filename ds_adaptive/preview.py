@@ -211,7 +211,7 @@ class PreviewRunner:
                  metrics, log: Callable[[str], None], shift: float) -> None:
         self.run, self.cfg, self.engine, self.metrics, self.log = run, cfg, engine, metrics, log
         self.layout = run.layout
-        self.model = run.preset
+        self.spec = run.preset
         self.negative = negative
         self.shift = shift
         self.out_dir = Path(run.cfg.adaptive_load.metrics.log_dir) / "previews"
@@ -327,12 +327,12 @@ class PreviewRunner:
             stem = self.out_dir / f"step{step:07d}_{p.name}"
             frames = self._decode(latents) if self.vae is not None else None
             if frames is None:
-                image = latent_strip(latents, upscale=self.model.grid.vae_stride[1:])
+                image = latent_strip(latents, upscale=self.spec.grid.vae_stride[1:])
                 files.append(write_png(image, stem.with_suffix(".png")))
             else:
                 image = frame_strip(frames)
                 files.append(write_media(frames, stem.with_suffix(f".{self.cfg.format}"),
-                                         fps=self.cfg.fps or round(self.model.media.fps)))
+                                         fps=self.cfg.fps or round(self.spec.media.fps)))
             self.metrics.log_image(f"preview/{p.name}", image, step, caption=f"{p.shape}, seed {p.seed}")
         return files
 

@@ -208,6 +208,30 @@ def test_diffusers_file_loads_and_matches_our_forward(tmp_path, name, rslora):
         torch.testing.assert_close(again.eval()(x, t, c), ours, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["wan2.1-1.3b", "wan2.2-ti2v-5b", "wan2.2-t2v-a14b-low"])
+def test_released_models_file_names_are_diffusers_linears(name):
+    """At the released sizes (meta device): every adapted module's diffusers name, as an exported file writes it,
+    is an nn.Linear of diffusers' WanTransformer3DModel built from the same config, with the same in / out
+    features, so load_lora_adapter finds every target (TI2V-5B: 48 channels; the A14B expert: 14B)."""
+    diffusers = pytest.importorskip("diffusers")
+    from ds_adaptive.models.weights import diffusers_config
+
+    spec = get_model(name)
+    cfg = spec.config()
+    with torch.device("meta"):
+        ours = spec.build(cfg)
+        theirs = diffusers.WanTransformer3DModel(**diffusers_config(cfg))
+    info = apply_lora(ours, LoraConfig(enabled=True, rank=2), seed=0, spec=spec)
+    assert len(info.modules) == 10 * cfg.num_layers
+    linears = {n: m for n, m in theirs.named_modules() if isinstance(m, torch.nn.Linear)}
+    mine = dict(ours.named_modules())
+    for mod in info.modules:
+        target = spec.weights.to_diffusers_key(f"{mod}.weight").removesuffix(".weight")
+        base = mine[mod].base_layer
+        assert target in linears, (mod, target)
+        assert (linears[target].in_features, linears[target].out_features) == (base.in_features, base.out_features)
+
+
 # --- 2 ranks, ZeRO-3 -------------------------------------------------------------------------
 
 def _config(tmp_path, **preview) -> Path:
