@@ -371,8 +371,8 @@ class PreviewConfig(_Block):
     """Optimizer steps between previews."""
 
     prompts: Optional[str] = None
-    """Text embeddings of the preview prompts: a `.safetensors` file with one `[L, 4096]` umT5 embedding
-    per prompt, the tensor names are the preview names (`ds-adaptive sample --text-encoder DIR --prompt
+    """Text embeddings of the preview prompts: a `.safetensors` file with one `[L, text width]` embedding of
+    the model's text encoder (umT5, 4096 wide, for Wan) per prompt, the tensor names are the preview names (`ds-adaptive sample --text-encoder DIR --prompt
     TEXT --save-embeddings FILE` writes one, in prompt order; other files are read in name order). null: the contexts of the first `num_prompts` training
     samples (the synthetic dataset's embeddings, or your shards' captions)."""
 
@@ -381,12 +381,13 @@ class PreviewConfig(_Block):
     the data-parallel ranks, which generate in parallel."""
 
     size: Optional[str] = None
-    """Video size of a preview in pixels, "FRAMESxHEIGHTxWIDTH" (e.g. "81x480x832"; frames 4n+1,
-    height and width multiples of 16). null: each dataset prompt's own sample shape (required with
+    """Video size of a preview in pixels, "FRAMESxHEIGHTxWIDTH" (e.g. "81x480x832"), a shape of the
+    trained model's grid (frames 4n+1, height and width multiples of 16 for a 4x8x8 VAE with a 1x2x2
+    patch, of 32 for a 4x16x16 one). null: each dataset prompt's own sample shape (required with
     `prompts`)."""
 
     steps: int = Field(20, ge=1, le=1000)
-    """Euler steps of the flow-matching sampler (sigma from 1 to 0, Wan's shift)."""
+    """Euler steps of the flow-matching sampler (sigma from 1 to 0 on the shifted schedule of training)."""
 
     shift: Optional[float] = Field(None, gt=0.0)
     """Timestep shift of the sampler's sigma schedule; null: the trainer's `--shift`."""
@@ -403,15 +404,17 @@ class PreviewConfig(_Block):
     """Seed of the preview noise: preview j always starts from the same noise."""
 
     vae: Optional[str] = None
-    """Directory of a diffusers `AutoencoderKLWan` (`save_pretrained` / a Wan pipeline's `vae/`): previews
+    """Directory of the model's diffusers VAE (`save_pretrained` / a pipeline's `vae/`; Wan 2.1 and 2.2 both
+    use `AutoencoderKLWan`, with 16 and 48 latent channels; it is checked against the model): previews
     are decoded to video (`format`). null: a latent preview PNG (latent frames side by side, the latent
     channels projected to RGB)."""
 
     format: Literal["mp4", "gif"] = "mp4"
     """File format of decoded previews (mp4 via PyAV, gif via Pillow)."""
 
-    fps: int = Field(16, ge=1, le=120)
-    """Frames per second of decoded previews (Wan 2.1: 16)."""
+    fps: Optional[int] = Field(None, ge=1, le=120)
+    """Frames per second of decoded previews; null: the model's frame rate (its preprocessing default:
+    16 for Wan 2.1, 24 for Wan 2.2 TI2V-5B)."""
 
     @field_validator("size")
     @classmethod
@@ -419,8 +422,8 @@ class PreviewConfig(_Block):
         if v is not None:
             from .shapes import SampleShape, ShapeError
 
-            try:
-                SampleShape.parse(v)
+            try:  # the syntax; the model's grid rule is checked with the model (run_config, preview)
+                SampleShape.parse_text(v)
             except ShapeError as exc:
                 raise ValueError(str(exc)) from None
         return v

@@ -131,7 +131,7 @@ def export_checkpoint(ckpt: str, out: str, *, tag: Optional[str] = None, dtype: 
         from ds_adaptive.lora import export_lora
 
         return export_lora(save_dir, tag, read_client_state(save_dir / tag), out,
-                           consolidated_state_dict(save_dir, tag))
+                           consolidated_state_dict(save_dir, tag), spec=get_model(cfg_model_name(save_dir, tag, model)))
     cfg, sd = checkpoint_weights(save_dir, tag, model=model, layers=layers, base=base)
     spec = get_model(cfg_model_name(save_dir, tag, model))
     with torch.device("meta"):
@@ -175,7 +175,7 @@ def checkpoint_weights(save_dir: Path, tag: str, *, model: Optional[str] = None,
     if state.get("lora"):
         from ds_adaptive.lora import merged_weights
 
-        return cfg, merged_weights(cfg, state["lora"], sd, base=base, what=str(save_dir / tag))
+        return cfg, merged_weights(cfg, state["lora"], sd, spec=spec, base=base, what=str(save_dir / tag))
     with torch.device("meta"):
         net = spec.build(cfg)
     net.to_dtype(torch.float32)
@@ -200,7 +200,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--layers", type=int, default=None, help="number of blocks, when the run used --layers")
     ap.add_argument("--lora", action="store_true",
                     help="LoRA checkpoints: write only the adapters, DIR/pytorch_lora_weights.safetensors in diffusers' "
-                         "PEFT format (WanPipeline.load_lora_weights(DIR) loads it)")
+                         "PEFT format (the diffusers pipeline's load_lora_weights(DIR) loads it)")
     ap.add_argument("--base", default=None,
                     help="LoRA checkpoints exported whole: the base model's directory (default: the run's --init-from); "
                          "the adapters are merged into it")
@@ -215,7 +215,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"ds-adaptive export: error: {exc}", file=sys.stderr)
         return 2
     if args.lora:
-        print(f"wrote {f} (LoRA adapters, diffusers PEFT format: load_lora_weights({str(f.parent)!r}))")
+        from ds_adaptive.lora import loading_hint
+        from ds_adaptive.models.registry import get_model
+
+        spec = get_model(cfg_model_name(*resolve_checkpoint(args.checkpoint, args.tag), args.model))
+        print(f"wrote {f} (LoRA adapters, {loading_hint(spec, f.parent)})")
     else:
         print(f"wrote {f.parent / 'config.json'} and {f} (diffusers layout, {args.dtype})")
     return 0

@@ -1,13 +1,14 @@
 """LoRA fine-tuning of the DiT with peft, under ZeRO-3 and Ulysses SP.
 
-    n = adapter_parameters(model_config, cfg.adaptive_load.lora)   # the memory model, before the model exists
-    info = apply_lora(model, lora_cfg, seed=seed, base=base)      # build_run: after --init-from, before Ulysses
-    tensors, metadata = diffusers_lora(adapter_tensors, info_dict)  # `ds-adaptive export --lora`
+    spec = get_model(name)                                             # the model's registry entry
+    n = adapter_parameters(model_config, cfg.adaptive_load.lora, spec=spec)  # the memory model, before the model
+    info = apply_lora(model, lora_cfg, seed=seed, spec=spec, base=base)    # build_run: after --init-from, before SP
+    tensors, metadata = diffusers_lora(pairs, scale=info.scale, spec=spec)  # `ds-adaptive export --lora`
 
 **Injection.** ``peft.inject_adapter_in_model`` replaces the targeted ``nn.Linear`` of every block by peft's
 ``lora.Linear``, which keeps the original layer as ``base_layer`` and adds ``lora_B(lora_A(dropout(x))) *
 scale``. The model's setters (``set_attention``, ``set_ln_modulate``, ``set_sequence_parallel``,
-``set_token_order``) store plain attributes on ``WanModel`` and its blocks, never on the replaced linears,
+``set_token_order``) store plain attributes on the model and its blocks, never on the replaced linears,
 so the fused LayerNorm-modulate op, Ulysses, sparse attention and checkpointing run unchanged. Names change:
 ``blocks.N.self_attn.q.weight`` becomes ``blocks.N.self_attn.q.base_layer.weight``, the adapters are
 ``blocks.N.self_attn.q.lora_A.default.weight`` / ``lora_B``. Every other parameter is frozen.
@@ -26,14 +27,17 @@ no base (``Trainer.save``). A resumed run rebuilds the base the way the first on
 values of every base tensor, read from the ZeRO-3 partitions): a different base is an error, not silently
 wrong adapters. The probe also lets ``ds-adaptive sample`` / ``export`` rebuild the base of a checkpoint.
 
-**Export.** :func:`diffusers_lora` renames the adapters to diffusers' ``WanTransformer3DModel`` modules in
-PEFT format (``transformer.blocks.N.attn1.to_q.lora_A.weight``), folds the scale alpha/r (alpha/sqrt(r) with
+**Export.** :func:`diffusers_lora` renames the adapters to the modules of the family's diffusers transformer
+(the weight adapter's ``to_diffusers_key``; e.g. ``WanTransformer3DModel``) in PEFT format
+(``transformer.blocks.N.attn1.to_q.lora_A.weight``), folds the scale alpha/r (alpha/sqrt(r) with
 rsLoRA) into ``lora_B`` and writes ``lora_alpha = r`` in the safetensors metadata that diffusers'
 ``load_lora_adapter`` reads: any loader (diffusers with or without the metadata, ComfyUI) applies scale 1 to
 exactly the trained product.
 
-Target names are data of the model family (:data:`LORA_TARGETS`); the rest of this module is family-free
-apart from the key conversion to diffusers' names (``models.weights.wan_key_to_diffusers``).
+Everything model-specific comes from the model's registry entry (``get_model(name)``, passed as ``spec``: a
+:class:`~ds_adaptive.models.family.Model` or its name): where adapters go (``spec.lora_targets``, data of the
+family), how the model is built (``spec.build``) and loaded (``spec.weights.load``), and its parameter names in
+diffusers' layout (``spec.weights.to_diffusers_key`` / ``from_diffusers_key``).
 """
 from __future__ import annotations
 
@@ -46,11 +50,11 @@ from typing import Any, Mapping, Optional
 import torch
 
 from .config import ConfigError
+from .models.family import LoraTargets, ModelError
 
-__all__ = ["LoraError", "LoraTargets", "LORA_TARGETS", "WAN_LORA_TARGETS", "LoraInfo", "ADAPTER", "apply_lora",
-           "adapter_parameters", "base_probe", "check_base", "check_resume", "diffusers_lora", "read_lora_file",
-           "adapter_pairs", "merge_adapters", "load_adapters", "reseed_dropout", "CLIENT_KEY", "LORA_FILE",
-           "import_peft"]
+__all__ = ["LoraError", "LoraTargets", "targets_for", "LoraInfo", "ADAPTER", "apply_lora", "adapter_parameters",
+           "base_probe", "check_base", "check_resume", "diffusers_lora", "read_lora_file", "adapter_pairs",
+           "merge_adapters", "load_adapters", "reseed_dropout", "CLIENT_KEY", "LORA_FILE", "import_peft"]
 
 ADAPTER = "default"
 """peft's adapter name (the ``default`` in ``lora_A.default.weight``)."""
@@ -84,55 +88,30 @@ def import_peft():
 # Targets: data of the model family
 # --------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class LoraTargets:
-    """Where adapters can go in a model family: module paths inside a block, grouped by name."""
+def model_spec(spec: Any):
+    """The registry entry of ``spec`` (a ``Model``, or a ``--model`` name)."""
+    if isinstance(spec, str):
+        from .models.registry import get_model
 
-    block_prefix: str
-    """Regex of a block's module path prefix (``blocks\\.\\d+\\.``)."""
-    groups: Mapping[str, tuple[str, ...]]
-    """Group name -> module paths inside a block (``self_attn`` -> ``self_attn.q``, ...)."""
-
-    @property
-    def modules(self) -> tuple[str, ...]:
-        """Every module path a target may name, in table order."""
-        return tuple(dict.fromkeys(m for paths in self.groups.values() for m in paths))
-
-    def resolve(self, targets) -> tuple[str, ...]:
-        """Config targets (group names or module paths) -> module paths inside a block, table order."""
-        chosen = set()
-        for t in targets:
-            if t in self.groups:
-                chosen.update(self.groups[t])
-            elif t in self.modules:
-                chosen.add(t)
-            else:
-                raise LoraError(f"adaptive_load.lora.targets: unknown target {t!r}; valid: groups "
-                                f"{sorted(self.groups)} or module paths {list(self.modules)}")
-        return tuple(m for m in self.modules if m in chosen)
-
-    def pattern(self, paths) -> str:
-        """peft ``target_modules`` regex (full match on module names) of ``paths`` in every block."""
-        return self.block_prefix + "(" + "|".join(re.escape(p) for p in paths) + ")"
+        return get_model(spec)
+    return spec
 
 
-WAN_LORA_TARGETS = LoraTargets(block_prefix=r"blocks\.\d+\.", groups={
-    "self_attn": ("self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o"),
-    "cross_attn": ("cross_attn.q", "cross_attn.k", "cross_attn.v", "cross_attn.o"),
-    "ffn": ("ffn.0", "ffn.2"),
-})
-"""Wan 2.1 DiT: the attention projections (self and cross) and both FFN linears of every block; DiffSynth-
-Studio's default (``q,k,v,o,ffn.0,ffn.2``). The embeddings, the time projection and the head stay dense."""
-
-LORA_TARGETS: dict[str, LoraTargets] = {"wan2.1": WAN_LORA_TARGETS}
-"""Target tables by model family (a model-family registry provides its own)."""
+def targets_for(spec: Any) -> LoraTargets:
+    """The LoRA target table of a model (``spec``: its registry entry or name): data of its family."""
+    spec = model_spec(spec)
+    table = spec.lora_targets
+    if table is None:
+        raise LoraError(f"adaptive_load.lora: model {spec.name} ({spec.family.name}) defines no LoRA targets: its "
+                        "family does not support LoRA fine-tuning")
+    return table
 
 
-def targets_for(model_or_config: Any = None) -> LoraTargets:
-    """The target table of a model (or its config): a ``lora_targets`` attribute when the family defines one,
-    else Wan 2.1's (the one family implemented)."""
-    table = getattr(model_or_config, "lora_targets", None)
-    return table if isinstance(table, LoraTargets) else LORA_TARGETS["wan2.1"]
+def _target_paths(table: LoraTargets, targets) -> tuple[str, ...]:
+    try:
+        return table.resolve(targets)
+    except ModelError as exc:
+        raise LoraError(f"adaptive_load.lora.targets: {exc}") from None
 
 
 def _matched_linears(model: torch.nn.Module, pattern: str) -> list[tuple[str, torch.nn.Linear]]:
@@ -180,7 +159,7 @@ class LoraInfo:
     def describe(self) -> str:
         share = self.adapter_params / max(self.base_params, 1)
         src = self.base.get("init_from") or (
-            f"the random init of seed {self.base.get('seed')}, not pretrained weights (Wan's init zeroes the output "
+            f"the random init of seed {self.base.get('seed')}, not pretrained weights (a DiT init zeroes the output "
             "head, which LoRA leaves frozen: the adapters would learn nothing; pass --init-from)")
         return (f"LoRA rank {self.rank}, alpha {self.alpha:g} (scale {self.scale:.4g}{', rsLoRA' if self.rslora else ''}"
                 f"), dropout {self.dropout:g} on {len(self.modules)} linears ({', '.join(self.targets)}): "
@@ -188,29 +167,29 @@ class LoraInfo:
                 f"{self.base_params:,}); base from {src}")
 
 
-def adapter_parameters(model_config, lora_cfg) -> int:
-    """Adapter parameters ``sum r * (in + out)`` of ``lora_cfg`` on a model of ``model_config``, counted on the
-    meta device (no memory): what the memory model plans for before the model is built."""
-    from .models.wan import WanModel
-
+def adapter_parameters(model_config, lora_cfg, *, spec) -> int:
+    """Adapter parameters ``sum r * (in + out)`` of ``lora_cfg`` on the model ``spec`` (registry entry or name)
+    of ``model_config``, counted on the meta device (no memory): what the memory model plans for before the
+    model is built."""
+    spec = model_spec(spec)
+    table = targets_for(spec)
     with torch.device("meta"):
-        model = WanModel(model_config)
-    table = targets_for(model)
-    paths = table.resolve(lora_cfg.targets)
+        model = spec.build(model_config)
+    paths = _target_paths(table, lora_cfg.targets)
     return sum(lora_cfg.rank * (m.in_features + m.out_features)
                for _, m in _matched_linears(model, table.pattern(paths)))
 
 
-def apply_lora(model: torch.nn.Module, lora_cfg, *, seed: int, base: Optional[dict] = None) -> LoraInfo:
-    """Inject peft LoRA adapters per ``lora_cfg`` (``config.LoraConfig``) into ``model`` in place and freeze
-    everything else. ``seed`` draws ``lora_A`` (identical on every rank). ``base``: the base record
-    (:func:`base_record`) stored in checkpoints. Works on the meta device (the dry run) and on a ZeRO-3-
-    partitioned model (before ``deepspeed.initialize``)."""
+def apply_lora(model: torch.nn.Module, lora_cfg, *, seed: int, spec, base: Optional[dict] = None) -> LoraInfo:
+    """Inject peft LoRA adapters per ``lora_cfg`` (``config.LoraConfig``) into ``model`` (a model of ``spec``, its
+    registry entry or name: the target table) in place and freeze everything else. ``seed`` draws ``lora_A``
+    (identical on every rank). ``base``: the base record (:func:`base_record`) stored in checkpoints. Works on
+    the meta device (the dry run) and on a ZeRO-3-partitioned model (before ``deepspeed.initialize``)."""
     peft = import_peft()
     if any(".lora_A." in n for n, _ in model.named_parameters()):
         raise LoraError("the model already has LoRA adapters; apply_lora is called once per model")
-    table = targets_for(model)
-    paths = table.resolve(lora_cfg.targets)
+    table = targets_for(spec)
+    paths = _target_paths(table, lora_cfg.targets)
     pattern = table.pattern(paths)
     matched = _matched_linears(model, pattern)
     if not matched:
@@ -355,19 +334,24 @@ def adapter_pairs(state_dict: Mapping[str, torch.Tensor]) -> dict[str, tuple[tor
     return {mod: (h["A"], h["B"]) for mod, h in halves.items()}
 
 
-def diffusers_lora(pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]], *, scale: float,
-                   provenance: Optional[dict] = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """WanModel-named adapters -> (tensors, safetensors metadata) of a diffusers LoRA file in PEFT format:
-    ``transformer.<diffusers module>.lora_A.weight`` / ``lora_B.weight`` with ``scale`` folded into lora_B,
-    fp32 contiguous; metadata ``lora_adapter_metadata`` (``transformer.r``, ``transformer.lora_alpha`` = r,
-    ``transformer.target_modules``: read by ``load_lora_adapter``) and ``ds_adaptive`` (``provenance``)."""
-    from .models.weights import wan_key_to_diffusers
+def _diffusers_class(spec) -> str:
+    return f"diffusers' {spec.family.transformer_class or 'transformer'} ({spec.name})"
 
+
+def diffusers_lora(pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]], *, scale: float, spec,
+                   provenance: Optional[dict] = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Adapters named by the model's modules -> (tensors, safetensors metadata) of a diffusers LoRA file in PEFT
+    format: ``transformer.<diffusers module>.lora_A.weight`` / ``lora_B.weight`` (names by ``spec``'s weight
+    adapter, ``to_diffusers_key``) with ``scale`` folded into lora_B, fp32 contiguous; metadata
+    ``lora_adapter_metadata`` (``transformer.r``, ``transformer.lora_alpha`` = r, ``transformer.target_modules``:
+    read by ``load_lora_adapter``) and ``ds_adaptive`` (``provenance``)."""
+    spec = model_spec(spec)
+    weights = spec.weights
     tensors, modules, ranks = {}, [], set()
     for mod, (a, b) in sorted(pairs.items()):
-        name = wan_key_to_diffusers(f"{mod.removeprefix('model.')}.weight")
+        name = weights.to_diffusers_key(f"{mod.removeprefix('model.')}.weight")
         if name is None:
-            raise LoraError(f"adapter on {mod}: no diffusers WanTransformer3DModel module corresponds to it")
+            raise LoraError(f"adapter on {mod}: no module of {_diffusers_class(spec)} corresponds to it")
         target = name.removesuffix(".weight")
         modules.append(target)
         ranks.add(int(a.shape[0]))
@@ -383,13 +367,20 @@ def diffusers_lora(pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]], *, sc
     return tensors, meta
 
 
-def read_lora_file(path) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], float]:
-    """A diffusers-format Wan LoRA safetensors file (what ``export --lora`` writes; PEFT keys
-    ``transformer.blocks.N.attn1.to_q.lora_A.weight``) -> (``{WanModel module: (A, B)}``, scale alpha/r from
-    its metadata, 1 without)."""
+def loading_hint(spec, directory) -> str:
+    """How diffusers loads a LoRA file of the model ``spec`` written to ``directory`` (for messages)."""
+    spec = model_spec(spec)
+    into = "" if spec.subfolder == "transformer" else f", load_into_{spec.subfolder}=True"
+    return (f"diffusers PEFT format for {_diffusers_class(spec)}: pipe.load_lora_weights({str(directory)!r}{into})")
+
+
+def read_lora_file(path, *, spec) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], float]:
+    """A diffusers-format LoRA safetensors file for the model ``spec`` (what ``export --lora`` writes; PEFT keys
+    ``transformer.blocks.N.attn1.to_q.lora_A.weight``) -> (``{model module: (A, B)}``, scale alpha/r from its
+    metadata, 1 without)."""
     from safetensors import safe_open
 
-    from .models.weights import diffusers_key_to_wan
+    spec = model_spec(spec)
 
     try:
         with safe_open(str(path), framework="pt") as f:
@@ -401,9 +392,9 @@ def read_lora_file(path) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], 
         raise LoraError(f"{path} holds no PEFT LoRA weights (keys '*.lora_A.weight'); first keys {sorted(sd)[:3]}")
     pairs = {}
     for mod, ab in adapter_pairs(sd).items():
-        name = diffusers_key_to_wan(f"{mod.removeprefix('transformer.')}.weight")
+        name = spec.weights.from_diffusers_key(f"{mod.removeprefix('transformer.')}.weight")
         if name is None:
-            raise LoraError(f"{path}: {mod} is not a module of diffusers' WanTransformer3DModel (Wan 2.1 T2V)")
+            raise LoraError(f"{path}: {mod} is not a module of {_diffusers_class(spec)}")
         pairs[name.removesuffix(".weight")] = ab
     scale = 1.0
     raw = meta.get("lora_adapter_metadata")
@@ -416,7 +407,7 @@ def read_lora_file(path) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], 
 
 def merge_adapters(state_dict: dict[str, torch.Tensor], pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
                    scale: float) -> dict[str, torch.Tensor]:
-    """``W + scale * B @ A`` (fp32 math) for every adapted module of a WanModel-named base state dict."""
+    """``W + scale * B @ A`` (fp32 math) for every adapted module of a base state dict (the model's names)."""
     out = dict(state_dict)
     for mod, (a, b) in pairs.items():
         key = f"{mod}.weight"
@@ -429,8 +420,8 @@ def merge_adapters(state_dict: dict[str, torch.Tensor], pairs: Mapping[str, tupl
 
 def load_adapters(model: torch.nn.Module, pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]], *,
                   scale: float, dropout: float = 0.0) -> None:
-    """Put ``pairs`` as peft adapters (scale ``scale``) into a plain (non-partitioned) WanModel: inference of a
-    LoRA checkpoint or file exactly as trained (``ds-adaptive sample``)."""
+    """Put ``pairs`` as peft adapters (scale ``scale``) into a plain (non-partitioned) model: inference of a LoRA
+    checkpoint or file exactly as trained (``ds-adaptive sample``)."""
     peft = import_peft()
     ranks = {int(a.shape[0]) for a, _ in pairs.values()}
     if len(ranks) != 1:
@@ -462,7 +453,7 @@ def apply_run_lora(cfg, model: torch.nn.Module, *, meta: bool, device: torch.dev
     probe is taken."""
     t = cfg.trainer
     base = None if meta else base_record(model, init_from=t.init_from, seed=t.seed, device=device.type)
-    return apply_lora(model, cfg.adaptive_load.lora, seed=t.seed, base=base)
+    return apply_lora(model, cfg.adaptive_load.lora, seed=t.seed, spec=t.model, base=base)
 
 
 def resume_problem(info: Optional[LoraInfo], ckpt_dir, client: Optional[Mapping] = None) -> Optional[str]:
@@ -492,9 +483,9 @@ def _checkpoint_pairs(record: Mapping, sd: Mapping[str, torch.Tensor], what: str
     return pairs
 
 
-def export_lora(save_dir, tag: str, state: Mapping, out, sd: Mapping[str, torch.Tensor]):
-    """``ds-adaptive export --lora``: the adapters of a LoRA checkpoint as ``out/`` :data:`LORA_FILE`
-    (:func:`diffusers_lora`); ``state`` is its ``ds_adaptive`` client state. Returns the file."""
+def export_lora(save_dir, tag: str, state: Mapping, out, sd: Mapping[str, torch.Tensor], *, spec):
+    """``ds-adaptive export --lora``: the adapters of a LoRA checkpoint of the model ``spec`` as ``out/``
+    :data:`LORA_FILE` (:func:`diffusers_lora`); ``state`` is its ``ds_adaptive`` client state. Returns the file."""
     from pathlib import Path
 
     from .files import save_safetensors
@@ -508,45 +499,44 @@ def export_lora(save_dir, tag: str, state: Mapping, out, sd: Mapping[str, torch.
     provenance.update(step=state.get("global_step"), model=state.get("model"), layers=state.get("layers"),
                       base={k: v for k, v in (record.get("base") or {}).items() if k != "probe"}, scale_folded=True)
     tensors, meta = diffusers_lora(pairs, scale=scale_of(record["rank"], record["alpha"], record.get("rslora", False)),
-                                   provenance=provenance)
+                                   spec=spec, provenance=provenance)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     return save_safetensors(tensors, out / LORA_FILE, metadata=meta)
 
 
-def rebuild_base(model_config, record: Mapping, *, base: Optional[str] = None, what: str = "the checkpoint"):
-    """The frozen base of a LoRA run as a plain fp32 WanModel on the CPU: ``base`` (a Wan / diffusers weights
-    directory), else the run's ``--init-from``, else the run's random init (seed; CPU runs only: a GPU draws
-    other numbers). Checked against the recorded probe (:func:`check_base`)."""
+def rebuild_base(model_config, record: Mapping, *, spec, base: Optional[str] = None, what: str = "the checkpoint"):
+    """The frozen base of a LoRA run of the model ``spec`` (``model_config``) as a plain fp32 model on the CPU:
+    ``base`` (a weights directory the family's weight adapter reads), else the run's ``--init-from``, else the
+    run's random init (seed; CPU runs only: a GPU draws other numbers). Checked against the recorded probe
+    (:func:`check_base`)."""
     from pathlib import Path
 
-    from .models.wan import WanModel
-    from .models.weights import load_pretrained
-
+    spec = model_spec(spec)
     path = base or record.get("init_from")
     if path:
         if not Path(path).exists():
             raise LoraError(f"{what}: its base was --init-from {path}, which does not exist here; pass --base DIR "
-                            "(the same Wan weights)")
-        model = load_pretrained(path, dtype=torch.float32, config=model_config)
+                            "(the same base weights)")
+        model = spec.weights.load(path, config=model_config, subfolder=spec.subfolder, dtype=torch.float32)
     else:
         if record.get("device") not in (None, "cpu"):
             raise LoraError(f"{what}: its base was the random init of seed {record.get('seed')} on "
                             f"{record.get('device')}, which this process cannot redraw; pass --base DIR")
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(int(record.get("seed", 0)))
-            model = WanModel(model_config)
+            model = spec.build(model_config)
     problem = check_base(record, base_probe(model), what=what)
     if problem is not None:
         raise LoraError(problem)
     return model
 
 
-def merged_weights(model_config, record: Mapping, sd: Mapping[str, torch.Tensor], *, base: Optional[str] = None,
+def merged_weights(model_config, record: Mapping, sd: Mapping[str, torch.Tensor], *, spec, base: Optional[str] = None,
                    what: str = "the checkpoint") -> dict[str, torch.Tensor]:
-    """``{WanModel name: fp32 tensor}`` of a LoRA checkpoint: its base (:func:`rebuild_base`) with the adapters
-    of ``sd`` (the consolidated checkpoint) merged in, ``W + scale * B @ A``."""
-    model = rebuild_base(model_config, record.get("base") or {}, base=base, what=what)
+    """``{model parameter name: fp32 tensor}`` of a LoRA checkpoint of the model ``spec``: its base
+    (:func:`rebuild_base`) with the adapters of ``sd`` (the consolidated checkpoint) merged in, ``W + scale * B @ A``."""
+    model = rebuild_base(model_config, record.get("base") or {}, spec=spec, base=base, what=what)
     pairs = _checkpoint_pairs(record, sd, what)
     plain = {k: v.detach().float() for k, v in model.state_dict().items()}
     return merge_adapters(plain, pairs, scale_of(record["rank"], record["alpha"], record.get("rslora", False)))

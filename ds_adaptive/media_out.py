@@ -1,19 +1,20 @@
 """Writing generated samples: VAE decode, latent previews, PNG / GIF / MP4 files.
 
-    frames = decode_latents(vae, latents)          # uint8 [B, T, H, W, 3], diffusers' AutoencoderKLWan
-    strip = latent_strip(latents[0])               # uint8 [H', n * W', 3] without a VAE
+    vae = preprocess.encode.load_vae(model, "pipeline/vae")   # the model's VAE class, checked against its grid
+    frames = decode_latents(vae, latents)          # uint8 [B, T, H, W, 3]
+    strip = latent_strip(latents[0], upscale=8)    # uint8 [T' * 8, n * W' * 8, 3] without a VAE
     write_media(frames[0], "out.mp4", fps=16)      # .mp4 (PyAV), .gif (Pillow), .png (a frame strip)
 
 Latents are the DiT's normalised latents ``(mu - latents_mean) / latents_std`` (``preprocess.encode``);
-:func:`decode_latents` undoes that with the VAE config's 16 means and stds before ``vae.decode``, as diffusers'
-``WanPipeline`` does. Without a VAE, :func:`latent_strip` shows three latent channels as RGB on a fixed range and
+:func:`decode_latents` undoes that with the VAE config's per-channel means and stds (16 for Wan 2.1's VAE, 48 for
+Wan 2.2's) before ``vae.decode``, as diffusers' Wan pipelines do. Without a VAE, :func:`latent_strip` shows three latent channels as RGB on a fixed range and
 puts up to ``max_frames`` latent frames side by side: enough to see structure and motion appear during training,
 at no cost.
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -32,7 +33,7 @@ def _to_uint8(x: torch.Tensor) -> np.ndarray:
 
 
 def latent_rgb(latent: torch.Tensor) -> np.ndarray:
-    """Normalised latent ``[16, T', H', W']`` -> uint8 ``[T', H', W', 3]``: channels :data:`LATENT_RGB_CHANNELS`
+    """Normalised latent ``[C, T', H', W']`` -> uint8 ``[T', H', W', 3]``: channels :data:`LATENT_RGB_CHANNELS`
     as R, G, B on the fixed range :data:`LATENT_RGB_RANGE`."""
     if latent.dim() != 4 or latent.shape[0] <= max(LATENT_RGB_CHANNELS):
         raise ValueError(f"latent must be [C >= 3, T', H', W'], got {list(latent.shape)}")
@@ -47,23 +48,29 @@ def frame_strip(frames: np.ndarray, max_frames: int = 8) -> np.ndarray:
     return np.concatenate([frames[i] for i in idx], axis=1)
 
 
-def latent_strip(latent: torch.Tensor, max_frames: int = 8, upscale: int = 8) -> np.ndarray:
-    """The latent preview image of one sample: :func:`latent_rgb`, each latent pixel ``upscale`` x ``upscale``
-    (the VAE's spatial stride: the strip has the video's size per frame), frames side by side."""
+def latent_strip(latent: torch.Tensor, max_frames: int = 8, upscale: Union[int, Sequence[int]] = 8) -> np.ndarray:
+    """The latent preview image of one sample: :func:`latent_rgb`, each latent pixel ``upscale`` pixels high and
+    wide (an int, or (height, width): the VAE's spatial stride, so that the strip has the video's size per
+    frame), frames side by side."""
     rgb = latent_rgb(latent)
-    if upscale > 1:
-        rgb = rgb.repeat(upscale, axis=1).repeat(upscale, axis=2)
+    uh, uw = (upscale, upscale) if isinstance(upscale, int) else (int(upscale[0]), int(upscale[1]))
+    if uh > 1 or uw > 1:
+        rgb = rgb.repeat(uh, axis=1).repeat(uw, axis=2)
     return frame_strip(rgb, max_frames)
 
 
 @torch.no_grad()
 def decode_latents(vae, latents: torch.Tensor, *, device: Optional[torch.device] = None,
                    tiling: bool = True) -> np.ndarray:
-    """Normalised latents ``[B, 16, T', H', W']`` -> uint8 frames ``[B, T, H, W, 3]`` with diffusers'
-    ``AutoencoderKLWan`` (on ``device``, default the VAE's; spatial tiling on by default to bound memory)."""
+    """Normalised latents ``[B, C, T', H', W']`` -> uint8 frames ``[B, T, H, W, 3]`` with the model's diffusers
+    VAE (:func:`ds_adaptive.preprocess.encode.load_vae`; on ``device``, default the VAE's; spatial tiling on by
+    default to bound memory). C must be the VAE's ``z_dim`` (its config's ``latents_mean`` / ``latents_std``)."""
     cfg = vae.config
     dev = device or next(vae.parameters()).device
     dtype = next(vae.parameters()).dtype
+    if latents.dim() != 5 or latents.shape[1] != len(cfg.latents_mean):
+        raise ValueError(f"latents {list(latents.shape)} do not fit the VAE: it decodes [B, {len(cfg.latents_mean)}, "
+                         "T', H', W'] (z_dim channels)")
     mean = torch.tensor(cfg.latents_mean, dtype=torch.float32, device=dev).view(1, -1, 1, 1, 1)
     std = torch.tensor(cfg.latents_std, dtype=torch.float32, device=dev).view(1, -1, 1, 1, 1)
     z = latents.to(dev, torch.float32) * std + mean
@@ -120,20 +127,3 @@ def write_media(frames: np.ndarray, path: Union[str, Path], *, fps: int = 16) ->
         return write_png(frames[0] if len(frames) == 1 else frame_strip(frames), path)
     raise ValueError(f"{path}: the file type is taken from the suffix, one of {MEDIA_SUFFIXES}")
 
-
-def load_vae(path, *, what: str = "--vae"):
-    """diffusers' ``AutoencoderKLWan`` from a local directory, fp32 on the CPU, eval mode; errors name ``what``
-    (the flag or config key) and raise ``ConfigError``."""
-    from .config import ConfigError
-
-    p = Path(path)
-    if not p.is_dir():
-        raise ConfigError(f"{what}: {p} is not a directory (a diffusers AutoencoderKLWan, e.g. a Wan pipeline's vae/)")
-    try:
-        from diffusers import AutoencoderKLWan
-    except ImportError:
-        raise ConfigError(f"{what} needs diffusers (pip install 'ds_adaptive[diffusers]')") from None
-    try:
-        return AutoencoderKLWan.from_pretrained(str(p), torch_dtype=torch.float32, local_files_only=True).eval()
-    except (OSError, ValueError, KeyError) as exc:
-        raise ConfigError(f"{what}: cannot load AutoencoderKLWan from {p}: {exc}") from None

@@ -36,19 +36,19 @@ import torch.nn.functional as F
 
 from .config import ConfigError
 from .flow_sampler import euler_sample, initial_noise
-from .media_out import load_vae
 from .objective import sample_seed
-from .shapes import InputSpec, SampleShape, default_input_spec
+from .shapes import InputSpec, SampleShape, ShapeError, default_input_spec
 
 __all__ = ["PreviewPrompt", "PreviewPlan", "PreviewRunner", "load_prompts", "plan_previews", "preview_memory_gib",
-           "load_embeddings", "save_embeddings"]
+           "load_embeddings", "save_embeddings", "preview_size", "pad_context"]
 
 GIB = float(1 << 30)
 
 
 @dataclass(frozen=True)
 class PreviewPrompt:
-    """One preview: its name, text embedding ``[L, 4096]`` (fp32, CPU), video shape and noise seed."""
+    """One preview: its name, text embedding ``[L, text_dim]`` (fp32, CPU), video shape (the model's grid) and
+    noise seed."""
 
     name: str
     context: torch.Tensor
@@ -61,7 +61,7 @@ ORDER_KEY = "ds_adaptive_prompts"
 
 
 def save_embeddings(table: dict[str, torch.Tensor], path) -> Path:
-    """Write ``{name: [L, 4096]}`` text embeddings as safetensors, keeping the order of ``table``."""
+    """Write ``{name: [L, text_dim]}`` text embeddings as safetensors, keeping the order of ``table``."""
     from .files import save_safetensors
 
     return save_safetensors({k: v.detach().float().contiguous().cpu() for k, v in table.items()}, path,
@@ -70,8 +70,8 @@ def save_embeddings(table: dict[str, torch.Tensor], path) -> Path:
 
 def load_embeddings(path, *, what: str, spec: Optional[InputSpec] = None) -> dict[str, torch.Tensor]:
     """``{name: [L, text_dim] fp32}`` from a safetensors file of text embeddings, in the order
-    :func:`save_embeddings` wrote them (other files: name order); checked against the model's ``spec`` (default:
-    the default model's); errors name the file."""
+    :func:`save_embeddings` wrote them (other files: name order), checked against the model's text width and
+    length (``spec``, default the default model's); errors name the file."""
     spec = spec or default_input_spec()
     from safetensors import safe_open
 
@@ -90,16 +90,35 @@ def load_embeddings(path, *, what: str, spec: Optional[InputSpec] = None) -> dic
     bad = [f"{k} {list(v.shape)}" for k, v in out.items() if v.dim() != 2 or v.shape[1] != spec.text_dim
            or not 1 <= v.shape[0] <= spec.text_len]
     if bad or not out:
-        raise ConfigError(f"{what}: {p} must hold text embeddings [L <= {spec.text_len}, {spec.text_dim}], one per "
-                          f"prompt; got {bad[:3] or 'no tensor'}")
+        who = f" ({spec.model}'s text encoder)" if spec.model else ""
+        raise ConfigError(f"{what}: {p} must hold text embeddings [L <= {spec.text_len}, {spec.text_dim}]{who}, one "
+                          f"per prompt; got {bad[:3] or 'no tensor'}")
     return out
+
+
+def preview_size(cfg, spec: InputSpec) -> Optional[SampleShape]:
+    """``cfg.size`` (``config.PreviewConfig``) as a shape of the model's grid rule (None: unset); a
+    :class:`ConfigError` naming the key and the model when the model cannot represent it."""
+    if not cfg.size:
+        return None
+    try:
+        return SampleShape.parse(cfg.size, where="adaptive_load.preview.size", grid=spec.grid)
+    except ShapeError as exc:
+        raise ConfigError(f"{exc}{f' (model {spec.model})' if spec.model else ''}") from None
+
+
+def pad_context(context: torch.Tensor, text_len: int) -> torch.Tensor:
+    """``[L, text_dim]`` -> ``[1, text_len, text_dim]``, zero-padded as the trainer pads the text (the model's length)."""
+    return F.pad(context, (0, 0, 0, text_len - context.shape[0])).unsqueeze(0)
 
 
 def load_prompts(cfg, dataset, spec: Optional[InputSpec] = None) -> tuple[list[PreviewPrompt], Optional[torch.Tensor]]:
     """The preview prompts of ``cfg`` (``config.PreviewConfig``) and the negative embedding (None: zeros):
     the first ``num_prompts`` embeddings of ``cfg.prompts`` (the negative one left out), or the contexts and
-    shapes of the first ``num_prompts`` samples of ``dataset``."""
-    size = SampleShape.parse(cfg.size, where="adaptive_load.preview.size") if cfg.size else None
+    shapes of the first ``num_prompts`` samples of ``dataset``. ``spec``: the model's inputs (default: the
+    dataset's), which the file's embeddings and ``cfg.size`` must fit."""
+    spec = spec or getattr(dataset, "spec", None) or default_input_spec()
+    size = preview_size(cfg, spec)
     negative = None
     if cfg.prompts is not None:
         table = load_embeddings(cfg.prompts, what="adaptive_load.preview.prompts", spec=spec)
@@ -175,6 +194,16 @@ def plan_previews(prompts: list[PreviewPrompt], cost, budget_gib: float, *, guid
 # The runner
 # --------------------------------------------------------------------------------------------
 
+def _load_vae(model, path):
+    """The model's VAE for decoding previews (rank 0); a ConfigError naming ``adaptive_load.preview.vae``."""
+    from .preprocess.encode import EncoderError, load_vae
+
+    try:
+        return load_vae(model, path, what="adaptive_load.preview.vae")
+    except EncoderError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 class PreviewRunner:
     """Runs the previews of a training run (see the module docstring). Every rank holds one."""
 
@@ -182,6 +211,7 @@ class PreviewRunner:
                  metrics, log: Callable[[str], None], shift: float) -> None:
         self.run, self.cfg, self.engine, self.metrics, self.log = run, cfg, engine, metrics, log
         self.layout = run.layout
+        self.spec = run.preset
         self.negative = negative
         self.shift = shift
         self.out_dir = Path(run.cfg.adaptive_load.metrics.log_dir) / "previews"
@@ -194,7 +224,7 @@ class PreviewRunner:
         if self.is_writer:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             if cfg.vae is not None:
-                self.vae = load_vae(cfg.vae, what="adaptive_load.preview.vae")
+                self.vae = _load_vae(run.preset, cfg.vae)
 
     @classmethod
     def attach(cls, run, *, engine, metrics, log: Callable[[str], None]) -> Optional["PreviewRunner"]:
@@ -202,9 +232,7 @@ class PreviewRunner:
         cfg = run.cfg.adaptive_load.preview
         if not cfg.enabled:
             return None
-        from .models.registry import get_model
-
-        prompts, negative = load_prompts(cfg, run.dataset, get_model(run.cfg.trainer.model).input_spec)
+        prompts, negative = load_prompts(cfg, run.dataset, run.preset.input_spec)
         shift = cfg.shift if cfg.shift is not None else run.cfg.trainer.shift
         return cls(run, cfg, prompts, negative, engine=engine, metrics=metrics, log=log, shift=shift)
 
@@ -258,7 +286,7 @@ class PreviewRunner:
 
     def _generate(self) -> list[tuple[int, torch.Tensor]]:
         """This rank's share: every rank runs ``ceil(n / dp)`` generations (padding repeats are dropped);
-        returns ``[(prompt index, latents [16, T', H', W'] fp32 CPU)]`` (SP ranks > 0 return none)."""
+        returns ``[(prompt index, latents [C, T', H', W'] fp32 CPU)]`` (SP ranks > 0 return none)."""
         lay, prompts = self.layout, self.plan.prompts
         n = len(prompts)
         rounds = -(-n // lay.dp_size)
@@ -270,10 +298,8 @@ class PreviewRunner:
             for r in range(rounds):
                 j = lay.dp_rank + r * lay.dp_size
                 p = prompts[j if j < n else (lay.dp_rank % n)]
-                ctx = F.pad(p.context, (0, 0, 0, self.run.text_len - p.context.shape[0])).unsqueeze(0).to(device)
-                neg = None
-                if self.negative is not None:
-                    neg = F.pad(self.negative, (0, 0, 0, self.run.text_len - self.negative.shape[0])).unsqueeze(0).to(device)
+                ctx = pad_context(p.context, self.run.text_len).to(device)
+                neg = None if self.negative is None else pad_context(self.negative, self.run.text_len).to(device)
                 noise = initial_noise(p.shape.latent_shape, p.seed).to(device)
                 x0 = euler_sample(lambda x, t, c: engine(x, t, c), noise, ctx, steps=self.cfg.steps, shift=self.shift,
                                   guidance_scale=self.cfg.guidance_scale, negative=neg, batch_cfg=self.plan.batch_cfg,
@@ -301,11 +327,12 @@ class PreviewRunner:
             stem = self.out_dir / f"step{step:07d}_{p.name}"
             frames = self._decode(latents) if self.vae is not None else None
             if frames is None:
-                image = latent_strip(latents)
+                image = latent_strip(latents, upscale=self.spec.grid.vae_stride[1:])
                 files.append(write_png(image, stem.with_suffix(".png")))
             else:
                 image = frame_strip(frames)
-                files.append(write_media(frames, stem.with_suffix(f".{self.cfg.format}"), fps=self.cfg.fps))
+                files.append(write_media(frames, stem.with_suffix(f".{self.cfg.format}"),
+                                         fps=self.cfg.fps or round(self.spec.media.fps)))
             self.metrics.log_image(f"preview/{p.name}", image, step, caption=f"{p.shape}, seed {p.seed}")
         return files
 

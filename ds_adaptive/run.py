@@ -140,7 +140,7 @@ def build_run(cfg: RunConfig, *, layout: Optional[Layout] = None, device: Option
     # Before the model: "gradient_accumulation_steps": "auto" is resolved by the sampler, and zero.Init
     # reads the ds_config.
     lora_cfg = cfg.adaptive_load.lora  # LoRA: only the adapters have gradients and optimizer state (memory model)
-    adapters = adapter_parameters(model_config, lora_cfg) if lora_cfg.enabled else None
+    adapters = adapter_parameters(model_config, lora_cfg, spec=preset) if lora_cfg.enabled else None
     sampler = _build_sampler(cfg, dataset, layout, ds_config, gpu_mem_gib, notes, model_config=model_config,
                              sparse_cost=sparse_cost, device=device, meta=meta, adapter_params=adapters)
     model = _build_model(cfg, preset, model_config, ds_config, meta=meta)

@@ -197,16 +197,21 @@ def parse_key_values(items, flag: str) -> dict:
 
 
 def _check_planned_layout(cfg: RunConfig) -> None:
-    """The model's objective overrides and the cross-field rules (``ds_adaptive.validate``) for the launcher's
-    WORLD_SIZE and this machine's device, before torch.distributed exists: a bad config fails on every rank
-    before any collective."""
+    """The model's objective overrides, the preview size on its grid, and the cross-field rules
+    (``ds_adaptive.validate``) for the launcher's WORLD_SIZE and this machine's device, before torch.distributed
+    exists: a bad config fails on every rank before any collective."""
     import torch
 
     from .models.registry import get_model
     from .validate import RunFacts, validate_run
 
     t = cfg.trainer
-    get_model(t.model).objective_with(t.objective)
+    model = get_model(t.model)
+    model.objective_with(t.objective)
+    if cfg.adaptive_load.preview.enabled:  # the preview size on the model's grid
+        from .preview import preview_size
+
+        preview_size(cfg.adaptive_load.preview, model.input_spec)
     validate_run(cfg.ds_config, cfg.adaptive_load, RunFacts(
         model=t.model, layers=t.layers, sp=t.sp, world=int(os.environ.get("WORLD_SIZE", "1")),
         device="cuda" if torch.cuda.is_available() else "cpu"))

@@ -196,16 +196,24 @@ class SampleShape:
     def __str__(self) -> str:  # 81x480x832
         return f"{self.frames}x{self.height}x{self.width}"
 
-    @classmethod
-    def parse(cls, text: str, *, where: str = "") -> "SampleShape":
-        """``"81x480x832"`` (frames x height x width) -> SampleShape; ShapeError naming ``where`` otherwise."""
+    @staticmethod
+    def parse_text(text: str, *, where: str = "") -> tuple[int, int, int]:
+        """``"81x480x832"`` -> (frames, height, width), the syntax only (no model's rule); ShapeError naming
+        ``where`` otherwise."""
         parts = str(text).lower().split("x")
         if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
             ctx = f" ({where})" if where else ""
             raise ShapeError(f"a shape is FRAMESxHEIGHTxWIDTH such as 81x480x832{ctx}, got {text!r}")
         f, h, w = (int(p) for p in parts)
-        validate_shape(f, h, w, where=where)
-        return cls(f, h, w)
+        return f, h, w
+
+    @classmethod
+    def parse(cls, text: str, *, where: str = "", grid: Optional[GridRule] = None) -> "SampleShape":
+        """``"81x480x832"`` (frames x height x width) -> SampleShape under ``grid`` (default: the default
+        model's); ShapeError naming ``where`` otherwise."""
+        f, h, w = cls.parse_text(text, where=where)
+        validate_shape(f, h, w, where=where, grid=grid)
+        return cls(f, h, w, grid)
 
 
 def validate_shape(frames: int, height: int, width: int, *, where: str = "", grid: Optional[GridRule] = None) -> None:

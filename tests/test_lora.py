@@ -18,6 +18,7 @@ from ds_adaptive.config import LoraConfig  # noqa: E402
 from ds_adaptive.lora import (LORA_FILE, LoraError, adapter_pairs, adapter_parameters, apply_lora,  # noqa: E402
                               base_probe, check_base, check_resume, diffusers_lora, load_adapters, merge_adapters,
                               read_lora_file)
+from ds_adaptive.models.registry import get_model  # noqa: E402
 from ds_adaptive.models.testing import diffusers_twin, random_init_  # noqa: E402
 from ds_adaptive.models.wan import WanModel, get_wan_config  # noqa: E402
 
@@ -25,10 +26,10 @@ ROOT = Path(__file__).resolve().parent.parent
 CFG = get_wan_config("tiny", num_layers=2)
 
 
-def _inputs(b=2):
+def _inputs(b=2, cfg=CFG):
     g = torch.Generator().manual_seed(5)
-    return (torch.randn(b, 16, 3, 8, 12, generator=g), torch.tensor([250.0, 900.0][:b]),
-            torch.randn(b, 24, CFG.text_dim, generator=g))
+    return (torch.randn(b, cfg.in_channels, 3, 8, 12, generator=g), torch.tensor([250.0, 900.0][:b]),
+            torch.randn(b, 24, cfg.text_dim, generator=g))
 
 
 def _random_adapters(model, seed=0):
@@ -46,19 +47,19 @@ def test_targets_freeze_and_count():
     with torch.no_grad():
         before = model(x, t, c)
     cfg = LoraConfig(enabled=True, rank=4, alpha=8, targets=["self_attn", "ffn.2"])
-    info = apply_lora(model, cfg, seed=0)
+    info = apply_lora(model, cfg, seed=0, spec="tiny")
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all(".lora_A.default." in n or ".lora_B.default." in n for n in trainable)
     assert sorted(info.modules) == sorted(f"blocks.{i}.{m}" for i in range(2)
                                           for m in ("self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o", "ffn.2"))
     assert info.adapter_params == sum(p.numel() for n, p in model.named_parameters() if n in trainable)
-    assert info.adapter_params == adapter_parameters(CFG, cfg)   # what the memory model plans with
+    assert info.adapter_params == adapter_parameters(CFG, cfg, spec="tiny")   # what the memory model plans with
     with torch.no_grad():
         torch.testing.assert_close(model(x, t, c), before)        # lora_B starts at zero: the base model exactly
     with pytest.raises(LoraError, match="already has LoRA"):
-        apply_lora(model, cfg, seed=0)
+        apply_lora(model, cfg, seed=0, spec="tiny")
     with pytest.raises(LoraError, match=r"unknown target 'attn'.*valid: groups \['cross_attn', 'ffn', 'self_attn'\]"):
-        apply_lora(WanModel(CFG), LoraConfig(enabled=True, targets=["attn"]), seed=0)
+        apply_lora(WanModel(CFG), LoraConfig(enabled=True, targets=["attn"]), seed=0, spec="tiny")
     with pytest.raises(ValueError, match="more than once"):
         LoraConfig(targets=["ffn", "ffn"])
 
@@ -67,7 +68,7 @@ def test_setters_still_reach_every_block_after_lora():
     """The fused-op / Ulysses / sparse hooks are plain attributes set through WanModel's setters: LoRA leaves them
     alone, and an attention fn installed after LoRA sees q, k, v that include the adapters."""
     model = random_init_(WanModel(CFG), seed=2)
-    apply_lora(model, LoraConfig(enabled=True, rank=2), seed=0)
+    apply_lora(model, LoraConfig(enabled=True, rank=2), seed=0, spec="tiny")
     _random_adapters(model)
     calls = {"attn": 0, "ln": 0}
 
@@ -96,7 +97,7 @@ def test_static_memory_counts_adapter_state_only():
     from ds_adaptive.balance.cost import load_profile
 
     prof = load_profile("h200-wan2.1-1.3b")
-    n = adapter_parameters(get_wan_config("wan2.1-1.3b"), LoraConfig(enabled=True, rank=32))
+    n = adapter_parameters(get_wan_config("wan2.1-1.3b"), LoraConfig(enabled=True, rank=32), spec="wan2.1-1.3b")
     assert 40e6 < n < 50e6   # rank 32 on q, k, v, o (self, cross) and both FFN linears of 30 blocks
     full = prof.static_memory_parts(3, 8)
     lora = prof.with_adapter_params(n).static_memory_parts(3, 8)
@@ -141,7 +142,7 @@ def test_base_probe_tells_bases_apart():
 
 def test_resume_rules_are_named():
     model = WanModel(CFG)
-    info = apply_lora(model, LoraConfig(enabled=True, rank=4), seed=0)
+    info = apply_lora(model, LoraConfig(enabled=True, rank=4), seed=0, spec="tiny")
     state = info.client_state()
     assert check_resume(None, None, what="c") is None and check_resume(info, state, what="c") is None
     assert "holds LoRA adapters" in check_resume(None, state, what="c")
@@ -150,44 +151,48 @@ def test_resume_rules_are_named():
     assert "targets" in check_resume(info, {**state, "modules": state["modules"][:3]}, what="c")
 
 
-def _lora_model(seed=3, rank=4, alpha=6.0, rslora=False):
-    model = random_init_(WanModel(CFG), seed=seed)
+def _lora_model(seed=3, rank=4, alpha=6.0, rslora=False, name="tiny"):
+    model = random_init_(get_model(name).build(get_model(name).config(num_layers=2)), seed=seed)
     base = {k: v.clone() for k, v in model.state_dict().items()}
-    info = apply_lora(model, LoraConfig(enabled=True, rank=rank, alpha=alpha, rslora=rslora), seed=0)
+    info = apply_lora(model, LoraConfig(enabled=True, rank=rank, alpha=alpha, rslora=rslora), seed=0, spec=name)
     _random_adapters(model, seed)
     return model.eval(), base, info
 
 
-@pytest.mark.parametrize("rslora", [False, True])
-def test_diffusers_file_loads_and_matches_our_forward(tmp_path, rslora):
+@pytest.mark.parametrize("name,rslora", [("tiny", False), ("tiny", True), ("tiny-ti2v", False)])
+def test_diffusers_file_loads_and_matches_our_forward(tmp_path, name, rslora):
     """alpha != rank (and rsLoRA): the scale is folded into lora_B; diffusers' load_lora_adapter and
-    WanPipeline.load_lora_weights give our forward to 1e-5; merging gives it too; the file reads back."""
+    WanPipeline.load_lora_weights give our forward to 1e-5; merging gives it too; the file reads back. The file
+    names come from the model's weight adapter, the targets from its family: Wan 2.2 TI2V-5B (48 latent
+    channels, diffusers' WanPipeline with expand_timesteps) takes the same file format."""
     diffusers = pytest.importorskip("diffusers")
     from ds_adaptive.files import save_safetensors
 
-    model, base_sd, info = _lora_model(rslora=rslora)
+    spec = get_model(name)
+    cfg = spec.config(num_layers=2)
+    model, base_sd, info = _lora_model(rslora=rslora, name=name)
     pairs = adapter_pairs(model.state_dict())
-    tensors, meta = diffusers_lora(pairs, scale=info.scale)
+    tensors, meta = diffusers_lora(pairs, scale=info.scale, spec=spec)
     assert all(k.startswith("transformer.blocks.") and (".lora_A.weight" in k or ".lora_B.weight" in k) for k in tensors)
     assert "transformer.blocks.0.attn1.to_q.lora_A.weight" in tensors
     assert "transformer.blocks.1.ffn.net.0.proj.lora_B.weight" in tensors
     (tmp_path / "lora").mkdir()
     save_safetensors(tensors, tmp_path / "lora" / LORA_FILE, metadata=meta)
 
-    plain = random_init_(WanModel(CFG), seed=3)
+    plain = random_init_(spec.build(cfg), seed=3)
     twin = diffusers_twin(plain).eval()
     twin.load_lora_adapter(str(tmp_path / "lora" / LORA_FILE), prefix="transformer")
     pipe = diffusers.WanPipeline(tokenizer=None, text_encoder=None, vae=None,
                                  scheduler=diffusers.FlowMatchEulerDiscreteScheduler(),
-                                 transformer=diffusers_twin(plain).eval())
+                                 transformer=diffusers_twin(plain).eval(), expand_timesteps=name == "tiny-ti2v")
     pipe.load_lora_weights(str(tmp_path / "lora"))
-    x, t, c = _inputs()
+    x, t, c = _inputs(cfg=cfg)
     with torch.no_grad():
         ours = model(x, t, c)
         base_out = plain(x, t, c)
         theirs = twin(x, t, c, return_dict=False)[0]
         piped = pipe.transformer(x, t, c, return_dict=False)[0]
-        merged = WanModel(CFG)
+        merged = spec.build(cfg)
         merged.load_state_dict(merge_adapters(base_sd, pairs, info.scale))
         merged_out = merged.eval()(x, t, c)
     assert float((ours - base_out).abs().max()) > 1e-2  # the adapters matter
@@ -195,12 +200,36 @@ def test_diffusers_file_loads_and_matches_our_forward(tmp_path, rslora):
     torch.testing.assert_close(piped, ours, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(merged_out, ours, rtol=1e-5, atol=1e-5)
 
-    back, scale = read_lora_file(tmp_path / "lora" / LORA_FILE)
+    back, scale = read_lora_file(tmp_path / "lora" / LORA_FILE, spec=spec)
     assert scale == 1.0 and set(back) == set(pairs)
-    again = random_init_(WanModel(CFG), seed=3)
+    again = random_init_(spec.build(cfg), seed=3)
     load_adapters(again, back, scale=scale)
     with torch.no_grad():
         torch.testing.assert_close(again.eval()(x, t, c), ours, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["wan2.1-1.3b", "wan2.2-ti2v-5b", "wan2.2-t2v-a14b-low"])
+def test_released_models_file_names_are_diffusers_linears(name):
+    """At the released sizes (meta device): every adapted module's diffusers name, as an exported file writes it,
+    is an nn.Linear of diffusers' WanTransformer3DModel built from the same config, with the same in / out
+    features, so load_lora_adapter finds every target (TI2V-5B: 48 channels; the A14B expert: 14B)."""
+    diffusers = pytest.importorskip("diffusers")
+    from ds_adaptive.models.weights import diffusers_config
+
+    spec = get_model(name)
+    cfg = spec.config()
+    with torch.device("meta"):
+        ours = spec.build(cfg)
+        theirs = diffusers.WanTransformer3DModel(**diffusers_config(cfg))
+    info = apply_lora(ours, LoraConfig(enabled=True, rank=2), seed=0, spec=spec)
+    assert len(info.modules) == 10 * cfg.num_layers
+    linears = {n: m for n, m in theirs.named_modules() if isinstance(m, torch.nn.Linear)}
+    mine = dict(ours.named_modules())
+    for mod in info.modules:
+        target = spec.weights.to_diffusers_key(f"{mod}.weight").removesuffix(".weight")
+        base = mine[mod].base_layer
+        assert target in linears, (mod, target)
+        assert (linears[target].in_features, linears[target].out_features) == (base.in_features, base.out_features)
 
 
 # --- 2 ranks, ZeRO-3 -------------------------------------------------------------------------
@@ -271,7 +300,7 @@ def test_trained_adapters_export_to_diffusers_and_merge(lora_runs, capsys, monke
     assert export_main(["ckpt", "--to", "exp_merged"]) == 0
     out = capsys.readouterr().out
     assert "LoRA adapters" in out and "WanTransformer3DModel" in out
-    pairs, scale = read_lora_file(tmp / "exp_lora" / LORA_FILE)
+    pairs, scale = read_lora_file(tmp / "exp_lora" / LORA_FILE, spec="tiny")
     assert scale == 1.0 and any(float(b.abs().max()) > 0 for _, b in pairs.values())  # trained: lora_B moved
     meta = json.loads(__import__("safetensors").safe_open(str(tmp / "exp_lora" / LORA_FILE), "pt").metadata()
                       ["ds_adaptive"])
@@ -334,7 +363,7 @@ def test_lora_under_ulysses_sp_and_its_preview(tmp_path):
     summary = json.loads((tmp_path / "sp2" / "summary.json").read_text())
     assert summary["sp"] == 2 and summary["lora"]["rank"] == 4
     assert export_main([str(tmp_path / "ckpt"), "--lora", "--to", str(tmp_path / "exp")]) == 0
-    pairs, _ = read_lora_file(tmp_path / "exp" / LORA_FILE)
+    pairs, _ = read_lora_file(tmp_path / "exp" / LORA_FILE, spec="tiny")
     assert any(float(b.abs().max()) > 0 for _, b in pairs.values())   # the step moved lora_B under SP
 
     ds = build_dataset("synthetic", num_samples=60, shapes=str(ROOT / "launch" / "configs" / "shapes_cpu.json"), seed=2)

@@ -135,3 +135,56 @@ def test_a_new_family_is_one_module(odd_family, tmp_path):
     assert {sh.grid for sh in run.dataset.sample_shapes()} == {ODD_GRID}
     assert run.model.config.in_channels == 8 and run.model.patch_embedding.weight.shape[1] == 8
     assert max(sh.tokens for sh in run.dataset.sample_shapes()) == 3 * 3 * 2   # 9x24x16 -> 3 x 3 x 2 tokens
+
+
+def test_a_new_family_gets_lora_previews_and_sampling_from_its_data(odd_family, tmp_path, capsys):
+    """LoRA (targets from the family, counted in a dry run), preview prompts and sizes (its text width / length and
+    grid) and ``ds-adaptive sample`` (the model found from the weights' config.json, its grid's noise and latent
+    preview) for the made-up family, through the seam only."""
+    pytest.importorskip("peft")
+    import numpy as np
+    from PIL import Image
+
+    from ds_adaptive.config import ConfigError, LoraConfig, PreviewConfig
+    from ds_adaptive.layout import Layout
+    from ds_adaptive.lora import LoraError, adapter_parameters
+    from ds_adaptive.models.family import Model
+    from ds_adaptive.models.registry import model_of_weights
+    from ds_adaptive.preview import load_prompts, save_embeddings
+    from ds_adaptive.run import build_run
+    from ds_adaptive.run_config import RunConfig
+    from ds_adaptive.sample import main as sample_main
+
+    ds_config = json.loads((CONFIGS / "cpu_tiny.json").read_text())
+    del ds_config["adaptive_load"]["sampler"]["shapes"]
+    ds_config["adaptive_load"]["lora"] = {"enabled": True, "rank": 4}
+    run = build_run(RunConfig.load(ds_config, trainer={"model": "odd-tiny", "num_samples": 40}),
+                    layout=Layout.for_world(2, 1), meta=True)
+    # dim 64, FFN 96: q, k, v, o of both attentions (64 -> 64) and the two FFN linears, in 2 blocks
+    assert len(run.lora.modules) == 2 * 10 and run.lora.adapter_params == 2 * 4 * (8 * 128 + 2 * 160)
+    no_lora = Model(dataclasses.replace(odd_family.family, lora_targets=None), odd_family.preset)
+    with pytest.raises(LoraError, match=r"model odd-tiny \(odd\) defines no LoRA targets"):
+        adapter_parameters(odd_family.config(), LoraConfig(enabled=True), spec=no_lora)
+
+    f = tmp_path / "p.safetensors"
+    save_embeddings({"a": torch.randn(5, 32), "b": torch.randn(16, 32)}, f)
+    prompts, _ = load_prompts(PreviewConfig(enabled=True, prompts=str(f), size="5x24x40"), run.dataset)
+    assert [p.shape.latent_shape for p in prompts] == [(8, 2, 6, 10)] * 2
+    with pytest.raises(ConfigError, match=r"height must be a multiple of 8 .*\(model odd-tiny\)"):
+        load_prompts(PreviewConfig(enabled=True, prompts=str(f), size="5x20x40"), run.dataset)
+    save_embeddings({"wide": torch.randn(5, 4096)}, tmp_path / "wide.safetensors")
+    with pytest.raises(ConfigError, match=r"\[L <= 16, 32\] \(odd-tiny's text encoder\).*wide \[5, 4096\]"):
+        load_prompts(PreviewConfig(enabled=True, prompts=str(tmp_path / "wide.safetensors"), size="5x24x40"),
+                     run.dataset)
+
+    torch.manual_seed(0)
+    odd_family.weights.save(odd_family.build(odd_family.config()), tmp_path / "model", layout="diffusers")
+    assert model_of_weights(tmp_path / "model") is odd_family
+    assert sample_main([str(tmp_path / "model"), "--embeddings", str(f), "--frames", "5", "--height", "24", "--width",
+                        "40", "--steps", "2", "--device", "cpu", "--out", str(tmp_path / "out")]) == 0
+    assert "(odd-tiny)" in capsys.readouterr().out
+    strip = np.asarray(Image.open(tmp_path / "out" / "a.png"))
+    assert strip.shape == (24, 2 * 40, 3)   # 2 latent frames side by side, each latent pixel 4 x 4 (the VAE stride)
+    assert sample_main([str(tmp_path / "model"), "--embeddings", str(f), "--height", "20", "--width", "40",
+                        "--frames", "5", "--out", str(tmp_path / "bad")]) == 2
+    assert "model odd-tiny" in capsys.readouterr().err

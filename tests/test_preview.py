@@ -127,6 +127,28 @@ def test_prompts_from_a_file_and_from_the_dataset(tmp_path):
         PreviewConfig(enabled=True, prompts=str(f))
 
 
+def test_preview_prompts_and_size_follow_the_model(tmp_path, capsys):
+    """tiny-ti2v (Wan 2.2's 48-channel 4x16x16 grid): the dataset's prompts carry its grid; a size of the 16-pixel
+    grid only is one message naming the key and the model, from the trainer's CLI before any process group."""
+    from ds_adaptive.data import build_dataset
+    from ds_adaptive.models.registry import get_model
+    from ds_adaptive.train import main as train_main
+
+    spec = get_model("tiny-ti2v")
+    (tmp_path / "shapes.json").write_text(json.dumps([{"frames": 5, "height": 32, "width": 64, "weight": 1}]))
+    ds = build_dataset("synthetic", num_samples=3, shapes=str(tmp_path / "shapes.json"), seed=1, spec=spec.input_spec)
+    prompts, _ = load_prompts(PreviewConfig(enabled=True, num_prompts=2), ds)
+    assert [p.shape.latent_shape for p in prompts] == [(48, 2, 2, 4)] * 2 and prompts[0].shape.grid == spec.grid
+    with pytest.raises(ConfigError, match=r"adaptive_load.preview.size.*\(model tiny-ti2v\)"):
+        load_prompts(PreviewConfig(enabled=True, num_prompts=2, size="5x32x48"), ds)
+    raw = json.loads((ROOT / "launch" / "configs" / "cpu_tiny.json").read_text())
+    raw["adaptive_load"]["preview"] = {"enabled": True, "size": "5x32x48"}
+    (tmp_path / "c.json").write_text(json.dumps(raw))
+    assert train_main(["--deepspeed_config", str(tmp_path / "c.json"), "--model", "tiny-ti2v", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "width must be a multiple of 32" in err and "(model tiny-ti2v)" in err and "Traceback" not in err
+
+
 def test_media_files_are_readable(tmp_path):
     av = pytest.importorskip("av")
     from PIL import Image

@@ -35,12 +35,12 @@ def assets(tmp_path_factory):
     models = tiny_models(tmp / "enc")
     model = random_init_(WanModel(get_wan_config("tiny")), seed=4)
     save_wan_weights(model, tmp / "model", layout="diffusers")
-    info = apply_lora(model, LoraConfig(enabled=True, rank=2, alpha=4, targets=["self_attn"]), seed=0)
+    info = apply_lora(model, LoraConfig(enabled=True, rank=2, alpha=4, targets=["self_attn"]), seed=0, spec="tiny")
     with torch.no_grad():
         for n, p in model.named_parameters():
             if ".lora_B." in n:
                 p.normal_(0, 0.1)
-    tensors, meta = diffusers_lora(adapter_pairs(model.state_dict()), scale=info.scale)
+    tensors, meta = diffusers_lora(adapter_pairs(model.state_dict()), scale=info.scale, spec="tiny")
     (tmp / "lora").mkdir()
     save_safetensors(tensors, tmp / "lora" / LORA_FILE, metadata=meta)
     return tmp, models
@@ -97,3 +97,61 @@ def test_sample_errors_are_one_message(assets, capsys):
     for argv, msg in cases:
         assert cli_main(argv) == 2
         assert msg in capsys.readouterr().err
+
+
+def test_sample_ti2v_uses_its_grid_and_the_48_channel_vae(assets, capsys):
+    """A Wan 2.2 TI2V model directory: the model is found from its config.json (48 channels: tiny-ti2v), the noise
+    has its 4x16x16 grid, --vae must be its 48-channel VAE (the 16-channel one is one message), decoding undoes the
+    VAE's 48 means / stds exactly as diffusers' WanPipeline does before vae.decode, and the fps is the model's."""
+    av = pytest.importorskip("av")
+    from diffusers import AutoencoderKLWan
+
+    from ds_adaptive.media_out import decode_latents
+    from ds_adaptive.models.registry import get_model, model_of_weights
+    from ds_adaptive.preview import save_embeddings
+    from ds_adaptive.sample import load_model
+
+    tmp, m = assets
+    spec = get_model("tiny-ti2v")
+    spec.weights.save(random_init_(spec.build(), seed=5), tmp / "ti2v", layout="diffusers")
+    torch.manual_seed(0)
+    AutoencoderKLWan(base_dim=8, z_dim=48, dim_mult=[1, 1, 1, 1], num_res_blocks=1, is_residual=True, in_channels=12,
+                     out_channels=12, patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4,
+                     latents_mean=[0.02 * i for i in range(48)],
+                     latents_std=[1.0 + 0.05 * i for i in range(48)]).save_pretrained(tmp / "vae22")
+    assert model_of_weights(tmp / "ti2v") is spec and model_of_weights(tmp / "model") is get_model("tiny")
+    save_embeddings({"fox": torch.randn(6, 4096)}, tmp / "e.safetensors")
+    common = [str(tmp / "ti2v"), "--embeddings", str(tmp / "e.safetensors"), "--frames", "5", "--height", "32",
+              "--width", "64", "--steps", "2", "--device", "cpu"]
+    assert cli_main(["sample", *common, "--vae", str(tmp / "vae22"), "--out", str(tmp / "ti2v.mp4")]) == 0
+    assert "(tiny-ti2v)" in capsys.readouterr().out
+    with av.open(str(tmp / "ti2v.mp4")) as c:
+        stream = c.streams.video[0]
+        frames = [f.to_ndarray(format="rgb24") for f in c.decode(video=0)]
+        assert float(stream.average_rate) == 24.0
+    assert len(frames) == 5 and frames[0].shape == (32, 64, 3)
+    assert cli_main(["sample", *common, "--out", str(tmp / "ti2v.png")]) == 0   # 2 latent frames, 16 px each
+    from PIL import Image
+
+    assert np.asarray(Image.open(tmp / "ti2v.png")).shape == (32, 2 * 64, 3)
+
+    assert cli_main(["sample", *common, "--vae", str(m["--vae"]), "--out", str(tmp / "x.mp4")]) == 2
+    assert "the VAE has z_dim 16; model tiny-ti2v" in capsys.readouterr().err
+    assert cli_main(["sample", *common, "--height", "48", "--out", str(tmp / "x.png")]) == 2   # 16-px grid only
+    err = capsys.readouterr().err
+    assert "(model tiny-ti2v)" in err and "height must be a multiple of 32" in err
+
+    model, _ = load_model(str(tmp / "ti2v"))
+    assert model.config.in_channels == 48
+    latents = torch.randn(1, 48, 2, 2, 4, generator=torch.Generator().manual_seed(1))
+    vae = AutoencoderKLWan.from_pretrained(str(tmp / "vae22")).eval()
+    ours = decode_latents(vae, latents)
+    # diffusers' WanPipeline.__call__ (0.42): latents / (1 / latents_std) + latents_mean, then vae.decode
+    mean = torch.tensor(vae.config.latents_mean).view(1, 48, 1, 1, 1)
+    inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, 48, 1, 1, 1)
+    with torch.no_grad():
+        video = vae.decode(latents / inv_std + mean, return_dict=False)[0]
+    ref = ((video.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 4, 1).numpy()
+    assert ours.shape == (1, 5, 32, 64, 3) and np.abs(ours.astype(int) - ref.astype(int)).max() <= 1
+    with pytest.raises(ValueError, match=r"do not fit the VAE: it decodes \[B, 48"):
+        decode_latents(vae, torch.randn(1, 16, 2, 2, 4))

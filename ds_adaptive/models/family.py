@@ -1,8 +1,9 @@
 """The seam between ds_adaptive and a model family: what the rest of the package may ask a model.
 
 A **family** (:class:`ModelFamily`) is code shared by its models: how a config is made and a model
-built, its FLOPs and parameter counts, its weight adapter (diffusers / original layouts), its
-encoders for preprocessing. A **preset** (:class:`Preset`) is data: one ``--model`` name with its
+built, its FLOPs and parameter counts, its weight adapter (diffusers / original layouts, parameter
+names to and from diffusers'), its encoders for preprocessing and sampling, where LoRA adapters go
+(:class:`LoraTargets`). A **preset** (:class:`Preset`) is data: one ``--model`` name with its
 architecture fields, its VAE's stride, its text length, its objective options (e.g. the noise
 range of one expert of a mixture), where its weights sit in a diffusers pipeline, its default
 shape mix, media defaults and calibration shapes. ``ds_adaptive.models.registry.get_model(name)``
@@ -16,6 +17,7 @@ adapter; looked up by name) and FastVideo's ``configs/models/dits`` (architectur
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 from pathlib import Path
@@ -23,8 +25,8 @@ from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, runtime
 
 from ds_adaptive.shapes import GridRule, InputSpec
 
-__all__ = ["ModelError", "DiffusionTransformer", "WeightAdapter", "ObjectiveOptions", "MediaDefaults", "Preset",
-           "ModelFamily", "Model", "set_plain_attr", "sigma_to_u"]
+__all__ = ["ModelError", "DiffusionTransformer", "WeightAdapter", "LoraTargets", "ObjectiveOptions", "MediaDefaults",
+           "Preset", "ModelFamily", "Model", "set_plain_attr", "sigma_to_u"]
 
 
 class ModelError(ValueError):
@@ -113,6 +115,51 @@ class WeightAdapter(Protocol):
 
     def read_config(self, path: str, *, subfolder: str) -> Any:
         """The config of a checkpoint directory (None when it has none)."""
+
+    def load(self, path: str, *, config: Any = None, subfolder: str = "transformer", dtype: Any = None) -> Any:
+        """A model built from the checkpoint ``path`` without a random init (plain, CPU; ``dtype`` default fp32);
+        ``config`` replaces the checkpoint's own (needed when it has none)."""
+
+    def to_diffusers_key(self, name: str) -> Optional[str]:
+        """diffusers' name of the model's parameter ``name`` (``blocks.0.x.weight``); None: no counterpart. Export
+        and LoRA files use it."""
+
+    def from_diffusers_key(self, key: str) -> Optional[str]:
+        """The model's name of diffusers' parameter ``key``; None: no counterpart."""
+
+
+@dataclass(frozen=True)
+class LoraTargets:
+    """Where LoRA adapters can go in a family's model (``ds_adaptive.lora``): linears inside every block, by
+    module path, grouped under names a config may use."""
+
+    block_prefix: str
+    """Regex of a block's module path prefix (e.g. ``blocks\\.\\d+\\.``)."""
+    groups: Mapping[str, tuple[str, ...]]
+    """Group name -> module paths inside a block (e.g. ``self_attn`` -> ``self_attn.q``, ...)."""
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """Every module path a target may name, in table order."""
+        return tuple(dict.fromkeys(m for paths in self.groups.values() for m in paths))
+
+    def resolve(self, targets: Sequence[str]) -> tuple[str, ...]:
+        """Targets (group names or module paths) -> module paths inside a block, in table order; an unknown
+        one is a :class:`ModelError` listing the valid ones."""
+        chosen = set()
+        for t in targets:
+            if t in self.groups:
+                chosen.update(self.groups[t])
+            elif t in self.modules:
+                chosen.add(t)
+            else:
+                raise ModelError(f"unknown target {t!r}; valid: groups {sorted(self.groups)} or module paths "
+                                 f"{list(self.modules)}")
+        return tuple(m for m in self.modules if m in chosen)
+
+    def pattern(self, paths: Sequence[str]) -> str:
+        """peft ``target_modules`` regex (full match on module names) of ``paths`` in every block."""
+        return self.block_prefix + "(" + "|".join(re.escape(p) for p in paths) + ")"
 
 
 def sigma_to_u(sigma: float, shift: float) -> float:
@@ -225,11 +272,17 @@ class ModelFamily:
     weights: Callable[[], WeightAdapter]
     """Factory of the weight adapter (imported on first use)."""
     vae_class: str
-    """diffusers class of the VAE (``ds-adaptive preprocess``)."""
+    """diffusers class of the VAE (``ds-adaptive preprocess``, previews and ``ds-adaptive sample`` decoding; its
+    config's ``latents_mean`` / ``latents_std`` normalise the latents)."""
     text_encoder_class: str
     """transformers class of the text encoder."""
     per_token_timesteps: bool = False
     """The model accepts ``timestep [B, S]`` (one per token) besides ``[B]``."""
+    transformer_class: str = ""
+    """diffusers class of the DiT: what an export (``weights.save(layout="diffusers")``) and an exported LoRA
+    file load into (messages)."""
+    lora_targets: Optional[LoraTargets] = None
+    """Where LoRA adapters may go (``adaptive_load.lora.targets``); None: the family has no LoRA support."""
 
 
 @dataclass(frozen=True)
@@ -285,6 +338,20 @@ class Model:
     @property
     def weights(self) -> WeightAdapter:
         return self.family.weights()
+
+    @property
+    def lora_targets(self) -> Optional[LoraTargets]:
+        return self.family.lora_targets
+
+    @property
+    def media(self) -> MediaDefaults:
+        return self.preset.media
+
+    def takes_inputs_of(self, config: Any) -> bool:
+        """Whether a model of ``config`` (this family's) reads this model's inputs: the same latent channels,
+        patch and text width (e.g. weights of another depth or width trained on this model's data)."""
+        ref = self.config()
+        return all(getattr(config, k, None) == getattr(ref, k) for k in ("in_channels", "patch_size", "text_dim"))
 
     def flops(self, config: Any, tokens: int, batch_size: int, ckpt_blocks: int = 0) -> tuple[float, float]:
         return self.family.train_flops(config, tokens, batch_size, ckpt_blocks)

@@ -12,7 +12,7 @@ from typing import Optional
 from ds_adaptive.models.family import Model, ModelError, ModelFamily, check_presets
 
 __all__ = ["FAMILY_MODULES", "DEFAULT_MODEL", "families", "get_model", "model_names", "default_model",
-           "model_for_profile"]
+           "model_for_profile", "model_of_weights"]
 
 FAMILY_MODULES = (
     "ds_adaptive.models.wan21",
@@ -76,3 +76,37 @@ def model_for_profile(profile_model: Optional[str]) -> Optional[Model]:
     if not profile_model:
         return None
     return _load().get(profile_model)
+
+
+def model_of_weights(path) -> Model:
+    """The registered model whose architecture the config of the weights at ``path`` (a model or pipeline
+    directory) describes, at any depth: the first preset, family by family, whose config with that number of
+    layers equals it (presets of one architecture and one input spec, e.g. a model and the experts built
+    like it, are interchangeable for inference). A :class:`ModelError` when no family reads a config there,
+    none matches, or matching presets differ in their inputs (then the caller must name the model)."""
+    models = _load()
+    found, seen = [], []
+    for fam in _FAMILIES.values():
+        try:
+            cfg = fam.weights().read_config(str(path), subfolder="transformer")
+        except ModelError as exc:
+            seen.append(str(exc))
+            continue
+        if cfg is None:
+            continue
+        seen.append(f"config {cfg}")
+        for p in fam.presets:
+            try:
+                same = models[p.name].config(num_layers=cfg.num_layers) == cfg
+            except (ModelError, AttributeError, TypeError):
+                same = False
+            if same:
+                found.append(models[p.name])
+    if not found:
+        why = "; ".join(dict.fromkeys(seen)) if seen else "no config.json"
+        raise ModelError(f"{path}: the weights are not of a registered model's architecture ({why}); name the "
+                         "registered model whose inputs (VAE latents, text encoder) they were trained on")
+    if len({m.input_spec for m in found}) > 1:
+        raise ModelError(f"{path}: the architecture is that of models with different inputs "
+                         f"({', '.join(m.name for m in found)}): say which one")
+    return found[0]

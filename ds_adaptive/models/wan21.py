@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ds_adaptive.models.family import MediaDefaults, ModelFamily, Preset
+from ds_adaptive.models.family import LoraTargets, MediaDefaults, ModelFamily, Preset
 
 _DATA = Path(__file__).resolve().parent.parent / "data"
 
@@ -24,6 +24,16 @@ CALIBRATION_SHAPES = ((1, 480, 832), (1, 1024, 1024), (17, 480, 832), (33, 480, 
 """Real token grids, short to long: 1,560 ... 75,600 tokens."""
 CPU_CALIBRATION_SHAPES = ((1, 128, 128), (1, 256, 256), (9, 256, 256), (17, 256, 256), (33, 256, 256))
 """Small grids of 64-2,304 tokens: a CPU calibration of a tiny model takes seconds."""
+
+
+LORA_TARGETS = LoraTargets(block_prefix=r"blocks\.\d+\.", groups={
+    "self_attn": ("self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o"),
+    "cross_attn": ("cross_attn.q", "cross_attn.k", "cross_attn.v", "cross_attn.o"),
+    "ffn": ("ffn.0", "ffn.2"),
+})
+"""LoRA targets of the Wan DiT (``WanModel`` names): the attention projections (self and cross) and both FFN
+linears of every block, DiffSynth-Studio's default (``q,k,v,o,ffn.0,ffn.2``). The embeddings, the time
+projection and the head stay dense."""
 
 
 def make_config(arch, **overrides):
@@ -83,4 +93,6 @@ FAMILY = ModelFamily(
     vae_class="AutoencoderKLWan",
     text_encoder_class="UMT5EncoderModel",
     per_token_timesteps=True,   # WanModel takes timestep [B] or [B, S] (diffusers' expand_timesteps)
+    transformer_class="WanTransformer3DModel",
+    lora_targets=LORA_TARGETS,
 )

@@ -70,7 +70,9 @@ FAMILY = ModelFamily(
     train_flops=WAN21.train_flops,
     param_counts=WAN21.param_counts,
     weights=WAN21.weights,
-    vae_class=WAN21.vae_class,
+    vae_class=WAN21.vae_class,   # diffusers' AutoencoderKLWan holds both VAEs (z_dim 48, is_residual: TI2V's)
     text_encoder_class=WAN21.text_encoder_class,
     per_token_timesteps=True,
+    transformer_class=WAN21.transformer_class,
+    lora_targets=WAN21.lora_targets,   # the same DiT: TI2V-5B's and the A14B experts' block linears
 )

@@ -520,3 +520,13 @@ class WanWeights:
 
     def read_config(self, path: PathLike, *, subfolder: str = "transformer") -> Optional[WanConfig]:
         return read_config(path, subfolder)
+
+    def load(self, path: PathLike, *, config: Any = None, subfolder: str = "transformer",
+             dtype: Optional[torch.dtype] = None) -> WanModel:
+        return load_pretrained(path, dtype=dtype, config=config, subfolder=subfolder)
+
+    def to_diffusers_key(self, name: str) -> Optional[str]:
+        return wan_key_to_diffusers(name)
+
+    def from_diffusers_key(self, key: str) -> Optional[str]:
+        return diffusers_key_to_wan(key)

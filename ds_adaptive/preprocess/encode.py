@@ -59,8 +59,9 @@ def _component_dir(path: Optional[PathLike], pipeline: Optional[PathLike], sub: 
     return d
 
 
-def _check_components(vae, text_encoder, spec: InputSpec) -> None:
-    """The VAE's channels / compression and the text encoder's width against the model's."""
+def check_vae(vae, spec: InputSpec) -> None:
+    """The VAE's latent channels and compression against the model's grid rule (its config's ``z_dim``,
+    ``scale_factor_temporal`` / ``_spatial``, as diffusers' VAEs name them)."""
     grid, what = spec.grid, spec.describe()
     z = getattr(vae.config, "z_dim", None)
     if z != grid.latent_channels:
@@ -69,9 +70,65 @@ def _check_components(vae, text_encoder, spec: InputSpec) -> None:
     t, s = getattr(vae.config, "scale_factor_temporal", None), getattr(vae.config, "scale_factor_spatial", None)
     if t is not None and s is not None and (t, s, s) != tuple(grid.vae_stride):
         raise EncoderError(f"the VAE compresses {t}x{s}x{s}; {what} needs {'x'.join(map(str, grid.vae_stride))}")
+
+
+def check_text_encoder(text_encoder, spec: InputSpec) -> None:
+    """The text encoder's width (``d_model``) against the model's text width."""
     d = getattr(text_encoder.config, "d_model", None)
     if d != spec.text_dim:
-        raise EncoderError(f"the text encoder has d_model {d}; {what} needs {spec.text_dim}")
+        raise EncoderError(f"the text encoder has d_model {d}; {spec.describe()} needs {spec.text_dim}")
+
+
+def _from_pretrained(library: str, class_name: str, path: PathLike, what: str, **kwargs):
+    """``library.class_name.from_pretrained(path, local_files_only=True, **kwargs)``; one EncoderError naming
+    ``what`` and the directory otherwise."""
+    import importlib
+
+    try:
+        cls = getattr(importlib.import_module(library), class_name)
+    except ImportError:
+        raise EncoderError(f"{what} needs the {library} package: pip install 'ds_adaptive[preprocess]'") from None
+    p = Path(path)
+    if not p.is_dir():
+        raise EncoderError(f"{what}: {p} is not a directory (a diffusers-format {class_name}, e.g. a pipeline's "
+                           "folder)")
+    try:
+        return cls.from_pretrained(str(p), local_files_only=True, **kwargs)
+    except (OSError, ValueError, KeyError) as exc:
+        raise EncoderError(f"{what}: cannot load {class_name} from {p}: {exc}") from None
+
+
+def load_vae(model, path: PathLike, *, dtype: torch.dtype = torch.float32, what: str = "--vae"):
+    """The VAE of ``model`` (a :class:`ds_adaptive.models.family.Model`: its family's diffusers ``vae_class``)
+    from a local directory, in ``dtype`` on the CPU, eval mode, checked against the model's grid rule
+    (:func:`check_vae`); errors name ``what`` (the flag or config key)."""
+    vae = _from_pretrained("diffusers", model.family.vae_class, path, what, torch_dtype=dtype).eval()
+    try:
+        check_vae(vae, model.input_spec)
+    except EncoderError as exc:
+        raise EncoderError(f"{what} {path}: {exc}") from None
+    return vae
+
+
+def load_text_encoder(model, path: PathLike, *, dtype: torch.dtype = torch.float32, what: str = "--text-encoder"):
+    """The text encoder of ``model`` (its family's transformers ``text_encoder_class``) from a local directory,
+    in ``dtype``, eval mode, checked against the model's text width."""
+    te = _from_pretrained("transformers", model.family.text_encoder_class, path, what, dtype=dtype)
+    try:
+        check_text_encoder(te, model.input_spec)
+    except EncoderError as exc:
+        raise EncoderError(f"{what} {path}: {exc}") from None
+    return te.to(dtype).eval()
+
+
+def load_tokenizer(path: PathLike, *, what: str = "--tokenizer"):
+    """``AutoTokenizer`` from a local directory; errors name ``what``."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise EncoderError(f"{what}: cannot load the tokenizer from {path}: {exc}") from None
 
 
 class LatentEncoders:
@@ -91,7 +148,8 @@ class LatentEncoders:
                  vae_tiling: str = "auto", tile_above: int = 720 * 1280, text_len: Optional[int] = None,
                  spec: Optional[InputSpec] = None) -> None:
         self.spec = spec or default_input_spec()
-        _check_components(vae, text_encoder, self.spec)
+        check_vae(vae, self.spec)
+        check_text_encoder(text_encoder, self.spec)
         text_len = self.spec.text_len if text_len is None else int(text_len)
         if vae_tiling not in ("auto", "on", "off"):
             raise EncoderError(f"vae_tiling must be auto, on or off, got {vae_tiling!r}")
@@ -123,28 +181,12 @@ class LatentEncoders:
         VAE and text-encoder classes) from local directories (``--vae`` / ``--text-encoder`` /
         ``--tokenizer``, each defaulting to the ``vae/``, ``text_encoder/``, ``tokenizer/`` folder of
         ``--pipeline``), in ``dtype`` on ``device``."""
-        import diffusers
-        import transformers
-        from transformers import AutoTokenizer
-
-        vae_cls = getattr(diffusers, model.family.vae_class)
-        te_cls = getattr(transformers, model.family.text_encoder_class)
         vae_dir = _component_dir(vae, pipeline, "vae", "--vae")
         te_dir = _component_dir(text_encoder, pipeline, "text_encoder", "--text-encoder")
         tok_dir = _component_dir(tokenizer, pipeline, "tokenizer", "--tokenizer")
-        try:
-            vae_m = vae_cls.from_pretrained(str(vae_dir), torch_dtype=dtype, local_files_only=True)
-        except (OSError, ValueError, KeyError) as exc:
-            raise EncoderError(f"cannot load {vae_cls.__name__} from {vae_dir}: {exc}") from None
-        try:
-            te = te_cls.from_pretrained(str(te_dir), dtype=dtype, local_files_only=True)
-        except (OSError, ValueError, KeyError) as exc:
-            raise EncoderError(f"cannot load {te_cls.__name__} from {te_dir}: {exc}") from None
-        try:
-            tok = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
-        except (OSError, ValueError, KeyError) as exc:
-            raise EncoderError(f"cannot load the tokenizer from {tok_dir}: {exc}") from None
-        return cls(vae_m, te.to(dtype), tok, device=device, spec=model.input_spec, **kwargs)
+        vae_m = _from_pretrained("diffusers", model.family.vae_class, vae_dir, "--vae", torch_dtype=dtype)
+        te = _from_pretrained("transformers", model.family.text_encoder_class, te_dir, "--text-encoder", dtype=dtype)
+        return cls(vae_m, te.to(dtype), load_tokenizer(tok_dir), device=device, spec=model.input_spec, **kwargs)
 
     def _tiling_for(self, height: int, width: int) -> bool:
         return self.vae_tiling == "on" or (self.vae_tiling == "auto" and height * width > self.tile_above)
@@ -168,14 +210,13 @@ class LatentEncoders:
 
 
 @torch.no_grad()
-def encode_captions(text_encoder, tokenizer, captions: Sequence[str], *, text_len: Optional[int] = None,
+def encode_captions(text_encoder, tokenizer, captions: Sequence[str], *, text_len: int,
                     device: Union[str, torch.device] = "cpu") -> list[torch.Tensor]:
-    """Text-encoder embeddings of ``captions`` as diffusers' ``WanPipeline`` computes them: one ``[L_i, 4096]`` tensor
-    each (text-encoder dtype, CPU), L_i = prompt tokens + EOS (``ds-adaptive sample`` uses it without a VAE).
-    ``text_len``: the tokenizer's padding length (default: the default model's text length)."""
+    """Text-encoder embeddings of ``captions`` as diffusers' Wan pipelines compute them (``_get_t5_prompt_embeds``):
+    one ``[L_i, text_dim]`` tensor each (text-encoder dtype, CPU), L_i = prompt tokens + EOS, at most ``text_len``
+    (the model's); ``ds-adaptive sample`` uses it without a VAE."""
     if not captions:
         return []
-    text_len = text_len or default_input_spec().text_len
     tok = tokenizer([prompt_clean(c) for c in captions], padding="max_length", max_length=text_len,
                     truncation=True, add_special_tokens=True, return_attention_mask=True, return_tensors="pt")
     ids, mask = tok.input_ids.to(device), tok.attention_mask.to(device)

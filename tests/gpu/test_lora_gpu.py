@@ -21,7 +21,7 @@ def test_lora_with_the_fused_op_matches_the_reference_and_trains_adapters_only()
     from ds_adaptive.ops.ln_modulate import call_counts
 
     model = random_init_(WanModel(get_wan_config("tiny")), seed=1).to(DEV).to_dtype(torch.bfloat16)
-    apply_lora(model, LoraConfig(enabled=True, rank=8, alpha=16), seed=0)
+    apply_lora(model, LoraConfig(enabled=True, rank=8, alpha=16), seed=0, spec="tiny")
     with torch.no_grad():
         for n, p in model.named_parameters():
             if ".lora_B." in n:
