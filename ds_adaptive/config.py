@@ -706,7 +706,7 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--check", metavar="DS_CONFIG",
                         help="validate the adaptive_load block of this ds_config and the rules that span fields "
                              "(ds_adaptive.validate); the flags below say what is known about the run")
-    parser.add_argument("--model", default=None, help="--check: the Wan preset it trains (layer indices, heads)")
+    parser.add_argument("--model", default=None, help="--check: the model it trains (layer indices, heads)")
     parser.add_argument("--layers", type=int, default=None, help="--check: the trainer's --layers")
     parser.add_argument("--sp", type=int, default=None, help="--check: the Ulysses degree")
     parser.add_argument("--world", type=int, default=None, help="--check: ranks of the launch (batch keys vs dp)")

@@ -79,20 +79,20 @@ def save_dir_problem(save: str) -> Optional[str]:
 
 
 def init_from_problem(path: str, model: str, layers: Optional[int]) -> Optional[str]:
-    """None when the Wan weights at ``path`` fit the model (names and shapes, from the files' headers);
-    else one line naming the first problems and what to do."""
+    """None when the pretrained weights at ``path`` fit the model (names and shapes, from the files' headers,
+    by the model family's weight adapter); else one line naming the first problems and what to do."""
     import torch
 
-    from .models.wan import WanModel, get_wan_config
-    from .models.weights import WanWeightsError, _plan, _Reader, checkpoint_files
+    from .models.family import ModelError
+    from .models.registry import get_model
 
-    cfg = get_wan_config(model, **({"num_layers": layers} if layers else {}))
+    spec = get_model(model)
+    cfg = spec.config(**({"num_layers": layers} if layers else {}))
     try:
-        reader = _Reader(checkpoint_files(path), "cpu")
         with torch.device("meta"):
-            net = WanModel(cfg)
-        _plan(reader, {n: tuple(p.shape) for n, p in net.named_parameters()}, str(path))
-    except WanWeightsError as exc:
+            net = spec.build(cfg)
+        spec.weights.check(net, path, subfolder=spec.subfolder)
+    except ModelError as exc:
         text = " ".join(line.strip() for line in str(exc).splitlines())
         return f"--init-from {path} (--model {model}, {cfg.num_layers} blocks): {text}"
     except Exception as exc:  # noqa: BLE001 - an unreadable file is the same message whatever the reader raised
@@ -104,10 +104,11 @@ def init_from_problem(path: str, model: str, layers: Optional[int]) -> Optional[
 def checkpoint_bytes(cfg: RunConfig) -> tuple[int, str]:
     """Estimated bytes of one checkpoint of this run and how the estimate was made: parameters x (optimizer
     state bytes + the weights' bytes when ZeRO < 3 keeps them in the model-state file)."""
-    from .models.wan import count_parameters, get_wan_config
+    from .models.registry import get_model
 
     t, ds = cfg.trainer, cfg.ds_config
-    n = count_parameters(get_wan_config(t.model, **({"num_layers": t.layers} if t.layers else {})))
+    spec = get_model(t.model)
+    n = spec.param_counts(spec.config(**({"num_layers": t.layers} if t.layers else {})))["total"]
     opt = str((ds.get("optimizer") or {}).get("type", "AdamW")).lower()
     per = OPTIMIZER_STATE_BYTES.get(opt, DEFAULT_OPTIMIZER_STATE_BYTES)
     stage = int((ds.get("zero_optimization") or {}).get("stage", 0))

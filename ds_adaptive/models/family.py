@@ -110,6 +110,10 @@ class WeightAdapter(Protocol):
     def load_state_dict(self, model: Any, state_dict: Mapping[str, Any], *, source: str) -> Any:
         """Names and shapes checked (one error listing every problem), then assigned into a meta-built model."""
 
+    def check(self, model: Any, path: str, *, subfolder: str) -> None:
+        """The weights at ``path`` fit ``model`` (names and shapes, from the files' headers: nothing loaded), else
+        a ModelError listing the problems. The start-up check of ``--init-from``."""
+
     def save(self, model: Any, directory: str, *, layout: str = "diffusers") -> Path:
         """``config.json`` + weights in ``layout``; returns the weights file."""
 

@@ -515,6 +515,10 @@ class WanWeights:
                               assign=True)
         return model
 
+    def check(self, model: WanModel, path: PathLike, *, subfolder: str = "transformer") -> None:
+        _plan(_Reader(checkpoint_files(path, subfolder), "cpu"), {n: tuple(p.shape) for n, p in model.named_parameters()},
+              str(path))
+
     def save(self, model: WanModel, directory: PathLike, *, layout: str = "diffusers") -> Path:
         return save_wan_weights(model, directory, layout=layout)
 
