@@ -311,7 +311,6 @@ def _poison_allocator(nbytes):
 
 
 @pytest.mark.parametrize("kernels", GENS, indirect=True)
-@pytest.mark.parametrize("kernels", GENS, indirect=True)
 @pytest.mark.parametrize("B,S,D", [(1, 32760, 1536), (2, 517, 1536), (3, 37, 3072), (1, 129, 5120)])
 def test_per_token_gradient_of_the_table(B, S, D, kernels):
     """Per-token modulation as a training step differentiates it: shift / scale are chunks of a [B, S, 6, D]
