@@ -487,6 +487,9 @@ class Supervisor:
     def __init__(self, cmd: list[str], *, stop_timeout: float = 0.0, rank_exit_grace: float = RANK_EXIT_GRACE,
                  log=None) -> None:
         self.cmd = cmd
+        # the per-node launcher watches its ranks and the other nodes itself and reports the failure once, with
+        # its own exit status: the supervisor then only forwards signals and keeps the process group
+        self.node_launcher = NODE_LAUNCH_MODULE in " ".join(cmd)
         self.stop_timeout = stop_timeout
         self.rank_exit_grace = rank_exit_grace
         self.log = log or (lambda msg: print(f"ds_adaptive supervisor: {msg}", file=sys.stderr, flush=True))
@@ -601,12 +604,13 @@ class Supervisor:
 
     def _on_rank_end(self, end: RankEnd) -> None:
         """A rank ended: after a failure (not during a stop we forwarded) the others get rank_exit_grace s."""
-        if end.failed and not self.signals and self.rank_deadline is None and not self.killed_others:
+        if (end.failed and not self.signals and self.rank_deadline is None and not self.killed_others
+                and not self.node_launcher):
             self.rank_deadline = time.monotonic() + self.rank_exit_grace
 
     def _exit_status(self, rc: int) -> int:
         """The run's exit status (module doc), and the one line after a rank failure."""
-        failure = self.watch.first_failure() if not self.signals else None
+        failure = self.watch.first_failure() if not (self.signals or self.node_launcher) else None
         if failure is None:
             return launcher_status(rc)
         status = failure.exit_status()

@@ -19,8 +19,10 @@ from .rendezvous import RendezvousError
 
 __all__ = ["NodeLauncher", "NodeWatchdog", "EXIT_PEER_FAILED", "DEFAULT_NODE_TIMEOUT", "STOP_SIGNALS"]
 
-EXIT_PEER_FAILED = 1
-"""Exit status of a node whose ranks were stopped because another node's rank failed or a node was lost."""
+EXIT_PEER_FAILED = 3
+"""Exit status of a node whose ranks were stopped because another node's rank failed or a node was lost: the
+exit-status table's 3 (``ds_adaptive.preempt.EXIT_PEER_LOST``, "stopped because another rank was gone"), as for a
+rank on one node (a literal: the launcher imports no torch)."""
 DEFAULT_NODE_TIMEOUT = 60.0
 """Seconds without a heartbeat after which a node counts as lost (``NODE_TIMEOUT``)."""
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
