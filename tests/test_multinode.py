@@ -47,12 +47,6 @@ _KNOBS = ("NUM_GPUS", "NUM_PROCS", "HOSTFILE", "DS_CONFIG", "MODEL", "STEPS", "S
     ("rack[1-2]-n[01-02],x", ["rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02", "x"]),
     ("127.0.0.[1-2]", ["127.0.0.1", "127.0.0.2"]),
 ])
-
-def test_a_node_stopped_by_another_exits_like_a_rank_stopped_by_another() -> None:
-    from ds_adaptive.preempt import EXIT_PEER_LOST
-
-    assert EXIT_PEER_FAILED == EXIT_PEER_LOST == 3
-
 def test_slurm_host_lists_expand_like_scontrol(expr, hosts):
     assert expand_hostlist(expr) == hosts
 
@@ -490,3 +484,9 @@ def test_sbatch_one_task_per_rank_trains_like_one_node_of_four(tmp_path, one_nod
     assert "rank 2 of 4 (SLURM task 2, node 1 of 2)" in outs[1] and "rank 3 of 4 (SLURM task 3, node 1 of 2)" in outs[1]
     s = _summary(tmp_path / "tasks")
     assert s["world_size"] == 4 and s["losses"] == pytest.approx(one_node_of_four[:2], rel=0, abs=1e-6)
+
+
+def test_a_node_stopped_by_another_exits_like_a_rank_stopped_by_another() -> None:
+    from ds_adaptive.preempt import EXIT_PEER_LOST
+
+    assert EXIT_PEER_FAILED == EXIT_PEER_LOST == 3
