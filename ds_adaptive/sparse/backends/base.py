@@ -30,8 +30,9 @@ backend adds itself to those tests and to tests/gpu/test_sparse_gpu.py):
   curve ``g(rho)`` = its fwd+bwd time / dense SDPA fwd+bwd time at density ``rho`` (effective
   efficiency vs dense = ``rho / g(rho)``), which the planner's sparse cost and the runtime's
   "sparse only where it pays" decision use. Source order: a measurement of this GPU + torch
-  version in the cache (:mod:`ds_adaptive.sparse.backends.measure`), the backend's shipped table
-  for this GPU, its documented default.
+  version in the cache (:mod:`ds_adaptive.sparse.backends.measure`; the base class looks it up), then
+  the backend's :meth:`shipped_efficiency` (its shipped table for this GPU, or its documented default):
+  a backend overrides only the latter.
 * :meth:`stats` ``() -> dict``: JSON-able figures for the run summary (at least ``warmup_s``;
   compiling backends also ``graphs``: compiled graphs so far).
 
@@ -127,10 +128,23 @@ class SparseAttentionBackend(abc.ABC):
         """Prepare for ``shapes`` before step 1; returns seconds spent (default: nothing to do)."""
         return 0.0
 
-    @abc.abstractmethod
     def efficiency(self, device: Any, *, dtype: torch.dtype = torch.bfloat16, head_dim: int = 128,
                    block_size: int = 128):
-        """:class:`ds_adaptive.balance.sparse.KernelEfficiency` ``g(rho)`` of this backend on ``device``."""
+        """:class:`ds_adaptive.balance.sparse.KernelEfficiency` ``g(rho)`` of this backend on ``device``: a
+        measurement of this GPU + torch version in the cache (``measure``) wins, else :meth:`shipped_efficiency`."""
+        from ds_adaptive.sparse.backends.measure import cached_curve
+
+        curve = cached_curve(self, device, dtype=dtype, head_dim=head_dim, block_size=block_size)
+        if curve is not None:
+            return curve
+        return self.shipped_efficiency(device, dtype=dtype, head_dim=head_dim, block_size=block_size)
+
+    def shipped_efficiency(self, device: Any, *, dtype: torch.dtype, head_dim: int, block_size: int):
+        """The curve this backend ships for ``device`` (a measured table, or an assumption it states in the
+        curve's ``source``); default: the DSV anchors (``KernelEfficiency.default()``)."""
+        from ds_adaptive.balance.sparse import KernelEfficiency
+
+        return KernelEfficiency.default()
 
     def stats(self) -> dict:
         """Figures for the run summary (``warmup_s`` at least)."""

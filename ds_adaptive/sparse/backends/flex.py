@@ -294,13 +294,9 @@ class FlexBackend(SparseAttentionBackend):
         self._warmup_s += spent
         return spent
 
-    def efficiency(self, device, *, dtype=torch.bfloat16, head_dim=128, block_size=128):
+    def shipped_efficiency(self, device, *, dtype, head_dim, block_size):
         from ds_adaptive.balance.sparse import KernelEfficiency
-        from ds_adaptive.sparse.backends.measure import cached_curve
 
-        curve = cached_curve(self, device, dtype=dtype, head_dim=head_dim, block_size=block_size)
-        if curve is not None:
-            return curve
         dev = torch.device(device)
         gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" and torch.cuda.is_available() else ""
         for tag, (dens, ratio) in SHIPPED_CURVES.items():

@@ -58,7 +58,7 @@ class ReferenceBackend(SparseAttentionBackend):
     def attention(self, q, k, v, selection, *, valid_len=None, density=None):
         return masked_attention_reference(q, k, v, selection, valid_len=valid_len)
 
-    def efficiency(self, device, *, dtype=torch.bfloat16, head_dim=128, block_size=128):
+    def shipped_efficiency(self, device, *, dtype, head_dim, block_size):
         from ds_adaptive.balance.sparse import KernelEfficiency
 
         # the whole S x S at every density: never cheaper than dense

@@ -86,14 +86,10 @@ class TritonBackend(SparseAttentionBackend):
         self._warmup_s += spent
         return spent
 
-    def efficiency(self, device, *, dtype=torch.bfloat16, head_dim=128, block_size=128):
+    def shipped_efficiency(self, device, *, dtype, head_dim, block_size):
         from ds_adaptive.balance.sparse import KernelEfficiency
-        from ds_adaptive.sparse.backends.measure import cached_curve
         from ds_adaptive.sparse.kernels.triton_configs import entry_for
 
-        curve = cached_curve(self, device, dtype=dtype, head_dim=head_dim, block_size=block_size)
-        if curve is not None:
-            return curve
         entry = entry_for(head_dim, block_size, device)
         if entry is not None and entry.get("curve"):
             c = entry["curve"]
