@@ -184,9 +184,7 @@ def _sparse_problems(sa: SparseAttentionConfig, facts: RunFacts, model) -> list[
         from .models.registry import get_model, model_names
 
         n, head_dim = max(get_model(m).config().num_layers for m in model_names()), None
-    device = "meta" if facts.device == "cuda" else facts.device   # meta: a GPU launch checked without a GPU
-    if device is None:
-        device = "meta"
+    device = facts.device if facts.device not in (None, "cuda") else "meta"  # meta: a GPU launch checked without one
     return [Problem("sparse_attention." + msg.split(" ", 1)[0].rsplit(".", 1)[-1], msg)
             for msg in check_sparse_config(sa, n, device, head_dim=head_dim)]
 
