@@ -149,9 +149,13 @@ do_mfu() {  # one Wan block traced at 3 sizes + A/B of adaptive_load.block_fusio
   python3 bench/block_profile.py --out "$OUT/block_profile.json" ${MFU_ARGS:-} && \
     tar czf "$OUT/block_traces.tgz" -C "$OUT" $(cd "$OUT" && ls block_trace_*.json) && rm -f "$OUT"/block_trace_*.json
 }
-do_pertoken() {  # per-token LN-modulate: GPU tests of the path + fwd+bwd vs floor, leaves vs the table's gradient
-  python3 -m pytest tests/gpu/test_ln_modulate_gpu.py -q -x -k "per_token" ${TEST_ARGS:-} 2>&1 | tail -n 5
-  python3 bench/ln_modulate_per_token.py --out "$OUT/ln_modulate_per_token.json"
+do_pertoken() {  # per-token LN-modulate: its GPU tests (~530 cases, every test id naming per_token) + fwd+bwd vs
+  # floor: the op (leaves), a step through the [B, S, 6, D] table, chunk()'s backward alone (split)
+  python3 -m pytest tests/gpu/test_ln_modulate_gpu.py -q -ra --maxfail=10 -p no:cacheprovider -k "per_token" \
+    ${TEST_ARGS:-} 2>&1 | tail -n 25
+  local rc=${PIPESTATUS[0]}
+  python3 bench/ln_modulate_per_token.py --out "$OUT/ln_modulate_per_token.json" || return 1
+  return "$rc"
 }
 do_firstuse() {  # the default job twice with profile auto and an empty cache: the first calibrates, the second reads
   export DS_ADAPTIVE_CACHE_DIR="$OUT/profile_cache"

@@ -16,6 +16,13 @@ BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 COMBOS = [(BF16, F32), (BF16, BF16), (F16, F32), (F16, F16), (F32, F32)]
 DS = [8, 100, 1000, 1536, 3072, 5120, 8192]
 BS = [(1, 129), (3, 37), (16, 17)]  # odd S
+# Test ids name the modulation layout, so that `-k per_token` selects every per-token case (bench/gpu_check.sh's
+# pertoken step) and `-k per_sample` every per-sample one.
+LAYOUT_IDS = ["per_sample", "per_token"]
+
+
+def layout_id(per_token: bool) -> str:
+    return LAYOUT_IDS[int(per_token)]
 
 
 @pytest.fixture(autouse=True)
@@ -129,7 +136,7 @@ def check(B, S, D, xdt, mdt, per_token, affine, seed=0, shift=None, scale=None):
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kernels", GENS, indirect=True)
 @pytest.mark.parametrize("affine", [False, True], ids=["plain", "affine"])
-@pytest.mark.parametrize("per_token", [False, True], ids=["per_sample", "per_token"])
+@pytest.mark.parametrize("per_token", [False, True], ids=LAYOUT_IDS)
 @pytest.mark.parametrize("xdt,mdt", COMBOS, ids=[f"x{str(a)[6:]}-m{str(b)[6:]}" for a, b in COMBOS])
 @pytest.mark.parametrize("B,S", BS, ids=[f"B{b}S{s}" for b, s in BS])
 @pytest.mark.parametrize("D", DS)
@@ -139,7 +146,7 @@ def test_matches_fp64(D, B, S, xdt, mdt, per_token, affine, kernels):
 
 @pytest.mark.parametrize("kernels", GENS, indirect=True)
 @pytest.mark.parametrize("D", [1536, 5120, 1000, 3072])
-@pytest.mark.parametrize("per_token", [False, True])
+@pytest.mark.parametrize("per_token", [False, True], ids=LAYOUT_IDS)
 def test_long_sequences_multi_row_tiles(D, per_token, kernels):
     """S large enough that every backward tile spans many rows (and the fwd grid is persistent)."""
     check(2, 9001, D, BF16, F32, per_token, affine=True, seed=3)
@@ -154,14 +161,15 @@ def test_wan_1_3b_shape(kernels):
 @pytest.mark.parametrize("kernels", GENS, indirect=True)
 @pytest.mark.parametrize("B,S,D,per_token", [(16, 1560, 1536, False), (1, 8190, 5120, False),
                                              (1, 8190, 5120, True), (1, 32760, 1536, True)],
-                         ids=["16x1560x1536", "1x8190x5120", "tok-1x8190x5120", "tok-1x32760x1536"])
+                         ids=["per_sample-16x1560x1536", "per_sample-1x8190x5120", "per_token-1x8190x5120",
+                              "per_token-1x32760x1536"])
 def test_wan_shapes(B, S, D, per_token, kernels):
     check(B, S, D, BF16, F32, per_token=per_token, affine=False, seed=12)
 
 
 @pytest.mark.parametrize("kernels", GENS, indirect=True)
 @pytest.mark.parametrize("affine", [False, True], ids=["plain", "affine"])
-@pytest.mark.parametrize("per_token", [False, True], ids=["per_sample", "per_token"])
+@pytest.mark.parametrize("per_token", [False, True], ids=LAYOUT_IDS)
 @pytest.mark.parametrize("xdt,mdt", COMBOS, ids=[f"x{str(a)[6:]}-m{str(b)[6:]}" for a, b in COMBOS])
 @pytest.mark.parametrize("D", [1152, 2304, 4096])
 def test_dit_widths(D, xdt, mdt, per_token, affine, kernels):
@@ -222,7 +230,7 @@ def test_kernel_policy_selects_the_generation(_op):
         lnm.set_kernel_policy(prev)
 
 
-@pytest.mark.parametrize("per_token", [False, True], ids=["per_sample", "per_token"])
+@pytest.mark.parametrize("per_token", [False, True], ids=LAYOUT_IDS)
 @pytest.mark.parametrize("D", [1536, 5120, 8192])
 def test_v1_and_v2_agree(D, per_token):
     """Same inputs through both generations: y to one bf16 rounding, gradients to fp32 summation
@@ -288,7 +296,7 @@ def test_non_contiguous_x(layout):
 
 
 @pytest.mark.parametrize("B,S,D", [(3, 7, 1), (4, 1, 1536), (1, 1, 8), (0, 5, 64), (2, 0, 1536)])
-@pytest.mark.parametrize("per_token", [False, True])
+@pytest.mark.parametrize("per_token", [False, True], ids=LAYOUT_IDS)
 def test_edge_sizes(B, S, D, per_token):
     x, sh, sc, w, b, dy = make(B, S, D, BF16, F32, per_token, True)
     ours = run(lnm.ln_modulate, x, sh, sc, w, b, dy)
@@ -335,8 +343,11 @@ def test_per_token_gradient_of_the_table(B, S, D, kernels):
     assert dtable[:, :, [0, 1, 3, 5]].abs().max() == 0 and dtable[:, :, 2].abs().max() > 0
 
 
-@pytest.mark.parametrize("D,per_token", [(1536, False), (1000, True), (100, False), (5120, True), (5120, False),
-                                         (1536, True), (3072, False)])
+POISON_CASES = [(1536, False), (1000, True), (100, False), (5120, True), (5120, False), (1536, True), (3072, False)]
+
+
+@pytest.mark.parametrize("kernels", GENS, indirect=True)
+@pytest.mark.parametrize("D,per_token", POISON_CASES, ids=[f"{layout_id(t)}-D{d}" for d, t in POISON_CASES])
 def test_poisoned_outputs_fully_written(D, per_token, kernels):
     B, S = 3, 53
     x, sh, sc, w, b, dy = make(B, S, D, BF16, F32, per_token, True)
@@ -354,7 +365,8 @@ def test_poisoned_outputs_fully_written(D, per_token, kernels):
 
 
 @pytest.mark.parametrize("kernels", GENS, indirect=True)
-@pytest.mark.parametrize("D,per_token", [(1536, False), (5120, False), (1536, True)])
+@pytest.mark.parametrize("D,per_token", [(1536, False), (5120, False), (1536, True)],
+                         ids=["per_sample-D1536", "per_sample-D5120", "per_token-D1536"])
 def test_deterministic(D, per_token, kernels):
     x, sh, sc, w, b, dy = make(2, 3001, D, BF16, F32, per_token, True)
     a = run(lnm.ln_modulate, x, sh, sc, w, b, dy)
@@ -451,7 +463,7 @@ def test_oversized_d_falls_back_with_one_warning(monkeypatch):
         lnm.ln_modulate(x, sh, sc)
 
 
-@pytest.mark.parametrize("per_token", [False, True])
+@pytest.mark.parametrize("per_token", [False, True], ids=LAYOUT_IDS)
 def test_no_host_synchronisation(per_token):
     """The C++ dispatch (checks, allocation, launches, autograd) never synchronises with the GPU."""
     x, sh, sc, w, b, dy = make(2, 129, 1536, BF16, F32, per_token, True)
