@@ -11,6 +11,7 @@ the largest k, so a layer's cached selection costs O(nq * k), not O(nq * nk).
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -195,6 +196,17 @@ def pooled_lse_scores(q: torch.Tensor, k: torch.Tensor, block_size: int, *,
 
         return triton_pooled_lse_scores(q, k, block_size)
     return pooled_lse_scores_torch(q, k, block_size, chunk_elems=chunk_elems)
+
+
+def warm_pooled_lse_scores(device, dtype: torch.dtype, heads: int, head_dim: int, block_size: int) -> float:
+    """One tiny :func:`pooled_lse_scores` call on ``device`` (compiles the Triton kernel where the dispatch picks it:
+    once, S and B are run-time arguments); seconds spent."""
+    t0 = time.perf_counter()
+    x = torch.zeros(1, block_size + 1, heads, head_dim, device=device, dtype=dtype)
+    pooled_lse_scores(x, x, block_size)
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)
+    return time.perf_counter() - t0
 
 
 @torch.no_grad()
