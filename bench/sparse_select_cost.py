@@ -43,6 +43,12 @@ SPARSE_LAYERS = 6
 SWEEP = ((64, 4, 3), (64, 4, 2), (64, 8, 3), (32, 4, 3), (128, 8, 3), (128, 8, 2), (128, 4, 3))
 """ScoreTiles candidates (block_q, num_warps, num_stages)."""
 
+
+def score_tiles() -> list:
+    """The :data:`SWEEP` candidates as ``ScoreTiles`` (also compiled offline by bench/sparse_kernel_compile.py)."""
+    from ds_adaptive.sparse.kernels.triton_block_scores import ScoreTiles
+    return [ScoreTiles(block_q=bq, num_warps=w, num_stages=st) for bq, w, st in SWEEP]
+
 DEVICE = torch.device("cuda")
 
 
@@ -144,7 +150,7 @@ def shape_row(s: int, b: int, args) -> dict:
 
 def sweep(shapes, args) -> list:
     """Every tile candidate on each shape: [{"seq", "batch", "tiles", "ms"}] (best first per shape)."""
-    from ds_adaptive.sparse.kernels.triton_block_scores import ScoreTiles, default_tiles, triton_pooled_lse_scores
+    from ds_adaptive.sparse.kernels.triton_block_scores import default_tiles, triton_pooled_lse_scores
 
     out = []
     for s, b in shapes:
@@ -152,8 +158,7 @@ def sweep(shapes, args) -> list:
         ref = triton_pooled_lse_scores(q, k, args.block)
         default = default_tiles(args.head_dim, args.block)
         rows = []
-        for bq, warps, stages in SWEEP:
-            t = ScoreTiles(block_q=bq, num_warps=warps, num_stages=stages)
+        for t in score_tiles():
             got = triton_pooled_lse_scores(q, k, args.block, tiles=t)
             rows.append({"seq": s, "batch": b, "tiles": t.short(), "default": t == default,
                          "max_abs_diff_vs_default": float((got - ref).abs().max()),
