@@ -158,6 +158,8 @@ def test_inputs_the_kernel_does_not_take_are_named() -> None:
         assert torch.equal(pooled_lse_scores(q, q, 64), pooled_lse_scores_torch(q, q, 64))
     with pytest.raises(SelectionError, match="impl must be one of"):
         pooled_lse_scores(q, q, 64, impl="cuda")
+    with pytest.raises(SparseKernelError, match="block_q must be a power of two"):
+        ScoreTiles(block_q=48).check()
 
 
 def test_tile_split_covers_every_key_block() -> None:

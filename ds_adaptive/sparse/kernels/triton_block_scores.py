@@ -52,6 +52,18 @@ class ScoreTiles:
     min_key_blocks: int = 8
     """Fewest key blocks a program walks (amortises its mean-query load)."""
 
+    def check(self) -> "ScoreTiles":
+        """Raise :class:`SparseKernelError` naming a field the kernel cannot compile."""
+        if not isinstance(self.block_q, int) or self.block_q < 16 or self.block_q & (self.block_q - 1):
+            raise SparseKernelError(f"ScoreTiles.block_q must be a power of two >= 16, got {self.block_q!r}")
+        if self.num_warps not in (1, 2, 4, 8, 16) or not 1 <= self.num_stages <= 6:
+            raise SparseKernelError(f"ScoreTiles needs num_warps in 1..16 (a power of two) and num_stages in 1..6, "
+                                    f"got {self.num_warps!r}, {self.num_stages!r}")
+        if self.min_programs < 1 or self.min_key_blocks < 1:
+            raise SparseKernelError(f"ScoreTiles.min_programs and min_key_blocks must be >= 1, got "
+                                    f"{self.min_programs!r}, {self.min_key_blocks!r}")
+        return self
+
     def key_blocks(self, nq: int, nk: int, bh: int) -> int:
         """Key blocks per program for ``nq`` query blocks, ``nk`` key blocks and ``bh`` = B * H."""
         base = bh * math.ceil(nq / self.block_q)
@@ -110,7 +122,7 @@ def triton_pooled_lse_scores(q: torch.Tensor, k: torch.Tensor, block_size: int, 
         raise SparseKernelError(why)
     b, s, h, d = q.shape
     nb = -(-s // block_size)
-    t = tiles or default_tiles(d, block_size)
+    t = (tiles or default_tiles(d, block_size)).check()
     qbar = pooled_queries(q, block_size, k.dtype)  # [B, H, nq, Dh] (strided), scaled by 1/sqrt(Dh)
     k = _prep(k)  # in place where its tensor descriptor can read it (a head slice can), else a copy
     out = _alloc((b, h, nb, nb), dtype=torch.float32, device=q.device)
