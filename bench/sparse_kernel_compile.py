@@ -7,6 +7,7 @@ without a GPU: a config that spills (STACK > 0) or needs more shared memory than
 GPU minute. Results depend on the triton version (the GPU nodes' torch pins its own): run it with that one.
 
     python bench/sparse_kernel_compile.py --arch 90 --head-dim 128 --block 128 [--out compile.json]
+    python bench/sparse_kernel_compile.py --arch 90 --head-dim 128 --block 64 --kernels scores   # block scores
 """
 from __future__ import annotations
 
@@ -26,8 +27,9 @@ PTRS = {
            "KvNum": "*i32", "KvIdx": "*i32"},
     "dkdv": {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "DO": "*bf16", "DK": "*bf16", "DV": "*bf16", "DQacc": "*fp32",
              "Lse": "*fp32", "Delta": "*fp32", "QNum": "*i32", "QIdx": "*i32"},
+    "scores": {"Qbar": "*bf16", "K": "*bf16", "Out": "*fp32"},
 }
-CONSTEXPRS = ("BLOCK", "BLOCK_M", "BLOCK_N", "HEAD_DIM", "ATOMIC_DQ", "TMA_REDUCE")
+CONSTEXPRS = ("BLOCK", "BLOCK_M", "BLOCK_N", "BLOCK_Q", "HEAD_DIM", "ATOMIC_DQ", "TMA_REDUCE")
 
 
 def compile_tile(kind: str, tile, *, head_dim: int, block: int, arch: int) -> dict:
@@ -36,13 +38,16 @@ def compile_tile(kind: str, tile, *, head_dim: int, block: int, arch: int) -> di
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from ds_adaptive.sparse.kernels import _triton_block_scores as KS
     from ds_adaptive.sparse.kernels import _triton_block_sparse as K
 
-    fn = {"fwd": K.block_sparse_fwd, "dq": K.block_sparse_bwd_dq}.get(kind, K.block_sparse_bwd_dkdv)
+    fn = {"fwd": K.block_sparse_fwd, "dq": K.block_sparse_bwd_dq,
+          "scores": KS.pooled_lse_scores_kernel}.get(kind, K.block_sparse_bwd_dkdv)
     ptrs = PTRS["dkdv" if kind == "atomic" else kind]
     sig = {p: ptrs.get(p, "fp32" if p in ("qk_scale", "sm_scale") else "constexpr" if p in CONSTEXPRS else "i32")
            for p in fn.arg_names}
-    consts = {"BLOCK": block, "BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "HEAD_DIM": head_dim}
+    consts = ({"BLOCK": block, "BLOCK_Q": tile.block_q, "HEAD_DIM": head_dim} if kind == "scores" else
+              {"BLOCK": block, "BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "HEAD_DIM": head_dim})
     if fn is K.block_sparse_bwd_dkdv:
         consts["ATOMIC_DQ"] = kind == "atomic"
         consts["TMA_REDUCE"] = True
@@ -69,18 +74,20 @@ def main(argv=None) -> int:
     p.add_argument("--arch", type=int, default=90)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block", type=int, default=128)
-    p.add_argument("--kernels", nargs="+", default=["fwd", "dq", "dkdv", "atomic"])
+    p.add_argument("--kernels", nargs="+", default=["fwd", "dq", "dkdv", "atomic"],
+                   help="fwd dq dkdv atomic (block-sparse attention), scores (the selection's block scores)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     import triton
 
     from sparse_backends import _tiles
+    from sparse_select_cost import score_tiles
 
     rows = []
     print(f"# triton {triton.__version__}, sm{args.arch}, head dim {args.head_dim}, block {args.block}")
     for kind in args.kernels:
-        for t in _tiles(args.block, kind):
+        for t in (score_tiles() if kind == "scores" else _tiles(args.block, kind)):
             r = {"kernel": kind, "tile": t.short(), **compile_tile(kind, t, head_dim=args.head_dim, block=args.block,
                                                                    arch=args.arch)}
             rows.append(r)

@@ -38,7 +38,8 @@ from ds_adaptive.sparse.cube_order import CubeOrder
 from ds_adaptive.sparse.predictor import LowRankPredictor
 from ds_adaptive.sparse.profiler import exact_logits, profile_rows, sample_row_groups
 from ds_adaptive.sparse.schedule import SparseSchedule
-from ds_adaptive.sparse.selection import BlockSelection, blocks_for_density, pooled_lse_scores, select_blocks
+from ds_adaptive.sparse.selection import (BlockSelection, blocks_for_density, pooled_lse_scores, select_blocks,
+                                          warm_pooled_lse_scores)
 
 
 def _in_backward() -> bool:
@@ -259,6 +260,8 @@ class SparseAttentionRuntime:
         backend = self.backend_for(torch.empty(0, 0, 0, self.head_dim, device=self.device, dtype=dtype))
         spent = backend.warmup(todo, num_heads=self.local_heads, head_dim=self.head_dim, dtype=dtype,
                                device=self.device, block_size=cfg.block_size, backward=backward)
+        if not self.uses_predictor:  # the block-scores kernel of the selection (compiled once, whatever S and B)
+            spent += warm_pooled_lse_scores(self.device, dtype, self.local_heads, self.head_dim, cfg.block_size)
         self.warmup_s += spent
         return spent
 

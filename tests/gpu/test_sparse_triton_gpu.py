@@ -1,7 +1,9 @@
 """Guards the Triton block-sparse kernels on CUDA: bf16 / fp16 fwd+bwd vs an fp32 reference on odd shapes (blocks
 64 and 128, head dims 64 and 128, B 1-3, valid_len, split and atomic dQ, the table's configs) within a multiple of
 torch's own low-precision error, all blocks == dense SDPA, NaN-poisoned buffers, no compile for a new S or B, and the
-``triton`` backend (registry, warm-up, efficiency curve)."""
+``triton`` backend (registry, warm-up, efficiency curve); the fused pooled block scores (``triton_block_scores``) at
+training sizes vs float64, within the torch path's own bf16 error, the same selection, strided views, no compile
+for a new S or B, and the dispatch that picks them on CUDA."""
 from __future__ import annotations
 
 import math
@@ -189,3 +191,82 @@ def test_tiny_wan_step_with_checkpointing_matches_the_reference_backend() -> Non
         if p1.grad is not None:
             diff = float((p1.grad.float() - p2.grad.float()).norm())
             assert diff <= 0.1 * float(p2.grad.float().norm()) + 1e-6, (n, diff)
+
+
+# ------------------------------------------------------------------ the fused pooled block scores
+def _scores64(q, k, block):
+    """The pooled log-sum-exp scores in float64 on the GPU, one head at a time: [B, H, nq, nk]."""
+    s, d = q.shape[1], q.shape[-1]
+    heads = []
+    for hd in range(q.shape[2]):
+        qh, kh = q[:, :, hd].double(), k[:, :, hd].double()  # [B, S, D]
+        qbar = torch.stack([qh[:, i:i + block].mean(1) for i in range(0, s, block)], 1)  # [B, nq, D]
+        lg = torch.einsum("bid,bsd->bis", qbar, kh) / math.sqrt(d)
+        nb = math.ceil(s / block)
+        pad = nb * block - s
+        lg = torch.nn.functional.pad(lg, (0, pad), value=float("-inf")) if pad else lg
+        heads.append(torch.logsumexp(lg.unflatten(-1, (nb, block)), -1))
+        del lg
+    return torch.stack(heads, 1)
+
+
+def _structured_qk(b, s, h, d, dtype, seed):
+    """Local windows of per-head width (random Fourier features of the position) + noise: realistic logit spread."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    pos = torch.arange(s, device=DEV, dtype=torch.float32)
+    w = torch.randn(h, d // 2, device=DEV, generator=g) * torch.logspace(-3.0, -1.3, h, device=DEV)[:, None]
+    ang = pos[:, None, None] * w[None]
+    phi = torch.cat([ang.cos(), ang.sin()], -1) / math.sqrt(d // 2)
+    noise = lambda: 0.3 * torch.randn(b, s, h, d, device=DEV, generator=g) / math.sqrt(d // 2)  # noqa: E731
+    return (14.0 * math.sqrt(d) * (phi + noise())).to(dtype), (phi + noise()).to(dtype)
+
+
+# (B, S, H, Dh, block, dtype): a Wan 1.3B clip at 64-token blocks, a wide micro-batch at 128, small head dim, S < block
+SCORE_CASES = [
+    (1, 32760, 12, 128, 64, torch.bfloat16),
+    (3, 14040, 12, 128, 128, torch.bfloat16),
+    (2, 4093, 3, 64, 64, torch.float16),
+    (2, 100, 3, 128, 128, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("b,s,h,d,block,dtype", SCORE_CASES)
+def test_pooled_scores_kernel_matches_fp64_and_selects_like_the_torch_path(monkeypatch, b, s, h, d, block, dtype):
+    from ds_adaptive.sparse.kernels import triton_block_scores as sc
+    from ds_adaptive.sparse.selection import blocks_for_density, pooled_lse_scores, pooled_lse_scores_torch
+
+    monkeypatch.setattr(sc, "_alloc", lambda *a, **kw: torch.full(*a, float("nan"), **kw))
+    q, k = _structured_qk(b, s, h, d, dtype, seed=s)
+    got = pooled_lse_scores(q, k, block)  # the dispatch: the kernel on CUDA
+    assert torch.equal(got, sc.triton_pooled_lse_scores(q, k, block))
+    assert torch.isfinite(got).all(), "an entry not written (NaN poison)"
+    exact = _scores64(q, k, block)
+    ref = pooled_lse_scores_torch(q, k, block)
+    torch_err = _err(ref, exact)
+    assert _err(got, exact) <= 2 * torch_err + 1e-3 * float(exact.abs().max()), (_err(got, exact), torch_err)
+    # the selection: the kernel's top-k is the float64 scores' top-k up to near-ties, at least as well as torch's
+    nk = math.ceil(s / block)
+    kph = blocks_for_density(torch.full((h,), 0.1), nk)
+    masks = [select_blocks(x.float(), kph, seq_len=s, block_size=block).dense_block_mask() for x in (got, ref, exact)]
+    agree = [float((m & masks[2]).sum()) / float(masks[2].sum()) for m in masks[:2]]
+    assert agree[0] >= min(0.995, agree[1] - 1e-3), agree
+
+
+def test_pooled_scores_kernel_reads_strided_views_and_compiles_once() -> None:
+    """q, k as head slices of a packed [B, S, 3, H, D] projection give the contiguous result; new S and B after one
+    warm call reuse the compiled kernel."""
+    from ds_adaptive.sparse.kernels import _triton_block_scores as kmod
+    from ds_adaptive.sparse.kernels.triton_block_scores import triton_pooled_lse_scores
+    from ds_adaptive.sparse.kernels.triton_block_sparse import kernel_variants
+
+    qkv = torch.randn(2, 3001, 3, 6, 128, device=DEV, dtype=torch.bfloat16) * 3
+    q, k = qkv[:, :, 0, 1:4], qkv[:, :, 1, 2:5]
+    a = triton_pooled_lse_scores(q, k, 64)
+    assert torch.equal(a, triton_pooled_lse_scores(q.contiguous(), k.contiguous(), 64))
+    torch.cuda.synchronize()
+    before = kernel_variants(kmod.ALL_KERNELS)
+    for b, s in [(1, 4096), (3, 1000), (1, 17), (2, 12345)]:
+        x = torch.randn(b, s, 3, 128, device=DEV, dtype=torch.bfloat16)
+        triton_pooled_lse_scores(x, x, 64)
+    torch.cuda.synchronize()
+    assert kernel_variants(kmod.ALL_KERNELS) == before

@@ -64,8 +64,13 @@ def interpreted() -> bool:
 
 def compiled_kernels() -> int:
     """Compiled kernel variants in this process over the four kernels (a new S must not add one)."""
+    return kernel_variants(_kernels().ALL_KERNELS)
+
+
+def kernel_variants(kernels) -> int:
+    """Compiled variants in this process of the given ``@triton.jit`` functions."""
     total = 0
-    for fn in _kernels().ALL_KERNELS:
+    for fn in kernels:
         caches = getattr(fn, "device_caches", None)
         if caches is not None:  # triton >= 3.2: device -> (kernel_cache, ...)
             total += sum(len(c[0]) for c in caches.values())
