@@ -21,9 +21,12 @@ warm-up": all tokens of steps 1..N over their time plus the sparse backend's war
 the plan's (B, S) pairs, before step 1; the engine build is the same work in every arm and is left
 out). Per arm: compile / warm-up seconds, compiled graphs, per-shape summed compute of the same
 micro-batches (sparse / dense), the first micro-step of each new (shape, B) pair (no such step may be
-slower sparse than dense), time per step outside compute, the selection time the runtime measured,
-and predicted vs measured micro-step compute (the plan's cost model; for the sparse arms with the
-sparse cost at the densities that ran).
+slower sparse than dense), time per step outside compute, the selection time the runtime measured
+and the cost's, and predicted vs measured micro-step compute (the plan's cost model; for the sparse arms
+with the sparse cost at the densities that ran): per shape, its ratio, whether it is within 10%, and the
+ratio over the dense arm's on the same micro-batches (the sparse cost's own error).
+``bench/sparse_cost_terms.py RESULT.json`` splits a sparse arm's error into the dense arm's (common),
+the selection's and the rest, re-predicted by the current tree.
 
 GPU budget (one H200, ~8 min: both mixes, three arms): Wan 1.3B at ``--layers 8`` (of its 30 blocks:
 the attention share of a block, and so the sparse/dense ratio of the blocks, is the full model's; the
@@ -174,7 +177,7 @@ def run_arm(args, mix: str, arm: str, out_dir: Path, device) -> dict:
     for r, p in zip(known, predicted_ms(run, [(r["tokens"], r["B"], r["ckpt"]) for r in known],
                                         None if rt is None else rt.decision)):
         r["predicted_ms"] = p
-    if rt is not None:  # the selection: the runtime's CUDA-event time (per micro-batch, summed over layers)
+    if rt is not None and rt.decision is not None:  # the selection: the runtime's CUDA-event time (per micro-batch, summed over layers)
         sel = {st["step"]: st["select_ms_per_micro"] for st in steps}
         for r in known:
             r["select_ms"] = sel.get(r["step"])

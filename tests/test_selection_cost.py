@@ -188,3 +188,14 @@ def test_ab_bench_reports_predicted_over_measured_per_shape_and_over_dense():
     assert dense["prediction"]["per_shape"]["a"]["within_target"] is False      # 0.89: outside 10%
     rel = ab.prediction_vs_dense(dense, sparse)
     assert rel["a"] == pytest.approx(0.9 / 0.89) and rel["b"] == pytest.approx(0.95 / 0.9)
+
+
+def test_calibrate_selection_needs_a_gpu(capsys):
+    import torch
+
+    from ds_adaptive.balance.calibrate_sparse import main
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is present: tests/gpu/test_selection_cost_gpu.py runs the calibration")
+    assert main(["--selection", "--out", "/nonexistent/x.json"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
