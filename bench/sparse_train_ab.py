@@ -21,9 +21,12 @@ warm-up": all tokens of steps 1..N over their time plus the sparse backend's war
 the plan's (B, S) pairs, before step 1; the engine build is the same work in every arm and is left
 out). Per arm: compile / warm-up seconds, compiled graphs, per-shape summed compute of the same
 micro-batches (sparse / dense), the first micro-step of each new (shape, B) pair (no such step may be
-slower sparse than dense), time per step outside compute, the selection time the runtime measured,
-and predicted vs measured micro-step compute (the plan's cost model; for the sparse arms with the
-sparse cost at the densities that ran).
+slower sparse than dense), time per step outside compute, the selection time the runtime measured
+and the cost's, and predicted vs measured micro-step compute (the plan's cost model; for the sparse arms
+with the sparse cost at the densities that ran): per shape, its ratio, whether it is within 10%, and the
+ratio over the dense arm's on the same micro-batches (the sparse cost's own error).
+``bench/sparse_cost_terms.py RESULT.json`` splits a sparse arm's error into the dense arm's (common),
+the selection's and the rest, re-predicted by the current tree.
 
 GPU budget (one H200, ~8 min: both mixes, three arms): Wan 1.3B at ``--layers 8`` (of its 30 blocks:
 the attention share of a block, and so the sparse/dense ratio of the blocks, is the full model's; the
@@ -135,6 +138,13 @@ def predicted_ms(run, micro: list[tuple], sparse) -> list[float]:
     return [float(cost.ckpt_cost(shape, b, layers if ck is None else ck)) for shape, b, ck in micro]
 
 
+def predicted_select_ms(run, decision, tokens: int, batch: int) -> float:
+    """The sparse cost's selection time of one micro-batch (every layer that runs sparse): its fixed part per
+    call plus ``B`` x the per-sample part."""
+    n = run.cost.padded_tokens(tokens)
+    return float(batch * decision.selection_ms(n, run.cost.sp, run.cost.num_heads) + decision.selection_call_ms(n, run.cost.sp))
+
+
 def run_arm(args, mix: str, arm: str, out_dir: Path, device) -> dict:
     from ds_adaptive.layout import Layout
     from ds_adaptive.run import build_run
@@ -155,7 +165,8 @@ def run_arm(args, mix: str, arm: str, out_dir: Path, device) -> dict:
         rec = trainer.train_step()
         steps.append({"step": step, "profiled": profiling, "tokens": rec.tokens, "samples": rec.samples, "wall_s": rec.wall_s,
                       "compute_ms": rec.compute_ms[0], "micro_compute_ms": [c[0] for c in rec.micro_compute_ms],
-                      "select_ms_per_micro": None if rt is None else rt.metrics()["sparse/select_ms"]})
+                      "select_ms_per_micro": None if rt is None else rt.metrics()["sparse/select_ms"],
+                      "select_ms_predicted_per_micro": None if rt is None else rt.metrics()["sparse/select_ms_predicted"]})
         if step == 1 or step % 10 == 0 or step == args.steps:
             print(f"  {mix}/{arm} step {step}/{args.steps}: {rec.tokens / rec.wall_s:,.0f} tokens/s, "
                   f"{rec.wall_s:.2f} s", flush=True)
@@ -166,6 +177,11 @@ def run_arm(args, mix: str, arm: str, out_dir: Path, device) -> dict:
     for r, p in zip(known, predicted_ms(run, [(r["tokens"], r["B"], r["ckpt"]) for r in known],
                                         None if rt is None else rt.decision)):
         r["predicted_ms"] = p
+    if rt is not None and rt.decision is not None:  # the selection: the runtime's CUDA-event time (per micro-batch, summed over layers)
+        sel = {st["step"]: st["select_ms_per_micro"] for st in steps}
+        for r in known:
+            r["select_ms"] = sel.get(r["step"])
+            r["predicted_select_ms"] = predicted_select_ms(run, rt.decision, r["tokens"], r["B"])
     sa = None
     if trainer.sparse is not None:
         summary: dict = {}
@@ -178,7 +194,8 @@ def run_arm(args, mix: str, arm: str, out_dir: Path, device) -> dict:
            "steps": steps, "micro": micro_rows,
            "warmup_s": None if rt is None else rt.warmup_s,
            "backend": None if sa is None else sa.get("backend"), "layer_calls": None if sa is None else sa.get("layer_calls"),
-           "sparse_layers": None if rt is None else rt.schedule.sparse_layers()}
+           "sparse_layers": None if rt is None else rt.schedule.sparse_layers(),
+           "decision": None if rt is None or rt.decision is None else rt.decision.describe()}
     del trainer, run, rt
     gc.collect()
     if torch.cuda.is_available():
@@ -203,6 +220,7 @@ def compare(dense: dict, other: dict) -> dict:
         for name, a in (("dense", dense), (other["arm"], other))}
     if other["arm"] == "profiled":  # the profiling steps' extra time vs the same steps of the sparse arm
         res["profiling"] = profiling_overhead(other)
+    res["prediction_over_dense_per_shape"] = prediction_vs_dense(dense, other)
     if other["arm"] == "sparse":  # the same micro-batches: per-shape compute and the new-pair steps
         d_micro, s_micro = dense["micro"], other["micro"]
         same = [(a["shape"], a["B"]) for a in d_micro] == [(b["shape"], b["B"]) for b in s_micro]
@@ -246,17 +264,49 @@ def profiling_overhead(arm: dict, interval: int = 50) -> dict:
             f"amortised_over_{interval}_steps": extra / interval}
 
 
+PREDICTION_TARGET = 0.10
+"""Predicted vs measured micro-step compute must agree within this (issue target, sparse arms)."""
+
+
 def prediction_error(arm: dict) -> dict:
+    """Predicted vs measured micro-step compute (steps 2..N): mean |relative error|, summed predicted /
+    measured overall and per shape (with ``within_target``: |ratio - 1| <= PREDICTION_TARGET), and for the
+    sparse arms the selection's predicted / measured time."""
     rows = [r for r in arm["micro"] if r.get("predicted_ms") and r["step"] > 1]
     if not rows:
         return {}
     errs = [(r["predicted_ms"] - r["compute_ms"]) / r["compute_ms"] for r in rows]
     per = defaultdict(list)
     for r, e in zip(rows, errs):
-        per[r["shape"]].append(e)
-    return {"micro_steps": len(rows), "mean_abs_rel_err": sum(abs(e) for e in errs) / len(errs),
-            "sum_pred_over_measured": sum(r["predicted_ms"] for r in rows) / sum(r["compute_ms"] for r in rows),
-            "per_shape_mean_rel_err": {k: sum(v) / len(v) for k, v in per.items()}}
+        per[r["shape"]].append((r, e))
+    ratio = lambda rs: sum(r["predicted_ms"] for r in rs) / sum(r["compute_ms"] for r in rs)  # noqa: E731
+    per_shape = {}
+    for shape, items in per.items():
+        rs = [r for r, _ in items]
+        d = {"micro_steps": len(rs), "batch_sizes": sorted({r["B"] for r in rs}), "measured_ms": sum(r["compute_ms"] for r in rs) / len(rs),
+             "predicted_ms": sum(r["predicted_ms"] for r in rs) / len(rs), "pred_over_measured": ratio(rs)}
+        d["within_target"] = abs(d["pred_over_measured"] - 1.0) <= PREDICTION_TARGET
+        sel = [r for r in rs if r.get("select_ms") is not None]
+        if sel:
+            d["select_ms"] = sum(r["select_ms"] for r in sel) / len(sel)
+            d["predicted_select_ms"] = sum(r["predicted_select_ms"] for r in sel) / len(sel)
+        per_shape[shape] = d
+    out = {"micro_steps": len(rows), "mean_abs_rel_err": sum(abs(e) for e in errs) / len(errs),
+           "sum_pred_over_measured": ratio(rows),
+           "per_shape_mean_rel_err": {k: sum(e for _, e in v) / len(v) for k, v in per.items()},
+           "per_shape": per_shape, "target": PREDICTION_TARGET,
+           "shapes_within_target": sum(d["within_target"] for d in per_shape.values()), "shapes": len(per_shape)}
+    sel = [r for r in rows if r.get("select_ms") is not None]
+    if sel:
+        out["select_pred_over_measured"] = sum(r["predicted_select_ms"] for r in sel) / sum(r["select_ms"] for r in sel)
+    return out
+
+
+def prediction_vs_dense(dense: dict, other: dict) -> dict:
+    """Per shape, the sparse arm's predicted / measured over the dense arm's (same micro-batches): the
+    sparse cost's own error, with the calibration's error common to both arms divided out."""
+    d, o = (a.get("prediction", {}).get("per_shape", {}) for a in (dense, other))
+    return {k: o[k]["pred_over_measured"] / d[k]["pred_over_measured"] for k in o if k in d}
 
 
 def plan_only(args) -> int:
@@ -355,6 +405,21 @@ def print_table(doc: dict) -> None:
               f"{c.get('tokens_per_s_with_warmup', 1.0):.3f} | {a['warmup_s'] or 0.0:.1f} | "
               f"{(a['backend'] or {}).get('graphs', '-')} | {oc:.2f} | {p.get('sum_pred_over_measured', float('nan')):.3f} | "
               f"{c.get('worst_new_pair_speedup_after_step1', float('nan')):.2f} |")
+    for a in doc["arms"]:
+        ps = (a.get("prediction") or {}).get("per_shape")
+        if not ps or a["arm"] == "dense":
+            continue
+        rel = doc["compare"].get(a["mix"], {}).get(a["arm"], {}).get("prediction_over_dense_per_shape", {})
+        p = a["prediction"]
+        print(f"\n{a['mix']}/{a['arm']}: predicted / measured micro-step compute per shape (target within "
+              f"{p['target']:.0%}: {p['shapes_within_target']} of {p['shapes']} shapes; all {p['sum_pred_over_measured']:.3f}; "
+              f"selection {p.get('select_pred_over_measured', float('nan')):.2f})")
+        print("| shape | B | micro-steps | measured ms | predicted ms | pred / measured | over dense's | selection ms measured | predicted |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+        for shape, v in sorted(ps.items(), key=lambda kv: -kv[1]["measured_ms"]):
+            print(f"| {shape} | {','.join(map(str, v['batch_sizes']))} | {v['micro_steps']} | {v['measured_ms']:.0f} | "
+                  f"{v['predicted_ms']:.0f} | {v['pred_over_measured']:.3f} | {rel.get(shape, float('nan')):.3f} | "
+                  f"{v.get('select_ms', float('nan')):.1f} | {v.get('predicted_select_ms', float('nan')):.1f} |")
     for mix, cmp in doc["compare"].items():
         ps = (cmp.get("sparse") or {}).get("per_shape_compute")
         if ps:

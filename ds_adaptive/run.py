@@ -293,7 +293,9 @@ def sparse_decision_cost(sa, model_config, choice, device: torch.device, dtype: 
     backend = choice.backend
     eff = choice.curve or backend.efficiency(device if device.type != "meta" else "cuda", dtype=dtype,
                                              head_dim=model_config.head_dim, block_size=sa.block_size)
-    return SparseAttentionCost(densities=ones, efficiency=eff, block_size=sa.block_size,
+    # selection None: the profile's measured selection cost when it has one for this block size and
+    # scoring (CostModel / for_profile fill it), else the shipped default
+    return SparseAttentionCost(densities=ones, efficiency=eff, block_size=sa.block_size, block_score=sa.block_score,
                                min_blocks=1 + int(sa.keep_sink), dense_above=sa.dense_above,
                                # a reference backend runs for exactness, not speed: no pay check
                                pay_check=not backend.support.materialises_scores)

@@ -149,5 +149,7 @@ def test_density_updates_keep_the_policy_and_re_search_at_the_same_gas():
                                 sparse=SparseAttentionCost(synthetic_densities(30, 12, seed=0)))
         gas = s.micro_steps_per_step
         s.update_densities(synthetic_densities(30, 12, seed=1, lo=0.05, hi=0.2), at_step=1)
-    assert s.cost.checkpointing == "auto" and s.params.solo_over_budget   # with_sparse kept the policy
+    # with_sparse kept the policy (the re-search may pick the equal-token plan where it predicts as fast:
+    # "never slower than the baseline"; a dual plan keeps solo_over_budget)
+    assert s.cost.checkpointing == "auto" and (s.params.mode == "tokens" or s.params.solo_over_budget)
     assert s.micro_steps_per_step == gas and s.budget_choice.micro_steps_per_step == gas   # DeepSpeed's gas is fixed

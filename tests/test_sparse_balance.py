@@ -19,6 +19,7 @@ from ds_adaptive.balance.sampler import build_batch_sampler
 from ds_adaptive.layout import Layout
 from ds_adaptive.balance.sparse import (DensityError, DensityMap, KernelEfficiency, SparseAttentionCost,
                                         load_densities, synthetic_densities)
+from ds_adaptive.balance.selection_cost import SelectionCost
 from ds_adaptive.config import SamplerConfig
 from ds_adaptive.shapes import load_shape_distribution
 
@@ -102,8 +103,7 @@ def test_sparse_cost_scales_only_the_attention_quadratic_term():
     prof_dense = CostModel(PROFILE)
     eff = KernelEfficiency((0.1, 0.5), (0.2, 1.0))                         # g = 2 rho below 0.5
     sc = SparseAttentionCost(_dense_map(0.25), efficiency=eff, attention_share=0.6, min_blocks=0,
-                             selection_ms_per_token_per_head=0.0, selection_ms_per_token2_per_head=0.0,
-                             selection_ms_per_layer_call=0.0)
+                             selection=SelectionCost(0.0, 0.0, 0.0, 0.0))
     cm = CostModel(PROFILE, sparse=sc)
     s = 32760.0
     a, b = prof_dense._a1, prof_dense._b1
@@ -134,10 +134,15 @@ def test_busiest_rank_counts_and_placement_lowers_it():
 
 def test_selection_term_only_for_sparse_layers():
     dm = DensityMap(tuple(tuple([0.1] * 12) for _ in range(30)), dense_layers=(0, 29))
-    sc = SparseAttentionCost(dm)
-    per_head = sc.selection_ms_per_token_per_head * 7800 + sc.selection_ms_per_token2_per_head * 7800 ** 2
-    assert sc.selection_ms(7800, 2, 12) == pytest.approx(28 * (per_head * 6 + sc.selection_ms_per_layer_call))
-    assert SparseAttentionCost(_dense_map(1.0)).selection_ms(7800, 2, 12) == 0.0
+    sel = SelectionCost(ms_per_call=0.5, ms_per_token=1e-5, ms_per_logit=2e-8, ms_per_block_pair=3e-6)
+    sc = SparseAttentionCost(dm, selection=sel)
+    nb = 61                                                                  # ceil(7800 / 128)
+    per_head = 1e-5 * 7800 + 2e-8 * nb * 7800 + 3e-6 * nb * nb
+    assert sc.selection_ms(7800, 2, 12) == pytest.approx(28 * per_head * 6)  # per sample: 6 local heads
+    assert sc.selection_call_ms(7800, 2) == pytest.approx(28 * 0.5)          # per micro-batch
+    assert sc.layer_selection_ms(7800, 2, 12, batch=3) == pytest.approx(0.5 + 3 * 6 * per_head)
+    dense = SparseAttentionCost(_dense_map(1.0), selection=sel)
+    assert dense.selection_ms(7800, 2, 12) == 0.0 and dense.selection_call_ms(7800, 2) == 0.0
 
 
 def test_density_loaders_and_errors(tmp_path):

@@ -18,7 +18,9 @@ Sparse attention (``sparse=SparseAttentionCost``, calibrated mode only; ``ds_ada
 
     per_gpu_cost(S) = (a * S_pad + b * S_pad**2 * q(S_pad)) / sp  +  sel(S_pad)  +  comm(S_pad)
     q = 1 - attention_share * (1 - rho_eff(S)),  rho_eff from the busiest SP rank's head densities,
-    sel = selection (scoring, top-k, mask) of this rank's heads/sp heads in the layers that run sparse
+    sel = selection (scoring, top-k) of this rank's heads/sp heads in the layers that run sparse, per sample
+    batch_cost = c0 + sel_call(S_pad) + B * per_gpu_cost(S)     sel_call: the selection's fixed part per call
+    recomputed forwards (ckpt_cost): a sparse layer's recompute runs sparse too (its quadratic part x g)
 
     With every density 1 (every layer dense) ``q == 1`` and ``sel == 0``: exactly the dense model.
 
@@ -542,11 +544,18 @@ class CostModel:
         s = float(self.padded_tokens(shape_or_tokens))
         return self._comm_ms_per_token * (s / self.sp) * (self.sp - 1) / self.sp
 
+    def batch_overhead(self, shape_or_tokens: Union[SampleShape, int]) -> float:
+        """Per-micro-batch cost of a micro-batch of this shape (whatever its size): ``c0``, plus with sparse
+        attention the fixed part of the selection call of every layer that runs sparse at this length."""
+        if self.sparse is None or self.mode != "calibrated":
+            return self.c0
+        return self.c0 + self.sparse.selection_call_ms(self.padded_tokens(shape_or_tokens), self.sp)
+
     def batch_cost(self, shape_or_tokens: Union[SampleShape, int], batch_size: int) -> float:
         """Compute cost of a micro-batch of ``batch_size`` samples of one shape on one GPU."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        return self.c0 + batch_size * self.per_gpu_cost(shape_or_tokens)
+        return self.batch_overhead(shape_or_tokens) + batch_size * self.per_gpu_cost(shape_or_tokens)
 
     # ----------------------------------------------------------------------------- memory
     def per_gpu_memory(self, shape_or_tokens: Union[SampleShape, int]) -> float:
@@ -568,7 +577,8 @@ class CostModel:
         b = int(math.floor(m_mem / mem1 * (1 + 1e-12)))
         if m_comp is not None:
             c1 = self.per_gpu_cost(shape_or_tokens)
-            b = min(b, int(math.floor((m_comp - self.c0) / c1 * (1 + 1e-12))) if c1 > 0 else b)
+            b = min(b, int(math.floor((m_comp - self.batch_overhead(shape_or_tokens)) / c1 * (1 + 1e-12)))
+                    if c1 > 0 else b)
         return max(b, 0)
 
     # ----------------------------------------------------------------------------- checkpointing
@@ -620,6 +630,29 @@ class CostModel:
             per += self._comm_raw(s) / pr.num_layers / passes
         return c0 + np.asarray(batch_size) * per
 
+    def _sparse_recompute_saving(self, shape_or_tokens: Union[SampleShape, int], batch_size, ckpt_blocks):
+        """With sparse attention, the recomputed forward of a sparse layer runs sparse: its quadratic part
+        costs ``r_l`` (the layer's kernel ratio) of the dense one that :meth:`recompute_ms` counts. The
+        profile's ``b S^2`` holds the recompute of the blocks it checkpointed (all or none), already scaled
+        by ``q``; the correction is for the blocks whose state differs from the profile's: ``+(1 - r_l)``
+        of a dense recompute's quadratic part for each block not recomputed that the profile recomputed
+        (blocks ``>= n``), ``-(1 - r_l)`` for each recomputed that it did not (blocks ``< n``). 0 dense."""
+        if self.sparse is None:
+            return 0.0
+        s = float(self.padded_tokens(shape_or_tokens))
+        saved = 1.0 - np.asarray(self.sparse.layer_ratios(int(s), self.sp), float)   # [L], 0 for dense layers
+        if not saved.any():
+            return 0.0
+        pr = self.profile
+        quad = pr.recompute_ms[2] * pr.sp * s * s / self.sp        # one block's dense recompute, per sample
+        n = np.clip(np.asarray(ckpt_blocks).astype(np.int64), 0, len(saved))
+        before = np.concatenate([[0.0], np.cumsum(saved)])          # before[n] = sum of saved[l], l < n
+        if pr.gradient_checkpointing:
+            share = before[-1] - before[n]                          # blocks >= n: recomputed in the profile only
+        else:
+            share = -before[n]                                      # blocks < n: recomputed here only
+        return np.asarray(batch_size) * quad * share
+
     def _comm_raw(self, s: float) -> float:
         return self._comm_ms_per_token * (s / self.sp) * (self.sp - 1) / self.sp
 
@@ -628,10 +661,10 @@ class CostModel:
         the profile's cost, minus (or plus) the recomputed forwards of the blocks that differ from the
         profile's calibration. Non-ms modes are scaled by the calibrated ratio. numpy-broadcasting."""
         bs = np.asarray(batch_size)
-        base = self.c0 + bs * self.per_gpu_cost(shape_or_tokens)
+        base = self.batch_overhead(shape_or_tokens) + bs * self.per_gpu_cost(shape_or_tokens)
         delta = (np.asarray(ckpt_blocks) - self.profile_ckpt_blocks()) * self.recompute_ms(shape_or_tokens, bs)
         if self.mode == "calibrated":
-            return base + delta
+            return base + delta + self._sparse_recompute_saving(shape_or_tokens, bs, ckpt_blocks)
         pr = self.profile
         s = float(self.padded_tokens(shape_or_tokens))
         ms = pr.c0_ms + bs * ((self._a1 * s + self._b1 * s * s) / self.sp + self._comm_raw(s))

@@ -219,7 +219,8 @@ class _ShapeTable:
     def __init__(self, shapes: Sequence[SampleShape], cost: CostModel, params: PlannerParams) -> None:
         self.shapes = list(shapes)
         n = len(self.shapes)
-        self.c0 = cost.c0
+        # per-micro-batch cost of each shape: c0 (+ the sparse selection's fixed part per call)
+        self.c0 = np.array([cost.batch_overhead(s) for s in self.shapes], float)
         self.linear = policy_blocks(cost) == cost.profile_ckpt_blocks()
         self.ckpt_fixed = policy_blocks(cost)
         self.tables: list[Optional[MicroBatchTable]] = [None] * n
@@ -231,7 +232,7 @@ class _ShapeTable:
             for u, s in enumerate(self.shapes):
                 b_mem = int(math.floor(params.m_mem / self.mem1[u] * (1 + 1e-12)))
                 self.tables[u] = micro_batch_table(cost, s, max(b_mem, 1), params.m_mem)
-            self.cost1 = np.array([t.cost[1] - self.c0 for t in self.tables], float)
+            self.cost1 = np.array([t.cost[1] - c for t, c in zip(self.tables, self.c0)], float)
         self.tokens = np.array([bucket_tokens(s) for s in self.shapes], np.int64)
         self.padded = np.array([cost.padded_tokens(s) for s in self.shapes], np.int64)
         self.bmax = np.zeros(n, np.int64)
@@ -246,11 +247,11 @@ class _ShapeTable:
                              if b_mem < 1 else "")
             if params.mode == "dual":
                 if self.linear:
-                    b_comp = int(math.floor((params.m_comp - self.c0) / self.cost1[u] * (1 + 1e-12)))
+                    b_comp = int(math.floor((params.m_comp - self.c0[u]) / self.cost1[u] * (1 + 1e-12)))
                 else:   # the table's cost is non-decreasing in B
                     b_comp = int(np.searchsorted(self.tables[u].cost, params.m_comp * (1 + 1e-12), "right")) - 1
                 if b_comp < 1 and b >= 1:
-                    why = (f"compute cost {self.c0 + self.cost1[u]:.4g} {cost.unit} > m_comp "
+                    why = (f"compute cost {self.c0[u] + self.cost1[u]:.4g} {cost.unit} > m_comp "
                            f"{params.m_comp:.4g} {cost.unit}")
                     if self.solo:   # runs alone; its micro-step's other batches are filled up to its cost
                         b_comp, why = 1, ""
@@ -277,7 +278,7 @@ class _ShapeTable:
                 self.why[u] = why
 
     def batch_cost(self, u: int, b: int) -> float:
-        return self.c0 + b * self.cost1[u] if self.linear else float(self.tables[u].cost[b])
+        return self.c0[u] + b * self.cost1[u] if self.linear else float(self.tables[u].cost[b])
 
     def batch_memory(self, u: int, b: int) -> float:
         return b * self.mem1[u] if self.linear else float(self.tables[u].memory[b])
@@ -298,7 +299,7 @@ class _ShapeTable:
         if not self.solo or target <= self.m_comp:
             return self.bmax[cand]
         if self.linear:
-            reach = np.ceil((target - self.c0) / self.cost1[cand]).astype(np.int64)
+            reach = np.ceil((target - self.c0[cand]) / self.cost1[cand]).astype(np.int64)
         else:
             reach = np.array([np.searchsorted(self.tables[u].cost[1:], target, "left") + 1 for u in cand.tolist()],
                              np.int64)
@@ -307,8 +308,8 @@ class _ShapeTable:
     def nearest_sizes(self, cand: np.ndarray, cap: np.ndarray, target: float) -> tuple[np.ndarray, np.ndarray]:
         """Per candidate shape, the batch size in 1..cap whose cost is closest to ``target``, and that cost."""
         if self.linear:
-            b = np.clip(np.rint((target - self.c0) / self.cost1[cand]), 1, cap).astype(np.int64)
-            return b, self.c0 + b * self.cost1[cand]
+            b = np.clip(np.rint((target - self.c0[cand]) / self.cost1[cand]), 1, cap).astype(np.int64)
+            return b, self.c0[cand] + b * self.cost1[cand]
         bs = np.empty(len(cand), np.int64)
         for i, (u, c) in enumerate(zip(cand.tolist(), cap.tolist())):
             row = self.tables[u].cost[1:c + 1]
@@ -581,7 +582,7 @@ def plan_epoch(shape_ids: np.ndarray, shapes: Sequence[SampleShape], order: np.n
     offsets = np.asarray(builder.offsets, np.int64)
     sizes = np.diff(offsets)
     if table.linear:
-        b_cost = (table.c0 + sizes * table.cost1[bs]) if bs.size else np.zeros(0)
+        b_cost = (table.c0[bs] + sizes * table.cost1[bs]) if bs.size else np.zeros(0)
         b_mem = sizes * table.mem1[bs] if bs.size else np.zeros(0)
         b_ckpt = np.full(bs.shape, table.ckpt_fixed, np.int64)
     else:

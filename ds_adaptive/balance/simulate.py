@@ -73,7 +73,8 @@ def predicted_times(plan: EpochPlan, truth: CostModel) -> np.ndarray:
     sizes = plan.batch_sizes()
     if plan.batch_ckpt is None:
         per = np.array([truth.per_gpu_cost(s) for s in plan.shapes])
-        return (truth.c0 + sizes * per[plan.batch_shape]).reshape(-1, plan.dp_size)
+        over = np.array([truth.batch_overhead(s) for s in plan.shapes])
+        return (over[plan.batch_shape] + sizes * per[plan.batch_shape]).reshape(-1, plan.dp_size)
     out = np.empty(len(sizes), float)
     for u in np.unique(plan.batch_shape).tolist():
         j = plan.batch_shape == u

@@ -12,14 +12,19 @@ With block-sparse attention the calibrated per-sample cost (``ds_adaptive.balanc
     g(rho)    = sparse time / dense time of the kernel at density rho (fwd+bwd): the chosen
                 backend's curve (SparseAttentionBackend.efficiency: measured on this GPU, shipped, or
                 the default from DSV.md's H100 anchors g(rho) = min(1, 1.45 * rho))
-    sel(S)    = selection (block scoring, top-k, mask build) of the layers that run sparse:
-                heads * (sel_a * S + sel_b * S^2) + sel_call per such layer, ms, forward once
+    sel(S)    = selection (block scoring, top-k) of the layers that run sparse, per sample:
+                heads/sp * (t_token * S + t_logit * nq * S + t_pair * nq * nk) per such layer, ms,
+                forward once; plus t_call per such layer once per micro-batch (``selection_call_ms``,
+                which ``CostModel.batch_overhead`` adds to c0). ``ds_adaptive.balance.selection_cost``:
+                the form, the shipped default, and the fit to this GPU's timings (``calibrate --sparse
+                --selection``, stored in the profile's ``sparse_attention.selection``)
 
 Layer l runs sparse at S (:meth:`SparseAttentionCost.layer_decisions`, the one decision the planner
 and the runtime share) iff it is not a dense layer, ``busiest_l(S) <= dense_above``, and sparse
-pays for one sample on one GPU: ``g * att(S) + sel_l(S) < att(S)`` with ``att(S) = share * b *
-S^2 / layers / sp`` the layer's dense attention (so images and short clips run dense where the
-selection would cost more than the kernel saves).
+pays for one sample on one GPU: ``g * att(S) + sel_l(1, S) < att(S)`` with ``att(S) = share * b *
+S^2 / layers / sp`` the layer's dense attention and ``sel_l(1, S)`` one layer's selection call for one
+sample, its fixed part included (so images and short clips run dense where the selection would cost
+more than the kernel saves; a micro-batch of several samples shares the fixed part: conservative).
 
 Assumptions (stated because they shape every plan): ``share`` (the attention share of the
 quadratic term) is 1.0 for Wan: its S^2 term is self-attention (the profile's depth rescaling makes
@@ -48,6 +53,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import numpy as np
 
 from ds_adaptive.balance.heads import identity_placement, plan_head_placement
+from ds_adaptive.balance.selection_cost import DEFAULT_SELECTION, SelectionCost
 
 __all__ = ["DensityMap", "DensityError", "KernelEfficiency", "SparseAttentionCost", "load_densities",
            "synthetic_densities", "DSV_EFFICIENCY", "DEFAULT_SELECTION", "SPARSE_FORMAT"]
@@ -58,15 +64,6 @@ DENSITY_FORMAT = "ds_adaptive.densities/1"
 # DSV.md: FlexAttention block-sparse (128x128, full blocks) runs at ~70% of cuDNN dense's effective
 # rate on H100 and H200: time ~ 1.45 x density x dense time (measured 0.05-0.4), dense above ~0.69.
 DSV_EFFICIENCY = {"density": [0.05, 0.1, 0.2, 0.4], "ratio": [0.0725, 0.145, 0.29, 0.58]}
-# DSV.md (H100, 12 heads): block scoring + top-k 0.4 ms at 32k, 2.2 ms at 75k (~ S^2 in blocks);
-# mask build 2.2 ms at 75k (~ S). Per head and per layer, forward once (the mask is reused by the
-# recomputed forward and the backward).
-# The fixed part per sparse layer call (host launches of ~50 small kernels: scoring, top-k, the host
-# cache, two mask builds) is an estimate from docs/SPARSE.md's eager host-inclusive selection time
-# (1.77 ms at 32,760 tokens, of which 0.38 ms GPU): ~1 ms; bench/sparse_train_ab.py checks the
-# predicted micro-step time against the trainer's.
-DEFAULT_SELECTION = {"ms_per_token_per_head": 2.2 / 75776 / 12, "ms_per_token2_per_head": 2.2 / 75776 ** 2 / 12,
-                     "ms_per_layer_call": 1.0}
 
 
 class DensityError(ValueError):
@@ -251,7 +248,8 @@ class KernelEfficiency:
             if not shipped.is_file():
                 raise ValueError(f"sparse efficiency '{src}': not a file and not a shipped profile")
             data = json.loads(shipped.read_text())
-            return cls.from_dict(data, where=str(shipped)) if "sparse_attention" in data else cls.default()
+            has = isinstance((data.get("sparse_attention") or {}).get("efficiency"), Mapping)
+            return cls.from_dict(data, where=str(shipped)) if has else cls.default()   # (a selection-only section)
         return cls.from_dict(json.loads(path.read_text()), where=str(path))
 
     def as_dict(self) -> dict:
@@ -272,10 +270,12 @@ class SparseAttentionCost:
         block_size, min_blocks: a head selects ``ceil(rho * nb)`` of the ``nb = ceil(S / block_size)``
             key blocks per query block, at least ``min_blocks`` (1 + ``keep_sink``), as the runtime's
             top-k does: the density it runs at. ``min_blocks = 0``: densities used as fractions.
-        selection_ms_per_token_per_head / selection_ms_per_token2_per_head: ``sel`` coefficients.
-        selection_ms_per_layer_call: the fixed part of a sparse layer's selection (host launches of
-            scoring, top-k and the mask builds), per sample (counted once per sample: conservative
-            for micro-batches of several samples).
+        selection: the selection's cost (:class:`ds_adaptive.balance.selection_cost.SelectionCost`);
+            None: the profile's measured one (``sparse_attention.selection``, taken by
+            :meth:`for_profile` when measured for this ``block_size`` and ``block_score``), else the
+            shipped default.
+        block_score: the runtime's block scoring (``sparse_attention.block_score``): a measured
+            selection counts only for the scoring it timed.
         attention_ms_per_token2_per_layer: dense attention fwd+bwd of one layer and one sample at
             sp = 1 (ms / token^2); ``CostModel`` fills it from the profile (``share * b / layers``).
             With it, a layer runs sparse at S only where that is faster than dense
@@ -291,9 +291,8 @@ class SparseAttentionCost:
     attention_share: float = 1.0
     block_size: int = 128
     min_blocks: int = 1
-    selection_ms_per_token_per_head: float = DEFAULT_SELECTION["ms_per_token_per_head"]
-    selection_ms_per_token2_per_head: float = DEFAULT_SELECTION["ms_per_token2_per_head"]
-    selection_ms_per_layer_call: float = DEFAULT_SELECTION["ms_per_layer_call"]
+    selection: Optional[SelectionCost] = None
+    block_score: str = "pooled_lse"
     attention_ms_per_token2_per_layer: Optional[float] = None
     dense_above: float = 1.0
     pay_check: bool = True
@@ -305,8 +304,8 @@ class SparseAttentionCost:
             raise ValueError(f"attention_share must be in [0, 1], got {self.attention_share}")
         if self.block_size < 1 or self.min_blocks < 0:
             raise ValueError(f"block_size >= 1 and min_blocks >= 0 needed, got {self.block_size}, {self.min_blocks}")
-        if self.selection_ms_per_layer_call < 0 or (self.attention_ms_per_token2_per_layer or 0.0) < 0:
-            raise ValueError("selection_ms_per_layer_call and attention_ms_per_token2_per_layer must be >= 0")
+        if (self.attention_ms_per_token2_per_layer or 0.0) < 0:
+            raise ValueError("attention_ms_per_token2_per_layer must be >= 0")
 
     # ------------------------------------------------------------------ placement
     def rank_density_tables(self, sp: int) -> np.ndarray:
@@ -347,16 +346,27 @@ class SparseAttentionCost:
         when every layer runs dense."""
         return 1.0 - self.attention_share * (1.0 - self.rho_eff(seq_len, sp))
 
-    def layer_selection_ms(self, seq_len: int, sp: int, num_heads: int) -> float:
-        """Selection time of one sparse layer for one sample on one SP rank (ms)."""
-        s = float(seq_len)
-        per_head = self.selection_ms_per_token_per_head * s + self.selection_ms_per_token2_per_head * s * s
-        return per_head * num_heads / sp + self.selection_ms_per_layer_call
+    @property
+    def selection_cost(self) -> SelectionCost:
+        """The selection's cost in use: :attr:`selection`, or the shipped default."""
+        return self.selection if self.selection is not None else SelectionCost.default()
+
+    def layer_selection_ms(self, seq_len: int, sp: int, num_heads: int, batch: int = 1) -> float:
+        """One sparse layer's selection call for ``batch`` samples on one SP rank (``heads/sp`` heads), ms."""
+        return float(self.selection_cost.call_ms(batch, float(seq_len), num_heads / sp, self.block_size))
 
     def selection_ms(self, seq_len: int, sp: int, num_heads: int) -> float:
-        """Selection time of one sample on one SP rank (ms): ``heads/sp`` heads per sparse layer."""
+        """Selection time each sample adds on one SP rank (ms): its share in every layer that runs sparse
+        (the fixed part per call is :meth:`selection_call_ms`)."""
         n_sparse = int(np.sum(self.layer_decisions(seq_len, sp)[0]))
-        return 0.0 if n_sparse == 0 else n_sparse * self.layer_selection_ms(seq_len, sp, num_heads)
+        if n_sparse == 0:
+            return 0.0
+        return n_sparse * float(self.selection_cost.per_sample_ms(float(seq_len), num_heads / sp, self.block_size))
+
+    def selection_call_ms(self, seq_len: int, sp: int) -> float:
+        """Fixed selection time of one micro-batch (ms): ``ms_per_call`` per layer that runs sparse."""
+        n_sparse = int(np.sum(self.layer_decisions(seq_len, sp)[0]))
+        return n_sparse * self.selection_cost.ms_per_call
 
     def with_densities(self, densities: DensityMap) -> "SparseAttentionCost":
         import dataclasses
@@ -365,22 +375,25 @@ class SparseAttentionCost:
 
     def for_profile(self, profile) -> "SparseAttentionCost":
         """With ``attention_ms_per_token2_per_layer`` from a calibrated profile (``share * b / layers``
-        at sp = 1) unless already set; ``num_heads`` is the model's."""
-        if self.attention_ms_per_token2_per_layer is not None:
-            return self
+        at sp = 1) and the profile's measured selection (``sparse_attention.selection``, else the shipped
+        default), each unless already set; ``num_heads`` is the model's."""
         import dataclasses
 
-        per_layer = profile.b_ms_per_token2 * profile.sp * self.attention_share / profile.num_layers
-        return dataclasses.replace(self, attention_ms_per_token2_per_layer=per_layer)
+        out = self
+        if out.selection is None:
+            out = dataclasses.replace(out, selection=SelectionCost.load_for(
+                profile.raw, block_size=self.block_size, block_score=self.block_score, where=f"profile '{profile.name}'"))
+        if out.attention_ms_per_token2_per_layer is None:
+            per_layer = profile.b_ms_per_token2 * profile.sp * self.attention_share / profile.num_layers
+            out = dataclasses.replace(out, attention_ms_per_token2_per_layer=per_layer)
+        return out
 
     def describe(self) -> dict:
         """JSON-able description (resume state, logs): everything the cost depends on."""
         return {"densities": self.densities.as_dict(), "efficiency": self.efficiency.as_dict(),
                 "head_placement": self.head_placement, "attention_share": self.attention_share,
                 "block_size": self.block_size, "min_blocks": self.min_blocks,
-                "selection_ms_per_token_per_head": self.selection_ms_per_token_per_head,
-                "selection_ms_per_token2_per_head": self.selection_ms_per_token2_per_head,
-                "selection_ms_per_layer_call": self.selection_ms_per_layer_call,
+                "selection": self.selection_cost.as_dict(), "block_score": self.block_score,
                 "attention_ms_per_token2_per_layer": self.attention_ms_per_token2_per_layer,
                 "dense_above": self.dense_above, "pay_check": self.pay_check}
 
@@ -392,12 +405,22 @@ class SparseAttentionCost:
                    efficiency=KernelEfficiency(tuple(eff["density"]), tuple(eff["ratio"]), eff.get("source", "")),
                    head_placement=d["head_placement"], attention_share=float(d["attention_share"]),
                    block_size=int(d["block_size"]), min_blocks=int(d["min_blocks"]),
-                   selection_ms_per_token_per_head=float(d["selection_ms_per_token_per_head"]),
-                   selection_ms_per_token2_per_head=float(d["selection_ms_per_token2_per_head"]),
-                   # states written before the pay check: no fixed selection term, no check
-                   selection_ms_per_layer_call=float(d.get("selection_ms_per_layer_call", 0.0)),
+                   selection=_selection_from_description(d), block_score=str(d.get("block_score", "pooled_lse")),
                    attention_ms_per_token2_per_layer=None if att is None else float(att),
                    dense_above=float(d.get("dense_above", 1.0)), pay_check=bool(d.get("pay_check", True)))
+
+
+def _selection_from_description(d: Mapping[str, Any]) -> SelectionCost:
+    """The selection cost of a description; states written before the measured selection term carry
+    per-head ``selection_ms_per_token(2)_per_head`` (per sample: ``a S + b S^2``) and a per-call term:
+    the same time at the block size (``b S^2 ~ b * block * nq * S``)."""
+    if "selection" in d:
+        return SelectionCost.from_dict(d["selection"], where="sampler state")
+    bs = int(d["block_size"])
+    return SelectionCost(ms_per_call=float(d.get("selection_ms_per_layer_call", 0.0)),
+                         ms_per_token=float(d["selection_ms_per_token_per_head"]),
+                         ms_per_logit=float(d["selection_ms_per_token2_per_head"]) * bs,
+                         ms_per_block_pair=0.0, block_size=bs, source="sampler state (per-head S, S^2 form)")
 
 
 @lru_cache(maxsize=4096)

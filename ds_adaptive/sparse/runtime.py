@@ -154,8 +154,11 @@ class SparseAttentionRuntime:
         self._cache: dict[int, _Entry] = {}
         self._host = _HostCopy()
         self._reset_step_stats()
+        # select_ms: the selection's CUDA-event time per layer (mean over this step's calls); select_ms_predicted:
+        # the decision cost's selection time for the same calls (its measured or default SelectionCost)
         self.last: dict[str, Any] = {"loss": [nan] * num_layers, "recall": [nan] * num_layers,
-                                     "selected_density": [nan] * num_layers, "select_ms": [nan] * num_layers}
+                                     "selected_density": [nan] * num_layers, "select_ms": [nan] * num_layers,
+                                     "select_ms_predicted": [nan] * num_layers}
         # layer calls of the schedule's sparse layers that ran sparse / dense (the cost check), whole run
         self.calls = {"sparse": 0, "dense_by_cost": 0}
         self._refresh_decision()
@@ -342,6 +345,7 @@ class SparseAttentionRuntime:
             t0 = self._clock(q.device)
             selection, density = self._select(layer, q, k, heads)
             self._select_events[layer].append((t0, self._clock(q.device)))
+            self._select_shapes[layer].append((q.shape[0], q.shape[1]))  # host ints: the predicted time in step()
             if selection is not None:  # a device tensor: read in step(), no sync per layer here
                 self._selected[layer] = selection.density().mean()
                 stored = selection
@@ -390,6 +394,7 @@ class SparseAttentionRuntime:
         self._density_sum = torch.zeros(L, self.num_heads, dtype=torch.float64, device=self.device)
         self._density_n = torch.zeros(L, self.num_heads, dtype=torch.float64, device=self.device)
         self._select_events: list[list] = [[] for _ in range(L)]
+        self._select_shapes: list[list] = [[] for _ in range(L)]
         self._selected: dict[int, torch.Tensor] = {}
         self._recall: dict[int, torch.Tensor] = {}
 
@@ -410,6 +415,10 @@ class SparseAttentionRuntime:
         for i, evs in enumerate(self._select_events):
             if evs:
                 self.last["select_ms"][i] = sum(self._elapsed(a, b) for a, b in evs) / len(evs)
+        for i, calls in enumerate(self._select_shapes):
+            if calls and self.decision is not None:
+                self.last["select_ms_predicted"][i] = sum(
+                    self.decision.layer_selection_ms(s, self.sp_size, self.num_heads, batch=b) for b, s in calls) / len(calls)
         self.schedule.end_step(mean_loss, layer_density)
         self._refresh_decision()
         self._reset_step_stats()
@@ -477,9 +486,11 @@ class SparseAttentionRuntime:
             "sparse/recall": mean([self.last["recall"][i] for i in sparse]),
             "sparse/predictor_loss": mean(self.last["loss"]),
             "sparse/select_ms": sum(x for x in self.last["select_ms"] if x == x),
+            "sparse/select_ms_predicted": sum(x for x in self.last["select_ms_predicted"] if x == x),
             "sparse/layers": {"density": dens, "recall": list(self.last["recall"]),
                               "selected_density": list(self.last["selected_density"]),
                               "predictor_loss": list(self.last["loss"]), "select_ms": list(self.last["select_ms"]),
+                              "select_ms_predicted": list(self.last["select_ms_predicted"]),
                               "sparse": sparse},
         }
 
@@ -508,7 +519,7 @@ class SparseAttentionRuntime:
         self.schedule.load_state_dict(state["schedule"])
         self.head_density = full.clone().float()
         self._gen.set_state(state["generator"])
-        self.last = {k: list(v) for k, v in state["last"].items()}
+        self.last = {**self.last, **{k: list(v) for k, v in state["last"].items()}}  # keys added since the save kept
         self._refresh_decision()
 
     def summary(self) -> dict[str, Any]:
