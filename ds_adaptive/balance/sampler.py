@@ -83,6 +83,13 @@ def _compact_profile(p: Profile) -> dict:
         "block_full": {"m0_gib": p.block_full_gib[0], "m1_gib_per_token": p.block_full_gib[1]},
         "block_checkpointed": {"m0_gib": p.block_ckpt_gib[0], "m1_gib_per_token": p.block_ckpt_gib[1]},
         "source": p.checkpoint_source}
+    if any(p.last_whole_gib):
+        out["memory"]["checkpointing"]["last_block_whole"] = {"m0_gib": p.last_whole_gib[0],
+                                                              "m1_gib_per_token": p.last_whole_gib[1]}
+    if p.per_token_source != "none":
+        out["memory"]["per_token_timesteps"] = {"m1_gib_per_token": p.per_token_gib[0],
+                                                "block_full_m1_gib_per_token": p.per_token_gib[1],
+                                                "applies": p.per_token_applies, "source": p.per_token_source}
     out["compute"]["recompute"] = dict(zip(("c0_ms", "a_ms_per_token", "b_ms_per_token2"), p.recompute_ms))
     if p.fragmentation_margin_gib is not None:
         out["memory"]["fragmentation_margin_gib"] = p.fragmentation_margin_gib
