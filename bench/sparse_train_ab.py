@@ -153,6 +153,10 @@ def run_arm(args, mix: str, arm: str, out_dir: Path, device) -> dict:
     cfg = run_config(args, mix, arm, out_dir)
     import shutil
     shutil.rmtree(cfg.adaptive_load.metrics.log_dir, ignore_errors=True)  # memory.jsonl appends
+    # what earlier arms left allocated (0 with Trainer.close; the memory model does not count it)
+    left_gib = torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+    if left_gib > 0.25:
+        print(f"  {mix}/{arm}: warning: {left_gib:.2f} GiB still allocated from earlier arms", flush=True)
     t0 = time.perf_counter()
     run = build_run(cfg, layout=Layout.detect(1, ds_config=cfg.ds_config), device=device)
     trainer = Trainer(run)  # engine, and the sparse backend's warm-up (compile) for the plan's (B, S) pairs
@@ -187,9 +191,8 @@ def run_arm(args, mix: str, arm: str, out_dir: Path, device) -> dict:
         summary: dict = {}
         trainer.sparse.finish(summary)
         sa = summary["sparse_attention"]
-    trainer.metrics.close()
-    trainer.memory_log.close()
-    out = {"mix": mix, "arm": arm, "build_s": t_ready - t0, "train_s": t_end - t_ready, "gas": run.gas,
+    trainer.close()   # frees the engine: ZeRO-3 keeps every engine of a process alive otherwise
+    out = {"mix": mix, "arm": arm, "allocated_gib_at_start": left_gib, "build_s": t_ready - t0, "train_s": t_end - t_ready, "gas": run.gas,
            "layers": run.model_config.num_layers, "plan_step1": [(str(s), b, c) for s, b, c in plan_before],
            "steps": steps, "micro": micro_rows,
            "warmup_s": None if rt is None else rt.warmup_s,

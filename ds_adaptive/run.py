@@ -355,6 +355,7 @@ def _build_sampler(cfg: RunConfig, dataset, layout: Layout, ds_config: dict, gpu
     from .balance.autocalibrate import startup_profile
     from .balance.cost import ProfileDepthError
     from .balance.sampler import build_batch_sampler
+    from .models.registry import get_model
 
     t, s = cfg.trainer, cfg.adaptive_load.sampler
     stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
@@ -362,9 +363,11 @@ def _build_sampler(cfg: RunConfig, dataset, layout: Layout, ds_config: dict, gpu
     ln_path = run_ln_modulate_path(cfg.adaptive_load.fused_ln_modulate, (device or torch.device("cpu")).type)
     calibrated = startup_profile(s.profile, model_name=t.model, ln_modulate=ln_path, cache=s.profile_cache, meta=meta,
                                  device=device or torch.device("cpu"), notes=notes)
+    model = get_model(t.model)
     kw = dict(micro_steps_per_step=gas if gas == "auto" else int(gas), enabled=cfg.adaptive_load.enabled,
               gpu_mem_gib=gpu_mem_gib, model_name=t.model, zero_stage=stage, profile_log=notes.append,
-              ln_modulate=ln_path, profile=calibrated, adapter_params=adapter_params)
+              ln_modulate=ln_path, profile=calibrated, adapter_params=adapter_params,
+              per_token_timesteps=model.trains_per_token_timesteps(model.objective_with(t.objective)))
     shapes = dataset.sample_shapes()
     sparse = _sparse_cost(cfg, notes, sparse_cost)
     try:

@@ -95,6 +95,36 @@ def shutdown_distributed(*, barrier: bool) -> None:
         dist.destroy_process_group()
 
 
+def release_engine(engine) -> None:
+    """Free a DeepSpeed engine's model, gradients and optimizer state for the rest of the process (several
+    runs in one process: benches, tests). ``del engine`` is not enough under ZeRO-3: DeepSpeed keeps the model
+    on its module-level forward stack (``parameter_offload.FWD_MODULE_STACK``: the model appended at set-up
+    and never popped, and submodules whose checkpointed recompute pushed without a pop) and in the ``functools.lru_cache`` of ``PartitionedParameterCoordinator.__params_to_release``
+    (keyed by the coordinator and the submodules), and the parameters' hooks hold the optimizer: every
+    engine of the process stayed alive (the third arm of bench/sparse_train_ab.py on an H200 ran ~10 GiB over
+    its predicted memory: the two earlier arms' Wan 1.3B x 8 blocks, ~5.9 GiB each, and OOMed).
+    ``engine.destroy()`` removes the hooks; this also drops those references. The engine is unusable after."""
+    import gc
+
+    module = getattr(engine, "module", None)
+    engine.destroy()
+    try:
+        from deepspeed.runtime.zero import parameter_offload
+        from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+    except ImportError:  # pragma: no cover - a DeepSpeed without ZeRO-3 offload modules
+        gc.collect()
+        return
+    stack = getattr(parameter_offload, "FWD_MODULE_STACK", None)
+    if isinstance(stack, list) and module is not None:   # the model, and submodules a recompute left there
+        mine = {id(m) for m in module.modules()}
+        stack[:] = [m for m in stack if id(m) not in mine]
+    cached = vars(PartitionedParameterCoordinator).get("_PartitionedParameterCoordinator__params_to_release")
+    for cell in getattr(cached, "__closure__", None) or ():   # the lru_cache under DeepSpeed's nvtx wrapper
+        if hasattr(cell.cell_contents, "cache_clear"):
+            cell.cell_contents.cache_clear()
+    gc.collect()
+
+
 # --- one micro-batch and the held-out loss ---------------------------------------------------
 
 def backward_micro_batch(engine, latents: torch.Tensor, context: torch.Tensor, indices: torch.Tensor, totals, *,
@@ -530,6 +560,18 @@ class Trainer:
                         dtype=run.dtype, device=run.device, text_len=run.text_len, objective=run.objective)
         return {"eval_loss": loss, "eval": {"samples": num_samples, "timesteps": EVAL_TIMESTEPS, "seed": seed,
                                             "s": time.perf_counter() - t0}}
+
+    def close(self) -> None:
+        """Close the logs, restore the signal handlers and free the engine (:func:`release_engine`): what a
+        process that builds another run after this one calls (``fit`` ends the process's own run without it).
+        The trainer is unusable after."""
+        self.metrics.close()
+        self.memory_log.close()
+        self.stop.uninstall()
+        self._batches = None
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            release_engine(engine)
 
     def fit(self) -> dict:
         """Train until ``trainer.steps``, saving every ``save_every`` steps and at the end; then the

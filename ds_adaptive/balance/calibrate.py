@@ -30,6 +30,7 @@ the shipped profiles from measured per-block times (scaled by depth).
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime as _dt
 import itertools
 import json
@@ -119,21 +120,60 @@ def fit_compute(points: Sequence[Mapping[str, float]], *, min_fit_tokens: int = 
 def fit_memory(points: Sequence[Mapping[str, float]], *, relative: bool = True) -> dict:
     """Fit activation memory per sample ``gib/B = m0 + m1*S`` (non-negative; relative error, or absolute
     with ``relative=False``) to points with keys ``S``, ``B`` and ``gib`` (activation memory of the
-    micro-batch)."""
+    micro-batch).
+
+    Points measured with one timestep per token (``pt`` true: the videos of a model trained with first-frame
+    conditioning) hold that modulation besides; when both kinds are present the fit has a third term,
+    ``gib/B = m0 + (m1 + pt * m1_pt) S``, and returns ``per_token_timesteps_gib_per_token`` (m1_pt): one
+    ``m1`` over both kinds over-predicted the images by up to 37% and under-predicted the videos by 15%
+    (TI2V-5B on an H200)."""
     pts = [dict(p) for p in points]
     s = np.array([p["S"] for p in pts], float)
     b = np.array([p["B"] for p in pts], float)
     y = np.array([p["gib"] for p in pts], float)
-    design = np.stack([b, b * s], axis=1)
-    m0, m1 = nnls(design / y[:, None], np.ones_like(y)) if relative else nnls(design, y)
+    pt = np.array([bool(p.get("pt")) for p in pts], float)
+    split = 0 < pt.sum() < len(pts)
+    cols = [b, b * s] + ([b * s * pt] if split else [])
+    design = np.stack(cols, axis=1)
+    coef = nnls(design / y[:, None], np.ones_like(y)) if relative else nnls(design, y)
+    m0, m1 = coef[0], coef[1]
+    m1_pt = coef[2] if split else 0.0
     rows = []
-    for p in pts:
-        pred = p["B"] * (m0 + m1 * p["S"])
-        rows.append({"S": p["S"], "B": p["B"], "measured_gib": p["gib"], "predicted_gib": pred,
-                     "rel_err": (pred - p["gib"]) / p["gib"]})
+    for p, v in zip(pts, pt):
+        pred = p["B"] * (m0 + (m1 + v * m1_pt) * p["S"])
+        row = {"S": p["S"], "B": p["B"], "measured_gib": p["gib"], "predicted_gib": pred,
+               "rel_err": (pred - p["gib"]) / p["gib"]}
+        if split:
+            row["per_token_timesteps"] = bool(v)
+        rows.append(row)
     errs = np.array([abs(r["rel_err"]) for r in rows])
-    return {"m0_gib": float(m0), "m1_gib_per_token": float(m1),
-            "fit": {"max_rel_err": float(errs.max()), "mean_rel_err": float(errs.mean()), "points": rows}}
+    out = {"m0_gib": float(m0), "m1_gib_per_token": float(m1)}
+    if split:
+        out["per_token_timesteps_gib_per_token"] = float(m1_pt)
+    out["fit"] = {"max_rel_err": float(errs.max()), "mean_rel_err": float(errs.mean()), "points": rows}
+    return out
+
+
+def row_per_token(row: Mapping[str, Any], model) -> bool:
+    """Whether a calibration row was measured with one timestep per token: its ``per_token_timesteps``, or
+    for rows written before calibrate recorded it, :func:`_timesteps`' rule (a video of a model trained with
+    first-frame conditioning)."""
+    if "per_token_timesteps" in row:
+        return bool(row["per_token_timesteps"])
+    frames = int(str(row.get("shape", "1x")).split("x")[0])
+    return bool(model is not None and model.objective.first_frame_ratio > 0 and frames > 1)
+
+
+def per_token_entry(memory: Mapping[str, Any]) -> Optional[dict]:
+    """``memory.per_token_timesteps`` of a profile from its fits (None when no fit separated the two kinds):
+    the per-token extra of the full-model fit and of a whole block (``CostModel.ckpt_memory``)."""
+    own = memory.get("per_token_timesteps_gib_per_token")
+    block = (memory.get("checkpointing") or {}).get("block_full", {}).get("per_token_timesteps_gib_per_token")
+    if own is None:
+        return None
+    return {"m1_gib_per_token": float(own), "block_full_m1_gib_per_token": float(block or 0.0), "source": "measured",
+            "note": "extra activation memory of micro-batches with one timestep per token (first-frame "
+                    "conditioned videos): fitted as a third term over the video (per-token) and image points"}
 
 
 # ------------------------------------------------------------------------------------- profile
@@ -350,7 +390,8 @@ def measure(model_name: str, *, layers: Sequence[int], shapes: Sequence[SampleSh
             row = {"layers": depth, "shape": str(shape), "S": shape.padded_tokens(sp), "B": b,
                    "ms": float(np.median(times)), "ms_all": [round(t, 4) for t in times],
                    "act_gib": max(peak - base, 0) / GIB, "peak_gib": peak / GIB,
-                   "reserved_gib": reserved / GIB, "checkpointing": bool(ckpt)}
+                   "reserved_gib": reserved / GIB, "checkpointing": bool(ckpt),
+                   "per_token_timesteps": tstep.dim() == 2}
             rows.append(row)
             log(f"  layers={depth:>2} {str(shape):>14} S={row['S']:>6} B={b:>3} ckpt={int(ckpt)}: "
                 f"{row['ms']:9.2f} ms  act {row['act_gib']:.3f} GiB  reserved-allocated "
@@ -450,7 +491,8 @@ def full_model_points(rows: Sequence[Mapping[str, Any]], num_layers: int) -> tup
             gib = d[k]["act_gib"] * num_layers / k
         comp.append({"S": s, "B": b, "shape": shape, "ms": ms})
         if gib > 0:
-            mem.append({"S": s, "B": b, "shape": shape, "gib": gib})
+            pt = any(bool(r.get("per_token_timesteps")) for r in d.values())
+            mem.append({"S": s, "B": b, "shape": shape, "gib": gib, **({"pt": True} if pt else {})})
     return comp, mem
 
 
@@ -485,8 +527,9 @@ def checkpoint_fit(rows: Sequence[Mapping[str, Any]], *, min_fit_tokens: int = 8
         g = (d[(False, k2)]["act_gib"] - d[(False, k1)]["act_gib"]) / (k2 - k1)
         c = (d[(True, k2)]["act_gib"] - d[(True, k1)]["act_gib"]) / (k2 - k1)
         rc = ((d[(True, k2)]["ms"] - d[(True, k1)]["ms"]) - (d[(False, k2)]["ms"] - d[(False, k1)]["ms"])) / (k2 - k1)
+        pt = {"pt": True} if any(bool(r.get("per_token_timesteps")) for r in d.values()) else {}
         if g > 0:
-            g_pts.append({"S": s, "B": b, "gib": g})
+            g_pts.append({"S": s, "B": b, "gib": g, **pt})
         if c > 0:
             c_pts.append({"S": s, "B": b, "gib": c})
         if rc > 0:
@@ -611,7 +654,42 @@ def build_parser() -> argparse.ArgumentParser:
                          "else the torch reference; recorded in the profile as \"ln_modulate\"")
     ap.add_argument("--from-block-scaling", metavar="JSON",
                     help="instead of measuring, rebuild the shipped profiles from a per-block scaling json")
+    ap.add_argument("--refit", metavar="PROFILE",
+                    help="instead of measuring, re-derive a profile's memory fits from its own raw measurements "
+                         "(measurements.raw) with this version's fitting; writes --out (default: in place)")
     return ap
+
+
+def refit_profile(d: Mapping[str, Any]) -> dict:
+    """A profile json whose memory fits are re-derived from its own ``measurements.raw`` (:func:`profile_from_rows`
+    with the settings the json records); everything else (compute, name, source, date, torch, train_overheads,
+    ln_modulate_variants, ...) is kept. No device needed."""
+    meas = d.get("measurements") or {}
+    if not meas.get("raw"):
+        raise SystemExit(f"calibrate --refit: profile {d.get('name')!r} has no measurements.raw to re-fit")
+    fit = (d.get("compute") or {}).get("fit") or {}
+    new = profile_from_rows(meas["raw"], model_name=d["model"]["name"], overrides={}, layers=meas["layers"],
+                            sp=int(d["sp"]), device_name=d["device"], gpu_mem_gib=d["gpu_mem_gib"], dtype=d["dtype"],
+                            ln_modulate=d.get("ln_modulate", "reference"),
+                            gradient_checkpointing=bool(d.get("gradient_checkpointing", True)),
+                            min_fit_tokens=int(fit.get("min_fit_tokens", 8192)), name=d["name"],
+                            source=d.get("source", ""), wall_s=float(d.get("wall_s", 0.0)))
+    out = {**copy.deepcopy(dict(d)), **{k: new[k] for k in ("memory", "measurements")}}
+    for k in ("allocator", "fragmentation_margin_note"):   # the measuring process's, not this one's
+        if k in d["memory"]:
+            out["memory"][k] = d["memory"][k]
+    return out
+
+
+def _refit(args: argparse.Namespace) -> int:
+    path = Path(args.refit)
+    prof = refit_profile(json.loads(path.read_text()))
+    Profile.from_dict(prof, where=str(path))
+    out = Path(args.out) if args.out else path
+    out.write_text(json.dumps(prof, indent=1) + "\n")
+    _print_fit(prof["compute"], prof["memory"])
+    print(f"wrote {out} (re-fitted from {path}'s measurements.raw)")
+    return 0
 
 
 def _rebuild_from_block_scaling(args: argparse.Namespace) -> int:
@@ -754,6 +832,7 @@ def profile_from_rows(rows: Sequence[Mapping[str, Any]], *, model_name: str, ove
     import torch
 
     model = get_model(model_name)
+    rows = [{**r, "per_token_timesteps": row_per_token(r, model)} for r in rows]
     full_cfg = _config_dict(model.config(**overrides))
     num_layers = int(full_cfg["num_layers"])
     comp_pts, mem_pts = full_model_points(rows, num_layers)
@@ -761,6 +840,9 @@ def profile_from_rows(rows: Sequence[Mapping[str, Any]], *, model_name: str, ove
         p["B"] * p["S"] >= min_fit_tokens for p in comp_pts) else 0)
     memory = _memory_entry(mem_pts, full_cfg, num_layers, model.text_len)
     _add_checkpoint_terms(list(rows), memory, compute, min_fit_tokens)
+    pt_entry = per_token_entry(memory)
+    if pt_entry is not None:
+        memory["per_token_timesteps"] = pt_entry
     dim = int(full_cfg.get("dim", 0))
     counts = model.param_counts(model.config(**overrides))
     heads = int(full_cfg.get("num_heads", 1))
@@ -797,6 +879,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     if args.from_block_scaling:
         return _rebuild_from_block_scaling(args)
+    if args.refit:
+        return _refit(args)
     if not args.out:
         ap.error("--out is required (path of the profile json to write)")
     print(configure_allocator())   # as the trainer: before CUDA's allocator starts
@@ -869,6 +953,10 @@ def _print_fit(compute: Mapping[str, Any], memory: Mapping[str, Any]) -> None:
             lw = ck["last_block_whole"]
             print(f"last block whole (n < L) adds {lw['m1_gib_per_token'] * 2**30 / 1024:.2f} KiB/token "
                   f"(+{lw['m0_gib'] * 1024:.1f} MiB/sample, max err {lw['fit']['max_rel_err']:.1%})")
+    pt = memory.get("per_token_timesteps")
+    if pt is not None:
+        print(f"one timestep per token (first-frame conditioned videos) adds {pt['m1_gib_per_token'] * 2**20:.1f} "
+              f"KiB/token to m1 and {pt['block_full_m1_gib_per_token'] * 2**20:.1f} KiB/token to a whole block")
     if memory.get("fragmentation_margin_gib") is not None:
         print(f"fragmentation margin (reserved - allocated peak at the sweep's high-water marks): "
               f"{memory['fragmentation_margin_gib']:.3f} GiB (PYTORCH_CUDA_ALLOC_CONF={memory.get('allocator', '')!r})")

@@ -30,8 +30,12 @@ Sparse attention (``sparse=SparseAttentionCost``, calibrated mode only; ``ds_ada
 
 Memory (GiB, all modes, from the profile)::
 
-    per_gpu_memory(S) = m0 + m1 * S_pad / sp                                   per sample
+    per_gpu_memory(S) = m0 + (m1 + v * m1_pt) * S_pad / sp                     per sample
     batch_memory      = B * per_gpu_memory(S)
+
+    ``v`` is 1 for a video micro-batch of a run that trains with one timestep per token (first-frame
+    conditioning: every video micro-batch may hold a conditioned sample), else 0; ``m1_pt`` is what the
+    per-token modulation adds (``memory.per_token_timesteps``, :meth:`Profile.with_per_token_timesteps`).
 
 Static memory (parameters, gradients, optimizer state under ZeRO) is separate: see
 :meth:`Profile.static_memory_gib`. Profiles are looked up by shipped name (``h100-wan2.1-1.3b``,
@@ -185,6 +189,18 @@ def _checkpoint_fields(d: Mapping[str, Any], where: str) -> dict:
             "fragmentation_margin_gib": margin}
 
 
+def _per_token_fields(mem: Mapping[str, Any], where: str) -> dict:
+    """``memory.per_token_timesteps`` of a profile json: what one timestep per token adds (GiB per token to the
+    fit's ``m1`` and to a whole block), whether it applies to the run (default: yes, the profile was measured
+    with the model's own objective), and its source."""
+    pt = mem.get("per_token_timesteps")
+    if not pt:
+        return {}
+    w = where + " memory.per_token_timesteps"
+    return {"per_token_gib": (_num(pt, "m1_gib_per_token", w), _num(pt, "block_full_m1_gib_per_token", w)),
+            "per_token_applies": bool(pt.get("applies", True)), "per_token_source": str(pt.get("source", "measured"))}
+
+
 @dataclass(frozen=True)
 class Profile:
     """Coefficients of one (device, model, sp) calibration; see the module docstring for units.
@@ -228,6 +244,13 @@ class Profile:
     checkpoint_source: str = "estimated"
     #: reserved minus allocated peak over calibrate's shape sweep (GiB); None when not measured
     fragmentation_margin_gib: Optional[float] = None
+    #: what one timestep per token adds, GiB per token: (the profile's own fit ``m1``, one whole block ``g``);
+    #: json ``memory.per_token_timesteps`` (``m1_gib_per_token``, ``block_full_m1_gib_per_token``)
+    per_token_gib: tuple = (0.0, 0.0)
+    #: whether this run's video micro-batches take per-token timesteps (``memory.per_token_timesteps.applies``)
+    per_token_applies: bool = False
+    #: "measured" (calibrate fitted it), "estimated" (the model family's count) or "none"
+    per_token_source: str = "none"
     #: training-loop time per micro-step beyond the calibrated batch cost (ms): ZeRO-3 hooks, copies, syncs
     micro_step_overhead_ms: float = 0.0
     #: time of one optimizer step (ms): ZeRO-3 optimizer, gradient norm, clipping
@@ -283,7 +306,41 @@ class Profile:
         if adapters is not None:
             adapters = int(_num(static, "adapter_params", where + " static_memory"))
         return cls(**fields, **_checkpoint_fields(d, where), **_overhead_fields(d, where, fields["params"]),
-                   ln_modulate=ln, adapter_params=adapters, raw=dict(d))
+                   **_per_token_fields(mem, where), ln_modulate=ln, adapter_params=adapters, raw=dict(d))
+
+    def with_per_token_timesteps(self, applies: bool, estimate_bytes: Optional[tuple] = None) -> "Profile":
+        """This calibration for a run whose video micro-batches do (``applies``) or do not take one timestep per
+        token (first-frame conditioning). With ``applies`` and no measured term (``memory.per_token_timesteps``,
+        fitted by ``ds-adaptive calibrate`` on a model trained that way), ``estimate_bytes`` = the model
+        family's ``(outside, block)`` bytes per token (``Model.per_token_modulation_bytes``) is recorded with
+        ``source: estimated``. The choice is stored in the json (``applies``), so a sampler state re-plans
+        with it. Returns ``self`` when nothing changes."""
+        applies = bool(applies)
+        have = self.per_token_source != "none"
+        if applies == self.per_token_applies and (have or not applies):
+            return self
+        d = copy.deepcopy(dict(self.raw))
+        entry = dict(d["memory"].get("per_token_timesteps") or {})
+        if applies and not have:
+            if estimate_bytes is None:
+                return self
+            outside, block = (float(v) / GIB for v in estimate_bytes)
+            L = self.num_layers
+            own = outside + (block if self.gradient_checkpointing else L * block)
+            entry = {"m1_gib_per_token": own, "block_full_m1_gib_per_token": block, "source": "estimated",
+                     "note": "the model family's count (ModelFamily.per_token_modulation_bytes): "
+                             "re-calibrate for a measured one"}
+        entry["applies"] = applies
+        d["memory"]["per_token_timesteps"] = entry
+        return dataclasses.replace(Profile.from_dict(d, where=f"{self.name} per_token_timesteps"),
+                                   rescaled_from_layers=self.rescaled_from_layers)
+
+    def per_token_extra(self, shape_or_tokens: Union[SampleShape, int]) -> tuple:
+        """``(m1, g)`` GiB per token that ``shape_or_tokens`` adds for per-token timesteps: the profile's
+        :attr:`per_token_gib` for a video (or a bare token count: any sample may be one) when they apply, else 0."""
+        if not self.per_token_applies or (isinstance(shape_or_tokens, SampleShape) and shape_or_tokens.is_image):
+            return (0.0, 0.0)
+        return self.per_token_gib
 
     def for_ln_modulate(self, path: Optional[str]) -> "tuple[Profile, Optional[str]]":
         """This calibration for a run whose LayerNorm-modulate sites run ``path`` (``fused`` | ``reference``;
@@ -369,6 +426,10 @@ class Profile:
         dbytes = 2 * dim / 2**30
         d["memory"]["m1_gib_per_token"] = raw["memory"]["m1_gib_per_token"] - (L0 - num_layers) * dbytes
         d["memory"].pop("fit", None)
+        pt = d["memory"].get("per_token_timesteps")
+        if pt and not self.gradient_checkpointing:   # the fit's extra holds every (whole) block's
+            pt["m1_gib_per_token"] = float(pt["m1_gib_per_token"]) - (L0 - num_layers) * float(
+                pt["block_full_m1_gib_per_token"])
         params = int(raw["model"]["params"]) - (L0 - num_layers) * int(raw["model"]["block_params"])
         d["model"]["num_layers"] = num_layers
         d["model"]["params"] = params
@@ -561,7 +622,8 @@ class CostModel:
     def per_gpu_memory(self, shape_or_tokens: Union[SampleShape, int]) -> float:
         """Activation memory of ONE sample on one GPU (GiB)."""
         s = float(self.padded_tokens(shape_or_tokens))
-        return self.profile.m0_gib + self.profile.m1_gib_per_token * s / self.sp
+        m1 = self.profile.m1_gib_per_token + self.profile.per_token_extra(shape_or_tokens)[0]
+        return self.profile.m0_gib + m1 * s / self.sp
 
     def batch_memory(self, shape_or_tokens: Union[SampleShape, int], batch_size: int) -> float:
         """Activation memory of a micro-batch on one GPU (GiB)."""
@@ -606,12 +668,15 @@ class CostModel:
         with n = L the last block is recomputed after the head's backward, so one block's g is held on top
         of L inputs: checkpointing the last block saves ``d - c``, nothing in profiles without ``d``).
         ``E`` comes from the profile's own fit (``m0 + m1 S`` at all blocks checkpointed, or none), so
-        ``mem(profile's own n)`` is that fit exactly."""
+        ``mem(profile's own n)`` is that fit exactly. A video of a run with per-token timesteps adds the
+        profile's per-token terms to ``m1`` and ``g`` (:meth:`Profile.per_token_extra`): its modulation
+        table in every whole block, and once outside the blocks."""
         pr = self.profile
         s = float(self.padded_tokens(shape_or_tokens)) / self.sp
         L = pr.num_layers
-        own = pr.m0_gib + pr.m1_gib_per_token * s
-        g = pr.block_full_gib[0] + pr.block_full_gib[1] * s
+        pt_own, pt_block = pr.per_token_extra(shape_or_tokens)
+        own = pr.m0_gib + (pr.m1_gib_per_token + pt_own) * s
+        g = pr.block_full_gib[0] + (pr.block_full_gib[1] + pt_block) * s
         c = pr.block_ckpt_gib[0] + pr.block_ckpt_gib[1] * s
         d = pr.last_whole_gib[0] + pr.last_whole_gib[1] * s
         e = own - (L * c + g if pr.gradient_checkpointing else L * g + d)

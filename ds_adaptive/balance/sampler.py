@@ -83,6 +83,13 @@ def _compact_profile(p: Profile) -> dict:
         "block_full": {"m0_gib": p.block_full_gib[0], "m1_gib_per_token": p.block_full_gib[1]},
         "block_checkpointed": {"m0_gib": p.block_ckpt_gib[0], "m1_gib_per_token": p.block_ckpt_gib[1]},
         "source": p.checkpoint_source}
+    if any(p.last_whole_gib):
+        out["memory"]["checkpointing"]["last_block_whole"] = {"m0_gib": p.last_whole_gib[0],
+                                                              "m1_gib_per_token": p.last_whole_gib[1]}
+    if p.per_token_source != "none":
+        out["memory"]["per_token_timesteps"] = {"m1_gib_per_token": p.per_token_gib[0],
+                                                "block_full_m1_gib_per_token": p.per_token_gib[1],
+                                                "applies": p.per_token_applies, "source": p.per_token_source}
     out["compute"]["recompute"] = dict(zip(("c0_ms", "a_ms_per_token", "b_ms_per_token2"), p.recompute_ms))
     if p.fragmentation_margin_gib is not None:
         out["memory"]["fragmentation_margin_gib"] = p.fragmentation_margin_gib
@@ -416,7 +423,8 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
                         sparse: Optional[SparseAttentionCost] = None, checkpointing: Optional[str] = None,
                         profile_log=None, ln_modulate: Optional[str] = None,
                         profile: Optional[Profile] = None,
-                        adapter_params: Optional[int] = None) -> _PlannedBatchSampler:
+                        adapter_params: Optional[int] = None,
+                        per_token_timesteps: Optional[bool] = None) -> _PlannedBatchSampler:
     """The batch sampler that ``sampler_cfg`` describes, with ``auto`` budgets resolved.
 
     ``enabled=False`` builds the ``tokens`` baseline at the same memory budget (AdaptiveLoad off);
@@ -437,7 +445,9 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
     instead of ``sampler_cfg.profile`` (the start-up calibration's, ``ds_adaptive.balance.autocalibrate``);
     ``profile: calibrate`` without one resolves like ``auto``.
     ``adapter_params``: a LoRA run's adapter parameters, the only trained ones (:meth:`Profile.with_adapter_params`:
-    static memory, hence ``m_mem: auto``).
+    static memory, hence ``m_mem: auto``). ``per_token_timesteps``: whether the run's video micro-batches take one
+    timestep per token (first-frame conditioning; default: the model's preset objective); their memory then
+    counts the per-token modulation (:meth:`Profile.with_per_token_timesteps`).
     """
     if isinstance(sampler_cfg, Mapping):
         sampler_cfg = SamplerConfig.model_validate(sampler_cfg)
@@ -466,6 +476,10 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
         profile = profile.with_num_layers(int(num_layers))
     if adapter_params is not None:
         profile = profile.with_adapter_params(adapter_params)
+    if model is not None:   # video micro-batches with one timestep per token hold its modulation besides
+        on = model.trains_per_token_timesteps() if per_token_timesteps is None else bool(per_token_timesteps)
+        profile = profile.with_per_token_timesteps(
+            on, model.per_token_modulation_bytes(model.config(num_layers=profile.num_layers)))
     num_heads = int(model.config().num_heads) if model is not None else None
     if sparse is not None and num_layers is not None and sparse.densities.num_layers != profile.num_layers:
         sparse = sparse.with_densities(sparse.densities.with_num_layers(profile.num_layers))

@@ -287,6 +287,11 @@ class ModelFamily:
     file load into (messages)."""
     lora_targets: Optional[LoraTargets] = None
     """Where LoRA adapters may go (``adaptive_load.lora.targets``); None: the family has no LoRA support."""
+    per_token_modulation_bytes: Optional[Callable[[Any], tuple[float, float]]] = None
+    """``config -> (outside, block)``: activation bytes per token that one timestep per token adds over one per
+    sample (``per_token_timesteps``): ``outside`` once per sample (embeddings, head, the modulation's gradient),
+    ``block`` in every block that is not checkpointed. The planner's estimate for a profile that did not measure
+    it (``Profile.with_per_token_timesteps``); None: no estimate (the family has no per-token path)."""
 
 
 @dataclass(frozen=True)
@@ -362,6 +367,19 @@ class Model:
 
     def param_counts(self, config: Any = None) -> dict:
         return self.family.param_counts(self.config() if config is None else config)
+
+    def per_token_modulation_bytes(self, config: Any = None) -> Optional[tuple[float, float]]:
+        """``(outside, block)`` bytes per token that per-token timesteps add (:attr:`ModelFamily.per_token_modulation_bytes`);
+        None when the family gives no estimate."""
+        fn = self.family.per_token_modulation_bytes
+        return None if fn is None else fn(self.config() if config is None else config)
+
+    def trains_per_token_timesteps(self, objective: Optional[ObjectiveOptions] = None) -> bool:
+        """Whether video micro-batches of a run with ``objective`` (default: the preset's) may take one timestep
+        per token (first-frame conditioning on a family with per-token timesteps): the planner then counts the
+        per-token modulation's memory for every video micro-batch (any of them may hold a conditioned sample)."""
+        opts = self.objective if objective is None else objective
+        return bool(self.family.per_token_timesteps and opts.first_frame_ratio > 0)
 
     def objective_with(self, overrides: Mapping[str, Any]) -> ObjectiveOptions:
         """The preset's objective options with ``overrides`` (``--objective``), checked against the family."""

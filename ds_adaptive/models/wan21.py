@@ -60,6 +60,18 @@ def param_counts(config) -> dict:
     return wan_param_counts(config)
 
 
+def per_token_modulation_bytes(config) -> tuple[float, float]:
+    """Activation bytes per token that ``timestep [B, S]`` adds over ``[B]`` (``WanModel``): every block that is
+    not checkpointed keeps its fp32 modulation ``[S, 6, D]`` (``modulation(table, time_mod)``: the shift /
+    scale / gate views hold the whole table for backward) -> ``block = 6 D x 4 = 24 D``; once per sample the
+    fp32 ``time_mod [S, 6, D]`` the blocks read and its fp32 gradient, accumulated over the blocks in backward
+    -> ``outside = 2 x 24 D``. The H200 calibration of TI2V-5B measured 24.0 D per block and 44 D outside
+    (``memory.per_token_timesteps`` of its profile); tests/test_activation_memory.py counts the saved tensors
+    with ``saved_tensors_hooks``. The planner's estimate for profiles that did not measure it."""
+    d = int(config.dim)
+    return 48.0 * d, 24.0 * d
+
+
 def weights():
     from ds_adaptive.models.weights import WanWeights
 
@@ -95,4 +107,5 @@ FAMILY = ModelFamily(
     per_token_timesteps=True,   # WanModel takes timestep [B] or [B, S] (diffusers' expand_timesteps)
     transformer_class="WanTransformer3DModel",
     lora_targets=LORA_TARGETS,
+    per_token_modulation_bytes=per_token_modulation_bytes,
 )
