@@ -300,7 +300,7 @@ def prediction_error(arm: dict) -> dict:
            "per_shape": per_shape, "target": PREDICTION_TARGET,
            "shapes_within_target": sum(d["within_target"] for d in per_shape.values()), "shapes": len(per_shape)}
     sel = [r for r in rows if r.get("select_ms") is not None]
-    if sel:
+    if sel and sum(r["select_ms"] for r in sel) > 0:  # 0: no sparse layer selected (e.g. all ran dense)
         out["select_pred_over_measured"] = sum(r["predicted_select_ms"] for r in sel) / sum(r["select_ms"] for r in sel)
     return out
 
