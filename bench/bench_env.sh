@@ -6,6 +6,7 @@ if [ -d "$WHEELS" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
     >"$OUT/pip.log" 2>&1 || note "wheelhouse install failed (see pip.log)"
   export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
+  export PATH=/tmp/site/bin:$PATH   # the wheels' scripts (the `deepspeed` launcher of launch/train_wan.sh)
 else
   export PYTHONPATH=$PWD:${PYTHONPATH:-}
 fi

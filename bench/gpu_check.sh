@@ -60,6 +60,7 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     >"$OUT/pip.log" 2>&1 || note "wheelhouse install failed (see pip.log)"
   export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
+  export PATH=/tmp/site/bin:$PATH   # the wheels' scripts (the `deepspeed` launcher of launch/train_wan.sh)
 else
   note "no .whl wheelhouse: using the installed packages"
   export PYTHONPATH=$PWD:${PYTHONPATH:-}

@@ -28,7 +28,8 @@ def _port() -> int:
 def _env(**extra) -> dict:
     drop = ("NUM_GPUS", "HOSTFILE", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "LAUNCH_MODE", "RESUME")
     env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("SLURM_")}
-    return {**env, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "MODEL": "tiny", "STEPS": str(STEPS),
+    path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])  # keep where deepspeed lives
+    return {**env, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", "MODEL": "tiny", "STEPS": str(STEPS),
             "SAVE_DIR": "", **{k: str(v) for k, v in extra.items()}}
 
 
