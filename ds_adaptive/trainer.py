@@ -109,13 +109,12 @@ def release_engine(engine) -> None:
     module = getattr(engine, "module", None)
     engine.destroy()
     try:
-        from deepspeed.runtime.zero import parameter_offload
         from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
     except ImportError:  # pragma: no cover - a DeepSpeed without ZeRO-3 offload modules
         gc.collect()
         return
-    stack = getattr(parameter_offload, "FWD_MODULE_STACK", None)
-    if isinstance(stack, list) and module is not None:   # the model, and submodules a recompute left there
+    stack = forward_stack()
+    if stack is not None and module is not None:   # the model, and submodules a recompute left there
         mine = {id(m) for m in module.modules()}
         stack[:] = [m for m in stack if id(m) not in mine]
     cached = vars(PartitionedParameterCoordinator).get("_PartitionedParameterCoordinator__params_to_release")
@@ -123,6 +122,32 @@ def release_engine(engine) -> None:
         if hasattr(cell.cell_contents, "cache_clear"):
             cell.cell_contents.cache_clear()
     gc.collect()
+
+
+def forward_stack():
+    """DeepSpeed ZeRO-3's module-level forward stack (``parameter_offload.FWD_MODULE_STACK``), or None."""
+    try:
+        from deepspeed.runtime.zero import parameter_offload
+    except ImportError:  # pragma: no cover - a DeepSpeed without ZeRO-3 offload modules
+        return None
+    stack = getattr(parameter_offload, "FWD_MODULE_STACK", None)
+    return stack if isinstance(stack, list) else None
+
+
+def trim_forward_stack(base: int) -> int:
+    """Drop what a micro-batch left on DeepSpeed's forward stack above ``base`` (its length after the engine's
+    set-up); returns how many entries were dropped. ZeRO-3 pushes a module in its pre-forward hook and pops it
+    in its post-forward hook; an activation-checkpoint recompute that torch stops early (non-reentrant
+    checkpointing stops once the saved tensors it needs are rebuilt) never runs the post-forward hook, so every
+    checkpointed block left one entry per micro-step: the list grew for the whole run and its top, which
+    DeepSpeed reads to register a module's external parameters, was a stale block. Between micro-batches no
+    forward is running: everything above ``base`` is such a leftover."""
+    stack = forward_stack()
+    if stack is None or len(stack) <= base:
+        return 0
+    n = len(stack) - base
+    del stack[base:]
+    return n
 
 
 # --- one micro-batch and the held-out loss ---------------------------------------------------
@@ -224,6 +249,8 @@ class Trainer:
                                                     model_parameters=[p for p in model.parameters()
                                                                       if p.requires_grad])
         self.layout.check_engine(self.engine)  # DeepSpeed must reduce over all dp*sp ranks (else a clear error)
+        stack = forward_stack()
+        self._fwd_stack_base = len(stack) if stack is not None else 0  # what trim_forward_stack keeps
         check_accumulation(self.engine, run.sampler)
         self.global_step, self.epoch, self.step_in_epoch = 0, 0, 0
         self._batches = None
@@ -373,6 +400,7 @@ class Trainer:
                 shift=self.opts.shift, dtype=run.dtype, objective=run.objective,
                 patch_size=run.model_config.patch_size)
             metrics.backward_done()
+            trim_forward_stack(self._fwd_stack_base)  # the early-stopped recomputes' leftovers (no forward runs now)
             if micro == run.gas - 1:
                 step_lr = self._optimizer_step(factor)
                 if self.sparse is not None:

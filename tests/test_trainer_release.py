@@ -48,3 +48,39 @@ def test_a_closed_trainer_frees_its_engine_for_the_next_run(tmp_path):
     for seed, alive, stack in runs:
         assert alive == "False, False, False", f"run {seed}: model / engine / optimizer still reachable\n{out[-3000:]}"
         assert stack == "0", f"run {seed}: DeepSpeed's forward module stack still holds a model\n{out[-3000:]}"
+
+
+STACK_SCRIPT = textwrap.dedent("""
+    import sys, warnings
+    import torch
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    from ds_adaptive.trainer import Trainer, init_distributed
+    init_distributed(0)
+    from deepspeed.runtime.zero import parameter_offload
+    from ds_adaptive.layout import Layout
+    from ds_adaptive.run import build_run
+    from ds_adaptive.run_config import RunConfig
+
+    cfg = RunConfig.load(sys.argv[1], trainer={"model": "tiny", "num_samples": 48, "steps": 3, "seed": 0},
+                         overrides={"sampler.shapes": sys.argv[2], "sampler.checkpointing": "all"})
+    cfg.adaptive_load.metrics.log_dir = sys.argv[3]
+    trainer = Trainer(build_run(cfg, layout=Layout.detect(1)))
+    print("BASE", len(parameter_offload.FWD_MODULE_STACK), trainer.run.model.checkpointed_blocks())
+    for _ in range(3):
+        trainer.train_step()
+        print("STACK", len(parameter_offload.FWD_MODULE_STACK))
+    trainer.close()
+""")
+
+
+def test_checkpointed_recomputes_leave_nothing_on_deepspeeds_forward_stack(tmp_path):
+    """Every block checkpointed: the early-stopped recomputes skip ZeRO-3's post-forward pop; the trainer drops
+    the leftovers after each micro-batch (the stack grew by one entry per checkpointed block per micro-step)."""
+    script = tmp_path / "stack.py"
+    script.write_text(STACK_SCRIPT)
+    argv = [str(script), str(CONFIGS / "cpu_tiny.json"), str(CONFIGS / "shapes_cpu.json"), str(tmp_path / "logs")]
+    out = launch_ranks(argv, 1, cwd=tmp_path, timeout=300, env={"PYTHONPATH": str(ROOT)})[0].stdout
+    base = re.findall(r"BASE (\d+) (\d+)", out)
+    assert base and int(base[0][1]) > 0, f"no checkpointed block: the test would not exercise the recompute\n{out[-3000:]}"
+    assert re.findall(r"STACK (\d+)", out) == [base[0][0]] * 3, out[-3000:]
