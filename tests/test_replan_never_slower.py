@@ -60,3 +60,23 @@ def test_replan_never_slower_than_keeping_the_plan(dist, layers, dp, gas, rho, s
     shapes = [dist[i].shape for i in idx]
     replan, keep = _replan_vs_keep(shapes, layers, dp, gas, rho, at_step)
     assert replan >= keep * (1 - 1e-9), ([f"{d.shape}:{d.weight:g}" for d in dist], layers, dp, gas, rho, replan, keep)
+
+
+def test_bench_plan_only_replan_not_slower(tmp_path):
+    """bench/sparse_train_ab.py --plan-only on the default mix at 8 layers (the GPU A/B's settings): the re-planned
+    arm's predicted tokens/s (loop overheads counted, as the planner predicts) is at least the pinned sparse arm's."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "sparse_train_ab.py"
+    spec = importlib.util.spec_from_file_location("sparse_train_ab", path)
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    out = tmp_path / "plan.json"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert ab.main(["--plan-only", "--layers", "8", "--mixes", "default", "--arms", "sparse", "replan",
+                        "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["default/replan"]["predicted_tokens_per_s"] >= r["default/sparse"]["predicted_tokens_per_s"], r
