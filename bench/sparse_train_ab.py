@@ -331,10 +331,20 @@ def plan_only(args) -> int:
             pairs = sorted({(str(s), b) for s, b, _ in micro})
             step_s = sum(ms) / 1e3 / args.steps
             total += sum(ms) / 1e3
+            tokens = sum(s.tokens * b for s, b, _ in micro)
+            # with the training loop's per-micro-step and per-optimizer-step time, as the planner predicts a run
+            loop_s = len(micro) * run.cost.profile.micro_step_overhead_ms / 1e3 + \
+                len(micro) // run.gas * run.cost.profile.optimizer_step_overhead_ms / 1e3
+            tps = tokens / (sum(ms) / 1e3 + loop_s)
             out[f"{mix}/{arm}"] = {"gas": run.gas, "predicted_compute_s": sum(ms) / 1e3, "step_s": step_s,
-                                   "distinct_shape_B_pairs": len(pairs), "tokens": sum(s.tokens * b for s, b, _ in micro)}
+                                   "predicted_loop_s": loop_s, "predicted_tokens_per_s": tps,
+                                   "predicted_compute_tokens_per_s": tokens / (sum(ms) / 1e3),
+                                   "distinct_shape_B_pairs": len(pairs), "tokens": tokens,
+                                   "density_updates": list(getattr(run.sampler, "density_updates", []))}
             print(f"{mix:>7}/{arm:<6}: gas {run.gas}, predicted compute {sum(ms) / 1e3:7.1f} s over {args.steps} steps "
-                  f"({step_s:.2f} s/step), {len(pairs)} distinct (shape, B) pairs", flush=True)
+                  f"({step_s:.2f} s/step), {len(pairs)} distinct (shape, B) pairs, {tokens / 1e6:.2f}M tokens: "
+                  f"{tokens / (sum(ms) / 1e3) / 1e3:.1f}k tokens/s compute, {tps / 1e3:.1f}k with the loop's "
+                  f"{loop_s:.1f} s", flush=True)
     print(f"predicted compute of all arms: {total:.0f} s (plus per arm ~15-30 s engine build and step overheads)")
     Path(args.out).write_text(json.dumps(out, indent=1))
     return 0

@@ -448,7 +448,12 @@ class Trainer:
         if not rec["sampler"]:
             what = "the sampler plans dense costs"
         elif rec["at_step"] is None:
-            what = "the sampler re-plans from the next epoch"
+            what = "the sampler re-plans from the next epoch (or keeps its plan where that is predicted faster)"
+        elif sampler.density_updates and sampler.density_updates[-1].get("kept"):
+            tps = sampler.density_updates[-1]["predicted_tokens_per_s"]
+            what = (f"the sampler keeps its plan (predicted {tps['kept']:,.0f} tokens/s under the new cost, a re-plan "
+                    f"{tps['replan']:,.0f})")
+            self._batches = None
         else:
             what = f"the sampler re-planned epoch {self.epoch} from its step {rec['at_step']}"
             self._batches = None

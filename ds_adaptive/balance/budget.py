@@ -71,7 +71,8 @@ from ds_adaptive.balance.memory import micro_batch_table, sample_memory
 from ds_adaptive.balance.planner import EpochPlan, PlannerParams, plan_epoch, unique_shapes
 from ds_adaptive.shapes import SampleShape
 
-__all__ = ["BudgetChoice", "choose_compute_budget", "candidate_budgets", "predicted_time_ms", "uses_budget_search",
+__all__ = ["BudgetChoice", "choose_compute_budget", "candidate_budgets", "predicted_time_ms", "predicted_times",
+           "plan_tokens_per_s", "uses_budget_search",
            "upper_budget", "SEARCH_SAMPLES", "SEARCH_SAMPLES_MAX", "SEARCH_SAMPLES_ABOVE_MAX", "SEARCH_MICRO_STEPS",
            "GRID_POINTS", "GRID_POINTS_ABOVE"]
 
@@ -174,6 +175,39 @@ def predicted_time_ms(plan: EpochPlan, cost: CostModel, steps: Optional[int] = N
     c = plan.micro_step_costs()[:n_micro]
     busy = float(c.max(axis=1).sum()) if c.size else 0.0
     return busy + n_micro * pr.micro_step_overhead_ms + n_steps * pr.optimizer_step_overhead_ms
+
+
+def predicted_times(plan: EpochPlan, truth: CostModel) -> np.ndarray:
+    """[micro_steps, dp] per-GPU time of every batch under the ``truth`` cost model (the
+    calibrated one), whatever cost model the plan was made with: fwd + bwd with the recomputed forwards
+    of the blocks the plan checkpoints in that batch (:meth:`CostModel.ckpt_cost`; a plan without a
+    checkpoint plan is timed at the profile's own calibration)."""
+    sizes = plan.batch_sizes()
+    if plan.batch_ckpt is None:
+        per = np.array([truth.per_gpu_cost(s) for s in plan.shapes])
+        over = np.array([truth.batch_overhead(s) for s in plan.shapes])
+        return (over[plan.batch_shape] + sizes * per[plan.batch_shape]).reshape(-1, plan.dp_size)
+    out = np.empty(len(sizes), float)
+    for u in np.unique(plan.batch_shape).tolist():
+        j = plan.batch_shape == u
+        out[j] = truth.ckpt_cost(plan.shapes[u], sizes[j], plan.batch_ckpt[j])
+    return out.reshape(-1, plan.dp_size)
+
+
+def plan_tokens_per_s(plan: EpochPlan, cost: CostModel, first_step: int = 0) -> float:
+    """Predicted tokens/s of ``plan``'s optimizer steps ``first_step..`` (to its end) under ``cost``, whatever
+    cost the plan was made with (its batches re-costed with their checkpoint plan, :func:`predicted_times`),
+    with the training loop's overheads as :func:`predicted_time_ms` counts them. 0 for no steps."""
+    first = max(int(first_step), 0)
+    if first >= plan.num_steps:
+        return 0.0
+    lo = first * plan.micro_steps_per_step
+    c = predicted_times(plan, cost)[lo:]
+    n_micro, n_steps = c.shape[0], plan.num_steps - first
+    ms = (float(c.max(axis=1).sum()) + n_micro * cost.profile.micro_step_overhead_ms
+          + n_steps * cost.profile.optimizer_step_overhead_ms)
+    tokens = float(plan.batch_tokens[lo * plan.dp_size:].sum())
+    return tokens / ms * 1e3 if ms > 0 else 0.0
 
 
 def _gas_for(m_comp: float, reference: float, micro_steps_per_step: Union[int, str]) -> int:

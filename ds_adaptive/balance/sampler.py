@@ -35,6 +35,7 @@ import numpy as np
 
 from ds_adaptive.config import SamplerConfig
 from ds_adaptive.layout import Layout
+from ds_adaptive.balance.budget import plan_tokens_per_s
 from ds_adaptive.balance.cost import CostModel, Profile, load_profile
 from ds_adaptive.balance.devices import calibrate_hint, resolve_auto_profile
 from ds_adaptive.balance.planner import (EpochPlan, OversizeSampleError, PlanError, PlannerParams, StepTotals,
@@ -187,12 +188,36 @@ class _PlannedBatchSampler(_SamplerBase):
         if not lo <= at_step <= hi:
             raise ValueError(f"update_densities(at_step={at_step}): the re-plan point must be a step of epoch "
                              f"{self.epoch} not yet planned away, {lo}..{hi}")
-        self._segments.append({**self._segment_config(), "consumed_steps": at_step - start})
-        self._resume_step = 0
         self._set_sparse(new, measured_at, at_step)
 
     def _set_sparse(self, sparse: SparseAttentionCost, measured_at: Optional[int], at_step: Optional[int]) -> None:
-        self.cost = self.cost.with_sparse(sparse)
+        """Plan with ``sparse`` from step ``at_step`` of this epoch (None: this epoch is a new one, from its
+        start), unless the plan the sampler would run without it is predicted faster under that new cost
+        (:func:`ds_adaptive.balance.budget.plan_tokens_per_s`, over the same samples: the rest of the epoch);
+        then that plan is kept, exactly as it was. So a re-plan is never predicted slower than not
+        re-planning: the budget search behind ``m_comp: auto`` scores a prefix of epoch 0 and a re-plan
+        re-draws the batches of the rest, either of which can lose to the running plan."""
+        plan, start = self._plans()
+        first = self._resume_step if at_step is None else at_step - start
+        new_cost = self.cost.with_sparse(sparse)
+        kept_tps = plan_tokens_per_s(plan, new_cost, first)
+        saved = (self.cost, self.params, self.budget_choice, list(self._segments), self._cache)
+        if at_step is not None:   # a re-plan point inside the epoch: the steps before it keep their plan
+            self._segments.append({**self._segment_config(), "consumed_steps": at_step - start})
+            self._resume_step = 0
+        self._apply_cost(new_cost)
+        replan_tps = plan_tokens_per_s(self._plans()[0], self.cost)
+        kept = kept_tps > replan_tps
+        if kept:
+            self.cost, self.params, self.budget_choice, self._segments, self._cache = saved
+            self._resume_step = first
+        self.density_updates.append({"epoch": self.epoch, "at_step": at_step, "measured_at": measured_at,
+                                     "fingerprint": sparse.densities.fingerprint(), "kept": kept,
+                                     "predicted_tokens_per_s": {"replan": replan_tps, "kept": kept_tps}})
+
+    def _apply_cost(self, cost: CostModel) -> None:
+        """Plan with ``cost`` from the current segment on; ``m_comp: auto`` re-resolves the budget for it."""
+        self.cost = cost
         if self.m_comp_auto and self.mode == "dual":
             # micro-steps per step stay as DeepSpeed runs them; only the budget (and plan mode) follow the new cost
             b = resolve_budgets(mode="dual", cost=self.cost, shapes=self.shapes, m_mem=self.params.m_mem,
@@ -205,8 +230,6 @@ class _PlannedBatchSampler(_SamplerBase):
                                               max_tokens=b["max_tokens"] if b["plan_mode"] == "tokens" else None)
             self.budget_choice = b["budget_choice"]
         self._cache = None
-        self.density_updates.append({"epoch": self.epoch, "at_step": at_step, "measured_at": measured_at,
-                                     "fingerprint": sparse.densities.fingerprint()})
 
     @property
     def plan(self) -> EpochPlan:

@@ -36,6 +36,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ds_adaptive.config import SamplerConfig
+from ds_adaptive.balance.budget import predicted_times  # noqa: F401  (re-exported: the simulator's time model)
 from ds_adaptive.balance.cost import CostModel, Profile, load_profile
 from ds_adaptive.balance.devices import default_profile_name, resolve_auto_profile
 from ds_adaptive.balance.planner import EpochPlan, resolve_budgets
@@ -63,23 +64,6 @@ def draw_shapes(dist: Sequence[ShapeWeight], n: int, seed: int) -> list[SampleSh
     w = np.array([d.weight for d in dist], float)
     idx = np.random.default_rng([seed, 0xD157]).choice(len(dist), size=n, p=w / w.sum())
     return [dist[i].shape for i in idx]
-
-
-def predicted_times(plan: EpochPlan, truth: CostModel) -> np.ndarray:
-    """[micro_steps, dp] per-GPU time of every batch under the ``truth`` cost model (the
-    calibrated one), whatever cost model the plan was made with: fwd + bwd with the recomputed forwards
-    of the blocks the plan checkpoints in that batch (:meth:`CostModel.ckpt_cost`; a plan without a
-    checkpoint plan is timed at the profile's own calibration)."""
-    sizes = plan.batch_sizes()
-    if plan.batch_ckpt is None:
-        per = np.array([truth.per_gpu_cost(s) for s in plan.shapes])
-        over = np.array([truth.batch_overhead(s) for s in plan.shapes])
-        return (over[plan.batch_shape] + sizes * per[plan.batch_shape]).reshape(-1, plan.dp_size)
-    out = np.empty(len(sizes), float)
-    for u in np.unique(plan.batch_shape).tolist():
-        j = plan.batch_shape == u
-        out[j] = truth.ckpt_cost(plan.shapes[u], sizes[j], plan.batch_ckpt[j])
-    return out.reshape(-1, plan.dp_size)
 
 
 def loop_overhead_ms(truth: CostModel, micro_steps: int, steps: int) -> float:

@@ -1,0 +1,82 @@
+"""Guards "re-planning with the sparse cost is never the slower choice": when the sampler gets new
+sparse-attention densities (``update_densities``, as the trainer hands them over with ``rebalance: step``
+or at an epoch boundary), the plan it then runs is predicted at least as fast, under the new (sparse)
+cost with the training loop's overheads, as the plan it would have run without the update (the same
+samples: the rest of the epoch). Random shape mixes, densities, depths, DP sizes and gradient
+accumulation, on the shipped H200 profile (with its calibrated selection cost)."""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from ds_adaptive.balance.budget import plan_tokens_per_s
+from ds_adaptive.balance.sampler import build_batch_sampler
+from ds_adaptive.balance.sparse import DensityMap, SparseAttentionCost
+from ds_adaptive.config import SamplerConfig
+from ds_adaptive.layout import Layout
+from ds_adaptive.shapes import SampleShape
+from test_never_slower import mixes
+
+PROFILE = "h200-wan2.1-1.3b"
+HEADS = 12
+
+
+def _densities(layers: int, rho: list[float]) -> DensityMap:
+    dense = (0, layers - 1)
+    return DensityMap(tuple((1.0,) * HEADS if i in dense else (rho[i % len(rho)],) * HEADS for i in range(layers)),
+                      dense_layers=dense, source="test")
+
+
+def _sampler(shapes, layers: int, dp: int, gas: int):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return build_batch_sampler(SamplerConfig(profile=PROFILE), shapes, Layout.explicit(dp_size=dp),
+                                   micro_steps_per_step=gas, gpu_mem_gib=139.8, model_name="wan2.1-1.3b",
+                                   zero_stage=3, num_layers=layers,
+                                   sparse=SparseAttentionCost(_densities(layers, [1.0])))
+
+
+def _replan_vs_keep(shapes, layers, dp, gas, rho, at_step):
+    s = _sampler(shapes, layers, dp, gas)
+    old = s.plan
+    at_step = min(at_step, old.num_steps - 1)
+    new_cost = s.cost.with_sparse(s.cost.sparse.with_densities(_densities(layers, rho)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        s.update_densities(_densities(layers, rho), at_step=at_step)
+        ran = s.plan
+        first = at_step - (s.steps_per_epoch - ran.num_steps)   # the step of the running plan the update starts at
+    return plan_tokens_per_s(ran, new_cost, first_step=first), plan_tokens_per_s(old, new_cost, first_step=at_step)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(dist=mixes(), layers=st.sampled_from([4, 8, 30]), dp=st.sampled_from([1, 2, 8]), gas=st.sampled_from([1, 2]),
+       rho=st.lists(st.floats(0.03, 1.0), min_size=1, max_size=3), seed=st.integers(0, 100), at_step=st.integers(1, 3))
+def test_replan_never_slower_than_keeping_the_plan(dist, layers, dp, gas, rho, seed, at_step):
+    w = np.array([d.weight for d in dist])
+    idx = np.random.default_rng(seed).choice(len(dist), 300 * dp, p=w / w.sum())
+    shapes = [dist[i].shape for i in idx]
+    replan, keep = _replan_vs_keep(shapes, layers, dp, gas, rho, at_step)
+    assert replan >= keep * (1 - 1e-9), ([f"{d.shape}:{d.weight:g}" for d in dist], layers, dp, gas, rho, replan, keep)
+
+
+def test_bench_plan_only_replan_not_slower(tmp_path):
+    """bench/sparse_train_ab.py --plan-only on the default mix at 8 layers (the GPU A/B's settings): the re-planned
+    arm's predicted tokens/s (loop overheads counted, as the planner predicts) is at least the pinned sparse arm's."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "sparse_train_ab.py"
+    spec = importlib.util.spec_from_file_location("sparse_train_ab", path)
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    out = tmp_path / "plan.json"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert ab.main(["--plan-only", "--layers", "8", "--mixes", "default", "--arms", "sparse", "replan",
+                        "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["default/replan"]["predicted_tokens_per_s"] >= r["default/sparse"]["predicted_tokens_per_s"], r
