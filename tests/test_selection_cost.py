@@ -83,8 +83,12 @@ def test_profile_section_round_trip_and_what_the_cost_takes(tmp_path):
     assert other.selection_cost == SelectionCost.default()
     mine = SelectionCost(1.0, 0.0, 0.0, 0.0)
     assert CostModel(prof, sparse=SparseAttentionCost(_map(0.1), selection=mine)).sparse.selection_cost == mine
-    # the shipped profile (no section) -> default
-    assert CostModel(H200, sparse=SparseAttentionCost(_map(0.1))).sparse.selection_cost == SelectionCost.default()
+    # a shipped profile without the section (H100) -> default; the H200 one carries its GPU calibration
+    assert CostModel("h100-wan2.1-1.3b", sparse=SparseAttentionCost(_map(0.1))).sparse.selection_cost == \
+        SelectionCost.default()
+    shipped = json.loads((PROFILES_DIR / f"{H200}.json").read_text())["sparse_attention"]["selection"]
+    measured = CostModel(H200, sparse=SparseAttentionCost(_map(0.1))).sparse.selection_cost
+    assert measured != SelectionCost.default() and measured.ms_per_call == pytest.approx(shipped["ms_per_call"])
     # the sampler-state description round trip, and a state written with the old per-head form
     desc = cm.sparse.describe()
     back = SparseAttentionCost.from_description(json.loads(json.dumps(desc)))

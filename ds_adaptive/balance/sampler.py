@@ -439,6 +439,38 @@ def _detect_gpu_mem_gib() -> Optional[float]:
     return None
 
 
+def _run_profile(sampler_cfg: SamplerConfig, profile: Optional[Profile], model, model_name: Optional[str], *,
+                 gpu_mem_gib, profile_log, ln_modulate, num_layers, adapter_params, per_token_timesteps) -> Profile:
+    """The profile :func:`build_batch_sampler` plans with: the given one, ``auto`` / ``calibrate`` resolved for
+    the GPU, or the named one; then its LayerNorm-modulate path, depth, LoRA adapters and per-token modulation."""
+    if sampler_cfg.profile is None:
+        raise PlanError("sampler.profile is null: a profile (auto, a shipped name or path of a "
+                        "`ds-adaptive calibrate` json) is needed for the memory model")
+    if profile is None and sampler_cfg.profile in ("auto", "calibrate"):
+        profile, msg = resolve_auto_profile(model_name, gpu_mem_gib=gpu_mem_gib)
+        if profile_log is not None:
+            profile_log(msg)
+    elif profile is None:
+        profile = load_profile(sampler_cfg.profile)
+    if model is not None and profile.raw.get("model", {}).get("name") not in (None, model_name, model.profile_model):
+        warnings.warn(f"sampler.profile '{profile.name}' was measured for model "
+                      f"'{profile.raw['model']['name']}', training '{model_name}': predicted costs "
+                      f"and memory will be off; {calibrate_hint(model_name)}",
+                      stacklevel=3)
+    profile, ln_msg = profile.for_ln_modulate(ln_modulate)
+    if ln_msg is not None:
+        (profile_log or (lambda m: warnings.warn(m, stacklevel=3)))(ln_msg)
+    if num_layers is not None:
+        profile = profile.with_num_layers(int(num_layers))
+    if adapter_params is not None:
+        profile = profile.with_adapter_params(adapter_params)
+    if model is not None:   # video micro-batches with one timestep per token hold its modulation besides
+        on = model.trains_per_token_timesteps() if per_token_timesteps is None else bool(per_token_timesteps)
+        profile = profile.with_per_token_timesteps(
+            on, model.per_token_modulation_bytes(model.config(num_layers=profile.num_layers)))
+    return profile
+
+
 def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape], layout: Layout, *,
                         micro_steps_per_step: "int | str", enabled: bool = True, gpu_mem_gib: Optional[float] = None,
                         model_name: Optional[str] = None, zero_stage: Optional[int] = None,
@@ -477,32 +509,10 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
     chosen = mode or (sampler_cfg.mode if enabled else "tokens")
     if chosen not in _CLASSES:
         raise ValueError(f"sampler mode must be one of {sorted(_CLASSES)}, got {chosen!r}")
-    if sampler_cfg.profile is None:
-        raise PlanError("sampler.profile is null: a profile (auto, a shipped name or path of a "
-                        "`ds-adaptive calibrate` json) is needed for the memory model")
-    if profile is None and sampler_cfg.profile in ("auto", "calibrate"):
-        profile, msg = resolve_auto_profile(model_name, gpu_mem_gib=gpu_mem_gib)
-        if profile_log is not None:
-            profile_log(msg)
-    elif profile is None:
-        profile = load_profile(sampler_cfg.profile)
     model = get_model(model_name) if model_name else None
-    if model is not None and profile.raw.get("model", {}).get("name") not in (None, model_name, model.profile_model):
-        warnings.warn(f"sampler.profile '{profile.name}' was measured for model "
-                      f"'{profile.raw['model']['name']}', training '{model_name}': predicted costs "
-                      f"and memory will be off; {calibrate_hint(model_name)}",
-                      stacklevel=2)
-    profile, ln_msg = profile.for_ln_modulate(ln_modulate)
-    if ln_msg is not None:
-        (profile_log or (lambda m: warnings.warn(m, stacklevel=2)))(ln_msg)
-    if num_layers is not None:
-        profile = profile.with_num_layers(int(num_layers))
-    if adapter_params is not None:
-        profile = profile.with_adapter_params(adapter_params)
-    if model is not None:   # video micro-batches with one timestep per token hold its modulation besides
-        on = model.trains_per_token_timesteps() if per_token_timesteps is None else bool(per_token_timesteps)
-        profile = profile.with_per_token_timesteps(
-            on, model.per_token_modulation_bytes(model.config(num_layers=profile.num_layers)))
+    profile = _run_profile(sampler_cfg, profile, model, model_name, gpu_mem_gib=gpu_mem_gib, profile_log=profile_log,
+                           ln_modulate=ln_modulate, num_layers=num_layers, adapter_params=adapter_params,
+                           per_token_timesteps=per_token_timesteps)
     num_heads = int(model.config().num_heads) if model is not None else None
     if sparse is not None and num_layers is not None and sparse.densities.num_layers != profile.num_layers:
         sparse = sparse.with_densities(sparse.densities.with_num_layers(profile.num_layers))
