@@ -93,10 +93,15 @@ def test_update_sparse_balance_feeds_sampler_and_model():
         warnings.simplefilter("ignore")
         sampler = build_batch_sampler(SamplerConfig(window=16), shapes, Layout.explicit(dp_size=2), micro_steps_per_step=1,
                                       sparse=SparseAttentionCost(synthetic_densities(30, 12, seed=0)))
-    new = synthetic_densities(30, 12, seed=1)
+    old, new = synthetic_densities(30, 12, seed=0), synthetic_densities(30, 12, seed=1)
     assert update_sparse_balance(new, sampler=sampler, measured_at=100) is None
     sampler.set_epoch(1)
-    assert sampler.cost.sparse.densities == new and sampler.density_updates[-1]["measured_at"] == 100
+    upd = sampler.density_updates[-1]
+    assert upd["measured_at"] == 100 and upd["fingerprint"] == new.fingerprint()
+    # the sampler re-plans with the new densities unless its running plan is predicted faster under them
+    tps = upd["predicted_tokens_per_s"]
+    assert upd["kept"] == (tps["kept"] > tps["replan"])
+    assert sampler.cost.sparse.densities == (old if upd["kept"] else new)
 
 
 SCRIPT = textwrap.dedent("""
