@@ -452,8 +452,7 @@ class Trainer:
         elif sampler.density_updates and sampler.density_updates[-1].get("kept"):
             tps = sampler.density_updates[-1]["predicted_tokens_per_s"]
             what = (f"the sampler keeps its plan (predicted {tps['kept']:,.0f} tokens/s under the new cost, a re-plan "
-                    f"{tps['replan']:,.0f})")
-            self._batches = None
+                    f"{tps['replan']:,.0f}); its batches go on")
         else:
             what = f"the sampler re-planned epoch {self.epoch} from its step {rec['at_step']}"
             self._batches = None

@@ -166,7 +166,8 @@ class _PlannedBatchSampler(_SamplerBase):
         the current epoch's plan is unchanged. ``at_step=k``: from optimizer step ``k`` of the current
         epoch (``k`` >= the steps this sampler already resumed past): steps ``< k`` keep their plan
         and the epoch's samples not consumed by them are re-planned (exactly once, as after a resume);
-        iterate the sampler afresh from step ``k`` (a new DataLoader iterator). ``measured_at`` (the
+        iterate the sampler afresh from step ``k`` (a new DataLoader iterator), unless the update kept the
+        running plan (``density_updates[-1]["kept"]``: nothing changed, the iterator goes on). ``measured_at`` (the
         global step the profiler measured at) is recorded in :attr:`density_updates`. Needs a sampler
         built with ``sparse=``; call it on every rank with the same densities.
         """
@@ -201,16 +202,15 @@ class _PlannedBatchSampler(_SamplerBase):
         first = self._resume_step if at_step is None else at_step - start
         new_cost = self.cost.with_sparse(sparse)
         kept_tps = plan_tokens_per_s(plan, new_cost, first)
-        saved = (self.cost, self.params, self.budget_choice, list(self._segments), self._cache)
+        saved = (self.cost, self.params, self.budget_choice, list(self._segments), self._cache, self._resume_step)
         if at_step is not None:   # a re-plan point inside the epoch: the steps before it keep their plan
             self._segments.append({**self._segment_config(), "consumed_steps": at_step - start})
             self._resume_step = 0
         self._apply_cost(new_cost)
         replan_tps = plan_tokens_per_s(self._plans()[0], self.cost)
         kept = kept_tps > replan_tps
-        if kept:
-            self.cost, self.params, self.budget_choice, self._segments, self._cache = saved
-            self._resume_step = first
+        if kept:   # the sampler exactly as it was: its running iterator goes on (no new DataLoader iterator)
+            self.cost, self.params, self.budget_choice, self._segments, self._cache, self._resume_step = saved
         self.density_updates.append({"epoch": self.epoch, "at_step": at_step, "measured_at": measured_at,
                                      "fingerprint": sparse.densities.fingerprint(), "kept": kept,
                                      "predicted_tokens_per_s": {"replan": replan_tps, "kept": kept_tps}})
