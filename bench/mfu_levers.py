@@ -6,6 +6,8 @@
                                   metrics every step: the baseline arm "ref"
         D/config_fusion.json      + adaptive_load.block_fusion "regions"     (arm "fusion")
         D/config_zero.json        + ZeRO-3 settings for one GPU / few ranks  (arm "zero", ZERO_CANDIDATE)
+        D/config_zero2.json       ZeRO stage 2 instead of 3 (arm "zero2"): a diagnostic, not a lever: on one GPU
+                                  stage 3 partitions nothing, so this arm is what ZeRO-3's hooks cost there
         and prints the train commands (one per arm, log dirs D/runs/<arm>)
     python bench/mfu_levers.py report --runs D/runs [--arms ref,fusion,zero] [--out JSON]
         checks that every arm ran the same micro-batches as "ref" (shape, B, checkpointed blocks, in order),
@@ -48,7 +50,12 @@ def prepare(d: Path, gas: str, steps: int, n: int) -> None:
     zero["zero_optimization"].update(ZERO_CANDIDATE)
     (d / "config_fusion.json").write_text(json.dumps(fusion, indent=1))
     (d / "config_zero.json").write_text(json.dumps(zero, indent=1))
-    for arm, name in (("ref", "config.json"), ("fusion", "config_fusion.json"), ("zero", "config_zero.json")):
+    zero2 = json.loads(json.dumps(base))
+    zero2["zero_optimization"] = {"stage": 2, "overlap_comm": True, "contiguous_gradients": True,
+                                  "reduce_bucket_size": base["zero_optimization"]["reduce_bucket_size"]}
+    (d / "config_zero2.json").write_text(json.dumps(zero2, indent=1))
+    for arm, name in (("ref", "config.json"), ("fusion", "config_fusion.json"), ("zero", "config_zero.json"),
+                      ("zero2", "config_zero2.json")):
         print(TRAIN.format(py=sys.executable, cfg=d / name, steps=steps, n=n, runs=d / "runs", arm=arm))
 
 

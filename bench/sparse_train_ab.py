@@ -69,6 +69,8 @@ def arm_config(args, mix: str, arm: str, out_dir: Path) -> dict:
     al = cfg["adaptive_load"]
     al["fused_ln_modulate"] = args.fused_ln
     al["sampler"]["profile"] = args.profile
+    if args.m_comp is not None:  # a smaller budget: shorter micro-steps, so --steps fits a device call at full depth
+        al["sampler"]["m_comp"] = args.m_comp
     if mix == "long":
         path = out_dir / "shapes_long.json"
         path.write_text(json.dumps({"description": "sparse_train_ab.py long-video mix", "shapes": LONG_MIX}))
@@ -360,6 +362,9 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="wan2.1-1.3b")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--gas", type=int, default=1)
+    ap.add_argument("--m-comp", type=float, default=None,
+                    help="the sampler's compute budget per micro-batch, ms (default: the config's, auto); samples "
+                         "costlier than it run alone (B = 1)")
     ap.add_argument("--steps", type=int, default=41)
     ap.add_argument("--density", type=float, default=0.1)
     ap.add_argument("--backend", default="auto")
