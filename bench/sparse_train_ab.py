@@ -197,6 +197,8 @@ def run_arm(args, mix: str, arm: str, out_dir: Path, device) -> dict:
     out = {"mix": mix, "arm": arm, "allocated_gib_at_start": left_gib, "build_s": t_ready - t0, "train_s": t_end - t_ready, "gas": run.gas,
            "layers": run.model_config.num_layers, "plan_step1": [(str(s), b, c) for s, b, c in plan_before],
            "steps": steps, "micro": micro_rows,
+           "loop_overheads_ms": {"micro_step": run.cost.profile.micro_step_overhead_ms,
+                                 "optimizer_step": run.cost.profile.optimizer_step_overhead_ms},
            "warmup_s": None if rt is None else rt.warmup_s,
            "backend": None if sa is None else sa.get("backend"), "layer_calls": None if sa is None else sa.get("layer_calls"),
            "sparse_layers": None if rt is None else rt.schedule.sparse_layers(),
@@ -301,6 +303,14 @@ def prediction_error(arm: dict) -> dict:
            "per_shape_mean_rel_err": {k: sum(e for _, e in v) / len(v) for k, v in per.items()},
            "per_shape": per_shape, "target": PREDICTION_TARGET,
            "shapes_within_target": sum(d["within_target"] for d in per_shape.values()), "shapes": len(per_shape)}
+    loop = arm.get("loop_overheads_ms")
+    if loop:  # the planner's whole step: compute + its per-micro-step and per-optimizer-step loop time, vs the wall
+        by_step = defaultdict(list)
+        for r in rows:
+            by_step[r["step"]].append(r["predicted_ms"])
+        walls = {s["step"]: s["wall_s"] for s in arm["steps"]}
+        pred = sum(sum(v) + len(v) * loop["micro_step"] + loop["optimizer_step"] for v in by_step.values()) / 1e3
+        out["step_pred_over_measured"] = pred / sum(walls[k] for k in by_step)
     sel = [r for r in rows if r.get("select_ms") is not None]
     if sel and sum(r["select_ms"] for r in sel) > 0:  # 0: no sparse layer selected (e.g. all ran dense)
         out["select_pred_over_measured"] = sum(r["predicted_select_ms"] for r in sel) / sum(r["select_ms"] for r in sel)
@@ -374,6 +384,9 @@ def main(argv=None) -> int:
     ap.add_argument("--num-samples", type=int, default=20000)
     ap.add_argument("--gpu-mem-gib", type=float, default=139.8, help="--plan-only: the GPU to plan for")
     ap.add_argument("--plan-only", action="store_true")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="combine result files of arms run in separate calls (one device, the same args but "
+                         "--arms) into --out, with the comparisons and the table; runs nothing")
     ap.add_argument("--sparse-json", default="{}", help="more sparse_attention keys for the sparse arms (JSON)")
     args = ap.parse_args(argv)
     args.sparse_extra = json.loads(args.sparse_json)
@@ -381,6 +394,8 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.plan_only:
         return plan_only(args)
+    if args.merge:
+        return merge(args.merge, out)
     from ds_adaptive.balance.memory import configure_allocator
     from ds_adaptive.trainer import init_distributed
 
@@ -409,19 +424,41 @@ def main(argv=None) -> int:
     return 0
 
 
+def merge(paths: list, out: Path) -> int:
+    """One document from the arms of several result files (one device: the merged files must name it)."""
+    docs = [json.loads(Path(p).read_text()) for p in paths]
+    devices = {d["device"] for d in docs}
+    if len(devices) != 1:
+        raise SystemExit(f"--merge: the files ran on different devices {sorted(devices)}: timings compare only on one")
+    doc = {"args": [d["args"] for d in docs], "device": docs[0]["device"], "torch": docs[0]["torch"],
+           "merged_from": [str(p) for p in paths], "arms": [a for d in docs for a in d["arms"]], "compare": {},
+           "total_s": sum(d.get("total_s", 0.0) for d in docs)}
+    for mix in dict.fromkeys(a["mix"] for a in doc["arms"]):
+        arms = {a["arm"]: a for a in doc["arms"] if a["mix"] == mix}
+        for a in arms.values():
+            a["prediction"] = prediction_error(a)
+        if "dense" in arms:
+            doc["compare"][mix] = {k: compare(arms["dense"], a) for k, a in arms.items() if k != "dense"}
+    out.write_text(json.dumps(doc, indent=1, default=str))
+    print_table(doc)
+    print(f"wrote {out} (merged {len(paths)} files)")
+    return 0
+
+
 def print_table(doc: dict) -> None:
     print("\n| mix | arm | tokens/s 2..N | vs dense | with warm-up vs dense | warm-up s | graphs | "
-          "outside compute s/step | pred/measured compute | worst new-pair speed-up |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "outside compute s/step | pred/measured compute | pred/measured step (loop) | worst new-pair speed-up |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for a in doc["arms"]:
         c = doc["compare"].get(a["mix"], {}).get(a["arm"], {})
         p = a.get("prediction") or {}
         oc = c.get("outside_compute_s_per_step", {}).get(a["arm"])
-        if a["arm"] == "dense":
+        if oc is None:  # the dense arm, or an arm run without its dense arm (merged later)
             oc = sum(s["wall_s"] - s["compute_ms"] / 1e3 for s in a["steps"][1:]) / max(1, len(a["steps"]) - 1)
         print(f"| {a['mix']} | {a['arm']} | {_tokens_per_s(a, 2):,.0f} | {c.get('tokens_per_s_2toN', 1.0):.3f} | "
               f"{c.get('tokens_per_s_with_warmup', 1.0):.3f} | {a['warmup_s'] or 0.0:.1f} | "
               f"{(a['backend'] or {}).get('graphs', '-')} | {oc:.2f} | {p.get('sum_pred_over_measured', float('nan')):.3f} | "
+              f"{p.get('step_pred_over_measured', float('nan')):.3f} | "
               f"{c.get('worst_new_pair_speedup_after_step1', float('nan')):.2f} |")
     for a in doc["arms"]:
         ps = (a.get("prediction") or {}).get("per_shape")
