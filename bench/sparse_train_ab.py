@@ -304,6 +304,9 @@ def prediction_error(arm: dict) -> dict:
            "per_shape": per_shape, "target": PREDICTION_TARGET,
            "shapes_within_target": sum(d["within_target"] for d in per_shape.values()), "shapes": len(per_shape)}
     loop = arm.get("loop_overheads_ms")
+    if loop:  # the planner's micro-step: the cost plus the profile's measured per-micro-step time (ZeRO-3's hooks)
+        n = sum(r["predicted_ms"] + loop["micro_step"] for r in rows)
+        out["micro_step_pred_over_measured"] = n / sum(r["compute_ms"] for r in rows)
     if loop:  # the planner's whole step: compute + its per-micro-step and per-optimizer-step loop time, vs the wall
         by_step = defaultdict(list)
         for r in rows:
@@ -447,8 +450,9 @@ def merge(paths: list, out: Path) -> int:
 
 def print_table(doc: dict) -> None:
     print("\n| mix | arm | tokens/s 2..N | vs dense | with warm-up vs dense | warm-up s | graphs | "
-          "outside compute s/step | pred/measured compute | pred/measured step (loop) | worst new-pair speed-up |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "outside compute s/step | pred/measured compute | pred/measured micro-step | pred/measured step (loop) | "
+          "worst new-pair speed-up |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for a in doc["arms"]:
         c = doc["compare"].get(a["mix"], {}).get(a["arm"], {})
         p = a.get("prediction") or {}
@@ -458,8 +462,9 @@ def print_table(doc: dict) -> None:
         print(f"| {a['mix']} | {a['arm']} | {_tokens_per_s(a, 2):,.0f} | {c.get('tokens_per_s_2toN', 1.0):.3f} | "
               f"{c.get('tokens_per_s_with_warmup', 1.0):.3f} | {a['warmup_s'] or 0.0:.1f} | "
               f"{(a['backend'] or {}).get('graphs', '-')} | {oc:.2f} | {p.get('sum_pred_over_measured', float('nan')):.3f} | "
+              f"{p.get('micro_step_pred_over_measured', float('nan')):.3f} | "
               f"{p.get('step_pred_over_measured', float('nan')):.3f} | "
-              f"{c.get('worst_new_pair_speedup_after_step1', float('nan')):.2f} |")
+              f"{c.get('worst_new_pair_speedup_after_step1', float('nan')):.3f} |")
     for a in doc["arms"]:
         ps = (a.get("prediction") or {}).get("per_shape")
         if not ps or a["arm"] == "dense":
