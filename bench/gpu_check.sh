@@ -12,7 +12,9 @@
 # Opt-in steps (STEPS=...): mfu (bench/block_profile.py, MFU_ARGS), pertoken (per-token GPU tests +
 # bench/ln_modulate_per_token.py), firstuse (the default job twice with an empty profile cache:
 # FIRSTUSE_STEPS), levers (bench/mfu_levers.py A/B: LEVERS_GAS, LEVERS_STEPS, LEVERS_RUN = arms to train in this
-# call, LEVERS_ARMS = arms to report; split the arms over calls on a warm machine: the prepared dir is kept).
+# call, LEVERS_ARMS = arms to report, LEVERS_M_COMP = the pinned budget per micro-batch in ms, default 1700 as the
+# shipped job's; split the arms over calls on a warm machine: the prepared dir is kept). trainprofile: where the
+# default job's step goes (bench/train_step_profile.py).
 # Environment knobs: STEPS (space-separated subset of: env build tests bench probe train; default
 # env build tests bench; probe = bench/ln_modulate_probe.cu kernel sweep, PROBE_CASES picks its cases,
 # PROBE_FWD_ONLY=1 skips its backward variants; host = host time per call (isolated fwd+bwd and per
@@ -171,7 +173,7 @@ do_firstuse() {  # the default job twice with profile auto and an empty cache: t
 do_levers() {  # trainer A/B of block fusion and ZeRO-3 settings on one pinned plan (bench/mfu_levers.py)
   local w="$OUT/levers"
   [ -f "$w/config.json" ] && [ -n "${LEVERS_RUN:-}" ] && echo "levers: re-preparing $w (same pinned plan)"
-  python3 bench/mfu_levers.py prepare --dir "$w" --gas "${LEVERS_GAS:-2}" --steps "${LEVERS_STEPS:-21}" \
+  python3 bench/mfu_levers.py prepare --dir "$w" --gas "${LEVERS_GAS:-2}" --steps "${LEVERS_STEPS:-21}" --m-comp "${LEVERS_M_COMP:-1700}" \
     --num-samples "${TRAIN_SAMPLES:-2000}" | while read -r cmd; do
       case "$cmd" in *ds_adaptive.train*) arm=${cmd##*/}
         case ",${LEVERS_RUN:-ref,fusion,zero}," in *",$arm,"*) ;; *) continue;; esac   # arms to run in this call
@@ -180,11 +182,14 @@ do_levers() {  # trainer A/B of block fusion and ZeRO-3 settings on one pinned p
   python3 bench/mfu_levers.py report --runs "$w/runs" --arms "${LEVERS_ARMS:-${LEVERS_RUN:-ref,fusion,zero}}" \
     --out "$OUT/levers.json"
 }
+do_trainprofile() {  # where the default job's step goes: synchronised segments + a profiled step
+  python3 bench/train_step_profile.py --out "$OUT/trainprofile" ${TRAINPROFILE_ARGS:-}
+}
 export -f do_env do_build do_tests do_bench do_host do_probe do_train do_train_same do_ti2v do_mfu do_pertoken \
-  do_firstuse do_levers
+  do_firstuse do_levers do_trainprofile
 export OUT
 declare -A LIMIT=([env]=60 [build]=300 [tests]=240 [bench]=420 [probe]=240 [train]=400 [host]=240 [train_same]=400
-                  [ti2v]=560 [mfu]=300 [pertoken]=240 [firstuse]=560 [levers]=560)
+                  [ti2v]=560 [mfu]=300 [pertoken]=240 [firstuse]=560 [levers]=560 [trainprofile]=300)
 
 for s in $STEPS; do
   run_step "$s" "${LIMIT[$s]:-300}" "do_$s" || true

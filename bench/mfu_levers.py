@@ -41,8 +41,8 @@ TRAIN = ("{py} -m ds_adaptive.train --deepspeed_config {cfg} --model wan2.1-1.3b
          "--num-samples {n} --fused-ln-modulate --log-dir {runs}/{arm}")
 
 
-def prepare(d: Path, gas: str, steps: int, n: int) -> None:
-    pinned.prepare(d, "auto", gas)
+def prepare(d: Path, gas: str, steps: int, n: int, m_comp: str = "auto") -> None:
+    pinned.prepare(d, m_comp, gas)
     base = json.loads((d / "config.json").read_text())
     fusion = json.loads(json.dumps(base))
     fusion["adaptive_load"]["block_fusion"] = "regions"
@@ -94,6 +94,9 @@ def main(argv=None) -> int:
     a.add_argument("--dir", type=Path, required=True)
     a.add_argument("--gas", default="2", help="micro-steps per optimizer step (default 2: 20 steps in ~2 min)")
     a.add_argument("--steps", type=int, default=21)
+    a.add_argument("--m-comp", default="auto",
+                   help="the pinned compute budget per micro-batch, ms (auto: the search's; at gas 1 it picks ~39 s "
+                        "micro-batches: pin ~1700, the shipped job's, for 20 steps in a device call)")
     a.add_argument("--num-samples", type=int, default=2000)
     b = sub.add_parser("report")
     b.add_argument("--runs", type=Path, required=True)
@@ -101,7 +104,7 @@ def main(argv=None) -> int:
     b.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     if args.cmd == "prepare":
-        prepare(args.dir, args.gas, args.steps, args.num_samples)
+        prepare(args.dir, args.gas, args.steps, args.num_samples, args.m_comp)
     else:
         report(args.runs, [x for x in args.arms.split(",") if x], args.out)
     return 0

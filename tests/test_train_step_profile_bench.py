@@ -1,0 +1,35 @@
+"""Guards bench/train_step_profile.py on the CPU: the trainer's step is split into its segments (fetch, forward,
+backward, the engine's inner and boundary steps, the metrics), every micro-step's call is counted, the segments and
+the host time between them add up to the timed step, and the profiled step lists the same segments as ranges."""
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from conftest import ROOT
+
+_spec = importlib.util.spec_from_file_location("train_step_profile", ROOT / "bench" / "train_step_profile.py")
+tsp = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(tsp)
+
+
+@pytest.mark.slow
+def test_segments_add_up_to_the_step(tmp_path, capsys):
+    out = tmp_path / "p"
+    assert tsp.main(["--out", str(out), "--config", str(ROOT / "launch" / "configs" / "cpu_tiny.json"), "--model",
+                     "tiny", "--gas", "2", "--num-samples", "64", "--warm", "1", "--timed", "1", "--profiled", "1",
+                     "--set", f'adaptive_load.sampler.shapes="{ROOT / "launch" / "configs" / "shapes_cpu.json"}"']) == 0
+    doc = json.loads((out / "train_step_profile.json").read_text())
+    assert doc["gas"] == 2
+    calls = doc["timed"]["calls_per_step"]
+    assert calls["data"] == calls["forward"] == calls["backward"] == 2
+    assert calls["step_inner"] == 1 and calls["step_boundary"] == 1 and calls["end_step"] == 1
+    seg = doc["timed"]["segments_ms"]
+    assert sum(seg.values()) == pytest.approx(doc["timed"]["step_ms"])
+    assert all(v > 0 for k, v in seg.items() if k in ("forward", "backward"))
+    assert {"data", "forward", "backward", "step_boundary"} <= set(doc["profiled"]["segments"])
+    assert [s["kind"] for s in doc["steps"]] == ["warm", "timed", "profiled"]
+    assert (out / "profile_tables.txt").read_text().count("Self CPU") >= 2
+    assert "| backward |" in capsys.readouterr().out
