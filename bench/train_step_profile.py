@@ -21,7 +21,6 @@ DIR/profile_tables.txt. Compares nothing: it explains a figure (the summary's MF
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import time
@@ -188,7 +187,7 @@ def main(argv=None) -> int:
                      for k, r in recs]}
     (out / "train_step_profile.json").write_text(json.dumps(doc, indent=1, default=str))
     print(f"\n{args.model} gas {run.gas}: timed steps (synchronised segments), {step_ms:.0f} ms per step")
-    print(f"| segment | ms / step | calls / step | share |\n|---|---:|---:|---:|")
+    print("| segment | ms / step | calls / step | share |\n|---|---:|---:|---:|")
     for k, v in sorted(timed.items(), key=lambda kv: -kv[1]):
         print(f"| {k} | {v:.0f} | {timed_calls.get(k, 0):.0f} | {v / step_ms:.1%} |")
     if prof_doc:
