@@ -120,11 +120,27 @@ def _launch_once(argv: list[str], world: int, *, cwd: Path, timeout: float, env:
     return results
 
 
+#: prepended to every rank script: the process group is destroyed at exit, before the interpreter tears down the
+#: communication threads (a rank left them joinable at exit and aborted with "terminate called without an active
+#: exception" after its work had passed: a flaky exit code, not a test result)
+_CLEAN_EXIT = """import atexit as _atexit
+
+
+def _destroy_process_group():
+    import torch.distributed as _dist
+    if _dist.is_available() and _dist.is_initialized():
+        _dist.destroy_process_group()
+
+
+_atexit.register(_destroy_process_group)
+"""
+
+
 def launch_script(text: str, world: int, tmp_path: Path, *, name: str = "ranks.py", timeout: float = 240) -> str:
     """Write ``text`` to ``tmp_path/name``, run it as ``world`` gloo ranks against this checkout
     (PYTHONPATH = the repository root) and return rank 0's output."""
     script = tmp_path / name
-    script.write_text(text)
+    script.write_text(_CLEAN_EXIT + text)
     return launch_ranks([str(script)], world, cwd=tmp_path, timeout=timeout, env={"PYTHONPATH": str(ROOT)})[0].stdout
 
 
