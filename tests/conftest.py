@@ -66,6 +66,11 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     _remove_shm(_SHM_GLOB, newer_than=_SESSION_START)
 
 
+#: every rank runs through this wrapper (``python _rank_main.py <argv>``): the rank's own exit status, without the
+#: interpreter's teardown, where DeepSpeed's CPU communication op could abort a rank whose work had passed
+_RANK_MAIN = Path(__file__).resolve().parent / "_rank_main.py"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -102,8 +107,8 @@ def _launch_once(argv: list[str], world: int, *, cwd: Path, timeout: float, env:
     for rank in range(world):
         e = {**os.environ, **(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        procs.append(subprocess.Popen([sys.executable, *argv], cwd=cwd, env=e, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+        procs.append(subprocess.Popen([sys.executable, str(_RANK_MAIN), *argv], cwd=cwd, env=e,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     deadline = time.monotonic() + timeout
     results = []
     try:
@@ -120,27 +125,11 @@ def _launch_once(argv: list[str], world: int, *, cwd: Path, timeout: float, env:
     return results
 
 
-#: prepended to every rank script: the process group is destroyed at exit, before the interpreter tears down the
-#: communication threads (a rank left them joinable at exit and aborted with "terminate called without an active
-#: exception" after its work had passed: a flaky exit code, not a test result)
-_CLEAN_EXIT = """import atexit as _atexit
-
-
-def _destroy_process_group():
-    import torch.distributed as _dist
-    if _dist.is_available() and _dist.is_initialized():
-        _dist.destroy_process_group()
-
-
-_atexit.register(_destroy_process_group)
-"""
-
-
 def launch_script(text: str, world: int, tmp_path: Path, *, name: str = "ranks.py", timeout: float = 240) -> str:
     """Write ``text`` to ``tmp_path/name``, run it as ``world`` gloo ranks against this checkout
     (PYTHONPATH = the repository root) and return rank 0's output."""
     script = tmp_path / name
-    script.write_text(_CLEAN_EXIT + text)
+    script.write_text(text)
     return launch_ranks([str(script)], world, cwd=tmp_path, timeout=timeout, env={"PYTHONPATH": str(ROOT)})[0].stdout
 
 
