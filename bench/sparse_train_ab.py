@@ -329,6 +329,7 @@ def prediction_vs_dense(dense: dict, other: dict) -> dict:
 
 def plan_only(args) -> int:
     """Predicted step times of every arm's plan (meta device, no GPU): to choose layers / gas / steps."""
+    from ds_adaptive.balance.simulate import loop_overhead_ms
     from ds_adaptive.layout import Layout
     from ds_adaptive.run import build_run
 
@@ -348,8 +349,7 @@ def plan_only(args) -> int:
             total += sum(ms) / 1e3
             tokens = sum(s.tokens * b for s, b, _ in micro)
             # with the training loop's per-micro-step and per-optimizer-step time, as the planner predicts a run
-            loop_s = len(micro) * run.cost.profile.micro_step_overhead_ms / 1e3 + \
-                len(micro) // run.gas * run.cost.profile.optimizer_step_overhead_ms / 1e3
+            loop_s = loop_overhead_ms(run.cost, len(micro), len(micro) // run.gas) / 1e3
             tps = tokens / (sum(ms) / 1e3 + loop_s)
             out[f"{mix}/{arm}"] = {"gas": run.gas, "predicted_compute_s": sum(ms) / 1e3, "step_s": step_s,
                                    "predicted_loop_s": loop_s, "predicted_tokens_per_s": tps,
