@@ -14,7 +14,8 @@
 # FIRSTUSE_STEPS), levers (bench/mfu_levers.py A/B: LEVERS_GAS, LEVERS_STEPS, LEVERS_RUN = arms to train in this
 # call, LEVERS_ARMS = arms to report, LEVERS_M_COMP = the pinned budget per micro-batch in ms, default 1700 as the
 # shipped job's; split the arms over calls on a warm machine: the prepared dir is kept). trainprofile: where the
-# default job's step goes (bench/train_step_profile.py).
+# default job's step goes (bench/train_step_profile.py). keepattn: sampler.checkpoint_attention keep vs recompute,
+# one epoch of KEEPATTN_SAMPLES (default 40) long-video samples per arm (bench/checkpoint_attention_ab.py, ~8 min).
 # Environment knobs: STEPS (space-separated subset of: env build tests bench probe train; default
 # env build tests bench; probe = bench/ln_modulate_probe.cu kernel sweep, PROBE_CASES picks its cases,
 # PROBE_FWD_ONLY=1 skips its backward variants; host = host time per call (isolated fwd+bwd and per
@@ -182,14 +183,25 @@ do_levers() {  # trainer A/B of block fusion and ZeRO-3 settings on one pinned p
   python3 bench/mfu_levers.py report --runs "$w/runs" --arms "${LEVERS_ARMS:-${LEVERS_RUN:-ref,fusion,zero}}" \
     --out "$OUT/levers.json"
 }
+do_keepattn() {  # sampler.checkpoint_attention keep vs recompute: one epoch of the same samples per arm (long-video
+  # mix by default: where the plan checkpoints blocks; KEEPATTN_ARGS e.g. "--m-comp 10000 --gas 1" or "--shapes ''")
+  local w="$OUT/keepattn"
+  printf '%s' '{"description": "long-video mix", "shapes": [{"frames": 81, "height": 480, "width": 832, "weight": 1.0}, {"frames": 49, "height": 720, "width": 1280, "weight": 1.0}, {"frames": 81, "height": 720, "width": 1280, "weight": 1.0}]}' \
+    > "$OUT/shapes_long.json"
+  python3 bench/checkpoint_attention_ab.py prepare --dir "$w" --num-samples "${KEEPATTN_SAMPLES:-40}" \
+    --shapes "$OUT/shapes_long.json" ${KEEPATTN_ARGS:-} | while read -r cmd; do
+      arm=${cmd##*/}; echo "arm $arm"; eval "$cmd" </dev/null >"$w/$arm.log" 2>&1 || tail -n 20 "$w/$arm.log"
+    done
+  python3 bench/checkpoint_attention_ab.py report --runs "$w/runs" --out "$OUT/checkpoint_attention_ab.json"
+}
 do_trainprofile() {  # where the default job's step goes: synchronised segments + a profiled step
   python3 bench/train_step_profile.py --out "$OUT/trainprofile" ${TRAINPROFILE_ARGS:-}
 }
 export -f do_env do_build do_tests do_bench do_host do_probe do_train do_train_same do_ti2v do_mfu do_pertoken \
-  do_firstuse do_levers do_trainprofile
+  do_firstuse do_levers do_keepattn do_trainprofile
 export OUT
 declare -A LIMIT=([env]=60 [build]=300 [tests]=240 [bench]=420 [probe]=240 [train]=400 [host]=240 [train_same]=400
-                  [ti2v]=560 [mfu]=300 [pertoken]=240 [firstuse]=560 [levers]=560 [trainprofile]=300)
+                  [ti2v]=560 [mfu]=300 [pertoken]=240 [firstuse]=560 [levers]=560 [keepattn]=560 [trainprofile]=300)
 
 for s in $STEPS; do
   run_step "$s" "${LIMIT[$s]:-300}" "do_$s" || true

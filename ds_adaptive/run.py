@@ -144,6 +144,7 @@ def build_run(cfg: RunConfig, *, layout: Optional[Layout] = None, device: Option
     sampler = _build_sampler(cfg, dataset, layout, ds_config, gpu_mem_gib, notes, model_config=model_config,
                              sparse_cost=sparse_cost, device=device, meta=meta, adapter_params=adapters)
     model = _build_model(cfg, preset, model_config, ds_config, meta=meta)
+    notes.extend(_checkpoint_attention(model, cfg.adaptive_load.sampler, t.model))
     if not meta:
         notes.extend(_block_fusion(model, cfg.adaptive_load.block_fusion, t.model))
     if t.init_from and not meta:
@@ -219,6 +220,24 @@ def _checked(preset, model):
         raise ModelError(f"model {preset.name}: {type(model).__name__} lacks {', '.join(missing)} of the runtime's "
                          "seam (ds_adaptive.models.family.DiffusionTransformer)")
     return model
+
+
+def _checkpoint_attention(model, sampler_cfg, model_name: str) -> list:
+    """``sampler.checkpoint_attention`` on the model (a family's model that can keep its attention core in a
+    checkpointed block offers ``set_checkpoint_attention``); the launcher's note, if any."""
+    mode = sampler_cfg.checkpoint_attention
+    if mode == "recompute":
+        return []
+    keep = getattr(model, "set_checkpoint_attention", None)
+    if keep is None:
+        raise ConfigError(f"adaptive_load.sampler.checkpoint_attention is '{mode}' but model {model_name} cannot "
+                          "keep its attention in a checkpointed block; set it to 'recompute'")
+    keep(mode)
+    if sampler_cfg.checkpointing == "none":
+        return ["note: adaptive_load.sampler.checkpoint_attention 'keep' does nothing with checkpointing 'none' "
+                "(no block is checkpointed)"]
+    return ["checkpoint_attention 'keep': a checkpointed block keeps its self-attention output; backward recomputes "
+            "the rest of the block, not the attention"]
 
 
 def _block_fusion(model, mode: str, model_name: str) -> list:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 import textwrap
 
+import pytest
+
 from conftest import CONFIGS, ROOT, launch_ranks
 
 SCRIPT = textwrap.dedent("""
@@ -63,24 +65,30 @@ STACK_SCRIPT = textwrap.dedent("""
     from ds_adaptive.run_config import RunConfig
 
     cfg = RunConfig.load(sys.argv[1], trainer={"model": "tiny", "num_samples": 48, "steps": 3, "seed": 0},
-                         overrides={"sampler.shapes": sys.argv[2], "sampler.checkpointing": "all"})
+                         overrides={"sampler.shapes": sys.argv[2], "sampler.checkpointing": "all",
+                                    "sampler.checkpoint_attention": sys.argv[4],
+                                    "sampler.m_mem": 1.0})   # keep: the 1.3B profile's 30 blocks hold 3 KiB/token more
     cfg.adaptive_load.metrics.log_dir = sys.argv[3]
     trainer = Trainer(build_run(cfg, layout=Layout.detect(1)))
     print("BASE", len(parameter_offload.FWD_MODULE_STACK), trainer.run.model.checkpointed_blocks())
     for _ in range(3):
-        trainer.train_step()
-        print("STACK", len(parameter_offload.FWD_MODULE_STACK))
+        rec = trainer.train_step()
+        print("STACK", len(parameter_offload.FWD_MODULE_STACK), trainer.run.model.checkpoint_attention,
+              bool(torch.isfinite(torch.tensor(rec.loss))))
     trainer.close()
 """)
 
 
-def test_checkpointed_recomputes_leave_nothing_on_deepspeeds_forward_stack(tmp_path):
+@pytest.mark.parametrize("attention", ["recompute", "keep"])
+def test_checkpointed_recomputes_leave_nothing_on_deepspeeds_forward_stack(tmp_path, attention):
     """Every block checkpointed: the early-stopped recomputes skip ZeRO-3's post-forward pop; the trainer drops
-    the leftovers after each micro-batch (the stack grew by one entry per checkpointed block per micro-step)."""
+    the leftovers after each micro-batch (the stack grew by one entry per checkpointed block per micro-step).
+    The same with ``checkpoint_attention: keep`` (selective checkpointing under ZeRO-3's hooks): finite losses."""
     script = tmp_path / "stack.py"
     script.write_text(STACK_SCRIPT)
-    argv = [str(script), str(CONFIGS / "cpu_tiny.json"), str(CONFIGS / "shapes_cpu.json"), str(tmp_path / "logs")]
+    argv = [str(script), str(CONFIGS / "cpu_tiny.json"), str(CONFIGS / "shapes_cpu.json"), str(tmp_path / "logs"),
+            attention]
     out = launch_ranks(argv, 1, cwd=tmp_path, timeout=300, env={"PYTHONPATH": str(ROOT)})[0].stdout
     base = re.findall(r"BASE (\d+) (\d+)", out)
     assert base and int(base[0][1]) > 0, f"no checkpointed block: the test would not exercise the recompute\n{out[-3000:]}"
-    assert re.findall(r"STACK (\d+)", out) == [base[0][0]] * 3, out[-3000:]
+    assert re.findall(r"STACK (\d+) (\w+) (\w+)", out) == [(base[0][0], attention, "True")] * 3, out[-3000:]

@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any, Literal, Mapping, Optional, Union
 import numpy as np
 
 from ds_adaptive.layout import Layout
+from ds_adaptive.recompute import CHECKPOINT_ATTENTION_MODES, kept_attention_bytes_per_token
 from ds_adaptive.shapes import SampleShape, pad_to_multiple
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -529,14 +530,21 @@ class CostModel:
 
     def __init__(self, profile: Union[Profile, str, Path, Mapping[str, Any]], mode: CostMode = "calibrated",
                  *, p: float = 1.5, sp: int = 1, num_heads: Optional[int] = None,
-                 sparse: "Optional[SparseAttentionCost]" = None, checkpointing: str = "all") -> None:
+                 sparse: "Optional[SparseAttentionCost]" = None, checkpointing: str = "all",
+                 checkpoint_attention: str = "recompute") -> None:
         self.profile = profile if isinstance(profile, Profile) else load_profile(profile)
         if checkpointing not in CHECKPOINT_POLICIES:
             raise ValueError(f"checkpointing must be one of {list(CHECKPOINT_POLICIES)}, got {checkpointing!r}")
+        if checkpoint_attention not in CHECKPOINT_ATTENTION_MODES:
+            raise ValueError(f"checkpoint_attention must be one of {list(CHECKPOINT_ATTENTION_MODES)}, "
+                             f"got {checkpoint_attention!r}")
         #: activation checkpointing policy the plan is made for: ``all`` blocks (the profile's own
         #: calibration when it was measured with checkpointing), ``none``, or ``auto`` (per micro-batch the
         #: fewest blocks that fit ``m_mem``: :func:`ds_adaptive.balance.memory.checkpoint_blocks`)
         self.checkpointing = checkpointing
+        #: what a checkpointed block recomputes: ``recompute`` (all of it, as the profile measured) or ``keep``
+        #: (all but the self-attention core, whose output it holds: :mod:`ds_adaptive.recompute`)
+        self.checkpoint_attention = checkpoint_attention
         if mode not in COST_UNITS:
             raise ValueError(f"cost mode must be one of {sorted(COST_UNITS)}, got {mode!r}")
         heads = self.profile.num_heads if num_heads is None else int(num_heads)
@@ -653,6 +661,12 @@ class CostModel:
         """Blocks checkpointed in the profile's own calibration (all or none)."""
         return self.profile.num_layers if self.profile.gradient_checkpointing else 0
 
+    def as_profiled(self, ckpt_blocks: int) -> bool:
+        """True when a micro-batch with ``ckpt_blocks`` checkpointed blocks runs as the profile's calibration did
+        (the same count, and no kept attention in a checkpointed block): its cost and memory are the profile's
+        own fits (``per_gpu_cost`` / ``per_gpu_memory``), with no checkpointing correction."""
+        return ckpt_blocks == self.profile_ckpt_blocks() and (ckpt_blocks == 0 or self.checkpoint_attention != "keep")
+
     def ckpt_memory(self, shape_or_tokens: Union[SampleShape, int], batch_size, ckpt_blocks):
         """Activation memory (GiB) of a micro-batch with the FIRST ``ckpt_blocks`` blocks checkpointed
         (numpy arrays broadcast over ``batch_size`` / ``ckpt_blocks``).
@@ -680,8 +694,19 @@ class CostModel:
         c = pr.block_ckpt_gib[0] + pr.block_ckpt_gib[1] * s
         d = pr.last_whole_gib[0] + pr.last_whole_gib[1] * s
         e = own - (L * c + g if pr.gradient_checkpointing else L * g + d)
+        c += self.kept_attention_gib_per_token() * s           # ``keep``: the attention output and LSE too
         n = np.asarray(ckpt_blocks)
         return np.asarray(batch_size) * (e + n * c + np.maximum(L - n, 1) * g + np.where(n < L, d, 0.0))
+
+    def kept_attention_gib_per_token(self) -> float:
+        """What a checkpointed block holds beyond its input under ``checkpoint_attention: keep`` (GiB per token
+        of the local shard): the self-attention output and log-sum-exp (``kept_attention_bytes_per_token``,
+        exact sizes, not measured); 0 for ``recompute``. Counted for every checkpointed block, a sparse layer
+        too (its kernel's output is recomputed, not kept: an over-estimate of 3 KiB per token there)."""
+        if self.checkpoint_attention != "keep":
+            return 0.0
+        act_bytes = int(self.profile.bytes_per_param.get("params", 2.0))
+        return kept_attention_bytes_per_token(self.profile.dim, self.num_heads, act_bytes) / GIB
 
     def recompute_ms(self, shape_or_tokens: Union[SampleShape, int], batch_size):
         """Time (ms) of ONE block's recomputed forward for a micro-batch (per GPU, Ulysses-aware:
@@ -718,6 +743,24 @@ class CostModel:
             share = -before[n]                                      # blocks < n: recomputed here only
         return np.asarray(batch_size) * quad * share
 
+    def _kept_attention_saving(self, shape_or_tokens: Union[SampleShape, int], batch_size, ckpt_blocks):
+        """``checkpoint_attention: keep``: the recomputed forward of a checkpointed block whose attention runs
+        dense (SDPA) skips the attention core, the quadratic part of :meth:`recompute_ms`; a sparse layer's
+        recompute still runs its kernel (``r_l`` of that part, :meth:`_sparse_recompute_saving`). Returns
+        that quadratic part times the dense layers among the first ``ckpt_blocks`` (ms). 0 for ``recompute``."""
+        if self.checkpoint_attention != "keep":
+            return 0.0
+        s = float(self.padded_tokens(shape_or_tokens))
+        pr = self.profile
+        quad = pr.recompute_ms[2] * pr.sp * s * s / self.sp        # one block's dense recompute, per sample
+        n = np.clip(np.asarray(ckpt_blocks).astype(np.int64), 0, pr.num_layers)
+        if self.sparse is None:
+            dense_before = n
+        else:
+            dense = ~np.asarray(self.sparse.layer_decisions(int(s), self.sp)[0], bool)   # [L]: runs SDPA
+            dense_before = np.concatenate([[0], np.cumsum(dense)])[n]
+        return np.asarray(batch_size) * quad * dense_before
+
     def _comm_raw(self, s: float) -> float:
         return self._comm_ms_per_token * (s / self.sp) * (self.sp - 1) / self.sp
 
@@ -729,7 +772,8 @@ class CostModel:
         base = self.batch_overhead(shape_or_tokens) + bs * self.per_gpu_cost(shape_or_tokens)
         delta = (np.asarray(ckpt_blocks) - self.profile_ckpt_blocks()) * self.recompute_ms(shape_or_tokens, bs)
         if self.mode == "calibrated":
-            return base + delta + self._sparse_recompute_saving(shape_or_tokens, bs, ckpt_blocks)
+            return (base + delta + self._sparse_recompute_saving(shape_or_tokens, bs, ckpt_blocks)
+                    - self._kept_attention_saving(shape_or_tokens, bs, ckpt_blocks))
         pr = self.profile
         s = float(self.padded_tokens(shape_or_tokens))
         ms = pr.c0_ms + bs * ((self._a1 * s + self._b1 * s * s) / self.sp + self._comm_raw(s))
@@ -771,7 +815,7 @@ class CostModel:
     def with_sparse(self, sparse: "Optional[SparseAttentionCost]") -> "CostModel":
         """The same model (checkpointing policy included) with another (or no) sparse-attention term."""
         return CostModel(self.profile, self.mode, p=self.p, sp=self.sp, num_heads=self.num_heads, sparse=sparse,
-                         checkpointing=self.checkpointing)
+                         checkpointing=self.checkpointing, checkpoint_attention=self.checkpoint_attention)
 
     def describe(self) -> dict:
         """Small JSON-able summary (for logs and plan fingerprints)."""
@@ -780,4 +824,5 @@ class CostModel:
                 "b_ms_per_token2_sp1": self._b1, "m0_gib": self.profile.m0_gib,
                 "m1_gib_per_token": self.profile.m1_gib_per_token,
                 "comm_ms_per_token": self._comm_ms_per_token, "checkpointing": self.checkpointing,
+                "checkpoint_attention": self.checkpoint_attention,
                 "checkpoint_source": self.profile.checkpoint_source}

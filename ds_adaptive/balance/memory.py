@@ -130,7 +130,7 @@ def sample_memory(cost: CostModel, shape: Union[SampleShape, int]) -> float:
     batch must fit at least (the planner's feasibility check). The profile's own fit when the policy
     is the profile's calibration."""
     n = fewest_memory_blocks(cost, shape)
-    if n == cost.profile_ckpt_blocks():
+    if cost.as_profiled(n):
         return cost.per_gpu_memory(shape)
     return float(cost.ckpt_memory(shape, 1, n))
 

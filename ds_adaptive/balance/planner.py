@@ -221,7 +221,7 @@ class _ShapeTable:
         n = len(self.shapes)
         # per-micro-batch cost of each shape: c0 (+ the sparse selection's fixed part per call)
         self.c0 = np.array([cost.batch_overhead(s) for s in self.shapes], float)
-        self.linear = policy_blocks(cost) == cost.profile_ckpt_blocks()
+        self.linear = cost.as_profiled(policy_blocks(cost))
         self.ckpt_fixed = policy_blocks(cost)
         self.tables: list[Optional[MicroBatchTable]] = [None] * n
         if self.linear:

@@ -178,8 +178,7 @@ class _PlannedBatchSampler(_SamplerBase):
         if dm.num_layers != self.cost.sparse.densities.num_layers and dm.num_layers > self.cost.profile.num_layers:
             dm = dm.with_num_layers(self.cost.profile.num_layers)
         new = self.cost.sparse.with_densities(dm)
-        CostModel(self.cost.profile, self.cost.mode, p=self.cost.p, sp=self.cost.sp,
-                  num_heads=self.cost.num_heads, sparse=new)          # validates layers x heads now
+        self.cost.with_sparse(new)          # validates layers x heads now
         if at_step is None:
             self._pending = {"sparse": new.describe(), "measured_at": measured_at}
             return
@@ -358,6 +357,8 @@ class _PlannedBatchSampler(_SamplerBase):
             cfg["num_heads"] = self.cost.num_heads
         if self.cost.checkpointing != "all":   # likewise: states without the key planned every block checkpointed
             cfg["checkpointing"] = self.cost.checkpointing
+        if self.cost.checkpoint_attention != "recompute":   # likewise: states without it recomputed attention
+            cfg["checkpoint_attention"] = self.cost.checkpoint_attention
         return cfg
 
     def _order(self) -> np.ndarray:
@@ -384,7 +385,8 @@ class _PlannedBatchSampler(_SamplerBase):
             sparse = SparseAttentionCost.from_description(seg["sparse"]) if seg.get("sparse") else None
             cost = CostModel(Profile.from_dict(seg["profile"], where="sampler state"), seg["cost_mode"],
                              p=seg["p"], sp=seg["sp"], num_heads=seg.get("num_heads"), sparse=sparse,
-                             checkpointing=seg.get("checkpointing", "all"))
+                             checkpointing=seg.get("checkpointing", "all"),
+                             checkpoint_attention=seg.get("checkpoint_attention", "recompute"))
             uniq, sid = unique_shapes(self.shapes)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -517,7 +519,8 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
     if sparse is not None and num_layers is not None and sparse.densities.num_layers != profile.num_layers:
         sparse = sparse.with_densities(sparse.densities.with_num_layers(profile.num_layers))
     cost = CostModel(profile, sampler_cfg.cost_model, p=sampler_cfg.p, sp=layout.sp_size, num_heads=num_heads,
-                     sparse=sparse, checkpointing=checkpointing or sampler_cfg.checkpointing)
+                     sparse=sparse, checkpointing=checkpointing or sampler_cfg.checkpointing,
+                     checkpoint_attention=sampler_cfg.checkpoint_attention)
     budgets = resolve_budgets(
         mode=chosen, cost=cost, shapes=shapes, m_mem=sampler_cfg.m_mem, m_comp=sampler_cfg.m_comp,
         max_tokens=sampler_cfg.max_tokens, gpu_mem_gib=gpu_mem_gib or _detect_gpu_mem_gib(),

@@ -270,7 +270,9 @@ class ModelFamily:
     build_model: Callable[[Any], DiffusionTransformer]
     """``config -> model`` (under ``torch.device("meta")`` / ``deepspeed.zero.Init`` as the caller chooses)."""
     train_flops: Callable[..., tuple[float, float]]
-    """``(config, tokens, batch_size, ckpt_blocks) -> (model FLOPs, hardware FLOPs)`` of one micro-batch."""
+    """``(config, tokens, batch_size, ckpt_blocks, kept_attention=False) -> (model FLOPs, hardware FLOPs)`` of one
+    micro-batch; ``kept_attention``: the checkpointed blocks' recompute skips the self-attention core (a family
+    whose models cannot keep it need not take the keyword: it is only passed when True)."""
     param_counts: Callable[[Any], dict]
     """``config -> {"block": n, "total": n}`` (static memory of a profile)."""
     weights: Callable[[], WeightAdapter]
@@ -362,7 +364,10 @@ class Model:
         ref = self.config()
         return all(getattr(config, k, None) == getattr(ref, k) for k in ("in_channels", "patch_size", "text_dim"))
 
-    def flops(self, config: Any, tokens: int, batch_size: int, ckpt_blocks: int = 0) -> tuple[float, float]:
+    def flops(self, config: Any, tokens: int, batch_size: int, ckpt_blocks: int = 0,
+              kept_attention: bool = False) -> tuple[float, float]:
+        if kept_attention:
+            return self.family.train_flops(config, tokens, batch_size, ckpt_blocks, kept_attention=True)
         return self.family.train_flops(config, tokens, batch_size, ckpt_blocks)
 
     def param_counts(self, config: Any = None) -> dict:

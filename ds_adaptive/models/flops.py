@@ -11,7 +11,8 @@ and softmax left out, as in the usual MFU convention)::
 
 ``model FLOPs = 3 x forward`` (backward = 2 x forward); the recomputed forward of checkpointed blocks
 is excluded (MFU) or included (``hardware FLOPs = model + n_ckpt x (block linear + block attn)``,
-HFU). Under Ulysses each of the ``sp`` GPUs of a group does 1/sp of the sample's FLOPs.
+HFU; with ``checkpoint_attention: keep`` the recompute skips the self-attention core, ``4 S^2 D`` less per
+recomputed block). Under Ulysses each of the ``sp`` GPUs of a group does 1/sp of the sample's FLOPs.
 """
 from __future__ import annotations
 
@@ -29,9 +30,10 @@ def wan_block_flops(dim: int, ffn_dim: int, tokens: int, text_tokens: int = TEXT
 
 
 def wan_train_flops(cfg, tokens: int, batch_size: int, ckpt_blocks: int = 0,
-                    text_tokens: int = TEXT_TOKENS) -> tuple[float, float]:
+                    text_tokens: int = TEXT_TOKENS, *, kept_attention: bool = False) -> tuple[float, float]:
     """(model FLOPs, hardware FLOPs) of one training micro-batch (fwd + bwd, all GPUs of an SP group
-    together) of ``batch_size`` samples of ``tokens`` tokens with ``ckpt_blocks`` blocks recomputed.
+    together) of ``batch_size`` samples of ``tokens`` tokens with ``ckpt_blocks`` blocks recomputed
+    (without their self-attention core when ``kept_attention``).
     ``cfg`` is a ``WanConfig`` (dim, ffn_dim, num_layers, in_channels, patch_size, text_dim)."""
     d, s, t = float(cfg.dim), float(tokens), float(text_tokens)
     patch = float(cfg.in_channels * math.prod(cfg.patch_size))
@@ -40,7 +42,8 @@ def wan_train_flops(cfg, tokens: int, batch_size: int, ckpt_blocks: int = 0,
     fwd = cfg.num_layers * block + embed_head
     model = 3 * fwd * batch_size
     n = min(max(int(ckpt_blocks), 0), cfg.num_layers)
-    return model, model + n * block * batch_size
+    recomputed = block - (4 * s * s * d if kept_attention else 0.0)
+    return model, model + n * recomputed * batch_size
 
 
 def wan_param_counts(cfg) -> dict:

@@ -53,6 +53,7 @@ from einops import rearrange
 from torch.utils.checkpoint import checkpoint
 
 from ds_adaptive.models.family import ModelError, set_plain_attr
+from ds_adaptive.recompute import CHECKPOINT_ATTENTION_MODES, keep_attention_context, self_attention_core
 from ds_adaptive.models.rope import apply_rope, rope_table  # noqa: F401  (rope_table: part of this module's API)
 from ds_adaptive.models.wan21 import FAMILY as _WAN21
 # Plain torch by default: the fused op is opt-in (adaptive_load.fused_ln_modulate -> set_ln_modulate),
@@ -315,7 +316,8 @@ class WanSelfAttention(_Attention):
         else:
             q, k, v = self._qkv(x, x)
             q, k = apply_rope(q, freqs), apply_rope(k, freqs)
-        out = attn_fn(q, k, v, **attn_kwargs)
+        with self_attention_core():  # a ``keep`` checkpoint keeps this core's SDPA outputs (ds_adaptive.recompute)
+            out = attn_fn(q, k, v, **attn_kwargs)
         return self.o(out.reshape(x.shape[0], x.shape[1], -1).to(x.dtype))
 
 
@@ -446,6 +448,9 @@ class WanModel(nn.Module):
         # checkpoint_blocks (set_checkpoint_blocks) limits it to the first n blocks.
         self.gradient_checkpointing = False
         self.checkpoint_blocks: Optional[int] = None
+        # what a checkpointed block's backward recomputes: "recompute" all of it, "keep" all but the
+        # self-attention core (ds_adaptive.recompute; set_checkpoint_attention)
+        self.checkpoint_attention = "recompute"
         self.set_attention(None)
         self.set_token_order(None)
         self.set_ln_modulate(None)
@@ -518,6 +523,15 @@ class WanModel(nn.Module):
             raise WanConfigError(f"set_checkpoint_blocks: n must be an int >= 0 or None, got {n!r}")
         self.checkpoint_blocks = None if n is None else min(int(n), len(self.blocks))
 
+    def set_checkpoint_attention(self, mode: str) -> None:
+        """``sampler.checkpoint_attention``: ``recompute`` (a checkpointed block runs its whole forward again in
+        backward) or ``keep`` (it keeps its self-attention core's output and log-sum-exp and recomputes the
+        rest: :mod:`ds_adaptive.recompute`). Gradients are the same either way."""
+        if mode not in CHECKPOINT_ATTENTION_MODES:
+            raise WanConfigError(f"set_checkpoint_attention: mode must be one of {list(CHECKPOINT_ATTENTION_MODES)}, "
+                                 f"got {mode!r}")
+        self.checkpoint_attention = mode
+
     def checkpointed_blocks(self) -> int:
         """Blocks the next forward checkpoints (0 when grad is off)."""
         if not torch.is_grad_enabled():
@@ -567,9 +581,11 @@ class WanModel(nn.Module):
                 f"[{x.shape[1]}, {self.config.head_dim // 2}, 2]: shard model.rope(grid) along dim 0 "
                 "exactly like the tokens (same padding)")
         n_ckpt = self.checkpointed_blocks()
+        ctx = {"context_fn": keep_attention_context()} if self.checkpoint_attention == "keep" else {}
         for i, block in enumerate(self.blocks):
             if i < n_ckpt:
-                x = checkpoint(block, x, inputs.time_mod, inputs.context, freqs, use_reentrant=False, **attn_kwargs)
+                x = checkpoint(block, x, inputs.time_mod, inputs.context, freqs, use_reentrant=False, **ctx,
+                               **attn_kwargs)
             else:
                 x = block(x, inputs.time_mod, inputs.context, freqs, **attn_kwargs)
         return x

@@ -48,10 +48,10 @@ def build_model(config):
     return WanModel(config)
 
 
-def train_flops(config, tokens: int, batch_size: int, ckpt_blocks: int = 0):
+def train_flops(config, tokens: int, batch_size: int, ckpt_blocks: int = 0, kept_attention: bool = False):
     from ds_adaptive.models.flops import wan_train_flops
 
-    return wan_train_flops(config, tokens, batch_size, ckpt_blocks)
+    return wan_train_flops(config, tokens, batch_size, ckpt_blocks, kept_attention=kept_attention)
 
 
 def param_counts(config) -> dict:

@@ -1,0 +1,93 @@
+"""Selective activation checkpointing that keeps the self-attention core (``sampler.checkpoint_attention``).
+
+A checkpointed block normally keeps only its input and runs its whole forward again in backward. For
+video DiTs the expensive part of that recomputed forward is the self-attention core: on an H200, one
+Wan 1.3B block's recompute at 75,600 tokens is ~76 ms, ~58 ms of it the attention's ``b S^2`` term
+(the shipped profile's ``compute.recompute``), and the core's output is small (``[S, D]``, like the
+block's input). With ``keep``, the checkpoint region keeps the outputs of the fused SDPA op that
+self-attention calls (output and log-sum-exp: ``2 D + 4 H`` bytes per token of the local shard in bf16)
+and recomputes everything else (norms, q / k / v projections, RoPE, cross-attention, FFN), so the
+attention backward gets its q, k, v from the recompute and its output from the cache: the attention
+forward runs once per block instead of twice.
+
+Mechanism: torch's selective activation checkpointing (``create_selective_checkpoint_contexts``) with a
+policy that says ``MUST_SAVE`` for the fused SDPA ops while a block's *self*-attention core runs
+(:func:`self_attention_core`, entered by the block around its ``attn_fn`` call; the cross-attention's
+SDPA, linear in S, is recomputed) and ``PREFER_RECOMPUTE`` for every other op. The rule is per op,
+so it holds for every attention path that ends in a fused SDPA op: plain SDPA, Ulysses (the local
+attention inside DeepSpeed's ``DistributedAttention``), the dense layers of a sparse run. Paths that
+do not (the block-sparse Triton kernel, an SDPA math fallback with a mask) are recomputed as before;
+the cost model (``CostModel.ckpt_cost``) counts exactly that: the dense layers' recomputed quadratic
+part goes, a sparse layer's (``r_l`` of it) stays.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from typing import Callable, Iterator
+
+__all__ = ["CHECKPOINT_ATTENTION_MODES", "kept_attention_ops", "kept_attention_bytes_per_token",
+           "keep_attention_context", "self_attention_core"]
+
+#: ``sampler.checkpoint_attention``: ``recompute`` (the whole block again, the default) or ``keep``
+CHECKPOINT_ATTENTION_MODES = ("recompute", "keep")
+
+#: the fused SDPA ops whose outputs a checkpointed block keeps (CUDA: cuDNN, flash, memory-efficient; CPU: flash)
+_KEPT_OP_NAMES = ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention",
+                  "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu")
+
+_state = threading.local()
+
+
+@functools.lru_cache(maxsize=None)
+def kept_attention_ops() -> frozenset:
+    """The aten overloads of ``_KEPT_OP_NAMES`` this torch has (torch is imported here, not at module
+    import: the planner reads this module's constants without torch)."""
+    import torch
+
+    aten = torch.ops.aten
+    return frozenset(getattr(aten, n).default for n in _KEPT_OP_NAMES if hasattr(aten, n))
+
+
+def kept_attention_bytes_per_token(dim: int, num_heads: int, act_bytes: int = 2) -> int:
+    """Bytes a checkpointed block keeps in addition to its input, per token of the local shard: the
+    attention output (``dim`` values in the activation dtype) and its log-sum-exp (fp32 per head). Under
+    Ulysses a rank holds all S tokens of H / sp heads, the same bytes as S / sp tokens of all heads."""
+    return int(dim) * int(act_bytes) + 4 * int(num_heads)
+
+
+@contextlib.contextmanager
+def self_attention_core() -> Iterator[None]:
+    """Marks the self-attention core's call (the block wraps ``attn_fn(q, k, v)`` in it): the fused SDPA
+    ops that run inside are the ones a ``keep`` checkpoint keeps. Cheap: a thread-local counter."""
+    _state.depth = getattr(_state, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _state.depth -= 1
+
+
+def _in_self_attention() -> bool:
+    return getattr(_state, "depth", 0) > 0
+
+
+def _policy(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if op in kept_attention_ops() and _in_self_attention():
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@functools.lru_cache(maxsize=None)
+def _context_fn() -> Callable:
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return functools.partial(create_selective_checkpoint_contexts, _policy)
+
+
+def keep_attention_context() -> Callable:
+    """The ``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` that keeps
+    the self-attention core's SDPA outputs (module docstring)."""
+    return _context_fn()
