@@ -49,6 +49,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from sparse_quality_curves import steps_to_loss  # noqa: E402
+
 ARMS = ("dense", "sparse")
 
 
@@ -256,6 +259,8 @@ def summarize(hist: dict, recall: list[dict], stage1: int) -> dict:
          "recall_random_natural": mean("rec_random_natural")}
     s["train_within_2pct"] = abs(s["train_ratio"] - 1) <= 0.02
     s["eval_within_2pct"] = abs(s["eval_ratio"] - 1) <= 0.02
+    # the gap in steps: while the curves still fall, a lead of a few dozen steps is a 10% last-window ratio
+    s["steps_to_loss"] = steps_to_loss(hist["dense"]["loss"], hist["sparse"]["loss"])
     return s
 
 
@@ -307,6 +312,10 @@ def print_table(s: dict, recall: list[dict], density: float) -> None:
     st = s["median_stage2_step_s"]
     print(f"| median stage-2 step time (s) | {st['dense']:.4f} | {st['sparse']:.4f} | {st['sparse'] / st['dense']:.3f} |")
     print(f"\nwithin 2%: training {s['train_within_2pct']}, held-out {s['eval_within_2pct']}")
+    lead = s["steps_to_loss"]
+    print(f"sparse lead (steps to the dense arm's last-window losses): median {lead['lead_median']}, range "
+          f"{lead['lead_range']}; the dense loss still falls {lead['dense_drop_per_100_steps']:.3f} per 100 steps "
+          "(bench/sparse_quality_curves.py compares runs)")
     print("\n| sparse layer | tokens | natural density (held-out) | natural density (profiled) | "
           f"recall @ {density} | recall @ natural | random @ natural |")
     print("|---:|---|---:|---:|---:|---:|---:|")
