@@ -10,15 +10,24 @@ and recomputes everything else (norms, q / k / v projections, RoPE, cross-attent
 attention backward gets its q, k, v from the recompute and its output from the cache: the attention
 forward runs once per block instead of twice.
 
-Mechanism: torch's selective activation checkpointing (``create_selective_checkpoint_contexts``) with a
-policy that says ``MUST_SAVE`` for the fused SDPA ops while a block's *self*-attention core runs
-(:func:`self_attention_core`, entered by the block around its ``attn_fn`` call; the cross-attention's
-SDPA, linear in S, is recomputed) and ``PREFER_RECOMPUTE`` for every other op. The rule is per op,
-so it holds for every attention path that ends in a fused SDPA op: plain SDPA, Ulysses (the local
-attention inside DeepSpeed's ``DistributedAttention``), the dense layers of a sparse run. Paths that
-do not (the block-sparse Triton kernel, an SDPA math fallback with a mask) are recomputed as before;
-the cost model (``CostModel.ckpt_cost``) counts exactly that: the dense layers' recomputed quadratic
-part goes, a sparse layer's (``r_l`` of it) stays.
+Mechanism: the checkpoint's ``context_fn`` gives a pair of torch dispatch modes (the idea of torch's
+selective activation checkpointing, restricted to the ops it keeps). In the forward, :class:`_KeepAttention`
+stores (detached) the outputs of every fused SDPA op that runs while a block's *self*-attention core runs
+(:func:`self_attention_core`, entered by the block around its ``attn_fn`` call; the cross-attention's SDPA,
+linear in S, is recomputed). In the recompute, :class:`_ReuseAttention` answers the same calls, in the same
+order, from that store instead of running them; autograd records the op's backward with the recomputed
+q, k, v and the kept output and log-sum-exp, exactly as for a first forward. Every other op runs in both
+passes untouched, and nothing else is counted: torch's own selective checkpointing
+(``create_selective_checkpoint_contexts``) requires the recompute to issue every op the same number of times
+as the forward, which ZeRO-3's parameter gathers inside a block (prefetched in the forward, fetched in the
+recompute) do not (a CPU run with 2 ranks failed with "aten.cat.out invocation index 11 encountered during
+backward but not found in storage"). The rule is per op, so it holds for every attention path that ends in a
+fused SDPA op: plain SDPA, Ulysses (the local attention inside DeepSpeed's ``DistributedAttention``; its
+all-to-alls run again in the recompute), the dense layers of a sparse run. Paths that do not (the
+block-sparse Triton kernel, an SDPA math fallback with a mask) are recomputed as before; the cost model
+(``CostModel.ckpt_cost``) counts exactly that: the dense layers' recomputed quadratic part goes, a sparse
+layer's (``r_l`` of it) stays. The two modes see every op of a checkpointed block (a Python call each, a few
+microseconds): host time that a GPU-bound step hides.
 """
 from __future__ import annotations
 
@@ -72,22 +81,84 @@ def _in_self_attention() -> bool:
     return getattr(_state, "depth", 0) > 0
 
 
-def _policy(ctx, op, *args, **kwargs):
-    from torch.utils.checkpoint import CheckpointPolicy
+def _detached(out):
+    import torch
+    from torch.utils._pytree import tree_map
 
-    if op in kept_attention_ops() and _in_self_attention():
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
+    return tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, out)
+
+
+def _dispatch_mode():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
+
+
+class _KeptStore:
+    """The kept outputs of one checkpointed call, in call order (freed as the recompute takes them)."""
+
+    def __init__(self) -> None:
+        self.outputs: list = []
+        self.taken = 0
 
 
 @functools.lru_cache(maxsize=None)
-def _context_fn() -> Callable:
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+def _modes() -> tuple:
+    """(forward mode class, recompute mode class): built on first use, so that importing this module needs no torch."""
+    base = _dispatch_mode()
 
-    return functools.partial(create_selective_checkpoint_contexts, _policy)
+    class _KeepAttention(base):
+        """Forward of a checkpointed block: runs every op, keeps the self-attention core's SDPA outputs."""
+
+        def __init__(self, store: _KeptStore) -> None:
+            super().__init__()
+            self.store = store
+
+        @classmethod
+        def ignore_compile_internals(cls) -> bool:
+            return True   # compiled block pieces (block_fusion) run as they are
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in kept_attention_ops() and _in_self_attention():
+                self.store.outputs.append(_detached(out))
+            return out
+
+    class _ReuseAttention(base):
+        """Recompute of a checkpointed block: the self-attention core's SDPA calls take the kept outputs."""
+
+        def __init__(self, store: _KeptStore) -> None:
+            super().__init__()
+            self.store = store
+
+        @classmethod
+        def ignore_compile_internals(cls) -> bool:
+            return True
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in kept_attention_ops() and _in_self_attention():
+                st = self.store
+                if st.taken >= len(st.outputs):
+                    raise RuntimeError(
+                        f"checkpoint_attention keep: the recompute of a checkpointed block called its self-attention "
+                        f"core {st.taken + 1} time(s), its forward {len(st.outputs)}: the block's forward must make "
+                        "the same attention calls both times (set adaptive_load.sampler.checkpoint_attention to "
+                        "'recompute' for a model that does not)")
+                out, st.outputs[st.taken] = st.outputs[st.taken], None
+                st.taken += 1
+                return out
+            return func(*args, **(kwargs or {}))
+
+    return _KeepAttention, _ReuseAttention
+
+
+def _contexts():
+    keep, reuse = _modes()
+    store = _KeptStore()
+    return keep(store), reuse(store)
 
 
 def keep_attention_context() -> Callable:
     """The ``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` that keeps
-    the self-attention core's SDPA outputs (module docstring)."""
-    return _context_fn()
+    the self-attention core's SDPA outputs (module docstring): a fresh (forward, recompute) mode pair per call."""
+    return _contexts

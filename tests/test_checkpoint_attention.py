@@ -177,3 +177,26 @@ def test_config_rejects_an_unknown_mode_naming_the_key():
 
     with pytest.raises(Exception, match="checkpoint_attention"):
         AdaptiveLoadConfig.model_validate({"enabled": True, "sampler": {"checkpoint_attention": "save"}})
+
+
+def test_the_recompute_takes_the_kept_outputs_in_order_and_names_a_mismatch():
+    """The mode pair directly: only the self-attention core's SDPA calls are kept; a recompute that makes more
+    such calls than its forward is an error that says what to do (not a silent recompute with other outputs)."""
+    import torch.nn.functional as F
+
+    from ds_adaptive.recompute import keep_attention_context, self_attention_core
+
+    q, k, v = (torch.randn(1, 2, 9, 4, dtype=torch.float64) for _ in range(3))
+    keep, reuse = keep_attention_context()()
+    with keep:
+        F.scaled_dot_product_attention(q, k, v)                       # outside the core: not kept
+        with self_attention_core():
+            first = F.scaled_dot_product_attention(q, k, v)
+            second = F.scaled_dot_product_attention(q * 2, k, v)
+    assert keep.store.outputs and len(keep.store.outputs) == 2
+    with reuse, self_attention_core():
+        a = F.scaled_dot_product_attention(torch.zeros_like(q), k, v)   # answered from the store, not computed
+        b = F.scaled_dot_product_attention(q, k, v)
+        assert torch.equal(a, first) and torch.equal(b, second)
+        with pytest.raises(RuntimeError, match="called its self-attention core 3 time"):
+            F.scaled_dot_product_attention(q, k, v)

@@ -13,8 +13,9 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "launch" / "configs"
 
 
-def _config(tmp_path: Path, sparse: dict, fixed: bool = False) -> Path:
+def _config(tmp_path: Path, sparse: dict, fixed: bool = False, name: str = "sparse.json", **sampler) -> Path:
     cfg = json.loads((CONFIGS / "cpu_tiny.json").read_text())
+    cfg["adaptive_load"]["sampler"].update(sampler)
     cfg["adaptive_load"]["fused_ln_modulate"] = False
     cfg["adaptive_load"]["sampler"]["shapes"] = str(CONFIGS / "shapes_cpu.json")
     if fixed:
@@ -23,7 +24,7 @@ def _config(tmp_path: Path, sparse: dict, fixed: bool = False) -> Path:
             mode="fixed", m_mem=2.0, fixed_batch_sizes={f"{s['frames']}x{s['height']}x{s['width']}": 2 for s in shapes})
     cfg["adaptive_load"]["sparse_attention"] = {"enabled": True, "block_size": 32, "cube": [1, 4, 8],
                                                 "backend": "reference", **sparse}
-    path = tmp_path / "sparse.json"
+    path = tmp_path / name
     path.write_text(json.dumps(cfg))
     return path
 
@@ -63,3 +64,10 @@ def test_sparse_sp2_trains_like_sp1(tmp_path, run_ranks) -> None:
     sp1, sp2 = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("sp1", "sp2"))
     assert sp2["samples"] == sp1["samples"] and sp2["losses"] == pytest.approx(sp1["losses"], rel=1e-4)
     assert sp1["sparse_attention"]["sparse_layers"] == 1 and sp2["sparse_attention"]["sparse_layers"] == 1
+    # checkpointed blocks that keep their attention (the dense layer's SDPA; the sparse layer recomputes): same run
+    keep = _config(tmp_path, {"forced_density": 0.5, "dense_layers": [0]}, fixed=True, name="keep.json",
+                   checkpoint_attention="keep")
+    run_ranks(_argv("--deepspeed_config", str(keep), *common[2:], "--sp", "2", "--log-dir", "sp2keep"), 2,
+              cwd=tmp_path, timeout=240)
+    sp2keep = json.loads((tmp_path / "sp2keep" / "summary.json").read_text())
+    assert sp2keep["samples"] == sp1["samples"] and sp2keep["losses"] == pytest.approx(sp1["losses"], rel=1e-4)

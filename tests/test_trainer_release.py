@@ -83,7 +83,7 @@ STACK_SCRIPT = textwrap.dedent("""
 def test_checkpointed_recomputes_leave_nothing_on_deepspeeds_forward_stack(tmp_path, attention):
     """Every block checkpointed: the early-stopped recomputes skip ZeRO-3's post-forward pop; the trainer drops
     the leftovers after each micro-batch (the stack grew by one entry per checkpointed block per micro-step).
-    The same with ``checkpoint_attention: keep`` (selective checkpointing under ZeRO-3's hooks): finite losses."""
+    The same with ``checkpoint_attention: keep`` (its dispatch modes under ZeRO-3's hooks): finite losses."""
     script = tmp_path / "stack.py"
     script.write_text(STACK_SCRIPT)
     argv = [str(script), str(CONFIGS / "cpu_tiny.json"), str(CONFIGS / "shapes_cpu.json"), str(tmp_path / "logs"),
