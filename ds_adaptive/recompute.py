@@ -105,11 +105,7 @@ class _KeptStore:
 @functools.lru_cache(maxsize=None)
 def _modes() -> tuple:
     """(forward mode class, recompute mode class): built on first use, so that importing this module needs no torch."""
-    base = _dispatch_mode()
-
-    class _KeepAttention(base):
-        """Forward of a checkpointed block: runs every op, keeps the self-attention core's SDPA outputs."""
-
+    class _StoreMode(_dispatch_mode()):
         def __init__(self, store: _KeptStore) -> None:
             super().__init__()
             self.store = store
@@ -118,22 +114,17 @@ def _modes() -> tuple:
         def ignore_compile_internals(cls) -> bool:
             return True   # compiled block pieces (block_fusion) run as they are
 
+    class _KeepAttention(_StoreMode):
+        """Forward of a checkpointed block: runs every op, keeps the self-attention core's SDPA outputs."""
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             if func in kept_attention_ops() and _in_self_attention():
                 self.store.outputs.append(_detached(out))
             return out
 
-    class _ReuseAttention(base):
+    class _ReuseAttention(_StoreMode):
         """Recompute of a checkpointed block: the self-attention core's SDPA calls take the kept outputs."""
-
-        def __init__(self, store: _KeptStore) -> None:
-            super().__init__()
-            self.store = store
-
-        @classmethod
-        def ignore_compile_internals(cls) -> bool:
-            return True
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func in kept_attention_ops() and _in_self_attention():
