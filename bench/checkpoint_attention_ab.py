@@ -29,6 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 CONFIG = ROOT / "launch" / "configs" / "zero3_adaptive.json"
 PROFILE = "h200-wan2.1-1.3b"
@@ -43,9 +44,22 @@ def arm_config(arm: str, args, log_dir: str = "runs/ckpt_attention") -> dict:
     s = cfg["adaptive_load"]["sampler"]
     s["profile"], s["m_comp"], s["checkpoint_attention"] = args.profile, _auto_or_num(args.m_comp), arm
     if args.shapes:
-        s["shapes"] = str(Path(args.shapes).resolve())
+        s["shapes"] = args.shapes
     cfg["adaptive_load"]["metrics"].update(interval=1, log_dir=log_dir)
     return cfg
+
+
+def resolve_shapes(args, where: Path) -> None:
+    """``--shapes long`` -> the long-video mix of bench/sparse_train_ab.py written to ``where``; a path -> absolute."""
+    if args.shapes == "long":
+        from sparse_train_ab import LONG_MIX
+
+        where.mkdir(parents=True, exist_ok=True)
+        path = where / "shapes_long.json"
+        path.write_text(json.dumps({"description": "long-video mix (bench/sparse_train_ab.py)", "shapes": LONG_MIX}))
+        args.shapes = str(path)
+    elif args.shapes:
+        args.shapes = str(Path(args.shapes).resolve())
 
 
 def _auto_or_num(v: str):
@@ -86,6 +100,9 @@ def plan_arm(cfg: dict, model: str, num_samples: int, world: int, gpu_mem_gib: f
 
 
 def cmd_plan(args) -> dict:
+    import tempfile
+
+    resolve_shapes(args, Path(tempfile.mkdtemp(prefix="ckpt_attention_plan_")))
     out = {}
     for arm in ARMS:
         out[arm] = plan_arm(arm_config(arm, args), args.model, args.num_samples, args.world, args.gpu_mem_gib)
@@ -108,6 +125,7 @@ def cmd_plan(args) -> dict:
 def cmd_prepare(args) -> None:
     d = Path(args.dir)
     d.mkdir(parents=True, exist_ok=True)
+    resolve_shapes(args, d)
     for arm in ARMS:
         cfg = arm_config(arm, args, str(d / "runs" / arm))
         (d / f"config_{arm}.json").write_text(json.dumps(cfg, indent=1))
@@ -145,7 +163,6 @@ def _arm_figures(d: Path, cost) -> dict:
 
 
 def cmd_report(args) -> dict:
-    sys.path.insert(0, str(ROOT / "bench"))
     from ds_adaptive.balance.cost import CostModel
 
     runs = Path(args.runs)
@@ -186,7 +203,8 @@ def main(argv=None) -> int:
         a.add_argument("--model", default="wan2.1-1.3b")
         a.add_argument("--config", default=str(CONFIG), help="the base ds_config (default: the shipped job's)")
         a.add_argument("--profile", default=PROFILE, help="sampler.profile of both arms (a shipped name or a json)")
-        a.add_argument("--shapes", default=None, help="sampler.shapes: a shape-mix json (default: the model's mix)")
+        a.add_argument("--shapes", default=None, help="sampler.shapes: a shape-mix json, or 'long' (81x480x832, 49x720x1280, 81x720x1280); default: "
+                            "the model's mix")
         a.add_argument("--num-samples", type=int, default=120, help="the epoch both arms train")
         a.add_argument("--m-comp", default="auto", help="compute budget per micro-batch, ms (above the costliest sample's B=1 cost: ~9,900 for the default mix), or auto (the shipped job)")
         a.add_argument("--gas", default="auto", help="micro-steps per optimizer step, or auto (the shipped job)")

@@ -184,12 +184,10 @@ do_levers() {  # trainer A/B of block fusion and ZeRO-3 settings on one pinned p
     --out "$OUT/levers.json"
 }
 do_keepattn() {  # sampler.checkpoint_attention keep vs recompute: one epoch of the same samples per arm (long-video
-  # mix by default: where the plan checkpoints blocks; KEEPATTN_ARGS e.g. "--m-comp 10000 --gas 1" or "--shapes ''")
+  # mix by default: where the plan checkpoints blocks; KEEPATTN_ARGS e.g. "--m-comp 10000 --gas 1 --shapes ''")
   local w="$OUT/keepattn"
-  printf '%s' '{"description": "long-video mix", "shapes": [{"frames": 81, "height": 480, "width": 832, "weight": 1.0}, {"frames": 49, "height": 720, "width": 1280, "weight": 1.0}, {"frames": 81, "height": 720, "width": 1280, "weight": 1.0}]}' \
-    > "$OUT/shapes_long.json"
-  python3 bench/checkpoint_attention_ab.py prepare --dir "$w" --num-samples "${KEEPATTN_SAMPLES:-40}" \
-    --shapes "$OUT/shapes_long.json" ${KEEPATTN_ARGS:-} | while read -r cmd; do
+  python3 bench/checkpoint_attention_ab.py prepare --dir "$w" --num-samples "${KEEPATTN_SAMPLES:-40}" --shapes long \
+    ${KEEPATTN_ARGS:-} | while read -r cmd; do
       arm=${cmd##*/}; echo "arm $arm"; eval "$cmd" </dev/null >"$w/$arm.log" 2>&1 || tail -n 20 "$w/$arm.log"
     done
   python3 bench/checkpoint_attention_ab.py report --runs "$w/runs" --out "$OUT/checkpoint_attention_ab.json"
