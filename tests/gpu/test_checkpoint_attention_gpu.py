@@ -1,0 +1,86 @@
+"""Guards `sampler.checkpoint_attention: keep` on a GPU, bf16, with each fused SDPA backend torch picks there (cuDNN,
+flash, memory-efficient): the self-attention core runs once per checkpointed block in backward, the gradients equal
+the recompute's, and the extra memory a checkpointed block holds is what the cost model counts."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ds_adaptive.models.wan import WanModel, get_wan_config
+from ds_adaptive.recompute import kept_attention_bytes_per_token, kept_attention_ops
+
+BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION}
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func in kept_attention_ops()
+        return func(*args, **(kwargs or {}))
+
+
+def _model(layers: int = 4) -> WanModel:
+    torch.manual_seed(0)
+    cfg = get_wan_config("tiny", num_layers=layers, dim=256, num_heads=2, ffn_dim=512)   # head dim 128, as Wan's
+    return WanModel(cfg).to("cuda", torch.bfloat16)
+
+
+def _inputs(frames=5, h=30, w=52):   # 5 x 15 x 26 = 1,950 tokens (not a multiple of any tile)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    lat = torch.randn(1, 16, frames, h, w, generator=g, device="cuda", dtype=torch.bfloat16)
+    t = torch.tensor([420.0], device="cuda")
+    ctx = torch.randn(1, 11, 4096, generator=g, device="cuda", dtype=torch.bfloat16)
+    return lat, t, ctx
+
+
+def _step(model, mode, n, backend, count=False):
+    m = copy.deepcopy(model)
+    m.set_checkpoint_attention(mode)
+    m.set_checkpoint_blocks(n)
+    lat, t, ctx = _inputs()
+    with sdpa_kernel([BACKENDS[backend], SDPBackend.MATH]):
+        loss = m(lat, t, ctx).float().square().mean()
+        counter = _Count()
+        if count:
+            with counter:
+                loss.backward()
+        else:
+            loss.backward()
+    torch.cuda.synchronize()
+    return loss.detach(), [p.grad.float() for p in m.parameters()], counter.calls
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_keep_runs_the_self_attention_once_with_the_recompute_gradients(backend):
+    model = _model()
+    ref_loss, ref_grads, rec_calls = _step(model, "recompute", 4, backend, count=True)
+    loss, grads, keep_calls = _step(model, "keep", 4, backend, count=True)
+    assert rec_calls == 8 and keep_calls == 4, (rec_calls, keep_calls)   # only the cross-attention runs again
+    assert torch.equal(loss, ref_loss)
+    for a, b in zip(grads, ref_grads):   # the same kernels on the same inputs: equal up to atomics in bf16 backward
+        assert (a - b).norm() <= 1e-2 * b.norm() + 1e-6
+
+
+def test_keep_holds_the_counted_bytes_per_checkpointed_block():
+    """Peak memory of a step with every block checkpointed: keep - recompute is at most the kept bytes of the
+    blocks (output + log-sum-exp per token) plus allocator rounding, and the step still fits."""
+    model = _model(layers=6)
+    dim, heads = model.config.dim, model.config.num_heads
+    tokens = 5 * 15 * 26
+    peaks = {}
+    for mode in ("recompute", "keep"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        _step(model, mode, 6, "cudnn")
+        peaks[mode] = torch.cuda.max_memory_allocated() - base
+    kept = 6 * kept_attention_bytes_per_token(dim, heads) * tokens
+    assert peaks["keep"] - peaks["recompute"] <= kept + 6 * 2 * 2**20, (peaks, kept)
