@@ -10,31 +10,29 @@ and recomputes everything else (norms, q / k / v projections, RoPE, cross-attent
 attention backward gets its q, k, v from the recompute and its output from the cache: the attention
 forward runs once per block instead of twice.
 
-Mechanism: the checkpoint's ``context_fn`` gives a pair of torch dispatch modes (the idea of torch's
-selective activation checkpointing, restricted to the ops it keeps). In the forward, :class:`_KeepAttention`
-stores (detached) the outputs of every fused SDPA op that runs while a block's *self*-attention core runs
-(:func:`self_attention_core`, entered by the block around its ``attn_fn`` call; the cross-attention's SDPA,
-linear in S, is recomputed). In the recompute, :class:`_ReuseAttention` answers the same calls, in the same
-order, from that store instead of running them; autograd records the op's backward with the recomputed
-q, k, v and the kept output and log-sum-exp, exactly as for a first forward. Every other op runs in both
-passes untouched, and nothing else is counted: torch's own selective checkpointing
-(``create_selective_checkpoint_contexts``) requires the recompute to issue every op the same number of times
-as the forward, which ZeRO-3's parameter gathers inside a block (prefetched in the forward, fetched in the
-recompute) do not (a CPU run with 2 ranks failed with "aten.cat.out invocation index 11 encountered during
-backward but not found in storage"). The rule is per op, so it holds for every attention path that ends in a
-fused SDPA op: plain SDPA, Ulysses (the local attention inside DeepSpeed's ``DistributedAttention``; its
-all-to-alls run again in the recompute), the dense layers of a sparse run. Paths that do not (the
-block-sparse Triton kernel, an SDPA math fallback with a mask) are recomputed as before; the cost model
-(``CostModel.ckpt_cost``) counts exactly that: the dense layers' recomputed quadratic part goes, a sparse
-layer's (``r_l`` of it) stays. The two modes see every op of a checkpointed block (a Python call each, a few
-microseconds): host time that a GPU-bound step hides.
+Mechanism: the checkpoint's ``context_fn`` gives a pair of pass markers (:class:`_Phase`, ``keep`` for the
+forward, ``reuse`` for the recompute) over one store; they only mark the pass (thread-local). The block enters
+:func:`self_attention_core` around its ``attn_fn`` call, and only there a torch dispatch mode runs: in the
+forward it stores (detached) the outputs of every fused SDPA op the core calls; in the recompute it answers the
+same calls, in the same order, from that store instead of running them, and autograd records the op's backward
+with the recomputed q, k, v and the kept output and log-sum-exp, exactly as for a first forward. Every other op of
+the block runs in both passes untouched and without a Python hop; the cross-attention's SDPA (linear in S) is
+recomputed. torch's own selective checkpointing (``create_selective_checkpoint_contexts``) was the first version:
+it counts every op of the region and needs the recompute to issue the same sequence, which ZeRO-3's parameter
+gathers inside a block (prefetched in the forward, fetched in the recompute) do not (a CPU run with 2 ranks
+failed with "aten.cat.out invocation index 11 encountered during backward but not found in storage"). The rule is
+per op, so it holds for every attention path that ends in a fused SDPA op: plain SDPA, Ulysses (the local
+attention inside DeepSpeed's ``DistributedAttention``; its all-to-alls run again in the recompute), the dense
+layers of a sparse run. Paths that do not (the block-sparse Triton kernel, an SDPA math fallback with a mask) are
+recomputed as before; the cost model (``CostModel.ckpt_cost``) counts exactly that: the dense layers' recomputed
+quadratic part goes, a sparse layer's (``r_l`` of it) stays.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import threading
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 __all__ = ["CHECKPOINT_ATTENTION_MODES", "kept_attention_ops", "kept_attention_bytes_per_token",
            "keep_attention_context", "self_attention_core"]
@@ -66,19 +64,45 @@ def kept_attention_bytes_per_token(dim: int, num_heads: int, act_bytes: int = 2)
     return int(dim) * int(act_bytes) + 4 * int(num_heads)
 
 
+class _Phase:
+    """A checkpointed call's pass (``keep``: its forward, ``reuse``: its recompute) over its store: entered by
+    ``torch.utils.checkpoint`` around the block's forward / recompute. Only marks the pass (thread-local): the
+    dispatch mode runs inside :func:`self_attention_core` alone, so no other op of the block goes through Python."""
+
+    def __init__(self, store: "_KeptStore", pass_: str) -> None:
+        self.store, self.pass_ = store, pass_
+
+    def __enter__(self) -> "_Phase":
+        stack = getattr(_state, "phases", None)
+        if stack is None:
+            stack = _state.phases = []
+        stack.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _state.phases.pop()
+
+
+def _active_phase() -> "Optional[_Phase]":
+    stack = getattr(_state, "phases", None)
+    return stack[-1] if stack else None
+
+
 @contextlib.contextmanager
 def self_attention_core() -> Iterator[None]:
-    """Marks the self-attention core's call (the block wraps ``attn_fn(q, k, v)`` in it): the fused SDPA
-    ops that run inside are the ones a ``keep`` checkpoint keeps. Cheap: a thread-local counter."""
-    _state.depth = getattr(_state, "depth", 0) + 1
-    try:
+    """Wraps the self-attention core's call (the block's ``attn_fn(q, k, v)``). Inside a ``keep`` checkpoint's
+    forward the fused SDPA ops that run here are kept; inside its recompute they are answered from what was kept.
+    Elsewhere (no checkpoint, ``recompute``, no grad) it does nothing."""
+    phase = _active_phase()
+    if phase is None:
         yield
+        return
+    _state.phases.append(None)   # what runs inside the core (Ulysses, sparse runtime) sees no checkpoint phase
+    try:
+        with _modes()[phase.pass_](phase.store):
+            yield
     finally:
-        _state.depth -= 1
-
-
-def _in_self_attention() -> bool:
-    return getattr(_state, "depth", 0) > 0
+        _state.phases.pop()
 
 
 def _detached(out):
@@ -103,8 +127,9 @@ class _KeptStore:
 
 
 @functools.lru_cache(maxsize=None)
-def _modes() -> tuple:
-    """(forward mode class, recompute mode class): built on first use, so that importing this module needs no torch."""
+def _modes() -> dict:
+    """{pass: dispatch mode class} (``keep``: forward, ``reuse``: recompute), built on first use, so that importing
+    this module needs no torch. A mode is active only while a self-attention core runs."""
     class _StoreMode(_dispatch_mode()):
         def __init__(self, store: _KeptStore) -> None:
             super().__init__()
@@ -112,22 +137,22 @@ def _modes() -> tuple:
 
         @classmethod
         def ignore_compile_internals(cls) -> bool:
-            return True   # compiled block pieces (block_fusion) run as they are
+            return True   # a compiled attention path runs as it is
 
     class _KeepAttention(_StoreMode):
-        """Forward of a checkpointed block: runs every op, keeps the self-attention core's SDPA outputs."""
+        """Forward of a checkpointed block's attention core: runs every op, keeps the fused SDPA outputs."""
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            if func in kept_attention_ops() and _in_self_attention():
+            if func in kept_attention_ops():
                 self.store.outputs.append(_detached(out))
             return out
 
     class _ReuseAttention(_StoreMode):
-        """Recompute of a checkpointed block: the self-attention core's SDPA calls take the kept outputs."""
+        """Recompute of a checkpointed block's attention core: the fused SDPA calls take the kept outputs."""
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func in kept_attention_ops() and _in_self_attention():
+            if func in kept_attention_ops():
                 st = self.store
                 if st.taken >= len(st.outputs):
                     raise RuntimeError(
@@ -140,16 +165,15 @@ def _modes() -> tuple:
                 return out
             return func(*args, **(kwargs or {}))
 
-    return _KeepAttention, _ReuseAttention
+    return {"keep": _KeepAttention, "reuse": _ReuseAttention}
 
 
-def _contexts():
-    keep, reuse = _modes()
+def _contexts() -> tuple:
     store = _KeptStore()
-    return keep(store), reuse(store)
+    return _Phase(store, "keep"), _Phase(store, "reuse")
 
 
 def keep_attention_context() -> Callable:
     """The ``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` that keeps
-    the self-attention core's SDPA outputs (module docstring): a fresh (forward, recompute) mode pair per call."""
+    the self-attention core's SDPA outputs (module docstring): a fresh (forward, recompute) pair per call."""
     return _contexts
