@@ -9,27 +9,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ds_adaptive.balance.cost import GIB, CostModel
 from ds_adaptive.balance.sparse import DensityMap, SparseAttentionCost
-from ds_adaptive.recompute import kept_attention_bytes_per_token, kept_attention_ops
+from ds_adaptive.models.testing import AttentionCalls
 from ds_adaptive.models.wan import WanConfigError, WanModel, get_wan_config
+from ds_adaptive.recompute import kept_attention_bytes_per_token
 
 ROOT = Path(__file__).resolve().parents[1]
 H200 = "h200-wan2.1-1.3b"
-
-
-class _CountAttention(TorchDispatchMode):
-    """Counts the fused SDPA calls (self- and cross-attention) that reach the kernels."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls += func in kept_attention_ops()
-        return func(*args, **(kwargs or {}))
 
 
 def _inputs(channels: int, per_token: bool):
@@ -50,7 +38,7 @@ def _train_step(model, mode: str, n: int, per_token: bool):
     m.set_checkpoint_blocks(n)
     lat, t, ctx = _inputs(m.config.in_channels, per_token)
     loss = (m(lat, t, ctx) ** 2).mean()
-    counter = _CountAttention()
+    counter = AttentionCalls()
     with counter:
         loss.backward()
     return loss.detach(), [p.grad for p in m.parameters()], counter.calls

@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import warnings
 from typing import Any, Iterator, Mapping, Optional, Sequence
 

@@ -48,3 +48,30 @@ def diffusers_twin(model: WanModel, dtype: torch.dtype = torch.float32):
         if not any(k in name.split(".") for k in keep):
             p.data = p.data.to(dtype)
     return twin
+
+
+class AttentionCalls:
+    """Counts the fused SDPA calls that reach a kernel while entered (``with AttentionCalls() as c: ...;
+    c.calls``): how many attention forwards a backward recomputes (``sampler.checkpoint_attention``)."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        from ds_adaptive.recompute import kept_attention_ops
+
+        counter = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                counter.calls += func in kept_attention_ops()
+                return func(*args, **(kwargs or {}))
+
+        self.calls = 0
+        self._mode = _Mode()
+
+    def __enter__(self) -> "AttentionCalls":
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)

@@ -8,23 +8,13 @@ import copy
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from ds_adaptive.models.testing import AttentionCalls
 from ds_adaptive.models.wan import WanModel, get_wan_config
-from ds_adaptive.recompute import kept_attention_bytes_per_token, kept_attention_ops
+from ds_adaptive.recompute import kept_attention_bytes_per_token
 
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION}
-
-
-class _Count(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls += func in kept_attention_ops()
-        return func(*args, **(kwargs or {}))
 
 
 def _model(layers: int = 4) -> WanModel:
@@ -48,7 +38,7 @@ def _step(model, mode, n, backend, count=False):
     lat, t, ctx = _inputs()
     with sdpa_kernel([BACKENDS[backend], SDPBackend.MATH]):
         loss = m(lat, t, ctx).float().square().mean()
-        counter = _Count()
+        counter = AttentionCalls()
         if count:
             with counter:
                 loss.backward()
