@@ -1,0 +1,34 @@
+"""Guards bench/loop_overheads.py: the recorded trainer runs are re-costed and fitted (wall = k cost + per-micro-step
++ per-step terms), and the fit reproduces a planted loop."""
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from conftest import ROOT
+
+_spec = importlib.util.spec_from_file_location("loop_overheads", ROOT / "bench" / "loop_overheads.py")
+lo = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(lo)
+
+
+def test_recorded_runs_are_recosted_and_fitted(tmp_path):
+    assert lo.main(["--out", str(tmp_path / "o.json")]) == 0
+    res = json.loads((tmp_path / "o.json").read_text())
+    assert set(res["runs"]) == {"default_dense.json", "long_dense.json", "mem16c/metrics_adaptive_auto.jsonl"}
+    for t in res["runs"].values():   # the wall holds the compute window, which holds more than the calibrated cost
+        assert t["wall_over_cost"] > t["compute_over_cost"] > 1.0 and t["outside_compute_ms_per_step"] > 0
+    assert res["fit"]["steps"] == sum(t["steps"] for t in res["runs"].values())
+    assert res["shipped"]["optimizer_step_ms"] > 0
+
+
+def test_the_fit_recovers_a_planted_loop():
+    from memory_report import fit_overheads  # bench/ is on sys.path once loop_overheads is loaded
+
+    rows = [{"cost_ms": c, "micro": n, "wall_ms": 1.1 * c + 150.0 * n + 300.0}
+            for c, n in ((5000.0, 1), (9000.0, 1), (12000.0, 6), (15000.0, 6), (7000.0, 3))]
+    fit = fit_overheads(rows)["with_scale"]
+    assert fit["cost_scale"] == pytest.approx(1.1) and fit["micro_step_ms"] == pytest.approx(150.0)
+    assert fit["optimizer_step_ms"] == pytest.approx(300.0)
