@@ -31,6 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from ln_modulate_e2e import _auto_or  # noqa: E402  ("auto" or a number, as the other pinned-plan benches)
+
 CONFIG = ROOT / "launch" / "configs" / "zero3_adaptive.json"
 PROFILE = "h200-wan2.1-1.3b"
 ARMS = ("recompute", "keep")
@@ -40,9 +42,9 @@ TRAIN = ("{py} -m ds_adaptive.train --deepspeed_config {cfg} --model {model} --s
 
 def arm_config(arm: str, args, log_dir: str = "runs/ckpt_attention") -> dict:
     cfg = json.loads(Path(args.config).read_text())
-    cfg["gradient_accumulation_steps"] = _auto_or_int(args.gas)
+    cfg["gradient_accumulation_steps"] = _auto_or(args.gas)
     s = cfg["adaptive_load"]["sampler"]
-    s["profile"], s["m_comp"], s["checkpoint_attention"] = args.profile, _auto_or_num(args.m_comp), arm
+    s["profile"], s["m_comp"], s["checkpoint_attention"] = args.profile, _auto_or(args.m_comp), arm
     if args.shapes:
         s["shapes"] = args.shapes
     cfg["adaptive_load"]["metrics"].update(interval=1, log_dir=log_dir)
@@ -60,14 +62,6 @@ def resolve_shapes(args, where: Path) -> None:
         args.shapes = str(path)
     elif args.shapes:
         args.shapes = str(Path(args.shapes).resolve())
-
-
-def _auto_or_num(v: str):
-    return v if v == "auto" else float(v)
-
-
-def _auto_or_int(v: str):
-    return v if v == "auto" else int(v)
 
 
 def plan_arm(cfg: dict, model: str, num_samples: int, world: int, gpu_mem_gib: float) -> dict:

@@ -112,12 +112,6 @@ def _detached(out):
     return tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, out)
 
 
-def _dispatch_mode():
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    return TorchDispatchMode
-
-
 class _KeptStore:
     """The kept outputs of one checkpointed call, in call order (freed as the recompute takes them)."""
 
@@ -130,7 +124,9 @@ class _KeptStore:
 def _modes() -> dict:
     """{pass: dispatch mode class} (``keep``: forward, ``reuse``: recompute), built on first use, so that importing
     this module needs no torch. A mode is active only while a self-attention core runs."""
-    class _StoreMode(_dispatch_mode()):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _StoreMode(TorchDispatchMode):
         def __init__(self, store: _KeptStore) -> None:
             super().__init__()
             self.store = store

@@ -222,17 +222,22 @@ def _checked(preset, model):
     return model
 
 
+def _capability(model, method: str, model_name: str, asked: str, lacking: str):
+    """The model's optional ``method`` (a capability a family's model may offer), or a ConfigError naming the key."""
+    fn = getattr(model, method, None)
+    if fn is None:
+        raise ConfigError(f"{asked} but model {model_name} {lacking}")
+    return fn
+
+
 def _checkpoint_attention(model, sampler_cfg, model_name: str) -> list:
     """``sampler.checkpoint_attention`` on the model (a family's model that can keep its attention core in a
     checkpointed block offers ``set_checkpoint_attention``); the launcher's note, if any."""
     mode = sampler_cfg.checkpoint_attention
     if mode == "recompute":
         return []
-    keep = getattr(model, "set_checkpoint_attention", None)
-    if keep is None:
-        raise ConfigError(f"adaptive_load.sampler.checkpoint_attention is '{mode}' but model {model_name} cannot "
-                          "keep its attention in a checkpointed block; set it to 'recompute'")
-    keep(mode)
+    _capability(model, "set_checkpoint_attention", model_name, f"adaptive_load.sampler.checkpoint_attention is '{mode}'",
+                "cannot keep its attention in a checkpointed block; set it to 'recompute'")(mode)
     if sampler_cfg.checkpointing == "none":
         return ["note: adaptive_load.sampler.checkpoint_attention 'keep' does nothing with checkpointing 'none' "
                 "(no block is checkpointed)"]
@@ -245,11 +250,8 @@ def _block_fusion(model, mode: str, model_name: str) -> list:
     ``apply_block_fusion``); the launcher's note, if any."""
     if mode == "off":
         return []
-    fuse = getattr(model, "apply_block_fusion", None)
-    if fuse is None:
-        raise ConfigError(f"adaptive_load.block_fusion is '{mode}' but model {model_name} has no compiled block "
-                          "pieces; set it to 'off'")
-    note = fuse(mode)
+    note = _capability(model, "apply_block_fusion", model_name, f"adaptive_load.block_fusion is '{mode}'",
+                       "has no compiled block pieces; set it to 'off'")(mode)
     return [note] if note else []
 
 

@@ -720,6 +720,12 @@ class CostModel:
             per += self._comm_raw(s) / pr.num_layers / passes
         return c0 + np.asarray(batch_size) * per
 
+    def _recompute_quadratic_ms(self, s: float) -> float:
+        """The quadratic part (the self-attention forward) of ONE block's recomputed forward, per sample, at ``s``
+        padded tokens (ms, per GPU)."""
+        pr = self.profile
+        return pr.recompute_ms[2] * pr.sp * s * s / self.sp
+
     def _sparse_recompute_saving(self, shape_or_tokens: Union[SampleShape, int], batch_size, ckpt_blocks):
         """With sparse attention, the recomputed forward of a sparse layer runs sparse: its quadratic part
         costs ``r_l`` (the layer's kernel ratio) of the dense one that :meth:`recompute_ms` counts. The
@@ -734,7 +740,7 @@ class CostModel:
         if not saved.any():
             return 0.0
         pr = self.profile
-        quad = pr.recompute_ms[2] * pr.sp * s * s / self.sp        # one block's dense recompute, per sample
+        quad = self._recompute_quadratic_ms(s)                      # one block's dense recompute, per sample
         n = np.clip(np.asarray(ckpt_blocks).astype(np.int64), 0, len(saved))
         before = np.concatenate([[0.0], np.cumsum(saved)])          # before[n] = sum of saved[l], l < n
         if pr.gradient_checkpointing:
@@ -752,7 +758,7 @@ class CostModel:
             return 0.0
         s = float(self.padded_tokens(shape_or_tokens))
         pr = self.profile
-        quad = pr.recompute_ms[2] * pr.sp * s * s / self.sp        # one block's dense recompute, per sample
+        quad = self._recompute_quadratic_ms(s)                      # one block's dense recompute, per sample
         n = np.clip(np.asarray(ckpt_blocks).astype(np.int64), 0, pr.num_layers)
         if self.sparse is None:
             dense_before = n
