@@ -12,8 +12,8 @@
 # Opt-in steps (STEPS=...): mfu (bench/block_profile.py, MFU_ARGS), pertoken (per-token GPU tests +
 # bench/ln_modulate_per_token.py), firstuse (the default job twice with an empty profile cache:
 # FIRSTUSE_STEPS), levers (bench/mfu_levers.py A/B: LEVERS_GAS, LEVERS_STEPS, LEVERS_RUN = arms to train in this
-# call, LEVERS_ARMS = arms to report, LEVERS_M_COMP = the pinned budget per micro-batch in ms, default 1700 as the
-# shipped job's; split the arms over calls on a warm machine: the prepared dir is kept). trainprofile: where the
+# call, LEVERS_ARMS = arms to report, LEVERS_M_COMP = the pinned budget per micro-batch in ms, default 9700 at gas 1:
+# it must hold the costliest sample alone; two arms of 13 steps ~5.5 min; the prepared dir is kept). trainprofile: where the
 # default job's step goes (bench/train_step_profile.py). keepattn: sampler.checkpoint_attention keep vs recompute,
 # one epoch of KEEPATTN_SAMPLES (default 40) long-video samples per arm (bench/checkpoint_attention_ab.py, ~8 min).
 # Environment knobs: STEPS (space-separated subset of: env build tests bench probe train; default
@@ -174,7 +174,7 @@ do_firstuse() {  # the default job twice with profile auto and an empty cache: t
 do_levers() {  # trainer A/B of block fusion and ZeRO-3 settings on one pinned plan (bench/mfu_levers.py)
   local w="$OUT/levers"
   [ -f "$w/config.json" ] && [ -n "${LEVERS_RUN:-}" ] && echo "levers: re-preparing $w (same pinned plan)"
-  python3 bench/mfu_levers.py prepare --dir "$w" --gas "${LEVERS_GAS:-2}" --steps "${LEVERS_STEPS:-21}" --m-comp "${LEVERS_M_COMP:-1700}" \
+  python3 bench/mfu_levers.py prepare --dir "$w" --gas "${LEVERS_GAS:-1}" --steps "${LEVERS_STEPS:-13}" --m-comp "${LEVERS_M_COMP:-9700}" \
     --num-samples "${TRAIN_SAMPLES:-2000}" | while read -r cmd; do
       case "$cmd" in *ds_adaptive.train*) arm=${cmd##*/}
         case ",${LEVERS_RUN:-ref,fusion,zero}," in *",$arm,"*) ;; *) continue;; esac   # arms to run in this call

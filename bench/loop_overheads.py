@@ -11,6 +11,7 @@ outside the compute window per step and per micro-step; then the least-squares f
     python bench/loop_overheads.py --out bench/results/loop_overheads_h200.json
         (defaults: the two dense arms of bench/results/sparse_train_ab_h200_f5432ae/ at gas 1 and the auto arm
          of bench/results/mem16c/ at gas 6, re-costed with the shipped H200 1.3B profile's fused entries)
+    python bench/loop_overheads.py --runs LOGDIR [LOGDIR ...]   (more trainer runs, full depth, same GPU and path)
 """
 from __future__ import annotations
 
@@ -67,12 +68,15 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--profile", default="h200-wan2.1-1.3b")
+    p.add_argument("--runs", nargs="*", default=[], metavar="DIR",
+                   help="more trainer log dirs (metrics.jsonl + memory.jsonl of a run on the --profile's GPU and path)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     prof = load_profile(args.profile).for_ln_modulate("fused")[0]
     cost = CostModel(prof, checkpointing="auto")
     runs = {a.name: ab_rows(a, cost) for a in AB_ARMS}
-    runs.update({f"{m.parent.name}/{m.name}": trainer_rows(m, mem, cost) for m, mem in TRAINER_RUNS})
+    extra = [(Path(d) / "metrics.jsonl", Path(d) / "memory.jsonl") for d in args.runs]
+    runs.update({f"{m.parent.name}/{m.name}": trainer_rows(m, mem, cost) for m, mem in TRAINER_RUNS + extra})
     table = {name: summarize(rows) for name, rows in runs.items()}
     print(f"{'run':<36} {'steps':>5} {'micro/step':>10} {'wall/cost':>9} {'compute/cost':>12} {'outside ms/step':>15} "
           f"{'/micro':>7}")

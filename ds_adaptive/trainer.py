@@ -266,6 +266,7 @@ class Trainer:
         self.metrics = self._build_metrics()
         if self.sparse is not None:
             self._warm_sparse()
+        self.fusion_warmup_s = self._warm_block_fusion()
         self.preview = PreviewRunner.attach(run, engine=self.engine, metrics=self.metrics, log=self.log)
         self.ckpt_policy = run.cfg.adaptive_load.sampler.checkpointing
         self.memory_log = MemoryLog(run.sampler, run.zero_stage, self.layout.world,
@@ -294,6 +295,20 @@ class Trainer:
         if spent:
             self.log(f"ds_adaptive: sparse attention warm-up: {spent:.1f} s ({time.perf_counter() - t0:.1f} s with "
                      f"planning) for {len(shapes)} planned (batch, tokens) pairs")
+
+    def _warm_block_fusion(self) -> Optional[float]:
+        """Before step 1: ``adaptive_load.block_fusion`` compiles its pieces for micro-batches of one and of
+        several samples (torch specialises a size of 1), so that no step compiles; the time is in the
+        summary (``block_fusion.warmup_s``). None with block fusion off."""
+        mode = self.run.cfg.adaptive_load.block_fusion
+        fn = getattr(self.run.model, "warm_up_block_fusion", None)
+        if mode == "off" or fn is None:
+            return None
+        per_token = self.run.preset.trains_per_token_timesteps(self.run.objective)
+        spent = fn(dtype=self.run.dtype, device=self.run.device, per_token=per_token)
+        self.log(f"ds_adaptive: block fusion '{mode}' warm-up: {spent:.1f} s (compiled for micro-batches of one and "
+                 f"of several samples{', per-token modulation' if per_token else ''}; no step compiles)")
+        return spent
 
     def log(self, msg: str) -> None:
         if self.is_main:
@@ -638,6 +653,9 @@ class Trainer:
         summary["final_step"] = self.global_step
         summary["memory_prediction"] = self.memory_log.summary()
         summary["nonfinite_steps"] = list(self.nonfinite_steps)
+        if self.fusion_warmup_s is not None:
+            summary["block_fusion"] = {"mode": self.run.cfg.adaptive_load.block_fusion,
+                                       "warmup_s": self.fusion_warmup_s}
         summary.update(ln_modulate_summary(self.run.cfg.adaptive_load.fused_ln_modulate))
         if self.sparse is not None:
             self.sparse.finish(summary)

@@ -124,3 +124,59 @@ def test_a_model_trains_the_same_with_every_mode(mode):
     for n in ref_grads:
         assert torch.allclose(grads[n], ref_grads[n], rtol=1e-4, atol=1e-6 * ref_grads[n].abs().max()), n
     assert fusion.apply_block_fusion(m, "off") is None and m.blocks[0].self_attn.qk_rope is None
+
+
+def _counting_compiled(monkeypatch):
+    """``fusion.compiled`` through a frame-counting aot_eager backend (what dynamo guards on is the backend's
+    business only after the guards: the count is the graphs the real Inductor would compile)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+    cache = {}
+
+    def compiled(name):
+        if name not in cache:
+            cache[name] = torch.compile(getattr(wan, name), backend=counter, dynamic=True, fullgraph=True)
+        return cache[name]
+
+    monkeypatch.setattr(fusion, "compiled", compiled)
+    torch._dynamo.reset()
+    return counter
+
+
+@pytest.mark.parametrize("per_token", [False, True], ids=["per_sample", "per_token"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_warm_up_compiles_every_graph_that_training_needs(monkeypatch, per_token, dtype):
+    """After ``warm_up``, training steps with one and with several samples (any token count, images and videos)
+    compile nothing; without it, the first micro-batch of one sample would compile a second graph."""
+    counter = _counting_compiled(monkeypatch)
+    m = _model(dtype=dtype)
+    fusion.apply_block_fusion(m, "regions")
+    spent = m.warm_up_block_fusion(dtype=dtype, device=torch.device("cpu"), per_token=per_token)
+    assert spent > 0
+    warmed = counter.frame_count
+    assert warmed >= 6   # 3 functions x (B = 1, B >= 2), RoPE also x (image, video)
+    for B, frames, h, w in [(1, 3, 6, 10), (3, 1, 4, 6), (2, 5, 8, 4), (1, 1, 6, 6)]:
+        lat, t, ctx = _inputs(B=B, frames=frames, h=h, w=w, dtype=dtype)
+        if per_token:   # per-token timesteps [B, S] (Wan 2.2 TI2V style)
+            t = t[:, None].expand(B, frames * (h // 2) * (w // 2)).contiguous()
+        m.zero_grad(set_to_none=True)
+        m(lat, t, ctx).float().square().mean().backward()
+    assert counter.frame_count == warmed, f"a training step compiled {counter.frame_count - warmed} more graph(s)"
+
+
+def test_warm_up_with_fusion_off_compiles_nothing():
+    m = _model()
+    assert m.warm_up_block_fusion(dtype=torch.float32, device=torch.device("cpu")) == 0.0
+
+
+def test_the_run_summary_names_the_warm_up():
+    from ds_adaptive.metrics import format_summary
+
+    s = {"steps": 3, "samples": 3, "tokens": 30, "wall_s": 1.0, "tokens_per_s": 30.0, "samples_per_s": 3.0,
+         "step_s_mean": 0.3, "warmup_steps": 1, "peak_mem_gib": 1.0, "mem_capacity_gib": 2.0, "peak_mem_frac": 0.5,
+         "mem_efficiency": 0.5, "cv_step": 0.0, "compute_cv": 0.0, "idle_frac": 0.0, "loss_window": 1,
+         "loss_first": 1.0, "loss_last": 0.9, "loss_fell": True}
+    assert "block fusion" not in format_summary(s)
+    s["block_fusion"] = {"mode": "regions", "warmup_s": 12.34}
+    assert "block fusion     'regions': compiled before step 1 in 12.3 s" in format_summary(s)

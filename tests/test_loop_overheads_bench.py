@@ -32,3 +32,12 @@ def test_the_fit_recovers_a_planted_loop():
     fit = fit_overheads(rows)["with_scale"]
     assert fit["cost_scale"] == pytest.approx(1.1) and fit["micro_step_ms"] == pytest.approx(150.0)
     assert fit["optimizer_step_ms"] == pytest.approx(300.0)
+
+
+def test_more_trainer_runs_join_the_fit(tmp_path):
+    run = ROOT / "bench" / "results" / "mfu_levers_h200_47e6632" / "ref"
+    assert lo.main(["--runs", str(run), "--out", str(tmp_path / "o.json")]) == 0
+    res = json.loads((tmp_path / "o.json").read_text())
+    t = res["runs"]["ref/metrics.jsonl"]
+    assert t["steps"] == 12 and t["micro_steps_per_step"] == [1] and t["wall_over_cost"] > t["compute_over_cost"] > 1.0
+    assert res["fit"]["steps"] == sum(t["steps"] for t in res["runs"].values())

@@ -509,6 +509,14 @@ class WanModel(nn.Module):
 
         return apply_block_fusion(self, mode)
 
+    def warm_up_block_fusion(self, *, dtype: torch.dtype, device: Optional[torch.device],
+                             per_token: bool = False) -> float:
+        """Compile the installed block-fusion pieces before step 1 (:func:`ds_adaptive.models.fusion.warm_up`);
+        seconds spent, 0.0 with block fusion off."""
+        from ds_adaptive.models.fusion import warm_up
+
+        return warm_up(self, dtype=dtype, device=device, per_token=per_token)
+
     def set_sequence_parallel(self, runner: Optional[Callable[..., Any]]) -> None:
         """Route ``forward`` through ``runner(model, latents, timestep, context, local=...)`` (the Ulysses
         runner of ``ds_adaptive.parallel.apply_ulysses``); None restores the plain forward."""
