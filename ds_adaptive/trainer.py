@@ -467,8 +467,10 @@ class Trainer:
             what = "the sampler re-plans from the next epoch (or keeps its plan where that is predicted faster)"
         elif sampler.density_updates and sampler.density_updates[-1].get("kept"):
             tps = sampler.density_updates[-1]["predicted_tokens_per_s"]
+            comp = sampler.density_updates[-1]["predicted_compute_tokens_per_s"]
             what = (f"the sampler keeps its plan (predicted {tps['kept']:,.0f} tokens/s under the new cost, a re-plan "
-                    f"{tps['replan']:,.0f}); its batches go on")
+                    f"{tps['replan']:,.0f}; on compute alone {comp['kept']:,.0f} vs {comp['replan']:,.0f}); its "
+                    f"batches go on")
         else:
             what = f"the sampler re-planned epoch {self.epoch} from its step {rec['at_step']}"
             self._batches = None

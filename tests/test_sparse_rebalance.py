@@ -64,8 +64,9 @@ def _config(tmp_path: Path) -> Path:
 
 @pytest.mark.slow
 def test_trainer_feeds_densities_to_the_sampler_and_resume_reproduces(tmp_path, run_ranks) -> None:
-    """2 DP ranks: from the stage switch on, every step's densities re-plan the rest of the epoch (every
-    rank checks it holds the same table and plan, else the run fails); a resume from step 3 gives the
+    """2 DP ranks: from the stage switch on, every step's densities go to the sampler, which re-plans the rest of
+    the epoch unless that is predicted slower (every rank checks it holds the same table and plan, else the run
+    fails); a resume from step 3 gives the
     same plans and losses as the straight run."""
     common = ["-m", "ds_adaptive.train", "--deepspeed_config", str(_config(tmp_path)), "--num-samples", "80",
               "--seed", "2", "--steps", "5", "--layers", "2"]
@@ -76,7 +77,9 @@ def test_trainer_feeds_densities_to_the_sampler_and_resume_reproduces(tmp_path, 
     reb = a["sparse_attention"]["rebalances"]
     ats = [r["at_step"] for r in reb]
     assert len(ats) >= 3 and ats[0] == 2 and ats == sorted(set(ats)) and all(r["sampler"] for r in reb), reb
-    assert len({r["fingerprint"] for r in reb}) == len(reb)  # each re-plan changed the plan
+    # the densities re-planned the epoch at least once; an update whose re-plan is predicted slower (with the loop
+    # terms or on compute alone) keeps the running plan (tests/test_replan_never_slower.py)
+    assert len({r["fingerprint"] for r in reb}) >= 2
     assert b["sparse_attention"]["rebalances"] == reb
     assert b["losses"] == pytest.approx(a["losses"][3:], rel=1e-6)
 

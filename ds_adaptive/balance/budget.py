@@ -194,18 +194,20 @@ def predicted_times(plan: EpochPlan, truth: CostModel) -> np.ndarray:
     return out.reshape(-1, plan.dp_size)
 
 
-def plan_tokens_per_s(plan: EpochPlan, cost: CostModel, first_step: int = 0) -> float:
+def plan_tokens_per_s(plan: EpochPlan, cost: CostModel, first_step: int = 0, *, loop: bool = True) -> float:
     """Predicted tokens/s of ``plan``'s optimizer steps ``first_step..`` (to its end) under ``cost``, whatever
     cost the plan was made with (its batches re-costed with their checkpoint plan, :func:`predicted_times`),
-    with the training loop's overheads as :func:`predicted_time_ms` counts them. 0 for no steps."""
+    with the training loop's overheads as :func:`predicted_time_ms` counts them (``loop=False``: compute
+    alone). 0 for no steps."""
     first = max(int(first_step), 0)
     if first >= plan.num_steps:
         return 0.0
     lo = first * plan.micro_steps_per_step
     c = predicted_times(plan, cost)[lo:]
     n_micro, n_steps = c.shape[0], plan.num_steps - first
-    ms = (float(c.max(axis=1).sum()) + n_micro * cost.profile.micro_step_overhead_ms
-          + n_steps * cost.profile.optimizer_step_overhead_ms)
+    ms = float(c.max(axis=1).sum())
+    if loop:
+        ms += n_micro * cost.profile.micro_step_overhead_ms + n_steps * cost.profile.optimizer_step_overhead_ms
     tokens = float(plan.batch_tokens[lo * plan.dp_size:].sum())
     return tokens / ms * 1e3 if ms > 0 else 0.0
 

@@ -192,26 +192,35 @@ class _PlannedBatchSampler(_SamplerBase):
     def _set_sparse(self, sparse: SparseAttentionCost, measured_at: Optional[int], at_step: Optional[int]) -> None:
         """Plan with ``sparse`` from step ``at_step`` of this epoch (None: this epoch is a new one, from its
         start), unless the plan the sampler would run without it is predicted faster under that new cost
-        (:func:`ds_adaptive.balance.budget.plan_tokens_per_s`, over the same samples: the rest of the epoch);
-        then that plan is kept, exactly as it was. So a re-plan is never predicted slower than not
-        re-planning: the budget search behind ``m_comp: auto`` scores a prefix of epoch 0 and a re-plan
-        re-draws the batches of the rest, either of which can lose to the running plan."""
+        (:func:`ds_adaptive.balance.budget.plan_tokens_per_s`, over the same samples: the rest of the epoch),
+        with the training loop's overheads or on compute alone; then that plan is kept, exactly as it was. So
+        a re-plan is never predicted slower than not re-planning: the budget search behind ``m_comp: auto``
+        scores a prefix of epoch 0 and a re-plan re-draws the batches of the rest, either of which can lose to
+        the running plan. Both predictions must favour the re-plan because the loop terms are the uncertain
+        part: the shipped profiles' per-step terms are several times the time measured outside compute (they
+        absorb compute the calibration under-counts), and on an H200 they made a re-plan into larger,
+        checkpointed micro-batches look faster while its compute per token was predicted, and measured, slower
+        (0.931x; bench/RESULTS.md, ninth session)."""
         plan, start = self._plans()
         first = self._resume_step if at_step is None else at_step - start
         new_cost = self.cost.with_sparse(sparse)
         kept_tps = plan_tokens_per_s(plan, new_cost, first)
+        kept_compute = plan_tokens_per_s(plan, new_cost, first, loop=False)
         saved = (self.cost, self.params, self.budget_choice, list(self._segments), self._cache, self._resume_step)
         if at_step is not None:   # a re-plan point inside the epoch: the steps before it keep their plan
             self._segments.append({**self._segment_config(), "consumed_steps": at_step - start})
             self._resume_step = 0
         self._apply_cost(new_cost)
         replan_tps = plan_tokens_per_s(self._plans()[0], self.cost)
-        kept = kept_tps > replan_tps
+        replan_compute = plan_tokens_per_s(self._plans()[0], self.cost, loop=False)
+        kept = kept_tps > replan_tps or kept_compute > replan_compute
         if kept:   # the sampler exactly as it was: its running iterator goes on (no new DataLoader iterator)
             self.cost, self.params, self.budget_choice, self._segments, self._cache, self._resume_step = saved
         self.density_updates.append({"epoch": self.epoch, "at_step": at_step, "measured_at": measured_at,
                                      "fingerprint": sparse.densities.fingerprint(), "kept": kept,
-                                     "predicted_tokens_per_s": {"replan": replan_tps, "kept": kept_tps}})
+                                     "predicted_tokens_per_s": {"replan": replan_tps, "kept": kept_tps},
+                                     "predicted_compute_tokens_per_s": {"replan": replan_compute,
+                                                                        "kept": kept_compute}})
 
     def _apply_cost(self, cost: CostModel) -> None:
         """Plan with ``cost`` from the current segment on; ``m_comp: auto`` re-resolves the budget for it."""
