@@ -69,8 +69,6 @@ def test_a_replan_that_only_the_loop_terms_favour_is_not_taken():
     """Long videos at 30 layers, gas 2, density 0.1: with the profile's loop terms (per step ~1.1 s, several times
     what the trainer spends outside compute) the re-plan's fewer, larger micro-steps are predicted ~10% faster,
     while its compute per token is predicted ~12% slower (the case measured on an H200: 0.931x). Kept."""
-    from ds_adaptive.shapes import SampleShape
-
     sh = [SampleShape(81, 720, 1280), SampleShape(49, 720, 1280), SampleShape(81, 480, 832)]
     shapes = [sh[i] for i in np.random.default_rng(0).integers(0, 3, 300)]
     s = _sampler(shapes, 30, 1, 2)
