@@ -459,8 +459,8 @@ class AdaptiveLoadConfig(_Block):
     """Compile each block's elementwise pieces outside attention (`ds_adaptive/models/fusion.py`): `rope`
     the q/k RMSNorm + RoPE, `regions` also the gated residuals and the cross-attention LayerNorm, one
     kernel each way instead of 4-10. Linear layers, attention (dense, Ulysses or sparse) and the
-    LayerNorm-modulate op stay as they are. `off`: eager. The trainer compiles the pieces before step 1
-    (printed, and `block_fusion.warmup_s` in the summary). On an H200 at full depth, `regions` made steps
+    LayerNorm-modulate op stay as they are. `off`: eager. The trainer compiles the pieces for the plan's
+    micro-batch sizes before step 1 (printed, and `block_fusion.warmup_s` in the summary). On an H200 at full depth, `regions` made steps
     1.06x faster with 7% less peak memory, after ~50 s of compile: it pays on runs of more than ~100 steps.
     Measure on your job (`bench/mfu_levers.py`)."""
 

@@ -304,11 +304,20 @@ class Trainer:
         fn = getattr(self.run.model, "warm_up_block_fusion", None)
         if mode == "off" or fn is None:
             return None
+        plan, sp = self.run.sampler.plan, self.layout.sp_size
+        sizes = plan.batch_offsets[1:] - plan.batch_offsets[:-1]
+        pairs = {(int(b), plan.shapes[int(j)].padded_tokens(sp) // sp) for b, j in zip(sizes, plan.batch_shape)}
+        if self._pin_memory():   # the loader's pin-memory thread sets the process's threads to 1 (torch), and the
+            torch.set_num_threads(1)   # compiled graphs guard on the count: set it now, as training will have it
         per_token = self.run.preset.trains_per_token_timesteps(self.run.objective)
-        spent = fn(dtype=self.run.dtype, device=self.run.device, per_token=per_token)
-        self.log(f"ds_adaptive: block fusion '{mode}' warm-up: {spent:.1f} s (compiled for micro-batches of one and "
-                 f"of several samples{', per-token modulation' if per_token else ''}; no step compiles)")
+        spent = fn(pairs, dtype=self.run.dtype, device=self.run.device, per_token=per_token)
+        self.log(f"ds_adaptive: block fusion '{mode}' warm-up: {spent:.1f} s (compiled for the plan's {len(pairs)} "
+                 f"(batch, tokens) pairs{', per-token modulation' if per_token else ''})")
         return spent
+
+    def _pin_memory(self) -> bool:
+        """Whether the DataLoader pins host memory (on CUDA)."""
+        return self.run.device.type == "cuda"
 
     def log(self, msg: str) -> None:
         if self.is_main:
@@ -358,7 +367,7 @@ class Trainer:
             # length (Wan: 512) on the device: the model sees the same input, the host moves ~4x fewer bytes.
             loader = torch.utils.data.DataLoader(self.run.dataset, batch_sampler=sampler,
                                                  collate_fn=_collate_unpadded, num_workers=workers,
-                                                 pin_memory=self.run.device.type == "cuda",
+                                                 pin_memory=self._pin_memory(),
                                                  worker_init_fn=ignore_stop_signals if workers else None)
             self._batches = iter(loader)
         try:

@@ -144,30 +144,44 @@ def _counting_compiled(monkeypatch):
     return counter
 
 
-@pytest.mark.parametrize("per_token", [False, True], ids=["per_sample", "per_token"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_warm_up_compiles_every_graph_that_training_needs(monkeypatch, per_token, dtype):
-    """After ``warm_up``, training steps with one and with several samples (any token count, images and videos)
-    compile nothing; without it, the first micro-batch of one sample would compile a second graph."""
-    counter = _counting_compiled(monkeypatch)
-    m = _model(dtype=dtype)
-    fusion.apply_block_fusion(m, "regions")
-    spent = m.warm_up_block_fusion(dtype=dtype, device=torch.device("cpu"), per_token=per_token)
-    assert spent > 0
-    warmed = counter.frame_count
-    assert warmed >= 6   # 3 functions x (B = 1, B >= 2), RoPE also x (image, video)
-    for B, frames, h, w in [(1, 3, 6, 10), (3, 1, 4, 6), (2, 5, 8, 4), (1, 1, 6, 6)]:
+STEPS = [(1, 3, 6, 10), (3, 1, 4, 6), (2, 5, 8, 4), (1, 1, 6, 6), (3, 5, 8, 4)]   # B, frames, h, w (h, w: pixels / 8)
+
+
+def _train_steps(m, per_token, dtype, steps=STEPS):
+    for B, frames, h, w in steps:
         lat, t, ctx = _inputs(B=B, frames=frames, h=h, w=w, dtype=dtype)
         if per_token:   # per-token timesteps [B, S] (Wan 2.2 TI2V style)
             t = t[:, None].expand(B, frames * (h // 2) * (w // 2)).contiguous()
         m.zero_grad(set_to_none=True)
         m(lat, t, ctx).float().square().mean().backward()
+
+
+@pytest.mark.parametrize("per_token", [False, True], ids=["per_sample", "per_token"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_warm_up_compiles_every_graph_that_training_needs(monkeypatch, per_token, dtype):
+    """After ``warm_up`` for the plan's (B, tokens) pairs, training steps of one and of several samples, images and
+    videos, compile nothing; the same steps without it compile at the first step of each kind."""
+    counter = _counting_compiled(monkeypatch)
+    m = _model(dtype=dtype)
+    fusion.apply_block_fusion(m, "regions")
+    pairs = [(B, f * (h // 2) * (w // 2)) for B, f, h, w in STEPS]
+    spent = m.warm_up_block_fusion(pairs, dtype=dtype, device=torch.device("cpu"), per_token=per_token)
+    assert spent > 0
+    warmed = counter.frame_count
+    assert warmed >= 6   # 3 functions x (B = 1, B >= 2)
+    _train_steps(m, per_token, dtype)
     assert counter.frame_count == warmed, f"a training step compiled {counter.frame_count - warmed} more graph(s)"
+
+    cold = _counting_compiled(monkeypatch)   # the control: the same steps, no warm-up
+    m = _model(dtype=dtype)
+    fusion.apply_block_fusion(m, "regions")
+    _train_steps(m, per_token, dtype)
+    assert cold.frame_count >= 6
 
 
 def test_warm_up_with_fusion_off_compiles_nothing():
     m = _model()
-    assert m.warm_up_block_fusion(dtype=torch.float32, device=torch.device("cpu")) == 0.0
+    assert m.warm_up_block_fusion([(1, 15)], dtype=torch.float32, device=torch.device("cpu")) == 0.0
 
 
 def test_the_run_summary_names_the_warm_up():

@@ -18,30 +18,24 @@ core (an opaque call: dense SDPA, Ulysses or sparse attention alike) and the fus
 op. The compiled functions are plain functions of tensors (the RMSNorm weights are read as tensors:
 ZeRO-3 keeps them whole below ``stage3_param_persistence_threshold``; a partitioned one sends that block
 down the eager path, ``wan._params_available``). Compiled with ``dynamic=True``: one graph for every
-micro-batch shape, except that torch specialises sizes of 1: a micro-batch of one sample (B = 1) is a second
-graph per function (measured in the trainer on an H200: ~10-20 s of compile at the first step of each kind,
-mid-run). :func:`warm_up` compiles both kinds before step 1 (the trainer calls it; the time is in the summary,
-``block_fusion.warmup_s``), so no training step compiles. The torch references are the eager functions themselves (``tests/test_fusion.py``
+micro-batch shape, except where torch or Inductor specialise: a size of 1 (B = 1), a view's base (a one-frame
+grid's RoPE table), element counts behind some fusion decisions, the thread count. Measured in the trainer on an
+H200: 10-20 s of compile at the first step of each kind, mid-run. :func:`warm_up` compiles the plan's micro-batch
+sizes before step 1 (the trainer calls it; the time is in the summary, ``block_fusion.warmup_s``). The torch references are the eager functions themselves (``tests/test_fusion.py``
 compares them). Whether a mode is faster is measured, not assumed: ``bench/block_profile.py``.
 """
 from __future__ import annotations
 
 import functools
 import itertools
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 from ds_adaptive.models import wan
 
-__all__ = ["BLOCK_FUSION_MODES", "WARMUP_BATCH_SIZES", "apply_block_fusion", "compiled", "warm_up"]
+__all__ = ["BLOCK_FUSION_MODES", "apply_block_fusion", "compiled", "warm_up"]
 
 BLOCK_FUSION_MODES = ("off", "rope", "regions")
-#: micro-batch sizes whose graphs :func:`warm_up` compiles: torch specialises a size of 1, every B >= 2 shares one
-#: graph. Sizes that equal no other size in the call: torch assumes equal sizes equal in the graph it compiles
-#: ("duck sizing"; B = 2 would tie the batch to the RoPE table's (cos, sin) dimension)
-WARMUP_BATCH_SIZES = (1, 3)
-#: latent token grids (frames, height, width) of the warm-up: an image (one frame) and a video; the RoPE table's
-#: view of its (frames, ...) base is specialised on a frame count of 1. Sizes all distinct, as above
-WARMUP_GRIDS = ((1, 5, 7), (4, 5, 7))
+
 
 
 @functools.lru_cache(maxsize=None)
@@ -68,14 +62,16 @@ def apply_block_fusion(model, mode: str) -> Optional[str]:
     return f"block fusion '{mode}': {what} compiled (torch.compile, dynamic shapes; compiles at the first step)"
 
 
-def warm_up(model, *, dtype, device, per_token: bool = False, batch_sizes=WARMUP_BATCH_SIZES,
-            grids=WARMUP_GRIDS) -> float:
-    """Compile the block's installed compiled pieces, forward and backward, before training: each is called on
-    stand-in tensors that have what the real call's graph guards on (dtype, device, which inputs need gradients,
-    the per-sample ``[B, 1, D]`` gate views (and with ``per_token`` the per-token ``[B, S, D]`` ones) of the fp32 modulation table) for each
-    micro-batch size in ``batch_sizes`` and token grid in ``grids`` (the RoPE table of a one-frame grid, an
-    image, is a graph of its own); sizes other than batch and tokens are the model's. Touches no parameter
-    (ZeRO-3 sees nothing). Returns the seconds spent (0.0 when no piece is compiled)."""
+def warm_up(model, micro_batches: Iterable[tuple[int, int]], *, dtype, device, per_token: bool = False) -> float:
+    """Compile the block's installed compiled pieces, forward and backward, before training, for the plan's
+    ``micro_batches`` ((B, tokens per rank) pairs, e.g. every distinct pair of the epoch's plan): each piece is
+    called at those sizes on stand-in tensors with what the real call's graph guards on: dtype, device, which
+    inputs need gradients, a base-less RoPE table (``WanModel.run_blocks`` copies views), the per-sample
+    ``[B, 1, D]`` gate views of the fp32 modulation table (and with ``per_token`` the per-token ``[B, S, D]``
+    ones). Real sizes matter: torch specialises a size of 1 (B = 1) and Inductor guards some fusion decisions on
+    the number of elements. Pairs that an earlier graph already covers cost one eager-speed call. Call it with
+    the thread count training will have (dynamo guards on it; a CUDA DataLoader's pin-memory thread sets 1).
+    Touches no parameter (ZeRO-3 sees nothing). Returns the seconds spent (0.0 when no piece is compiled)."""
     import time
 
     import torch
@@ -89,34 +85,34 @@ def warm_up(model, *, dtype, device, per_token: bool = False, batch_sizes=WARMUP
     if qk_rope is None and residual is None and layer_norm is None:
         return 0.0
     dim = model.config.dim
+    shape = tuple(getattr(block.modulation, "ds_shape", block.modulation.shape))   # ZeRO-3: partitioned
 
-    def like(p: torch.Tensor) -> torch.Tensor:   # a Parameter (dynamo guards on the type) like the block's, not it
-        return torch.nn.Parameter(torch.ones(dim, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
+    def like(p: torch.Tensor, *size: int) -> torch.Tensor:   # a Parameter (dynamo guards on the type), not the block's
+        return torch.nn.Parameter(torch.ones(size or (dim,), dtype=p.dtype, device=device), requires_grad=p.requires_grad)
 
     t0 = time.perf_counter()
     layouts = (False, True) if per_token else (False,)   # per-token runs may mix in per-sample micro-batches
-    for b, grid, token_gate in itertools.product(batch_sizes, grids, layouts):
-        tokens = int(grid[0] * grid[1] * grid[2])
-        freqs = model.rope(grid, device)
+    for (b, tokens), token_gate in itertools.product(sorted({(int(b), int(s)) for b, s in micro_batches}), layouts):
+        freqs = model.rope((1, 1, tokens), device).clone()
 
-        def act(b: int = b, tokens: int = tokens) -> torch.Tensor:
+        def act() -> torch.Tensor:
             return torch.randn(b, tokens, dim, dtype=dtype, device=device, requires_grad=True)
 
         outs = []
-        if qk_rope is not None:
+        if qk_rope is not None and not token_gate:
             outs += qk_rope(act(), act(), like(attn.norm_q.weight), like(attn.norm_k.weight), freqs,
                             attn.norm_q.eps, attn.num_heads)
         if residual is not None:
-            n = block.modulation.shape[1]
-            table = torch.nn.Parameter(torch.zeros(block.modulation.shape, dtype=block.modulation.dtype, device=device),
-                                       requires_grad=block.modulation.requires_grad)
-            time_mod = torch.zeros((b, tokens, n, dim) if token_gate else (b, n, dim), dtype=torch.float32,
-                                   device=device, requires_grad=True)
-            gate = wan.modulation(table, time_mod)[2]
+            time_mod = torch.zeros((b, tokens, shape[1], dim) if token_gate else (b, shape[1], dim),
+                                   dtype=torch.float32, device=device, requires_grad=True)
+            gate = wan.modulation(like(block.modulation, *shape), time_mod)[2]
             outs.append(residual(act(), act(), gate))
-        if layer_norm is not None:
+        if layer_norm is not None and not token_gate:
             outs.append(layer_norm(act(), like(norm3.weight), like(norm3.bias), norm3.eps))
-        sum(o.float().sum() for o in outs).backward()
+        if outs:
+            sum(o.float().sum() for o in outs).backward()
+        del outs
     if device is not None and torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()   # the stand-ins' blocks back to the device before training allocates
     return time.perf_counter() - t0

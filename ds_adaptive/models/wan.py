@@ -509,13 +509,13 @@ class WanModel(nn.Module):
 
         return apply_block_fusion(self, mode)
 
-    def warm_up_block_fusion(self, *, dtype: torch.dtype, device: Optional[torch.device],
+    def warm_up_block_fusion(self, micro_batches, *, dtype: torch.dtype, device: Optional[torch.device],
                              per_token: bool = False) -> float:
-        """Compile the installed block-fusion pieces before step 1 (:func:`ds_adaptive.models.fusion.warm_up`);
-        seconds spent, 0.0 with block fusion off."""
+        """Compile the installed block-fusion pieces before step 1 for the plan's ``micro_batches`` ((B, tokens
+        per rank) pairs; :func:`ds_adaptive.models.fusion.warm_up`); seconds spent, 0.0 with block fusion off."""
         from ds_adaptive.models.fusion import warm_up
 
-        return warm_up(self, dtype=dtype, device=device, per_token=per_token)
+        return warm_up(self, micro_batches, dtype=dtype, device=device, per_token=per_token)
 
     def set_sequence_parallel(self, runner: Optional[Callable[..., Any]]) -> None:
         """Route ``forward`` through ``runner(model, latents, timestep, context, local=...)`` (the Ulysses
@@ -588,6 +588,11 @@ class WanModel(nn.Module):
                 f"rope table has shape {list(freqs.shape)} but x has {x.shape[1]} tokens; expected "
                 f"[{x.shape[1]}, {self.config.head_dim // 2}, 2]: shard model.rope(grid) along dim 0 "
                 "exactly like the tokens (same padding)")
+        if freqs._base is not None and self.blocks and self.blocks[0].self_attn.qk_rope is not None:
+            # block fusion: the compiled qk_norm_rope guards on a view's base (its sizes; a one-frame grid's size
+            # of 1), which differs between the plain, the Ulysses-sharded and the warm-up tables: one small copy per
+            # forward gives every call the same kind of table
+            freqs = freqs.clone()
         n_ckpt = self.checkpointed_blocks()
         ctx = {"context_fn": keep_attention_context()} if self.checkpoint_attention == "keep" else {}
         for i, block in enumerate(self.blocks):
