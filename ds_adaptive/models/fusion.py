@@ -59,7 +59,8 @@ def apply_block_fusion(model, mode: str) -> Optional[str]:
                            residual=compiled("gated_residual") if regions else None,
                            layer_norm=compiled("fp32_layer_norm") if regions else None)
     what = "q/k RMSNorm + RoPE" + (", gated residuals, cross-attention LayerNorm" if regions else "")
-    return f"block fusion '{mode}': {what} compiled (torch.compile, dynamic shapes; compiles at the first step)"
+    return (f"block fusion '{mode}': {what} compiled (torch.compile, dynamic shapes; the trainer compiles them before "
+            f"step 1 for the plan's micro-batch sizes)")
 
 
 def warm_up(model, micro_batches: Iterable[tuple[int, int]], *, dtype, device, per_token: bool = False) -> float:
