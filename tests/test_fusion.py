@@ -156,8 +156,8 @@ def _train_steps(m, per_token, dtype, steps=STEPS):
         m(lat, t, ctx).float().square().mean().backward()
 
 
-@pytest.mark.parametrize("per_token", [False, True], ids=["per_sample", "per_token"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,per_token", [(torch.float32, False), (torch.bfloat16, True)],
+                         ids=["fp32-per_sample", "bf16-per_token"])
 def test_warm_up_compiles_every_graph_that_training_needs(monkeypatch, per_token, dtype):
     """After ``warm_up`` for the plan's (B, tokens) pairs, training steps of one and of several samples, images and
     videos, compile nothing; the same steps without it compile at the first step of each kind."""
@@ -172,6 +172,8 @@ def test_warm_up_compiles_every_graph_that_training_needs(monkeypatch, per_token
     _train_steps(m, per_token, dtype)
     assert counter.frame_count == warmed, f"a training step compiled {counter.frame_count - warmed} more graph(s)"
 
+    if per_token:
+        return
     cold = _counting_compiled(monkeypatch)   # the control: the same steps, no warm-up
     m = _model(dtype=dtype)
     fusion.apply_block_fusion(m, "regions")
