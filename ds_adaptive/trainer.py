@@ -287,26 +287,30 @@ class Trainer:
         """Before step 1: the sparse backend compiles for the plan's (B, S) micro-batches (shapes are
         dynamic: a handful of graphs whatever the plan; a re-plan adds none); the time is in the
         summary (``sparse_attention.warmup_s``)."""
-        plan, cost = self.run.sampler.plan, self.run.sampler.cost
-        sizes = plan.batch_offsets[1:] - plan.batch_offsets[:-1]
-        shapes = {(int(b), cost.padded_tokens(plan.shapes[int(j)])) for b, j in zip(sizes, plan.batch_shape)}
+        cost = self.run.sampler.cost
+        shapes = {(b, cost.padded_tokens(shape)) for b, shape in self._planned_micro_batches()}
         t0 = time.perf_counter()
         spent = self.sparse.runtime.warmup(shapes, dtype=self.run.dtype)
         if spent:
             self.log(f"ds_adaptive: sparse attention warm-up: {spent:.1f} s ({time.perf_counter() - t0:.1f} s with "
                      f"planning) for {len(shapes)} planned (batch, tokens) pairs")
 
+    def _planned_micro_batches(self) -> set:
+        """The distinct (B, shape) of the current epoch's planned micro-batches."""
+        plan = self.run.sampler.plan
+        sizes = plan.batch_offsets[1:] - plan.batch_offsets[:-1]
+        return {(int(b), plan.shapes[int(j)]) for b, j in zip(sizes, plan.batch_shape)}
+
     def _warm_block_fusion(self) -> Optional[float]:
-        """Before step 1: ``adaptive_load.block_fusion`` compiles its pieces for micro-batches of one and of
-        several samples (torch specialises a size of 1), so that no step compiles; the time is in the
-        summary (``block_fusion.warmup_s``). None with block fusion off."""
+        """Before step 1: ``adaptive_load.block_fusion`` compiles its pieces for the plan's (B, tokens per rank)
+        pairs (torch specialises B = 1, Inductor some element counts), so that no step compiles; the time is in
+        the summary (``block_fusion.warmup_s``). None with block fusion off."""
         mode = self.run.cfg.adaptive_load.block_fusion
         fn = getattr(self.run.model, "warm_up_block_fusion", None)
         if mode == "off" or fn is None:
             return None
-        plan, sp = self.run.sampler.plan, self.layout.sp_size
-        sizes = plan.batch_offsets[1:] - plan.batch_offsets[:-1]
-        pairs = {(int(b), plan.shapes[int(j)].padded_tokens(sp) // sp) for b, j in zip(sizes, plan.batch_shape)}
+        sp = self.layout.sp_size
+        pairs = {(b, shape.padded_tokens(sp) // sp) for b, shape in self._planned_micro_batches()}
         if self._pin_memory():   # the loader's pin-memory thread sets the process's threads to 1 (torch), and the
             torch.set_num_threads(1)   # compiled graphs guard on the count: set it now, as training will have it
         per_token = self.run.preset.trains_per_token_timesteps(self.run.objective)
