@@ -21,8 +21,9 @@ down the eager path, ``wan._params_available``). Compiled with ``dynamic=True``:
 micro-batch shape, except where torch or Inductor specialise: a size of 1 (B = 1), a view's base (a one-frame
 grid's RoPE table), element counts behind some fusion decisions, the thread count. Measured in the trainer on an
 H200: 10-20 s of compile at the first step of each kind, mid-run. :func:`warm_up` compiles the plan's micro-batch
-sizes before step 1 (the trainer calls it; the time is in the summary, ``block_fusion.warmup_s``). The torch references are the eager functions themselves (``tests/test_fusion.py``
-compares them). Whether a mode is faster is measured, not assumed: ``bench/block_profile.py``.
+sizes before step 1 (the trainer calls it; the time is in the summary, ``block_fusion.warmup_s``). The torch
+references are the eager functions themselves (``tests/test_fusion.py`` compares them). Whether a mode is faster
+is measured, not assumed: ``bench/block_profile.py`` (one block), ``bench/mfu_levers.py`` (the trainer).
 """
 from __future__ import annotations
 
@@ -35,7 +36,6 @@ from ds_adaptive.models import wan
 __all__ = ["BLOCK_FUSION_MODES", "apply_block_fusion", "compiled", "warm_up"]
 
 BLOCK_FUSION_MODES = ("off", "rope", "regions")
-
 
 
 @functools.lru_cache(maxsize=None)
@@ -88,8 +88,12 @@ def warm_up(model, micro_batches: Iterable[tuple[int, int]], *, dtype, device, p
     dim = model.config.dim
     shape = tuple(getattr(block.modulation, "ds_shape", block.modulation.shape))   # ZeRO-3: partitioned
 
-    def like(p: torch.Tensor, *size: int) -> torch.Tensor:   # a Parameter (dynamo guards on the type), not the block's
-        return torch.nn.Parameter(torch.ones(size or (dim,), dtype=p.dtype, device=device), requires_grad=p.requires_grad)
+    def like(p: Optional[torch.Tensor], *size: int) -> Optional[torch.Tensor]:
+        """A Parameter like ``p`` (dynamo guards on the type), not the block's; None for None."""
+        if p is None:
+            return None
+        return torch.nn.Parameter(torch.ones(size or (dim,), dtype=p.dtype, device=device),
+                                  requires_grad=p.requires_grad)
 
     t0 = time.perf_counter()
     layouts = (False, True) if per_token else (False,)   # per-token runs may mix in per-sample micro-batches
