@@ -615,7 +615,9 @@ def format_summary(s: dict) -> str:
                      f"layer(s); layer calls sparse {calls.get('sparse', 0)}, dense by cost "
                      f"{calls.get('dense_by_cost', 0)}; warm-up {sa.get('warmup_s', 0.0):.1f} s{compiled}")
     bf = s.get("block_fusion")
-    if bf:
+    if bf and bf.get("fallback"):
+        lines.append(f"  block fusion     '{bf['mode']}' could not compile ({bf['fallback']}): the blocks ran eager")
+    elif bf:
         lines.append(f"  block fusion     '{bf['mode']}': compiled before step 1 in {bf['warmup_s']:.1f} s")
     if "eval_loss" in s:
         lines.append(f"  held-out loss    {s['eval_loss']:.4f} ({s.get('eval', {}).get('samples', '?')} samples x "

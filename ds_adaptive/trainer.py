@@ -33,6 +33,7 @@ from .data import DataError, build_dataset, collate_latents
 from .layout import Layout
 from .lora import CLIENT_KEY as LORA_KEY, reseed_dropout, resume_problem
 from .metrics import StepMetrics, format_summary
+from .models.fusion import BlockFusionUnavailable
 from .balance.memory import model_checkpoint_blocks
 from .ops.apply import ln_modulate_summary
 from .objective import EVAL_TIMESTEPS, eval_inputs, flow_matching_losses, mean_mse
@@ -266,6 +267,7 @@ class Trainer:
         self.metrics = self._build_metrics()
         if self.sparse is not None:
             self._warm_sparse()
+        self.fusion_fallback: Optional[str] = None   # why block fusion fell back to eager, if it did
         self.fusion_warmup_s = self._warm_block_fusion()
         self.preview = PreviewRunner.attach(run, engine=self.engine, metrics=self.metrics, log=self.log)
         self.ckpt_policy = run.cfg.adaptive_load.sampler.checkpointing
@@ -314,7 +316,14 @@ class Trainer:
         if self._pin_memory():   # the loader's pin-memory thread sets the process's threads to 1 (torch), and the
             torch.set_num_threads(1)   # compiled graphs guard on the count: set it now, as training will have it
         per_token = self.run.preset.trains_per_token_timesteps(self.run.objective)
-        spent = fn(pairs, dtype=self.run.dtype, device=self.run.device, per_token=per_token)
+        try:
+            spent = fn(pairs, dtype=self.run.dtype, device=self.run.device, per_token=per_token)
+        except BlockFusionUnavailable as exc:   # the blocks are back on their eager path
+            self.fusion_fallback = str(exc)
+            self.log(f"ds_adaptive: warning: block fusion '{mode}' could not compile on this machine ({exc}); the "
+                     "blocks run eager. Install a working triton (GPU) or C++ compiler (CPU), or set "
+                     "adaptive_load.block_fusion to 'off' to skip the attempt")
+            return None
         self.log(f"ds_adaptive: block fusion '{mode}' warm-up: {spent:.1f} s (compiled for the plan's {len(pairs)} "
                  f"(batch, tokens) pairs{', per-token modulation' if per_token else ''})")
         return spent
@@ -668,9 +677,9 @@ class Trainer:
         summary["final_step"] = self.global_step
         summary["memory_prediction"] = self.memory_log.summary()
         summary["nonfinite_steps"] = list(self.nonfinite_steps)
-        if self.fusion_warmup_s is not None:
+        if self.fusion_warmup_s is not None or self.fusion_fallback is not None:
             summary["block_fusion"] = {"mode": self.run.cfg.adaptive_load.block_fusion,
-                                       "warmup_s": self.fusion_warmup_s}
+                                       "warmup_s": self.fusion_warmup_s, "fallback": self.fusion_fallback}
         summary.update(ln_modulate_summary(self.run.cfg.adaptive_load.fused_ln_modulate))
         if self.sparse is not None:
             self.sparse.finish(summary)

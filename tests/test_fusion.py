@@ -181,6 +181,34 @@ def test_warm_up_compiles_every_graph_that_training_needs(monkeypatch, per_token
     assert cold.frame_count >= 6
 
 
+def test_a_machine_that_cannot_compile_falls_back_to_eager(monkeypatch):
+    """No working compiler (here: Inductor's C++ compiler path points nowhere): the warm-up puts every block back on
+    its eager path and says why in one line; the model then trains exactly as the eager one."""
+    import torch._dynamo
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    torch._dynamo.reset()   # nothing compiled earlier in this process may satisfy the call
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
+    monkeypatch.setattr(functorch_config, "enable_autograd_cache", False)
+    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/c++",))
+    try:
+        m = _model()
+        fusion.apply_block_fusion(m, "regions")
+        with pytest.raises(fusion.BlockFusionUnavailable, match="C\\+\\+ compiler") as err:
+            m.warm_up_block_fusion([(1, 15), (2, 60)], dtype=torch.float32, device=torch.device("cpu"))
+        assert "\n" not in str(err.value)
+        for blk in m.blocks:
+            assert blk.self_attn.qk_rope is None and blk.residual is wan.gated_residual
+            assert getattr(blk.norm3, "layer_norm_fn", wan.fp32_layer_norm) is wan.fp32_layer_norm
+        inputs = _inputs()
+        loss, grads = _loss_and_grads(m, inputs)
+        ref_loss, ref_grads = _loss_and_grads(_model(), inputs)
+        assert torch.equal(loss, ref_loss) and all(torch.equal(grads[k], ref_grads[k]) for k in ref_grads)
+    finally:
+        torch._dynamo.reset()
+
+
 def test_warm_up_with_fusion_off_compiles_nothing():
     m = _model()
     assert m.warm_up_block_fusion([(1, 15)], dtype=torch.float32, device=torch.device("cpu")) == 0.0
@@ -194,5 +222,8 @@ def test_the_run_summary_names_the_warm_up():
          "mem_efficiency": 0.5, "cv_step": 0.0, "compute_cv": 0.0, "idle_frac": 0.0, "loss_window": 1,
          "loss_first": 1.0, "loss_last": 0.9, "loss_fell": True}
     assert "block fusion" not in format_summary(s)
-    s["block_fusion"] = {"mode": "regions", "warmup_s": 12.34}
+    s["block_fusion"] = {"mode": "regions", "warmup_s": 12.34, "fallback": None}
     assert "block fusion     'regions': compiled before step 1 in 12.3 s" in format_summary(s)
+    s["block_fusion"] = {"mode": "regions", "warmup_s": None, "fallback": "InvalidCxxCompiler: no compiler"}
+    assert ("block fusion     'regions' could not compile (InvalidCxxCompiler: no compiler): the blocks ran eager"
+            in format_summary(s))

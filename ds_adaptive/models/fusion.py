@@ -34,9 +34,15 @@ from typing import Callable, Iterable, Optional
 
 from ds_adaptive.models import wan
 
-__all__ = ["BLOCK_FUSION_MODES", "apply_block_fusion", "compiled", "warm_up"]
+__all__ = ["BLOCK_FUSION_MODES", "BlockFusionUnavailable", "apply_block_fusion", "compiled", "warm_up"]
 
 BLOCK_FUSION_MODES = ("off", "rope", "regions")
+
+
+class BlockFusionUnavailable(RuntimeError):
+    """torch.compile could not build the fused pieces on this machine (no working triton on a GPU, no C++ compiler
+    on a CPU, or a graph dynamo cannot capture): :func:`warm_up` has put every block back on its eager path. The
+    message is torch's first line."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -73,7 +79,20 @@ def warm_up(model, micro_batches: Iterable[tuple[int, int]], *, dtype, device, p
     ones). Real sizes matter: torch specialises a size of 1 (B = 1) and Inductor guards some fusion decisions on
     the number of elements. Pairs that an earlier graph already covers cost one eager-speed call. Call it with
     the thread count training will have (dynamo guards on it; a CUDA DataLoader's pin-memory thread sets 1).
-    Touches no parameter (ZeRO-3 sees nothing). Returns the seconds spent (0.0 when no piece is compiled)."""
+    Touches no parameter (ZeRO-3 sees nothing). Returns the seconds spent (0.0 when no piece is compiled). When
+    torch.compile fails, the blocks go back to eager and :class:`BlockFusionUnavailable` says why."""
+    import torch._dynamo
+
+    try:
+        return _warm_up(model, micro_batches, dtype=dtype, device=device, per_token=per_token)
+    except torch._dynamo.exc.TorchDynamoException as exc:   # Inductor's errors (no compiler, no triton) included
+        model.set_block_fusion()
+        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        raise BlockFusionUnavailable(first[:300]) from exc
+
+
+def _warm_up(model, micro_batches: Iterable[tuple[int, int]], *, dtype, device, per_token: bool) -> float:
+    """:func:`warm_up` without the fallback."""
     import time
 
     import torch
