@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ds_adaptive.models import fusion, wan
+from ds_adaptive.models.testing import block_fusion_errors
 from ds_adaptive.models.wan import WanModel, get_wan_config
 
 torch.set_num_threads(1)
@@ -73,43 +74,13 @@ def test_unknown_mode_is_an_error():
         fusion.apply_block_fusion(_model(), "all")
 
 
-def _rand(*shape, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=g) * 1.3 + 0.2).to(dtype).requires_grad_()
-
-
-B, S, H, DH = 2, 37, 3, 12   # odd S, 3 heads, head_dim 12: rope split (2, 2, 2)
-D = H * DH
-FREQS = wan.rope_table((1, S, 1), get_wan_config({"dim": D, "ffn_dim": 8, "num_heads": H, "num_layers": 1}).rope_split)
-# name -> (call with the function, argument shapes, argument dtypes: None = the case's dtype)
-CASES = {
-    "qk_norm_rope": (lambda f, *t: f(*t, FREQS, 1e-6, H), [(B, S, D), (B, S, D), (D,), (D,)], [None] * 4),
-    "gated_residual": (lambda f, *t: f(*t), [(B, S, D), (B, S, D), (B, 1, D)], [None, None, torch.float32]),
-    "fp32_layer_norm": (lambda f, *t: f(*t, 1e-6), [(B, S, D), (D,), (D,)], [None, torch.float32, torch.float32]),
-}
-
-
-def _outputs_and_grads(call, args):
-    out = call(*args)
-    out = out if isinstance(out, tuple) else (out,)
-    # a weighting that varies along the last dim: the gradient of a plain sum hides errors of normalisations
-    loss = sum((o.float() * torch.linspace(-1, 1, o.shape[-1], dtype=torch.float32)).sum() for o in out)
-    grads = torch.autograd.grad(loss, args)
-    return [o.detach().double() for o in out] + [g.double() for g in grads]
-
-
 @pytest.mark.slow   # compiles 3 functions x 2 dtypes on the CPU (tens of seconds)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_matches_fp64_within_torchs_own_error(dtype):
-    for name, (call, shapes, kinds) in CASES.items():
-        args = [_rand(*sh, dtype=k or dtype, seed=i) for i, (sh, k) in enumerate(zip(shapes, kinds))]
-        ref = getattr(wan, name)
-        got = _outputs_and_grads(lambda *t: call(fusion.compiled(name), *t), args)
-        eager = _outputs_and_grads(lambda *t: call(ref, *t), args)
-        exact = _outputs_and_grads(lambda *t: call(ref, *t), [a.detach().double().requires_grad_() for a in args])
-        for i, (g, e, r) in enumerate(zip(got, eager, exact)):
-            bound = 2 * (e - r).abs().max() + 1e-6 * r.abs().max() + 1e-12
-            assert (g - r).abs().max() <= bound, (name, dtype, i, float((g - r).abs().max()), float(bound))
+    # odd S, 3 heads, head_dim 12: rope split (2, 2, 2)
+    for name, i, err, eager_err, ref_max in block_fusion_errors(dtype, (2, 37, 3, 12)):
+        bound = 2 * eager_err + 1e-6 * ref_max + 1e-12
+        assert err <= bound, (name, dtype, i, err, bound)
 
 
 @pytest.mark.slow   # compiles the model's fused functions on the CPU

@@ -75,3 +75,47 @@ class AttentionCalls:
 
     def __exit__(self, *exc) -> None:
         self._mode.__exit__(*exc)
+
+
+def block_fusion_errors(dtype: torch.dtype, size: tuple, device="cpu") -> list:
+    """Errors of block fusion's compiled pieces (``models/fusion.py``) and of the eager functions, both against the
+    same functions in fp64, forward and backward: ``size`` = (B, S, heads, head_dim), inputs seeded. Returns
+    ``(name, index, compiled_err, eager_err, ref_max)`` per output and per input gradient (max abs values). The
+    loss weights each output along its last dim (the gradient of a plain sum hides errors of normalisations).
+    Used by tests/test_fusion.py (CPU) and tests/gpu/test_fusion_gpu.py."""
+    from ds_adaptive.models import fusion, wan
+    from ds_adaptive.models.wan import get_wan_config
+
+    B, S, heads, head_dim = size
+    D = heads * head_dim
+    split = get_wan_config({"dim": D, "ffn_dim": 8, "num_heads": heads, "num_layers": 1}).rope_split
+    freqs = wan.rope_table((1, S, 1), split).to(device)
+    # name -> (call with the function, argument shapes, argument dtypes: None = the case's dtype)
+    cases = {
+        "qk_norm_rope": (lambda f, *t: f(*t, freqs, 1e-6, heads), [(B, S, D), (B, S, D), (D,), (D,)], [None] * 4),
+        "gated_residual": (lambda f, *t: f(*t), [(B, S, D), (B, S, D), (B, 1, D)], [None, None, torch.float32]),
+        "fp32_layer_norm": (lambda f, *t: f(*t, 1e-6), [(B, S, D), (D,), (D,)], [None, torch.float32, torch.float32]),
+    }
+
+    def outputs_and_grads(call, args):
+        out = call(*args)
+        out = out if isinstance(out, tuple) else (out,)
+        weight = [torch.linspace(-1, 1, o.shape[-1], dtype=torch.float32, device=device) for o in out]
+        grads = torch.autograd.grad(sum((o.float() * w).sum() for o, w in zip(out, weight)), args)
+        return [o.detach().double() for o in out] + [g.double() for g in grads]
+
+    rows = []
+    for name, (call, shapes, kinds) in cases.items():
+        args = []
+        for i, (shape, kind) in enumerate(zip(shapes, kinds)):
+            g = torch.Generator().manual_seed(i)
+            x = torch.randn(*shape, generator=g) * 1.3 + 0.2
+            args.append(x.to(device=device, dtype=kind or dtype).requires_grad_())
+        ref = getattr(wan, name)
+        got = outputs_and_grads(lambda *t: call(fusion.compiled(name), *t), args)
+        eager = outputs_and_grads(lambda *t: call(ref, *t), args)
+        exact = outputs_and_grads(lambda *t: call(ref, *t), [a.detach().double().requires_grad_() for a in args])
+        for i, (g, e, r) in enumerate(zip(got, eager, exact)):
+            g_err = (g - r).abs().max() if torch.isfinite(g).all() else torch.tensor(float("inf"))
+            rows.append((name, i, float(g_err), float((e - r).abs().max()), float(r.abs().max())))
+    return rows

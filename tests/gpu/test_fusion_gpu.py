@@ -8,55 +8,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds_adaptive.models import fusion, wan
+from ds_adaptive.models import fusion
+from ds_adaptive.models.testing import block_fusion_errors
 from ds_adaptive.models.wan import WanModel, get_wan_config
 
 DEVICE = "cuda"
-
-
-def _rand(*shape, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=g) * 1.3 + 0.2).to(device=DEVICE, dtype=dtype).requires_grad_()
-
-
-def _cases(B: int, S: int, heads: int, head_dim: int) -> dict:
-    """name -> (call with the function, argument shapes, argument dtypes: None = the case's dtype)."""
-    D = heads * head_dim
-    split = get_wan_config({"dim": D, "ffn_dim": 8, "num_heads": heads, "num_layers": 1}).rope_split
-    freqs = wan.rope_table((1, S, 1), split).to(DEVICE)
-    return {
-        "qk_norm_rope": (lambda f, *t: f(*t, freqs, 1e-6, heads), [(B, S, D), (B, S, D), (D,), (D,)], [None] * 4),
-        "gated_residual": (lambda f, *t: f(*t), [(B, S, D), (B, S, D), (B, 1, D)], [None, None, torch.float32]),
-        "fp32_layer_norm": (lambda f, *t: f(*t, 1e-6), [(B, S, D), (D,), (D,)], [None, torch.float32, torch.float32]),
-    }
-
-
-def _outputs_and_grads(call, args):
-    out = call(*args)
-    out = out if isinstance(out, tuple) else (out,)
-    # a weighting that varies along the last dim: the gradient of a plain sum hides errors of normalisations
-    loss = sum((o.float() * torch.linspace(-1, 1, o.shape[-1], dtype=torch.float32, device=DEVICE)).sum()
-               for o in out)
-    grads = torch.autograd.grad(loss, args)
-    return [o.detach().double() for o in out] + [g.double() for g in grads]
 
 
 @pytest.mark.parametrize("size", [(2, 37, 3, 12), (1, 1561, 12, 128), (3, 255, 5, 24)],
                          ids=["odd-tiny", "wan1.3b-width", "odd-heads"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_matches_fp64_within_torchs_own_error(dtype, size):
-    for name, (call, shapes, kinds) in _cases(*size).items():
-        args = [_rand(*sh, dtype=k or dtype, seed=i) for i, (sh, k) in enumerate(zip(shapes, kinds))]
-        ref = getattr(wan, name)
-        got = _outputs_and_grads(lambda *t: call(fusion.compiled(name), *t), args)
-        eager = _outputs_and_grads(lambda *t: call(ref, *t), args)
-        exact = _outputs_and_grads(lambda *t: call(ref, *t), [a.detach().double().requires_grad_() for a in args])
-        for i, (g, e, r) in enumerate(zip(got, eager, exact)):
-            assert torch.isfinite(g).all(), (name, dtype, size, i)
-            # every piece accumulates in fp32: a different summation order (Inductor's reductions over B x S tokens
-            # for the weight and gate gradients) may cost up to 64 fp32 ulps of the largest value beyond that
-            bound = 2 * (e - r).abs().max() + 64 * torch.finfo(torch.float32).eps * r.abs().max() + 1e-12
-            assert (g - r).abs().max() <= bound, (name, dtype, size, i, float((g - r).abs().max()), float(bound))
+    for name, i, err, eager_err, ref_max in block_fusion_errors(dtype, size, DEVICE):
+        # every piece accumulates in fp32: a different summation order (Inductor's reductions over B x S tokens for
+        # the weight and gate gradients) may cost up to 64 fp32 ulps of the largest value beyond that
+        bound = 2 * eager_err + 64 * torch.finfo(torch.float32).eps * ref_max + 1e-12
+        assert err <= bound, (name, dtype, size, i, err, bound)
 
 
 def _model(dtype):
