@@ -2,8 +2,8 @@
 
     python bench/mfu_levers.py prepare --dir D [--gas 2]
         D/config.json             the shipped zero3_adaptive.json with the pinned plan of bench/ln_modulate_e2e.py
-                                  (the H200 1.3B profile's reference entries; m_comp auto; gas as given) and
-                                  metrics every step: the baseline arm "ref"
+                                  (the H200 1.3B profile's reference entries; m_comp auto; gas as given),
+                                  metrics every step and block fusion off: the baseline arm "ref"
         D/config_fusion.json      + adaptive_load.block_fusion "regions"     (arm "fusion")
         D/config_zero.json        + ZeRO-3 settings for one GPU / few ranks  (arm "zero", ZERO_CANDIDATE)
         D/config_zero2.json       ZeRO stage 2 instead of 3 (arm "zero2"): a diagnostic, not a lever: on one GPU
@@ -44,6 +44,8 @@ TRAIN = ("{py} -m ds_adaptive.train --deepspeed_config {cfg} --model wan2.1-1.3b
 def prepare(d: Path, gas: str, steps: int, n: int, m_comp: str = "auto") -> None:
     pinned.prepare(d, m_comp, gas)
     base = json.loads((d / "config.json").read_text())
+    base["adaptive_load"]["block_fusion"] = "off"   # the shipped config turns it on: the baseline arm runs eager
+    (d / "config.json").write_text(json.dumps(base, indent=1))
     fusion = json.loads(json.dumps(base))
     fusion["adaptive_load"]["block_fusion"] = "regions"
     zero = json.loads(json.dumps(base))

@@ -33,7 +33,7 @@ from .data import DataError, build_dataset, collate_latents
 from .layout import Layout
 from .lora import CLIENT_KEY as LORA_KEY, reseed_dropout, resume_problem
 from .metrics import StepMetrics, format_summary
-from .models.fusion import BlockFusionUnavailable
+from .models.family import BlockFusionUnavailable
 from .balance.memory import model_checkpoint_blocks
 from .ops.apply import ln_modulate_summary
 from .objective import EVAL_TIMESTEPS, eval_inputs, flow_matching_losses, mean_mse

@@ -25,12 +25,19 @@ from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, runtime
 
 from ds_adaptive.shapes import GridRule, InputSpec
 
-__all__ = ["ModelError", "DiffusionTransformer", "WeightAdapter", "LoraTargets", "ObjectiveOptions", "MediaDefaults",
+__all__ = ["ModelError", "BlockFusionUnavailable", "DiffusionTransformer", "WeightAdapter", "LoraTargets", "ObjectiveOptions", "MediaDefaults",
            "Preset", "ModelFamily", "Model", "set_plain_attr", "sigma_to_u"]
 
 
 class ModelError(ValueError):
     """A model name, config, input or checkpoint that does not fit; every family's errors derive from it."""
+
+
+class BlockFusionUnavailable(RuntimeError):
+    """Raised by a model's optional ``warm_up_block_fusion`` when torch.compile cannot build its fused block pieces
+    on this machine (no working triton on a GPU, no C++ compiler on a CPU, or a graph dynamo cannot capture),
+    after it has put every block back on its eager path. The message is torch's first line; the trainer warns
+    once and trains eager."""
 
 
 def set_plain_attr(module: Any, name: str, value: Any) -> None:

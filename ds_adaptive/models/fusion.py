@@ -33,16 +33,11 @@ import itertools
 from typing import Callable, Iterable, Optional
 
 from ds_adaptive.models import wan
+from ds_adaptive.models.family import BlockFusionUnavailable
 
 __all__ = ["BLOCK_FUSION_MODES", "BlockFusionUnavailable", "apply_block_fusion", "compiled", "warm_up"]
 
 BLOCK_FUSION_MODES = ("off", "rope", "regions")
-
-
-class BlockFusionUnavailable(RuntimeError):
-    """torch.compile could not build the fused pieces on this machine (no working triton on a GPU, no C++ compiler
-    on a CPU, or a graph dynamo cannot capture): :func:`warm_up` has put every block back on its eager path. The
-    message is torch's first line."""
 
 
 @functools.lru_cache(maxsize=None)
