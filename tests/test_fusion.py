@@ -198,3 +198,35 @@ def test_the_run_summary_names_the_warm_up():
     s["block_fusion"] = {"mode": "regions", "warmup_s": None, "fallback": "InvalidCxxCompiler: no compiler"}
     assert ("block fusion     'regions' could not compile (InvalidCxxCompiler: no compiler): the blocks ran eager"
             in format_summary(s))
+
+
+@pytest.mark.parametrize("ckpt", [False, True], ids=["whole", "checkpointed"])
+def test_sparse_attention_trains_the_same_with_block_fusion(monkeypatch, ckpt):
+    """Block fusion (on in the shipped config) leaves sparse attention's selection and kernel as they are: a model with
+    DSV sparse attention (forced density 0.3) gives the same outputs and gradients with 'regions' as without it,
+    with and without recompute (which reuses the forward's selection)."""
+    from ds_adaptive.models.testing import random_init_
+    from ds_adaptive.sparse import SparseAttentionRuntime
+
+    counter = _counting_compiled(monkeypatch)
+    g = torch.Generator().manual_seed(4)
+    lat, t, ctx = (torch.randn(1, 16, 3, 6, 10, generator=g, dtype=torch.float64), torch.rand(1, generator=g) * 1000,
+                   torch.randn(1, 5, 4096, generator=g, dtype=torch.float64))
+    runs = []
+    for mode in ("off", "regions"):
+        model = random_init_(WanModel("tiny"), seed=3).to(torch.float64)
+        model.gradient_checkpointing = ckpt
+        rt = SparseAttentionRuntime({"forced_density": 0.3, "block_size": 16, "cube": [1, 2, 8], "dense_layers": [],
+                                     "backend": "reference"}, num_layers=2, num_heads=2, head_dim=64)
+        rt.install(model)
+        fusion.apply_block_fusion(model, mode)
+        out = model(lat, t, ctx)
+        out.square().mean().backward()
+        runs.append((out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()},
+                     rt.cached_selection(0).density()))
+    (out0, g0, d0), (out1, g1, d1) = runs
+    assert counter.frame_count >= 3   # the 'regions' model ran its compiled pieces
+    assert 0.2 < float(d0.mean()) < 0.5 and torch.equal(d0, d1)   # sparse, and the same blocks selected
+    assert torch.allclose(out1, out0, rtol=1e-10, atol=1e-12)
+    for n in g0:
+        assert torch.allclose(g1[n], g0[n], rtol=1e-9, atol=1e-12), n
