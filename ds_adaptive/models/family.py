@@ -25,8 +25,8 @@ from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, runtime
 
 from ds_adaptive.shapes import GridRule, InputSpec
 
-__all__ = ["ModelError", "BlockFusionUnavailable", "DiffusionTransformer", "WeightAdapter", "LoraTargets", "ObjectiveOptions", "MediaDefaults",
-           "Preset", "ModelFamily", "Model", "set_plain_attr", "sigma_to_u"]
+__all__ = ["ModelError", "BlockFusionUnavailable", "DiffusionTransformer", "WeightAdapter", "LoraTargets",
+           "ObjectiveOptions", "MediaDefaults", "Preset", "ModelFamily", "Model", "set_plain_attr", "sigma_to_u"]
 
 
 class ModelError(ValueError):
