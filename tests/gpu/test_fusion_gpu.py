@@ -1,8 +1,9 @@
-"""Block fusion on a GPU (``adaptive_load.block_fusion``, on in the shipped Wan 1.3B config): Inductor's triton
-kernels for the fused pieces match an fp64 reference within twice torch's own low-precision error (plus a few
-fp32 ulps for another summation order), forward and backward, on awkward sizes and at Wan 1.3B's width; after ``warm_up`` for a plan's (B, tokens) pairs, training
-steps of those sizes compile no new graph with the real Inductor (its element-count guards are what the CPU
-test's aot_eager counter cannot see)."""
+"""Block fusion on a GPU (``adaptive_load.block_fusion``, on in the shipped Wan 1.3B config):
+- Inductor's triton kernels for the fused pieces match an fp64 reference, forward and backward, on awkward sizes
+  and at Wan 1.3B's width: within twice torch's own low-precision error, plus a few fp32 ulps for another
+  summation order;
+- after ``warm_up`` for a plan's (B, tokens) pairs, training steps of those sizes compile no new graph with the
+  real Inductor (its element-count guards are what the CPU test's aot_eager counter cannot see)."""
 from __future__ import annotations
 
 import pytest
