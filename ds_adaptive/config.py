@@ -460,7 +460,8 @@ class AdaptiveLoadConfig(_Block):
     the q/k RMSNorm + RoPE, `regions` also the gated residuals and the cross-attention LayerNorm, one
     kernel each way instead of 4-10. Linear layers, attention (dense, Ulysses or sparse) and the
     LayerNorm-modulate op stay as they are. `off`: eager. The trainer compiles the pieces for the plan's
-    micro-batch sizes before step 1 (printed, and `block_fusion.warmup_s` in the summary), so no step compiles;
+    micro-batch sizes before step 1 and for the sizes a later epoch's plan adds (printed, and `block_fusion` in the
+    summary), so no step compiles;
     where torch.compile cannot work (no triton on the GPU, no C++ compiler on the CPU) it warns once and runs eager.
     The shipped Wan 1.3B config turns `regions` on: on one H200 its default job ran 1.051x the tokens/s (MFU
     41.0% vs 39.1%) after a 19 s warm-up, which it earned back within 22 steps; peak memory 7-8% lower.

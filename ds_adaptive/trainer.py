@@ -33,7 +33,7 @@ from .data import DataError, build_dataset, collate_latents
 from .layout import Layout
 from .lora import CLIENT_KEY as LORA_KEY, reseed_dropout, resume_problem
 from .metrics import StepMetrics, format_summary
-from .models.family import BlockFusionUnavailable
+from .fusion_warmup import FusionWarmup
 from .balance.memory import model_checkpoint_blocks
 from .ops.apply import ln_modulate_summary
 from .objective import EVAL_TIMESTEPS, eval_inputs, flow_matching_losses, mean_mse
@@ -267,8 +267,8 @@ class Trainer:
         self.metrics = self._build_metrics()
         if self.sparse is not None:
             self._warm_sparse()
-        self.fusion_fallback: Optional[str] = None   # why block fusion fell back to eager, if it did
-        self.fusion_warmup_s = self._warm_block_fusion()
+        self.fusion = FusionWarmup.attach(run, self.log)   # None with block fusion off
+        self._warm_block_fusion()
         self.preview = PreviewRunner.attach(run, engine=self.engine, metrics=self.metrics, log=self.log)
         self.ckpt_policy = run.cfg.adaptive_load.sampler.checkpointing
         self.memory_log = MemoryLog(run.sampler, run.zero_stage, self.layout.world,
@@ -303,30 +303,20 @@ class Trainer:
         sizes = plan.batch_offsets[1:] - plan.batch_offsets[:-1]
         return {(int(b), plan.shapes[int(j)]) for b, j in zip(sizes, plan.batch_shape)}
 
-    def _warm_block_fusion(self) -> Optional[float]:
-        """Before step 1: ``adaptive_load.block_fusion`` compiles its pieces for the plan's (B, tokens per rank)
-        pairs (torch specialises B = 1, Inductor some element counts), so that no step compiles; the time is in
-        the summary (``block_fusion.warmup_s``). None with block fusion off."""
-        mode = self.run.cfg.adaptive_load.block_fusion
-        fn = getattr(self.run.model, "warm_up_block_fusion", None)
-        if mode == "off" or fn is None:
-            return None
+    def _fusion_pairs(self) -> set:
+        """The (B, tokens per rank) pairs of the current plan's micro-batches (what block fusion compiles for)."""
         sp = self.layout.sp_size
-        pairs = {(b, shape.padded_tokens(sp) // sp) for b, shape in self._planned_micro_batches()}
+        return {(b, shape.padded_tokens(sp) // sp) for b, shape in self._planned_micro_batches()}
+
+    def _warm_block_fusion(self) -> None:
+        """Before step 1: ``adaptive_load.block_fusion`` compiles its pieces for the plan's (B, tokens per rank)
+        pairs (torch specialises B = 1, Inductor some element counts), so that no step compiles; ``train_step``
+        does the same for pairs a later plan adds (:class:`FusionWarmup`)."""
+        if self.fusion is None:
+            return
         if self._pin_memory():   # the loader's pin-memory thread sets the process's threads to 1 (torch), and the
             torch.set_num_threads(1)   # compiled graphs guard on the count: set it now, as training will have it
-        per_token = self.run.preset.trains_per_token_timesteps(self.run.objective)
-        try:
-            spent = fn(pairs, dtype=self.run.dtype, device=self.run.device, per_token=per_token)
-        except BlockFusionUnavailable as exc:   # the blocks are back on their eager path
-            self.fusion_fallback = str(exc)
-            self.log(f"ds_adaptive: warning: block fusion '{mode}' could not compile on this machine ({exc}); the "
-                     "blocks run eager. Install a working triton (GPU) or C++ compiler (CPU), or set "
-                     "adaptive_load.block_fusion to 'off' to skip the attempt")
-            return None
-        self.log(f"ds_adaptive: block fusion '{mode}' warm-up: {spent:.1f} s (compiled for the plan's {len(pairs)} "
-                 f"(batch, tokens) pairs{', per-token modulation' if per_token else ''})")
-        return spent
+        self.fusion.before_step(self.run.sampler.plan, self._fusion_pairs, self.epoch)
 
     def _pin_memory(self) -> bool:
         """Whether the DataLoader pins host memory (on CUDA)."""
@@ -411,6 +401,8 @@ class Trainer:
         """One optimizer step (gas micro-steps); returns the metrics record of the step."""
         run, sampler, metrics = self.run, self.run.sampler, self.metrics
         sampler.set_epoch(self.epoch)  # before the step's totals: at an epoch boundary they are the new epoch's
+        if self.fusion is not None:   # a new plan (epoch, re-plan): compile for its new pairs now, not mid-step
+            self.fusion.before_step(sampler.plan, self._fusion_pairs, self.epoch)
         totals = sampler.step_totals(self.step_in_epoch)
         factor = sampler.lr_scale(self.step_in_epoch)
         metrics.start_step()
@@ -677,9 +669,8 @@ class Trainer:
         summary["final_step"] = self.global_step
         summary["memory_prediction"] = self.memory_log.summary()
         summary["nonfinite_steps"] = list(self.nonfinite_steps)
-        if self.fusion_warmup_s is not None or self.fusion_fallback is not None:
-            summary["block_fusion"] = {"mode": self.run.cfg.adaptive_load.block_fusion,
-                                       "warmup_s": self.fusion_warmup_s, "fallback": self.fusion_fallback}
+        if self.fusion is not None:
+            summary["block_fusion"] = self.fusion.summary()
         summary.update(ln_modulate_summary(self.run.cfg.adaptive_load.fused_ln_modulate))
         if self.sparse is not None:
             self.sparse.finish(summary)

@@ -193,8 +193,12 @@ def test_the_run_summary_names_the_warm_up():
          "mem_efficiency": 0.5, "cv_step": 0.0, "compute_cv": 0.0, "idle_frac": 0.0, "loss_window": 1,
          "loss_first": 1.0, "loss_last": 0.9, "loss_fell": True}
     assert "block fusion" not in format_summary(s)
-    s["block_fusion"] = {"mode": "regions", "warmup_s": 12.34, "fallback": None}
-    assert "block fusion     'regions': compiled before step 1 in 12.3 s" in format_summary(s)
+    s["block_fusion"] = {"mode": "regions", "warmup_s": 12.34, "later_warmup_s": 0.0, "later_pairs": 0,
+                         "fallback": None}
+    assert "block fusion     'regions': compiled before step 1 in 12.3 s\n" in format_summary(s)
+    s["block_fusion"].update(later_warmup_s=2.04, later_pairs=3)
+    assert ("block fusion     'regions': compiled before step 1 in 12.3 s, and 2.0 s for 3 new pair(s) of later "
+            "plans") in format_summary(s)
     s["block_fusion"] = {"mode": "regions", "warmup_s": None, "fallback": "InvalidCxxCompiler: no compiler"}
     assert ("block fusion     'regions' could not compile (InvalidCxxCompiler: no compiler): the blocks ran eager"
             in format_summary(s))
@@ -230,3 +234,32 @@ def test_sparse_attention_trains_the_same_with_block_fusion(monkeypatch, ckpt):
     assert torch.allclose(out1, out0, rtol=1e-10, atol=1e-12)
     for n in g0:
         assert torch.allclose(g1[n], g0[n], rtol=1e-9, atol=1e-12), n
+
+
+def test_the_trainer_warms_each_new_plan_once_and_falls_back_once():
+    """FusionWarmup (the trainer's compile-ahead): all pairs of the first plan before step 1, only the pairs a new
+    plan adds before its first step, nothing for a plan already seen; a compile failure warns once and stops it."""
+    from ds_adaptive.fusion_warmup import FusionWarmup
+
+    calls, logs = [], []
+
+    def warm(pairs, **kw):
+        calls.append(set(pairs))
+        if (9, 9) in pairs:
+            raise fusion.BlockFusionUnavailable("InvalidCxxCompiler: no compiler")
+        return 1.5
+
+    fw = FusionWarmup("regions", warm, dtype=torch.bfloat16, device=None, per_token=False, log=logs.append)
+    epoch0, epoch1, epoch2, epoch3 = object(), object(), object(), object()
+    assert fw.before_step(epoch0, lambda: {(1, 100), (3, 40)}, 0) == 1.5
+    assert fw.before_step(epoch0, lambda: {(1, 100), (3, 40)}, 0) is None   # the same plan: nothing
+    assert fw.before_step(epoch1, lambda: {(3, 40)}, 1) is None             # a new plan, no new pair
+    assert fw.before_step(epoch2, lambda: {(3, 40), (2, 100)}, 2) == 1.5
+    assert calls == [{(1, 100), (3, 40)}, {(2, 100)}]
+    assert "warm-up: 1.5 s (compiled for the plan's 2 (batch, tokens) pairs)" in logs[0]
+    assert "1 new (batch, tokens) pair(s) of epoch 2's plan: 1.5 s" in logs[1]
+    assert fw.summary() == {"mode": "regions", "warmup_s": 1.5, "later_warmup_s": 1.5, "later_pairs": 1,
+                            "fallback": None}
+    assert fw.before_step(epoch3, lambda: {(9, 9)}, 3) is None
+    assert fw.fallback == "InvalidCxxCompiler: no compiler" and "could not compile" in logs[2] and len(logs) == 3
+    assert fw.before_step(object(), lambda: {(7, 7)}, 4) is None and len(calls) == 3   # no second attempt
