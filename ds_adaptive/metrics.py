@@ -620,7 +620,8 @@ def format_summary(s: dict) -> str:
     elif bf:
         later = (f", and {bf['later_warmup_s']:.1f} s for {bf['later_pairs']} new pair(s) of later plans"
                  if bf.get("later_pairs") else "")
-        lines.append(f"  block fusion     '{bf['mode']}': compiled before step 1 in {bf['warmup_s'] or 0.0:.1f} s{later}")
+        first = bf["warmup_s"] or 0.0
+        lines.append(f"  block fusion     '{bf['mode']}': compiled before step 1 in {first:.1f} s{later}")
     if "eval_loss" in s:
         lines.append(f"  held-out loss    {s['eval_loss']:.4f} ({s.get('eval', {}).get('samples', '?')} samples x "
                      f"{s.get('eval', {}).get('timesteps', '?')} fixed timesteps)")

@@ -511,8 +511,10 @@ class WanModel(nn.Module):
 
     def warm_up_block_fusion(self, micro_batches, *, dtype: torch.dtype, device: Optional[torch.device],
                              per_token: bool = False) -> float:
-        """Compile the installed block-fusion pieces before step 1 for the plan's ``micro_batches`` ((B, tokens
-        per rank) pairs; :func:`ds_adaptive.models.fusion.warm_up`); seconds spent, 0.0 with block fusion off."""
+        """Compile the installed block-fusion pieces for a plan's ``micro_batches`` ((B, tokens per rank) pairs)
+        before its steps run them (:func:`ds_adaptive.models.fusion.warm_up`; the trainer's
+        :class:`~ds_adaptive.fusion_warmup.FusionWarmup` calls it); seconds spent, 0.0 with block fusion off.
+        Raises ``BlockFusionUnavailable`` with the blocks back on eager when torch.compile cannot work."""
         from ds_adaptive.models.fusion import warm_up
 
         return warm_up(self, micro_batches, dtype=dtype, device=device, per_token=per_token)
