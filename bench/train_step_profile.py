@@ -11,8 +11,9 @@ profile / m_comp / gas ``auto`` unless set), trains ``--warm`` steps, then:
   its boundary ``step()`` (the optimizer), the metrics' end of step, and what is left (host work
   between them). Each segment's time then includes its GPU work;
 * ``--profiled`` steps under ``torch.profiler`` (CPU + CUDA) with the same segments as ranges: the GPU's
-  busy time (union of kernel intervals) over the steps' wall, each segment's kernel time, and the top
-  kernels and host operators by self time.
+  busy time (union of kernel intervals) over the steps' wall, each segment's kernel time, the top
+  kernels and host operators by self time, and the elementwise operators (copies, adds, casts) by input
+  shape, which tell the activations they move from the parameters.
 
 Per segment it prints ms per step and its share of the step, and writes DIR/train_step_profile.json and
 DIR/profile_tables.txt. Compares nothing: it explains a figure (the summary's MFU); the A/B of a lever is
@@ -33,6 +34,21 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 CONFIG = ROOT / "launch" / "configs" / "zero3_adaptive.json"
+
+
+#: the memory-bound operators outside attention and GEMMs that the seventh session's profile found at ~20% of
+#: GPU time; grouped by input shape they say whether they move activations ([B, S, D], [B, S, F]) or parameters
+ELEMENTWISE_OPS = ("aten::copy_", "aten::add_", "aten::add", "aten::mul", "aten::mul_", "aten::cat", "aten::sum",
+                   "aten::_to_copy", "aten::fill_", "aten::zero_", "aten::div", "aten::div_", "aten::sub")
+
+
+def elementwise_by_shape(prof, steps: int, top: int = 30) -> list:
+    """The ``top`` elementwise operators (``ELEMENTWISE_OPS``) of a ``record_shapes`` profile, grouped by input
+    shapes, by self GPU time: ``[{op, shapes, calls, gpu_ms}]`` per step."""
+    rows = [{"op": e.key, "shapes": str(e.input_shapes), "calls": e.count / steps,
+             "gpu_ms": e.self_device_time_total / 1e3 / steps}
+            for e in prof.key_averages(group_by_input_shape=True) if e.key in ELEMENTWISE_OPS]
+    return sorted(rows, key=lambda r: -r["gpu_ms"])[:top]
 
 
 def sync() -> None:
@@ -159,7 +175,7 @@ def main(argv=None) -> int:
     if args.profiled:
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         t0 = time.perf_counter()
-        with torch.profiler.profile(activities=acts) as prof:
+        with torch.profiler.profile(activities=acts, record_shapes=True) as prof:
             for _ in range(args.profiled):
                 recs.append(("profiled", trainer.train_step()))
             sync()
@@ -169,12 +185,17 @@ def main(argv=None) -> int:
                                 "gpu_ms": e.device_time_total / 1e3 / args.profiled}
                     for e in ka if e.key.startswith("seg/")}
         busy = busy_ms(prof)
+        by_shape = elementwise_by_shape(prof, args.profiled)
         prof_doc = {"wall_ms_per_step": wall / args.profiled, "gpu_busy_ms_per_step": busy / args.profiled,
-                    "gpu_busy_frac": busy / wall, "segments": seg_rows}
+                    "gpu_busy_frac": busy / wall, "segments": seg_rows, "elementwise_by_shape": by_shape}
         with open(out / "profile_tables.txt", "w") as f:
             f.write(ka.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=70))
             f.write("\n\n")
             f.write(ka.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70))
+            f.write("\n\nelementwise operators by input shape (self GPU ms per step): which tensors the copies, adds and "
+                    "casts move\n")
+            for r in by_shape:
+                f.write(f"{r['gpu_ms']:10.1f} ms {r['calls']:7.1f} calls  {r['op']:<22} {r['shapes']}\n")
     trainer.close()
 
     doc = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__, "args": vars(args), "gas": run.gas,

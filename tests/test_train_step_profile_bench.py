@@ -1,6 +1,7 @@
 """Guards bench/train_step_profile.py on the CPU: the trainer's step is split into its segments (fetch, forward,
 backward, the engine's inner and boundary steps, the metrics), every micro-step's call is counted, the segments and
-the host time between them add up to the timed step, and the profiled step lists the same segments as ranges."""
+the host time between them add up to the timed step, and the profiled step lists the same segments as ranges and its
+elementwise operators by input shape."""
 from __future__ import annotations
 
 import json
@@ -35,5 +36,8 @@ def test_segments_add_up_to_the_step(tmp_path):
     assert all(v > 0 for k, v in seg.items() if k in ("forward", "backward"))
     assert {"data", "forward", "backward", "step_boundary"} <= set(doc["profiled"]["segments"])
     assert [s["kind"] for s in doc["steps"]] == ["warm", "timed", "profiled"]
-    assert (out / "profile_tables.txt").read_text().count("Self CPU") >= 2
+    tables = (out / "profile_tables.txt").read_text()
+    assert tables.count("Self CPU") >= 2 and "elementwise operators by input shape" in tables
+    rows = doc["profiled"]["elementwise_by_shape"]   # copies / adds / casts, told apart by the tensors they move
+    assert rows and all(r["op"].startswith("aten::") and r["shapes"].startswith("[") and r["calls"] > 0 for r in rows)
     assert "| backward |" in res.stdout
