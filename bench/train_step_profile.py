@@ -36,8 +36,9 @@ if str(ROOT) not in sys.path:
 CONFIG = ROOT / "launch" / "configs" / "zero3_adaptive.json"
 
 
-#: the memory-bound operators outside attention and GEMMs that the seventh session's profile found at ~20% of
-#: GPU time; grouped by input shape they say whether they move activations ([B, S, D], [B, S, F]) or parameters
+#: the memory-bound operators outside attention and GEMMs (~20% of the default job's GPU time with block fusion off,
+#: bench/RESULTS.md); grouped by input shape they say whether they move activations ([B, S, D], [B, S, F]) or
+#: parameters
 ELEMENTWISE_OPS = ("aten::copy_", "aten::add_", "aten::add", "aten::mul", "aten::mul_", "aten::cat", "aten::sum",
                    "aten::_to_copy", "aten::fill_", "aten::zero_", "aten::div", "aten::div_", "aten::sub")
 
