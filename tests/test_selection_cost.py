@@ -208,27 +208,32 @@ def test_calibrate_selection_needs_a_gpu(capsys):
 def test_ab_bench_merge_compares_arms_run_in_separate_calls_and_counts_the_loop(tmp_path, capsys):
     ab = _bench()
 
-    def arm(name, comp_ms, pred_ms, wall_s):
+    def arm(name, comp_ms, pred_ms, wall_s, fusion_s):
         steps = [{"step": k, "tokens": 1000, "wall_s": wall_s, "compute_ms": comp_ms, "micro_compute_ms": [comp_ms],
                   "profiled": False} for k in (1, 2, 3)]
         micro = [{"step": k, "micro": 0, "shape": "a", "B": 1, "compute_ms": comp_ms, "predicted_ms": pred_ms}
                  for k in (1, 2, 3)]
         return {"mix": "m", "arm": name, "steps": steps, "micro": micro, "warmup_s": 0.0, "train_s": 3 * wall_s,
-                "backend": None, "loop_overheads_ms": {"micro_step": 100.0, "optimizer_step": 300.0}}
+                "fusion_warmup_s": fusion_s, "backend": None,
+                "loop_overheads_ms": {"micro_step": 100.0, "optimizer_step": 300.0}}
 
     files = []
-    for name, comp, pred, wall in (("dense", 1000.0, 800.0, 1.2), ("sparse", 500.0, 400.0, 0.6)):
+    # block fusion compiled in the first arm (3 s); the second found its graphs (0.1 s)
+    for name, comp, pred, wall, fz in (("dense", 1000.0, 800.0, 1.2, 3.0), ("sparse", 500.0, 400.0, 0.6, 0.1)):
         p = tmp_path / f"{name}.json"
-        p.write_text(json.dumps({"args": {}, "device": "GPU X", "torch": "t", "arms": [arm(name, comp, pred, wall)]}))
+        p.write_text(json.dumps({"args": {}, "device": "GPU X", "torch": "t", "arms": [arm(name, comp, pred, wall, fz)]}))
         files.append(str(p))
     assert ab.main(["--merge", *files, "--out", str(tmp_path / "m.json")]) == 0
     doc = json.loads((tmp_path / "m.json").read_text())
-    assert doc["compare"]["m"]["sparse"]["tokens_per_s_2toN"] == pytest.approx(2.0)
+    c = doc["compare"]["m"]["sparse"]
+    assert c["tokens_per_s_2toN"] == pytest.approx(2.0) and c["tokens_per_s_with_warmup"] == pytest.approx(2.0)
+    # the compile both arms pay once, charged to each: 3000 tokens in 3 + 3.6 s vs 3 + 1.8 s
+    assert c["fusion_warmup_s_charged"] == 3.0 and c["tokens_per_s_with_every_warmup"] == pytest.approx(6.6 / 4.8)
     p = doc["arms"][1]["prediction"]
     assert p["sum_pred_over_measured"] == pytest.approx(0.8)
     assert p["micro_step_pred_over_measured"] == pytest.approx(500.0 / 500.0)            # + 100 ms per micro-step
     assert p["step_pred_over_measured"] == pytest.approx((400.0 + 100.0 + 300.0) / 600.0)  # + the optimizer step
-    assert "| m | sparse | 1,667 | 2.000 |" in capsys.readouterr().out   # 2 x 1000 tokens in 2 x 0.6 s
+    assert "| m | sparse | 1,667 | 2.000 | 2.000 | 1.375 |" in capsys.readouterr().out   # 2 x 1000 tokens in 2 x 0.6 s
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"args": {}, "device": "GPU Y", "torch": "t", "arms": []}))
     with pytest.raises(SystemExit, match="different devices"):
