@@ -22,8 +22,9 @@ the plan's (B, S) pairs, before step 1; the engine build is the same work in eve
 out), and "+ block fusion's compile": that plus block fusion's warm-up (``adaptive_load.block_fusion``, on
 in the shipped config), charged to every arm of a mix at the largest any arm paid (the arms share one
 process, so only the first compiles; a user pays it once per run, dense or sparse). Per arm: compile /
-warm-up seconds, compiled graphs, per-shape summed compute of the same micro-batches (sparse / dense), the first micro-step of each new (shape, B) pair (no such step may be
-slower sparse than dense), time per step outside compute, the selection time the runtime measured
+warm-up seconds, compiled graphs, per-shape summed compute of the same micro-batches (sparse / dense),
+the first micro-step of each new (shape, B) pair (no such step may be slower sparse than dense), time
+per step outside compute, the selection time the runtime measured
 and the cost's, and predicted vs measured micro-step compute (the plan's cost model; for the sparse arms
 with the sparse cost at the densities that ran): per shape, its ratio, whether it is within 10%, and the
 ratio over the dense arm's on the same micro-batches (the sparse cost's own error).
