@@ -139,7 +139,7 @@ def test_warm_up_compiles_every_graph_that_training_needs(monkeypatch, per_token
     spent = m.warm_up_block_fusion(pairs, dtype=dtype, device=torch.device("cpu"), per_token=per_token)
     assert spent > 0
     warmed = counter.frame_count
-    assert warmed >= 6   # 3 functions x (B = 1, B >= 2)
+    assert warmed >= 4   # 2 functions (on the CPU the q/k norm + RoPE is compiled) x (B = 1, B >= 2)
     _train_steps(m, per_token, dtype)
     assert counter.frame_count == warmed, f"a training step compiled {counter.frame_count - warmed} more graph(s)"
 
@@ -149,7 +149,7 @@ def test_warm_up_compiles_every_graph_that_training_needs(monkeypatch, per_token
     m = _model(dtype=dtype)
     fusion.apply_block_fusion(m, "regions")
     _train_steps(m, per_token, dtype)
-    assert cold.frame_count >= 6
+    assert cold.frame_count >= 4
 
 
 def test_a_machine_that_cannot_compile_falls_back_to_eager(monkeypatch):

@@ -5,6 +5,8 @@ diffusers patch) that need a Wan model with non-trivial weights or its diffusers
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ds_adaptive.models.wan import WanModel
@@ -77,12 +79,14 @@ class AttentionCalls:
         self._mode.__exit__(*exc)
 
 
-def block_fusion_errors(dtype: torch.dtype, size: tuple, device="cpu") -> list:
+def block_fusion_errors(dtype: torch.dtype, size: tuple, device="cpu", impls: Optional[dict] = None) -> list:
     """Errors of block fusion's compiled pieces (``models/fusion.py``) and of the eager functions, both against the
     same functions in fp64, forward and backward: ``size`` = (B, S, heads, head_dim), inputs seeded. Returns
     ``(name, index, compiled_err, eager_err, ref_max)`` per output and per input gradient (max abs values). The
     loss weights each output along its last dim (the gradient of a plain sum hides errors of normalisations).
-    Used by tests/test_fusion.py (CPU) and tests/gpu/test_fusion_gpu.py."""
+    ``impls``: piece name -> the implementation to check instead of the compiled pieces (e.g. the Triton
+    ``qk_norm_rope``; only those pieces are checked). Used by tests/test_fusion.py (CPU),
+    tests/gpu/test_fusion_gpu.py and the q / k norm + RoPE kernel's tests."""
     from ds_adaptive.models import fusion, wan
     from ds_adaptive.models.wan import get_wan_config
 
@@ -104,15 +108,18 @@ def block_fusion_errors(dtype: torch.dtype, size: tuple, device="cpu") -> list:
         grads = torch.autograd.grad(sum((o.float() * w).sum() for o, w in zip(out, weight)), args)
         return [o.detach().double() for o in out] + [g.double() for g in grads]
 
+    impls = impls if impls is not None else {name: fusion.compiled(name) for name in cases}
     rows = []
     for name, (call, shapes, kinds) in cases.items():
+        if name not in impls:
+            continue
         args = []
         for i, (shape, kind) in enumerate(zip(shapes, kinds)):
             g = torch.Generator().manual_seed(i)
             x = torch.randn(*shape, generator=g) * 1.3 + 0.2
             args.append(x.to(device=device, dtype=kind or dtype).requires_grad_())
         ref = getattr(wan, name)
-        got = outputs_and_grads(lambda *t: call(fusion.compiled(name), *t), args)
+        got = outputs_and_grads(lambda *t: call(impls[name], *t), args)
         eager = outputs_and_grads(lambda *t: call(ref, *t), args)
         exact = outputs_and_grads(lambda *t: call(ref, *t), [a.detach().double().requires_grad_() for a in args])
         for i, (g, e, r) in enumerate(zip(got, eager, exact)):

@@ -1,0 +1,81 @@
+"""Guards the Triton q / k RMSNorm + RoPE kernels (``ds_adaptive.ops.qk_norm_rope``) on CPU under the Triton
+interpreter: forward and backward (dq, dk, dwq, dwk) vs the float64 reference (``wan.qk_norm_rope``) on awkward
+sizes (D / 2 not a power of two, head dims 6 / 12 / 24, H = 3 / 5, S below and above the program count, B = 1 / 3),
+fp32 and bf16, into NaN-poisoned buffers: within twice the eager path's own error plus one rounding step; and the reasons the
+kernel refuses inputs (checked in the main process)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from ds_adaptive.models.testing import block_fusion_errors
+from ds_adaptive.ops import qk_norm_rope as op
+from test_sparse_kernels import IN_INTERPRETER, interpreter_only, needs_triton  # noqa: E402
+
+
+@needs_triton
+@pytest.mark.skipif(IN_INTERPRETER, reason="this process is the interpreter run")
+def test_interpreter_cases_in_a_fresh_process() -> None:
+    """The interpreter cases below, in a fresh python with TRITON_INTERPRET=1 (set before triton imports)."""
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    r = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-x"],
+                       env=env, capture_output=True, text=True, timeout=300, cwd=str(root / "tests"))
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+    last = r.stdout.strip().splitlines()[-1]
+    assert " passed" in last and "3 skipped" in last, last  # skipped: the three main-process tests
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every buffer the kernels write starts as NaN: a row or pair they skip shows."""
+    def nan_alloc(*shape, **kw):
+        return torch.full(*shape, float("nan"), **kw) if shape and isinstance(shape[0], (tuple, list, torch.Size)) \
+            else torch.full(shape, float("nan"), **kw)
+    monkeypatch.setattr(op, "_alloc", nan_alloc)
+    assert op.interpreted()
+
+
+@interpreter_only
+@pytest.mark.parametrize("size", [(2, 37, 3, 12), (1, 5, 2, 6), (3, 11, 5, 24), (1, 9, 4, 8)],
+                         ids=["odd-tiny", "S-below-programs", "odd-heads", "pow2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_fp64_within_torchs_own_error(poisoned, dtype, size):
+    rows = block_fusion_errors(dtype, size, "cpu", impls={"qk_norm_rope": op.triton_qk_norm_rope})
+    assert len(rows) == 6   # q, k outputs; dq, dk, dwq, dwk
+    for name, i, err, eager_err, ref_max in rows:
+        # twice the eager path's error, plus one rounding step of the dtype at the largest value (the kernel
+        # rounds fp32 values that differ in the last bits: a tie may go the other way), plus fp32 accumulation in
+        # another order (the weight gradient: per-program sums, then over programs)
+        bound = (2 * eager_err + torch.finfo(dtype).eps * ref_max + 64 * torch.finfo(torch.float32).eps * ref_max
+                 + 1e-12)
+        assert err <= bound, (name, dtype, size, i, err, bound)
+
+
+@pytest.mark.skipif(IN_INTERPRETER, reason="checked in the main process")
+def test_refuses_what_it_cannot_take_with_the_reason():
+    q = torch.zeros(1, 4, 12)
+    w = torch.zeros(12)
+    f = torch.zeros(4, 3, 2)
+    if op.unsupported(q, q, w, w, f, 2) is not None:   # CPU tensors outside the interpreter
+        assert "CUDA" in op.unsupported(q, q, w, w, f, 2) or "triton" in op.unsupported(q, q, w, w, f, 2)
+    with pytest.raises(ValueError, match="triton_qk_norm_rope"):
+        op.triton_qk_norm_rope(q, q, w, w, f, 1e-6, 2)
+
+
+@pytest.mark.skipif(IN_INTERPRETER, reason="checked in the main process")
+def test_unsupported_names_the_input(monkeypatch):
+    monkeypatch.setattr(op, "interpreted", lambda: True)   # the shape checks, as on a GPU
+    q, w, f = torch.zeros(1, 4, 12), torch.zeros(12), torch.zeros(4, 3, 2)
+    assert op.unsupported(q, q, w, w, f, 2) is None
+    assert "[B, S, D]" in op.unsupported(q[0], q[0], w, w, f, 2)
+    assert "even head dim" in op.unsupported(q, q, w, w, f, 4)   # Dh 3
+    assert "RMSNorm weights" in op.unsupported(q, q, w[:6], w, f, 2)
+    assert "freqs" in op.unsupported(q, q, w, w, f[:3], 2)
+    assert "freqs" in op.unsupported(q, q, w, w, f.double(), 2)
+    assert "dtype" in op.unsupported(q, q.double(), w, w, f, 2)
