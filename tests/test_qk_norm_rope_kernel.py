@@ -1,8 +1,9 @@
 """Guards the Triton q / k RMSNorm + RoPE kernels (``ds_adaptive.ops.qk_norm_rope``) on CPU under the Triton
 interpreter: forward and backward (dq, dk, dwq, dwk) vs the float64 reference (``wan.qk_norm_rope``) on awkward
 sizes (D / 2 not a power of two, head dims 6 / 12 / 24, H = 3 / 5, S below and above the program count, B = 1 / 3),
-fp32 and bf16, into NaN-poisoned buffers: within twice the eager path's own error plus one rounding step; and the reasons the
-kernel refuses inputs (checked in the main process)."""
+fp32 and bf16, into NaN-poisoned buffers: within twice the eager path's own error plus one rounding step; block fusion's
+dispatch (the kernel where it can run, else the compiled function); and the reasons the kernel refuses inputs (checked in
+the main process)."""
 from __future__ import annotations
 
 import os
@@ -28,7 +29,7 @@ def test_interpreter_cases_in_a_fresh_process() -> None:
                        env=env, capture_output=True, text=True, timeout=300, cwd=str(root / "tests"))
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
     last = r.stdout.strip().splitlines()[-1]
-    assert " passed" in last and "3 skipped" in last, last  # skipped: the three main-process tests
+    assert " passed" in last and "4 skipped" in last, last  # skipped: the four main-process tests
 
 
 @pytest.fixture
@@ -79,3 +80,40 @@ def test_unsupported_names_the_input(monkeypatch):
     assert "freqs" in op.unsupported(q, q, w, w, f[:3], 2)
     assert "freqs" in op.unsupported(q, q, w, w, f.double(), 2)
     assert "dtype" in op.unsupported(q, q.double(), w, w, f, 2)
+
+
+def _qk_inputs(dtype=torch.float32):
+    from ds_adaptive.models.wan import rope_table
+
+    g = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(2, 15, 24, generator=g).to(dtype) for _ in range(2))
+    w = torch.ones(24, dtype=dtype)
+    return q, k, w, w, rope_table((1, 3, 5), (2, 1, 1)), 1e-6, 3
+
+
+@interpreter_only
+def test_block_fusion_runs_the_kernel_where_it_can(monkeypatch):
+    """Inputs the kernel takes (the interpreter's CPU tensors stand for CUDA ones) never reach the compiled fallback."""
+    from ds_adaptive.models import fusion
+
+    def no_compile(name):
+        raise AssertionError(f"compiled({name!r}) called for inputs the kernel takes")
+
+    monkeypatch.setattr(fusion, "compiled", no_compile)
+    args = _qk_inputs()
+    got = fusion.qk_norm_rope_kernel(*args)
+    want = op.triton_qk_norm_rope(*args)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.skipif(IN_INTERPRETER, reason="checked in the main process")
+def test_block_fusion_falls_back_to_the_compiled_function(monkeypatch):
+    """CPU tensors outside the interpreter: the compiled ``wan.qk_norm_rope`` (here its eager stand-in) runs."""
+    from ds_adaptive.models import fusion, wan
+
+    calls = []
+    monkeypatch.setattr(fusion, "compiled", lambda name: calls.append(name) or getattr(wan, name))
+    args = _qk_inputs()
+    got = fusion.qk_norm_rope_kernel(*args)
+    assert calls == ["qk_norm_rope"]
+    assert all(torch.equal(a, b) for a, b in zip(got, wan.qk_norm_rope(*args)))

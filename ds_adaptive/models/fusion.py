@@ -57,11 +57,10 @@ def qk_norm_rope_kernel(q, k, wq, wk, freqs, eps: float, heads: int):
     """``wan.qk_norm_rope`` by the Triton kernels (``ds_adaptive.ops.qk_norm_rope``: one read and one write of each
     tensor, either way) where they can run (CUDA, triton), else its compiled form. Inductor's kernels for this
     function ran at ~10% of the memory bandwidth in the trainer (``bench/block_fusion_kernels.py``)."""
-    from ds_adaptive.ops.qk_norm_rope import triton_qk_norm_rope, unsupported
+    from ds_adaptive.ops.qk_norm_rope import try_triton_qk_norm_rope
 
-    if unsupported(q, k, wq, wk, freqs, heads) is None:
-        return triton_qk_norm_rope(q, k, wq, wk, freqs, eps, heads)
-    return compiled("qk_norm_rope")(q, k, wq, wk, freqs, eps, heads)
+    out = try_triton_qk_norm_rope(q, k, wq, wk, freqs, eps, heads)
+    return out if out is not None else compiled("qk_norm_rope")(q, k, wq, wk, freqs, eps, heads)
 
 
 def apply_block_fusion(model, mode: str) -> Optional[str]:
@@ -76,9 +75,9 @@ def apply_block_fusion(model, mode: str) -> Optional[str]:
     model.set_block_fusion(qk_rope=qk_norm_rope_kernel,
                            residual=compiled("gated_residual") if regions else None,
                            layer_norm=None)
-    what = "q/k RMSNorm + RoPE (a Triton kernel on CUDA)" + (", gated residuals" if regions else "")
-    return (f"block fusion '{mode}': {what} compiled (torch.compile, dynamic shapes; the trainer compiles them before "
-            f"step 1 for the plan's micro-batch sizes)")
+    what = ", gated residuals compiled (torch.compile, dynamic shapes)" if regions else ""
+    return (f"block fusion '{mode}': q/k RMSNorm + RoPE by a Triton kernel (compiled where it cannot run){what}; the "
+            f"trainer compiles them before step 1 for the plan's micro-batch sizes")
 
 
 def warm_up(model, micro_batches: Iterable[tuple[int, int]], *, dtype, device, per_token: bool = False) -> float:

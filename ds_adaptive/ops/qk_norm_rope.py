@@ -130,14 +130,23 @@ class _NormRope(torch.autograd.Function):
         return dx, dw, None, None, None
 
 
-def triton_qk_norm_rope(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, freqs: torch.Tensor,
-                        eps: float, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``wan.qk_norm_rope`` by the kernels: q, k ``[B, S, D]`` -> ``[B, S, H, Dh]`` each (see the module).
-    Raises ValueError with :func:`unsupported`'s reason when the kernel cannot take the inputs."""
-    why = unsupported(q, k, wq, wk, freqs, heads)
-    if why is not None:
-        raise ValueError(f"triton_qk_norm_rope: {why}")
+def try_triton_qk_norm_rope(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
+                            freqs: torch.Tensor, eps: float, heads: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """``wan.qk_norm_rope`` by the kernels, or None when they cannot take the inputs (:func:`unsupported`): one
+    check per call, for a caller with a fallback (``models.fusion.qk_norm_rope_kernel``)."""
+    if unsupported(q, k, wq, wk, freqs, heads) is not None:
+        return None
     freqs = freqs.contiguous()
     half_dh = q.shape[-1] // heads // 2
     return (_NormRope.apply(q, wq, freqs, eps, half_dh).unflatten(-1, (heads, -1)),
             _NormRope.apply(k, wk, freqs, eps, half_dh).unflatten(-1, (heads, -1)))
+
+
+def triton_qk_norm_rope(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, freqs: torch.Tensor,
+                        eps: float, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``wan.qk_norm_rope`` by the kernels: q, k ``[B, S, D]`` -> ``[B, S, H, Dh]`` each (see the module).
+    Raises ValueError with :func:`unsupported`'s reason when the kernel cannot take the inputs."""
+    out = try_triton_qk_norm_rope(q, k, wq, wk, freqs, eps, heads)
+    if out is None:
+        raise ValueError(f"triton_qk_norm_rope: {unsupported(q, k, wq, wk, freqs, heads)}")
+    return out
