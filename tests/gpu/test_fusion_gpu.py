@@ -54,6 +54,7 @@ def test_warm_up_then_training_compiles_no_graph_with_inductor():
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]   # a process-wide count: earlier tests add to it
     try:
         m = _model(torch.bfloat16)
         fusion.apply_block_fusion(m, "regions")
@@ -61,7 +62,8 @@ def test_warm_up_then_training_compiles_no_graph_with_inductor():
         spent = m.warm_up_block_fusion(pairs, dtype=torch.bfloat16, device=torch.device(DEVICE))
         assert spent > 0
         warmed = counters["stats"]["unique_graphs"]
-        assert warmed >= 6   # 3 functions x (B = 1, B >= 2)
+        # on CUDA the q/k norm + RoPE is the Triton kernel: the gated residual x (B = 1, B >= 2) are compiled
+        assert warmed - before >= 2
         _train_steps(m, torch.bfloat16)
         assert counters["stats"]["unique_graphs"] == warmed, \
             f"a training step compiled {counters['stats']['unique_graphs'] - warmed} more graph(s)"
