@@ -318,3 +318,48 @@ def test_default_init_and_meta_instantiation():
         big = WanModel("wan2.1-14b")
     assert all(p.is_meta for p in big.parameters())
     assert len(big.blocks) == 40
+
+
+def test_flat_linear_is_an_nn_linear_with_the_same_results_also_under_zero3s_function():
+    """``wan.FlatLinear`` (the FFN's first Linear) multiplies a 3-D input as 2-D: same outputs and gradients as
+    ``nn.Linear`` with torch's ``F.linear`` and with DeepSpeed's ZeRO-3 replacement (``LinearFunctionForZeroStage3``,
+    which takes the 2-D input to ``addmm``); same parameters and state-dict keys; a 2-D input passes through."""
+    import torch.nn.functional as F
+
+    from ds_adaptive.models.wan import FlatLinear, WanModel, get_wan_config
+
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(12, 20).double()
+    flat = FlatLinear(12, 20).double()
+    flat.load_state_dict(ref.state_dict())
+    assert isinstance(flat, torch.nn.Linear) and list(flat.state_dict()) == list(ref.state_dict())
+    x = torch.randn(3, 7, 12, dtype=torch.double)
+
+    def out_and_grads(m, x):
+        x = x.clone().requires_grad_()
+        y = m(x)
+        y.backward(torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view_as(y))
+        grads = [x.grad] + [p.grad.clone() for p in m.parameters()]
+        m.zero_grad(set_to_none=True)
+        return [y.detach()] + grads
+
+    want = out_and_grads(ref, x)
+    assert all(torch.allclose(a, b, rtol=1e-12, atol=1e-12) for a, b in zip(out_and_grads(flat, x), want))
+    assert torch.equal(flat(x[0]), F.linear(x[0], flat.weight, flat.bias))
+    with torch.no_grad():   # a non-contiguous input: reshape copies, the result is the same
+        xt = x.transpose(0, 1).contiguous().transpose(0, 1)
+        assert torch.allclose(flat(xt), ref(xt), rtol=1e-12, atol=1e-12)
+
+    zero3 = pytest.importorskip("deepspeed.runtime.zero.linear").LinearFunctionForZeroStage3
+    orig = F.linear
+    try:   # what zero.Init does to torch.nn.functional.linear
+        F.linear = lambda inp, w, b=None: zero3.apply(inp, w, b)
+        got = out_and_grads(flat, x)
+        ref_zero = out_and_grads(ref, x)
+    finally:
+        F.linear = orig
+    assert all(torch.allclose(a, b, rtol=1e-12, atol=1e-12) for a, b in zip(got, want))
+    assert all(torch.allclose(a, b, rtol=1e-12, atol=1e-12) for a, b in zip(ref_zero, want))
+
+    m = WanModel(get_wan_config("tiny", num_layers=1))
+    assert type(m.blocks[0].ffn[0]) is FlatLinear and type(m.blocks[0].ffn[2]) is torch.nn.Linear
