@@ -167,7 +167,7 @@ def sweep_tiles(cfg, cases, device, iters: int) -> tuple[int, int]:
         print(f"| {ppsm} | {warps} | " + " | ".join(f"{m:.3f}" for m in ms) + " |")
     del os.environ[op.TILES_ENV]
     best = min(totals, key=totals.get)
-    default = (op.PROGRAMS_PER_SM, op.NUM_WARPS)
+    default = (op.PROGRAMS_PER_SM, op.default_warps(cfg.dim))
     print(f"best: {best[0]},{best[1]} ({totals[default] / totals[best]:.3f}x the default {default[0]},{default[1]}); "
           f"{op.TILES_ENV}={best[0]},{best[1]} runs it")
     return best

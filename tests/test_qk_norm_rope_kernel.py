@@ -29,7 +29,7 @@ def test_interpreter_cases_in_a_fresh_process() -> None:
                        env=env, capture_output=True, text=True, timeout=300, cwd=str(root / "tests"))
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
     last = r.stdout.strip().splitlines()[-1]
-    assert " passed" in last and "4 skipped" in last, last  # skipped: the four main-process tests
+    assert " passed" in last and "5 skipped" in last, last  # skipped: the five main-process tests
 
 
 @pytest.fixture
@@ -117,3 +117,24 @@ def test_block_fusion_falls_back_to_the_compiled_function(monkeypatch):
     got = fusion.qk_norm_rope_kernel(*args)
     assert calls == ["qk_norm_rope"]
     assert all(torch.equal(a, b) for a, b in zip(got, wan.qk_norm_rope(*args)))
+
+
+@pytest.mark.skipif(IN_INTERPRETER, reason="checked in the main process")
+def test_launch_defaults_and_the_override_and_its_error(monkeypatch):
+    from ds_adaptive.config import ConfigError
+    from ds_adaptive.models import fusion
+    from ds_adaptive.models.wan import WanModel, get_wan_config
+
+    monkeypatch.delenv(op.TILES_ENV, raising=False)
+    assert [op.default_warps(d) for d in (24, 1536, 3072, 5120)] == [4, 4, 8, 16]   # ~16 channels a thread
+    assert op.tiles(1536) == (op.PROGRAMS_PER_SM, 4)
+    monkeypatch.setenv(op.TILES_ENV, "16,8")
+    assert op.tiles(1536) == (16, 8)
+    m = WanModel(get_wan_config("tiny", num_layers=1))
+    for bad in ("16", "a,4", "0,4", "8,3"):
+        monkeypatch.setenv(op.TILES_ENV, bad)
+        with pytest.raises(ValueError, match=op.TILES_ENV):
+            op.tiles(1536)
+        with pytest.raises(ConfigError, match=f"{op.TILES_ENV}={bad!r}: expected") as err:   # before the run starts
+            fusion.apply_block_fusion(m, "rope")
+        assert "\n" not in str(err.value)

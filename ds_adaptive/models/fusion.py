@@ -71,6 +71,13 @@ def apply_block_fusion(model, mode: str) -> Optional[str]:
     if mode == "off":
         model.set_block_fusion()
         return None
+    from ds_adaptive.config import ConfigError
+    from ds_adaptive.ops.qk_norm_rope import tiles
+
+    try:   # the kernel's launch override, checked before the run starts (one line, exit 2)
+        tiles(model.config.dim)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     regions = mode == "regions"
     model.set_block_fusion(qk_rope=qk_norm_rope_kernel,
                            residual=compiled("gated_residual") if regions else None,

@@ -28,26 +28,32 @@ _alloc = torch.empty
 PROGRAMS_PER_SM = 8
 """Programs per streaming multiprocessor (each walks rows with a stride of the grid): enough resident warps to
 keep the loads in flight, few enough partial weight-gradient rows to sum (P x D fp32)."""
-NUM_WARPS = 4
-"""Warps per program (a program holds one row of D channels at a time)."""
+ELEMENTS_PER_WARP = 512
+"""A program holds one row of D channels (padded to a power of two) at a time: one warp per 512 of them (16 a
+thread), so that a wider model (Wan 14B: D 5,120 -> 16 warps) keeps the row in registers. Wan 1.3B: 4 warps."""
 TILES_ENV = "DS_ADAPTIVE_QK_ROPE_TILES"
-"""``"PROGRAMS_PER_SM,NUM_WARPS"`` overrides the two launch constants above (``bench/block_fusion_kernels.py
+"""``"PROGRAMS_PER_SM,NUM_WARPS"`` overrides the launch defaults above (``bench/block_fusion_kernels.py
 --sweep`` times the alternatives)."""
 
 
-def tiles() -> tuple[int, int]:
-    """(programs per SM, warps per program): ``TILES_ENV`` if set, else the defaults; a malformed value is an
-    error that names the variable."""
+def default_warps(d: int) -> int:
+    """Warps per program for D channels (``ELEMENTS_PER_WARP``), 4 to 16."""
+    return min(16, max(4, (1 << max(0, d - 1).bit_length()) // ELEMENTS_PER_WARP))
+
+
+def tiles(d: int) -> tuple[int, int]:
+    """(programs per SM, warps per program) for D channels: ``TILES_ENV`` if set, else the defaults; a malformed
+    value is an error that names the variable."""
     raw = os.environ.get(TILES_ENV)
     if not raw:
-        return PROGRAMS_PER_SM, NUM_WARPS
+        return PROGRAMS_PER_SM, default_warps(d)
     try:
         ppsm, warps = (int(v) for v in raw.split(","))
     except ValueError:
         ppsm = warps = 0
     if ppsm < 1 or warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"{TILES_ENV}={raw!r}: expected 'PROGRAMS_PER_SM,NUM_WARPS' (e.g. '8,4'; warps a power of "
-                         f"two <= 16); unset it for the defaults ({PROGRAMS_PER_SM},{NUM_WARPS})")
+                         f"two <= 16); unset it for the defaults ({PROGRAMS_PER_SM},{default_warps(d)} at D {d})")
     return ppsm, warps
 
 
@@ -85,11 +91,11 @@ def unsupported(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.Te
     return None
 
 
-def _programs(n: int, device: torch.device) -> int:
+def _programs(n: int, d: int, device: torch.device) -> int:
     if device.type != "cuda":
         return max(1, min(n, 4))
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(n, tiles()[0] * sms))
+    return max(1, min(n, tiles(d)[0] * sms))
 
 
 def _block_p(d: int) -> int:
@@ -108,9 +114,9 @@ class _NormRope(torch.autograd.Function):
         n = b * s
         out = _alloc(x.shape, dtype=x.dtype, device=x.device)
         rstd = _alloc((n,), dtype=torch.float32, device=x.device)
-        grid = (_programs(n, x.device),)
+        grid = (_programs(n, d, x.device),)
         _kernels().qk_norm_rope_fwd[grid](x, w.contiguous(), freqs, out, rstd, n, s, float(eps), D=d,
-                                          HALF_DH=half_dh, BLOCK_P=_block_p(d), num_warps=tiles()[1])
+                                          HALF_DH=half_dh, BLOCK_P=_block_p(d), num_warps=tiles(d)[1])
         ctx.save_for_backward(x, w, freqs, rstd)
         ctx.half_dh = half_dh
         return out
@@ -122,10 +128,10 @@ class _NormRope(torch.autograd.Function):
         n = b * s
         grad = grad.contiguous()
         dx = _alloc(x.shape, dtype=x.dtype, device=x.device)
-        programs = _programs(n, x.device)
+        programs = _programs(n, d, x.device)
         dw_part = _alloc((programs, d), dtype=torch.float32, device=x.device)
         _kernels().qk_norm_rope_bwd[(programs,)](grad, x, w.contiguous(), freqs, rstd, dx, dw_part, n, s, D=d,
-                                                 HALF_DH=ctx.half_dh, BLOCK_P=_block_p(d), num_warps=tiles()[1])
+                                                 HALF_DH=ctx.half_dh, BLOCK_P=_block_p(d), num_warps=tiles(d)[1])
         dw = dw_part.sum(0).to(w.dtype) if ctx.needs_input_grad[1] else None
         return dx, dw, None, None, None
 
