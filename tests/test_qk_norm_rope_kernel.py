@@ -104,6 +104,13 @@ def test_block_fusion_runs_the_kernel_where_it_can(monkeypatch):
     got = fusion.qk_norm_rope_kernel(*args)
     want = op.triton_qk_norm_rope(*args)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+    # eps None is F.rms_norm's default (the dtype's machine epsilon), as nn.RMSNorm(eps=None) passes it
+    from ds_adaptive.models import wan
+    q, k, wq, wk, freqs, _, heads = args
+    got = op.triton_qk_norm_rope(q, k, wq, wk, freqs, None, heads)
+    ref = wan.qk_norm_rope(q.double(), k.double(), wq.double(), wk.double(), freqs.double(), torch.finfo(q.dtype).eps,
+                           heads)
+    assert all(torch.allclose(a.double(), b, atol=1e-5) for a, b in zip(got, ref))
 
 
 @pytest.mark.skipif(IN_INTERPRETER, reason="checked in the main process")

@@ -144,6 +144,7 @@ def try_triton_qk_norm_rope(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, 
         return None
     freqs = freqs.contiguous()
     half_dh = q.shape[-1] // heads // 2
+    eps = torch.finfo(q.dtype).eps if eps is None else eps   # F.rms_norm's default (nn.RMSNorm(eps=None))
     return (_NormRope.apply(q, wq, freqs, eps, half_dh).unflatten(-1, (heads, -1)),
             _NormRope.apply(k, wk, freqs, eps, half_dh).unflatten(-1, (heads, -1)))
 
