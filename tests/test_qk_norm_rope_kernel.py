@@ -6,30 +6,20 @@ dispatch (the kernel where it can run, else the compiled function); and the reas
 the main process)."""
 from __future__ import annotations
 
-import os
-from pathlib import Path
 
 import pytest
 import torch
 
 from ds_adaptive.models.testing import block_fusion_errors
 from ds_adaptive.ops import qk_norm_rope as op
-from test_sparse_kernels import IN_INTERPRETER, interpreter_only, needs_triton  # noqa: E402
+from test_sparse_kernels import IN_INTERPRETER, interpreter_only, needs_triton, run_file_in_interpreter  # noqa: E402
 
 
 @needs_triton
 @pytest.mark.skipif(IN_INTERPRETER, reason="this process is the interpreter run")
 def test_interpreter_cases_in_a_fresh_process() -> None:
     """The interpreter cases below, in a fresh python with TRITON_INTERPRET=1 (set before triton imports)."""
-    import subprocess
-    import sys
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
-    r = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-x"],
-                       env=env, capture_output=True, text=True, timeout=300, cwd=str(root / "tests"))
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-    last = r.stdout.strip().splitlines()[-1]
-    assert " passed" in last and "5 skipped" in last, last  # skipped: the five main-process tests
+    run_file_in_interpreter(__file__, 5)   # skipped there: the five main-process tests
 
 
 @pytest.fixture

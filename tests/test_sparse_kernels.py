@@ -38,18 +38,25 @@ interpreter_only = pytest.mark.skipif(not IN_INTERPRETER, reason="runs in the in
                                       "test_interpreter_cases_in_a_fresh_process (TRITON_INTERPRET=1 before triton imports)")
 
 
+def run_file_in_interpreter(path: str, main_process_tests: int) -> None:
+    """Run the test file ``path`` in a fresh python with TRITON_INTERPRET=1 (set before triton imports): every test
+    passes, and exactly its ``main_process_tests`` (skipped there) are skipped."""
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    r = subprocess.run([sys.executable, "-m", "pytest", path, "-q", "-p", "no:cacheprovider", "-x"],
+                       env=env, capture_output=True, text=True, timeout=300, cwd=str(root / "tests"))
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+    last = r.stdout.strip().splitlines()[-1]
+    assert " passed" in last and f"{main_process_tests} skipped" in last, last
+
+
 @needs_triton
 @pytest.mark.skipif(IN_INTERPRETER, reason="this process is the interpreter run")
 def test_interpreter_cases_in_a_fresh_process() -> None:
     """The interpreter cases below, in a fresh python with TRITON_INTERPRET=1 (set before triton imports)."""
-    import subprocess
-    import sys
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    r = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-x"],
-                       env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-    last = r.stdout.strip().splitlines()[-1]
-    assert " passed" in last and "3 skipped" in last, last  # skipped: the three main-process tests
+    run_file_in_interpreter(__file__, 3)   # skipped there: the three main-process tests
 
 
 def _fix_interpreter_bf16_dot() -> None:

@@ -17,22 +17,15 @@ from ds_adaptive.sparse.kernels import triton_block_scores as op
 from ds_adaptive.sparse.kernels.triton_block_scores import ScoreTiles, scores_unsupported, triton_pooled_lse_scores
 from ds_adaptive.sparse.selection import (SelectionError, blocks_for_density, pooled_lse_scores,
                                           pooled_lse_scores_torch, select_blocks)
-from test_sparse_kernels import IN_INTERPRETER, _fix_interpreter_bf16_dot, interpreter_only, needs_triton  # noqa: E402
+from test_sparse_kernels import (IN_INTERPRETER, _fix_interpreter_bf16_dot, interpreter_only,  # noqa: E402
+                                 needs_triton, run_file_in_interpreter)
 
 
 @needs_triton
 @pytest.mark.skipif(IN_INTERPRETER, reason="this process is the interpreter run")
 def test_interpreter_cases_in_a_fresh_process() -> None:
     """The interpreter cases below, in a fresh python with TRITON_INTERPRET=1 (set before triton imports)."""
-    import subprocess
-    import sys
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
-    r = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-x"],
-                       env=env, capture_output=True, text=True, timeout=300, cwd=str(root / "tests"))
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-    last = r.stdout.strip().splitlines()[-1]
-    assert " passed" in last and "3 skipped" in last, last  # skipped: the three main-process tests
+    run_file_in_interpreter(__file__, 3)   # skipped there: the three main-process tests
 
 
 def reference_scores64(q: torch.Tensor, k: torch.Tensor, block: int) -> torch.Tensor:
