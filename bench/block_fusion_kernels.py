@@ -19,7 +19,7 @@ read, gradients out) and ``x floor`` = ms over the time a device-to-device copy 
 in the same run). ``--no-code`` skips writing Inductor's generated code for ``qk_norm_rope`` (dynamic) next to
 --out, which tells why a compiled piece is slow. Explains the trainer's profile (``bench/train_step_profile.py``);
 the trainer's A/B of a lever is ``bench/mfu_levers.py``. ``--sweep`` times the Triton ``qk_norm_rope``'s launch
-shapes instead (``DS_ADAPTIVE_QK_ROPE_TILES``) and prints the fastest.
+shapes instead (``DS_ADAPTIVE_QK_ROPE_TILES``; kernel time from torch.profiler, not wall time) and prints the fastest.
 """
 from __future__ import annotations
 
@@ -147,22 +147,43 @@ def dump_code(cfg, device, path: Path) -> None:
 SWEEP = [(ppsm, warps) for ppsm in (4, 8, 16, 32) for warps in (2, 4, 8)]
 
 
+def kernel_ms(fn, params, iters: int) -> float:
+    """GPU ms per fwd+bwd call of ``fn``, summed over the kernels only (torch.profiler's device time of every
+    kernel the calls launch): unlike CUDA-event wall time, not inflated by the host's launch and autograd work,
+    which at these sizes is longer than the kernels (a CUDA-event sweep at 2981c53 showed no pattern)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    outs = fn()
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    grads = [torch.randn_like(o) for o in outs]
+    torch.autograd.backward(fn(), grads)   # compiles
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            for p in params:
+                p.grad = None
+            torch.autograd.backward(fn(), grads)
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / iters
+
+
 def sweep_tiles(cfg, cases, device, iters: int) -> tuple[int, int]:
-    """fwd+bwd ms of the Triton ``qk_norm_rope`` at each (programs per SM, warps) of ``SWEEP``; prints a table and
-    the launch with the least summed time over ``cases``, which is returned."""
+    """Kernel-only fwd+bwd ms (:func:`kernel_ms`) of the Triton ``qk_norm_rope`` at each (programs per SM, warps)
+    of ``SWEEP``; prints a table and the launch with the least summed time over ``cases``, which is returned."""
     import os
 
     from ds_adaptive.ops import qk_norm_rope as op
 
     totals = {}
-    print("\n| programs / SM | warps | " + " | ".join(f"{b} x {s} fwd+bwd ms" for b, s in cases) + " |")
+    print("\n| programs / SM | warps | " + " | ".join(f"{b} x {s} fwd+bwd kernel ms" for b, s in cases) + " |")
     print("|---:|---:|" + "---:|" * len(cases))
     for ppsm, warps in SWEEP:
         os.environ[op.TILES_ENV] = f"{ppsm},{warps}"
         ms = []
         for b, s in cases:
-            (_, fn, params, _, _), = [c for c in piece_cases("qk_norm_rope", cfg, b, s, device) if c[0] == "triton kernel"]
-            ms.append(measure(fn, params, iters)[1])
+            (_, fn, params, _, _), = [c for c in piece_cases("qk_norm_rope", cfg, b, s, device)
+                                      if c[0] == "triton kernel"]
+            ms.append(kernel_ms(fn, params, iters))
         totals[(ppsm, warps)] = sum(ms)
         print(f"| {ppsm} | {warps} | " + " | ".join(f"{m:.3f}" for m in ms) + " |")
     del os.environ[op.TILES_ENV]
@@ -211,7 +232,8 @@ def main(argv=None) -> int:
                 floor_fwd = fwd_bytes / bw / 1e6
                 floor_both = (fwd_bytes + bwd_bytes) / bw / 1e6
                 rows.append({"piece": piece, "B": b, "S": s, "variant": name, "fwd_ms": fwd, "fwd_bwd_ms": both,
-                             "fwd_x_floor": fwd / floor_fwd, "fwd_bwd_x_floor": both / floor_both if bwd_bytes else None,
+                             "fwd_x_floor": fwd / floor_fwd,
+                             "fwd_bwd_x_floor": both / floor_both if bwd_bytes else None,
                              "speedup_vs_eager": eager / both if eager else None})
             torch._dynamo.reset()
     print("\n| piece | B x S | variant | fwd ms | fwd x floor | fwd+bwd ms | fwd+bwd x floor | vs eager |")

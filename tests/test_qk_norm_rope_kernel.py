@@ -1,9 +1,9 @@
 """Guards the Triton q / k RMSNorm + RoPE kernels (``ds_adaptive.ops.qk_norm_rope``) on CPU under the Triton
 interpreter: forward and backward (dq, dk, dwq, dwk) vs the float64 reference (``wan.qk_norm_rope``) on awkward
-sizes (D / 2 not a power of two, head dims 6 / 12 / 24, H = 3 / 5, S below and above the program count, B = 1 / 3),
-fp32 and bf16, into NaN-poisoned buffers: within twice the eager path's own error plus one rounding step; block fusion's
-dispatch (the kernel where it can run, else the compiled function); and the reasons the kernel refuses inputs (checked in
-the main process)."""
+sizes (D / 2 not a power of two, head dims 6 / 12 / 24, H = 3 / 5, S below and above the program count,
+B = 1 / 3), fp32 and bf16, into NaN-poisoned buffers: within twice the eager path's own error plus one rounding
+step; block fusion's dispatch (the kernel where it can run, else the compiled function); the reasons the kernel
+refuses inputs, its launch defaults and their override (checked in the main process)."""
 from __future__ import annotations
 
 

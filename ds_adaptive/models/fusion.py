@@ -27,8 +27,9 @@ grid's RoPE table), element counts behind some fusion decisions, the thread coun
 on an H200 paid 10-20 s of compile at the first step of each kind, mid-run. :func:`warm_up` compiles the plan's
 micro-batch sizes before step 1 (the trainer calls it; the time is in the summary, ``block_fusion.warmup_s``): on
 the shipped Wan 1.3B job (``regions`` on) 9 s, after which no step compiled (H200: 1.101x the tokens/s of ``off``
-on a pinned plan). The Triton kernel compiles once per dtype and D, whatever the shapes. The torch references are the eager functions themselves (``tests/test_fusion.py`` compares them). Whether a mode is faster
-is measured, not assumed: ``bench/block_profile.py`` (one block), ``bench/mfu_levers.py`` (the trainer).
+on a pinned plan). The Triton kernel compiles once per dtype and D, whatever the shapes. The torch references are
+the eager functions themselves (``tests/test_fusion.py`` compares them). Whether a mode is faster is measured, not
+assumed: ``bench/block_profile.py`` (one block), ``bench/mfu_levers.py`` (the trainer).
 """
 from __future__ import annotations
 
