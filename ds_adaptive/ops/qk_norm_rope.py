@@ -91,11 +91,13 @@ def unsupported(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.Te
     return None
 
 
-def _programs(n: int, d: int, device: torch.device) -> int:
+def _launch(n: int, d: int, device: torch.device) -> tuple[int, int]:
+    """(programs, warps) for N rows of D channels: one read of the launch defaults / override per kernel call."""
+    ppsm, warps = tiles(d)
     if device.type != "cuda":
-        return max(1, min(n, 4))
+        return max(1, min(n, 4)), warps
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(n, tiles(d)[0] * sms))
+    return max(1, min(n, ppsm * sms)), warps
 
 
 def _block_p(d: int) -> int:
@@ -114,9 +116,9 @@ class _NormRope(torch.autograd.Function):
         n = b * s
         out = _alloc(x.shape, dtype=x.dtype, device=x.device)
         rstd = _alloc((n,), dtype=torch.float32, device=x.device)
-        grid = (_programs(n, d, x.device),)
-        _kernels().qk_norm_rope_fwd[grid](x, w.contiguous(), freqs, out, rstd, n, s, float(eps), D=d,
-                                          HALF_DH=half_dh, BLOCK_P=_block_p(d), num_warps=tiles(d)[1])
+        programs, warps = _launch(n, d, x.device)
+        _kernels().qk_norm_rope_fwd[(programs,)](x, w.contiguous(), freqs, out, rstd, n, s, float(eps), D=d,
+                                                 HALF_DH=half_dh, BLOCK_P=_block_p(d), num_warps=warps)
         ctx.save_for_backward(x, w, freqs, rstd)
         ctx.half_dh = half_dh
         return out
@@ -128,10 +130,10 @@ class _NormRope(torch.autograd.Function):
         n = b * s
         grad = grad.contiguous()
         dx = _alloc(x.shape, dtype=x.dtype, device=x.device)
-        programs = _programs(n, d, x.device)
+        programs, warps = _launch(n, d, x.device)
         dw_part = _alloc((programs, d), dtype=torch.float32, device=x.device)
         _kernels().qk_norm_rope_bwd[(programs,)](grad, x, w.contiguous(), freqs, rstd, dx, dw_part, n, s, D=d,
-                                                 HALF_DH=ctx.half_dh, BLOCK_P=_block_p(d), num_warps=tiles(d)[1])
+                                                 HALF_DH=ctx.half_dh, BLOCK_P=_block_p(d), num_warps=warps)
         dw = dw_part.sum(0).to(w.dtype) if ctx.needs_input_grad[1] else None
         return dx, dw, None, None, None
 
