@@ -15,6 +15,11 @@ profile / m_comp / gas ``auto`` unless set), trains ``--warm`` steps, then:
   kernels and host operators by self time, and the elementwise operators (copies, adds, casts) by input
   shape, which tell the activations they move from the parameters.
 
+``--kernels-only``: the profiled steps record CUDA kernels alone (no host operators, no shapes, no segment
+ranges), so the profiler adds little host time and the GPU's idle share is the host's: it prints the busy share of
+the steps' wall and the kernel time by kind (attention, GEMM, other). The warm steps run untouched (no sync, no
+profiler): an A/B of a host-side setting compares their walls on the same samples (``--set``).
+
 Per segment it prints ms per step and its share of the step, and writes DIR/train_step_profile.json and
 DIR/profile_tables.txt. Compares nothing: it explains a figure (the summary's MFU); the A/B of a lever is
 ``bench/mfu_levers.py``.
@@ -115,6 +120,51 @@ def busy_ms(prof) -> float:
     return total / 1e3  # us -> ms
 
 
+#: kernel name fragments by kind (``--kernels-only``'s table)
+KERNEL_KINDS = (("attention", ("sdpa", "flash", "fmha", "attention")),
+                ("gemm", ("nvjet", "gemm", "cutlass", "sm90_xmma", "wgmma")))
+
+
+def kernel_kinds(prof, steps: int) -> dict:
+    """Self kernel ms per step by kind (``KERNEL_KINDS``, the rest "other") of a CUDA-only profile."""
+    out = {"attention": 0.0, "gemm": 0.0, "other": 0.0}
+    for e in prof.key_averages():
+        if e.self_device_time_total <= 0:
+            continue
+        name = e.key.lower()
+        kind = next((k for k, frags in KERNEL_KINDS if any(f in name for f in frags)), "other")
+        out[kind] += e.self_device_time_total / 1e3 / steps
+    return out
+
+
+#: idle gaps between kernels by length (ms): where the host held the GPU up
+GAP_BUCKETS = (0.01, 0.1, 1.0, 10.0, 1e9)
+
+
+def idle_gaps(prof, steps: int, top: int = 12) -> dict:
+    """The GPU's idle gaps in a CUDA-only profile: per bucket (``GAP_BUCKETS``, upper bound in ms) the count and
+    ms per step, and the ``top`` longest gaps with the kernels either side (a host wait shows as a long gap after
+    the last kernel queued before it)."""
+    ev = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA)
+    buckets = {b: [0, 0.0] for b in GAP_BUCKETS}
+    gaps = []
+    cur_end, cur_name = None, None
+    for s, e, name in ev:
+        if cur_end is not None and s > cur_end:
+            ms = (s - cur_end) / 1e3
+            b = next(x for x in GAP_BUCKETS if ms <= x)
+            buckets[b][0] += 1
+            buckets[b][1] += ms
+            gaps.append((ms, cur_name, name))
+        if cur_end is None or e > cur_end:
+            cur_end, cur_name = e, name
+    gaps.sort(key=lambda g: -g[0])
+    return {"buckets": [{"le_ms": b, "count_per_step": c / steps, "ms_per_step": t / steps}
+                        for b, (c, t) in buckets.items()],
+            "top": [{"ms": g[0], "after": g[1][:90], "before": g[2][:90]} for g in gaps[:top]]}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="a directory")
@@ -126,6 +176,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warm", type=int, default=2)
     ap.add_argument("--timed", type=int, default=2)
     ap.add_argument("--profiled", type=int, default=1)
+    ap.add_argument("--kernels-only", action="store_true",
+                    help="profile CUDA kernels alone (busy share of the wall, kernel time by kind)")
     ap.add_argument("--set", action="append", default=[],
                     help="a config key, dotted, = JSON value, e.g. adaptive_load.block_fusion=\"regions\"")
     args = ap.parse_args(argv)
@@ -156,6 +208,8 @@ def main(argv=None) -> int:
                                       "num_samples": args.num_samples, "compute_timing": True})
     run = build_run(rc, layout=Layout.detect(1, ds_config=rc.ds_config), device=device)
     trainer = Trainer(run)
+    leaves = sum(bool(getattr(m, "_z3_leaf", False)) for m in run.model.modules())
+    print(f"ZeRO-3 leaf modules: {leaves}")
     seg = Segments(trainer)
     recs = []
     for _ in range(args.warm):
@@ -171,9 +225,21 @@ def main(argv=None) -> int:
     step_ms = t_timed / max(1, args.timed)
     timed["other (host between segments)"] = step_ms - sum(timed.values())
 
-    seg.mode = "ranges"
+    seg.mode = "off" if args.kernels_only else "ranges"
     prof_doc = {}
-    if args.profiled:
+    if args.profiled and args.kernels_only:
+        t0 = time.perf_counter()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.profiled):
+                recs.append(("profiled", trainer.train_step()))
+            sync()
+        wall = (time.perf_counter() - t0) * 1e3
+        busy = busy_ms(prof)
+        prof_doc = {"kernels_only": True, "wall_ms_per_step": wall / args.profiled,
+                    "gpu_busy_ms_per_step": busy / args.profiled, "gpu_busy_frac": busy / wall,
+                    "kernel_ms_per_step": kernel_kinds(prof, args.profiled),
+                    "idle_gaps": idle_gaps(prof, args.profiled), "segments": {}}
+    elif args.profiled:
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         t0 = time.perf_counter()
         with torch.profiler.profile(activities=acts, record_shapes=True) as prof:
@@ -200,6 +266,7 @@ def main(argv=None) -> int:
     trainer.close()
 
     doc = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__, "args": vars(args), "gas": run.gas,
+           "z3_leaf_modules": leaves,
            "m_comp": getattr(run.sampler, "m_comp", None),
            "timed": {"step_ms": step_ms, "segments_ms": timed, "calls_per_step": timed_calls},
            "profiled": prof_doc,
@@ -208,14 +275,24 @@ def main(argv=None) -> int:
                       "mfu": (r.model_flops / r.wall_s / r.peak_tflops / 1e12) if r.peak_tflops else None}
                      for k, r in recs]}
     (out / "train_step_profile.json").write_text(json.dumps(doc, indent=1, default=str))
-    print(f"\n{args.model} gas {run.gas}: timed steps (synchronised segments), {step_ms:.0f} ms per step")
-    print("| segment | ms / step | calls / step | share |\n|---|---:|---:|---:|")
-    for k, v in sorted(timed.items(), key=lambda kv: -kv[1]):
-        print(f"| {k} | {v:.0f} | {timed_calls.get(k, 0):.0f} | {v / step_ms:.1%} |")
+    if args.timed:
+        print(f"\n{args.model} gas {run.gas}: timed steps (synchronised segments), {step_ms:.0f} ms per step")
+        print("| segment | ms / step | calls / step | share |\n|---|---:|---:|---:|")
+        for k, v in sorted(timed.items(), key=lambda kv: -kv[1]):
+            print(f"| {k} | {v:.0f} | {timed_calls.get(k, 0):.0f} | {v / step_ms:.1%} |")
     if prof_doc:
         print(f"\nprofiled: {prof_doc['wall_ms_per_step']:.0f} ms per step, GPU busy {prof_doc['gpu_busy_ms_per_step']:.0f} ms "
               f"({prof_doc['gpu_busy_frac']:.1%})")
-        print("| segment | host ms | kernel ms |\n|---|---:|---:|")
+        for k, v in prof_doc.get("kernel_ms_per_step", {}).items():
+            print(f"  kernels {k}: {v:.0f} ms per step")
+        if "idle_gaps" in prof_doc:
+            print("| idle gap <= ms | gaps / step | ms / step |\n|---|---:|---:|")
+            for b in prof_doc["idle_gaps"]["buckets"]:
+                print(f"| {b['le_ms']:g} | {b['count_per_step']:.0f} | {b['ms_per_step']:.0f} |")
+            for g in prof_doc["idle_gaps"]["top"]:
+                print(f"  gap {g['ms']:.1f} ms after {g['after']} before {g['before']}")
+        if prof_doc["segments"]:
+            print("| segment | host ms | kernel ms |\n|---|---:|---:|")
         for k, v in prof_doc["segments"].items():
             print(f"| {k} | {v['cpu_ms']:.0f} | {v['gpu_ms']:.0f} |")
     for kind, r in recs:

@@ -254,7 +254,8 @@ class StepMetrics:
         self.run_info = dict(run_info or {})
         self.history: list[StepRecord] = []
         self._acc = _accelerator()
-        self._use_sync = cfg.sync_timing
+        self._sync_setting = cfg.sync_timing
+        self._use_sync = cfg.sync_timing is not False   # "auto": until attach_engine finds the event timer
         self._timer: Optional[ComputeTimer] = None
         self._jsonl = None
         self._tb = None
@@ -289,6 +290,9 @@ class StepMetrics:
         timer = ComputeTimer(self.device)
         found = timer.attach(engine)
         self._timer = timer if found else None
+        if self._sync_setting == "auto":   # CUDA events time the compute: no sync needed
+            self._use_sync = not (found and timer.cuda)
+        self.run_info["sync_timing"] = self._use_sync
         self.run_info["timing"] = "compute" if found else "wall"
         self.run_info["timing_wait_points"] = found
         return found

@@ -144,6 +144,8 @@ def build_run(cfg: RunConfig, *, layout: Optional[Layout] = None, device: Option
     sampler = _build_sampler(cfg, dataset, layout, ds_config, gpu_mem_gib, notes, model_config=model_config,
                              sparse_cost=sparse_cost, device=device, meta=meta, adapter_params=adapters)
     model = _build_model(cfg, preset, model_config, ds_config, meta=meta)
+    if cfg.adaptive_load.zero3_leaf_blocks and _zero_stage(ds_config) == 3:
+        set_leaf_blocks(model)
     notes.extend(_checkpoint_attention(model, cfg.adaptive_load.sampler, t.model))
     if not meta:
         notes.extend(_block_fusion(model, cfg.adaptive_load.block_fusion, t.model))
@@ -202,13 +204,26 @@ def _build_model(cfg: RunConfig, preset, model_config, ds_config: dict, *, meta:
     import deepspeed
 
     torch.manual_seed(cfg.trainer.seed)
-    stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
-    with deepspeed.zero.Init(config_dict_or_path=ds_config, enabled=stage == 3):
+    with deepspeed.zero.Init(config_dict_or_path=ds_config, enabled=_zero_stage(ds_config) == 3):
         model = _checked(preset, preset.build(model_config))
     # 'all' / 'none' fixed; 'auto': the Trainer sets model.set_checkpoint_blocks(n) per micro-batch from the plan
     model.gradient_checkpointing = cfg.adaptive_load.sampler.checkpointing == "all"
     apply_ln_modulate(model, enabled)  # loaded / JIT-built now, not inside the first step
     return model
+
+
+def _zero_stage(ds_config: dict) -> int:
+    return int((ds_config.get("zero_optimization") or {}).get("stage", 0))
+
+
+def set_leaf_blocks(model) -> int:
+    """``adaptive_load.zero3_leaf_blocks``: every block of ``model.blocks`` (the family seam) a ZeRO-3 leaf module,
+    before ``deepspeed.initialize`` installs its hooks; returns the count."""
+    from deepspeed.utils import set_z3_leaf_module
+
+    for block in model.blocks:
+        set_z3_leaf_module(block, True)
+    return len(model.blocks)
 
 
 def _checked(preset, model):

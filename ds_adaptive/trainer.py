@@ -155,14 +155,16 @@ def trim_forward_stack(base: int) -> int:
 
 def backward_micro_batch(engine, latents: torch.Tensor, context: torch.Tensor, indices: torch.Tensor, totals, *,
                          tokens_per_sample: int, layout: Layout, by: str, epoch: int, seed: int, shift: float,
-                         dtype: torch.dtype, objective=None, patch_size=(1, 2, 2)) -> tuple[float, float]:
+                         dtype: torch.dtype, objective=None, patch_size=(1, 2, 2)) -> tuple[torch.Tensor, float]:
     """Forward and weighted backward of one micro-batch (all samples of one shape).
 
     The mean per-sample loss is scaled by ``totals.loss_weight`` (local share of the optimizer
     step's global samples or tokens x dp_size x micro-steps), which undoes DeepSpeed's DP mean and
     its 1/gradient_accumulation_steps, and by ``layout.loss_scale`` under SP. Returns
-    ``(sum_i w_i * loss_i, sum_i w_i)`` of this micro-batch (detached), ``w_i`` 1 (samples) or the
-    sample's tokens; under SP the full per-sample losses (summed over the group). ``objective``: the
+    ``(sum_i w_i * loss_i, sum_i w_i)`` of this micro-batch, ``w_i`` 1 (samples) or the sample's tokens;
+    under SP the full per-sample losses (summed over the group). The first is a detached 0-d fp32 tensor on the
+    device: reading it (``float``) waits for the backward, so the trainer reads a step's sum once, after its last
+    micro-step, and the host queues the next micro-step while the GPU finishes this one. ``objective``: the
     model's ``ObjectiveOptions`` (None: the defaults); ``patch_size``: the model's.
     """
     sharded = layout.sp_enabled
@@ -175,7 +177,7 @@ def backward_micro_batch(engine, latents: torch.Tensor, context: torch.Tensor, i
     engine.backward(per_sample.mean() * weight)
     w = float(tokens_per_sample) if by == "tokens" else 1.0
     per_sample = layout.group_sum(per_sample)  # the SP ranks' partial losses sum to the per-sample losses
-    return float(per_sample.detach().sum()) * w, b * w
+    return per_sample.detach().sum(dtype=torch.float32) * w, b * w
 
 
 @torch.no_grad()
@@ -406,7 +408,7 @@ class Trainer:
         totals = sampler.step_totals(self.step_in_epoch)
         factor = sampler.lr_scale(self.step_in_epoch)
         metrics.start_step()
-        loss_num = loss_den = 0.0
+        loss_num, loss_den = None, 0.0   # loss_num: a device tensor, read once after the step's micro-steps
         step_lr = None
         for micro in range(run.gas):
             batch = self._next_batch(micro)  # (a new DataLoader iterator draws from the global RNG)
@@ -436,7 +438,7 @@ class Trainer:
                     self.sparse.after_step()  # predictor step, schedule, profiler
             else:
                 self.engine.step()  # no optimizer step inside the accumulation window
-            loss_num += num
+            loss_num = num if loss_num is None else loss_num + num
             loss_den += den
             b = latents.shape[0]
             n_ckpt = run.model.checkpointed_blocks() if run.model.training else 0
@@ -448,7 +450,7 @@ class Trainer:
         self.global_step += 1
         self.step_in_epoch += 1
         applied = bool(self.engine.was_step_applied())  # False: DeepSpeed skipped a non-finite update
-        rec = metrics.end_step(self.global_step, loss_num, loss_den, step_lr, log=self.global_step == self.opts.steps,
+        rec = metrics.end_step(self.global_step, float(loss_num), loss_den, step_lr, log=self.global_step == self.opts.steps,
                                skipped=not applied)
         self._check_finite(rec, applied)
         if rec.samples != totals.samples:

@@ -116,6 +116,20 @@ def test_compute_timer_cuda_path_pools_events_and_syncs_once_per_collect(monkeyp
     assert _FakeCudaEvent.created == first      # later steps reuse the pooled events
 
 
+@pytest.mark.parametrize("setting,device,attach,want", [
+    ("auto", "cuda", True, False),    # CUDA events time the compute: the host may run ahead
+    ("auto", "cuda", False, True),    # no wait points attached: host-clock timing needs the sync
+    ("auto", "cpu", True, True),      # (no effect on CPU)
+    (True, "cuda", True, True), (False, "cuda", False, False)])
+def test_sync_timing_auto_syncs_only_for_host_clock_timing(setting, device, attach, want):
+    m = StepMetrics(MetricsConfig(jsonl=False, tensorboard=False, sync_timing=setting), micro_steps_per_step=1,
+                    device=torch.device(device, 0) if device == "cuda" else torch.device(device), is_writer=False)
+    if attach:
+        assert m.attach_engine(_FakeEngine(0.0))
+        assert m.run_info["sync_timing"] is want
+    assert m._use_sync is want
+
+
 def test_step_metrics_report_compute_and_wall_per_micro_step():
     eng = _FakeEngine(0.03)
     m = StepMetrics(MetricsConfig(jsonl=False, tensorboard=False), micro_steps_per_step=2,
