@@ -342,6 +342,7 @@ class Trainer:
             "checkpoint_source": run.profile.checkpoint_source, "data": self.opts.data,
             "dataset": run.dataset.describe(),
             "loss_weighting": al.sampler.loss_weighting, "plan": run.sampler.epoch_stats(),
+            "zero3_leaf_blocks": sum(bool(getattr(m, "_z3_leaf", False)) for m in run.model.modules()),
         }
         if al.fused_ln_modulate:
             from .ops.ln_modulate import op_status
