@@ -212,6 +212,16 @@ def _build_model(cfg: RunConfig, preset, model_config, ds_config: dict, *, meta:
     return model
 
 
+def planned_block_fusion(mode: str, device_type: str) -> str:
+    """The block-fusion mode the memory model plans for: ``mode``, unless it cannot run here (CUDA or a GPU dry run
+    without triton: the blocks would run eager, holding more than a fused profile predicts); then ``off``."""
+    import importlib.util
+
+    if mode != "off" and device_type in ("cuda", "meta") and importlib.util.find_spec("triton") is None:
+        return "off"
+    return mode
+
+
 def _zero_stage(ds_config: dict) -> int:
     return int((ds_config.get("zero_optimization") or {}).get("stage", 0))
 
@@ -403,7 +413,8 @@ def _build_sampler(cfg: RunConfig, dataset, layout: Layout, ds_config: dict, gpu
     kw = dict(micro_steps_per_step=gas if gas == "auto" else int(gas), enabled=cfg.adaptive_load.enabled,
               gpu_mem_gib=gpu_mem_gib, model_name=t.model, zero_stage=stage, profile_log=notes.append,
               ln_modulate=ln_path, profile=calibrated, adapter_params=adapter_params,
-              per_token_timesteps=model.trains_per_token_timesteps(model.objective_with(t.objective)))
+              per_token_timesteps=model.trains_per_token_timesteps(model.objective_with(t.objective)),
+              block_fusion=planned_block_fusion(cfg.adaptive_load.block_fusion, (device or torch.device("cpu")).type))
     shapes = dataset.sample_shapes()
     sparse = _sparse_cost(cfg, notes, sparse_cost)
     try:

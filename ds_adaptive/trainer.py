@@ -40,6 +40,7 @@ from .objective import EVAL_TIMESTEPS, eval_inputs, flow_matching_losses, mean_m
 from .preview import PreviewRunner
 from .preempt import EXIT_PREEMPTED, StopRequest, ignore_stop_signals
 from .run import Run
+from .config import ConfigError
 from .run_config import UsageError
 
 __all__ = ["Trainer", "backward_micro_batch", "evaluate", "init_distributed", "shutdown_distributed",
@@ -319,6 +320,12 @@ class Trainer:
         if self._pin_memory():   # the loader's pin-memory thread sets the process's threads to 1 (torch), and the
             torch.set_num_threads(1)   # compiled graphs guard on the count: set it now, as training will have it
         self.fusion.before_step(self.run.sampler.plan, self._fusion_pairs, self.epoch)
+        planned = self.run.sampler.cost.profile.block_fusion
+        if self.fusion.fallback and planned != "off":
+            raise ConfigError(f"adaptive_load.block_fusion '{self.fusion.mode}' could not compile here, but the plan "
+                              f"counts its smaller activations (profile '{self.run.sampler.cost.profile.name}' entries "
+                              f"for block fusion '{planned}'): eager blocks could run out of memory. Install a working "
+                              "triton, or set adaptive_load.block_fusion to 'off'")
 
     def _pin_memory(self) -> bool:
         """Whether the DataLoader pins host memory (on CUDA)."""

@@ -309,34 +309,53 @@ def startup_profile(setting: Optional[str], *, model_name: str, ln_modulate: str
 
 # ------------------------------------------------------------------------------------- shipping
 def ship_variant(base: Mapping[str, Any], calibrated: Mapping[str, Any]) -> dict:
-    """``base`` (a shipped profile json) with ``calibrated`` (a start-up calibration of the same model on the
-    same GPU kind, another LayerNorm-modulate path) as ``ln_modulate_variants[<its path>]``: its ``compute`` and
-    ``memory`` blocks, which ``Profile.for_ln_modulate`` puts in place of the top-level ones for a run on that
-    path. Refuses another model, the base's own path, or a path the base already has."""
+    """``base`` (a shipped profile json) with ``calibrated`` (a calibration of the same model on the same GPU kind)
+    as one of its variants, whose ``compute``, ``memory`` and ``train_overheads`` (where measured) blocks replace the
+    top-level ones for a run that matches it:
+
+    * another block-fusion mode on the base's LayerNorm-modulate path (``ds-adaptive calibrate --block-fusion``):
+      ``block_fusion_variants[<mode>]`` (:meth:`Profile.for_block_fusion`);
+    * else another LayerNorm-modulate path, without block fusion (a start-up calibration or ``--ln-modulate``):
+      ``ln_modulate_variants[<path>]`` (:meth:`Profile.for_ln_modulate`).
+
+    Refuses another model, a calibration the base already is or has, and one that differs in both."""
     model, bmodel = calibrated.get("model", {}).get("name"), base.get("model", {}).get("name")
     path, bpath = calibrated.get("ln_modulate", "reference"), base.get("ln_modulate", "reference")
+    fusion, bfusion = calibrated.get("block_fusion", "off"), base.get("block_fusion", "off")
     if model != bmodel:
         raise ValueError(f"the calibration is of model {model!r}, the profile of {bmodel!r}")
-    variants = dict(base.get("ln_modulate_variants") or {})
-    if path == bpath or path in variants:
-        raise ValueError(f"the profile already has {path!r} entries (its own path is {bpath!r})")
+    if fusion != bfusion and path != bpath:
+        raise ValueError(f"the calibration ran LayerNorm-modulate {path!r} with block fusion {fusion!r}, the profile "
+                         f"{bpath!r} with {bfusion!r}: a variant differs from its profile in one of them")
+    key, value, bvalue = (("block_fusion_variants", fusion, bfusion) if fusion != bfusion else
+                          ("ln_modulate_variants", path, bpath))
+    variants = dict(base.get(key) or {})
+    if value == bvalue or value in variants:
+        raise ValueError(f"the profile already has {value!r} entries in {key} (its own is {bvalue!r})")
     out = json.loads(json.dumps(dict(base)))
-    variants[path] = {"compute": calibrated["compute"], "memory": calibrated["memory"],
-                      "source": f"{calibrated.get('source')} on {calibrated.get('device')}, {calibrated.get('date')}"}
-    out["ln_modulate_variants"] = variants
-    Profile.from_dict(out, where=f"{base.get('name')} + {path} variant").for_ln_modulate(path)
+    entry = {k: calibrated[k] for k in ("compute", "memory", "train_overheads") if k in calibrated}
+    entry["source"] = f"{calibrated.get('source')} on {calibrated.get('device')}, {calibrated.get('date')}"
+    if key == "block_fusion_variants":
+        entry["ln_modulate"] = path
+    variants[value] = entry
+    out[key] = variants
+    prof = Profile.from_dict(out, where=f"{base.get('name')} + {value} variant")
+    check = prof.for_block_fusion(value) if key == "block_fusion_variants" else prof.for_ln_modulate(value)
+    if check[0] is prof:
+        raise ValueError(f"the {value!r} entries do not apply to the profile")   # pragma: no cover (guarded above)
     return out
 
 
 def main(argv=None) -> int:
-    """``python -m ds_adaptive.balance.autocalibrate ship CACHED.json PROFILE.json``: add a start-up calibration
-    to a profile json as its other LayerNorm-modulate path (``ship_variant``), in place."""
+    """``python -m ds_adaptive.balance.autocalibrate ship CAL.json PROFILE.json``: add a calibration (start-up cache
+    or ``ds-adaptive calibrate``) to a profile json as its other LayerNorm-modulate path or block-fusion mode
+    (``ship_variant``), in place."""
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m ds_adaptive.balance.autocalibrate", description=main.__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("ship")
-    s.add_argument("cached", type=Path, help="a profile json from the start-up calibration cache")
+    s.add_argument("cached", type=Path, help="a profile json from the start-up calibration cache or ds-adaptive calibrate")
     s.add_argument("profile", type=Path, help="the profile json to extend (a shipped one in ds_adaptive/balance/profiles/)")
     args = ap.parse_args(argv)
     try:
@@ -345,7 +364,8 @@ def main(argv=None) -> int:
         print(f"autocalibrate ship: error: {exc}", file=sys.stderr)
         return 2
     args.profile.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"{args.profile}: added ln_modulate_variants[{json.loads(args.cached.read_text()).get('ln_modulate')!r}]")
+    added = {k: sorted(out.get(k) or {}) for k in ("ln_modulate_variants", "block_fusion_variants") if out.get(k)}
+    print(f"{args.profile}: variants now {added}")
     return 0
 
 

@@ -332,9 +332,11 @@ def measure(model_name: str, *, layers: Sequence[int], shapes: Sequence[SampleSh
             batch_sizes: Mapping[int, Sequence[int]], sp: int, device_name: str, dtype_name: str,
             warmup: int, iters: int, gradient_checkpointing: bool, overrides: Mapping[str, Any],
             log=print, both_checkpointing: bool = False, ln_modulate: str = "reference",
-            deadline: Optional[float] = None, progress=None) -> tuple[list[dict], dict]:
+            deadline: Optional[float] = None, progress=None, block_fusion: str = "off") -> tuple[list[dict], dict]:
     """Time fwd+bwd and record peak memory for every (depth, shape, B), with the LayerNorm-modulate
-    path ``ln_modulate`` (``fused`` | ``reference``, as ``apply_ln_modulate`` installs it in a run).
+    path ``ln_modulate`` (``fused`` | ``reference``, as ``apply_ln_modulate`` installs it in a run) and
+    ``block_fusion`` (``adaptive_load.block_fusion``; its pieces are compiled for every point before timing,
+    as the trainer does before step 1; where they cannot compile, a SystemExit says so).
     A model trained with first-frame conditioning (``objective.first_frame_ratio > 0``) is measured with one
     timestep per token on its videos (per-token modulation: the costlier path of its micro-batches).
     ``deadline`` (a ``time.perf_counter()`` value): points not started by then are skipped (logged).
@@ -362,6 +364,9 @@ def measure(model_name: str, *, layers: Sequence[int], shapes: Sequence[SampleSh
         model.to_dtype(dtype)
         model.train()
         apply_ln_modulate(model, ln_modulate == "fused")
+        if block_fusion != "off":
+            _fuse_blocks(model, model_name, block_fusion, shapes, batch_sizes, sp, dtype, device,
+                         per_token=any(_timesteps(spec, 1, sh, "cpu").dim() == 2 for sh in shapes))
         if sp > 1:
             model.set_attention(UlyssesEmulation(sp))
         modes = [gradient_checkpointing, not gradient_checkpointing] if both_checkpointing else [gradient_checkpointing]
@@ -402,6 +407,22 @@ def measure(model_name: str, *, layers: Sequence[int], shapes: Sequence[SampleSh
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows, cfg_dict
+
+
+def _fuse_blocks(model, model_name: str, mode: str, shapes, batch_sizes, sp: int, dtype, device, *,
+                 per_token: bool) -> None:
+    """``adaptive_load.block_fusion`` ``mode`` on ``model``, compiled for every (B, tokens per rank) point."""
+    from ds_adaptive.models.family import BlockFusionUnavailable
+
+    if not hasattr(model, "apply_block_fusion"):
+        raise SystemExit(f"calibrate: --block-fusion {mode}: model {model_name} has no compiled block pieces")
+    model.apply_block_fusion(mode)
+    pairs = {(b, sh.padded_tokens(sp) // sp) for sh in shapes for b in batch_sizes.get(sh.tokens, [1])}
+    try:
+        model.warm_up_block_fusion(sorted(pairs), dtype=dtype, device=device, per_token=per_token)
+    except BlockFusionUnavailable as exc:
+        raise SystemExit(f"calibrate: --block-fusion {mode} could not compile on this machine ({exc}); install a "
+                         "working triton (GPU) or C++ compiler (CPU), or calibrate without --block-fusion") from None
 
 
 def _timesteps(model, b: int, shape: SampleShape, device):
@@ -652,6 +673,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="LayerNorm-modulate path to measure with (its activation memory differs): auto (default) "
                          "= the fused op when it loads on CUDA (as a run with adaptive_load.fused_ln_modulate), "
                          "else the torch reference; recorded in the profile as \"ln_modulate\"")
+    ap.add_argument("--block-fusion", default="off", choices=["off", "rope", "regions"],
+                    help="adaptive_load.block_fusion to measure with (fused blocks hold less activation memory and "
+                         "run faster): recorded in the profile as \"block_fusion\"; `python -m "
+                         "ds_adaptive.balance.autocalibrate ship` adds it to a profile as its block_fusion_variants entry")
     ap.add_argument("--from-block-scaling", metavar="JSON",
                     help="instead of measuring, rebuild the shipped profiles from a per-block scaling json")
     ap.add_argument("--refit", metavar="PROFILE",
@@ -670,7 +695,7 @@ def refit_profile(d: Mapping[str, Any]) -> dict:
     fit = (d.get("compute") or {}).get("fit") or {}
     new = profile_from_rows(meas["raw"], model_name=d["model"]["name"], overrides={}, layers=meas["layers"],
                             sp=int(d["sp"]), device_name=d["device"], gpu_mem_gib=d["gpu_mem_gib"], dtype=d["dtype"],
-                            ln_modulate=d.get("ln_modulate", "reference"),
+                            ln_modulate=d.get("ln_modulate", "reference"), block_fusion=d.get("block_fusion", "off"),
                             gradient_checkpointing=bool(d.get("gradient_checkpointing", True)),
                             min_fit_tokens=int(fit.get("min_fit_tokens", 8192)), name=d["name"],
                             source=d.get("source", ""), wall_s=float(d.get("wall_s", 0.0)))
@@ -824,7 +849,8 @@ def _write_profile(prof: dict, compute: dict, memory: dict, args: argparse.Names
 def profile_from_rows(rows: Sequence[Mapping[str, Any]], *, model_name: str, overrides: Mapping[str, Any],
                       layers: Sequence[int], sp: int, device_name: str, gpu_mem_gib: float, dtype: str,
                       ln_modulate: str, gradient_checkpointing: bool = True, min_fit_tokens: int = 8192,
-                      link_gbps: float = DEFAULT_LINK_GBPS, name: str, source: str, wall_s: float) -> dict:
+                      link_gbps: float = DEFAULT_LINK_GBPS, name: str, source: str, wall_s: float,
+                      block_fusion: str = "off") -> dict:
     """The profile json (dict) of :func:`measure`'s rows: depth-differenced full-model points, the compute and
     memory fits, the checkpointing terms and fragmentation margin when both modes were measured, static
     memory and comm. Shared by ``ds-adaptive calibrate`` and the start-up calibration
@@ -857,6 +883,7 @@ def profile_from_rows(rows: Sequence[Mapping[str, Any]], *, model_name: str, ove
         "dtype": dtype,
         "gradient_checkpointing": bool(gradient_checkpointing),
         "ln_modulate": ln_modulate,
+        "block_fusion": block_fusion,
         "model": {"name": model_name, "config": full_cfg, "num_layers": num_layers, "num_heads": heads,
                   "dim": dim, "params": counts["total"], "block_params": counts["block"]},
         "sp": sp,
@@ -911,19 +938,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     gpu_mem = args.gpu_mem_gib or (torch.cuda.get_device_properties(device).total_memory / GIB
                                    if device.type == "cuda" else 16.0)
     ln_path = resolve_ln_modulate(args.ln_modulate, device.type)
-    print(f"calibrate {args.model} on {dev_name} ({dtype}, sp={args.sp}, layers {k1},{k2} -> {num_layers}, {ln_path})")
+    print(f"calibrate {args.model} on {dev_name} ({dtype}, sp={args.sp}, layers {k1},{k2} -> {num_layers}, {ln_path}, "
+          f"block fusion {args.block_fusion})")
     t_start = time.perf_counter()
     rows, _ = measure(args.model, layers=[k1, k2], shapes=shapes, batch_sizes=batch_sizes, sp=args.sp,
                       device_name=args.device, dtype_name=dtype, warmup=args.warmup, iters=args.iters,
                       gradient_checkpointing=not args.no_checkpointing, overrides=overrides,
-                      both_checkpointing=args.checkpoint_memory, ln_modulate=ln_path)
+                      both_checkpointing=args.checkpoint_memory, ln_modulate=ln_path, block_fusion=args.block_fusion)
     ln_path = ran_ln_modulate(ln_path)
     prof = profile_from_rows(
         rows, model_name=args.model, overrides=overrides, layers=(k1, k2), sp=args.sp, device_name=dev_name,
         gpu_mem_gib=float(gpu_mem), dtype=dtype, ln_modulate=ln_path, gradient_checkpointing=not args.no_checkpointing,
         min_fit_tokens=args.min_fit_tokens, link_gbps=args.link_gbps, name=args.name or Path(args.out).stem,
         source=f"ds-adaptive calibrate {' '.join(argv if argv is not None else sys.argv[1:])}",
-        wall_s=time.perf_counter() - t_start)
+        wall_s=time.perf_counter() - t_start, block_fusion=args.block_fusion)
     compute, memory = prof["compute"], prof["memory"]
     return _write_profile(prof, compute, memory, args)
 

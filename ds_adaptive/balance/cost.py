@@ -67,7 +67,12 @@ if TYPE_CHECKING:  # pragma: no cover
 PROFILE_FORMAT = "ds_adaptive.profile/1"
 #: LayerNorm-modulate paths a profile can be calibrated with (``ln_modulate`` in the json; absent = reference)
 LN_MODULATE_PATHS = ("fused", "reference")
+#: block-fusion modes a profile can be calibrated with (``block_fusion`` in the json; absent = off), the values of
+#: ``adaptive_load.block_fusion`` (``ds_adaptive.models.fusion.BLOCK_FUSION_MODES``)
+BLOCK_FUSION_MODES = ("off", "rope", "regions")
 PROFILES_DIR = Path(__file__).parent / "profiles"
+#: the blocks a profile's variant (``ln_modulate_variants``, ``block_fusion_variants``) replaces
+_VARIANT_BLOCKS = ("compute", "memory", "train_overheads")
 GIB = float(1 << 30)
 
 CostMode = Literal["calibrated", "power", "tokens"]
@@ -261,6 +266,9 @@ class Profile:
     #: LayerNorm-modulate path the calibration ran ("fused" op or torch "reference"; profiles without the key:
     #: "reference"); its activation memory per token differs (:meth:`for_ln_modulate`)
     ln_modulate: str = "reference"
+    #: ``adaptive_load.block_fusion`` mode the calibration ran (profiles without the key: "off"); fused blocks
+    #: hold less activation memory and run faster (:meth:`for_block_fusion`)
+    block_fusion: str = "off"
     #: LoRA: parameters added to the (frozen) model by adapters, the only ones with gradients and optimizer
     #: state (json ``static_memory.adapter_params``; None: every parameter is trained). :meth:`with_adapter_params`
     adapter_params: Optional[int] = None
@@ -303,11 +311,16 @@ class Profile:
         ln = d.get("ln_modulate", "reference")
         if ln not in LN_MODULATE_PATHS:
             raise ProfileError(f"profile {where}: 'ln_modulate' must be one of {list(LN_MODULATE_PATHS)}, got {ln!r}")
+        fusion = d.get("block_fusion", "off")
+        if fusion not in BLOCK_FUSION_MODES:
+            raise ProfileError(f"profile {where}: 'block_fusion' must be one of {list(BLOCK_FUSION_MODES)}, got "
+                               f"{fusion!r}")
         adapters = static.get("adapter_params")
         if adapters is not None:
             adapters = int(_num(static, "adapter_params", where + " static_memory"))
         return cls(**fields, **_checkpoint_fields(d, where), **_overhead_fields(d, where, fields["params"]),
-                   **_per_token_fields(mem, where), ln_modulate=ln, adapter_params=adapters, raw=dict(d))
+                   **_per_token_fields(mem, where), ln_modulate=ln, block_fusion=fusion, adapter_params=adapters,
+                   raw=dict(d))
 
     def with_per_token_timesteps(self, applies: bool, estimate_bytes: Optional[tuple] = None) -> "Profile":
         """This calibration for a run whose video micro-batches do (``applies``) or do not take one timestep per
@@ -366,6 +379,38 @@ class Profile:
                       f"path, this run uses the {path} path: predicted activation memory will be off (the fused "
                       f"op holds less per token); re-calibrate with `ds-adaptive calibrate --model {model} "
                       f"--ln-modulate {path} --out PROFILE.json` and pass sampler.profile=PROFILE.json")
+
+    def for_block_fusion(self, mode: Optional[str]) -> "tuple[Profile, Optional[str]]":
+        """This calibration for a run with ``adaptive_load.block_fusion`` ``mode`` (None: unknown, no check).
+        Returns ``(profile, message)``: ``self`` when the modes match; the json's ``block_fusion_variants[mode]``
+        (``compute``, ``memory`` and ``train_overheads`` measured with that mode and this profile's
+        LayerNorm-modulate path, by ``ds-adaptive calibrate --block-fusion MODE``, added by ``python -m
+        ds_adaptive.balance.autocalibrate ship``) in place of the top-level ones when it has one, with a note;
+        else ``self`` with a note (fused blocks hold less: the plan is conservative), or a warning when the
+        profile was calibrated fused and the run is not (predicted activation memory is then too low)."""
+        if mode is None or mode == self.block_fusion:
+            return self, None
+        if mode not in BLOCK_FUSION_MODES:
+            raise ValueError(f"block_fusion must be one of {list(BLOCK_FUSION_MODES)} or None, got {mode!r}")
+        variant = (self.raw.get("block_fusion_variants") or {}).get(mode)
+        if variant is not None and variant.get("ln_modulate", "reference") == self.ln_modulate:
+            d = copy.deepcopy(dict(self.raw))
+            d.update({k: copy.deepcopy(v) for k, v in variant.items() if k in _VARIANT_BLOCKS})
+            d["block_fusion"] = mode
+            d.pop("block_fusion_variants", None)
+            out = Profile.from_dict(d, where=f"{self.name} block_fusion_variants.{mode}")
+            return out, (f"profile '{self.name}': using its block fusion '{mode}' entries (block_fusion_variants."
+                         f"{mode}: {', '.join(k for k in sorted(variant) if k in _VARIANT_BLOCKS)})")
+        model = self.raw.get("model", {}).get("name", "MODEL")
+        how = (f"`ds-adaptive calibrate --model {model} --ln-modulate {self.ln_modulate} --block-fusion {mode} --out "
+               f"CAL.json`, then `python -m ds_adaptive.balance.autocalibrate ship CAL.json PROFILE.json`")
+        if mode == "off":
+            return self, (f"warning: profile '{self.name}' was calibrated with block fusion '{self.block_fusion}', "
+                          f"this run has it off: predicted activation memory is too low (fused blocks hold less); "
+                          f"calibrate without it ({how.replace(' --block-fusion off', '')})")
+        return self, (f"note: profile '{self.name}' was calibrated with block fusion '{self.block_fusion}', this run "
+                      f"uses '{mode}': its plans are conservative (on an H200, Wan 1.3B activations measured ~0.91x "
+                      f"with 'regions'); for a profile of this path: {how}")
 
     def with_num_layers(self, num_layers: int) -> "Profile":
         """The same calibration for the model with ``num_layers`` transformer blocks instead of

@@ -93,6 +93,8 @@ def _compact_profile(p: Profile) -> dict:
     out["compute"]["recompute"] = dict(zip(("c0_ms", "a_ms_per_token", "b_ms_per_token2"), p.recompute_ms))
     if p.fragmentation_margin_gib is not None:
         out["memory"]["fragmentation_margin_gib"] = p.fragmentation_margin_gib
+    if p.block_fusion != "off":   # only then: states without the key planned eager blocks
+        out["block_fusion"] = p.block_fusion
     out["train_overheads"] = {"micro_step_ms": p.micro_step_overhead_ms, "optimizer_step_ms": p.optimizer_step_overhead_ms,
                               "source": p.overhead_source}
     return out
@@ -450,9 +452,11 @@ def _detect_gpu_mem_gib() -> Optional[float]:
 
 
 def _run_profile(sampler_cfg: SamplerConfig, profile: Optional[Profile], model, model_name: Optional[str], *,
-                 gpu_mem_gib, profile_log, ln_modulate, num_layers, adapter_params, per_token_timesteps) -> Profile:
+                 gpu_mem_gib, profile_log, ln_modulate, num_layers, adapter_params, per_token_timesteps,
+                 block_fusion=None) -> Profile:
     """The profile :func:`build_batch_sampler` plans with: the given one, ``auto`` / ``calibrate`` resolved for
-    the GPU, or the named one; then its LayerNorm-modulate path, depth, LoRA adapters and per-token modulation."""
+    the GPU, or the named one; then its LayerNorm-modulate path, block fusion, depth, LoRA adapters and per-token
+    modulation."""
     if sampler_cfg.profile is None:
         raise PlanError("sampler.profile is null: a profile (auto, a shipped name or path of a "
                         "`ds-adaptive calibrate` json) is needed for the memory model")
@@ -470,6 +474,9 @@ def _run_profile(sampler_cfg: SamplerConfig, profile: Optional[Profile], model, 
     profile, ln_msg = profile.for_ln_modulate(ln_modulate)
     if ln_msg is not None:
         (profile_log or (lambda m: warnings.warn(m, stacklevel=3)))(ln_msg)
+    profile, fusion_msg = profile.for_block_fusion(block_fusion)
+    if fusion_msg is not None:
+        (profile_log or (lambda m: warnings.warn(m, stacklevel=3)))(fusion_msg)
     if num_layers is not None:
         profile = profile.with_num_layers(int(num_layers))
     if adapter_params is not None:
@@ -489,7 +496,8 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
                         profile_log=None, ln_modulate: Optional[str] = None,
                         profile: Optional[Profile] = None,
                         adapter_params: Optional[int] = None,
-                        per_token_timesteps: Optional[bool] = None) -> _PlannedBatchSampler:
+                        per_token_timesteps: Optional[bool] = None,
+                        block_fusion: Optional[str] = None) -> _PlannedBatchSampler:
     """The batch sampler that ``sampler_cfg`` describes, with ``auto`` budgets resolved.
 
     ``enabled=False`` builds the ``tokens`` baseline at the same memory budget (AdaptiveLoad off);
@@ -512,7 +520,9 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
     ``adapter_params``: a LoRA run's adapter parameters, the only trained ones (:meth:`Profile.with_adapter_params`:
     static memory, hence ``m_mem: auto``). ``per_token_timesteps``: whether the run's video micro-batches take one
     timestep per token (first-frame conditioning; default: the model's preset objective); their memory then
-    counts the per-token modulation (:meth:`Profile.with_per_token_timesteps`).
+    counts the per-token modulation (:meth:`Profile.with_per_token_timesteps`). ``block_fusion``: the run's
+    ``adaptive_load.block_fusion`` where it can run (None: no check); the profile's entries for it are used, or a
+    note says the plan is conservative (:meth:`Profile.for_block_fusion`).
     """
     if isinstance(sampler_cfg, Mapping):
         sampler_cfg = SamplerConfig.model_validate(sampler_cfg)
@@ -522,7 +532,7 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
     model = get_model(model_name) if model_name else None
     profile = _run_profile(sampler_cfg, profile, model, model_name, gpu_mem_gib=gpu_mem_gib, profile_log=profile_log,
                            ln_modulate=ln_modulate, num_layers=num_layers, adapter_params=adapter_params,
-                           per_token_timesteps=per_token_timesteps)
+                           per_token_timesteps=per_token_timesteps, block_fusion=block_fusion)
     num_heads = int(model.config().num_heads) if model is not None else None
     if sparse is not None and num_layers is not None and sparse.densities.num_layers != profile.num_layers:
         sparse = sparse.with_densities(sparse.densities.with_num_layers(profile.num_layers))

@@ -1,0 +1,185 @@
+"""A profile records the block-fusion mode it was calibrated with (``block_fusion``); a run with another mode plans with
+the profile's matching entries (``block_fusion_variants``, added by ``autocalibrate ship``) or says its plan is
+conservative (fusion on, profile without) or warns (profile fused, run not); the planner plans for fusion only where
+it can run, and a run whose fusion falls back to eager after planning for it stops with one line."""
+from __future__ import annotations
+
+import copy
+import json
+import types
+
+import pytest
+
+from ds_adaptive.balance import autocalibrate as ac
+from ds_adaptive.balance import calibrate
+from ds_adaptive.balance.cost import BLOCK_FUSION_MODES, ProfileError, load_profile
+from ds_adaptive.balance.sampler import build_batch_sampler
+from ds_adaptive.config import ConfigError, SamplerConfig
+from ds_adaptive.layout import Layout
+from ds_adaptive.shapes import SampleShape
+
+H200 = "h200-wan2.1-1.3b"
+LONG = SampleShape(81, 720, 1280)
+
+
+def _raw(name=H200):
+    return copy.deepcopy(dict(load_profile(name).raw))
+
+
+def _fused_calibration(scale_mem=0.9, scale_a=0.95, name=H200) -> dict:
+    """Stands in for ``ds-adaptive calibrate --block-fusion regions`` on the profile's GPU and path."""
+    cal = _raw(name)
+    cal.pop("ln_modulate_variants", None)
+    cal["block_fusion"] = "regions"
+    cal["memory"]["m1_gib_per_token"] *= scale_mem
+    cal["memory"]["checkpointing"]["block_full"]["m1_gib_per_token"] *= scale_mem
+    cal["compute"]["a_ms_per_token"] *= scale_a
+    cal["train_overheads"]["micro_step_ms"] = 123.0
+    return cal
+
+
+def test_modes_are_the_configs_and_a_bad_value_is_refused():
+    from ds_adaptive.models.fusion import BLOCK_FUSION_MODES as model_modes
+
+    assert BLOCK_FUSION_MODES == model_modes
+    raw = _raw()
+    assert load_profile(raw).block_fusion == "off"   # shipped profiles: no key
+    raw["block_fusion"] = "all"
+    with pytest.raises(ProfileError, match=r"block_fusion.*'all'"):
+        load_profile(raw)
+
+
+def test_without_a_variant_a_fused_run_gets_a_note_and_a_fused_profile_warns_an_eager_run():
+    prof = load_profile(H200)
+    assert prof.for_block_fusion("off") == (prof, None) and prof.for_block_fusion(None) == (prof, None)
+    out, msg = prof.for_block_fusion("regions")
+    assert out is prof and msg.startswith("note:") and "conservative" in msg
+    assert "ds-adaptive calibrate --model wan2.1-1.3b --ln-modulate fused --block-fusion regions" in msg
+    assert "autocalibrate ship" in msg
+    raw = _raw()
+    raw["block_fusion"] = "regions"
+    fused = load_profile(raw)
+    out, msg = fused.for_block_fusion("off")
+    assert out is fused and msg.startswith("warning:") and "too low" in msg and "--block-fusion" not in msg
+    with pytest.raises(ValueError, match="block_fusion"):
+        prof.for_block_fusion("everything")
+
+
+def test_ship_adds_a_block_fusion_variant_that_replaces_compute_memory_and_overheads(tmp_path):
+    base, cal = _raw(), _fused_calibration()
+    out = ac.ship_variant(base, cal)
+    assert sorted(out["block_fusion_variants"]) == ["regions"] and "block_fusion_variants" not in base
+    var = out["block_fusion_variants"]["regions"]
+    assert var["ln_modulate"] == "fused" and sorted(k for k in var if k != "source") == [
+        "compute", "ln_modulate", "memory", "train_overheads"]
+    prof = load_profile(out)
+    fused, msg = prof.for_block_fusion("regions")
+    assert fused.block_fusion == "regions" and "block_fusion_variants.regions" in msg and msg.startswith("profile")
+    assert fused.block_full_gib[1] == pytest.approx(prof.block_full_gib[1] * 0.9)
+    assert fused.a_ms_per_token == pytest.approx(prof.a_ms_per_token * 0.95)
+    assert fused.micro_step_overhead_ms == 123.0 != prof.micro_step_overhead_ms
+    assert fused.ln_modulate == prof.ln_modulate and "block_fusion_variants" not in fused.raw
+    # the reference path's entries do not carry the fused path's block-fusion variant
+    ref, _ = prof.for_ln_modulate("reference")
+    same, note = ref.for_block_fusion("regions")
+    assert same is ref and note.startswith("note:")
+    with pytest.raises(ValueError, match="already has 'regions'"):
+        ac.ship_variant(out, cal)
+    with pytest.raises(ValueError, match="differs from its profile in one of them"):
+        ac.ship_variant(base, {**cal, "ln_modulate": "reference"})
+    p, c = tmp_path / "p.json", tmp_path / "c.json"
+    p.write_text(json.dumps(base))
+    c.write_text(json.dumps(cal))
+    assert ac.main(["ship", str(c), str(p)]) == 0 and "regions" in json.loads(p.read_text())["block_fusion_variants"]
+    assert ac.main(["ship", str(c), str(p)]) == 2
+
+
+def _sampler(profile, block_fusion, notes):
+    cfg = SamplerConfig(profile=profile, m_mem="auto", m_comp=12000.0)
+    return build_batch_sampler(cfg, [LONG] * 8 + [SampleShape(1, 480, 832)] * 16, Layout.for_world(1, 1),
+                               micro_steps_per_step=1, gpu_mem_gib=139.8, model_name="wan2.1-1.3b", zero_stage=3,
+                               profile_log=notes.append, ln_modulate="fused", block_fusion=block_fusion)
+
+
+def test_the_sampler_plans_with_the_variant_and_checkpoints_fewer_blocks(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(ac.ship_variant(_raw(), _fused_calibration(scale_mem=0.85))))
+    notes_off, notes_on = [], []
+    off = _sampler(str(path), "off", notes_off)
+    on = _sampler(str(path), "regions", notes_on)
+    assert off.cost.profile.block_fusion == "off" and on.cost.profile.block_fusion == "regions"
+    assert not any("block fusion" in n for n in notes_off)
+    assert sum("block_fusion_variants.regions" in n for n in notes_on) == 1
+    m_mem = off.params.m_mem
+    assert on.params.m_mem == pytest.approx(m_mem)
+    from ds_adaptive.balance.memory import checkpoint_blocks
+
+    n_off = int(checkpoint_blocks(off.cost, LONG, 1, m_mem))
+    n_on = int(checkpoint_blocks(on.cost, LONG, 1, m_mem))
+    assert 0 < n_on < n_off
+    # the sampler state carries the profile it planned with (a resume re-plans with the same entries)
+    assert on.state_dict(0)["segments"][-1]["profile"]["block_fusion"] == "regions"
+    assert "block_fusion" not in off.state_dict(0)["segments"][-1]["profile"]
+
+
+def test_the_planner_plans_for_fusion_only_where_it_can_run(monkeypatch):
+    import importlib.util
+
+    from ds_adaptive.run import planned_block_fusion
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
+    assert planned_block_fusion("regions", "cuda") == "off" and planned_block_fusion("rope", "meta") == "off"
+    assert planned_block_fusion("regions", "cpu") == "regions" and planned_block_fusion("off", "cuda") == "off"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "triton" else real(name, *a))
+    assert planned_block_fusion("regions", "cuda") == "regions"
+
+
+def test_a_fusion_fallback_after_a_fused_plan_stops_with_one_line():
+    from ds_adaptive.trainer import Trainer
+
+    def fake(planned, fallback):
+        fusion = types.SimpleNamespace(mode="regions", fallback=fallback, before_step=lambda *a: None)
+        profile = types.SimpleNamespace(block_fusion=planned, name="p")
+        sampler = types.SimpleNamespace(plan=None, cost=types.SimpleNamespace(profile=profile))
+        return types.SimpleNamespace(fusion=fusion, run=types.SimpleNamespace(sampler=sampler), _pin_memory=lambda: False,
+                                     _fusion_pairs=None, epoch=0)
+
+    Trainer._warm_block_fusion(fake("regions", None))       # compiled: fine
+    Trainer._warm_block_fusion(fake("off", "no triton"))    # eager, planned eager: fine (the warm-up warned)
+    with pytest.raises(ConfigError, match=r"could not compile here, but the plan counts its smaller activations.*"
+                                          r"set adaptive_load.block_fusion to 'off'"):
+        Trainer._warm_block_fusion(fake("regions", "no triton"))
+
+
+def test_calibrate_measures_with_block_fusion_compiled_for_every_point_and_records_it(monkeypatch):
+    from ds_adaptive.models.family import BlockFusionUnavailable
+    from ds_adaptive.models.wan import WanModel
+
+    calls = []
+    monkeypatch.setattr(WanModel, "apply_block_fusion", lambda self, mode: calls.append(("apply", mode)))
+    monkeypatch.setattr(WanModel, "warm_up_block_fusion",
+                        lambda self, pairs, **kw: calls.append(("warm", list(pairs), kw["per_token"])) or 0.0)
+    shapes = [SampleShape(1, 64, 64), SampleShape(5, 64, 96)]
+    sizes = {shapes[0].tokens: [1, 3], shapes[1].tokens: [2]}
+    rows, _ = calibrate.measure("tiny", layers=[1], shapes=shapes, batch_sizes=sizes, sp=1, device_name="cpu",
+                                dtype_name="fp32", warmup=0, iters=1, gradient_checkpointing=False, overrides={},
+                                log=lambda *a: None, block_fusion="regions")
+    assert len(rows) == 3
+    want = sorted({(1, shapes[0].tokens), (3, shapes[0].tokens), (2, shapes[1].tokens)})
+    assert calls[0] == ("apply", "regions") and calls[1][:2] == ("warm", want)
+    prof = calibrate.profile_from_rows(rows * 2, model_name="tiny", overrides={}, layers=[1], sp=1, device_name="cpu",
+                                       gpu_mem_gib=16.0, dtype="fp32", ln_modulate="reference", name="t", source="",
+                                       wall_s=0.0, block_fusion="regions")
+    assert prof["block_fusion"] == "regions"
+
+    def unavailable(self, pairs, **kw):
+        raise BlockFusionUnavailable("no C++ compiler")
+
+    monkeypatch.setattr(WanModel, "warm_up_block_fusion", unavailable)
+    with pytest.raises(SystemExit, match=r"--block-fusion regions could not compile on this machine \(no C\+\+ "):
+        calibrate.measure("tiny", layers=[1], shapes=shapes[:1], batch_sizes=sizes, sp=1, device_name="cpu",
+                          dtype_name="fp32", warmup=0, iters=1, gradient_checkpointing=False, overrides={},
+                          log=lambda *a: None, block_fusion="regions")
+    assert calibrate.build_parser().parse_args(["--model", "tiny", "--out", "x.json", "--block-fusion", "rope"]
+                                               ).block_fusion == "rope"
