@@ -14,7 +14,8 @@
 # FIRSTUSE_STEPS), levers (bench/mfu_levers.py A/B: LEVERS_GAS, LEVERS_STEPS, LEVERS_RUN = arms to train in this
 # call, LEVERS_ARMS = arms to report, LEVERS_M_COMP = the pinned budget per micro-batch in ms, default 9700 at gas 1:
 # it must hold the costliest sample alone; two arms of 13 steps ~5.5 min; the prepared dir is kept). trainprofile: where the
-# default job's step goes (bench/train_step_profile.py). keepattn: sampler.checkpoint_attention keep vs recompute,
+# default job's step goes (bench/train_step_profile.py). calfusion: this GPU's 1.3B profile calibrated with block
+# fusion and shipped as its block_fusion_variants entry (the json comes back in $OUT). keepattn: sampler.checkpoint_attention keep vs recompute,
 # one epoch of KEEPATTN_SAMPLES (default 40) long-video samples per arm (bench/checkpoint_attention_ab.py, ~8 min).
 # Environment knobs: STEPS (space-separated subset of: env build tests bench probe train; default
 # env build tests bench; probe = bench/ln_modulate_probe.cu kernel sweep, PROBE_CASES picks its cases,
@@ -196,11 +197,32 @@ do_keepattn() {  # sampler.checkpoint_attention keep vs recompute: one epoch of 
 do_trainprofile() {  # where the default job's step goes: synchronised segments + a profiled step
   python3 bench/train_step_profile.py --out "$OUT/trainprofile" ${TRAINPROFILE_ARGS:-}
 }
+do_calfusion() {  # the shipped 1.3B profile of this GPU calibrated with block fusion (CALFUSION_MODE, default regions)
+  # on the fused LayerNorm-modulate path, shipped into the profile json as block_fusion_variants.<mode>; the json comes
+  # back in $OUT (copy it to ds_adaptive/balance/profiles/ and commit; then run the default job in the next call)
+  local key prof mode=${CALFUSION_MODE:-regions}
+  key=$(python3 -c 'from ds_adaptive.balance.devices import detect_device_name, gpu_spec; s = gpu_spec(detect_device_name()); print(s.key if s else "gpu")') || return 1
+  prof=ds_adaptive/balance/profiles/$key-wan2.1-1.3b.json
+  [ -f "$prof" ] || { echo "calfusion: no shipped profile $prof"; return 1; }
+  python3 -m ds_adaptive.cli calibrate --model wan2.1-1.3b --sp 1 --ln-modulate fused --block-fusion "$mode" \
+    --out "$OUT/cal_fusion_$mode.json" --name "$key-wan2.1-1.3b" 2>&1 | tail -n 40 || return 1
+  python3 -m ds_adaptive.balance.autocalibrate ship "$OUT/cal_fusion_$mode.json" "$prof" || return 1
+  cp "$prof" "$OUT/" && python3 - "$prof" "$mode" <<'PY'
+import sys
+from ds_adaptive.balance.cost import load_profile
+base = load_profile(sys.argv[1])
+fused, note = base.for_block_fusion(sys.argv[2])
+print(note)
+print(f"block_full KiB/token: eager {base.block_full_gib[1] * 2**20:.1f}, {sys.argv[2]} {fused.block_full_gib[1] * 2**20:.1f} "
+      f"({fused.block_full_gib[1] / base.block_full_gib[1]:.3f}x); a ms/token {fused.a_ms_per_token / base.a_ms_per_token:.3f}x")
+PY
+}
 export -f do_env do_build do_tests do_bench do_host do_probe do_train do_train_same do_ti2v do_mfu do_pertoken \
-  do_firstuse do_levers do_keepattn do_trainprofile
+  do_firstuse do_levers do_keepattn do_trainprofile do_calfusion
 export OUT
 declare -A LIMIT=([env]=60 [build]=300 [tests]=480 [bench]=420 [probe]=240 [train]=400 [host]=240 [train_same]=400
-                  [ti2v]=560 [mfu]=300 [pertoken]=240 [firstuse]=560 [levers]=560 [keepattn]=560 [trainprofile]=300)
+                  [ti2v]=560 [mfu]=300 [pertoken]=240 [firstuse]=560 [levers]=560 [keepattn]=560 [trainprofile]=300
+                  [calfusion]=400)
 
 for s in $STEPS; do
   run_step "$s" "${LIMIT[$s]:-300}" "do_$s" || true
