@@ -407,14 +407,15 @@ def _build_sampler(cfg: RunConfig, dataset, layout: Layout, ds_config: dict, gpu
     stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
     gas = ds_config["gradient_accumulation_steps"]   # an int, or "auto": the sampler chooses it
     ln_path = run_ln_modulate_path(cfg.adaptive_load.fused_ln_modulate, (device or torch.device("cpu")).type)
+    fusion = planned_block_fusion(cfg.adaptive_load.block_fusion, (device or torch.device("cpu")).type)
     calibrated = startup_profile(s.profile, model_name=t.model, ln_modulate=ln_path, cache=s.profile_cache, meta=meta,
-                                 device=device or torch.device("cpu"), notes=notes)
+                                 device=device or torch.device("cpu"), notes=notes, block_fusion=fusion)
     model = get_model(t.model)
     kw = dict(micro_steps_per_step=gas if gas == "auto" else int(gas), enabled=cfg.adaptive_load.enabled,
               gpu_mem_gib=gpu_mem_gib, model_name=t.model, zero_stage=stage, profile_log=notes.append,
               ln_modulate=ln_path, profile=calibrated, adapter_params=adapter_params,
               per_token_timesteps=model.trains_per_token_timesteps(model.objective_with(t.objective)),
-              block_fusion=planned_block_fusion(cfg.adaptive_load.block_fusion, (device or torch.device("cpu")).type))
+              block_fusion=fusion)
     shapes = dataset.sample_shapes()
     sparse = _sparse_cost(cfg, notes, sparse_cost)
     try:

@@ -183,3 +183,43 @@ def test_calibrate_measures_with_block_fusion_compiled_for_every_point_and_recor
                           log=lambda *a: None, block_fusion="regions")
     assert calibrate.build_parser().parse_args(["--model", "tiny", "--out", "x.json", "--block-fusion", "rope"]
                                                ).block_fusion == "rope"
+
+
+def test_the_start_up_calibration_measures_with_the_runs_block_fusion(tmp_path, monkeypatch):
+    import torch
+
+    key = ac.cache_key("cpu", "tiny", "reference")
+    assert "block_fusion" not in key and ac.cache_key("cpu", "tiny", "reference", "off") == key   # old entries stay valid
+    fused_key = ac.cache_key("cpu", "tiny", "reference", "regions")
+    assert fused_key["block_fusion"] == "regions"
+    assert "-regions-" in ac.cache_path(tmp_path, fused_key).name and ac.cache_path(tmp_path, key) != ac.cache_path(
+        tmp_path, fused_key)
+    seen = {}
+
+    def fake(model_name, **kw):
+        seen.update(kw)
+        prof = _raw()
+        prof.update(block_fusion=kw["block_fusion"], cache_key=ac.cache_key("cpu", model_name, kw["ln_modulate"],
+                                                                              kw["block_fusion"]), wall_s=1.0)
+        return prof
+
+    monkeypatch.setattr(ac, "quick_calibrate", fake)
+    notes: list = []
+    prof = ac.startup_profile("calibrate", model_name="tiny", ln_modulate="reference", device=torch.device("cpu"),
+                              cache=str(tmp_path), notes=notes, block_fusion="regions")
+    assert seen["block_fusion"] == "regions" and prof.block_fusion == "regions"
+    assert "block fusion regions" in notes[0]
+    files = list((tmp_path / "profiles").glob("*-regions-*.json"))
+    assert len(files) == 1
+
+
+def test_a_start_up_calibration_whose_fusion_cannot_compile_fails_cleanly(monkeypatch):
+    import torch
+
+    def no_compile(*a, **kw):
+        raise SystemExit("calibrate: --block-fusion regions could not compile on this machine (no triton)")
+
+    monkeypatch.setattr(calibrate, "measure", no_compile)
+    with pytest.raises(ac.CalibrationFailed, match="could not compile"):
+        ac.quick_calibrate("tiny", device=torch.device("cpu"), ln_modulate="reference", block_fusion="regions",
+                           progress=False)

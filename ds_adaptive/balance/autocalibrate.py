@@ -6,11 +6,12 @@ with the run's LayerNorm-modulate path (``fused`` | ``reference``; its ``ln_modu
 profile that was calibrated on the reference path while the run uses the fused op -- and on
 ``profile: calibrate``, the run calibrates at start-up instead of planning with a scaled estimate:
 
-1. rank 0 looks in the profile cache (:func:`cache_dir`) for the entry of this GPU name, model, path,
-   torch / CUDA version, profile format and protocol (:func:`cache_key`); on a miss it runs the quick
+1. rank 0 looks in the profile cache (:func:`cache_dir`) for the entry of this GPU name, model, path, block-fusion
+   mode, torch / CUDA version, profile format and protocol (:func:`cache_key`); on a miss it runs the quick
    protocol (:func:`quick_protocol`: 6 of the model's calibration grids at 2 and 4 blocks, both checkpointing modes, 1 warm-up
    and 3 timed runs per point, a time budget of 90 s for Wan 1.3B; the machinery of
-   :mod:`ds_adaptive.balance.calibrate`) with a progress bar, checks the fit against the quality bar and
+   :mod:`ds_adaptive.balance.calibrate`; with the run's block fusion compiled first) with a progress bar, checks
+   the fit against the quality bar and
    writes the entry (atomically);
 2. rank 0 broadcasts the profile (or "none needed", or "failed: use the fallback") to every rank, so
    every rank plans with the same numbers whatever its own cache holds;
@@ -116,17 +117,22 @@ def cache_dir(setting: Optional[str] = None, environ: Optional[Mapping[str, str]
     return base / "profiles"
 
 
-def cache_key(device_name: str, model_name: str, ln_modulate: str) -> dict:
-    """What a cached profile was measured with; an entry is used only when all of it matches."""
+def cache_key(device_name: str, model_name: str, ln_modulate: str, block_fusion: str = "off") -> dict:
+    """What a cached profile was measured with; an entry is used only when all of it matches. ``block_fusion``
+    enters the key only when on (entries measured without it keep their keys)."""
     import torch
 
-    return {"device": device_name, "model": model_name, "ln_modulate": ln_modulate, "torch": torch.__version__,
-            "cuda": torch.version.cuda, "format": PROFILE_FORMAT, "protocol": PROTOCOL_VERSION}
+    key = {"device": device_name, "model": model_name, "ln_modulate": ln_modulate, "torch": torch.__version__,
+           "cuda": torch.version.cuda, "format": PROFILE_FORMAT, "protocol": PROTOCOL_VERSION}
+    if block_fusion != "off":
+        key["block_fusion"] = block_fusion
+    return key
 
 
 def cache_path(directory: Path, key: Mapping[str, Any]) -> Path:
     """``<gpu>-<model>-<path>-<hash of the whole key>.json`` in ``directory``."""
-    slug = "-".join(re.sub(r"[^A-Za-z0-9.-]+", "_", str(key[k])).strip("_") for k in ("device", "model", "ln_modulate"))
+    slug = "-".join(re.sub(r"[^A-Za-z0-9.-]+", "_", str(key[k])).strip("_")
+                    for k in ("device", "model", "ln_modulate", "block_fusion") if k in key)
     digest = hashlib.sha256(json.dumps(dict(key), sort_keys=True).encode()).hexdigest()[:10]
     return Path(directory) / f"{slug}-{digest}.json"
 
@@ -201,9 +207,11 @@ def _progress_bar(label: str, out=sys.stdout) -> Callable[[int, int], None]:
 
 
 def quick_calibrate(model_name: str, *, device, ln_modulate: str, protocol: Optional[QuickProtocol] = None,
-                    log: Callable[[str], None] = lambda m: None, progress: bool = True) -> dict:
-    """Measure ``model_name`` on ``device`` with the quick protocol and return the profile json (dict) with
-    its ``cache_key``; raise :class:`CalibrationFailed` when the fit misses the quality bar."""
+                    log: Callable[[str], None] = lambda m: None, progress: bool = True,
+                    block_fusion: str = "off") -> dict:
+    """Measure ``model_name`` on ``device`` with the quick protocol (and the run's ``block_fusion``, compiled before
+    the points, its compile time outside the time budget) and return the profile json (dict) with its
+    ``cache_key``; raise :class:`CalibrationFailed` when the fit misses the quality bar or the fusion cannot compile."""
     import torch
 
     from ds_adaptive.balance import calibrate as cal
@@ -211,21 +219,26 @@ def quick_calibrate(model_name: str, *, device, ln_modulate: str, protocol: Opti
     proto = protocol or quick_protocol(model_name, device.type)
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     gpu_mem = (torch.cuda.get_device_properties(device).total_memory / cal.GIB if device.type == "cuda" else 16.0)
-    label = f"calibrating {model_name} on {dev_name} ({ln_modulate} LayerNorm-modulate)"
+    fused = f", block fusion {block_fusion}" if block_fusion != "off" else ""
+    label = f"calibrating {model_name} on {dev_name} ({ln_modulate} LayerNorm-modulate{fused})"
     t0 = time.perf_counter()
-    rows, _ = cal.measure(model_name, layers=list(proto.layers), shapes=list(proto.shapes),
-                          batch_sizes={k: list(v) for k, v in proto.batch_sizes.items()}, sp=1,
-                          device_name=str(device), dtype_name=proto.dtype, warmup=proto.warmup, iters=proto.iters,
-                          gradient_checkpointing=True, overrides={}, log=log, both_checkpointing=True,
-                          ln_modulate=ln_modulate, deadline=t0 + proto.budget_s,
-                          progress=_progress_bar(label) if progress else None)
+    try:
+        rows, _ = cal.measure(model_name, layers=list(proto.layers), shapes=list(proto.shapes),
+                              batch_sizes={k: list(v) for k, v in proto.batch_sizes.items()}, sp=1,
+                              device_name=str(device), dtype_name=proto.dtype, warmup=proto.warmup, iters=proto.iters,
+                              gradient_checkpointing=True, overrides={}, log=log, both_checkpointing=True,
+                              ln_modulate=ln_modulate, deadline=t0 + proto.budget_s,
+                              progress=_progress_bar(label) if progress else None, block_fusion=block_fusion)
+    except SystemExit as exc:   # the fusion could not compile: a failed calibration, not the end of rank 0
+        raise CalibrationFailed(str(exc)) from None
     ran = cal.ran_ln_modulate(ln_modulate)
     wall = time.perf_counter() - t0
-    key = cache_key(dev_name, model_name, ran)
+    key = cache_key(dev_name, model_name, ran, block_fusion)
     try:
         prof = cal.profile_from_rows(
             rows, model_name=model_name, overrides={}, layers=proto.layers, sp=1, device_name=dev_name,
-            gpu_mem_gib=gpu_mem, dtype=proto.dtype, ln_modulate=ran, name=cache_path(Path("."), key).stem,
+            gpu_mem_gib=gpu_mem, dtype=proto.dtype, ln_modulate=ran, block_fusion=block_fusion,
+            name=cache_path(Path("."), key).stem,
             source=(f"start-up calibration (ds_adaptive.balance.autocalibrate, protocol {PROTOCOL_VERSION}: "
                     f"{proto.points} points, layers {proto.layers[0]},{proto.layers[1]})"), wall_s=wall)
     except ValueError as exc:   # too few points (the time budget cut the sweep short)
@@ -239,7 +252,7 @@ def quick_calibrate(model_name: str, *, device, ln_modulate: str, protocol: Opti
 
 
 def _rank0_resolve(setting: str, model_name: str, ln_modulate: str, device, cache: Path, *,
-                   dry: bool) -> dict:
+                   dry: bool, block_fusion: str = "off") -> dict:
     """Rank 0's decision: ``{"profile": dict | None, "note": str | None}``."""
     from ds_adaptive.balance.devices import detect_device_name
 
@@ -253,7 +266,7 @@ def _rank0_resolve(setting: str, model_name: str, ln_modulate: str, device, cach
     if dev_name is None:   # a dry run without a GPU: the GPU job decides
         return {"profile": None, "note": (f"profile: {reason}: rank 0 of the GPU job calibrates at start-up unless "
                                           f"{cache} holds an entry for its GPU; this check plans with the fallback")}
-    key = cache_key(dev_name, model_name, ln_modulate)
+    key = cache_key(dev_name, model_name, ln_modulate, block_fusion)
     path = cache_path(cache, key)
     cached = _read_cached(path, key)
     if cached is not None:
@@ -265,7 +278,8 @@ def _rank0_resolve(setting: str, model_name: str, ln_modulate: str, device, cach
                                           f"points, at most {proto.budget_s:.0f} s) and cache the result in {path}; "
                                           "this check plans with the fallback")}
     try:
-        prof = quick_calibrate(model_name, device=device, ln_modulate=ln_modulate, protocol=proto)
+        prof = quick_calibrate(model_name, device=device, ln_modulate=ln_modulate, protocol=proto,
+                               block_fusion=block_fusion)
     except (CalibrationFailed, RuntimeError) as exc:
         return {"profile": None, "note": (f"warning: start-up calibration of {model_name} on {dev_name} failed "
                                           f"({exc}); planning with the fallback profile instead")}
@@ -275,15 +289,18 @@ def _rank0_resolve(setting: str, model_name: str, ln_modulate: str, device, cach
     except OSError as exc:
         where = f"not cached ({exc}; set sampler.profile_cache or ${CACHE_ENV} to a writable directory)"
     return {"profile": prof, "note": (f"profile: calibrated at start-up in {prof['wall_s']} s on {dev_name} "
-                                      f"({model_name}, {prof['ln_modulate']} LayerNorm-modulate; {reason}); {where}")}
+                                      f"({model_name}, {prof['ln_modulate']} LayerNorm-modulate, block fusion "
+                                      f"{prof.get('block_fusion', 'off')}; {reason}); {where}")}
 
 
 def startup_profile(setting: Optional[str], *, model_name: str, ln_modulate: str, device, cache: Optional[str] = None,
-                    meta: bool = False, notes: Optional[list] = None) -> Optional[Profile]:
+                    meta: bool = False, notes: Optional[list] = None, block_fusion: str = "off") -> Optional[Profile]:
     """The profile this run plans with when it is calibrated at start-up (or read from the cache), else None
     (the caller resolves ``setting`` as before). Call on EVERY rank, collectively, when torch.distributed is
     initialised: rank 0 decides and broadcasts. ``meta``: a dry run (never calibrates, no collectives).
-    The one-line note (what was done and why) is appended to ``notes``."""
+    ``block_fusion``: the mode the run's plan counts (``run.planned_block_fusion``); a calibration measures with it
+    (a shipped profile without it is used as is: its plan is conservative). The one-line note (what was done and
+    why) is appended to ``notes``."""
     if setting not in ("auto", "calibrate"):
         return None
     import torch.distributed as dist
@@ -293,7 +310,8 @@ def startup_profile(setting: Optional[str], *, model_name: str, ln_modulate: str
     payload = [None]
     if rank == 0:
         try:
-            payload[0] = _rank0_resolve(setting, model_name, ln_modulate, device, cache_dir(cache), dry=meta)
+            payload[0] = _rank0_resolve(setting, model_name, ln_modulate, device, cache_dir(cache), dry=meta,
+                                        block_fusion=block_fusion)
         except Exception as exc:   # noqa: BLE001 -- the other ranks wait in the broadcast: never leave them hanging
             payload[0] = {"profile": None, "note": f"warning: start-up profile resolution failed ({exc!r}); "
                                                    "planning with the fallback profile"}
