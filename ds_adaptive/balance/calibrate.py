@@ -365,11 +365,8 @@ def measure(model_name: str, *, layers: Sequence[int], shapes: Sequence[SampleSh
         model.train()
         apply_ln_modulate(model, ln_modulate == "fused")
         if block_fusion != "off":   # its compile time is not the points' time budget's
-            t_fuse = time.perf_counter()
-            _fuse_blocks(model, model_name, block_fusion, shapes, batch_sizes, sp, dtype, device,
-                         per_token=any(_timesteps(spec, 1, sh, "cpu").dim() == 2 for sh in shapes))
-            if deadline is not None:
-                deadline += time.perf_counter() - t_fuse
+            spent = _fuse_blocks(model, spec, block_fusion, shapes, batch_sizes, sp, dtype, device)
+            deadline = None if deadline is None else deadline + spent
         if sp > 1:
             model.set_attention(UlyssesEmulation(sp))
         modes = [gradient_checkpointing, not gradient_checkpointing] if both_checkpointing else [gradient_checkpointing]
@@ -412,20 +409,23 @@ def measure(model_name: str, *, layers: Sequence[int], shapes: Sequence[SampleSh
     return rows, cfg_dict
 
 
-def _fuse_blocks(model, model_name: str, mode: str, shapes, batch_sizes, sp: int, dtype, device, *,
-                 per_token: bool) -> None:
-    """``adaptive_load.block_fusion`` ``mode`` on ``model``, compiled for every (B, tokens per rank) point."""
+def _fuse_blocks(model, spec, mode: str, shapes, batch_sizes, sp: int, dtype, device) -> float:
+    """``adaptive_load.block_fusion`` ``mode`` on ``model`` (of the registry's ``spec``), compiled for every
+    (B, tokens per rank) point; returns the seconds spent."""
     from ds_adaptive.models.family import BlockFusionUnavailable
 
     if not hasattr(model, "apply_block_fusion"):
-        raise SystemExit(f"calibrate: --block-fusion {mode}: model {model_name} has no compiled block pieces")
+        raise SystemExit(f"calibrate: --block-fusion {mode}: model {spec.name} has no compiled block pieces")
+    t0 = time.perf_counter()
     model.apply_block_fusion(mode)
     pairs = {(b, sh.padded_tokens(sp) // sp) for sh in shapes for b in batch_sizes.get(sh.tokens, [1])}
+    per_token = any(_timesteps(spec, 1, sh, "cpu").dim() == 2 for sh in shapes)
     try:
         model.warm_up_block_fusion(sorted(pairs), dtype=dtype, device=device, per_token=per_token)
     except BlockFusionUnavailable as exc:
         raise SystemExit(f"calibrate: --block-fusion {mode} could not compile on this machine ({exc}); install a "
                          "working triton (GPU) or C++ compiler (CPU), or calibrate without --block-fusion") from None
+    return time.perf_counter() - t0
 
 
 def _timesteps(model, b: int, shape: SampleShape, device):

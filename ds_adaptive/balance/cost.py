@@ -409,8 +409,8 @@ class Profile:
                           f"this run has it off: predicted activation memory is too low (fused blocks hold less); "
                           f"calibrate without it ({how.replace(' --block-fusion off', '')})")
         return self, (f"note: profile '{self.name}' was calibrated with block fusion '{self.block_fusion}', this run "
-                      f"uses '{mode}': its plans are conservative (on an H200, Wan 1.3B activations measured ~0.91x "
-                      f"with 'regions'); for a profile of this path: {how}")
+                      f"uses '{mode}': its plans are conservative (fused blocks hold less activation memory and run "
+                      f"faster); for a profile of this path: {how}")
 
     def with_num_layers(self, num_layers: int) -> "Profile":
         """The same calibration for the model with ``num_layers`` transformer blocks instead of
