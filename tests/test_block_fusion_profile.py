@@ -56,6 +56,7 @@ def test_without_a_variant_a_fused_run_gets_a_note_and_a_fused_profile_warns_an_
     assert out is prof and msg.startswith("note:") and "conservative" in msg
     assert "ds-adaptive calibrate --model wan2.1-1.3b --ln-modulate fused --block-fusion regions" in msg
     assert "autocalibrate ship" in msg
+    assert "--ln-modulate reference --block-fusion rope" in prof.for_block_fusion("rope", "reference")[1]  # the run's
     raw = _raw()
     raw["block_fusion"] = "regions"
     fused = load_profile(raw)

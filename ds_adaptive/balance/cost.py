@@ -380,14 +380,15 @@ class Profile:
                       f"op holds less per token); re-calibrate with `ds-adaptive calibrate --model {model} "
                       f"--ln-modulate {path} --out PROFILE.json` and pass sampler.profile=PROFILE.json")
 
-    def for_block_fusion(self, mode: Optional[str]) -> "tuple[Profile, Optional[str]]":
+    def for_block_fusion(self, mode: Optional[str], ln_path: Optional[str] = None) -> "tuple[Profile, Optional[str]]":
         """This calibration for a run with ``adaptive_load.block_fusion`` ``mode`` (None: unknown, no check).
         Returns ``(profile, message)``: ``self`` when the modes match; the json's ``block_fusion_variants[mode]``
         (``compute``, ``memory`` and ``train_overheads`` measured with that mode and this profile's
         LayerNorm-modulate path, by ``ds-adaptive calibrate --block-fusion MODE``, added by ``python -m
         ds_adaptive.balance.autocalibrate ship``) in place of the top-level ones when it has one, with a note;
         else ``self`` with a note (fused blocks hold less: the plan is conservative), or a warning when the
-        profile was calibrated fused and the run is not (predicted activation memory is then too low)."""
+        profile was calibrated fused and the run is not (predicted activation memory is then too low). ``ln_path``:
+        the run's LayerNorm-modulate path, for the calibrate command the message gives (default: the profile's)."""
         if mode is None or mode == self.block_fusion:
             return self, None
         if mode not in BLOCK_FUSION_MODES:
@@ -402,8 +403,8 @@ class Profile:
             return out, (f"profile '{self.name}': using its block fusion '{mode}' entries (block_fusion_variants."
                          f"{mode}: {', '.join(k for k in sorted(variant) if k in _VARIANT_BLOCKS)})")
         model = self.raw.get("model", {}).get("name", "MODEL")
-        how = (f"`ds-adaptive calibrate --model {model} --ln-modulate {self.ln_modulate} --block-fusion {mode} --out "
-               f"CAL.json`, then `python -m ds_adaptive.balance.autocalibrate ship CAL.json PROFILE.json`")
+        how = (f"`ds-adaptive calibrate --model {model} --ln-modulate {ln_path or self.ln_modulate} --block-fusion "
+               f"{mode} --out CAL.json`, then `python -m ds_adaptive.balance.autocalibrate ship CAL.json PROFILE.json`")
         if mode == "off":
             return self, (f"warning: profile '{self.name}' was calibrated with block fusion '{self.block_fusion}', "
                           f"this run has it off: predicted activation memory is too low (fused blocks hold less); "

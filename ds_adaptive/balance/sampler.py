@@ -474,7 +474,7 @@ def _run_profile(sampler_cfg: SamplerConfig, profile: Optional[Profile], model, 
     profile, ln_msg = profile.for_ln_modulate(ln_modulate)
     if ln_msg is not None:
         (profile_log or (lambda m: warnings.warn(m, stacklevel=3)))(ln_msg)
-    profile, fusion_msg = profile.for_block_fusion(block_fusion)
+    profile, fusion_msg = profile.for_block_fusion(block_fusion, ln_modulate)
     if fusion_msg is not None:
         (profile_log or (lambda m: warnings.warn(m, stacklevel=3)))(fusion_msg)
     if num_layers is not None:
