@@ -144,8 +144,7 @@ def build_run(cfg: RunConfig, *, layout: Optional[Layout] = None, device: Option
     sampler = _build_sampler(cfg, dataset, layout, ds_config, gpu_mem_gib, notes, model_config=model_config,
                              sparse_cost=sparse_cost, device=device, meta=meta, adapter_params=adapters)
     model = _build_model(cfg, preset, model_config, ds_config, meta=meta)
-    if cfg.adaptive_load.zero3_leaf_blocks and _zero_stage(ds_config) == 3:
-        set_leaf_blocks(model)
+    notes.extend(_leaf_blocks(model, cfg.adaptive_load, _zero_stage(ds_config)))
     notes.extend(_checkpoint_attention(model, cfg.adaptive_load.sampler, t.model))
     if not meta:
         notes.extend(_block_fusion(model, cfg.adaptive_load.block_fusion, t.model))
@@ -224,6 +223,18 @@ def planned_block_fusion(mode: str, device_type: str) -> str:
 
 def _zero_stage(ds_config: dict) -> int:
     return int((ds_config.get("zero_optimization") or {}).get("stage", 0))
+
+
+def _leaf_blocks(model, al, stage: int) -> list:
+    """``adaptive_load.zero3_leaf_blocks`` on the model at ZeRO stage 3, except under LoRA; the note, if any."""
+    if not al.zero3_leaf_blocks or stage != 3:
+        return []
+    if al.lora.enabled:   # a frozen base: see the field's doc
+        return (["note: adaptive_load.zero3_leaf_blocks is off under LoRA (the frozen base gives the first block an "
+                 "input without a gradient, and ZeRO-3 would release a leaf block's parameters before its adapters' "
+                 "backward)"] if "zero3_leaf_blocks" in al.model_fields_set else [])
+    set_leaf_blocks(model)
+    return []
 
 
 def set_leaf_blocks(model) -> int:

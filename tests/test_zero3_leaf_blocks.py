@@ -35,6 +35,24 @@ def test_build_run_marks_the_blocks_at_stage_3_only(stage, on, want):
     assert all(any(b is m for b in run.model.blocks) for m in leaves)
 
 
+@pytest.mark.parametrize("explicit", [False, True])
+def test_lora_keeps_per_module_hooks_and_says_so_when_asked(explicit):
+    """Under LoRA the frozen base gives block 0 an input without a gradient; ZeRO-3's leaf-module backward hook would
+    release the block's parameters before the adapters' backward (a CPU LoRA run failed so): leaf blocks stay off."""
+    from deepspeed.utils import z3_leaf_module
+
+    from ds_adaptive.layout import Layout
+    from ds_adaptive.run import build_run
+    from ds_adaptive.run_config import RunConfig
+
+    over = {"sampler.profile": H200, "lora.enabled": True, **({"zero3_leaf_blocks": True} if explicit else {})}
+    cfg = RunConfig.load(str(ROOT / "launch" / "configs" / "zero3_adaptive.json"),
+                         trainer={"model": "wan2.1-1.3b", "num_samples": 200}, overrides=over)
+    run = build_run(cfg, layout=Layout.for_world(1, 1), meta=True, gpu_mem_gib=139.8)
+    assert not any(z3_leaf_module(m) for m in run.model.modules())
+    assert sum("zero3_leaf_blocks is off under LoRA" in n for n in run.notes) == int(explicit)
+
+
 SCRIPT = textwrap.dedent("""
     import warnings, torch, deepspeed
     # torch's deprecation warning per reduce-scatter would fill the harness's output pipe (ranks read in turn)
