@@ -186,7 +186,7 @@ def main(argv=None) -> int:
 
     from ds_adaptive.balance.memory import configure_allocator
     from ds_adaptive.layout import Layout
-    from ds_adaptive.run import build_run
+    from ds_adaptive.run import build_run, leaf_block_count
     from ds_adaptive.run_config import RunConfig
     from ds_adaptive.trainer import Trainer, init_distributed
 
@@ -208,7 +208,7 @@ def main(argv=None) -> int:
                                       "num_samples": args.num_samples, "compute_timing": True})
     run = build_run(rc, layout=Layout.detect(1, ds_config=rc.ds_config), device=device)
     trainer = Trainer(run)
-    leaves = sum(bool(getattr(m, "_z3_leaf", False)) for m in run.model.modules())
+    leaves = leaf_block_count(run.model)
     print(f"ZeRO-3 leaf modules: {leaves}")
     seg = Segments(trainer)
     recs = []

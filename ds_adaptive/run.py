@@ -247,6 +247,13 @@ def set_leaf_blocks(model) -> int:
     return len(model.blocks)
 
 
+def leaf_block_count(model) -> int:
+    """The model's ZeRO-3 leaf modules (DeepSpeed's flag; the summary and the profile bench report it)."""
+    from deepspeed.utils import get_z3_leaf_modules
+
+    return len(get_z3_leaf_modules(model))
+
+
 def _checked(preset, model):
     """``model`` if it has the runtime's setters and split forward (the family seam), else a ModelError."""
     from .models.family import ModelError, missing_members
@@ -415,7 +422,7 @@ def _build_sampler(cfg: RunConfig, dataset, layout: Layout, ds_config: dict, gpu
     from .models.registry import get_model
 
     t, s = cfg.trainer, cfg.adaptive_load.sampler
-    stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
+    stage = _zero_stage(ds_config)
     gas = ds_config["gradient_accumulation_steps"]   # an int, or "auto": the sampler chooses it
     ln_path = run_ln_modulate_path(cfg.adaptive_load.fused_ln_modulate, (device or torch.device("cpu")).type)
     fusion = planned_block_fusion(cfg.adaptive_load.block_fusion, (device or torch.device("cpu")).type)

@@ -39,7 +39,7 @@ from .ops.apply import ln_modulate_summary
 from .objective import EVAL_TIMESTEPS, eval_inputs, flow_matching_losses, mean_mse
 from .preview import PreviewRunner
 from .preempt import EXIT_PREEMPTED, StopRequest, ignore_stop_signals
-from .run import Run
+from .run import Run, leaf_block_count
 from .config import ConfigError
 from .run_config import UsageError
 
@@ -349,7 +349,7 @@ class Trainer:
             "checkpoint_source": run.profile.checkpoint_source, "data": self.opts.data,
             "dataset": run.dataset.describe(),
             "loss_weighting": al.sampler.loss_weighting, "plan": run.sampler.epoch_stats(),
-            "zero3_leaf_blocks": sum(bool(getattr(m, "_z3_leaf", False)) for m in run.model.modules()),
+            "zero3_leaf_blocks": leaf_block_count(run.model),
         }
         if al.fused_ln_modulate:
             from .ops.ln_modulate import op_status
