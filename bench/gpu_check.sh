@@ -213,8 +213,11 @@ from ds_adaptive.balance.cost import load_profile
 base = load_profile(sys.argv[1])
 fused, note = base.for_block_fusion(sys.argv[2])
 print(note)
+comp = base.raw["block_fusion_variants"][sys.argv[2]]["compute"]   # the calibration's (used with its own overheads only)
 print(f"block_full KiB/token: eager {base.block_full_gib[1] * 2**20:.1f}, {sys.argv[2]} {fused.block_full_gib[1] * 2**20:.1f} "
-      f"({fused.block_full_gib[1] / base.block_full_gib[1]:.3f}x); a ms/token {fused.a_ms_per_token / base.a_ms_per_token:.3f}x")
+      f"({fused.block_full_gib[1] / base.block_full_gib[1]:.3f}x); calibrated ms at 1 x 32,760 tokens: "
+      f"{comp['c0_ms'] + comp['a_ms_per_token'] * 32760 + comp['b_ms_per_token2'] * 32760**2:.0f} vs the profile's "
+      f"{base.c0_ms + base.a_ms_per_token * 32760 + base.b_ms_per_token2 * 32760**2:.0f}")
 PY
 }
 export -f do_env do_build do_tests do_bench do_host do_probe do_train do_train_same do_ti2v do_mfu do_pertoken \

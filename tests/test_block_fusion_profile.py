@@ -95,6 +95,21 @@ def test_ship_adds_a_block_fusion_variant_that_replaces_compute_memory_and_overh
     assert ac.main(["ship", str(c), str(p)]) == 2
 
 
+def test_a_variant_without_its_own_overheads_gives_its_memory_but_not_its_compute():
+    """``ds-adaptive calibrate`` writes no train_overheads: the profile's were fitted on the profile's compute, so the
+    calibration's compute with them over-predicts the trainer (H200 default job: 7.8%); its memory is used."""
+    cal = _fused_calibration(scale_mem=0.9, scale_a=0.6)
+    del cal["train_overheads"]
+    prof = load_profile(ac.ship_variant(_raw(), cal))
+    fused, msg = prof.for_block_fusion("regions")
+    assert fused.block_fusion == "regions" and fused.block_full_gib[1] == pytest.approx(prof.block_full_gib[1] * 0.9)
+    assert (fused.c0_ms, fused.a_ms_per_token, fused.b_ms_per_token2) == (
+        prof.c0_ms, prof.a_ms_per_token, prof.b_ms_per_token2)
+    assert fused.micro_step_overhead_ms == prof.micro_step_overhead_ms
+    assert "(block_fusion_variants.regions: memory)" in msg and "compute: the profile's own" in msg
+    assert "train_overheads" in msg
+
+
 def _sampler(profile, block_fusion, notes):
     cfg = SamplerConfig(profile=profile, m_mem="auto", m_comp=12000.0)
     return build_batch_sampler(cfg, [LONG] * 8 + [SampleShape(1, 480, 832)] * 16, Layout.for_world(1, 1),

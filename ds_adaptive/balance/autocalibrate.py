@@ -329,7 +329,8 @@ def startup_profile(setting: Optional[str], *, model_name: str, ln_modulate: str
 def ship_variant(base: Mapping[str, Any], calibrated: Mapping[str, Any]) -> dict:
     """``base`` (a shipped profile json) with ``calibrated`` (a calibration of the same model on the same GPU kind)
     as one of its variants, whose ``compute``, ``memory`` and ``train_overheads`` (where measured) blocks replace the
-    top-level ones for a run that matches it:
+    top-level ones for a run that matches it (a block-fusion variant's ``compute`` only together with its own
+    ``train_overheads``: :meth:`Profile.for_block_fusion`):
 
     * another block-fusion mode on the base's LayerNorm-modulate path (``ds-adaptive calibrate --block-fusion``):
       ``block_fusion_variants[<mode>]`` (:meth:`Profile.for_block_fusion`);

@@ -383,9 +383,11 @@ class Profile:
     def for_block_fusion(self, mode: Optional[str], ln_path: Optional[str] = None) -> "tuple[Profile, Optional[str]]":
         """This calibration for a run with ``adaptive_load.block_fusion`` ``mode`` (None: unknown, no check).
         Returns ``(profile, message)``: ``self`` when the modes match; the json's ``block_fusion_variants[mode]``
-        (``compute``, ``memory`` and ``train_overheads`` measured with that mode and this profile's
-        LayerNorm-modulate path, by ``ds-adaptive calibrate --block-fusion MODE``, added by ``python -m
-        ds_adaptive.balance.autocalibrate ship``) in place of the top-level ones when it has one, with a note;
+        (``memory``, and ``compute`` with the ``train_overheads`` fitted on it where the variant has both, measured
+        with that mode and this profile's LayerNorm-modulate path, by ``ds-adaptive calibrate --block-fusion MODE``,
+        added by ``python -m ds_adaptive.balance.autocalibrate ship``) in place of the top-level ones when it has
+        one, with a note (a variant's compute without its own overheads is not used: the profile's overheads were
+        fitted on the profile's compute);
         else ``self`` with a note (fused blocks hold less: the plan is conservative), or a warning when the
         profile was calibrated fused and the run is not (predicted activation memory is then too low). ``ln_path``:
         the run's LayerNorm-modulate path, for the calibrate command the message gives (default: the profile's)."""
@@ -395,13 +397,19 @@ class Profile:
             raise ValueError(f"block_fusion must be one of {list(BLOCK_FUSION_MODES)} or None, got {mode!r}")
         variant = (self.raw.get("block_fusion_variants") or {}).get(mode)
         if variant is not None and variant.get("ln_modulate", "reference") == self.ln_modulate:
+            # compute terms and the trainer's overheads are fitted together: a variant's compute replaces the
+            # profile's only with overheads fitted on it (a model-level calibration's compute with the profile's
+            # overheads over-predicted the H200 default job by 7.8%, bench/RESULTS.md)
+            used = [k for k in _VARIANT_BLOCKS if k in variant and (k != "compute" or "train_overheads" in variant)]
             d = copy.deepcopy(dict(self.raw))
-            d.update({k: copy.deepcopy(v) for k, v in variant.items() if k in _VARIANT_BLOCKS})
+            d.update({k: copy.deepcopy(variant[k]) for k in used})
             d["block_fusion"] = mode
             d.pop("block_fusion_variants", None)
             out = Profile.from_dict(d, where=f"{self.name} block_fusion_variants.{mode}")
+            kept = ("; compute: the profile's own (the variant's compute terms come without train_overheads fitted "
+                    "on them)" if "compute" in variant and "compute" not in used else "")
             return out, (f"profile '{self.name}': using its block fusion '{mode}' entries (block_fusion_variants."
-                         f"{mode}: {', '.join(k for k in sorted(variant) if k in _VARIANT_BLOCKS)})")
+                         f"{mode}: {', '.join(sorted(used))}){kept}")
         model = self.raw.get("model", {}).get("name", "MODEL")
         how = (f"`ds-adaptive calibrate --model {model} --ln-modulate {ln_path or self.ln_modulate} --block-fusion "
                f"{mode} --out CAL.json`, then `python -m ds_adaptive.balance.autocalibrate ship CAL.json PROFILE.json`")
