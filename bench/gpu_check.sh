@@ -28,8 +28,9 @@
 # BENCH_ARGS (extra args for bench/ln_modulate.py, e.g. "--quick --tune"; --tune also times both
 # kernel generations per case and prints the recommended DS_ADAPTIVE_LN_MODULATE_KERNELS),
 # STEP_LIMIT (seconds each step may run, instead of its own limit), TEST_ARGS (for pytest), PREBUILD=1 (also
-# build the op through setup.py build_ext --inplace and load that), DS_ADAPTIVE_LN_MODULATE_KERNELS (kernel generation policy, e.g. "v1" to run everything
-# on the previous kernels; the GPU tests run both generations explicitly either way).
+# build the op through setup.py build_ext --inplace and load that), DS_ADAPTIVE_LN_MODULATE_KERNELS (kernel
+# generation policy, e.g. "v1" to run everything on the previous kernels; the GPU tests run both generations
+# explicitly either way).
 # Other engineers: add a step as a function do_NAME below (export -f it, give it a LIMIT) and
 # append NAME to STEPS_ALL.
 set -uo pipefail
