@@ -616,8 +616,10 @@ class Supervisor:
         status = failure.exit_status()
         if status is None:  # reaped before it was seen: what the launcher reported
             status = launcher_status(rc)
+        # the others ended after the failure however they did: on the lost peer (EXIT_PEER_LOST), or terminated by
+        # DeepSpeed's launcher first (it kills the rest when one rank exits non-zero: a race with the peer check)
         others = [e for e in self.watch.ended if e is not failure]
-        if failure.signal is not None or self.killed_others or any(e.code == EXIT_PEER_LOST for e in others):
+        if failure.signal is not None or self.killed_others or others:
             stopped = ("the other rank(s) were killed after " f"{self.rank_exit_grace:g} s" if self.killed_others
                        else "the other rank(s) stopped")
             self.log(f"{failure.describe()}; {stopped}; exit {status}. {resume_advice(self.cmd)}")

@@ -330,6 +330,26 @@ def test_supervisor_exit_codes_ports_and_shm(tmp_path):
         mine.unlink(missing_ok=True)
 
 
+def test_the_failure_line_is_said_however_the_other_ranks_ended():
+    """DeepSpeed's launcher terminates the other ranks when one exits non-zero; when that beats their own lost-peer
+    check (EXIT_PEER_LOST), they end by its signal or with another status, and the line was not said (seen once in
+    a full CPU suite run of test_a_failure_on_one_rank_stops_the_others_with_its_message)."""
+    sv = _supervise_module()
+    for other in (sv.RankEnd(0, 11, code=sv.EXIT_PEER_LOST), sv.RankEnd(0, 11, signal=signal.SIGTERM),
+                  sv.RankEnd(0, 11, code=sv.EXIT_PREEMPTED), sv.RankEnd(0, 11, code=1), sv.RankEnd(0, 11)):
+        said = []
+        sup = sv.Supervisor(["deepspeed", "--num_gpus", "2", "t.py", "--save", "ck"], log=said.append)
+        sup.watch = sv.RankWatch.__new__(sv.RankWatch)
+        sup.watch.ended = [sv.RankEnd(1, 12, code=2), other]
+        assert sup._exit_status(2) == 2 and len(said) == 1, (other, said)
+        assert said[0].startswith("rank 1 (pid 12) exited with status 2; the other rank(s) stopped; exit 2. "), said
+    said = []
+    alone = sv.Supervisor(["deepspeed", "--num_gpus", "1", "t.py"], log=said.append)
+    alone.watch = sv.RankWatch.__new__(sv.RankWatch)
+    alone.watch.ended = [sv.RankEnd(0, 12, code=2)]
+    assert alone._exit_status(2) == 2 and said == []   # one rank: its own error line is the whole story
+
+
 def test_peer_loss_is_told_apart_from_a_bug():
     from ds_adaptive.preempt import peer_lost
 
