@@ -18,7 +18,10 @@ profile / m_comp / gas ``auto`` unless set), trains ``--warm`` steps, then:
 ``--kernels-only``: the profiled steps record CUDA kernels alone (no host operators, no shapes, no segment
 ranges), so the profiler adds little host time and the GPU's idle share is the host's: it prints the busy share of
 the steps' wall and the kernel time by kind (attention, GEMM, other). The warm steps run untouched (no sync, no
-profiler): an A/B of a host-side setting compares their walls on the same samples (``--set``).
+profiler): an A/B of a host-side setting compares their walls on the same samples (``--set``, or
+``--reduce-events N`` for ZeRO-3's cap on outstanding gradient reductions, which its JSON does not expose).
+``--host-stacks`` (with ``--kernels-only``) also samples every thread's Python stack during the profiled steps
+(``bench/host_stacks.py``): DIR/host_stacks.txt names the host code that holds the GPU up, or waits for it.
 
 Per segment it prints ms per step and its share of the step, and writes DIR/train_step_profile.json and
 DIR/profile_tables.txt. Compares nothing: it explains a figure (the summary's MFU); the A/B of a lever is
@@ -27,6 +30,7 @@ DIR/profile_tables.txt. Compares nothing: it explains a figure (the summary's MF
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -39,6 +43,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 CONFIG = ROOT / "launch" / "configs" / "zero3_adaptive.json"
+sys.path.insert(0, str(ROOT / "bench"))
+from host_stacks import HostSampler, format_report  # noqa: E402
 
 
 #: the memory-bound operators outside attention and GEMMs (~20% of the default job's GPU time with block fusion off,
@@ -178,9 +184,18 @@ def main(argv=None) -> int:
     ap.add_argument("--profiled", type=int, default=1)
     ap.add_argument("--kernels-only", action="store_true",
                     help="profile CUDA kernels alone (busy share of the wall, kernel time by kind)")
+    ap.add_argument("--host-stacks", action="store_true",
+                    help="sample every thread's Python stack during the profiled steps (bench/host_stacks.py): "
+                         "DIR/host_stacks.txt names the host code that keeps the GPU waiting")
+    ap.add_argument("--reduce-events", type=int, default=None,
+                    help="ZeRO-3's cap on outstanding gradient-reduction events before the backward thread waits "
+                         "(DeepSpeed's max_param_reduce_events, 2 in 0.19.8; not in its JSON)")
     ap.add_argument("--set", action="append", default=[],
                     help="a config key, dotted, = JSON value, e.g. adaptive_load.block_fusion=\"regions\"")
     args = ap.parse_args(argv)
+    if args.host_stacks and not args.kernels_only:
+        ap.error("--host-stacks samples the host during a --kernels-only profile (the operator profiler's own host "
+                 "time would be what it finds): add --kernels-only")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -208,6 +223,8 @@ def main(argv=None) -> int:
                                       "num_samples": args.num_samples, "compute_timing": True})
     run = build_run(rc, layout=Layout.detect(1, ds_config=rc.ds_config), device=device)
     trainer = Trainer(run)
+    if args.reduce_events is not None:
+        trainer.engine.optimizer.max_param_reduce_events = args.reduce_events
     leaves = leaf_block_count(run.model)
     print(f"ZeRO-3 leaf modules: {leaves}")
     seg = Segments(trainer)
@@ -229,7 +246,8 @@ def main(argv=None) -> int:
     prof_doc = {}
     if args.profiled and args.kernels_only:
         t0 = time.perf_counter()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof, \
+                (HostSampler() if args.host_stacks else contextlib.nullcontext()) as host:
             for _ in range(args.profiled):
                 recs.append(("profiled", trainer.train_step()))
             sync()
@@ -239,6 +257,9 @@ def main(argv=None) -> int:
                     "gpu_busy_ms_per_step": busy / args.profiled, "gpu_busy_frac": busy / wall,
                     "kernel_ms_per_step": kernel_kinds(prof, args.profiled),
                     "idle_gaps": idle_gaps(prof, args.profiled), "segments": {}}
+        if host is not None:
+            prof_doc["host_stacks"] = host.report()
+            (out / "host_stacks.txt").write_text(format_report(prof_doc["host_stacks"]) + "\n")
     elif args.profiled:
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         t0 = time.perf_counter()

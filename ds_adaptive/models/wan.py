@@ -367,16 +367,31 @@ class WanBlock(nn.Module):
         _set_plain_attr(self, "ln_modulate", _default_ln_modulate)
         _set_plain_attr(self, "residual", gated_residual)   # block fusion: its compiled form
 
-    def forward(self, x: torch.Tensor, time_mod: torch.Tensor, context: torch.Tensor, freqs: torch.Tensor,
-                **attn_kwargs: Any) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, time_mod: torch.Tensor, context: torch.Tensor, freqs: torch.Tensor, *,
+                checkpointed: Optional[Mapping[str, Any]] = None, **attn_kwargs: Any) -> torch.Tensor:
         """x [B, S, D] (activation dtype), time_mod [B, 6, D] or [B, S, 6, D] fp32, context [B, L, D],
         freqs [S, Dh/2, 2].
+
+        ``checkpointed``: None runs the block; a dict of ``torch.utils.checkpoint`` keyword arguments (``{}``,
+        or ``context_fn`` for ``checkpoint_attention: keep``) runs it under non-reentrant activation
+        checkpointing *inside* this module's call. Module hooks then see one call per pass whether or not the
+        block is checkpointed (the recompute runs the body, not the module): ZeRO-3's leaf-block gather is done
+        by its backward hook before the recompute, and its trace of the module order, which it prefetches by,
+        stays valid when the count of checkpointed blocks changes between micro-batches (a recompute through the
+        module's call was an extra module step that invalidated the trace: no prefetch and a device sync each time).
 
         ``mod = modulation + time_mod`` is one fp32 ``[B, 6, D]`` table; shift / scale / gate are
         its ``[B, 1, D]`` chunk views (strides (6D, D, 1), no copies), in the order
         shift1, scale1, gate1, shift2, scale2, gate2. Per token: ``[B, S, 6, D]``, views ``[B, S, D]``
         (strides (6SD, 6D, 1)).
         """
+        if checkpointed is not None:
+            return checkpoint(self._body, x, time_mod, context, freqs, use_reentrant=False, **checkpointed,
+                              **attn_kwargs)
+        return self._body(x, time_mod, context, freqs, **attn_kwargs)
+
+    def _body(self, x: torch.Tensor, time_mod: torch.Tensor, context: torch.Tensor, freqs: torch.Tensor,
+              **attn_kwargs: Any) -> torch.Tensor:
         shift1, scale1, gate1, shift2, scale2, gate2 = modulation(self.modulation, time_mod)
         y = self.self_attn(self.ln_modulate(x, shift1, scale1, self.eps), freqs, self.attn_fn, **attn_kwargs)
         x = self.residual(x, y, gate1)
@@ -612,12 +627,9 @@ class WanModel(nn.Module):
             freqs = freqs.clone()
         n_ckpt = self.checkpointed_blocks()
         ctx = {"context_fn": keep_attention_context()} if self.checkpoint_attention == "keep" else {}
-        for i, block in enumerate(self.blocks):
-            if i < n_ckpt:
-                x = checkpoint(block, x, inputs.time_mod, inputs.context, freqs, use_reentrant=False, **ctx,
-                               **attn_kwargs)
-            else:
-                x = block(x, inputs.time_mod, inputs.context, freqs, **attn_kwargs)
+        for i, block in enumerate(self.blocks):   # a checkpointed block checkpoints inside its call (WanBlock.forward)
+            x = block(x, inputs.time_mod, inputs.context, freqs, checkpointed=ctx if i < n_ckpt else None,
+                      **attn_kwargs)
         return x
 
     # ``self.head`` (a WanHead submodule) is the split-path head: model.head(x, time_emb) -> [B, S, C*pt*ph*pw].
