@@ -19,7 +19,8 @@ profile / m_comp / gas ``auto`` unless set), trains ``--warm`` steps, then:
 ranges), so the profiler adds little host time and the GPU's idle share is the host's: it prints the busy share of
 the steps' wall and the kernel time by kind (attention, GEMM, other). The warm steps run untouched (no sync, no
 profiler): an A/B of a host-side setting compares their walls on the same samples (``--set``, or
-``--reduce-events N`` for ZeRO-3's cap on outstanding gradient reductions, which its JSON does not expose).
+``--reduce-events N`` for ZeRO-3's cap on outstanding gradient reductions, which its JSON does not expose, or
+``--checkpoint-module-call`` for checkpointing around a block's module call, as before the fix of ZeRO-3's trace).
 ``--host-stacks`` (with ``--kernels-only``) also samples every thread's Python stack during the profiled steps
 (``bench/host_stacks.py``): DIR/host_stacks.txt names the host code that holds the GPU up, or waits for it.
 
@@ -109,6 +110,29 @@ class Segments:
             self.calls[name] += 1
 
 
+def checkpoint_around_module_call(model) -> None:
+    """``--checkpoint-module-call``: ``model.run_blocks`` checkpoints each checkpointed block around its module call
+    (``checkpoint(block, ...)``), so the recompute calls the module again (module hooks fire in the recompute)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from ds_adaptive.recompute import keep_attention_context
+
+    def run_blocks(x, inputs, freqs, **attn_kwargs):
+        if freqs._base is not None and model.blocks[0].self_attn.qk_rope is not None:
+            freqs = freqs.clone()   # as WanModel.run_blocks: block fusion's compiled pieces guard on a view's base
+        n_ckpt = model.checkpointed_blocks()
+        ctx = {"context_fn": keep_attention_context()} if model.checkpoint_attention == "keep" else {}
+        for i, block in enumerate(model.blocks):
+            if i < n_ckpt:
+                x = checkpoint(block, x, inputs.time_mod, inputs.context, freqs, use_reentrant=False, **ctx,
+                               **attn_kwargs)
+            else:
+                x = block(x, inputs.time_mod, inputs.context, freqs, **attn_kwargs)
+        return x
+
+    model.run_blocks = run_blocks
+
+
 def busy_ms(prof) -> float:
     """Union of the CUDA kernels' intervals (ms)."""
     iv = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
@@ -187,6 +211,10 @@ def main(argv=None) -> int:
     ap.add_argument("--host-stacks", action="store_true",
                     help="sample every thread's Python stack during the profiled steps (bench/host_stacks.py): "
                          "DIR/host_stacks.txt names the host code that keeps the GPU waiting")
+    ap.add_argument("--checkpoint-module-call", action="store_true",
+                    help="the A/B arm of how blocks were checkpointed before a5a38d3's successor: around the block's "
+                         "module call, whose recompute is an extra ZeRO-3 module step (its trace is invalidated when "
+                         "the checkpointed count changes); default: inside the call, as the trainer does")
     ap.add_argument("--reduce-events", type=int, default=None,
                     help="ZeRO-3's cap on outstanding gradient-reduction events before the backward thread waits "
                          "(DeepSpeed's max_param_reduce_events, 2 in 0.19.8; not in its JSON)")
@@ -223,6 +251,8 @@ def main(argv=None) -> int:
                                       "num_samples": args.num_samples, "compute_timing": True})
     run = build_run(rc, layout=Layout.detect(1, ds_config=rc.ds_config), device=device)
     trainer = Trainer(run)
+    if args.checkpoint_module_call:
+        checkpoint_around_module_call(run.model)
     if args.reduce_events is not None:
         trainer.engine.optimizer.max_param_reduce_events = args.reduce_events
     leaves = leaf_block_count(run.model)

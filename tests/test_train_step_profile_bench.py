@@ -41,3 +41,38 @@ def test_segments_add_up_to_the_step(tmp_path):
     rows = doc["profiled"]["elementwise_by_shape"]   # copies / adds / casts, told apart by the tensors they move
     assert rows and all(r["op"].startswith("aten::") and r["shapes"].startswith("[") and r["calls"] > 0 for r in rows)
     assert "| backward |" in res.stdout
+
+
+def test_the_module_call_arm_recomputes_through_the_module_with_the_same_gradients():
+    """``--checkpoint-module-call`` (the A/B arm of checkpointing around a block's call): the same loss and gradients
+    as the trainer's checkpoint inside the call, but a checkpointed block's module hooks fire again in backward."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from train_step_profile import checkpoint_around_module_call
+
+    from ds_adaptive.models.testing import random_init_
+    from ds_adaptive.models.wan import WanModel, get_wan_config
+
+    def run(around: bool):
+        model = random_init_(WanModel(get_wan_config("tiny", num_layers=3)), seed=0).double()
+        if around:
+            checkpoint_around_module_call(model)
+        model.set_checkpoint_blocks(2)
+        calls = []
+        for i, b in enumerate(model.blocks):
+            b.register_forward_pre_hook(lambda m, a, i=i: calls.append(i))
+        g = torch.Generator().manual_seed(0)
+        lat = torch.randn(2, 16, 3, 6, 10, generator=g, dtype=torch.float64)
+        out = model(lat, torch.tensor([100.0, 700.0]), torch.randn(2, 7, 4096, generator=g, dtype=torch.float64))
+        forward_calls = list(calls)
+        out.square().mean().backward()
+        return forward_calls, calls, [p.grad for p in model.parameters()]
+
+    fwd_in, all_in, grads_in = run(False)
+    fwd_around, all_around, grads_around = run(True)
+    assert fwd_in == fwd_around == [0, 1, 2]
+    assert all_in == [0, 1, 2]                                  # the recompute runs the body: no module call
+    assert sorted(all_around) == [0, 0, 1, 1, 2]                # the recompute calls blocks 0 and 1 again
+    for a, b in zip(grads_in, grads_around):
+        assert torch.equal(a, b)
