@@ -63,7 +63,49 @@ def _remove_shm(pattern: str, newer_than: float = 0.0) -> None:
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
+    if hasattr(session.config, "workerinput"):
+        return  # a pytest-xdist worker: the other workers' jobs may still run; the controller cleans up at the end
     _remove_shm(_SHM_GLOB, newer_than=_SESSION_START)
+
+
+# --- pytest-xdist (.ci/run: -n 2 --dist loadgroup) -----------------------------------------------------------
+
+def pytest_configure(config) -> None:
+    """An xdist worker computes with one thread, and so do the processes its tests start without saying otherwise:
+    two workers on two cores, instead of four OpenMP threads whose barriers wait on a descheduled thread."""
+    if hasattr(config, "workerinput"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+        import torch
+
+        torch.set_num_threads(1)
+
+
+def _shared_fixture_module(item) -> str | None:
+    """The test's module, if the test uses a fixture of that module scoped wider than a function (a training run
+    several tests read): xdist then runs those tests on one worker, so that the fixture is built once."""
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    module = item.nodeid.split("::")[0]
+    for fixturedefs in defs.values():
+        if any(d.scope != "function" and d.baseid == module for d in fixturedefs):
+            return module
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
+def pytest_collection_modifyitems(config, items) -> None:
+    """Under xdist: tests sharing a module-scoped fixture form one group (``--dist loadgroup``), and the ``slow``
+    tests (with their groups) are handed out first, so that no minute-long test is left for the end of the run."""
+    if not hasattr(config, "workerinput"):
+        return
+    unit = {}  # test -> its work unit: its module's group, or itself
+    slow: dict[str, bool] = {}
+    for item in items:
+        module = _shared_fixture_module(item)
+        if module is not None:
+            item.add_marker(pytest.mark.xdist_group(module))
+        unit[item.nodeid] = module or item.nodeid
+        slow[unit[item.nodeid]] = slow.get(unit[item.nodeid], False) or item.get_closest_marker("slow") is not None
+    items.sort(key=lambda it: not slow[unit[it.nodeid]])  # stable: the collection order otherwise
 
 
 #: every rank runs through this wrapper (``python _rank_main.py <argv>``): the rank's own exit status, without the

@@ -470,6 +470,8 @@ def test_nonfinite_steps_never_rotate_out_the_last_good_checkpoint(tmp_path, run
 
 @pytest.mark.slow
 def test_two_runs_at_once_and_a_save_dir_that_is_a_file(tmp_path):
+    import psutil
+
     (tmp_path / "afile").write_text("x")
     t = time.monotonic()
     r = _launch(tmp_path, STEPS="4", SAVE_DIR="afile", timeout=200)
@@ -488,8 +490,17 @@ def test_two_runs_at_once_and_a_save_dir_that_is_a_file(tmp_path):
         while "step 1/200" not in log.read_text():
             assert first.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.3)
+        # the first run's ranks pause (alive, holding the lock) while the second launch starts: their training
+        # steps would only take the CPU from it (the first run is at step 1 of 200)
+        ranks = [psutil.Process(_rank_pid(first.pid, rank)) for rank in (0, 1)]
+        for p in ranks:
+            p.suspend()
         t = time.monotonic()
-        r = _launch(tmp_path, STEPS="4", SAVE_DIR="ck", RESUME="1", timeout=200)
+        try:
+            r = _launch(tmp_path, STEPS="4", SAVE_DIR="ck", RESUME="1", timeout=200)
+        finally:
+            for p in ranks:
+                p.resume()
         assert r.returncode == 2, (r.stdout + r.stderr)[-3000:]
         (line,) = _errors(r)
         assert f"ck is in use by another run (pid " in line and f"on host {socket.gethostname()}" in line

@@ -130,12 +130,18 @@ def _readme_launch_examples() -> list[str]:
             or line.startswith("deepspeed ") or "launch/slurm/train_wan.sbatch" in line]
 
 
+def _distinct_dry_runs(examples: list[str]) -> list[str]:
+    """The examples, less a ``DRY_RUN=1 X`` whose ``X`` is an example too: the test sets DRY_RUN=1 itself, so the
+    two run the same command in the same environment (one dry run of a launcher costs ~10 s of CPU)."""
+    return [e for e in examples if not (e.startswith("DRY_RUN=1 ") and e.removeprefix("DRY_RUN=1 ") in examples)]
+
+
 def test_readme_has_launch_examples():
     ex = _readme_launch_examples()
     assert any("MODEL=wan2.1-14b" in e for e in ex) and any(e.startswith("deepspeed ") for e in ex), ex
 
 
-@pytest.mark.parametrize("example", _readme_launch_examples())
+@pytest.mark.parametrize("example", _distinct_dry_runs(_readme_launch_examples()))
 def test_readme_example_passes_its_dry_run(example, tmp_path):
     """Each `bash launch/train_wan.sh` / `deepspeed ... train_wan.py` line of README.md passes the dry run it would
     get: the launcher's DRY_RUN=1 (on a GPU node when the line does not say NUM_GPUS), or `ds-adaptive dry-run`

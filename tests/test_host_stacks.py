@@ -25,6 +25,9 @@ def _sleeper(stop: threading.Event) -> None:
 
 
 def test_each_thread_kind_gets_its_own_stacks_and_waiting_threads_are_left_out():
+    # threads the test runner keeps (pytest-xdist's channel to the controller, started outside `threading`): the
+    # sampler sees them as 'other' threads too
+    foreign = [tid for tid in sys._current_frames() if tid != threading.main_thread().ident]
     stop, idle = threading.Event(), threading.Event()
     worker = threading.Thread(target=_sleeper, args=(stop,), daemon=True)
     waiter = threading.Thread(target=idle.wait, daemon=True)   # innermost frame in threading.py: left out
@@ -43,8 +46,8 @@ def test_each_thread_kind_gets_its_own_stacks_and_waiting_threads_are_left_out()
     assert not any("_sleeper" in r["stack"] for r in main["stacks"])
     assert any(r["stack"].startswith("tests/test_host_stacks.py:_sleeper:") for r in other["stacks"])
     assert not any("wait" in r["stack"].split(" <- ")[0] for r in other["stacks"])
-    for t in (main, other):
-        assert 0 < t["share_of_wall"] <= 1.0 + 1e-6
+    for t, threads in ((main, 1), (other, 1 + len(foreign))):   # each thread: at most the whole wall
+        assert 0 < t["share_of_wall"] <= threads + 1e-6
         assert all(0 < r["share"] <= t["share_of_wall"] + 1e-9 for r in t["stacks"])
     # the counted roots: this test file is not one of them, so its functions are left out of the inclusive list
     assert "bench" in ROOTS and not any("test_host_stacks" in f["fn"] for f in main["functions"])

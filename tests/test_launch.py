@@ -159,11 +159,12 @@ def test_readme_commands_are_what_ci_runs():
     """README.md gives exactly two set-up commands; .ci/run installs the same way and runs the same tests."""
     readme = (ROOT / "README.md").read_text()
     install = 'pip install torch==2.13.0 && pip install -e ".[dev]"'
+    tests = "python -m pytest tests -n 2 --dist loadgroup"  # two xdist workers (tests/conftest.py schedules them)
     commands = [line for line in readme.splitlines() if line.startswith(install)]
-    assert commands == [f"{install} && bash launch/train_wan.sh", f"{install} && python -m pytest tests"]
+    assert commands == [f"{install} && bash launch/train_wan.sh", f"{install} && {tests}"]
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert "pip install torch==2.13.0" in ci and 'pip install -e ".[dev]"' in ci
-    assert ci.index("pip install torch==2.13.0") < ci.index('pip install -e ".[dev]"') < ci.index("python -m pytest tests")
+    assert ci.index("pip install torch==2.13.0") < ci.index('pip install -e ".[dev]"') < ci.index(tests)
     assert any("-eq 5" in line for line in ci)  # "no tests collected" fails CI
 
 
