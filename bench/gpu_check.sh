@@ -15,7 +15,8 @@
 # call, LEVERS_ARMS = arms to report, LEVERS_M_COMP = the pinned budget per micro-batch in ms, default 9700 at gas 1:
 # it must hold the costliest sample alone; two arms of 13 steps ~5.5 min; the prepared dir is kept). trainprofile: where the
 # default job's step goes (bench/train_step_profile.py). calfusion: this GPU's 1.3B profile calibrated with block
-# fusion and shipped as its block_fusion_variants entry (the json comes back in $OUT). keepattn: sampler.checkpoint_attention keep vs recompute,
+# fusion and shipped as its block_fusion_variants entry (the json comes back in $OUT). traceab: blocks checkpointed
+# inside vs around their module call, same samples (bench/train_step_profile.py, ~6 min). keepattn: sampler.checkpoint_attention keep vs recompute,
 # one epoch of KEEPATTN_SAMPLES (default 40) long-video samples per arm (bench/checkpoint_attention_ab.py, ~8 min).
 # Environment knobs: STEPS (space-separated subset of: env build tests bench probe train; default
 # env build tests bench; probe = bench/ln_modulate_probe.cu kernel sweep, PROBE_CASES picks its cases,
@@ -198,6 +199,14 @@ do_keepattn() {  # sampler.checkpoint_attention keep vs recompute: one epoch of 
 do_trainprofile() {  # where the default job's step goes: synchronised segments + a profiled step
   python3 bench/train_step_profile.py --out "$OUT/trainprofile" ${TRAINPROFILE_ARGS:-}
 }
+do_traceab() {  # the default job's step with blocks checkpointed inside their call (ZeRO-3's trace stays valid) vs
+  # around it (the placement before 3f2896c): the same samples, warm steps untouched, then a kernels-only step
+  local arm
+  for arm in in_call around_call; do
+    python3 bench/train_step_profile.py --out "$OUT/traceab/$arm" --warm 4 --timed 0 --profiled 1 --kernels-only \
+      $([ "$arm" = around_call ] && echo --checkpoint-module-call) 2>&1 | grep -E "^(warm|profiled) |profiled:|^\| [0-9]" || return 1
+  done
+}
 do_calfusion() {  # the shipped 1.3B profile of this GPU calibrated with block fusion (CALFUSION_MODE, default regions)
   # on the fused LayerNorm-modulate path, shipped into the profile json as block_fusion_variants.<mode>; the json comes
   # back in $OUT (copy it to ds_adaptive/balance/profiles/ and commit; then run the default job in the next call)
@@ -222,11 +231,11 @@ print(f"block_full KiB/token: eager {base.block_full_gib[1] * 2**20:.1f}, {sys.a
 PY
 }
 export -f do_env do_build do_tests do_bench do_host do_probe do_train do_train_same do_ti2v do_mfu do_pertoken \
-  do_firstuse do_levers do_keepattn do_trainprofile do_calfusion
+  do_firstuse do_levers do_keepattn do_trainprofile do_calfusion do_traceab
 export OUT
 declare -A LIMIT=([env]=60 [build]=300 [tests]=480 [bench]=420 [probe]=240 [train]=400 [host]=240 [train_same]=400
                   [ti2v]=560 [mfu]=300 [pertoken]=240 [firstuse]=560 [levers]=560 [keepattn]=560 [trainprofile]=300
-                  [calfusion]=400)
+                  [calfusion]=400 [traceab]=420)
 
 for s in $STEPS; do
   run_step "$s" "${STEP_LIMIT:-${LIMIT[$s]:-300}}" "do_$s" || true
