@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import subprocess
+import sys
 import types
 import warnings
 
@@ -179,6 +181,32 @@ def test_unsupported_inputs_fall_back_with_a_reason(monkeypatch):
     assert lnm._kernel_limitation(_cuda_like(torch.bfloat16, 16384)) is None
     assert lnm._kernel_limitation(_cuda_like(torch.float32, 8192)) is None
     assert lnm._kernel_limitation(_cuda_like(torch.float32, 8193)) is not None
+
+
+def test_the_side_effect_helpers_import_dynamo_lazily_and_stay_out_of_compiled_graphs(monkeypatch):
+    """Importing the op (every dry run and CLI command imports the model) leaves torch._dynamo unimported (~2 s of
+    CPU); the warn-once helper still runs eagerly, once, when its first call is inside a compiled function."""
+    code = "import sys, ds_adaptive.ops, ds_adaptive.models.wan; print('torch._dynamo' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "False", r.stdout + r.stderr
+
+    monkeypatch.setattr(lnm, "_STATE", lnm._OpState())
+
+    def f(x):
+        lnm._warn_once("compiled-first", "ln_modulate: a warning from inside a compiled function")
+        return x * 2 + 1
+
+    torch._dynamo.reset()
+    cf = torch.compile(f, backend="eager")
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        outs = [cf(torch.ones(3)) for _ in range(3)]
+    assert all(torch.equal(o, torch.full((3,), 3.0)) for o in outs)
+    assert [str(w.message) for w in rec if "compiled function" in str(w.message)] == [
+        "ln_modulate: a warning from inside a compiled function"]
+    assert lnm._STATE.warned == {"compiled-first"}
+    disabled = getattr(lnm._warn_once.__wrapped__, "_ds_adaptive_disabled", None)
+    assert disabled is not None and getattr(disabled, "_torchdynamo_disable", False)
 
 
 def test_load_op_on_cpu_torch_reports_why():

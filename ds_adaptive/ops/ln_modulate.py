@@ -23,6 +23,7 @@ Unset: the compiled-in defaults (``csrc/ln_modulate/ln_modulate.h: KernelPolicy`
 """
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import warnings
@@ -101,13 +102,26 @@ class _OpState:
 _STATE = _OpState()
 
 
+def _not_compiled(fn):
+    """``torch.compiler.disable(fn)``, made at the first call: importing torch._dynamo costs ~2 s of CPU, which a
+    process that only imports the model (a dry run, the CLI) never needs. A first call inside a trace works too:
+    dynamo runs this wrapper eagerly at a graph break and then skips the disabled function."""
+    @functools.wraps(fn)
+    def inner(*args, **kwargs):
+        disabled = getattr(fn, "_ds_adaptive_disabled", None)
+        if disabled is None:
+            disabled = fn._ds_adaptive_disabled = torch.compiler.disable(fn)
+        return disabled(*args, **kwargs)
+    return inner
+
+
 def call_counts() -> dict:
     """Eager ``ln_modulate`` calls so far that ran the fused op / the torch reference (compiled calls are
     not counted). The trainer's summary reports from this what really ran, not what was asked for."""
     return dict(_STATE.calls)
 
 
-@torch.compiler.disable
+@_not_compiled
 def _load_extension():
     """The compiled module, or None (reason in _STATE.error). Never raises."""
     if _STATE.tried:
@@ -268,7 +282,7 @@ def _mode() -> str:
     return mode
 
 
-@torch.compiler.disable
+@_not_compiled
 def _warn_once(key: str, msg: str) -> None:
     if key in _STATE.warned:
         return
