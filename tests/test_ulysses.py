@@ -214,8 +214,9 @@ SCRIPT = textwrap.dedent("""
     cases = [(2, 3, 6, 10, False, False, False, False), (1, 1, 6, 10, False, False, False, False),
              (3, 1, 8, 12, False, False, False, False), (1, 1, 2, 2, False, False, False, False),
              (2, 3, 6, 10, True, False, False, False), (2, 3, 6, 10, False, True, False, False),
-             (2, 3, 6, 10, True, False, True, False), (2, 3, 6, 10, True, True, True, False),
-             (2, 3, 6, 10, True, True, False, True)]
+             (2, 3, 6, 10, True, False, True, False), (2, 3, 6, 10, True, True, True, False)]
+    if FUSED:  # one family: the fused pieces are the same functions for every WanModel config (half this test's time)
+        cases.append((2, 3, 6, 10, True, True, False, True))
     for B, T, H, W, ckpt, per_token, keep, fused in cases:
         model.gradient_checkpointing = ref.gradient_checkpointing = ckpt
         model.set_checkpoint_attention("keep" if keep else "recompute")
@@ -256,7 +257,7 @@ SCRIPT = textwrap.dedent("""
             print("case", (B, T, H, W, ckpt, per_token, keep, fused), "ok", flush=True)
     model.apply_block_fusion("off")
     from torch._dynamo.utils import counters
-    assert counters["stats"]["unique_graphs"] >= 3, dict(counters["stats"])   # the fused case ran compiled pieces
+    assert not FUSED or counters["stats"]["unique_graphs"] >= 3, dict(counters["stats"])   # the fused case compiled
 
     # negative control: padded keys NOT masked (local attention ignores valid_len) changes the output
     lat, t, ctx = torch.randn(1, C, 3, 6, 10, generator=g), torch.tensor([500.0]), torch.randn(1, 7, TD, generator=g)
@@ -311,12 +312,13 @@ SCRIPT = textwrap.dedent("""
 @pytest.mark.parametrize("model", TINY_MODELS)
 def test_sp2_equals_sp1_outputs_losses_and_gradients(tmp_path: Path, model: str) -> None:
     script = tmp_path / "ulysses_sp2.py"
-    script.write_text(f"MODEL = {model!r}\n" + SCRIPT)
+    fused = model == TINY_MODELS[0]
+    script.write_text(f"MODEL = {model!r}\nFUSED = {fused}\n" + SCRIPT)
     env = {"PYTHONPATH": str(ROOT), "TORCH_EXTENSIONS_DIR": os.environ.get(
         "TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions"))}
     results = launch_ranks([str(script)], 2, cwd=tmp_path, timeout=240, env=env)
     out = results[0].stdout
-    assert "ULYSSES_SP2_OK" in out and out.count(" ok") == 9, out[-4000:]
+    assert "ULYSSES_SP2_OK" in out and out.count(" ok") == 8 + fused, out[-4000:]
 
 
 MEGATRON = textwrap.dedent("""
