@@ -104,8 +104,8 @@ _STATE = _OpState()
 
 def _not_compiled(fn):
     """``torch.compiler.disable(fn)``, made at the first call: importing torch._dynamo costs ~2 s of CPU, which a
-    process that only imports the model (a dry run, the CLI) never needs. A first call inside a trace works too:
-    dynamo runs this wrapper eagerly at a graph break and then skips the disabled function."""
+    process that only imports the model (a dry run, the CLI) never needs. A first call inside a compiled function
+    works too (a test checks it: the function runs once, eagerly)."""
     @functools.wraps(fn)
     def inner(*args, **kwargs):
         disabled = getattr(fn, "_ds_adaptive_disabled", None)
