@@ -475,9 +475,9 @@ class AdaptiveLoadConfig(_Block):
     own call, so ZeRO-3's trace of the module order, which it prefetches parameters by, stays valid when the count
     of checkpointed blocks changes between micro-batches. The same as listing the block class in
     ds_config's `zero_optimization.leaf_module`. A block's parameters are all live while it runs (Wan 1.3B:
-    46M, within the prefetch bucket the memory model counts). No effect below stage 3, and off under LoRA: the frozen base gives the first block an input
-    without a gradient, and DeepSpeed's leaf-module backward hook then releases the block's parameters before the
-    adapters' backward uses them (a note says so when the key is set)."""
+    46M, within the prefetch bucket the memory model counts). No effect below stage 3, and off under LoRA: the
+    frozen base gives the first block an input without a gradient, and DeepSpeed's leaf-module backward hook then
+    releases the block's parameters before the adapters' backward uses them (a note says so when the key is set)."""
 
     sampler: SamplerConfig = Field(default_factory=SamplerConfig)
     """The sampler sub-block."""
