@@ -172,12 +172,12 @@ class SampleShape:
         """[C, T', H', W'] of the VAE latent."""
         return (self.grid.latent_channels, *self.latent_grid)
 
-    @functools.cached_property   # the planner asks ~10^5 times per epoch plan; the shape is frozen
+    @property
     def token_grid(self) -> tuple[int, int, int]:
         """(F, Hp, Wp): the grid of transformer tokens after the patch."""
         return self.grid.token_grid(self.frames, self.height, self.width)
 
-    @functools.cached_property
+    @functools.cached_property   # the planner asks ~10^5 times per epoch plan; the shape is frozen
     def tokens(self) -> int:
         """Sequence length S (tokens) of the transformer input, unpadded."""
         f, h, w = self.token_grid
