@@ -15,7 +15,6 @@ Ulysses sequence parallelism of degree ``sp`` the sequence is padded to a multip
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -177,7 +176,7 @@ class SampleShape:
         """(F, Hp, Wp): the grid of transformer tokens after the patch."""
         return self.grid.token_grid(self.frames, self.height, self.width)
 
-    @functools.cached_property   # the planner asks ~10^5 times per epoch plan; the shape is frozen
+    @property
     def tokens(self) -> int:
         """Sequence length S (tokens) of the transformer input, unpadded."""
         f, h, w = self.token_grid
