@@ -18,6 +18,7 @@
 # fusion and shipped as its block_fusion_variants entry (the json comes back in $OUT). traceab: blocks checkpointed
 # inside vs around their module call, same samples (bench/train_step_profile.py, ~6 min). keepattn: sampler.checkpoint_attention keep vs recompute,
 # one epoch of KEEPATTN_SAMPLES (default 40) long-video samples per arm (bench/checkpoint_attention_ab.py, ~8 min).
+# attn: SDPA backends per shape of the default mix, self- and cross-attention (bench/attention_backends.py, ~1 min).
 # Environment knobs: STEPS (space-separated subset of: env build tests bench probe train; default
 # env build tests bench; probe = bench/ln_modulate_probe.cu kernel sweep, PROBE_CASES picks its cases,
 # PROBE_FWD_ONLY=1 skips its backward variants; host = host time per call (isolated fwd+bwd and per
@@ -196,6 +197,9 @@ do_keepattn() {  # sampler.checkpoint_attention keep vs recompute: one epoch of 
     done
   python3 bench/checkpoint_attention_ab.py report --runs "$w/runs" --out "$OUT/checkpoint_attention_ab.json"
 }
+do_attn() {  # SDPA backends (cuDNN / flash / memory-efficient) per shape of the default mix, self and cross
+  python3 bench/attention_backends.py --out "$OUT/attention_backends.json"
+}
 do_trainprofile() {  # where the default job's step goes: synchronised segments + a profiled step
   python3 bench/train_step_profile.py --out "$OUT/trainprofile" ${TRAINPROFILE_ARGS:-}
 }
@@ -231,11 +235,11 @@ print(f"block_full KiB/token: eager {base.block_full_gib[1] * 2**20:.1f}, {sys.a
 PY
 }
 export -f do_env do_build do_tests do_bench do_host do_probe do_train do_train_same do_ti2v do_mfu do_pertoken \
-  do_firstuse do_levers do_keepattn do_trainprofile do_calfusion do_traceab
+  do_firstuse do_levers do_keepattn do_trainprofile do_calfusion do_traceab do_attn
 export OUT
 declare -A LIMIT=([env]=60 [build]=300 [tests]=480 [bench]=420 [probe]=240 [train]=400 [host]=240 [train_same]=400
                   [ti2v]=560 [mfu]=300 [pertoken]=240 [firstuse]=560 [levers]=560 [keepattn]=560 [trainprofile]=300
-                  [calfusion]=400 [traceab]=420)
+                  [calfusion]=400 [traceab]=420 [attn]=200)
 
 for s in $STEPS; do
   run_step "$s" "${STEP_LIMIT:-${LIMIT[$s]:-300}}" "do_$s" || true
