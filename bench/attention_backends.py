@@ -158,7 +158,8 @@ def main() -> int:
     from ds_adaptive.models.registry import get_model
 
     m = get_model(args.model)
-    heads, head_dim = m.config.num_heads, m.config.dim // m.config.num_heads
+    cfg = m.config()
+    heads, head_dim = cfg.num_heads, cfg.dim // cfg.num_heads
     results = []
     for row in mix_rows(args.model, args.shapes, args.batch_tokens):
         results.append(measure_row(row, heads, head_dim, m.text_len, args.reps))

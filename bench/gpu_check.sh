@@ -201,7 +201,8 @@ do_attn() {  # SDPA backends (cuDNN / flash / memory-efficient) per shape of the
   python3 bench/attention_backends.py --out "$OUT/attention_backends.json"
 }
 do_trainprofile() {  # where the default job's step goes: synchronised segments + a profiled step
-  python3 bench/train_step_profile.py --out "$OUT/trainprofile" ${TRAINPROFILE_ARGS:-}
+  python3 bench/train_step_profile.py --out "$OUT/trainprofile" ${TRAINPROFILE_ARGS:-} || return 1
+  tar czf "$OUT/trainprofile.tgz" -C "$OUT" trainprofile && rm -rf "$OUT/trainprofile"   # the device returns 8 files
 }
 do_traceab() {  # the default job's step with blocks checkpointed inside their call (ZeRO-3's trace stays valid) vs
   # around it (the placement before 3f2896c): the same samples, warm steps untouched, then a kernels-only step
