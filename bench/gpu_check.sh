@@ -18,6 +18,7 @@
 # fusion and shipped as its block_fusion_variants entry (the json comes back in $OUT). traceab: blocks checkpointed
 # inside vs around their module call, same samples (bench/train_step_profile.py, ~6 min). keepattn: sampler.checkpoint_attention keep vs recompute,
 # one epoch of KEEPATTN_SAMPLES (default 40) long-video samples per arm (bench/checkpoint_attention_ab.py, ~8 min).
+# setab: the shipped job vs AB_SET config overrides, same samples (bench/train_step_profile.py, ~4 min).
 # attn: SDPA backends per shape of the default mix, self- and cross-attention (bench/attention_backends.py, ~1 min).
 # Environment knobs: STEPS (space-separated subset of: env build tests bench probe train; default
 # env build tests bench; probe = bench/ln_modulate_probe.cu kernel sweep, PROBE_CASES picks its cases,
@@ -212,6 +213,16 @@ do_traceab() {  # the default job's step with blocks checkpointed inside their c
       $([ "$arm" = around_call ] && echo --checkpoint-module-call) 2>&1 | grep -E "^(warm|profiled) |profiled:|^\| [0-9]" || return 1
   done
 }
+do_setab() {  # the shipped job vs the same job with AB_SET (space-separated KEY=JSON config overrides): the same
+  # samples, AB_WARM untouched warm steps (their walls are the A/B) then a kernels-only profiled step, per arm
+  local arm sets=()
+  for kv in ${AB_SET:?AB_SET=KEY=JSON ...}; do sets+=(--set "$kv"); done
+  for arm in shipped changed; do
+    python3 bench/train_step_profile.py --out "$OUT/setab/$arm" --warm "${AB_WARM:-4}" --timed 0 --profiled 1 --kernels-only \
+      $([ "$arm" = changed ] && echo "${sets[@]}") 2>&1 | grep -E "^(warm|profiled) |profiled:|^\| [0-9]|peak" || return 1
+  done
+  tar czf "$OUT/setab.tgz" -C "$OUT" setab && rm -rf "$OUT/setab"
+}
 do_calfusion() {  # the shipped 1.3B profile of this GPU calibrated with block fusion (CALFUSION_MODE, default regions)
   # on the fused LayerNorm-modulate path, shipped into the profile json as block_fusion_variants.<mode>; the json comes
   # back in $OUT (copy it to ds_adaptive/balance/profiles/ and commit; then run the default job in the next call)
@@ -236,11 +247,11 @@ print(f"block_full KiB/token: eager {base.block_full_gib[1] * 2**20:.1f}, {sys.a
 PY
 }
 export -f do_env do_build do_tests do_bench do_host do_probe do_train do_train_same do_ti2v do_mfu do_pertoken \
-  do_firstuse do_levers do_keepattn do_trainprofile do_calfusion do_traceab do_attn
+  do_firstuse do_levers do_keepattn do_trainprofile do_calfusion do_traceab do_attn do_setab
 export OUT
 declare -A LIMIT=([env]=60 [build]=300 [tests]=480 [bench]=420 [probe]=240 [train]=400 [host]=240 [train_same]=400
                   [ti2v]=560 [mfu]=300 [pertoken]=240 [firstuse]=560 [levers]=560 [keepattn]=560 [trainprofile]=300
-                  [calfusion]=400 [traceab]=420 [attn]=200)
+                  [calfusion]=400 [traceab]=420 [attn]=200 [setab]=560)
 
 for s in $STEPS; do
   run_step "$s" "${STEP_LIMIT:-${LIMIT[$s]:-300}}" "do_$s" || true
