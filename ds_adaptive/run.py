@@ -167,6 +167,7 @@ def _engine_config(cfg: RunConfig, layout: Layout, *, on_gpu: bool, announce: bo
     """The ds_config for ``deepspeed.initialize``. No DeepSpeed (dp, sp) mesh: DeepSpeed 0.19.8's mesh
     breaks ZeRO-3 checkpoints (docs/ULYSSES.md); ds_adaptive owns the SP groups."""
     out = prepare_ds_config(strip_mesh_keys(cfg.ds_config), dp_size=layout.dp_size, on_gpu=on_gpu)
+    torch_linear_config(out, cfg.adaptive_load)
     if "optimizer" not in out:
         out["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0, "torch_adam": True}}
         if announce:
@@ -205,6 +206,8 @@ def _build_model(cfg: RunConfig, preset, model_config, ds_config: dict, *, meta:
     torch.manual_seed(cfg.trainer.seed)
     with deepspeed.zero.Init(config_dict_or_path=ds_config, enabled=_zero_stage(ds_config) == 3):
         model = _checked(preset, preset.build(model_config))
+    if _zero_stage(ds_config) == 3 and ds_config["zero_optimization"].get("memory_efficient_linear") is False:
+        use_torch_linear()   # adaptive_load.zero3_torch_linear, whatever an earlier engine of the process did
     # 'all' / 'none' fixed; 'auto': the Trainer sets model.set_checkpoint_blocks(n) per micro-batch from the plan
     model.gradient_checkpointing = cfg.adaptive_load.sampler.checkpointing == "all"
     apply_ln_modulate(model, enabled)  # loaded / JIT-built now, not inside the first step
@@ -223,6 +226,30 @@ def planned_block_fusion(mode: str, device_type: str) -> str:
 
 def _zero_stage(ds_config: dict) -> int:
     return int((ds_config.get("zero_optimization") or {}).get("stage", 0))
+
+
+def torch_linear_config(ds_config: dict, al) -> bool:
+    """``adaptive_load.zero3_torch_linear``: at ZeRO stage 3 write ``memory_efficient_linear: false`` into
+    ``ds_config`` (in place) unless it sets the key; True when the run uses torch's ``F.linear``."""
+    zero = ds_config.get("zero_optimization")
+    if _zero_stage(ds_config) != 3:
+        return False
+    if "memory_efficient_linear" not in zero and al.zero3_torch_linear:
+        zero["memory_efficient_linear"] = False
+    return zero.get("memory_efficient_linear") is False
+
+
+def use_torch_linear() -> bool:
+    """Put torch's ``F.linear`` back where a DeepSpeed ZeRO-3 ``Init`` of this process replaced it (its
+    ``memory_efficient_linear``, which DeepSpeed leaves in place for the process); True when it was replaced."""
+    import torch.nn.functional as F
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as Patcher
+
+    original = getattr(Patcher, "linear_bk", None)
+    if original is None or F.linear is original:
+        return False
+    F.linear = original
+    return True
 
 
 def _leaf_blocks(model, al, stage: int) -> list:

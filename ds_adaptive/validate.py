@@ -19,6 +19,7 @@ Rules, in the order they are reported:
   (:func:`accumulation_steps`, which ``prepare_ds_config`` uses too);
 * ``precision``: not both ``bf16`` and ``fp16``;
 * ``zero_stage``: ``adaptive_load.sampler.zero_stage``, when set, is the ds_config's ZeRO stage;
+* ``zero3_torch_linear``: not set true next to ``zero_optimization.memory_efficient_linear: true``;
 * ``budgets``: ``lr_scaling`` has a ``reference_batch``; a null ``profile`` only where no profile is needed;
 * ``sparse_attention``: ``dense_layers`` inside the model, ``predictor_rank`` <= the head dim, the backend
   available on the run's device: the sparse backends' own check (``sparse.backends.check_sparse_config``).
@@ -155,6 +156,16 @@ def _zero_stage_problem(ds_config: Mapping[str, Any], s: SamplerConfig) -> Optio
     return None
 
 
+def _linear_problem(ds_config: Mapping[str, Any], block: AdaptiveLoadConfig) -> Optional[str]:
+    zero = ds_config.get("zero_optimization") or {}
+    if ("zero3_torch_linear" in block.model_fields_set and block.zero3_torch_linear
+            and zero.get("memory_efficient_linear") is True):
+        return ("adaptive_load.zero3_torch_linear is true but the ds_config's zero_optimization.memory_efficient_linear "
+                "is true (DeepSpeed's Linear replacement); drop one of the two keys (without either the trainer "
+                "runs torch's F.linear)")
+    return None
+
+
 def _budget_problems(s: SamplerConfig) -> list[Problem]:
     out = []
     if s.lr_scaling != "none" and s.reference_batch is None:
@@ -202,7 +213,8 @@ def run_problems(ds_config: Mapping[str, Any], block: AdaptiveLoadConfig, facts:
     except ConfigError as exc:
         out.append(Problem("batch", str(exc)))
     for key, msg in (("precision", _precision_problem(ds_config)),
-                     ("zero_stage", _zero_stage_problem(ds_config, block.sampler))):
+                     ("zero_stage", _zero_stage_problem(ds_config, block.sampler)),
+                     ("zero3_torch_linear", _linear_problem(ds_config, block))):
         if msg:
             out.append(Problem(key, msg))
     out += _budget_problems(block.sampler)

@@ -1,8 +1,14 @@
-"""``adaptive_load.zero3_leaf_blocks``: build_run marks each block a ZeRO-3 leaf (stage 3 only, and only when on),
-and a ZeRO-3 run with leaf blocks trains exactly as one without (CPU, gloo): same losses and weights over steps with
-checkpointed and plain blocks and the split path, on 2 ranks (real gathers), with one hook pair per block instead
-of one per submodule, and ZeRO-3's trace of the module order (its prefetch schedule) stays valid while the count of
-checkpointed blocks changes between micro-batches."""
+"""The ZeRO-3 settings of the ``adaptive_load`` block.
+
+``zero3_leaf_blocks``: build_run marks each block a ZeRO-3 leaf (stage 3 only, and only when on), and a ZeRO-3 run
+with leaf blocks trains exactly as one without (CPU, gloo): same losses and weights over steps with checkpointed and
+plain blocks and the split path, on 2 ranks (real gathers), with one hook pair per block instead of one per
+submodule, and ZeRO-3's trace of the module order (its prefetch schedule) stays valid while the count of
+checkpointed blocks changes between micro-batches.
+
+``zero3_torch_linear``: build_run hands DeepSpeed ``memory_efficient_linear: false`` unless the ds_config sets it, a
+conflict with an explicit ``true`` is one validation line, and the same 2-rank run with torch's ``F.linear`` (put back
+after DeepSpeed replaced it for the process) trains as with DeepSpeed's, up to float rounding."""
 from __future__ import annotations
 
 import textwrap
@@ -62,24 +68,29 @@ SCRIPT = textwrap.dedent("""
     deepspeed.init_distributed(dist_backend="gloo")
     from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as PPC
     from ds_adaptive.models.wan import WanModel
-    from ds_adaptive.run import set_leaf_blocks
+    from ds_adaptive.run import set_leaf_blocks, use_torch_linear
 
     invalidations = []   # ZeRO-3's trace of the module order, thrown away (no prefetch, a device sync) when it differs
     _invalidate = PPC._invalidate_trace
     PPC._invalidate_trace = lambda self: (invalidations.append(1), _invalidate(self))[1]
 
-    def train(leaf):
+    def train(leaf, torch_linear=False):
         invalidations.clear()
         cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
                "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                     "reduce_bucket_size": 20000, "stage3_prefetch_bucket_size": 20000},
+                                     "reduce_bucket_size": 20000, "stage3_prefetch_bucket_size": 20000,
+                                     "memory_efficient_linear": not torch_linear},
                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
         torch.manual_seed(0)
         with deepspeed.zero.Init(config_dict_or_path=cfg):
             model = WanModel("tiny")
+        if torch_linear:   # adaptive_load.zero3_torch_linear: the earlier arms left DeepSpeed's F.linear in place
+            assert use_torch_linear()
         if leaf:
             assert set_leaf_blocks(model) == len(model.blocks) == 2
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        linear = torch.nn.functional.linear.__name__
+        assert (linear == "zero3_linear_wrap") != torch_linear, linear
         hooks = len(engine.optimizer.parameter_offload.forward_hooks)
         g = torch.Generator().manual_seed(0)
         x, c = torch.randn(2, 16, 3, 6, 10, generator=g), torch.randn(2, 7, 4096, generator=g)
@@ -113,6 +124,12 @@ SCRIPT = textwrap.dedent("""
     assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)
     assert any(not torch.equal(w0[k], w0[k] * 0) for k in w0)
     assert h1 < h0, (h0, h1)
+    # torch's F.linear (the bias in addmm's epilogue) instead of DeepSpeed's (a matmul, then the bias added): the
+    # same training up to float rounding
+    l2, o2, w2, _, _ = train(True, torch_linear=True)
+    assert torch.allclose(torch.tensor(l2), torch.tensor(l1), rtol=1e-5, atol=0), (l1, l2)
+    assert torch.allclose(o2, o1, rtol=1e-4, atol=1e-5)
+    assert all(torch.allclose(w2[k], w1[k], rtol=1e-4, atol=1e-6) for k in w1)
     print("LEAF_OK", rank, h0, h1, l1)
 """)
 
@@ -121,3 +138,40 @@ SCRIPT = textwrap.dedent("""
 def test_leaf_blocks_train_exactly_as_per_module_hooks(tmp_path):
     out = launch_script(SCRIPT, 2, tmp_path, name="leaf.py", timeout=300)
     assert "LEAF_OK 0" in out, out[-3000:]
+
+
+def _torch_linear_run(stage: int, over: dict, ds_key=None):
+    from ds_adaptive.layout import Layout
+    from ds_adaptive.run import build_run
+    from ds_adaptive.run_config import RunConfig
+
+    cfg = RunConfig.load(str(ROOT / "launch" / "configs" / "zero3_adaptive.json"),
+                         trainer={"model": "wan2.1-1.3b", "num_samples": 200},
+                         overrides={"sampler.profile": H200, **over})
+    zero = cfg.ds_config["zero_optimization"]
+    zero["stage"] = stage
+    if ds_key is not None:
+        zero["memory_efficient_linear"] = ds_key
+    return build_run(cfg, layout=Layout.for_world(1, 1), meta=True, gpu_mem_gib=139.8)
+
+
+@pytest.mark.parametrize("stage,over,ds_key,want", [
+    (3, {}, None, False),                               # the default: torch's F.linear
+    (3, {}, True, True),                                # the ds_config's own key wins
+    (3, {"zero3_torch_linear": False}, None, "unset"),  # off: DeepSpeed's default (its replacement)
+    (3, {"zero3_torch_linear": True}, False, False),
+    (2, {}, None, "unset"),                             # below stage 3 DeepSpeed never replaces F.linear
+])
+def test_build_run_writes_memory_efficient_linear_unless_the_ds_config_sets_it(stage, over, ds_key, want):
+    run = _torch_linear_run(stage, over, ds_key)
+    assert run.ds_config["zero_optimization"].get("memory_efficient_linear", "unset") == want
+
+
+def test_torch_linear_next_to_an_explicit_memory_efficient_linear_is_one_line():
+    from ds_adaptive.config import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        _torch_linear_run(3, {"zero3_torch_linear": True}, True)
+    msg = str(err.value)
+    assert "adaptive_load.zero3_torch_linear" in msg and "zero_optimization.memory_efficient_linear" in msg
+    assert "\n" not in msg
