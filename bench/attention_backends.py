@@ -11,7 +11,9 @@ torch SDPA forward and forward + backward, in the model's layout (``[B, S, H, Dh
 * self-attention: ``S x S``;
 * cross-attention: ``S x L`` text tokens (512 for Wan);
 
-on each backend torch offers on this GPU (cuDNN, flash, memory-efficient). It prints per shape each backend's
+on each backend torch offers on this GPU (cuDNN, flash, memory-efficient), and the model's cross-attention with
+its queries in chunks (``ds_adaptive.models.cross_attention``, the chunk count its policy picks on this GPU) against
+one call (``--cross-only``: that alone). It prints per shape each backend's
 ms and its ratio to cuDNN (the backend torch picks on an H200), then the mix-weighted time of one sample
 (``weight x t / B``) per backend and for the best backend per (call, shape): how much a per-shape backend
 policy could save at most. Outputs of every backend are checked against cuDNN's (max abs error).
@@ -83,11 +85,30 @@ def tensors(b: int, sq: int, sk: int, heads: int, head_dim: int, seed: int):
     return q, k, v, bshd(sq)
 
 
-def measure_row(row: dict, heads: int, head_dim: int, text_len: int, reps: int) -> dict:
+def time_split(q, k, v, dout, reps: int) -> dict:
+    """The model's cross-attention (``models.cross_attention``, the default backend) with the queries in the
+    policy's chunks on this GPU, against one call: ms and the chunk count."""
+    from ds_adaptive.models.cross_attention import cross_attention, query_chunks
+
+    b, s, h = q.shape[0], q.shape[2], q.shape[1]
+    n = query_chunks(b, s, h, k.shape[2], q.device)
+    q4, k4, v4, d4 = (t.transpose(1, 2) for t in (q, k, v, dout))   # back to the model's [B, S, H, Dh]
+    out = {"chunks": n}
+    for label, c in (("one_call", 1), ("chunked", n)):
+        out[f"{label}_fwd_bwd_ms"] = cuda_time(
+            lambda c=c: torch.autograd.grad(cross_attention(q4, k4, v4, chunks=c), (q4, k4, v4), d4), 3, reps)
+    return out
+
+
+def measure_row(row: dict, heads: int, head_dim: int, text_len: int, reps: int, cross_only: bool = False) -> dict:
     b, s = row["batch"], row["seq"]
     res = {k: row[k] for k in ("shapes", "weight", "seq", "batch")}
-    for call, sk in (("self", s), ("cross", text_len)):
+    for call, sk in (("cross", text_len),) if cross_only else (("self", s), ("cross", text_len)):
         q, k, v, dout = tensors(b, s, sk, heads, head_dim, seed=s + sk)
+        if call == "cross":
+            res["cross_split"] = time_split(q, k, v, dout, reps)
+        if cross_only:
+            continue
         per = {}
         ref = None
         for name, be in backends().items():
@@ -142,6 +163,15 @@ def print_table(results: list[dict]) -> None:
                   + f" | {c['fwd_ms']:.3f} | {bwd:.2f} |")
 
 
+def print_split(results: list[dict]) -> None:
+    print("| S | B | chunks | cross fwd+bwd ms, one call | chunked | one call / chunked |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for r in results:
+        c = r["cross_split"]
+        print(f"| {r['seq']} | {r['batch']} | {c['chunks']} | {c['one_call_fwd_bwd_ms']:.3f} | "
+              f"{c['chunked_fwd_bwd_ms']:.3f} | {c['one_call_fwd_bwd_ms'] / c['chunked_fwd_bwd_ms']:.3f} |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="wan2.1-1.3b")
@@ -150,6 +180,8 @@ def main() -> int:
                     help="micro-batch size per shape: max(1, this // tokens) (17,160 = 11 x 1,560: the shipped "
                          "H200 plan's 480x832 image micro-batch)")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--cross-only", action="store_true",
+                    help="only the cross-attention with its queries in chunks vs one call (no backend sweep)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "attention_backends.json"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -162,8 +194,13 @@ def main() -> int:
     heads, head_dim = cfg.num_heads, cfg.dim // cfg.num_heads
     results = []
     for row in mix_rows(args.model, args.shapes, args.batch_tokens):
-        results.append(measure_row(row, heads, head_dim, m.text_len, args.reps))
+        results.append(measure_row(row, heads, head_dim, m.text_len, args.reps, args.cross_only))
         print(f"S={row['seq']} B={row['batch']}: done", flush=True)
+    print_split(results)
+    if args.cross_only:
+        write_results(args.out, run_meta(model=args.model, heads=heads, head_dim=head_dim,
+                                         batch_tokens=args.batch_tokens, reps=args.reps), results)
+        return 0
     print_table(results)
     summary = {key: weighted(results, key) for key in ("fwd_ms", "fwd_bwd_ms")}
     for key, tot in summary.items():

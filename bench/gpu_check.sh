@@ -213,12 +213,12 @@ do_traceab() {  # the default job's step with blocks checkpointed inside their c
       $([ "$arm" = around_call ] && echo --checkpoint-module-call) 2>&1 | grep -E "^(warm|profiled) |profiled:|^\| [0-9]" || return 1
   done
 }
-do_setab() {  # the shipped job vs the same job with AB_SET (space-separated KEY=JSON config overrides): the same
+do_setab() {  # the shipped job vs the same job with AB_SET (space-separated KEY=JSON config overrides) and AB_ENV: the same
   # samples, AB_WARM untouched warm steps (their walls are the A/B) then a kernels-only profiled step, per arm
   local arm sets=()
-  for kv in ${AB_SET:?AB_SET=KEY=JSON ...}; do sets+=(--set "$kv"); done
+  for kv in ${AB_SET:-}; do sets+=(--set "$kv"); done   # AB_ENV: VAR=VALUE ... for the changed arm
   for arm in shipped changed; do
-    python3 bench/train_step_profile.py --out "$OUT/setab/$arm" --warm "${AB_WARM:-4}" --timed 0 --profiled 1 --kernels-only \
+    env $([ "$arm" = changed ] && echo "${AB_ENV:-}") python3 bench/train_step_profile.py --out "$OUT/setab/$arm" --warm "${AB_WARM:-4}" --timed 0 --profiled 1 --kernels-only \
       $([ "$arm" = changed ] && echo "${sets[@]}") 2>&1 | grep -E "^(warm|profiled) |profiled:|^\| [0-9]|peak" || return 1
   done
   tar czf "$OUT/setab.tgz" -C "$OUT" setab && rm -rf "$OUT/setab"

@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch.utils.checkpoint import checkpoint
 
+from ds_adaptive.models.cross_attention import cross_attention
 from ds_adaptive.models.family import ModelError, set_plain_attr
 from ds_adaptive.recompute import CHECKPOINT_ATTENTION_MODES, keep_attention_context, self_attention_core
 from ds_adaptive.models.rope import apply_rope, rope_table  # noqa: F401  (rope_table: part of this module's API)
@@ -347,8 +348,8 @@ class WanCrossAttention(_Attention):
     def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
         """x [B, S, D] attends to context [B, L, D] (all L tokens, no mask, as Wan)."""
         q, k, v = self._qkv(x, context)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return self.o(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1).to(x.dtype))
+        out = cross_attention(q, k, v)   # the queries in chunks where that fills the GPU (models.cross_attention)
+        return self.o(out.reshape(x.shape[0], x.shape[1], -1).to(x.dtype))
 
 
 class WanBlock(nn.Module):
