@@ -42,11 +42,12 @@ def test_a_count_that_does_not_divide_the_queries_is_refused():
 @pytest.mark.parametrize("b,s,want", [
     (1, 32760, 6),    # one 81x480x832 video: 48 thread blocks on 132 SMs -> 6 chunks of 5,460
     (1, 75600, 6),
-    (1, 14040, 6),    # 14,040 // 2,048 = 6 chunks at most
-    (2, 7800, 3),     # 96 blocks: 3 wanted, 3 divides
-    (4, 3600, 1),     # 192 blocks want 2, but a chunk would hold 1,800 < 2,048 queries
+    (1, 14040, 3),    # 14,040 // 4,096 = 3 chunks at most
+    (1, 18000, 4),
+    (2, 7800, 1),     # 96 blocks want 3, but a chunk would hold 2,600 < 4,096 queries
+    (4, 4096, 1),
     (11, 1560, 1),    # an image micro-batch fills the GPU already
-    (1, 4099, 1),     # prime: nothing divides
+    (1, 8209, 1),     # prime: nothing divides
 ])
 def test_the_policy_splits_only_where_the_gpu_is_starved(monkeypatch, b, s, want):
     monkeypatch.delenv(ca.ENV, raising=False)
