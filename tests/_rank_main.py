@@ -45,8 +45,9 @@ def _run(argv: list[str]) -> int:
     return 0
 
 
-def main() -> None:
-    code = _run(sys.argv[1:])
+def main(argv: list[str] | None = None) -> None:
+    """Run the rank (``argv``: the command line after ``python``, default ours) and end the process."""
+    code = _run(sys.argv[1:] if argv is None else argv)
     atexit._run_exitfuncs()
     try:
         import torch.distributed as dist

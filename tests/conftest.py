@@ -4,6 +4,11 @@ Multi-process tests start real processes, like the ``deepspeed`` launcher does (
 WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT in the environment), with one thread each so that
 two ranks share a 2-core CI machine fairly. DeepSpeed JIT-builds a small CPU op on its first
 init; set TORCH_EXTENSIONS_DIR to a cached directory to pay that once (.ci/run does).
+
+``launch_ranks`` forks its ranks from a server that has imported torch, DeepSpeed and the trainer once per pytest
+process (tests/_rank_zygote.py): a rank then starts without ~8 CPU-s of imports. Where a rank's environment could
+change what those imports did, and with ``DS_ADAPTIVE_TEST_FRESH_RANKS=1``, ranks are fresh interpreters. Tests of
+the launchers themselves (``launch/train_wan.sh``, the multi-node launcher) start real processes either way.
 """
 from __future__ import annotations
 
@@ -145,10 +150,17 @@ def launch_ranks(argv: list[str], world: int, *, cwd: Path, timeout: float = 600
 def _launch_once(argv: list[str], world: int, *, cwd: Path, timeout: float, env: dict | None,
                  what: str) -> list[subprocess.CompletedProcess]:
     port = str(_free_port())
-    procs = []
-    for rank in range(world):
-        e = {**os.environ, **(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+    envs = [{**os.environ, **(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+            for rank in range(world)]
+    zygote = _rank_zygote()
+    if zygote is not None and all(zygote.serves(e) for e in envs):
+        try:
+            return zygote.run(argv, envs, cwd=cwd, timeout=timeout, what=what)
+        finally:
+            _remove_shm(f"{_SHM_GLOB}_127.0.0.1_{port}_*")
+    procs = []
+    for e in envs:
         procs.append(subprocess.Popen([sys.executable, str(_RANK_MAIN), *argv], cwd=cwd, env=e,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     deadline = time.monotonic() + timeout
@@ -165,6 +177,119 @@ def _launch_once(argv: list[str], world: int, *, cwd: Path, timeout: float, env:
     finally:
         _remove_shm(f"{_SHM_GLOB}_127.0.0.1_{port}_*")  # this job's ranks have exited (or were killed)
     return results
+
+
+#: environment keys a rank may set differently from the fork server's (read at run time, not at import)
+_ZYGOTE_FREE_KEYS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PYTHONUNBUFFERED",
+                     "TORCH_EXTENSIONS_DIR", "PYTEST_CURRENT_TEST"}
+
+
+class _RankZygote:
+    """The client of tests/_rank_zygote.py (its doc): one per pytest process, started at the first multi-process
+    job, ended with the process."""
+
+    def __init__(self) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        self._log = open(os.devnull, "w")
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve().parent / "_rank_zygote.py")],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env)
+        self._buf = b""
+        ready = self._read(time.monotonic() + 300)
+        if not ready or not ready.get("ready"):
+            raise RuntimeError(f"rank fork server not ready: {ready}")
+        self.env, self.package = ready["env"], ready["ds_adaptive"]
+        self._next = 0
+
+    def serves(self, env: dict) -> bool:
+        """Whether a rank with exactly ``env`` behaves as a fresh interpreter would when forked from the server:
+        the same environment but for run-time keys, and a PYTHONPATH that finds the server's ds_adaptive."""
+        keys = set(env) | set(self.env)
+        diff = {k for k in keys if env.get(k) != self.env.get(k)} - _ZYGOTE_FREE_KEYS - {"PYTHONPATH"}
+        if diff or env.get("OMP_NUM_THREADS") != "1":
+            return False
+        first = next((p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p), None)
+        return first is None or Path(first, "ds_adaptive").resolve() == Path(self.package).resolve()
+
+    def _read(self, deadline: float):
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            import select
+
+            if select.select([self.proc.stdout], [], [], left)[0]:
+                data = os.read(self.proc.stdout.fileno(), 1 << 16)
+                if not data:
+                    raise RuntimeError("rank fork server ended")
+                self._buf += data
+        line, self._buf = self._buf.split(b"\n", 1)
+        import json
+
+        return json.loads(line)
+
+    def run(self, argv: list[str], envs: list[dict], *, cwd: Path, timeout: float,
+            what: str) -> list[subprocess.CompletedProcess]:
+        import json
+        import tempfile
+
+        outdir = Path(tempfile.mkdtemp(prefix="ranks_"))
+        ids = []
+        for rank, env in enumerate(envs):
+            self._next += 1
+            ids.append(self._next)
+            req = {"id": self._next, "argv": [str(a) for a in argv], "env": env, "cwd": str(cwd),
+                   "out": str(outdir / f"rank{rank}.log")}
+            self.proc.stdin.write((json.dumps(req) + "\n").encode())
+        self.proc.stdin.flush()
+        pids, codes = {}, {}
+        deadline = time.monotonic() + timeout
+        while len(codes) < len(envs):
+            msg = self._read(deadline)
+            if msg is None:   # timed out: kill the ranks, keep their output for the message
+                for pid in pids.values():
+                    try:
+                        os.kill(pid, 9)
+                    except ProcessLookupError:
+                        pass
+                while len(codes) < len(pids):
+                    msg = self._read(time.monotonic() + 30)
+                    if msg is None:
+                        break
+                    if "exit" in msg:
+                        codes[msg["exit"]] = msg["code"]
+                outs = "\n".join(f"--- rank {i} ---\n{(outdir / f'rank{i}.log').read_text()[-4000:]}"
+                                 for i in range(len(envs)))
+                pytest.fail(f"{len(envs)}-rank job `{what}` timed out after {timeout} s\n{outs}")
+            if "pid" in msg:
+                pids[msg["id"]] = msg["pid"]
+            elif "exit" in msg:
+                codes[msg["exit"]] = msg["code"]
+        results = []
+        for rank, i in enumerate(ids):
+            log = outdir / f"rank{rank}.log"
+            results.append(subprocess.CompletedProcess([sys.executable, str(_RANK_MAIN), *argv], codes[pids[i]],
+                                                       log.read_text(errors="replace"), ""))
+        for f in outdir.iterdir():
+            f.unlink()
+        outdir.rmdir()
+        return results
+
+
+_ZYGOTE: list = []   # [server or None], once per process
+
+
+def _rank_zygote():
+    """The process's rank fork server, or None: DS_ADAPTIVE_TEST_FRESH_RANKS=1, or it could not start."""
+    if os.environ.get("DS_ADAPTIVE_TEST_FRESH_RANKS") == "1":
+        return None
+    if not _ZYGOTE:
+        try:
+            _ZYGOTE.append(_RankZygote())
+        except Exception as exc:  # noqa: BLE001 - fresh interpreters then, as before
+            print(f"conftest: rank fork server unavailable ({exc}); starting ranks as fresh interpreters",
+                  file=sys.stderr)
+            _ZYGOTE.append(None)
+    return _ZYGOTE[0]
 
 
 def launch_script(text: str, world: int, tmp_path: Path, *, name: str = "ranks.py", timeout: float = 240) -> str:
