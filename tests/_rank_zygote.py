@@ -5,7 +5,8 @@ of the suite's CPU went there).
 
 Protocol, one JSON object a line. In (stdin): ``{"id", "argv", "env", "cwd", "out"}``: run ``python argv`` as
 ``_rank_main.py`` would, with exactly ``env`` as the environment, in ``cwd``, stdout and stderr to the file ``out``.
-Out (stdout): ``{"ready": pid, "ds_adaptive": path, "env": {...}}`` once (the environment it started with), ``{"id", "pid"}`` per child, ``{"exit":
+Out (stdout): ``{"ready": pid, "ds_adaptive": path, "env": {...}, "added_env": {...}}`` once (the environment it
+started with, what its imports set), ``{"id", "pid"}`` per child, ``{"exit":
 pid, "code"}`` when a child ends (``code`` as ``subprocess``'s ``returncode``: negative for a signal). The server
 ends when its stdin closes. It starts no thread (a forked child would inherit a held lock); it refuses to serve
 (``{"ready": 0, "why"}``) when an import left one running.
@@ -107,7 +108,7 @@ def main() -> None:
     sys.stdout.flush()
     _ADDED_ENV.update({k: v for k, v in os.environ.items() if start_env.get(k) != v})
     _send({"ready": os.getpid(), "ds_adaptive": os.path.dirname(os.path.abspath(ds_adaptive.__file__)),
-           "env": start_env})
+           "env": start_env, "added_env": _ADDED_ENV})
     live: set[int] = set()
     buf = b""
     while True:

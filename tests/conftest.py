@@ -7,8 +7,9 @@ init; set TORCH_EXTENSIONS_DIR to a cached directory to pay that once (.ci/run d
 
 ``launch_ranks`` forks its ranks from a server that has imported torch, DeepSpeed and the trainer once per pytest
 process (tests/_rank_zygote.py): a rank then starts without ~8 CPU-s of imports. Where a rank's environment could
-change what those imports did, and with ``DS_ADAPTIVE_TEST_FRESH_RANKS=1``, ranks are fresh interpreters. Tests of
-the launchers themselves (``launch/train_wan.sh``, the multi-node launcher) start real processes either way.
+change what those imports did, and with ``DS_ADAPTIVE_TEST_FRESH_RANKS=1``, ranks are fresh interpreters
+(``DS_ADAPTIVE_TEST_ZYGOTE_LOG=FILE`` appends which keys decided it). Tests of the launchers themselves
+(``launch/train_wan.sh``, the multi-node launcher) start real processes either way.
 """
 from __future__ import annotations
 
@@ -197,18 +198,26 @@ class _RankZygote:
         ready = self._read(time.monotonic() + 300)
         if not ready or not ready.get("ready"):
             raise RuntimeError(f"rank fork server not ready: {ready}")
-        self.env, self.package = ready["env"], ready["ds_adaptive"]
+        self.env, self.added, self.package = ready["env"], ready.get("added_env", {}), ready["ds_adaptive"]
         self._next = 0
 
     def serves(self, env: dict) -> bool:
         """Whether a rank with exactly ``env`` behaves as a fresh interpreter would when forked from the server:
         the same environment but for run-time keys, and a PYTHONPATH that finds the server's ds_adaptive."""
         keys = set(env) | set(self.env)
-        diff = {k for k in keys if env.get(k) != self.env.get(k)} - _ZYGOTE_FREE_KEYS - {"PYTHONPATH"}
-        if diff or env.get("OMP_NUM_THREADS") != "1":
-            return False
+        # the same value as the server started with, or the one its imports set (the test process may have made the
+        # same imports since, e.g. DeepSpeed's PYTORCH_NVML_BASED_CUDA_CHECK)
+        diff = {k for k in keys if env.get(k) != self.env.get(k) and not (k in self.added and env.get(k) == self.added[k])}
+        diff -= _ZYGOTE_FREE_KEYS | {"PYTHONPATH"}
         first = next((p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p), None)
-        return first is None or Path(first, "ds_adaptive").resolve() == Path(self.package).resolve()
+        if first is not None and Path(first, "ds_adaptive").resolve() != Path(self.package).resolve():
+            diff.add("PYTHONPATH")
+        if env.get("OMP_NUM_THREADS") != "1":
+            diff.add("OMP_NUM_THREADS")
+        if diff and os.environ.get("DS_ADAPTIVE_TEST_ZYGOTE_LOG"):   # why a job's ranks start fresh
+            with open(os.environ["DS_ADAPTIVE_TEST_ZYGOTE_LOG"], "a") as f:
+                f.write(f"{os.environ.get('PYTEST_CURRENT_TEST', '?')}: {sorted(diff)}\n")
+        return not diff
 
     def _read(self, deadline: float):
         while b"\n" not in self._buf:
