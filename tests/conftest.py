@@ -182,7 +182,8 @@ def _launch_once(argv: list[str], world: int, *, cwd: Path, timeout: float, env:
 
 #: environment keys a rank may set differently from the fork server's (read at run time, not at import)
 _ZYGOTE_FREE_KEYS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PYTHONUNBUFFERED",
-                     "TORCH_EXTENSIONS_DIR", "PYTEST_CURRENT_TEST"}
+                     "TORCH_EXTENSIONS_DIR", "PYTEST_CURRENT_TEST",
+                     "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"}   # Inductor's, set when this process compiled
 
 
 class _RankZygote:
