@@ -1,9 +1,9 @@
-"""Issue 16b: predicted vs measured per-micro-batch peak memory of a recorded run (a trainer's
+"""Predicted vs measured per-micro-batch peak memory of a recorded run (a trainer's
 memory.jsonl), recomputed on the CPU with a profile's LayerNorm-modulate entries: the profile's
 ``reference`` entries and its ``fused`` entries (Profile.for_ln_modulate), same static memory as the run
 logged. Prints a table of predicted/measured ratios per micro-batch and writes JSON.
 
-    python bench/mem16b_recheck.py --memory bench/results/final_x2/train2_memory.jsonl \
+    python bench/memory_recheck.py --memory bench/results/final_x2/train2_memory.jsonl \
         --profile h200-wan2.1-1.3b --out bench/results/mem16b/recheck_final_x2.json
 """
 from __future__ import annotations

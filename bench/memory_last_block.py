@@ -1,4 +1,4 @@
-"""Issue 16, third round: the memory model's last-block term, checked against every recorded run.
+"""The memory model's last-block term, checked against every recorded run.
 
 With the last block NOT checkpointed (n < L) the backward starts (head, loss) on top of a whole last block;
 with every block checkpointed it starts on top of L block inputs and recomputes the last block afterwards.
@@ -10,11 +10,11 @@ modes, ``d = E(none) - E(all)``, is in every profile's raw rows; the memory mode
 1. fits ``d`` from the shipped H200 profiles' raw rows (``calibrate.checkpoint_fit``, both LayerNorm-modulate
    entries) and with ``--write`` stores it in ``memory.checkpointing.last_block_whole``;
 2. with ``--merge-fused-14b JSON`` makes that fused-op calibration the 14B profile's top level and keeps the
-   former (reference-path) calibration under ``ln_modulate_variants.reference`` (as issue 16b did for 1.3B);
+   former (reference-path) calibration under ``ln_modulate_variants.reference`` (as `bench/memory_recheck.py` did for 1.3B);
 3. recomputes predicted vs measured peak memory per micro-step of recorded runs (a trainer's memory.jsonl)
    without and with the term, and prints one table of predicted/measured ratios per run; writes JSON.
 
-    python bench/mem16c_last_block.py --write --merge-fused-14b bench/results/mem16c/h200-wan2.1-14b-fused.json \
+    python bench/memory_last_block.py --write --merge-fused-14b bench/results/mem16c/h200-wan2.1-14b-fused.json \
         --out bench/results/mem16c/last_block.json
 """
 from __future__ import annotations
@@ -134,7 +134,7 @@ def main() -> int:
             print(f"wrote {PROFILES_DIR / (n + '.json')}")
     base = Profile.from_dict(dicts[names[0]], where=names[0])
     results = {}
-    print(f"\npredicted / measured peak memory per micro-step (static as logged), without -> with the term")
+    print("\npredicted / measured peak memory per micro-step (static as logged), without -> with the term")
     print(f"{'run':<22} {'steps':<8} {'n':>4} {'old min':>8} {'old max':>8} {'new min':>8} {'new max':>8}")
     for label, path, ln, what in RUNS:
         if not Path(path).exists():
