@@ -486,9 +486,10 @@ class AdaptiveLoadConfig(_Block):
     DeepSpeed's function adds a 3-D input's bias in a separate kernel. The trainer writes
     `memory_efficient_linear: false` into the ds_config it hands DeepSpeed when your ds_config does not set the key
     (yours wins when it does), and puts torch's `F.linear` back if an earlier DeepSpeed engine of the process
-    replaced it. Gradients are the same (CPU test); DeepSpeed's version saves no memory here (ZeRO-3 gathers a
-    Linear's weight again for its backward either way). One H200, the shipped 1.3B job, the same samples: 1.019x
-    over 3 steps, the same peak memory; its 22-step MFU 43.6% -> 44.3%. No effect below stage 3."""
+    replaced it. Training is the same up to rounding (CPU test); DeepSpeed's version saves no memory here (ZeRO-3
+    gathers a Linear's weight again for its backward either way). One H200, the shipped 1.3B job, the same samples:
+    1.019x over 3 steps, the same peak memory; the job's 22 steps: MFU 44.3% (43.6% without it the day before, same
+    samples). No effect below stage 3."""
 
     sampler: SamplerConfig = Field(default_factory=SamplerConfig)
     """The sampler sub-block."""
