@@ -206,7 +206,7 @@ def _build_model(cfg: RunConfig, preset, model_config, ds_config: dict, *, meta:
     torch.manual_seed(cfg.trainer.seed)
     with deepspeed.zero.Init(config_dict_or_path=ds_config, enabled=_zero_stage(ds_config) == 3):
         model = _checked(preset, preset.build(model_config))
-    if _zero_stage(ds_config) == 3 and ds_config["zero_optimization"].get("memory_efficient_linear") is False:
+    if torch_linear_config(ds_config, cfg.adaptive_load):
         use_torch_linear()   # adaptive_load.zero3_torch_linear, whatever an earlier engine of the process did
     # 'all' / 'none' fixed; 'auto': the Trainer sets model.set_checkpoint_blocks(n) per micro-batch from the plan
     model.gradient_checkpointing = cfg.adaptive_load.sampler.checkpointing == "all"
@@ -230,12 +230,12 @@ def _zero_stage(ds_config: dict) -> int:
 
 def torch_linear_config(ds_config: dict, al) -> bool:
     """``adaptive_load.zero3_torch_linear``: at ZeRO stage 3 write ``memory_efficient_linear: false`` into
-    ``ds_config`` (in place) unless it sets the key; True when the run uses torch's ``F.linear``."""
-    zero = ds_config.get("zero_optimization")
+    ``ds_config`` (in place) unless it sets the key; True when the run uses torch's ``F.linear``. Idempotent."""
     if _zero_stage(ds_config) != 3:
         return False
-    if "memory_efficient_linear" not in zero and al.zero3_torch_linear:
-        zero["memory_efficient_linear"] = False
+    zero = ds_config["zero_optimization"]
+    if al.zero3_torch_linear:
+        zero.setdefault("memory_efficient_linear", False)
     return zero.get("memory_efficient_linear") is False
 
 

@@ -14,10 +14,13 @@ change what those imports did, and with ``DS_ADAPTIVE_TEST_FRESH_RANKS=1``, rank
 from __future__ import annotations
 
 import glob
+import json
 import os
+import select
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -192,9 +195,8 @@ class _RankZygote:
 
     def __init__(self) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        self._log = open(os.devnull, "w")
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve().parent / "_rank_zygote.py")],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
         self._buf = b""
         ready = self._read(time.monotonic() + 300)
         if not ready or not ready.get("ready"):
@@ -208,7 +210,8 @@ class _RankZygote:
         keys = set(env) | set(self.env)
         # the same value as the server started with, or the one its imports set (the test process may have made the
         # same imports since, e.g. DeepSpeed's PYTORCH_NVML_BASED_CUDA_CHECK)
-        diff = {k for k in keys if env.get(k) != self.env.get(k) and not (k in self.added and env.get(k) == self.added[k])}
+        diff = {k for k in keys
+                if env.get(k) != self.env.get(k) and not (k in self.added and env.get(k) == self.added[k])}
         diff -= _ZYGOTE_FREE_KEYS | {"PYTHONPATH"}
         first = next((p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p), None)
         if first is not None and Path(first, "ds_adaptive").resolve() != Path(self.package).resolve():
@@ -225,23 +228,16 @@ class _RankZygote:
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
-            import select
-
             if select.select([self.proc.stdout], [], [], left)[0]:
                 data = os.read(self.proc.stdout.fileno(), 1 << 16)
                 if not data:
                     raise RuntimeError("rank fork server ended")
                 self._buf += data
         line, self._buf = self._buf.split(b"\n", 1)
-        import json
-
         return json.loads(line)
 
     def run(self, argv: list[str], envs: list[dict], *, cwd: Path, timeout: float,
             what: str) -> list[subprocess.CompletedProcess]:
-        import json
-        import tempfile
-
         outdir = Path(tempfile.mkdtemp(prefix="ranks_"))
         ids = []
         for rank, env in enumerate(envs):

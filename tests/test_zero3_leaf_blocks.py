@@ -24,19 +24,28 @@ ROOT = Path(__file__).resolve().parents[1]
 H200 = "h200-wan2.1-1.3b"
 
 
-@pytest.mark.parametrize("stage,on,want", [(3, True, 30), (3, False, 0), (2, True, 0)])
-def test_build_run_marks_the_blocks_at_stage_3_only(stage, on, want):
-    from deepspeed.utils import z3_leaf_module
-
+def _meta_run(over: dict, *, stage: int = 3, memory_efficient_linear=None):
+    """build_run of the shipped 1.3B job on meta with block overrides, ZeRO ``stage`` and, when given, the ds_config's
+    ``zero_optimization.memory_efficient_linear``."""
     from ds_adaptive.layout import Layout
     from ds_adaptive.run import build_run
     from ds_adaptive.run_config import RunConfig
 
     cfg = RunConfig.load(str(ROOT / "launch" / "configs" / "zero3_adaptive.json"),
                          trainer={"model": "wan2.1-1.3b", "num_samples": 200},
-                         overrides={"sampler.profile": H200, "zero3_leaf_blocks": on})
-    cfg.ds_config["zero_optimization"]["stage"] = stage
-    run = build_run(cfg, layout=Layout.for_world(1, 1), meta=True, gpu_mem_gib=139.8)
+                         overrides={"sampler.profile": H200, **over})
+    zero = cfg.ds_config["zero_optimization"]
+    zero["stage"] = stage
+    if memory_efficient_linear is not None:
+        zero["memory_efficient_linear"] = memory_efficient_linear
+    return build_run(cfg, layout=Layout.for_world(1, 1), meta=True, gpu_mem_gib=139.8)
+
+
+@pytest.mark.parametrize("stage,on,want", [(3, True, 30), (3, False, 0), (2, True, 0)])
+def test_build_run_marks_the_blocks_at_stage_3_only(stage, on, want):
+    from deepspeed.utils import z3_leaf_module
+
+    run = _meta_run({"zero3_leaf_blocks": on}, stage=stage)
     leaves = [m for m in run.model.modules() if z3_leaf_module(m)]
     assert len(leaves) == want
     assert all(any(b is m for b in run.model.blocks) for m in leaves)
@@ -48,14 +57,7 @@ def test_lora_keeps_per_module_hooks_and_says_so_when_asked(explicit):
     release the block's parameters before the adapters' backward (a CPU LoRA run failed so): leaf blocks stay off."""
     from deepspeed.utils import z3_leaf_module
 
-    from ds_adaptive.layout import Layout
-    from ds_adaptive.run import build_run
-    from ds_adaptive.run_config import RunConfig
-
-    over = {"sampler.profile": H200, "lora.enabled": True, **({"zero3_leaf_blocks": True} if explicit else {})}
-    cfg = RunConfig.load(str(ROOT / "launch" / "configs" / "zero3_adaptive.json"),
-                         trainer={"model": "wan2.1-1.3b", "num_samples": 200}, overrides=over)
-    run = build_run(cfg, layout=Layout.for_world(1, 1), meta=True, gpu_mem_gib=139.8)
+    run = _meta_run({"lora.enabled": True, **({"zero3_leaf_blocks": True} if explicit else {})})
     assert not any(z3_leaf_module(m) for m in run.model.modules())
     assert sum("zero3_leaf_blocks is off under LoRA" in n for n in run.notes) == int(explicit)
 
@@ -140,21 +142,6 @@ def test_leaf_blocks_train_exactly_as_per_module_hooks(tmp_path):
     assert "LEAF_OK 0" in out, out[-3000:]
 
 
-def _torch_linear_run(stage: int, over: dict, ds_key=None):
-    from ds_adaptive.layout import Layout
-    from ds_adaptive.run import build_run
-    from ds_adaptive.run_config import RunConfig
-
-    cfg = RunConfig.load(str(ROOT / "launch" / "configs" / "zero3_adaptive.json"),
-                         trainer={"model": "wan2.1-1.3b", "num_samples": 200},
-                         overrides={"sampler.profile": H200, **over})
-    zero = cfg.ds_config["zero_optimization"]
-    zero["stage"] = stage
-    if ds_key is not None:
-        zero["memory_efficient_linear"] = ds_key
-    return build_run(cfg, layout=Layout.for_world(1, 1), meta=True, gpu_mem_gib=139.8)
-
-
 @pytest.mark.parametrize("stage,over,ds_key,want", [
     (3, {}, None, False),                               # the default: torch's F.linear
     (3, {}, True, True),                                # the ds_config's own key wins
@@ -163,7 +150,7 @@ def _torch_linear_run(stage: int, over: dict, ds_key=None):
     (2, {}, None, "unset"),                             # below stage 3 DeepSpeed never replaces F.linear
 ])
 def test_build_run_writes_memory_efficient_linear_unless_the_ds_config_sets_it(stage, over, ds_key, want):
-    run = _torch_linear_run(stage, over, ds_key)
+    run = _meta_run(over, stage=stage, memory_efficient_linear=ds_key)
     assert run.ds_config["zero_optimization"].get("memory_efficient_linear", "unset") == want
 
 
@@ -171,7 +158,7 @@ def test_torch_linear_next_to_an_explicit_memory_efficient_linear_is_one_line():
     from ds_adaptive.config import ConfigError
 
     with pytest.raises(ConfigError) as err:
-        _torch_linear_run(3, {"zero3_torch_linear": True}, True)
+        _meta_run({"zero3_torch_linear": True}, memory_efficient_linear=True)
     msg = str(err.value)
     assert "adaptive_load.zero3_torch_linear" in msg and "zero_optimization.memory_efficient_linear" in msg
     assert "\n" not in msg

@@ -13,8 +13,9 @@ cross-attention is ~3% of the attention there.
 
 ``query_chunks`` picks ``n``: on CUDA, up to the count that gives ~2 thread blocks per SM, held to chunks of at
 least ``MIN_CHUNK_TOKENS`` queries and to a divisor of S (a view, no padding); 1 (no split) on other devices,
-where the samples and heads already fill the GPU (an image micro-batch) and where nothing divides. ``DS_ADAPTIVE_CROSS_ATTN_CHUNKS`` = ``auto`` (the default) or a positive integer
-(``1``: off; ``n``: the largest divisor of S up to n) overrides it, for A/B runs.
+where the samples and heads already fill the GPU (an image micro-batch) and where nothing divides.
+``DS_ADAPTIVE_CROSS_ATTN_CHUNKS`` = ``auto`` (the default) or a positive integer (``1``: off; ``n``: the largest
+divisor of S up to n) overrides it, for A/B runs.
 """
 from __future__ import annotations
 
