@@ -15,7 +15,8 @@
 # call, LEVERS_ARMS = arms to report, LEVERS_M_COMP = the pinned budget per micro-batch in ms, default 9700 at gas 1:
 # it must hold the costliest sample alone; two arms of 13 steps ~5.5 min; the prepared dir is kept). trainprofile: where the
 # default job's step goes (bench/train_step_profile.py). calfusion: this GPU's 1.3B profile calibrated with block
-# fusion and shipped as its block_fusion_variants entry (the json comes back in $OUT). traceab: blocks checkpointed
+# fusion and shipped as its block_fusion_variants entry (the json comes back in $OUT; CALFUSION_ARGS: more calibrate
+# arguments, e.g. --accept-poor-fit where only its memory terms are used). traceab: blocks checkpointed
 # inside vs around their module call, same samples (bench/train_step_profile.py, ~6 min). keepattn: sampler.checkpoint_attention keep vs recompute,
 # one epoch of KEEPATTN_SAMPLES (default 40) long-video samples per arm (bench/checkpoint_attention_ab.py, ~8 min).
 # setab: the shipped job vs AB_SET config overrides, same samples (bench/train_step_profile.py, ~4 min).
@@ -231,7 +232,7 @@ do_calfusion() {  # the shipped 1.3B profile of this GPU calibrated with block f
   prof=ds_adaptive/balance/profiles/$key-wan2.1-1.3b.json
   [ -f "$prof" ] || { echo "calfusion: no shipped profile $prof"; return 1; }
   python3 -m ds_adaptive.cli calibrate --model wan2.1-1.3b --sp 1 --ln-modulate fused --block-fusion "$mode" \
-    --out "$OUT/cal_fusion_$mode.json" --name "$key-wan2.1-1.3b" 2>&1 | tail -n 40 || return 1
+    --out "$OUT/cal_fusion_$mode.json" --name "$key-wan2.1-1.3b" ${CALFUSION_ARGS:-} 2>&1 | tail -n 40 || return 1
   python3 -m ds_adaptive.balance.autocalibrate ship "$OUT/cal_fusion_$mode.json" "$prof" || return 1
   cp "$prof" "$OUT/" && python3 - "$prof" "$mode" <<'PY'
 import sys

@@ -54,6 +54,8 @@ from torch.utils.checkpoint import checkpoint
 
 from ds_adaptive.models.cross_attention import cross_attention
 from ds_adaptive.models.family import ModelError, set_plain_attr
+# fp32_layer_norm: the cross-attention LayerNorm (``FP32LayerNorm``), keeping its bf16 input, not the fp32 copy
+from ds_adaptive.models.lean_backward import GeluTanhLinear, fp32_layer_norm
 from ds_adaptive.recompute import CHECKPOINT_ATTENTION_MODES, keep_attention_context, self_attention_core
 from ds_adaptive.models.rope import apply_rope, rope_table  # noqa: F401  (rope_table: part of this module's API)
 from ds_adaptive.models.wan21 import FAMILY as _WAN21
@@ -227,14 +229,6 @@ def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torc
     return (x.float() + y.float() * gate).to(x.dtype)
 
 
-def fp32_layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-                    eps: float) -> torch.Tensor:
-    """Affine LayerNorm over the last dim in fp32, rounded once to x's dtype (``FP32LayerNorm``)."""
-    w = None if weight is None else weight.float()
-    b = None if bias is None else bias.float()
-    return F.layer_norm(x.float(), (x.shape[-1],), w, b, eps).to(x.dtype)
-
-
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                    valid_len: Optional[int] = None) -> torch.Tensor:
     """Default self-attention core: torch SDPA. q, k, v ``[B, S, H, Dh]`` -> ``[B, S, H, Dh]``.
@@ -362,7 +356,8 @@ class WanBlock(nn.Module):
         self.self_attn = WanSelfAttention(d, cfg.num_heads, cfg.eps)
         self.norm3 = FP32LayerNorm(d, cfg.eps, elementwise_affine=True) if cfg.cross_attn_norm else nn.Identity()
         self.cross_attn = WanCrossAttention(d, cfg.num_heads, cfg.eps)
-        self.ffn = nn.Sequential(FlatLinear(d, cfg.ffn_dim), nn.GELU(approximate="tanh"), nn.Linear(cfg.ffn_dim, d))
+        self.ffn = nn.Sequential(FlatLinear(d, cfg.ffn_dim), nn.GELU(approximate="tanh"),
+                                 GeluTanhLinear(cfg.ffn_dim, d))
         self.modulation = nn.Parameter(torch.randn(1, 6, d) / d ** 0.5)
         _set_plain_attr(self, "attn_fn", sdpa_attention)
         _set_plain_attr(self, "ln_modulate", _default_ln_modulate)
@@ -397,8 +392,17 @@ class WanBlock(nn.Module):
         y = self.self_attn(self.ln_modulate(x, shift1, scale1, self.eps), freqs, self.attn_fn, **attn_kwargs)
         x = self.residual(x, y, gate1)
         x = x + self.cross_attn(self.norm3(x), context)
-        y = self.ffn(self.ln_modulate(x, shift2, scale2, self.eps))
+        y = self._ffn(self.ln_modulate(x, shift2, scale2, self.eps))
         return self.residual(x, y, gate2)
+
+    def _ffn(self, z: torch.Tensor) -> torch.Tensor:
+        """``ffn(z)``; the second projection takes the GELU's input and recomputes the GELU in its backward
+        (``lean_backward.GeluTanhLinear``: 17.5 KiB per token less held for Wan 1.3B), unless something wraps it
+        (a LoRA adapter, whose input must be the GELU's output): then the plain modules run."""
+        fc1, act, fc2 = self.ffn
+        if isinstance(fc2, GeluTanhLinear) and isinstance(act, nn.GELU) and act.approximate == "tanh":
+            return fc2(fc1(z), gelu_input=True)
+        return self.ffn(z)
 
 
 class WanHead(nn.Module):
