@@ -23,7 +23,10 @@ LONG = SampleShape(81, 720, 1280)
 
 
 def _raw(name=H200):
-    return copy.deepcopy(dict(load_profile(name).raw))
+    """The shipped profile's json without its block-fusion variants (the tests ship their own)."""
+    raw = copy.deepcopy(dict(load_profile(name).raw))
+    raw.pop("block_fusion_variants", None)
+    return raw
 
 
 def _fused_calibration(scale_mem=0.9, scale_a=0.95, name=H200) -> dict:
@@ -50,7 +53,7 @@ def test_modes_are_the_configs_and_a_bad_value_is_refused():
 
 
 def test_without_a_variant_a_fused_run_gets_a_note_and_a_fused_profile_warns_an_eager_run():
-    prof = load_profile(H200)
+    prof = load_profile(_raw())
     assert prof.for_block_fusion("off") == (prof, None) and prof.for_block_fusion(None) == (prof, None)
     out, msg = prof.for_block_fusion("regions")
     assert out is prof and msg.startswith("note:") and "conservative" in msg
@@ -108,6 +111,15 @@ def test_a_variant_without_its_own_overheads_gives_its_memory_but_not_its_comput
     assert fused.micro_step_overhead_ms == prof.micro_step_overhead_ms
     assert "(block_fusion_variants.regions: memory)" in msg and "compute: the profile's own" in msg
     assert "train_overheads" in msg
+
+
+def test_the_shipped_h200_profile_plans_regions_runs_with_its_measured_memory_only():
+    prof = load_profile(H200)
+    fused, msg = prof.for_block_fusion("regions")
+    assert "(block_fusion_variants.regions: memory)" in msg and "compute: the profile's own" in msg
+    assert fused.block_full_gib[1] < 0.8 * prof.block_full_gib[1]   # measured: 68.7 vs 95.1 KiB per token
+    assert (fused.c0_ms, fused.a_ms_per_token, fused.b_ms_per_token2) == (
+        prof.c0_ms, prof.a_ms_per_token, prof.b_ms_per_token2)
 
 
 def _sampler(profile, block_fusion, notes):

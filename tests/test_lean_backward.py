@@ -9,7 +9,9 @@ import torch
 import torch.nn as nn
 
 from ds_adaptive.models import lean_backward as lb
+from ds_adaptive.models.family import set_plain_attr
 from ds_adaptive.models.wan import WanBlock, get_wan_config
+from ds_adaptive.ops.ln_modulate import ln_modulate_reference
 
 
 def _rand(*shape, seed, dtype, scale=1.0):
@@ -111,20 +113,54 @@ def test_fp32_layer_norm_matches_fp64_and_keeps_the_input_dtype(shape, affine):
     assert big == [torch.bfloat16]   # not the fp32 copy of x
 
 
-def _block(dim=24, heads=2, ffn=40):
+def test_recomputed_input_linear_matches_fp64_with_several_inputs():
+    x = _rand(2, 7, 12, seed=20, dtype=torch.float64)
+    shift, scale = _rand(2, 1, 12, seed=21, dtype=torch.float64), _rand(2, 1, 12, seed=22, dtype=torch.float64)
+    w, b = _rand(5, 12, seed=23, dtype=torch.float64), _rand(5, seed=24, dtype=torch.float64)
+    frozen = torch.randn(12, dtype=torch.float64, generator=torch.Generator().manual_seed(25))   # needs no grad
+
+    def fn(x, shift, scale, frozen):
+        return torch.nn.functional.layer_norm(x, (12,)) * (1 + scale) + shift + frozen
+
+    dout = torch.randn(2, 7, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(26))
+    args = (x, shift, scale, w, b)
+    ref = _grads(lambda x, sh, sc, w, b: torch.nn.functional.linear(fn(x, sh, sc, frozen), w, b), args, dout)
+    got = _grads(lambda x, sh, sc, w, b: lb.recomputed_input_linear(fn, (x, sh, sc, frozen), w, b), args, dout)
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
+
+
+def test_the_switch_reads_one_of_two_values(monkeypatch):
+    monkeypatch.setenv(lb.ENV, "0")
+    assert not lb.enabled()
+    monkeypatch.delenv(lb.ENV)
+    assert lb.enabled()
+    monkeypatch.setenv(lb.ENV, "yes")
+    with pytest.raises(ValueError, match="DS_ADAPTIVE_LEAN_BACKWARD='yes': expected 1"):
+        lb.enabled()
+
+
+def _block(dim=24, heads=2, ffn=40, dtype=torch.float64):
     cfg = get_wan_config({"dim": dim, "ffn_dim": ffn, "num_heads": heads, "num_layers": 1, "text_dim": 16,
                           "freq_dim": 8})
     torch.manual_seed(0)
-    return WanBlock(cfg).double(), cfg
+    block = WanBlock(cfg).to(dtype)
+    block.modulation.data = block.modulation.data.double()
+    block.norm3.double()
+    return block, cfg
 
 
-def _run(block, cfg, seed=0):
+def _inputs(cfg, dtype=torch.float64, seed=0, S=10, L=4):
     g = torch.Generator().manual_seed(seed)
-    S, L = 10, 4
-    x = torch.randn(2, S, cfg.dim, dtype=torch.float64, generator=g, requires_grad=True)
+    x = torch.randn(2, S, cfg.dim, dtype=torch.float64, generator=g).to(dtype).requires_grad_(True)
     tm = torch.randn(2, 6, cfg.dim, dtype=torch.float64, generator=g)
-    ctx = torch.randn(2, L, cfg.dim, dtype=torch.float64, generator=g)
-    freqs = torch.randn(S, cfg.dim // cfg.num_heads // 2, 2, dtype=torch.float64, generator=g)
+    ctx = torch.randn(2, L, cfg.dim, dtype=torch.float64, generator=g).to(dtype)
+    freqs = torch.randn(S, cfg.dim // cfg.num_heads // 2, 2, dtype=torch.float64, generator=g).float()
+    return x, tm, ctx, freqs
+
+
+def _run(block, cfg):
+    x, tm, ctx, freqs = _inputs(cfg)
     out = block(x, tm, ctx, freqs)
     grads = torch.autograd.grad((out * torch.linspace(-1, 1, cfg.dim, dtype=torch.float64)).sum(),
                                 [x] + list(block.parameters()))
@@ -132,7 +168,7 @@ def _run(block, cfg, seed=0):
 
 
 class _Wrapper(nn.Module):
-    """Stands in for a LoRA wrapper: the base module inside, called on the GELU's output."""
+    """Stands in for a LoRA wrapper: the base module inside, called on the evaluated input."""
 
     def __init__(self, base):
         super().__init__()
@@ -142,21 +178,74 @@ class _Wrapper(nn.Module):
         return self.base_layer(x)
 
 
-def test_wan_block_ffn_uses_the_lean_path_and_falls_back_under_a_wrapper(monkeypatch):
+def _counted(monkeypatch):
+    calls, original = [], lb._RecomputedInputLinearFn
+    monkeypatch.setattr(lb, "_RecomputedInputLinearFn", type("Counted", (original,), {
+        "forward": staticmethod(lambda ctx, *a: calls.append(1) or original.forward(ctx, *a))}))
+    return calls
+
+
+def test_wan_block_recomputes_six_linear_inputs_and_trains_the_same(monkeypatch):
     block, cfg = _block()
-    assert isinstance(block.ffn[2], lb.GeluTanhLinear) and isinstance(block.ffn[2], nn.Linear)
+    assert all(isinstance(m, lb.RecomputingLinear) for m in (block.ffn[0], block.ffn[2], block.self_attn.q,
+                                                            block.self_attn.k, block.self_attn.v, block.cross_attn.q))
     assert [k for k in block.state_dict() if k.startswith("ffn.")] == ["ffn.0.weight", "ffn.0.bias", "ffn.2.weight",
                                                                        "ffn.2.bias"]
-    calls, original = [], lb._GeluTanhLinearFn
-    monkeypatch.setattr(lb, "_GeluTanhLinearFn", type("Counted", (original,), {
-        "forward": staticmethod(lambda ctx, *a: calls.append(1) or original.forward(ctx, *a))}))
+    calls = _counted(monkeypatch)
     lean_out, lean_grads = _run(block, cfg)
-    assert calls, "the block's FFN did not take the lean path"
-    plain = nn.Sequential(block.ffn[0], block.ffn[1], _Wrapper(block.ffn[2]))
-    block.ffn = plain
+    assert len(calls) == 6, "q, k, v, the cross-attention's q and both FFN projections"
     calls.clear()
+    monkeypatch.setenv(lb.ENV, "0")
     plain_out, plain_grads = _run(block, cfg)
     assert not calls
-    torch.testing.assert_close(lean_out, plain_out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lean_out, plain_out, rtol=0, atol=0)
+    # the adaLN sites compute in fp32 even for fp64 inputs, and q / k / v's norm gradients are summed in another order
     for a, b in zip(lean_grads, plain_grads):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_wrapped_linears_get_the_evaluated_input(monkeypatch):
+    block, cfg = _block()
+    want_out, want_grads = _run(block, cfg)
+    block.ffn[2] = _Wrapper(block.ffn[2])
+    block.self_attn.q = _Wrapper(block.self_attn.q)
+    block.cross_attn.q = _Wrapper(block.cross_attn.q)
+    calls = _counted(monkeypatch)
+    out, grads = _run(block, cfg)
+    assert len(calls) == 3   # k, v and the FFN's first projection
+    torch.testing.assert_close(out, want_out, rtol=0, atol=0)
+    for a, b in zip(grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+class _KeepsInput(torch.autograd.Function):
+    """A LayerNorm-modulate that keeps only its inputs, as the fused op does (x and the [B, 1, D] tables)."""
+
+    @staticmethod
+    def forward(ctx, x, shift, scale):
+        ctx.save_for_backward(x, shift, scale)
+        return ln_modulate_reference(x, shift, scale, 1e-6)
+
+    @staticmethod
+    def backward(ctx, dy):
+        with torch.enable_grad():
+            ins = [t.detach().requires_grad_(True) for t in ctx.saved_tensors]
+            return torch.autograd.grad(ln_modulate_reference(*ins, 1e-6), ins, dy)
+
+
+def test_a_whole_bf16_block_keeps_what_the_design_says_less(monkeypatch):
+    block, cfg = _block(dim=32, heads=2, ffn=48, dtype=torch.bfloat16)
+    set_plain_attr(block, "ln_modulate", lambda x, sh, sc, eps: _KeepsInput.apply(x, sh, sc))
+    x, tm, ctx, freqs = _inputs(cfg, dtype=torch.bfloat16, S=64)
+
+    def kept():
+        return sum(n for n, _, _ in _saved_bytes(block, x, tm, ctx, freqs).values())
+
+    lean = kept()
+    monkeypatch.setenv(lb.ENV, "0")
+    plain = kept()
+    tokens, D, F = 2 * 64, cfg.dim, cfg.ffn_dim
+    # plain keeps GELU(h) (2F bytes a token), the normalised inputs of q/k/v, the cross q and the first FFN projection
+    # (3 x 2D), the fp32 copy of the cross-attention LayerNorm's input (4D) and its fp32 mean / rstd (8); lean keeps
+    # that input in bf16 (2D), and the LayerNorm's fp32 weight and bias (2 x 4D bytes, once) as the cross q's inputs
+    assert plain - lean == tokens * (2 * F + 3 * 2 * D + 4 * D + 8 - 2 * D) - 2 * 4 * D, (plain, lean)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds_adaptive.models.lean_backward import GeluTanhLinear
+from ds_adaptive.models.lean_backward import RecomputingLinear
 from ds_adaptive.models.testing import diffusers_twin, random_init_
 from ds_adaptive.models.wan import (WAN_CONFIGS, WanConfigError, WanModel, get_wan_config, rope_table,
                                     sdpa_attention)
@@ -363,4 +363,4 @@ def test_flat_linear_is_an_nn_linear_with_the_same_results_also_under_zero3s_fun
     assert all(torch.allclose(a, b, rtol=1e-12, atol=1e-12) for a, b in zip(ref_zero, want))
 
     m = WanModel(get_wan_config("tiny", num_layers=1))
-    assert type(m.blocks[0].ffn[0]) is FlatLinear and type(m.blocks[0].ffn[2]) is GeluTanhLinear
+    assert type(m.blocks[0].ffn[0]) is FlatLinear and type(m.blocks[0].ffn[2]) is RecomputingLinear

@@ -1,88 +1,166 @@
-"""Layers whose backward keeps less: recompute cheap elementwise work instead of saving its output.
+"""Layers whose backward keeps less: recompute cheap work in the backward instead of keeping its output.
 
-A whole (not checkpointed) Wan block keeps ~89 KiB of activations per token for its backward (H200, Wan 1.3B,
-fused LayerNorm-modulate op, block fusion ``regions``; ``ds-adaptive calibrate`` measures it). Two of its
-saved tensors are outputs of cheap elementwise work whose input is saved anyway:
+A whole (not checkpointed) Wan block kept ~89 KiB of activations per token for its backward (H200, Wan 1.3B, fused
+LayerNorm-modulate op, block fusion ``regions``; ``ds-adaptive calibrate`` measures it). Several of those tensors are
+outputs of cheap elementwise or normalisation work whose inputs are kept anyway:
 
-* the FFN's ``Linear(GELU_tanh(h))``: autograd keeps ``h`` (GELU's backward) AND ``GELU(h)`` (the second
-  Linear's weight gradient), two ``[tokens, ffn_dim]`` bf16 tensors: 2 x 17.5 KiB per token for Wan 1.3B.
-  :class:`GeluTanhLinear` keeps ``h`` only and recomputes ``GELU(h)`` in the backward (one elementwise pass);
-* the cross-attention LayerNorm in fp32: ``F.layer_norm(x.float())`` keeps the fp32 copy of ``x`` (6 KiB per
-  token); :func:`fp32_layer_norm` keeps ``x`` in its own dtype (3 KiB) and casts it again in the backward.
+* the FFN's ``Linear(GELU_tanh(h))``: autograd keeps ``h`` (GELU's backward) AND ``GELU(h)`` (the second Linear's
+  weight gradient), two ``[tokens, ffn_dim]`` bf16 tensors: 2 x 17.5 KiB per token for Wan 1.3B;
+* the input of each Linear layer after a norm: q / k / v after the first LayerNorm-modulate, the cross-attention's
+  q after its LayerNorm, the FFN's first projection after the second LayerNorm-modulate (3 KiB per token each in
+  bf16), while the norm keeps its own input for its backward;
+* the cross-attention LayerNorm in fp32: ``F.layer_norm(x.float())`` keeps the fp32 copy of ``x`` (6 KiB per token)
+  where ``x`` itself (3 KiB) will do.
 
-A whole block then keeps ~21 KiB per token less (~24%), so the memory-bounded planner checkpoints fewer blocks
-(less recomputed forward) or packs larger micro-batches. The forward runs the same kernels on the same values;
-the backward runs the same kernels plus the recomputation, so outputs and gradients equal the plain modules'
-(``tests/test_lean_backward.py`` checks both against fp64 references and against the plain composition).
+A :class:`RecomputingLinear` takes its input as a :class:`RecomputedInput` ``fn(*tensors)`` (the block builds them),
+keeps ``tensors`` and runs ``fn`` again in its backward (:func:`recomputed_input_linear`); :func:`fp32_layer_norm`
+keeps its bf16 input. The forward runs the same kernels on the same values; the backward adds the recomputation
+(one elementwise pass per site; each of q / k / v recomputes its norm), so outputs are the plain modules' and
+gradients match an fp64 reference as closely (``tests/test_lean_backward.py``,
+``tests/gpu/test_lean_backward_gpu.py``).
+Measured: the GELU and LayerNorm sites took a whole block from 89.1 to 68.7 KiB per token (H200, bench/RESULTS.md,
+eighteenth session), so the memory-bounded planner checkpoints fewer blocks. ``DS_ADAPTIVE_LEAN_BACKWARD=0`` turns it
+all off (the plain modules), for A/Bs.
 """
 from __future__ import annotations
 
-from typing import Optional
+import os
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["GeluTanhLinear", "gelu_tanh_linear", "gelu_tanh_linear_reference", "fp32_layer_norm",
+__all__ = ["ENV", "enabled", "RecomputedInput", "RecomputingLinear", "linear_on", "recomputed_input_linear",
+           "gelu_tanh", "gelu_tanh_linear", "gelu_tanh_linear_reference", "fp32_layer_norm",
            "fp32_layer_norm_reference"]
+
+
+#: "0" turns the recomputation off (the plain modules keep their inputs and outputs, as before it existed), for A/Bs
+ENV = "DS_ADAPTIVE_LEAN_BACKWARD"
+
+
+def enabled() -> bool:
+    """Whether blocks hand their Linear layers recomputable inputs (``DS_ADAPTIVE_LEAN_BACKWARD``, default "1")."""
+    value = os.environ.get(ENV, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV}={value!r}: expected 1 (recompute cheap inputs in the backward, the default) or 0 "
+                         f"(keep them, for an A/B); unset it for the default")
+    return value == "1"
+
+
+def gelu_tanh(h: torch.Tensor) -> torch.Tensor:
+    """GELU with the tanh approximation (Wan's FFN activation)."""
+    return F.gelu(h, approximate="tanh")
 
 
 def gelu_tanh_linear_reference(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``Linear(GELU_tanh(h))`` by plain torch ops (autograd keeps ``h`` and ``GELU(h)``)."""
-    return F.linear(F.gelu(h, approximate="tanh"), weight, bias)
+    return F.linear(gelu_tanh(h), weight, bias)
 
 
-class _GeluTanhLinearFn(torch.autograd.Function):
-    """``F.linear(GELU_tanh(h), weight, bias)`` keeping ``h`` (and ``weight``) for the backward, not ``GELU(h)``."""
+class _RecomputedInputLinearFn(torch.autograd.Function):
+    """``F.linear(fn(*inputs), weight, bias)`` keeping ``inputs`` (and ``weight``) for the backward, not ``fn``'s
+    output: the backward runs ``fn`` again (with autograd, for the inputs' gradients through it)."""
 
     @staticmethod
-    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        ctx.save_for_backward(h, weight)
+    def forward(ctx, fn: Callable[..., torch.Tensor], weight: torch.Tensor, bias: Optional[torch.Tensor],
+                *inputs: torch.Tensor) -> torch.Tensor:
+        z = fn(*inputs)
+        ctx.fn = fn
         ctx.has_bias = bias is not None
-        return F.linear(F.gelu(h, approximate="tanh"), weight, bias)
+        ctx.save_for_backward(weight, *inputs)
+        return F.linear(z.reshape(-1, z.shape[-1]), weight, bias).unflatten(0, z.shape[:-1])
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        h, weight = ctx.saved_tensors
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        dh = dw = db = None
+        weight, *inputs = ctx.saved_tensors
+        need_w, need_b = ctx.needs_input_grad[1:3]
+        need_in = ctx.needs_input_grad[3:]
+        with torch.enable_grad():   # the recomputation, with a graph where the inputs need gradients
+            ins = [t.detach().requires_grad_(n and t.is_floating_point()) for t, n in zip(inputs, need_in)]
+            z = ctx.fn(*ins)
         dy2 = dy.reshape(-1, dy.shape[-1])
-        if need_w:   # the recomputation: GELU(h), the second Linear's input, for its weight gradient
-            g = F.gelu(h, approximate="tanh")
-            dw = dy2.t().mm(g.reshape(-1, g.shape[-1]))
-            del g
-        if need_h:
-            dg = dy2.mm(weight).view(h.shape)
-            dh = torch.ops.aten.gelu_backward(dg, h, approximate="tanh")
-        if need_b and ctx.has_bias:
-            db = dy2.sum(0)
-        return dh, dw, db
+        dw = dy2.t().mm(z.detach().reshape(-1, z.shape[-1])) if need_w else None
+        db = dy2.sum(0) if need_b and ctx.has_bias else None
+        wanted = [t for t in ins if t.requires_grad]
+        grads = iter(torch.autograd.grad(z, wanted, dy2.mm(weight).reshape(z.shape)) if wanted else ())
+        return (None, dw, db, *[next(grads) if t.requires_grad else None for t in ins])
+
+
+def recomputed_input_linear(fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor], weight: torch.Tensor,
+                            bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear(fn(*inputs), weight, bias)``, keeping ``inputs`` for the backward and running ``fn`` again there
+    instead of keeping its output (``fn``: cheap elementwise or normalisation work whose inputs are kept anyway, its
+    output ``[..., in]``; the result ``[..., out]``). The input is multiplied as one ``[N, in]`` matrix (the bias in
+    the GEMM's epilogue). Without autograd (grad mode off, or nothing needs a gradient) it is the plain composition."""
+    needs = any(t.requires_grad for t in inputs) or weight.requires_grad or (bias is not None and bias.requires_grad)
+    if not (torch.is_grad_enabled() and needs):
+        z = fn(*inputs)
+        return F.linear(z.reshape(-1, z.shape[-1]), weight, bias).unflatten(0, z.shape[:-1])
+    return _RecomputedInputLinearFn.apply(fn, weight, bias, *inputs)
 
 
 def gelu_tanh_linear(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``Linear(GELU_tanh(h))``: h ``[..., in]``, weight ``[out, in]``, bias ``[out]`` or None -> ``[..., out]`` in h's
-    dtype. Saves ``h`` for the backward and recomputes ``GELU(h)`` there (one elementwise pass) instead of keeping
-    it: ``h.numel() * h.element_size()`` bytes less held between the forward and the backward. Without autograd
-    (no input needs a gradient, or grad mode off) it is the plain composition."""
-    if not torch.is_grad_enabled() or not (h.requires_grad or weight.requires_grad
-                                           or (bias is not None and bias.requires_grad)):
-        return gelu_tanh_linear_reference(h, weight, bias)
-    return _GeluTanhLinearFn.apply(h, weight, bias)
+    dtype. Keeps ``h`` for the backward and recomputes ``GELU(h)`` there (one elementwise pass) instead of keeping
+    it: ``h.numel() * h.element_size()`` bytes less held between the forward and the backward."""
+    return recomputed_input_linear(gelu_tanh, (h,), weight, bias)
 
 
-class GeluTanhLinear(nn.Linear):
-    """``nn.Linear`` that can take its input before the GELU-tanh in front of it (the FFN's second projection).
+class RecomputedInput:
+    """A Linear layer's input ``fn(*tensors)``, handed over unevaluated so that the layer can keep ``tensors`` and
+    recompute ``fn`` in its backward (:class:`RecomputingLinear`) instead of keeping the result. ``fn`` keeps the
+    shape and dtype of its first tensor (a norm, a modulation, an activation). :meth:`value` evaluates it once, for
+    consumers that need the tensor itself. (A plain object with a ``__dict__``: ZeRO-3's post-forward hook reads a
+    module's non-tensor output through ``vars()``; ``tensors`` is a tuple, so it registers none of them.)"""
 
-    ``forward(x)`` is ``nn.Linear``'s; ``forward(h, gelu_input=True)`` is ``Linear(GELU_tanh(h))`` by
-    :func:`gelu_tanh_linear`, which keeps ``h`` instead of ``GELU(h)`` for the backward. The product runs inside
-    this module's call, so ZeRO-3's gather hooks fire as for any Linear. Same parameters and names as
-    ``nn.Linear`` (checkpoints load unchanged). A LoRA wrapper (peft) around it is not this class: the block then
-    runs the plain ``Linear(GELU(h))`` (the adapter needs ``GELU(h)`` as its input), see ``WanBlock``."""
+    def __init__(self, fn: Callable[..., torch.Tensor], *tensors: torch.Tensor):
+        self.fn, self.tensors, self._value = fn, tensors, None
 
-    def forward(self, x: torch.Tensor, gelu_input: bool = False) -> torch.Tensor:
-        if gelu_input:
-            return gelu_tanh_linear(x, self.weight, self.bias)
+    @property
+    def shape(self) -> torch.Size:
+        return self.tensors[0].shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensors[0].dtype
+
+    def value(self) -> torch.Tensor:
+        if self._value is None:
+            self._value = self.fn(*self.tensors)
+        return self._value
+
+
+class RecomputingLinear(nn.Linear):
+    """``nn.Linear`` that can take its input as :class:`RecomputedInput` (through :func:`linear_on`).
+
+    ``forward(x)`` is ``nn.Linear``'s; ``forward(*tensors, recompute=fn)`` is ``Linear(fn(*tensors))`` by
+    :func:`recomputed_input_linear`, which keeps ``tensors`` instead of ``fn``'s output for the backward. The
+    product runs inside this module's call, so ZeRO-3's gather hooks fire as for any Linear, and the tensors are
+    positional arguments (ZeRO-3 hooks see them). Same parameters and names as ``nn.Linear``: checkpoints load
+    unchanged. A wrapper around it (a peft LoRA layer) is not this class: :func:`linear_on` then hands the wrapper
+    the evaluated input, which its adapter needs."""
+
+    def forward(self, *inputs: torch.Tensor, recompute: Optional[Callable[..., torch.Tensor]] = None) -> torch.Tensor:
+        if recompute is not None:
+            return recomputed_input_linear(recompute, inputs, self.weight, self.bias)
+        (x,) = inputs
+        return self.plain(x)
+
+    def plain(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer on an evaluated input."""
         return F.linear(x, self.weight, self.bias)
+
+
+def linear_on(module: nn.Module, x: Union[torch.Tensor, RecomputedInput]) -> torch.Tensor:
+    """``module(x)``; for a :class:`RecomputedInput`, a :class:`RecomputingLinear` keeps its tensors and recomputes it
+    in the backward, any other module (a LoRA wrapper) gets the evaluated input."""
+    if not isinstance(x, RecomputedInput):
+        return module(x)
+    if isinstance(module, RecomputingLinear):
+        return module(*x.tensors, recompute=x.fn)
+    return module(x.value())
 
 
 def fp32_layer_norm_reference(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
@@ -121,6 +199,6 @@ def fp32_layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optio
     backward, not its fp32 copy (half the bytes for bf16); fp32 inputs take the plain path (nothing to save)."""
     w = None if weight is None else weight.float()
     b = None if bias is None else bias.float()
-    if x.dtype == torch.float32 or not torch.is_grad_enabled():
+    if x.dtype == torch.float32 or not torch.is_grad_enabled() or not enabled():
         return F.layer_norm(x.float(), (x.shape[-1],), w, b, eps).to(x.dtype)
     return _FP32LayerNormFn.apply(x, w, b, eps)

@@ -55,7 +55,8 @@ from torch.utils.checkpoint import checkpoint
 from ds_adaptive.models.cross_attention import cross_attention
 from ds_adaptive.models.family import ModelError, set_plain_attr
 # fp32_layer_norm: the cross-attention LayerNorm (``FP32LayerNorm``), keeping its bf16 input, not the fp32 copy
-from ds_adaptive.models.lean_backward import GeluTanhLinear, fp32_layer_norm
+from ds_adaptive.models import lean_backward
+from ds_adaptive.models.lean_backward import RecomputedInput, RecomputingLinear, fp32_layer_norm, gelu_tanh, linear_on
 from ds_adaptive.recompute import CHECKPOINT_ATTENTION_MODES, keep_attention_context, self_attention_core
 from ds_adaptive.models.rope import apply_rope, rope_table  # noqa: F401  (rope_table: part of this module's API)
 from ds_adaptive.models.wan21 import FAMILY as _WAN21
@@ -63,6 +64,8 @@ from ds_adaptive.models.wan21 import FAMILY as _WAN21
 # so a baseline run never picks it up implicitly.
 from ds_adaptive.ops.ln_modulate import ln_modulate_reference as _default_ln_modulate
 
+Input = Union[torch.Tensor, RecomputedInput]
+"""A Linear layer's input: a tensor, or one its layer may recompute in the backward (``models.lean_backward``)."""
 AttentionFn = Callable[..., torch.Tensor]
 """``fn(q, k, v, **kwargs) -> out``, all ``[B, S, H, Dh]``."""
 TokenOrder = Any
@@ -264,7 +267,7 @@ def modulation(table: torch.Tensor, time: torch.Tensor) -> tuple[torch.Tensor, .
 # Modules
 # --------------------------------------------------------------------------------------------
 
-class FlatLinear(nn.Linear):
+class FlatLinear(RecomputingLinear):
     """``nn.Linear`` that multiplies a ``[..., in]`` input as one ``[N, in]`` matrix, so its bias rides in the
     GEMM's epilogue (``addmm``) under ZeRO-3 too: DeepSpeed's ``F.linear`` replacement
     (``LinearFunctionForZeroStage3``, ``zero_optimization.memory_efficient_linear``) adds a 3-D input's bias
@@ -273,7 +276,7 @@ class FlatLinear(nn.Linear):
     function (H200, ``bench/block_fusion_kernels.py``, fwd+bwd): the FFN's D -> FFN projection, 1.20x at 1 x 32,760
     tokens and 1.14x at 11 x 1,560; not the D -> D ones (0.98x / 0.70x: the 2-D backward was slower there)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def plain(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() <= 2:
             return F.linear(x, self.weight, self.bias)
         return F.linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias).unflatten(0, x.shape[:-1])
@@ -287,8 +290,30 @@ class FP32LayerNorm(nn.LayerNorm):
         super().__init__(*args, **kwargs)
         _set_plain_attr(self, "layer_norm_fn", fp32_layer_norm)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, recomputable: bool = False) -> Union[torch.Tensor, RecomputedInput]:
+        """The norm of x ``[..., D]``; with ``recomputable``, unevaluated (``lean_backward.RecomputedInput``, for the
+        next Linear to recompute in its backward) where autograd is on and the norm is affine. The caller makes sure
+        the weights stay gathered until that backward (``WanBlock._hooked_children``)."""
+        if recomputable and torch.is_grad_enabled() and self.weight is not None and self.bias is not None:
+            return RecomputedInput(self._norm, x, self.weight, self.bias)
         return self.layer_norm_fn(x, self.weight, self.bias, self.eps)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return self.layer_norm_fn(x, weight, bias, self.eps)
+
+
+class FeedForward(nn.Sequential):
+    """Wan's FFN: ``Linear(D -> F)``, GELU-tanh, ``Linear(F -> D)`` (parameter names ``ffn.0`` / ``ffn.2``)."""
+
+    def forward(self, z: Input, lean: bool = False) -> torch.Tensor:
+        """z ``[B, S, D]`` (or a ``RecomputedInput`` of that shape) -> ``[B, S, D]``. ``lean``: the second projection
+        keeps the GELU's input and recomputes the GELU in its backward (17.5 KiB per token less held for Wan 1.3B);
+        a wrapped projection (a LoRA adapter) gets the GELU's output either way."""
+        fc1, act, fc2 = self
+        h = linear_on(fc1, z)
+        if lean and isinstance(act, nn.GELU) and act.approximate == "tanh":
+            return linear_on(fc2, RecomputedInput(gelu_tanh, h))
+        return fc2(act(h))
 
 
 class _Attention(nn.Module):
@@ -297,18 +322,18 @@ class _Attention(nn.Module):
     def __init__(self, dim: int, num_heads: int, eps: float):
         super().__init__()
         self.num_heads = num_heads
-        self.q = nn.Linear(dim, dim)
-        self.k = nn.Linear(dim, dim)
-        self.v = nn.Linear(dim, dim)
+        self.q = RecomputingLinear(dim, dim)   # q / k / v may get recomputable inputs (lean_backward)
+        self.k = RecomputingLinear(dim, dim)
+        self.v = RecomputingLinear(dim, dim)
         self.o = nn.Linear(dim, dim)
         self.norm_q = nn.RMSNorm(dim, eps=eps)
         self.norm_k = nn.RMSNorm(dim, eps=eps)
 
-    def _qkv(self, x: torch.Tensor, ctx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _qkv(self, x: Input, ctx: Input) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         h = self.num_heads
-        q = self.norm_q(self.q(x)).unflatten(-1, (h, -1))
-        k = self.norm_k(self.k(ctx)).unflatten(-1, (h, -1))
-        v = self.v(ctx).unflatten(-1, (h, -1))
+        q = self.norm_q(linear_on(self.q, x)).unflatten(-1, (h, -1))
+        k = self.norm_k(linear_on(self.k, ctx)).unflatten(-1, (h, -1))
+        v = linear_on(self.v, ctx).unflatten(-1, (h, -1))
         return q, k, v  # [B, S, H, Dh]
 
 
@@ -317,12 +342,14 @@ class WanSelfAttention(_Attention):
         super().__init__(dim, num_heads, eps)
         _set_plain_attr(self, "qk_rope", None)   # block fusion: a compiled ``qk_norm_rope`` (None: the modules)
 
-    def forward(self, x: torch.Tensor, freqs: torch.Tensor, attn_fn: AttentionFn, **attn_kwargs: Any) -> torch.Tensor:
-        """x [B, S, D], freqs [S, Dh/2, 2] -> [B, S, D]; the core is ``attn_fn(q, k, v, **attn_kwargs)``."""
+    def forward(self, x: Input, freqs: torch.Tensor, attn_fn: AttentionFn, **attn_kwargs: Any) -> torch.Tensor:
+        """x [B, S, D] (or a ``RecomputedInput`` of that shape), freqs [S, Dh/2, 2] -> [B, S, D]; the core is
+        ``attn_fn(q, k, v, **attn_kwargs)``."""
         wq, wk = self.norm_q.weight, self.norm_k.weight
         if self.qk_rope is not None and _params_available(wq, wk):
-            q, k = self.qk_rope(self.q(x), self.k(x), wq, wk, freqs, self.norm_q.eps, self.num_heads)
-            v = self.v(x).unflatten(-1, (self.num_heads, -1))
+            q, k = self.qk_rope(linear_on(self.q, x), linear_on(self.k, x), wq, wk, freqs, self.norm_q.eps,
+                                self.num_heads)
+            v = linear_on(self.v, x).unflatten(-1, (self.num_heads, -1))
         else:
             q, k, v = self._qkv(x, x)
             q, k = apply_rope(q, freqs), apply_rope(k, freqs)
@@ -339,8 +366,9 @@ def _params_available(*params: torch.Tensor) -> bool:
 
 
 class WanCrossAttention(_Attention):
-    def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
-        """x [B, S, D] attends to context [B, L, D] (all L tokens, no mask, as Wan)."""
+    def forward(self, x: Input, context: torch.Tensor) -> torch.Tensor:
+        """x [B, S, D] (or a ``RecomputedInput`` of that shape) attends to context [B, L, D] (all L tokens, no mask,
+        as Wan)."""
         q, k, v = self._qkv(x, context)
         out = cross_attention(q, k, v)   # the queries in chunks where that fills the GPU (models.cross_attention)
         return self.o(out.reshape(x.shape[0], x.shape[1], -1).to(x.dtype))
@@ -356,8 +384,8 @@ class WanBlock(nn.Module):
         self.self_attn = WanSelfAttention(d, cfg.num_heads, cfg.eps)
         self.norm3 = FP32LayerNorm(d, cfg.eps, elementwise_affine=True) if cfg.cross_attn_norm else nn.Identity()
         self.cross_attn = WanCrossAttention(d, cfg.num_heads, cfg.eps)
-        self.ffn = nn.Sequential(FlatLinear(d, cfg.ffn_dim), nn.GELU(approximate="tanh"),
-                                 GeluTanhLinear(cfg.ffn_dim, d))
+        self.ffn = FeedForward(FlatLinear(d, cfg.ffn_dim), nn.GELU(approximate="tanh"),
+                               RecomputingLinear(cfg.ffn_dim, d))
         self.modulation = nn.Parameter(torch.randn(1, 6, d) / d ** 0.5)
         _set_plain_attr(self, "attn_fn", sdpa_attention)
         _set_plain_attr(self, "ln_modulate", _default_ln_modulate)
@@ -389,20 +417,31 @@ class WanBlock(nn.Module):
     def _body(self, x: torch.Tensor, time_mod: torch.Tensor, context: torch.Tensor, freqs: torch.Tensor,
               **attn_kwargs: Any) -> torch.Tensor:
         shift1, scale1, gate1, shift2, scale2, gate2 = modulation(self.modulation, time_mod)
-        y = self.self_attn(self.ln_modulate(x, shift1, scale1, self.eps), freqs, self.attn_fn, **attn_kwargs)
+        # lean: the Linear layers after GELU or a norm keep its input and recompute its output in their backward
+        # (models.lean_backward; per-token modulation keeps the plain path: its shift / scale are per token)
+        lean = time_mod.dim() == 3 and torch.is_grad_enabled() and lean_backward.enabled()
+        lazy = lean and not self._hooked_children()   # the norms' outputs handed over unevaluated
+        y = self.self_attn(self._ln_modulate(x, shift1, scale1, lazy), freqs, self.attn_fn, **attn_kwargs)
         x = self.residual(x, y, gate1)
-        x = x + self.cross_attn(self.norm3(x), context)
-        y = self._ffn(self.ln_modulate(x, shift2, scale2, self.eps))
+        norm3 = self.norm3(x, recomputable=True) if lazy and isinstance(self.norm3, FP32LayerNorm) else self.norm3(x)
+        x = x + self.cross_attn(norm3, context)
+        y = self.ffn(self._ln_modulate(x, shift2, scale2, lazy), lean=lean)
         return self.residual(x, y, gate2)
 
-    def _ffn(self, z: torch.Tensor) -> torch.Tensor:
-        """``ffn(z)``; the second projection takes the GELU's input and recomputes the GELU in its backward
-        (``lean_backward.GeluTanhLinear``: 17.5 KiB per token less held for Wan 1.3B), unless something wraps it
-        (a LoRA adapter, whose input must be the GELU's output): then the plain modules run."""
-        fc1, act, fc2 = self.ffn
-        if isinstance(fc2, GeluTanhLinear) and isinstance(act, nn.GELU) and act.approximate == "tanh":
-            return fc2(fc1(z), gelu_input=True)
-        return self.ffn(z)
+    def _hooked_children(self) -> bool:
+        """Whether ZeRO-3 runs hooks on this block's submodules: its parameters are ZeRO-3's and the block is not a
+        leaf module (``adaptive_load.zero3_leaf_blocks`` off, or LoRA). Their calls then need tensors, not
+        ``RecomputedInput``s (the hooks find a call's tensors in its arguments and outputs), and a norm's weights
+        are released after its own call (persistent ones too, until ZeRO-3's trace is complete)."""
+        return not getattr(self, "_z3_leaf", False) and hasattr(self.modulation, "ds_id")
+
+    def _ln_modulate(self, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, lazy: bool) -> Input:
+        if lazy:
+            return RecomputedInput(self._ln_modulate_eps, x, shift, scale)
+        return self.ln_modulate(x, shift, scale, self.eps)
+
+    def _ln_modulate_eps(self, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return self.ln_modulate(x, shift, scale, self.eps)
 
 
 class WanHead(nn.Module):
