@@ -249,3 +249,24 @@ def test_a_whole_bf16_block_keeps_what_the_design_says_less(monkeypatch):
     # (3 x 2D), the fp32 copy of the cross-attention LayerNorm's input (4D) and its fp32 mean / rstd (8); lean keeps
     # that input in bf16 (2D), and the LayerNorm's fp32 weight and bias (2 x 4D bytes, once) as the cross q's inputs
     assert plain - lean == tokens * (2 * F + 3 * 2 * D + 4 * D + 8 - 2 * D) - 2 * 4 * D, (plain, lean)
+
+
+def test_per_token_modulation_keeps_the_adaln_outputs_and_recomputes_the_rest(monkeypatch):
+    """Per-token shift / scale ([B, S, D]) would cost a recomputing Linear more than the output it saves: q / k / v and
+    the FFN's first projection get tensors; the GELU and the cross-attention LayerNorm are still recomputed."""
+    block, cfg = _block()
+    x, _, ctx, freqs = _inputs(cfg)
+    tm = torch.randn(2, x.shape[1], 6, cfg.dim, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+
+    def run():
+        out = block(x, tm, ctx, freqs)
+        return [out.detach()] + list(torch.autograd.grad(out.sum(), [x] + list(block.parameters())))
+
+    calls = _counted(monkeypatch)
+    lean = run()
+    assert len(calls) == 2, "the cross-attention's q and the FFN's second projection"
+    monkeypatch.setenv(lb.ENV, "0")
+    plain = run()
+    torch.testing.assert_close(lean[0], plain[0], rtol=0, atol=0)
+    for a, b in zip(lean[1:], plain[1:]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

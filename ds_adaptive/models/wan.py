@@ -418,14 +418,17 @@ class WanBlock(nn.Module):
               **attn_kwargs: Any) -> torch.Tensor:
         shift1, scale1, gate1, shift2, scale2, gate2 = modulation(self.modulation, time_mod)
         # lean: the Linear layers after GELU or a norm keep its input and recompute its output in their backward
-        # (models.lean_backward; per-token modulation keeps the plain path: its shift / scale are per token)
-        lean = time_mod.dim() == 3 and torch.is_grad_enabled() and lean_backward.enabled()
-        lazy = lean and not self._hooked_children()   # the norms' outputs handed over unevaluated
-        y = self.self_attn(self._ln_modulate(x, shift1, scale1, lazy), freqs, self.attn_fn, **attn_kwargs)
+        # (models.lean_backward). The norms' outputs are handed over unevaluated only where the submodules' calls
+        # may take them (no ZeRO-3 hooks on them), the adaLN ones only with per-sample modulation (per token, the
+        # Linear would keep the [B, S, D] shift and scale instead: more than the output it saves)
+        lean = torch.is_grad_enabled() and lean_backward.enabled()
+        lazy_norm = lean and not self._hooked_children()
+        lazy_ln = lazy_norm and time_mod.dim() == 3
+        y = self.self_attn(self._ln_modulate(x, shift1, scale1, lazy_ln), freqs, self.attn_fn, **attn_kwargs)
         x = self.residual(x, y, gate1)
-        norm3 = self.norm3(x, recomputable=True) if lazy and isinstance(self.norm3, FP32LayerNorm) else self.norm3(x)
-        x = x + self.cross_attn(norm3, context)
-        y = self.ffn(self._ln_modulate(x, shift2, scale2, lazy), lean=lean)
+        lazy_norm3 = lazy_norm and isinstance(self.norm3, FP32LayerNorm)
+        x = x + self.cross_attn(self.norm3(x, recomputable=True) if lazy_norm3 else self.norm3(x), context)
+        y = self.ffn(self._ln_modulate(x, shift2, scale2, lazy_ln), lean=lean)
         return self.residual(x, y, gate2)
 
     def _hooked_children(self) -> bool:
