@@ -87,8 +87,11 @@ def test_ship_adds_a_block_fusion_variant_that_replaces_compute_memory_and_overh
     ref, _ = prof.for_ln_modulate("reference")
     same, note = ref.for_block_fusion("regions")
     assert same is ref and note.startswith("note:")
-    with pytest.raises(ValueError, match="already has 'regions'"):
+    with pytest.raises(ValueError, match="already has 'regions'.*--replace"):
         ac.ship_variant(out, cal)
+    again = ac.ship_variant(out, _fused_calibration(scale_mem=0.8), replace=True)   # a new calibration of it
+    assert load_profile(again).for_block_fusion("regions")[0].block_full_gib[1] == pytest.approx(
+        prof.block_full_gib[1] * 0.8)
     with pytest.raises(ValueError, match="differs from its profile in one of them"):
         ac.ship_variant(base, {**cal, "ln_modulate": "reference"})
     p, c = tmp_path / "p.json", tmp_path / "c.json"
@@ -96,6 +99,7 @@ def test_ship_adds_a_block_fusion_variant_that_replaces_compute_memory_and_overh
     c.write_text(json.dumps(cal))
     assert ac.main(["ship", str(c), str(p)]) == 0 and "regions" in json.loads(p.read_text())["block_fusion_variants"]
     assert ac.main(["ship", str(c), str(p)]) == 2
+    assert ac.main(["ship", str(c), str(p), "--replace"]) == 0
 
 
 def test_a_variant_without_its_own_overheads_gives_its_memory_but_not_its_compute():

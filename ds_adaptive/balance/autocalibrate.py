@@ -330,7 +330,7 @@ def startup_profile(setting: Optional[str], *, model_name: str, ln_modulate: str
 
 
 # ------------------------------------------------------------------------------------- shipping
-def ship_variant(base: Mapping[str, Any], calibrated: Mapping[str, Any]) -> dict:
+def ship_variant(base: Mapping[str, Any], calibrated: Mapping[str, Any], *, replace: bool = False) -> dict:
     """``base`` (a shipped profile json) with ``calibrated`` (a calibration of the same model on the same GPU kind)
     as one of its variants, whose ``compute``, ``memory`` and ``train_overheads`` (where measured) blocks replace the
     top-level ones for a run that matches it (a block-fusion variant's ``compute`` only together with its own
@@ -341,7 +341,8 @@ def ship_variant(base: Mapping[str, Any], calibrated: Mapping[str, Any]) -> dict
     * else another LayerNorm-modulate path, without block fusion (a start-up calibration or ``--ln-modulate``):
       ``ln_modulate_variants[<path>]`` (:meth:`Profile.for_ln_modulate`).
 
-    Refuses another model, a calibration the base already is or has, and one that differs in both."""
+    Refuses another model, a calibration the base already is, one it already has (unless ``replace``: a new
+    calibration of the same variant, e.g. after a model change), and one that differs in both."""
     model, bmodel = calibrated.get("model", {}).get("name"), base.get("model", {}).get("name")
     path, bpath = calibrated.get("ln_modulate", "reference"), base.get("ln_modulate", "reference")
     fusion, bfusion = calibrated.get("block_fusion", "off"), base.get("block_fusion", "off")
@@ -353,8 +354,9 @@ def ship_variant(base: Mapping[str, Any], calibrated: Mapping[str, Any]) -> dict
     key, value, bvalue = (("block_fusion_variants", fusion, bfusion) if fusion != bfusion else
                           ("ln_modulate_variants", path, bpath))
     variants = dict(base.get(key) or {})
-    if value == bvalue or value in variants:
-        raise ValueError(f"the profile already has {value!r} entries in {key} (its own is {bvalue!r})")
+    if value == bvalue or (value in variants and not replace):
+        raise ValueError(f"the profile already has {value!r} entries in {key} (its own is {bvalue!r})"
+                         + ("" if value == bvalue else "; pass --replace to measure them anew"))
     out = json.loads(json.dumps(dict(base)))
     entry = {k: calibrated[k] for k in ("compute", "memory", "train_overheads") if k in calibrated}
     entry["source"] = f"{calibrated.get('source')} on {calibrated.get('device')}, {calibrated.get('date')}"
@@ -378,9 +380,11 @@ def main(argv=None) -> int:
     s = sub.add_parser("ship")
     s.add_argument("cached", type=Path, help="a profile json from the start-up calibration cache or ds-adaptive calibrate")
     s.add_argument("profile", type=Path, help="the profile json to extend (a shipped one in ds_adaptive/balance/profiles/)")
+    s.add_argument("--replace", action="store_true", help="replace the profile's entries of that variant")
     args = ap.parse_args(argv)
     try:
-        out = ship_variant(json.loads(args.profile.read_text()), json.loads(args.cached.read_text()))
+        out = ship_variant(json.loads(args.profile.read_text()), json.loads(args.cached.read_text()),
+                           replace=args.replace)
     except (OSError, ValueError, KeyError) as exc:
         print(f"autocalibrate ship: error: {exc}", file=sys.stderr)
         return 2
