@@ -46,8 +46,8 @@ __all__ = ["QuickProtocol", "quick_protocol", "cache_dir", "cache_key", "cache_p
 #: environment variable naming the cache directory (``sampler.profile_cache`` takes precedence)
 CACHE_ENV = "DS_ADAPTIVE_CACHE_DIR"
 #: part of the cache key: a change of the quick protocol, or of what the model's blocks hold for the backward,
-#: invalidates the cached entries. 2: the FFN and the cross-attention LayerNorm keep less (``models.lean_backward``:
-#: ~21 KiB per token and block less for Wan 1.3B), so entries measured before over-predict activation memory.
+#: invalidates the cached entries. 2: blocks keep less for the backward (``models.lean_backward``: ~30 KiB per token
+#: and block less for Wan 1.3B), so entries measured before over-predict activation memory.
 PROTOCOL_VERSION = 2
 
 

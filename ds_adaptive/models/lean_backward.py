@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 __all__ = ["ENV", "enabled", "RecomputedInput", "RecomputingLinear", "linear_on", "recomputed_input_linear",
-           "gelu_tanh", "gelu_tanh_linear", "gelu_tanh_linear_reference", "fp32_layer_norm",
+           "flat_linear", "gelu_tanh", "gelu_tanh_linear", "gelu_tanh_linear_reference", "fp32_layer_norm",
            "fp32_layer_norm_reference"]
 
 
@@ -59,6 +59,13 @@ def gelu_tanh_linear_reference(h: torch.Tensor, weight: torch.Tensor, bias: Opti
     return F.linear(gelu_tanh(h), weight, bias)
 
 
+def flat_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``F.linear`` of x ``[..., in]`` multiplied as one ``[N, in]`` matrix (the bias in the GEMM's epilogue)."""
+    if x.dim() <= 2:
+        return F.linear(x, weight, bias)
+    return F.linear(x.reshape(-1, x.shape[-1]), weight, bias).unflatten(0, x.shape[:-1])
+
+
 class _RecomputedInputLinearFn(torch.autograd.Function):
     """``F.linear(fn(*inputs), weight, bias)`` keeping ``inputs`` (and ``weight``) for the backward, not ``fn``'s
     output: the backward runs ``fn`` again (with autograd, for the inputs' gradients through it)."""
@@ -70,7 +77,7 @@ class _RecomputedInputLinearFn(torch.autograd.Function):
         ctx.fn = fn
         ctx.has_bias = bias is not None
         ctx.save_for_backward(weight, *inputs)
-        return F.linear(z.reshape(-1, z.shape[-1]), weight, bias).unflatten(0, z.shape[:-1])
+        return flat_linear(z, weight, bias)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
@@ -96,8 +103,7 @@ def recomputed_input_linear(fn: Callable[..., torch.Tensor], inputs: Sequence[to
     the GEMM's epilogue). Without autograd (grad mode off, or nothing needs a gradient) it is the plain composition."""
     needs = any(t.requires_grad for t in inputs) or weight.requires_grad or (bias is not None and bias.requires_grad)
     if not (torch.is_grad_enabled() and needs):
-        z = fn(*inputs)
-        return F.linear(z.reshape(-1, z.shape[-1]), weight, bias).unflatten(0, z.shape[:-1])
+        return flat_linear(fn(*inputs), weight, bias)
     return _RecomputedInputLinearFn.apply(fn, weight, bias, *inputs)
 
 
@@ -197,8 +203,8 @@ def fp32_layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optio
     """Affine LayerNorm over the last dim in fp32, rounded once to x's dtype: x ``[..., D]``, weight / bias ``[D]``
     (any float dtype; used in fp32) or None -> ``[..., D]`` in x's dtype. Keeps ``x`` in its own dtype for the
     backward, not its fp32 copy (half the bytes for bf16); fp32 inputs take the plain path (nothing to save)."""
+    if x.dtype == torch.float32 or not torch.is_grad_enabled() or not enabled():
+        return fp32_layer_norm_reference(x, weight, bias, eps)
     w = None if weight is None else weight.float()
     b = None if bias is None else bias.float()
-    if x.dtype == torch.float32 or not torch.is_grad_enabled() or not enabled():
-        return F.layer_norm(x.float(), (x.shape[-1],), w, b, eps).to(x.dtype)
     return _FP32LayerNormFn.apply(x, w, b, eps)

@@ -54,9 +54,10 @@ from torch.utils.checkpoint import checkpoint
 
 from ds_adaptive.models.cross_attention import cross_attention
 from ds_adaptive.models.family import ModelError, set_plain_attr
-# fp32_layer_norm: the cross-attention LayerNorm (``FP32LayerNorm``), keeping its bf16 input, not the fp32 copy
 from ds_adaptive.models import lean_backward
-from ds_adaptive.models.lean_backward import RecomputedInput, RecomputingLinear, fp32_layer_norm, gelu_tanh, linear_on
+# fp32_layer_norm: the cross-attention LayerNorm (``FP32LayerNorm``), keeping its bf16 input, not the fp32 copy
+from ds_adaptive.models.lean_backward import (RecomputedInput, RecomputingLinear, flat_linear, fp32_layer_norm,
+                                              gelu_tanh, linear_on)
 from ds_adaptive.recompute import CHECKPOINT_ATTENTION_MODES, keep_attention_context, self_attention_core
 from ds_adaptive.models.rope import apply_rope, rope_table  # noqa: F401  (rope_table: part of this module's API)
 from ds_adaptive.models.wan21 import FAMILY as _WAN21
@@ -277,9 +278,7 @@ class FlatLinear(RecomputingLinear):
     tokens and 1.14x at 11 x 1,560; not the D -> D ones (0.98x / 0.70x: the 2-D backward was slower there)."""
 
     def plain(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() <= 2:
-            return F.linear(x, self.weight, self.bias)
-        return F.linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias).unflatten(0, x.shape[:-1])
+        return flat_linear(x, self.weight, self.bias)
 
 
 class FP32LayerNorm(nn.LayerNorm):
