@@ -6,7 +6,9 @@ trainer's measured compute window, and each micro-batch's shape, B and checkpoin
 micro-batch with a profile's calibrated cost, and prints per run: wall / cost, measured compute / cost, the time
 outside the compute window per step and per micro-step; then the least-squares fits of
 ``wall - cost = m x micro-steps + o`` and ``wall = k cost + m micro-steps + o`` over all runs
-(``bench/memory_report.fit_overheads``), next to the profile's shipped terms.
+(``bench/memory_report.fit_overheads``), and of the time outside the trainer's compute windows,
+``wall - compute = m x micro-steps + o`` (:func:`fit_outside`: the loop's own time, free of the cost model's error;
+what the profile ships), next to the profile's shipped terms.
 
     python bench/loop_overheads.py --out bench/results/loop_overheads_h200.json
         (defaults: the two dense arms of bench/results/sparse_train_ab_h200_f5432ae/ at gas 1 and the auto arm
@@ -19,6 +21,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -62,6 +65,24 @@ def summarize(rows: list[dict]) -> dict:
             "outside_compute_ms_per_step": outside / len(rows), "outside_compute_ms_per_micro_step": outside / n_micro}
 
 
+def fit_outside(rows: list[dict], runs: Optional[list[str]] = None) -> dict:
+    """Least squares of the time outside the compute windows, ``wall - compute = micro x t_micro + t_step``, over
+    ``rows`` (of the named ``runs`` only, when given): the training loop's own time per micro-step (the DataLoader,
+    the engine's non-boundary ``step()``, host work) and per optimizer step, measured apart from the cost model,
+    whose error (the compute windows over the calibrated cost) the fits of ``wall - cost`` book as loop time."""
+    import numpy as np
+
+    use = [r for r in rows if runs is None or r["run"] in runs]
+    if len({r["micro"] for r in use}) < 2:
+        return {"note": "needs runs with different micro-steps per step"}
+    micro = np.array([r["micro"] for r in use], float)
+    out = np.array([r["wall_ms"] - r["compute_ms"] for r in use])
+    (tm, ts), *_ = np.linalg.lstsq(np.stack([micro, np.ones_like(micro)], 1), out, rcond=None)
+    return {"steps": len(use), "runs": sorted({r["run"] for r in use}), "micro_step_ms": float(tm),
+            "optimizer_step_ms": float(ts),
+            "compute_over_cost": float(sum(r["compute_ms"] for r in use) / sum(r["cost_ms"] for r in use))}
+
+
 def main(argv=None) -> int:
     from ds_adaptive.balance.cost import CostModel, load_profile
     from memory_report import fit_overheads
@@ -70,6 +91,9 @@ def main(argv=None) -> int:
     p.add_argument("--profile", default="h200-wan2.1-1.3b")
     p.add_argument("--runs", nargs="*", default=[], metavar="DIR",
                    help="more trainer log dirs (metrics.jsonl + memory.jsonl of a run on the --profile's GPU and path)")
+    p.add_argument("--outside-runs", nargs="*", default=None, metavar="NAME",
+                   help="fit the time outside the compute windows over these runs only (names as printed; default: "
+                        "the --runs, else all)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     prof = load_profile(args.profile).for_ln_modulate("fused")[0]
@@ -85,6 +109,14 @@ def main(argv=None) -> int:
               f"{t['compute_over_cost']:>12.3f} {t['outside_compute_ms_per_step']:>15.1f} "
               f"{t['outside_compute_ms_per_micro_step']:>7.1f}")
     fit = fit_overheads([r for rows in runs.values() for r in rows])
+    names = args.outside_runs or ([f"{Path(d).name}/metrics.jsonl" for d in args.runs] or None)
+    outside = fit_outside([{**r, "run": name} for name, rows in runs.items() for r in rows], names)
+    if "micro_step_ms" in outside:
+        print(f"outside the compute windows ({outside['steps']} steps of {', '.join(outside['runs'])}): "
+              f"{outside['micro_step_ms']:.1f} ms x micro-steps + {outside['optimizer_step_ms']:.1f} ms; their compute "
+              f"windows run {outside['compute_over_cost']:.3f} x the calibrated cost")
+    else:
+        print(f"outside the compute windows: {outside['note']}")
     shipped = {"micro_step_ms": prof.micro_step_overhead_ms, "optimizer_step_ms": prof.optimizer_step_overhead_ms}
     print(f"fit over all steps: wall - cost = {fit['micro_step_ms']:.0f} ms x micro-steps + {fit['optimizer_step_ms']:.0f} ms; "
           f"with a free scale: {fit['with_scale']['cost_scale']:.3f} x cost + {fit['with_scale']['micro_step_ms']:.0f} ms x "
@@ -92,7 +124,8 @@ def main(argv=None) -> int:
     print(f"the profile's shipped terms: {shipped['micro_step_ms']:.0f} ms per micro-step, "
           f"{shipped['optimizer_step_ms']:.0f} ms per optimizer step")
     if args.out:
-        Path(args.out).write_text(json.dumps({"profile": args.profile, "runs": table, "fit": fit, "shipped": shipped},
+        Path(args.out).write_text(json.dumps({"profile": args.profile, "runs": table, "fit": fit, "outside_fit": outside,
+                                              "shipped": shipped},
                                              indent=1))
     return 0
 

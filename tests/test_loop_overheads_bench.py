@@ -41,3 +41,23 @@ def test_more_trainer_runs_join_the_fit(tmp_path):
     t = res["runs"]["ref/metrics.jsonl"]
     assert t["steps"] == 12 and t["micro_steps_per_step"] == [1] and t["wall_over_cost"] > t["compute_over_cost"] > 1.0
     assert res["fit"]["steps"] == sum(t["steps"] for t in res["runs"].values())
+
+
+def test_the_outside_fit_recovers_a_planted_loop_and_ignores_the_cost_model():
+    """wall - compute = 35 ms per micro-step + 66 ms per step, whatever the compute windows are against the cost."""
+    rows = [{"run": "r", "cost_ms": c, "compute_ms": k * c, "micro": n, "wall_ms": k * c + 35.0 * n + 66.0}
+            for c, n, k in ((5000.0, 1, 1.2), (9000.0, 3, 0.9), (12000.0, 5, 1.05), (7000.0, 3, 1.0))]
+    fit = lo.fit_outside(rows + [{**rows[0], "run": "other", "wall_ms": 1e6}], runs=["r"])
+    assert fit["steps"] == 4 and fit["runs"] == ["r"]
+    assert fit["micro_step_ms"] == pytest.approx(35.0) and fit["optimizer_step_ms"] == pytest.approx(66.0)
+    assert "note" in lo.fit_outside(rows[:1])   # one micro-steps count: not identifiable
+
+
+def test_the_shipped_h200_loop_terms_are_the_recorded_runs_outside_fit(tmp_path):
+    runs = [ROOT / "bench" / "results" / "lean_backward_h200_273bf38" / "default_job",
+            ROOT / "bench" / "results" / "lean_norm_h200_9180477" / "default_job_gas3"]
+    assert lo.main(["--runs", *map(str, runs), "--out", str(tmp_path / "o.json")]) == 0
+    res = json.loads((tmp_path / "o.json").read_text())
+    fit = res["outside_fit"]
+    assert fit["steps"] == 6 and fit["micro_step_ms"] == pytest.approx(res["shipped"]["micro_step_ms"], abs=0.1)
+    assert fit["optimizer_step_ms"] == pytest.approx(res["shipped"]["optimizer_step_ms"], abs=0.1)
