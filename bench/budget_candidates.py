@@ -1,0 +1,79 @@
+"""The budget search's candidates for the default job (CPU, no GPU needed): every candidate ``m_comp`` with its
+gradient accumulation, micro-steps and predicted tokens/s, under the profile's training-loop terms or others.
+
+    python bench/budget_candidates.py --out bench/out/budget_candidates.json
+    python bench/budget_candidates.py --loop 220 910 --loop 35.4 66.4   (one column per pair of loop terms:
+                                                                          ms per micro-step, ms per optimizer step)
+
+The trainer's planning on one GPU: ``launch/configs/zero3_adaptive.json``'s sampler (dual, calibrated, m_mem /
+m_comp / gas auto), the embedded synthetic dataset (10,000 samples, seed 0), the fused LayerNorm-modulate path and
+block fusion ``regions``, on ``--profile`` (default: the shipped H200 1.3B) with ``--gpu-mem-gib`` of memory. It
+explains a plan choice; what a plan trains at is the trainer's figure (``launch/train_wan.sh``).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def choice_for(profile, gpu_mem_gib: float, samples: int):
+    from ds_adaptive.balance.sampler import build_batch_sampler
+    from ds_adaptive.config import SamplerConfig
+    from ds_adaptive.data.synthetic import SyntheticLatentDataset
+    from ds_adaptive.layout import Layout
+
+    cfg = json.loads((ROOT / "launch" / "configs" / "zero3_adaptive.json").read_text())["adaptive_load"]["sampler"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        s = build_batch_sampler(SamplerConfig.model_validate(cfg), SyntheticLatentDataset(samples, seed=0).sample_shapes(),
+                                Layout.explicit(dp_size=1, sp_size=1), micro_steps_per_step="auto",
+                                gpu_mem_gib=gpu_mem_gib, model_name="wan2.1-1.3b", zero_stage=3, ln_modulate="fused",
+                                profile=profile, per_token_timesteps=False, block_fusion="regions")
+    return s.budget_choice
+
+
+def main(argv=None) -> int:
+    from ds_adaptive.balance.cost import Profile, load_profile
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--profile", default="h200-wan2.1-1.3b")
+    p.add_argument("--gpu-mem-gib", type=float, default=139.80072021484375)
+    p.add_argument("--samples", type=int, default=10000)
+    p.add_argument("--loop", nargs=2, type=float, action="append", metavar=("MICRO_MS", "STEP_MS"),
+                   help="training-loop terms to plan with (repeatable; default: the profile's own)")
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    base = load_profile(a.profile)
+    arms = {}
+    for micro, step in a.loop or [(base.micro_step_overhead_ms, base.optimizer_step_overhead_ms)]:
+        raw = copy.deepcopy(base.raw)
+        raw.setdefault("train_overheads", {}).update(micro_step_ms=micro, optimizer_step_ms=step, source="measured")
+        arms[f"{micro:g} / {step:g} ms"] = choice_for(Profile.from_dict(raw, where=a.profile), a.gpu_mem_gib, a.samples)
+    names = list(arms)
+    rows = [c["m_comp"] for c in arms[names[0]].candidates]
+    print(f"{'m_comp ms':>10} {'gas':>4} {'micro-steps':>11} " + " ".join(f"{'tok/s at ' + n:>22}" for n in names))
+    for i, m in enumerate(rows):
+        c0 = arms[names[0]].candidates[i]
+        marks = [f"{arms[n].candidates[i]['tokens_per_s']:>21,.0f}{'*' if arms[n].m_comp == m else ' '}" for n in names]
+        print(f"{m:>10.0f} {c0['micro_steps_per_step']:>4} {c0['micro_steps']:>11} " + " ".join(marks))
+    for n in names:
+        c = arms[n]
+        print(f"loop terms {n}: chosen m_comp {c.m_comp:.0f} ms at gas {c.micro_steps_per_step} (* above), predicted "
+              f"{c.predicted_tokens_per_s:,.0f} tokens/s, {c.predicted_tokens_per_s / c.equal_token_tokens_per_s:.3f}x "
+              "the equal-token plan")
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps({"profile": a.profile, "arms": {n: c.describe() for n, c in arms.items()}},
+                                          indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
