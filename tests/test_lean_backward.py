@@ -130,11 +130,13 @@ def test_recomputed_input_linear_matches_fp64_with_several_inputs():
         torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
 
 
-def test_the_switch_reads_one_of_two_values(monkeypatch):
+def test_the_switch_reads_one_of_three_levels(monkeypatch):
     monkeypatch.setenv(lb.ENV, "0")
-    assert not lb.enabled()
+    assert not lb.enabled() and not lb.norm_inputs()
+    monkeypatch.setenv(lb.ENV, "gelu")
+    assert lb.enabled() and not lb.norm_inputs()
     monkeypatch.delenv(lb.ENV)
-    assert lb.enabled()
+    assert lb.enabled() and lb.norm_inputs()
     monkeypatch.setenv(lb.ENV, "yes")
     with pytest.raises(ValueError, match="DS_ADAPTIVE_LEAN_BACKWARD='yes': expected 1"):
         lb.enabled()
@@ -195,9 +197,16 @@ def test_wan_block_recomputes_six_linear_inputs_and_trains_the_same(monkeypatch)
     lean_out, lean_grads = _run(block, cfg)
     assert len(calls) == 6, "q, k, v, the cross-attention's q and both FFN projections"
     calls.clear()
+    monkeypatch.setenv(lb.ENV, "gelu")   # the FFN's second projection only: the norms' outputs are kept
+    gelu_out, gelu_grads = _run(block, cfg)
+    assert len(calls) == 1
+    calls.clear()
     monkeypatch.setenv(lb.ENV, "0")
     plain_out, plain_grads = _run(block, cfg)
     assert not calls
+    torch.testing.assert_close(gelu_out, plain_out, rtol=0, atol=0)
+    for a, b in zip(gelu_grads, plain_grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(lean_out, plain_out, rtol=0, atol=0)
     # the adaLN sites compute in fp32 even for fp64 inputs, and q / k / v's norm gradients are summed in another order
     for a, b in zip(lean_grads, plain_grads):

@@ -94,8 +94,10 @@ def test_a_replan_that_only_the_loop_terms_favour_is_not_taken():
 
 def test_bench_plan_only_replan_not_slower(tmp_path):
     """bench/sparse_train_ab.py --plan-only on the default mix at 8 layers (the GPU A/B's settings): the re-planned
-    arm's predicted tokens/s (loop overheads counted, as the planner predicts) is at least the pinned sparse arm's;
-    here the re-plan's compute per token is predicted slower, so the running plan is kept."""
+    arm's predicted tokens/s (loop overheads counted, as the planner predicts) is at least the pinned sparse arm's,
+    and the density update re-planned only where the re-plan is predicted faster with the loop terms and on compute
+    alone (at the eighteenth session's profile it was kept: its compute was predicted slower; with the loop terms
+    measured in the nineteenth it is predicted faster both ways and runs)."""
     import importlib.util
     import json
     from pathlib import Path
@@ -112,4 +114,6 @@ def test_bench_plan_only_replan_not_slower(tmp_path):
     r = json.loads(out.read_text())
     assert r["default/replan"]["predicted_tokens_per_s"] >= r["default/sparse"]["predicted_tokens_per_s"], r
     (u,) = r["default/replan"]["density_updates"]
-    assert u["kept"] and u["predicted_compute_tokens_per_s"]["kept"] > u["predicted_compute_tokens_per_s"]["replan"]
+    faster = (u["predicted_tokens_per_s"]["replan"] >= u["predicted_tokens_per_s"]["kept"]
+              and u["predicted_compute_tokens_per_s"]["replan"] >= u["predicted_compute_tokens_per_s"]["kept"])
+    assert u["kept"] == (not faster), u

@@ -19,8 +19,10 @@ keeps its bf16 input. The forward runs the same kernels on the same values; the 
 gradients match an fp64 reference as closely (``tests/test_lean_backward.py``,
 ``tests/gpu/test_lean_backward_gpu.py``).
 Measured: the GELU and LayerNorm sites took a whole block from 89.1 to 68.7 KiB per token (H200, bench/RESULTS.md,
-eighteenth session), so the memory-bounded planner checkpoints fewer blocks. ``DS_ADAPTIVE_LEAN_BACKWARD=0`` turns it
-all off (the plain modules), for A/Bs.
+eighteenth session), so the memory-bounded planner checkpoints fewer blocks; with the norm inputs, 59.7 KiB per token
+(nineteenth session). ``DS_ADAPTIVE_LEAN_BACKWARD`` picks what runs, for same-sample A/Bs of each part's compute:
+``1`` everything (the default), ``gelu`` the GELU and LayerNorm sites only (the norms' outputs kept), ``0`` nothing
+(the plain modules).
 """
 from __future__ import annotations
 
@@ -31,22 +33,35 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["ENV", "enabled", "RecomputedInput", "RecomputingLinear", "linear_on", "recomputed_input_linear",
+__all__ = ["ENV", "LEVELS", "enabled", "norm_inputs", "RecomputedInput", "RecomputingLinear", "linear_on", "recomputed_input_linear",
            "flat_linear", "gelu_tanh", "gelu_tanh_linear", "gelu_tanh_linear_reference", "fp32_layer_norm",
            "fp32_layer_norm_reference"]
 
 
-#: "0" turns the recomputation off (the plain modules keep their inputs and outputs, as before it existed), for A/Bs
+#: what recomputes in the backward: "1" every site (the default), "gelu" the FFN's GELU and the fp32 LayerNorm's cast
+#: only (the norms' outputs are kept, as at 273bf38), "0" nothing (the plain modules, as before it existed); for A/Bs
 ENV = "DS_ADAPTIVE_LEAN_BACKWARD"
+LEVELS = ("1", "gelu", "0")
+
+
+def _level() -> str:
+    value = os.environ.get(ENV, "1")
+    if value not in LEVELS:
+        raise ValueError(f"{ENV}={value!r}: expected 1 (recompute cheap inputs in the backward, the default), gelu "
+                         f"(the GELU and LayerNorm sites only) or 0 (keep them all, for an A/B); unset it for the "
+                         f"default")
+    return value
 
 
 def enabled() -> bool:
-    """Whether blocks hand their Linear layers recomputable inputs (``DS_ADAPTIVE_LEAN_BACKWARD``, default "1")."""
-    value = os.environ.get(ENV, "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"{ENV}={value!r}: expected 1 (recompute cheap inputs in the backward, the default) or 0 "
-                         f"(keep them, for an A/B); unset it for the default")
-    return value == "1"
+    """Whether the GELU and LayerNorm sites recompute (``DS_ADAPTIVE_LEAN_BACKWARD`` 1 or gelu; default 1)."""
+    return _level() != "0"
+
+
+def norm_inputs() -> bool:
+    """Whether the Linear layers after a norm keep the norm's input and recompute its output
+    (``DS_ADAPTIVE_LEAN_BACKWARD`` 1, the default)."""
+    return _level() == "1"
 
 
 def gelu_tanh(h: torch.Tensor) -> torch.Tensor:

@@ -421,7 +421,7 @@ class WanBlock(nn.Module):
         # may take them (no ZeRO-3 hooks on them), the adaLN ones only with per-sample modulation (per token, the
         # Linear would keep the [B, S, D] shift and scale instead: more than the output it saves)
         lean = torch.is_grad_enabled() and lean_backward.enabled()
-        lazy_norm = lean and not self._hooked_children()
+        lazy_norm = lean and lean_backward.norm_inputs() and not self._hooked_children()
         lazy_ln = lazy_norm and time_mod.dim() == 3
         y = self.self_attn(self._ln_modulate(x, shift1, scale1, lazy_ln), freqs, self.attn_fn, **attn_kwargs)
         x = self.residual(x, y, gate1)
