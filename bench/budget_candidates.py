@@ -4,6 +4,7 @@ gradient accumulation, micro-steps and predicted tokens/s, under the profile's t
     python bench/budget_candidates.py --out bench/out/budget_candidates.json
     python bench/budget_candidates.py --loop 220 910 --loop 35.4 66.4   (one column per pair of loop terms:
                                                                           ms per micro-step, ms per optimizer step)
+    python bench/budget_candidates.py --checkpoint-attention keep   (the config's auto plans both and takes the faster)
 
 The trainer's planning on one GPU: ``launch/configs/zero3_adaptive.json``'s sampler (dual, calibrated, m_mem /
 m_comp / gas auto), the embedded synthetic dataset (10,000 samples, seed 0), the fused LayerNorm-modulate path and
@@ -23,20 +24,22 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def choice_for(profile, gpu_mem_gib: float, samples: int):
+def choice_for(profile, gpu_mem_gib: float, samples: int, checkpoint_attention: str = "auto"):
     from ds_adaptive.balance.sampler import build_batch_sampler
     from ds_adaptive.config import SamplerConfig
     from ds_adaptive.data.synthetic import SyntheticLatentDataset
     from ds_adaptive.layout import Layout
 
     cfg = json.loads((ROOT / "launch" / "configs" / "zero3_adaptive.json").read_text())["adaptive_load"]["sampler"]
+    cfg = {**cfg, "checkpoint_attention": checkpoint_attention}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        s = build_batch_sampler(SamplerConfig.model_validate(cfg), SyntheticLatentDataset(samples, seed=0).sample_shapes(),
-                                Layout.explicit(dp_size=1, sp_size=1), micro_steps_per_step="auto",
+        shapes = SyntheticLatentDataset(samples, seed=0).sample_shapes()
+        s = build_batch_sampler(SamplerConfig.model_validate(cfg), shapes, Layout.explicit(dp_size=1, sp_size=1),
+                                micro_steps_per_step="auto",
                                 gpu_mem_gib=gpu_mem_gib, model_name="wan2.1-1.3b", zero_stage=3, ln_modulate="fused",
                                 profile=profile, per_token_timesteps=False, block_fusion="regions")
-    return s.budget_choice
+    return s.budget_choice, s.cost.checkpoint_attention
 
 
 def main(argv=None) -> int:
@@ -48,14 +51,18 @@ def main(argv=None) -> int:
     p.add_argument("--samples", type=int, default=10000)
     p.add_argument("--loop", nargs=2, type=float, action="append", metavar=("MICRO_MS", "STEP_MS"),
                    help="training-loop terms to plan with (repeatable; default: the profile's own)")
+    p.add_argument("--checkpoint-attention", choices=("auto", "recompute", "keep"), default="auto",
+                   help="sampler.checkpoint_attention to plan with (auto: the one predicted faster, as the trainer)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     base = load_profile(a.profile)
-    arms = {}
+    arms, attention = {}, {}
     for micro, step in a.loop or [(base.micro_step_overhead_ms, base.optimizer_step_overhead_ms)]:
         raw = copy.deepcopy(base.raw)
         raw.setdefault("train_overheads", {}).update(micro_step_ms=micro, optimizer_step_ms=step, source="measured")
-        arms[f"{micro:g} / {step:g} ms"] = choice_for(Profile.from_dict(raw, where=a.profile), a.gpu_mem_gib, a.samples)
+        name = f"{micro:g} / {step:g} ms"
+        arms[name], attention[name] = choice_for(Profile.from_dict(raw, where=a.profile), a.gpu_mem_gib, a.samples,
+                                                 a.checkpoint_attention)
     names = list(arms)
     rows = [c["m_comp"] for c in arms[names[0]].candidates]
     print(f"{'m_comp ms':>10} {'gas':>4} {'micro-steps':>11} " + " ".join(f"{'tok/s at ' + n:>22}" for n in names))
@@ -65,13 +72,13 @@ def main(argv=None) -> int:
         print(f"{m:>10.0f} {c0['micro_steps_per_step']:>4} {c0['micro_steps']:>11} " + " ".join(marks))
     for n in names:
         c = arms[n]
-        print(f"loop terms {n}: chosen m_comp {c.m_comp:.0f} ms at gas {c.micro_steps_per_step} (* above), predicted "
-              f"{c.predicted_tokens_per_s:,.0f} tokens/s, {c.predicted_tokens_per_s / c.equal_token_tokens_per_s:.3f}x "
-              "the equal-token plan")
+        print(f"loop terms {n}, checkpoint_attention {attention[n]}: chosen m_comp {c.m_comp:.0f} ms at gas "
+              f"{c.micro_steps_per_step} (* above), predicted {c.predicted_tokens_per_s:,.0f} tokens/s, "
+              f"{c.predicted_tokens_per_s / c.equal_token_tokens_per_s:.3f}x the equal-token plan")
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps({"profile": a.profile, "arms": {n: c.describe() for n, c in arms.items()}},
-                                          indent=1))
+        out = {n: {**c.describe(), "checkpoint_attention": attention[n]} for n, c in arms.items()}
+        Path(a.out).write_text(json.dumps({"profile": a.profile, "arms": out}, indent=1))
     return 0
 
 

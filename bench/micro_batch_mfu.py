@@ -59,8 +59,8 @@ def main(argv=None) -> int:
         print(f"{t['run']}  (summary MFU {100 * (t['summary_mfu'] or 0):.1f}%)")
         print(f"  {'shape':<13} {'B':>3} {'ckpt':>4} {'micro':>5} {'compute ms':>10} {'MFU':>6}")
         for r in t["rows"]:
-            print(f"  {r['shape']:<13} {r['B']:>3} {r['ckpt_blocks']:>4} {r['micro_steps']:>5} {r['compute_ms']:>10.0f} "
-                  f"{100 * r['mfu']:>5.1f}%")
+            print(f"  {r['shape']:<13} {r['B']:>3} {r['ckpt_blocks']:>4} {r['micro_steps']:>5} "
+                  f"{r['compute_ms']:>10.0f} {100 * r['mfu']:>5.1f}%")
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(tables, indent=1))

@@ -69,13 +69,16 @@ class SamplerConfig(_Block):
     for its activations to fit `m_mem` (from the plan; the cost model adds their recompute), `all`
     every block, `none` no block. The trainer's `--grad-ckpt [auto|all|none]` overrides it."""
 
-    checkpoint_attention: Literal["recompute", "keep"] = "recompute"
+    checkpoint_attention: Literal["auto", "recompute", "keep"] = "auto"
     """What a checkpointed block runs again in backward: `recompute` its whole forward (self-attention
     included), `keep` everything but the self-attention core, whose output and log-sum-exp it holds
     (2 x dim + 4 x heads bytes per token per checkpointed block: 3 KiB at Wan 1.3B) so the attention
     forward runs once. The planner counts both sides: the smaller recompute in the cost (the dense
     layers' quadratic recompute term goes) and the bytes in the memory plan. Only the fused SDPA
-    attention is kept (a sparse layer's kernel is recomputed). Gradients are the same."""
+    attention is kept (a sparse layer's kernel is recomputed). Gradients are the same. `auto`: where the
+    throughput-optimal budget search runs (`mode: dual`, `cost_model: calibrated`, `checkpointing: auto`,
+    a model that can keep it) it plans both and runs the one with the higher predicted tokens/s (ties:
+    `recompute`; the launcher's notes give both predictions); elsewhere `recompute`."""
 
     m_comp: Union[float, Literal["auto"]] = "auto"
     """Compute budget per micro-batch per GPU, in the cost model's unit (ms for `calibrated`,

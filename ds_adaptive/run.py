@@ -145,7 +145,7 @@ def build_run(cfg: RunConfig, *, layout: Optional[Layout] = None, device: Option
                              sparse_cost=sparse_cost, device=device, meta=meta, adapter_params=adapters)
     model = _build_model(cfg, preset, model_config, ds_config, meta=meta)
     notes.extend(_leaf_blocks(model, cfg.adaptive_load, _zero_stage(ds_config)))
-    notes.extend(_checkpoint_attention(model, cfg.adaptive_load.sampler, t.model))
+    notes.extend(_checkpoint_attention(model, cfg.adaptive_load.sampler, sampler.cost.checkpoint_attention, t.model))
     if not meta:
         notes.extend(_block_fusion(model, cfg.adaptive_load.block_fusion, t.model))
     if t.init_from and not meta:
@@ -300,13 +300,16 @@ def _capability(model, method: str, model_name: str, asked: str, lacking: str):
     return fn
 
 
-def _checkpoint_attention(model, sampler_cfg, model_name: str) -> list:
-    """``sampler.checkpoint_attention`` on the model (a family's model that can keep its attention core in a
-    checkpointed block offers ``set_checkpoint_attention``); the launcher's note, if any."""
-    mode = sampler_cfg.checkpoint_attention
+def _checkpoint_attention(model, sampler_cfg, mode: str, model_name: str) -> list:
+    """``sampler.checkpoint_attention`` as the sampler resolved it (``mode``: ``auto`` planned both) on the model (a
+    family's model that can keep its attention core in a checkpointed block offers ``set_checkpoint_attention``);
+    the launcher's note, if any."""
     if mode == "recompute":
         return []
-    _capability(model, "set_checkpoint_attention", model_name, f"adaptive_load.sampler.checkpoint_attention is '{mode}'",
+    asked = sampler_cfg.checkpoint_attention
+    _capability(model, "set_checkpoint_attention", model_name,
+                f"adaptive_load.sampler.checkpoint_attention is '{asked}'" + (f" (planned '{mode}')" if asked != mode
+                                                                             else ""),
                 "cannot keep its attention in a checkpointed block; set it to 'recompute'")(mode)
     if sampler_cfg.checkpointing == "none":
         return ["note: adaptive_load.sampler.checkpoint_attention 'keep' does nothing with checkpointing 'none' "

@@ -188,3 +188,72 @@ def test_the_recompute_takes_the_kept_outputs_in_order_and_names_a_mismatch():
         assert torch.equal(a, first) and torch.equal(b, second)
         with pytest.raises(RuntimeError, match="called its self-attention core 3 time"):
             F.scaled_dot_product_attention(q, k, v)
+
+
+def _default_job_sampler(mode, **kw):
+    import warnings
+
+    from ds_adaptive.balance.sampler import build_batch_sampler
+    from ds_adaptive.config import SamplerConfig
+    from ds_adaptive.data.synthetic import SyntheticLatentDataset
+    from ds_adaptive.layout import Layout
+
+    cfg = {"mode": "dual", "cost_model": "calibrated", "profile": H200, "m_mem": "auto", "m_comp": "auto",
+           "checkpoint_attention": mode, **kw}
+    logs = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        s = build_batch_sampler(SamplerConfig.model_validate(cfg), SyntheticLatentDataset(3000, seed=0).sample_shapes(),
+                                Layout.explicit(dp_size=1), micro_steps_per_step="auto", gpu_mem_gib=139.8,
+                                model_name="wan2.1-1.3b", zero_stage=3, ln_modulate="fused", block_fusion="regions",
+                                profile_log=logs.append)
+    return s, logs
+
+
+def test_auto_plans_both_and_runs_the_one_predicted_faster():
+    """The default job's mix on the H200 profile: ``auto`` plans keep and recompute and runs the higher predicted
+    tokens/s (keep there: its long clips checkpoint blocks whose attention is most of their recompute)."""
+    auto, logs = _default_job_sampler("auto")
+    keep, _ = _default_job_sampler("keep")
+    rec, _ = _default_job_sampler("recompute")
+    tps = {m: s.budget_choice.predicted_tokens_per_s for m, s in (("keep", keep), ("recompute", rec))}
+    pick = max(tps, key=tps.get)
+    assert auto.cost.checkpoint_attention == pick == "keep"
+    ref = keep if pick == "keep" else rec
+    assert auto.budget_choice.predicted_tokens_per_s == tps[pick]
+    assert (auto.budget_choice.m_comp, auto.micro_steps_per_step) == (ref.budget_choice.m_comp, ref.micro_steps_per_step)
+    assert np.array_equal(auto.plan.batch_ckpt, ref.plan.batch_ckpt)
+    (line,) = [x for x in logs if "checkpoint_attention auto" in x]
+    assert f"auto -> {pick}" in line and f"{tps['keep']:,.0f}" in line and f"{tps['recompute']:,.0f}" in line
+
+
+def test_auto_recomputes_without_the_budget_search_or_a_family_that_can_keep(monkeypatch):
+    fixed, logs = _default_job_sampler("auto", m_comp=4000.0)   # no search: nothing to compare
+    assert fixed.cost.checkpoint_attention == "recompute" and not any("checkpoint_attention" in x for x in logs)
+    import dataclasses
+
+    import ds_adaptive.balance.sampler as sampler_mod
+
+    real = sampler_mod.get_model
+
+    def no_keep(name):
+        m = real(name)
+        return dataclasses.replace(m, family=dataclasses.replace(m.family, keeps_attention=False))
+
+    monkeypatch.setattr(sampler_mod, "get_model", no_keep)
+    plain, logs = _default_job_sampler("auto")
+    assert plain.cost.checkpoint_attention == "recompute" and not any("checkpoint_attention" in x for x in logs)
+
+
+def test_build_run_applies_the_planned_mode_to_the_model():
+    from ds_adaptive.layout import Layout
+    from ds_adaptive.run import build_run
+    from ds_adaptive.run_config import RunConfig
+
+    cfg = RunConfig.load(str(ROOT / "launch" / "configs" / "zero3_adaptive.json"),
+                         trainer={"model": "wan2.1-1.3b", "num_samples": 3000},
+                         overrides={"sampler.profile": H200})
+    assert cfg.adaptive_load.sampler.checkpoint_attention == "auto"   # the default
+    run = build_run(cfg, layout=Layout.for_world(1, 1), meta=True, gpu_mem_gib=139.8)
+    assert run.model.checkpoint_attention == run.sampler.cost.checkpoint_attention
+    assert any("checkpoint_attention auto -> " + run.model.checkpoint_attention in n for n in run.notes), run.notes

@@ -34,7 +34,7 @@ import numpy as np
 
 from ds_adaptive.config import SamplerConfig
 from ds_adaptive.layout import Layout
-from ds_adaptive.balance.budget import plan_tokens_per_s
+from ds_adaptive.balance.budget import plan_tokens_per_s, uses_budget_search
 from ds_adaptive.balance.cost import CostModel, Profile, load_profile
 from ds_adaptive.balance.devices import calibrate_hint, resolve_auto_profile
 from ds_adaptive.balance.planner import (EpochPlan, OversizeSampleError, PlanError, PlannerParams, StepTotals,
@@ -488,6 +488,28 @@ def _run_profile(sampler_cfg: SamplerConfig, profile: Optional[Profile], model, 
     return profile
 
 
+def _checkpoint_attention_plan(sampler_cfg: SamplerConfig, mode: str, model, plan_with, profile_log):
+    """``(cost, budgets)`` of ``plan_with(attention)`` for ``sampler.checkpoint_attention``; ``auto``: both modes where
+    the budget search runs (``dual``, calibrated, checkpointing ``auto``, a family that can keep its attention, or
+    no model: planning on paper), the one with the higher predicted tokens/s (ties: ``recompute``), with a line
+    to ``profile_log``; elsewhere ``recompute``."""
+    if sampler_cfg.checkpoint_attention != "auto":
+        return plan_with(sampler_cfg.checkpoint_attention)
+    cost, budgets = plan_with("recompute")
+    if not (uses_budget_search(cost, mode) and (model is None or model.family.keeps_attention)
+            and budgets.get("budget_choice") is not None):
+        return cost, budgets
+    keep_cost, keep_budgets = plan_with("keep")
+    tps = {"recompute": budgets["budget_choice"].predicted_tokens_per_s,
+           "keep": keep_budgets["budget_choice"].predicted_tokens_per_s}
+    pick = "keep" if tps["keep"] > tps["recompute"] else "recompute"
+    if profile_log is not None:
+        profile_log(f"sampler.checkpoint_attention auto -> {pick}: the budget search predicts {tps['keep']:,.0f} "
+                    f"tokens/s with checkpointed blocks keeping their self-attention output, {tps['recompute']:,.0f} "
+                    "recomputing it")
+    return (keep_cost, keep_budgets) if pick == "keep" else (cost, budgets)
+
+
 def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape], layout: Layout, *,
                         micro_steps_per_step: "int | str", enabled: bool = True, gpu_mem_gib: Optional[float] = None,
                         model_name: Optional[str] = None, zero_stage: Optional[int] = None,
@@ -536,16 +558,19 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
     num_heads = int(model.config().num_heads) if model is not None else None
     if sparse is not None and num_layers is not None and sparse.densities.num_layers != profile.num_layers:
         sparse = sparse.with_densities(sparse.densities.with_num_layers(profile.num_layers))
-    cost = CostModel(profile, sampler_cfg.cost_model, p=sampler_cfg.p, sp=layout.sp_size, num_heads=num_heads,
-                     sparse=sparse, checkpointing=checkpointing or sampler_cfg.checkpointing,
-                     checkpoint_attention=sampler_cfg.checkpoint_attention)
-    budgets = resolve_budgets(
-        mode=chosen, cost=cost, shapes=shapes, m_mem=sampler_cfg.m_mem, m_comp=sampler_cfg.m_comp,
-        max_tokens=sampler_cfg.max_tokens, gpu_mem_gib=gpu_mem_gib or _detect_gpu_mem_gib(),
-        mem_utilization=sampler_cfg.mem_utilization,
-        zero_stage=sampler_cfg.zero_stage if zero_stage is None else zero_stage, dp_size=layout.dp_size,
-        micro_steps_per_step=micro_steps_per_step, window=sampler_cfg.window,
-        balance_tolerance=sampler_cfg.balance_tolerance, seed=sampler_cfg.seed)
+    def plan_with(attention: str):
+        cost = CostModel(profile, sampler_cfg.cost_model, p=sampler_cfg.p, sp=layout.sp_size, num_heads=num_heads,
+                         sparse=sparse, checkpointing=checkpointing or sampler_cfg.checkpointing,
+                         checkpoint_attention=attention)
+        return cost, resolve_budgets(
+            mode=chosen, cost=cost, shapes=shapes, m_mem=sampler_cfg.m_mem, m_comp=sampler_cfg.m_comp,
+            max_tokens=sampler_cfg.max_tokens, gpu_mem_gib=gpu_mem_gib or _detect_gpu_mem_gib(),
+            mem_utilization=sampler_cfg.mem_utilization,
+            zero_stage=sampler_cfg.zero_stage if zero_stage is None else zero_stage, dp_size=layout.dp_size,
+            micro_steps_per_step=micro_steps_per_step, window=sampler_cfg.window,
+            balance_tolerance=sampler_cfg.balance_tolerance, seed=sampler_cfg.seed)
+
+    cost, budgets = _checkpoint_attention_plan(sampler_cfg, chosen, model, plan_with, profile_log)
     plan_mode = budgets["plan_mode"] if chosen == "dual" else chosen
     return _CLASSES[chosen](
         shapes, layout, cost, micro_steps_per_step=budgets["micro_steps_per_step"], m_mem=budgets["m_mem"],

@@ -107,5 +107,6 @@ FAMILY = ModelFamily(
     per_token_timesteps=True,   # WanModel takes timestep [B] or [B, S] (diffusers' expand_timesteps)
     transformer_class="WanTransformer3DModel",
     lora_targets=LORA_TARGETS,
+    keeps_attention=True,   # WanModel.set_checkpoint_attention
     per_token_modulation_bytes=per_token_modulation_bytes,
 )

@@ -75,5 +75,6 @@ FAMILY = ModelFamily(
     per_token_timesteps=True,
     transformer_class=WAN21.transformer_class,
     lora_targets=WAN21.lora_targets,   # the same DiT: TI2V-5B's and the A14B experts' block linears
+    keeps_attention=WAN21.keeps_attention,
     per_token_modulation_bytes=WAN21.per_token_modulation_bytes,
 )
