@@ -257,3 +257,19 @@ def test_build_run_applies_the_planned_mode_to_the_model():
     run = build_run(cfg, layout=Layout.for_world(1, 1), meta=True, gpu_mem_gib=139.8)
     assert run.model.checkpoint_attention == run.sampler.cost.checkpoint_attention
     assert any("checkpoint_attention auto -> " + run.model.checkpoint_attention in n for n in run.notes), run.notes
+
+
+def test_auto_does_not_keep_where_keeping_would_lose_a_shape():
+    """Kept attention outputs add bytes to every checkpointed block: a shape that fits ``m_mem`` only with every
+    block recomputing stays trainable (the keep search leaves it out, so its prediction would not count it)."""
+    from ds_adaptive.balance.memory import sample_memory
+    from ds_adaptive.shapes import SampleShape
+
+    longest = SampleShape(81, 720, 1280)
+    rec = sample_memory(_default_job_sampler("recompute")[0].cost, longest)
+    keep = sample_memory(_default_job_sampler("keep")[0].cost, longest)
+    assert keep > rec
+    auto, logs = _default_job_sampler("auto", m_mem=(rec + keep) / 2)
+    assert auto.cost.checkpoint_attention == "recompute"
+    (line,) = [x for x in logs if "checkpoint_attention auto" in x]
+    assert "auto -> recompute" in line and f"{longest} would not fit" in line

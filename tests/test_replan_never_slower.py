@@ -31,10 +31,11 @@ def _densities(layers: int, rho: list[float]) -> DensityMap:
                       dense_layers=dense, source="test")
 
 
-def _sampler(shapes, layers: int, dp: int, gas: int, profile=None):
+def _sampler(shapes, layers: int, dp: int, gas: int, profile=None, checkpoint_attention: str = "auto"):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return build_batch_sampler(SamplerConfig(profile=PROFILE), shapes, Layout.explicit(dp_size=dp),
+        return build_batch_sampler(SamplerConfig(profile=PROFILE, checkpoint_attention=checkpoint_attention), shapes,
+                                   Layout.explicit(dp_size=dp),
                                    micro_steps_per_step=gas, gpu_mem_gib=139.8, model_name="wan2.1-1.3b",
                                    zero_stage=3, num_layers=layers, profile=profile,
                                    sparse=SparseAttentionCost(_densities(layers, [1.0])))
@@ -81,7 +82,7 @@ def test_a_replan_that_only_the_loop_terms_favour_is_not_taken():
     case measured on an H200: 0.931x). Kept."""
     sh = [SampleShape(81, 720, 1280), SampleShape(49, 720, 1280), SampleShape(81, 480, 832)]
     shapes = [sh[i] for i in np.random.default_rng(0).integers(0, 3, 300)]
-    s = _sampler(shapes, 30, 1, 2, profile=_with_loop_terms(220.0, 910.0))
+    s = _sampler(shapes, 30, 1, 2, profile=_with_loop_terms(220.0, 910.0), checkpoint_attention="recompute")
     before = s.plan
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

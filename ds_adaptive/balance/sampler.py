@@ -37,6 +37,7 @@ from ds_adaptive.layout import Layout
 from ds_adaptive.balance.budget import plan_tokens_per_s, uses_budget_search
 from ds_adaptive.balance.cost import CostModel, Profile, load_profile
 from ds_adaptive.balance.devices import calibrate_hint, resolve_auto_profile
+from ds_adaptive.balance.memory import sample_memory
 from ds_adaptive.balance.planner import (EpochPlan, OversizeSampleError, PlanError, PlannerParams, StepTotals,
                                  plan_epoch, resolve_budgets, unique_shapes)
 from ds_adaptive.balance.sparse import DensityMap, SparseAttentionCost, load_densities
@@ -488,11 +489,12 @@ def _run_profile(sampler_cfg: SamplerConfig, profile: Optional[Profile], model, 
     return profile
 
 
-def _checkpoint_attention_plan(sampler_cfg: SamplerConfig, mode: str, model, plan_with, profile_log):
+def _checkpoint_attention_plan(sampler_cfg: SamplerConfig, mode: str, model, shapes, plan_with, profile_log):
     """``(cost, budgets)`` of ``plan_with(attention)`` for ``sampler.checkpoint_attention``; ``auto``: both modes where
     the budget search runs (``dual``, calibrated, checkpointing ``auto``, a family that can keep its attention, or
     no model: planning on paper), the one with the higher predicted tokens/s (ties: ``recompute``), with a line
-    to ``profile_log``; elsewhere ``recompute``."""
+    to ``profile_log``; elsewhere ``recompute``. ``keep`` is not taken where a shape that fits ``m_mem`` with every
+    block recomputing would not fit with the kept attention outputs (its search leaves such samples out)."""
     if sampler_cfg.checkpoint_attention != "auto":
         return plan_with(sampler_cfg.checkpoint_attention)
     cost, budgets = plan_with("recompute")
@@ -500,13 +502,17 @@ def _checkpoint_attention_plan(sampler_cfg: SamplerConfig, mode: str, model, pla
             and budgets.get("budget_choice") is not None):
         return cost, budgets
     keep_cost, keep_budgets = plan_with("keep")
+    m_mem = budgets["m_mem"]
+    lost = [s for s in sorted(set(shapes)) if sample_memory(keep_cost, s) > m_mem >= sample_memory(cost, s)]
     tps = {"recompute": budgets["budget_choice"].predicted_tokens_per_s,
            "keep": keep_budgets["budget_choice"].predicted_tokens_per_s}
-    pick = "keep" if tps["keep"] > tps["recompute"] else "recompute"
+    pick = "keep" if tps["keep"] > tps["recompute"] and not lost else "recompute"
     if profile_log is not None:
+        why = (f" (keeping it, {lost[0]} would not fit m_mem {m_mem:.2f} GiB even with every block checkpointed)"
+               if lost else "")
         profile_log(f"sampler.checkpoint_attention auto -> {pick}: the budget search predicts {tps['keep']:,.0f} "
                     f"tokens/s with checkpointed blocks keeping their self-attention output, {tps['recompute']:,.0f} "
-                    "recomputing it")
+                    f"recomputing it{why}")
     return (keep_cost, keep_budgets) if pick == "keep" else (cost, budgets)
 
 
@@ -570,7 +576,7 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
             micro_steps_per_step=micro_steps_per_step, window=sampler_cfg.window,
             balance_tolerance=sampler_cfg.balance_tolerance, seed=sampler_cfg.seed)
 
-    cost, budgets = _checkpoint_attention_plan(sampler_cfg, chosen, model, plan_with, profile_log)
+    cost, budgets = _checkpoint_attention_plan(sampler_cfg, chosen, model, shapes, plan_with, profile_log)
     plan_mode = budgets["plan_mode"] if chosen == "dual" else chosen
     return _CLASSES[chosen](
         shapes, layout, cost, micro_steps_per_step=budgets["micro_steps_per_step"], m_mem=budgets["m_mem"],
