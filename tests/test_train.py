@@ -237,6 +237,7 @@ def test_two_rank_zero3_run_and_resume_equivalence(tmp_path, cpu_config, run_ran
     straight = _summary(tmp_path / "straight")
     assert straight["steps"] == 4 and straight["world_size"] == 2 and straight["final_step"] == 4
     assert straight["sampler"] == "AdaptiveBatchSampler" and straight["adaptive_load"] is True
+    assert straight["checkpoint_attention"] == "recompute"   # auto without the budget search (cost_model power)
     assert straight["samples"] > 8 and straight["tokens"] > 0 and straight["tokens_per_s"] > 0
     logged = [json.loads(x) for x in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
     assert all(len(r["compute_ms"]) == 2 and len(r["samples_per_rank"]) == 2 for r in logged)
