@@ -14,7 +14,6 @@ explains a plan choice; what a plan trains at is the trainer's figure (``launch/
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import sys
 import warnings
@@ -43,7 +42,7 @@ def choice_for(profile, gpu_mem_gib: float, samples: int, checkpoint_attention: 
 
 
 def main(argv=None) -> int:
-    from ds_adaptive.balance.cost import Profile, load_profile
+    from ds_adaptive.balance.cost import load_profile
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--profile", default="h200-wan2.1-1.3b")
@@ -58,10 +57,8 @@ def main(argv=None) -> int:
     base = load_profile(a.profile)
     arms, attention = {}, {}
     for micro, step in a.loop or [(base.micro_step_overhead_ms, base.optimizer_step_overhead_ms)]:
-        raw = copy.deepcopy(base.raw)
-        raw.setdefault("train_overheads", {}).update(micro_step_ms=micro, optimizer_step_ms=step, source="measured")
         name = f"{micro:g} / {step:g} ms"
-        arms[name], attention[name] = choice_for(Profile.from_dict(raw, where=a.profile), a.gpu_mem_gib, a.samples,
+        arms[name], attention[name] = choice_for(base.with_train_overheads(micro, step), a.gpu_mem_gib, a.samples,
                                                  a.checkpoint_attention)
     names = list(arms)
     rows = [c["m_comp"] for c in arms[names[0]].candidates]

@@ -70,16 +70,14 @@ def fit_outside(rows: list[dict], runs: Optional[list[str]] = None) -> dict:
     ``rows`` (of the named ``runs`` only, when given): the training loop's own time per micro-step (the DataLoader,
     the engine's non-boundary ``step()``, host work) and per optimizer step, measured apart from the cost model,
     whose error (the compute windows over the calibrated cost) the fits of ``wall - cost`` book as loop time."""
-    import numpy as np
+    from memory_report import fit_overheads
 
     use = [r for r in rows if runs is None or r["run"] in runs]
-    if len({r["micro"] for r in use}) < 2:
-        return {"note": "needs runs with different micro-steps per step"}
-    micro = np.array([r["micro"] for r in use], float)
-    out = np.array([r["wall_ms"] - r["compute_ms"] for r in use])
-    (tm, ts), *_ = np.linalg.lstsq(np.stack([micro, np.ones_like(micro)], 1), out, rcond=None)
-    return {"steps": len(use), "runs": sorted({r["run"] for r in use}), "micro_step_ms": float(tm),
-            "optimizer_step_ms": float(ts),
+    fit = fit_overheads([{**r, "cost_ms": r["compute_ms"]} for r in use])   # its wall - cost, with compute as cost
+    if "micro_step_ms" not in fit:
+        return fit
+    return {"steps": len(use), "runs": sorted({r["run"] for r in use}), "micro_step_ms": fit["micro_step_ms"],
+            "optimizer_step_ms": fit["optimizer_step_ms"],
             "compute_over_cost": float(sum(r["compute_ms"] for r in use) / sum(r["cost_ms"] for r in use))}
 
 

@@ -153,3 +153,16 @@ def test_density_updates_keep_the_policy_and_re_search_at_the_same_gas():
     # "never slower than the baseline"; a dual plan keeps solo_over_budget)
     assert s.cost.checkpointing == "auto" and (s.params.mode == "tokens" or s.params.solo_over_budget)
     assert s.micro_steps_per_step == gas and s.budget_choice.micro_steps_per_step == gas   # DeepSpeed's gas is fixed
+
+
+def test_with_train_overheads_replaces_the_loop_terms_and_survives_a_rescale():
+    from ds_adaptive.balance.cost import load_profile
+
+    base = load_profile("h200-wan2.1-1.3b")
+    p = base.with_train_overheads(220.0, 910.0)
+    assert (p.micro_step_overhead_ms, p.optimizer_step_overhead_ms) == (220.0, 910.0)
+    assert (base.micro_step_overhead_ms, base.optimizer_step_overhead_ms) == (35.4, 66.4)   # unchanged
+    assert p.c0_ms == base.c0_ms and p.block_full_gib == base.block_full_gib
+    half = p.with_num_layers(15)   # rescales the new terms by the parameter ratio, as the shipped ones
+    ratio = half.params / p.params
+    assert half.micro_step_overhead_ms == pytest.approx(220.0 * ratio)

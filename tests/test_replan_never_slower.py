@@ -6,14 +6,13 @@ update (the same samples: the rest of the epoch). Random shape mixes, densities,
 accumulation, on the shipped H200 profile (with its calibrated selection cost)."""
 from __future__ import annotations
 
-import copy
 import warnings
 
 import numpy as np
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from ds_adaptive.balance.budget import plan_tokens_per_s
-from ds_adaptive.balance.cost import Profile, load_profile
+from ds_adaptive.balance.cost import load_profile
 from ds_adaptive.balance.sampler import build_batch_sampler
 from ds_adaptive.balance.sparse import DensityMap, SparseAttentionCost
 from ds_adaptive.config import SamplerConfig
@@ -41,11 +40,6 @@ def _sampler(shapes, layers: int, dp: int, gas: int, profile=None, checkpoint_at
                                    sparse=SparseAttentionCost(_densities(layers, [1.0])))
 
 
-def _with_loop_terms(micro_step_ms: float, optimizer_step_ms: float) -> Profile:
-    """The shipped profile with other training-loop terms (``train_overheads``)."""
-    raw = copy.deepcopy(load_profile(PROFILE).raw)
-    raw["train_overheads"].update(micro_step_ms=micro_step_ms, optimizer_step_ms=optimizer_step_ms)
-    return Profile.from_dict(raw, where="test profile")
 
 
 def _replan_vs_keep(shapes, layers, dp, gas, rho, at_step):
@@ -82,7 +76,8 @@ def test_a_replan_that_only_the_loop_terms_favour_is_not_taken():
     case measured on an H200: 0.931x). Kept."""
     sh = [SampleShape(81, 720, 1280), SampleShape(49, 720, 1280), SampleShape(81, 480, 832)]
     shapes = [sh[i] for i in np.random.default_rng(0).integers(0, 3, 300)]
-    s = _sampler(shapes, 30, 1, 2, profile=_with_loop_terms(220.0, 910.0), checkpoint_attention="recompute")
+    old_loop = load_profile(PROFILE).with_train_overheads(220.0, 910.0)
+    s = _sampler(shapes, 30, 1, 2, profile=old_loop, checkpoint_attention="recompute")
     before = s.plan
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

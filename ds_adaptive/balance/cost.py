@@ -503,6 +503,15 @@ class Profile:
         out = Profile.from_dict(d, where=f"{self.name} at {num_layers} blocks")
         return dataclasses.replace(out, rescaled_from_layers=self.rescaled_from_layers or L0)
 
+    def with_train_overheads(self, micro_step_ms: float, optimizer_step_ms: float) -> "Profile":
+        """The same calibration with other training-loop terms (``train_overheads``: ms per micro-step and per
+        optimizer step), e.g. to see how they move the budget search (``bench/budget_candidates.py``)."""
+        d = copy.deepcopy(dict(self.raw))
+        d["train_overheads"] = {**d.get("train_overheads", {}), "micro_step_ms": float(micro_step_ms),
+                                "optimizer_step_ms": float(optimizer_step_ms), "source": "measured"}
+        return dataclasses.replace(self, raw=d, micro_step_overhead_ms=float(micro_step_ms),
+                                   optimizer_step_overhead_ms=float(optimizer_step_ms), overhead_source="measured")
+
     def with_adapter_params(self, adapter_params: Optional[int]) -> "Profile":
         """The same calibration for a LoRA run: ``adapter_params`` parameters are added to the model and are
         the only trained ones (gradients and optimizer state); the model's own parameters are frozen and keep

@@ -33,8 +33,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["ENV", "LEVELS", "enabled", "norm_inputs", "RecomputedInput", "RecomputingLinear", "linear_on", "recomputed_input_linear",
-           "flat_linear", "gelu_tanh", "gelu_tanh_linear", "gelu_tanh_linear_reference", "fp32_layer_norm",
+__all__ = ["ENV", "LEVELS", "enabled", "norm_inputs", "RecomputedInput", "RecomputingLinear", "linear_on",
+           "recomputed_input_linear", "flat_linear", "gelu_tanh", "gelu_tanh_linear", "gelu_tanh_linear_reference", "fp32_layer_norm",
            "fp32_layer_norm_reference"]
 
 
