@@ -123,6 +123,23 @@ _RANK_MAIN = Path(__file__).resolve().parent / "_rank_main.py"
 
 
 def _free_port() -> int:
+    """A port that binds now, drawn below the kernel's ephemeral range: the gloo connections and TCPStore clients
+    of jobs running alongside (xdist workers) take ephemeral ports, and one of them could take a port picked there
+    before this job's rank 0 binds it."""
+    import random
+
+    lo = 20000
+    try:
+        hi = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        hi = 32768
+    for port in [random.randrange(lo, hi) for _ in range(50)] if hi > lo + 1000 else []:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -163,24 +180,72 @@ def _launch_once(argv: list[str], world: int, *, cwd: Path, timeout: float, env:
             return zygote.run(argv, envs, cwd=cwd, timeout=timeout, what=what)
         finally:
             _remove_shm(f"{_SHM_GLOB}_127.0.0.1_{port}_*")
-    procs = []
-    for e in envs:
-        procs.append(subprocess.Popen([sys.executable, str(_RANK_MAIN), *argv], cwd=cwd, env=e,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    deadline = time.monotonic() + timeout
-    results = []
+    outdir = Path(tempfile.mkdtemp(prefix="ranks_"))
+    procs, logs = [], [outdir / f"rank{rank}.log" for rank in range(world)]
     try:
-        for p in procs:
-            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            results.append(subprocess.CompletedProcess(p.args, p.returncode, out, ""))
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        outs = "\n".join(f"--- rank {i} ---\n{p.communicate()[0][-4000:]}" for i, p in enumerate(procs))
-        pytest.fail(f"{world}-rank job `{what}` timed out after {timeout} s\n{outs}")
+        for e, log in zip(envs, logs):
+            with open(log, "w") as f:
+                procs.append(subprocess.Popen([sys.executable, str(_RANK_MAIN), *argv], cwd=cwd, env=e,
+                                              stdout=f, stderr=subprocess.STDOUT, text=True))
+        ends = _Ends(time.monotonic() + timeout)
+        while not ends.over(len([p for p in procs if p.poll() is not None]), len(procs)):
+            ends.failed(any(p.returncode not in (None, 0) for p in procs))
+            time.sleep(0.1)
+        for p in procs:   # left running past the deadline, or after another rank failed
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        outs = [log.read_text(errors="replace") for log in logs]
+        if ends.timed_out:
+            _fail_timeout(what, timeout, outs)
+        return [subprocess.CompletedProcess(p.args, p.returncode, out, "") for p, out in zip(procs, outs)]
     finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        _remove_dir(outdir)
         _remove_shm(f"{_SHM_GLOB}_127.0.0.1_{port}_*")  # this job's ranks have exited (or were killed)
-    return results
+
+
+#: seconds the other ranks get to print their own errors after one rank failed; then they are killed. A rank that
+#: failed leaves the others waiting in a rendezvous or a collective (its rendezvous port taken, say), and the job
+#: would otherwise run to its timeout, with no retry on a new port.
+FAILED_RANK_GRACE_S = 15.0
+
+
+class _Ends:
+    """When a job's wait ends: every rank exited, the timeout passed, or ``FAILED_RANK_GRACE_S`` after a rank
+    failed (``timed_out`` only for the timeout)."""
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline, self.timed_out, self.grace = deadline, False, False
+
+    def failed(self, any_failed: bool) -> None:
+        if any_failed and not self.grace:
+            self.deadline = min(self.deadline, time.monotonic() + FAILED_RANK_GRACE_S)
+            self.grace = True
+
+    def over(self, exited: int, world: int) -> bool:
+        if exited == world:
+            return True
+        if time.monotonic() >= self.deadline:
+            self.timed_out = not self.grace
+            return True
+        return False
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+def _fail_timeout(what: str, timeout: float, outs: list[str]) -> None:
+    text = "\n".join(f"--- rank {i} ---\n{out[-4000:]}" for i, out in enumerate(outs))
+    pytest.fail(f"{len(outs)}-rank job `{what}` timed out after {timeout} s\n{text}")
+
+
+def _remove_dir(path: Path) -> None:
+    for f in path.iterdir():
+        f.unlink()
+    path.rmdir()
 
 
 #: environment keys a rank may set differently from the fork server's (read at run time, not at import)
@@ -248,37 +313,38 @@ class _RankZygote:
             self.proc.stdin.write((json.dumps(req) + "\n").encode())
         self.proc.stdin.flush()
         pids, codes = {}, {}
-        deadline = time.monotonic() + timeout
-        while len(codes) < len(envs):
-            msg = self._read(deadline)
-            if msg is None:   # timed out: kill the ranks, keep their output for the message
-                for pid in pids.values():
-                    try:
-                        os.kill(pid, 9)
-                    except ProcessLookupError:
-                        pass
-                while len(codes) < len(pids):
-                    msg = self._read(time.monotonic() + 30)
-                    if msg is None:
-                        break
-                    if "exit" in msg:
-                        codes[msg["exit"]] = msg["code"]
-                outs = "\n".join(f"--- rank {i} ---\n{(outdir / f'rank{i}.log').read_text()[-4000:]}"
-                                 for i in range(len(envs)))
-                pytest.fail(f"{len(envs)}-rank job `{what}` timed out after {timeout} s\n{outs}")
+        ends = _Ends(time.monotonic() + timeout)
+        while not ends.over(len(codes), len(envs)):
+            msg = self._read(time.monotonic() + max(0.0, ends.left()))
+            if msg is None:
+                continue   # the deadline passed: ``over`` ends the wait
             if "pid" in msg:
                 pids[msg["id"]] = msg["pid"]
             elif "exit" in msg:
                 codes[msg["exit"]] = msg["code"]
-        results = []
-        for rank, i in enumerate(ids):
-            log = outdir / f"rank{rank}.log"
-            results.append(subprocess.CompletedProcess([sys.executable, str(_RANK_MAIN), *argv], codes[pids[i]],
-                                                       log.read_text(errors="replace"), ""))
-        for f in outdir.iterdir():
-            f.unlink()
-        outdir.rmdir()
-        return results
+                ends.failed(msg["code"] != 0)
+        self._kill_left(pids, codes)
+        outs = [(outdir / f"rank{rank}.log").read_text(errors="replace") for rank in range(len(envs))]
+        _remove_dir(outdir)
+        if ends.timed_out:
+            _fail_timeout(what, timeout, outs)
+        return [subprocess.CompletedProcess([sys.executable, str(_RANK_MAIN), *argv], codes.get(pids.get(i), -9),
+                                            out, "") for i, out in zip(ids, outs)]
+
+    def _kill_left(self, pids: dict, codes: dict) -> None:
+        """Kill the ranks still running (past the deadline, or after another rank failed) and collect their exits."""
+        for pid in pids.values():
+            if pid not in codes:
+                try:
+                    os.kill(pid, 9)
+                except ProcessLookupError:
+                    pass
+        while len(codes) < len(pids):
+            msg = self._read(time.monotonic() + 30)
+            if msg is None:
+                break
+            if "exit" in msg:
+                codes[msg["exit"]] = msg["code"]
 
 
 _ZYGOTE: list = []   # [server or None], once per process
