@@ -6,6 +6,9 @@ gradient accumulation, micro-steps and predicted tokens/s, under the profile's t
                                                                           ms per micro-step, ms per optimizer step)
     python bench/budget_candidates.py --checkpoint-attention keep   (the config's auto plans both and takes the faster)
 
+A budget under which some shape's largest batch takes more time per sample than a smaller one (it checkpoints more
+blocks) is listed twice: as it is and with each shape's batch capped at its lowest time per sample (``capped``).
+
 The trainer's planning on one GPU: ``launch/configs/zero3_adaptive.json``'s sampler (dual, calibrated, m_mem /
 m_comp / gas auto), the embedded synthetic dataset (10,000 samples, seed 0), the fused LayerNorm-modulate path and
 block fusion ``regions``, on ``--profile`` (default: the shipped H200 1.3B) with ``--gpu-mem-gib`` of memory. It
@@ -61,16 +64,20 @@ def main(argv=None) -> int:
         arms[name], attention[name] = choice_for(base.with_train_overheads(micro, step), a.gpu_mem_gib, a.samples,
                                                  a.checkpoint_attention)
     names = list(arms)
-    rows = [c["m_comp"] for c in arms[names[0]].candidates]
-    print(f"{'m_comp ms':>10} {'gas':>4} {'micro-steps':>11} " + " ".join(f"{'tok/s at ' + n:>22}" for n in names))
-    for i, m in enumerate(rows):
-        c0 = arms[names[0]].candidates[i]
-        marks = [f"{arms[n].candidates[i]['tokens_per_s']:>21,.0f}{'*' if arms[n].m_comp == m else ' '}" for n in names]
-        print(f"{m:>10.0f} {c0['micro_steps_per_step']:>4} {c0['micro_steps']:>11} " + " ".join(marks))
+    keys = sorted({(c["m_comp"], c["efficient_batches"]) for n in names for c in arms[n].candidates})
+    by = {n: {(c["m_comp"], c["efficient_batches"]): c for c in arms[n].candidates} for n in names}
+    print(f"{'m_comp ms':>10} {'capped':>6} {'gas':>4} {'micro-steps':>11} "
+          + " ".join(f"{'tok/s at ' + n:>22}" for n in names))
+    for key in keys:
+        c0 = next(by[n][key] for n in names if key in by[n])
+        marks = [f"{by[n][key]['tokens_per_s']:>21,.0f}" if key in by[n] else f"{'-':>21}" for n in names]
+        marks = [m + ("*" if (arms[n].m_comp, arms[n].efficient_batches) == key else " ") for m, n in zip(marks, names)]
+        print(f"{key[0]:>10.0f} {'yes' if key[1] else '':>6} {c0['micro_steps_per_step']:>4} {c0['micro_steps']:>11} "
+              + " ".join(marks))
     for n in names:
         c = arms[n]
         print(f"loop terms {n}, checkpoint_attention {attention[n]}: chosen m_comp {c.m_comp:.0f} ms at gas "
-              f"{c.micro_steps_per_step} (* above), predicted {c.predicted_tokens_per_s:,.0f} tokens/s, "
+              f"{c.micro_steps_per_step}{', batches capped' if c.efficient_batches else ''} (* above), predicted {c.predicted_tokens_per_s:,.0f} tokens/s, "
               f"{c.predicted_tokens_per_s / c.equal_token_tokens_per_s:.3f}x the equal-token plan")
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -430,6 +430,8 @@ def _check_memory_and_budgets(rep: Report, args: argparse.Namespace, run, n_para
         desc += f", m_comp {b['m_comp']:.4g} {unit} ({'auto' if s.m_comp == 'auto' else 'set'})"
         if run.sampler.params.solo_over_budget:
             desc += " (throughput-optimal; samples over it run alone)"
+        if run.sampler.params.efficient_batches:
+            desc += "; batches capped at their lowest time per sample"
     desc += f", {run.gas} micro-step(s) per optimizer step"
     if mode == "tokens":
         desc += f", max_tokens {b['max_tokens']}"

@@ -91,10 +91,11 @@ class Run:
     @property
     def budgets(self) -> dict:
         """Resolved per-micro-batch budgets: ``m_mem`` GiB, ``m_comp`` (cost unit), ``max_tokens``;
-        ``solo_over_budget``: samples over ``m_comp`` run alone (the throughput-optimal ``m_comp: auto``)."""
+        ``solo_over_budget``: samples over ``m_comp`` run alone (the throughput-optimal ``m_comp: auto``);
+        ``efficient_batches``: its batches are capped at their lowest time per sample."""
         p = self.sampler.params
         return {"m_mem": p.m_mem, "m_comp": p.m_comp, "max_tokens": p.max_tokens, "unit": self.cost.unit,
-                "solo_over_budget": p.solo_over_budget}
+                "solo_over_budget": p.solo_over_budget, "efficient_batches": p.efficient_batches}
 
     @property
     def on_gpu(self) -> bool:

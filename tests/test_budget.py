@@ -166,3 +166,94 @@ def test_with_train_overheads_replaces_the_loop_terms_and_survives_a_rescale():
     half = p.with_num_layers(15)   # rescales the new terms by the parameter ratio, as the shipped ones
     ratio = half.params / p.params
     assert half.micro_step_overhead_ms == pytest.approx(220.0 * ratio)
+
+
+def test_efficient_batch_is_the_lowest_time_per_sample_ties_to_the_larger():
+    from ds_adaptive.balance.planner import efficient_batch
+
+    # per sample with 10 ms of loop: B1 110, B2 60, B3 ~43.3, B4 40 (a recompute step), B5 40 (tie), B6 ~43.3
+    cost = np.array([0.0, 100.0, 110.0, 120.0, 150.0, 190.0, 250.0])
+    assert efficient_batch(cost, 10.0) == 5
+    assert efficient_batch(cost[:5], 10.0) == 4            # within a lower cap
+    assert efficient_batch(cost[:2], 10.0) == 1
+    assert efficient_batch(np.array([0.0, 10.0, 20.0, 30.0]), 0.0) == 3   # linear without loop time: the largest
+
+
+def _capped_pair(shapes, dp, m_comp):
+    cost = CostModel(H200, checkpointing="auto")
+    m_mem = cost.auto_memory_budget(GIB, zero_stage=3, dp_size=dp)
+    uniq, sid = unique_shapes(shapes)
+    plans = {}
+    for capped in (False, True):
+        params = PlannerParams(mode="dual", dp_size=dp, micro_steps_per_step=2, m_mem=m_mem, m_comp=m_comp,
+                               window=64, solo_over_budget=True, efficient_batches=capped)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plans[capped] = plan_epoch(sid, uniq, np.arange(len(shapes)), cost, params, seed=1)
+    return cost, m_mem, uniq, plans
+
+
+def test_efficient_batches_cap_every_shape_at_its_lowest_time_per_sample():
+    from ds_adaptive.balance.memory import micro_batch_table, sample_memory
+    from ds_adaptive.balance.planner import efficient_batch, loop_ms_per_micro_step
+
+    shapes = _shapes(600)
+    m_comp = 4000.0   # on the H200 profile, image batches under it checkpoint blocks
+    cost, m_mem, uniq, plans = _capped_pair(shapes, 1, m_comp)
+    loop = loop_ms_per_micro_step(cost, PlannerParams(mode="dual", dp_size=1, micro_steps_per_step=2, m_mem=m_mem,
+                                                      m_comp=m_comp))
+    capped_any = False
+    for u, s in enumerate(uniq):
+        b_mem = int(m_mem / sample_memory(cost, s))
+        t = micro_batch_table(cost, s, b_mem, m_mem)
+        b_comp = min(b_mem, int(np.searchsorted(t.cost, m_comp * (1 + 1e-12), "right")) - 1)
+        cap = efficient_batch(t.cost[:max(b_comp, 1) + 1], loop)
+        for capped, plan in plans.items():
+            # not the batches grown to a solo sample's cost (micro-steps over m_comp), nor the re-planned last step
+            planned = np.repeat(plan.micro_step_costs().max(axis=1) <= m_comp * (1 + 1e-9), plan.dp_size)
+            planned[-plan.micro_steps_per_step * plan.dp_size:] = False
+            sizes = plan.batch_sizes()[(plan.batch_shape == u) & planned]
+            if sizes.size:
+                assert sizes.max() <= (cap if capped else max(b_comp, 1))
+        capped_any |= cap < b_comp
+    assert capped_any
+    # fewer recomputed blocks per sample, and (one rank: no balance to lose) less predicted time per token
+    per_token = {c: predicted_time_ms(p, cost) / p.batch_tokens.sum() for c, p in plans.items()}
+    ckpt = {c: (p.batch_ckpt * p.batch_sizes()).sum() / p.batch_sizes().sum() for c, p in plans.items()}
+    assert per_token[True] < per_token[False] and ckpt[True] < ckpt[False]
+    for plan in plans.values():
+        assert plan.batch_memory.max() <= m_mem * (1 + 1e-9) and not plan.oversize
+
+
+def test_the_search_scores_capped_plans_and_the_sampler_runs_the_one_chosen():
+    shapes = _shapes(3000, seed=3)
+    s = _sampler(shapes, dp=1)
+    ch = s.budget_choice
+    rows = list(ch.candidates)
+    capped = [r for r in rows if r["efficient_batches"]]
+    assert capped and len(capped) < len(rows)             # only budgets where the cap changes a batch
+    for r in capped:   # each capped row follows its budget's uncapped row
+        assert rows[rows.index(r) - 1]["m_comp"] == r["m_comp"] and not rows[rows.index(r) - 1]["efficient_batches"]
+    best = max(r["tokens_per_s"] for r in rows)
+    ties = [(r["m_comp"], r["efficient_batches"]) for r in rows if r["tokens_per_s"] == best]
+    assert ch.predicted_tokens_per_s == best and (ch.m_comp, ch.efficient_batches) == max(ties, key=lambda t: t[0])
+    assert s.params.efficient_batches == ch.efficient_batches and s.epoch_stats()["budgets"]["efficient_batches"] \
+        == ch.efficient_batches
+    assert ch.describe()["efficient_batches"] == ch.efficient_batches
+
+
+def test_a_capped_plan_resumes_exactly_and_old_states_keep_their_key_set():
+    shapes = _shapes(3000, seed=3)
+    s = _sampler(shapes, dp=1)
+    if not s.params.efficient_batches:
+        pytest.skip("the search did not choose a capped plan for this mix")
+    s.set_epoch(0)
+    state = s.state_dict(2)
+    assert state["segments"][-1]["params"]["efficient_batches"] is True
+    r = _sampler(shapes, dp=1)
+    r.load_state_dict(state)
+    gas = s.micro_steps_per_step
+    assert r.params == s.params and list(r) == list(s.plan.rank_batches(0, 2 * gas))
+    # an uncapped plan's state has no such key: states saved before it resume exactly
+    assert "efficient_batches" not in PlannerParams(mode="dual", dp_size=1, micro_steps_per_step=1, m_mem=1.0,
+                                                    m_comp=1.0).as_dict()

@@ -23,4 +23,5 @@ def test_loop_terms_move_the_default_jobs_budget(tmp_path):
     for arm in (old, new):   # the chosen candidate is the best one, never slower than the equal-token plan
         best = max(c["tokens_per_s"] for c in arm["candidates"])
         assert arm["predicted_tokens_per_s"] == best >= arm["equal_token_tokens_per_s"]
-    assert [c["m_comp"] for c in old["candidates"]] == [c["m_comp"] for c in new["candidates"]]
+    uncapped = [[c["m_comp"] for c in arm["candidates"] if not c["efficient_batches"]] for arm in (old, new)]
+    assert uncapped[0] == uncapped[1]   # the same budgets; the capped rows where the cap changes a batch

@@ -89,6 +89,12 @@ class PlannerParams:
     #: Set by the throughput-optimal ``m_comp: auto`` (``ds_adaptive.balance.budget``), whose budget may be
     #: below the longest sample's cost.
     solo_over_budget: bool = False
+    #: ``dual`` with a checkpoint plan per batch (``checkpointing: auto``): each shape's batch is at most the size
+    #: with the lowest predicted time per sample, its cost plus the training loop's time per micro-step and share
+    #: of an optimizer step's (``Profile.micro_step_overhead_ms``, ``optimizer_step_overhead_ms``). Past that size
+    #: a larger batch checkpoints more blocks, and each recomputes a forward for every sample of the batch. Set by
+    #: the budget search (``ds_adaptive.balance.budget``) where it predicts the capped plan faster.
+    efficient_batches: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in ("dual", "tokens", "fixed"):
@@ -106,6 +112,8 @@ class PlannerParams:
     def as_dict(self) -> dict:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
         d["fixed_batch_sizes"] = dict(self.fixed_batch_sizes) if self.fixed_batch_sizes else None
+        if not self.efficient_batches:   # only then: a sampler state saved before the field resumes its plan exactly
+            del d["efficient_batches"]
         return d
 
 
@@ -273,6 +281,9 @@ class _ShapeTable:
                             f"{fixed * self.mem1[u]:.2f} GiB > m_mem {params.m_mem:.2f} GiB "
                             f"(at most {b_mem} fit); lower it or raise m_mem")
                     b = fixed
+            if params.efficient_batches and params.mode == "dual" and not self.linear and cost.mode == "calibrated" \
+                    and b > 1:
+                b = efficient_batch(self.tables[u].cost[:b + 1], loop_ms_per_micro_step(cost, params))
             self.bmax[u] = max(b, 0)
             if self.bmax[u] < 1:
                 self.why[u] = why
@@ -317,6 +328,20 @@ class _ShapeTable:
             j = j - 1 if len(row) == 1 or abs(row[j - 1] - target) <= abs(row[j] - target) else j
             bs[i] = j + 1
         return bs, np.array([self.tables[u].cost[b] for u, b in zip(cand.tolist(), bs.tolist())], float)
+
+
+def loop_ms_per_micro_step(cost: CostModel, params: PlannerParams) -> float:
+    """The training loop's time charged to one micro-step: its own term plus its share of an optimizer step's."""
+    pr = cost.profile
+    return float(pr.micro_step_overhead_ms + pr.optimizer_step_overhead_ms / params.micro_steps_per_step)
+
+
+def efficient_batch(batch_cost: np.ndarray, loop_ms: float) -> int:
+    """The batch size B >= 1 with the lowest ``(batch_cost[B] + loop_ms) / B`` (``batch_cost[0]`` unused; ties:
+    the larger B)."""
+    b = np.arange(1, len(batch_cost))
+    per = (np.asarray(batch_cost[1:], float) + loop_ms) / b
+    return int(b[len(per) - 1 - int(np.argmin(per[::-1]))])
 
 
 def unique_shapes(shapes: Sequence[Bucket]) -> tuple[list[Bucket], np.ndarray]:
@@ -641,8 +666,10 @@ def resolve_budgets(*, mode: Mode, cost: CostModel, shapes: Sequence[SampleShape
       longest sample, so that both baselines run at the same memory budget as ``dual``.
 
     Returns ``{"m_mem", "m_comp", "max_tokens", "micro_steps_per_step", "solo_over_budget", "budget_choice",
-    "plan_mode"}`` (``budget_choice``: the search's :class:`~ds_adaptive.balance.budget.BudgetChoice`, or None;
-    ``plan_mode``: ``mode``, or ``tokens`` when the search found the equal-token plan faster).
+    "plan_mode", "efficient_batches"}`` (``budget_choice``: the search's
+    :class:`~ds_adaptive.balance.budget.BudgetChoice`, or None; ``plan_mode``: ``mode``, or ``tokens`` when the
+    search found the equal-token plan faster; ``efficient_batches``: the search's choice to cap batches at their
+    lowest time per sample).
     """
     uniq = sorted(set(shapes))
     if m_mem == "auto":
@@ -673,4 +700,4 @@ def resolve_budgets(*, mode: Mode, cost: CostModel, shapes: Sequence[SampleShape
     plan_mode = choice.plan_mode if choice is not None else mode
     return {"m_mem": m_mem_v, "m_comp": m_comp_v, "max_tokens": max_tokens_v, "micro_steps_per_step": int(gas),
             "solo_over_budget": choice is not None and plan_mode == "dual", "budget_choice": choice,
-            "plan_mode": plan_mode}
+            "plan_mode": plan_mode, "efficient_batches": choice is not None and choice.efficient_batches}

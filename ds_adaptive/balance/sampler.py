@@ -112,7 +112,7 @@ class _PlannedBatchSampler(_SamplerBase):
                  window: int = 256, seed: int = 0, oversize: str = "error", balance_tolerance: float = 0.03,
                  lr_scaling: str = "none", reference_batch: Optional[int] = None,
                  loss_weighting: str = "samples", m_comp_auto: bool = False, solo_over_budget: bool = False,
-                 budget_choice=None, plan_mode: Optional[str] = None) -> None:
+                 budget_choice=None, plan_mode: Optional[str] = None, efficient_batches: bool = False) -> None:
         if cost.sp != layout.sp_size:
             raise ValueError(f"cost model sp={cost.sp} but layout sp_size={layout.sp_size}")
         self.shapes = [s if isinstance(s, SampleShape) else int(s) for s in shapes]
@@ -128,7 +128,8 @@ class _PlannedBatchSampler(_SamplerBase):
             mode=plan_mode or self.mode, dp_size=layout.dp_size, micro_steps_per_step=int(micro_steps_per_step),
             m_mem=float(m_mem), m_comp=None if m_comp is None else float(m_comp), max_tokens=max_tokens,
             fixed_batch_sizes=dict(fixed_batch_sizes) if fixed_batch_sizes else None, window=int(window),
-            oversize=oversize, balance_tolerance=float(balance_tolerance), solo_over_budget=bool(solo_over_budget))
+            oversize=oversize, balance_tolerance=float(balance_tolerance), solo_over_budget=bool(solo_over_budget),
+            efficient_batches=bool(efficient_batches))
         #: the throughput search behind ``m_comp: auto`` (:class:`ds_adaptive.balance.budget.BudgetChoice`), or None
         self.budget_choice = budget_choice
         self._uniq, self._sid = unique_shapes(self.shapes)
@@ -236,7 +237,7 @@ class _PlannedBatchSampler(_SamplerBase):
                                 micro_steps_per_step=self.params.micro_steps_per_step, window=self.params.window,
                                 balance_tolerance=self.params.balance_tolerance, seed=self.seed)
             self.params = dataclasses.replace(self.params, m_comp=b["m_comp"], solo_over_budget=b["solo_over_budget"],
-                                              mode=b["plan_mode"],
+                                              mode=b["plan_mode"], efficient_batches=b["efficient_batches"],
                                               max_tokens=b["max_tokens"] if b["plan_mode"] == "tokens" else None)
             self.budget_choice = b["budget_choice"]
         self._cache = None
@@ -305,6 +306,7 @@ class _PlannedBatchSampler(_SamplerBase):
                             "max_tokens": self.params.max_tokens, "unit": self.cost.unit,
                             "micro_steps_per_step": self.micro_steps_per_step,
                             "solo_over_budget": self.params.solo_over_budget,
+                            "efficient_batches": self.params.efficient_batches,
                             "budget_search": None if self.budget_choice is None else {
                                 k: v for k, v in self.budget_choice.describe().items() if k != "candidates"}}}
 
@@ -587,4 +589,4 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
         lr_scaling=sampler_cfg.lr_scaling, reference_batch=sampler_cfg.reference_batch,
         loss_weighting=sampler_cfg.loss_weighting, m_comp_auto=sampler_cfg.m_comp == "auto",
         solo_over_budget=budgets["solo_over_budget"] and chosen == "dual", budget_choice=budgets["budget_choice"],
-        plan_mode=plan_mode)
+        plan_mode=plan_mode, efficient_batches=budgets["efficient_batches"] and chosen == "dual")
