@@ -515,7 +515,8 @@ def _gas_note(sampler) -> str:
                 f"balanced one ({c.equal_token_tokens_per_s:,.0f} vs {max(r['tokens_per_s'] for r in c.candidates):,.0f} "
                 f"tokens/s over {c.samples_planned} samples)")
     return (f"gradient_accumulation_steps auto -> {c.micro_steps_per_step}, m_comp auto -> {c.m_comp:.0f} ms per "
-            f"micro-batch (throughput-optimal of {len(c.candidates)} candidates over {c.samples_planned} samples: "
+            f"micro-batch{', each shape capped at its lowest time per sample' if c.efficient_batches else ''} "
+            f"(throughput-optimal of {len(c.candidates)} candidates over {c.samples_planned} samples: "
             f"predicted {c.predicted_tokens_per_s:,.0f} tokens/s, {c.predicted_tokens_per_s / c.reference_tokens_per_s:.3f}x "
             f"the longest-sample budget {c.reference_m_comp:.0f} ms at 1 micro-step per step"
             + (f", {c.predicted_tokens_per_s / c.equal_token_tokens_per_s:.3f}x the equal-token plan"

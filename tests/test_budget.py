@@ -240,6 +240,9 @@ def test_the_search_scores_capped_plans_and_the_sampler_runs_the_one_chosen():
     assert s.params.efficient_batches == ch.efficient_batches and s.epoch_stats()["budgets"]["efficient_batches"] \
         == ch.efficient_batches
     assert ch.describe()["efficient_batches"] == ch.efficient_batches
+    from ds_adaptive.run import _gas_note
+
+    assert ("each shape capped at its lowest time per sample" in _gas_note(s)) == ch.efficient_batches
 
 
 def test_a_capped_plan_resumes_exactly_and_old_states_keep_their_key_set():
