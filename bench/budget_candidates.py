@@ -26,21 +26,27 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def choice_for(profile, gpu_mem_gib: float, samples: int, checkpoint_attention: str = "auto"):
+def default_job_sampler(profile, gpu_mem_gib: float, samples: int, **overrides):
+    """The shipped default job's batch sampler on one GPU, as the trainer builds it, with ``overrides`` of its
+    ``sampler`` block (e.g. ``checkpoint_attention="recompute"``, ``batch_cap="off"``)."""
     from ds_adaptive.balance.sampler import build_batch_sampler
     from ds_adaptive.config import SamplerConfig
     from ds_adaptive.data.synthetic import SyntheticLatentDataset
     from ds_adaptive.layout import Layout
 
     cfg = json.loads((ROOT / "launch" / "configs" / "zero3_adaptive.json").read_text())["adaptive_load"]["sampler"]
-    cfg = {**cfg, "checkpoint_attention": checkpoint_attention}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         shapes = SyntheticLatentDataset(samples, seed=0).sample_shapes()
-        s = build_batch_sampler(SamplerConfig.model_validate(cfg), shapes, Layout.explicit(dp_size=1, sp_size=1),
-                                micro_steps_per_step="auto",
-                                gpu_mem_gib=gpu_mem_gib, model_name="wan2.1-1.3b", zero_stage=3, ln_modulate="fused",
-                                profile=profile, per_token_timesteps=False, block_fusion="regions")
+        return build_batch_sampler(SamplerConfig.model_validate({**cfg, **overrides}), shapes,
+                                   Layout.explicit(dp_size=1, sp_size=1), micro_steps_per_step="auto",
+                                   gpu_mem_gib=gpu_mem_gib, model_name="wan2.1-1.3b", zero_stage=3,
+                                   ln_modulate="fused", profile=profile, per_token_timesteps=False,
+                                   block_fusion="regions")
+
+
+def choice_for(profile, gpu_mem_gib: float, samples: int, checkpoint_attention: str = "auto"):
+    s = default_job_sampler(profile, gpu_mem_gib, samples, checkpoint_attention=checkpoint_attention)
     return s.budget_choice, s.cost.checkpoint_attention
 
 

@@ -80,6 +80,14 @@ class SamplerConfig(_Block):
     a model that can keep it) it plans both and runs the one with the higher predicted tokens/s (ties:
     `recompute`; the launcher's notes give both predictions); elsewhere `recompute`."""
 
+    batch_cap: Literal["auto", "off"] = "auto"
+    """Whether `m_comp: auto`'s search may stop each shape's batches at their lowest predicted time per sample.
+    Under a budget where a shape's largest batch must checkpoint blocks, a smaller batch of it can take less
+    time per sample (its cost plus the training loop's time per micro-step, over its samples). `auto`: the
+    search scores each such budget as it is and with every shape's batch capped there, and runs the faster
+    (the launcher's budget line says when batches are capped). `off`: batches grow to the budget. Only where
+    the search runs (`mode: dual`, `cost_model: calibrated`, `checkpointing: auto`, `m_comp: auto`)."""
+
     m_comp: Union[float, Literal["auto"]] = "auto"
     """Compute budget per micro-batch per GPU, in the cost model's unit (ms for `calibrated`,
     S^p for `power`, tokens for `tokens`). `auto`: with `checkpointing: auto` and the calibrated model,

@@ -260,3 +260,14 @@ def test_a_capped_plan_resumes_exactly_and_old_states_keep_their_key_set():
     # an uncapped plan's state has no such key: states saved before it resume exactly
     assert "efficient_batches" not in PlannerParams(mode="dual", dp_size=1, micro_steps_per_step=1, m_mem=1.0,
                                                     m_comp=1.0).as_dict()
+
+
+def test_batch_cap_off_scores_and_plans_no_capped_batches():
+    shapes = _shapes(3000, seed=3)
+    on, off = _sampler(shapes, dp=1), _sampler(shapes, dp=1, batch_cap="off")
+    assert on.params.efficient_batches and on.batch_cap
+    assert not off.params.efficient_batches and not off.batch_cap
+    assert not any(r["efficient_batches"] for r in off.budget_choice.candidates)
+    assert [r for r in on.budget_choice.candidates if not r["efficient_batches"]] == list(off.budget_choice.candidates)
+    with pytest.raises(Exception, match="batch_cap"):
+        SamplerConfig(batch_cap="yes")

@@ -244,7 +244,8 @@ def _samples_for(m: float, cost: CostModel, base: int, mean_cost: float, dp_size
 def choose_compute_budget(cost: CostModel, shapes: Sequence[SampleShape], *, m_mem: float, reference: float,
                           dp_size: int, micro_steps_per_step: Union[int, str] = 1, window: int = 256,
                           balance_tolerance: float = 0.03, seed: int = 0,
-                          max_samples: int = SEARCH_SAMPLES, max_tokens: Optional[int] = None) -> BudgetChoice:
+                          max_samples: int = SEARCH_SAMPLES, max_tokens: Optional[int] = None,
+                          batch_cap: bool = True) -> BudgetChoice:
     """The candidate budget (:func:`candidate_budgets`) with the highest predicted tokens/s over the plan
     of the first samples of epoch 0's order (the sampler's shuffle for ``seed``): for each candidate the
     first ``min(max(max_samples, 2 x window x dp), SEARCH_SAMPLES_MAX)`` samples, more for large budgets
@@ -254,7 +255,8 @@ def choose_compute_budget(cost: CostModel, shapes: Sequence[SampleShape], *, m_m
     ``shapes``: one entry per sample of the dataset. ``reference``: the costliest sample at B=1 that fits
     ``m_mem`` (``resolve_budgets``). ``max_tokens``: the equal-token baseline's budget at this ``m_mem``;
     when given, the equal-token plan of the same samples is scored (``equal_token_tokens_per_s``) and its
-    costliest batch is a candidate. Ties go to the larger budget. Oversize samples (over ``m_mem``) are
+    costliest batch is a candidate. Ties go to the larger budget. ``batch_cap``: also score each budget with every
+    shape's batch capped at its lowest time per sample, where that changes a batch (``efficient_batches``). Oversize samples (over ``m_mem``) are
     left out of the search (the sampler's own plan reports them)."""
     uniq, sid = unique_shapes(list(shapes))
     order = np.random.default_rng([int(seed), 0]).permutation(len(shapes))
@@ -300,7 +302,7 @@ def choose_compute_budget(cost: CostModel, shapes: Sequence[SampleShape], *, m_m
     table = []
     for m in cands:   # each budget as it is and, where that changes a batch, with each shape's efficient cap
         table.append(score(m))
-        if _cap_changes(cost, present, m_mem, m, _gas_for(m, reference, micro_steps_per_step)):
+        if batch_cap and _cap_changes(cost, present, m_mem, m, _gas_for(m, reference, micro_steps_per_step)):
             table.append(score(m, capped=True))
     best = table[_best_index(table)]
     ref = score(float(reference))

@@ -649,7 +649,7 @@ def resolve_budgets(*, mode: Mode, cost: CostModel, shapes: Sequence[SampleShape
                     m_mem: "float | str", m_comp: "float | str", max_tokens: Optional[int],
                     gpu_mem_gib: Optional[float], mem_utilization: Optional[float], zero_stage: int,
                     dp_size: int, micro_steps_per_step: "int | str" = 1, window: int = 256,
-                    balance_tolerance: float = 0.03, seed: int = 0) -> dict:
+                    balance_tolerance: float = 0.03, seed: int = 0, batch_cap: bool = True) -> dict:
     """Numbers for ``auto`` budgets (``shapes``: one per sample; the budget search weighs shapes by count).
 
     - ``m_mem: auto`` = usable GPU memory - static memory (ZeRO stage, ranks); usable = capacity x
@@ -660,7 +660,8 @@ def resolve_budgets(*, mode: Mode, cost: CostModel, shapes: Sequence[SampleShape
       (``dual``, calibrated, ``checkpointing: auto``) the throughput-optimal budget, below or above it
       (:func:`ds_adaptive.balance.budget.choose_compute_budget`, which also scores the equal-token plan at
       ``max_tokens``; the plan runs samples over a budget below the reference alone: ``solo_over_budget``),
-      else the reference itself.
+      else the reference itself. ``batch_cap``: the search may cap each shape's batches at their lowest time
+      per sample (``sampler.batch_cap``).
     - ``micro_steps_per_step``: an int is kept; ``"auto"`` = the search's choice (1 without a search).
     - ``max_tokens`` (tokens mode) = the tokens that ``m_mem`` holds at the per-token memory of the
       longest sample, so that both baselines run at the same memory budget as ``dual``.
@@ -693,7 +694,8 @@ def resolve_budgets(*, mode: Mode, cost: CostModel, shapes: Sequence[SampleShape
         if uses_budget_search(cost, mode):
             choice = choose_compute_budget(cost, shapes, m_mem=m_mem_v, reference=m_comp_v, dp_size=dp_size,
                                            micro_steps_per_step=micro_steps_per_step, window=window,
-                                           balance_tolerance=balance_tolerance, seed=seed, max_tokens=max_tokens_v)
+                                           balance_tolerance=balance_tolerance, seed=seed, max_tokens=max_tokens_v,
+                                           batch_cap=batch_cap)
             m_comp_v, gas = choice.m_comp, choice.micro_steps_per_step
     else:
         m_comp_v = float(m_comp)

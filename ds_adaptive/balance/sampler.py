@@ -112,7 +112,8 @@ class _PlannedBatchSampler(_SamplerBase):
                  window: int = 256, seed: int = 0, oversize: str = "error", balance_tolerance: float = 0.03,
                  lr_scaling: str = "none", reference_batch: Optional[int] = None,
                  loss_weighting: str = "samples", m_comp_auto: bool = False, solo_over_budget: bool = False,
-                 budget_choice=None, plan_mode: Optional[str] = None, efficient_batches: bool = False) -> None:
+                 budget_choice=None, plan_mode: Optional[str] = None, efficient_batches: bool = False,
+                 batch_cap: bool = True) -> None:
         if cost.sp != layout.sp_size:
             raise ValueError(f"cost model sp={cost.sp} but layout sp_size={layout.sp_size}")
         self.shapes = [s if isinstance(s, SampleShape) else int(s) for s in shapes]
@@ -135,6 +136,7 @@ class _PlannedBatchSampler(_SamplerBase):
         self._uniq, self._sid = unique_shapes(self.shapes)
         self._fingerprint = shapes_fingerprint(self.shapes)
         self.m_comp_auto = bool(m_comp_auto)       # re-resolve m_comp when the densities change
+        self.batch_cap = bool(batch_cap)           # ... with or without the search's efficient batch cap
         self._pending: Optional[dict] = None       # densities waiting for the next epoch boundary
         self.density_updates: list[dict] = []      # applied updates: {"epoch", "step", "at_step", "fingerprint"}
         self.epoch = 0
@@ -235,7 +237,8 @@ class _PlannedBatchSampler(_SamplerBase):
                                 m_comp="auto", max_tokens=self.params.max_tokens, gpu_mem_gib=None,
                                 mem_utilization=1.0, zero_stage=0, dp_size=self.params.dp_size,
                                 micro_steps_per_step=self.params.micro_steps_per_step, window=self.params.window,
-                                balance_tolerance=self.params.balance_tolerance, seed=self.seed)
+                                balance_tolerance=self.params.balance_tolerance, seed=self.seed,
+                                batch_cap=self.batch_cap)
             self.params = dataclasses.replace(self.params, m_comp=b["m_comp"], solo_over_budget=b["solo_over_budget"],
                                               mode=b["plan_mode"], efficient_batches=b["efficient_batches"],
                                               max_tokens=b["max_tokens"] if b["plan_mode"] == "tokens" else None)
@@ -576,7 +579,8 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
             mem_utilization=sampler_cfg.mem_utilization,
             zero_stage=sampler_cfg.zero_stage if zero_stage is None else zero_stage, dp_size=layout.dp_size,
             micro_steps_per_step=micro_steps_per_step, window=sampler_cfg.window,
-            balance_tolerance=sampler_cfg.balance_tolerance, seed=sampler_cfg.seed)
+            balance_tolerance=sampler_cfg.balance_tolerance, seed=sampler_cfg.seed,
+            batch_cap=sampler_cfg.batch_cap == "auto")
 
     cost, budgets = _checkpoint_attention_plan(sampler_cfg, chosen, model, shapes, plan_with, profile_log)
     plan_mode = budgets["plan_mode"] if chosen == "dual" else chosen
@@ -589,4 +593,5 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
         lr_scaling=sampler_cfg.lr_scaling, reference_batch=sampler_cfg.reference_batch,
         loss_weighting=sampler_cfg.loss_weighting, m_comp_auto=sampler_cfg.m_comp == "auto",
         solo_over_budget=budgets["solo_over_budget"] and chosen == "dual", budget_choice=budgets["budget_choice"],
-        plan_mode=plan_mode, efficient_batches=budgets["efficient_batches"] and chosen == "dual")
+        plan_mode=plan_mode, efficient_batches=budgets["efficient_batches"] and chosen == "dual",
+        batch_cap=sampler_cfg.batch_cap == "auto")

@@ -1,0 +1,70 @@
+"""Guards bench/plan_mfu.py: predicted MFU of the default job's first steps under the budget search's plan."""
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from conftest import ROOT
+
+_spec = importlib.util.spec_from_file_location("plan_mfu", ROOT / "bench" / "plan_mfu.py")
+pm = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(pm)
+
+H200_GIB = 139.80072021484375
+
+
+@pytest.fixture(scope="module")
+def samplers():
+    from budget_candidates import default_job_sampler
+
+    from ds_adaptive.balance.cost import load_profile
+
+    prof = load_profile("h200-wan2.1-1.3b")
+    return {cap: default_job_sampler(prof, H200_GIB, 3000, checkpoint_attention="recompute", batch_cap=cap)
+            for cap in ("off", "auto")}
+
+
+def test_predicted_time_is_the_search_s_and_flops_are_the_trainer_s(samplers):
+    from ds_adaptive.balance.budget import predicted_time_ms
+    from ds_adaptive.models.registry import get_model
+
+    s = samplers["off"]
+    r = pm.plan_mfu(s, 0, 4, 989.0)   # steps 0..4: the search's own prediction of the first 5 steps
+    assert r["predicted_s"] == pytest.approx(predicted_time_ms(s.plan, s.cost, 5) / 1e3, rel=1e-12)
+    n = 5 * s.plan.micro_steps_per_step
+    preset = get_model("wan2.1-1.3b")
+    cfg = preset.config(num_layers=30)
+    flops = [preset.flops(cfg, int(t // b), int(b), int(c))
+             for t, b, c in zip(s.plan.batch_tokens[:n], s.plan.batch_sizes()[:n], s.plan.batch_ckpt[:n])]
+    assert r["mfu"] == pytest.approx(sum(f[0] for f in flops) / (r["predicted_s"] * 989e12), rel=1e-12)
+    assert r["hfu"] == pytest.approx(sum(f[1] for f in flops) / (r["predicted_s"] * 989e12), rel=1e-12)
+    assert r["tokens"] == int(s.plan.batch_tokens[:n].sum()) and 0 < r["mfu"] <= r["hfu"] < 1
+
+
+def test_the_cap_lowers_recompute_in_the_predicted_hfu(samplers):
+    off, on = (pm.plan_mfu(samplers[c], 1, 21, 989.0) for c in ("off", "auto"))
+    # on this mix (3,000 samples, recompute) the search caps the batches (at 2,549 ms; uncapped it picks 2,133)
+    assert (off["batch_cap"], on["batch_cap"]) == (False, True)
+    assert on["hfu"] / on["mfu"] < off["hfu"] / off["mfu"]   # less recomputed per model FLOP
+    assert on["ckpt_blocks_per_token"] < off["ckpt_blocks_per_token"]
+
+
+def test_main_matches_a_run_by_its_tokens_and_reports_bad_input(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    out = tmp_path / "o.json"
+    arm = "off:checkpoint_attention=recompute,batch_cap=off"
+    assert pm.main(["--samples", "3000", "--arm", arm, "--out", str(out)]) == 0
+    r = json.loads(out.read_text())["arms"]["off"]
+    (run / "summary.json").write_text(json.dumps({"tokens": r["job_tokens"], "mfu": 0.9 * r["mfu"],
+                                                  "tokens_per_s": 1.0}))
+    assert pm.main(["--samples", "3000", "--arm", arm, "--run", str(run), "--out", str(out)]) == 0
+    (m,) = json.loads(out.read_text())["runs"]
+    assert m["arm"] == "off" and m["measured_over_predicted_mfu"] == pytest.approx(0.9)
+    assert "measured / predicted 0.900" in capsys.readouterr().out
+    assert pm.main(["--samples", "3000", "--arm", arm, "--run", str(tmp_path / "nothing")]) == 2
+    assert "no summary.json there" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="expected key=value"):
+        pm.parse_arm("x:checkpoint_attention")
