@@ -110,10 +110,10 @@ def main(argv=None) -> int:
         match = next((n for n, r in rows.items() if r["job_tokens"] == s["tokens"]), None)   # all steps' tokens
         runs.append({"run": d, "tokens": s["tokens"], "mfu": s["mfu"], "tokens_per_s": s["tokens_per_s"], "arm": match,
                      "measured_over_predicted_mfu": s["mfu"] / rows[match]["mfu"] if match else None})
-    print(f"{'arm':>12} {'m_comp ms':>9} {'gas':>3} {'cap':>3} {'attention':>9} {'samples':>7} {'tokens':>10} "
+    print(f"{'arm':>16} {'m_comp ms':>9} {'gas':>3} {'cap':>3} {'attention':>9} {'samples':>7} {'tokens':>10} "
           f"{'pred s':>7} {'tok/s':>7} {'MFU':>6} {'HFU':>6} {'ckpt/tok':>8}")
     for n, r in rows.items():
-        print(f"{n:>12} {r['m_comp_ms']:>9.0f} {r['gas']:>3} {'yes' if r['batch_cap'] else 'no':>3} "
+        print(f"{n:>16} {r['m_comp_ms']:>9.0f} {r['gas']:>3} {'yes' if r['batch_cap'] else 'no':>3} "
               f"{r['checkpoint_attention']:>9} {r['samples']:>7} {r['tokens']:>10,} {r['predicted_s']:>7.1f} "
               f"{r['tokens_per_s']:>7,.0f} {r['mfu']:>6.1%} {r['hfu']:>6.1%} {r['ckpt_blocks_per_token']:>8.2f}")
     for r in runs:
