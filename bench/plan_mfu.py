@@ -44,14 +44,19 @@ def parse_arm(text: str) -> tuple[str, dict]:
     return name, over
 
 
-def plan_mfu(sampler, first: int, last: int, peak_tflops: float) -> dict:
+def plan_mfu(sampler, first: int, last: int, peak_tflops: float, truth=None) -> dict:
     """Predicted totals of plan steps ``first..last`` (0-based, inclusive): tokens, samples, model and hardware
     FLOPs, predicted seconds (micro-steps' costliest batch + the loop's terms), MFU / HFU, checkpointed blocks per
-    token."""
+    token. ``truth``: a profile to time the plan with instead of the one it was made with (e.g. one refitted to
+    the trainer's windows, ``bench/compute_refit.py``)."""
     from ds_adaptive.balance.budget import predicted_times
+    from ds_adaptive.balance.cost import CostModel
     from ds_adaptive.models.registry import get_model
 
     plan, cost = sampler.plan, sampler.cost
+    if truth is not None:
+        cost = CostModel(truth, cost.mode, p=cost.p, sp=cost.sp, num_heads=cost.num_heads,
+                         checkpointing=cost.checkpointing, checkpoint_attention=cost.checkpoint_attention)
     preset = get_model("wan2.1-1.3b")
     cfg = preset.config(num_layers=cost.profile.num_layers)
     gas, dp = plan.micro_steps_per_step, plan.dp_size
@@ -83,7 +88,9 @@ def main(argv=None) -> int:
     p.add_argument("--arm", action="append", metavar="NAME:key=value,...",
                    help="sampler overrides of one arm (repeatable; default: recompute and keep without the batch "
                         "cap, and the shipped settings)")
-    p.add_argument("--profile", default="h200-wan2.1-1.3b")
+    p.add_argument("--profile", default="h200-wan2.1-1.3b", help="the profile the arms plan with (name or json)")
+    p.add_argument("--truth", default=None, metavar="PROFILE",
+                   help="time every plan with this profile instead (e.g. a refit to trainer windows)")
     p.add_argument("--gpu-mem-gib", type=float, default=139.80072021484375)
     p.add_argument("--samples", type=int, default=10000)
     p.add_argument("--steps", type=int, default=22, help="steps of the job (the summary's)")
@@ -94,12 +101,21 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     profile = load_profile(a.profile)
+    truth = None
+    if a.truth:
+        from ds_adaptive.balance.cost import ProfileError
+
+        try:
+            truth = load_profile(a.truth)
+        except ProfileError as exc:
+            print(f"plan_mfu: --truth {a.truth}: {exc}", file=sys.stderr)
+            return 2
     rows = {}
     for text in a.arm or DEFAULT_ARMS:
         name, over = parse_arm(text)
         s = default_job_sampler(profile, a.gpu_mem_gib, a.samples, **over)
         all_tokens = int(s.plan.batch_tokens[:a.steps * s.plan.micro_steps_per_step * s.plan.dp_size].sum())
-        rows[name] = {"overrides": over, "job_tokens": all_tokens, **plan_mfu(s, a.warmup, a.steps - 1, a.peak_tflops)}
+        rows[name] = {"overrides": over, "job_tokens": all_tokens, **plan_mfu(s, a.warmup, a.steps - 1, a.peak_tflops, truth)}
     runs = []
     for d in a.run:
         path = Path(d) / "summary.json"

@@ -68,3 +68,16 @@ def test_main_matches_a_run_by_its_tokens_and_reports_bad_input(tmp_path, capsys
     assert "no summary.json there" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="expected key=value"):
         pm.parse_arm("x:checkpoint_attention")
+
+
+def test_truth_times_the_same_plan_with_another_profile(samplers, tmp_path, capsys):
+    from ds_adaptive.balance.cost import load_profile
+
+    s = samplers["off"]
+    base = pm.plan_mfu(s, 1, 21, 989.0)
+    raw = json.loads(json.dumps(s.cost.profile.raw))
+    raw["compute"]["a_ms_per_token"] *= 2   # every batch costs more: the same plan, lower MFU
+    slow = pm.plan_mfu(s, 1, 21, 989.0, load_profile(raw))
+    assert slow["tokens"] == base["tokens"] and slow["predicted_s"] > base["predicted_s"] and slow["mfu"] < base["mfu"]
+    assert pm.main(["--samples", "3000", "--arm", "x:", "--truth", str(tmp_path / "none.json")]) == 2
+    assert "--truth" in capsys.readouterr().err
