@@ -300,9 +300,12 @@ def choose_compute_budget(cost: CostModel, shapes: Sequence[SampleShape], *, m_m
             if all(abs(top - c) > 0.03 * c for c in cands):
                 cands = sorted(cands + [top])
     table = []
+    tables = _cost_tables(cost, present, m_mem) if batch_cap else []
+    pr = cost.profile
     for m in cands:   # each budget as it is and, where that changes a batch, with each shape's efficient cap
         table.append(score(m))
-        if batch_cap and _cap_changes(cost, present, m_mem, m, _gas_for(m, reference, micro_steps_per_step)):
+        loop = pr.micro_step_overhead_ms + pr.optimizer_step_overhead_ms / _gas_for(m, reference, micro_steps_per_step)
+        if batch_cap and _cap_changes(tables, m, loop):
             table.append(score(m, capped=True))
     best = table[_best_index(table)]
     ref = score(float(reference))
@@ -319,16 +322,22 @@ def choose_compute_budget(cost: CostModel, shapes: Sequence[SampleShape], *, m_m
                         efficient_batches=bool(best["efficient_batches"]) and not tokens_wins)
 
 
-def _cap_changes(cost: CostModel, shapes: Sequence[SampleShape], m_mem: float, m_comp: float, gas: int) -> bool:
-    """Whether ``PlannerParams.efficient_batches`` lowers some shape's largest batch under ``m_comp``."""
-    loop = cost.profile.micro_step_overhead_ms + cost.profile.optimizer_step_overhead_ms / gas
+def _cost_tables(cost: CostModel, shapes: Sequence[SampleShape], m_mem: float) -> list[np.ndarray]:
+    """Per shape with at least 2 samples within ``m_mem``: its batch cost over B = 0..(largest within m_mem)."""
+    out = []
     for s in shapes:
         b_mem = int(math.floor(m_mem / sample_memory(cost, s) * (1 + 1e-12)))
-        if b_mem < 2:
-            continue
-        c = micro_batch_table(cost, s, b_mem, m_mem).cost
-        b = min(b_mem, int(np.searchsorted(c, m_comp * (1 + 1e-12), "right")) - 1)
-        if b > 1 and efficient_batch(c[:b + 1], loop) < b:
+        if b_mem >= 2:
+            out.append(micro_batch_table(cost, s, b_mem, m_mem).cost)
+    return out
+
+
+def _cap_changes(tables: Sequence[np.ndarray], m_comp: float, loop_ms: float) -> bool:
+    """Whether ``PlannerParams.efficient_batches`` lowers some shape's largest batch under ``m_comp`` (``tables``:
+    :func:`_cost_tables`; ``loop_ms``: the loop's time per micro-step)."""
+    for c in tables:
+        b = int(np.searchsorted(c, m_comp * (1 + 1e-12), "right")) - 1
+        if b > 1 and efficient_batch(c[:b + 1], loop_ms) < b:
             return True
     return False
 
