@@ -56,7 +56,8 @@ class SamplerConfig(_Block):
     cached in `profile_cache` for the next run; without a GPU the H100 one), `calibrate` (the same
     start-up calibration, or its cached result, whatever is shipped), a shipped name (`h100-wan2.1-1.3b`,
     `h100-wan2.1-14b`, `h200-wan2.1-1.3b`, `h200-wan2.1-14b`) or a path to a profile json written by
-    `ds-adaptive calibrate`. Required for `cost_model: calibrated` and for `m_mem: auto`."""
+    `ds-adaptive calibrate` (or `ds-adaptive refit`, fitted to your trainer runs). Required for
+    `cost_model: calibrated` and for `m_mem: auto`."""
 
     profile_cache: Optional[str] = None
     """Directory of the profiles calibrated at start-up (`profile: auto` / `calibrate`), one json per GPU
