@@ -581,6 +581,10 @@ def json_safe(obj):
     return obj
 
 
+#: a run's per-micro-step compute prediction error over which the summary gives the ``ds-adaptive refit`` command
+COMPUTE_REFIT_HINT = 0.05
+
+
 def format_summary(s: dict) -> str:
     """A short human-readable block of the run summary (printed on rank 0)."""
     lines = [
@@ -602,6 +606,12 @@ def format_summary(s: dict) -> str:
     if s.get("peak_tflops"):
         lines.append(f"  FLOPs            MFU {100 * s.get('mfu', 0.0):.1f}%, HFU {100 * s.get('hfu', 0.0):.1f}% "
                      f"(recompute excluded / included; dense bf16 peak {s['peak_tflops']:g} TFLOP/s per GPU)")
+    cp = s.get("compute_prediction")
+    if cp:
+        off = cp["max_abs_rel_err"] > COMPUTE_REFIT_HINT and cp.get("refit")
+        lines.append(f"  cost model       compute {cp['measured_over_predicted']:.3f}x the plan's prediction over "
+                     f"{cp['micro_steps']} micro-steps (per micro-step max |err| {100 * cp['max_abs_rel_err']:.1f}%)"
+                     + (f"; to plan with this run's costs: {cp['refit']} --out PROFILE.json" if off else ""))
     if s.get("nonfinite_steps"):
         n = s["nonfinite_steps"]
         lines.append(f"  non-finite       {len(n)} step(s) with a non-finite loss or gradient norm, update skipped "

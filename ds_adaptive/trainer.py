@@ -24,6 +24,7 @@ import uuid
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -679,6 +680,9 @@ class Trainer:
         summary = self.metrics.summary()
         summary["final_step"] = self.global_step
         summary["memory_prediction"] = self.memory_log.summary()
+        compute = self.memory_log.compute_summary(self.metrics.history, int(summary.get("warmup_steps", 1)))
+        if compute is not None:
+            summary["compute_prediction"] = compute
         summary["nonfinite_steps"] = list(self.nonfinite_steps)
         if self.fusion is not None:
             summary["block_fusion"] = self.fusion.summary()
@@ -709,12 +713,16 @@ class Trainer:
 class MemoryLog:
     """Predicted vs measured peak memory per micro-batch (writer rank on GPU): ``memory.jsonl`` in the log
     dir, one line per micro-step: shape, B, checkpointed blocks, predicted static + activation memory
-    (the plan's memory model, ``ds_adaptive.balance.memory``) and the measured allocated peak of that micro-step."""
+    (the plan's memory model, ``ds_adaptive.balance.memory``) and the measured allocated peak of that micro-step;
+    with the calibrated cost model also the plan's predicted compute time (``predicted_ms``), which
+    :meth:`compute_summary` holds against the step records' compute windows."""
 
     def __init__(self, sampler, zero_stage: int, shard_ranks: int, log_dir: str, enabled: bool) -> None:
         self.cost = sampler.cost
         self.static = self.cost.profile.static_memory_gib(zero_stage, shard_ranks)
         self.errors: list[float] = []
+        self.predicted_ms: dict[tuple[int, int], float] = {}
+        self.world, self.log_dir = int(shard_ranks), log_dir
         self.file = None
         if enabled:
             Path(log_dir).mkdir(parents=True, exist_ok=True)
@@ -727,11 +735,32 @@ class MemoryLog:
         act = float(self.cost.ckpt_memory(shape, batch, ckpt))
         pred = self.static + act
         self.errors.append((pred - measured_gib) / measured_gib if measured_gib > 0 else 0.0)
-        self.file.write(json.dumps({"step": step, "micro": micro, "shape": str(shape), "tokens": int(shape.tokens),
-                                    "B": batch, "ckpt_blocks": ckpt, "static_gib": self.static, "act_gib": act,
-                                    "predicted_gib": pred, "measured_gib": measured_gib,
-                                    "reserved_gib": reserved_gib}) + "\n")
+        line = {"step": step, "micro": micro, "shape": str(shape), "tokens": int(shape.tokens), "B": batch,
+                "ckpt_blocks": ckpt, "static_gib": self.static, "act_gib": act, "predicted_gib": pred,
+                "measured_gib": measured_gib, "reserved_gib": reserved_gib}
+        if self.cost.mode == "calibrated":
+            line["predicted_ms"] = self.predicted_ms[step, micro] = float(self.cost.ckpt_cost(shape, batch, ckpt))
+        self.file.write(json.dumps(line) + "\n")
         self.file.flush()
+
+    def compute_summary(self, history, warmup_steps: int) -> Optional[dict]:
+        """This rank's compute windows after ``warmup_steps`` (the step records' ``micro_compute_ms``, rank 0's)
+        against the plan's predicted compute: micro-steps, total measured / predicted, largest and mean |predicted /
+        measured - 1|, and on one GPU the ``ds-adaptive refit`` command that fits the profile to this run. None
+        without predictions (not the writer, not on a GPU, or a cost model not in ms)."""
+        pairs = [(self.predicted_ms[r.step, m], ranks[0]) for r in history[warmup_steps:]
+                 for m, ranks in enumerate(r.micro_compute_ms) if (r.step, m) in self.predicted_ms and ranks[0] > 0]
+        if not pairs:
+            return None
+        pred, meas = np.array(pairs).T
+        err = np.abs(pred / meas - 1)
+        pr = self.cost.profile
+        out = {"micro_steps": len(pairs), "measured_over_predicted": float(meas.sum() / pred.sum()),
+               "max_abs_rel_err": float(err.max()), "mean_abs_rel_err": float(err.mean())}
+        if self.world == 1 and self.cost.sp == 1:
+            out["refit"] = (f"ds-adaptive refit {self.log_dir} --profile {pr.name} --ln-modulate {pr.ln_modulate} "
+                            f"--block-fusion {pr.block_fusion}")
+        return out
 
     def summary(self) -> dict:
         e = self.errors

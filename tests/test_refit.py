@@ -115,3 +115,39 @@ def test_the_shipped_default_job_runs_hold_out_each_other():
         cost = CostModel(fit.profile, "calibrated", checkpointing="auto", checkpoint_attention="recompute")
         err = [abs(float(cost.ckpt_cost(w.shape, w.batch, w.ckpt_blocks)) / w.ms - 1) for w in windows[held]]
         assert max(err) < 0.04, (held, max(err))
+
+
+def test_the_trainer_summary_holds_the_plan_s_compute_against_its_windows(tmp_path):
+    """The memory log records each micro-step's predicted compute; the summary compares it with the step records'
+    windows after the warm-up and, on one GPU off by more than 5%, gives the refit command."""
+    from types import SimpleNamespace
+
+    from ds_adaptive.metrics import format_summary
+    from ds_adaptive.trainer import MemoryLog
+
+    cost = CostModel(load_profile(PROFILE), "calibrated", checkpointing="auto", checkpoint_attention="recompute")
+    log = MemoryLog(SimpleNamespace(cost=cost), 3, 1, str(tmp_path), True)
+    sh = [SampleShape(81, 480, 832), SampleShape(1, 480, 832)]
+    history = []
+    for step in (1, 2, 3):
+        for micro, (s, b) in enumerate(zip(sh, (1, 20))):
+            log.record(step, micro, s, b, 0, 10.0)
+        pred = [log.predicted_ms[step, m] for m in (0, 1)]
+        # the video as predicted, the image batch 20% faster; the warm-up step 3x slower (left out)
+        history.append(SimpleNamespace(step=step, micro_compute_ms=[[pred[0] * (3 if step == 1 else 1)],
+                                                                    [pred[1] * (3 if step == 1 else 0.8)]]))
+    log.close()
+    lines = [json.loads(x) for x in (tmp_path / "memory.jsonl").read_text().splitlines()]
+    assert len(lines) == 6 and lines[0]["predicted_ms"] == pytest.approx(float(cost.ckpt_cost(sh[0], 1, 0)))
+    cp = log.compute_summary(history, 1)
+    assert cp["micro_steps"] == 4 and cp["max_abs_rel_err"] == pytest.approx(0.25)
+    assert cp["refit"] == (f"ds-adaptive refit {tmp_path} --profile {PROFILE} --ln-modulate "
+                           f"{cost.profile.ln_modulate} --block-fusion {cost.profile.block_fusion}")
+    s = {"steps": 3, "samples": 3, "tokens": 30, "wall_s": 1.0, "tokens_per_s": 30.0, "samples_per_s": 3.0,
+         "step_s_mean": 0.3, "warmup_steps": 1, "peak_mem_gib": 1.0, "mem_capacity_gib": 2.0, "peak_mem_frac": 0.5,
+         "mem_efficiency": 0.5, "cv_step": 0.0, "compute_cv": 0.0, "idle_frac": 0.0, "loss_window": 1,
+         "loss_first": 1.0, "loss_last": 0.9, "loss_fell": True, "compute_prediction": cp}
+    text = format_summary(s)
+    assert f"per micro-step max |err| 25.0%); to plan with this run's costs: {cp['refit']} --out PROFILE.json" in text
+    two = MemoryLog(SimpleNamespace(cost=cost), 3, 2, str(tmp_path), False)   # not the writer: no predictions
+    assert two.compute_summary(history, 1) is None
