@@ -718,7 +718,7 @@ class MemoryLog:
     :meth:`compute_summary` holds against the step records' compute windows."""
 
     def __init__(self, sampler, zero_stage: int, shard_ranks: int, log_dir: str, enabled: bool) -> None:
-        self.cost = sampler.cost
+        self.sampler = sampler
         self.static = self.cost.profile.static_memory_gib(zero_stage, shard_ranks)
         self.errors: list[float] = []
         self.predicted_ms: dict[tuple[int, int], float] = {}
@@ -727,6 +727,11 @@ class MemoryLog:
         if enabled:
             Path(log_dir).mkdir(parents=True, exist_ok=True)
             self.file = open(Path(log_dir) / "memory.jsonl", "a")
+
+    @property
+    def cost(self):
+        """The sampler's cost model now (sparse attention's density updates replace it)."""
+        return self.sampler.cost
 
     def record(self, step: int, micro: int, shape, batch: int, ckpt: int, measured_gib: float,
                reserved_gib: float = 0.0) -> None:
