@@ -2,8 +2,8 @@
 
     python bench/micro_batch_mfu.py RUN_DIR [RUN_DIR ...] [--out bench/out/micro_batch_mfu.json]
 
-A run directory is a trainer log dir (``metrics.jsonl``: per logged step each micro-step's compute window;
-``memory.jsonl``: each micro-step's shape, B and checkpointed blocks). Per (shape, B, checkpointed blocks) of the
+A run directory is a one-GPU trainer log dir (``metrics.jsonl``: per logged step each micro-step's compute window;
+``memory.jsonl``: each micro-step's shape, B and checkpointed blocks; read by ``ds_adaptive.balance.refit``). Per (shape, B, checkpointed blocks) of the
 logged steps > 1: micro-steps, mean compute ms and model FLOPs over compute time as a share of the GPU's dense bf16
 peak (the summary's ``peak_tflops``; recompute not counted, as the summary's MFU). The summary's MFU is this over the
 whole step's wall, which also holds the loop's time outside the compute windows (``bench/loop_overheads.py``).
@@ -20,30 +20,21 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def _jsonl(p: Path) -> list[dict]:
-    return [json.loads(x) for x in p.read_text().splitlines() if x.strip()]
-
-
 def run_table(d: Path) -> dict:
+    from ds_adaptive.balance.refit import trainer_windows
     from ds_adaptive.models import get_model
 
     summary = json.loads((d / "summary.json").read_text())
     model = get_model(summary["model"])
     cfg = model.config(num_layers=summary.get("layers"))
     peak = float(summary["peak_tflops"]) * 1e12
-    micro: dict[int, list] = defaultdict(list)
-    for r in _jsonl(d / "memory.jsonl"):
-        micro[r["step"]].append(r)
     agg: dict[tuple, list] = defaultdict(lambda: [0.0, 0.0, 0])
-    for s in _jsonl(d / "metrics.jsonl"):
-        if s["step"] < 2 or s["step"] not in micro:
-            continue
-        for r, ms in zip(micro[s["step"]], s["micro_compute_ms"]):
-            flops = model.flops(cfg, int(r["tokens"]), int(r["B"]), 0)
-            a = agg[(r["shape"], int(r["B"]), int(r["ckpt_blocks"]))]
-            a[0] += float(flops[0] if isinstance(flops, tuple) else flops)
-            a[1] += max(ms)   # the slowest rank's window
-            a[2] += 1
+    for w in trainer_windows(d):   # the run's logged steps after the warm-up, one window per micro-step
+        flops = model.flops(cfg, int(w.shape.tokens), w.batch, 0)
+        a = agg[(str(w.shape), w.batch, w.ckpt_blocks)]
+        a[0] += float(flops[0] if isinstance(flops, tuple) else flops)
+        a[1] += w.ms
+        a[2] += 1
     rows = [{"shape": k[0], "B": k[1], "ckpt_blocks": k[2], "micro_steps": n, "compute_ms": ms / n,
              "mfu": f / (ms * 1e-3) / peak} for k, (f, ms, n) in sorted(agg.items())]
     return {"run": str(d), "summary_mfu": summary.get("mfu"), "rows": rows}

@@ -8,9 +8,9 @@ checkpoint plan, plus the training loop's terms), for sampler settings side by s
         --arm "2f0fcdc:checkpoint_attention=recompute,batch_cap=off"   (a measured run beside the plan it ran)
 
 Steps as the trainer's summary counts them: 22 steps, MFU after the first, a warm-up (``--steps``, ``--warmup``).
-A run's summary is matched to an arm by its tokens (all steps'); the ratio measured / predicted MFU of a run it ran is the
-correction to read the other arms' predictions with. Explains a plan choice; what a plan trains at is the trainer's
-figure (``launch/train_wan.sh``).
+A run's summary is matched to an arm by its tokens (all steps'); the ratio measured / predicted MFU of a run it ran
+is the correction to read the other arms' predictions with. Explains a plan choice; what a plan trains at is the
+trainer's figure (``launch/train_wan.sh``).
 """
 from __future__ import annotations
 
@@ -115,7 +115,8 @@ def main(argv=None) -> int:
         name, over = parse_arm(text)
         s = default_job_sampler(profile, a.gpu_mem_gib, a.samples, **over)
         all_tokens = int(s.plan.batch_tokens[:a.steps * s.plan.micro_steps_per_step * s.plan.dp_size].sum())
-        rows[name] = {"overrides": over, "job_tokens": all_tokens, **plan_mfu(s, a.warmup, a.steps - 1, a.peak_tflops, truth)}
+        rows[name] = {"overrides": over, "job_tokens": all_tokens,
+                      **plan_mfu(s, a.warmup, a.steps - 1, a.peak_tflops, truth)}
     runs = []
     for d in a.run:
         path = Path(d) / "summary.json"

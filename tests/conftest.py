@@ -17,6 +17,7 @@ import glob
 import json
 import os
 import select
+import shutil
 import socket
 import subprocess
 import sys
@@ -203,7 +204,7 @@ def _launch_once(argv: list[str], world: int, *, cwd: Path, timeout: float, env:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-        _remove_dir(outdir)
+        shutil.rmtree(outdir, ignore_errors=True)
         _remove_shm(f"{_SHM_GLOB}_127.0.0.1_{port}_*")  # this job's ranks have exited (or were killed)
 
 
@@ -240,12 +241,6 @@ class _Ends:
 def _fail_timeout(what: str, timeout: float, outs: list[str]) -> None:
     text = "\n".join(f"--- rank {i} ---\n{out[-4000:]}" for i, out in enumerate(outs))
     pytest.fail(f"{len(outs)}-rank job `{what}` timed out after {timeout} s\n{text}")
-
-
-def _remove_dir(path: Path) -> None:
-    for f in path.iterdir():
-        f.unlink()
-    path.rmdir()
 
 
 #: environment keys a rank may set differently from the fork server's (read at run time, not at import)
@@ -325,7 +320,7 @@ class _RankZygote:
                 ends.failed(msg["code"] != 0)
         self._kill_left(pids, codes)
         outs = [(outdir / f"rank{rank}.log").read_text(errors="replace") for rank in range(len(envs))]
-        _remove_dir(outdir)
+        shutil.rmtree(outdir, ignore_errors=True)
         if ends.timed_out:
             _fail_timeout(what, timeout, outs)
         return [subprocess.CompletedProcess([sys.executable, str(_RANK_MAIN), *argv], codes.get(pids.get(i), -9),

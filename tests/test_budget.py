@@ -200,8 +200,7 @@ def test_efficient_batches_cap_every_shape_at_its_lowest_time_per_sample():
     shapes = _shapes(600)
     m_comp = 4000.0   # on the H200 profile, image batches under it checkpoint blocks
     cost, m_mem, uniq, plans = _capped_pair(shapes, 1, m_comp)
-    loop = loop_ms_per_micro_step(cost, PlannerParams(mode="dual", dp_size=1, micro_steps_per_step=2, m_mem=m_mem,
-                                                      m_comp=m_comp))
+    loop = loop_ms_per_micro_step(cost.profile, 2)
     capped_any = False
     for u, s in enumerate(uniq):
         b_mem = int(m_mem / sample_memory(cost, s))

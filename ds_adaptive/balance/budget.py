@@ -75,13 +75,14 @@ import numpy as np
 
 from ds_adaptive.balance.cost import CostModel
 from ds_adaptive.balance.memory import micro_batch_table, sample_memory
-from ds_adaptive.balance.planner import EpochPlan, PlannerParams, efficient_batch, plan_epoch, unique_shapes
+from ds_adaptive.balance.planner import (EpochPlan, PlannerParams, efficient_batch, loop_ms_per_micro_step,
+                                         plan_epoch, unique_shapes)
 from ds_adaptive.shapes import SampleShape
 
 __all__ = ["BudgetChoice", "choose_compute_budget", "candidate_budgets", "predicted_time_ms", "predicted_times",
            "plan_tokens_per_s", "uses_budget_search",
-           "upper_budget", "SEARCH_SAMPLES", "SEARCH_SAMPLES_MAX", "SEARCH_SAMPLES_ABOVE_MAX", "SEARCH_MICRO_STEPS",
-           "GRID_POINTS", "GRID_POINTS_ABOVE"]
+           "upper_budget", "shape_tables", "SEARCH_SAMPLES", "SEARCH_SAMPLES_MAX", "SEARCH_SAMPLES_ABOVE_MAX",
+           "SEARCH_MICRO_STEPS", "GRID_POINTS", "GRID_POINTS_ABOVE"]
 
 #: samples of the epoch-0 order planned per candidate (all of them for smaller datasets): at least this
 #: many and two planning windows, at most SEARCH_SAMPLES_MAX (1024 DP ranks: ~20 candidates in seconds)
@@ -136,29 +137,35 @@ def uses_budget_search(cost: CostModel, mode: str) -> bool:
     return mode == "dual" and cost.mode == "calibrated" and cost.checkpointing == "auto"
 
 
-def upper_budget(cost: CostModel, shapes: Sequence[SampleShape], m_mem: float) -> float:
-    """The cost of the costliest micro-batch that fits ``m_mem`` (over ``shapes``, each at its largest
-    memory-feasible batch with its checkpoint plan): no budget above it changes a plan."""
-    top = 0.0
+def shape_tables(cost: CostModel, shapes: Sequence[SampleShape], m_mem: float) -> list:
+    """Per distinct shape with at least one sample within ``m_mem`` (sorted): its :class:`MicroBatchTable` over
+    B = 0..(its largest batch within ``m_mem``), with that batch's checkpoint plan. No budget changes them: the
+    search builds them once for every candidate."""
+    out = []
     for s in sorted(set(shapes)):
         b_mem = int(math.floor(m_mem / sample_memory(cost, s) * (1 + 1e-12)))
         if b_mem >= 1:
-            top = max(top, float(micro_batch_table(cost, s, b_mem, m_mem).cost[b_mem]))
-    return top
+            out.append(micro_batch_table(cost, s, b_mem, m_mem))
+    return out
+
+
+def upper_budget(cost: CostModel, shapes: Sequence[SampleShape], m_mem: float, tables: Optional[list] = None) -> float:
+    """The cost of the costliest micro-batch that fits ``m_mem`` (over ``shapes``, each at its largest
+    memory-feasible batch with its checkpoint plan): no budget above it changes a plan. ``tables``:
+    :func:`shape_tables` of the same arguments, when the caller has them."""
+    tables = shape_tables(cost, shapes, m_mem) if tables is None else tables
+    return max((float(t.cost[-1]) for t in tables), default=0.0)
 
 
 def candidate_budgets(cost: CostModel, shapes: Sequence[SampleShape], m_mem: float, reference: float,
-                      upper: Optional[float] = None) -> list[float]:
+                      upper: Optional[float] = None, tables: Optional[list] = None) -> list[float]:
     """Candidate budgets (ascending, the reference included): per shape its B=1 cost and the cost of its
     largest micro-batch without checkpointing, a geometric grid of ``GRID_POINTS`` between the smallest of
     those and the reference, and, when ``upper`` (:func:`upper_budget`) is over the reference, a geometric
-    grid of ``GRID_POINTS_ABOVE`` from the reference to ``upper``. Near-duplicates (within 3%) dropped."""
+    grid of ``GRID_POINTS_ABOVE`` from the reference to ``upper``. Near-duplicates (within 3%) dropped.
+    ``tables``: :func:`shape_tables` of the same arguments, when the caller has them."""
     per_shape: list[float] = []
-    for s in sorted(set(shapes)):
-        b_mem = int(math.floor(m_mem / sample_memory(cost, s) * (1 + 1e-12)))
-        if b_mem < 1:
-            continue
-        t = micro_batch_table(cost, s, b_mem, m_mem)
+    for t in shape_tables(cost, shapes, m_mem) if tables is None else tables:
         per_shape.append(float(t.cost[1]))
         free = np.flatnonzero(t.ckpt[1:] == 0)
         if free.size:
@@ -256,15 +263,16 @@ def choose_compute_budget(cost: CostModel, shapes: Sequence[SampleShape], *, m_m
     ``m_mem`` (``resolve_budgets``). ``max_tokens``: the equal-token baseline's budget at this ``m_mem``;
     when given, the equal-token plan of the same samples is scored (``equal_token_tokens_per_s``) and its
     costliest batch is a candidate. Ties go to the larger budget. ``batch_cap``: also score each budget with every
-    shape's batch capped at its lowest time per sample, where that changes a batch (``efficient_batches``). Oversize samples (over ``m_mem``) are
-    left out of the search (the sampler's own plan reports them)."""
+    shape's batch capped at its lowest time per sample, where that changes a batch (``efficient_batches``).
+    Oversize samples (over ``m_mem``) are left out of the search (the sampler's own plan reports them)."""
     uniq, sid = unique_shapes(list(shapes))
     order = np.random.default_rng([int(seed), 0]).permutation(len(shapes))
     mem1 = np.array([sample_memory(cost, s) for s in uniq])
     order = order[mem1[sid[order]] <= m_mem]
     present = [uniq[i] for i in np.unique(sid[order])] or uniq
-    upper = upper_budget(cost, present, m_mem)
-    cands = candidate_budgets(cost, present, m_mem, reference, upper=upper)
+    tables = shape_tables(cost, present, m_mem)
+    upper = upper_budget(cost, present, m_mem, tables)
+    cands = candidate_budgets(cost, present, m_mem, reference, upper=upper, tables=tables)
     base = min(max(int(max_samples), 2 * window * dp_size), SEARCH_SAMPLES_MAX)
     per = np.array([cost.per_gpu_cost(s) for s in uniq])
     mean_cost = float(per[sid[order[:base]]].mean()) if len(order) else 0.0
@@ -300,11 +308,9 @@ def choose_compute_budget(cost: CostModel, shapes: Sequence[SampleShape], *, m_m
             if all(abs(top - c) > 0.03 * c for c in cands):
                 cands = sorted(cands + [top])
     table = []
-    tables = _cost_tables(cost, present, m_mem) if batch_cap else []
-    pr = cost.profile
     for m in cands:   # each budget as it is and, where that changes a batch, with each shape's efficient cap
         table.append(score(m))
-        loop = pr.micro_step_overhead_ms + pr.optimizer_step_overhead_ms / _gas_for(m, reference, micro_steps_per_step)
+        loop = loop_ms_per_micro_step(cost.profile, _gas_for(m, reference, micro_steps_per_step))
         if batch_cap and _cap_changes(tables, m, loop):
             table.append(score(m, capped=True))
     best = table[_best_index(table)]
@@ -322,20 +328,11 @@ def choose_compute_budget(cost: CostModel, shapes: Sequence[SampleShape], *, m_m
                         efficient_batches=bool(best["efficient_batches"]) and not tokens_wins)
 
 
-def _cost_tables(cost: CostModel, shapes: Sequence[SampleShape], m_mem: float) -> list[np.ndarray]:
-    """Per shape with at least 2 samples within ``m_mem``: its batch cost over B = 0..(largest within m_mem)."""
-    out = []
-    for s in shapes:
-        b_mem = int(math.floor(m_mem / sample_memory(cost, s) * (1 + 1e-12)))
-        if b_mem >= 2:
-            out.append(micro_batch_table(cost, s, b_mem, m_mem).cost)
-    return out
-
-
-def _cap_changes(tables: Sequence[np.ndarray], m_comp: float, loop_ms: float) -> bool:
+def _cap_changes(tables: Sequence, m_comp: float, loop_ms: float) -> bool:
     """Whether ``PlannerParams.efficient_batches`` lowers some shape's largest batch under ``m_comp`` (``tables``:
-    :func:`_cost_tables`; ``loop_ms``: the loop's time per micro-step)."""
-    for c in tables:
+    :func:`shape_tables`; ``loop_ms``: the loop's time per micro-step)."""
+    for t in tables:
+        c = t.cost
         b = int(np.searchsorted(c, m_comp * (1 + 1e-12), "right")) - 1
         if b > 1 and efficient_batch(c[:b + 1], loop_ms) < b:
             return True

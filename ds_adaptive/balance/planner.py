@@ -283,7 +283,8 @@ class _ShapeTable:
                     b = fixed
             if params.efficient_batches and params.mode == "dual" and not self.linear and cost.mode == "calibrated" \
                     and b > 1:
-                b = efficient_batch(self.tables[u].cost[:b + 1], loop_ms_per_micro_step(cost, params))
+                loop = loop_ms_per_micro_step(cost.profile, params.micro_steps_per_step)
+                b = efficient_batch(self.tables[u].cost[:b + 1], loop)
             self.bmax[u] = max(b, 0)
             if self.bmax[u] < 1:
                 self.why[u] = why
@@ -330,10 +331,10 @@ class _ShapeTable:
         return bs, np.array([self.tables[u].cost[b] for u, b in zip(cand.tolist(), bs.tolist())], float)
 
 
-def loop_ms_per_micro_step(cost: CostModel, params: PlannerParams) -> float:
-    """The training loop's time charged to one micro-step: its own term plus its share of an optimizer step's."""
-    pr = cost.profile
-    return float(pr.micro_step_overhead_ms + pr.optimizer_step_overhead_ms / params.micro_steps_per_step)
+def loop_ms_per_micro_step(profile, micro_steps_per_step: int) -> float:
+    """The training loop's time charged to one micro-step of a ``Profile``: its own term plus its share of an
+    optimizer step's at ``micro_steps_per_step``."""
+    return float(profile.micro_step_overhead_ms + profile.optimizer_step_overhead_ms / micro_steps_per_step)
 
 
 def efficient_batch(batch_cost: np.ndarray, loop_ms: float) -> int:

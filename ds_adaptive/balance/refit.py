@@ -11,10 +11,10 @@ batches (``bench/RESULTS.md``): the planner balances and sizes batches on a cost
     window_ms = c0 + B (a S + b S^2) + r x recompute(S, B, checkpointed blocks)
 
 (``S``: padded tokens per sample, ``recompute``: the profile's own recompute of the checkpointed blocks, so
-``r`` scales it; ``c0`` held at 0 where the fit would make it negative) and returns the profile with those terms: top-level ``compute`` holds a micro-batch with every
-block checkpointed, as ``ds-adaptive calibrate`` measures it (``c0 + L r rc0``, ``a + L r ra``, ``b + L r rb``),
-and ``compute.recompute`` is scaled by ``r``. Windows after each run's warm-up step only; one GPU per SP group
-(``sp`` 1) and the profile's depth. Pure: no GPU.
+``r`` scales it; ``c0`` held at 0 where the fit would make it negative) and returns the profile with those terms:
+top-level ``compute`` holds a micro-batch with every block checkpointed, as ``ds-adaptive calibrate`` measures it
+(``c0 + L r rc0``, ``a + L r ra``, ``b + L r rb``), and ``compute.recompute`` is scaled by ``r``. Windows after
+each run's warm-up step only; one GPU (``sp`` 1, ``dp`` 1) and the profile's depth. Pure: no GPU.
 """
 from __future__ import annotations
 
