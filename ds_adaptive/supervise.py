@@ -48,8 +48,8 @@ Exit status: 0 finished; 75 stopped by a forwarded signal with a checkpoint (the
 launcher's own report of it, 256-N, is mapped to 128+N) or the launcher itself killed by N; otherwise the
 status of the rank that failed first.
 
-This file uses the standard library and ``psutil`` only (a DeepSpeed dependency), so it runs as a
-plain script before any package import.
+This file uses the standard library, ``psutil`` (a DeepSpeed dependency) and ``ports.py`` beside it (standard
+library only), so it runs as a plain script before any package import.
 """
 from __future__ import annotations
 
@@ -70,6 +70,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
+
+try:
+    from ds_adaptive.ports import free_port
+except ImportError:   # run as a plain script (launch/train_wan.sh): this file's folder is on sys.path
+    from ports import free_port
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)  # USR1: SLURM's --signal=USR1@N
 LAUNCH_MODULE = "deepspeed.launcher.launch"
@@ -249,12 +254,6 @@ def release_port(port: int, fd: int) -> None:
     os.close(fd)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def _runner_args(cmd: list[str]) -> Optional[tuple[int, dict]]:
     """For a ``deepspeed`` runner command: (index of the user script, {runner option: value}); else None."""
     if not cmd or (os.path.basename(cmd[0]) != "deepspeed" and "deepspeed.launcher.runner" not in cmd):
@@ -308,7 +307,7 @@ def choose_master_port(cmd: list[str], *, default: int = DEFAULT_MASTER_PORT, lo
                         "first one's rendezvous. Choose a free port (MASTER_PORT=...), or leave MASTER_PORT unset to "
                         "have one picked")
     for _ in range(20):
-        new = _free_port()
+        new = free_port()
         fd, _ = claim_port(new)
         if fd is not None:
             log(f"the default rendezvous port {port} is in use on this host: {why}; this run uses port {new} "

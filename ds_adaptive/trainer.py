@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import sys
 import time
 import uuid
@@ -28,6 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .ports import free_port
 from .checkpoint import (CheckpointError, check_checkpoint, find_resumable, last_good, read_marker, step_of, tag_for,
                          write_checkpoint)
 from .data import DataError, build_dataset, collate_latents
@@ -57,12 +57,6 @@ class NonFiniteError(RuntimeError):
 
 # --- distributed setup -----------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed(local_rank: int) -> tuple[int, int, torch.device]:
     """Initialise torch.distributed via DeepSpeed (NCCL on GPU, gloo on CPU); a plain
     ``python -m ds_adaptive.train`` becomes a world of one."""
@@ -71,7 +65,7 @@ def init_distributed(local_rank: int) -> tuple[int, int, torch.device]:
 
     if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(free_port("127.0.0.1"))))
     acc = get_accelerator()
     local_rank = int(os.environ.get("LOCAL_RANK", local_rank))
     if acc.device_name() == "cuda":

@@ -18,7 +18,6 @@ import json
 import os
 import select
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -124,26 +123,11 @@ _RANK_MAIN = Path(__file__).resolve().parent / "_rank_main.py"
 
 
 def _free_port() -> int:
-    """A port that binds now, drawn below the kernel's ephemeral range: the gloo connections and TCPStore clients
-    of jobs running alongside (xdist workers) take ephemeral ports, and one of them could take a port picked there
-    before this job's rank 0 binds it."""
-    import random
+    """A rendezvous port for a test job (``ds_adaptive.ports``: below the ephemeral range, where the connections of
+    the jobs running alongside take theirs)."""
+    from ds_adaptive.ports import free_port
 
-    lo = 20000
-    try:
-        hi = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        hi = 32768
-    for port in [random.randrange(lo, hi) for _ in range(50)] if hi > lo + 1000 else []:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port("127.0.0.1")
 
 
 def _port_taken(results: list[subprocess.CompletedProcess]) -> bool:

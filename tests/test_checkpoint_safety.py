@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ds_adaptive.ports import free_port
 from ds_adaptive import checksum
 from ds_adaptive.checkpoint import (MARKER, check_checkpoint, find_resumable, last_good, prune_checkpoints,
                                     read_marker, write_latest)
@@ -366,9 +367,7 @@ def _env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in ("NUM_GPUS", "HOSTFILE", "DS_CONFIG", "MODEL", "STEPS", "SAVE_DIR", "RESUME", "OVERWRITE",
                         "SAVE_INTERVAL", "KEEP_CHECKPOINTS")}
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
+    port = str(free_port("127.0.0.1"))
     return {**env, "CUDA_VISIBLE_DEVICES": "", "NUM_GPUS": "0", "MASTER_PORT": port, "PYTHONPATH": str(ROOT),
             "PYTHONUNBUFFERED": "1", **extra}
 

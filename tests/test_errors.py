@@ -7,13 +7,13 @@ import json
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from ds_adaptive.ports import free_port
 from ds_adaptive.balance import calibrate
 from ds_adaptive.cli import main as cli_main
 
@@ -26,9 +26,7 @@ def test_oversize_sample_is_one_message_from_two_ranks(tmp_path):
     cfg = json.loads((CONFIGS / "cpu_tiny.json").read_text())
     cfg["adaptive_load"]["sampler"].update(m_mem=0.1, shapes=str(CONFIGS / "shapes_cpu.json"))
     (tmp_path / "over.json").write_text(json.dumps(cfg))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    port = str(free_port("127.0.0.1"))
     procs = [subprocess.Popen([sys.executable, "-m", "ds_adaptive.train", "--deepspeed_config", "over.json",
                                "--num-samples", "40", "--steps", "1"], cwd=tmp_path, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -228,7 +228,12 @@ SLEEPER = "import time\nwhile True:\n    time.sleep(1)\n"
 
 
 def _free_port(lo: int = 0, hi: int = 0) -> int:
-    for port in (range(lo, hi) if hi else [0]):
+    """A port in ``lo..hi`` that binds now; without a range ``ds_adaptive.ports.free_port``."""
+    if not hi:
+        from ds_adaptive.ports import free_port
+
+        return free_port("127.0.0.1")
+    for port in range(lo, hi):
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))

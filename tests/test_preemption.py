@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ds_adaptive.ports import free_port
 from ds_adaptive.checkpoint import MARKER, check_checkpoint, find_resumable, prune_checkpoints, write_latest
 from ds_adaptive.metrics import json_safe
 from ds_adaptive.preempt import EXIT_PREEMPTED
@@ -29,9 +29,7 @@ TRAIN = ["--num-samples", "200", "--layers", "1", "--seed", "5"]
 def _env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in ("NUM_GPUS", "HOSTFILE", "DS_CONFIG", "MODEL", "STEPS", "SAVE_DIR", "RESUME")}
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
+    port = str(free_port("127.0.0.1"))
     return {**env, "CUDA_VISIBLE_DEVICES": "", "NUM_GPUS": "0", "MASTER_PORT": port, "PYTHONPATH": str(ROOT),
             "PYTHONUNBUFFERED": "1", **extra}
 
