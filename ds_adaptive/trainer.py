@@ -36,6 +36,7 @@ from .lora import CLIENT_KEY as LORA_KEY, reseed_dropout, resume_problem
 from .metrics import StepMetrics, format_summary
 from .fusion_warmup import FusionWarmup
 from .balance.memory import model_checkpoint_blocks
+from .balance.refit import COMPUTE_LOG
 from .ops.apply import ln_modulate_summary
 from .objective import EVAL_TIMESTEPS, eval_inputs, flow_matching_losses, mean_mse
 from .preview import PreviewRunner
@@ -456,6 +457,7 @@ class Trainer:
         applied = bool(self.engine.was_step_applied())  # False: DeepSpeed skipped a non-finite update
         rec = metrics.end_step(self.global_step, float(loss_num), loss_den, step_lr, log=self.global_step == self.opts.steps,
                                skipped=not applied)
+        self.memory_log.end_step(rec)
         self._check_finite(rec, applied)
         if rec.samples != totals.samples:
             raise RuntimeError(f"step {self.global_step}: the ranks processed {rec.samples} samples but the "
@@ -705,11 +707,16 @@ class Trainer:
 
 
 class MemoryLog:
-    """Predicted vs measured peak memory per micro-batch (writer rank on GPU): ``memory.jsonl`` in the log
-    dir, one line per micro-step: shape, B, checkpointed blocks, predicted static + activation memory
-    (the plan's memory model, ``ds_adaptive.balance.memory``) and the measured allocated peak of that micro-step;
-    with the calibrated cost model also the plan's predicted compute time (``predicted_ms``), which
-    :meth:`compute_summary` holds against the step records' compute windows."""
+    """Predicted vs measured peak memory and compute per micro-batch (writer rank on GPU), in the log dir:
+
+    - ``memory.jsonl``, one line per micro-step, written when it ends: shape, B, checkpointed blocks, predicted
+      static + activation memory (the plan's memory model, ``ds_adaptive.balance.memory``) and the measured
+      allocated peak of that micro-step; with the calibrated cost model also the plan's predicted compute time
+      (``predicted_ms``), which :meth:`compute_summary` holds against the step records' compute windows;
+    - ``compute.jsonl``, one line per micro-step, written when its step ends (its window is read then): shape, B,
+      checkpointed blocks, this rank's compute window (``compute_ms``) and the step's wall time (``step_wall_ms``),
+      with ``predicted_ms`` as above. Every step, not every ``metrics.interval``-th: ``ds-adaptive refit`` and
+      ``bench/micro_batch_mfu.py`` read it."""
 
     def __init__(self, sampler, zero_stage: int, shard_ranks: int, log_dir: str, enabled: bool) -> None:
         self.sampler = sampler
@@ -717,10 +724,12 @@ class MemoryLog:
         self.errors: list[float] = []
         self.predicted_ms: dict[tuple[int, int], float] = {}
         self.world, self.log_dir = int(shard_ranks), log_dir
-        self.file = None
+        self.file = self.compute_file = None
+        self._pending: list[dict] = []   # this step's micro-steps, for compute.jsonl when the step ends
         if enabled:
             Path(log_dir).mkdir(parents=True, exist_ok=True)
             self.file = open(Path(log_dir) / "memory.jsonl", "a")
+            self.compute_file = open(Path(log_dir) / COMPUTE_LOG, "a")
 
     @property
     def cost(self):
@@ -741,6 +750,22 @@ class MemoryLog:
             line["predicted_ms"] = self.predicted_ms[step, micro] = float(self.cost.ckpt_cost(shape, batch, ckpt))
         self.file.write(json.dumps(line) + "\n")
         self.file.flush()
+        self._pending.append({k: line[k] for k in ("step", "micro", "shape", "tokens", "B", "ckpt_blocks")
+                              if k in line} | ({"predicted_ms": line["predicted_ms"]} if "predicted_ms" in line else {}))
+
+    def end_step(self, rec) -> None:
+        """``compute.jsonl``: the step's micro-steps with this rank's compute windows (``rec.micro_compute_ms``)."""
+        pending, self._pending = self._pending, []
+        if self.compute_file is None:
+            return
+        windows = rec.micro_compute_ms
+        if len(windows) != len(pending):
+            raise RuntimeError(f"step {rec.step}: {len(windows)} compute windows for {len(pending)} recorded "
+                               "micro-steps; the memory log and the metrics disagree")
+        for line, ranks in zip(pending, windows):
+            self.compute_file.write(json.dumps({**line, "compute_ms": float(ranks[0]),
+                                                "step_wall_ms": 1e3 * float(rec.wall_s)}) + "\n")
+        self.compute_file.flush()
 
     def compute_summary(self, history, warmup_steps: int) -> Optional[dict]:
         """This rank's compute windows after ``warmup_steps`` (the step records' ``micro_compute_ms``, rank 0's)
@@ -767,9 +792,11 @@ class MemoryLog:
                 "mean_rel_err": sum(e) / len(e) if e else 0.0}
 
     def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
-            self.file = None
+        for name in ("file", "compute_file"):
+            f = getattr(self, name)
+            if f is not None:
+                f.close()
+                setattr(self, name, None)
 
 
 def _worker_message(msg: str) -> str:

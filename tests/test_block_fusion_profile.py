@@ -117,13 +117,20 @@ def test_a_variant_without_its_own_overheads_gives_its_memory_but_not_its_comput
     assert "train_overheads" in msg
 
 
-def test_the_shipped_h200_profile_plans_regions_runs_with_its_measured_memory_only():
+def test_the_shipped_h200_profile_plans_regions_runs_with_its_measured_memory_and_refitted_compute():
+    """The shipped H200 1.3B profile's ``regions`` variant: memory measured by ``ds-adaptive calibrate`` with block
+    fusion, compute refitted to the default job's trainer windows with the loop terms fitted on the same runs
+    (``ds-adaptive refit``): both used together."""
     prof = load_profile(H200)
     fused, msg = prof.for_block_fusion("regions")
-    assert "(block_fusion_variants.regions: memory)" in msg and "compute: the profile's own" in msg
-    assert fused.block_full_gib[1] < 0.8 * prof.block_full_gib[1]   # measured: 68.7 vs 95.1 KiB per token
-    assert (fused.c0_ms, fused.a_ms_per_token, fused.b_ms_per_token2) == (
-        prof.c0_ms, prof.a_ms_per_token, prof.b_ms_per_token2)
+    assert "(block_fusion_variants.regions: compute, memory, train_overheads)" in msg
+    assert fused.block_full_gib[1] < 0.8 * prof.block_full_gib[1]   # measured: 59.7 vs 95.1 KiB per token
+    fit = fused.raw["compute"]["fit"]
+    assert fit["source"].startswith("trainer compute windows") and fit["runs"] >= 4
+    assert fit["calibrated"] == {k: prof.raw["compute"][k] for k in ("c0_ms", "a_ms_per_token", "b_ms_per_token2")}
+    assert "ds-adaptive refit" in fused.raw["train_overheads"]["note"]
+    assert (fused.micro_step_overhead_ms, fused.optimizer_step_overhead_ms) != (
+        prof.micro_step_overhead_ms, prof.optimizer_step_overhead_ms)
 
 
 def _sampler(profile, block_fusion, notes):

@@ -8,7 +8,8 @@ import pytest
 
 from conftest import ROOT
 from ds_adaptive.balance.cost import CostModel, load_profile
-from ds_adaptive.balance.refit import RefitError, Window, main, refit_compute, trainer_windows
+from ds_adaptive.balance.refit import (RefitError, Window, fit_train_overheads, main, refit_compute, trainer_steps,
+                                       trainer_windows)
 from ds_adaptive.shapes import SampleShape
 
 PROFILE = "h200-wan2.1-1.3b"
@@ -70,10 +71,51 @@ def _run_dir(tmp_path, windows, **summary):
     for i, w in enumerate(windows):   # one micro-step a step; step 1 is the warm-up and left out
         for step in (1, i + 2) if i == 0 else (i + 2,):
             mem.append({"step": step, "micro": 0, "shape": str(w.shape), "B": w.batch, "ckpt_blocks": w.ckpt_blocks})
-            met.append({"step": step, "micro_compute_ms": [[w.ms * (3 if step == 1 else 1)]]})
+            ms = w.ms * (3 if step == 1 else 1)
+            met.append({"step": step, "micro_compute_ms": [[ms]], "wall_s": (ms + LOOP_MS[0] + LOOP_MS[1]) / 1e3})
     (d / "memory.jsonl").write_text("".join(json.dumps(r) + "\n" for r in mem))
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in met))
     return d
+
+
+#: ms per micro-step and per optimizer step outside the compute windows, in the made-up runs
+LOOP_MS = (37.5, 45.0)
+
+
+def _compute_log_run(tmp_path, name, windows, gas):
+    """A run dir whose trainer wrote compute.jsonl: ``gas`` windows a step, each step's wall the windows plus
+    LOOP_MS; step 1 (the warm-up) 2 s slower."""
+    d = tmp_path / name
+    d.mkdir()
+    (d / "summary.json").write_text(json.dumps({"model": "wan2.1-1.3b", "layers": 30, "sp": 1, "dp_size": 1}))
+    lines = []
+    for i in range(0, len(windows) - gas + 1, gas):
+        step, group = i // gas + 1, windows[i:i + gas]
+        wall = sum(w.ms for w in group) + gas * LOOP_MS[0] + LOOP_MS[1] + (2000 if step == 1 else 0)
+        lines += [{"step": step, "micro": m, "shape": str(w.shape), "B": w.batch, "ckpt_blocks": w.ckpt_blocks,
+                   "compute_ms": w.ms, "step_wall_ms": wall} for m, w in enumerate(group)]
+    (d / "compute.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return d
+
+
+def test_the_loop_terms_are_fitted_outside_the_compute_windows(tmp_path, capsys):
+    prof = load_profile(PROFILE)
+    truth = _truth_windows(prof, 12.0, 0.017, 1.2e-6, 0.85)
+    runs = [_compute_log_run(tmp_path, "gas3", truth * 3, 3), _compute_log_run(tmp_path, "gas5", truth * 5, 5)]
+    steps = [s for r in runs for s in trainer_steps(r)]
+    assert {s["micro"] for s in steps} == {3, 5} and min(s["step"] for s in steps) == 2
+    fit = fit_train_overheads(steps)
+    assert (fit["micro_step_ms"], fit["optimizer_step_ms"]) == pytest.approx(LOOP_MS)
+    with pytest.raises(RefitError, match=r"all have \[3\] micro-steps: .* at least two gradient accumulation"):
+        fit_train_overheads(trainer_steps(runs[0]))
+    out = tmp_path / "refit.json"
+    assert main([str(r) for r in runs] + ["--profile", PROFILE, "--out", str(out)]) == 0
+    assert "training loop (outside the compute windows, " in capsys.readouterr().out
+    shipped = load_profile(str(out))
+    assert (shipped.micro_step_overhead_ms, shipped.optimizer_step_overhead_ms) == pytest.approx(LOOP_MS)
+    assert "gas3" in shipped.raw["train_overheads"]["note"] and shipped.overhead_source == "measured"
+    assert main([str(runs[0]), "--profile", PROFILE]) == 0   # one gas: the compute refit, the profile's loop terms
+    assert "training loop: the profile's terms kept (the runs' steps all have [3] micro-steps" in capsys.readouterr().out
 
 
 def test_trainer_windows_read_a_log_dir_after_its_warm_up(tmp_path):
@@ -84,6 +126,23 @@ def test_trainer_windows_read_a_log_dir_after_its_warm_up(tmp_path):
         [(w.shape, w.batch, w.ckpt_blocks, w.ms) for w in truth]
     with pytest.raises(RefitError, match="sp 2 x dp 1: the refit reads one GPU's windows"):
         trainer_windows(_run_dir(tmp_path, truth, sp=2))
+
+
+def test_trainer_windows_prefer_the_compute_log_and_name_a_bad_line(tmp_path):
+    """A run with ``compute.jsonl`` is read from it (every step); ``metrics.jsonl`` logs only every interval-th."""
+    prof = load_profile(PROFILE)
+    truth = _truth_windows(prof, 12.0, 0.017, 1.2e-6, 0.85)
+    d = _run_dir(tmp_path, truth[:2])   # metrics / memory: two of them
+    comp = [{"step": i + 1, "micro": 0, "shape": str(w.shape), "B": w.batch, "ckpt_blocks": w.ckpt_blocks,
+             "compute_ms": w.ms} for i, w in enumerate(truth)]
+    (d / "compute.jsonl").write_text("".join(json.dumps(r) + "\n" for r in comp))
+    got = trainer_windows(d)
+    assert [(w.step, w.shape, w.batch, w.ms) for w in got] == [(i + 1, w.shape, w.batch, w.ms)
+                                                               for i, w in enumerate(truth)][1:]
+    del comp[3]["compute_ms"]
+    (d / "compute.jsonl").write_text("".join(json.dumps(r) + "\n" for r in comp))
+    with pytest.raises(RefitError, match="compute.jsonl: a line without compute_ms"):
+        trainer_windows(d)
 
 
 def test_cli_writes_a_profile_the_sampler_takes_and_names_bad_input(tmp_path, capsys):
@@ -134,11 +193,25 @@ def test_the_trainer_summary_holds_the_plan_s_compute_against_its_windows(tmp_pa
             log.record(step, micro, s, b, 0, 10.0)
         pred = [log.predicted_ms[step, m] for m in (0, 1)]
         # the video as predicted, the image batch 20% faster; the warm-up step 3x slower (left out)
-        history.append(SimpleNamespace(step=step, micro_compute_ms=[[pred[0] * (3 if step == 1 else 1)],
+        history.append(SimpleNamespace(step=step, wall_s=0.5 * step, micro_compute_ms=[[pred[0] * (3 if step == 1 else 1)],
                                                                     [pred[1] * (3 if step == 1 else 0.8)]]))
+        log.end_step(history[-1])
+    with pytest.raises(RuntimeError, match="step 4: 2 compute windows for 1 recorded micro-steps"):
+        log.record(4, 0, sh[0], 1, 0, 10.0)
+        log.end_step(SimpleNamespace(step=4, wall_s=1.0, micro_compute_ms=[[1.0], [1.0]]))
     log.close()
     lines = [json.loads(x) for x in (tmp_path / "memory.jsonl").read_text().splitlines()]
-    assert len(lines) == 6 and lines[0]["predicted_ms"] == pytest.approx(float(cost.ckpt_cost(sh[0], 1, 0)))
+    assert len(lines) == 7 and lines[0]["predicted_ms"] == pytest.approx(float(cost.ckpt_cost(sh[0], 1, 0)))
+    # compute.jsonl: every step's windows (not every metrics.interval-th), which the refit reads after the warm-up
+    comp = [json.loads(x) for x in (tmp_path / "compute.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["micro"], r["B"]) for r in comp] == [(s, m, (1, 20)[m]) for s in (1, 2, 3) for m in (0, 1)]
+    assert [r["compute_ms"] for r in comp] == [ms[0] for h in history for ms in h.micro_compute_ms]
+    assert [r["step_wall_ms"] for r in comp] == [1e3 * h.wall_s for h in history for _ in h.micro_compute_ms]
+    assert all(r["predicted_ms"] == log.predicted_ms[r["step"], r["micro"]] for r in comp)
+    (tmp_path / "summary.json").write_text(json.dumps({"sp": 1, "dp_size": 1, "checkpoint_attention": "keep"}))
+    got = trainer_windows(tmp_path)
+    assert [(w.step, w.shape, w.batch, w.ms, w.checkpoint_attention) for w in got] == \
+        [(r["step"], sh[r["micro"]], r["B"], r["compute_ms"], "keep") for r in comp[2:]]
     cp = log.compute_summary(history, 1)
     assert cp["micro_steps"] == 4 and cp["max_abs_rel_err"] == pytest.approx(0.25)
     assert cp["refit"] == (f"ds-adaptive refit {tmp_path} --profile {PROFILE} --ln-modulate "

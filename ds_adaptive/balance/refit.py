@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import json
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -30,8 +31,11 @@ import numpy as np
 from ds_adaptive.balance.cost import CostModel, Profile
 from ds_adaptive.shapes import SampleShape
 
-__all__ = ["Window", "Refit", "RefitError", "trainer_windows", "refit_compute", "MIN_CONFIGS", "main"]
+__all__ = ["COMPUTE_LOG", "Window", "Refit", "RefitError", "trainer_windows", "trainer_steps", "refit_compute",
+           "fit_train_overheads", "with_train_overheads", "MIN_CONFIGS", "main"]
 
+#: the trainer's per-micro-step compute log in its --log-dir (``trainer.MemoryLog``)
+COMPUTE_LOG = "compute.jsonl"
 #: distinct (shape, B, checkpointed blocks) a fit needs: 4 terms, and at least one more to judge them
 MIN_CONFIGS = 5
 
@@ -78,21 +82,50 @@ def _jsonl(path: Path) -> list[dict]:
 
 
 def trainer_windows(run_dir: "str | Path") -> list[Window]:
-    """The compute windows of a trainer run's logged steps after the first (its warm-up), one per micro-step,
-    from ``metrics.jsonl`` and ``memory.jsonl`` in ``run_dir`` (the trainer's ``--log-dir``)."""
+    """The compute windows of a trainer run's micro-steps after its first step (its warm-up), from the trainer's
+    ``--log-dir``: ``compute.jsonl`` (every step's windows, written by the trainer since 2026-11-29) where it is
+    there, else the steps ``metrics.jsonl`` logged (every ``metrics.interval``-th) joined with ``memory.jsonl``."""
     d = Path(run_dir)
-    for name in ("summary.json", "metrics.jsonl", "memory.jsonl"):
-        if not (d / name).is_file():
-            raise RefitError(f"{d}: no {name} (expected a trainer --log-dir with summary.json, metrics.jsonl "
-                             "and memory.jsonl)")
+    if not (d / "summary.json").is_file():
+        raise RefitError(f"{d}: no summary.json (expected a trainer --log-dir with summary.json and compute.jsonl, "
+                         "or metrics.jsonl and memory.jsonl)")
     summary = json.loads((d / "summary.json").read_text())
     if int(summary.get("sp", 1)) != 1 or int(summary.get("dp_size", 1)) != 1:
         raise RefitError(f"{d}: sp {summary.get('sp')} x dp {summary.get('dp_size')}: the refit reads one GPU's "
                          "windows (sp 1, dp 1); refit from a one-GPU run of the same model")
+    attention = str(summary.get("checkpoint_attention", "recompute"))
+    rows = _compute_log_rows(d) if (d / COMPUTE_LOG).is_file() else _interval_rows(d)
+    out = []
+    for r in rows:
+        f, h, w = (int(x) for x in str(r["shape"]).split("x"))
+        out.append(Window(str(d), int(r["step"]), SampleShape(f, h, w), int(r["B"]), int(r["ckpt_blocks"]),
+                          float(r["compute_ms"]), attention))
+    if not out:
+        raise RefitError(f"{d}: no logged step after the warm-up with per-micro-step compute windows; run more "
+                         "steps (the trainer logs every adaptive_load.metrics.interval steps)")
+    return out
+
+
+def _compute_log_rows(d: Path) -> list[dict]:
+    """``compute.jsonl``'s lines after step 1."""
+    rows = [r for r in _jsonl(d / COMPUTE_LOG) if int(r["step"]) >= 2]
+    for r in rows:
+        missing = [k for k in ("step", "shape", "B", "ckpt_blocks", "compute_ms") if k not in r]
+        if missing:
+            raise RefitError(f"{d / COMPUTE_LOG}: a line without {', '.join(missing)} ({r}); expected the trainer's "
+                             "compute log, one line per micro-step")
+    return rows
+
+
+def _interval_rows(d: Path) -> list[dict]:
+    """The micro-steps of the steps after step 1 that ``metrics.jsonl`` logged, with their ``memory.jsonl``
+    lines (runs from before the trainer wrote ``compute.jsonl``)."""
+    for name in ("metrics.jsonl", "memory.jsonl"):
+        if not (d / name).is_file():
+            raise RefitError(f"{d}: no {COMPUTE_LOG} and no {name} (expected a trainer --log-dir)")
     micro: dict[int, list] = {}
     for r in _jsonl(d / "memory.jsonl"):
         micro.setdefault(int(r["step"]), []).append(r)
-    attention = str(summary.get("checkpoint_attention", "recompute"))
     out = []
     for s in _jsonl(d / "metrics.jsonl"):
         step = int(s["step"])
@@ -102,13 +135,61 @@ def trainer_windows(run_dir: "str | Path") -> list[Window]:
         if len(rows) != len(s["micro_compute_ms"]):
             raise RefitError(f"{d}: step {step} has {len(s['micro_compute_ms'])} compute windows in metrics.jsonl "
                              f"but {len(rows)} micro-steps in memory.jsonl; the logs are from different runs")
-        for r, ms in zip(rows, s["micro_compute_ms"]):
-            f, h, w = (int(x) for x in str(r["shape"]).split("x"))
-            out.append(Window(str(d), step, SampleShape(f, h, w), int(r["B"]), int(r["ckpt_blocks"]), float(ms[0]),
-                              attention))
-    if not out:
-        raise RefitError(f"{d}: no logged step after the warm-up with per-micro-step compute windows; run more "
-                         "steps (the trainer logs every adaptive_load.metrics.interval steps)")
+        out += [{**r, "compute_ms": ms[0]} for r, ms in zip(rows, s["micro_compute_ms"])]
+    return out
+
+
+def trainer_steps(run_dir: "str | Path") -> list[dict]:
+    """Per step after the warm-up of a trainer run: ``run``, ``step``, ``wall_ms``, ``compute_ms`` (the sum of its
+    micro-steps' compute windows) and ``micro`` (micro-steps), from ``compute.jsonl`` where its lines carry the step's
+    wall time (``step_wall_ms``), else from the steps ``metrics.jsonl`` logged."""
+    d = Path(run_dir)
+    lines = _jsonl(d / COMPUTE_LOG) if (d / COMPUTE_LOG).is_file() else []
+    if lines and all("step_wall_ms" in r for r in lines):
+        steps: dict[int, dict] = {}
+        for r in lines:
+            if int(r["step"]) >= 2:
+                s = steps.setdefault(int(r["step"]), {"run": str(d), "step": int(r["step"]),
+                                                      "wall_ms": float(r["step_wall_ms"]), "compute_ms": 0.0,
+                                                      "micro": 0})
+                s["compute_ms"] += float(r["compute_ms"])
+                s["micro"] += 1
+        return [steps[k] for k in sorted(steps)]
+    if not (d / "metrics.jsonl").is_file():
+        raise RefitError(f"{d}: no metrics.jsonl and no {COMPUTE_LOG} with step wall times; pass a trainer --log-dir")
+    return [{"run": str(d), "step": int(s["step"]), "wall_ms": 1e3 * float(s["wall_s"]),
+             "compute_ms": float(sum(sum(m) for m in s["micro_compute_ms"])), "micro": len(s["micro_compute_ms"])}
+            for s in _jsonl(d / "metrics.jsonl") if int(s["step"]) >= 2 and "micro_compute_ms" in s]
+
+
+def fit_train_overheads(steps: Sequence[dict]) -> dict:
+    """The training loop's own time, least squares of the time outside the compute windows,
+    ``wall - compute = micro_step_ms x micro-steps + optimizer_step_ms``, over ``steps`` (:func:`trainer_steps`):
+    the DataLoader, the engine's non-boundary ``step()`` and host work per micro-step, the optimizer per step. Free of
+    the cost model's error (a fit of ``wall - cost`` books the windows' excess over the cost as loop time). Needs
+    steps of at least two micro-step counts (runs of different gradient accumulation)."""
+    counts = sorted({int(s["micro"]) for s in steps})
+    if len(counts) < 2:
+        raise RefitError(f"the runs' steps all have {counts} micro-steps: the loop's per-micro-step and per-step "
+                         "times need runs of at least two gradient accumulation counts")
+    x = np.array([[float(s["micro"]), 1.0] for s in steps])
+    y = np.array([float(s["wall_ms"]) - float(s["compute_ms"]) for s in steps])
+    (tm, ts), *_ = np.linalg.lstsq(x, y, rcond=None)
+    if tm < 0 or ts < 0:
+        raise RefitError(f"the loop-time fit has a negative term ({tm:.1f} ms per micro-step, {ts:.1f} ms per step) "
+                         "over these steps; add runs with other gradient accumulation counts")
+    return {"micro_step_ms": float(tm), "optimizer_step_ms": float(ts), "steps": len(steps),
+            "micro_steps_per_step": counts, "runs": len({s["run"] for s in steps})}
+
+
+def with_train_overheads(profile: Profile, fit: dict, runs: Sequence[str]) -> Profile:
+    """``profile`` with ``fit`` (:func:`fit_train_overheads`) as its ``train_overheads``, with a note of the runs."""
+    out = profile.with_train_overheads(fit["micro_step_ms"], fit["optimizer_step_ms"])
+    out.raw["train_overheads"]["note"] = (
+        f"the time outside the trainer's compute windows, least squares of wall - compute = micro_step x micro-steps "
+        f"+ optimizer_step over {fit['steps']} steps (after the warm-up; {fit['micro_steps_per_step']} micro-steps "
+        f"per step) of {fit['runs']} one-GPU run(s), the same the compute terms were refitted on "
+        f"(ds-adaptive refit): {', '.join(str(r) for r in runs)}")
     return out
 
 
@@ -163,11 +244,14 @@ def _with_compute(profile: Profile, c0: float, a: float, b: float, r: float, n: 
     rc0, ra, rb = (r * v for v in profile.recompute_ms)
     comp = d["compute"]
     comp["recompute"] = {**comp.get("recompute", {}), "c0_ms": rc0, "a_ms_per_token": ra, "b_ms_per_token2": rb}
+    comp["recompute"]["refit_scale"] = r   # its fit points are the calibration's, before this scale
     comp.update({"c0_ms": c0 + L * rc0, "a_ms_per_token": a + L * ra, "b_ms_per_token2": b + L * rb})
     comp["fit"] = {"source": "trainer compute windows (ds_adaptive.balance.refit)", "windows": n, "runs": runs,
                    "recompute_scale": r, "calibrated": {k: profile.raw["compute"][k]
                                                         for k in ("c0_ms", "a_ms_per_token", "b_ms_per_token2")}}
     d["source"] = f"{profile.raw.get('source', profile.name)}; compute refitted to {n} trainer windows of {runs} run(s)"
+    d["date"] = time.strftime("%Y-%m-%dT%H:%M:%S")   # of the refit (the calibration's: compute.fit.calibrated_date)
+    comp["fit"]["calibrated_date"] = profile.raw.get("date")
     return Profile.from_dict(d, where=f"{profile.name} refitted")
 
 
@@ -195,8 +279,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="ds-adaptive refit", description=__doc__.split("\n\n")[0] + ": reads the "
                                 "trainer's --log-dir of one-GPU runs, prints each (shape, batch, checkpointed blocks) "
                                 "before and after, writes the refitted profile json")
-    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="trainer log dirs (summary.json, metrics.jsonl, "
-                   "memory.jsonl), one GPU each")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="trainer log dirs (summary.json and compute.jsonl, or "
+                   "metrics.jsonl and memory.jsonl), one GPU each")
     p.add_argument("--profile", required=True, help="the profile to refit: shipped name or json")
     p.add_argument("--ln-modulate", choices=("fused", "reference"), default=None,
                    help="the runs' LayerNorm-modulate path (the profile's matching entries are refitted)")
@@ -209,9 +293,19 @@ def main(argv=None) -> int:
         prof, _ = prof.for_block_fusion(a.block_fusion, a.ln_modulate)
         _check_runs(prof, a.runs)
         fit = refit_compute(prof, [w for d in a.runs for w in trainer_windows(d)])
+        steps = [s for d in a.runs for s in trainer_steps(d)]
     except (RefitError, ProfileError, ValueError) as exc:
         print(f"ds-adaptive refit: error: {exc}", file=sys.stderr)
         return 2
+    out = fit.profile
+    try:
+        loop = fit_train_overheads(steps)
+        out = with_train_overheads(out, loop, a.runs)
+        loop_line = (f"training loop (outside the compute windows, {loop['steps']} steps): "
+                     f"{loop['micro_step_ms']:.1f} ms per micro-step + {loop['optimizer_step_ms']:.1f} ms per step "
+                     f"(the profile's: {prof.micro_step_overhead_ms:.1f} + {prof.optimizer_step_overhead_ms:.1f})")
+    except RefitError as exc:
+        loop_line = f"training loop: the profile's terms kept ({exc})"
     print(f"{'shape':>12} {'B':>4} {'ckpt':>4} {'windows':>7} {'measured ms':>11} {'before':>7} {'after':>7}")
     for r in fit.rows:
         print(f"{r['shape']:>12} {r['batch']:>4} {r['ckpt_blocks']:>4} {r['windows']:>7} {r['measured_ms']:>11.1f} "
@@ -221,10 +315,12 @@ def main(argv=None) -> int:
           f"{e['before']['mean']:.1%} -> {e['after']['mean']:.1%}; no block checkpointed: c0 {t['c0_ms']:.2f} ms, "
           f"a {t['a_ms_per_token']:.4g} ms/token, b {t['b_ms_per_token2']:.4g} ms/token^2, recompute x"
           f"{t['recompute_scale']:.3f}")
+    print(loop_line)
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(fit.profile.raw, indent=1) + "\n")
-        print(f"wrote {a.out}: set sampler.profile to it")
+        Path(a.out).write_text(json.dumps(out.raw, indent=1) + "\n")
+        print(f"wrote {a.out}: set sampler.profile to it, or ship it in a profile json as its block-fusion variant "
+              f"(python -m ds_adaptive.balance.autocalibrate ship {a.out} PROFILE.json --replace)")
     return 0
 
 
