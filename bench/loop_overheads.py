@@ -69,13 +69,15 @@ def fit_outside(rows: list[dict], runs: Optional[list[str]] = None) -> dict:
     """Least squares of the time outside the compute windows, ``wall - compute = micro x t_micro + t_step``, over
     ``rows`` (of the named ``runs`` only, when given): the training loop's own time per micro-step (the DataLoader,
     the engine's non-boundary ``step()``, host work) and per optimizer step, measured apart from the cost model,
-    whose error (the compute windows over the calibrated cost) the fits of ``wall - cost`` book as loop time."""
-    from memory_report import fit_overheads
+    whose error (the compute windows over the calibrated cost) the fits of ``wall - cost`` book as loop time. The
+    fit is ``ds-adaptive refit``'s (:func:`ds_adaptive.balance.refit.fit_train_overheads`)."""
+    from ds_adaptive.balance.refit import RefitError, fit_train_overheads
 
     use = [r for r in rows if runs is None or r["run"] in runs]
-    fit = fit_overheads([{**r, "cost_ms": r["compute_ms"]} for r in use])   # its wall - cost, with compute as cost
-    if "micro_step_ms" not in fit:
-        return fit
+    try:
+        fit = fit_train_overheads(use)
+    except RefitError as exc:
+        return {"note": str(exc)}
     return {"steps": len(use), "runs": sorted({r["run"] for r in use}), "micro_step_ms": fit["micro_step_ms"],
             "optimizer_step_ms": fit["optimizer_step_ms"],
             "compute_over_cost": float(sum(r["compute_ms"] for r in use) / sum(r["cost_ms"] for r in use))}

@@ -270,8 +270,9 @@ class Trainer:
         self._warm_block_fusion()
         self.preview = PreviewRunner.attach(run, engine=self.engine, metrics=self.metrics, log=self.log)
         self.ckpt_policy = run.cfg.adaptive_load.sampler.checkpointing
-        self.memory_log = MemoryLog(run.sampler, run.zero_stage, self.layout.world,
-                                    run.cfg.adaptive_load.metrics.log_dir, self.is_main and run.device.type == "cuda")
+        mcfg = run.cfg.adaptive_load.metrics
+        self.memory_log = MemoryLog(run.sampler, run.zero_stage, self.layout.world, mcfg.log_dir,
+                                    self.is_main and run.device.type == "cuda", compute_log=self.is_main and mcfg.jsonl)
 
     # ------------------------------------------------------------------ setup
     def _attach_sparse(self, run: Run):
@@ -707,18 +708,21 @@ class Trainer:
 
 
 class MemoryLog:
-    """Predicted vs measured peak memory and compute per micro-batch (writer rank on GPU), in the log dir:
+    """Predicted vs measured peak memory and compute per micro-batch (writer rank), in the log dir:
 
-    - ``memory.jsonl``, one line per micro-step, written when it ends: shape, B, checkpointed blocks, predicted
-      static + activation memory (the plan's memory model, ``ds_adaptive.balance.memory``) and the measured
-      allocated peak of that micro-step; with the calibrated cost model also the plan's predicted compute time
-      (``predicted_ms``), which :meth:`compute_summary` holds against the step records' compute windows;
+    - ``memory.jsonl`` (on a GPU), one line per micro-step, written when it ends: shape, B, checkpointed blocks,
+      predicted static + activation memory (the plan's memory model, ``ds_adaptive.balance.memory``) and the
+      measured allocated peak of that micro-step; with the calibrated cost model also the plan's predicted compute
+      time (``predicted_ms``), which :meth:`compute_summary` holds against the step records' compute windows;
     - ``compute.jsonl``, one line per micro-step, written when its step ends (its window is read then): shape, B,
       checkpointed blocks, this rank's compute window (``compute_ms``) and the step's wall time (``step_wall_ms``),
       with ``predicted_ms`` as above. Every step, not every ``metrics.interval``-th: ``ds-adaptive refit`` and
       ``bench/micro_batch_mfu.py`` read it."""
 
-    def __init__(self, sampler, zero_stage: int, shard_ranks: int, log_dir: str, enabled: bool) -> None:
+    def __init__(self, sampler, zero_stage: int, shard_ranks: int, log_dir: str, enabled: bool,
+                 compute_log: Optional[bool] = None) -> None:
+        """``enabled``: write ``memory.jsonl`` (the writer rank on a GPU); ``compute_log``: write ``compute.jsonl``
+        (default: as ``enabled``; the trainer writes it on the writer rank on any device)."""
         self.sampler = sampler
         self.static = self.cost.profile.static_memory_gib(zero_stage, shard_ranks)
         self.errors: list[float] = []
@@ -726,9 +730,11 @@ class MemoryLog:
         self.world, self.log_dir = int(shard_ranks), log_dir
         self.file = self.compute_file = None
         self._pending: list[dict] = []   # this step's micro-steps, for compute.jsonl when the step ends
-        if enabled:
+        if enabled or compute_log:
             Path(log_dir).mkdir(parents=True, exist_ok=True)
+        if enabled:
             self.file = open(Path(log_dir) / "memory.jsonl", "a")
+        if enabled if compute_log is None else compute_log:
             self.compute_file = open(Path(log_dir) / COMPUTE_LOG, "a")
 
     @property
@@ -738,20 +744,23 @@ class MemoryLog:
 
     def record(self, step: int, micro: int, shape, batch: int, ckpt: int, measured_gib: float,
                reserved_gib: float = 0.0) -> None:
+        if self.file is None and self.compute_file is None:
+            return
+        line = {"step": step, "micro": micro, "shape": str(shape), "tokens": int(shape.tokens), "B": batch,
+                "ckpt_blocks": ckpt}
+        if self.cost.mode == "calibrated":
+            line["predicted_ms"] = self.predicted_ms[step, micro] = float(self.cost.ckpt_cost(shape, batch, ckpt))
+        if self.compute_file is not None:
+            self._pending.append(dict(line))
         if self.file is None:
             return
         act = float(self.cost.ckpt_memory(shape, batch, ckpt))
         pred = self.static + act
         self.errors.append((pred - measured_gib) / measured_gib if measured_gib > 0 else 0.0)
-        line = {"step": step, "micro": micro, "shape": str(shape), "tokens": int(shape.tokens), "B": batch,
-                "ckpt_blocks": ckpt, "static_gib": self.static, "act_gib": act, "predicted_gib": pred,
-                "measured_gib": measured_gib, "reserved_gib": reserved_gib}
-        if self.cost.mode == "calibrated":
-            line["predicted_ms"] = self.predicted_ms[step, micro] = float(self.cost.ckpt_cost(shape, batch, ckpt))
+        line.update({"static_gib": self.static, "act_gib": act, "predicted_gib": pred, "measured_gib": measured_gib,
+                     "reserved_gib": reserved_gib})
         self.file.write(json.dumps(line) + "\n")
         self.file.flush()
-        self._pending.append({k: line[k] for k in ("step", "micro", "shape", "tokens", "B", "ckpt_blocks")
-                              if k in line} | ({"predicted_ms": line["predicted_ms"]} if "predicted_ms" in line else {}))
 
     def end_step(self, rec) -> None:
         """``compute.jsonl``: the step's micro-steps with this rank's compute windows (``rec.micro_compute_ms``)."""

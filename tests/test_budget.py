@@ -166,6 +166,11 @@ def test_with_train_overheads_replaces_the_loop_terms_and_survives_a_rescale():
     half = p.with_num_layers(15)   # rescales the new terms by the parameter ratio, as the shipped ones
     ratio = half.params / p.params
     assert half.micro_step_overhead_ms == pytest.approx(220.0 * ratio)
+    # the block-fusion variant the shipped job resolves has its own terms: replaced too, not silently back
+    regions, _ = p.for_ln_modulate("fused")[0].for_block_fusion("regions", "fused")
+    own, _ = base.for_ln_modulate("fused")[0].for_block_fusion("regions", "fused")
+    assert (regions.micro_step_overhead_ms, regions.optimizer_step_overhead_ms) == (220.0, 910.0)
+    assert own.micro_step_overhead_ms != 220.0 and regions.c0_ms == own.c0_ms   # its compute kept
 
 
 def test_efficient_batch_is_the_lowest_time_per_sample_ties_to_the_larger():

@@ -115,7 +115,8 @@ def test_the_loop_terms_are_fitted_outside_the_compute_windows(tmp_path, capsys)
     assert (shipped.micro_step_overhead_ms, shipped.optimizer_step_overhead_ms) == pytest.approx(LOOP_MS)
     assert "gas3" in shipped.raw["train_overheads"]["note"] and shipped.overhead_source == "measured"
     assert main([str(runs[0]), "--profile", PROFILE]) == 0   # one gas: the compute refit, the profile's loop terms
-    assert "training loop: the profile's terms kept (the runs' steps all have [3] micro-steps" in capsys.readouterr().out
+    kept = "training loop: the profile's terms kept (the runs' steps all have [3] micro-steps"
+    assert kept in capsys.readouterr().out
 
 
 def test_trainer_windows_read_a_log_dir_after_its_warm_up(tmp_path):
@@ -148,10 +149,11 @@ def test_trainer_windows_prefer_the_compute_log_and_name_a_bad_line(tmp_path):
 def test_cli_writes_a_profile_the_sampler_takes_and_names_bad_input(tmp_path, capsys):
     prof = load_profile(PROFILE)
     run = _run_dir(tmp_path, _truth_windows(prof, 12.0, 0.017, 1.2e-6, 0.85))
-    out = tmp_path / "refit.json"
-    assert main([str(run), "--profile", PROFILE, "--out", str(out)]) == 0
+    out, png = tmp_path / "refit.json", tmp_path / "refit.png"
+    assert main([str(run), "--profile", PROFILE, "--out", str(out), "--plot", str(png)]) == 0
     text = capsys.readouterr().out
-    assert "recompute x0.850" in text and f"wrote {out}" in text
+    assert "recompute x0.850" in text and f"wrote {out}" in text and f"wrote {png}" in text
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert load_profile(str(out)).raw["compute"]["fit"]["recompute_scale"] == pytest.approx(0.85)
     assert main([str(tmp_path / "missing"), "--profile", PROFILE]) == 2
     assert "missing: no summary.json" in capsys.readouterr().err
@@ -193,8 +195,9 @@ def test_the_trainer_summary_holds_the_plan_s_compute_against_its_windows(tmp_pa
             log.record(step, micro, s, b, 0, 10.0)
         pred = [log.predicted_ms[step, m] for m in (0, 1)]
         # the video as predicted, the image batch 20% faster; the warm-up step 3x slower (left out)
-        history.append(SimpleNamespace(step=step, wall_s=0.5 * step, micro_compute_ms=[[pred[0] * (3 if step == 1 else 1)],
-                                                                    [pred[1] * (3 if step == 1 else 0.8)]]))
+        history.append(SimpleNamespace(step=step, wall_s=0.5 * step,
+                                       micro_compute_ms=[[pred[0] * (3 if step == 1 else 1)],
+                                                         [pred[1] * (3 if step == 1 else 0.8)]]))
         log.end_step(history[-1])
     with pytest.raises(RuntimeError, match="step 4: 2 compute windows for 1 recorded micro-steps"):
         log.record(4, 0, sh[0], 1, 0, 10.0)
@@ -224,3 +227,27 @@ def test_the_trainer_summary_holds_the_plan_s_compute_against_its_windows(tmp_pa
     assert f"per micro-step max |err| 25.0%); to plan with this run's costs: {cp['refit']} --out PROFILE.json" in text
     two = MemoryLog(SimpleNamespace(cost=cost), 3, 2, str(tmp_path), False)   # not the writer: no predictions
     assert two.compute_summary(history, 1) is None
+
+
+def test_the_shipped_regions_variant_is_the_refit_of_the_recorded_runs():
+    """The H200 1.3B profile's block-fusion 'regions' compute and loop terms are what ``ds-adaptive refit`` gives on
+    the four recorded default-job runs (bench/results), from the calibrated compute they were refitted from."""
+    runs = [str(ROOT / "bench" / "results" / d) for d in ("lean_backward_h200_273bf38/default_job",
+                                                          "lean_norm_h200_9180477/default_job_gas3",
+                                                          "default_job_h200_2f0fcdc", "default_job_h200_ff7d565")]
+    shipped, _ = load_profile(PROFILE).for_ln_modulate("fused")
+    shipped, _ = shipped.for_block_fusion("regions", "fused")
+    base = load_profile({**shipped.raw, "compute": {**shipped.raw["compute"], **shipped.raw["compute"]["fit"]
+                                                    ["calibrated"]}})
+    base = base.with_train_overheads(0.0, 0.0)
+    raw = json.loads(json.dumps(base.raw))   # the recompute before the refit's scale
+    raw["compute"]["recompute"].update({k: v / shipped.raw["compute"]["fit"]["recompute_scale"]
+                                        for k, v in shipped.raw["compute"]["recompute"].items()
+                                        if k in ("c0_ms", "a_ms_per_token", "b_ms_per_token2")})
+    fit = refit_compute(load_profile(raw), [w for r in runs for w in trainer_windows(r)])
+    for k in ("c0_ms", "a_ms_per_token", "b_ms_per_token2"):
+        assert fit.profile.raw["compute"][k] == pytest.approx(shipped.raw["compute"][k], rel=1e-9), k
+    loop = fit_train_overheads([s for r in runs for s in trainer_steps(r)])
+    assert (loop["micro_step_ms"], loop["optimizer_step_ms"]) == pytest.approx(
+        (shipped.micro_step_overhead_ms, shipped.optimizer_step_overhead_ms), rel=1e-9)
+    assert fit.errors()["after"]["max"] < 0.025 < 0.15 < fit.errors()["before"]["max"]

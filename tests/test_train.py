@@ -291,6 +291,14 @@ def test_two_rank_baseline_on_disk_data(tmp_path, run_ranks):
     assert [r["step"] for r in logged] == [1, 3]
     for r in logged:
         assert r["lr"] == pytest.approx(base_lr * r["samples"] / 4)
+    # compute.jsonl (rank 0's): every step's micro-steps, not only the logged ones, as ds-adaptive refit reads them
+    comp = [json.loads(x) for x in (tmp_path / "logs" / "compute.jsonl").read_text().splitlines()]
+    gas = s["gradient_accumulation_steps"]
+    assert [(r["step"], r["micro"]) for r in comp] == [(t, m) for t in (1, 2, 3) for m in range(gas)]
+    assert all(0 < r["compute_ms"] <= r["step_wall_ms"] for r in comp)
+    for r in logged:
+        assert sum(c["B"] for c in comp if c["step"] == r["step"]) == r["samples_per_rank"][0]
+        assert [c["compute_ms"] for c in comp if c["step"] == r["step"]] == [m[0] for m in r["micro_compute_ms"]]
 
 
 @pytest.mark.slow

@@ -505,10 +505,16 @@ class Profile:
 
     def with_train_overheads(self, micro_step_ms: float, optimizer_step_ms: float) -> "Profile":
         """The same calibration with other training-loop terms (``train_overheads``: ms per micro-step and per
-        optimizer step), e.g. to see how they move the budget search (``bench/budget_candidates.py``)."""
+        optimizer step), e.g. to see how they move the budget search (``bench/budget_candidates.py``); its variants'
+        own terms are replaced too, so a run that resolves one (:meth:`for_block_fusion`) plans with them."""
         d = copy.deepcopy(dict(self.raw))
-        d["train_overheads"] = {**d.get("train_overheads", {}), "micro_step_ms": float(micro_step_ms),
-                                "optimizer_step_ms": float(optimizer_step_ms), "source": "measured"}
+        terms = {"micro_step_ms": float(micro_step_ms), "optimizer_step_ms": float(optimizer_step_ms),
+                 "source": "measured"}
+        d["train_overheads"] = {**d.get("train_overheads", {}), **terms}
+        for key in ("ln_modulate_variants", "block_fusion_variants"):   # a variant's own terms, too: a run that
+            for variant in (d.get(key) or {}).values():                  # resolves one plans with these as well
+                if "train_overheads" in variant:
+                    variant["train_overheads"] = {**variant["train_overheads"], **terms}
         return dataclasses.replace(self, raw=d, micro_step_overhead_ms=float(micro_step_ms),
                                    optimizer_step_overhead_ms=float(optimizer_step_ms), overhead_source="measured")
 

@@ -32,7 +32,7 @@ from ds_adaptive.balance.cost import CostModel, Profile
 from ds_adaptive.shapes import SampleShape
 
 __all__ = ["COMPUTE_LOG", "Window", "Refit", "RefitError", "trainer_windows", "trainer_steps", "refit_compute",
-           "fit_train_overheads", "with_train_overheads", "MIN_CONFIGS", "main"]
+           "fit_train_overheads", "with_train_overheads", "plot", "MIN_CONFIGS", "main"]
 
 #: the trainer's per-micro-step compute log in its --log-dir (``trainer.MemoryLog``)
 COMPUTE_LOG = "compute.jsonl"
@@ -255,6 +255,33 @@ def _with_compute(profile: Profile, c0: float, a: float, b: float, r: float, n: 
     return Profile.from_dict(d, where=f"{profile.name} refitted")
 
 
+def plot(fit: Refit, path: "str | Path") -> None:
+    """Predicted / measured compute of each (shape, batch, checkpointed blocks) against its measured window, with
+    the profile's terms and with the refitted ones (marker area: windows), and the +-5% band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ms = [r["measured_ms"] for r in fit.rows]
+    size = [20 + 12 * r["windows"] for r in fit.rows]
+    e = fit.errors()
+    for key, color, label in (("before", "tab:red", "profile"), ("after", "tab:blue", "refitted")):
+        ax.scatter(ms, [r[key] for r in fit.rows], s=size, color=color, alpha=0.7,
+                   label=f"{label}: max |err| {e[key]['max']:.1%}, mean {e[key]['mean']:.1%}")
+    ax.axhspan(0.95, 1.05, color="0.9", zorder=0)
+    ax.axhline(1.0, color="0.4", lw=0.8)
+    ax.set_xscale("log")
+    ax.set(xlabel="measured compute window per micro-step [ms]", ylabel="predicted / measured",
+           title=f"{fit.profile.name}: compute of {sum(r['windows'] for r in fit.rows)} trainer windows")
+    ax.legend()
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _check_runs(profile: Profile, run_dirs: Sequence[str]) -> None:
     """Each run trained the profile's model at its depth (``summary.json``)."""
     model = profile.raw.get("model", {})
@@ -286,6 +313,8 @@ def main(argv=None) -> int:
                    help="the runs' LayerNorm-modulate path (the profile's matching entries are refitted)")
     p.add_argument("--block-fusion", default=None, help="the runs' adaptive_load.block_fusion")
     p.add_argument("--out", default=None, help="write the refitted profile json here (sampler.profile takes it)")
+    p.add_argument("--plot", default=None, metavar="PNG", help="plot predicted / measured per micro-batch, before and "
+                   "after the refit")
     a = p.parse_args(argv)
     try:
         prof = load_profile(a.profile)
@@ -316,6 +345,9 @@ def main(argv=None) -> int:
           f"a {t['a_ms_per_token']:.4g} ms/token, b {t['b_ms_per_token2']:.4g} ms/token^2, recompute x"
           f"{t['recompute_scale']:.3f}")
     print(loop_line)
+    if a.plot:
+        plot(fit, a.plot)
+        print(f"wrote {a.plot}")
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(out.raw, indent=1) + "\n")
