@@ -2,9 +2,10 @@
 
     python bench/micro_batch_mfu.py RUN_DIR [RUN_DIR ...] [--out bench/out/micro_batch_mfu.json]
 
-A run directory is a one-GPU trainer log dir (``metrics.jsonl``: per logged step each micro-step's compute window;
-``memory.jsonl``: each micro-step's shape, B and checkpointed blocks; read by ``ds_adaptive.balance.refit``). Per (shape, B, checkpointed blocks) of the
-logged steps > 1: micro-steps, mean compute ms and model FLOPs over compute time as a share of the GPU's dense bf16
+A run directory is a one-GPU trainer log dir, read by ``ds_adaptive.balance.refit.trainer_windows``:
+``compute.jsonl`` (every micro-step's shape, B, checkpointed blocks and compute window), or for runs from before
+it ``metrics.jsonl`` (the logged steps' windows) with ``memory.jsonl``. Per (shape, B, checkpointed blocks) of the
+steps > 1: micro-steps, mean compute ms and model FLOPs over compute time as a share of the GPU's dense bf16
 peak (the summary's ``peak_tflops``; recompute not counted, as the summary's MFU). The summary's MFU is this over the
 whole step's wall, which also holds the loop's time outside the compute windows (``bench/loop_overheads.py``).
 """
