@@ -1,8 +1,9 @@
-"""A profile's compute terms refitted to the trainer's own compute windows.
+"""A profile's compute and training-loop terms refitted to the trainer's own compute windows.
 
 ``ds-adaptive calibrate`` times fwd + bwd of a model of 2 and 4 blocks at a dozen (tokens, batch) points and
-extrapolates to the full depth. The trainer logs each micro-step's compute window (``metrics.jsonl``:
-``micro_compute_ms``) and its shape, batch size and checkpointed blocks (``memory.jsonl``). On the H200 default job
+extrapolates to the full depth. The trainer logs each micro-step's compute window with its shape, batch size,
+checkpointed blocks and its step's wall time (``compute.jsonl``; runs from before it: ``metrics.jsonl``'s
+``micro_compute_ms`` every ``metrics.interval``-th step, with ``memory.jsonl``). On the H200 default job
 the calibrated cost was 0.94-0.98x those windows for long clips and 1.10-1.17x for large, checkpointed image
 batches (``bench/RESULTS.md``): the planner balances and sizes batches on a cost the trainer does not run.
 
@@ -14,7 +15,8 @@ batches (``bench/RESULTS.md``): the planner balances and sizes batches on a cost
 ``r`` scales it; ``c0`` held at 0 where the fit would make it negative) and returns the profile with those terms:
 top-level ``compute`` holds a micro-batch with every block checkpointed, as ``ds-adaptive calibrate`` measures it
 (``c0 + L r rc0``, ``a + L r ra``, ``b + L r rb``), and ``compute.recompute`` is scaled by ``r``. Windows after
-each run's warm-up step only; one GPU (``sp`` 1, ``dp`` 1) and the profile's depth. Pure: no GPU.
+each run's warm-up step only; one GPU (``sp`` 1, ``dp`` 1) and the profile's depth. :func:`fit_train_overheads`
+fits the loop's terms (``train_overheads``) to the time outside the windows of the same runs' steps. Pure: no GPU.
 """
 from __future__ import annotations
 
