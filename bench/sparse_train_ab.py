@@ -42,6 +42,7 @@ device, no GPU, to choose these). Full depth: ``--layers 30 --gas 6`` (~4x the t
 
     python bench/sparse_train_ab.py --out $OUT/sparse_train_ab.json              # H200, ~8 min
     python bench/sparse_train_ab.py --plan-only --out /tmp/ab_plan.json           # CPU: predicted times
+    python bench/sparse_train_ab.py --plan-only --same-plan RESULT.json ...        # CPU: is it the plan that ran?
 """
 from __future__ import annotations
 
@@ -52,6 +53,7 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -340,6 +342,19 @@ def prediction_vs_dense(dense: dict, other: dict) -> dict:
     return {k: o[k]["pred_over_measured"] / d[k]["pred_over_measured"] for k in o if k in d}
 
 
+def _same_plan(arm: Optional[dict], micro: list[tuple]) -> str:
+    """"same", "differs from micro-step N", or "not recorded": ``micro`` (:func:`plan_micro`) against a recorded
+    arm's ``micro`` rows."""
+    if arm is None:
+        return "not recorded"
+    ran = [(m["shape"], m["B"], m["ckpt"]) for m in arm["micro"]]
+    mine = [(str(s), b, c) for s, b, c in micro]
+    diff = next((i for i, (x, y) in enumerate(zip(mine, ran)) if x != y), None)
+    if diff is None and len(mine) == len(ran):
+        return "same"
+    return f"differs from micro-step {diff if diff is not None else min(len(mine), len(ran))}"
+
+
 def plan_only(args) -> int:
     """Predicted step times of every arm's plan (meta device, no GPU): to choose layers / gas / steps."""
     from ds_adaptive.balance.simulate import loop_overhead_ms
@@ -348,6 +363,7 @@ def plan_only(args) -> int:
 
     out = {}
     total = 0.0
+    recorded = {(a["mix"], a["arm"]): a for p in args.same_plan or [] for a in json.loads(Path(p).read_text())["arms"]}
     for mix in args.mixes:
         for arm in args.arms:
             cfg = run_config(args, mix, arm, Path(args.out).parent)
@@ -355,6 +371,7 @@ def plan_only(args) -> int:
             if arm == "replan":  # what the trainer hands the sampler after step 1: the densities that run
                 run.sampler.update_densities(run.sparse.decision.densities, at_step=1)
             micro = plan_micro(run, run.gas * args.steps)
+            same = _same_plan(recorded.get((mix, arm)), micro) if args.same_plan else None
             sparse = None if run.sparse is None else run.sparse.decision
             ms = predicted_ms(run, micro, sparse)
             pairs = sorted({(str(s), b) for s, b, _ in micro})
@@ -369,10 +386,12 @@ def plan_only(args) -> int:
                                    "predicted_compute_tokens_per_s": tokens / (sum(ms) / 1e3),
                                    "distinct_shape_B_pairs": len(pairs), "tokens": tokens,
                                    "density_updates": list(getattr(run.sampler, "density_updates", []))}
+            if same is not None:
+                out[f"{mix}/{arm}"]["same_plan_as_recorded"] = same
             print(f"{mix:>7}/{arm:<6}: gas {run.gas}, predicted compute {sum(ms) / 1e3:7.1f} s over {args.steps} steps "
                   f"({step_s:.2f} s/step), {len(pairs)} distinct (shape, B) pairs, {tokens / 1e6:.2f}M tokens: "
                   f"{tokens / (sum(ms) / 1e3) / 1e3:.1f}k tokens/s compute, {tps / 1e3:.1f}k with the loop's "
-                  f"{loop_s:.1f} s", flush=True)
+                  f"{loop_s:.1f} s" + ("" if same is None else f"; the recorded run's plan: {same}"), flush=True)
     print(f"predicted compute of all arms: {total:.0f} s (plus per arm ~15-30 s engine build and step overheads)")
     Path(args.out).write_text(json.dumps(out, indent=1))
     return 0
@@ -400,6 +419,9 @@ def main(argv=None) -> int:
     ap.add_argument("--num-samples", type=int, default=20000)
     ap.add_argument("--gpu-mem-gib", type=float, default=139.8, help="--plan-only: the GPU to plan for")
     ap.add_argument("--plan-only", action="store_true")
+    ap.add_argument("--same-plan", nargs="+", default=None, metavar="JSON",
+                    help="--plan-only: say whether each arm's plan is, micro-step by micro-step (shape, B, "
+                         "checkpointed blocks), the plan a recorded run of it ran (result files of earlier runs)")
     ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                     help="combine result files of arms run in separate calls (one device, the same args but "
                          "--arms) into --out, with the comparisons and the table; runs nothing")

@@ -12,7 +12,7 @@ COMMANDS = {
     "synth": ("ds_adaptive.data.synth", "write a synthetic latent dataset to disk (index.json + safetensors)"),
     "simulate": ("ds_adaptive.balance.simulate", "plan many ranks on paper: CV, balance, predicted tokens/s per sampler"),
     "calibrate": ("ds_adaptive.balance.calibrate", "profile the real model on this GPU -> cost/memory profile json"),
-    "refit": ("ds_adaptive.balance.refit", "a profile's compute terms refitted to trainer runs' compute windows (CPU)"),
+    "refit": ("ds_adaptive.balance.refit", "a profile's compute and loop terms refitted to trainer runs' logs (CPU)"),
     "report": ("ds_adaptive.ops.report", "status of the fused op: DeepSpeed registry, compatibility, build"),
     "config": ("ds_adaptive.config", "print the adaptive_load reference table, or --check a ds_config's block"),
     "dry-run": ("ds_adaptive.dryrun", "validate a ds_config + topology without GPUs and print the deepspeed command"),

@@ -238,3 +238,15 @@ def test_ab_bench_merge_compares_arms_run_in_separate_calls_and_counts_the_loop(
     other.write_text(json.dumps({"args": {}, "device": "GPU Y", "torch": "t", "arms": []}))
     with pytest.raises(SystemExit, match="different devices"):
         ab.main(["--merge", files[0], str(other), "--out", str(tmp_path / "x.json")])
+
+
+def test_ab_bench_says_whether_a_plan_is_the_one_a_recorded_run_ran():
+    from ds_adaptive.shapes import SampleShape
+
+    ab = _bench()
+    a, b = SampleShape(81, 480, 832), SampleShape(1, 480, 832)
+    ran = {"micro": [{"shape": str(a), "B": 2, "ckpt": 1}, {"shape": str(b), "B": 38, "ckpt": 0}]}
+    assert ab._same_plan(ran, [(a, 2, 1), (b, 38, 0)]) == "same"
+    assert ab._same_plan(ran, [(a, 2, 1), (b, 37, 0)]) == "differs from micro-step 1"
+    assert ab._same_plan(ran, [(a, 2, 1)]) == "differs from micro-step 1"   # shorter
+    assert ab._same_plan(None, [(a, 2, 1)]) == "not recorded"
