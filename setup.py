@@ -8,7 +8,7 @@ Extras:
     dev        tests, plots and the optional integrations the tests cover (megatron-core, diffusers, preprocess, peft)
     lora       peft (+ transformers), for LoRA fine-tuning (adaptive_load.lora); wandb is optional and not an extra
     preprocess ds-adaptive preprocess: PyAV, diffusers (Wan VAE), transformers (umT5), ftfy
-    megatron   megatron-core, for the sampler inside Megatron's data pipeline (patches/megatron.py)
+    megatron   megatron-core, for the sampler inside Megatron's data pipeline (ds_adaptive/integrations/megatron.py)
     diffusers  diffusers, for the fused op / Ulysses in diffusers' WanTransformer3DModel
     plots      matplotlib + tensorboard (TensorBoard logs of the trainer, simulation plots)
     apex       NVIDIA apex is NOT on PyPI: build it from https://github.com/NVIDIA/apex; ds_adaptive
@@ -26,8 +26,7 @@ from setuptools import find_packages, setup
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-# patches/ lives at the top of the repository and ships as ds_adaptive.patches (package_dir below).
-PACKAGES = sorted(find_packages(HERE, include=["ds_adaptive", "ds_adaptive.*"])) + ["ds_adaptive.patches"]
+PACKAGES = sorted(find_packages(HERE, include=["ds_adaptive", "ds_adaptive.*"]))
 
 install_requires = [
     "torch>=2.6",                # tested: 2.11 (GPU nodes) and 2.13 (CPU CI)
@@ -89,8 +88,8 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=PACKAGES,
-    package_dir={"ds_adaptive": "ds_adaptive", "ds_adaptive.patches": "patches"},
-    package_data={"ds_adaptive": ["data/*.json", "balance/profiles/*.json", "sparse/*.json"],
+    package_data={"ds_adaptive": ["data/*.json", "planning/profiles/*.json", "attention/*.json",
+                                  "attention/kernels/*.json"],
                   "ds_adaptive.ops": ["csrc/**/*"]},
     include_package_data=True,
     install_requires=install_requires,

@@ -47,7 +47,7 @@ def backends() -> dict:
 def mix_rows(model: str, shapes_path: str, batch_tokens: int) -> list[dict]:
     """(shape, weight, S, B) of each distinct token count of the mix, heaviest first."""
     from ds_adaptive.models.registry import get_model
-    from ds_adaptive.shapes import SampleShape
+    from ds_adaptive.core.shapes import SampleShape
 
     m = get_model(model)
     mix = json.loads(Path(shapes_path or m.shapes).read_text())["shapes"]

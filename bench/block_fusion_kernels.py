@@ -42,7 +42,7 @@ PIECES = ("qk_norm_rope", "gated_residual", "layer_norm", "linear_bias")
 
 def time_ms(fn, iters: int = 20, warmup: int = 3) -> float:
     """Median ms of ``fn`` (CUDA events)."""
-    from ds_adaptive.balance.calibrate_sparse import time_ms as cuda_ms
+    from ds_adaptive.calibration.sparse import time_ms as cuda_ms
 
     return cuda_ms(fn, warmup=warmup, iters=iters)
 

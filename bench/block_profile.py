@@ -34,7 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ds_adaptive.balance.devices import peak_tflops  # noqa: E402
+from ds_adaptive.planning.devices import peak_tflops  # noqa: E402
 from ds_adaptive.models.flops import wan_block_flops  # noqa: E402
 from ds_adaptive.models.fusion import apply_block_fusion  # noqa: E402
 from ds_adaptive.models.wan import WanModel, get_wan_config, sdpa_attention  # noqa: E402
@@ -101,7 +101,7 @@ def _sync() -> None:
 def time_ms(fn, iters: int, warmup: int) -> float:
     """Median ms of ``fn`` (CUDA events: calibrate_sparse.time_ms; wall clock on the CPU)."""
     if DEVICE.type == "cuda":
-        from ds_adaptive.balance.calibrate_sparse import time_ms as cuda_ms
+        from ds_adaptive.calibration.sparse import time_ms as cuda_ms
 
         return cuda_ms(fn, warmup=warmup, iters=iters)
     for _ in range(warmup):

@@ -29,10 +29,10 @@ sys.path.insert(0, str(ROOT))
 def default_job_sampler(profile, gpu_mem_gib: float, samples: int, **overrides):
     """The shipped default job's batch sampler on one GPU, as the trainer builds it, with ``overrides`` of its
     ``sampler`` block (e.g. ``checkpoint_attention="recompute"``, ``batch_cap="off"``)."""
-    from ds_adaptive.balance.sampler import build_batch_sampler
-    from ds_adaptive.config import SamplerConfig
+    from ds_adaptive.planning.sampler import build_batch_sampler
+    from ds_adaptive.core.config import SamplerConfig
     from ds_adaptive.data.synthetic import SyntheticLatentDataset
-    from ds_adaptive.layout import Layout
+    from ds_adaptive.core.layout import Layout
 
     cfg = json.loads((ROOT / "launch" / "configs" / "zero3_adaptive.json").read_text())["adaptive_load"]["sampler"]
     with warnings.catch_warnings():
@@ -51,7 +51,7 @@ def choice_for(profile, gpu_mem_gib: float, samples: int, checkpoint_attention: 
 
 
 def main(argv=None) -> int:
-    from ds_adaptive.balance.cost import load_profile
+    from ds_adaptive.planning.cost import load_profile
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--profile", default="h200-wan2.1-1.3b")

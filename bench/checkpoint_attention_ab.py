@@ -36,7 +36,7 @@ from ln_modulate_e2e import _auto_or  # noqa: E402  ("auto" or a number, as the 
 CONFIG = ROOT / "launch" / "configs" / "zero3_adaptive.json"
 PROFILE = "h200-wan2.1-1.3b"
 ARMS = ("recompute", "keep")
-TRAIN = ("{py} -m ds_adaptive.train --deepspeed_config {cfg} --model {model} --steps {steps} --num-samples {n} "
+TRAIN = ("{py} -m ds_adaptive.cli.train --deepspeed_config {cfg} --model {model} --steps {steps} --num-samples {n} "
          "--log-dir {runs}/{arm}")
 
 
@@ -69,11 +69,11 @@ def plan_arm(cfg: dict, model: str, num_samples: int, world: int, gpu_mem_gib: f
     blocks, the planner's predicted compute and tokens/s, the largest predicted activation memory."""
     import numpy as np
 
-    from ds_adaptive.balance.budget import predicted_times
-    from ds_adaptive.balance.simulate import loop_overhead_ms
-    from ds_adaptive.layout import Layout
-    from ds_adaptive.run import build_run
-    from ds_adaptive.run_config import RunConfig
+    from ds_adaptive.planning.budget import predicted_times
+    from ds_adaptive.simulation.simulate import loop_overhead_ms
+    from ds_adaptive.core.layout import Layout
+    from ds_adaptive.training.assemble import build_run
+    from ds_adaptive.training.run_config import RunConfig
 
     rc = RunConfig.load(cfg, trainer={"model": model, "num_samples": num_samples, "steps": 1})
     run = build_run(rc, layout=Layout.for_world(world, 1), meta=True, gpu_mem_gib=gpu_mem_gib)
@@ -157,7 +157,7 @@ def _arm_figures(d: Path, cost) -> dict:
 
 
 def cmd_report(args) -> dict:
-    from ds_adaptive.balance.cost import CostModel
+    from ds_adaptive.planning.cost import CostModel
 
     runs = Path(args.runs)
     rows = {}

@@ -4,7 +4,7 @@ Arms, each a complete save of the same engine state into a fresh tag directory (
 ``os.sync()`` between saves, untimed), interleaved over ``--repeats`` rounds after one untimed warm-up save:
 
 * ``baseline``: DeepSpeed's ``save_checkpoint(save_latest=False)`` + the size-only completeness marker
-  (what ``ds_adaptive.checkpoint.write_checkpoint`` did before checksums; torch's per-record CRC32 on);
+  (what ``ds_adaptive.training.checkpoint.write_checkpoint`` did before checksums; torch's per-record CRC32 on);
 * ``checksums``: ``write_checkpoint`` as the trainer runs it: XXH3-128 (else BLAKE2b) of every file computed
   while it is written, torch's unchecked CRC32 off meanwhile;
 * ``checksums+crc32``: the same with torch's CRC32 left on (the cost of the hash alone).
@@ -44,7 +44,7 @@ GB = 1e9
 
 def hash_throughput(mib: int = 256) -> dict:
     """GB/s of each hash over ``mib`` MiB of random bytes in memory (64 MiB updates)."""
-    from ds_adaptive.checksum import ALGORITHMS
+    from ds_adaptive.training.checksum import ALGORITHMS
 
     data = memoryview(os.urandom(1 << 20) * mib)
     candidates = {name: make for name, make in ALGORITHMS.items()}
@@ -65,7 +65,7 @@ def hash_throughput(mib: int = 256) -> dict:
 
 def baseline_save(engine, save_dir: Path, tag: str, client_state: dict) -> None:
     """The save before checksums: DeepSpeed's files, then the size-only marker, then ``latest``."""
-    from ds_adaptive.checkpoint import MARKER, _atomic_write, _files, write_latest
+    from ds_adaptive.training.checkpoint import MARKER, _atomic_write, _files, write_latest
 
     engine.save_checkpoint(str(save_dir), tag=tag, client_state=client_state, save_latest=False)
     _atomic_write(save_dir / tag / MARKER, json.dumps({"tag": tag, "files": _files(save_dir / tag)}) + "\n")
@@ -73,8 +73,8 @@ def baseline_save(engine, save_dir: Path, tag: str, client_state: dict) -> None:
 
 
 def checksum_save(engine, save_dir: Path, tag: str, client_state: dict, *, torch_crc32: bool = False) -> None:
-    import ds_adaptive.checkpoint as ck
-    from ds_adaptive.checksum import HashingSaves
+    import ds_adaptive.training.checkpoint as ck
+    from ds_adaptive.training.checksum import HashingSaves
 
     saves = ck.HashingSaves
     ck.HashingSaves = functools.partial(HashingSaves, torch_crc32=torch_crc32)
@@ -89,9 +89,9 @@ def deepspeed_engine(model_name: str, layers) -> tuple[object, str]:
     import deepspeed
     import torch
 
-    from ds_adaptive.config import prepare_ds_config, read_ds_config
+    from ds_adaptive.core.config import prepare_ds_config, read_ds_config
     from ds_adaptive.models.wan import WanModel, get_wan_config
-    from ds_adaptive.trainer import init_distributed
+    from ds_adaptive.training.trainer import init_distributed
 
     _, _, device = init_distributed(0)
     raw = dict(read_ds_config(ROOT / "launch" / "configs" / "zero3_adaptive.json"))
@@ -133,8 +133,8 @@ def synthetic_engine(gib: float, files: int) -> tuple[object, str]:
 
 
 def run(args) -> dict:
-    from ds_adaptive.checkpoint import check_checkpoint
-    from ds_adaptive.checksum import ALGORITHM
+    from ds_adaptive.training.checkpoint import check_checkpoint
+    from ds_adaptive.training.checksum import ALGORITHM
 
     engine, what = (synthetic_engine(args.synthetic_gib, args.files) if args.synthetic_gib
                     else deepspeed_engine(args.model, args.layers))

@@ -29,13 +29,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ds_adaptive.balance.calibrate import _config_dict  # noqa: E402
-from ds_adaptive.config import SamplerConfig  # noqa: E402
-from ds_adaptive.balance.cost import CostModel, load_profile  # noqa: E402
-from ds_adaptive.balance.sampler import build_batch_sampler  # noqa: E402
-from ds_adaptive.layout import Layout  # noqa: E402
-from ds_adaptive.shapes import default_input_spec, load_shape_distribution  # noqa: E402
-from ds_adaptive.balance.simulate import draw_shapes  # noqa: E402
+from ds_adaptive.calibration.calibrate import _config_dict  # noqa: E402
+from ds_adaptive.core.config import SamplerConfig  # noqa: E402
+from ds_adaptive.planning.cost import CostModel, load_profile  # noqa: E402
+from ds_adaptive.planning.sampler import build_batch_sampler  # noqa: E402
+from ds_adaptive.core.layout import Layout  # noqa: E402
+from ds_adaptive.core.shapes import default_input_spec, load_shape_distribution  # noqa: E402
+from ds_adaptive.simulation.simulate import draw_shapes  # noqa: E402
 
 
 def candidate_batches(profile: str, shapes_file, m_mem, n_samples: int, seed: int, p: float):

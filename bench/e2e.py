@@ -13,7 +13,7 @@ samples, same seed, same init, same memory budget):
 Each arm is the real trainer (``torchrun --nproc_per_node N launch/train_wan.py --deepspeed_config
 <arm config> ...``) in a subprocess; the benchmark reads its ``summary.json`` and ``metrics.jsonl``
 (every step). Per arm: tokens/s and samples/s after the warm-up (the first optimizer step), CV_step
-from per-rank *compute* time (ZeRO-3's waits for other ranks taken out, see ds_adaptive.metrics) and
+from per-rank *compute* time (ZeRO-3's waits for other ranks taken out, see ds_adaptive.training.metrics) and
 from wall-clock time, compute CV from the predicted cost of each rank's batch, peak memory per rank,
 loss per sample seen, held-out loss, and the simulator's prediction for the same run. Writes
 ``e2e.json`` and ``e2e.png`` to ``--out`` and prints a table of ratios vs the baseline.
@@ -24,7 +24,7 @@ loss per sample seen, held-out loss, and the simulator's prediction for the same
     python bench/e2e.py --report-only --out bench/out/e2e # tables + plots again from e2e.json
 
 Reduced depth: the cost profile (``h100-wan2.1-1.3b``, 30 blocks) is rescaled to the trained depth
-(:meth:`ds_adaptive.balance.cost.Profile.with_num_layers`), and the memory budget is the full-depth ``auto``
+(:meth:`ds_adaptive.planning.cost.Profile.with_num_layers`), and the memory budget is the full-depth ``auto``
 budget scaled by the activation memory per token, so every arm forms exactly the micro-batches the
 30-block model would form at its default budgets; only the time per micro-batch shrinks. Method:
 docs/E2E.md.
@@ -51,13 +51,13 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from ds_adaptive.config import SamplerConfig  # noqa: E402
-from ds_adaptive.balance.cost import CostModel, load_profile  # noqa: E402
-from ds_adaptive.balance.planner import resolve_budgets  # noqa: E402
-from ds_adaptive.balance.sampler import build_batch_sampler  # noqa: E402
-from ds_adaptive.layout import Layout  # noqa: E402
-from ds_adaptive.shapes import load_shape_distribution  # noqa: E402
-from ds_adaptive.e2e import (ARMS, BASE_PROFILE, FORMAT, SIM_WORLDS, Arm, aggregate_arm,  # noqa: E402,F401
+from ds_adaptive.core.config import SamplerConfig  # noqa: E402
+from ds_adaptive.planning.cost import CostModel, load_profile  # noqa: E402
+from ds_adaptive.planning.planner import resolve_budgets  # noqa: E402
+from ds_adaptive.planning.sampler import build_batch_sampler  # noqa: E402
+from ds_adaptive.core.layout import Layout  # noqa: E402
+from ds_adaptive.core.shapes import load_shape_distribution  # noqa: E402
+from ds_adaptive.simulation.e2e import (ARMS, BASE_PROFILE, FORMAT, SIM_WORLDS, Arm, aggregate_arm,  # noqa: E402,F401
                              compact_record, fmt, plan_table, plan_tokens_per_s, ratios, table)
 
 
@@ -290,7 +290,7 @@ def plan_arm(s: Settings, arm: Arm, shapes, profile_path: str, budgets: Budgets,
         smp = build_batch_sampler(cfg, shapes, Layout.explicit(dp_size=s.dp, sp_size=s.sp), micro_steps_per_step=gas,
                                   enabled=arm.enabled, mode=arm.sampler, checkpointing="all" if s.grad_ckpt else "none")
         plan = smp.plan
-    from ds_adaptive.balance.simulate import predicted_times
+    from ds_adaptive.simulation.simulate import predicted_times
 
     truth = CostModel(load_profile(profile_path), "calibrated", sp=s.sp)
     sizes = plan.batch_sizes()
@@ -341,8 +341,8 @@ def eval_estimate_s(s: Settings, profile_path: str) -> float:
     if not s.eval_samples:
         return 0.0
     from ds_adaptive.data import build_dataset
-    from ds_adaptive.objective import EVAL_TIMESTEPS
-    from ds_adaptive.trainer import EVAL_SEED_OFFSET
+    from ds_adaptive.models.objective import EVAL_TIMESTEPS
+    from ds_adaptive.training.trainer import EVAL_SEED_OFFSET
 
     held = build_dataset("synthetic", num_samples=s.eval_samples, shapes=s.shapes,
                          seed=s.seed + EVAL_SEED_OFFSET).sample_shapes()
@@ -453,7 +453,7 @@ def run_arm(s: Settings, arm: Arm, plan: dict, profile_path: str, budgets: Budge
 # ================================================================================== simulator
 def simulator_section(s: Settings, plans: dict, arms: dict, profile_path: str, budgets: Budgets) -> dict:
     """Prediction for the measured run (the arms' own plans: same world, samples, budgets) against the
-    measurement, and ``ds_adaptive.balance.simulate`` at larger scales with the same profile and budgets."""
+    measurement, and ``ds_adaptive.simulation.simulate`` at larger scales with the same profile and budgets."""
     out = {"measured_world": s.num_gpus, "profile": profile_path}
     tok, dual = plans.get("baseline") or plans.get("tokens_fused"), plans.get("dual_ref") or plans.get("adaptive")
     if tok and dual:
@@ -474,7 +474,7 @@ def simulator_section(s: Settings, plans: dict, arms: dict, profile_path: str, b
                                "cv_step_wall": {"tokens": b["cv_step_wall"], "dual": a["cv_step_wall"]}}
         out["same_run"]["measured"] = meas
     if s.sim_worlds:
-        from ds_adaptive.balance.simulate import simulate
+        from ds_adaptive.simulation.simulate import simulate
 
         cfg = SamplerConfig(profile=profile_path, m_mem=budgets.m_mem_gib, m_comp="auto", seed=s.seed)
         dist = load_shape_distribution(s.shapes)

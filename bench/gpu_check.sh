@@ -27,7 +27,7 @@
 # op in a chain of 32) with a torch.profiler table, and the C++ argument checks raised on CUDA inputs;
 # train = the default job with and without the fused op, TRAIN_STEPS steps each, each arm planning with its own
 # calibration; train_same = the same two arms on one pinned plan, bench/ln_modulate_e2e.py; ti2v = Wan 2.2 TI2V-5B:
-# calibrate it on this GPU into ds_adaptive/balance/profiles/<gpu>-wan2.2-ti2v-5b.json (copied to $OUT), then its
+# calibrate it on this GPU into ds_adaptive/planning/profiles/<gpu>-wan2.2-ti2v-5b.json (copied to $OUT), then its
 # default job, TI2V_STEPS steps (default 8), with that profile: tokens/s, MFU, peak memory in $OUT/ti2v_run),
 # BENCH_ARGS (extra args for bench/ln_modulate.py, e.g. "--quick --tune"; --tune also times both
 # kernel generations per case and prints the recommended DS_ADAPTIVE_LN_MODULATE_KERNELS),
@@ -129,7 +129,7 @@ do_train_same() {  # the default job with and without the op on the SAME plan (b
   for arm in op ref; do
     flag=$([ "$arm" = op ] && echo --fused-ln-modulate || echo --no-fused-ln-modulate)
     echo "== arm $arm ($flag)"
-    python3 -m ds_adaptive.train --deepspeed_config "$w/config.json" --model wan2.1-1.3b --grad-ckpt auto $flag \
+    python3 -m ds_adaptive.cli.train --deepspeed_config "$w/config.json" --model wan2.1-1.3b --grad-ckpt auto $flag \
       --steps "${TRAIN_SAME_STEPS:-7}" --num-samples "${TRAIN_SAMPLES:-150}" --log-dir "$w/runs/$arm" >"$d/$arm.log" 2>&1 \
       || { tail -n 30 "$d/$arm.log"; return 1; }
     tail -n 4 "$d/$arm.log"
@@ -144,8 +144,8 @@ do_ti2v() {  # Wan 2.2 TI2V-5B: the calibration this GPU lacks, then the default
   # the 5B model's parameters, gradients and Adam state are ~75 GiB)
   [ -d /tmp/site/bin ] && export PATH=/tmp/site/bin:$PATH
   local key prof
-  key=$(python3 -c 'from ds_adaptive.balance.devices import detect_device_name, gpu_spec; s = gpu_spec(detect_device_name()); print(s.key if s else "gpu")') || return 1
-  prof=ds_adaptive/balance/profiles/$key-wan2.2-ti2v-5b.json
+  key=$(python3 -c 'from ds_adaptive.planning.devices import detect_device_name, gpu_spec; s = gpu_spec(detect_device_name()); print(s.key if s else "gpu")') || return 1
+  prof=ds_adaptive/planning/profiles/$key-wan2.2-ti2v-5b.json
   python3 -m ds_adaptive.cli calibrate --model wan2.2-ti2v-5b --out "$prof" 2>&1 | tail -n 30 || return 1
   cp "$prof" "$OUT/" || return 1
   MODEL=wan2.2-ti2v-5b STEPS=${TI2V_STEPS:-8} SAVE_DIR= bash launch/train_wan.sh --log-dir "$OUT/ti2v_run" \
@@ -183,7 +183,7 @@ do_levers() {  # trainer A/B of block fusion and ZeRO-3 settings on one pinned p
   [ -f "$w/config.json" ] && [ -n "${LEVERS_RUN:-}" ] && echo "levers: re-preparing $w (same pinned plan)"
   python3 bench/mfu_levers.py prepare --dir "$w" --gas "${LEVERS_GAS:-1}" --steps "${LEVERS_STEPS:-13}" --m-comp "${LEVERS_M_COMP:-9700}" \
     --num-samples "${TRAIN_SAMPLES:-2000}" | while read -r cmd; do
-      case "$cmd" in *ds_adaptive.train*) arm=${cmd##*/}
+      case "$cmd" in *ds_adaptive.cli.train*) arm=${cmd##*/}
         case ",${LEVERS_RUN:-ref,fusion,zero}," in *",$arm,"*) ;; *) continue;; esac   # arms to run in this call
         echo "arm $arm"; eval "$cmd" </dev/null >"$w/$arm.log" 2>&1 || tail -n 20 "$w/$arm.log";; esac
     done
@@ -226,17 +226,17 @@ do_setab() {  # the shipped job vs the same job with AB_SET (space-separated KEY
 }
 do_calfusion() {  # the shipped 1.3B profile of this GPU calibrated with block fusion (CALFUSION_MODE, default regions)
   # on the fused LayerNorm-modulate path, shipped into the profile json as block_fusion_variants.<mode>; the json comes
-  # back in $OUT (copy it to ds_adaptive/balance/profiles/ and commit; then run the default job in the next call)
+  # back in $OUT (copy it to ds_adaptive/planning/profiles/ and commit; then run the default job in the next call)
   local key prof mode=${CALFUSION_MODE:-regions}
-  key=$(python3 -c 'from ds_adaptive.balance.devices import detect_device_name, gpu_spec; s = gpu_spec(detect_device_name()); print(s.key if s else "gpu")') || return 1
-  prof=ds_adaptive/balance/profiles/$key-wan2.1-1.3b.json
+  key=$(python3 -c 'from ds_adaptive.planning.devices import detect_device_name, gpu_spec; s = gpu_spec(detect_device_name()); print(s.key if s else "gpu")') || return 1
+  prof=ds_adaptive/planning/profiles/$key-wan2.1-1.3b.json
   [ -f "$prof" ] || { echo "calfusion: no shipped profile $prof"; return 1; }
   python3 -m ds_adaptive.cli calibrate --model wan2.1-1.3b --sp 1 --ln-modulate fused --block-fusion "$mode" \
     --out "$OUT/cal_fusion_$mode.json" --name "$key-wan2.1-1.3b" ${CALFUSION_ARGS:-} 2>&1 | tail -n 40 || return 1
-  python3 -m ds_adaptive.balance.autocalibrate ship "$OUT/cal_fusion_$mode.json" "$prof" --replace || return 1
+  python3 -m ds_adaptive.calibration.autocalibrate ship "$OUT/cal_fusion_$mode.json" "$prof" --replace || return 1
   cp "$prof" "$OUT/" && python3 - "$prof" "$mode" <<'PY'
 import sys
-from ds_adaptive.balance.cost import load_profile
+from ds_adaptive.planning.cost import load_profile
 base = load_profile(sys.argv[1])
 fused, note = base.for_block_fusion(sys.argv[2])
 print(note)

@@ -30,7 +30,7 @@
 # calibrate.txt; arms: memory.json (summaries + predicted-vs-measured memory per micro-batch) and
 # arms.txt. The arms of PURPOSE=arms/throughput/baseline use the torch LayerNorm-modulate reference
 # (--no-fused-ln-modulate: no op build inside the call); PURPOSE=fused_arm runs the fused op (LN_FLAG). Profiles written by the calibrate call must be copied to
-# ds_adaptive/balance/profiles/ before the arms call (profile: auto picks them on an H200).
+# ds_adaptive/planning/profiles/ before the arms call (profile: auto picks them on an H200).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/out/memory}
@@ -50,7 +50,7 @@ note "commit $git_rev"
 arm() {  # arm NAME CONFIG STEPS [trainer args...]
   local name=$1 cfg=$2 steps=$3; shift 3
   note "arm $name: $cfg, $steps steps, $*"
-  timeout --kill-after=60 "${ARM_TIMEOUT:-200}" "$PY" -m ds_adaptive.train --deepspeed_config "$cfg" --model wan2.1-1.3b \
+  timeout --kill-after=60 "${ARM_TIMEOUT:-200}" "$PY" -m ds_adaptive.cli.train --deepspeed_config "$cfg" --model wan2.1-1.3b \
     --steps "$steps" "${LN_FLAG:---no-fused-ln-modulate}" --log-dir "/tmp/runs/$name" "$@" >"/tmp/runs_$name.log" 2>&1
   local rc=$?
   grep -E "profile auto|PYTORCH_CUDA_ALLOC_CONF|OutOfMemory|out of memory|Error" "/tmp/runs_$name.log" | head -5
@@ -61,19 +61,19 @@ arm() {  # arm NAME CONFIG STEPS [trainer args...]
 case "${PURPOSE:-calibrate}" in
 calibrate)
   note "calibrate wan2.1-1.3b (layers 2,4; with and without checkpointing)"
-  "$PY" -m ds_adaptive.balance.calibrate --model wan2.1-1.3b --sp 1 --out "$OUT/h200-wan2.1-1.3b.json" \
+  "$PY" -m ds_adaptive.calibration.calibrate --model wan2.1-1.3b --sp 1 --out "$OUT/h200-wan2.1-1.3b.json" \
     --name h200-wan2.1-1.3b 2>&1 | tee "$OUT/calibrate.txt"
   note "calibrate wan2.1-14b (layers 1,2: 40 blocks extrapolated; warmup 1, iters 3)"
-  "$PY" -m ds_adaptive.balance.calibrate --model wan2.1-14b --sp 1 --layers 1,2 --warmup 1 --iters 3 \
+  "$PY" -m ds_adaptive.calibration.calibrate --model wan2.1-14b --sp 1 --layers 1,2 --warmup 1 --iters 3 \
     --out "$OUT/h200-wan2.1-14b.json" --name h200-wan2.1-14b 2>&1 | tee -a "$OUT/calibrate.txt"
-  cp "$OUT"/h200-wan2.1-*.json ds_adaptive/balance/profiles/ 2>/dev/null
+  cp "$OUT"/h200-wan2.1-*.json ds_adaptive/planning/profiles/ 2>/dev/null
   mkdir -p /tmp/runs
   ARM_TIMEOUT=150 arm smoke launch/configs/zero3_adaptive.json "${SMOKE_STEPS:-3}" --grad-ckpt auto
   "$PY" bench/memory_report.py --runs /tmp/runs --out "$OUT/smoke.json" 2>&1 | tee -a "$OUT/calibrate.txt"
   ;;
 calibrate_fused)
   note "calibrate wan2.1-1.3b with the fused LayerNorm-modulate op (layers 2,4; both checkpointing modes)"
-  "$PY" -m ds_adaptive.balance.calibrate --model wan2.1-1.3b --sp 1 --ln-modulate fused \
+  "$PY" -m ds_adaptive.calibration.calibrate --model wan2.1-1.3b --sp 1 --ln-modulate fused \
     --out "$OUT/h200-wan2.1-1.3b-fused.json" --name h200-wan2.1-1.3b 2>&1 | tee "$OUT/calibrate_fused.txt"
   ;;
 arms)
@@ -117,7 +117,7 @@ fused_arm)   # issue 16, third round: one arm with the fused op (see the header)
   left=$(( ${CALIB14_BUDGET:-590} - SECONDS ))
   if [ "${CALIB14:-0}" = 1 ] && [ "$left" -gt 60 ]; then
     note "calibrate wan2.1-14b with the fused op (layers 1,2; warmup 1, iters 3), ${left} s left"
-    timeout "$left" "$PY" -m ds_adaptive.balance.calibrate --model wan2.1-14b --sp 1 --layers 1,2 --warmup 1 --iters 3 \
+    timeout "$left" "$PY" -m ds_adaptive.calibration.calibrate --model wan2.1-14b --sp 1 --layers 1,2 --warmup 1 --iters 3 \
       --ln-modulate fused --out "$OUT/h200-wan2.1-14b-fused.json" --name h200-wan2.1-14b 2>&1 | tee "$OUT/calibrate14_fused.txt"
   elif [ "${CALIB14:-0}" = 1 ]; then
     note "14B calibration skipped: ${left} s left"

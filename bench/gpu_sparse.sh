@@ -4,7 +4,7 @@
 #   STEPS="tests kernel e2e" (default; "quality": the dense vs sparse training run, ~8 min per seed;
 #   "probe": dynamic-shape flex, <= 90 s; "ab": bench/sparse_train_ab.py, ~8 min)
 #   GIT_COMMIT=<sha> OUT=<dir> [SWEEP=0: no table written, e2e uses the shipped
-#   ds_adaptive/sparse/kernel_options.json] bash bench/gpu_sparse.sh
+#   ds_adaptive/attention/kernel_options.json] bash bench/gpu_sparse.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/out/gpu_sparse}

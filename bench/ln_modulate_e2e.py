@@ -9,8 +9,8 @@ micro-batches and their tokens/s mix the op's effect with the planner's. This be
         holds more memory, so the plan is safe for both paths) and D/config.json (zero3_adaptive.json with
         that profile and metrics every step; m_comp / gas stay ``auto``: the search is a pure function of
         profile, data and config, so both arms get the same budget, gas and micro-batches)
-    python -m ds_adaptive.train --deepspeed_config D/config.json ... --fused-ln-modulate    --log-dir RUNS/op
-    python -m ds_adaptive.train --deepspeed_config D/config.json ... --no-fused-ln-modulate --log-dir RUNS/ref
+    python -m ds_adaptive.cli.train --deepspeed_config D/config.json ... --fused-ln-modulate    --log-dir RUNS/op
+    python -m ds_adaptive.cli.train --deepspeed_config D/config.json ... --no-fused-ln-modulate --log-dir RUNS/ref
     python bench/ln_modulate_e2e.py report --runs RUNS --out JSON
 
 ``report`` checks that both arms ran the same micro-batches (shape, B, checkpointed blocks, in order; an
@@ -24,7 +24,7 @@ import json
 import sys
 from pathlib import Path
 
-from ds_adaptive.balance.cost import load_profile
+from ds_adaptive.planning.cost import load_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ROOT / "ds_adaptive" / "balance" / "profiles" / "h200-wan2.1-1.3b.json"

@@ -70,8 +70,8 @@ def fit_outside(rows: list[dict], runs: Optional[list[str]] = None) -> dict:
     ``rows`` (of the named ``runs`` only, when given): the training loop's own time per micro-step (the DataLoader,
     the engine's non-boundary ``step()``, host work) and per optimizer step, measured apart from the cost model,
     whose error (the compute windows over the calibrated cost) the fits of ``wall - cost`` book as loop time. The
-    fit is ``ds-adaptive refit``'s (:func:`ds_adaptive.balance.refit.fit_train_overheads`)."""
-    from ds_adaptive.balance.refit import RefitError, fit_train_overheads
+    fit is ``ds-adaptive refit``'s (:func:`ds_adaptive.calibration.refit.fit_train_overheads`)."""
+    from ds_adaptive.calibration.refit import RefitError, fit_train_overheads
 
     use = [r for r in rows if runs is None or r["run"] in runs]
     try:
@@ -84,7 +84,7 @@ def fit_outside(rows: list[dict], runs: Optional[list[str]] = None) -> dict:
 
 
 def main(argv=None) -> int:
-    from ds_adaptive.balance.cost import CostModel, load_profile
+    from ds_adaptive.planning.cost import CostModel, load_profile
     from memory_report import fit_overheads
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

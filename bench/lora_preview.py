@@ -3,7 +3,7 @@
     python bench/lora_preview.py --out bench/out/lora_preview.json            # two arms, ~3-4 min on one H200
     bash bench/lora_preview.sh                                                # the same after the wheelhouse
 
-Each arm is the real trainer (``python -m ds_adaptive.train``, a world of one) on the shipped default job
+Each arm is the real trainer (``python -m ds_adaptive.cli.train``, a world of one) on the shipped default job
 (``launch/configs/zero3_adaptive.json``: ZeRO-3, AdaptiveLoad, ``m_mem``/``m_comp``/gas ``auto``, i.e. planned
 to ~95% of the GPU), ``--model wan2.1-1.3b``, with ``adaptive_load.preview`` on (one prompt from the dataset at
 ``--preview-size``, ``--preview-steps`` Euler steps, after step ``--preview-at`` and after the last step):
@@ -49,7 +49,7 @@ def run_arm(name: str, args, work: Path, timeout_s: float) -> dict:
     d.mkdir(parents=True, exist_ok=True)
     cfg_path = d / "ds_config.json"
     cfg_path.write_text(json.dumps(arm_config(name, args), indent=1))
-    cmd = [sys.executable, "-m", "ds_adaptive.train", "--deepspeed_config", str(cfg_path), "--model", args.model,
+    cmd = [sys.executable, "-m", "ds_adaptive.cli.train", "--deepspeed_config", str(cfg_path), "--model", args.model,
            "--steps", str(args.steps), "--num-samples", str(args.num_samples), "--log-dir", str(d / "logs"),
            "--seed", str(args.seed)]
     if args.shapes:

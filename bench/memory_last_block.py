@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ds_adaptive.balance.calibrate import checkpoint_fit
-from ds_adaptive.balance.cost import PROFILES_DIR, CostModel, Profile
+from ds_adaptive.calibration.calibrate import checkpoint_fit
+from ds_adaptive.planning.cost import PROFILES_DIR, CostModel, Profile
 
 # (label, memory.jsonl, LayerNorm-modulate path of the run, what it was)
 RUNS = (

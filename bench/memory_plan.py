@@ -7,7 +7,7 @@ The plans are the ones the trainer forms (same seed, budgets, profile entries of
 LayerNorm-modulate path, and ``gradient_accumulation_steps`` of the config: ``auto`` lets the throughput-optimal ``m_comp: auto`` choose it), so their tokens equal the
 tokens a GPU run of that many optimizer steps trains. Predicted time = the cost model's batch costs (fwd +
 bwd + recompute of the checkpointed blocks) + the profile's per-micro-step and per-optimizer-step
-overheads (``ds_adaptive.balance.budget.predicted_time_ms``): a ratio between policies, not a measured speed.
+overheads (``ds_adaptive.planning.budget.predicted_time_ms``): a ratio between policies, not a measured speed.
 """
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ import json
 import warnings
 from pathlib import Path
 
-from ds_adaptive.balance.budget import predicted_time_ms
-from ds_adaptive.balance.sampler import build_batch_sampler
-from ds_adaptive.config import load_adaptive_config, read_ds_config
+from ds_adaptive.planning.budget import predicted_time_ms
+from ds_adaptive.planning.sampler import build_batch_sampler
+from ds_adaptive.core.config import load_adaptive_config, read_ds_config
 from ds_adaptive.data import build_dataset
-from ds_adaptive.layout import Layout
+from ds_adaptive.core.layout import Layout
 
 CONFIGS = ("launch/configs/zero3_adaptive.json", "launch/configs/zero3_baseline.json")
 H200_GIB = 139.80072021484375

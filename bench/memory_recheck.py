@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ds_adaptive.balance.cost import LN_MODULATE_PATHS, CostModel, load_profile
+from ds_adaptive.planning.cost import LN_MODULATE_PATHS, CostModel, load_profile
 
 
 def main() -> int:

@@ -3,7 +3,7 @@ and MFU, and the predicted-vs-measured peak memory per micro-batch; writes JSON.
 
     python bench/memory_report.py --runs /tmp/runs --out bench/out/memory/memory.json
 
-Each arm is a directory of ``ds_adaptive.train`` logs (``summary.json``, ``memory.jsonl``, and with a
+Each arm is a directory of ``ds_adaptive.cli.train`` logs (``summary.json``, ``memory.jsonl``, and with a
 metrics interval of 1 ``metrics.jsonl``); an arm without ``summary.json`` did not finish (its log says why:
 time limit or out of memory). With ``metrics.jsonl`` the report adds:
 
@@ -61,8 +61,8 @@ def step_costs(arm: dict, profile: str) -> list[dict]:
     """Per step (> 1) of an arm: wall ms, micro-steps and the predicted batch costs' sum (ms), from the
     arm's metrics.jsonl and memory.jsonl (shape, B, checkpointed blocks of each micro-step), with the
     profile's entries of the LayerNorm-modulate path the arm ran (its summary's ``fused_ln_modulate``)."""
-    from ds_adaptive.balance.cost import CostModel, load_profile
-    from ds_adaptive.shapes import SampleShape
+    from ds_adaptive.planning.cost import CostModel, load_profile
+    from ds_adaptive.core.shapes import SampleShape
 
     fused = arm.get("summary", {}).get("fused_ln_modulate")
     prof = load_profile(profile).for_ln_modulate(None if fused is None else "fused" if fused else "reference")[0]

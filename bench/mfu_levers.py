@@ -37,7 +37,7 @@ import ln_modulate_e2e as pinned  # noqa: E402
 ZERO_CANDIDATE = {"reduce_bucket_size": 200_000_000, "stage3_prefetch_bucket_size": 200_000_000,
                   "stage3_max_live_parameters": 3_000_000_000, "stage3_max_reuse_distance": 3_000_000_000,
                   "stage3_param_persistence_threshold": 1_000_000}
-TRAIN = ("{py} -m ds_adaptive.train --deepspeed_config {cfg} --model wan2.1-1.3b --steps {steps} "
+TRAIN = ("{py} -m ds_adaptive.cli.train --deepspeed_config {cfg} --model wan2.1-1.3b --steps {steps} "
          "--num-samples {n} --fused-ln-modulate --log-dir {runs}/{arm}")
 
 

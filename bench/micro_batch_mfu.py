@@ -2,7 +2,7 @@
 
     python bench/micro_batch_mfu.py RUN_DIR [RUN_DIR ...] [--out bench/out/micro_batch_mfu.json]
 
-A run directory is a one-GPU trainer log dir, read by ``ds_adaptive.balance.refit.trainer_windows``:
+A run directory is a one-GPU trainer log dir, read by ``ds_adaptive.calibration.refit.trainer_windows``:
 ``compute.jsonl`` (every micro-step's shape, B, checkpointed blocks and compute window), or for runs from before
 it ``metrics.jsonl`` (the logged steps' windows) with ``memory.jsonl``. Per (shape, B, checkpointed blocks) of the
 steps > 1: micro-steps, mean compute ms and model FLOPs over compute time as a share of the GPU's dense bf16
@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def run_table(d: Path) -> dict:
-    from ds_adaptive.balance.refit import trainer_windows
+    from ds_adaptive.calibration.refit import trainer_windows
     from ds_adaptive.models import get_model
 
     summary = json.loads((d / "summary.json").read_text())

@@ -4,7 +4,7 @@
 
 Mixes: the shipped default, a low-resolution set (launch/configs/shapes_cpu.json: 64-1,280 tokens), the
 default's images only and its videos only. Profiles: the shipped Wan 1.3B H100 and H200 calibrations. Both
-samplers plan the same simulated dataset at the same memory budget (``ds_adaptive.balance.simulate``, its
+samplers plan the same simulated dataset at the same memory budget (``ds_adaptive.simulation.simulate``, its
 time model: each batch with the recompute of its checkpoint plan, the profile's per-micro-step and
 per-optimizer-step overheads) and are scored over the whole simulated epoch. Prints one row per (mix,
 GPUs, profile) with the ratio measured in the same run; writes the rows as JSON. Target: dual / tokens
@@ -22,8 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ds_adaptive.balance.simulate import simulate  # noqa: E402
-from ds_adaptive.shapes import load_shape_distribution  # noqa: E402
+from ds_adaptive.simulation.simulate import simulate  # noqa: E402
+from ds_adaptive.core.shapes import load_shape_distribution  # noqa: E402
 
 PROFILES = ("h100-wan2.1-1.3b", "h200-wan2.1-1.3b")
 

@@ -49,8 +49,8 @@ def plan_mfu(sampler, first: int, last: int, peak_tflops: float, truth=None) -> 
     FLOPs, predicted seconds (micro-steps' costliest batch + the loop's terms), MFU / HFU, checkpointed blocks per
     token. ``truth``: a profile to time the plan with instead of the one it was made with (e.g. one refitted to
     the trainer's windows, ``bench/compute_refit.py``)."""
-    from ds_adaptive.balance.budget import predicted_times
-    from ds_adaptive.balance.cost import CostModel
+    from ds_adaptive.planning.budget import predicted_times
+    from ds_adaptive.planning.cost import CostModel
     from ds_adaptive.models.registry import get_model
 
     plan, cost = sampler.plan, sampler.cost
@@ -82,7 +82,7 @@ def plan_mfu(sampler, first: int, last: int, peak_tflops: float, truth=None) -> 
 def main(argv=None) -> int:
     from budget_candidates import default_job_sampler
 
-    from ds_adaptive.balance.cost import load_profile
+    from ds_adaptive.planning.cost import load_profile
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arm", action="append", metavar="NAME:key=value,...",
@@ -103,7 +103,7 @@ def main(argv=None) -> int:
     profile = load_profile(a.profile)
     truth = None
     if a.truth:
-        from ds_adaptive.balance.cost import ProfileError
+        from ds_adaptive.planning.cost import ProfileError
 
         try:
             truth = load_profile(a.truth)

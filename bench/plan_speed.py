@@ -19,11 +19,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ds_adaptive.config import SamplerConfig  # noqa: E402
-from ds_adaptive.balance.sampler import build_batch_sampler  # noqa: E402
-from ds_adaptive.layout import Layout  # noqa: E402
-from ds_adaptive.shapes import load_shape_distribution  # noqa: E402
-from ds_adaptive.balance.simulate import draw_shapes  # noqa: E402
+from ds_adaptive.core.config import SamplerConfig  # noqa: E402
+from ds_adaptive.planning.sampler import build_batch_sampler  # noqa: E402
+from ds_adaptive.core.layout import Layout  # noqa: E402
+from ds_adaptive.core.shapes import load_shape_distribution  # noqa: E402
+from ds_adaptive.simulation.simulate import draw_shapes  # noqa: E402
 
 
 def main(argv=None) -> int:

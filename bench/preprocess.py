@@ -71,7 +71,7 @@ def build_encoders(root: Path, device: torch.device):
     from diffusers import AutoencoderKLWan
     from transformers import UMT5Config, UMT5EncoderModel
 
-    from ds_adaptive.preprocess.encode import LatentEncoders
+    from ds_adaptive.media.encode import LatentEncoders
 
     t0 = time.perf_counter()
     torch.manual_seed(0)

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import e2e  # noqa: E402  (bench/e2e.py)
-from ds_adaptive.e2e import fmt, plan_tokens_per_s  # noqa: E402
+from ds_adaptive.simulation.e2e import fmt, plan_tokens_per_s  # noqa: E402
 
 # Per configuration: bench/e2e.py arguments shared by every arm and seed. Memory budget "1x" (one longest
 # video per micro-batch) keeps a full-depth step near the costliest sample's time (~10 s at 1.3B, ~13 s at
@@ -82,11 +82,11 @@ def run_args(config: str, *, num_gpus: int, seed: int, arm: str, out: str, profi
 
 
 def simulate_at(plan_report: dict, world: int, sp: int, steps: int = 50) -> dict:
-    """``ds_adaptive.balance.simulate`` at ``world`` GPUs with the run's profile, shape mix, memory budget and
+    """``ds_adaptive.simulation.simulate`` at ``world`` GPUs with the run's profile, shape mix, memory budget and
     the dual arm's compute budget (gas 1, as the runs)."""
-    from ds_adaptive.balance.simulate import simulate
-    from ds_adaptive.config import SamplerConfig
-    from ds_adaptive.shapes import load_shape_distribution
+    from ds_adaptive.simulation.simulate import simulate
+    from ds_adaptive.core.config import SamplerConfig
+    from ds_adaptive.core.shapes import load_shape_distribution
 
     dual = next((p for p in plan_report["plans"].values() if p["mode"] == "dual"), None)
     m_comp = dual["m_comp"] if dual else "auto"
@@ -149,7 +149,7 @@ def plan_table(r: dict) -> str:
                      f"{x['predicted_ratio']:>8.3f}{fmt(x['predicted_cv'], pct=True):>8}"
                      f"{x['predicted_command_s']:>7.0f}{'yes' if x['fits'] else 'NO':>6}")
     lines.append(f"total predicted device time: {r['total_predicted_s']:.0f} s in {len(r['commands'])} commands")
-    lines.append("Simulator (ds_adaptive.balance.simulate, 50 steps, same profile / budgets, gas 1): dual/tokens tokens/s")
+    lines.append("Simulator (ds_adaptive.simulation.simulate, 50 steps, same profile / budgets, gas 1): dual/tokens tokens/s")
     for config, sims in r["simulated"].items():
         lines.append("  " + config + ": " + ", ".join(
             f"{s['world']} GPUs (sp {s['sp']}) {s['ratio_dual_over_tokens']:.3f}x (CV {fmt(s['cv']['tokens'], pct=True)}"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ds_adaptive.balance.simulate import plot, simulate  # noqa: E402
+from ds_adaptive.simulation.simulate import plot, simulate  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         shapes = ROOT / "ds_adaptive" / "data" / "default_shapes.json"
     spec = json.loads(shapes.read_text())
     spec = spec["shapes"] if isinstance(spec, dict) else spec
-    from ds_adaptive.shapes import SampleShape
+    from ds_adaptive.core.shapes import SampleShape
 
     batch = {}
     for s in spec:

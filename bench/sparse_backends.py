@@ -4,7 +4,7 @@ One run, one GPU, B = 1, bf16, head dim --head-dim, --block-token blocks (random
 query block's own block kept), for every (S, H) of --seq x --heads (cheapest first) and density of --densities:
 
 * ``cudnn``: dense SDPA fwd+bwd under the cuDNN backend (flash where cuDNN refuses) -- the yardstick;
-* every registered backend of ``ds_adaptive.sparse.backends`` that runs here and does not materialise S x S
+* every registered backend of ``ds_adaptive.attention.backends`` that runs here and does not materialise S x S
   (``flex``: compiled FlexAttention with dynamic shapes; ``triton``: ours, with the tile table of the sweep);
 * ``flex_static``: FlexAttention compiled per shape (dynamic=False, the pre-backend path), a baseline;
 * ``triton_atomic``: ours with dQ by TMA bulk reductions where the sweep found that backward >= 3% faster
@@ -19,7 +19,7 @@ overhead over its steady time (and for triton the kernels compiled by it: must b
 Sweep (on unless --no-sweep; at the first (S, H)): each Triton kernel alone -- forward, dQ, dK/dV (split) and dK/dV
 with atomic dQ -- over a few tile configs (``*_TILES`` below) at every density; per density the fastest of each
 kernel make the config (split dQ unless --allow-atomic and atomic is >= 3% faster); adjacent densities with the
-same config merge into one bucket. --table-out writes the table in ``ds_adaptive/sparse/kernels/triton_configs.json``
+same config merge into one bucket. --table-out writes the table in ``ds_adaptive/attention/kernels/triton_configs.json``
 format (with the measured curve g(rho) = triton ms / cuDNN ms, the max over the shapes run) for the triton rows and
 for shipping; without a sweep the shipped table (or the defaults) is used.
 
@@ -107,7 +107,7 @@ def measure(fn, reps_max: int) -> dict:
 
 
 def _tiles(block: int, kind: str) -> list:
-    from ds_adaptive.sparse.kernels import TileConfig
+    from ds_adaptive.attention.kernels import TileConfig
 
     return [TileConfig(*t) for t in TILES[block][kind]]
 
@@ -116,8 +116,8 @@ def _tiles(block: int, kind: str) -> list:
 def sweep(q, k, v, dout, sels: dict, block: int, reps: int) -> tuple[list, dict, dict]:
     """Each Triton kernel alone over its tile candidates at every density; returns (rows, split winners,
     winners with atomic dQ where that backward is >= 3% faster), the winners as ``{density: (config, record)}``."""
-    from ds_adaptive.sparse.kernels import KernelConfig, default_config
-    from ds_adaptive.sparse.kernels.triton_block_sparse import BackwardLaunch, block_sparse_forward
+    from ds_adaptive.attention.kernels import KernelConfig, default_config
+    from ds_adaptive.attention.kernels.triton_block_sparse import BackwardLaunch, block_sparse_forward
 
     d = q.shape[-1]
     base = default_config(d, block)
@@ -206,7 +206,7 @@ class _FlexStatic:
     def attention(self, q, k, v, sel, *, valid_len=None, density=None):
         import torch.nn.functional as F
 
-        from ds_adaptive.sparse.backends.flex import block_mask_from_selection
+        from ds_adaptive.attention.backends.flex import block_mask_from_selection
 
         s, bs = q.shape[1], sel.block_size
         tail = (-s) % bs
@@ -223,16 +223,16 @@ class _Triton:
         self.table, self.block, self.name = table, block, name
 
     def attention(self, q, k, v, sel, *, valid_len=None, density=None):
-        from ds_adaptive.sparse.kernels import config_for, triton_block_sparse_attention
+        from ds_adaptive.attention.kernels import config_for, triton_block_sparse_attention
 
         cfg = config_for(q.shape[-1], self.block, density, q.device, table=self.table)
         return triton_block_sparse_attention(q, k, v, sel, valid_len=valid_len, config=cfg)
 
 
 def _backends(args, table, dev, atomic_table=None) -> tuple[list, list]:
-    from ds_adaptive.sparse.backends import backend_names, get_backend
-    from ds_adaptive.sparse.kernels import triton_status
-    from ds_adaptive.sparse.kernels.triton_block_sparse import interpreted
+    from ds_adaptive.attention.backends import backend_names, get_backend
+    from ds_adaptive.attention.kernels import triton_status
+    from ds_adaptive.attention.kernels.triton_block_sparse import interpreted
 
     runs, skipped = [], []
     for name in backend_names():
@@ -259,7 +259,7 @@ def _backends(args, table, dev, atomic_table=None) -> tuple[list, list]:
 
 
 def _selection(b, h, s, block, dens, seed):
-    from ds_adaptive.sparse.backends.measure import random_selection
+    from ds_adaptive.attention.backends.measure import random_selection
 
     return random_selection(b, h, s, block, dens, device=DEVICE, seed=seed)
 
@@ -267,8 +267,8 @@ def _selection(b, h, s, block, dens, seed):
 def table_rows(args, table, t_start, atomic_table=None) -> tuple[list, list]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from ds_adaptive.sparse.attention import dense_attention
-    from ds_adaptive.sparse.kernels import compiled_kernels
+    from ds_adaptive.attention.attention import dense_attention
+    from ds_adaptive.attention.kernels import compiled_kernels
 
     dev = DEVICE
     runs, skipped = _backends(args, table, dev, atomic_table)
@@ -437,7 +437,7 @@ def main(argv=None) -> int:
     extra = dict(head_dim=args.head_dim, block=args.block, batch=1, dtype=dtype_name)
     meta = run_meta(**extra) if DEVICE.type == "cuda" else {"device": "cpu (interpreter)", "torch": torch.__version__,
                                                               "commit": "-", "date": "-", **extra}
-    from ds_adaptive.sparse.kernels import triton_status
+    from ds_adaptive.attention.kernels import triton_status
 
     table, atomic_table, sweep_rows = None, None, []
     if args.sweep and triton_status()[0] and (not args.backends or "triton" in args.backends):
@@ -468,7 +468,7 @@ def main(argv=None) -> int:
         table["entries"][0]["curve"] = {"density": dens, "ratio": ratio, "source": "bench/sparse_backends.py: max "
                                         f"over S {args.seq} x H {args.heads} of triton ms / {rows[0]['dense_kernel']} ms"}
     if args.table_out and table is not None:
-        from ds_adaptive.sparse.kernels.triton_configs import validate_table
+        from ds_adaptive.attention.kernels.triton_configs import validate_table
 
         merged = merge_tables(json.loads(Path(args.table_out).read_text()) if Path(args.table_out).exists() else None,
                               table)

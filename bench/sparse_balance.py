@@ -2,7 +2,7 @@
 
 For the shipped mixed shape distribution and Wan 2.1 1.3B (H100 profile), 16 and 128 GPUs, sp 1 and 4,
 per layer x head densities drawn from 0.02-0.5 (``synthetic_densities``), every arm is timed with the
-sparse truth (see ``ds_adaptive.balance.simulate_sparse``). Prints one table of CV and tokens/s ratios
+sparse truth (see ``ds_adaptive.simulation.sparse``). Prints one table of CV and tokens/s ratios
 from this run and writes JSON (+ PNG per configuration).
 
     python bench/sparse_balance.py --out bench/out/sparse_balance      # ~10 s on a laptop core
@@ -16,8 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-from ds_adaptive.balance.simulate_sparse import plot, simulate_sparse, table
-from ds_adaptive.balance.sparse import KernelEfficiency
+from ds_adaptive.simulation.sparse import plot, simulate_sparse, table
+from ds_adaptive.planning.sparse_cost import KernelEfficiency
 
 CONFIGS = [(16, 1), (16, 4), (128, 1), (128, 4)]
 

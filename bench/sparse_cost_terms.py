@@ -32,9 +32,9 @@ if str(ROOT) not in sys.path:
 
 def rebuilt_cost(doc: dict, sparse_arm: dict, profile: str):
     """``(dense CostModel, sparse CostModel)`` of this tree for the run of ``doc``."""
-    from ds_adaptive.balance.cost import CostModel, load_profile
-    from ds_adaptive.balance.sparse import DensityMap, KernelEfficiency, SparseAttentionCost
-    from ds_adaptive.sparse.kernels.triton_configs import shipped_table
+    from ds_adaptive.planning.cost import CostModel, load_profile
+    from ds_adaptive.planning.sparse_cost import DensityMap, KernelEfficiency, SparseAttentionCost
+    from ds_adaptive.attention.kernels.triton_configs import shipped_table
 
     args = doc["args"]
     layers = int(sparse_arm["layers"])

@@ -16,7 +16,7 @@ Through the backend interface (``get_backend("flex")``), bf16, H = 12, Dh = 128,
 
     python bench/sparse_dynamic_probe.py --out $OUT/sparse_dynamic_probe.json [--measure]
 
-Needs only torch (+ triton) on the GPU node: ``ds_adaptive.sparse.backends`` imports without pydantic /
+Needs only torch (+ triton) on the GPU node: ``ds_adaptive.attention.backends`` imports without pydantic /
 DeepSpeed.
 
 Prints a table; writes JSON (--out) after every phase, so a timeout still leaves the phases done.
@@ -60,9 +60,9 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("sparse_dynamic_probe: needs a CUDA GPU")
         return 2
-    from ds_adaptive.sparse.backends import get_backend
-    from ds_adaptive.sparse.backends.flex import block_mask_from_selection, compiled_graphs
-    from ds_adaptive.sparse.backends.measure import cuda_time_ms, random_selection
+    from ds_adaptive.attention.backends import get_backend
+    from ds_adaptive.attention.backends.flex import block_mask_from_selection, compiled_graphs
+    from ds_adaptive.attention.backends.measure import cuda_time_ms, random_selection
 
     dev = torch.device("cuda")
     fb = get_backend("flex")
@@ -153,7 +153,7 @@ def main(argv=None) -> int:
     res["graphs_total"] = compiled_graphs()
 
     if args.measure:
-        from ds_adaptive.sparse.backends.measure import measure_backend
+        from ds_adaptive.attention.backends.measure import measure_backend
 
         m = measure_backend(fb, dev, dtype=DTYPE, head_dim=D, block_size=BS, num_heads=H)
         res["measured_curve"] = {"density": list(m.curve.density), "ratio": list(m.curve.ratio), "rows": m.rows,

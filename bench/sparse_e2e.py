@@ -73,7 +73,7 @@ def main(argv=None) -> int:
 
     from ds_adaptive.models.testing import random_init_
     from ds_adaptive.models.wan import WanModel, get_wan_config
-    from ds_adaptive.sparse import SparseAttentionRuntime
+    from ds_adaptive.attention import SparseAttentionRuntime
 
     dev = torch.device("cuda")
     over = {"num_layers": args.layers} if args.layers else {}
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     model = random_init_(WanModel(cfg), seed=0).to(dev).to_dtype(torch.bfloat16)
     model.gradient_checkpointing = True
     if args.kernel_table:
-        from ds_adaptive.sparse.kernel_options import use_table
+        from ds_adaptive.attention.kernel_options import use_table
         use_table(args.kernel_table)
     rts = {c: SparseAttentionRuntime({"enabled": True, "forced_density": args.density, "selection_cache": c},
                                      num_layers=cfg.num_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim,

@@ -4,7 +4,7 @@ Under Ulysses (sp ranks) each rank runs attention over the full sequence with he
 the all-to-all. With per-head densities, the rank holding the densest heads is the group's
 straggler. For every layer of a density table this times, on one GPU, each rank's head subset
 (FlexAttention block-sparse fwd+bwd, per-head densities, 128x128 full blocks) under the identity
-placement and under ``ds_adaptive.balance.heads.balance_heads``, and reports per layer
+placement and under ``ds_adaptive.parallel.placement.balance_heads``, and reports per layer
 ``max / mean`` of the per-rank times (1.0 = perfectly balanced) and the predicted one from the
 density sums.
 
@@ -19,9 +19,9 @@ import statistics
 import sys
 import time
 
-from ds_adaptive.balance.calibrate_sparse import fwd_bwd_fns, make_block_mask, time_ms
-from ds_adaptive.balance.heads import balance_heads, identity_placement, placement_lower_bound, rank_heads, rank_sums
-from ds_adaptive.balance.sparse import load_densities, synthetic_densities
+from ds_adaptive.calibration.sparse import fwd_bwd_fns, make_block_mask, time_ms
+from ds_adaptive.parallel.placement import balance_heads, identity_placement, placement_lower_bound, rank_heads, rank_sums
+from ds_adaptive.planning.sparse_cost import load_densities, synthetic_densities
 
 
 def analyze(path: str) -> dict:

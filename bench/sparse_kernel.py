@@ -9,7 +9,7 @@ For each S (default 32,760 and 75,600 tokens: 81x480x832 and 81x720x1280 videos)
   at the others): time, speed-up vs cuDNN and effective TFLOP/s (dense FLOPs x selected share /
   time) as a share of cuDNN's; the BlockMask is prebuilt (the kernel alone). The winners per density
   bucket are written as a kernel-options table (--table-out, the format of
-  ``ds_adaptive/sparse/kernel_options.json``) and timed again as the op's routing (``density=``)
+  ``ds_adaptive/attention/kernel_options.json``) and timed again as the op's routing (``density=``)
   picks them, the op building its mask itself: the "table" rows (kernel + one mask build);
 * selection per sparse layer and training step (``bench/sparse_select.py``): eager host-inclusive
   time, host (launch) time and GPU time of scores + top-k, the BlockMask builds and the host-parked
@@ -121,9 +121,9 @@ def main(argv=None) -> int:
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from ds_adaptive.sparse import kernel_options as ko
-    from ds_adaptive.sparse.attention import block_mask_from_selection, dense_attention, flex_block_sparse_attention
-    from ds_adaptive.sparse.selection import blocks_for_density, select_blocks
+    from ds_adaptive.attention import kernel_options as ko
+    from ds_adaptive.attention.attention import block_mask_from_selection, dense_attention, flex_block_sparse_attention
+    from ds_adaptive.attention.selection import blocks_for_density, select_blocks
 
     dev = torch.device("cuda")
     b, h, d = args.batch, args.heads, args.head_dim
@@ -204,9 +204,9 @@ def _ms_at(res, dens, config):
 
 def _table_rows(res, s, args) -> None:
     """Time the sparse op with ``density=`` (the table's routing) at every density of --densities."""
-    from ds_adaptive.sparse.attention import flex_block_sparse_attention
-    from ds_adaptive.sparse.kernel_options import options_for
-    from ds_adaptive.sparse.selection import blocks_for_density, select_blocks
+    from ds_adaptive.attention.attention import flex_block_sparse_attention
+    from ds_adaptive.attention.kernel_options import options_for
+    from ds_adaptive.attention.selection import blocks_for_density, select_blocks
     dev = torch.device("cuda")
     b, h, d = args.batch, args.heads, args.head_dim
     g = torch.Generator(device=dev).manual_seed(s)

@@ -38,8 +38,8 @@ def compile_tile(kind: str, tile, *, head_dim: int, block: int, arch: int) -> di
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from ds_adaptive.sparse.kernels import _triton_block_scores as KS
-    from ds_adaptive.sparse.kernels import _triton_block_sparse as K
+    from ds_adaptive.attention.kernels import _triton_block_scores as KS
+    from ds_adaptive.attention.kernels import _triton_block_sparse as K
 
     fn = {"fwd": K.block_sparse_fwd, "dq": K.block_sparse_bwd_dq,
           "scores": KS.pooled_lse_scores_kernel}.get(kind, K.block_sparse_bwd_dkdv)

@@ -1,6 +1,6 @@
 """Softmax mass kept by each block selection on attention with a video DiT's structure (CPU, ~1 min).
 
-q / k from ``ds_adaptive.sparse.planted.planted_rope_qk``: through Wan's 3D RoPE, one head of each kind
+q / k from ``ds_adaptive.attention.planted.planted_rope_qk``: through Wan's 3D RoPE, one head of each kind
 (``local`` window, ``far`` regions, attention ``sink``, ``mixed``), in cube order, 128-token-like blocks
 scaled down (grid 4x16x16, 32-token blocks of 2x4x4 cubes, head dim 64), at two sharpnesses
 (``--temperatures``). Per head the density is what the runtime's profiler chooses (``mass`` 0.99 of
@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-from ds_adaptive.sparse import CubeOrder, LowRankPredictor, blocks_for_density, select_blocks
-from ds_adaptive.sparse.planted import PLANTED_KINDS, planted_rope_qk
-from ds_adaptive.sparse.profiler import block_mass, exact_logits, profile_rows, sample_row_groups, sample_rows
-from ds_adaptive.sparse.selection import pooled_lse_scores
+from ds_adaptive.attention import CubeOrder, LowRankPredictor, blocks_for_density, select_blocks
+from ds_adaptive.attention.planted import PLANTED_KINDS, planted_rope_qk
+from ds_adaptive.attention.profiler import block_mass, exact_logits, profile_rows, sample_row_groups, sample_rows
+from ds_adaptive.attention.selection import pooled_lse_scores
 
 GRID, BLOCK, CUBE, HEAD_DIM, RANK = (4, 16, 16), 32, (2, 4, 4), 64, 16
 

@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 from ds_adaptive.models.wan import apply_rope, get_wan_config, rope_table
-from ds_adaptive.sparse import CubeOrder, LowRankPredictor, blocks_for_density, select_blocks
-from ds_adaptive.sparse.profiler import exact_logits, profile_rows, sample_rows
-from ds_adaptive.sparse.selection import pool_blocks
+from ds_adaptive.attention import CubeOrder, LowRankPredictor, blocks_for_density, select_blocks
+from ds_adaptive.attention.profiler import exact_logits, profile_rows, sample_rows
+from ds_adaptive.attention.selection import pool_blocks
 
 
 class HiddenStatePredictor(torch.nn.Module):

@@ -95,11 +95,11 @@ def arm_config(args, arm: str, shapes_path: Path, fixed: dict, log_dir: Path) ->
 
 
 def build_trainers(args, out_dir: Path):
-    from ds_adaptive.layout import Layout
-    from ds_adaptive.run import build_run
-    from ds_adaptive.run_config import RunConfig
-    from ds_adaptive.balance.memory import configure_allocator
-    from ds_adaptive.trainer import Trainer, init_distributed
+    from ds_adaptive.core.layout import Layout
+    from ds_adaptive.training.assemble import build_run
+    from ds_adaptive.training.run_config import RunConfig
+    from ds_adaptive.planning.memory import configure_allocator
+    from ds_adaptive.training.trainer import Trainer, init_distributed
 
     configure_allocator()  # as the trainer's main does, before the first CUDA allocation
     _, _, device = init_distributed(0)
@@ -167,8 +167,8 @@ def capture_qk(trainer, num_samples: int, seed: int) -> list[dict]:
     import torch.nn.functional as F
 
     from ds_adaptive.data import build_dataset
-    from ds_adaptive.objective import eval_inputs
-    from ds_adaptive.trainer import EVAL_SEED_OFFSET
+    from ds_adaptive.models.objective import eval_inputs
+    from ds_adaptive.training.trainer import EVAL_SEED_OFFSET
 
     run, rt = trainer.run, trainer.sparse.runtime
     ds = build_dataset("synthetic", num_samples=num_samples, spec=run.preset.input_spec,
@@ -198,8 +198,8 @@ def capture_qk(trainer, num_samples: int, seed: int) -> list[dict]:
 @torch.no_grad()
 def recall_table(trainer, captured: list[dict], density: float, rows: int, seed: int) -> list[dict]:
     """Per sparse layer: natural density on held-out inputs and the recall of the predictor's selection."""
-    from ds_adaptive.sparse.profiler import exact_logits, profile_rows, sample_row_groups
-    from ds_adaptive.sparse.selection import blocks_for_density, select_blocks
+    from ds_adaptive.attention.profiler import exact_logits, profile_rows, sample_row_groups
+    from ds_adaptive.attention.selection import blocks_for_density, select_blocks
 
     rt = trainer.sparse.runtime
     cfg, bs = rt.cfg, rt.cfg.block_size

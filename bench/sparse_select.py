@@ -37,7 +37,7 @@ def legacy_block_mask(selection):
     """The BlockMask as built before (``from_kv_blocks``: vmapped dense transpose + argsort)."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    from ds_adaptive.sparse.backends.flex import _keys_below, _length
+    from ds_adaptive.attention.backends.flex import _keys_below, _length
     s, bs, n = selection.seq_len, selection.block_size, selection.num_blocks
     idx = selection.flex_indices()
     pos = (selection.kv_num.long() - 1).clamp_min(0).unsqueeze(-1)
@@ -77,11 +77,11 @@ def _measure(fn, args) -> dict:
 
 
 def selection_overhead(s: int, args, *, trace=None, sparse_ms_at_01=None) -> dict:
-    from ds_adaptive.sparse.attention import block_mask_from_selection
-    from ds_adaptive.sparse.predictor import LowRankPredictor
-    from ds_adaptive.sparse.runtime import _HostCopy
-    from ds_adaptive.config import SparseAttentionConfig
-    from ds_adaptive.sparse.selection import blocks_for_density, pooled_lse_scores, select_blocks
+    from ds_adaptive.attention.attention import block_mask_from_selection
+    from ds_adaptive.attention.predictor import LowRankPredictor
+    from ds_adaptive.attention.runtime import _HostCopy
+    from ds_adaptive.core.config import SparseAttentionConfig
+    from ds_adaptive.attention.selection import blocks_for_density, pooled_lse_scores, select_blocks
 
     dev = torch.device("cuda")
     b, h, d, bs = args.batch, args.heads, args.head_dim, args.block
@@ -127,7 +127,7 @@ def _trace_layer(q, k, v, score_topk, path, s) -> dict:
     """One checkpointed layer under torch.profiler: host-sync calls counted inside the selection ops."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from ds_adaptive.sparse.attention import flex_block_sparse_attention
+    from ds_adaptive.attention.attention import flex_block_sparse_attention
     qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
     share = 0.1
 

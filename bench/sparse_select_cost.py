@@ -46,7 +46,7 @@ SWEEP = ((64, 4, 3), (64, 4, 2), (64, 8, 3), (32, 4, 3), (128, 8, 3), (128, 8, 2
 
 def score_tiles() -> list:
     """The :data:`SWEEP` candidates as ``ScoreTiles`` (also compiled offline by bench/sparse_kernel_compile.py)."""
-    from ds_adaptive.sparse.kernels.triton_block_scores import ScoreTiles
+    from ds_adaptive.attention.kernels.triton_block_scores import ScoreTiles
     return [ScoreTiles(block_q=bq, num_warps=w, num_stages=st) for bq, w, st in SWEEP]
 
 DEVICE = torch.device("cuda")
@@ -98,9 +98,9 @@ def structured_qk(b: int, s: int, h: int, d: int, dtype, *, seed: int, temperatu
 
 
 def shape_row(s: int, b: int, args) -> dict:
-    from ds_adaptive.sparse.backends import get_backend
-    from ds_adaptive.sparse.kernels.triton_block_scores import triton_pooled_lse_scores
-    from ds_adaptive.sparse.selection import (blocks_for_density, pooled_lse_scores, pooled_lse_scores_torch,
+    from ds_adaptive.attention.backends import get_backend
+    from ds_adaptive.attention.kernels.triton_block_scores import triton_pooled_lse_scores
+    from ds_adaptive.attention.selection import (blocks_for_density, pooled_lse_scores, pooled_lse_scores_torch,
                                               pooled_queries, select_blocks)
 
     h, d, bs, reps = args.heads, args.head_dim, args.block, args.reps
@@ -150,7 +150,7 @@ def shape_row(s: int, b: int, args) -> dict:
 
 def sweep(shapes, args) -> list:
     """Every tile candidate on each shape: [{"seq", "batch", "tiles", "ms"}] (best first per shape)."""
-    from ds_adaptive.sparse.kernels.triton_block_scores import default_tiles, triton_pooled_lse_scores
+    from ds_adaptive.attention.kernels.triton_block_scores import default_tiles, triton_pooled_lse_scores
 
     out = []
     for s, b in shapes:

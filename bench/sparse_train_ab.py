@@ -93,7 +93,7 @@ def arm_config(args, mix: str, arm: str, out_dir: Path) -> dict:
 
 
 def run_config(args, mix: str, arm: str, out_dir: Path):
-    from ds_adaptive.run_config import RunConfig
+    from ds_adaptive.training.run_config import RunConfig
 
     return RunConfig.load(arm_config(args, mix, arm, out_dir),
                           trainer={"model": args.model, "layers": args.layers, "steps": args.steps, "seed": args.seed,
@@ -135,7 +135,7 @@ def plan_micro(run, n_micro: int) -> list[tuple]:
 def predicted_ms(run, micro: list[tuple], sparse) -> list[float]:
     """The cost model's compute per micro-step ``(shape or tokens, B, checkpointed blocks)``: dense, or
     with ``sparse`` (a SparseAttentionCost: the runtime's decision at the densities that ran)."""
-    from ds_adaptive.balance.cost import CostModel
+    from ds_adaptive.planning.cost import CostModel
 
     cost = run.cost
     if cost.mode != "calibrated":  # predictions in ms need the calibrated model (the plan's may be another)
@@ -153,9 +153,9 @@ def predicted_select_ms(run, decision, tokens: int, batch: int) -> float:
 
 
 def run_arm(args, mix: str, arm: str, out_dir: Path, device) -> dict:
-    from ds_adaptive.layout import Layout
-    from ds_adaptive.run import build_run
-    from ds_adaptive.trainer import Trainer
+    from ds_adaptive.core.layout import Layout
+    from ds_adaptive.training.assemble import build_run
+    from ds_adaptive.training.trainer import Trainer
 
     cfg = run_config(args, mix, arm, out_dir)
     import shutil
@@ -357,9 +357,9 @@ def _same_plan(arm: Optional[dict], micro: list[tuple]) -> str:
 
 def plan_only(args) -> int:
     """Predicted step times of every arm's plan (meta device, no GPU): to choose layers / gas / steps."""
-    from ds_adaptive.balance.simulate import loop_overhead_ms
-    from ds_adaptive.layout import Layout
-    from ds_adaptive.run import build_run
+    from ds_adaptive.simulation.simulate import loop_overhead_ms
+    from ds_adaptive.core.layout import Layout
+    from ds_adaptive.training.assemble import build_run
 
     out = {}
     total = 0.0
@@ -434,8 +434,8 @@ def main(argv=None) -> int:
         return plan_only(args)
     if args.merge:
         return merge(args.merge, out)
-    from ds_adaptive.balance.memory import configure_allocator
-    from ds_adaptive.trainer import init_distributed
+    from ds_adaptive.planning.memory import configure_allocator
+    from ds_adaptive.training.trainer import init_distributed
 
     print(configure_allocator())  # as the trainer's main does, before the first CUDA allocation (the shipped
     # plan runs at ~95% of memory: without expandable segments the dense arm OOMed at step 6 with 24 GiB reserved)

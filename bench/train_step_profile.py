@@ -220,11 +220,11 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    from ds_adaptive.balance.memory import configure_allocator
-    from ds_adaptive.layout import Layout
-    from ds_adaptive.run import build_run, leaf_block_count
-    from ds_adaptive.run_config import RunConfig
-    from ds_adaptive.trainer import Trainer, init_distributed
+    from ds_adaptive.planning.memory import configure_allocator
+    from ds_adaptive.core.layout import Layout
+    from ds_adaptive.training.assemble import build_run, leaf_block_count
+    from ds_adaptive.training.run_config import RunConfig
+    from ds_adaptive.training.trainer import Trainer, init_distributed
 
     print(configure_allocator())
     _, _, device = init_distributed(0)

@@ -134,7 +134,7 @@ def make_inputs(cfg, shape, batch: int, text_len: int, device, dtype, seed: int)
     """Latents, timestep, context (random tokens + zero padding to text_len), target; same on every rank."""
     import torch
 
-    from ds_adaptive.shapes import SampleShape
+    from ds_adaptive.core.shapes import SampleShape
 
     s = SampleShape(*shape)
     g = torch.Generator().manual_seed(seed)
@@ -155,7 +155,7 @@ def parse_shape(text: str) -> tuple[int, int, int]:
 
 
 def sp_degrees(args, world: int, heads: int) -> list[int]:
-    from ds_adaptive.validate import heads_sp_problem
+    from ds_adaptive.planning.validate import heads_sp_problem
 
     if args.sp:
         want = [int(v) for v in args.sp.split(",")]
@@ -204,7 +204,7 @@ def perf_case(model, sp, inputs, args, device) -> dict:
     """Step time and memory of fwd+bwd with the loss on shards at one SP degree."""
     import torch
 
-    from ds_adaptive.objective import per_sample_mse
+    from ds_adaptive.models.objective import per_sample_mse
     from ds_adaptive.parallel import apply_ulysses, shard_plan
 
     lat, t, ctx, tgt, shape = inputs
@@ -258,8 +258,8 @@ def check_case(model, ref32, degrees, args, device, cfg, dtype) -> dict:
     """SP=k vs SP=1 vs an fp32 reference on the (odd) check shape: outputs and summed gradients."""
     import torch
 
-    from ds_adaptive.layout import Layout
-    from ds_adaptive.objective import per_sample_mse
+    from ds_adaptive.core.layout import Layout
+    from ds_adaptive.models.objective import per_sample_mse
     from ds_adaptive.parallel import apply_ulysses, shard_plan
 
     lat, t, ctx, tgt, shape = make_inputs(cfg, parse_shape(args.check_shape), args.batch, args.text_len, device,
@@ -297,8 +297,8 @@ def check_big(model, degrees, inputs) -> dict:
     """Forward only at the perf shape: sp=k output vs sp=1 output (both in the model dtype)."""
     import torch
 
-    from ds_adaptive.layout import Layout
-    from ds_adaptive.objective import per_sample_mse
+    from ds_adaptive.core.layout import Layout
+    from ds_adaptive.models.objective import per_sample_mse
     from ds_adaptive.parallel import apply_ulysses
 
     lat, t, ctx, _, shape = inputs
@@ -326,7 +326,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    from ds_adaptive.layout import Layout
+    from ds_adaptive.core.layout import Layout
 
     rank, world, device = setup(args)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32

@@ -50,18 +50,18 @@
 # the ranks finish the current step, save a checkpoint into SAVE_DIR and exit 75 (EX_TEMPFAIL:
 # resume with RESUME=1). SIGKILL of it kills the whole run (no orphan ranks). A rank killed by
 # signal N stops the others and the run exits 128+N with one line saying how to resume. See
-# ds_adaptive/supervise.py and ds_adaptive/preempt.py; exit codes in README "Signals, preemption and orphans".
+# ds_adaptive/launch/supervise.py and ds_adaptive/training/preempt.py; exit codes in README "Signals, preemption and orphans".
 # Extra arguments go to the trainer (ds-adaptive train --help lists them).
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PY="${PYTHON:-python}"
 
-# --- multi-node without ssh (ds_adaptive/multinode/) -------------------------------------------
+# --- multi-node without ssh (ds_adaptive/launch/multinode/) -------------------------------------------
 # LAUNCH_MODE=deepspeed: single node or HOSTFILE (DeepSpeed's launcher); node: this script is this node's
 # launcher (NNODES / NODE_RANK / MASTER_ADDR / MASTER_PORT, Kubernetes' or SLURM's variables); task: SLURM
 # started one task per GPU and this one is a rank (RANK / LOCAL_RANK / WORLD_SIZE from SLURM_*).
-MULTINODE=(env "PYTHONPATH=$HERE/..${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m ds_adaptive.multinode)
+MULTINODE=(env "PYTHONPATH=$HERE/..${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m ds_adaptive.launch.multinode)
 RDZV="$("${MULTINODE[@]}" env)" || exit 2
 eval "$RDZV"
 
@@ -203,8 +203,8 @@ if [[ "$LAUNCH_MODE" == task ]]; then
   exec "${CMD[@]}"  # one SLURM task per GPU: srun owns the tasks and signals each rank itself
 fi
 # The supervisor forwards SIGTERM/SIGINT to every rank and leaves no orphan process behind, even
-# when it is SIGKILLed itself (ds_adaptive/supervise.py). STOP_TIMEOUT=S kills a run that has not
+# when it is SIGKILLed itself (ds_adaptive/launch/supervise.py). STOP_TIMEOUT=S kills a run that has not
 # stopped S seconds after the first signal (default: wait; a second signal kills at once). It also
 # holds the rendezvous port (a busy default 29500 is replaced by a free one; a busy MASTER_PORT is
 # an error), stops every rank when one dies, and removes DeepSpeed's /dev/shm buffers at the end.
-exec "$PY" "$HERE/../ds_adaptive/supervise.py" -- "${CMD[@]}"
+exec "$PY" "$HERE/../ds_adaptive/launch/supervise.py" -- "${CMD[@]}"

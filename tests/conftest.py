@@ -86,7 +86,7 @@ def _torch_linear_after_test():
     test_checkpoint_gpu.py, H200, 2026-11-29)."""
     yield
     if "deepspeed.runtime.zero.partition_parameters" in sys.modules:   # only where DeepSpeed's ZeRO-3 was imported
-        from ds_adaptive.run import use_torch_linear
+        from ds_adaptive.training.assemble import use_torch_linear
 
         use_torch_linear()
 
@@ -137,9 +137,9 @@ _RANK_MAIN = Path(__file__).resolve().parent / "_rank_main.py"
 
 
 def _free_port() -> int:
-    """A rendezvous port for a test job (``ds_adaptive.ports``: below the ephemeral range, where the connections of
+    """A rendezvous port for a test job (``ds_adaptive.core.ports``: below the ephemeral range, where the connections of
     the jobs running alongside take theirs)."""
-    from ds_adaptive.ports import free_port
+    from ds_adaptive.core.ports import free_port
 
     return free_port("127.0.0.1")
 

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-from ds_adaptive.balance.calibrate import fit_memory, refit_profile, row_per_token
-from ds_adaptive.balance.cost import PROFILES_DIR, CostModel, Profile, load_profile
-from ds_adaptive.balance.sampler import build_batch_sampler
-from ds_adaptive.config import SamplerConfig
-from ds_adaptive.layout import Layout
+from ds_adaptive.calibration.calibrate import fit_memory, refit_profile, row_per_token
+from ds_adaptive.planning.cost import PROFILES_DIR, CostModel, Profile, load_profile
+from ds_adaptive.planning.sampler import build_batch_sampler
+from ds_adaptive.core.config import SamplerConfig
+from ds_adaptive.core.layout import Layout
 from ds_adaptive.models.registry import get_model
-from ds_adaptive.shapes import SampleShape
+from ds_adaptive.core.shapes import SampleShape
 
 GIB = float(1 << 30)
 TI2V = "h200-wan2.2-ti2v-5b"

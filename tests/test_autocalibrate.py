@@ -1,4 +1,4 @@
-"""Guards self-calibration on first use (ds_adaptive/balance/autocalibrate.py): when it calibrates and why,
+"""Guards self-calibration on first use (ds_adaptive/calibration/autocalibrate.py): when it calibrates and why,
 the cache (location, key, stale entries), the fallback when a calibration fails, the dry run's report, and,
 through build_run on 2 gloo ranks with the tiny model on the CPU, that the first run calibrates on rank 0
 and writes the cache, the second reads it, and every rank plans with the same profile."""
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from conftest import CONFIGS, ROOT, launch_ranks
-from ds_adaptive.balance import autocalibrate as ac
-from ds_adaptive.balance.cost import Profile
+from ds_adaptive.planning import autocalibrate as ac
+from ds_adaptive.planning.cost import Profile
 
 H100 = "NVIDIA H100 80GB HBM3"
 H200 = "NVIDIA H200"
@@ -96,9 +96,9 @@ def test_a_failed_calibration_falls_back_with_a_warning(tmp_path, monkeypatch):
 
 
 def test_the_dry_run_says_what_would_happen(tmp_path):
-    from ds_adaptive.layout import Layout
-    from ds_adaptive.run import build_run
-    from ds_adaptive.run_config import RunConfig
+    from ds_adaptive.core.layout import Layout
+    from ds_adaptive.training.assemble import build_run
+    from ds_adaptive.training.run_config import RunConfig
 
     cfg = RunConfig.load(str(CONFIGS / "zero3_adaptive.json"), trainer={"model": "wan2.1-1.3b", "num_samples": 200})
     cfg.adaptive_load.sampler.profile = "calibrate"
@@ -117,11 +117,11 @@ SCRIPT = textwrap.dedent("""
     import torch
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
-    from ds_adaptive.trainer import init_distributed
+    from ds_adaptive.training.trainer import init_distributed
     rank, world, device = init_distributed(0)
-    from ds_adaptive.layout import Layout
-    from ds_adaptive.run import build_run
-    from ds_adaptive.run_config import RunConfig
+    from ds_adaptive.core.layout import Layout
+    from ds_adaptive.training.assemble import build_run
+    from ds_adaptive.training.run_config import RunConfig
     cfg = RunConfig.load(sys.argv[1], trainer={"model": "tiny", "num_samples": 48},
                          overrides={"sampler.shapes": sys.argv[2]})
     s = cfg.adaptive_load.sampler

@@ -10,13 +10,13 @@ import types
 
 import pytest
 
-from ds_adaptive.balance import autocalibrate as ac
-from ds_adaptive.balance import calibrate
-from ds_adaptive.balance.cost import BLOCK_FUSION_MODES, ProfileError, load_profile
-from ds_adaptive.balance.sampler import build_batch_sampler
-from ds_adaptive.config import ConfigError, SamplerConfig
-from ds_adaptive.layout import Layout
-from ds_adaptive.shapes import SampleShape
+from ds_adaptive.planning import autocalibrate as ac
+from ds_adaptive.planning import calibrate
+from ds_adaptive.planning.cost import BLOCK_FUSION_MODES, ProfileError, load_profile
+from ds_adaptive.planning.sampler import build_batch_sampler
+from ds_adaptive.core.config import ConfigError, SamplerConfig
+from ds_adaptive.core.layout import Layout
+from ds_adaptive.core.shapes import SampleShape
 
 H200 = "h200-wan2.1-1.3b"
 LONG = SampleShape(81, 720, 1280)
@@ -151,7 +151,7 @@ def test_the_sampler_plans_with_the_variant_and_checkpoints_fewer_blocks(tmp_pat
     assert sum("block_fusion_variants.regions" in n for n in notes_on) == 1
     m_mem = off.params.m_mem
     assert on.params.m_mem == pytest.approx(m_mem)
-    from ds_adaptive.balance.memory import checkpoint_blocks
+    from ds_adaptive.planning.memory import checkpoint_blocks
 
     n_off = int(checkpoint_blocks(off.cost, LONG, 1, m_mem))
     n_on = int(checkpoint_blocks(on.cost, LONG, 1, m_mem))
@@ -164,7 +164,7 @@ def test_the_sampler_plans_with_the_variant_and_checkpoints_fewer_blocks(tmp_pat
 def test_the_planner_plans_for_fusion_only_where_it_can_run(monkeypatch):
     import importlib.util
 
-    from ds_adaptive.run import planned_block_fusion
+    from ds_adaptive.training.assemble import planned_block_fusion
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
@@ -175,7 +175,7 @@ def test_the_planner_plans_for_fusion_only_where_it_can_run(monkeypatch):
 
 
 def test_a_fusion_fallback_after_a_fused_plan_stops_with_one_line():
-    from ds_adaptive.trainer import Trainer
+    from ds_adaptive.training.trainer import Trainer
 
     def fake(planned, fallback):
         fusion = types.SimpleNamespace(mode="regions", fallback=fallback, before_step=lambda *a: None)

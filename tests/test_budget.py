@@ -1,4 +1,4 @@
-"""Guards the throughput-optimal compute budget (ds_adaptive/balance/budget.py): deterministic, the same on
+"""Guards the throughput-optimal compute budget (ds_adaptive/planning/budget.py): deterministic, the same on
 every rank, reproduced on resume, never over the memory budget, samples over it run alone with balanced
 partners, gradient accumulation chosen with it and checked against DeepSpeed's."""
 from __future__ import annotations
@@ -10,14 +10,14 @@ import warnings
 import numpy as np
 import pytest
 
-from ds_adaptive.balance.budget import candidate_budgets, predicted_time_ms, uses_budget_search
-from ds_adaptive.balance.cost import CostModel
-from ds_adaptive.balance.memory import model_checkpoint_blocks
-from ds_adaptive.balance.planner import OversizeSampleError, PlannerParams, plan_epoch, unique_shapes
-from ds_adaptive.balance.sampler import build_batch_sampler
-from ds_adaptive.config import ConfigError, SamplerConfig, prepare_ds_config
+from ds_adaptive.planning.budget import candidate_budgets, predicted_time_ms, uses_budget_search
+from ds_adaptive.planning.cost import CostModel
+from ds_adaptive.planning.memory import model_checkpoint_blocks
+from ds_adaptive.planning.planner import OversizeSampleError, PlannerParams, plan_epoch, unique_shapes
+from ds_adaptive.planning.sampler import build_batch_sampler
+from ds_adaptive.core.config import ConfigError, SamplerConfig, prepare_ds_config
 from ds_adaptive.data import build_dataset
-from ds_adaptive.layout import Layout
+from ds_adaptive.core.layout import Layout
 
 H200 = "h200-wan2.1-1.3b"
 GIB = 139.8
@@ -116,9 +116,9 @@ def test_gradient_accumulation_auto_and_fixed():
 
 
 def test_build_run_gives_deepspeed_the_sampler_count_and_the_trainer_checks_it():
-    from ds_adaptive.run import build_run
-    from ds_adaptive.run_config import RunConfig, UsageError
-    from ds_adaptive.trainer import check_accumulation
+    from ds_adaptive.training.assemble import build_run
+    from ds_adaptive.training.run_config import RunConfig, UsageError
+    from ds_adaptive.training.trainer import check_accumulation
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "launch" / "configs" / "zero3_adaptive.json"
@@ -139,7 +139,7 @@ def test_plan_counts_map_to_the_model_depth():
 
 
 def test_density_updates_keep_the_policy_and_re_search_at_the_same_gas():
-    from ds_adaptive.balance.sparse import SparseAttentionCost, synthetic_densities
+    from ds_adaptive.planning.sparse_cost import SparseAttentionCost, synthetic_densities
 
     shapes = _shapes(200)
     with warnings.catch_warnings():
@@ -156,7 +156,7 @@ def test_density_updates_keep_the_policy_and_re_search_at_the_same_gas():
 
 
 def test_with_train_overheads_replaces_the_loop_terms_and_survives_a_rescale():
-    from ds_adaptive.balance.cost import load_profile
+    from ds_adaptive.planning.cost import load_profile
 
     base = load_profile("h200-wan2.1-1.3b")
     p = base.with_train_overheads(220.0, 910.0)
@@ -174,7 +174,7 @@ def test_with_train_overheads_replaces_the_loop_terms_and_survives_a_rescale():
 
 
 def test_efficient_batch_is_the_lowest_time_per_sample_ties_to_the_larger():
-    from ds_adaptive.balance.planner import efficient_batch
+    from ds_adaptive.planning.planner import efficient_batch
 
     # per sample with 10 ms of loop: B1 110, B2 60, B3 ~43.3, B4 40 (a recompute step), B5 40 (tie), B6 ~43.3
     cost = np.array([0.0, 100.0, 110.0, 120.0, 150.0, 190.0, 250.0])
@@ -199,8 +199,8 @@ def _capped_pair(shapes, dp, m_comp):
 
 
 def test_efficient_batches_cap_every_shape_at_its_lowest_time_per_sample():
-    from ds_adaptive.balance.memory import micro_batch_table, sample_memory
-    from ds_adaptive.balance.planner import efficient_batch, loop_ms_per_micro_step
+    from ds_adaptive.planning.memory import micro_batch_table, sample_memory
+    from ds_adaptive.planning.planner import efficient_batch, loop_ms_per_micro_step
 
     shapes = _shapes(600)
     m_comp = 4000.0   # on the H200 profile, image batches under it checkpoint blocks
@@ -244,7 +244,7 @@ def test_the_search_scores_capped_plans_and_the_sampler_runs_the_one_chosen():
     assert s.params.efficient_batches == ch.efficient_batches and s.epoch_stats()["budgets"]["efficient_batches"] \
         == ch.efficient_batches
     assert ch.describe()["efficient_batches"] == ch.efficient_batches
-    from ds_adaptive.run import _gas_note
+    from ds_adaptive.training.assemble import _gas_note
 
     assert ("each shape capped at its lowest time per sample" in _gas_note(s)) == ch.efficient_batches
 

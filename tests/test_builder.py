@@ -23,7 +23,7 @@ from ds_adaptive.ops.builder import (  # noqa: E402
 )
 
 try:
-    from ds_adaptive.patches import deepspeed as dsp
+    from ds_adaptive.integrations import deepspeed as dsp
 except ImportError:  # source checkout without the package_dir mapping
     from patches import deepspeed as dsp  # type: ignore
 
@@ -174,7 +174,7 @@ def test_wheel_ships_the_kernel_sources(tmp_path):
     names = set(zipfile.ZipFile(whl).namelist())
     for f in SOURCE_FILES:
         assert f"ds_adaptive/ops/csrc/ln_modulate/{f}" in names
-    assert "ds_adaptive/patches/deepspeed.py" in names
+    assert "ds_adaptive/integrations/deepspeed.py" in names
 
 
 # ------------------------------------------------------------------------------------------------
@@ -272,7 +272,7 @@ def test_apply_ln_modulate_follows_the_run_config(tmp_path):
     from ds_adaptive.models.wan import WanModel
     from ds_adaptive.ops import apply_ln_modulate
     from ds_adaptive.ops.ln_modulate import ln_modulate, ln_modulate_reference
-    from ds_adaptive.run_config import RunConfig
+    from ds_adaptive.training.run_config import RunConfig
 
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"train_batch_size": 1, "adaptive_load": {"fused_ln_modulate": True}}))

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from ds_adaptive.balance import calibrate
-from ds_adaptive.balance.cost import PROFILES_DIR, CostModel, load_profile
+from ds_adaptive.planning import calibrate
+from ds_adaptive.planning.cost import PROFILES_DIR, CostModel, load_profile
 
 # Per-block H100 timings of Wan 1.3B/14B (copied from the project's shared/data, so CI has it).
 BLOCK_DATA = Path(__file__).resolve().parent / "data" / "h100_block_scaling.json"

@@ -1,4 +1,4 @@
-"""Guards `sampler.checkpoint_attention: keep` (ds_adaptive/recompute.py): a checkpointed block keeps its
+"""Guards `sampler.checkpoint_attention: keep` (ds_adaptive/models/recompute.py): a checkpointed block keeps its
 self-attention output, so backward runs the attention forward once, with the same gradients; the cost model
 counts the smaller recompute and the kept bytes, the sampler state carries the mode, build_run sets it."""
 from __future__ import annotations
@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from ds_adaptive.balance.cost import GIB, CostModel
-from ds_adaptive.balance.sparse import DensityMap, SparseAttentionCost
+from ds_adaptive.planning.cost import GIB, CostModel
+from ds_adaptive.planning.sparse_cost import DensityMap, SparseAttentionCost
 from ds_adaptive.models.testing import AttentionCalls
 from ds_adaptive.models.wan import WanConfigError, WanModel, get_wan_config
-from ds_adaptive.recompute import kept_attention_bytes_per_token
+from ds_adaptive.models.recompute import kept_attention_bytes_per_token
 
 ROOT = Path(__file__).resolve().parents[1]
 H200 = "h200-wan2.1-1.3b"
@@ -102,10 +102,10 @@ def test_keep_saves_only_the_dense_layers_of_a_sparse_run():
 
 
 def test_sampler_state_carries_the_mode_and_the_plan_uses_it():
-    from ds_adaptive.balance.sampler import build_batch_sampler
-    from ds_adaptive.balance.simulate import draw_shapes
-    from ds_adaptive.layout import Layout
-    from ds_adaptive.shapes import load_shape_distribution
+    from ds_adaptive.planning.sampler import build_batch_sampler
+    from ds_adaptive.simulation.simulate import draw_shapes
+    from ds_adaptive.core.layout import Layout
+    from ds_adaptive.core.shapes import load_shape_distribution
 
     shapes = draw_shapes(load_shape_distribution(), 300, seed=3)
     topo = Layout.explicit(dp_rank=0, dp_size=1)
@@ -146,9 +146,9 @@ def test_hardware_flops_leave_out_the_kept_attention():
 
 @pytest.mark.parametrize("ckpt,note", [("auto", "keeps its self-attention output"), ("none", "does nothing")])
 def test_build_run_sets_the_mode_on_the_model_and_says_so(ckpt, note):
-    from ds_adaptive.layout import Layout
-    from ds_adaptive.run import build_run
-    from ds_adaptive.run_config import RunConfig
+    from ds_adaptive.core.layout import Layout
+    from ds_adaptive.training.assemble import build_run
+    from ds_adaptive.training.run_config import RunConfig
 
     cfg = RunConfig.load(str(ROOT / "launch" / "configs" / "zero3_adaptive.json"),
                          trainer={"model": "wan2.1-1.3b", "num_samples": 200},
@@ -161,7 +161,7 @@ def test_build_run_sets_the_mode_on_the_model_and_says_so(ckpt, note):
 
 
 def test_config_rejects_an_unknown_mode_naming_the_key():
-    from ds_adaptive.config import AdaptiveLoadConfig
+    from ds_adaptive.core.config import AdaptiveLoadConfig
 
     with pytest.raises(Exception, match="checkpoint_attention"):
         AdaptiveLoadConfig.model_validate({"enabled": True, "sampler": {"checkpoint_attention": "save"}})
@@ -172,7 +172,7 @@ def test_the_recompute_takes_the_kept_outputs_in_order_and_names_a_mismatch():
     such calls than its forward is an error that says what to do (not a silent recompute with other outputs)."""
     import torch.nn.functional as F
 
-    from ds_adaptive.recompute import keep_attention_context, self_attention_core
+    from ds_adaptive.models.recompute import keep_attention_context, self_attention_core
 
     q, k, v = (torch.randn(1, 2, 9, 4, dtype=torch.float64) for _ in range(3))
     keep, reuse = keep_attention_context()()
@@ -193,10 +193,10 @@ def test_the_recompute_takes_the_kept_outputs_in_order_and_names_a_mismatch():
 def _default_job_sampler(mode, **kw):
     import warnings
 
-    from ds_adaptive.balance.sampler import build_batch_sampler
-    from ds_adaptive.config import SamplerConfig
+    from ds_adaptive.planning.sampler import build_batch_sampler
+    from ds_adaptive.core.config import SamplerConfig
     from ds_adaptive.data.synthetic import SyntheticLatentDataset
-    from ds_adaptive.layout import Layout
+    from ds_adaptive.core.layout import Layout
 
     cfg = {"mode": "dual", "cost_model": "calibrated", "profile": H200, "m_mem": "auto", "m_comp": "auto",
            "checkpoint_attention": mode, **kw}
@@ -232,7 +232,7 @@ def test_auto_recomputes_without_the_budget_search_or_a_family_that_can_keep(mon
     assert fixed.cost.checkpoint_attention == "recompute" and not any("checkpoint_attention" in x for x in logs)
     import dataclasses
 
-    import ds_adaptive.balance.sampler as sampler_mod
+    import ds_adaptive.planning.sampler as sampler_mod
 
     real = sampler_mod.get_model
 
@@ -246,9 +246,9 @@ def test_auto_recomputes_without_the_budget_search_or_a_family_that_can_keep(mon
 
 
 def test_build_run_applies_the_planned_mode_to_the_model():
-    from ds_adaptive.layout import Layout
-    from ds_adaptive.run import build_run
-    from ds_adaptive.run_config import RunConfig
+    from ds_adaptive.core.layout import Layout
+    from ds_adaptive.training.assemble import build_run
+    from ds_adaptive.training.run_config import RunConfig
 
     cfg = RunConfig.load(str(ROOT / "launch" / "configs" / "zero3_adaptive.json"),
                          trainer={"model": "wan2.1-1.3b", "num_samples": 3000},
@@ -262,8 +262,8 @@ def test_build_run_applies_the_planned_mode_to_the_model():
 def test_auto_does_not_keep_where_keeping_would_lose_a_shape():
     """Kept attention outputs add bytes to every checkpointed block: a shape that fits ``m_mem`` only with every
     block recomputing stays trainable (the keep search leaves it out, so its prediction would not count it)."""
-    from ds_adaptive.balance.memory import sample_memory
-    from ds_adaptive.shapes import SampleShape
+    from ds_adaptive.planning.memory import sample_memory
+    from ds_adaptive.core.shapes import SampleShape
 
     longest = SampleShape(81, 720, 1280)
     rec = sample_memory(_default_job_sampler("recompute")[0].cost, longest)

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from conftest import ROOT
-from ds_adaptive.run_config import RunConfig
+from ds_adaptive.training.run_config import RunConfig
 
 _spec = importlib.util.spec_from_file_location("checkpoint_attention_ab", ROOT / "bench" / "checkpoint_attention_ab.py")
 ab = importlib.util.module_from_spec(_spec)
@@ -44,7 +44,7 @@ def _arm(d, wall, tokens=1000, ckpt=3):
 
 def test_prepare_and_report(tmp_path, capsys):
     ab.cmd_prepare(_args(dir=str(tmp_path)))
-    cmds = [x for x in capsys.readouterr().out.splitlines() if "ds_adaptive.train" in x]
+    cmds = [x for x in capsys.readouterr().out.splitlines() if "ds_adaptive.cli.train" in x]
     assert [c.rsplit("/", 1)[-1] for c in cmds] == ["recompute", "keep"]
     cfgs = {a: RunConfig.load(str(tmp_path / f"config_{a}.json"), trainer={"model": "wan2.1-1.3b"}) for a in ab.ARMS}
     assert cfgs["keep"].adaptive_load.sampler.checkpoint_attention == "keep"

@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds_adaptive.ports import free_port
-from ds_adaptive import checksum
-from ds_adaptive.checkpoint import (MARKER, check_checkpoint, find_resumable, last_good, prune_checkpoints,
+from ds_adaptive.core.ports import free_port
+from ds_adaptive.training import checksum
+from ds_adaptive.training.checkpoint import (MARKER, check_checkpoint, find_resumable, last_good, prune_checkpoints,
                                     read_marker, write_latest)
-from ds_adaptive.checksum import HashingFile, file_digest
-from ds_adaptive.runlock import LOCK_NAME, STALE_AFTER_S, LockInfo, RunLock, RunLockError, read_lock
+from ds_adaptive.training.checksum import HashingFile, file_digest
+from ds_adaptive.training.runlock import LOCK_NAME, STALE_AFTER_S, LockInfo, RunLock, RunLockError, read_lock
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "launch" / "train_wan.sh"
@@ -159,14 +159,14 @@ def test_run_lock_live_stale_and_released(tmp_path):
 # --- start-up checks (one process) -------------------------------------------------------------
 
 def _cfg(tmp_path, **trainer):
-    from ds_adaptive.run_config import RunConfig
+    from ds_adaptive.training.run_config import RunConfig
 
     return RunConfig.load(str(CPU_CONFIG), trainer={"model": "tiny", **trainer})
 
 
 def test_startup_checks_each_one_line(tmp_path, monkeypatch):
-    from ds_adaptive.run_config import UsageError
-    from ds_adaptive.startup import prepare_save_dir
+    from ds_adaptive.training.run_config import UsageError
+    from ds_adaptive.launch.startup import prepare_save_dir
 
     def problem(**trainer) -> str:
         with pytest.raises(UsageError) as err:
@@ -225,8 +225,8 @@ def test_startup_checks_each_one_line(tmp_path, monkeypatch):
 
 def test_checkpoint_size_estimate():
     from ds_adaptive.models.wan import count_parameters, get_wan_config
-    from ds_adaptive.run_config import RunConfig
-    from ds_adaptive.startup import checkpoint_bytes
+    from ds_adaptive.training.run_config import RunConfig
+    from ds_adaptive.launch.startup import checkpoint_bytes
 
     n = count_parameters(get_wan_config("wan2.1-1.3b"))
     cfg = RunConfig.load(str(ROOT / "launch" / "configs" / "zero3_adaptive.json"), trainer={"model": "wan2.1-1.3b"})
@@ -248,12 +248,12 @@ def _config_with(tmp_path, name: str, **block) -> str:
 
 
 def test_config_check_dry_run_and_build_run_share_the_cross_field_rules(tmp_path, capsys):
-    from ds_adaptive.config import ConfigError
-    from ds_adaptive.config import main as config_main
-    from ds_adaptive.dryrun import main as dry_main
-    from ds_adaptive.layout import Layout
-    from ds_adaptive.run import build_run
-    from ds_adaptive.run_config import RunConfig
+    from ds_adaptive.core.config import ConfigError
+    from ds_adaptive.core.config import main as config_main
+    from ds_adaptive.cli.dry_run import main as dry_main
+    from ds_adaptive.core.layout import Layout
+    from ds_adaptive.training.assemble import build_run
+    from ds_adaptive.training.run_config import RunConfig
 
     layers = _config_with(tmp_path, "layers.json", sparse_attention__enabled=True, sparse_attention__dense_layers=[99])
     flex = _config_with(tmp_path, "flex.json", sparse_attention__enabled=True, sparse_attention__backend="flex")
@@ -287,7 +287,7 @@ def test_config_check_dry_run_and_build_run_share_the_cross_field_rules(tmp_path
 # --- the supervisor's pieces -----------------------------------------------------------------
 
 def test_supervisor_exit_codes_ports_and_shm(tmp_path):
-    from ds_adaptive import preempt
+    from ds_adaptive.training import preempt
 
     sv = _supervise_module()
     assert (sv.EXIT_PREEMPTED, sv.EXIT_PEER_LOST) == (preempt.EXIT_PREEMPTED, preempt.EXIT_PEER_LOST)
@@ -352,7 +352,7 @@ def test_the_failure_line_is_said_however_the_other_ranks_ended():
 
 
 def test_peer_loss_is_told_apart_from_a_bug():
-    from ds_adaptive.preempt import peer_lost
+    from ds_adaptive.training.preempt import peer_lost
 
     assert peer_lost(RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
                                   "[127.0.0.1]:46223: Connection reset by peer."))
@@ -411,7 +411,7 @@ def test_second_run_corrupt_checkpoint_and_export(tmp_path):
 
     victim = ck / "global_step4" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     _scribble(victim, offset=victim.stat().st_size // 3, size=min(400_000, victim.stat().st_size // 3))
-    from ds_adaptive.export import main as export_main
+    from ds_adaptive.inference.export import main as export_main
 
     proc = subprocess.run([sys.executable, "-m", "ds_adaptive.cli", "export", str(ck), "--to", str(tmp_path / "out")],
                           capture_output=True, text=True, timeout=300, env=_env())
@@ -436,8 +436,8 @@ def test_second_run_corrupt_checkpoint_and_export(tmp_path):
 POISON = textwrap.dedent("""
     import sys
     import torch
-    import ds_adaptive.trainer as T
-    from ds_adaptive.train import exit_process, main
+    import ds_adaptive.training.trainer as T
+    from ds_adaptive.cli.train import exit_process, main
 
     calls = {"n": 0}
     real = T.flow_matching_losses
@@ -562,10 +562,10 @@ def test_sigkill_of_one_rank_stops_all_with_one_line_and_the_resume_command(tmp_
 ONE_RANK_FAILS = textwrap.dedent("""
     import os, sys
     import torch
-    import ds_adaptive.trainer as T
+    import ds_adaptive.training.trainer as T
     from ds_adaptive.data import DataError
-    from ds_adaptive.supervise import die_with_parent
-    from ds_adaptive.train import exit_process, main
+    from ds_adaptive.launch.supervise import die_with_parent
+    from ds_adaptive.cli.train import exit_process, main
 
     die_with_parent()
     calls = {"n": 0}

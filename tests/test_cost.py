@@ -6,11 +6,11 @@ import json
 import numpy as np
 import pytest
 
-from ds_adaptive.balance.calibrate import fit_compute, fit_memory, nnls
-from ds_adaptive.layout import SequenceParallelError
-from ds_adaptive.balance.cost import (PROFILES_DIR, CostModel, ProfileError, load_profile,
+from ds_adaptive.calibration.calibrate import fit_compute, fit_memory, nnls
+from ds_adaptive.core.layout import SequenceParallelError
+from ds_adaptive.planning.cost import (PROFILES_DIR, CostModel, ProfileError, load_profile,
                               shipped_profiles)
-from ds_adaptive.shapes import SampleShape
+from ds_adaptive.core.shapes import SampleShape
 
 VID = SampleShape(81, 480, 832)      # 32760 tokens
 IMG = SampleShape(1, 480, 832)       # 1560 tokens

@@ -9,7 +9,7 @@ from diffusers import WanTransformer3DModel  # noqa: E402
 from diffusers.models.transformers.transformer_wan import WanTransformerBlock  # noqa: E402
 
 try:
-    from ds_adaptive.patches import diffusers as pd
+    from ds_adaptive.integrations import diffusers as pd
 except ImportError:  # source checkout without the package_dir mapping
     from patches import diffusers as pd  # type: ignore
 

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import CONFIGS
 from ds_adaptive import cli
-from ds_adaptive.dryrun import TRAIN_SCRIPT, main
+from ds_adaptive.cli.dry_run import TRAIN_SCRIPT, main
 
 ZERO3 = str(CONFIGS / "zero3_adaptive.json")
 
@@ -66,7 +66,7 @@ def test_print_command_is_scriptable_and_forwards_trainer_args(capsys, tmp_path:
 def test_layers_rescales_the_profile_to_the_checked_depth(capsys) -> None:
     """--layers 4 of the 30-block profile: the activations and cost of the longest sample shrink with the
     depth (block terms x 4/30, embed/head kept), as the trainer plans them."""
-    from ds_adaptive.balance.cost import CostModel, load_profile
+    from ds_adaptive.planning.cost import CostModel, load_profile
 
     base = ("--deepspeed_config", ZERO3, "--model", "wan2.1-1.3b", "--num-gpus", "4")
     code, full, _ = run(capsys, *base)
@@ -109,8 +109,8 @@ def test_oversize_sample_error_and_skip(capsys, tmp_path: Path) -> None:
     code, out, _ = run(capsys, "--deepspeed_config", cfg, "--num-gpus", "8", "--sp", "1")
     assert code == 1
     assert "shape 81x720x1280 (75600 tokens" in out
-    from ds_adaptive.balance.cost import CostModel
-    from ds_adaptive.balance.memory import sample_memory
+    from ds_adaptive.planning.cost import CostModel
+    from ds_adaptive.planning.memory import sample_memory
 
     # the shipped calibration at the fewest-memory checkpoint count of `checkpointing: auto` (29 of 30
     # blocks; all 30 hold one block input more): ~15.9 GiB

@@ -1,7 +1,7 @@
 """Guards the end-to-end benchmark (bench/e2e.py) and the compute-time instrumentation it relies on:
 ZeRO-3 waits taken out of per-rank compute time (single process: compute ~ forward+backward wall time;
 two ranks: the heavier rank reports more compute while wall-clock times agree), the depth-rescaled cost
-profile it plans with (ds_adaptive.balance.cost.Profile.with_num_layers), the GPU defaults' time budget,
+profile it plans with (ds_adaptive.planning.cost.Profile.with_num_layers), the GPU defaults' time budget,
 aggregation, and a real 2-arm run on 2 CPU processes."""
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ds_adaptive.balance.cost import load_profile
-from ds_adaptive.metrics import WAIT_POINTS, ComputeTimer, StepMetrics
-from ds_adaptive.config import MetricsConfig
-from ds_adaptive import e2e
+from ds_adaptive.planning.cost import load_profile
+from ds_adaptive.training.metrics import WAIT_POINTS, ComputeTimer, StepMetrics
+from ds_adaptive.core.config import MetricsConfig
+from ds_adaptive.simulation import e2e
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -156,10 +156,10 @@ def test_step_metrics_report_compute_and_wall_per_micro_step():
 TIMER_RUN = textwrap.dedent("""
     import json, sys, time
     import torch, deepspeed
-    from ds_adaptive.config import MetricsConfig
-    from ds_adaptive.metrics import StepMetrics
+    from ds_adaptive.core.config import MetricsConfig
+    from ds_adaptive.training.metrics import StepMetrics
     from ds_adaptive.models.wan import WanModel, get_wan_config
-    from ds_adaptive.train import flow_matching_losses, init_distributed
+    from ds_adaptive.cli.train import flow_matching_losses, init_distributed
 
     rank, world, device = init_distributed(0)
     torch.set_num_threads(1)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from ds_adaptive.ports import free_port
-from ds_adaptive.balance import calibrate
+from ds_adaptive.core.ports import free_port
+from ds_adaptive.planning import calibrate
 from ds_adaptive.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,7 +27,7 @@ def test_oversize_sample_is_one_message_from_two_ranks(tmp_path):
     cfg["adaptive_load"]["sampler"].update(m_mem=0.1, shapes=str(CONFIGS / "shapes_cpu.json"))
     (tmp_path / "over.json").write_text(json.dumps(cfg))
     port = str(free_port("127.0.0.1"))
-    procs = [subprocess.Popen([sys.executable, "-m", "ds_adaptive.train", "--deepspeed_config", "over.json",
+    procs = [subprocess.Popen([sys.executable, "-m", "ds_adaptive.cli.train", "--deepspeed_config", "over.json",
                                "--num-samples", "40", "--steps", "1"], cwd=tmp_path, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
@@ -69,8 +69,8 @@ def test_dispatcher_turns_project_errors_into_one_message(tmp_path, capsys, monk
     err = capsys.readouterr().err
     assert err.startswith("ds-adaptive synth: height must be a multiple of 16") and "Traceback" not in err
     # a command that lets a project error escape: the dispatcher prints it as one message
-    from ds_adaptive.balance import simulate
-    from ds_adaptive.shapes import ShapeError
+    from ds_adaptive.planning import simulate
+    from ds_adaptive.core.shapes import ShapeError
 
     def raises(argv):
         raise ShapeError("frames must be 4n+1, got 2")

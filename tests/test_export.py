@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import TINY_MODELS
-from ds_adaptive.export import main as export_main
+from ds_adaptive.inference.export import main as export_main
 from ds_adaptive.models.registry import get_model
 from ds_adaptive.models.testing import diffusers_twin, random_init_
 from ds_adaptive.models.wan import WanModel, get_wan_config
@@ -29,7 +29,7 @@ RANKS = textwrap.dedent("""
     import torch, deepspeed
     from ds_adaptive.models.wan import WanModel, get_wan_config
     from ds_adaptive.models.weights import init_from_pretrained
-    from ds_adaptive.train import init_distributed
+    from ds_adaptive.cli.train import init_distributed
 
     src, ckpt, name = sys.argv[1], sys.argv[2], sys.argv[3]
     rank, world, _ = init_distributed(0)

@@ -186,7 +186,7 @@ def test_warm_up_with_fusion_off_compiles_nothing():
 
 
 def test_the_run_summary_names_the_warm_up():
-    from ds_adaptive.metrics import format_summary
+    from ds_adaptive.training.metrics import format_summary
 
     s = {"steps": 3, "samples": 3, "tokens": 30, "wall_s": 1.0, "tokens_per_s": 30.0, "samples_per_s": 3.0,
          "step_s_mean": 0.3, "warmup_steps": 1, "peak_mem_gib": 1.0, "mem_capacity_gib": 2.0, "peak_mem_frac": 0.5,
@@ -210,7 +210,7 @@ def test_sparse_attention_trains_the_same_with_block_fusion(monkeypatch, ckpt):
     DSV sparse attention (forced density 0.3) gives the same outputs and gradients with 'regions' as without it,
     with and without recompute (which reuses the forward's selection)."""
     from ds_adaptive.models.testing import random_init_
-    from ds_adaptive.sparse import SparseAttentionRuntime
+    from ds_adaptive.attention import SparseAttentionRuntime
 
     counter = _counting_compiled(monkeypatch)
     g = torch.Generator().manual_seed(4)
@@ -239,7 +239,7 @@ def test_sparse_attention_trains_the_same_with_block_fusion(monkeypatch, ckpt):
 def test_the_trainer_warms_each_new_plan_once_and_falls_back_once():
     """FusionWarmup (the trainer's compile-ahead): all pairs of the first plan before step 1, only the pairs a new
     plan adds before its first step, nothing for a plan already seen; a compile failure warns once and stops it."""
-    from ds_adaptive.fusion_warmup import FusionWarmup
+    from ds_adaptive.training.fusion_warmup import FusionWarmup
 
     calls, logs = [], []
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from conftest import launch_script
-from ds_adaptive.balance.heads import HeadPlacement, PlacementError
+from ds_adaptive.parallel.placement import HeadPlacement, PlacementError
 from ds_adaptive.models.testing import random_init_
 from ds_adaptive.models.wan import WanModel, get_wan_config, sdpa_attention
-from ds_adaptive.layout import Layout
+from ds_adaptive.core.layout import Layout
 from ds_adaptive.parallel.head_placement import (apply_head_placement, current_placement, permute_heads, place_heads,
                                                  remove_head_placement)
 
@@ -73,10 +73,10 @@ def test_apply_and_remove_on_the_model():
 def test_update_sparse_balance_feeds_sampler_and_model():
     import warnings
 
-    from ds_adaptive.balance.sampler import build_batch_sampler
-    from ds_adaptive.balance.sparse import DensityMap, SparseAttentionCost, synthetic_densities
-    from ds_adaptive.config import SamplerConfig
-    from ds_adaptive.shapes import load_shape_distribution
+    from ds_adaptive.planning.sampler import build_batch_sampler
+    from ds_adaptive.planning.sparse_cost import DensityMap, SparseAttentionCost, synthetic_densities
+    from ds_adaptive.core.config import SamplerConfig
+    from ds_adaptive.core.shapes import load_shape_distribution
     from ds_adaptive.parallel.head_placement import update_sparse_balance
 
     model = random_init_(WanModel(get_wan_config("tiny", num_heads=4)), seed=1)
@@ -111,11 +111,11 @@ SCRIPT = textwrap.dedent("""
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-    from ds_adaptive.balance.heads import plan_head_placement, rank_sums
+    from ds_adaptive.parallel.placement import plan_head_placement, rank_sums
     from ds_adaptive.models.testing import random_init_
     from ds_adaptive.models.wan import WanModel, get_wan_config, sdpa_attention
-    from ds_adaptive.layout import Layout
-    from ds_adaptive.objective import per_sample_mse
+    from ds_adaptive.core.layout import Layout
+    from ds_adaptive.models.objective import per_sample_mse
     from ds_adaptive.parallel import apply_ulysses, make_ulysses_attention, valid_len_attention
     from ds_adaptive.parallel.head_placement import apply_head_placement
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from ds_adaptive.config import load_adaptive_config, prepare_ds_config
-from ds_adaptive.shapes import load_shape_distribution
+from ds_adaptive.core.config import load_adaptive_config, prepare_ds_config
+from ds_adaptive.core.shapes import load_shape_distribution
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "launch" / "configs"

@@ -7,13 +7,13 @@ import json
 
 import pytest
 
-from ds_adaptive.balance import calibrate
-from ds_adaptive.balance.cost import CostModel, ProfileError, load_profile
-from ds_adaptive.balance.sampler import build_batch_sampler
-from ds_adaptive.config import SamplerConfig
-from ds_adaptive.layout import Layout
-from ds_adaptive.run import run_ln_modulate_path
-from ds_adaptive.shapes import SampleShape
+from ds_adaptive.planning import calibrate
+from ds_adaptive.planning.cost import CostModel, ProfileError, load_profile
+from ds_adaptive.planning.sampler import build_batch_sampler
+from ds_adaptive.core.config import SamplerConfig
+from ds_adaptive.core.layout import Layout
+from ds_adaptive.training.assemble import run_ln_modulate_path
+from ds_adaptive.core.shapes import SampleShape
 
 
 def _raw(name="h100-wan2.1-1.3b"):

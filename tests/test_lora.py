@@ -1,4 +1,4 @@
-"""Guards LoRA fine-tuning (ds_adaptive.lora): peft adapters on the DiT's attention / FFN linears with the base
+"""Guards LoRA fine-tuning (ds_adaptive.training.lora): peft adapters on the DiT's attention / FFN linears with the base
 frozen; the model's setters keep working; the memory model counts gradients and optimizer state of the adapters
 only; exported adapters load in diffusers (load_lora_adapter and WanPipeline.load_lora_weights) and reproduce our
 forward; a 2-rank ZeRO-3 LoRA run from --init-from resumes exactly from an adapter-only checkpoint; a checkpoint
@@ -14,8 +14,8 @@ import torch
 
 pytest.importorskip("peft", reason="LoRA needs peft (pip install 'ds_adaptive[lora]')")
 
-from ds_adaptive.config import LoraConfig  # noqa: E402
-from ds_adaptive.lora import (LORA_FILE, LoraError, adapter_pairs, adapter_parameters, apply_lora,  # noqa: E402
+from ds_adaptive.core.config import LoraConfig  # noqa: E402
+from ds_adaptive.training.lora import (LORA_FILE, LoraError, adapter_pairs, adapter_parameters, apply_lora,  # noqa: E402
                               base_probe, check_base, check_resume, diffusers_lora, load_adapters, merge_adapters,
                               read_lora_file)
 from ds_adaptive.models.registry import get_model  # noqa: E402
@@ -94,7 +94,7 @@ def test_setters_still_reach_every_block_after_lora():
 
 
 def test_static_memory_counts_adapter_state_only():
-    from ds_adaptive.balance.cost import load_profile
+    from ds_adaptive.planning.cost import load_profile
 
     prof = load_profile("h200-wan2.1-1.3b")
     n = adapter_parameters(get_wan_config("wan2.1-1.3b"), LoraConfig(enabled=True, rank=32), spec="wan2.1-1.3b")
@@ -112,9 +112,9 @@ def test_static_memory_counts_adapter_state_only():
 
 
 def test_dry_run_build_sees_lora_and_its_memory():
-    from ds_adaptive.layout import Layout
-    from ds_adaptive.run import build_run
-    from ds_adaptive.run_config import RunConfig
+    from ds_adaptive.core.layout import Layout
+    from ds_adaptive.training.assemble import build_run
+    from ds_adaptive.training.run_config import RunConfig
 
     raw = json.loads((ROOT / "launch" / "configs" / "zero3_adaptive.json").read_text())
     raw["adaptive_load"]["sampler"]["profile"] = "h200-wan2.1-1.3b"
@@ -166,7 +166,7 @@ def test_diffusers_file_loads_and_matches_our_forward(tmp_path, name, rslora):
     names come from the model's weight adapter, the targets from its family: Wan 2.2 TI2V-5B (48 latent
     channels, diffusers' WanPipeline with expand_timesteps) takes the same file format."""
     diffusers = pytest.importorskip("diffusers")
-    from ds_adaptive.files import save_safetensors
+    from ds_adaptive.core.files import save_safetensors
 
     spec = get_model(name)
     cfg = spec.config(num_layers=2)
@@ -257,7 +257,7 @@ def lora_runs(tmp_path_factory):
 
     save_wan_weights(base, tmp / "base", layout="diffusers")
     cfg = _config(tmp)
-    common = ["-m", "ds_adaptive.train", "--deepspeed_config", str(cfg), "--num-samples", "200", "--seed", "4",
+    common = ["-m", "ds_adaptive.cli.train", "--deepspeed_config", str(cfg), "--num-samples", "200", "--seed", "4",
               "--steps", "4", "--init-from", "base"]
     env = {"PYTHONPATH": str(ROOT)}
     launch_ranks(common + ["--log-dir", "straight", "--save", "ckpt", "--save-interval", "2"], 2, cwd=tmp, env=env)
@@ -291,7 +291,7 @@ def test_lora_zero3_resume_is_exact_and_checkpoints_hold_adapters_only(lora_runs
 @pytest.mark.slow
 def test_trained_adapters_export_to_diffusers_and_merge(lora_runs, capsys, monkeypatch):
     diffusers = pytest.importorskip("diffusers")
-    from ds_adaptive.export import main as export_main
+    from ds_adaptive.inference.export import main as export_main
     from ds_adaptive.models.weights import load_pretrained
 
     tmp = lora_runs
@@ -318,8 +318,8 @@ def test_trained_adapters_export_to_diffusers_and_merge(lora_runs, capsys, monke
         torch.testing.assert_close(merged(x, t, c, return_dict=False)[0], a, rtol=1e-5, atol=1e-5)
 
     # `ds-adaptive sample` from the checkpoint (ZeRO shards + base + adapters) draws what the merged export draws
-    from ds_adaptive.preview import save_embeddings
-    from ds_adaptive.sample import main as sample_main
+    from ds_adaptive.training.preview import save_embeddings
+    from ds_adaptive.inference.sample import main as sample_main
 
     save_embeddings({"p": torch.randn(6, CFG.text_dim)}, tmp / "p.safetensors")
     common = ["--embeddings", "p.safetensors", "--frames", "5", "--height", "32", "--width", "32", "--steps", "2",
@@ -347,17 +347,17 @@ def test_lora_under_ulysses_sp_and_its_preview(tmp_path):
 
     from conftest import launch_ranks
     from ds_adaptive.data import build_dataset
-    from ds_adaptive.flow_sampler import euler_sample, initial_noise
-    from ds_adaptive.lora import read_lora_file
-    from ds_adaptive.media_out import latent_strip
+    from ds_adaptive.models.flow_sampler import euler_sample, initial_noise
+    from ds_adaptive.training.lora import read_lora_file
+    from ds_adaptive.media.write import latent_strip
     from ds_adaptive.models.weights import save_wan_weights
-    from ds_adaptive.objective import sample_seed
-    from ds_adaptive.export import main as export_main
-    from ds_adaptive.sample import load_model
+    from ds_adaptive.models.objective import sample_seed
+    from ds_adaptive.inference.export import main as export_main
+    from ds_adaptive.inference.sample import load_model
 
     save_wan_weights(random_init_(WanModel(get_wan_config("tiny")), seed=9), tmp_path / "base", layout="diffusers")
     cfg = _config(tmp_path, interval=3, num_prompts=1, guidance_scale=1.0, steps=3)
-    launch_ranks(["-m", "ds_adaptive.train", "--deepspeed_config", str(cfg), "--num-samples", "60", "--seed", "2",
+    launch_ranks(["-m", "ds_adaptive.cli.train", "--deepspeed_config", str(cfg), "--num-samples", "60", "--seed", "2",
                   "--steps", "3", "--sp", "2", "--init-from", "base", "--log-dir", "sp2", "--save", "ckpt"], 2,
                  cwd=tmp_path, env={"PYTHONPATH": str(ROOT)})
     summary = json.loads((tmp_path / "sp2" / "summary.json").read_text())
@@ -390,7 +390,7 @@ def test_lora_with_sparse_attention_and_previews(tmp_path):
         "enabled": True, "block_size": 32, "cube": [1, 4, 8], "backend": "reference", "warmup_steps": 2,
         "dense_layers": [], "layer_density_threshold": 1.0, "dense_above": 1.0, "profile_interval": 1, "sample_rows": 32}
     (tmp_path / "sparse.json").write_text(json.dumps(cfg))
-    launch_ranks(["-m", "ds_adaptive.train", "--deepspeed_config", "sparse.json", "--num-samples", "60", "--seed", "2",
+    launch_ranks(["-m", "ds_adaptive.cli.train", "--deepspeed_config", "sparse.json", "--num-samples", "60", "--seed", "2",
                   "--steps", "4", "--init-from", "base", "--log-dir", "run"], 1, cwd=tmp_path, env={"PYTHONPATH": str(ROOT)})
     s = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert s["sparse_attention"]["sparse_layers"] >= 1 and s["preview"]["rounds"] == 2

@@ -20,8 +20,8 @@ sys.path.insert(0, str(ROOT))
 
 from patches.megatron import (MegatronAdaptiveLoader, ShapedDataset, add_sampler_state,  # noqa: E402
                               dataset_shapes, load_sampler_state, restore_sampler_state, save_sampler_state)
-from ds_adaptive.layout import Layout  # noqa: E402
-from ds_adaptive.shapes import SampleShape  # noqa: E402
+from ds_adaptive.core.layout import Layout  # noqa: E402
+from ds_adaptive.core.shapes import SampleShape  # noqa: E402
 
 SHAPES = [SampleShape(1, 480, 832), SampleShape(1, 720, 1280), SampleShape(17, 480, 832),
           SampleShape(33, 480, 832), SampleShape(81, 480, 832), SampleShape(81, 720, 1280)]

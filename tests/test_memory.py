@@ -1,4 +1,4 @@
-"""Guards the memory-aware checkpoint plan (ds_adaptive/balance/memory.py), its place in the cost model,
+"""Guards the memory-aware checkpoint plan (ds_adaptive/planning/memory.py), its place in the cost model,
 planner and sampler (same on every rank, reproduced on resume), `profile: auto`, the allocator
 configuration, calibrate's per-block fit and the MFU FLOP count."""
 from __future__ import annotations
@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ds_adaptive.balance.cost import CostModel, load_profile
-from ds_adaptive.balance.devices import gpu_spec, resolve_auto_profile
-from ds_adaptive.balance.memory import (checkpoint_blocks, configure_allocator, micro_batch_table, sample_memory)
-from ds_adaptive.balance.sampler import build_batch_sampler
-from ds_adaptive.layout import Layout
-from ds_adaptive.shapes import SampleShape, load_shape_distribution
+from ds_adaptive.planning.cost import CostModel, load_profile
+from ds_adaptive.planning.devices import gpu_spec, resolve_auto_profile
+from ds_adaptive.planning.memory import (checkpoint_blocks, configure_allocator, micro_batch_table, sample_memory)
+from ds_adaptive.planning.sampler import build_batch_sampler
+from ds_adaptive.core.layout import Layout
+from ds_adaptive.core.shapes import SampleShape, load_shape_distribution
 
 SHAPES = sorted({w.shape for w in load_shape_distribution()})
 
@@ -19,7 +19,7 @@ SHAPES = sorted({w.shape for w in load_shape_distribution()})
 @pytest.mark.parametrize("profile", ["h100-wan2.1-1.3b", "h100-wan2.1-14b", "h200-wan2.1-1.3b", "h200-wan2.1-14b"])
 @pytest.mark.parametrize("m_mem", [7.5, 41.0, 96.3])
 def test_checkpoint_plan_fits_the_budget_for_every_shape_and_is_minimal(profile, m_mem):
-    from ds_adaptive.balance.memory import fewest_memory_blocks
+    from ds_adaptive.planning.memory import fewest_memory_blocks
 
     cost = CostModel(profile, checkpointing="auto")
     L = cost.num_layers
@@ -59,7 +59,7 @@ def test_memory_and_cost_model_of_the_checkpoint_count():
 
 
 def _sampler(topo, ckpt="auto", **cfg):
-    from ds_adaptive.balance.simulate import draw_shapes
+    from ds_adaptive.simulation.simulate import draw_shapes
 
     shapes = draw_shapes(load_shape_distribution(), 600, seed=3)
     sc = {"profile": "h100-wan2.1-1.3b", "m_mem": 45.0, "window": 32, **cfg}
@@ -133,7 +133,7 @@ def test_profile_auto_selection_and_messages():
 
 
 def test_shipped_h200_profiles_are_picked_on_an_h200():
-    if "h200-wan2.1-1.3b" not in __import__("ds_adaptive.balance.cost", fromlist=["x"]).shipped_profiles():
+    if "h200-wan2.1-1.3b" not in __import__("ds_adaptive.planning.cost", fromlist=["x"]).shipped_profiles():
         pytest.skip("no H200 calibration shipped")
     for model in ("wan2.1-1.3b", "wan2.1-14b"):
         prof, msg = resolve_auto_profile(model, "NVIDIA H200")
@@ -180,7 +180,7 @@ def _two_depth_rows(d0=0.0, d1=0.0):
 
 
 def test_calibrate_checkpoint_fit_recovers_per_block_numbers():
-    from ds_adaptive.balance.calibrate import checkpoint_fit, fragmentation_margin
+    from ds_adaptive.calibration.calibrate import checkpoint_fit, fragmentation_margin
 
     rows, (g0, g1, c1, r0, ra, rb) = _two_depth_rows()
     fit = checkpoint_fit(rows, min_fit_tokens=0)
@@ -197,7 +197,7 @@ def test_calibrate_checkpoint_fit_recovers_per_block_numbers():
 def test_calibrate_fits_the_last_block_term_and_the_model_uses_it():
     """E(none) - E(all) = d0 + d1 S per sample is recovered from the two-depth rows (on the points with
     B x S >= min_fit_tokens); in the model it is held only while the last block is whole (n < L)."""
-    from ds_adaptive.balance.calibrate import checkpoint_fit
+    from ds_adaptive.calibration.calibrate import checkpoint_fit
 
     d0, d1 = 0.006, 1.4e-5
     rows, _ = _two_depth_rows(d0, d1)
@@ -225,7 +225,7 @@ def test_plan_checkpoints_the_last_block_only_when_that_alone_fits(path):
     """Shipped H200 1.3B (both LayerNorm-modulate entries carry a measured last-block term > c): a budget
     between mem(L) and mem(L - 1) checkpoints all L blocks, a budget at mem(L - 1) keeps L - 1; the
     planner's per-sample feasibility is the smaller of the two."""
-    from ds_adaptive.balance.memory import fewest_memory_blocks
+    from ds_adaptive.planning.memory import fewest_memory_blocks
 
     cost = CostModel(load_profile("h200-wan2.1-1.3b").for_ln_modulate(path)[0], checkpointing="auto")
     L = cost.num_layers

@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from ds_adaptive.config import MetricsConfig
-from ds_adaptive.metrics import StepMetrics, cv, format_summary
+from ds_adaptive.core.config import MetricsConfig
+from ds_adaptive.training.metrics import StepMetrics, cv, format_summary
 
 
 def test_cv():

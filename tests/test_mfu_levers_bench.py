@@ -9,7 +9,7 @@ import json
 import pytest
 
 from conftest import ROOT
-from ds_adaptive.run_config import RunConfig
+from ds_adaptive.training.run_config import RunConfig
 
 _spec = importlib.util.spec_from_file_location("mfu_levers", ROOT / "bench" / "mfu_levers.py")
 ml = importlib.util.module_from_spec(_spec)

@@ -15,8 +15,8 @@ from conftest import CONFIGS
 from ds_adaptive.models import registry
 from ds_adaptive.models.family import ModelError, missing_members, ObjectiveOptions, sigma_to_u
 from ds_adaptive.models.registry import default_model, families, get_model, model_names
-from ds_adaptive.objective import draw_noise, eval_inputs, shifted_sigma
-from ds_adaptive.shapes import GridRule, SampleShape
+from ds_adaptive.models.objective import draw_noise, eval_inputs, shifted_sigma
+from ds_adaptive.core.shapes import GridRule, SampleShape
 
 
 def test_registry_lists_every_model_once_and_names_the_known_ones():
@@ -116,9 +116,9 @@ def odd_family(tmp_path, monkeypatch):
 
 def test_a_new_family_is_one_module(odd_family, tmp_path):
     from ds_adaptive.data import build_dataset
-    from ds_adaptive.layout import Layout
-    from ds_adaptive.run import build_run
-    from ds_adaptive.run_config import RunConfig
+    from ds_adaptive.core.layout import Layout
+    from ds_adaptive.training.assemble import build_run
+    from ds_adaptive.training.run_config import RunConfig
 
     assert odd_family.grid == ODD_GRID and "odd-tiny" in model_names()
     assert SampleShape(9, 24, 16, ODD_GRID).latent_shape == (8, 3, 6, 4)
@@ -145,15 +145,15 @@ def test_a_new_family_gets_lora_previews_and_sampling_from_its_data(odd_family, 
     import numpy as np
     from PIL import Image
 
-    from ds_adaptive.config import ConfigError, LoraConfig, PreviewConfig
-    from ds_adaptive.layout import Layout
-    from ds_adaptive.lora import LoraError, adapter_parameters
+    from ds_adaptive.core.config import ConfigError, LoraConfig, PreviewConfig
+    from ds_adaptive.core.layout import Layout
+    from ds_adaptive.training.lora import LoraError, adapter_parameters
     from ds_adaptive.models.family import Model
     from ds_adaptive.models.registry import model_of_weights
-    from ds_adaptive.preview import load_prompts, save_embeddings
-    from ds_adaptive.run import build_run
-    from ds_adaptive.run_config import RunConfig
-    from ds_adaptive.sample import main as sample_main
+    from ds_adaptive.training.preview import load_prompts, save_embeddings
+    from ds_adaptive.training.assemble import build_run
+    from ds_adaptive.training.run_config import RunConfig
+    from ds_adaptive.inference.sample import main as sample_main
 
     ds_config = json.loads((CONFIGS / "cpu_tiny.json").read_text())
     del ds_config["adaptive_load"]["sampler"]["shapes"]

@@ -1,4 +1,4 @@
-"""Guards multi-node runs without ssh (ds_adaptive/multinode.py, launch/train_wan.sh's per-node and SLURM modes,
+"""Guards multi-node runs without ssh (ds_adaptive/launch/multinode.py, launch/train_wan.sh's per-node and SLURM modes,
 launch/slurm/train_wan.sbatch): SLURM host lists and variables, Kubernetes' variables, the dry run of a multi-node
 layout, and two "nodes" on one machine (two launchers, NODE_RANK 0 and 1, MASTER_ADDR 127.0.0.1; and the sbatch
 script under a stand-in `srun`): the same losses as one node of 4 processes, one agreed stop with a checkpoint and
@@ -20,11 +20,11 @@ import psutil
 import pytest
 
 from conftest import _SHM_GLOB, _remove_shm
-from ds_adaptive.checkpoint import check_checkpoint
-from ds_adaptive.multinode import (EXIT_PEER_FAILED, SLURM_PORT_BASE, SLURM_PORT_SPAN, NodeLauncher,
+from ds_adaptive.training.checkpoint import check_checkpoint
+from ds_adaptive.launch.multinode import (EXIT_PEER_FAILED, SLURM_PORT_BASE, SLURM_PORT_SPAN, NodeLauncher,
                                    RendezvousError, expand_hostlist, rendezvous_from_env, slurm_hostnames, slurm_port,
                                    tasks_on_node)
-from ds_adaptive.preempt import EXIT_PREEMPTED
+from ds_adaptive.training.preempt import EXIT_PREEMPTED
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "launch" / "train_wan.sh"
@@ -165,7 +165,7 @@ def test_dry_run_per_node_checks_nodes_x_gpus_and_prints_the_node_command():
     assert r.returncode == 0, r.stdout + r.stderr
     cmd = shlex.split(r.stdout.splitlines()[-1].removeprefix("+ "))
     i = cmd.index("launch")
-    assert cmd[i - 2:i] == ["-m", "ds_adaptive.multinode"]
+    assert cmd[i - 2:i] == ["-m", "ds_adaptive.launch.multinode"]
     assert cmd[i + 1:cmd.index("--")] == ["--nnodes", "4", "--node-rank", "3", "--nproc-per-node", "8",
                                           "--master-addr", "node-001", "--master-port", "29600"]
     assert Path(cmd[cmd.index("--") + 1]).name == "train_wan.py"
@@ -174,7 +174,7 @@ def test_dry_run_per_node_checks_nodes_x_gpus_and_prints_the_node_command():
 
 
 def test_dry_run_launcher_node_layouts(capsys):
-    from ds_adaptive.dryrun import main as dry_run
+    from ds_adaptive.cli.dry_run import main as dry_run
 
     base = ["--deepspeed_config", str(ROOT / "launch" / "configs" / "zero3_adaptive.json"), "--launcher", "node"]
     assert dry_run([*base, "--num-gpus", "6", "--num-nodes", "2", "--sp", "4", "--master-addr", "a"]) == 0
@@ -228,9 +228,9 @@ SLEEPER = "import time\nwhile True:\n    time.sleep(1)\n"
 
 
 def _free_port(lo: int = 0, hi: int = 0) -> int:
-    """A port in ``lo..hi`` that binds now; without a range ``ds_adaptive.ports.free_port``."""
+    """A port in ``lo..hi`` that binds now; without a range ``ds_adaptive.core.ports.free_port``."""
     if not hi:
-        from ds_adaptive.ports import free_port
+        from ds_adaptive.core.ports import free_port
 
         return free_port("127.0.0.1")
     for port in range(lo, hi):
@@ -274,7 +274,7 @@ def test_a_node_that_vanishes_ends_the_other_within_the_node_timeout(tmp_path, l
     for node in (0, 1):
         logs.append(tmp_path / f"node{node}.log")
         cmd = [sys.executable, str(ROOT / "ds_adaptive" / "supervise.py"), "--", sys.executable, "-m",
-               "ds_adaptive.multinode", "launch", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
+               "ds_adaptive.launch.multinode", "launch", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
                "--master-addr", "127.0.0.1", "--master-port", str(port), "--node-timeout", "4", "--",
                str(tmp_path / "rank.py")]
         with open(logs[-1], "w") as f:
@@ -313,7 +313,7 @@ def test_a_rank_killed_by_a_signal_is_named_before_the_errors_it_causes(tmp_path
         time.sleep(1.5)
         os.kill(os.getpid(), signal.SIGKILL)
     """))
-    r = subprocess.run([sys.executable, "-m", "ds_adaptive.multinode", "launch", "--nnodes", "1", "--node-rank", "0",
+    r = subprocess.run([sys.executable, "-m", "ds_adaptive.launch.multinode", "launch", "--nnodes", "1", "--node-rank", "0",
                         "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
                         "--", str(tmp_path / "rank.py")], cwd=tmp_path, env=_env(), capture_output=True, text=True,
                        timeout=120)
@@ -406,7 +406,7 @@ def test_sigkill_of_one_nodes_ranks_ends_the_other_node_with_one_message(tmp_pat
     try:
         _wait_text(procs[0], logs[0], "step 1/50", 300)
         launcher = next(p for p in psutil.Process(procs[1].pid).children(recursive=True)
-                        if "ds_adaptive.multinode launch" in " ".join(p.cmdline()))
+                        if "ds_adaptive.launch.multinode launch" in " ".join(p.cmdline()))
         ranks = launcher.children()
         assert len(ranks) == 2
         for r in ranks:
@@ -492,6 +492,6 @@ def test_sbatch_one_task_per_rank_trains_like_one_node_of_four(tmp_path, one_nod
 
 
 def test_a_node_stopped_by_another_exits_like_a_rank_stopped_by_another() -> None:
-    from ds_adaptive.preempt import EXIT_PEER_LOST
+    from ds_adaptive.training.preempt import EXIT_PEER_LOST
 
     assert EXIT_PEER_FAILED == EXIT_PEER_LOST == 3

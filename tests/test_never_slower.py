@@ -10,9 +10,9 @@ import warnings
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from ds_adaptive.balance.simulate import simulate
+from ds_adaptive.simulation.simulate import simulate
 from conftest import CONFIGS
-from ds_adaptive.shapes import SampleShape, ShapeWeight, load_shape_distribution
+from ds_adaptive.core.shapes import SampleShape, ShapeWeight, load_shape_distribution
 
 PROFILES = ("h100-wan2.1-1.3b", "h200-wan2.1-1.3b")
 FRAMES = (1, 5, 9, 17, 33, 49, 81)

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ds_adaptive.balance.cost import CostModel
-from ds_adaptive.balance.planner import (OversizeSampleError, PlanError, PlannerParams, StepTotals, plan_epoch,
+from ds_adaptive.planning.cost import CostModel
+from ds_adaptive.planning.planner import (OversizeSampleError, PlanError, PlannerParams, StepTotals, plan_epoch,
                                  resolve_budgets, unique_shapes)
-from ds_adaptive.shapes import SampleShape, load_shape_distribution
+from ds_adaptive.core.shapes import SampleShape, load_shape_distribution
 
 POOL = [SampleShape(1, 480, 832), SampleShape(1, 1024, 1024), SampleShape(17, 480, 832),
         SampleShape(33, 480, 832), SampleShape(81, 480, 832), SampleShape(49, 720, 1280),

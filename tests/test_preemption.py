@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds_adaptive.ports import free_port
-from ds_adaptive.checkpoint import MARKER, check_checkpoint, find_resumable, prune_checkpoints, write_latest
-from ds_adaptive.metrics import json_safe
-from ds_adaptive.preempt import EXIT_PREEMPTED
+from ds_adaptive.core.ports import free_port
+from ds_adaptive.training.checkpoint import MARKER, check_checkpoint, find_resumable, prune_checkpoints, write_latest
+from ds_adaptive.training.metrics import json_safe
+from ds_adaptive.training.preempt import EXIT_PREEMPTED
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "launch" / "train_wan.sh"
@@ -120,8 +120,8 @@ def test_nan_sample_is_an_error_naming_sample_and_shard(tmp_path):
 NAN_STEP = textwrap.dedent("""
     import json, sys
     import torch
-    import ds_adaptive.trainer as T
-    from ds_adaptive.train import main
+    import ds_adaptive.training.trainer as T
+    from ds_adaptive.cli.train import main
 
     calls = {"n": 0}
     real = T.flow_matching_losses
@@ -153,7 +153,7 @@ def test_nonfinite_loss_step_is_skipped_counted_and_logged_as_valid_json(tmp_pat
 def _checker(**opts):
     from types import SimpleNamespace
 
-    from ds_adaptive.trainer import Trainer
+    from ds_adaptive.training.trainer import Trainer
 
     logs = []
     fake = SimpleNamespace(run=SimpleNamespace(ds_config={}), nonfinite_steps=[], log=logs.append,
@@ -163,7 +163,7 @@ def _checker(**opts):
 
 
 def test_nonfinite_policy_stop_limit_and_an_applied_update():
-    from ds_adaptive.trainer import NonFiniteError
+    from ds_adaptive.training.trainer import NonFiniteError
 
     check, fake, logs = _checker()
     check(1, 0.5, True)
@@ -263,10 +263,10 @@ def test_sigterm_to_the_launcher_saves_and_resume_matches_an_uninterrupted_run(t
 INIT_FROM = textwrap.dedent("""
     import json, sys
     import torch, deepspeed
-    from ds_adaptive.layout import Layout
-    from ds_adaptive.run import build_run
-    from ds_adaptive.run_config import RunConfig
-    from ds_adaptive.train import init_distributed
+    from ds_adaptive.core.layout import Layout
+    from ds_adaptive.training.assemble import build_run
+    from ds_adaptive.training.run_config import RunConfig
+    from ds_adaptive.cli.train import init_distributed
 
     src, config = sys.argv[1], sys.argv[2]
     rank, world, device = init_distributed(0)
@@ -321,7 +321,7 @@ class _SignalsItsOwnWorker(torch.utils.data.Dataset):
 
 
 def test_dataloader_workers_ignore_the_stop_signals():
-    from ds_adaptive.preempt import ignore_stop_signals
+    from ds_adaptive.training.preempt import ignore_stop_signals
 
     loader = torch.utils.data.DataLoader(_SignalsItsOwnWorker(), batch_size=None, num_workers=1,
                                          worker_init_fn=ignore_stop_signals)
@@ -334,7 +334,7 @@ def test_sigterm_to_the_process_group_with_loader_workers_stops_cleanly(tmp_path
     must still finish its step and write its summary (before: 'DataLoader worker ... killed by signal')."""
     log = tmp_path / "log.txt"
     with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "ds_adaptive.train", "--deepspeed_config", str(CPU_CONFIG),
+        proc = subprocess.Popen([sys.executable, "-m", "ds_adaptive.cli.train", "--deepspeed_config", str(CPU_CONFIG),
                                  *TRAIN, "--steps", "50", "--workers", "1", "--log-dir", "run"], cwd=tmp_path,
                                 stdout=f, stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
         _wait_for(proc, log, "step 1/50", 240)

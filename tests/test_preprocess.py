@@ -24,10 +24,10 @@ pytest.importorskip("ftfy")
 from conftest import CONFIGS, ROOT, launch_ranks  # noqa: E402
 
 from ds_adaptive.preprocess.manifest import MediaItem, read_inputs  # noqa: E402
-from ds_adaptive.preprocess.media import decode_item, planned_shapes, probe  # noqa: E402
+from ds_adaptive.media.decode import decode_item, planned_shapes, probe  # noqa: E402
 from ds_adaptive.preprocess.policy import (PolicyError, ShapePolicy, choose_bucket, clip_frame_counts,  # noqa: E402
                                            load_policy, plan_resize, sampled_frame_count)
-from ds_adaptive.shapes import SampleShape, load_shape_distribution  # noqa: E402
+from ds_adaptive.core.shapes import SampleShape, load_shape_distribution  # noqa: E402
 
 POLICY_ARGS = ["--fps", "8", "--frames", "5", "9", "--video-sizes", "32x64", "64x32", "48x48",
                "--image-sizes", "32x32", "32x64"]
@@ -147,7 +147,7 @@ def test_five_trainer_steps_on_the_shards(clean_run, tmp_path):
     cfg["adaptive_load"]["fused_ln_modulate"] = False
     cfg["adaptive_load"]["sampler"]["shapes"] = None
     (tmp_path / "cfg.json").write_text(json.dumps(cfg))
-    launch_ranks(["-m", "ds_adaptive.train", "--deepspeed_config", "cfg.json", "--data", str(clean_run["out"]),
+    launch_ranks(["-m", "ds_adaptive.cli.train", "--deepspeed_config", "cfg.json", "--data", str(clean_run["out"]),
                   "--steps", "5", "--log-dir", "logs"], 1, cwd=tmp_path, timeout=300)
     s = json.loads((tmp_path / "logs" / "summary.json").read_text())
     assert s["steps"] == 5 and s["final_step"] == 5 and "latent dataset" in s["dataset"]
@@ -206,7 +206,7 @@ def test_encoding_matches_diffusers_wan_pipeline(assets):
     from PIL import Image
     from transformers import AutoTokenizer, UMT5EncoderModel
 
-    from ds_adaptive.preprocess.encode import LatentEncoders
+    from ds_adaptive.media.encode import LatentEncoders
 
     w = assets["weights"]
     vae = AutoencoderKLWan.from_pretrained(w["--vae"])
@@ -248,7 +248,7 @@ def test_stats_predicts_the_written_shapes_and_writes_a_usable_shapes_json(asset
     assert png.stat().st_size > 1000 or "skipped" in printed
     assert main([str(clean_run["out"]), "--json", str(tmp_path / "d.json"), "--workers", "0"]) == 0
     assert json.loads((tmp_path / "d.json").read_text())["shapes"] == json.loads(js.read_text())["shapes"]
-    from ds_adaptive.balance.simulate import main as simulate_main
+    from ds_adaptive.simulation.simulate import main as simulate_main
 
     assert simulate_main(["--shapes", str(js), "--world", "2", "--steps", "4"]) == 0
 

@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 import torch
 
-from ds_adaptive.config import ConfigError, PreviewConfig
-from ds_adaptive.flow_sampler import euler_sample, initial_noise, sigma_schedule
-from ds_adaptive.media_out import frame_strip, latent_strip, write_media
-from ds_adaptive.objective import noisy_inputs
-from ds_adaptive.preview import PreviewPrompt, load_prompts, plan_previews, preview_memory_gib, save_embeddings
-from ds_adaptive.shapes import SampleShape
+from ds_adaptive.core.config import ConfigError, PreviewConfig
+from ds_adaptive.models.flow_sampler import euler_sample, initial_noise, sigma_schedule
+from ds_adaptive.media.write import frame_strip, latent_strip, write_media
+from ds_adaptive.models.objective import noisy_inputs
+from ds_adaptive.training.preview import PreviewPrompt, load_prompts, plan_previews, preview_memory_gib, save_embeddings
+from ds_adaptive.core.shapes import SampleShape
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -82,7 +82,7 @@ def test_guidance_batched_equals_two_forwards():
 
 
 def test_preview_plan_fits_the_budget():
-    from ds_adaptive.balance.cost import CostModel, load_profile
+    from ds_adaptive.planning.cost import CostModel, load_profile
 
     cost = CostModel(load_profile("h200-wan2.1-1.3b"), checkpointing="auto")
     small, big = SampleShape(17, 256, 256), SampleShape(81, 720, 1280)
@@ -132,7 +132,7 @@ def test_preview_prompts_and_size_follow_the_model(tmp_path, capsys):
     grid only is one message naming the key and the model, from the trainer's CLI before any process group."""
     from ds_adaptive.data import build_dataset
     from ds_adaptive.models.registry import get_model
-    from ds_adaptive.train import main as train_main
+    from ds_adaptive.cli.train import main as train_main
 
     spec = get_model("tiny-ti2v")
     (tmp_path / "shapes.json").write_text(json.dumps([{"frames": 5, "height": 32, "width": 64, "weight": 1}]))
@@ -212,7 +212,7 @@ stand-in wandb get the scalars and images."""
         (tmp_path / f"{name}.json").write_text(json.dumps(raw))
         env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'fake'}:{ROOT}", "FAKE_WANDB_LOG": str(tmp_path / f"{name}.wandb"),
                "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-        r = subprocess.run([sys.executable, "-m", "ds_adaptive.train", "--deepspeed_config", f"{name}.json",
+        r = subprocess.run([sys.executable, "-m", "ds_adaptive.cli.train", "--deepspeed_config", f"{name}.json",
                             "--num-samples", "60", "--steps", "2", "--log-dir", name], cwd=tmp_path, env=env,
                            capture_output=True, text=True, timeout=400)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -238,8 +238,8 @@ stand-in wandb get the scalars and images."""
 
 
 def test_wandb_missing_is_one_message(tmp_path, monkeypatch, capsys):
-    from ds_adaptive.config import MetricsConfig
-    from ds_adaptive.metrics import StepMetrics
+    from ds_adaptive.core.config import MetricsConfig
+    from ds_adaptive.training.metrics import StepMetrics
 
     monkeypatch.setitem(sys.modules, "wandb", None)   # import wandb -> ImportError
     m = StepMetrics(MetricsConfig(wandb=True, tensorboard=False, log_dir=str(tmp_path)), micro_steps_per_step=1,

@@ -118,7 +118,7 @@ def test_block_fusion_falls_back_to_the_compiled_function(monkeypatch):
 
 @pytest.mark.skipif(IN_INTERPRETER, reason="checked in the main process")
 def test_launch_defaults_and_the_override_and_its_error(monkeypatch):
-    from ds_adaptive.config import ConfigError
+    from ds_adaptive.core.config import ConfigError
     from ds_adaptive.models import fusion
     from ds_adaptive.models.wan import WanModel, get_wan_config
 

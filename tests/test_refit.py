@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from conftest import ROOT
-from ds_adaptive.balance.cost import CostModel, load_profile
-from ds_adaptive.balance.refit import (RefitError, Window, fit_train_overheads, main, refit_compute, trainer_steps,
+from ds_adaptive.planning.cost import CostModel, load_profile
+from ds_adaptive.calibration.refit import (RefitError, Window, fit_train_overheads, main, refit_compute, trainer_steps,
                                        trainer_windows)
-from ds_adaptive.shapes import SampleShape
+from ds_adaptive.core.shapes import SampleShape
 
 PROFILE = "h200-wan2.1-1.3b"
 #: (shape, B, checkpointed blocks) spanning images to long clips, as a default job's plans do
@@ -183,8 +183,8 @@ def test_the_trainer_summary_holds_the_plan_s_compute_against_its_windows(tmp_pa
     windows after the warm-up and, on one GPU off by more than 5%, gives the refit command."""
     from types import SimpleNamespace
 
-    from ds_adaptive.metrics import format_summary
-    from ds_adaptive.trainer import MemoryLog
+    from ds_adaptive.training.metrics import format_summary
+    from ds_adaptive.training.trainer import MemoryLog
 
     cost = CostModel(load_profile(PROFILE), "calibrated", checkpointing="auto", checkpoint_attention="recompute")
     log = MemoryLog(SimpleNamespace(cost=cost), 3, 1, str(tmp_path), True)

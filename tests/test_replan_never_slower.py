@@ -11,13 +11,13 @@ import warnings
 import numpy as np
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from ds_adaptive.balance.budget import plan_tokens_per_s
-from ds_adaptive.balance.cost import load_profile
-from ds_adaptive.balance.sampler import build_batch_sampler
-from ds_adaptive.balance.sparse import DensityMap, SparseAttentionCost
-from ds_adaptive.config import SamplerConfig
-from ds_adaptive.layout import Layout
-from ds_adaptive.shapes import SampleShape
+from ds_adaptive.planning.budget import plan_tokens_per_s
+from ds_adaptive.planning.cost import load_profile
+from ds_adaptive.planning.sampler import build_batch_sampler
+from ds_adaptive.planning.sparse_cost import DensityMap, SparseAttentionCost
+from ds_adaptive.core.config import SamplerConfig
+from ds_adaptive.core.layout import Layout
+from ds_adaptive.core.shapes import SampleShape
 from test_never_slower import mixes
 
 PROFILE = "h200-wan2.1-1.3b"

@@ -23,9 +23,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    from ds_adaptive.config import LoraConfig
-    from ds_adaptive.files import save_safetensors
-    from ds_adaptive.lora import LORA_FILE, adapter_pairs, apply_lora, diffusers_lora
+    from ds_adaptive.core.config import LoraConfig
+    from ds_adaptive.core.files import save_safetensors
+    from ds_adaptive.training.lora import LORA_FILE, adapter_pairs, apply_lora, diffusers_lora
     from ds_adaptive.models.weights import save_wan_weights
 
     sys.path.insert(0, str(ROOT / "tests"))
@@ -67,10 +67,10 @@ def test_sample_text_prompts_lora_and_vae_to_mp4(assets, capsys):
                      "--guidance", "3", "--seed", "7", "--device", "cpu", "--out", str(tmp / "lat")]) == 0
     from PIL import Image
 
-    from ds_adaptive.flow_sampler import euler_sample, initial_noise
-    from ds_adaptive.media_out import latent_strip
-    from ds_adaptive.preview import load_embeddings
-    from ds_adaptive.sample import load_model
+    from ds_adaptive.models.flow_sampler import euler_sample, initial_noise
+    from ds_adaptive.media.write import latent_strip
+    from ds_adaptive.training.preview import load_embeddings
+    from ds_adaptive.inference.sample import load_model
 
     model, _ = load_model(str(tmp / "model"), lora=str(tmp / "lora"))
     emb = load_embeddings(tmp / "p.safetensors", what="x")
@@ -106,10 +106,10 @@ def test_sample_ti2v_uses_its_grid_and_the_48_channel_vae(assets, capsys):
     av = pytest.importorskip("av")
     from diffusers import AutoencoderKLWan
 
-    from ds_adaptive.media_out import decode_latents
+    from ds_adaptive.media.write import decode_latents
     from ds_adaptive.models.registry import get_model, model_of_weights
-    from ds_adaptive.preview import save_embeddings
-    from ds_adaptive.sample import load_model
+    from ds_adaptive.training.preview import save_embeddings
+    from ds_adaptive.inference.sample import load_model
 
     tmp, m = assets
     spec = get_model("tiny-ti2v")

@@ -9,12 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds_adaptive.config import SamplerConfig
-from ds_adaptive.balance.planner import OversizeSampleError
-from ds_adaptive.balance.sampler import (AdaptiveBatchSampler, FixedBucketSampler, SamplerStateError, TokenBucketSampler,
+from ds_adaptive.core.config import SamplerConfig
+from ds_adaptive.planning.planner import OversizeSampleError
+from ds_adaptive.planning.sampler import (AdaptiveBatchSampler, FixedBucketSampler, SamplerStateError, TokenBucketSampler,
                                  build_batch_sampler)
-from ds_adaptive.layout import Layout
-from ds_adaptive.shapes import SampleShape, load_shape_distribution
+from ds_adaptive.core.layout import Layout
+from ds_adaptive.core.shapes import SampleShape, load_shape_distribution
 
 DIST = load_shape_distribution()
 

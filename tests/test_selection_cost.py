@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ds_adaptive.balance.cost import PROFILES_DIR, CostModel, load_profile
-from ds_adaptive.balance.selection_cost import DEFAULT_SELECTION, SelectionCost, fit_selection
-from ds_adaptive.balance.sparse import DensityMap, KernelEfficiency, SparseAttentionCost
+from ds_adaptive.planning.cost import PROFILES_DIR, CostModel, load_profile
+from ds_adaptive.planning.selection_cost import DEFAULT_SELECTION, SelectionCost, fit_selection
+from ds_adaptive.planning.sparse_cost import DensityMap, KernelEfficiency, SparseAttentionCost
 
 ROOT = Path(__file__).resolve().parents[1]
 H200 = "h200-wan2.1-1.3b"
@@ -142,8 +142,8 @@ def test_a_sparse_layer_recompute_runs_sparse_in_the_checkpoint_cost():
 def test_runtime_reports_predicted_selection_beside_the_measured_one():
     import torch
 
-    from ds_adaptive.config import SparseAttentionConfig
-    from ds_adaptive.sparse.runtime import SparseAttentionRuntime
+    from ds_adaptive.core.config import SparseAttentionConfig
+    from ds_adaptive.attention.runtime import SparseAttentionRuntime
 
     sel = SelectionCost(0.3, 2e-6, 4e-9, 1e-6)
     decision = SparseAttentionCost(_map(1.0, layers=2, heads=4, dense=()), selection=sel, pay_check=False)
@@ -197,7 +197,7 @@ def test_ab_bench_reports_predicted_over_measured_per_shape_and_over_dense():
 def test_calibrate_selection_needs_a_gpu(capsys):
     import torch
 
-    from ds_adaptive.balance.calibrate_sparse import main
+    from ds_adaptive.calibration.sparse import main
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA GPU is present: tests/gpu/test_selection_cost_gpu.py runs the calibration")
@@ -241,7 +241,7 @@ def test_ab_bench_merge_compares_arms_run_in_separate_calls_and_counts_the_loop(
 
 
 def test_ab_bench_says_whether_a_plan_is_the_one_a_recorded_run_ran():
-    from ds_adaptive.shapes import SampleShape
+    from ds_adaptive.core.shapes import SampleShape
 
     ab = _bench()
     a, b = SampleShape(81, 480, 832), SampleShape(1, 480, 832)

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from ds_adaptive.models.registry import default_model, get_model
-from ds_adaptive.shapes import (GridRule, SampleShape, ShapeError, latent_to_token_grid, load_shape_distribution,
+from ds_adaptive.core.shapes import (GridRule, SampleShape, ShapeError, latent_to_token_grid, load_shape_distribution,
                                 num_tokens, pad_to_multiple, parse_shape_distribution)
 
 

@@ -9,14 +9,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ds_adaptive.config import ConfigError, SparseAttentionConfig, load_adaptive_config
+from ds_adaptive.core.config import ConfigError, SparseAttentionConfig, load_adaptive_config
 from ds_adaptive.models.testing import random_init_
 from ds_adaptive.models.wan import WanModel
-from ds_adaptive.sparse import (BlockSelection, CubeOrder, CubeOrderError, SparseAttentionRuntime, SparseSchedule,
+from ds_adaptive.attention import (BlockSelection, CubeOrder, CubeOrderError, SparseAttentionRuntime, SparseSchedule,
                                 blocks_for_density, cube_permutation, dense_attention, inverse_permutation,
                                 masked_attention_reference, select_blocks)
-from ds_adaptive.sparse.planted import planted_qk
-from ds_adaptive.sparse.profiler import block_mass, blocks_needed
+from ds_adaptive.attention.planted import planted_qk
+from ds_adaptive.attention.profiler import block_mass, blocks_needed
 
 
 # ------------------------------------------------------------------------------ cube order
@@ -305,7 +305,7 @@ def test_predictor_is_not_in_the_model_and_sparse_changes_the_output() -> None:
 
 def test_lse_block_scores_rank_like_the_block_softmax_mass() -> None:
     """block_score="lse" on an exact (identity-rank) predictor: its top block is the block of largest mass."""
-    from ds_adaptive.sparse import LowRankPredictor
+    from ds_adaptive.attention import LowRankPredictor
     q, k = planted_qk(GRID, 3, 32, order=ORDER, temperature=25.0, seed=1)
     pred = LowRankPredictor(1, 3, 32, rank=32)
     with torch.no_grad():

@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds_adaptive.balance.cost import CostModel
-from ds_adaptive.balance.sparse import DensityMap, KernelEfficiency, SparseAttentionCost
-from ds_adaptive.config import ConfigError, SparseAttentionConfig
-from ds_adaptive.sparse.backends import (BackendSupport, SparseAttentionBackend, SparseBackendError, backend_names,
+from ds_adaptive.planning.cost import CostModel
+from ds_adaptive.planning.sparse_cost import DensityMap, KernelEfficiency, SparseAttentionCost
+from ds_adaptive.core.config import ConfigError, SparseAttentionConfig
+from ds_adaptive.attention.backends import (BackendSupport, SparseAttentionBackend, SparseBackendError, backend_names,
                                          get_backend, register_backend, select_backend)
-from ds_adaptive.sparse.backends import registry
-from ds_adaptive.sparse.backends.check import check_sparse_config, sparse_config_notes
-from ds_adaptive.sparse.backends.measure import cache_key, random_selection, store
+from ds_adaptive.attention.backends import registry
+from ds_adaptive.attention.backends.check import check_sparse_config, sparse_config_notes
+from ds_adaptive.attention.backends.measure import cache_key, random_selection, store
 
 ROOT = Path(__file__).resolve().parent.parent
 H200 = "h200-wan2.1-1.3b"
@@ -97,7 +97,7 @@ def test_auto_picks_the_fastest_measured_backend(tmp_path, monkeypatch) -> None:
 # ------------------------------------------------------------------------------ the contract on awkward shapes
 def _fp64_block_reference(q, k, v, sel, valid_len=None):
     """Per (b, h, query token): softmax over the tokens of its selected key blocks, fp64, loops."""
-    from ds_adaptive.sparse.attention import truncate_selection
+    from ds_adaptive.attention.attention import truncate_selection
 
     b, s, h, d = q.shape
     n = s if valid_len is None else valid_len
@@ -150,7 +150,7 @@ def test_flex_compiles_a_fixed_number_of_graphs_across_shapes_and_never_falls_ba
     padding; dynamo specialises only B == 1 vs B >= 2, so at most 2 graphs appear, and flex's unfused
     (S x S) path is never taken."""
     import torch.nn.attention.flex_attention as fa
-    from ds_adaptive.sparse.backends.flex import compiled_graphs
+    from ds_adaptive.attention.backends.flex import compiled_graphs
 
     unfused = []
     orig = fa._warn_once
@@ -176,8 +176,8 @@ def test_flex_compiles_a_fixed_number_of_graphs_across_shapes_and_never_falls_ba
 
 
 def test_flex_raises_past_its_graph_budget() -> None:
-    from ds_adaptive.sparse.attention import SparseKernelError
-    from ds_adaptive.sparse.backends.flex import compiled_graphs, flex_block_sparse_attention
+    from ds_adaptive.attention.attention import SparseKernelError
+    from ds_adaptive.attention.backends.flex import compiled_graphs, flex_block_sparse_attention
 
     q = k = v = torch.randn(1, 256, 2, 16)
     sel = random_selection(1, 2, 256, 128, 0.5, device="cpu")
@@ -212,7 +212,7 @@ def test_images_run_dense_and_long_videos_sparse_by_one_decision() -> None:
 
 
 def test_runtime_decides_as_the_planner() -> None:
-    from ds_adaptive.sparse.runtime import SparseAttentionRuntime
+    from ds_adaptive.attention.runtime import SparseAttentionRuntime
 
     cfg = SparseAttentionConfig(enabled=True, forced_density=0.1)
     template = _decision(1.0)
@@ -244,9 +244,9 @@ def test_check_sparse_config_catches_what_the_trainer_rejects() -> None:
 
 
 def test_build_run_attaches_sparse_attention_and_the_dry_run_sees_it() -> None:
-    from ds_adaptive.layout import Layout
-    from ds_adaptive.run import build_run
-    from ds_adaptive.run_config import RunConfig
+    from ds_adaptive.core.layout import Layout
+    from ds_adaptive.training.assemble import build_run
+    from ds_adaptive.training.run_config import RunConfig
 
     path = ROOT / "launch" / "configs" / "zero3_adaptive.json"
     cfg = RunConfig.load(str(path), trainer={"model": "wan2.1-1.3b", "num_samples": 200})
@@ -263,9 +263,9 @@ def test_build_run_attaches_sparse_attention_and_the_dry_run_sees_it() -> None:
 
 
 def test_start_up_says_where_sparse_attention_will_not_run() -> None:
-    from ds_adaptive.layout import Layout
-    from ds_adaptive.run import build_run
-    from ds_adaptive.run_config import RunConfig
+    from ds_adaptive.core.layout import Layout
+    from ds_adaptive.training.assemble import build_run
+    from ds_adaptive.training.run_config import RunConfig
 
     path = ROOT / "launch" / "configs" / "zero3_adaptive.json"
     cfg = RunConfig.load(str(path), trainer={"model": "wan2.1-1.3b", "num_samples": 200, "layers": 2})

@@ -12,16 +12,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds_adaptive.balance.cost import CostModel
-from ds_adaptive.balance.heads import (PlacementError, balance_heads, check_placement, inverse_permutation,
+from ds_adaptive.planning.cost import CostModel
+from ds_adaptive.parallel.placement import (PlacementError, balance_heads, check_placement, inverse_permutation,
                                        placement_lower_bound, plan_head_placement, rank_heads, rank_sums)
-from ds_adaptive.balance.sampler import build_batch_sampler
-from ds_adaptive.layout import Layout
-from ds_adaptive.balance.sparse import (DensityError, DensityMap, KernelEfficiency, SparseAttentionCost,
+from ds_adaptive.planning.sampler import build_batch_sampler
+from ds_adaptive.core.layout import Layout
+from ds_adaptive.planning.sparse_cost import (DensityError, DensityMap, KernelEfficiency, SparseAttentionCost,
                                         load_densities, synthetic_densities)
-from ds_adaptive.balance.selection_cost import SelectionCost
-from ds_adaptive.config import SamplerConfig
-from ds_adaptive.shapes import load_shape_distribution
+from ds_adaptive.planning.selection_cost import SelectionCost
+from ds_adaptive.core.config import SamplerConfig
+from ds_adaptive.core.shapes import load_shape_distribution
 
 PROFILE = "h100-wan2.1-1.3b"   # 30 layers x 12 heads
 
@@ -274,7 +274,7 @@ def test_update_densities_at_the_epoch_boundary_and_resume_keeps_pending():
 # ------------------------------------------------------------------------------ calibrate --sparse masks
 @pytest.mark.parametrize("seq_len", [300, 384, 1000])
 def test_block_mask_selects_the_requested_key_blocks(seq_len):
-    from ds_adaptive.balance.calibrate_sparse import block_mask_dense, make_block_mask, select_kv_blocks
+    from ds_adaptive.calibration.sparse import block_mask_dense, make_block_mask, select_kv_blocks
 
     dens = [0.02, 0.34, 0.67, 1.0]
     nb = -(-seq_len // 128)
@@ -299,8 +299,8 @@ def torch_equal_blocks(a, b):
 
 # ------------------------------------------------------------------------------ simulate --sparse
 def test_simulate_sparse_cli_and_arms(tmp_path, capsys):
-    from ds_adaptive.balance.simulate import main as simulate_main
-    from ds_adaptive.balance.simulate_sparse import simulate_sparse
+    from ds_adaptive.simulation.simulate import main as simulate_main
+    from ds_adaptive.simulation.sparse import simulate_sparse
 
     r = simulate_sparse(world=8, sp=2, steps=8, seed=1)
     s = r["samplers"]

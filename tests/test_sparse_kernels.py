@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from ds_adaptive.sparse.attention import SparseKernelError
-from ds_adaptive.sparse.kernels import reference_attention, triton_status
-from ds_adaptive.sparse.kernels import triton_block_sparse as op
-from ds_adaptive.sparse.kernels.triton_configs import (KernelConfig, TileConfig, TritonConfigError, config_for,
+from ds_adaptive.attention.attention import SparseKernelError
+from ds_adaptive.attention.kernels import reference_attention, triton_status
+from ds_adaptive.attention.kernels import triton_block_sparse as op
+from ds_adaptive.attention.kernels.triton_configs import (KernelConfig, TileConfig, TritonConfigError, config_for,
                                                        default_config, validate_table)
-from ds_adaptive.sparse.selection import BlockSelection, select_blocks
+from ds_adaptive.attention.selection import BlockSelection, select_blocks
 
 _OK, _WHY = triton_status()
 needs_triton = pytest.mark.skipif(not _OK, reason=f"Triton interpreter tests need triton ({_WHY}); "
@@ -82,7 +82,7 @@ def _fix_interpreter_bf16_dot() -> None:
 @pytest.fixture(scope="module")
 def interp():
     """The kernels module, built by the interpreter (it takes CPU tensors)."""
-    from ds_adaptive.sparse.kernels import _triton_block_sparse as kmod
+    from ds_adaptive.attention.kernels import _triton_block_sparse as kmod
     _fix_interpreter_bf16_dot()
     assert op.interpreted()
     return kmod
@@ -143,7 +143,7 @@ def test_fp32_matches_fp64_reference_fwd_bwd(interp, monkeypatch, b, s, h, d, bs
         assert _err(g, r) < 5e-5 * max(1.0, float(r.abs().max())), (name, _err(g, r))
     # the saved log-sum-exp (log2 domain inside the op) on the valid rows
     seq = s if valid is None else valid
-    from ds_adaptive.sparse.attention import truncate_selection
+    from ds_adaptive.attention.attention import truncate_selection
     tsel = truncate_selection(sel, seq) if seq < s else sel
     _, lse2 = op.block_sparse_forward(q.detach(), k.detach(), v.detach(), tsel.kv_num, tsel.kv_idx, block=bs,
                                       seq=seq, config=cfg or default_config(d, bs))
@@ -151,7 +151,7 @@ def test_fp32_matches_fp64_reference_fwd_bwd(interp, monkeypatch, b, s, h, d, bs
     if valid is not None:  # padded rows: exactly 0, output and gradients
         assert out[:, valid:].abs().max() == 0 and all(g[:, valid:].abs().max() == 0 for g in grads)
     if cfg is None:  # the registered backend is this op (its contract: density is a hint, valid_len as here)
-        from ds_adaptive.sparse.backends import get_backend
+        from ds_adaptive.attention.backends import get_backend
         with torch.no_grad():
             via_backend = get_backend("triton").attention(q, k, v, sel, valid_len=valid, density=0.3)
         assert torch.equal(via_backend, out.detach())
@@ -209,7 +209,7 @@ def test_inputs_the_kernels_do_not_take_fail_loudly(interp) -> None:
 def test_run_time_arguments_are_never_specialised() -> None:
     """Every argument named in the no-specialisation list exists in the kernels that take lists and is marked
     (a renamed argument would silently be specialised again: one compile per S or per batch)."""
-    from ds_adaptive.sparse.kernels import _triton_block_sparse as kmod
+    from ds_adaptive.attention.kernels import _triton_block_sparse as kmod
     for fn in (kmod.block_sparse_fwd, kmod.block_sparse_bwd_dq, kmod.block_sparse_bwd_dkdv):
         params = {p.name: p for p in fn.params}
         assert set(kmod._RUNTIME_INTS) <= set(params), fn
@@ -235,7 +235,7 @@ def test_tile_config_checks_and_table() -> None:
 
 
 def test_triton_backend_is_registered_and_says_what_it_needs() -> None:
-    from ds_adaptive.sparse.backends import backend_names, get_backend
+    from ds_adaptive.attention.backends import backend_names, get_backend
 
     assert "triton" in backend_names()
     be = get_backend("triton")
@@ -304,10 +304,10 @@ def test_bench_runs_end_to_end_on_cpu_under_the_interpreter(tmp_path) -> None:
 def test_auto_does_not_prefer_an_unmeasured_triton(monkeypatch) -> None:
     """The shipped table gives its GPU the measured curve; without a table entry or a measurement of this GPU, triton's curve is worse than flex's shipped one at auto's reference
     density, so auto keeps flex until a measurement (or the shipped table) says otherwise."""
-    from ds_adaptive.sparse.backends import get_backend, select_backend
-    from ds_adaptive.sparse.backends import measure as m
+    from ds_adaptive.attention.backends import get_backend, select_backend
+    from ds_adaptive.attention.backends import measure as m
 
-    from ds_adaptive.sparse.kernels import triton_configs
+    from ds_adaptive.attention.kernels import triton_configs
 
     monkeypatch.setattr(m, "cached_curve", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

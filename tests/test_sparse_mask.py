@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from ds_adaptive.sparse import kernel_options as ko
-from ds_adaptive.sparse.attention import block_mask_from_selection, transpose_blocks
-from ds_adaptive.sparse.runtime import _HostCopy
-from ds_adaptive.sparse.selection import BlockSelection, select_blocks
+from ds_adaptive.attention import kernel_options as ko
+from ds_adaptive.attention.attention import block_mask_from_selection, transpose_blocks
+from ds_adaptive.attention.runtime import _HostCopy
+from ds_adaptive.attention.selection import BlockSelection, select_blocks
 
 
 def _lists_to_dense(num, idx, ncols):
@@ -160,8 +160,8 @@ def test_options_for_picks_the_bucket_only_on_the_measured_device() -> None:
 
 @pytest.mark.parametrize("s,bs", [(37, 8), (48, 16), (5, 16)])
 def test_pool_blocks_and_mean_block_scores_equal_fp64_references(s, bs) -> None:
-    from ds_adaptive.sparse.predictor import LowRankPredictor
-    from ds_adaptive.sparse.selection import pool_blocks
+    from ds_adaptive.attention.predictor import LowRankPredictor
+    from ds_adaptive.attention.selection import pool_blocks
     g = torch.Generator().manual_seed(s)
     q, k = (torch.randn(2, s, 3, 32, generator=g).to(torch.bfloat16) for _ in range(2))
     n = math.ceil(s / bs)

@@ -22,8 +22,8 @@ CONFIGS = ROOT / "launch" / "configs"
 def test_effective_densities_and_min_change() -> None:
     """Dense layers hand over 1, sparse layers their clamped profiled (or forced) densities; a change
     below rebalance_min_change is not handed over."""
-    from ds_adaptive.sparse import SparseAttentionRuntime
-    from ds_adaptive.sparse.telemetry import SparseTrainerHook, effective_densities
+    from ds_adaptive.attention import SparseAttentionRuntime
+    from ds_adaptive.attention.telemetry import SparseTrainerHook, effective_densities
 
     cfg = {"warmup_steps": 0, "dense_layers": [0], "layer_density_threshold": 0.5, "min_density": 0.05,
            "backend": "reference", "rebalance": "epoch", "rebalance_min_change": 0.05}
@@ -68,7 +68,7 @@ def test_trainer_feeds_densities_to_the_sampler_and_resume_reproduces(tmp_path, 
     the epoch unless that is predicted slower (every rank checks it holds the same table and plan, else the run
     fails); a resume from step 3 gives the
     same plans and losses as the straight run."""
-    common = ["-m", "ds_adaptive.train", "--deepspeed_config", str(_config(tmp_path)), "--num-samples", "80",
+    common = ["-m", "ds_adaptive.cli.train", "--deepspeed_config", str(_config(tmp_path)), "--num-samples", "80",
               "--seed", "2", "--steps", "5", "--layers", "2"]
     run_ranks([*common, "--log-dir", "a", "--save", "ckpt", "--save-interval", "3"], 2, cwd=tmp_path, timeout=240)
     run_ranks([*common, "--log-dir", "b", "--resume", str(tmp_path / "ckpt" / "global_step3")], 2, cwd=tmp_path,
@@ -90,15 +90,15 @@ SCRIPT = textwrap.dedent("""
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-    from ds_adaptive.balance.heads import plan_head_placement
-    from ds_adaptive.config import SparseAttentionConfig
-    from ds_adaptive.layout import Layout
+    from ds_adaptive.parallel.placement import plan_head_placement
+    from ds_adaptive.core.config import SparseAttentionConfig
+    from ds_adaptive.core.layout import Layout
     from ds_adaptive.models.testing import random_init_
     from ds_adaptive.models.wan import WanModel, get_wan_config
-    from ds_adaptive.objective import per_sample_mse
+    from ds_adaptive.models.objective import per_sample_mse
     from ds_adaptive.parallel import apply_ulysses
     from ds_adaptive.parallel.head_placement import apply_head_placement
-    from ds_adaptive.sparse.runtime import SparseAttentionRuntime, attach_sparse_attention
+    from ds_adaptive.attention.runtime import SparseAttentionRuntime, attach_sparse_attention
 
     rank = dist.get_rank()
     solo = [dist.new_group([r]) for r in range(2)][rank]

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds_adaptive.sparse.attention import SparseKernelError
-from ds_adaptive.sparse.kernels import triton_block_scores as op
-from ds_adaptive.sparse.kernels.triton_block_scores import ScoreTiles, scores_unsupported, triton_pooled_lse_scores
-from ds_adaptive.sparse.selection import (SelectionError, blocks_for_density, pooled_lse_scores,
+from ds_adaptive.attention.attention import SparseKernelError
+from ds_adaptive.attention.kernels import triton_block_scores as op
+from ds_adaptive.attention.kernels.triton_block_scores import ScoreTiles, scores_unsupported, triton_pooled_lse_scores
+from ds_adaptive.attention.selection import (SelectionError, blocks_for_density, pooled_lse_scores,
                                           pooled_lse_scores_torch, select_blocks)
 from test_sparse_kernels import (IN_INTERPRETER, _fix_interpreter_bf16_dot, interpreter_only,  # noqa: E402
                                  needs_triton, run_file_in_interpreter)
@@ -112,8 +112,8 @@ def test_16bit_scores_within_the_torch_paths_own_error(poisoned, dtype, d, block
 def test_selection_from_kernel_scores_equals_the_reference_selection_on_planted_data(poisoned) -> None:
     """On Wan-3D-RoPE planted q, k (local, far, sink, mixed heads; cube order) the top-k from the kernel's scores is
     the top-k from the torch reference's (fp32) and from the float64 definition's, at several densities."""
-    from ds_adaptive.sparse.cube_order import CubeOrder
-    from ds_adaptive.sparse.planted import PLANTED_KINDS, planted_rope_qk
+    from ds_adaptive.attention.cube_order import CubeOrder
+    from ds_adaptive.attention.planted import PLANTED_KINDS, planted_rope_qk
 
     q, k = planted_rope_qk((2, 16, 16), 4, 64, kinds=PLANTED_KINDS, order=CubeOrder((2, 4, 4)), seed=1,
                            temperature=60.0)
@@ -170,14 +170,14 @@ def test_tile_split_covers_every_key_block() -> None:
 def test_run_time_arguments_are_never_specialised() -> None:
     """Every argument that varies with S, B, H or the grid exists in the kernel and is marked (one compile per dtype,
     head dim, block and tiles: a renamed argument would be specialised again)."""
-    from ds_adaptive.sparse.kernels import _triton_block_scores as kmod
+    from ds_adaptive.attention.kernels import _triton_block_scores as kmod
     params = {p.name: p for p in kmod.pooled_lse_scores_kernel.params}
     assert set(kmod._RUNTIME_INTS) <= set(params)
     assert all(params[n].do_not_specialize for n in kmod._RUNTIME_INTS)
 
 
 def test_warm_up_runs_the_dispatch() -> None:
-    from ds_adaptive.sparse.selection import warm_pooled_lse_scores
+    from ds_adaptive.attention.selection import warm_pooled_lse_scores
     assert warm_pooled_lse_scores("cpu", torch.float32, 3, 64, 64) >= 0.0
 
 

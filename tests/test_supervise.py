@@ -1,4 +1,4 @@
-"""Guards ds_adaptive/supervise.py (what launch/train_wan.sh runs `deepspeed` under), with real processes: SIGTERM
+"""Guards ds_adaptive/launch/supervise.py (what launch/train_wan.sh runs `deepspeed` under), with real processes: SIGTERM
 to the launcher reaches every rank through DeepSpeed's launcher chain and the rank's exit code comes back; SIGKILL
 of the launcher leaves no process of the run behind; a rank gets SIGTERM when its parent is SIGKILLed."""
 from __future__ import annotations
@@ -138,7 +138,7 @@ def test_die_with_parent_sends_sigterm_when_the_parent_is_killed(tmp_path):
     child = textwrap.dedent(f"""
         import os, signal, sys, time
         sys.path.insert(0, {str(ROOT)!r})
-        from ds_adaptive.supervise import die_with_parent
+        from ds_adaptive.launch.supervise import die_with_parent
         out = sys.argv[1]
         signal.signal(signal.SIGTERM, lambda *a: (open(out + "/got", "w").write("SIGTERM"), sys.exit(0)))
         assert die_with_parent()

@@ -13,8 +13,8 @@ import torch
 
 from conftest import TINY_MODELS
 from ds_adaptive.data import SyntheticLatentDataset, collate_latents
-from ds_adaptive.shapes import SampleShape, ShapeWeight
-from ds_adaptive.train import build_parser, flow_matching_losses, main, sample_seed
+from ds_adaptive.core.shapes import SampleShape, ShapeWeight
+from ds_adaptive.cli.train import build_parser, flow_matching_losses, main, sample_seed
 
 pytest.importorskip("deepspeed")
 
@@ -24,7 +24,7 @@ CONFIGS = ROOT / "launch" / "configs"
 
 def train_argv(*args: str) -> list[str]:
     """argv of the trainer module (what launch/train_wan.py runs)."""
-    return ["-m", "ds_adaptive.train", *args]
+    return ["-m", "ds_adaptive.cli.train", *args]
 
 SHAPES = [ShapeWeight(SampleShape(1, 64, 64), 1.0), ShapeWeight(SampleShape(5, 64, 96), 1.0),
           ShapeWeight(SampleShape(9, 32, 64), 1.0)]
@@ -104,7 +104,7 @@ def test_first_frame_conditioning_inputs_timesteps_and_loss():
         assert float(losses[row]) == pytest.approx(float((eps - x0[row])[:, 1:].pow(2).mean()), rel=1e-5)
     half = ObjectiveOptions(first_frame_ratio=0.5)   # per-sample draws: some conditioned, some not, reproducibly
     ids = torch.arange(40)
-    from ds_adaptive.objective import first_frame_draws
+    from ds_adaptive.models.objective import first_frame_draws
     cond = first_frame_draws(ids, seed=4, epoch=1, ratio=half.first_frame_ratio)
     assert 5 < int(cond.sum()) < 35 and torch.equal(cond, first_frame_draws(ids, seed=4, epoch=1, ratio=0.5))
     images = collate_latents([SyntheticLatentDataset(4, SHAPES[:1], seed=0, text_len=(4, 8))[i] for i in (0, 1)])
@@ -114,8 +114,8 @@ def test_first_frame_conditioning_inputs_timesteps_and_loss():
 
 
 def test_masked_loss_on_sequence_shards_sums_to_the_full_masked_loss():
-    from ds_adaptive.layout import Layout
-    from ds_adaptive.objective import per_sample_mse
+    from ds_adaptive.core.layout import Layout
+    from ds_adaptive.models.objective import per_sample_mse
     from ds_adaptive.parallel import LocalOutput, shard_plan, shard_sequence
     from einops import rearrange
 
@@ -141,10 +141,10 @@ WEIGHTING = textwrap.dedent("""
     from deepspeed.utils import safe_get_full_grad
     from ds_adaptive.data import SyntheticLatentDataset, collate_latents
     from ds_adaptive.models.wan import WanModel, get_wan_config
-    from ds_adaptive.balance.planner import StepTotals
-    from ds_adaptive.shapes import SampleShape, ShapeWeight
-    from ds_adaptive.layout import Layout
-    from ds_adaptive.train import backward_micro_batch, flow_matching_losses, init_distributed
+    from ds_adaptive.planning.planner import StepTotals
+    from ds_adaptive.core.shapes import SampleShape, ShapeWeight
+    from ds_adaptive.core.layout import Layout
+    from ds_adaptive.cli.train import backward_micro_batch, flow_matching_losses, init_distributed
 
     by = sys.argv[1]
     rank, world, device = init_distributed(0)
@@ -305,11 +305,11 @@ def test_two_rank_baseline_on_disk_data(tmp_path, run_ranks):
 def test_layers_plans_with_the_depth_rescaled_profile(tmp_path, cpu_config, run_ranks):
     """--layers N below the profile's depth: the trainer plans with Profile.with_num_layers(N) and says so
     in one line; without --layers (or with the profile's own depth) nothing is rescaled."""
-    from ds_adaptive.config import load_adaptive_config
-    from ds_adaptive.balance.cost import load_profile
+    from ds_adaptive.core.config import load_adaptive_config
+    from ds_adaptive.planning.cost import load_profile
     from ds_adaptive.data import build_dataset
-    from ds_adaptive.balance.sampler import build_batch_sampler
-    from ds_adaptive.layout import Layout
+    from ds_adaptive.planning.sampler import build_batch_sampler
+    from ds_adaptive.core.layout import Layout
 
     raw = json.loads(cpu_config.read_text())
     raw["adaptive_load"]["sampler"].update(m_mem=0.5, shapes=str(CONFIGS / "shapes_cpu.json"))  # 30 blocks fit
@@ -330,8 +330,8 @@ def test_layers_plans_with_the_depth_rescaled_profile(tmp_path, cpu_config, run_
     assert smp.cost.profile.rescaled_from_layers == 30 and s["plan"] == smp.epoch_stats()
     # at the profile's own depth nothing is rescaled: the same assembly (build_run, whose notes the trainer prints)
     # without training a 30-block model
-    from ds_adaptive.run import build_run
-    from ds_adaptive.run_config import RunConfig
+    from ds_adaptive.training.assemble import build_run
+    from ds_adaptive.training.run_config import RunConfig
 
     with pytest.warns(UserWarning, match="measured for model 'wan2.1-1.3b', training 'tiny'"):
         run = build_run(RunConfig.load(raw, trainer={"model": "tiny", "layers": 30, "num_samples": 40}),

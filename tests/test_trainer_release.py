@@ -14,12 +14,12 @@ SCRIPT = textwrap.dedent("""
     import torch
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
-    from ds_adaptive.trainer import Trainer, init_distributed
+    from ds_adaptive.training.trainer import Trainer, init_distributed
     init_distributed(0)
     from deepspeed.runtime.zero import parameter_offload
-    from ds_adaptive.layout import Layout
-    from ds_adaptive.run import build_run
-    from ds_adaptive.run_config import RunConfig
+    from ds_adaptive.core.layout import Layout
+    from ds_adaptive.training.assemble import build_run
+    from ds_adaptive.training.run_config import RunConfig
 
     def one_run(seed):
         cfg = RunConfig.load(sys.argv[1], trainer={"model": "tiny", "num_samples": 24, "steps": 1, "seed": seed},
@@ -57,12 +57,12 @@ STACK_SCRIPT = textwrap.dedent("""
     import torch
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
-    from ds_adaptive.trainer import Trainer, init_distributed
+    from ds_adaptive.training.trainer import Trainer, init_distributed
     init_distributed(0)
     from deepspeed.runtime.zero import parameter_offload
-    from ds_adaptive.layout import Layout
-    from ds_adaptive.run import build_run
-    from ds_adaptive.run_config import RunConfig
+    from ds_adaptive.core.layout import Layout
+    from ds_adaptive.training.assemble import build_run
+    from ds_adaptive.training.run_config import RunConfig
 
     cfg = RunConfig.load(sys.argv[1], trainer={"model": "tiny", "num_samples": 48, "steps": 3, "seed": 0},
                          overrides={"sampler.shapes": sys.argv[2], "sampler.checkpointing": "all",

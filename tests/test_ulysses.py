@@ -12,8 +12,8 @@ import torch
 from conftest import ROOT, TINY_MODELS, launch_ranks
 from ds_adaptive.models.testing import random_init_
 from ds_adaptive.models.wan import WanModel, sdpa_attention
-from ds_adaptive.layout import Layout, SequenceParallelError, resolve_sp_size, strip_mesh_keys
-from ds_adaptive.objective import per_sample_mse
+from ds_adaptive.core.layout import Layout, SequenceParallelError, resolve_sp_size, strip_mesh_keys
+from ds_adaptive.models.objective import per_sample_mse
 from ds_adaptive.parallel import (UlyssesRunner, apply_ulysses, remove_ulysses, shard_plan, shard_sequence,
                                   valid_len_attention)
 
@@ -111,7 +111,7 @@ def test_layout_validate_names_the_valid_degrees() -> None:
 
 _SINGLE_PROCESS_CHECK = """
 import torch
-from ds_adaptive.layout import Layout, SequenceParallelError
+from ds_adaptive.core.layout import Layout, SequenceParallelError
 assert not torch.distributed.is_initialized()
 sp = Layout.detect()
 assert (sp.sp_size, sp.sp_rank, sp.dp_size, sp.dp_rank, sp.source) == (1, 0, 1, 0, "explicit"), sp
@@ -176,8 +176,8 @@ SCRIPT = textwrap.dedent("""
     from ds_adaptive.models.registry import get_model
     from ds_adaptive.models.testing import random_init_
     from ds_adaptive.models.wan import sdpa_attention
-    from ds_adaptive.layout import Layout, SequenceParallelError
-    from ds_adaptive.objective import per_sample_mse
+    from ds_adaptive.core.layout import Layout, SequenceParallelError
+    from ds_adaptive.models.objective import per_sample_mse
     from ds_adaptive.parallel import apply_ulysses, make_ulysses_attention
 
     rank = dist.get_rank()
@@ -331,7 +331,7 @@ MEGATRON = textwrap.dedent("""
     ps.initialize_model_parallel(context_parallel_size=2, create_gloo_process_groups=True)
     from ds_adaptive.models.testing import random_init_
     from ds_adaptive.models.wan import WanModel
-    from ds_adaptive.layout import Layout, SequenceParallelError
+    from ds_adaptive.core.layout import Layout, SequenceParallelError
     from ds_adaptive.parallel import apply_ulysses
 
     sp = Layout.detect()

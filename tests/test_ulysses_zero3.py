@@ -21,14 +21,14 @@ SCRIPT = textwrap.dedent("""
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-    from ds_adaptive.config import load_adaptive_config
+    from ds_adaptive.core.config import load_adaptive_config
     from ds_adaptive.data import SyntheticLatentDataset, collate_latents
     from ds_adaptive.models.testing import random_init_
     from ds_adaptive.models.wan import WanModel
-    from ds_adaptive.layout import Layout, strip_mesh_keys
-    from ds_adaptive.objective import per_sample_mse
+    from ds_adaptive.core.layout import Layout, strip_mesh_keys
+    from ds_adaptive.models.objective import per_sample_mse
     from ds_adaptive.parallel import apply_ulysses
-    from ds_adaptive.balance.sampler import build_batch_sampler
+    from ds_adaptive.planning.sampler import build_batch_sampler
     from deepspeed.utils import safe_get_full_grad
 
     MESH = sys.argv[1] == "mesh"

@@ -14,7 +14,7 @@ import torch
 from conftest import CONFIGS
 from ds_adaptive.models.registry import get_model
 from ds_adaptive.models.testing import diffusers_twin, random_init_
-from ds_adaptive.shapes import GridRule, SampleShape
+from ds_adaptive.core.shapes import GridRule, SampleShape
 
 diffusers = pytest.importorskip("diffusers", reason="diffusers is the reference these tests compare with")
 
@@ -83,10 +83,10 @@ def test_ti2v_tiny_model_equals_diffusers_with_per_token_timesteps():
 @pytest.mark.parametrize("name,lo,hi", [("tiny-a14b-high", 875.0, 1000.0), ("tiny-a14b-low", 0.0, 875.0)])
 def test_each_expert_trains_on_its_noise_range(name, lo, hi):
     """build_run gives the expert's objective; the trainer's objective draws timesteps in [lo, hi) only."""
-    from ds_adaptive.layout import Layout
-    from ds_adaptive.objective import flow_matching_losses
-    from ds_adaptive.run import build_run
-    from ds_adaptive.run_config import RunConfig
+    from ds_adaptive.core.layout import Layout
+    from ds_adaptive.models.objective import flow_matching_losses
+    from ds_adaptive.training.assemble import build_run
+    from ds_adaptive.training.run_config import RunConfig
 
     cfg = RunConfig.load(str(CONFIGS / "cpu_tiny.json"), trainer={"model": name, "num_samples": 64})
     run = build_run(cfg, layout=Layout.for_world(1, 1), meta=True)
@@ -119,7 +119,7 @@ def test_preprocess_with_a_tiny_wan22_vae_gives_ti2v_shards(tmp_path):
     from test_preprocess import tiny_models, write_video
 
     from ds_adaptive.data import DataError, LatentShardDataset
-    from ds_adaptive.preprocess.encode import EncoderError, LatentEncoders
+    from ds_adaptive.media.encode import EncoderError, LatentEncoders
     from ds_adaptive.preprocess.run import main
 
     weights = tiny_models(tmp_path)   # Wan 2.1 VAE + umT5 + tokenizer
@@ -180,7 +180,7 @@ def test_preprocess_with_a_tiny_wan22_vae_gives_ti2v_shards(tmp_path):
     ("wan2.2-t2v-a14b-low", 4, ["40 heads / sp 4 = 10 per rank", "longest 81x720x1280 = 75600 tokens"]),
 ])
 def test_dry_run_of_the_real_sizes(capsys, model, sp, expect):
-    from ds_adaptive.dryrun import main
+    from ds_adaptive.cli.dry_run import main
 
     code = main(["--deepspeed_config", str(CONFIGS / "zero3_adaptive.json"), "--model", model, "--num-gpus", "8",
                  "--sp", str(sp)])

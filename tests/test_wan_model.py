@@ -224,7 +224,7 @@ def test_per_token_modulation_reaches_the_sites_as_token_rows():
 
 def test_per_token_timesteps_follow_the_token_order():
     """Under a token order (sparse attention's cube order) per-token timesteps are permuted with the tokens."""
-    from ds_adaptive.sparse import CubeOrder
+    from ds_adaptive.attention import CubeOrder
 
     model = _model("hd32")
     lat, ts, ctx = _inputs(model.config, 1, 4, 8, 8, per_token=True)

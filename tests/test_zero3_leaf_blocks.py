@@ -27,9 +27,9 @@ H200 = "h200-wan2.1-1.3b"
 def _meta_run(over: dict, *, stage: int = 3, memory_efficient_linear=None):
     """build_run of the shipped 1.3B job on meta with block overrides, ZeRO ``stage`` and, when given, the ds_config's
     ``zero_optimization.memory_efficient_linear``."""
-    from ds_adaptive.layout import Layout
-    from ds_adaptive.run import build_run
-    from ds_adaptive.run_config import RunConfig
+    from ds_adaptive.core.layout import Layout
+    from ds_adaptive.training.assemble import build_run
+    from ds_adaptive.training.run_config import RunConfig
 
     cfg = RunConfig.load(str(ROOT / "launch" / "configs" / "zero3_adaptive.json"),
                          trainer={"model": "wan2.1-1.3b", "num_samples": 200},
@@ -70,7 +70,7 @@ SCRIPT = textwrap.dedent("""
     deepspeed.init_distributed(dist_backend="gloo")
     from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as PPC
     from ds_adaptive.models.wan import WanModel
-    from ds_adaptive.run import set_leaf_blocks, use_torch_linear
+    from ds_adaptive.training.assemble import set_leaf_blocks, use_torch_linear
 
     invalidations = []   # ZeRO-3's trace of the module order, thrown away (no prefetch, a device sync) when it differs
     _invalidate = PPC._invalidate_trace
@@ -160,7 +160,7 @@ def test_build_run_writes_memory_efficient_linear_unless_the_ds_config_sets_it(s
 
 
 def test_torch_linear_next_to_an_explicit_memory_efficient_linear_is_one_line():
-    from ds_adaptive.config import ConfigError
+    from ds_adaptive.core.config import ConfigError
 
     with pytest.raises(ConfigError) as err:
         _meta_run({"zero3_torch_linear": True}, memory_efficient_linear=True)

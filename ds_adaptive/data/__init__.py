@@ -3,18 +3,18 @@
 Both expose ``__len__``, ``__getitem__(i) -> {"latents": [C,T',H',W'] float32,
 "context": [L,text_dim] float32, "index": i}`` and ``sample_shapes()`` (no tensor is loaded; the
 shapes carry the model's grid rule), which is what the batch sampler plans from. Both are built for
-a model's :class:`ds_adaptive.shapes.InputSpec`. ``collate_latents`` stacks one micro-batch.
+a model's :class:`ds_adaptive.core.shapes.InputSpec`. ``collate_latents`` stacks one micro-batch.
 """
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Optional, Union
 
-from ..shapes import InputSpec
+from ds_adaptive.core.shapes import InputSpec
 
-from .collate import collate_latents
-from .shards import INDEX_FILE, LatentShardDataset, LatentShardWriter, write_index
-from .synthetic import DEFAULT_TEXT_LEN, DataError, SyntheticLatentDataset
+from ds_adaptive.data.collate import collate_latents
+from ds_adaptive.data.shards import INDEX_FILE, LatentShardDataset, LatentShardWriter, write_index
+from ds_adaptive.data.synthetic import DEFAULT_TEXT_LEN, DataError, SyntheticLatentDataset
 
 __all__ = ["DataError", "SyntheticLatentDataset", "LatentShardDataset", "LatentShardWriter", "collate_latents",
            "build_dataset", "DEFAULT_TEXT_LEN", "INDEX_FILE", "write_index"]

@@ -12,8 +12,8 @@ from typing import Literal, Sequence, Union
 
 import torch
 
-from ..shapes import default_input_spec
-from .synthetic import DataError
+from ds_adaptive.core.shapes import default_input_spec
+from ds_adaptive.data.synthetic import DataError
 
 
 def collate_latents(samples: Sequence[dict], pad_text_to: Union[int, None, Literal["model"]] = "model") -> dict:

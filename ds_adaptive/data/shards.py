@@ -17,7 +17,7 @@ Layout of a dataset directory::
         "latents_key": "000000.latents", "context_key": "000000.context"},
        ...]}
 
-A dataset is read for a model (its :class:`ds_adaptive.shapes.InputSpec`): latent channels, VAE stride and
+A dataset is read for a model (its :class:`ds_adaptive.core.shapes.InputSpec`): latent channels, VAE stride and
 text width in the index must be the model's (``vae``/``vae_stride`` absent in indexes written before they
 were recorded: the channels and every entry's ``latent_shape`` are still checked against the model's rule).
 The index alone is enough to plan (``sample_shapes()`` reads no tensor). Shards are written
@@ -35,10 +35,10 @@ from typing import Optional, Union
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..files import save_safetensors
-from ..jsonfile import read_json
-from ..shapes import InputSpec, SampleShape, ShapeError, default_input_spec
-from .synthetic import DataError
+from ds_adaptive.core.files import save_safetensors
+from ds_adaptive.core.jsonfile import read_json
+from ds_adaptive.core.shapes import InputSpec, SampleShape, ShapeError, default_input_spec
+from ds_adaptive.data.synthetic import DataError
 
 FORMAT = "ds_adaptive.latents"
 VERSION = 1

@@ -13,9 +13,9 @@ import sys
 import time
 from typing import Optional
 
-from ..shapes import ShapeError
-from .shards import LatentShardWriter
-from .synthetic import DEFAULT_TEXT_LEN, DataError, SyntheticLatentDataset
+from ds_adaptive.core.shapes import ShapeError
+from ds_adaptive.data.shards import LatentShardWriter
+from ds_adaptive.data.synthetic import DEFAULT_TEXT_LEN, DataError, SyntheticLatentDataset
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,8 +44,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.num_samples < 1:
         print(f"ds-adaptive synth: --num-samples must be >= 1, got {args.num_samples}", file=sys.stderr)
         return 2
-    from ..models.family import ModelError
-    from ..models.registry import default_model, get_model
+    from ds_adaptive.models.family import ModelError
+    from ds_adaptive.models.registry import default_model, get_model
 
     try:
         model = get_model(args.model or default_model())

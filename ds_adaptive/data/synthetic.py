@@ -29,7 +29,7 @@ from typing import Sequence, Union
 import numpy as np
 import torch
 
-from ..shapes import InputSpec, SampleShape, ShapeWeight, default_input_spec, load_shape_distribution
+from ds_adaptive.core.shapes import InputSpec, SampleShape, ShapeWeight, default_input_spec, load_shape_distribution
 
 DEFAULT_WORLD_SEED = 20250225  # fixes the learnable "world"
 DEFAULT_TEXT_LEN = (16, 256)

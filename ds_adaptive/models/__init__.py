@@ -5,6 +5,6 @@ FLOPs, weight adapter, objective options. The rest of the package asks it and ne
 module. Families: ``wan21`` (Wan 2.1 T2V); the Wan-architecture code is ``wan`` (the DiT, diffusers'
 numerics), ``weights`` (diffusers / original checkpoints), ``flops``; ``testing`` holds test helpers.
 """
-from .family import (DiffusionTransformer, MediaDefaults, Model, ModelError, ModelFamily,  # noqa: F401
+from ds_adaptive.models.family import (DiffusionTransformer, MediaDefaults, Model, ModelError, ModelFamily,  # noqa: F401
                      ObjectiveOptions, Preset, WeightAdapter)
-from .registry import default_model, families, get_model, model_names  # noqa: F401
+from ds_adaptive.models.registry import default_model, families, get_model, model_names  # noqa: F401

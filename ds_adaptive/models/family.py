@@ -23,7 +23,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
-from ds_adaptive.shapes import GridRule, InputSpec
+from ds_adaptive.core.shapes import GridRule, InputSpec
 
 __all__ = ["ModelError", "BlockFusionUnavailable", "DiffusionTransformer", "WeightAdapter", "LoraTargets",
            "ObjectiveOptions", "MediaDefaults", "Preset", "ModelFamily", "Model", "set_plain_attr", "sigma_to_u"]
@@ -141,7 +141,7 @@ class WeightAdapter(Protocol):
 
 @dataclass(frozen=True)
 class LoraTargets:
-    """Where LoRA adapters can go in a family's model (``ds_adaptive.lora``): linears inside every block, by
+    """Where LoRA adapters can go in a family's model (``ds_adaptive.training.lora``): linears inside every block, by
     module path, grouped under names a config may use."""
 
     block_prefix: str
@@ -181,7 +181,7 @@ def sigma_to_u(sigma: float, shift: float) -> float:
 
 @dataclass(frozen=True)
 class ObjectiveOptions:
-    """How a preset is trained (``ds_adaptive.objective``); the trainer's ``--objective KEY=VALUE`` overrides fields."""
+    """How a preset is trained (``ds_adaptive.models.objective``); the trainer's ``--objective KEY=VALUE`` overrides fields."""
 
     sigma_range: tuple[float, float] = (0.0, 1.0)
     """Noise levels [lo, hi) the model is trained on (sigma = timestep / 1000 after the shift). An expert of a

@@ -72,7 +72,7 @@ def apply_block_fusion(model, mode: str) -> Optional[str]:
     if mode == "off":
         model.set_block_fusion()
         return None
-    from ds_adaptive.config import ConfigError
+    from ds_adaptive.core.config import ConfigError
     from ds_adaptive.ops.qk_norm_rope import tiles
 
     try:   # the kernel's launch override, checked before the run starts (one line, exit 2)

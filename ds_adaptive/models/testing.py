@@ -59,7 +59,7 @@ class AttentionCalls:
     def __init__(self) -> None:
         from torch.utils._python_dispatch import TorchDispatchMode
 
-        from ds_adaptive.recompute import kept_attention_ops
+        from ds_adaptive.models.recompute import kept_attention_ops
 
         counter = self
 

@@ -58,7 +58,7 @@ from ds_adaptive.models import lean_backward
 # fp32_layer_norm: the cross-attention LayerNorm (``FP32LayerNorm``), keeping its bf16 input, not the fp32 copy
 from ds_adaptive.models.lean_backward import (RecomputedInput, RecomputingLinear, flat_linear, fp32_layer_norm,
                                               gelu_tanh, linear_on)
-from ds_adaptive.recompute import CHECKPOINT_ATTENTION_MODES, keep_attention_context, self_attention_core
+from ds_adaptive.models.recompute import CHECKPOINT_ATTENTION_MODES, keep_attention_context, self_attention_core
 from ds_adaptive.models.rope import apply_rope, rope_table  # noqa: F401  (rope_table: part of this module's API)
 from ds_adaptive.models.wan21 import FAMILY as _WAN21
 # Plain torch by default: the fused op is opt-in (adaptive_load.fused_ln_modulate -> set_ln_modulate),
@@ -70,7 +70,7 @@ Input = Union[torch.Tensor, RecomputedInput]
 AttentionFn = Callable[..., torch.Tensor]
 """``fn(q, k, v, **kwargs) -> out``, all ``[B, S, H, Dh]``."""
 TokenOrder = Any
-"""An object with ``to_cube(x, grid, dim)`` / ``to_raster(x, grid, dim)`` (``ds_adaptive.sparse.CubeOrder``)."""
+"""An object with ``to_cube(x, grid, dim)`` / ``to_raster(x, grid, dim)`` (``ds_adaptive.attention.CubeOrder``)."""
 LnModulateFn = Callable[..., torch.Tensor]
 """``fn(x, shift, scale, eps, weight=None, bias=None) -> y`` like ``ds_adaptive.ops.ln_modulate``."""
 
@@ -352,7 +352,7 @@ class WanSelfAttention(_Attention):
         else:
             q, k, v = self._qkv(x, x)
             q, k = apply_rope(q, freqs), apply_rope(k, freqs)
-        with self_attention_core():  # a ``keep`` checkpoint keeps this core's SDPA outputs (ds_adaptive.recompute)
+        with self_attention_core():  # a ``keep`` checkpoint keeps this core's SDPA outputs (ds_adaptive.models.recompute)
             out = attn_fn(q, k, v, **attn_kwargs)
         return self.o(out.reshape(x.shape[0], x.shape[1], -1).to(x.dtype))
 
@@ -525,7 +525,7 @@ class WanModel(nn.Module):
         self.gradient_checkpointing = False
         self.checkpoint_blocks: Optional[int] = None
         # what a checkpointed block's backward recomputes: "recompute" all of it, "keep" all but the
-        # self-attention core (ds_adaptive.recompute; set_checkpoint_attention)
+        # self-attention core (ds_adaptive.models.recompute; set_checkpoint_attention)
         self.checkpoint_attention = "recompute"
         self.set_attention(None)
         self.set_token_order(None)
@@ -551,7 +551,7 @@ class WanModel(nn.Module):
     def set_token_order(self, order: Optional[TokenOrder]) -> None:
         """Permute the tokens once after the patch embedding (and the RoPE table rows the same way)
         and restore raster order in ``unpatchify``; ``order`` has ``to_cube(x, grid, dim)`` /
-        ``to_raster(x, grid, dim)`` (e.g. ``ds_adaptive.sparse.CubeOrder``). None: raster order."""
+        ``to_raster(x, grid, dim)`` (e.g. ``ds_adaptive.attention.CubeOrder``). None: raster order."""
         _set_plain_attr(self, "token_order", order)
 
     def order_tokens(self, tokens: torch.Tensor, grid: Grid) -> torch.Tensor:
@@ -589,7 +589,7 @@ class WanModel(nn.Module):
                              per_token: bool = False) -> float:
         """Compile the installed block-fusion pieces for a plan's ``micro_batches`` ((B, tokens per rank) pairs)
         before its steps run them (:func:`ds_adaptive.models.fusion.warm_up`; the trainer's
-        :class:`~ds_adaptive.fusion_warmup.FusionWarmup` calls it); seconds spent, 0.0 with block fusion off.
+        :class:`~ds_adaptive.training.fusion_warmup.FusionWarmup` calls it); seconds spent, 0.0 with block fusion off.
         Raises ``BlockFusionUnavailable`` with the blocks back on eager when torch.compile cannot work."""
         from ds_adaptive.models.fusion import warm_up
 
@@ -603,7 +603,7 @@ class WanModel(nn.Module):
     def set_checkpoint_blocks(self, n: Optional[int]) -> None:
         """Checkpoint only the first ``n`` blocks (0..num_layers; more is clamped to all) while grad is
         enabled; ``None`` restores ``gradient_checkpointing``'s all-or-nothing. Set before each forward
-        (the trainer does, per micro-batch, from the checkpoint plan of ``ds_adaptive.balance.memory``):
+        (the trainer does, per micro-batch, from the checkpoint plan of ``ds_adaptive.planning.memory``):
         the first blocks are the ones backward reaches last, when the whole blocks after them are freed."""
         if n is not None and (isinstance(n, bool) or int(n) != n or n < 0):
             raise WanConfigError(f"set_checkpoint_blocks: n must be an int >= 0 or None, got {n!r}")
@@ -612,7 +612,7 @@ class WanModel(nn.Module):
     def set_checkpoint_attention(self, mode: str) -> None:
         """``sampler.checkpoint_attention``: ``recompute`` (a checkpointed block runs its whole forward again in
         backward) or ``keep`` (it keeps its self-attention core's output and log-sum-exp and recomputes the
-        rest: :mod:`ds_adaptive.recompute`). Gradients are the same either way."""
+        rest: :mod:`ds_adaptive.models.recompute`). Gradients are the same either way."""
         if mode not in CHECKPOINT_ATTENTION_MODES:
             raise WanConfigError(f"set_checkpoint_attention: mode must be one of {list(CHECKPOINT_ATTENTION_MODES)}, "
                                  f"got {mode!r}")

@@ -454,7 +454,7 @@ def save_wan_weights(model: WanModel, directory: PathLike, layout: str = "wan") 
     """Write ``config.json`` + ``diffusion_pytorch_model.safetensors`` in the original Wan layout
     (``layout="wan"``) or diffusers' (``layout="diffusers"``, loadable by
     ``WanTransformer3DModel.from_pretrained``). Returns the weights file."""
-    from ds_adaptive.files import save_safetensors
+    from ds_adaptive.core.files import save_safetensors
     if layout not in ("wan", "diffusers"):
         raise ValueError(f"layout must be 'wan' or 'diffusers', got {layout!r}")
     out = Path(directory)

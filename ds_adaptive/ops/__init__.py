@@ -3,7 +3,7 @@
 Note: ``ds_adaptive.ops.ln_modulate`` is the function; the module of the same name is
 ``importlib.import_module("ds_adaptive.ops.ln_modulate")``.
 """
-from .ln_modulate import (  # noqa: F401
+from ds_adaptive.ops.ln_modulate import (  # noqa: F401
     LayerNormModulate,
     get_mode,
     ln_modulate,
@@ -11,4 +11,4 @@ from .ln_modulate import (  # noqa: F401
     load_op,
     op_status,
 )
-from .apply import apply_ln_modulate  # noqa: F401,E402
+from ds_adaptive.ops.apply import apply_ln_modulate  # noqa: F401,E402

@@ -15,7 +15,7 @@ DeepSpeed, so it differs from DeepSpeed's own builders in three places:
   flags, so neither DeepSpeed 0.19.8's parser (which fails on ``9.0a``: "invalid literal for
   int(): '0a'") nor torch's re-reads the variable.
 
-Register it in DeepSpeed's op registry with ``ds_adaptive.patches.deepspeed.register_ops()``.
+Register it in DeepSpeed's op registry with ``ds_adaptive.integrations.deepspeed.register_ops()``.
 """
 from __future__ import annotations
 

@@ -130,7 +130,7 @@ def _load_extension():
         if _STATE.tried:
             return _STATE.ext
         try:
-            from .builder import LNModulateBuilder
+            from ds_adaptive.ops.builder import LNModulateBuilder
 
             builder = LNModulateBuilder()
             ext = builder.load(verbose=False)

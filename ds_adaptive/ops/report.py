@@ -20,7 +20,7 @@ def collect(load: bool = False) -> Dict[str, Any]:
     import torch
 
     info: Dict[str, Any] = {}
-    from .ln_modulate import ENV_VAR, get_mode, load_op, op_status
+    from ds_adaptive.ops.ln_modulate import ENV_VAR, get_mode, load_op, op_status
 
     try:
         info["mode"] = get_mode()
@@ -77,7 +77,7 @@ def collect(load: bool = False) -> Dict[str, Any]:
         ext = load_op(strict=False)
         info["load"] = op_status()
         if ext is not None and torch.cuda.is_available():
-            from .ln_modulate import ln_modulate, ln_modulate_reference
+            from ds_adaptive.ops.ln_modulate import ln_modulate, ln_modulate_reference
 
             x = torch.randn(2, 7, 1536, device="cuda", dtype=torch.bfloat16)
             mod = torch.randn(2, 6, 1536, device="cuda")
@@ -119,7 +119,7 @@ def _print(info: Dict[str, Any]) -> None:
         st = info["load"]
         row("load", f"loaded from {st['source']}" if st["loaded"] else f"FAILED: {st['error']}")
         if st.get("kernels"):
-            from .ln_modulate import KERNELS_ENV_VAR
+            from ds_adaptive.ops.ln_modulate import KERNELS_ENV_VAR
 
             row("kernels", f"{st['kernels']}  ({KERNELS_ENV_VAR}; v1 = row in registers, v2 = staged cp.async)")
     if "smoke_max_abs_err" in info:

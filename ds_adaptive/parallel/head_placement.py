@@ -1,5 +1,5 @@
 """Apply a density-balanced head placement around Ulysses attention (the permutation comes from
-:mod:`ds_adaptive.balance.heads`).
+:mod:`ds_adaptive.parallel.placement`).
 
 DeepSpeed's DistributedAttention scatters the head axis (dim 2 of ``[B, S/sp, H, Dh]``) in
 contiguous chunks: SP rank ``r`` attends with heads ``[r*k, (r+1)*k)``. :func:`place_heads` wraps
@@ -16,7 +16,7 @@ predictor) needs to know which original heads it holds: ``head_ids_kwarg="head_i
 tuple of this rank's original head ids to the wrapped fn (it reaches the local attention through
 DistributedAttention's kwargs).
 
-    from ds_adaptive.balance.heads import plan_head_placement
+    from ds_adaptive.parallel.placement import plan_head_placement
     placement = plan_head_placement(densities.density, sp.sp_size, dense_layers=densities.dense_layers)
     apply_head_placement(model, placement, sp)      # per block; re-call when the densities change
     remove_head_placement(model)                    # back to the model's attention fn
@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ds_adaptive.balance.heads import HeadPlacement, check_placement, inverse_permutation, rank_heads
+from ds_adaptive.parallel.placement import HeadPlacement, check_placement, inverse_permutation, rank_heads
 from ds_adaptive.models.family import set_plain_attr
 
 __all__ = ["permute_heads", "place_heads", "apply_head_placement", "remove_head_placement", "current_placement",
@@ -90,7 +90,7 @@ def apply_head_placement(model, placement: Optional[HeadPlacement], sp, *,
     block). Idempotent; call again with a new placement when the densities change; ``None`` restores
     the plain fn on every block.
 
-    ``sp``: the :class:`ds_adaptive.layout.Layout` of the model's SP group (for the rank's head ids) and the
+    ``sp``: the :class:`ds_adaptive.core.layout.Layout` of the model's SP group (for the rank's head ids) and the
     degree the placement must have been planned for."""
     base = model.attention_fn            # set_attention's fn (placement wraps it per block, never replaces it)
     per_layer = getattr(base, "for_layer", None)  # a per-layer fn (the sparse runtime): block i wraps for_layer(i)
@@ -129,8 +129,8 @@ def update_sparse_balance(densities, *, model=None, sp=None, sampler=None, at_st
     density-balanced head placement applied to the model now (``enabled=False``: sparse attention is
     off, every block back to the plain attention). Call on every rank with the same densities.
     Returns the placement applied (None when none)."""
-    from ds_adaptive.balance.heads import plan_head_placement
-    from ds_adaptive.balance.sparse import load_densities
+    from ds_adaptive.parallel.placement import plan_head_placement
+    from ds_adaptive.planning.sparse_cost import load_densities
 
     dm = load_densities(densities)
     if sampler is not None:

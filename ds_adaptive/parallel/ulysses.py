@@ -10,7 +10,7 @@ and runs all blocks on that slice. Self-attention goes through DeepSpeed's
 (the full sequence, 1/sp of the heads), attention runs locally, and a second all-to-all turns
 the result back. Cross-attention, the FFN, norms and RoPE are per token and stay local (the text
 context is replicated). The head runs on the local tokens; the objective computes the loss on the
-shard (``ds_adaptive.objective.per_sample_mse`` of a :class:`LocalOutput`)::
+shard (``ds_adaptive.models.objective.per_sample_mse`` of a :class:`LocalOutput`)::
 
     layout = Layout.detect(sp_size).validate(num_heads=...)  # groups: megatron-core CP, DeepSpeed, or ours
     apply_ulysses(model, layout)                             # DistributedAttention + the sequence runner
@@ -33,7 +33,7 @@ The parameter gradients of the ranks of a group then sum to ``grad L_d``. DeepSp
 the gradients of all ``world = dp*sp`` ranks and divides by ``world`` (ZeRO-3 reduce-scatter, and
 every stage when DeepSpeed has no (dp, sp) mesh), so the reduced gradient is
 ``scale/(dp*sp) * sum_d grad L_d``; the DP-only convention (``1/dp * sum_d grad L_d``) needs
-``scale = sp``. :meth:`ds_adaptive.layout.Layout.check_engine` verifies the engine's setup and returns it.
+``scale = sp``. :meth:`ds_adaptive.core.layout.Layout.check_engine` verifies the engine's setup and returns it.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from einops import rearrange
 
-from ds_adaptive.layout import Layout
+from ds_adaptive.core.layout import Layout
 from ds_adaptive.models.family import DiffusionTransformer
 
 __all__ = ["SeqShard", "LocalOutput", "UlyssesRunner", "shard_plan", "shard_sequence", "gather_sequence",

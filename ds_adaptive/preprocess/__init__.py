@@ -11,7 +11,7 @@ Modules, one job each:
 
 Needs the ``preprocess`` extra (``pip install 'ds_adaptive[preprocess]'``: av, transformers, diffusers, ftfy).
 """
-from .manifest import ManifestError, MediaItem, read_inputs
-from .policy import PolicyError, ShapePolicy, load_policy
+from ds_adaptive.preprocess.manifest import ManifestError, MediaItem, read_inputs
+from ds_adaptive.preprocess.policy import PolicyError, ShapePolicy, load_policy
 
 __all__ = ["ManifestError", "MediaItem", "read_inputs", "PolicyError", "ShapePolicy", "load_policy"]

@@ -33,10 +33,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Optional
 
-from ..shapes import SampleShape
-from .manifest import ManifestError, MediaItem, read_inputs
-from .media import MediaError, decode_item
-from .policy import PolicyError, ShapePolicy, add_policy_args, model_from_args, policy_from_args
+from ds_adaptive.core.shapes import SampleShape
+from ds_adaptive.preprocess.manifest import ManifestError, MediaItem, read_inputs
+from ds_adaptive.media.decode import MediaError, decode_item
+from ds_adaptive.preprocess.policy import PolicyError, ShapePolicy, add_policy_args, model_from_args, policy_from_args
 
 SETTINGS_FILE = "preprocess.json"
 REJECTS_FILE = "rejects.jsonl"
@@ -153,7 +153,7 @@ def _encode_unit(k: int, unit: range, results, items: list[MediaItem], encoders,
     """Decode (from the loader), encode and write unit ``k``; returns its record (written last)."""
     import torch
 
-    from ..data.shards import LatentShardWriter
+    from ds_adaptive.data.shards import LatentShardWriter
 
     stats = Counter()
     rejects, accepted = [], []  # accepted: (item, [(shape, start, latents)])
@@ -223,7 +223,7 @@ def _encode_unit(k: int, unit: range, results, items: list[MediaItem], encoders,
 def finalize(out: Path, n_units: int, spec=None) -> Optional[dict]:
     """When every unit record exists: write index.json (latents for ``spec``, the model's inputs),
     rejects.jsonl and report.json; else None."""
-    from ..data.shards import write_index
+    from ds_adaptive.data.shards import write_index
 
     records = []
     for k in range(n_units):
@@ -363,7 +363,7 @@ def run(args: argparse.Namespace, encoders=None) -> dict:
     summary["units_done_before"] = sum(1 for k in range(len(units)) if k % world == rank) - len(mine)
     if mine:
         if encoders is None:
-            from .encode import LatentEncoders
+            from ds_adaptive.media.encode import LatentEncoders
 
             encoders = LatentEncoders.from_pretrained(
                 model, vae=args.vae, text_encoder=args.text_encoder, tokenizer=args.tokenizer, pipeline=args.pipeline,
@@ -420,7 +420,7 @@ def run(args: argparse.Namespace, encoders=None) -> dict:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    from .encode import EncoderError
+    from ds_adaptive.media.encode import EncoderError
 
     try:
         summary = run(args)

@@ -11,7 +11,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ds_adaptive.models.testing import AttentionCalls
 from ds_adaptive.models.wan import WanModel, get_wan_config
-from ds_adaptive.recompute import kept_attention_bytes_per_token
+from ds_adaptive.models.recompute import kept_attention_bytes_per_token
 
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION}
@@ -81,7 +81,7 @@ def test_keep_in_a_sparse_run_equals_recompute(backend):
     """Sparse attention (layer 0 dense, SDPA: kept; layers 1-2 block-sparse: recomputed) with every block
     checkpointed: keep gives the recompute's loss and gradients on each block-sparse kernel backend."""
     from ds_adaptive.models.testing import random_init_
-    from ds_adaptive.sparse.runtime import SparseAttentionRuntime
+    from ds_adaptive.attention.runtime import SparseAttentionRuntime
 
     def step(mode):
         model = random_init_(WanModel(get_wan_config("tiny", num_layers=3, dim=256, num_heads=2, ffn_dim=512)),

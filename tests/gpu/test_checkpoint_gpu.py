@@ -11,11 +11,11 @@ deepspeed = pytest.importorskip("deepspeed")
 
 
 def test_zero3_bf16_checkpoint_checksums_on_cuda(tmp_path):
-    from ds_adaptive.checkpoint import check_checkpoint, read_marker, write_checkpoint
-    from ds_adaptive.checksum import file_digest
-    from ds_adaptive.config import prepare_ds_config, read_ds_config
+    from ds_adaptive.training.checkpoint import check_checkpoint, read_marker, write_checkpoint
+    from ds_adaptive.training.checksum import file_digest
+    from ds_adaptive.core.config import prepare_ds_config, read_ds_config
     from ds_adaptive.models.wan import WanModel, get_wan_config
-    from ds_adaptive.trainer import init_distributed
+    from ds_adaptive.training.trainer import init_distributed
 
     init_distributed(0)
     raw = dict(read_ds_config(Path(__file__).resolve().parents[2] / "launch" / "configs" / "zero3_adaptive.json"))

@@ -1,5 +1,5 @@
 """GPU: LoRA with the fused LayerNorm-modulate op (same forward as the torch reference, gradients reach only the
-adapters), and the preview memory bound (ds_adaptive.preview.preview_memory_gib) holds for a no-grad forward of
+adapters), and the preview memory bound (ds_adaptive.training.preview.preview_memory_gib) holds for a no-grad forward of
 the Wan 1.3B at 480p on this GPU's shipped profile."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 
 peft = pytest.importorskip("peft", reason="LoRA needs peft (the wheelhouse's EXTRA_WHEELS, bench/lora_preview.sh)")
 
-from ds_adaptive.config import LoraConfig  # noqa: E402
-from ds_adaptive.lora import apply_lora  # noqa: E402
+from ds_adaptive.core.config import LoraConfig  # noqa: E402
+from ds_adaptive.training.lora import apply_lora  # noqa: E402
 from ds_adaptive.models.testing import random_init_  # noqa: E402
 from ds_adaptive.models.wan import WanModel, get_wan_config  # noqa: E402
 
@@ -54,10 +54,10 @@ def test_lora_with_the_fused_op_matches_the_reference_and_trains_adapters_only()
 
 
 def test_preview_memory_bound_holds_for_the_1_3b_at_480p():
-    from ds_adaptive.balance.cost import CostModel
-    from ds_adaptive.balance.devices import resolve_auto_profile
-    from ds_adaptive.preview import preview_memory_gib
-    from ds_adaptive.shapes import SampleShape
+    from ds_adaptive.planning.cost import CostModel
+    from ds_adaptive.planning.devices import resolve_auto_profile
+    from ds_adaptive.training.preview import preview_memory_gib
+    from ds_adaptive.core.shapes import SampleShape
 
     profile, _ = resolve_auto_profile("wan2.1-1.3b")
     profile, _ = profile.for_ln_modulate("reference")

@@ -31,7 +31,7 @@ def test_kernel_matches_fp64_within_torchs_own_error(poisoned, dtype, size):
 
 
 def test_a_new_sequence_length_compiles_no_new_kernel():
-    from ds_adaptive.sparse.kernels.triton_block_sparse import kernel_variants
+    from ds_adaptive.attention.kernels.triton_block_sparse import kernel_variants
 
     kernels = op._kernels().ALL_KERNELS
     counts = []

@@ -7,13 +7,13 @@ import json
 
 import pytest
 
-from ds_adaptive.balance.cost import CostModel, load_profile
-from ds_adaptive.balance.selection_cost import SelectionCost
-from ds_adaptive.balance.sparse import DensityMap, SparseAttentionCost
+from ds_adaptive.planning.cost import CostModel, load_profile
+from ds_adaptive.planning.selection_cost import SelectionCost
+from ds_adaptive.planning.sparse_cost import DensityMap, SparseAttentionCost
 
 
 def test_measure_fit_and_profile_round_trip(tmp_path):
-    from ds_adaptive.balance.calibrate_sparse import main
+    from ds_adaptive.calibration.sparse import main
 
     out = tmp_path / "prof.json"
     assert main(["--selection", "--profile", "h200-wan2.1-1.3b", "--out", str(out), "--iters", "3",

@@ -9,11 +9,11 @@ import math
 import pytest
 import torch
 
-from ds_adaptive.sparse import (BlockSelection, SparseAttentionRuntime, SparseKernelError, dense_attention,
+from ds_adaptive.attention import (BlockSelection, SparseAttentionRuntime, SparseKernelError, dense_attention,
                                 flex_block_sparse_attention, masked_attention_reference, select_blocks)
-from ds_adaptive.sparse.backends import backend_names, get_backend
-from ds_adaptive.sparse.backends.flex import compiled_graphs
-from ds_adaptive.sparse.backends.measure import random_selection
+from ds_adaptive.attention.backends import backend_names, get_backend
+from ds_adaptive.attention.backends.flex import compiled_graphs
+from ds_adaptive.attention.backends.measure import random_selection
 
 DEV = "cuda"
 
@@ -123,7 +123,7 @@ def test_every_backend_equals_the_masked_reference(name, b, s, h, valid) -> None
 
 
 def test_pooled_lse_scores_on_cuda_equal_fp64() -> None:
-    from ds_adaptive.sparse.selection import pooled_lse_scores
+    from ds_adaptive.attention.selection import pooled_lse_scores
 
     q, k, _ = _qkv(2, 1000, 3, 128, seed=21)
     got = pooled_lse_scores(q.detach(), k.detach(), 128, chunk_elems=2 * 3 * 1000 * 3)  # 3 query blocks a chunk

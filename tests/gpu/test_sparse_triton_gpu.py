@@ -11,12 +11,12 @@ import math
 import pytest
 import torch
 
-from ds_adaptive.sparse.attention import dense_attention
-from ds_adaptive.sparse.backends import get_backend
-from ds_adaptive.sparse.kernels import (KernelConfig, TileConfig, compiled_kernels, config_for, reference_attention,
+from ds_adaptive.attention.attention import dense_attention
+from ds_adaptive.attention.backends import get_backend
+from ds_adaptive.attention.kernels import (KernelConfig, TileConfig, compiled_kernels, config_for, reference_attention,
                                         triton_block_sparse_attention, triton_status)
-from ds_adaptive.sparse.kernels import triton_block_sparse as op
-from ds_adaptive.sparse.selection import BlockSelection, select_blocks
+from ds_adaptive.attention.kernels import triton_block_sparse as op
+from ds_adaptive.attention.selection import BlockSelection, select_blocks
 
 DEV = "cuda"
 pytestmark = pytest.mark.skipif(not triton_status()[0], reason=f"needs triton: {triton_status()[1]}")
@@ -161,7 +161,7 @@ def test_triton_backend_runs_and_warms_up() -> None:
 def _tiny_wan_step(backend: str):
     from ds_adaptive.models.testing import random_init_
     from ds_adaptive.models.wan import WanConfig, WanModel
-    from ds_adaptive.sparse import SparseAttentionRuntime
+    from ds_adaptive.attention import SparseAttentionRuntime
 
     cfg = WanConfig(dim=256, ffn_dim=512, num_heads=2, num_layers=3)
     model = random_init_(WanModel(cfg), seed=0).to(DEV).to_dtype(torch.bfloat16)
@@ -232,8 +232,8 @@ SCORE_CASES = [
 
 @pytest.mark.parametrize("b,s,h,d,block,dtype", SCORE_CASES)
 def test_pooled_scores_kernel_matches_fp64_and_selects_like_the_torch_path(monkeypatch, b, s, h, d, block, dtype):
-    from ds_adaptive.sparse.kernels import triton_block_scores as sc
-    from ds_adaptive.sparse.selection import blocks_for_density, pooled_lse_scores, pooled_lse_scores_torch
+    from ds_adaptive.attention.kernels import triton_block_scores as sc
+    from ds_adaptive.attention.selection import blocks_for_density, pooled_lse_scores, pooled_lse_scores_torch
 
     monkeypatch.setattr(sc, "_alloc", lambda *a, **kw: torch.full(*a, float("nan"), **kw))
     q, k = _structured_qk(b, s, h, d, dtype, seed=s)
@@ -255,9 +255,9 @@ def test_pooled_scores_kernel_matches_fp64_and_selects_like_the_torch_path(monke
 def test_pooled_scores_kernel_reads_strided_views_and_compiles_once() -> None:
     """q, k as head slices of a packed [B, S, 3, H, D] projection give the contiguous result; new S and B after one
     warm call reuse the compiled kernel."""
-    from ds_adaptive.sparse.kernels import _triton_block_scores as kmod
-    from ds_adaptive.sparse.kernels.triton_block_scores import triton_pooled_lse_scores
-    from ds_adaptive.sparse.kernels.triton_block_sparse import kernel_variants
+    from ds_adaptive.attention.kernels import _triton_block_scores as kmod
+    from ds_adaptive.attention.kernels.triton_block_scores import triton_pooled_lse_scores
+    from ds_adaptive.attention.kernels.triton_block_sparse import kernel_variants
 
     qkv = torch.randn(2, 3001, 3, 6, 128, device=DEV, dtype=torch.bfloat16) * 3
     q, k = qkv[:, :, 0, 1:4], qkv[:, :, 1, 2:5]

@@ -1,0 +1,233 @@
+"""Block selection: per query block, the top-k key blocks by predicted score (k per head).
+
+Shapes: ``B`` batch, ``H`` (local) heads, ``nq = nk = ceil(S / block)`` blocks of consecutive
+(cube-ordered) tokens. A selection is stored FlexAttention-style but compact: ``kv_num [B, H, nq]``
+int32 blocks per query block and ``kv_idx [B, H, nq, kmax]`` int32 block indices (ascending) whose
+first ``kv_num`` entries are the selected blocks (the rest is padding, never read); kmax <= nk is
+the largest k, so a layer's cached selection costs O(nq * k), not O(nq * nk).
+``attention.block_mask_from_selection`` widens it to what ``BlockMask.from_kv_blocks`` takes
+(we pass the blocks as *full* blocks: no mask_mod runs).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+class SelectionError(ValueError):
+    """Invalid selection arguments (k per head, densities, shapes)."""
+
+
+@dataclass
+class BlockSelection:
+    """Selected key blocks per (sample, head, query block)."""
+
+    kv_num: torch.Tensor
+    """[B, H, nq] int32: number of selected key blocks of each query block."""
+    kv_idx: torch.Tensor
+    """[B, H, nq, kmax] int32 (kmax <= nk): selected key-block indices first (``kv_idx[..., :kv_num]``), ascending."""
+    block_size: int
+    """Tokens per block (query and key)."""
+    seq_len: int
+    """S: tokens (the last block may be partial)."""
+
+    @property
+    def num_blocks(self) -> int:
+        """nk = nq = ceil(seq_len / block_size)."""
+        return math.ceil(self.seq_len / self.block_size)
+
+    def flex_indices(self) -> torch.Tensor:
+        """``[B, H, nq, nk]`` int32 contiguous: kv_idx widened with zeros (BlockMask.from_kv_blocks' layout)."""
+        pad = self.num_blocks - self.kv_idx.shape[-1]
+        return torch.nn.functional.pad(self.kv_idx, (0, pad)).contiguous() if pad else self.kv_idx.contiguous()
+
+    def density(self) -> torch.Tensor:
+        """[H] share of (query block, key block) pairs selected, averaged over the batch."""
+        return self.kv_num.float().mean(dim=(0, 2)) / self.num_blocks
+
+    def dense_block_mask(self) -> torch.Tensor:
+        """[B, H, nq, nk] bool: True where a key block is selected."""
+        nk = self.num_blocks
+        valid = torch.arange(self.kv_idx.shape[-1], device=self.kv_idx.device) < self.kv_num.unsqueeze(-1)
+        idx = torch.where(valid, self.kv_idx.long(), nk)
+        dense = torch.zeros(*self.kv_idx.shape[:-1], nk + 1, dtype=torch.bool, device=self.kv_idx.device)
+        dense.scatter_(-1, idx, True)
+        return dense[..., :nk]
+
+    def token_mask(self) -> torch.Tensor:
+        """[B, H, S, S] bool token-level mask (for the masked dense reference; S^2 memory)."""
+        m = self.dense_block_mask()
+        s, bs = self.seq_len, self.block_size
+        return m.repeat_interleave(bs, dim=-2).repeat_interleave(bs, dim=-1)[..., :s, :s]
+
+    @classmethod
+    def from_dense(cls, mask: torch.Tensor, block_size: int, seq_len: int) -> "BlockSelection":
+        """From a [B, H, nq, nk] bool block mask."""
+        m = mask.to(torch.int32)
+        kv_num = m.sum(-1, dtype=torch.int32)
+        kv_idx = torch.argsort(m, dim=-1, descending=True, stable=True).to(torch.int32)
+        return cls(kv_num=kv_num.contiguous(), kv_idx=kv_idx.contiguous(), block_size=block_size, seq_len=seq_len)
+
+    @classmethod
+    def full(cls, batch: int, heads: int, seq_len: int, block_size: int, device=None) -> "BlockSelection":
+        """Every key block for every query block (== dense attention)."""
+        n = math.ceil(seq_len / block_size)
+        kv_num = torch.full((batch, heads, n), n, dtype=torch.int32, device=device)
+        kv_idx = torch.arange(n, dtype=torch.int32, device=device).expand(batch, heads, n, n).contiguous()
+        return cls(kv_num=kv_num, kv_idx=kv_idx, block_size=block_size, seq_len=seq_len)
+
+
+def blocks_for_density(density: torch.Tensor | Sequence[float], num_blocks: int, *,
+                       min_density: float = 0.0, max_density: float = 1.0) -> torch.Tensor:
+    """[H] int64 key blocks per query block: ``ceil(clamp(density) * nk)``, at least 1, at most nk."""
+    d = torch.as_tensor(density, dtype=torch.float64)
+    if d.dim() != 1:
+        raise SelectionError(f"density must be one value per head ([H]), got shape {list(d.shape)}")
+    if not 0.0 <= min_density <= max_density <= 1.0:
+        raise SelectionError(f"need 0 <= min_density ({min_density}) <= max_density ({max_density}) <= 1")
+    d = d.clamp(min_density, max_density)
+    return torch.ceil(d * num_blocks - 1e-9).long().clamp(1, num_blocks)
+
+
+def select_blocks(scores: torch.Tensor, k_per_head: torch.Tensor, *, seq_len: int, block_size: int,
+                  keep_diagonal: bool = True, keep_sink: bool = False, inplace: bool = False) -> BlockSelection:
+    """Top-k key blocks per query block.
+
+    scores: [B, H, nq, nk] predicted block scores (any float dtype; higher = more attention).
+    k_per_head: [H] ints in [1, nk]: key blocks per query block of each head.
+    keep_diagonal: the query block's own key block (nq == nk) is always selected (it counts in k);
+    keep_sink: key block 0 is always selected too. ``inplace``: fp32 ``scores`` may be overwritten
+    (saves a copy; the runtime passes its own fresh scores). No host sync: k is validated on the host.
+    """
+    b, h, nq, nk = scores.shape
+    k = torch.as_tensor(k_per_head).long().cpu()  # validated on the host: no device sync
+    if k.shape != (h,):
+        raise SelectionError(f"k_per_head must have one entry per head ({h}), got shape {list(k.shape)}")
+    if int(k.min()) < 1 or int(k.max()) > nk:
+        raise SelectionError(f"k_per_head must be in [1, {nk}] (key blocks), got {k.tolist()}")
+    forced = int(keep_diagonal) + int(keep_sink)
+    if nq != nk and keep_diagonal:
+        raise SelectionError(f"keep_diagonal needs nq == nk, got {nq} query and {nk} key blocks")
+    k = k.clamp(min=min(forced, nk)) if forced else k
+    kmax = int(k.max())
+    s = scores if inplace and scores.dtype == torch.float32 else scores.float().clone()
+    big = torch.finfo(torch.float32).max
+    if keep_diagonal:
+        s.diagonal(dim1=-2, dim2=-1).fill_(big)
+    if keep_sink:
+        s[..., 0] = big
+    one_k = int(k.min()) == kmax  # one k for all heads (e.g. forced density): no padding entries
+    # (per-head k: by score, so that a head's first k entries are its top k)
+    top = torch.topk(s, kmax, dim=-1, sorted=not one_k).indices  # [B, H, nq, kmax]
+    # ascending block order inside each row's selection (K/V locality; block_mask_from_selection
+    # relies on it to find the ragged last block at position kv_num - 1)
+    if one_k:
+        kv_idx = top.to(torch.int32).sort(dim=-1).values
+        kv_num = torch.full((b, h, nq), kmax, dtype=torch.int32, device=s.device)
+        return BlockSelection(kv_num=kv_num, kv_idx=kv_idx, block_size=block_size, seq_len=seq_len)
+    k_dev = k.to(s.device, non_blocking=True)
+    valid = torch.arange(kmax, device=s.device) < k_dev.view(1, h, 1, 1)
+    top = torch.where(valid, top, nk).sort(dim=-1).values
+    kv_idx = torch.where(top < nk, top, 0).to(torch.int32).contiguous()
+    kv_num = k_dev.view(1, h, 1).expand(b, h, nq).to(torch.int32).contiguous()
+    return BlockSelection(kv_num=kv_num, kv_idx=kv_idx, block_size=block_size, seq_len=seq_len)
+
+
+def pool_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Mean over blocks of consecutive tokens: [B, S, H, r] -> [B, H, n, r] fp32 (partial last block: its own mean).
+
+    Sums in fp32 straight from x's dtype (no fp32 copy, no padding copy of x)."""
+    b, s, h, r = x.shape
+    full = s // block_size
+    parts = []
+    if full:
+        parts.append(x[:, :full * block_size].reshape(b, full, block_size, h, r).sum(2, dtype=torch.float32)
+                     .div_(block_size))
+    if full * block_size < s:
+        parts.append(x[:, full * block_size:].sum(1, keepdim=True, dtype=torch.float32).div_(s - full * block_size))
+    out = torch.cat(parts, 1) if len(parts) > 1 else parts[0]
+    return out.transpose(1, 2)
+
+
+SCORE_CHUNK_ELEMS = 1 << 26
+"""Query-key logits of :func:`pooled_lse_scores_torch` held at once (64 Mi elements: 128 MiB in bf16)."""
+
+
+def pooled_queries(q: torch.Tensor, block_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """The query blocks' mean queries scaled by ``1 / sqrt(Dh)``, in ``dtype``: [B, S, H, Dh] -> [B, H, nq, Dh]
+    (a strided view order; what both pooled-score paths multiply with the keys)."""
+    return pool_blocks(q, block_size).mul_(q.shape[-1] ** -0.5).to(dtype)
+
+
+SCORE_IMPLS = ("auto", "torch", "triton")
+"""``pooled_lse_scores(impl=)``: ``auto`` = the fused Triton kernel on CUDA where it runs, else torch."""
+
+
+@torch.no_grad()
+def pooled_lse_scores(q: torch.Tensor, k: torch.Tensor, block_size: int, *,
+                      chunk_elems: int = SCORE_CHUNK_ELEMS, impl: str = "auto") -> torch.Tensor:
+    """Block scores from the real q and k: for query block i and key block j, the log-sum-exp over
+    the keys of block j of the block's mean query's scaled logits, ``log sum_{t in j} exp(qbar_i .
+    k_t / sqrt(Dh))`` (the log of the block's softmax mass up to the row's normaliser, for the mean
+    query). q, k ``[B, S, H, Dh]`` -> ``[B, H, nq, nk]`` fp32.
+
+    No predictor: the logits are exact for the mean query, so what a block holds (a sink, a far
+    region, the local window through RoPE) is seen as attention sees it. Cost per head
+    ``nq * S * Dh`` multiply-adds (tensor cores) and ``nq * S`` exps.
+
+    The one dispatch point of the two implementations: ``impl="auto"`` runs the fused Triton kernel
+    (:func:`ds_adaptive.attention.kernels.triton_block_scores.triton_pooled_lse_scores`: logits kept in
+    registers) on CUDA tensors it takes (triton importable; head dim, block and dtype it compiles for),
+    else :func:`pooled_lse_scores_torch` (the reference; CPU). ``"torch"`` / ``"triton"`` force one
+    (``"triton"`` on CPU tensors only under ``TRITON_INTERPRET=1``). ``chunk_elems``: the torch path's
+    logits held at once."""
+    if impl not in SCORE_IMPLS:
+        raise SelectionError(f"impl must be one of {SCORE_IMPLS}, got {impl!r}")
+    if impl == "auto" and q.is_cuda:
+        from ds_adaptive.attention.kernels.triton_block_scores import scores_unsupported
+
+        impl = "triton" if scores_unsupported(q, k, block_size, allow_interpreter=False) is None else "torch"
+    if impl == "triton":
+        from ds_adaptive.attention.kernels.triton_block_scores import triton_pooled_lse_scores
+
+        return triton_pooled_lse_scores(q, k, block_size)
+    return pooled_lse_scores_torch(q, k, block_size, chunk_elems=chunk_elems)
+
+
+def warm_pooled_lse_scores(device, dtype: torch.dtype, heads: int, head_dim: int, block_size: int) -> float:
+    """One tiny :func:`pooled_lse_scores` call on ``device`` (compiles the Triton kernel where the dispatch picks it:
+    once, S and B are run-time arguments); seconds spent."""
+    t0 = time.perf_counter()
+    x = torch.zeros(1, block_size + 1, heads, head_dim, device=device, dtype=dtype)
+    pooled_lse_scores(x, x, block_size)
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)
+    return time.perf_counter() - t0
+
+
+@torch.no_grad()
+def pooled_lse_scores_torch(q: torch.Tensor, k: torch.Tensor, block_size: int, *,
+                            chunk_elems: int = SCORE_CHUNK_ELEMS) -> torch.Tensor:
+    """:func:`pooled_lse_scores` in torch (the reference of the Triton kernel and the CPU path): the
+    logits in q's dtype by matmul, then an fp32 log-sum-exp per key block, in query chunks of at most
+    ``chunk_elems`` logits (memory bounded whatever S; memory bound in time: the logits round-trip)."""
+    b, s, h, d = q.shape
+    nb = -(-s // block_size)
+    full = s // block_size
+    qbar = pooled_queries(q, block_size, k.dtype)  # [B, H, nq, Dh]
+    kt = k.permute(0, 2, 3, 1)  # [B, H, Dh, S] (a view)
+    out = torch.empty(b, h, nb, nb, dtype=torch.float32, device=q.device)
+    step = max(1, chunk_elems // max(1, b * h * s))
+    for i in range(0, nb, step):
+        lg = torch.matmul(qbar[:, :, i:i + step], kt)  # [B, H, c, S]
+        c = lg.shape[2]
+        if full:
+            out[:, :, i:i + c, :full] = torch.logsumexp(
+                lg[..., :full * block_size].unflatten(-1, (full, block_size)).float(), dim=-1)
+        if full < nb:
+            out[:, :, i:i + c, full] = torch.logsumexp(lg[..., full * block_size:].float(), dim=-1)
+    return out

@@ -1,0 +1,251 @@
+"""``ds-adaptive calibrate --sparse``: the block-sparse attention kernel's cost vs density on this GPU.
+
+Times fwd+bwd of FlexAttention block-sparse attention (``BlockMask.from_kv_blocks``, 128x128 blocks,
+the selected key blocks passed as *full* blocks so that no mask_mod runs; per head and query block
+``round(rho * blocks)`` random key blocks, at least one) against dense SDPA (the default backend,
+cuDNN on Hopper) at the same shape, and writes the efficiency table ``g(rho) = sparse / dense``
+into a profile json (``sparse_attention`` section), which :class:`ds_adaptive.planning.sparse_cost.KernelEfficiency`
+reads. With ``ds_adaptive.attention`` (issue 14) in place the same table can be measured on its op;
+until then this self-contained timing is the kernel's stand-in (DSV.md: the op is FlexAttention).
+
+    ds-adaptive calibrate --sparse --profile h100-wan2.1-1.3b --out h200-wan2.1-1.3b-sparse.json
+
+``--selection`` instead times the runtime's block selection (scoring + top-k) over a grid of micro-batch
+shapes and writes its fitted cost (:mod:`ds_adaptive.planning.selection_cost`) as the profile's
+``sparse_attention.selection`` (the rest of the profile, an efficiency table included, is kept); the
+planner's sparse cost and its "sparse only where it pays" decision then use it (~10-30 s on an H200)::
+
+    ds-adaptive calibrate --sparse --selection --profile h200-wan2.1-1.3b --out h200-wan2.1-1.3b.json
+
+Layout: q, k, v ``[B, H, S, Dh]`` bf16 (flex/SDPA layout). ``make_block_mask`` and
+``block_mask_dense`` (the boolean ``[H, S, S]`` mask the block mask stands for) are shared with
+``bench/sparse_heads_gpu.py`` and tested on CPU against masked dense attention.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+__all__ = ["select_kv_blocks", "make_block_mask", "block_mask_dense", "time_ms", "measure_efficiency", "main"]
+
+DEFAULT_DENSITIES = (0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.85)
+
+
+def select_kv_blocks(densities: Sequence[float], seq_len: int, *, block: int = 128, seed: int = 0,
+                     device: Any = "cpu"):
+    """Per head ``h`` and query block: ``max(1, round(densities[h] * nb))`` distinct random key blocks
+    (ascending), ``nb = ceil(seq_len / block)``. Returns ``(num [1, H, nb] int32, idx [1, H, nb, nb]
+    int32)`` in ``BlockMask.from_kv_blocks`` layout (the first ``num`` entries of a row are used)."""
+    import torch
+
+    nb = -(-int(seq_len) // block)
+    g = torch.Generator(device="cpu").manual_seed(int(seed))
+    nums, idxs = [], []
+    for rho in densities:
+        n = max(1, min(nb, int(round(float(rho) * nb))))
+        order = torch.rand(nb, nb, generator=g).argsort(dim=-1)
+        chosen, _ = order[:, :n].sort(dim=-1)
+        idx = torch.zeros(nb, nb, dtype=torch.int32)
+        idx[:, :n] = chosen.to(torch.int32)
+        nums.append(torch.full((nb,), n, dtype=torch.int32))
+        idxs.append(idx)
+    return torch.stack(nums)[None].to(device), torch.stack(idxs)[None].to(device)
+
+
+def make_block_mask(densities: Sequence[float], seq_len: int, *, block: int = 128, seed: int = 0, device: Any = "cpu"):
+    """A FlexAttention ``BlockMask`` with the :func:`select_kv_blocks` blocks as full blocks."""
+    import torch
+    from torch.nn.attention.flex_attention import BlockMask
+
+    num, idx = select_kv_blocks(densities, seq_len, block=block, seed=seed, device=device)
+    return BlockMask.from_kv_blocks(torch.zeros_like(num), torch.zeros_like(idx), num, idx, BLOCK_SIZE=block,
+                                    seq_lengths=(int(seq_len), int(seq_len)))
+
+
+def block_mask_dense(densities: Sequence[float], seq_len: int, *, block: int = 128, seed: int = 0):
+    """The boolean ``[H, S, S]`` mask (True = attend) that :func:`make_block_mask` encodes (reference)."""
+    import torch
+
+    num, idx = select_kv_blocks(densities, seq_len, block=block, seed=seed)
+    h, nb = num.shape[1], num.shape[2]
+    blocks = torch.zeros(h, nb, nb, dtype=torch.bool)
+    for head in range(h):
+        for qb in range(nb):
+            blocks[head, qb, idx[0, head, qb, :num[0, head, qb]].long()] = True
+    full = blocks.repeat_interleave(block, 1).repeat_interleave(block, 2)
+    return full[:, :seq_len, :seq_len]
+
+
+def time_ms(fn, *, warmup: int = 3, iters: int = 10) -> float:
+    """Median ms of ``fn()`` over ``iters`` CUDA-event-timed calls after ``warmup`` calls."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def fwd_bwd_fns(heads: int, seq_len: int, head_dim: int, *, device: str = "cuda", seed: int = 0):
+    """``(dense(), sparse(block_mask))``: closures that run fwd+bwd of SDPA / compiled flex attention
+    on fixed random bf16 ``[1, heads, seq_len, head_dim]`` inputs."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention.flex_attention import flex_attention
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    q, k, v = (torch.randn(1, heads, seq_len, head_dim, device=device, dtype=torch.bfloat16, generator=g)
+               .requires_grad_(True) for _ in range(3))
+    dout = torch.randn(1, heads, seq_len, head_dim, device=device, dtype=torch.bfloat16, generator=g)
+    flex = torch.compile(flex_attention, dynamic=False)
+
+    def dense():
+        out = F.scaled_dot_product_attention(q, k, v)
+        torch.autograd.grad(out, (q, k, v), dout)
+
+    def sparse(mask):
+        out = flex(q, k, v, block_mask=mask)
+        torch.autograd.grad(out, (q, k, v), dout)
+
+    return dense, sparse
+
+
+def measure_efficiency(seq_lens: Sequence[int], densities: Sequence[float], *, heads: int, head_dim: int,
+                       iters: int = 10, log=print) -> dict:
+    """Time dense SDPA and block-sparse flex at every (S, rho); the table is the median over S of
+    sparse / dense per density."""
+    import torch
+
+    rows = []
+    for s in seq_lens:
+        dense, sparse = fwd_bwd_fns(heads, s, head_dim)
+        t_dense = time_ms(dense, iters=iters)
+        flops = 4 * 2 * heads * s * s * head_dim * 1.0   # fwd 2 matmuls; bwd ~2.5x; counted as 3.5 x fwd below
+        for rho in densities:
+            mask = make_block_mask([rho] * heads, s, device="cuda", seed=int(rho * 1000))
+            t = time_ms(lambda: sparse(mask), iters=iters)
+            real = float(mask.kv_num_blocks.sum() + mask.full_kv_num_blocks.sum()) / (heads * mask.full_kv_num_blocks.shape[-1] ** 2)
+            rows.append({"S": s, "density": rho, "block_density": real, "dense_ms": t_dense, "sparse_ms": t,
+                         "ratio": t / t_dense, "dense_tflops": 3.5 * flops / 2 / t_dense / 1e9,
+                         "sparse_eff_tflops": 3.5 * flops / 2 * real / t / 1e9})
+            log(f"S={s:>6} rho={rho:<5} block density {real:.4f}  dense {t_dense:8.2f} ms  sparse {t:8.2f} ms  "
+                f"ratio {t / t_dense:.3f}")
+        del dense, sparse
+        torch.cuda.empty_cache()
+    table_d, table_r = [], []
+    for rho in densities:
+        rs = sorted(r["ratio"] / r["block_density"] * rho for r in rows if r["density"] == rho)
+        table_d.append(float(rho))
+        table_r.append(float(rs[len(rs) // 2]))
+    # keep the curve monotone (timing noise): a denser mask never costs less
+    for i in range(1, len(table_r)):
+        table_r[i] = max(table_r[i], table_r[i - 1])
+    return {"efficiency": {"density": table_d, "ratio": table_r}, "measurements": rows}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="ds-adaptive calibrate --sparse", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profile", default=None,
+                    help="profile (shipped name or json) to add the sparse_attention section to; default: write "
+                         "a json with only that section")
+    ap.add_argument("--out", required=True, help="json to write")
+    ap.add_argument("--seq-lens", default="32768,16384", help="sequence lengths (tokens), comma separated")
+    ap.add_argument("--densities", default=",".join(map(str, DEFAULT_DENSITIES)))
+    ap.add_argument("--heads", type=int, default=12, help="attention heads per call (e.g. 12: a 1.3B model's)")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--selection", action="store_true",
+                    help="time the runtime's block selection instead and write sparse_attention.selection")
+    ap.add_argument("--selection-grid", default=None,
+                    help="--selection: micro-batches B:S,B:S,... (default: images to 81x720x1280 videos)")
+    ap.add_argument("--block-size", type=int, default=128, help="--selection: the runtime's block_size")
+    ap.add_argument("--block-score", default="pooled_lse", help="--selection: the runtime's block_score")
+    args = ap.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("calibrate --sparse needs a CUDA GPU (FlexAttention block-sparse kernels, the selection's timing)",
+              file=sys.stderr)
+        return 2
+    if args.selection:
+        return _selection_main(args, argv)
+    seq_lens = [int(x) for x in args.seq_lens.split(",")]
+    dens = [float(x) for x in args.densities.split(",")]
+    res = measure_efficiency(seq_lens, dens, heads=args.heads, head_dim=args.head_dim, iters=args.iters)
+    section = {"format": "ds_adaptive.sparse_attention/1", "device": torch.cuda.get_device_name(0),
+               "torch": torch.__version__, "date": _dt.date.today().isoformat(),
+               "kernel": "flex_attention block-sparse, 128x128 full blocks, torch.compile; dense: SDPA default",
+               "heads": args.heads, "head_dim": args.head_dim, "seq_lens": seq_lens,
+               "source": "ds-adaptive calibrate --sparse " + " ".join(argv if argv is not None else sys.argv[1:]),
+               **res}
+    data = _base_profile(args.profile)
+    old = data.get("sparse_attention") or {}
+    data["sparse_attention"] = {**section, **({"selection": old["selection"]} if "selection" in old else {})}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(data, indent=1))
+    print("density " + " ".join(f"{d:>6.3f}" for d in res["efficiency"]["density"]))
+    print("ratio   " + " ".join(f"{r:>6.3f}" for r in res["efficiency"]["ratio"]))
+    be = next((d for d, r in zip(res["efficiency"]["density"], res["efficiency"]["ratio"]) if r >= 1.0), None)
+    print(f"break-even density: {be if be is not None else '> ' + str(dens[-1])}; wrote {args.out}")
+    return 0
+
+
+
+def _base_profile(profile: Optional[str]) -> dict:
+    """The profile json (shipped name or path) the section goes into; ``{}`` without one."""
+    if not profile:
+        return {}
+    from ds_adaptive.planning.cost import PROFILES_DIR
+
+    p = Path(profile)
+    p = p if p.is_file() else PROFILES_DIR / f"{profile}.json"
+    if not p.is_file():
+        print(f"calibrate --sparse: --profile {profile}: not a file and not a shipped profile name; give a profile "
+              "json or one of ds_adaptive/planning/profiles/", file=sys.stderr)
+        raise SystemExit(2)
+    return json.loads(p.read_text())
+
+
+def _selection_main(args, argv) -> int:
+    """``--selection``: time the runtime's selection, fit, write ``sparse_attention.selection``."""
+    from ds_adaptive.calibration.selection_timing import DEFAULT_GRID, measure_selection, selection_section
+
+    try:
+        grid = DEFAULT_GRID if not args.selection_grid else tuple(
+            tuple(int(x) for x in pair.split(":")) for pair in args.selection_grid.split(","))
+    except ValueError:
+        print(f"calibrate --sparse --selection: --selection-grid {args.selection_grid!r}: expected B:S,B:S,... "
+              "(e.g. 1:32760,4:32760)", file=sys.stderr)
+        return 2
+    rows = measure_selection(grid, heads=args.heads, head_dim=args.head_dim, block_size=args.block_size,
+                             block_score=args.block_score, iters=args.iters)
+    command = "ds-adaptive calibrate --sparse " + " ".join(argv if argv is not None else sys.argv[1:])
+    sec = selection_section(rows, heads=args.heads, head_dim=args.head_dim, block_size=args.block_size,
+                            block_score=args.block_score, command=command)
+    data = _base_profile(args.profile)
+    data.setdefault("sparse_attention", {"format": "ds_adaptive.sparse_attention/1"})["selection"] = sec
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(data, indent=1))
+    fit = sec["fit"]
+    print(f"selection cost: {sec['ms_per_call']:.4f} ms per call + per sample and head "
+          f"{sec['ms_per_token']:.3e} ms x S + {sec['ms_per_logit']:.3e} ms x nq S + {sec['ms_per_block_pair']:.3e} "
+          f"ms x nq nk; fit max |error| {fit['max_rel_err']:.1%}, mean {fit['mean_rel_err']:.1%}; wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""``ds-adaptive train``: train a video DiT with DeepSpeed (ZeRO-3) on mixed image + video latents, batched by AdaptiveLoad.
+
+    deepspeed launch/train_wan.py --deepspeed_config launch/configs/zero3_adaptive.json --model wan2.1-1.3b
+    bash launch/train_wan.sh                      # the embedded default on this machine
+
+The thin command line: flags -> :class:`ds_adaptive.training.run_config.RunConfig` -> ``init_distributed`` ->
+:func:`ds_adaptive.training.assemble.build_run` -> :class:`ds_adaptive.training.trainer.Trainer` ``.fit()``. The objective
+(rectified flow matching, the timestep shift, per-sample seeds) is ``ds_adaptive.models.objective``; loss
+weighting and checkpoints are ``ds_adaptive.training.trainer``; docs/ARCHITECTURE.md shows the flow.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+from typing import Optional
+
+from ds_adaptive.core.config import ConfigError
+from ds_adaptive.data import DataError
+from ds_adaptive.models.objective import EVAL_TIMESTEPS, flow_matching_losses, sample_seed  # noqa: F401  (public names)
+from ds_adaptive.training.run_config import DEFAULT_SAVE_INTERVAL, UsageError, run_config_from_args
+from ds_adaptive.core.shapes import ShapeError
+from ds_adaptive.launch.supervise import ENV_SUPERVISOR
+from ds_adaptive.training.trainer import backward_micro_batch, evaluate, init_distributed, shutdown_distributed  # noqa: F401
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ds-adaptive train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
+                   help="set by the deepspeed launcher")
+    p.add_argument("--deepspeed_config", "--deepspeed-config", required=True,
+                   help="DeepSpeed json with the 'adaptive_load' block (see launch/configs/)")
+    p.add_argument("--deepspeed", action="store_true", help="accepted for DeepSpeed launcher compatibility")
+    from ds_adaptive.models.registry import model_names
+
+    p.add_argument("--model", default="tiny", choices=model_names(), help="the model (default: %(default)s)")
+    p.add_argument("--layers", type=int, default=None, help="override the number of transformer blocks")
+    p.add_argument("--steps", type=int, default=20, help="train until this global optimizer step")
+    p.add_argument("--data", default="synthetic",
+                   help="'synthetic' (the embedded default) or a directory written by 'ds-adaptive synth'")
+    p.add_argument("--num-samples", type=int, default=None, help="size of the synthetic dataset (default 10000)")
+    p.add_argument("--shapes", default=None,
+                   help="shape-distribution json of the synthetic data (default: adaptive_load.sampler.shapes, "
+                        "else the model's shipped mix)")
+    p.add_argument("--shift", type=float, default=5.0, help="timestep shift of the flow-matching sampler (default 5)")
+    p.add_argument("--objective", action="append", default=None, metavar="KEY=VALUE",
+                   help="override one of the model's objective options, e.g. sigma_range=[0.875,1] (noise levels "
+                        "trained on; an expert's own range by default); repeatable")
+    p.add_argument("--seed", type=int, default=0, help="model init, data and noise seed")
+    p.add_argument("--sp", type=int, default=None,
+                   help="Ulysses sequence-parallel degree (default: the ds_config's sequence_parallel_size, else 1)")
+    p.add_argument("--fused-ln-modulate", action=argparse.BooleanOptionalAction, default=None,
+                   help="override adaptive_load.fused_ln_modulate")
+    p.add_argument("--grad-ckpt", nargs="?", const="all", default=None, choices=["auto", "all", "none"],
+                   help="override adaptive_load.sampler.checkpointing: 'auto' (per micro-batch the fewest blocks "
+                        "that fit the memory budget, from the plan), 'all' (every block; the value of a bare "
+                        "--grad-ckpt) or 'none'; default: the config's (auto)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="DataLoader workers per rank (default: 2 on GPU, 0 on CPU)")
+    p.add_argument("--log-dir", default=None, help="override adaptive_load.metrics.log_dir")
+    p.add_argument("--compute-timing", action=argparse.BooleanOptionalAction, default=True,
+                   help="time each rank's compute without ZeRO's waits for other ranks (CV_step; default on); "
+                        "--no-compute-timing: wall-clock time only")
+    p.add_argument("--eval-samples", type=int, default=0,
+                   help="after training, the flow-matching loss on this many held-out synthetic samples at "
+                        f"{EVAL_TIMESTEPS} fixed timesteps with fixed noise (summary 'eval_loss'; default 0: off)")
+    p.add_argument("--save", default=None, help="checkpoint directory")
+    p.add_argument("--save-interval", type=int, default=None,
+                   help=f"save every N steps when --save is given (default {DEFAULT_SAVE_INTERVAL}; 0: only at the "
+                        "end and on SIGTERM/SIGINT)")
+    p.add_argument("--keep-checkpoints", type=int, default=None,
+                   help="keep the N newest complete checkpoints in --save, delete older ones (default 3; 0: keep all)")
+    p.add_argument("--resume", default=None,
+                   help="resume from the newest complete checkpoint of this --save directory (a corrupt or "
+                        "incomplete 'latest' falls back to the previous one), or from DIR/global_stepN")
+    p.add_argument("--overwrite", action="store_true", default=None,
+                   help="start a new run in --save although it holds checkpoints of an earlier run: they are "
+                        "deleted at start-up (without it: an error naming them; --resume continues that run)")
+    p.add_argument("--init-from", default=None,
+                   help="fine-tune: start from these weights (diffusers or the original layout, or a diffusers "
+                        "pipeline directory: the model's folder in it; --model/--layers must match them)")
+    p.add_argument("--nonfinite", choices=("skip", "stop"), default=None,
+                   help="a step whose loss or gradient norm is not finite: skip it (no update; default) or stop")
+    p.add_argument("--nonfinite-limit", type=int, default=None,
+                   help="stop (exit 2) once more than N steps were skipped as non-finite (default 20)")
+    return p
+
+
+def train(args: argparse.Namespace) -> dict:
+    """Run the training job; returns the summary (identical on every rank)."""
+    from ds_adaptive.core.layout import Layout
+    from ds_adaptive.training.assemble import build_run
+    from ds_adaptive.launch.startup import prepare_save_dir
+    from ds_adaptive.training.trainer import Trainer
+
+    from ds_adaptive.planning.memory import configure_allocator
+
+    cfg = run_config_from_args(args)
+    alloc_msg = configure_allocator()  # before the first CUDA allocation
+    if os.environ.get("RANK", "0") == "0" and _cuda_available():  # the CUDA allocator means nothing on a CPU run
+        print(alloc_msg, flush=True)
+    rank, _, device = init_distributed(args.local_rank)
+    # --save writable, --init-from fits, the run lock, earlier checkpoints, disk space: before the model is built
+    save_dir = prepare_save_dir(cfg, rank=rank, command=" ".join(sys.argv))
+    try:
+        for note in save_dir.notes:
+            print(note, flush=True)
+        # DeepSpeed 0.19 still calls torch.distributed's renamed collectives (one FutureWarning per call
+        # site and rank); and one copy of our own warnings is enough.
+        warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+        if rank != 0:
+            warnings.filterwarnings("ignore", category=UserWarning, module=r"ds_adaptive")
+        layout = Layout.detect(cfg.trainer.sp, ds_config=cfg.ds_config)
+        run = build_run(cfg, layout=layout, device=device)
+        return Trainer(run).fit()
+    finally:
+        save_dir.release()
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    from ds_adaptive.planning.cost import ProfileError
+    from ds_adaptive.planning.planner import OversizeSampleError, PlanError
+    from ds_adaptive.planning.sampler import SamplerStateError
+    from ds_adaptive.core.layout import SequenceParallelError
+    from ds_adaptive.models.family import ModelError
+
+    from ds_adaptive.training.preempt import EXIT_PEER_LOST, peer_lost
+    from ds_adaptive.training.trainer import EXIT_PREEMPTED, NonFiniteError
+
+    ok = False
+    try:
+        summary = train(args)
+        ok = True
+        if summary.get("stopped"):
+            return EXIT_PREEMPTED  # stopped by a signal at a step boundary (checkpoint saved with --save)
+    except (ConfigError, DataError, ShapeError, UsageError, FileNotFoundError, ModelError, PlanError,
+            ProfileError, SequenceParallelError, SamplerStateError, OversizeSampleError, NonFiniteError) as exc:
+        # These come from the config, the plan or the files, which every rank sees alike: one message
+        # (rank 0's), not one per rank; a DataError may be one rank's own sample, so every rank says it.
+        rank = int(os.environ.get("RANK", "0") or 0)
+        if rank == 0 or isinstance(exc, DataError):
+            print(f"ds-adaptive train: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except Exception as exc:
+        if not peer_lost(exc):
+            raise
+        # Another rank died or failed: this one's collective broke. The launcher's supervisor names the rank
+        # that failed first (one message); without it, each surviving rank says so in one line.
+        if not os.environ.get(ENV_SUPERVISOR):
+            print(f"ds-adaptive train: rank {os.environ.get('RANK', '0')}: lost contact with another rank "
+                  f"({str(exc).splitlines()[0][:200]}); stopping (exit {EXIT_PEER_LOST})", file=sys.stderr,
+                  flush=True)
+        return EXIT_PEER_LOST
+    finally:
+        shutdown_distributed(barrier=ok)
+    return 0
+
+
+def exit_process(code: int) -> None:
+    """End a training process with ``code`` once :func:`main` has returned.
+
+    A multi-rank run ends with ``os._exit`` after flushing: by then the logs, checkpoints and the
+    summary are closed and the process group is destroyed, but C++ threads of gloo / DeepSpeed ops
+    can still abort the interpreter's teardown ("terminate called without an active exception",
+    signal 6), which would replace the run's exit code (0, or 75 after a preemption) with a crash.
+    A single process exits normally."""
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
+        sys.exit(code)
+    import logging
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    exit_process(main())

@@ -1,0 +1,788 @@
+"""The ``"adaptive_load"`` block of a DeepSpeed config json.
+
+DeepSpeed ignores top-level keys it does not know, so our block lives in the
+same file the user passes as ``--deepspeed_config`` and is validated here
+with ``extra="forbid"``: a typo is an error that names the key and lists the
+valid ones. Example::
+
+    "adaptive_load": {
+      "enabled": true,
+      "fused_ln_modulate": true,
+      "sampler": {"mode": "dual", "cost_model": "calibrated",
+                  "profile": "h100-wan2.1-1.3b", "m_mem": "auto", "m_comp": "auto"},
+      "metrics": {"interval": 10, "log_dir": "runs/wan"}
+    }
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+BLOCK_KEY = "adaptive_load"
+
+
+class ConfigError(ValueError):
+    """The adaptive_load block (or the ds_config around it) is invalid."""
+
+
+class _Block(BaseModel):
+    # strict: no coercion; "enabled": "yes" / "1" / 1 and "m_mem": "4" are errors, not true / 4.0
+    # (an int is still accepted where a float is expected).
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True, use_attribute_docstrings=True)
+
+
+class SamplerConfig(_Block):
+    """How micro-batches are formed and dealt out to data-parallel ranks."""
+
+    mode: Literal["dual", "tokens", "fixed"] = "dual"
+    """`dual`: batches bounded by memory AND compute, micro-steps balanced by cost (AdaptiveLoad).
+    `tokens`: equal-token bucketing dealt round-robin (the Open-Sora / DeepSpeed baseline).
+    `fixed`: a fixed batch size per shape bucket."""
+
+    cost_model: Literal["calibrated", "power", "tokens"] = "calibrated"
+    """Per-sample compute cost: `calibrated` c0 + a*S + b*S^2 from a GPU profile, `power` S^p
+    (the paper), `tokens` S (linear)."""
+
+    p: float = Field(1.5, gt=0.0, le=4.0)
+    """Exponent of the `power` cost model, cost = S^p."""
+
+    profile: Optional[str] = "auto"
+    """Calibration profile: `auto` (the shipped calibration of the detected GPU, the trained model and the
+    run's LayerNorm-modulate path, e.g. `h200-wan2.1-1.3b`; when none is shipped for them, rank 0
+    calibrates at start-up (about a minute for Wan 1.3B), every rank plans with that profile and it is
+    cached in `profile_cache` for the next run; without a GPU the H100 one), `calibrate` (the same
+    start-up calibration, or its cached result, whatever is shipped), a shipped name (`h100-wan2.1-1.3b`,
+    `h100-wan2.1-14b`, `h200-wan2.1-1.3b`, `h200-wan2.1-14b`) or a path to a profile json written by
+    `ds-adaptive calibrate` (or `ds-adaptive refit`, fitted to your trainer runs). Required for
+    `cost_model: calibrated` and for `m_mem: auto`."""
+
+    profile_cache: Optional[str] = None
+    """Directory of the profiles calibrated at start-up (`profile: auto` / `calibrate`), one json per GPU
+    name, model, LayerNorm-modulate path, torch version and profile format. null: $DS_ADAPTIVE_CACHE_DIR,
+    else $XDG_CACHE_HOME/ds_adaptive, else ~/.cache/ds_adaptive (a `profiles/` folder in it). Delete a
+    file there to calibrate again."""
+
+    checkpointing: Literal["auto", "all", "none"] = "auto"
+    """Activation checkpointing: `auto` checkpoints, per micro-batch, only the first n blocks needed
+    for its activations to fit `m_mem` (from the plan; the cost model adds their recompute), `all`
+    every block, `none` no block. The trainer's `--grad-ckpt [auto|all|none]` overrides it."""
+
+    checkpoint_attention: Literal["auto", "recompute", "keep"] = "auto"
+    """What a checkpointed block runs again in backward: `recompute` its whole forward (self-attention
+    included), `keep` everything but the self-attention core, whose output and log-sum-exp it holds
+    (2 x dim + 4 x heads bytes per token per checkpointed block: 3 KiB at Wan 1.3B) so the attention
+    forward runs once. The planner counts both sides: the smaller recompute in the cost (the dense
+    layers' quadratic recompute term goes) and the bytes in the memory plan. Only the fused SDPA
+    attention is kept (a sparse layer's kernel is recomputed). Gradients are the same. `auto`: where the
+    throughput-optimal budget search runs (`mode: dual`, `cost_model: calibrated`, `checkpointing: auto`,
+    a model that can keep it) it plans both and runs the one with the higher predicted tokens/s (ties:
+    `recompute`; the launcher's notes give both predictions); elsewhere `recompute`."""
+
+    batch_cap: Literal["auto", "off"] = "auto"
+    """Whether `m_comp: auto`'s search may stop each shape's batches at their lowest predicted time per sample.
+    Under a budget where a shape's largest batch must checkpoint blocks, a smaller batch of it can take less
+    time per sample (its cost plus the training loop's time per micro-step, over its samples). `auto`: the
+    search scores each such budget as it is and with every shape's batch capped there, and runs the faster
+    (the launcher's budget line says when batches are capped). `off`: batches grow to the budget. Only where
+    the search runs (`mode: dual`, `cost_model: calibrated`, `checkpointing: auto`, `m_comp: auto`)."""
+
+    m_comp: Union[float, Literal["auto"]] = "auto"
+    """Compute budget per micro-batch per GPU, in the cost model's unit (ms for `calibrated`,
+    S^p for `power`, tokens for `tokens`). `auto`: with `checkpointing: auto` and the calibrated model,
+    the budget (below or above the costliest sample's B=1 cost, up to the costliest batch within
+    `m_mem`) with the highest predicted tokens/s over the epoch's plan, recompute and per-step overheads
+    included; samples costlier than it run alone; when the equal-token plan is predicted faster than
+    every such budget, that plan (docs/MEMORY.md); otherwise the cost of the costliest sample at B=1.
+    A ds_config with `"gradient_accumulation_steps": "auto"` lets the same search choose the micro-steps
+    per step."""
+
+    m_mem: Union[float, Literal["auto"]] = "auto"
+    """Memory budget per micro-batch per GPU, in GiB of activation memory. `auto`: the GPU's
+    capacity x `mem_utilization` minus the model/optimizer state of the profile."""
+
+    mem_utilization: Optional[float] = Field(None, gt=0.0, le=1.0)
+    """Fraction of GPU memory that `m_mem: auto` may plan for (static + activations). null: capacity
+    minus the profile's measured fragmentation margin minus 3% headroom, or 0.85 when the profile
+    has no measured margin."""
+
+    max_tokens: Optional[int] = Field(None, gt=0)
+    """`tokens` mode: tokens per micro-batch (default: what `m_mem` allows for the longest sample)."""
+
+    fixed_batch_sizes: Optional[dict[str, int]] = None
+    """`fixed` mode: batch size per bucket, keyed "FxHxW" (e.g. "81x480x832": 1); missing buckets
+    get the largest size that fits `m_mem`."""
+
+    window: int = Field(256, ge=1)
+    """Samples per data-parallel rank drawn (shuffled) per planning window: the planner sees
+    `window` x dp_size samples at a time (plus leftovers carried from the previous window)."""
+
+    balance_tolerance: float = Field(0.03, gt=0.0, le=1.0)
+    """`dual`: largest CV of predicted per-rank cost accepted for a micro-step; a micro-step over it
+    is not formed and its long samples wait for partners in the next window (the epoch's last
+    window is planned regardless)."""
+
+    zero_stage: int = Field(3, ge=0, le=3)
+    """ZeRO stage assumed by `m_mem: auto` for the static memory (params/grads/optimizer) per GPU."""
+
+    seed: int = 0
+    """Seed of the shuffle; the plan is a pure function of (seed, epoch, shapes, config, topology)."""
+
+    oversize: Literal["error", "skip"] = "error"
+    """A sample over a budget even at B=1: `error` names it and stops; `skip` drops it with a
+    counted warning (never silently)."""
+
+    lr_scaling: Literal["none", "linear", "sqrt"] = "none"
+    """Scale the LR of each optimizer step by (samples / reference_batch) or its sqrt."""
+
+    reference_batch: Optional[int] = Field(None, gt=0)
+    """Global samples per optimizer step that the base LR was tuned for (for `lr_scaling`)."""
+
+    loss_weighting: Literal["samples", "tokens"] = "samples"
+    """Weight each rank's loss by its share of the optimizer step's samples or tokens, so that
+    variable batch sizes give unbiased gradients."""
+
+    shapes: Optional[str] = None
+    """Shape-distribution json for the synthetic dataset (default: the trained model's shipped mix)."""
+
+    @field_validator("m_mem", "m_comp")
+    @classmethod
+    def _budget_positive(cls, v):
+        if v != "auto" and not v > 0:
+            raise ValueError("must be > 0 or \"auto\"")
+        return v
+
+
+class MetricsConfig(_Block):
+    """Step timing, balance figures and logs."""
+
+    interval: int = Field(10, ge=1)
+    """Log every `interval` optimizer steps (JSONL, TensorBoard, progress bar)."""
+
+    log_dir: str = "runs/ds_adaptive"
+    """Directory for metrics.jsonl, TensorBoard events and the final summary.json."""
+
+    tensorboard: bool = True
+    """Write TensorBoard event files (needs the `tensorboard` package; a warning if missing)."""
+
+    jsonl: bool = True
+    """Write one JSON line per logged step to `log_dir`/metrics.jsonl."""
+
+    wandb: bool = False
+    """Also log to Weights & Biases (rank 0; the scalars TensorBoard gets, previews as images). Needs the
+    `wandb` package; when it is not installed the run says so once and logs without it."""
+
+    wandb_project: str = "ds_adaptive"
+    """W&B project of the run (its name is the log directory's name; entity and mode come from the usual
+    `WANDB_*` environment variables, e.g. `WANDB_MODE=offline`)."""
+
+    peak_tflops: Optional[float] = Field(None, gt=0.0)
+    """Dense bf16 peak of one GPU (TFLOP/s) for MFU / HFU; null: from the table of known GPUs
+    (`ds_adaptive/planning/devices.py`: H100/H200 989, A100 312, ...); MFU is not reported when the
+    GPU is unknown and this is null."""
+
+    sync_timing: Union[bool, Literal["auto"]] = "auto"
+    """Synchronize the device when each micro-step's timed region (batch on the device .. backward
+    done) starts and ends. `auto` (default): only where compute time is the host's clock. With the
+    trainer's default `--compute-timing` on CUDA, per-rank compute time comes from CUDA events
+    (`metrics.ComputeTimer`: ZeRO-3's waits for other ranks inside forward/backward subtracted), which
+    need no sync, so `auto` does not sync and the host queues the next micro-step while the GPU finishes
+    this one (one H200, the default job's same 3 steps: 1.014x); `data_ms` is then the host's wait for
+    the batch. With `--no-compute-timing`, or when no DeepSpeed wait points are found (summary `timing:
+    wall`), compute time is the region's host wall-clock time, waits for other ranks included, and only
+    with the sync does it cover the rank's kernels rather than their launches: `auto` syncs there.
+    `true` / `false` force it. No effect on CPU."""
+
+
+class SparseAttentionConfig(_Block):
+    """DSV dynamic sparse self-attention (ds_adaptive.attention; docs/SPARSE.md)."""
+
+    enabled: bool = False
+    """Turn sparse self-attention on: cube token order, the low-rank predictor, block top-k selection
+    and the block-sparse kernel in the layers the schedule makes sparse."""
+
+    mass: float = Field(0.99, gt=0.5, le=1.0)
+    """Softmax mass a head's selected key blocks must hold: a head's density is the mean share of
+    key blocks needed to reach it on the profiled query rows, and its top-k follows that density."""
+
+    min_density: float = Field(0.02, ge=0.0, le=1.0)
+    """Lower bound of the per-head density used for top-k (share of key blocks per query block)."""
+
+    max_density: float = Field(1.0, gt=0.0, le=1.0)
+    """Upper bound of the per-head density used for top-k."""
+
+    block_size: int = Field(128, ge=16, le=1024)
+    """Tokens per query / key block of the block-sparse kernel (a multiple of 16; 128 on Hopper:
+    64-token blocks failed to compile in FlexAttention on H100)."""
+
+    cube: list[int] = Field(default_factory=lambda: [2, 8, 8])
+    """[frames, rows, columns] of the 3D token cubes of the token order (2x8x8 = 128 = one block)."""
+
+    predictor_rank: int = Field(16, ge=1, le=256)
+    """Rank r of the per-head projections of q and k that predict the attention logits."""
+
+    block_score: Literal["pooled_lse", "lse", "mean"] = "pooled_lse"
+    """How a (query block, key block) pair is scored for the top-k: `pooled_lse` = log-sum-exp over the
+    key block of the query block's mean query against the real keys (exact logits, no predictor:
+    keeps >= 0.95 of the softmax mass on RoPE-structured data with local windows, far regions and
+    sinks, docs/SPARSE.md; ~nq * S * Dh multiply-adds per head); `lse` = the same with the low-rank
+    predictor's logits; `mean` = block mean of the predicted logits (O(nq nk r); keeps 0.6-0.75 of
+    the mass there). Only `lse` and `mean` train the predictor."""
+
+    predictor_lr: float = Field(1e-3, gt=0.0)
+    """AdamW learning rate of the predictor (its own optimizer, not the DiT's)."""
+
+    predictor_cos_weight: float = Field(0.9, ge=0.0, le=1.0)
+    """Weight of the cosine term of the predictor loss; the normalised-MSE term gets 1 - this."""
+
+    sample_rows: int = Field(128, ge=1)
+    """Query rows per layer and micro-step whose exact logits train the predictor and measure
+    density / recall (their logits cost [B, H, sample_rows, S] fp32 memory)."""
+
+    warmup_steps: int = Field(500, ge=0)
+    """Stage 1 (dense attention, predictor training) lasts at most this many optimizer steps."""
+
+    loss_threshold: float = Field(0.05, ge=0.0)
+    """Stage 1 ends early when the predictor loss (mean over layers, all ranks) is below this."""
+
+    profile_interval: int = Field(50, ge=1)
+    """In stage 2, re-measure densities / recall and train the predictor every this many steps."""
+
+    layer_density_threshold: float = Field(0.3, gt=0.0, le=1.0)
+    """In stage 2 a layer runs sparse only when its profiled mean head density is at most this."""
+
+    dense_above: float = Field(0.6, gt=0.0, le=1.0)
+    """A layer whose selected density is above this runs dense cuDNN/flash SDPA instead (the
+    block-sparse kernel is ~1.45x dense cost per selected block: break-even near 0.7 on H100/H200)."""
+
+    dense_layers: Optional[list[int]] = None
+    """Layers that always run dense (0-based). Default: the first and the last layer."""
+
+    keep_sink: bool = False
+    """Always select key block 0 too (an attention sink) besides the diagonal block."""
+
+    forced_density: Optional[float] = Field(None, gt=0.0, le=1.0)
+    """Benchmarks: skip stage 1 and profiling, run every non-dense layer sparse at this density."""
+
+    forced_after_warmup: bool = False
+    """With `forced_density`: run stage 1 first (dense, predictor training; it ends as usual), then
+    every non-dense layer sparse at `forced_density` (top-k by the trained predictor), profiling
+    every `profile_interval` steps (so density and recall are measured). For quality runs of a
+    randomly initialised model, whose natural density is too high for any layer to go sparse."""
+
+    rebalance: Literal["off", "epoch", "step"] = "step"
+    """Feed the densities the layers really run at (profiled per head, all-reduced over the ranks;
+    1 for dense layers) to the balancers when they change: the batch sampler plans with the sparse
+    cost (issue 15; needs `sampler.cost_model: calibrated` and a profile of the trained depth) and,
+    under Ulysses SP, the heads are re-placed for equal density per rank. `step`: the sampler
+    re-plans the rest of the epoch from the next step; `epoch`: from the next epoch; `off`: never
+    (the plan is the dense plan, e.g. to compare with a dense run on the same batches)."""
+
+    rebalance_min_change: float = Field(0.02, ge=0.0, le=1.0)
+    """Re-plan only when some layer/head density changed by more than this since the last re-plan."""
+
+    backend: str = "auto"
+    """Block-sparse kernel, by name from the backend registry (`ds_adaptive.attention.backends`: `flex` =
+    compiled FlexAttention, CUDA; `reference` = masked dense torch, S^2 memory: tests / CPU; others
+    as registered), or `auto`: the fastest measured on this GPU among those that run here (a cached
+    measurement per GPU + torch version); with none, the reference, said loudly at start-up."""
+
+    selection_cache: Literal["host", "device"] = "host"
+    """Where a layer's selection waits between the forward and its activation-checkpointing
+    recompute: `host` (pinned CPU buffers, stream-ordered async copies, no GPU memory held across
+    the step; CUDA only) or `device` (kept on the GPU: [B, H, nq, k] int32 per sparse layer)."""
+
+    max_compiled_graphs: int = Field(8, ge=1)
+    """Graphs a compiling backend (`flex`) may compile in the process. Shapes are dynamic: one graph
+    for B == 1 and one for B >= 2 per dtype / kernel-options bucket / training or evaluation, whatever
+    the sequence lengths; one more than this is an error (never a silent fallback to an unfused S^2 path)."""
+
+    seed: int = 0
+    """Seed of the predictor init and of the profiled row samples."""
+
+    @field_validator("cube")
+    @classmethod
+    def _cube_positive(cls, v):
+        if len(v) != 3 or any(n < 1 for n in v):
+            raise ValueError(f"must be 3 ints >= 1 [frames, rows, columns], got {list(v)}")
+        return v
+
+    @field_validator("block_size")
+    @classmethod
+    def _block_multiple(cls, v):
+        if v % 16:
+            raise ValueError(f"must be a multiple of 16 (tensor-core tiles), got {v}")
+        return v
+
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, v):
+        from ds_adaptive.attention.backends.registry import backend_names
+
+        names = backend_names()
+        if v != "auto" and v not in names:
+            raise ValueError(f"unknown sparse-attention backend '{v}'; use 'auto' or one of {names}")
+        return v
+
+    @field_validator("dense_layers")
+    @classmethod
+    def _layers_non_negative(cls, v):
+        if v is not None and any(i < 0 for i in v):
+            raise ValueError(f"layer indices must be >= 0, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _density_bounds(self):
+        if self.min_density > self.max_density:
+            raise ValueError(f"min_density ({self.min_density}) must be <= max_density ({self.max_density})")
+        return self
+
+
+class LoraConfig(_Block):
+    """LoRA fine-tuning with peft (ds_adaptive.training.lora): low-rank adapters on the DiT's linears, base frozen."""
+
+    enabled: bool = False
+    """Train LoRA adapters instead of the whole DiT: the base weights are frozen (no gradients, no
+    optimizer state), only the adapters are optimised and saved in checkpoints. Needs `peft`
+    (`pip install 'ds_adaptive[lora]'`). Combine with `--init-from` to adapt pretrained Wan weights."""
+
+    rank: int = Field(32, ge=1, le=1024)
+    """Rank r of every adapter (`lora_A` is r x in, `lora_B` is out x r)."""
+
+    alpha: float = Field(32.0, gt=0.0)
+    """LoRA alpha: the adapter's output is scaled by alpha / rank (alpha / sqrt(rank) with `rslora`).
+    `ds-adaptive export --lora` folds this scale into `lora_B`, so the file loads with scale 1 anywhere."""
+
+    targets: list[str] = Field(default_factory=lambda: ["self_attn", "cross_attn", "ffn"])
+    """Linears of every block that get an adapter: groups `self_attn` (q, k, v, o), `cross_attn` (q, k, v,
+    o), `ffn` (both FFN linears), or single module paths inside a block such as `self_attn.q` or `ffn.0`."""
+
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapters' input (peft `lora_dropout`); its random mask is reseeded from (seed,
+    step, rank) every optimizer step, so a resumed run draws the masks of the straight run."""
+
+    init: Literal["kaiming", "gaussian"] = "kaiming"
+    """Initialisation of `lora_A` (`lora_B` starts at zero, so training starts from the base model):
+    peft's default Kaiming-uniform, or Gaussian with std 1/rank."""
+
+    rslora: bool = False
+    """Rank-stabilised LoRA: scale by alpha / sqrt(rank) instead of alpha / rank."""
+
+    @field_validator("targets")
+    @classmethod
+    def _targets_listed_once(cls, v):
+        if not v:
+            raise ValueError("must name at least one target (e.g. [\"self_attn\", \"cross_attn\", \"ffn\"])")
+        dup = sorted({t for t in v if v.count(t) > 1})
+        if dup:
+            raise ValueError(f"lists {dup} more than once")
+        return v
+
+
+class PreviewConfig(_Block):
+    """Sample previews during training (ds_adaptive.training.preview): fixed prompts and seeds, Euler sampler."""
+
+    enabled: bool = False
+    """Generate previews every `interval` optimizer steps (and after the last step)."""
+
+    interval: int = Field(500, ge=1)
+    """Optimizer steps between previews."""
+
+    prompts: Optional[str] = None
+    """Text embeddings of the preview prompts: a `.safetensors` file with one `[L, text width]` embedding of
+    the model's text encoder (umT5, 4096 wide, for Wan) per prompt, the tensor names are the preview names (`ds-adaptive sample --text-encoder DIR --prompt
+    TEXT --save-embeddings FILE` writes one, in prompt order; other files are read in name order). null: the contexts of the first `num_prompts` training
+    samples (the synthetic dataset's embeddings, or your shards' captions)."""
+
+    num_prompts: int = Field(2, ge=1, le=64)
+    """Previews per round (the first N prompts of `prompts`, or of the dataset); they are dealt out to
+    the data-parallel ranks, which generate in parallel."""
+
+    size: Optional[str] = None
+    """Video size of a preview in pixels, "FRAMESxHEIGHTxWIDTH" (e.g. "81x480x832"), a shape of the
+    trained model's grid (frames 4n+1, height and width multiples of 16 for a 4x8x8 VAE with a 1x2x2
+    patch, of 32 for a 4x16x16 one). null: each dataset prompt's own sample shape (required with
+    `prompts`)."""
+
+    steps: int = Field(20, ge=1, le=1000)
+    """Euler steps of the flow-matching sampler (sigma from 1 to 0 on the shifted schedule of training)."""
+
+    shift: Optional[float] = Field(None, gt=0.0)
+    """Timestep shift of the sampler's sigma schedule; null: the trainer's `--shift`."""
+
+    guidance_scale: float = Field(1.0, ge=1.0)
+    """Classifier-free guidance scale; 1: no guidance (one forward per step), > 1: conditional and
+    unconditional forwards per step (batched when the memory budget allows)."""
+
+    negative: Optional[str] = None
+    """Name of the negative-prompt embedding in `prompts` (the unconditional branch of guidance);
+    null: an all-zero context."""
+
+    seed: int = 0
+    """Seed of the preview noise: preview j always starts from the same noise."""
+
+    vae: Optional[str] = None
+    """Directory of the model's diffusers VAE (`save_pretrained` / a pipeline's `vae/`; Wan 2.1 and 2.2 both
+    use `AutoencoderKLWan`, with 16 and 48 latent channels; it is checked against the model): previews
+    are decoded to video (`format`). null: a latent preview PNG (latent frames side by side, the latent
+    channels projected to RGB)."""
+
+    format: Literal["mp4", "gif"] = "mp4"
+    """File format of decoded previews (mp4 via PyAV, gif via Pillow)."""
+
+    fps: Optional[int] = Field(None, ge=1, le=120)
+    """Frames per second of decoded previews; null: the model's frame rate (its preprocessing default:
+    16 for Wan 2.1, 24 for Wan 2.2 TI2V-5B)."""
+
+    @field_validator("size")
+    @classmethod
+    def _size_is_a_shape(cls, v):
+        if v is not None:
+            from ds_adaptive.core.shapes import SampleShape, ShapeError
+
+            try:  # the syntax; the model's grid rule is checked with the model (run_config, preview)
+                SampleShape.parse_text(v)
+            except ShapeError as exc:
+                raise ValueError(str(exc)) from None
+        return v
+
+    @model_validator(mode="after")
+    def _file_prompts_need_a_size(self):
+        if self.enabled and self.prompts is not None and self.size is None:
+            raise ValueError("preview.prompts is a file of text embeddings, which carry no video size: set "
+                             "preview.size (e.g. \"33x480x832\")")
+        return self
+
+
+class AdaptiveLoadConfig(_Block):
+    """The "adaptive_load" block of the ds_config json."""
+
+    enabled: bool = False
+    """Turn AdaptiveLoad on: the dual-constraint sampler (sampler.mode) drives the data loader.
+    When false, the trainer uses the equal-token baseline sampler at the same memory budget."""
+
+    fused_ln_modulate: bool = False
+    """Use the fused LayerNorm-Modulate CUDA op in the model's adaLN sites (falls back to the
+    torch reference with one warning when the op cannot be built)."""
+
+    block_fusion: Literal["off", "rope", "regions"] = "off"
+    """Fuse each block's elementwise pieces outside attention (`ds_adaptive/models/fusion.py`): `rope` runs the
+    q/k RMSNorm + RoPE as one Triton kernel per tensor each way (compiled by torch.compile where the kernel cannot
+    run), `regions` also compiles the gated residuals. Linear layers, attention (dense, Ulysses or sparse), the
+    LayerNorm-modulate op and the cross-attention LayerNorm (compiled, it measured slower than eager) stay as they
+    are. `off`: eager. The trainer compiles the pieces for the plan's micro-batch sizes before step 1 and for the
+    sizes a later epoch's plan adds (printed, and `block_fusion` in the summary), so no step compiles;
+    where torch.compile cannot work (no triton on the GPU, no C++ compiler on the CPU) it warns once and runs eager.
+    The shipped Wan 1.3B config turns `regions` on: on one H200 its default job ran 15,111 tokens/s (MFU 42.8%)
+    against 13,785 (39.1%) off, after a 9 s warm-up (before `zero3_leaf_blocks`). Measure on your job (`bench/mfu_levers.py`)."""
+
+    zero3_leaf_blocks: bool = True
+    """Under ZeRO stage 3, mark each transformer block a ZeRO-3 leaf module (DeepSpeed's
+    `set_z3_leaf_module`): ZeRO-3 then gathers and releases a block's parameters at once, with one hook
+    pair per block instead of one per Linear and norm (a Wan 1.3B block has 18), so the host spends less
+    time per block in forward, backward and recompute, and multi-GPU runs all-gather a block in one
+    collective (one H200, the default job's same 3 steps: 1.021x). A checkpointed block recomputes inside its
+    own call, so ZeRO-3's trace of the module order, which it prefetches parameters by, stays valid when the count
+    of checkpointed blocks changes between micro-batches. The same as listing the block class in
+    ds_config's `zero_optimization.leaf_module`. A block's parameters are all live while it runs (Wan 1.3B:
+    46M, within the prefetch bucket the memory model counts). No effect below stage 3, and off under LoRA: the
+    frozen base gives the first block an input without a gradient, and DeepSpeed's leaf-module backward hook then
+    releases the block's parameters before the adapters' backward uses them (a note says so when the key is set)."""
+
+    zero3_torch_linear: bool = True
+    """Under ZeRO stage 3, run Linear layers through torch's own `F.linear` rather than DeepSpeed's replacement
+    (`zero_optimization.memory_efficient_linear`, which DeepSpeed turns on by default and which then stays on for the
+    whole process): torch multiplies a `[B, S, D]` input as one matrix with the bias in the GEMM's epilogue, where
+    DeepSpeed's function adds a 3-D input's bias in a separate kernel. The trainer writes
+    `memory_efficient_linear: false` into the ds_config it hands DeepSpeed when your ds_config does not set the key
+    (yours wins when it does), and puts torch's `F.linear` back if an earlier DeepSpeed engine of the process
+    replaced it. Training is the same up to rounding (CPU test); DeepSpeed's version saves no memory here (ZeRO-3
+    gathers a Linear's weight again for its backward either way). One H200, the shipped 1.3B job, the same samples:
+    1.019x over 3 steps, the same peak memory; the job's 22 steps: MFU 44.3% (43.6% without it the day before, same
+    samples). No effect below stage 3."""
+
+    sampler: SamplerConfig = Field(default_factory=SamplerConfig)
+    """The sampler sub-block."""
+
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    """The metrics sub-block."""
+
+    sparse_attention: SparseAttentionConfig = Field(default_factory=SparseAttentionConfig)
+    """The DSV sparse-attention sub-block (off by default)."""
+
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    """The LoRA fine-tuning sub-block (off by default)."""
+
+    preview: PreviewConfig = Field(default_factory=PreviewConfig)
+    """The sample-preview sub-block (off by default)."""
+
+
+def _format_validation_error(exc: ValidationError, source: str) -> str:
+    lines = [f"invalid '{BLOCK_KEY}' block in {source}:"]
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        key = f"{BLOCK_KEY}.{loc}" if loc else BLOCK_KEY
+        if err["type"] == "extra_forbidden":
+            parent = _model_at(err["loc"][:-1])
+            valid = ", ".join(sorted(parent.model_fields)) if parent else "?"
+            lines.append(f"  - unknown key '{key}'. Valid keys here: {valid}")
+        else:
+            lines.append(f"  - {key}: {err['msg'].removeprefix('Value error, ')} (got {err.get('input')!r})")
+    lines.append("Fix the ds_config json; see README.md 'The ds_config block' for every field.")
+    return "\n".join(lines)
+
+
+def _model_at(loc: tuple) -> type[BaseModel] | None:
+    model: type[BaseModel] = AdaptiveLoadConfig
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        if field is None:
+            return None
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            model = ann
+        else:
+            return None
+    return model
+
+
+def read_ds_config(ds_config: Union[str, Path, dict, None]) -> dict:
+    """The ds_config as a dict, from a dict or a json path (the one DeepSpeed gets)."""
+    if ds_config is None:
+        return {}
+    if isinstance(ds_config, dict):
+        return ds_config
+    path = Path(ds_config)
+    if not path.is_file():
+        raise ConfigError(f"ds_config file {path} does not exist (from --deepspeed_config / DS_CONFIG); "
+                          "pass the path of a DeepSpeed json, e.g. launch/configs/zero3_adaptive.json")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"ds_config file {path} is not valid JSON: {exc}") from exc
+
+
+MISSPELLING_CUTOFF = 0.75
+"""difflib ratio (of the lower-cased, alphanumeric-only key to "adaptiveload") from which a top-level key is taken
+for a misspelt block name; no DeepSpeed top-level key comes above 0.5."""
+
+
+def _normalised(key: str) -> str:
+    return "".join(c for c in key.lower() if c.isalnum())
+
+
+def misspelt_block_keys(raw: dict) -> list[str]:
+    """Top-level keys of a ds_config that look like a misspelling of ``adaptive_load`` ("adaptive_lod",
+    "AdaptiveLoad", "adaptive-load", ...). DeepSpeed ignores unknown top-level keys, so such a typo would
+    silently turn AdaptiveLoad off."""
+    import difflib
+
+    target = _normalised(BLOCK_KEY)
+    return [k for k in raw if isinstance(k, str) and k != BLOCK_KEY
+            and difflib.SequenceMatcher(None, _normalised(k), target).ratio() >= MISSPELLING_CUTOFF]
+
+
+def require_block(ds_config: Union[str, Path, dict, None], flags: list[str]) -> None:
+    """Raise ConfigError when command-line ``flags`` that only mean something with AdaptiveLoad are given
+    but the ds_config has no ``adaptive_load`` block (the run would silently be the baseline)."""
+    if not flags:
+        return
+    raw = read_ds_config(ds_config)
+    if BLOCK_KEY not in raw:
+        source = str(ds_config) if not isinstance(ds_config, dict) else "the ds_config dict"
+        raise ConfigError(f"{', '.join(flags)} given, but {source} has no '{BLOCK_KEY}' block: AdaptiveLoad would be "
+                          f"off and the flag(s) would change nothing you meant. Add an \"{BLOCK_KEY}\" block (e.g. "
+                          "from launch/configs/zero3_adaptive.json) or drop the flag(s)")
+
+
+def load_adaptive_config(ds_config: Union[str, Path, dict, None]) -> AdaptiveLoadConfig:
+    """Parse and validate the adaptive_load block; an absent block gives the defaults (disabled).
+
+    A top-level key that looks like a misspelling of ``adaptive_load`` is an error naming it."""
+    source = str(ds_config) if not isinstance(ds_config, dict) else "the ds_config dict"
+    raw = read_ds_config(ds_config)
+    typos = misspelt_block_keys(raw)
+    if typos:
+        raise ConfigError(f"top-level key(s) {', '.join(repr(k) for k in typos)} in {source} look like a misspelling of "
+                          f"'{BLOCK_KEY}'; DeepSpeed ignores unknown keys, so AdaptiveLoad would silently be off. "
+                          f"Rename the key to '{BLOCK_KEY}'" + (f" (the file also has an '{BLOCK_KEY}' block: merge them)"
+                                                                 if BLOCK_KEY in raw else ""))
+    block: Any = raw.get(BLOCK_KEY, {})
+    if not isinstance(block, dict):
+        raise ConfigError(f"'{BLOCK_KEY}' in {source} must be a JSON object, got {type(block).__name__}")
+    try:
+        return AdaptiveLoadConfig.model_validate(block)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc, source)) from None
+
+
+def strip_block(ds_config: dict) -> dict:
+    """A copy of ds_config without our block (to hand to deepspeed.initialize)."""
+    return {k: v for k, v in ds_config.items() if k != BLOCK_KEY}
+
+
+def _resolve_switch(section: object, key: str, auto_value: bool) -> bool:
+    if section is None:
+        return False
+    if not isinstance(section, dict):
+        raise ConfigError(f"ds_config '{key}' must be an object like {{\"enabled\": \"auto\"}}, got {section!r}")
+    value = section.get("enabled", False)
+    if value == "auto":
+        return auto_value
+    if not isinstance(value, bool):
+        raise ConfigError(f"ds_config '{key}.enabled' must be true, false or \"auto\", got {value!r}")
+    return value
+
+
+def prepare_ds_config(ds_config: dict, *, dp_size: int, on_gpu: bool) -> dict:
+    """The dict to hand to ``deepspeed.initialize``: our block stripped, precision and batch keys resolved.
+
+    * ``"bf16": {"enabled": "auto"}`` becomes bf16 on a GPU and fp32 on the CPU (``"fp16"``'s
+      ``"auto"`` becomes off); explicit true/false are kept.
+    * Micro-batch sizes come from the batch sampler and vary, so DeepSpeed gets a nominal
+      ``train_micro_batch_size_per_gpu = 1`` and the real ``gradient_accumulation_steps``: given
+      directly (a ``train_batch_size`` next to it must equal micro x gas x dp_size), or derived from
+      ``train_batch_size / (train_micro_batch_size_per_gpu x dp_size)`` (``ds_adaptive.planning.validate.accumulation_steps``).
+      ``"gradient_accumulation_steps": "auto"`` stays ``"auto"`` here: the batch sampler chooses it with
+      the throughput-optimal compute budget (``ds_adaptive.planning.budget``) and ``build_run`` writes
+      the number in (``Run.ds_config``) before ``deepspeed.initialize``.
+    * ``steps_per_print`` defaults to off (our metrics log every step).
+    """
+    from ds_adaptive.planning.validate import accumulation_steps
+
+    out = strip_block(ds_config)
+    bf16 = _resolve_switch(out.get("bf16", out.get("bfloat16")), "bf16", on_gpu)
+    fp16 = _resolve_switch(out.get("fp16"), "fp16", False)
+    if bf16 and fp16:
+        raise ConfigError("ds_config enables both 'bf16' and 'fp16'; enable one (bf16 is what the video DiTs train in)")
+    out.pop("bfloat16", None)
+    out["bf16"] = {**(out.get("bf16") or {}), "enabled": bf16}
+    if "fp16" in out:
+        out["fp16"] = {**out["fp16"], "enabled": fp16}
+    # the one rule for the batch keys (ds_adaptive.planning.validate): train_batch_size must agree, never silently dropped
+    out["gradient_accumulation_steps"] = accumulation_steps(out, dp_size)
+    out.pop("train_batch_size", None)
+    out["train_micro_batch_size_per_gpu"] = 1
+    out.setdefault("steps_per_print", 2**31 - 1)
+    return out
+
+
+# --- reference documentation ------------------------------------------------------------------
+
+README_BEGIN = "<!-- adaptive_load reference: generated by `python -m ds_adaptive.core.config --readme README.md` -->"
+README_END = "<!-- end of adaptive_load reference -->"
+
+
+def _type_name(ann: Any) -> str:
+    import typing
+
+    origin, args = typing.get_origin(ann), typing.get_args(ann)
+    if origin is Literal:
+        return " \\| ".join(json.dumps(a) for a in args)
+    if origin is Union:
+        return " \\| ".join("null" if a is type(None) else _type_name(a) for a in args)
+    if origin is dict:
+        return f"object of {_type_name(args[1])}"
+    return getattr(ann, "__name__", str(ann))
+
+
+def _bounds(field) -> str:
+    marks = []
+    for m in field.metadata:
+        for attr, sym in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")):
+            v = getattr(m, attr, None)
+            if v is not None:
+                marks.append(f"{sym} {v}")
+    return f" ({', '.join(marks)})" if marks else ""
+
+
+def markdown_reference() -> str:
+    """The table of every key of the adaptive_load block, from the models' field docstrings."""
+    rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, field in model.model_fields.items():
+            ann = field.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                walk(ann, f"{prefix}{name}.")
+                continue
+            doc = " ".join((field.description or "").split()).replace("|", "\\|")
+            default = json.dumps(field.get_default(call_default_factory=True))
+            rows.append(f"| `{prefix}{name}` | {_type_name(ann)}{_bounds(field)} | `{default}` | {doc} |")
+
+    walk(AdaptiveLoadConfig, f"{BLOCK_KEY}.")
+    return "\n".join(rows)
+
+
+def update_readme(path: Union[str, Path]) -> bool:
+    """Rewrite the generated table between the markers of ``path``; True when it changed."""
+    p = Path(path)
+    text = p.read_text()
+    if README_BEGIN not in text or README_END not in text:
+        raise ConfigError(f"{p} has no '{README_BEGIN}' ... '{README_END}' markers to put the table between")
+    head, rest = text.split(README_BEGIN, 1)
+    _, tail = rest.split(README_END, 1)
+    new = f"{head}{README_BEGIN}\n{markdown_reference()}\n{README_END}{tail}"
+    if new != text:
+        p.write_text(new)
+    return new != text
+
+
+def _cross_field_problems(args, raw: dict, block: AdaptiveLoadConfig) -> list:
+    """``config --check``: ``ds_adaptive.planning.validate.run_problems`` with what the flags say about the run."""
+    from ds_adaptive.planning.validate import RunFacts, run_problems
+
+    device = args.device
+    if device is None:
+        try:
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        except ImportError:  # pragma: no cover - torch is a dependency
+            device = None
+    return run_problems(raw, block, RunFacts(model=args.model, layers=args.layers, sp=args.sp, world=args.world,
+                                             device=device))
+
+
+def main(argv: Optional[list] = None) -> int:
+    """``python -m ds_adaptive.core.config [--readme README.md]``: print the reference table, or refresh it in a README."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="ds-adaptive config", description=main.__doc__)
+    parser.add_argument("--readme", help="rewrite the generated table in this markdown file")
+    parser.add_argument("--check", metavar="DS_CONFIG",
+                        help="validate the adaptive_load block of this ds_config and the rules that span fields "
+                             "(ds_adaptive.planning.validate); the flags below say what is known about the run")
+    parser.add_argument("--model", default=None, help="--check: the model it trains (layer indices, heads)")
+    parser.add_argument("--layers", type=int, default=None, help="--check: the trainer's --layers")
+    parser.add_argument("--sp", type=int, default=None, help="--check: the Ulysses degree")
+    parser.add_argument("--world", type=int, default=None, help="--check: ranks of the launch (batch keys vs dp)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                        help="--check: where the ranks compute (default: this machine's, as `ds-adaptive train`)")
+    args = parser.parse_args(argv)
+    try:
+        if args.check:
+            cfg = load_adaptive_config(args.check)
+            problems = _cross_field_problems(args, read_ds_config(args.check), cfg)
+            if problems:
+                for p in problems:
+                    print(f"ds-adaptive config: error: {p.message}")
+                return 2
+            print(json.dumps({BLOCK_KEY: cfg.model_dump()}, indent=2))
+            if BLOCK_KEY not in read_ds_config(args.check):
+                print(f"note: {args.check} has no '{BLOCK_KEY}' block: the defaults above apply (AdaptiveLoad off)")
+            return 0
+        if args.readme:
+            print(f"{args.readme}: {'updated' if update_readme(args.readme) else 'already current'}")
+            return 0
+    except ConfigError as exc:
+        print(f"ds-adaptive config: {exc}")
+        return 2
+    print(markdown_reference())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

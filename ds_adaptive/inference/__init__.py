@@ -1,0 +1,2 @@
+"""From a checkpoint or an export to videos (``sample``) and to a diffusers-format model (``export``).
+"""

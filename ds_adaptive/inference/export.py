@@ -1,0 +1,229 @@
+"""``ds-adaptive export CKPT --to DIR``: a trained DeepSpeed checkpoint -> a diffusers-format transformer.
+
+    ds-adaptive export ckpt --to finetuned                     # the checkpoint 'latest' names
+    ds-adaptive export ckpt/global_step1000 --to out --dtype bf16
+    ds-adaptive export ckpt_high --to my_pipeline && ds-adaptive export ckpt_low --to my_pipeline
+
+CKPT is a ``--save`` directory (its ``latest`` checkpoint, or ``--tag``) or one of its
+``global_stepN`` subdirectories. ZeRO shards (stage 1-3, any number of ranks) are consolidated
+into full fp32 tensors with DeepSpeed's ``zero_to_fp32`` utilities on the CPU and written by the
+model's weight adapter in diffusers' layout as ``DIR/config.json`` +
+``DIR/diffusion_pytorch_model.safetensors``: the diffusers transformer class loads it with
+``from_pretrained(DIR)``, and so does the trainer's ``--init-from``. When ``DIR`` is a diffusers
+pipeline directory (it has ``model_index.json``, e.g. a copy of the base pipeline) the weights go to
+the model's own folder in it (``transformer``, or ``transformer_2`` for the second expert of a
+mixture), so exporting both experts of a run pair into one copy gives a complete pipeline. The model
+(``--model`` and ``--layers`` of the run) comes from the checkpoint's ds_adaptive state;
+``--model`` / ``--layers`` give it for checkpoints written by other code.
+
+Exit status: 0 written, 2 a checkpoint or argument that cannot be exported (one message, no traceback).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional
+
+CLIENT_STATE_KEY = "ds_adaptive"  # the trainer's client_state key (ds_adaptive.training.trainer.CLIENT_STATE_KEY)
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+class ExportError(ValueError):
+    """A checkpoint that cannot be exported; the message names the file and what to do."""
+
+
+def resolve_checkpoint(path: str, tag: Optional[str] = None) -> tuple[Path, str]:
+    """(save directory, tag) of ``path``: a --save directory (its 'latest', or ``tag``) or DIR/global_stepN."""
+    p = Path(path)
+    if not p.exists():
+        raise ExportError(f"checkpoint {path} does not exist; pass the directory given to the trainer's --save "
+                          "or one of its global_stepN subdirectories")
+    if p.is_dir() and any(p.glob("*model_states.pt")):
+        if tag is not None and tag != p.name:
+            raise ExportError(f"{path} is the checkpoint '{p.name}' but --tag {tag} was given; drop one")
+        return p.parent, p.name
+    if tag is None:
+        latest = p / "latest"
+        if not latest.is_file():
+            raise ExportError(f"{path} has no 'latest' file and no *model_states.pt: not a DeepSpeed checkpoint "
+                              "directory; pass --tag global_stepN or the global_stepN directory itself")
+        tag = latest.read_text().strip()
+    if not (p / tag).is_dir() or not any((p / tag).glob("*model_states.pt")):
+        raise ExportError(f"checkpoint '{tag}' of {path} is missing or incomplete ({p / tag} holds no "
+                          "*model_states.pt); pick another with --tag")
+    return p, tag
+
+
+def verify_checkpoint(save_dir: Path, tag: str, log=print) -> None:
+    """The checkpoint's files against its completeness marker (sizes and checksums, every byte read):
+    ExportError naming the first bad file. A checkpoint written by another program (no marker) is exported
+    as it is; one saved after non-finite steps is exported with a note naming the last good one."""
+    from ds_adaptive.training.checkpoint import check_checkpoint, last_good, read_marker
+
+    problem = check_checkpoint(save_dir / tag, need_marker=False)
+    if problem is not None:
+        good = last_good(save_dir, exclude=(tag,))
+        raise ExportError(f"{problem}; nothing was written. Export another checkpoint"
+                          + (f" (--tag {good}: the newest other one marked good)" if good else " (--tag)"))
+    marker = read_marker(save_dir / tag) or {}
+    if not marker.get("good", True):
+        good = last_good(save_dir, marker.get("run_id"))
+        log(f"ds-adaptive export: note: {tag} was saved after non-finite step(s) {marker.get('nonfinite_steps')}"
+            + (f"; the last checkpoint whose steps were all finite is {good} (--tag {good})" if good else ""))
+
+
+def read_client_state(ckpt_dir: Path) -> dict:
+    """The ds_adaptive client state (model preset, layers, step, ...) of a checkpoint; {} if absent."""
+    import torch
+
+    files = sorted(ckpt_dir.glob("*model_states.pt"))
+    try:
+        state = torch.load(files[0], map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is the same message for the user
+        raise ExportError(f"{files[0]} cannot be read ({type(exc).__name__}: {exc}); the checkpoint is "
+                          "truncated or corrupt: export another one (--tag)") from None
+    return dict(state.get(CLIENT_STATE_KEY) or {})
+
+
+def consolidated_state_dict(save_dir: Path, tag: str) -> dict:
+    """Full fp32 tensors of every trained parameter (ZeRO shards merged), WanModel names."""
+    import torch
+
+    ckpt = save_dir / tag
+    zero_files = list(ckpt.glob("*optim_states.pt"))
+    try:
+        if zero_files:
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+            sd = get_fp32_state_dict_from_zero_checkpoint(str(save_dir), tag=tag)
+        else:  # ZeRO disabled: the module's state dict is in the model file
+            sd = torch.load(next(ckpt.glob("*model_states.pt")), map_location="cpu", weights_only=True)["module"]
+    except ExportError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise ExportError(f"cannot consolidate the checkpoint {ckpt} ({type(exc).__name__}: {exc}); a shard is "
+                          "missing or corrupt: export another checkpoint (--tag)") from None
+    sd = {k: v for k, v in sd.items() if torch.is_tensor(v)}
+    # a run under Ulysses SP may wrap the model (wrapper.model)
+    if sd and all(k.startswith("model.") for k in sd):
+        sd = {k[len("model."):]: v for k, v in sd.items()}
+    return sd
+
+
+def export_checkpoint(ckpt: str, out: str, *, tag: Optional[str] = None, dtype: str = "fp32",
+                      model: Optional[str] = None, layers: Optional[int] = None, lora: bool = False,
+                      base: Optional[str] = None) -> Path:
+    """Write the diffusers-format transformer of a DeepSpeed checkpoint to ``out`` (or to the model's folder of
+    the diffusers pipeline directory ``out``); returns the weights file. ``lora``: write only the LoRA adapters
+    of a LoRA checkpoint (``out/pytorch_lora_weights.safetensors``, ``ds_adaptive.training.lora.export_lora``). A LoRA
+    checkpoint exported whole gets its adapters merged into its base (``base``: the base's directory, default
+    the run's ``--init-from``)."""
+    import torch
+
+    from ds_adaptive.models.registry import get_model
+
+    if dtype not in DTYPES:
+        raise ExportError(f"--dtype must be one of {DTYPES}, got {dtype!r}")
+    save_dir, tag = resolve_checkpoint(ckpt, tag)
+    verify_checkpoint(save_dir, tag)
+    if lora:
+        from ds_adaptive.training.lora import export_lora
+
+        return export_lora(save_dir, tag, read_client_state(save_dir / tag), out,
+                           consolidated_state_dict(save_dir, tag), spec=get_model(cfg_model_name(save_dir, tag, model)))
+    cfg, sd = checkpoint_weights(save_dir, tag, model=model, layers=layers, base=base)
+    spec = get_model(cfg_model_name(save_dir, tag, model))
+    with torch.device("meta"):
+        net = spec.build(cfg)
+    net.to_dtype({"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype])
+    spec.weights.load_state_dict(net, sd, source=str(save_dir / tag))
+    target = Path(out)
+    if (target / "model_index.json").is_file():   # a diffusers pipeline: the model's own folder in it
+        target = target / spec.subfolder
+    return spec.weights.save(net, target, layout="diffusers")
+
+
+def cfg_model_name(save_dir: Path, tag: str, model: Optional[str] = None) -> str:
+    """The model a checkpoint holds: ``model`` (``--model``), else its ds_adaptive client state's."""
+    name = model or read_client_state(save_dir / tag).get("model")
+    if name is None:
+        raise ExportError(f"{save_dir / tag} was not written by ds_adaptive (no '{CLIENT_STATE_KEY}' client state): "
+                          "pass --model (and --layers) to say which model it holds")
+    return name
+
+
+def checkpoint_weights(save_dir: Path, tag: str, *, model: Optional[str] = None, layers: Optional[int] = None,
+                       base: Optional[str] = None):
+    """``(model config, {model parameter name: fp32 tensor})`` of the model a checkpoint holds (``export`` and
+    ``ds-adaptive sample``): ZeRO shards consolidated, names and shapes checked by the family's weight adapter;
+    a LoRA checkpoint's adapters merged into its base."""
+    import torch
+
+    from ds_adaptive.models.family import ModelError
+    from ds_adaptive.models.registry import get_model
+
+    state = read_client_state(save_dir / tag)
+    name = cfg_model_name(save_dir, tag, model)
+    n_layers = layers if layers is not None else state.get("layers")
+    try:
+        spec = get_model(name)
+        cfg = spec.config(**({"num_layers": n_layers} if n_layers else {}))
+    except ModelError as exc:
+        raise ExportError(f"model {name!r} (layers {n_layers}): {exc}") from None
+    sd = consolidated_state_dict(save_dir, tag)
+    if state.get("lora"):
+        from ds_adaptive.training.lora import merged_weights
+
+        return cfg, merged_weights(cfg, state["lora"], sd, spec=spec, base=base, what=str(save_dir / tag))
+    with torch.device("meta"):
+        net = spec.build(cfg)
+    net.to_dtype(torch.float32)
+    try:
+        spec.weights.load_state_dict(net, sd, source=f"{save_dir / tag} (model {name}, {cfg.num_layers} blocks)")
+    except ModelError as exc:
+        raise ExportError(f"{exc}\nIf the run used --layers N, pass --layers N.") from None
+    return cfg, {n: p.detach() for n, p in net.named_parameters()}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="ds-adaptive export", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("checkpoint", help="a --save directory, or one of its global_stepN subdirectories")
+    ap.add_argument("--to", required=True, metavar="DIR",
+                    help="output directory (config.json + safetensors), or a diffusers pipeline directory: the "
+                         "model's folder in it (transformer / transformer_2) is written")
+    ap.add_argument("--tag", default=None, help="checkpoint tag in a --save directory (default: its 'latest')")
+    ap.add_argument("--dtype", default="fp32", choices=DTYPES,
+                    help="weights dtype (default fp32; bf16/fp16 keep diffusers' fp32 modules in fp32)")
+    ap.add_argument("--model", default=None, help="the model, for checkpoints without ds_adaptive state")
+    ap.add_argument("--layers", type=int, default=None, help="number of blocks, when the run used --layers")
+    ap.add_argument("--lora", action="store_true",
+                    help="LoRA checkpoints: write only the adapters, DIR/pytorch_lora_weights.safetensors in diffusers' "
+                         "PEFT format (the diffusers pipeline's load_lora_weights(DIR) loads it)")
+    ap.add_argument("--base", default=None,
+                    help="LoRA checkpoints exported whole: the base model's directory (default: the run's --init-from); "
+                         "the adapters are merged into it")
+    args = ap.parse_args(argv)
+    from ds_adaptive.training.lora import LoraError
+    from ds_adaptive.models.family import ModelError
+
+    try:
+        f = export_checkpoint(args.checkpoint, args.to, tag=args.tag, dtype=args.dtype, model=args.model,
+                              layers=args.layers, lora=args.lora, base=args.base)
+    except (ExportError, ModelError, LoraError) as exc:
+        print(f"ds-adaptive export: error: {exc}", file=sys.stderr)
+        return 2
+    if args.lora:
+        from ds_adaptive.training.lora import loading_hint
+        from ds_adaptive.models.registry import get_model
+
+        spec = get_model(cfg_model_name(*resolve_checkpoint(args.checkpoint, args.tag), args.model))
+        print(f"wrote {f} (LoRA adapters, {loading_hint(spec, f.parent)})")
+    else:
+        print(f"wrote {f.parent / 'config.json'} and {f} (diffusers layout, {args.dtype})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,2 @@
+"""Runtime integrations: DeepSpeed's op registry (``deepspeed``), Megatron's data pipeline (``megatron``),
+diffusers' Wan model (``diffusers``)."""

@@ -1,0 +1,669 @@
+"""Signal-safe wrapper around the ``deepspeed`` launcher: signals reach every rank, no orphans.
+
+    python ds_adaptive/launch/supervise.py [--stop-timeout S] -- deepspeed --num_gpus 8 launch/train_wan.py ...
+
+``launch/train_wan.sh`` runs its ``deepspeed`` command through this file. Why: DeepSpeed's
+launcher is a chain of processes (``deepspeed`` runner -> ``deepspeed.launcher.launch`` -> one
+process per rank). ``kill`` of the runner (what a scheduler sends to the job's main process)
+ends the runner only; the ranks keep training and writing checkpoints. And DeepSpeed's per-node
+launcher, when it gets SIGTERM itself, gives the ranks 30 s before it SIGKILLs them: too short
+to finish a step and save a checkpoint of a large model.
+
+What the supervisor does:
+
+* The command runs in its own session / process group (``start_new_session``): everything it
+  starts (runner, per-node launcher, ranks, DataLoader workers) shares one process group.
+* SIGTERM / SIGINT / SIGHUP / SIGUSR1 to the supervisor are forwarded **to the rank processes** (the
+  children of ``deepspeed.launcher.launch``, or of the per-node launcher ``ds_adaptive.launch.multinode``
+  of a multi-node run without ssh), not to DeepSpeed's launchers, so the trainer's own
+  handler decides how to stop (finish the step, save, exit with a distinct code) without a 30 s
+  cap. When no local rank is found (multi-node: the ranks run under pdsh on the nodes), the signal
+  goes to the runner, whose pdsh handler stops the remote launchers.
+* A second signal, or ``--stop-timeout`` seconds after the first, SIGKILLs the whole group (a second
+  signal is ignored with ``DS_ADAPTIVE_REPEAT_SIGNAL=ignore``, set under SLURM: SLURM delivers one
+  preemption to every process, and again through srun).
+* SIGKILL of the supervisor cannot be caught: a small reaper process (its own session, its stdin
+  the read end of a pipe that only the supervisor holds) sees the pipe close when the supervisor
+  dies in any way and SIGKILLs the group. The ranks also ask the kernel for SIGTERM when their
+  parent dies (``die_with_parent``, called by ``launch/train_wan.py``).
+* When the command ends, any process of its group still alive (a stray worker) is killed.
+* **A rank that dies** (a signal: SIGKILL, the OOM killer, a segfault) or exits with an error while the
+  others run: the supervisor sees it at once (a pidfd per rank), gives the other ranks
+  ``--rank-exit-grace`` seconds (default 10) to end on their own (gloo tells them at once; an NCCL
+  collective can wait for its timeout), then kills the run's process group. One line names the rank that
+  ended first and how, the exit status, the last complete checkpoint and the command that resumes from it.
+  Ranks that stopped only because that rank was gone exit ``EXIT_PEER_LOST`` (3) quietly.
+* **The rendezvous port** (single node): ``--master_port`` of the ``deepspeed`` command, default 29500, must
+  be free on this host: no listening socket, and no other supervised run holding it (a ``flock`` on
+  ``<tmp>/ds_adaptive.port-<port>.lock`` for the run's lifetime). A port given explicitly (``MASTER_PORT``)
+  that is busy ends the launch with one line and exit 2; the default port, when busy, is replaced by a free
+  one, and the line says which. A second job on a busy port would otherwise fail with EADDRINUSE, or let
+  its ranks join the first job's store.
+* At the end, DeepSpeed's CPU shared-memory buffers of this run
+  (``/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>``, ~69 MB per rank, never unlinked by
+  DeepSpeed 0.19.8) are removed.
+
+Exit status: 0 finished; 75 stopped by a forwarded signal with a checkpoint (the ranks' ``EXIT_PREEMPTED``);
+2 a usage, config, data or checkpoint error (one message); 128+N a rank killed by signal N (the ``deepspeed``
+launcher's own report of it, 256-N, is mapped to 128+N) or the launcher itself killed by N; otherwise the
+status of the rank that failed first.
+
+This file uses the standard library, ``psutil`` (a DeepSpeed dependency) and ``ports.py`` beside it (standard
+library only), so it runs as a plain script before any package import.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import errno
+import fcntl
+import glob
+import os
+import select
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+try:
+    from ds_adaptive.core.ports import free_port
+except ImportError:   # run as a plain script (launch/train_wan.sh): this file's folder is on sys.path
+    from ports import free_port
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)  # USR1: SLURM's --signal=USR1@N
+LAUNCH_MODULE = "deepspeed.launcher.launch"
+# Multi-node without ssh: the per-node launcher of ds_adaptive/launch/multinode/ starts the ranks itself.
+NODE_LAUNCH_MODULE = "ds_adaptive.launch.multinode"
+ENV_SUPERVISOR = "DS_ADAPTIVE_SUPERVISOR_PID"
+# DS_ADAPTIVE_REPEAT_SIGNAL=ignore (set by launch/train_wan.sh under SLURM): SLURM signals every process of the
+# step, and srun forwards its own copy, so one preemption arrives more than once; a repeat must not kill.
+ENV_REPEAT_SIGNAL = "DS_ADAPTIVE_REPEAT_SIGNAL"
+ENV_RESUME_HINT = "DS_ADAPTIVE_RESUME_HINT"
+"""The command that resumes this run (``launch/train_wan.sh`` sets it), for the rank-death message."""
+_PR_SET_PDEATHSIG = 1
+
+# The ranks' exit codes the supervisor tells apart (ds_adaptive.training.preempt; this file imports no package code:
+# tests/test_checkpoint_safety.py checks that they agree).
+EXIT_USAGE = 2
+EXIT_PEER_LOST = 3
+EXIT_PREEMPTED = 75
+DEFAULT_MASTER_PORT = 29500
+"""DeepSpeed's default rendezvous port (``deepspeed --master_port``)."""
+RANK_EXIT_GRACE = 10.0
+"""Seconds the other ranks get to end on their own after one rank died or failed."""
+SHM_PREFIX = "/dev/shm/deepspeed_allreduce_buffer"
+
+# The reaper: waits for EOF on stdin (the supervisor closed the pipe: it exited or was killed).
+# A supervisor that exits normally first writes "done"; anything else kills the group.
+# Also removes the run's port lock file (argv[2], if any), which the dead supervisor held.
+_REAPER = r"""
+import fcntl, os, signal, sys, time
+for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):  # a scheduler signals every process
+    signal.signal(s, signal.SIG_IGN)
+pgid = int(sys.argv[1])
+msg = sys.stdin.buffer.read()
+if msg.strip() == b"done":
+    sys.exit(0)
+try:
+    os.killpg(pgid, signal.SIGKILL)
+    sys.stderr.write(f"ds_adaptive supervisor: the launcher died; killed its process group {pgid}\n")
+except ProcessLookupError:
+    pass
+if len(sys.argv) > 2:
+    try:
+        fd = os.open(sys.argv[2], os.O_RDONLY)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free now: nobody else holds it
+        os.unlink(sys.argv[2])
+        os.close(fd)
+    except OSError:
+        pass
+"""
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> bool:
+    """Ask Linux to send ``sig`` to this process when its parent dies (prctl PR_SET_PDEATHSIG).
+
+    Called at the start of every rank (``launch/train_wan.py``): if DeepSpeed's per-node launcher
+    is SIGKILLed, the ranks get ``sig`` instead of running on as orphans. Returns False where the
+    call is not available (not Linux). If the parent is already gone, ``sig`` is raised at once.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os.kill(os.getpid(), sig)
+    return True
+
+
+def rank_processes(root_pid: int) -> list:
+    """The rank processes under ``root_pid``: children of a ``deepspeed.launcher.launch`` process, or of
+    the per-node launcher ``ds_adaptive.launch.multinode`` (which may be ``root_pid`` itself) (psutil.Process
+    objects; empty when none runs on this node)."""
+    import psutil
+
+    try:
+        root = psutil.Process(root_pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+    ranks = []
+    for proc in tree:
+        try:
+            cmd = " ".join(proc.cmdline())
+            if LAUNCH_MODULE in cmd or f"-m {NODE_LAUNCH_MODULE} launch" in cmd:
+                ranks.extend(proc.children())
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return ranks
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+# --- the rendezvous port (one job per port on this host) ---------------------------------------
+
+class PortInUse(RuntimeError):
+    """An explicitly chosen rendezvous port is taken on this host (one line, for the user)."""
+
+
+def _port_lock_path(port: int) -> Path:
+    return Path(tempfile.gettempdir()) / f"ds_adaptive.port-{port}.lock"
+
+
+def _listening(port: int) -> bool:
+    """Something on this host listens on TCP ``port`` (a bind with SO_REUSEADDR fails: TIME_WAIT does not count)."""
+    for family, addr in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
+        try:
+            s = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:
+            continue
+        try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((addr, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return True
+        finally:
+            s.close()
+    return False
+
+
+def claim_port(port: int) -> tuple[Optional[int], str]:
+    """Hold ``port`` for this run: (file descriptor of the held flock, "") or (None, who has it). The lock file
+    is removed by :func:`release_port`; a holder checks that the file it locked is still the one at the path."""
+    path = _port_lock_path(port)
+    for _ in range(10):
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        except PermissionError:  # another user's lock file: read-only is enough for flock
+            fd = os.open(path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = ""
+            try:
+                holder = Path(path).read_text().strip()
+            except OSError:
+                pass
+            os.close(fd)
+            return None, f"held by another ds_adaptive run ({holder or 'see ' + str(path)})"
+        try:
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # its holder removed the file while we opened it: lock the new one
+    else:
+        return None, f"its lock file {path} keeps changing"
+    if _listening(port):
+        release_port(port, fd)
+        return None, "another program listens on it"
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"supervisor pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
+    except OSError:
+        pass
+    return fd, ""
+
+
+def release_port(port: int, fd: int) -> None:
+    """Give up a port claimed by :func:`claim_port` (its lock file removed while still locked)."""
+    try:
+        os.unlink(_port_lock_path(port))
+    except OSError:
+        pass
+    os.close(fd)
+
+
+def _runner_args(cmd: list[str]) -> Optional[tuple[int, dict]]:
+    """For a ``deepspeed`` runner command: (index of the user script, {runner option: value}); else None."""
+    if not cmd or (os.path.basename(cmd[0]) != "deepspeed" and "deepspeed.launcher.runner" not in cmd):
+        return None
+    opts: dict = {}
+    i = 1 if os.path.basename(cmd[0]) == "deepspeed" else cmd.index("deepspeed.launcher.runner") + 1
+    while i < len(cmd) and cmd[i].startswith("-"):
+        key, eq, value = cmd[i].partition("=")
+        if eq:
+            opts[key] = value
+            i += 1
+        elif i + 1 < len(cmd) and not cmd[i + 1].startswith("-") and not cmd[i + 1].endswith(".py"):
+            opts[key] = cmd[i + 1]
+            i += 2
+        else:
+            opts[key] = True
+            i += 1
+    return i, opts
+
+
+def single_node(opts: dict) -> bool:
+    """The runner options launch on this host only (no hostfile, DeepSpeed's default /job/hostfile absent)."""
+    if opts.get("--hostfile") or opts.get("-H") or os.path.isfile("/job/hostfile"):
+        return False
+    try:
+        return int(opts.get("--num_nodes", 1) or 1) <= 1
+    except ValueError:
+        return False
+
+
+def choose_master_port(cmd: list[str], *, default: int = DEFAULT_MASTER_PORT, log=print
+                       ) -> tuple[list[str], Optional[int], Optional[int]]:
+    """The ``deepspeed`` command with a rendezvous port held for this run: (command, port, lock fd).
+
+    Single node only (multi-node rendezvous is on the first host of the hostfile: port None, command as is).
+    ``--master_port P`` given and busy: :class:`PortInUse`. Not given: ``default`` if free, else a free port,
+    added to the command as ``--master_port`` and announced through ``log``."""
+    parsed = _runner_args(cmd)
+    if parsed is None:
+        return cmd, None, None
+    script_at, opts = parsed
+    if not single_node(opts):
+        return cmd, None, None
+    given = opts.get("--master_port")
+    port = int(given) if given not in (None, True) else default
+    fd, why = claim_port(port)
+    if fd is not None:
+        return cmd, port, fd
+    if given not in (None, True):
+        raise PortInUse(f"MASTER_PORT {port} is in use on this host: {why}; a second job on it fails or joins the "
+                        "first one's rendezvous. Choose a free port (MASTER_PORT=...), or leave MASTER_PORT unset to "
+                        "have one picked")
+    for _ in range(20):
+        new = free_port()
+        fd, _ = claim_port(new)
+        if fd is not None:
+            log(f"the default rendezvous port {port} is in use on this host: {why}; this run uses port {new} "
+                "(set MASTER_PORT to choose one)")
+            return cmd[:script_at] + ["--master_port", str(new)] + cmd[script_at:], new, fd
+    raise PortInUse(f"no free rendezvous port found on this host (the default {port} is {why}); set MASTER_PORT")
+
+
+def remove_shm_buffers(port: int) -> list[str]:
+    """Remove DeepSpeed's CPU shared-memory buffers of this user's job on ``port`` (after its ranks ended)."""
+    gone = []
+    for f in glob.glob(f"{SHM_PREFIX}_{os.getuid()}_*_{port}_*"):
+        try:
+            os.unlink(f)
+            gone.append(f)
+        except OSError:
+            pass
+    return gone
+
+
+# --- how each rank ended ---------------------------------------------------------------------
+
+@dataclass
+class RankEnd:
+    """One rank process that ended: its rank, pid, and the signal that killed it or its exit code (both None
+    when it was reaped before the supervisor could read its status)."""
+
+    rank: int
+    pid: int
+    signal: Optional[int] = None
+    code: Optional[int] = None
+
+    @property
+    def failed(self) -> bool:
+        """Ended by a signal, or with a status other than 0 and the preemption exit."""
+        return self.signal is not None or self.code not in (0, EXIT_PREEMPTED)
+
+    @property
+    def cause(self) -> bool:
+        """A failure of its own (not a rank that stopped because another was gone)."""
+        return self.failed and self.code != EXIT_PEER_LOST
+
+    def describe(self) -> str:
+        who = f"rank {self.rank} (pid {self.pid})"
+        if self.signal is not None:
+            return f"{who} was killed by {_signame(self.signal)}"
+        if self.code is None:
+            return f"{who} ended (its exit status was not seen)"
+        return f"{who} exited with status {self.code}"
+
+    def exit_status(self) -> Optional[int]:
+        return 128 + self.signal if self.signal is not None else self.code
+
+
+def _signame(sig: int) -> str:
+    try:
+        return f"{signal.Signals(sig).name} (signal {sig})"
+    except ValueError:
+        return f"signal {sig}"
+
+
+def process_end(pid: int) -> Optional[tuple[Optional[int], Optional[int]]]:
+    """None while ``pid`` runs; (signal, None) / (None, exit code) once it is a zombie (its parent has not reaped
+    it yet: /proc/PID/stat field 52, the wait status); (None, None) once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return None, None
+    if fields[0] not in ("Z", "X"):
+        return None
+    status = int(fields[49]) if len(fields) > 49 else -1
+    if status < 0:
+        return None, None
+    return (status & 0x7F, None) if status & 0x7F else (None, (status >> 8) & 0xFF)
+
+
+class RankWatch:
+    """The rank processes of this node (children of ``deepspeed.launcher.launch``) and how each ended.
+
+    Each rank gets a pidfd (Linux >= 5.3), readable the moment it exits, so :meth:`poll` runs before
+    DeepSpeed's launcher (which polls once a second) reaps it and the wait status is still readable."""
+
+    def __init__(self, root_pid: int) -> None:
+        self.root_pid = root_pid
+        self.ranks: dict[int, tuple[int, Optional[int]]] = {}  # pid -> (rank, pidfd)
+        self.ended: list[RankEnd] = []
+
+    def fds(self) -> list[int]:
+        done = {e.pid for e in self.ended}
+        return [fd for pid, (_, fd) in self.ranks.items() if fd is not None and pid not in done]
+
+    def _discover(self) -> None:
+        for proc in rank_processes(self.root_pid):
+            if proc.pid in self.ranks:
+                continue
+            try:
+                rank = int(proc.environ().get("RANK", len(self.ranks)))
+            except Exception:  # noqa: BLE001 - psutil AccessDenied / NoSuchProcess / a bad value
+                rank = len(self.ranks)
+            try:
+                fd = os.pidfd_open(proc.pid)
+            except (AttributeError, OSError):
+                fd = None
+            self.ranks[proc.pid] = (rank, fd)
+
+    def poll(self) -> list[RankEnd]:
+        """Ranks that ended since the last call (oldest first)."""
+        new = []
+        done = {e.pid for e in self.ended}
+        for pid, (rank, _) in self.ranks.items():
+            if pid in done:
+                continue
+            end = process_end(pid)
+            if end is not None:
+                new.append(RankEnd(rank, pid, *end))
+        self.ended += new
+        self._discover()
+        return new
+
+    def close(self) -> None:
+        for _, fd in self.ranks.values():
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+    def first_failure(self) -> Optional[RankEnd]:
+        """The rank whose failure stopped the run: the first that failed on its own; else the first that ended
+        with an unseen status; else the first that lost its peers."""
+        for test in (lambda e: e.cause and (e.signal is not None or e.code is not None),
+                     lambda e: e.cause, lambda e: e.failed):
+            found = next((e for e in self.ended if test(e)), None)
+            if found is not None:
+                return found
+        return None
+
+
+def launcher_status(rc: int) -> int:
+    """The supervisor's exit status for the launcher's return code: a signal death -N is 128+N, and so is the
+    ``deepspeed`` launcher's 256-N (``sys.exit(-N)`` of a rank killed by signal N)."""
+    if rc < 0:
+        return 128 - rc
+    if 256 - 64 <= rc <= 255:
+        return 128 + (256 - rc)
+    return rc
+
+
+def _save_dir(cmd: list[str]) -> Optional[str]:
+    for i, arg in enumerate(cmd):
+        if arg == "--save" and i + 1 < len(cmd):
+            return cmd[i + 1]
+        if arg.startswith("--save="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def resume_advice(cmd: list[str]) -> str:
+    """Where the run can go on from: the checkpoint ``latest`` names in ``--save`` and the command."""
+    save = _save_dir(cmd)
+    if save is None:
+        return "Nothing was saved (no --save directory)."
+    latest = Path(save) / "latest"
+    tag = latest.read_text().strip() if latest.is_file() else None
+    if tag is None:
+        return f"No checkpoint was completed in {save} yet."
+    hint = os.environ.get(ENV_RESUME_HINT) or shlex.join(
+        [c for c in cmd if c != "--overwrite"] + ([] if "--resume" in cmd else ["--resume", save]))
+    return f"The last complete checkpoint is {Path(save) / tag}; resume with: {hint}"
+
+
+class Supervisor:
+    """Runs one command in its own process group and owns its signals (see the module doc)."""
+
+    def __init__(self, cmd: list[str], *, stop_timeout: float = 0.0, rank_exit_grace: float = RANK_EXIT_GRACE,
+                 log=None) -> None:
+        self.cmd = cmd
+        # the per-node launcher watches its ranks and the other nodes itself and reports the failure once, with
+        # its own exit status: the supervisor then only forwards signals and keeps the process group
+        self.node_launcher = NODE_LAUNCH_MODULE in " ".join(cmd)
+        self.stop_timeout = stop_timeout
+        self.rank_exit_grace = rank_exit_grace
+        self.log = log or (lambda msg: print(f"ds_adaptive supervisor: {msg}", file=sys.stderr, flush=True))
+        self.proc: Optional[subprocess.Popen] = None
+        self.reaper: Optional[subprocess.Popen] = None
+        self.signals: list[int] = []
+        self.stop_deadline: Optional[float] = None
+        self.port: Optional[int] = None
+        self.watch: Optional[RankWatch] = None
+        self.rank_deadline: Optional[float] = None
+        """Set when a rank failed: the others are killed if still running then."""
+        self.killed_others = False
+
+    def _on_signal(self, signum, _frame) -> None:
+        self.signals.append(signum)
+
+    def _forward(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        if len(self.signals) > 1 and os.environ.get(ENV_REPEAT_SIGNAL) == "ignore":
+            self.log(f"{name} again: ignored ({ENV_REPEAT_SIGNAL}=ignore: the scheduler kills the run itself)")
+            return
+        if len(self.signals) > 1:
+            self.log(f"second signal ({name}): killing every process of the run (SIGKILL)")
+            self._kill_group()
+            return
+        ranks = rank_processes(self.proc.pid)
+        if ranks:
+            for r in ranks:
+                try:
+                    r.send_signal(signum)
+                except Exception:  # noqa: BLE001 - gone already
+                    pass
+            again = ("Repeats are ignored." if os.environ.get(ENV_REPEAT_SIGNAL) == "ignore" else
+                     "Send it again to kill them at once.")
+            self.log(f"{name}: forwarded to {len(ranks)} rank process(es) {sorted(r.pid for r in ranks)}; they "
+                     f"stop at the end of the current step. {again}")
+        else:
+            self.proc.send_signal(signum)
+            self.log(f"{name}: no local rank process yet (or multi-node): forwarded to the launcher {self.proc.pid}")
+        if self.stop_timeout > 0:
+            self.stop_deadline = time.monotonic() + self.stop_timeout
+
+    def _kill_group(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def run(self) -> int:
+        """Start the command and supervise it to the end; returns the exit status (module doc). Raises
+        :class:`PortInUse` before starting anything when the explicit rendezvous port is taken."""
+        self.cmd, self.port, port_fd = choose_master_port(self.cmd, log=self.log)
+        for s in FORWARDED:
+            signal.signal(s, self._on_signal)
+        env = {**os.environ, ENV_SUPERVISOR: str(os.getpid())}
+        self.proc = subprocess.Popen(self.cmd, start_new_session=True, env=env)
+        lock = [str(_port_lock_path(self.port))] if self.port is not None else []
+        self.reaper = subprocess.Popen([sys.executable, "-c", _REAPER, str(self.proc.pid), *lock],
+                                       stdin=subprocess.PIPE, start_new_session=True)
+        self.watch = RankWatch(self.proc.pid)
+        try:
+            rc = self._supervise()
+            self._reap_stragglers()
+        finally:
+            if self.proc.poll() is None:  # an exception in the supervisor itself: leave nothing behind
+                self._kill_group()
+            try:
+                self.reaper.stdin.write(b"done")
+                self.reaper.stdin.close()
+                self.reaper.wait(timeout=10)
+            except (BrokenPipeError, OSError, subprocess.TimeoutExpired):
+                pass
+            self.watch.close()
+            if self.port is not None:
+                remove_shm_buffers(self.port)
+            if port_fd is not None:
+                release_port(self.port, port_fd)
+        return self._exit_status(rc)
+
+    def _supervise(self) -> int:
+        """The loop: wait for the launcher, a rank's end (its pidfd) or a signal; returns the launcher's code."""
+        handled = 0
+        while True:
+            fds = self.watch.fds()
+            if fds:
+                try:
+                    select.select(fds, [], [], 0.2)
+                except (OSError, ValueError):  # a pidfd closed under us: poll again
+                    pass
+            else:
+                time.sleep(0.2)
+            for end in self.watch.poll():
+                self._on_rank_end(end)
+            rc = self.proc.poll()
+            if rc is not None:
+                for end in self.watch.poll():
+                    self._on_rank_end(end)
+                return rc
+            while handled < len(self.signals):
+                handled += 1
+                self._forward(self.signals[handled - 1])
+            now = time.monotonic()
+            if self.stop_deadline is not None and now > self.stop_deadline:
+                self.log(f"the run did not stop within --stop-timeout {self.stop_timeout:g} s of the signal: "
+                         "killing it (SIGKILL)")
+                self._kill_group()
+                self.stop_deadline = None
+            if self.rank_deadline is not None and now > self.rank_deadline:
+                self.killed_others = True
+                self._kill_group()
+                self.rank_deadline = None
+
+    def _on_rank_end(self, end: RankEnd) -> None:
+        """A rank ended: after a failure (not during a stop we forwarded) the others get rank_exit_grace s."""
+        if (end.failed and not self.signals and self.rank_deadline is None and not self.killed_others
+                and not self.node_launcher):
+            self.rank_deadline = time.monotonic() + self.rank_exit_grace
+
+    def _exit_status(self, rc: int) -> int:
+        """The run's exit status (module doc), and the one line after a rank failure."""
+        failure = self.watch.first_failure() if not (self.signals or self.node_launcher) else None
+        if failure is None:
+            return launcher_status(rc)
+        status = failure.exit_status()
+        if status is None:  # reaped before it was seen: what the launcher reported
+            status = launcher_status(rc)
+        # the others ended after the failure however they did: on the lost peer (EXIT_PEER_LOST), or terminated by
+        # DeepSpeed's launcher first (it kills the rest when one rank exits non-zero: a race with the peer check)
+        others = [e for e in self.watch.ended if e is not failure]
+        if failure.signal is not None or self.killed_others or others:
+            stopped = ("the other rank(s) were killed after " f"{self.rank_exit_grace:g} s" if self.killed_others
+                       else "the other rank(s) stopped")
+            self.log(f"{failure.describe()}; {stopped}; exit {status}. {resume_advice(self.cmd)}")
+        return status
+
+    def _reap_stragglers(self, grace: float = 5.0) -> None:
+        """The launcher exited; give what is left of its group ``grace`` s, then SIGKILL it."""
+        deadline = time.monotonic() + grace
+        while _group_alive(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if _group_alive(self.proc.pid):
+            self.log("processes of the run outlived the launcher: killing them (SIGKILL)")
+            self._kill_group()
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(prog="supervise.py", description=__doc__.split("\n\n")[0],
+                                 usage="supervise.py [--stop-timeout S] -- COMMAND [ARGS ...]")
+    ap.add_argument("--stop-timeout", type=float, default=float(os.environ.get("STOP_TIMEOUT", "0") or 0),
+                    help="after a forwarded SIGTERM/SIGINT, SIGKILL the run if it has not stopped within this "
+                         "many seconds (default: $STOP_TIMEOUT, else 0 = wait; a second signal kills at once)")
+    ap.add_argument("--rank-exit-grace", type=float, default=RANK_EXIT_GRACE,
+                    help="after one rank died or failed, SIGKILL the others if they have not ended within this many "
+                         f"seconds (default {RANK_EXIT_GRACE:g})")
+    if "--" not in argv:
+        ap.error("give the command after '--'")
+    i = argv.index("--")
+    args = ap.parse_args(argv[:i])
+    cmd = argv[i + 1:]
+    if not cmd:
+        ap.error("no command after '--'")
+    if args.stop_timeout < 0:
+        ap.error(f"--stop-timeout must be >= 0, got {args.stop_timeout}")
+    if args.rank_exit_grace < 0:
+        ap.error(f"--rank-exit-grace must be >= 0, got {args.rank_exit_grace}")
+    try:
+        return Supervisor(cmd, stop_timeout=args.stop_timeout, rank_exit_grace=args.rank_exit_grace).run()
+    except PortInUse as exc:
+        print(f"ds_adaptive supervisor: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except FileNotFoundError as exc:
+        print(f"supervise.py: cannot start {cmd[0]!r}: {exc}", file=sys.stderr)
+        return 127
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,363 @@
+"""Throughput-optimal compute budget: ``m_comp: auto`` under memory-aware checkpointing.
+
+With every block checkpointed a micro-batch's time per token falls as it grows (the per-micro-batch
+overhead is spread over more samples), so the smallest budget under which no sample is oversize -- the
+costliest sample at B=1 -- was the natural ``auto``. With the checkpoint plan (``ds_adaptive.planning.memory``)
+that is no longer so: a micro-batch that fills the memory budget must checkpoint blocks, and each one
+adds a recomputed forward for every sample of the batch. On an H200 (Wan 1.3B), 21 images of
+1x480x832 with no block checkpointed train at ~41k tokens/s; 191 of them (28 blocks checkpointed) at
+~32.5k. A smaller compute budget gives smaller micro-batches that checkpoint fewer blocks, and pays the
+per-micro-step and per-optimizer-step time of the training loop more often.
+
+:func:`choose_compute_budget` picks, from a small candidate set, the budget with the highest predicted
+tokens/s over a plan of the epoch's first samples::
+
+    time = sum over micro-steps of (max over DP ranks of the batch cost  +  micro_step_overhead)
+         + optimizer steps x optimizer_step_overhead
+    tokens/s = planned tokens / time
+
+Batch costs come from the checkpoint plan (fwd + bwd + the recomputed forwards of exactly the checkpointed
+blocks, ``CostModel.ckpt_cost``); the overheads from the profile (``Profile.micro_step_overhead_ms``,
+``optimizer_step_overhead_ms``). The plans are the planner's own (``plan_epoch``), so every micro-step stays
+cost-balanced across DP ranks, and the imbalance a budget causes is in its predicted time.
+
+Candidates: the reference (the costliest sample at B=1 with its own checkpoint plan: the old ``auto``),
+each shape's B=1 cost and the cost of its largest micro-batch that needs no checkpointing (the per-shape
+efficiency optimum when the overheads are small), a geometric grid between the smallest of them and
+the reference, and a geometric grid ABOVE the reference up to the costliest micro-batch that fits
+``m_mem`` (:func:`upper_budget`). The grid above matters when every sample is short (low resolution,
+image-only sets): the reference is then a few tens of ms, about the per-micro-batch cost ``c0`` plus the
+per-micro-step loop overhead, and micro-batches sized to it are dominated by those fixed costs; the
+equal-token baseline, whose batches fill the memory, was predicted 2.8x faster on such a set. The
+*equal-token plan* (mode ``tokens`` at the same ``m_mem`` and ``max_tokens``) is scored as well: its
+costliest micro-batch is a candidate budget (under it every batch the baseline forms is feasible), and
+its predicted tokens/s is published (``BudgetChoice.equal_token_tokens_per_s``). When it is predicted faster
+than every dual candidate, the choice is that plan itself (``BudgetChoice.plan_mode == "tokens"``: the
+sampler forms equal-token batches at the same budgets). That happens with few samples per rank and
+shape, where balancing the micro-steps splits batches (more micro-steps, each paying ``c0`` and the loop
+overhead) by more than the balance gains; with the grid above the reference it is the exception (none
+of the random mixes of ``tests/test_never_slower.py`` at 8 and 64 GPUs needs it).
+
+The samples planned per candidate grow with the budget so that its plan has several micro-steps
+(:data:`SEARCH_MICRO_STEPS`, at most ``SEARCH_SAMPLES_ABOVE_MAX``), and a plan of a prefix of the epoch
+is scored without its re-planned last step.
+
+Samples costlier than the chosen budget (the longest videos) run alone, B=1: the plan is made with
+``PlannerParams.solo_over_budget``, so such a sample is never oversize while it fits ``m_mem``, and the
+other ranks of its micro-step get batches grown to its cost (within ``m_mem``). Memory is never traded:
+every batch of every candidate is within ``m_mem`` (the planner's memory bound does not depend on
+``m_comp``).
+
+Efficient batches: under a budget where a shape's largest batch must checkpoint blocks, a smaller batch of it
+can take less time per sample (its cost plus the loop's time per micro-step, over its samples): on an H200 (Wan
+1.3B), 52 images of 1x480x832 with 9 blocks checkpointed take 38.3 ms per sample, 38 with none 35.5 ms. Each such
+budget is scored twice, as it is and with every shape's batch capped at its lowest time per sample
+(``PlannerParams.efficient_batches``; ``BudgetChoice.efficient_batches`` says which won). With several DP ranks the
+cap can cost balance (a capped batch may no longer reach a micro-step's target), which the prediction counts.
+
+Gradient accumulation: with ``micro_steps_per_step="auto"`` (ds_config ``"gradient_accumulation_steps":
+"auto"``) a candidate budget ``m`` gets ``ceil(reference / m)`` micro-steps per optimizer step, so an
+optimizer step covers at least the work of one reference micro-batch, as before; an int is kept as given
+(DeepSpeed's value). The chosen pair is published as ``BudgetChoice.micro_steps_per_step``; the trainer
+gives DeepSpeed that gradient_accumulation_steps and checks the engine agrees.
+
+Pure and deterministic: a function of (per-sample shapes, seed, cost model, m_mem, dp_size, window,
+tolerance, gas), identical on every rank (dp_rank is not an input) and after a resume.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+import numpy as np
+
+from ds_adaptive.planning.cost import CostModel
+from ds_adaptive.planning.memory import micro_batch_table, sample_memory
+from ds_adaptive.planning.planner import (EpochPlan, PlannerParams, efficient_batch, loop_ms_per_micro_step,
+                                         plan_epoch, unique_shapes)
+from ds_adaptive.core.shapes import SampleShape
+
+__all__ = ["BudgetChoice", "choose_compute_budget", "candidate_budgets", "predicted_time_ms", "predicted_times",
+           "plan_tokens_per_s", "uses_budget_search",
+           "upper_budget", "shape_tables", "SEARCH_SAMPLES", "SEARCH_SAMPLES_MAX", "SEARCH_SAMPLES_ABOVE_MAX",
+           "SEARCH_MICRO_STEPS", "GRID_POINTS", "GRID_POINTS_ABOVE"]
+
+#: samples of the epoch-0 order planned per candidate (all of them for smaller datasets): at least this
+#: many and two planning windows, at most SEARCH_SAMPLES_MAX (1024 DP ranks: ~20 candidates in seconds)
+SEARCH_SAMPLES = 2048
+SEARCH_SAMPLES_MAX = 65536
+#: points of the geometric grid between the smallest per-shape candidate and the reference
+GRID_POINTS = 8
+#: points of the geometric grid above the reference, up to the costliest micro-batch within m_mem
+GRID_POINTS_ABOVE = 10
+#: a candidate's plan should have at least this many micro-steps: the samples planned for a large budget
+#: grow with it (at most SEARCH_SAMPLES_ABOVE_MAX, at most the dataset; ~0.15 s per 10^6 samples)
+SEARCH_MICRO_STEPS = 8
+SEARCH_SAMPLES_ABOVE_MAX = 1 << 21
+
+
+@dataclass(frozen=True)
+class BudgetChoice:
+    """The chosen compute budget and what it was chosen over."""
+
+    m_comp: float
+    micro_steps_per_step: int
+    predicted_tokens_per_s: float
+    #: the costliest sample at B=1 (the budget under which no sample is oversize; the old ``auto``)
+    reference_m_comp: float
+    #: predicted tokens/s of the reference budget, at its own micro-steps per step
+    reference_tokens_per_s: float
+    samples_planned: int
+    #: every candidate: {"m_comp", "micro_steps_per_step", "tokens_per_s", "micro_steps"}
+    candidates: tuple = field(default=(), repr=False)
+    #: predicted tokens/s of the equal-token plan of the same samples at the same m_mem (None: not scored)
+    equal_token_tokens_per_s: Optional[float] = None
+    #: the planner mode to run: "dual", or "tokens" when the equal-token plan is predicted faster than every
+    #: dual candidate (few samples per rank, where balancing splits batches into more micro-steps)
+    plan_mode: str = "dual"
+    #: the chosen plan caps each shape's batch at its lowest predicted time per sample
+    #: (``PlannerParams.efficient_batches``)
+    efficient_batches: bool = False
+
+    def describe(self) -> dict:
+        return {"m_comp": self.m_comp, "micro_steps_per_step": self.micro_steps_per_step,
+                "efficient_batches": self.efficient_batches,
+                "predicted_tokens_per_s": self.predicted_tokens_per_s, "reference_m_comp": self.reference_m_comp,
+                "reference_tokens_per_s": self.reference_tokens_per_s, "samples_planned": self.samples_planned,
+                "equal_token_tokens_per_s": self.equal_token_tokens_per_s, "plan_mode": self.plan_mode,
+                "candidates": [dict(c) for c in self.candidates]}
+
+
+def uses_budget_search(cost: CostModel, mode: str) -> bool:
+    """``m_comp: auto`` searches for the throughput-optimal budget only in ``dual`` mode with the calibrated
+    (ms) cost model and the memory-aware checkpoint policy ``auto``; otherwise a micro-batch's time per token
+    falls with its size and the reference budget (costliest sample at B=1) is kept."""
+    return mode == "dual" and cost.mode == "calibrated" and cost.checkpointing == "auto"
+
+
+def shape_tables(cost: CostModel, shapes: Sequence[SampleShape], m_mem: float) -> list:
+    """Per distinct shape with at least one sample within ``m_mem`` (sorted): its :class:`MicroBatchTable` over
+    B = 0..(its largest batch within ``m_mem``), with that batch's checkpoint plan. No budget changes them: the
+    search builds them once for every candidate."""
+    out = []
+    for s in sorted(set(shapes)):
+        b_mem = int(math.floor(m_mem / sample_memory(cost, s) * (1 + 1e-12)))
+        if b_mem >= 1:
+            out.append(micro_batch_table(cost, s, b_mem, m_mem))
+    return out
+
+
+def upper_budget(cost: CostModel, shapes: Sequence[SampleShape], m_mem: float, tables: Optional[list] = None) -> float:
+    """The cost of the costliest micro-batch that fits ``m_mem`` (over ``shapes``, each at its largest
+    memory-feasible batch with its checkpoint plan): no budget above it changes a plan. ``tables``:
+    :func:`shape_tables` of the same arguments, when the caller has them."""
+    tables = shape_tables(cost, shapes, m_mem) if tables is None else tables
+    return max((float(t.cost[-1]) for t in tables), default=0.0)
+
+
+def candidate_budgets(cost: CostModel, shapes: Sequence[SampleShape], m_mem: float, reference: float,
+                      upper: Optional[float] = None, tables: Optional[list] = None) -> list[float]:
+    """Candidate budgets (ascending, the reference included): per shape its B=1 cost and the cost of its
+    largest micro-batch without checkpointing, a geometric grid of ``GRID_POINTS`` between the smallest of
+    those and the reference, and, when ``upper`` (:func:`upper_budget`) is over the reference, a geometric
+    grid of ``GRID_POINTS_ABOVE`` from the reference to ``upper``. Near-duplicates (within 3%) dropped.
+    ``tables``: :func:`shape_tables` of the same arguments, when the caller has them."""
+    per_shape: list[float] = []
+    for t in shape_tables(cost, shapes, m_mem) if tables is None else tables:
+        per_shape.append(float(t.cost[1]))
+        free = np.flatnonzero(t.ckpt[1:] == 0)
+        if free.size:
+            per_shape.append(float(t.cost[int(free[-1]) + 1]))
+    lo = min(per_shape + [reference])
+    grid = list(np.geomspace(lo, reference, GRID_POINTS)) if reference > lo else []
+    out: list[float] = []
+    for c in sorted(x for x in per_shape + grid + [reference] if x <= reference * (1 + 1e-12)):
+        if not out or c > out[-1] * 1.03:
+            out.append(float(c))
+    if out[-1] != reference:
+        out[-1] = float(reference)   # the reference itself, not a near-duplicate of it
+    if upper is not None and upper > reference * 1.03:
+        out.extend(float(c) for c in np.geomspace(reference, upper, GRID_POINTS_ABOVE + 1)[1:])
+    return out
+
+
+def predicted_time_ms(plan: EpochPlan, cost: CostModel, steps: Optional[int] = None) -> float:
+    """Predicted wall time (ms) of ``plan`` (of its first ``steps`` optimizer steps): every micro-step takes
+    its costliest batch plus the profile's micro-step overhead, every optimizer step the optimizer-step
+    overhead."""
+    pr = cost.profile
+    n_steps = plan.num_steps if steps is None else min(int(steps), plan.num_steps)
+    n_micro = plan.num_micro_steps if steps is None else n_steps * plan.micro_steps_per_step
+    c = plan.micro_step_costs()[:n_micro]
+    busy = float(c.max(axis=1).sum()) if c.size else 0.0
+    return busy + n_micro * pr.micro_step_overhead_ms + n_steps * pr.optimizer_step_overhead_ms
+
+
+def predicted_times(plan: EpochPlan, truth: CostModel) -> np.ndarray:
+    """[micro_steps, dp] per-GPU time of every batch under the ``truth`` cost model (the
+    calibrated one), whatever cost model the plan was made with: fwd + bwd with the recomputed forwards
+    of the blocks the plan checkpoints in that batch (:meth:`CostModel.ckpt_cost`; a plan without a
+    checkpoint plan is timed at the profile's own calibration)."""
+    sizes = plan.batch_sizes()
+    if plan.batch_ckpt is None:
+        per = np.array([truth.per_gpu_cost(s) for s in plan.shapes])
+        over = np.array([truth.batch_overhead(s) for s in plan.shapes])
+        return (over[plan.batch_shape] + sizes * per[plan.batch_shape]).reshape(-1, plan.dp_size)
+    out = np.empty(len(sizes), float)
+    for u in np.unique(plan.batch_shape).tolist():
+        j = plan.batch_shape == u
+        out[j] = truth.ckpt_cost(plan.shapes[u], sizes[j], plan.batch_ckpt[j])
+    return out.reshape(-1, plan.dp_size)
+
+
+def plan_tokens_per_s(plan: EpochPlan, cost: CostModel, first_step: int = 0, *, loop: bool = True) -> float:
+    """Predicted tokens/s of ``plan``'s optimizer steps ``first_step..`` (to its end) under ``cost``, whatever
+    cost the plan was made with (its batches re-costed with their checkpoint plan, :func:`predicted_times`),
+    with the training loop's overheads as :func:`predicted_time_ms` counts them (``loop=False``: compute
+    alone). 0 for no steps."""
+    first = max(int(first_step), 0)
+    if first >= plan.num_steps:
+        return 0.0
+    lo = first * plan.micro_steps_per_step
+    c = predicted_times(plan, cost)[lo:]
+    n_micro, n_steps = c.shape[0], plan.num_steps - first
+    ms = float(c.max(axis=1).sum())
+    if loop:
+        ms += n_micro * cost.profile.micro_step_overhead_ms + n_steps * cost.profile.optimizer_step_overhead_ms
+    tokens = float(plan.batch_tokens[lo * plan.dp_size:].sum())
+    return tokens / ms * 1e3 if ms > 0 else 0.0
+
+
+def _gas_for(m_comp: float, reference: float, micro_steps_per_step: Union[int, str]) -> int:
+    if micro_steps_per_step != "auto":
+        return int(micro_steps_per_step)
+    return max(1, int(math.ceil(reference / m_comp - 1e-9)))
+
+
+def _samples_for(m: float, cost: CostModel, base: int, mean_cost: float, dp_size: int) -> int:
+    """Samples to plan for candidate ``m``: ``base`` (two planning windows, at least ``max_samples``, at
+    most ``SEARCH_SAMPLES_MAX``: the old search), more for a budget whose micro-steps hold more than
+    ``SEARCH_MICRO_STEPS`` of them (estimated with the mean per-sample cost ``mean_cost``), at most
+    ``SEARCH_SAMPLES_ABOVE_MAX``. A tiny-resolution set at 64 GPUs needs ~10^5 samples for ONE micro-step
+    that fills the memory."""
+    if mean_cost <= 0:
+        return base
+    need = int(SEARCH_MICRO_STEPS * dp_size * max(m - cost.c0, 0.0) / mean_cost)
+    return max(base, min(need, SEARCH_SAMPLES_ABOVE_MAX))
+
+
+def choose_compute_budget(cost: CostModel, shapes: Sequence[SampleShape], *, m_mem: float, reference: float,
+                          dp_size: int, micro_steps_per_step: Union[int, str] = 1, window: int = 256,
+                          balance_tolerance: float = 0.03, seed: int = 0,
+                          max_samples: int = SEARCH_SAMPLES, max_tokens: Optional[int] = None,
+                          batch_cap: bool = True) -> BudgetChoice:
+    """The candidate budget (:func:`candidate_budgets`) with the highest predicted tokens/s over the plan
+    of the first samples of epoch 0's order (the sampler's shuffle for ``seed``): for each candidate the
+    first ``min(max(max_samples, 2 x window x dp), SEARCH_SAMPLES_MAX)`` samples, more for large budgets
+    (:func:`_samples_for`). A plan of a prefix of the epoch is scored without its last optimizer step
+    (:func:`_tokens_per_s`).
+
+    ``shapes``: one entry per sample of the dataset. ``reference``: the costliest sample at B=1 that fits
+    ``m_mem`` (``resolve_budgets``). ``max_tokens``: the equal-token baseline's budget at this ``m_mem``;
+    when given, the equal-token plan of the same samples is scored (``equal_token_tokens_per_s``) and its
+    costliest batch is a candidate. Ties go to the larger budget. ``batch_cap``: also score each budget with every
+    shape's batch capped at its lowest time per sample, where that changes a batch (``efficient_batches``).
+    Oversize samples (over ``m_mem``) are left out of the search (the sampler's own plan reports them)."""
+    uniq, sid = unique_shapes(list(shapes))
+    order = np.random.default_rng([int(seed), 0]).permutation(len(shapes))
+    mem1 = np.array([sample_memory(cost, s) for s in uniq])
+    order = order[mem1[sid[order]] <= m_mem]
+    present = [uniq[i] for i in np.unique(sid[order])] or uniq
+    tables = shape_tables(cost, present, m_mem)
+    upper = upper_budget(cost, present, m_mem, tables)
+    cands = candidate_budgets(cost, present, m_mem, reference, upper=upper, tables=tables)
+    base = min(max(int(max_samples), 2 * window * dp_size), SEARCH_SAMPLES_MAX)
+    per = np.array([cost.per_gpu_cost(s) for s in uniq])
+    mean_cost = float(per[sid[order[:base]]].mean()) if len(order) else 0.0
+    rows: dict[tuple, dict] = {}   # by (budget, capped): the reference is also a grid point
+
+    def plan_for(params: PlannerParams, m: float) -> tuple[float, EpochPlan, int]:
+        n = _samples_for(m, cost, base, mean_cost, dp_size)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plan = plan_epoch(sid, uniq, order[:n], cost, params, seed=seed)
+        # a prefix of the epoch: its re-planned last step is not the epoch's
+        return _tokens_per_s(plan, cost, steady=n < len(order)), plan, min(n, len(order))
+
+    def score(m: float, capped: bool = False) -> dict:
+        if (m, capped) not in rows:
+            gas = _gas_for(m, reference, micro_steps_per_step)
+            tps, plan, n = plan_for(PlannerParams(mode="dual", dp_size=dp_size, micro_steps_per_step=gas, m_mem=m_mem,
+                                                  m_comp=m, window=window, oversize="skip",
+                                                  balance_tolerance=balance_tolerance, solo_over_budget=True,
+                                                  efficient_batches=capped), m)
+            rows[m, capped] = {"m_comp": m, "micro_steps_per_step": gas, "efficient_batches": capped,
+                               "tokens_per_s": tps, "micro_steps": plan.num_micro_steps, "samples": n}
+        return rows[m, capped]
+
+    equal_tps = None
+    if max_tokens is not None:   # the equal-token plan of the same samples: scored, and its costliest batch a candidate
+        gas = _gas_for(reference, reference, micro_steps_per_step)   # "auto": 1, as the baseline runs it
+        equal_tps, eq, _ = plan_for(PlannerParams(mode="tokens", dp_size=dp_size, micro_steps_per_step=gas,
+                                                  m_mem=m_mem, max_tokens=int(max_tokens), window=window,
+                                                  oversize="skip"), max(upper, reference))
+        if eq.batch_cost.size:
+            top = float(eq.batch_cost.max())
+            if all(abs(top - c) > 0.03 * c for c in cands):
+                cands = sorted(cands + [top])
+    table = []
+    for m in cands:   # each budget as it is and, where that changes a batch, with each shape's efficient cap
+        table.append(score(m))
+        loop = loop_ms_per_micro_step(cost.profile, _gas_for(m, reference, micro_steps_per_step))
+        if batch_cap and _cap_changes(tables, m, loop):
+            table.append(score(m, capped=True))
+    best = table[_best_index(table)]
+    ref = score(float(reference))
+    if best["tokens_per_s"] <= 0:
+        best = ref
+    # never slower than the baseline by the same prediction: its plan is the last candidate
+    tokens_wins = equal_tps is not None and equal_tps > best["tokens_per_s"]
+    return BudgetChoice(m_comp=best["m_comp"], micro_steps_per_step=best["micro_steps_per_step"] if not tokens_wins
+                        else _gas_for(reference, reference, micro_steps_per_step),
+                        predicted_tokens_per_s=equal_tps if tokens_wins else best["tokens_per_s"],
+                        reference_m_comp=reference, reference_tokens_per_s=ref["tokens_per_s"],
+                        samples_planned=int(best["samples"]), candidates=tuple(table),
+                        equal_token_tokens_per_s=equal_tps, plan_mode="tokens" if tokens_wins else "dual",
+                        efficient_batches=bool(best["efficient_batches"]) and not tokens_wins)
+
+
+def _cap_changes(tables: Sequence, m_comp: float, loop_ms: float) -> bool:
+    """Whether ``PlannerParams.efficient_batches`` lowers some shape's largest batch under ``m_comp`` (``tables``:
+    :func:`shape_tables`; ``loop_ms``: the loop's time per micro-step)."""
+    for t in tables:
+        c = t.cost
+        b = int(np.searchsorted(c, m_comp * (1 + 1e-12), "right")) - 1
+        if b > 1 and efficient_batch(c[:b + 1], loop_ms) < b:
+            return True
+    return False
+
+
+def _tokens_per_s(plan: EpochPlan, cost: CostModel, steady: bool) -> float:
+    """Predicted tokens/s of ``plan``; with ``steady`` without its last optimizer step (when it has more than
+    one): the planner re-batches the samples left at the end into one step of smaller batches, which a
+    prefix of the epoch would weigh far more than the whole epoch does (a budget whose micro-steps take
+    thousands of short samples has only a few in the prefix)."""
+    steps = plan.num_steps - 1 if steady and plan.num_steps > 1 else plan.num_steps
+    if steps < 1:
+        return 0.0
+    ms = predicted_time_ms(plan, cost, steps)
+    nb = steps * plan.micro_steps_per_step * plan.dp_size
+    return float(plan.batch_tokens[:nb].sum()) / ms * 1e3 if ms > 0 else 0.0
+
+
+def _best_index(rows: Sequence[dict]) -> int:
+    """Index of the highest tokens/s in ascending-budget rows; ties go to the larger budget, at one budget to the
+    first row (uncapped before capped)."""
+    best = 0
+    for i, r in enumerate(rows):
+        t, b = r["tokens_per_s"], rows[best]["tokens_per_s"]
+        if t > b or (t == b and r["m_comp"] > rows[best]["m_comp"]):
+            best = i
+    return best

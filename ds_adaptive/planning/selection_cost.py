@@ -1,0 +1,168 @@
+"""Cost of the sparse-attention block selection: its form, its shipped default and its fit to GPU timings.
+
+One sparse layer's selection for a micro-batch of ``B`` samples of ``S`` tokens on one SP rank
+(``h = heads / sp`` local heads; ``nq = nk = ceil(S / block)`` query / key blocks) does, for the
+default ``pooled_lse`` scoring (``ds_adaptive.attention.selection.pooled_lse_scores``) and the top-k
+(``select_blocks``)::
+
+    pooling   B * h * S * Dh             reads         (the block-mean query)         ~ B h S
+    scoring   B * h * nq * S * Dh        multiply-adds (mean query x every key)       ~ B h nq S
+              B * h * nq * S             exps          (log-sum-exp per key block)
+    top-k     B * h * nq * nk            scores        (k largest per query block)    ~ B h nq nk
+    launches  a fixed number of kernels per call (independent of B and S)
+
+so its time (ms) is::
+
+    sel(B, S) = ms_per_call + B * h * (ms_per_token * S + ms_per_logit * nq * S + ms_per_block_pair * nq * nk)
+
+``ms_per_logit`` is ``Dh`` multiply-adds plus one exp (the head dim is the model's, fixed per
+measurement). The selection runs once per layer and micro-batch in the forward (the recomputed
+forward and the backward reuse it), so ``ms_per_call`` is paid per micro-batch, the rest per sample.
+
+Where the coefficients come from (:meth:`SelectionCost.load_for`): ``ds-adaptive calibrate --sparse
+--selection`` times the runtime's own selection call on this GPU over a grid of ``(B, S)`` and fits
+them (:func:`fit_selection`), stored in the profile's ``sparse_attention.selection`` section; without
+one, :meth:`SelectionCost.default` (fitted to what one H200 training run measured, see
+``DEFAULT_SELECTION``). Pure numpy: no torch here.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
+
+__all__ = ["SelectionCost", "fit_selection", "selection_features", "DEFAULT_SELECTION", "SELECTION_FORMAT"]
+
+SELECTION_FORMAT = "ds_adaptive.selection_cost/1"
+
+# The shipped default (no measurement of this GPU): the torch pooled_lse selection (block 128, Dh 128)
+# as the H200 A/B (bench/sparse_train_ab.py at 108c289, bench/results/sparse_train_ab_h200/) measured it
+# in the trainer: per micro-batch, summed over 6 sparse layers, 14,040 tokens x B 13: 72.9 ms; 18,000 x 9:
+# 82.5; 20,280 x 8: 84.4; 32,400 x 4: 88.6; 32,760 x 4: 96.4, x 5: 130.7; 46,800 x 2: 82.5, x 3: 151.0;
+# 75,600 x 1: 51.2. Non-negative least squares on relative error over these 9 points (12 heads): no
+# fixed part, within -34% / +32% of each point (the in-training times grow faster than linearly in B:
+# not all of that is the selection's own work). A calibration of the GPU (calibrate --sparse --selection)
+# replaces it; a faster scoring kernel makes it pessimistic (then sparse pays in fewer places).
+DEFAULT_SELECTION = {"ms_per_call": 0.0, "ms_per_token": 5.62e-6, "ms_per_logit": 1.152e-8,
+                     "ms_per_block_pair": 0.0, "block_size": 128,
+                     "source": "default: H200 A/B in-trainer selection times (torch pooled_lse, 108c289), fitted"}
+
+
+def selection_features(batch, seq_len, heads, block_size: int) -> np.ndarray:
+    """``[..., 4]`` the form's columns ``(1, B h S, B h nq S, B h nq nk)`` (numpy broadcasting over
+    ``batch`` / ``seq_len`` / ``heads``)."""
+    b = np.asarray(batch, dtype=np.float64)
+    s = np.asarray(seq_len, dtype=np.float64)
+    h = np.asarray(heads, dtype=np.float64)
+    nb = np.ceil(s / block_size)
+    b, s, h, nb = np.broadcast_arrays(b, s, h, nb)
+    return np.stack([np.ones_like(s), b * h * s, b * h * nb * s, b * h * nb * nb], axis=-1)
+
+
+@dataclass(frozen=True)
+class SelectionCost:
+    """Coefficients of the selection's time (ms; see the module docstring), for one block size."""
+
+    ms_per_call: float = DEFAULT_SELECTION["ms_per_call"]
+    """Fixed part of one layer's selection call (kernel launches), once per micro-batch."""
+    ms_per_token: float = DEFAULT_SELECTION["ms_per_token"]
+    """Per token per head per sample (the block-mean pooling of q)."""
+    ms_per_logit: float = DEFAULT_SELECTION["ms_per_logit"]
+    """Per (query block, key) pair per head per sample: Dh multiply-adds and one exp."""
+    ms_per_block_pair: float = DEFAULT_SELECTION["ms_per_block_pair"]
+    """Per (query block, key block) pair per head per sample: the top-k."""
+    block_size: int = DEFAULT_SELECTION["block_size"]
+    """Block size (tokens) of the measurement."""
+    source: str = DEFAULT_SELECTION["source"]
+
+    def __post_init__(self) -> None:
+        for name in ("ms_per_call", "ms_per_token", "ms_per_logit", "ms_per_block_pair"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"selection cost {name} must be a finite number >= 0 (ms), got {v!r}")
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"selection cost block_size must be an int >= 1, got {self.block_size!r}")
+
+    @property
+    def coefficients(self) -> np.ndarray:
+        return np.array([self.ms_per_call, self.ms_per_token, self.ms_per_logit, self.ms_per_block_pair])
+
+    def call_ms(self, batch, seq_len, heads, block_size: Optional[int] = None):
+        """One layer's selection call for ``batch`` samples of ``seq_len`` tokens over ``heads`` local heads (ms)."""
+        return selection_features(batch, seq_len, heads, block_size or self.block_size) @ self.coefficients
+
+    def per_sample_ms(self, seq_len, heads, block_size: Optional[int] = None):
+        """The part of :meth:`call_ms` that each sample adds (everything but ``ms_per_call``)."""
+        return self.call_ms(1, seq_len, heads, block_size) - self.ms_per_call
+
+    @classmethod
+    def default(cls) -> "SelectionCost":
+        return cls()
+
+    def as_dict(self) -> dict:
+        return {"format": SELECTION_FORMAT, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], *, where: str = "<dict>") -> "SelectionCost":
+        """From a ``sparse_attention.selection`` section (extra keys such as ``measurements`` and ``fit``
+        are kept in the json, ignored here)."""
+        try:
+            return cls(**{k: (int(d[k]) if k == "block_size" else str(d[k]) if k == "source" else float(d[k]))
+                          for k in ("ms_per_call", "ms_per_token", "ms_per_logit", "ms_per_block_pair",
+                                    "block_size", "source") if k in d})
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{where}: sparse_attention.selection: {exc}") from exc
+
+    @classmethod
+    def load_for(cls, profile_json: Optional[Mapping[str, Any]], *, block_size: int, block_score: str = "pooled_lse",
+                 where: str = "<profile>") -> "SelectionCost":
+        """The measured selection of a profile json (``sparse_attention.selection``) when it was measured
+        for this block size and scoring, else :meth:`default`."""
+        sec = ((profile_json or {}).get("sparse_attention") or {}).get("selection")
+        if not isinstance(sec, Mapping):
+            return cls.default()
+        if int(sec.get("block_size", -1)) != int(block_size) or sec.get("block_score", "pooled_lse") != block_score:
+            return cls.default()
+        return cls.from_dict(sec, where=where)
+
+
+def fit_selection(rows: Sequence[Mapping[str, float]], *, block_size: int, source: str = "fit") -> tuple[SelectionCost, dict]:
+    """Fit :class:`SelectionCost` to timings. Each row: ``B``, ``S``, ``heads``, ``select_ms`` (the whole
+    call) and optionally ``score_ms`` (the scoring part alone). With ``score_ms`` in every row, the
+    scoring is fitted on ``(1, B h S, B h nq S)`` and the rest (top-k) on ``(1, B h nq nk)``: at one
+    block size ``nq S`` and ``nq nk`` are nearly proportional, so only this split tells them apart;
+    without it the whole call is fitted on ``(1, B h S, B h nq S)`` (top-k inside ``ms_per_logit``).
+    Non-negative least squares on relative error. Returns ``(cost, {"max_rel_err", "mean_rel_err",
+    "points": [...]})``."""
+    from ds_adaptive.calibration.calibrate import nnls
+
+    if len(rows) < 3:
+        raise ValueError(f"fit_selection needs >= 3 timed (B, S) points, got {len(rows)}")
+    x = selection_features([r["B"] for r in rows], [r["S"] for r in rows], [r["heads"] for r in rows], block_size)
+    total = np.array([float(r["select_ms"]) for r in rows])
+    if np.any(total <= 0):
+        raise ValueError("fit_selection: every select_ms must be > 0")
+    split = all(r.get("score_ms") is not None for r in rows)
+    coef = np.zeros(4)
+    if split:
+        score = np.array([float(r["score_ms"]) for r in rows])
+        rest = np.maximum(total - score, 1e-6)
+        w = 1.0 / np.maximum(score, 1e-6)
+        c_s = nnls(x[:, :3] * w[:, None], score * w)
+        w = 1.0 / rest
+        c_k = nnls(x[:, [0, 3]] * w[:, None], rest * w)
+        coef[:3] = c_s
+        coef[0] += c_k[0]
+        coef[3] = c_k[1]
+    else:
+        w = 1.0 / total
+        coef[:3] = nnls(x[:, :3] * w[:, None], total * w)
+    cost = SelectionCost(*(float(c) for c in coef), block_size=int(block_size), source=source)
+    pred = x @ coef
+    err = (pred - total) / total
+    pts = [{**{k: r[k] for k in ("B", "S", "heads")}, "select_ms": float(t), "predicted_ms": float(p), "rel_err": float(e)}
+           for r, t, p, e in zip(rows, total, pred, err)]
+    return cost, {"max_rel_err": float(np.max(np.abs(err))), "mean_rel_err": float(np.mean(np.abs(err))),
+                  "split": split, "points": pts}

@@ -1,0 +1,460 @@
+"""Sparse-attention cost: per-layer x head densities, the kernel's efficiency curve, rho_eff(S).
+
+With block-sparse attention the calibrated per-sample cost (``ds_adaptive.planning.cost``)
+``a*S + b*S^2`` becomes (per GPU, Ulysses degree ``sp``)::
+
+    (a*S + b*S^2 * q(S) + sel(S)) / sp + comm(S)
+    q(S)      = 1 - share * (1 - rho_eff(S))          only the attention part of b*S^2 scales
+    rho_eff(S) = mean over layers l of r_l(S);  r_l = g(busiest_l(S)) where layer l runs sparse, else 1
+    busiest_l(S) = max over SP ranks r of the mean density of r's heads in layer l under the head
+                   placement (ds_adaptive.parallel.placement), each head in whole key blocks:
+                   ceil(rho * nb) / nb with nb = ceil(S / block_size), at least min_blocks / nb
+    g(rho)    = sparse time / dense time of the kernel at density rho (fwd+bwd): the chosen
+                backend's curve (SparseAttentionBackend.efficiency: measured on this GPU, shipped, or
+                the default from DSV.md's H100 anchors g(rho) = min(1, 1.45 * rho))
+    sel(S)    = selection (block scoring, top-k) of the layers that run sparse, per sample:
+                heads/sp * (t_token * S + t_logit * nq * S + t_pair * nq * nk) per such layer, ms,
+                forward once; plus t_call per such layer once per micro-batch (``selection_call_ms``,
+                which ``CostModel.batch_overhead`` adds to c0). ``ds_adaptive.planning.selection_cost``:
+                the form, the shipped default, and the fit to this GPU's timings (``calibrate --sparse
+                --selection``, stored in the profile's ``sparse_attention.selection``)
+
+Layer l runs sparse at S (:meth:`SparseAttentionCost.layer_decisions`, the one decision the planner
+and the runtime share) iff it is not a dense layer, ``busiest_l(S) <= dense_above``, and sparse
+pays for one sample on one GPU: ``g * att(S) + sel_l(1, S) < att(S)`` with ``att(S) = share * b *
+S^2 / layers / sp`` the layer's dense attention and ``sel_l(1, S)`` one layer's selection call for one
+sample, its fixed part included (so images and short clips run dense where the selection would cost
+more than the kernel saves; a micro-batch of several samples shares the fixed part: conservative).
+
+Assumptions (stated because they shape every plan): ``share`` (the attention share of the
+quadratic term) is 1.0 for Wan: its S^2 term is self-attention (the profile's depth rescaling makes
+the same assumption); a layer that runs dense pays no selection; the SP group waits for its
+busiest rank at every all-to-all, so that rank's density is the group's. With every density 1 (or
+every layer dense) ``q = 1`` and ``sel = 0`` exactly: the dense model.
+
+Density json (written by :meth:`DensityMap.save`, read by :func:`load_densities`)::
+
+    {"num_layers": 30, "num_heads": 12, "density": [[0.1, ...12], ...30],
+     "dense_layers": [0, 29], "step": 1200, "source": "..."}           # the last three optional
+
+A run's ``metrics.jsonl`` works too: the last record with a ``head_density`` key (``[layers][heads]``,
+optional ``dense_layers`` and ``step``) at or before ``--step`` is used.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import numpy as np
+
+from ds_adaptive.parallel.placement import identity_placement, plan_head_placement
+from ds_adaptive.planning.selection_cost import DEFAULT_SELECTION, SelectionCost
+
+__all__ = ["DensityMap", "DensityError", "KernelEfficiency", "SparseAttentionCost", "load_densities",
+           "synthetic_densities", "DSV_EFFICIENCY", "DEFAULT_SELECTION", "SPARSE_FORMAT"]
+
+SPARSE_FORMAT = "ds_adaptive.sparse_attention/1"
+DENSITY_FORMAT = "ds_adaptive.densities/1"
+
+# DSV.md: FlexAttention block-sparse (128x128, full blocks) runs at ~70% of cuDNN dense's effective
+# rate on H100 and H200: time ~ 1.45 x density x dense time (measured 0.05-0.4), dense above ~0.69.
+DSV_EFFICIENCY = {"density": [0.05, 0.1, 0.2, 0.4], "ratio": [0.0725, 0.145, 0.29, 0.58]}
+
+
+class DensityError(ValueError):
+    """A density table that is malformed or does not fit the model."""
+
+
+@dataclass(frozen=True)
+class DensityMap:
+    """Attention density per layer and head: the fraction of key blocks a query block attends to."""
+
+    density: tuple[tuple[float, ...], ...]
+    dense_layers: tuple[int, ...] = ()
+    step: Optional[int] = None
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.density or not self.density[0]:
+            raise DensityError("density table is empty: need [layers][heads] densities")
+        h = len(self.density[0])
+        for layer, row in enumerate(self.density):
+            if len(row) != h:
+                raise DensityError(f"density row of layer {layer} has {len(row)} heads, layer 0 has {h}")
+            for head, x in enumerate(row):
+                if not (isinstance(x, (int, float)) and 0.0 < float(x) <= 1.0):
+                    raise DensityError(f"density[{layer}][{head}] = {x!r}: must be in (0, 1] (fraction of key "
+                                       "blocks attended)")
+        bad = [x for x in self.dense_layers if not 0 <= int(x) < len(self.density)]
+        if bad:
+            raise DensityError(f"dense_layers {bad} outside 0..{len(self.density) - 1}")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.density)
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.density[0])
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], *, where: str = "<dict>") -> "DensityMap":
+        dens = d.get("density", d.get("head_density"))
+        if dens is None:
+            raise DensityError(f"densities {where}: no 'density' key ([layers][heads] list of floats)")
+        try:
+            out = cls(density=tuple(tuple(float(x) for x in row) for row in dens),
+                      dense_layers=tuple(int(x) for x in d.get("dense_layers") or ()),
+                      step=None if d.get("step") is None else int(d["step"]), source=str(d.get("source", where)))
+        except (TypeError, ValueError) as exc:
+            raise DensityError(f"densities {where}: {exc}") from exc
+        for key, have in (("num_layers", out.num_layers), ("num_heads", out.num_heads)):
+            if key in d and int(d[key]) != have:
+                raise DensityError(f"densities {where}: '{key}' is {d[key]} but 'density' has {have}")
+        return out
+
+    def as_dict(self) -> dict:
+        return {"format": DENSITY_FORMAT, "num_layers": self.num_layers, "num_heads": self.num_heads,
+                "density": [list(r) for r in self.density], "dense_layers": list(self.dense_layers),
+                "step": self.step, "source": self.source}
+
+    def save(self, path: Union[str, Path]) -> None:
+        Path(path).write_text(json.dumps(self.as_dict(), indent=1))
+
+    def fingerprint(self) -> str:
+        """Short hash of the table (equal on every rank that holds the same densities)."""
+        return hashlib.sha256(json.dumps([self.density, self.dense_layers]).encode()).hexdigest()[:16]
+
+    def with_num_layers(self, num_layers: int) -> "DensityMap":
+        """The first ``num_layers`` layers (a run with ``--layers N`` of a full-depth table)."""
+        if num_layers == self.num_layers:
+            return self
+        if not 1 <= num_layers <= self.num_layers:
+            raise DensityError(f"cannot take {num_layers} layers of a {self.num_layers}-layer density table")
+        return DensityMap(self.density[:num_layers], tuple(x for x in self.dense_layers if x < num_layers),
+                          self.step, f"{self.source} (first {num_layers} layers)")
+
+
+def load_densities(src: Union[str, Path, Mapping[str, Any], DensityMap], *, step: Optional[int] = None) -> DensityMap:
+    """A :class:`DensityMap` from a density json, a run's ``metrics.jsonl`` (the last record with
+    ``head_density`` at or before ``step``), a dict or a DensityMap."""
+    if isinstance(src, DensityMap):
+        return src
+    if isinstance(src, Mapping):
+        return DensityMap.from_dict(src)
+    path = Path(src)
+    if not path.is_file():
+        raise DensityError(f"densities file {path} does not exist (a density json, or a run's metrics.jsonl)")
+    text = path.read_text()
+    if path.suffix == ".jsonl":
+        best = None
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            if "head_density" not in rec:
+                continue
+            if step is not None and rec.get("step") is not None and int(rec["step"]) > step:
+                continue
+            best = (n, rec)
+        if best is None:
+            raise DensityError(f"{path}: no record with 'head_density'" + (f" at or before step {step}" if step is not None
+                               else "") + "; the run must log per-layer x head densities (sparse attention profiler)")
+        return DensityMap.from_dict(best[1], where=f"{path}:{best[0]}")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise DensityError(f"densities {path} is not valid JSON: {exc}") from exc
+    return DensityMap.from_dict(data, where=str(path))
+
+
+def synthetic_densities(num_layers: int, num_heads: int, *, lo: float = 0.02, hi: float = 0.5, seed: int = 0,
+                        head_spread: float = 0.6, dense_layers: Sequence[int] = ()) -> DensityMap:
+    """A realistic-looking table for simulation: per layer a mean density log-uniform in
+    ``[2 lo, 0.7 hi]`` (layers differ), per head a log-normal factor (sigma ``head_spread``: heads of
+    one layer differ several-fold, as DSV observes), clipped to ``[lo, hi]``. Deterministic in ``seed``."""
+    rng = np.random.default_rng([seed, 0x5AA5])
+    base = np.exp(rng.uniform(math.log(2 * lo), math.log(0.7 * hi), size=(num_layers, 1)))
+    d = np.clip(base * np.exp(rng.normal(0.0, head_spread, size=(num_layers, num_heads))), lo, hi)
+    return DensityMap(tuple(tuple(float(x) for x in row) for row in d), tuple(int(x) for x in dense_layers),
+                      source=f"synthetic(lo={lo}, hi={hi}, seed={seed}, head_spread={head_spread})")
+
+
+@dataclass(frozen=True)
+class KernelEfficiency:
+    """``g(rho)``: sparse-kernel time / dense time (fwd+bwd) at density ``rho``, piecewise linear in
+    the measured points, proportional to rho below the first point (g(rho) = rho * g(d0)/d0), and
+    ``min(1, .)``: above break-even the op runs dense."""
+
+    density: tuple[float, ...]
+    ratio: tuple[float, ...]
+    source: str = "DSV.md anchors (H100/H200): 1.45 x density"
+
+    def __post_init__(self) -> None:
+        if len(self.density) != len(self.ratio) or not self.density:
+            raise ValueError(f"efficiency table needs equal non-empty density/ratio lists, got "
+                             f"{len(self.density)} / {len(self.ratio)}")
+        if any(b <= a for a, b in zip(self.density, self.density[1:])) or self.density[0] <= 0:
+            raise ValueError(f"efficiency densities must be increasing and > 0, got {self.density}")
+        if any(r <= 0 for r in self.ratio):
+            raise ValueError(f"efficiency ratios must be > 0, got {self.ratio}")
+
+    def __call__(self, rho: float) -> float:
+        d, r = self.density, self.ratio
+        if rho >= 1.0:
+            return 1.0
+        if rho <= d[0]:
+            g = rho * r[0] / d[0]
+        elif rho >= d[-1]:
+            g = r[-1] * rho / d[-1] if len(d) == 1 else r[-1] + (r[-1] - r[-2]) / (d[-1] - d[-2]) * (rho - d[-1])
+        else:
+            g = float(np.interp(rho, d, r))
+        return min(1.0, g)
+
+    @classmethod
+    def default(cls) -> "KernelEfficiency":
+        return cls(tuple(DSV_EFFICIENCY["density"]), tuple(DSV_EFFICIENCY["ratio"]))
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], *, where: str = "<dict>") -> "KernelEfficiency":
+        """From a profile json with a ``sparse_attention`` section (written by ``calibrate --sparse``)
+        or from that section itself."""
+        sec = d.get("sparse_attention", d)
+        eff = sec.get("efficiency")
+        if not isinstance(eff, Mapping) or "density" not in eff or "ratio" not in eff:
+            raise ValueError(f"{where}: no sparse_attention.efficiency {{density: [...], ratio: [...]}}; "
+                             "write one with `ds-adaptive calibrate --sparse`")
+        return cls(tuple(float(x) for x in eff["density"]), tuple(float(x) for x in eff["ratio"]),
+                   source=str(sec.get("source", where)))
+
+    @classmethod
+    def load(cls, src: Union[None, str, Path, Mapping[str, Any]]) -> "KernelEfficiency":
+        """``None``: the default; a dict; a json path (profile or sparse calibration); or a shipped
+        profile name whose json has a ``sparse_attention`` section (else the default)."""
+        if src is None:
+            return cls.default()
+        if isinstance(src, Mapping):
+            return cls.from_dict(src)
+        path = Path(str(src))
+        if not path.is_file():
+            from ds_adaptive.planning.cost import PROFILES_DIR
+
+            shipped = PROFILES_DIR / f"{src}.json"
+            if not shipped.is_file():
+                raise ValueError(f"sparse efficiency '{src}': not a file and not a shipped profile")
+            data = json.loads(shipped.read_text())
+            has = isinstance((data.get("sparse_attention") or {}).get("efficiency"), Mapping)
+            return cls.from_dict(data, where=str(shipped)) if has else cls.default()   # (a selection-only section)
+        return cls.from_dict(json.loads(path.read_text()), where=str(path))
+
+    def as_dict(self) -> dict:
+        return {"density": list(self.density), "ratio": list(self.ratio), "source": self.source}
+
+
+@dataclass(frozen=True)
+class SparseAttentionCost:
+    """The sparse part of the cost model (see the module docstring).
+
+    Args:
+        densities: per layer x head densities (the profiler's latest).
+        efficiency: the kernel's ``g(rho)`` (the chosen backend's curve:
+            ``SparseAttentionBackend.efficiency``).
+        head_placement: ``balanced`` (the run permutes heads with ds_adaptive.parallel.placement, as
+            ``ds_adaptive.parallel.head_placement`` applies it) or ``identity`` (contiguous heads).
+        attention_share: share of the calibrated ``b*S^2`` that is attention (1.0 for Wan).
+        block_size, min_blocks: a head selects ``ceil(rho * nb)`` of the ``nb = ceil(S / block_size)``
+            key blocks per query block, at least ``min_blocks`` (1 + ``keep_sink``), as the runtime's
+            top-k does: the density it runs at. ``min_blocks = 0``: densities used as fractions.
+        selection: the selection's cost (:class:`ds_adaptive.planning.selection_cost.SelectionCost`);
+            None: the profile's measured one (``sparse_attention.selection``, taken by
+            :meth:`for_profile` when measured for this ``block_size`` and ``block_score``), else the
+            shipped default.
+        block_score: the runtime's block scoring (``sparse_attention.block_score``): a measured
+            selection counts only for the scoring it timed.
+        attention_ms_per_token2_per_layer: dense attention fwd+bwd of one layer and one sample at
+            sp = 1 (ms / token^2); ``CostModel`` fills it from the profile (``share * b / layers``).
+            With it, a layer runs sparse at S only where that is faster than dense
+            (:meth:`layer_decisions`); None: no such check.
+        dense_above: a layer whose busiest rank's density is above this runs dense.
+        pay_check: False: every eligible layer runs sparse, even where it is slower (a reference
+            backend, whose point is exactness, not speed).
+    """
+
+    densities: DensityMap
+    efficiency: KernelEfficiency = field(default_factory=KernelEfficiency.default)
+    head_placement: str = "balanced"
+    attention_share: float = 1.0
+    block_size: int = 128
+    min_blocks: int = 1
+    selection: Optional[SelectionCost] = None
+    block_score: str = "pooled_lse"
+    attention_ms_per_token2_per_layer: Optional[float] = None
+    dense_above: float = 1.0
+    pay_check: bool = True
+
+    def __post_init__(self) -> None:
+        if self.head_placement not in ("balanced", "identity"):
+            raise ValueError(f"head_placement must be 'balanced' or 'identity', got {self.head_placement!r}")
+        if not 0.0 <= self.attention_share <= 1.0:
+            raise ValueError(f"attention_share must be in [0, 1], got {self.attention_share}")
+        if self.block_size < 1 or self.min_blocks < 0:
+            raise ValueError(f"block_size >= 1 and min_blocks >= 0 needed, got {self.block_size}, {self.min_blocks}")
+        if (self.attention_ms_per_token2_per_layer or 0.0) < 0:
+            raise ValueError("attention_ms_per_token2_per_layer must be >= 0")
+
+    # ------------------------------------------------------------------ placement
+    def rank_density_tables(self, sp: int) -> np.ndarray:
+        """``[layers, sp, heads/sp]`` densities of every rank's heads under the placement."""
+        return _rank_tables(self.densities, sp, self.head_placement)
+
+    # ------------------------------------------------------------------ the decision
+    def layer_decisions(self, seq_len: int, sp: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(sparse [layers] bool, ratio [layers])`` at ``seq_len`` tokens (the sequence after the
+        Ulysses padding): which layers run block-sparse, and their kernel time / dense time (1.0 for
+        the dense ones). THE decision: the planner's cost (:meth:`quadratic_factor`,
+        :meth:`selection_ms`) and the runtime (``SparseAttentionRuntime``) both call this.
+
+        A layer runs sparse iff it is not in ``dense_layers``, its busiest SP rank's mean density (in
+        whole blocks) is at most ``dense_above``, and (``pay_check``, with the attention coefficient
+        known) ``g * dense + selection < dense`` for one sample on one GPU."""
+        return _decisions(self, int(seq_len), int(sp))
+
+    def layer_ratios(self, seq_len: int, sp: int) -> np.ndarray:
+        """``[layers]`` kernel time / dense time at ``seq_len`` tokens (1.0 for layers that run dense)."""
+        return self.layer_decisions(seq_len, sp)[1]
+
+    def busiest_densities(self, seq_len: int, sp: int) -> np.ndarray:
+        """``[layers]`` the busiest SP rank's mean density of each layer, in whole key blocks."""
+        tables = self.rank_density_tables(sp)
+        nb = max(1, -(-int(seq_len) // self.block_size))
+        if self.min_blocks >= 1:  # whole blocks, as the runtime's top-k: ceil(rho * nb) in [min_blocks, nb]
+            k = np.clip(np.ceil(tables * nb - 1e-9), min(self.min_blocks, nb), nb)
+            return (k / nb).mean(axis=2).max(axis=1)
+        return tables.mean(axis=2).max(axis=1)
+
+    def rho_eff(self, seq_len: int, sp: int) -> float:
+        """Mean over layers of the busiest rank's kernel time ratio (1.0: dense)."""
+        return float(self.layer_ratios(seq_len, sp).mean())
+
+    def quadratic_factor(self, seq_len: int, sp: int) -> float:
+        """``q(S) = 1 - share * (1 - rho_eff(S))``: the factor on the calibrated ``b*S^2``; exactly 1.0
+        when every layer runs dense."""
+        return 1.0 - self.attention_share * (1.0 - self.rho_eff(seq_len, sp))
+
+    @property
+    def selection_cost(self) -> SelectionCost:
+        """The selection's cost in use: :attr:`selection`, or the shipped default."""
+        return self.selection if self.selection is not None else SelectionCost.default()
+
+    def layer_selection_ms(self, seq_len: int, sp: int, num_heads: int, batch: int = 1) -> float:
+        """One sparse layer's selection call for ``batch`` samples on one SP rank (``heads/sp`` heads), ms."""
+        return float(self.selection_cost.call_ms(batch, float(seq_len), num_heads / sp, self.block_size))
+
+    def selection_ms(self, seq_len: int, sp: int, num_heads: int) -> float:
+        """Selection time each sample adds on one SP rank (ms): its share in every layer that runs sparse
+        (the fixed part per call is :meth:`selection_call_ms`)."""
+        n_sparse = int(np.sum(self.layer_decisions(seq_len, sp)[0]))
+        if n_sparse == 0:
+            return 0.0
+        return n_sparse * float(self.selection_cost.per_sample_ms(float(seq_len), num_heads / sp, self.block_size))
+
+    def selection_call_ms(self, seq_len: int, sp: int) -> float:
+        """Fixed selection time of one micro-batch (ms): ``ms_per_call`` per layer that runs sparse."""
+        n_sparse = int(np.sum(self.layer_decisions(seq_len, sp)[0]))
+        return n_sparse * self.selection_cost.ms_per_call
+
+    def with_densities(self, densities: DensityMap) -> "SparseAttentionCost":
+        import dataclasses
+
+        return dataclasses.replace(self, densities=densities)
+
+    def for_profile(self, profile) -> "SparseAttentionCost":
+        """With ``attention_ms_per_token2_per_layer`` from a calibrated profile (``share * b / layers``
+        at sp = 1) and the profile's measured selection (``sparse_attention.selection``, else the shipped
+        default), each unless already set; ``num_heads`` is the model's."""
+        import dataclasses
+
+        out = self
+        if out.selection is None:
+            out = dataclasses.replace(out, selection=SelectionCost.load_for(
+                profile.raw, block_size=self.block_size, block_score=self.block_score, where=f"profile '{profile.name}'"))
+        if out.attention_ms_per_token2_per_layer is None:
+            per_layer = profile.b_ms_per_token2 * profile.sp * self.attention_share / profile.num_layers
+            out = dataclasses.replace(out, attention_ms_per_token2_per_layer=per_layer)
+        return out
+
+    def describe(self) -> dict:
+        """JSON-able description (resume state, logs): everything the cost depends on."""
+        return {"densities": self.densities.as_dict(), "efficiency": self.efficiency.as_dict(),
+                "head_placement": self.head_placement, "attention_share": self.attention_share,
+                "block_size": self.block_size, "min_blocks": self.min_blocks,
+                "selection": self.selection_cost.as_dict(), "block_score": self.block_score,
+                "attention_ms_per_token2_per_layer": self.attention_ms_per_token2_per_layer,
+                "dense_above": self.dense_above, "pay_check": self.pay_check}
+
+    @classmethod
+    def from_description(cls, d: Mapping[str, Any]) -> "SparseAttentionCost":
+        eff = d["efficiency"]
+        att = d.get("attention_ms_per_token2_per_layer")
+        return cls(densities=DensityMap.from_dict(d["densities"], where="sampler state"),
+                   efficiency=KernelEfficiency(tuple(eff["density"]), tuple(eff["ratio"]), eff.get("source", "")),
+                   head_placement=d["head_placement"], attention_share=float(d["attention_share"]),
+                   block_size=int(d["block_size"]), min_blocks=int(d["min_blocks"]),
+                   selection=_selection_from_description(d), block_score=str(d.get("block_score", "pooled_lse")),
+                   attention_ms_per_token2_per_layer=None if att is None else float(att),
+                   dense_above=float(d.get("dense_above", 1.0)), pay_check=bool(d.get("pay_check", True)))
+
+
+def _selection_from_description(d: Mapping[str, Any]) -> SelectionCost:
+    """The selection cost of a description; states written before the measured selection term carry
+    per-head ``selection_ms_per_token(2)_per_head`` (per sample: ``a S + b S^2``) and a per-call term:
+    the same time at the block size (``b S^2 ~ b * block * nq * S``)."""
+    if "selection" in d:
+        return SelectionCost.from_dict(d["selection"], where="sampler state")
+    bs = int(d["block_size"])
+    return SelectionCost(ms_per_call=float(d.get("selection_ms_per_layer_call", 0.0)),
+                         ms_per_token=float(d["selection_ms_per_token_per_head"]),
+                         ms_per_logit=float(d["selection_ms_per_token2_per_head"]) * bs,
+                         ms_per_block_pair=0.0, block_size=bs, source="sampler state (per-head S, S^2 form)")
+
+
+@lru_cache(maxsize=4096)
+def _decisions(cost: SparseAttentionCost, seq_len: int, sp: int) -> tuple[np.ndarray, np.ndarray]:
+    busiest = cost.busiest_densities(seq_len, sp)
+    ratio = np.array([cost.efficiency(float(x)) for x in busiest])
+    sparse = busiest <= cost.dense_above + 1e-12
+    for layer in cost.densities.dense_layers:
+        sparse[layer] = False
+    if cost.pay_check:
+        sparse &= ratio < 1.0
+        if cost.attention_ms_per_token2_per_layer is not None:
+            dense_ms = cost.attention_ms_per_token2_per_layer * float(seq_len) ** 2 / sp
+            num_heads = cost.densities.num_heads
+            sel = cost.layer_selection_ms(seq_len, sp, num_heads)
+            sparse &= ratio * dense_ms + sel < dense_ms
+    ratio = np.where(sparse, ratio, 1.0)
+    sparse.setflags(write=False)
+    ratio.setflags(write=False)
+    return sparse, ratio
+
+
+@lru_cache(maxsize=64)
+def _rank_tables(densities: DensityMap, sp: int, policy: str) -> np.ndarray:
+    h = densities.num_heads
+    from ds_adaptive.planning.validate import heads_sp_problem
+
+    problem = heads_sp_problem(h, sp, "the density table")
+    if problem:
+        raise DensityError(problem)
+    d = np.array(densities.density, float)
+    if policy == "balanced":
+        placement = plan_head_placement(densities.density, sp, dense_layers=densities.dense_layers)
+        perms = [placement.perm(layer, h) for layer in range(densities.num_layers)]
+    else:
+        perms = [identity_placement(h)] * densities.num_layers
+    return np.stack([d[layer, perms[layer]].reshape(sp, h // sp) for layer in range(densities.num_layers)])

@@ -1,0 +1,229 @@
+"""One validation pass for the rules that span fields: the ds_config, its ``adaptive_load`` block, the model and
+the launch, checked together before anything is built.
+
+    problems = run_problems(ds_config, block, RunFacts(model="wan2.1-1.3b", sp=2, world=8, device="cuda"))
+    validate_run(ds_config, block, facts)     # raises the first problem (ConfigError / SequenceParallelError)
+
+A single field's bounds live on the field (pydantic, ``ds_adaptive.core.config``); the rules here need two or more
+fields, or a field and the run (model, Ulysses degree, world size, device). Each rule returns None or one line
+naming the key(s), the expected and the actual value, and the fix. What is not known yet (``RunFacts`` field
+None) is not checked: ``ds-adaptive config --check`` knows the file (and whatever its flags add), the dry run
+knows the planned launch, ``build_run`` knows the real run. All three call :func:`run_problems`.
+
+Rules, in the order they are reported:
+
+* ``sp``: the Ulysses degree from ``--sp`` / ``sequence_parallel_size`` agrees, divides the world, and
+  ``data_parallel_size`` (if set) is world / sp (``ds_adaptive.core.layout.resolve_sp_size``);
+* ``heads``: sp divides the model's attention heads (:func:`heads_sp_problem`, the one message for it);
+* ``batch``: ``train_batch_size`` / ``train_micro_batch_size_per_gpu`` / ``gradient_accumulation_steps`` agree
+  (:func:`accumulation_steps`, which ``prepare_ds_config`` uses too);
+* ``precision``: not both ``bf16`` and ``fp16``;
+* ``zero_stage``: ``adaptive_load.sampler.zero_stage``, when set, is the ds_config's ZeRO stage;
+* ``zero3_torch_linear``: not set true next to ``zero_optimization.memory_efficient_linear: true``;
+* ``budgets``: ``lr_scaling`` has a ``reference_batch``; a null ``profile`` only where no profile is needed;
+* ``sparse_attention``: ``dense_layers`` inside the model, ``predictor_rank`` <= the head dim, the backend
+  available on the run's device: the sparse backends' own check (``sparse.backends.check_sparse_config``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+from ds_adaptive.core.config import AdaptiveLoadConfig, ConfigError, SamplerConfig, SparseAttentionConfig
+from ds_adaptive.core.layout import SequenceParallelError
+
+__all__ = ["RunFacts", "Problem", "run_problems", "validate_run", "heads_sp_problem", "accumulation_steps"]
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What is known about the run being checked; None = not known here (the rules that need it are skipped)."""
+
+    model: Optional[str] = None
+    """The registered model (``--model``)."""
+    layers: Optional[int] = None
+    """``--layers`` (None: the preset's depth)."""
+    sp: Optional[int] = None
+    """``--sp`` (None: the ds_config's ``sequence_parallel_size``, else 1)."""
+    world: Optional[int] = None
+    """Ranks of the launch (dp x sp)."""
+    device: Optional[str] = None
+    """``cuda`` or ``cpu``: where the ranks compute."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    key: str
+    """The rule (``heads``, ``batch``, ``sparse_attention.dense_layers``, ...)."""
+    message: str
+    error: type = ConfigError
+    """The exception type :func:`validate_run` raises it as."""
+
+
+def heads_sp_problem(num_heads: int, sp: int, what: str = "the model") -> Optional[str]:
+    """Ulysses gives each rank of an SP group heads/sp whole heads: sp must divide the heads."""
+    if sp >= 1 and num_heads % sp == 0:
+        return None
+    divisors = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
+    return (f"Ulysses sp={sp} does not divide the {num_heads} attention heads of {what}: each rank of an SP group "
+            f"attends with heads/sp whole heads. Use sp in {divisors}.")
+
+
+def accumulation_steps(ds_config: Mapping[str, Any], dp_size: Optional[int], sp: Optional[int] = None):
+    """``gradient_accumulation_steps`` of a ds_config: an int >= 1, or ``"auto"`` (the sampler chooses it).
+
+    ``train_micro_batch_size_per_gpu`` (default 1; the sampler decides the real micro-batch sizes) x
+    ``gradient_accumulation_steps`` x dp must equal ``train_batch_size`` when all are given; without
+    ``gradient_accumulation_steps`` it is ``train_batch_size / (micro x dp)``; with ``"auto"``,
+    ``train_batch_size`` cannot be given. ``dp_size`` None (not known yet): the types only. ``sp`` only explains
+    dp in the message. Raises ConfigError."""
+    gas, tbs, micro = (ds_config.get("gradient_accumulation_steps"), ds_config.get("train_batch_size"),
+                       ds_config.get("train_micro_batch_size_per_gpu"))
+    for key, value in (("train_batch_size", tbs), ("train_micro_batch_size_per_gpu", micro)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ConfigError(f"ds_config {key} must be an int >= 1, got {value!r}")
+    if gas == "auto":
+        if tbs is not None:
+            raise ConfigError(f"ds_config sets gradient_accumulation_steps 'auto' and train_batch_size {tbs!r}: "
+                              "with 'auto' the sampler chooses the micro-steps per optimizer step; drop "
+                              "train_batch_size, or set gradient_accumulation_steps to a number")
+        return "auto"
+    if gas is not None and (not isinstance(gas, int) or isinstance(gas, bool) or gas < 1):
+        raise ConfigError(f"ds_config gradient_accumulation_steps must be an int >= 1, got {gas!r} (or \"auto\": "
+                          "the adaptive_load sampler chooses it)")
+    micro = micro or 1
+    if tbs is None or dp_size is None:
+        return gas or 1
+    if gas is None:
+        if tbs % (micro * dp_size):
+            raise ConfigError(
+                f"ds_config train_batch_size={tbs!r} is not a multiple of train_micro_batch_size_per_gpu "
+                f"({micro}) x data-parallel size ({dp_size}); set 'gradient_accumulation_steps' instead "
+                "(micro-batch sizes are chosen by the adaptive_load sampler)")
+        return tbs // (micro * dp_size)
+    if tbs != micro * gas * dp_size:
+        raise ConfigError(
+            f"ds_config train_batch_size={tbs} != train_micro_batch_size_per_gpu {micro} x "
+            f"gradient_accumulation_steps {gas} x dp {dp_size}"
+            + (f" (= world {dp_size * sp} / sp {sp})" if sp else "") + f" = {micro * gas * dp_size}; set train_batch_size to "
+            f"{micro * gas * dp_size}, or drop it (the trainer derives it) -- an SP group of sp ranks trains one "
+            "micro-batch")
+    return gas
+
+
+def _model(facts: RunFacts):
+    if facts.model is None:
+        return None
+    from ds_adaptive.models.registry import get_model
+
+    return get_model(facts.model).config(**({"num_layers": facts.layers} if facts.layers else {}))
+
+
+def _sp_problems(ds_config: Mapping[str, Any], facts: RunFacts, model) -> tuple[list[Problem], Optional[int]]:
+    """The Ulysses degree (``--sp`` / ``sequence_parallel_size``), then sp vs the heads, then sp vs the world."""
+    from ds_adaptive.core.layout import resolve_sp_size
+
+    try:
+        sp = resolve_sp_size(facts.sp, ds_config)
+    except SequenceParallelError as exc:
+        return [Problem("sp", str(exc), SequenceParallelError)], None
+    out = []
+    if model is not None:
+        msg = heads_sp_problem(model.num_heads, sp, facts.model)
+        if msg:
+            out.append(Problem("heads", msg, SequenceParallelError))
+    if facts.world is not None:
+        try:
+            resolve_sp_size(sp, ds_config, facts.world)
+        except SequenceParallelError as exc:
+            return out + [Problem("sp", str(exc), SequenceParallelError)], None
+    return out, sp
+
+
+def _precision_problem(ds_config: Mapping[str, Any]) -> Optional[str]:
+    on = [k for k in ("bf16", "fp16") if isinstance(ds_config.get(k), dict) and ds_config[k].get("enabled") is True]
+    if len(on) == 2:
+        return "ds_config enables both 'bf16' and 'fp16'; enable one (bf16 is what the shipped configs train in)"
+    return None
+
+
+def _zero_stage_problem(ds_config: Mapping[str, Any], s: SamplerConfig) -> Optional[str]:
+    stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
+    if "zero_stage" in s.model_fields_set and s.zero_stage != stage:
+        return (f"adaptive_load.sampler.zero_stage is {s.zero_stage} but the ds_config's zero_optimization.stage is "
+                f"{stage}; the trainer plans memory for the stage it runs: drop sampler.zero_stage (it is for "
+                "`ds-adaptive simulate`) or make them agree")
+    return None
+
+
+def _linear_problem(ds_config: Mapping[str, Any], block: AdaptiveLoadConfig) -> Optional[str]:
+    zero = ds_config.get("zero_optimization") or {}
+    if ("zero3_torch_linear" in block.model_fields_set and block.zero3_torch_linear
+            and zero.get("memory_efficient_linear") is True):
+        return ("adaptive_load.zero3_torch_linear is true but the ds_config's zero_optimization.memory_efficient_linear "
+                "is true (DeepSpeed's Linear replacement); drop one of the two keys (without either the trainer "
+                "runs torch's F.linear)")
+    return None
+
+
+def _budget_problems(s: SamplerConfig) -> list[Problem]:
+    out = []
+    if s.lr_scaling != "none" and s.reference_batch is None:
+        out.append(Problem("budgets", f"adaptive_load.sampler.lr_scaling is '{s.lr_scaling}' but reference_batch is "
+                                      "not set: give the global samples per optimizer step the base LR was tuned for "
+                                      "(sampler.reference_batch), or set lr_scaling to 'none'"))
+    if s.profile is None:
+        needs = [k for k, v in (("cost_model 'calibrated'", s.cost_model == "calibrated"),
+                                ("m_mem 'auto'", s.m_mem == "auto")) if v]
+        if needs:
+            out.append(Problem("budgets", f"adaptive_load.sampler.profile is null but {' and '.join(needs)} need a "
+                                          "profile: use 'auto', a shipped name or a `ds-adaptive calibrate` json"))
+    return out
+
+
+def _sparse_problems(sa: SparseAttentionConfig, facts: RunFacts, model) -> list[Problem]:
+    """The sparse-attention backends' own check (``ds_adaptive.attention.backends.check_sparse_config``: layer
+    indices, predictor rank, a backend that runs on the device), for the model when it is known, else for
+    the deepest registered preset."""
+    if not sa.enabled:
+        return []
+    from ds_adaptive.attention.backends.check import check_sparse_config
+
+    if model is not None:
+        n, head_dim = model.num_layers, model.dim // model.num_heads
+    else:
+        from ds_adaptive.models.registry import get_model, model_names
+
+        n, head_dim = max(get_model(m).config().num_layers for m in model_names()), None
+    device = facts.device if facts.device not in (None, "cuda") else "meta"  # meta: a GPU launch checked without one
+    return [Problem("sparse_attention." + msg.split(" ", 1)[0].rsplit(".", 1)[-1], msg)
+            for msg in check_sparse_config(sa, n, device, head_dim=head_dim)]
+
+
+def run_problems(ds_config: Mapping[str, Any], block: AdaptiveLoadConfig, facts: RunFacts = RunFacts()) -> list[Problem]:
+    """Every cross-field problem of this configuration and run, in the module doc's order (empty: all good)."""
+    try:
+        model = _model(facts)
+    except (ValueError, KeyError) as exc:  # an unknown model or a bad --layers (ModelError is a ValueError)
+        return [Problem("model", f"--model {facts.model} / --layers {facts.layers}: {exc}")]
+    out, sp = _sp_problems(ds_config, facts, model)
+    dp = facts.world // sp if facts.world is not None and sp is not None else None
+    try:
+        accumulation_steps(ds_config, dp, sp)
+    except ConfigError as exc:
+        out.append(Problem("batch", str(exc)))
+    for key, msg in (("precision", _precision_problem(ds_config)),
+                     ("zero_stage", _zero_stage_problem(ds_config, block.sampler)),
+                     ("zero3_torch_linear", _linear_problem(ds_config, block))):
+        if msg:
+            out.append(Problem(key, msg))
+    out += _budget_problems(block.sampler)
+    out += _sparse_problems(block.sparse_attention, facts, model)
+    return out
+
+
+def validate_run(ds_config: Mapping[str, Any], block: AdaptiveLoadConfig, facts: RunFacts = RunFacts()) -> None:
+    """Raise the first of :func:`run_problems` (its ``error`` type, its one-line message)."""
+    problems = run_problems(ds_config, block, facts)
+    if problems:
+        raise problems[0].error(problems[0].message)
