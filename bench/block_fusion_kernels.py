@@ -6,13 +6,13 @@
 The pieces of a Wan block outside attention and the Linear layers' GEMMs, at the micro-batches the planner forms
 (B x S tokens, bf16, the model's D), forward and forward + backward:
 
-* ``qk_norm_rope``: q / k RMSNorm + RoPE (``wan.qk_norm_rope``) eager; compiled as ``block_fusion: regions``
+* ``qk_norm_rope``: q / k RMSNorm + RoPE (``wan_blocks.qk_norm_rope``) eager; compiled as ``block_fusion: regions``
   compiles it (``dynamic=True``); compiled for the shape (``dynamic=False``); the Triton kernel
   (``ds_adaptive.ops.qk_norm_rope``);
 * ``gated_residual``, ``layer_norm``: eager; compiled dynamic;
 * ``linear_bias``: a Linear's bias the way ZeRO-3 runs it (DeepSpeed's ``LinearFunctionForZeroStage3``): on a
   3-D input (``matmul`` then a broadcast ``add_``) and on the same input flattened to 2-D (``addmm``: the bias in
-  the GEMM's epilogue; what ``wan.FlatLinear`` does), D -> D and D -> FFN.
+  the GEMM's epilogue; what ``wan_blocks.FlatLinear`` does), D -> D and D -> FFN.
 
 Per row: ms, the bytes the piece must move (inputs read, outputs written; backward: gradients in, saved inputs
 read, gradients out) and ``x floor`` = ms over the time a device-to-device copy takes to move those bytes (measured
@@ -33,8 +33,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ds_adaptive.models import wan  # noqa: E402
-from ds_adaptive.models.wan import get_wan_config, rope_table  # noqa: E402
+from ds_adaptive.models import wan_blocks  # noqa: E402
+from ds_adaptive.models.wan import rope_table
+from ds_adaptive.models.wan_config import get_wan_config  # noqa: E402
 
 CASES = ((11, 1560), (1, 32760))
 PIECES = ("qk_norm_rope", "gated_residual", "layer_norm", "linear_bias")
@@ -42,7 +43,7 @@ PIECES = ("qk_norm_rope", "gated_residual", "layer_norm", "linear_bias")
 
 def time_ms(fn, iters: int = 20, warmup: int = 3) -> float:
     """Median ms of ``fn`` (CUDA events)."""
-    from ds_adaptive.calibration.sparse import time_ms as cuda_ms
+    from ds_adaptive.core.timing import time_ms as cuda_ms
 
     return cuda_ms(fn, warmup=warmup, iters=iters)
 
@@ -78,18 +79,18 @@ def piece_cases(piece: str, cfg, b: int, s: int, device):
         args = (q, k, wq, wk, freqs, cfg.eps, cfg.num_heads)
         fwd_bytes = 4 * n * d * e + freqs.numel() * 4
         bwd_bytes = 6 * n * d * e + freqs.numel() * 4
-        variants = {"eager": wan.qk_norm_rope, "compiled dynamic": _compiled(wan.qk_norm_rope, True),
-                    "compiled static": _compiled(wan.qk_norm_rope, False), "triton kernel": triton_qk_norm_rope}
+        variants = {"eager": wan_blocks.qk_norm_rope, "compiled dynamic": _compiled(wan_blocks.qk_norm_rope, True),
+                    "compiled static": _compiled(wan_blocks.qk_norm_rope, False), "triton kernel": triton_qk_norm_rope}
         return [(name, (lambda f=f: f(*args)), (q, k, wq, wk), fwd_bytes, bwd_bytes) for name, f in variants.items()]
     if piece == "gated_residual":
         x, y = _act(b, s, d, device), _act(b, s, d, device)
         gate = (0.1 * torch.randn(b, 1, d, device=device)).requires_grad_()
-        variants = {"eager": wan.gated_residual, "compiled dynamic": _compiled(wan.gated_residual, True)}
+        variants = {"eager": wan_blocks.gated_residual, "compiled dynamic": _compiled(wan_blocks.gated_residual, True)}
         return [(name, (lambda f=f: f(x, y, gate)), (x, y, gate), 3 * n * d * e, 4 * n * d * e)
                 for name, f in variants.items()]
     if piece == "layer_norm":
         x, w, bias = _act(b, s, d, device), _param(d, device, torch.float32), _param(d, device, torch.float32)
-        variants = {"eager": wan.fp32_layer_norm, "compiled dynamic": _compiled(wan.fp32_layer_norm, True)}
+        variants = {"eager": wan_blocks.fp32_layer_norm, "compiled dynamic": _compiled(wan_blocks.fp32_layer_norm, True)}
         return [(name, (lambda f=f: f(x, w, bias, cfg.eps)), (x, w, bias), 2 * n * d * e, 3 * n * d * e)
                 for name, f in variants.items()]
     if piece == "linear_bias":
@@ -133,7 +134,7 @@ def dump_code(cfg, device, path: Path) -> None:
     b, s, d = 1, 32760, cfg.dim
     q, k, wq, wk = _act(b, s, d, device), _act(b, s, d, device), _param(d, device), _param(d, device)
     freqs = rope_table((1, 1, s), cfg.rope_split, cfg.rope_theta, device)
-    fn = _compiled(wan.qk_norm_rope, True)
+    fn = _compiled(wan_blocks.qk_norm_rope, True)
 
     def run():
         outs = fn(q, k, wq, wk, freqs, cfg.eps, cfg.num_heads)

@@ -37,7 +37,9 @@ sys.path.insert(0, str(ROOT))
 from ds_adaptive.planning.devices import peak_tflops  # noqa: E402
 from ds_adaptive.models.flops import wan_block_flops  # noqa: E402
 from ds_adaptive.models.fusion import apply_block_fusion  # noqa: E402
-from ds_adaptive.models.wan import WanModel, get_wan_config, sdpa_attention  # noqa: E402
+from ds_adaptive.models.wan import WanModel
+from ds_adaptive.models.wan_blocks import sdpa_attention
+from ds_adaptive.models.wan_config import get_wan_config  # noqa: E402
 from ds_adaptive.ops.apply import apply_ln_modulate  # noqa: E402
 
 CASES = ((11, 1560, (1, 30, 52)), (1, 32760, (21, 30, 52)), (1, 75600, (21, 45, 80)))   # B, S, token grid
@@ -101,7 +103,7 @@ def _sync() -> None:
 def time_ms(fn, iters: int, warmup: int) -> float:
     """Median ms of ``fn`` (CUDA events: calibrate_sparse.time_ms; wall clock on the CPU)."""
     if DEVICE.type == "cuda":
-        from ds_adaptive.calibration.sparse import time_ms as cuda_ms
+        from ds_adaptive.core.timing import time_ms as cuda_ms
 
         return cuda_ms(fn, warmup=warmup, iters=iters)
     for _ in range(warmup):

@@ -51,7 +51,7 @@ def choice_for(profile, gpu_mem_gib: float, samples: int, checkpoint_attention: 
 
 
 def main(argv=None) -> int:
-    from ds_adaptive.planning.cost import load_profile
+    from ds_adaptive.planning.profile import load_profile
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--profile", default="h200-wan2.1-1.3b")

@@ -89,8 +89,9 @@ def deepspeed_engine(model_name: str, layers) -> tuple[object, str]:
     import deepspeed
     import torch
 
-    from ds_adaptive.core.config import prepare_ds_config, read_ds_config
-    from ds_adaptive.models.wan import WanModel, get_wan_config
+    from ds_adaptive.core.ds_config import prepare_ds_config, read_ds_config
+    from ds_adaptive.models.wan import WanModel
+    from ds_adaptive.models.wan_config import get_wan_config
     from ds_adaptive.training.trainer import init_distributed
 
     _, _, device = init_distributed(0)

@@ -31,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ds_adaptive.calibration.calibrate import _config_dict  # noqa: E402
 from ds_adaptive.core.config import SamplerConfig  # noqa: E402
-from ds_adaptive.planning.cost import CostModel, load_profile  # noqa: E402
+from ds_adaptive.planning.cost import CostModel
+from ds_adaptive.planning.profile import load_profile  # noqa: E402
 from ds_adaptive.planning.sampler import build_batch_sampler  # noqa: E402
 from ds_adaptive.core.layout import Layout  # noqa: E402
 from ds_adaptive.core.shapes import default_input_spec, load_shape_distribution  # noqa: E402
@@ -83,7 +84,8 @@ def main(argv=None) -> int:
 
     import torch
 
-    from ds_adaptive.models.wan import WanModel, get_wan_config
+    from ds_adaptive.models.wan import WanModel
+    from ds_adaptive.models.wan_config import get_wan_config
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("cost_fit: no CUDA GPU visible; use --device cpu --model tiny for a smoke test", file=sys.stderr)

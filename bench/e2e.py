@@ -24,7 +24,7 @@ loss per sample seen, held-out loss, and the simulator's prediction for the same
     python bench/e2e.py --report-only --out bench/out/e2e # tables + plots again from e2e.json
 
 Reduced depth: the cost profile (``h100-wan2.1-1.3b``, 30 blocks) is rescaled to the trained depth
-(:meth:`ds_adaptive.planning.cost.Profile.with_num_layers`), and the memory budget is the full-depth ``auto``
+(:meth:`ds_adaptive.planning.profile.Profile.with_num_layers`), and the memory budget is the full-depth ``auto``
 budget scaled by the activation memory per token, so every arm forms exactly the micro-batches the
 30-block model would form at its default budgets; only the time per micro-batch shrinks. Method:
 docs/E2E.md.
@@ -52,8 +52,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from ds_adaptive.core.config import SamplerConfig  # noqa: E402
-from ds_adaptive.planning.cost import CostModel, load_profile  # noqa: E402
-from ds_adaptive.planning.planner import resolve_budgets  # noqa: E402
+from ds_adaptive.planning.cost import CostModel
+from ds_adaptive.planning.profile import load_profile  # noqa: E402
+from ds_adaptive.planning.budget import resolve_budgets  # noqa: E402
 from ds_adaptive.planning.sampler import build_batch_sampler  # noqa: E402
 from ds_adaptive.core.layout import Layout  # noqa: E402
 from ds_adaptive.core.shapes import load_shape_distribution  # noqa: E402
@@ -116,7 +117,7 @@ def default_num_gpus(device: str) -> int:
 def resolve_settings(a: argparse.Namespace) -> Settings:
     device = a.device or ("cuda" if _cuda_available() else "cpu")
     cpu = device == "cpu"
-    from ds_adaptive.models.wan import get_wan_config
+    from ds_adaptive.models.wan_config import get_wan_config
 
     model = a.model or ("tiny" if cpu else "wan2.1-1.3b")
     layers = a.layers or (get_wan_config(model).num_layers if cpu else 4)

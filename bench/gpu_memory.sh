@@ -61,10 +61,10 @@ arm() {  # arm NAME CONFIG STEPS [trainer args...]
 case "${PURPOSE:-calibrate}" in
 calibrate)
   note "calibrate wan2.1-1.3b (layers 2,4; with and without checkpointing)"
-  "$PY" -m ds_adaptive.calibration.calibrate --model wan2.1-1.3b --sp 1 --out "$OUT/h200-wan2.1-1.3b.json" \
+  "$PY" -m ds_adaptive.cli calibrate --model wan2.1-1.3b --sp 1 --out "$OUT/h200-wan2.1-1.3b.json" \
     --name h200-wan2.1-1.3b 2>&1 | tee "$OUT/calibrate.txt"
   note "calibrate wan2.1-14b (layers 1,2: 40 blocks extrapolated; warmup 1, iters 3)"
-  "$PY" -m ds_adaptive.calibration.calibrate --model wan2.1-14b --sp 1 --layers 1,2 --warmup 1 --iters 3 \
+  "$PY" -m ds_adaptive.cli calibrate --model wan2.1-14b --sp 1 --layers 1,2 --warmup 1 --iters 3 \
     --out "$OUT/h200-wan2.1-14b.json" --name h200-wan2.1-14b 2>&1 | tee -a "$OUT/calibrate.txt"
   cp "$OUT"/h200-wan2.1-*.json ds_adaptive/planning/profiles/ 2>/dev/null
   mkdir -p /tmp/runs
@@ -73,7 +73,7 @@ calibrate)
   ;;
 calibrate_fused)
   note "calibrate wan2.1-1.3b with the fused LayerNorm-modulate op (layers 2,4; both checkpointing modes)"
-  "$PY" -m ds_adaptive.calibration.calibrate --model wan2.1-1.3b --sp 1 --ln-modulate fused \
+  "$PY" -m ds_adaptive.cli calibrate --model wan2.1-1.3b --sp 1 --ln-modulate fused \
     --out "$OUT/h200-wan2.1-1.3b-fused.json" --name h200-wan2.1-1.3b 2>&1 | tee "$OUT/calibrate_fused.txt"
   ;;
 arms)
@@ -117,7 +117,7 @@ fused_arm)   # issue 16, third round: one arm with the fused op (see the header)
   left=$(( ${CALIB14_BUDGET:-590} - SECONDS ))
   if [ "${CALIB14:-0}" = 1 ] && [ "$left" -gt 60 ]; then
     note "calibrate wan2.1-14b with the fused op (layers 1,2; warmup 1, iters 3), ${left} s left"
-    timeout "$left" "$PY" -m ds_adaptive.calibration.calibrate --model wan2.1-14b --sp 1 --layers 1,2 --warmup 1 --iters 3 \
+    timeout "$left" "$PY" -m ds_adaptive.cli calibrate --model wan2.1-14b --sp 1 --layers 1,2 --warmup 1 --iters 3 \
       --ln-modulate fused --out "$OUT/h200-wan2.1-14b-fused.json" --name h200-wan2.1-14b 2>&1 | tee "$OUT/calibrate14_fused.txt"
   elif [ "${CALIB14:-0}" = 1 ]; then
     note "14B calibration skipped: ${left} s left"

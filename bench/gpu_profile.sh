@@ -19,9 +19,9 @@ STEPS=${STEPS:-cal13 cal14 fit}
 step() { local name=$1 limit=$2; shift 2; echo "=== $name ($(date +%T), limit ${limit}s): $*"; local t0=$SECONDS
   timeout "$limit" "$@"; echo "=== $name rc=$? in $((SECONDS - t0)) s"; }
 for s in $STEPS; do case $s in
-  cal13) step cal13 200 python3 -m ds_adaptive.calibration.calibrate --model wan2.1-1.3b --sp 1 --device cuda --layers 2,4 \
+  cal13) step cal13 200 ds-adaptive calibrate --model wan2.1-1.3b --sp 1 --device cuda --layers 2,4 \
            --name $GPU-wan2.1-1.3b --out "$OUT/$GPU-wan2.1-1.3b.json" ;;
-  cal14) step cal14 240 python3 -m ds_adaptive.calibration.calibrate --model wan2.1-14b --sp 1 --device cuda --layers 1,2 \
+  cal14) step cal14 240 ds-adaptive calibrate --model wan2.1-14b --sp 1 --device cuda --layers 1,2 \
            --name $GPU-wan2.1-14b --out "$OUT/$GPU-wan2.1-14b.json" ;;
   fit)   P=$OUT/$GPU-wan2.1-1.3b.json; [ -f "$P" ] || P=ds_adaptive/planning/profiles/h100-wan2.1-1.3b.json
          step fit 240 python3 bench/cost_fit.py --model wan2.1-1.3b --layers 4 --profile "$P" \

@@ -686,7 +686,9 @@ def wan_block(quick: bool) -> Optional[Dict]:
     trainer's activation checkpointing), eager, at 1x32760 and 16x1560 tokens: torch's LayerNorm
     path (ln_modulate_reference) vs the fused op."""
     try:
-        from ds_adaptive.models.wan import WanBlock, get_wan_config, rope_table
+        from ds_adaptive.models.wan import rope_table
+        from ds_adaptive.models.wan_blocks import WanBlock
+        from ds_adaptive.models.wan_config import get_wan_config
     except ImportError as e:
         print(f"Wan block benchmark skipped: ds_adaptive.models.wan is not available ({e})")
         return None

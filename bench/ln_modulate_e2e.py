@@ -24,7 +24,7 @@ import json
 import sys
 from pathlib import Path
 
-from ds_adaptive.planning.cost import load_profile
+from ds_adaptive.planning.profile import load_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ROOT / "ds_adaptive" / "balance" / "profiles" / "h200-wan2.1-1.3b.json"

@@ -84,7 +84,8 @@ def fit_outside(rows: list[dict], runs: Optional[list[str]] = None) -> dict:
 
 
 def main(argv=None) -> int:
-    from ds_adaptive.planning.cost import CostModel, load_profile
+    from ds_adaptive.planning.cost import CostModel
+    from ds_adaptive.planning.profile import load_profile
     from memory_report import fit_overheads
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -27,8 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ds_adaptive.calibration.calibrate import checkpoint_fit
-from ds_adaptive.planning.cost import PROFILES_DIR, CostModel, Profile
+from ds_adaptive.calibration.fit import checkpoint_fit
+from ds_adaptive.planning.cost import CostModel
+from ds_adaptive.planning.profile import PROFILES_DIR, Profile
 
 # (label, memory.jsonl, LayerNorm-modulate path of the run, what it was)
 RUNS = (

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ds_adaptive.planning.budget import predicted_time_ms
 from ds_adaptive.planning.sampler import build_batch_sampler
-from ds_adaptive.core.config import load_adaptive_config, read_ds_config
+from ds_adaptive.core.ds_config import load_adaptive_config, read_ds_config
 from ds_adaptive.data import build_dataset
 from ds_adaptive.core.layout import Layout
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ds_adaptive.planning.cost import LN_MODULATE_PATHS, CostModel, load_profile
+from ds_adaptive.planning.cost import CostModel
+from ds_adaptive.planning.profile import LN_MODULATE_PATHS, load_profile
 
 
 def main() -> int:

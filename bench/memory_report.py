@@ -61,7 +61,8 @@ def step_costs(arm: dict, profile: str) -> list[dict]:
     """Per step (> 1) of an arm: wall ms, micro-steps and the predicted batch costs' sum (ms), from the
     arm's metrics.jsonl and memory.jsonl (shape, B, checkpointed blocks of each micro-step), with the
     profile's entries of the LayerNorm-modulate path the arm ran (its summary's ``fused_ln_modulate``)."""
-    from ds_adaptive.planning.cost import CostModel, load_profile
+    from ds_adaptive.planning.cost import CostModel
+    from ds_adaptive.planning.profile import load_profile
     from ds_adaptive.core.shapes import SampleShape
 
     fused = arm.get("summary", {}).get("fused_ln_modulate")

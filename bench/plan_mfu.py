@@ -82,7 +82,7 @@ def plan_mfu(sampler, first: int, last: int, peak_tflops: float, truth=None) -> 
 def main(argv=None) -> int:
     from budget_candidates import default_job_sampler
 
-    from ds_adaptive.planning.cost import load_profile
+    from ds_adaptive.planning.profile import load_profile
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arm", action="append", metavar="NAME:key=value,...",
@@ -103,7 +103,7 @@ def main(argv=None) -> int:
     profile = load_profile(a.profile)
     truth = None
     if a.truth:
-        from ds_adaptive.planning.cost import ProfileError
+        from ds_adaptive.planning.profile import ProfileError
 
         try:
             truth = load_profile(a.truth)

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from ds_adaptive.simulation.sparse import plot, simulate_sparse, table
-from ds_adaptive.planning.sparse_cost import KernelEfficiency
+from ds_adaptive.planning.sparse_cost import load_efficiency
 
 CONFIGS = [(16, 1), (16, 4), (128, 1), (128, 4)]
 
@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    eff = KernelEfficiency.load(args.efficiency)
+    eff = load_efficiency(args.efficiency)
     seeds = [int(s) for s in args.seeds.split(",")]
     t0 = time.time()
     results = []

@@ -10,8 +10,8 @@ import torch
 
 def cuda_time(fn, warmup: int, reps: int) -> float:
     """Median ms of ``reps`` calls of fn (CUDA events) after ``warmup`` untimed calls: the package's
-    timer (``ds_adaptive.calibration.sparse.time_ms``), so benchmarks and calibration agree."""
-    from ds_adaptive.calibration.sparse import time_ms
+    timer (``ds_adaptive.core.timing.time_ms``), so benchmarks and calibration agree."""
+    from ds_adaptive.core.timing import time_ms
 
     return time_ms(fn, warmup=warmup, iters=reps)
 

@@ -32,8 +32,10 @@ if str(ROOT) not in sys.path:
 
 def rebuilt_cost(doc: dict, sparse_arm: dict, profile: str):
     """``(dense CostModel, sparse CostModel)`` of this tree for the run of ``doc``."""
-    from ds_adaptive.planning.cost import CostModel, load_profile
-    from ds_adaptive.planning.sparse_cost import DensityMap, KernelEfficiency, SparseAttentionCost
+    from ds_adaptive.planning.cost import CostModel
+    from ds_adaptive.planning.profile import load_profile
+    from ds_adaptive.planning.sparse_cost import SparseAttentionCost
+    from ds_adaptive.core.contracts import DensityMap, KernelEfficiency
     from ds_adaptive.attention.kernels.triton_configs import shipped_table
 
     args = doc["args"]

@@ -72,8 +72,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from ds_adaptive.models.testing import random_init_
-    from ds_adaptive.models.wan import WanModel, get_wan_config
-    from ds_adaptive.attention import SparseAttentionRuntime
+    from ds_adaptive.models.wan import WanModel
+    from ds_adaptive.models.wan_config import get_wan_config
+    from ds_adaptive.attention.runtime import SparseAttentionRuntime
 
     dev = torch.device("cuda")
     over = {"num_layers": args.layers} if args.layers else {}

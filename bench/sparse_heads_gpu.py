@@ -19,9 +19,10 @@ import statistics
 import sys
 import time
 
-from ds_adaptive.calibration.sparse import fwd_bwd_fns, make_block_mask, time_ms
+from ds_adaptive.calibration.sparse import fwd_bwd_fns, make_block_mask
+from ds_adaptive.core.timing import time_ms
 from ds_adaptive.parallel.placement import balance_heads, identity_placement, placement_lower_bound, rank_heads, rank_sums
-from ds_adaptive.planning.sparse_cost import load_densities, synthetic_densities
+from ds_adaptive.core.contracts import load_densities, synthetic_densities
 
 
 def analyze(path: str) -> dict:

@@ -122,7 +122,8 @@ def main(argv=None) -> int:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from ds_adaptive.attention import kernel_options as ko
-    from ds_adaptive.attention.attention import block_mask_from_selection, dense_attention, flex_block_sparse_attention
+    from ds_adaptive.attention.attention import dense_attention
+    from ds_adaptive.attention.backends.flex import block_mask_from_selection, flex_block_sparse_attention
     from ds_adaptive.attention.selection import blocks_for_density, select_blocks
 
     dev = torch.device("cuda")
@@ -204,7 +205,7 @@ def _ms_at(res, dens, config):
 
 def _table_rows(res, s, args) -> None:
     """Time the sparse op with ``density=`` (the table's routing) at every density of --densities."""
-    from ds_adaptive.attention.attention import flex_block_sparse_attention
+    from ds_adaptive.attention.backends.flex import flex_block_sparse_attention
     from ds_adaptive.attention.kernel_options import options_for
     from ds_adaptive.attention.selection import blocks_for_density, select_blocks
     dev = torch.device("cuda")

@@ -27,10 +27,12 @@ from pathlib import Path
 
 import torch
 
-from ds_adaptive.attention import CubeOrder, LowRankPredictor, blocks_for_density, select_blocks
+from ds_adaptive.attention.selection import blocks_for_density, select_blocks
+from ds_adaptive.attention.predictor import LowRankPredictor
+from ds_adaptive.attention.cube_order import CubeOrder
 from ds_adaptive.attention.planted import PLANTED_KINDS, planted_rope_qk
 from ds_adaptive.attention.profiler import block_mass, exact_logits, profile_rows, sample_row_groups, sample_rows
-from ds_adaptive.attention.selection import pooled_lse_scores
+from ds_adaptive.attention.scores import pooled_lse_scores
 
 GRID, BLOCK, CUBE, HEAD_DIM, RANK = (4, 16, 16), 32, (2, 4, 4), 64, 16
 

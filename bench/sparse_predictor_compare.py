@@ -19,8 +19,11 @@ from pathlib import Path
 
 import torch
 
-from ds_adaptive.models.wan import apply_rope, get_wan_config, rope_table
-from ds_adaptive.attention import CubeOrder, LowRankPredictor, blocks_for_density, select_blocks
+from ds_adaptive.models.wan import apply_rope, rope_table
+from ds_adaptive.models.wan_config import get_wan_config
+from ds_adaptive.attention.selection import blocks_for_density, select_blocks
+from ds_adaptive.attention.predictor import LowRankPredictor
+from ds_adaptive.attention.cube_order import CubeOrder
 from ds_adaptive.attention.profiler import exact_logits, profile_rows, sample_rows
 from ds_adaptive.attention.selection import pool_blocks
 

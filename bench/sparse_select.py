@@ -77,11 +77,12 @@ def _measure(fn, args) -> dict:
 
 
 def selection_overhead(s: int, args, *, trace=None, sparse_ms_at_01=None) -> dict:
-    from ds_adaptive.attention.attention import block_mask_from_selection
+    from ds_adaptive.attention.backends.flex import block_mask_from_selection
     from ds_adaptive.attention.predictor import LowRankPredictor
     from ds_adaptive.attention.runtime import _HostCopy
     from ds_adaptive.core.config import SparseAttentionConfig
-    from ds_adaptive.attention.selection import blocks_for_density, pooled_lse_scores, select_blocks
+    from ds_adaptive.attention.selection import blocks_for_density, select_blocks
+    from ds_adaptive.attention.scores import pooled_lse_scores
 
     dev = torch.device("cuda")
     b, h, d, bs = args.batch, args.heads, args.head_dim, args.block
@@ -127,7 +128,7 @@ def _trace_layer(q, k, v, score_topk, path, s) -> dict:
     """One checkpointed layer under torch.profiler: host-sync calls counted inside the selection ops."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from ds_adaptive.attention.attention import flex_block_sparse_attention
+    from ds_adaptive.attention.backends.flex import flex_block_sparse_attention
     qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
     share = 0.1
 

@@ -100,8 +100,8 @@ def structured_qk(b: int, s: int, h: int, d: int, dtype, *, seed: int, temperatu
 def shape_row(s: int, b: int, args) -> dict:
     from ds_adaptive.attention.backends import get_backend
     from ds_adaptive.attention.kernels.triton_block_scores import triton_pooled_lse_scores
-    from ds_adaptive.attention.selection import (blocks_for_density, pooled_lse_scores, pooled_lse_scores_torch,
-                                              pooled_queries, select_blocks)
+    from ds_adaptive.attention.selection import blocks_for_density, pooled_queries, select_blocks
+    from ds_adaptive.attention.scores import pooled_lse_scores, pooled_lse_scores_torch
 
     h, d, bs, reps = args.heads, args.head_dim, args.block, args.reps
     q, k = structured_qk(b, s, h, d, args.dtype, seed=s + b)

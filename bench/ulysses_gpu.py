@@ -107,7 +107,8 @@ def setup(args):
 def build_model(args, device, dtype):
     import torch
 
-    from ds_adaptive.models.wan import WanModel, get_wan_config
+    from ds_adaptive.models.wan import WanModel
+    from ds_adaptive.models.wan_config import get_wan_config
 
     overrides = {"num_layers": args.layers} if args.layers else {}
     cfg = get_wan_config(args.model, **overrides)
@@ -155,7 +156,7 @@ def parse_shape(text: str) -> tuple[int, int, int]:
 
 
 def sp_degrees(args, world: int, heads: int) -> list[int]:
-    from ds_adaptive.planning.validate import heads_sp_problem
+    from ds_adaptive.core.layout import heads_sp_problem
 
     if args.sp:
         want = [int(v) for v in args.sp.split(",")]

@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from ds_adaptive.calibration.calibrate import fit_memory, refit_profile, row_per_token
-from ds_adaptive.planning.cost import PROFILES_DIR, CostModel, Profile, load_profile
+from ds_adaptive.calibration.profile_json import refit_profile
+from ds_adaptive.calibration.fit import fit_memory, row_per_token
+from ds_adaptive.planning.cost import CostModel
+from ds_adaptive.planning.profile import PROFILES_DIR, Profile, load_profile
 from ds_adaptive.planning.sampler import build_batch_sampler
 from ds_adaptive.core.config import SamplerConfig
 from ds_adaptive.core.layout import Layout

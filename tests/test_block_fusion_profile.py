@@ -10,9 +10,11 @@ import types
 
 import pytest
 
-from ds_adaptive.planning import autocalibrate as ac
-from ds_adaptive.planning import calibrate
-from ds_adaptive.planning.cost import BLOCK_FUSION_MODES, ProfileError, load_profile
+from ds_adaptive.calibration import autocalibrate as ac
+from ds_adaptive.calibration import calibrate
+from ds_adaptive.cli import calibrate as calibrate_cli
+from ds_adaptive.calibration import profile_json
+from ds_adaptive.planning.profile import BLOCK_FUSION_MODES, ProfileError, load_profile
 from ds_adaptive.planning.sampler import build_batch_sampler
 from ds_adaptive.core.config import ConfigError, SamplerConfig
 from ds_adaptive.core.layout import Layout
@@ -207,7 +209,7 @@ def test_calibrate_measures_with_block_fusion_compiled_for_every_point_and_recor
     assert len(rows) == 3
     want = sorted({(1, shapes[0].tokens), (3, shapes[0].tokens), (2, shapes[1].tokens)})
     assert calls[0] == ("apply", "regions") and calls[1][:2] == ("warm", want)
-    prof = calibrate.profile_from_rows(rows * 2, model_name="tiny", overrides={}, layers=[1], sp=1, device_name="cpu",
+    prof = profile_json.profile_from_rows(rows * 2, model_name="tiny", overrides={}, layers=[1], sp=1, device_name="cpu",
                                        gpu_mem_gib=16.0, dtype="fp32", ln_modulate="reference", name="t", source="",
                                        wall_s=0.0, block_fusion="regions")
     assert prof["block_fusion"] == "regions"
@@ -220,7 +222,7 @@ def test_calibrate_measures_with_block_fusion_compiled_for_every_point_and_recor
         calibrate.measure("tiny", layers=[1], shapes=shapes[:1], batch_sizes=sizes, sp=1, device_name="cpu",
                           dtype_name="fp32", warmup=0, iters=1, gradient_checkpointing=False, overrides={},
                           log=lambda *a: None, block_fusion="regions")
-    assert calibrate.build_parser().parse_args(["--model", "tiny", "--out", "x.json", "--block-fusion", "rope"]
+    assert calibrate_cli.build_parser().parse_args(["--model", "tiny", "--out", "x.json", "--block-fusion", "rope"]
                                                ).block_fusion == "rope"
 
 

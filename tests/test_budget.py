@@ -15,7 +15,8 @@ from ds_adaptive.planning.cost import CostModel
 from ds_adaptive.planning.memory import model_checkpoint_blocks
 from ds_adaptive.planning.planner import OversizeSampleError, PlannerParams, plan_epoch, unique_shapes
 from ds_adaptive.planning.sampler import build_batch_sampler
-from ds_adaptive.core.config import ConfigError, SamplerConfig, prepare_ds_config
+from ds_adaptive.core.config import ConfigError, SamplerConfig
+from ds_adaptive.core.ds_config import prepare_ds_config
 from ds_adaptive.data import build_dataset
 from ds_adaptive.core.layout import Layout
 
@@ -139,7 +140,8 @@ def test_plan_counts_map_to_the_model_depth():
 
 
 def test_density_updates_keep_the_policy_and_re_search_at_the_same_gas():
-    from ds_adaptive.planning.sparse_cost import SparseAttentionCost, synthetic_densities
+    from ds_adaptive.planning.sparse_cost import SparseAttentionCost
+    from ds_adaptive.core.contracts import synthetic_densities
 
     shapes = _shapes(200)
     with warnings.catch_warnings():
@@ -156,7 +158,7 @@ def test_density_updates_keep_the_policy_and_re_search_at_the_same_gas():
 
 
 def test_with_train_overheads_replaces_the_loop_terms_and_survives_a_rescale():
-    from ds_adaptive.planning.cost import load_profile
+    from ds_adaptive.planning.profile import load_profile
 
     base = load_profile("h200-wan2.1-1.3b")
     p = base.with_train_overheads(220.0, 910.0)

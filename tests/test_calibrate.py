@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from ds_adaptive.planning import calibrate
-from ds_adaptive.planning.cost import PROFILES_DIR, CostModel, load_profile
+from ds_adaptive.calibration import calibrate
+from ds_adaptive.cli import calibrate as calibrate_cli
+from ds_adaptive.planning.cost import CostModel
+from ds_adaptive.planning.profile import PROFILES_DIR, load_profile
 
 # Per-block H100 timings of Wan 1.3B/14B (copied from the project's shared/data, so CI has it).
 BLOCK_DATA = Path(__file__).resolve().parent / "data" / "h100_block_scaling.json"
@@ -18,7 +20,7 @@ def test_cpu_tiny_end_to_end(tmp_path, capsys):
     pytest.importorskip("torch")
     import ds_adaptive.models.wan  # noqa: F401  -- our own module: an ImportError is a failure, not a skip
     out = tmp_path / "tiny.json"
-    rc = calibrate.main(["--model", "tiny", "--device", "cpu", "--layers", "1,2", "--lengths",
+    rc = calibrate_cli.main(["--model", "tiny", "--device", "cpu", "--layers", "1,2", "--lengths",
                          "1x64x64,1x128x128,5x64x64,9x64x64", "--batch-sizes", "16:1,2;64:1,2",
                          "--warmup", "1", "--iters", "1", "--min-fit-tokens", "0", "--accept-poor-fit",
                          "--no-checkpoint-memory", "--out", str(out)])
@@ -41,7 +43,7 @@ def test_cpu_tiny_ulysses_emulation(tmp_path):
     pytest.importorskip("torch")
     import ds_adaptive.models.wan  # noqa: F401  -- our own module: an ImportError is a failure, not a skip
     out = tmp_path / "tiny_sp2.json"
-    assert calibrate.main(["--model", "tiny", "--device", "cpu", "--sp", "2", "--layers", "1,2", "--lengths",
+    assert calibrate_cli.main(["--model", "tiny", "--device", "cpu", "--sp", "2", "--layers", "1,2", "--lengths",
                            "1x64x64,1x128x128,5x64x64", "--batch-sizes", "64:1", "--warmup", "0", "--iters", "1",
                            "--min-fit-tokens", "0", "--accept-poor-fit", "--no-checkpoint-memory",
                            "--out", str(out)]) == 0
@@ -59,7 +61,7 @@ def test_block_scaling_profiles_agree_with_the_shipped_calibrations(tmp_path):
     """--from-block-scaling rebuilds profiles from per-block H100 timings (shared/data); the shipped
     profiles are full `ds-adaptive calibrate` runs on an H100. Two independent measurements of the
     same model on the same GPU kind must predict long-sequence batches alike."""
-    assert calibrate.main(["--from-block-scaling", str(BLOCK_DATA), "--out", str(tmp_path)]) == 0
+    assert calibrate_cli.main(["--from-block-scaling", str(BLOCK_DATA), "--out", str(tmp_path)]) == 0
     for name in ("h100-wan2.1-1.3b", "h100-wan2.1-14b"):
         new = json.loads((tmp_path / f"{name}.json").read_text())
         assert new["source"].startswith("shared/data/h100_block_scaling.json (per-block, scaled by depth)")
@@ -78,7 +80,7 @@ def test_cuda_requested_without_gpu_is_a_clear_error(tmp_path, capsys):
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible")
-    assert calibrate.main(["--model", "tiny", "--out", str(tmp_path / "x.json")]) == 2
+    assert calibrate_cli.main(["--model", "tiny", "--out", str(tmp_path / "x.json")]) == 2
     assert "no CUDA GPU" in capsys.readouterr().err
 
 

@@ -10,10 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from ds_adaptive.planning.cost import GIB, CostModel
-from ds_adaptive.planning.sparse_cost import DensityMap, SparseAttentionCost
+from ds_adaptive.planning.cost import CostModel
+from ds_adaptive.planning.profile import GIB
+from ds_adaptive.planning.sparse_cost import SparseAttentionCost
+from ds_adaptive.core.contracts import DensityMap
 from ds_adaptive.models.testing import AttentionCalls
-from ds_adaptive.models.wan import WanConfigError, WanModel, get_wan_config
+from ds_adaptive.models.wan import WanModel
+from ds_adaptive.models.wan_config import WanConfigError, get_wan_config
 from ds_adaptive.models.recompute import kept_attention_bytes_per_token
 
 ROOT = Path(__file__).resolve().parents[1]

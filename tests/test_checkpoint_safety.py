@@ -214,7 +214,8 @@ def test_startup_checks_each_one_line(tmp_path, monkeypatch):
     # --init-from: missing, and weights of another depth (names and shapes from the headers, nothing loaded)
     assert "--init-from" in problem(init_from=str(tmp_path / "nowhere")) and "does not exist" in problem(
         init_from=str(tmp_path / "nowhere"))
-    from ds_adaptive.models.wan import WanModel, get_wan_config
+    from ds_adaptive.models.wan import WanModel
+    from ds_adaptive.models.wan_config import get_wan_config
     from ds_adaptive.models.weights import save_wan_weights
 
     save_wan_weights(WanModel(get_wan_config("tiny", num_layers=1)), tmp_path / "w", layout="diffusers")
@@ -224,7 +225,8 @@ def test_startup_checks_each_one_line(tmp_path, monkeypatch):
 
 
 def test_checkpoint_size_estimate():
-    from ds_adaptive.models.wan import count_parameters, get_wan_config
+    from ds_adaptive.models.wan import count_parameters
+    from ds_adaptive.models.wan_config import get_wan_config
     from ds_adaptive.training.run_config import RunConfig
     from ds_adaptive.launch.startup import checkpoint_bytes
 
@@ -249,7 +251,7 @@ def _config_with(tmp_path, name: str, **block) -> str:
 
 def test_config_check_dry_run_and_build_run_share_the_cross_field_rules(tmp_path, capsys):
     from ds_adaptive.core.config import ConfigError
-    from ds_adaptive.core.config import main as config_main
+    from ds_adaptive.cli.config import main as config_main
     from ds_adaptive.cli.dry_run import main as dry_main
     from ds_adaptive.core.layout import Layout
     from ds_adaptive.training.assemble import build_run

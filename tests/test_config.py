@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from ds_adaptive.core.config import (AdaptiveLoadConfig, ConfigError, load_adaptive_config, prepare_ds_config,
-                                read_ds_config, strip_block)
+from ds_adaptive.core.config import AdaptiveLoadConfig, ConfigError
+from ds_adaptive.core.ds_config import load_adaptive_config, prepare_ds_config, read_ds_config, strip_block
 
 
 def _write(tmp_path, obj) -> str:
@@ -117,7 +117,7 @@ def test_batch_keys_become_nominal_micro_batch_and_real_gas():
 def test_batch_keys_one_rule_for_the_trainer_and_the_dry_run():
     """A train_batch_size that disagrees with gas x dp was silently dropped by the trainer and failed the dry run;
     now both use ds_adaptive.validate.accumulation_steps: an error naming the value to set."""
-    from ds_adaptive.planning.validate import accumulation_steps
+    from ds_adaptive.core.ds_config import accumulation_steps
 
     raw = {"gradient_accumulation_steps": 3, "train_batch_size": 999}
     with pytest.raises(ConfigError, match="train_batch_size=999 != .* gradient_accumulation_steps 3 x dp 4 = 12; "
@@ -141,16 +141,16 @@ def test_readme_table_is_current():
     """README.md's key table is generated from the field docstrings; a new or changed field must show up there."""
     from pathlib import Path
 
-    from ds_adaptive.core.config import README_BEGIN, README_END, markdown_reference
+    from ds_adaptive.cli.config import README_BEGIN, README_END, markdown_reference
 
     text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     section = text.split(README_BEGIN, 1)[1].split(README_END, 1)[0].strip()
-    assert section == markdown_reference(), "regenerate it: python -m ds_adaptive.core.config --readme README.md"
+    assert section == markdown_reference(), "regenerate it: ds-adaptive config --readme README.md"
     assert "`adaptive_load.sampler.mode`" in section and "`adaptive_load.metrics.log_dir`" in section
 
 
 def test_config_check_command(tmp_path, capsys):
-    from ds_adaptive.core.config import main
+    from ds_adaptive.cli.config import main
 
     good = _write(tmp_path, {"adaptive_load": {"enabled": True}})
     assert main(["--check", good]) == 0
@@ -190,7 +190,7 @@ def test_misspelt_block_name_is_an_error_naming_it(tmp_path, typo):
 
 
 def test_deepspeed_top_level_keys_are_not_taken_for_misspellings():
-    from ds_adaptive.core.config import misspelt_block_keys
+    from ds_adaptive.core.ds_config import misspelt_block_keys
 
     keys = ["train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer",
             "scheduler", "fp16", "bf16", "zero_optimization", "activation_checkpointing", "gradient_clipping",
@@ -201,7 +201,8 @@ def test_deepspeed_top_level_keys_are_not_taken_for_misspellings():
 
 
 def test_adaptive_flags_without_a_block_are_an_error(tmp_path, capsys):
-    from ds_adaptive.core.config import main as config_main, require_block
+    from ds_adaptive.cli.config import main as config_main
+    from ds_adaptive.core.ds_config import require_block
     from ds_adaptive.cli.train import main as train_main
 
     path = _write(tmp_path, {"train_batch_size": 8, "zero_optimization": {"stage": 3}})

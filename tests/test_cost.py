@@ -6,10 +6,10 @@ import json
 import numpy as np
 import pytest
 
-from ds_adaptive.calibration.calibrate import fit_compute, fit_memory, nnls
+from ds_adaptive.calibration.fit import fit_compute, fit_memory, nnls
 from ds_adaptive.core.layout import SequenceParallelError
-from ds_adaptive.planning.cost import (PROFILES_DIR, CostModel, ProfileError, load_profile,
-                              shipped_profiles)
+from ds_adaptive.planning.cost import CostModel
+from ds_adaptive.planning.profile import PROFILES_DIR, ProfileError, load_profile, shipped_profiles
 from ds_adaptive.core.shapes import SampleShape
 
 VID = SampleShape(81, 480, 832)      # 32760 tokens

@@ -66,7 +66,8 @@ def test_print_command_is_scriptable_and_forwards_trainer_args(capsys, tmp_path:
 def test_layers_rescales_the_profile_to_the_checked_depth(capsys) -> None:
     """--layers 4 of the 30-block profile: the activations and cost of the longest sample shrink with the
     depth (block terms x 4/30, embed/head kept), as the trainer plans them."""
-    from ds_adaptive.planning.cost import CostModel, load_profile
+    from ds_adaptive.planning.cost import CostModel
+    from ds_adaptive.planning.profile import load_profile
 
     base = ("--deepspeed_config", ZERO3, "--model", "wan2.1-1.3b", "--num-gpus", "4")
     code, full, _ = run(capsys, *base)

@@ -1,7 +1,7 @@
 """Guards the end-to-end benchmark (bench/e2e.py) and the compute-time instrumentation it relies on:
 ZeRO-3 waits taken out of per-rank compute time (single process: compute ~ forward+backward wall time;
 two ranks: the heavier rank reports more compute while wall-clock times agree), the depth-rescaled cost
-profile it plans with (ds_adaptive.planning.cost.Profile.with_num_layers), the GPU defaults' time budget,
+profile it plans with (ds_adaptive.planning.profile.Profile.with_num_layers), the GPU defaults' time budget,
 aggregation, and a real 2-arm run on 2 CPU processes."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ds_adaptive.planning.cost import load_profile
+from ds_adaptive.planning.profile import load_profile
 from ds_adaptive.training.metrics import WAIT_POINTS, ComputeTimer, StepMetrics
 from ds_adaptive.core.config import MetricsConfig
 from ds_adaptive.simulation import e2e

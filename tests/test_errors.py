@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from ds_adaptive.core.ports import free_port
-from ds_adaptive.planning import calibrate
+from ds_adaptive.calibration import calibrate
+from ds_adaptive.cli import calibrate as calibrate_cli
+from ds_adaptive.calibration import fit as calibration_fit
 from ds_adaptive.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,7 +71,7 @@ def test_dispatcher_turns_project_errors_into_one_message(tmp_path, capsys, monk
     err = capsys.readouterr().err
     assert err.startswith("ds-adaptive synth: height must be a multiple of 16") and "Traceback" not in err
     # a command that lets a project error escape: the dispatcher prints it as one message
-    from ds_adaptive.planning import simulate
+    from ds_adaptive.cli import simulate
     from ds_adaptive.core.shapes import ShapeError
 
     def raises(argv):
@@ -94,14 +96,14 @@ def test_calibrate_refuses_a_fit_under_its_quality_bar(tmp_path, monkeypatch, ca
     monkeypatch.setattr(calibrate, "measure", fake_measure)
     argv = ["--model", "tiny", "--device", "cpu", "--layers", "1,2", "--lengths", "1x64x64,1x64x128,1x64x192,1x128x128",
             "--out", str(tmp_path / "p.json")]
-    assert calibrate.main(argv) == 2
+    assert calibrate_cli.main(argv) == 2
     err = capsys.readouterr().err
     assert "a = b = 0" in err and "NOT written" in err and not (tmp_path / "p.json").exists()
-    assert calibrate.main(argv + ["--accept-poor-fit"]) == 0
+    assert calibrate_cli.main(argv + ["--accept-poor-fit"]) == 0
     assert "a = b = 0" in json.loads((tmp_path / "p.json").read_text())["fit_warning"]
     good = {"a_ms_per_token": 0.01, "b_ms_per_token2": 0.0, "fit": {"max_rel_err": 0.03}}
-    assert calibrate.fit_quality_problem(good) is None
-    assert "over the quality bar 10%" in calibrate.fit_quality_problem(dict(good, fit={"max_rel_err": 0.12}))
+    assert calibration_fit.fit_quality_problem(good) is None
+    assert "over the quality bar 10%" in calibration_fit.fit_quality_problem(dict(good, fit={"max_rel_err": 0.12}))
 
 
 def test_calibrate_cpu_defaults_are_small(monkeypatch):
@@ -114,7 +116,7 @@ def test_calibrate_cpu_defaults_are_small(monkeypatch):
 
     monkeypatch.setattr(calibrate, "measure", fake_measure)
     with pytest.raises(SystemExit):
-        calibrate.main(["--device", "cpu", "--out", "unused.json"])
+        calibrate_cli.main(["--device", "cpu", "--out", "unused.json"])
     assert seen["model"] == "tiny" and max(s.tokens for s in seen["shapes"]) <= 2304
     assert max(max(b) for b in seen["batch_sizes"].values()) <= 4 and seen["iters"] <= 2
 

@@ -19,7 +19,8 @@ from conftest import TINY_MODELS
 from ds_adaptive.inference.export import main as export_main
 from ds_adaptive.models.registry import get_model
 from ds_adaptive.models.testing import diffusers_twin, random_init_
-from ds_adaptive.models.wan import WanModel, get_wan_config
+from ds_adaptive.models.wan import WanModel
+from ds_adaptive.models.wan_config import get_wan_config
 
 diffusers = pytest.importorskip("diffusers", reason="diffusers is the reference these tests compare with")
 pytest.importorskip("deepspeed")

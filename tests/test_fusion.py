@@ -9,9 +9,10 @@ import types
 import pytest
 import torch
 
-from ds_adaptive.models import fusion, wan
+from ds_adaptive.models import fusion, wan_blocks
 from ds_adaptive.models.testing import block_fusion_errors
-from ds_adaptive.models.wan import WanModel, get_wan_config
+from ds_adaptive.models.wan import WanModel
+from ds_adaptive.models.wan_config import get_wan_config
 
 torch.set_num_threads(1)
 
@@ -43,7 +44,7 @@ def test_uncompiled_fused_functions_are_the_eager_block(dtype):
     inputs = _inputs(dtype=dtype)
     ref_loss, ref_grads = _loss_and_grads(_model(dtype=dtype), inputs)
     m = _model(dtype=dtype)
-    m.set_block_fusion(qk_rope=wan.qk_norm_rope, residual=wan.gated_residual, layer_norm=wan.fp32_layer_norm)
+    m.set_block_fusion(qk_rope=wan_blocks.qk_norm_rope, residual=wan_blocks.gated_residual, layer_norm=wan_blocks.fp32_layer_norm)
     loss, grads = _loss_and_grads(m, inputs)
     assert loss == ref_loss and grads.keys() == ref_grads.keys()
     for n in grads:
@@ -56,7 +57,7 @@ def test_partitioned_norm_weight_takes_the_module_path(monkeypatch):
 
     def spy(*a):
         calls.append(1)
-        return wan.qk_norm_rope(*a)
+        return wan_blocks.qk_norm_rope(*a)
 
     m.set_block_fusion(qk_rope=spy)
     inputs = _inputs()
@@ -107,7 +108,7 @@ def _counting_compiled(monkeypatch):
 
     def compiled(name):
         if name not in cache:
-            cache[name] = torch.compile(getattr(wan, name), backend=counter, dynamic=True, fullgraph=True)
+            cache[name] = torch.compile(getattr(wan_blocks, name), backend=counter, dynamic=True, fullgraph=True)
         return cache[name]
 
     monkeypatch.setattr(fusion, "compiled", compiled)
@@ -170,8 +171,8 @@ def test_a_machine_that_cannot_compile_falls_back_to_eager(monkeypatch):
             m.warm_up_block_fusion([(1, 15), (2, 60)], dtype=torch.float32, device=torch.device("cpu"))
         assert "\n" not in str(err.value)
         for blk in m.blocks:
-            assert blk.self_attn.qk_rope is None and blk.residual is wan.gated_residual
-            assert getattr(blk.norm3, "layer_norm_fn", wan.fp32_layer_norm) is wan.fp32_layer_norm
+            assert blk.self_attn.qk_rope is None and blk.residual is wan_blocks.gated_residual
+            assert getattr(blk.norm3, "layer_norm_fn", wan_blocks.fp32_layer_norm) is wan_blocks.fp32_layer_norm
         inputs = _inputs()
         loss, grads = _loss_and_grads(m, inputs)
         ref_loss, ref_grads = _loss_and_grads(_model(), inputs)
@@ -210,7 +211,7 @@ def test_sparse_attention_trains_the_same_with_block_fusion(monkeypatch, ckpt):
     DSV sparse attention (forced density 0.3) gives the same outputs and gradients with 'regions' as without it,
     with and without recompute (which reuses the forward's selection)."""
     from ds_adaptive.models.testing import random_init_
-    from ds_adaptive.attention import SparseAttentionRuntime
+    from ds_adaptive.attention.runtime import SparseAttentionRuntime
 
     counter = _counting_compiled(monkeypatch)
     g = torch.Generator().manual_seed(4)

@@ -12,7 +12,9 @@ import torch
 from conftest import launch_script
 from ds_adaptive.parallel.placement import HeadPlacement, PlacementError
 from ds_adaptive.models.testing import random_init_
-from ds_adaptive.models.wan import WanModel, get_wan_config, sdpa_attention
+from ds_adaptive.models.wan import WanModel
+from ds_adaptive.models.wan_blocks import sdpa_attention
+from ds_adaptive.models.wan_config import get_wan_config
 from ds_adaptive.core.layout import Layout
 from ds_adaptive.parallel.head_placement import (apply_head_placement, current_placement, permute_heads, place_heads,
                                                  remove_head_placement)
@@ -74,7 +76,8 @@ def test_update_sparse_balance_feeds_sampler_and_model():
     import warnings
 
     from ds_adaptive.planning.sampler import build_batch_sampler
-    from ds_adaptive.planning.sparse_cost import DensityMap, SparseAttentionCost, synthetic_densities
+    from ds_adaptive.planning.sparse_cost import SparseAttentionCost
+    from ds_adaptive.core.contracts import DensityMap, synthetic_densities
     from ds_adaptive.core.config import SamplerConfig
     from ds_adaptive.core.shapes import load_shape_distribution
     from ds_adaptive.parallel.head_placement import update_sparse_balance

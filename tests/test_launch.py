@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_adaptive.core.config import load_adaptive_config, prepare_ds_config
+from ds_adaptive.core.ds_config import load_adaptive_config, prepare_ds_config
 from ds_adaptive.core.shapes import load_shape_distribution
 
 ROOT = Path(__file__).resolve().parent.parent

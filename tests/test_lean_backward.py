@@ -10,7 +10,8 @@ import torch.nn as nn
 
 from ds_adaptive.models import lean_backward as lb
 from ds_adaptive.models.family import set_plain_attr
-from ds_adaptive.models.wan import WanBlock, get_wan_config
+from ds_adaptive.models.wan_blocks import WanBlock
+from ds_adaptive.models.wan_config import get_wan_config
 from ds_adaptive.ops.ln_modulate import ln_modulate_reference
 
 

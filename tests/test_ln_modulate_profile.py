@@ -7,8 +7,10 @@ import json
 
 import pytest
 
-from ds_adaptive.planning import calibrate
-from ds_adaptive.planning.cost import CostModel, ProfileError, load_profile
+from ds_adaptive.calibration import calibrate
+from ds_adaptive.cli import calibrate as calibrate_cli
+from ds_adaptive.planning.cost import CostModel
+from ds_adaptive.planning.profile import ProfileError, load_profile
 from ds_adaptive.planning.sampler import build_batch_sampler
 from ds_adaptive.core.config import SamplerConfig
 from ds_adaptive.core.layout import Layout
@@ -110,7 +112,7 @@ def test_calibrate_resolves_the_path_and_records_it(tmp_path):
     with pytest.raises(SystemExit, match="needs a CUDA device"):
         calibrate.resolve_ln_modulate("fused", "cpu")
     out = tmp_path / "p.json"
-    rc = calibrate.main(["--device", "cpu", "--model", "tiny", "--out", str(out), "--lengths", "1x64x64,1x128x128",
+    rc = calibrate_cli.main(["--device", "cpu", "--model", "tiny", "--out", str(out), "--lengths", "1x64x64,1x128x128",
                          "--no-checkpoint-memory", "--accept-poor-fit", "--warmup", "0", "--iters", "1"])
     assert rc == 0
     prof = json.loads(out.read_text())

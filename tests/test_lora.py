@@ -20,7 +20,8 @@ from ds_adaptive.training.lora import (LORA_FILE, LoraError, adapter_pairs, adap
                               read_lora_file)
 from ds_adaptive.models.registry import get_model  # noqa: E402
 from ds_adaptive.models.testing import diffusers_twin, random_init_  # noqa: E402
-from ds_adaptive.models.wan import WanModel, get_wan_config  # noqa: E402
+from ds_adaptive.models.wan import WanModel
+from ds_adaptive.models.wan_config import get_wan_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CFG = get_wan_config("tiny", num_layers=2)
@@ -94,7 +95,7 @@ def test_setters_still_reach_every_block_after_lora():
 
 
 def test_static_memory_counts_adapter_state_only():
-    from ds_adaptive.planning.cost import load_profile
+    from ds_adaptive.planning.profile import load_profile
 
     prof = load_profile("h200-wan2.1-1.3b")
     n = adapter_parameters(get_wan_config("wan2.1-1.3b"), LoraConfig(enabled=True, rank=32), spec="wan2.1-1.3b")

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ds_adaptive.planning.cost import CostModel, load_profile
+from ds_adaptive.planning.cost import CostModel
+from ds_adaptive.planning.profile import load_profile
 from ds_adaptive.planning.devices import gpu_spec, resolve_auto_profile
 from ds_adaptive.planning.memory import (checkpoint_blocks, configure_allocator, micro_batch_table, sample_memory)
 from ds_adaptive.planning.sampler import build_batch_sampler
@@ -180,7 +181,7 @@ def _two_depth_rows(d0=0.0, d1=0.0):
 
 
 def test_calibrate_checkpoint_fit_recovers_per_block_numbers():
-    from ds_adaptive.calibration.calibrate import checkpoint_fit, fragmentation_margin
+    from ds_adaptive.calibration.fit import checkpoint_fit, fragmentation_margin
 
     rows, (g0, g1, c1, r0, ra, rb) = _two_depth_rows()
     fit = checkpoint_fit(rows, min_fit_tokens=0)
@@ -197,7 +198,7 @@ def test_calibrate_checkpoint_fit_recovers_per_block_numbers():
 def test_calibrate_fits_the_last_block_term_and_the_model_uses_it():
     """E(none) - E(all) = d0 + d1 S per sample is recovered from the two-depth rows (on the points with
     B x S >= min_fit_tokens); in the model it is held only while the last block is whole (n < L)."""
-    from ds_adaptive.calibration.calibrate import checkpoint_fit
+    from ds_adaptive.calibration.fit import checkpoint_fit
 
     d0, d1 = 0.006, 1.4e-5
     rows, _ = _two_depth_rows(d0, d1)
@@ -244,7 +245,8 @@ def test_plan_checkpoints_the_last_block_only_when_that_alone_fits(path):
 
 def test_wan_checkpoints_only_the_first_n_blocks_with_the_same_gradients():
     torch = pytest.importorskip("torch")
-    from ds_adaptive.models.wan import WanModel, get_wan_config
+    from ds_adaptive.models.wan import WanModel
+    from ds_adaptive.models.wan_config import get_wan_config
 
     torch.manual_seed(0)
     model = WanModel(get_wan_config("tiny", num_layers=3, text_dim=32))
@@ -284,7 +286,7 @@ def test_wan_checkpoints_only_the_first_n_blocks_with_the_same_gradients():
 
 def test_mfu_flops_formula():
     from ds_adaptive.models.flops import wan_block_flops, wan_train_flops
-    from ds_adaptive.models.wan import get_wan_config
+    from ds_adaptive.models.wan_config import get_wan_config
 
     cfg = get_wan_config("wan2.1-1.3b")
     model, hw = wan_train_flops(cfg, 32760, 2, ckpt_blocks=12)

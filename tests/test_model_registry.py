@@ -188,3 +188,15 @@ def test_a_new_family_gets_lora_previews_and_sampling_from_its_data(odd_family, 
     assert sample_main([str(tmp_path / "model"), "--embeddings", str(f), "--height", "20", "--width", "40",
                         "--frames", "5", "--out", str(tmp_path / "bad")]) == 2
     assert "model odd-tiny" in capsys.readouterr().err
+
+
+def test_the_cores_defaults_are_the_default_models():
+    """core.shapes holds the default model's grid, inputs and shape mix as numbers (the core imports no model):
+    they must stay the registry's default model's."""
+    from pathlib import Path
+
+    from ds_adaptive.core.shapes import DEFAULT_GRID, DEFAULT_INPUT_SPEC, DEFAULT_SHAPES
+
+    m = get_model(default_model())
+    assert m.grid == DEFAULT_GRID and m.input_spec == DEFAULT_INPUT_SPEC
+    assert Path(m.shapes).resolve() == DEFAULT_SHAPES

@@ -19,7 +19,7 @@ H200_GIB = 139.80072021484375
 def samplers():
     from budget_candidates import default_job_sampler
 
-    from ds_adaptive.planning.cost import load_profile
+    from ds_adaptive.planning.profile import load_profile
 
     prof = load_profile("h200-wan2.1-1.3b")
     return {cap: default_job_sampler(prof, H200_GIB, 3000, checkpoint_attention="recompute", batch_cap=cap)
@@ -76,7 +76,7 @@ def test_main_matches_a_run_by_its_tokens_and_reports_bad_input(tmp_path, capsys
 
 
 def test_truth_times_the_same_plan_with_another_profile(samplers, tmp_path, capsys):
-    from ds_adaptive.planning.cost import load_profile
+    from ds_adaptive.planning.profile import load_profile
 
     s = samplers["off"]
     base = pm.plan_mfu(s, 1, 21, 989.0)

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from ds_adaptive.planning.cost import CostModel
 from ds_adaptive.planning.planner import (OversizeSampleError, PlanError, PlannerParams, StepTotals, plan_epoch,
-                                 resolve_budgets, unique_shapes)
+                                          unique_shapes)
+from ds_adaptive.planning.budget import resolve_budgets
 from ds_adaptive.core.shapes import SampleShape, load_shape_distribution
 
 POOL = [SampleShape(1, 480, 832), SampleShape(1, 1024, 1024), SampleShape(17, 480, 832),

@@ -285,7 +285,8 @@ INIT_FROM = textwrap.dedent("""
 
 def test_init_from_a_diffusers_dir_in_build_run_reproduces_diffusers(tmp_path, run_ranks):
     pytest.importorskip("diffusers")
-    from ds_adaptive.models.wan import WanModel, get_wan_config
+    from ds_adaptive.models.wan import WanModel
+    from ds_adaptive.models.wan_config import get_wan_config
     from ds_adaptive.models.testing import diffusers_twin, random_init_
 
     cfg = get_wan_config("tiny", num_layers=2)

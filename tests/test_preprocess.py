@@ -248,7 +248,7 @@ def test_stats_predicts_the_written_shapes_and_writes_a_usable_shapes_json(asset
     assert png.stat().st_size > 1000 or "skipped" in printed
     assert main([str(clean_run["out"]), "--json", str(tmp_path / "d.json"), "--workers", "0"]) == 0
     assert json.loads((tmp_path / "d.json").read_text())["shapes"] == json.loads(js.read_text())["shapes"]
-    from ds_adaptive.simulation.simulate import main as simulate_main
+    from ds_adaptive.cli.simulate import main as simulate_main
 
     assert simulate_main(["--shapes", str(js), "--world", "2", "--steps", "4"]) == 0
 

@@ -82,7 +82,8 @@ def test_guidance_batched_equals_two_forwards():
 
 
 def test_preview_plan_fits_the_budget():
-    from ds_adaptive.planning.cost import CostModel, load_profile
+    from ds_adaptive.planning.cost import CostModel
+    from ds_adaptive.planning.profile import load_profile
 
     cost = CostModel(load_profile("h200-wan2.1-1.3b"), checkpointing="auto")
     small, big = SampleShape(17, 256, 256), SampleShape(81, 720, 1280)

@@ -1,5 +1,5 @@
 """Guards the Triton q / k RMSNorm + RoPE kernels (``ds_adaptive.ops.qk_norm_rope``) on CPU under the Triton
-interpreter: forward and backward (dq, dk, dwq, dwk) vs the float64 reference (``wan.qk_norm_rope``) on awkward
+interpreter: forward and backward (dq, dk, dwq, dwk) vs the float64 reference (``wan_blocks.qk_norm_rope``) on awkward
 sizes (D / 2 not a power of two, head dims 6 / 12 / 24, H = 3 / 5, S below and above the program count,
 B = 1 / 3), fp32 and bf16, into NaN-poisoned buffers: within twice the eager path's own error plus one rounding
 step; block fusion's dispatch (the kernel where it can run, else the compiled function); the reasons the kernel
@@ -95,32 +95,33 @@ def test_block_fusion_runs_the_kernel_where_it_can(monkeypatch):
     want = op.triton_qk_norm_rope(*args)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     # eps None is F.rms_norm's default (the dtype's machine epsilon), as nn.RMSNorm(eps=None) passes it
-    from ds_adaptive.models import wan
+    from ds_adaptive.models import wan_blocks
     q, k, wq, wk, freqs, _, heads = args
     got = op.triton_qk_norm_rope(q, k, wq, wk, freqs, None, heads)
-    ref = wan.qk_norm_rope(q.double(), k.double(), wq.double(), wk.double(), freqs.double(), torch.finfo(q.dtype).eps,
+    ref = wan_blocks.qk_norm_rope(q.double(), k.double(), wq.double(), wk.double(), freqs.double(), torch.finfo(q.dtype).eps,
                            heads)
     assert all(torch.allclose(a.double(), b, atol=1e-5) for a, b in zip(got, ref))
 
 
 @pytest.mark.skipif(IN_INTERPRETER, reason="checked in the main process")
 def test_block_fusion_falls_back_to_the_compiled_function(monkeypatch):
-    """CPU tensors outside the interpreter: the compiled ``wan.qk_norm_rope`` (here its eager stand-in) runs."""
-    from ds_adaptive.models import fusion, wan
+    """CPU tensors outside the interpreter: the compiled ``wan_blocks.qk_norm_rope`` (here its eager stand-in) runs."""
+    from ds_adaptive.models import fusion, wan_blocks
 
     calls = []
-    monkeypatch.setattr(fusion, "compiled", lambda name: calls.append(name) or getattr(wan, name))
+    monkeypatch.setattr(fusion, "compiled", lambda name: calls.append(name) or getattr(wan_blocks, name))
     args = _qk_inputs()
     got = fusion.qk_norm_rope_kernel(*args)
     assert calls == ["qk_norm_rope"]
-    assert all(torch.equal(a, b) for a, b in zip(got, wan.qk_norm_rope(*args)))
+    assert all(torch.equal(a, b) for a, b in zip(got, wan_blocks.qk_norm_rope(*args)))
 
 
 @pytest.mark.skipif(IN_INTERPRETER, reason="checked in the main process")
 def test_launch_defaults_and_the_override_and_its_error(monkeypatch):
     from ds_adaptive.core.config import ConfigError
     from ds_adaptive.models import fusion
-    from ds_adaptive.models.wan import WanModel, get_wan_config
+    from ds_adaptive.models.wan import WanModel
+    from ds_adaptive.models.wan_config import get_wan_config
 
     monkeypatch.delenv(op.TILES_ENV, raising=False)
     assert [op.default_warps(d) for d in (24, 1536, 3072, 5120)] == [4, 4, 8, 16]   # ~16 channels a thread

@@ -12,9 +12,10 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from ds_adaptive.planning.budget import plan_tokens_per_s
-from ds_adaptive.planning.cost import load_profile
+from ds_adaptive.planning.profile import load_profile
 from ds_adaptive.planning.sampler import build_batch_sampler
-from ds_adaptive.planning.sparse_cost import DensityMap, SparseAttentionCost
+from ds_adaptive.planning.sparse_cost import SparseAttentionCost
+from ds_adaptive.core.contracts import DensityMap
 from ds_adaptive.core.config import SamplerConfig
 from ds_adaptive.core.layout import Layout
 from ds_adaptive.core.shapes import SampleShape

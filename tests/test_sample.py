@@ -16,7 +16,8 @@ pytest.importorskip("peft")
 
 from ds_adaptive.cli import main as cli_main  # noqa: E402
 from ds_adaptive.models.testing import random_init_  # noqa: E402
-from ds_adaptive.models.wan import WanModel, get_wan_config  # noqa: E402
+from ds_adaptive.models.wan import WanModel
+from ds_adaptive.models.wan_config import get_wan_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 

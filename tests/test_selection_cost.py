@@ -11,9 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ds_adaptive.planning.cost import PROFILES_DIR, CostModel, load_profile
-from ds_adaptive.planning.selection_cost import DEFAULT_SELECTION, SelectionCost, fit_selection
-from ds_adaptive.planning.sparse_cost import DensityMap, KernelEfficiency, SparseAttentionCost
+from ds_adaptive.planning.cost import CostModel
+from ds_adaptive.planning.profile import PROFILES_DIR, load_profile
+from ds_adaptive.planning.selection_cost import DEFAULT_SELECTION, SelectionCost
+from ds_adaptive.calibration.selection_timing import fit_selection
+from ds_adaptive.planning.sparse_cost import SparseAttentionCost
+from ds_adaptive.core.contracts import DensityMap, KernelEfficiency
 
 ROOT = Path(__file__).resolve().parents[1]
 H200 = "h200-wan2.1-1.3b"

@@ -5,14 +5,15 @@ import json
 
 import pytest
 
-from ds_adaptive.planning import simulate
+from ds_adaptive.cli import simulate as simulate_cli
+from ds_adaptive.simulation import simulate
 
 KEYS = {"compute_cv_mean", "balance_efficiency", "predicted_tokens_per_s", "samples", "micro_steps", "oversize",
         "cv_p50", "cv_p90", "idle_fraction", "tail_dropped", "steps", "tokens", "memory_utilization"}
 
 
 def test_json_schema(capsys):
-    assert simulate.main(["--world", "8", "--sp", "2", "--steps", "4", "--json"]) == 0
+    assert simulate_cli.main(["--world", "8", "--sp", "2", "--steps", "4", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["world"] == 8 and out["sp"] == 2 and out["dp"] == 4
     assert {"tokens", "fixed", "dual"} <= set(out["samplers"])
@@ -35,12 +36,12 @@ def test_targets_at_16_gpus_and_plot(tmp_path):
 
 
 def test_cli_rejects_bad_world(capsys):
-    assert simulate.main(["--world", "6", "--sp", "4"]) == 2  # one message, no traceback
+    assert simulate_cli.main(["--world", "6", "--sp", "4"]) == 2  # one message, no traceback
     assert "--world 6 is not divisible by --sp 4" in capsys.readouterr().err
 
 
 def test_layers_plans_with_the_rescaled_profile(capsys):
-    assert simulate.main(["--world", "8", "--steps", "3", "--layers", "4", "--json"]) == 0
+    assert simulate_cli.main(["--world", "8", "--steps", "3", "--layers", "4", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["profile"] == "h100-wan2.1-1.3b-4blocks" and out["layers"] == 4
     full = simulate.simulate(world=8, steps=3, samplers=("dual",))

@@ -9,12 +9,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ds_adaptive.core.config import ConfigError, SparseAttentionConfig, load_adaptive_config
+from ds_adaptive.core.config import ConfigError, SparseAttentionConfig
+from ds_adaptive.core.ds_config import load_adaptive_config
 from ds_adaptive.models.testing import random_init_
 from ds_adaptive.models.wan import WanModel
-from ds_adaptive.attention import (BlockSelection, CubeOrder, CubeOrderError, SparseAttentionRuntime, SparseSchedule,
-                                blocks_for_density, cube_permutation, dense_attention, inverse_permutation,
-                                masked_attention_reference, select_blocks)
+from ds_adaptive.attention.selection import BlockSelection, blocks_for_density, select_blocks
+from ds_adaptive.attention.schedule import SparseSchedule
+from ds_adaptive.attention.runtime import SparseAttentionRuntime
+from ds_adaptive.attention.cube_order import CubeOrder, CubeOrderError, cube_permutation, inverse_permutation
+from ds_adaptive.attention.backends.reference import masked_attention_reference
+from ds_adaptive.attention.attention import dense_attention
 from ds_adaptive.attention.planted import planted_qk
 from ds_adaptive.attention.profiler import block_mass, blocks_needed
 
@@ -305,7 +309,7 @@ def test_predictor_is_not_in_the_model_and_sparse_changes_the_output() -> None:
 
 def test_lse_block_scores_rank_like_the_block_softmax_mass() -> None:
     """block_score="lse" on an exact (identity-rank) predictor: its top block is the block of largest mass."""
-    from ds_adaptive.attention import LowRankPredictor
+    from ds_adaptive.attention.predictor import LowRankPredictor
     q, k = planted_qk(GRID, 3, 32, order=ORDER, temperature=25.0, seed=1)
     pred = LowRankPredictor(1, 3, 32, rank=32)
     with torch.no_grad():

@@ -17,8 +17,8 @@ from ds_adaptive.parallel.placement import (PlacementError, balance_heads, check
                                        placement_lower_bound, plan_head_placement, rank_heads, rank_sums)
 from ds_adaptive.planning.sampler import build_batch_sampler
 from ds_adaptive.core.layout import Layout
-from ds_adaptive.planning.sparse_cost import (DensityError, DensityMap, KernelEfficiency, SparseAttentionCost,
-                                        load_densities, synthetic_densities)
+from ds_adaptive.planning.sparse_cost import SparseAttentionCost
+from ds_adaptive.core.contracts import DensityError, DensityMap, KernelEfficiency, load_densities, synthetic_densities
 from ds_adaptive.planning.selection_cost import SelectionCost
 from ds_adaptive.core.config import SamplerConfig
 from ds_adaptive.core.shapes import load_shape_distribution
@@ -299,7 +299,7 @@ def torch_equal_blocks(a, b):
 
 # ------------------------------------------------------------------------------ simulate --sparse
 def test_simulate_sparse_cli_and_arms(tmp_path, capsys):
-    from ds_adaptive.simulation.simulate import main as simulate_main
+    from ds_adaptive.cli.simulate import main as simulate_main
     from ds_adaptive.simulation.sparse import simulate_sparse
 
     r = simulate_sparse(world=8, sp=2, steps=8, seed=1)

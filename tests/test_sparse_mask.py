@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from ds_adaptive.attention import kernel_options as ko
-from ds_adaptive.attention.attention import block_mask_from_selection, transpose_blocks
+from ds_adaptive.attention.attention import transpose_blocks
+from ds_adaptive.attention.backends.flex import block_mask_from_selection
 from ds_adaptive.attention.runtime import _HostCopy
 from ds_adaptive.attention.selection import BlockSelection, select_blocks
 

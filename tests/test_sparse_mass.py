@@ -6,10 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds_adaptive.attention import BlockSelection, CubeOrder, SparseAttentionRuntime, blocks_for_density, select_blocks
+from ds_adaptive.attention.selection import BlockSelection, blocks_for_density, select_blocks
+from ds_adaptive.attention.runtime import SparseAttentionRuntime
+from ds_adaptive.attention.cube_order import CubeOrder
 from ds_adaptive.attention.planted import PLANTED_KINDS, planted_rope_qk
 from ds_adaptive.attention.profiler import block_mass, blocks_needed, exact_logits
-from ds_adaptive.attention.selection import pooled_lse_scores
+from ds_adaptive.attention.scores import pooled_lse_scores
 
 GRID, BLOCK, CUBE = (4, 16, 16), 32, (2, 4, 4)
 

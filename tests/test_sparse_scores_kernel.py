@@ -15,8 +15,8 @@ import torch
 from ds_adaptive.attention.attention import SparseKernelError
 from ds_adaptive.attention.kernels import triton_block_scores as op
 from ds_adaptive.attention.kernels.triton_block_scores import ScoreTiles, scores_unsupported, triton_pooled_lse_scores
-from ds_adaptive.attention.selection import (SelectionError, blocks_for_density, pooled_lse_scores,
-                                          pooled_lse_scores_torch, select_blocks)
+from ds_adaptive.attention.selection import SelectionError, blocks_for_density, select_blocks
+from ds_adaptive.attention.scores import pooled_lse_scores, pooled_lse_scores_torch
 from test_sparse_kernels import (IN_INTERPRETER, _fix_interpreter_bf16_dot, interpreter_only,  # noqa: E402
                                  needs_triton, run_file_in_interpreter)
 
@@ -177,7 +177,7 @@ def test_run_time_arguments_are_never_specialised() -> None:
 
 
 def test_warm_up_runs_the_dispatch() -> None:
-    from ds_adaptive.attention.selection import warm_pooled_lse_scores
+    from ds_adaptive.attention.scores import warm_pooled_lse_scores
     assert warm_pooled_lse_scores("cpu", torch.float32, 3, 64, 64) >= 0.0
 
 

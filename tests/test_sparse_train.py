@@ -46,7 +46,7 @@ def test_trainer_runs_stage1_then_stage2_with_telemetry(tmp_path, run_ranks) -> 
     assert 0 < sa["density"] <= 1 and 0 < sa["recall"] <= 1 and sa["predictor_loss"] > 0, sa
     rows = [json.loads(x) for x in (tmp_path / "run" / "sparse.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [4] and rows[0]["sparse/stage"] == 2
-    from ds_adaptive.planning.sparse_cost import load_densities  # issue 15's balancer reads the profiled densities
+    from ds_adaptive.core.contracts import load_densities  # issue 15's balancer reads the profiled densities
     dm = load_densities(tmp_path / "run" / "sparse.jsonl")
     assert (dm.num_layers, dm.num_heads, dm.step) == (2, 2, 4) and all(0 < x <= 1 for r in dm.density for x in r)
     assert (tmp_path / "run" / "sparse_density.png").stat().st_size > 1000

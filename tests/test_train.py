@@ -60,7 +60,8 @@ def test_flow_matching_inputs_and_target(shift):
 
 
 def test_a_sample_loss_does_not_depend_on_its_batch():
-    from ds_adaptive.models.wan import WanModel, get_wan_config
+    from ds_adaptive.models.wan import WanModel
+    from ds_adaptive.models.wan_config import get_wan_config
 
     torch.manual_seed(0)
     model = WanModel(get_wan_config("tiny", num_layers=1))
@@ -305,8 +306,8 @@ def test_two_rank_baseline_on_disk_data(tmp_path, run_ranks):
 def test_layers_plans_with_the_depth_rescaled_profile(tmp_path, cpu_config, run_ranks):
     """--layers N below the profile's depth: the trainer plans with Profile.with_num_layers(N) and says so
     in one line; without --layers (or with the profile's own depth) nothing is rescaled."""
-    from ds_adaptive.core.config import load_adaptive_config
-    from ds_adaptive.planning.cost import load_profile
+    from ds_adaptive.core.ds_config import load_adaptive_config
+    from ds_adaptive.planning.profile import load_profile
     from ds_adaptive.data import build_dataset
     from ds_adaptive.planning.sampler import build_batch_sampler
     from ds_adaptive.core.layout import Layout

@@ -52,7 +52,8 @@ def test_the_module_call_arm_recomputes_through_the_module_with_the_same_gradien
     from train_step_profile import checkpoint_around_module_call
 
     from ds_adaptive.models.testing import random_init_
-    from ds_adaptive.models.wan import WanModel, get_wan_config
+    from ds_adaptive.models.wan import WanModel
+    from ds_adaptive.models.wan_config import get_wan_config
 
     def run(around: bool):
         model = random_init_(WanModel(get_wan_config("tiny", num_layers=3)), seed=0).double()

@@ -11,7 +11,8 @@ import torch
 
 from conftest import ROOT, TINY_MODELS, launch_ranks
 from ds_adaptive.models.testing import random_init_
-from ds_adaptive.models.wan import WanModel, sdpa_attention
+from ds_adaptive.models.wan import WanModel
+from ds_adaptive.models.wan_blocks import sdpa_attention
 from ds_adaptive.core.layout import Layout, SequenceParallelError, resolve_sp_size, strip_mesh_keys
 from ds_adaptive.models.objective import per_sample_mse
 from ds_adaptive.parallel import (UlyssesRunner, apply_ulysses, remove_ulysses, shard_plan, shard_sequence,
@@ -209,8 +210,8 @@ SCRIPT = textwrap.dedent("""
     # and a last one with block fusion 'regions' (adaptive_load.block_fusion, on in the shipped config): the fused
     # pieces traced by dynamo on the SP shard's shapes and RoPE rows (aot_eager here: Inductor's numerics have
     # their own tests)
-    from ds_adaptive.models import fusion, wan
-    fusion.compiled = lambda name: torch.compile(getattr(wan, name), backend="aot_eager", dynamic=True, fullgraph=True)
+    from ds_adaptive.models import fusion, wan_blocks
+    fusion.compiled = lambda name: torch.compile(getattr(wan_blocks, name), backend="aot_eager", dynamic=True, fullgraph=True)
     cases = [(2, 3, 6, 10, False, False, False, False), (1, 1, 6, 10, False, False, False, False),
              (3, 1, 8, 12, False, False, False, False), (1, 1, 2, 2, False, False, False, False),
              (2, 3, 6, 10, True, False, False, False), (2, 3, 6, 10, False, True, False, False),

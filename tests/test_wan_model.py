@@ -6,8 +6,10 @@ import torch
 
 from ds_adaptive.models.lean_backward import RecomputingLinear
 from ds_adaptive.models.testing import diffusers_twin, random_init_
-from ds_adaptive.models.wan import (WAN_CONFIGS, WanConfigError, WanModel, get_wan_config, rope_table,
-                                    sdpa_attention)
+from ds_adaptive.models.wan21 import WAN_CONFIGS
+from ds_adaptive.models.wan import WanModel, rope_table
+from ds_adaptive.models.wan_blocks import sdpa_attention
+from ds_adaptive.models.wan_config import WanConfigError, get_wan_config
 from ds_adaptive.models.weights import wan_key_to_diffusers
 from ds_adaptive.ops.ln_modulate import ln_modulate_reference
 
@@ -224,7 +226,7 @@ def test_per_token_modulation_reaches_the_sites_as_token_rows():
 
 def test_per_token_timesteps_follow_the_token_order():
     """Under a token order (sparse attention's cube order) per-token timesteps are permuted with the tokens."""
-    from ds_adaptive.attention import CubeOrder
+    from ds_adaptive.attention.cube_order import CubeOrder
 
     model = _model("hd32")
     lat, ts, ctx = _inputs(model.config, 1, 4, 8, 8, per_token=True)
@@ -327,7 +329,9 @@ def test_flat_linear_is_an_nn_linear_with_the_same_results_also_under_zero3s_fun
     which takes the 2-D input to ``addmm``); same parameters and state-dict keys; a 2-D input passes through."""
     import torch.nn.functional as F
 
-    from ds_adaptive.models.wan import FlatLinear, WanModel, get_wan_config
+    from ds_adaptive.models.wan import WanModel
+    from ds_adaptive.models.wan_blocks import FlatLinear
+    from ds_adaptive.models.wan_config import get_wan_config
 
     torch.manual_seed(0)
     ref = torch.nn.Linear(12, 20).double()

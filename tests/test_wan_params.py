@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds_adaptive.models.wan import WAN_CONFIGS, WanModel, count_parameters
+from ds_adaptive.models.wan21 import WAN_CONFIGS
+from ds_adaptive.models.wan import WanModel, count_parameters
 from ds_adaptive.models.weights import diffusers_config, wan_key_to_diffusers
 
 diffusers = pytest.importorskip("diffusers", reason="diffusers' WanTransformer3DModel is the reference for the counts")

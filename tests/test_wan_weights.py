@@ -10,7 +10,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ds_adaptive.models.testing import diffusers_twin, random_init_
-from ds_adaptive.models.wan import WanModel, get_wan_config, is_fp32_param
+from ds_adaptive.models.wan import WanModel
+from ds_adaptive.models.wan_blocks import is_fp32_param
+from ds_adaptive.models.wan_config import get_wan_config
 from ds_adaptive.models.weights import (WanWeightsError, checkpoint_files, config_from_dict, convert_diffusers_to_wan,
                                         convert_wan_to_diffusers, load_wan_weights, read_config, save_wan_weights)
 

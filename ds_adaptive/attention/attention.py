@@ -1,7 +1,6 @@
 """Shared pieces of the sparse-attention ops: shape checks, the padding (``valid_len``) handling,
 dense SDPA, and the error type. The block-sparse kernels are backends
-(:mod:`ds_adaptive.attention.backends`: ``flex``, ``reference``, ...); their functions stay importable
-from here under their old names.
+(:mod:`ds_adaptive.attention.backends`: ``flex``, ``reference``, ...).
 
 All functions take ``q, k, v`` ``[B, S, H, Dh]`` (the model's attention-fn layout) and return
 ``[B, S, H, Dh]``. ``valid_len``: positions >= valid_len are padding (Ulysses pads S to a multiple
@@ -20,22 +19,7 @@ import torch.nn.functional as F
 
 from ds_adaptive.attention.selection import BlockSelection
 
-__all__ = ["SparseKernelError", "check_qkv", "dense_attention", "split_valid", "truncate_selection",
-           "block_mask_from_selection", "flex_block_sparse_attention", "masked_attention_reference",
-           "transpose_blocks", "compiled_graphs", "REFERENCE_MAX_TOKENS"]
-
-# moved to the backends; importable from here as before (PEP 562: resolved on first access)
-_MOVED = {"block_mask_from_selection": "flex", "flex_block_sparse_attention": "flex", "transpose_blocks": "flex",
-          "compiled_graphs": "flex", "masked_attention_reference": "reference", "REFERENCE_MAX_TOKENS": "reference"}
-
-
-def __getattr__(name: str):
-    mod = _MOVED.get(name)
-    if mod is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(f"ds_adaptive.attention.backends.{mod}"), name)
+__all__ = ["SparseKernelError", "check_qkv", "dense_attention", "split_valid", "truncate_selection", "transpose_blocks"]
 
 
 class SparseKernelError(RuntimeError):
@@ -81,3 +65,25 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         q, k, v = q[:, :valid_len], k[:, :valid_len], v[:, :valid_len]
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
     return F.pad(out, (0, 0, 0, 0, 0, s - q.shape[1])) if q.shape[1] < s else out
+
+
+def transpose_blocks(kv_num: torch.Tensor, kv_idx: torch.Tensor, num_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The transposed block lists: for each key block, the query blocks that selected it.
+
+    kv_num ``[B, H, nq]``, kv_idx ``[B, H, nq, w]`` (first ``kv_num`` entries valid, any order) ->
+    ``(q_num [B, H, num_cols] int32, q_idx [B, H, num_cols, nq] int32)``, query blocks ascending,
+    entries past ``q_num`` 0. A handful of vectorised kernels, no host sync (a bool scatter, an int32
+    cumsum, one scatter of the positions), unlike ``BlockMask.from_kv_blocks``' vmapped dense
+    transpose and argsort.
+    """
+    b, h, nq, w = kv_idx.shape
+    valid = torch.arange(w, device=kv_idx.device) < kv_num.unsqueeze(-1)
+    dense = torch.zeros(b, h, nq, num_cols + 1, dtype=torch.bool, device=kv_idx.device)
+    dense.scatter_(-1, torch.where(valid, kv_idx.long(), num_cols), True)
+    dense_t = dense[..., :num_cols].transpose(-1, -2)  # [B, H, nk, nq] view
+    pos = dense_t.cumsum(-1, dtype=torch.int32)
+    q_num = pos[..., -1].contiguous()
+    q_idx = torch.zeros(b, h, num_cols, nq + 1, dtype=torch.int32, device=kv_idx.device)
+    rows = torch.arange(nq, dtype=torch.int32, device=kv_idx.device).expand(b, h, num_cols, nq)
+    q_idx.scatter_(-1, torch.where(dense_t, pos - 1, nq).long(), rows)
+    return q_num, q_idx[..., :nq].contiguous()

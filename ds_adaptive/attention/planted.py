@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 import torch
 
 from ds_adaptive.attention.cube_order import CubeOrder
+from ds_adaptive.models.rope import apply_rope, rope_table
 
 
 def planted_qk(grid: Sequence[int], num_heads: int, head_dim: int, *, batch: int = 1,
@@ -71,8 +72,6 @@ def planted_rope_qk(grid: Sequence[int], num_heads: int, head_dim: int, *, kinds
     ``kinds``: one per head (default: the four in turn). Returned in the order of ``order`` (cube
     order if given). Deterministic in ``seed``.
     """
-    from ds_adaptive.models.rope import apply_rope, rope_table
-
     kinds = list(kinds) if kinds is not None else [PLANTED_KINDS[i % len(PLANTED_KINDS)] for i in range(num_heads)]
     if len(kinds) != num_heads or any(k not in PLANTED_KINDS for k in kinds):
         raise ValueError(f"kinds must be {num_heads} of {PLANTED_KINDS}, got {kinds}")

@@ -38,8 +38,11 @@ from ds_adaptive.attention.cube_order import CubeOrder
 from ds_adaptive.attention.predictor import LowRankPredictor
 from ds_adaptive.attention.profiler import exact_logits, profile_rows, sample_row_groups
 from ds_adaptive.attention.schedule import SparseSchedule
-from ds_adaptive.attention.selection import (BlockSelection, blocks_for_density, pooled_lse_scores, select_blocks,
-                                          warm_pooled_lse_scores)
+from ds_adaptive.attention.selection import BlockSelection, blocks_for_density, select_blocks
+from ds_adaptive.attention.scores import pooled_lse_scores, warm_pooled_lse_scores
+from ds_adaptive.parallel.ulysses import make_ulysses_attention
+from ds_adaptive.attention.backends import select_backend
+from ds_adaptive.core.contracts import DensityMap
 
 
 def _in_backward() -> bool:
@@ -95,7 +98,6 @@ class _UlyssesLayers:
     """``set_attention`` target under Ulysses: per layer, DistributedAttention around that layer's fn."""
 
     def __init__(self, runtime: "SparseAttentionRuntime", layout):
-        from ds_adaptive.parallel.ulysses import make_ulysses_attention
         self._fns = [make_ulysses_attention(layout, local_attention=runtime.for_layer(i))
                      for i in range(runtime.num_layers)]
 
@@ -176,7 +178,6 @@ class SparseAttentionRuntime:
     def backend_for(self, q: torch.Tensor):
         """The block-sparse backend (chosen from ``cfg.backend`` for q's device and dtype on first use)."""
         if self.sparse_backend is None:
-            from ds_adaptive.attention.backends import select_backend
 
             self.backend_choice = select_backend(self.cfg.backend, q.device, dtype=q.dtype, head_dim=q.shape[-1],
                                                  block_size=self.cfg.block_size, backward=True)
@@ -233,8 +234,6 @@ class SparseAttentionRuntime:
         """The decision cost at the densities the layers run at now (after a step or a resume)."""
         if self._decision_template is None:
             return
-        from ds_adaptive.planning.sparse_cost import DensityMap
-        from ds_adaptive.attention.telemetry import effective_densities
 
         table = tuple(tuple(r) for r in effective_densities(self))
         if self.decision is not None and self.decision.densities.density == table:
@@ -251,7 +250,6 @@ class SparseAttentionRuntime:
         low = cfg.forced_density if cfg.forced_density is not None else max(cfg.min_density, 1e-4)
         probe = None
         if self._decision_template is not None:
-            from ds_adaptive.planning.sparse_cost import DensityMap
 
             n, h = self.num_layers, self.num_heads
             probe = self._decision_template.with_densities(
@@ -553,3 +551,25 @@ def attach_sparse_attention(model, cfg: SparseAttentionConfig, *, layout=None, d
     rt.backend_choice = choice
     rt.install(model, layout)
     return rt
+
+
+def effective_densities(runtime) -> list[list[float]]:
+    """``[layers][heads]`` densities the layers run at now: 1 for a dense layer (stage 1, ``dense_layers``,
+    a layer above ``layer_density_threshold`` or whose selection would exceed ``dense_above``), else
+    ``forced_density`` or the head's profiled density clamped to ``[min_density, max_density]`` (at least
+    1e-4). The same on every rank: the runtime's densities are all-reduced in ``step()``."""
+    cfg, sched = runtime.cfg, runtime.schedule
+    heads = runtime.num_heads
+    out = []
+    for layer in range(runtime.num_layers):
+        row = [1.0] * heads
+        if sched.is_sparse(layer):
+            if cfg.forced_density is not None:
+                d = torch.full((heads,), float(cfg.forced_density))
+            else:
+                d = torch.nan_to_num(runtime.head_density[layer].float(), nan=1.0)
+                d = d.clamp(cfg.min_density, cfg.max_density)
+            if float(d.mean()) <= cfg.dense_above:
+                row = [max(1e-4, float(x)) for x in d]
+        out.append(row)
+    return out

@@ -7,6 +7,10 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from ds_adaptive.attention.runtime import attach_sparse_attention, effective_densities
+from ds_adaptive.core.contracts import DensityMap
+from ds_adaptive.parallel.head_placement import update_sparse_balance
+
 
 def write_density_png(head_density: Union[torch.Tensor, Sequence[Sequence[float]]], path: Union[str, Path], *,
                       sparse_layers: Sequence[int] = (), title: str = "profiled attention density") -> Path:
@@ -37,28 +41,6 @@ def write_density_png(head_density: Union[torch.Tensor, Sequence[Sequence[float]
     return path
 
 
-def effective_densities(runtime) -> list[list[float]]:
-    """``[layers][heads]`` densities the layers run at now: 1 for a dense layer (stage 1, ``dense_layers``,
-    a layer above ``layer_density_threshold`` or whose selection would exceed ``dense_above``), else
-    ``forced_density`` or the head's profiled density clamped to ``[min_density, max_density]`` (at least
-    1e-4). The same on every rank: the runtime's densities are all-reduced in ``step()``."""
-    cfg, sched = runtime.cfg, runtime.schedule
-    heads = runtime.num_heads
-    out = []
-    for layer in range(runtime.num_layers):
-        row = [1.0] * heads
-        if sched.is_sparse(layer):
-            if cfg.forced_density is not None:
-                d = torch.full((heads,), float(cfg.forced_density))
-            else:
-                d = torch.nan_to_num(runtime.head_density[layer].float(), nan=1.0)
-                d = d.clamp(cfg.min_density, cfg.max_density)
-            if float(d.mean()) <= cfg.dense_above:
-                row = [max(1e-4, float(x)) for x in d]
-        out.append(row)
-    return out
-
-
 class SparseTrainerHook:
     """What the trainer calls, in one place (so it moves as a unit into a Trainer class).
 
@@ -84,7 +66,6 @@ class SparseTrainerHook:
 
     @classmethod
     def attach(cls, model, cfg, *, layout=None, device=None, log_dir=".", is_writer: bool = True):
-        from ds_adaptive.attention.runtime import attach_sparse_attention
         rt = attach_sparse_attention(model, cfg, layout=layout, device=device)
         return None if rt is None else cls(rt, log_dir, is_writer)
 
@@ -135,9 +116,6 @@ class SparseTrainerHook:
         return rec
 
     def _apply(self, table, sampler, model, layout, at_step, measured_at):
-        from ds_adaptive.planning.sparse_cost import DensityMap
-        from ds_adaptive.parallel.head_placement import update_sparse_balance
-
         dm = DensityMap(tuple(tuple(r) for r in table), dense_layers=tuple(sorted(self.runtime.schedule.dense_layers)),
                         step=measured_at, source="sparse-attention profiler")
         use_sampler = sampler if sampler is not None and sampler.cost.sparse is not None else None

@@ -37,8 +37,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
-from ds_adaptive.planning.cost import PROFILE_FORMAT, Profile, shipped_profiles
+from ds_adaptive.planning.profile import PROFILE_FORMAT, Profile, shipped_profiles
 from ds_adaptive.core.shapes import SampleShape
+from ds_adaptive.models.registry import get_model
+from ds_adaptive.planning.devices import gpu_spec
+from ds_adaptive.planning.profile import load_profile
+from ds_adaptive.calibration import calibrate as cal
+from ds_adaptive.calibration.fit import MAX_FIT_ERROR, fit_quality_problem
+from ds_adaptive.calibration.profile_json import profile_from_rows
+from ds_adaptive.planning.devices import detect_device_name
 
 __all__ = ["QuickProtocol", "quick_protocol", "cache_dir", "cache_key", "cache_path", "calibration_reason",
            "quick_calibrate", "startup_profile", "ship_variant", "CACHE_ENV", "PROTOCOL_VERSION", "CalibrationFailed"]
@@ -87,8 +94,6 @@ def quick_protocol(model_name: str, device_type: str) -> QuickProtocol:
     no quality bar (CPU timings describe no GPU). The longest two hold the length-dependent time above the
     per-micro-batch overhead (~50-90 ms on a 2-core machine): with 192 tokens at most, a loaded machine's noise
     sometimes fitted a = b = 0, a fit that ``fit_quality_problem`` refuses."""
-    from ds_adaptive.models.registry import get_model
-
     m = get_model(model_name)
     if device_type != "cuda":
         shapes = tuple(SampleShape(f, h, w, m.grid) for f, h, w in ((1, 64, 64), (5, 128, 128), (9, 192, 192),
@@ -163,7 +168,6 @@ def _write_cached(path: Path, prof: Mapping[str, Any]) -> None:
 
 # ------------------------------------------------------------------------------------- when
 def _shipped_for(model_name: str, device_name: str) -> Optional[str]:
-    from ds_adaptive.planning.devices import gpu_spec
 
     spec = gpu_spec(device_name)
     name = f"{spec.key}-{model_name}" if spec is not None else None
@@ -179,7 +183,6 @@ def calibration_reason(setting: Optional[str], model_name: str, device_name: Opt
         return "sampler.profile is 'calibrate'"
     if setting != "auto" or device_name is None:
         return None
-    from ds_adaptive.planning.cost import load_profile
 
     name = _shipped_for(model_name, device_name)
     if name is None:
@@ -218,7 +221,6 @@ def quick_calibrate(model_name: str, *, device, ln_modulate: str, protocol: Opti
     ``cache_key``; raise :class:`CalibrationFailed` when the fit misses the quality bar or the fusion cannot compile."""
     import torch
 
-    from ds_adaptive.planning import calibrate as cal
 
     proto = protocol or quick_protocol(model_name, device.type)
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -239,7 +241,7 @@ def quick_calibrate(model_name: str, *, device, ln_modulate: str, protocol: Opti
     wall = time.perf_counter() - t0
     key = cache_key(dev_name, model_name, ran, block_fusion)
     try:
-        prof = cal.profile_from_rows(
+        prof = profile_from_rows(
             rows, model_name=model_name, overrides={}, layers=proto.layers, sp=1, device_name=dev_name,
             gpu_mem_gib=gpu_mem, dtype=proto.dtype, ln_modulate=ran, block_fusion=block_fusion,
             name=cache_path(Path("."), key).stem,
@@ -247,8 +249,8 @@ def quick_calibrate(model_name: str, *, device, ln_modulate: str, protocol: Opti
                     f"{proto.points} points, layers {proto.layers[0]},{proto.layers[1]})"), wall_s=wall)
     except ValueError as exc:   # too few points (the time budget cut the sweep short)
         raise CalibrationFailed(f"{exc} ({len(rows)} of {proto.points} points measured in {wall:.0f} s)") from exc
-    bar = cal.MAX_FIT_ERROR if proto.max_fit_error is None else proto.max_fit_error
-    problem = cal.fit_quality_problem(prof["compute"], bar)
+    bar = MAX_FIT_ERROR if proto.max_fit_error is None else proto.max_fit_error
+    problem = fit_quality_problem(prof["compute"], bar)
     if problem:
         raise CalibrationFailed(problem)
     prof["cache_key"] = key
@@ -258,8 +260,6 @@ def quick_calibrate(model_name: str, *, device, ln_modulate: str, protocol: Opti
 def _rank0_resolve(setting: str, model_name: str, ln_modulate: str, device, cache: Path, *,
                    dry: bool, block_fusion: str = "off") -> dict:
     """Rank 0's decision: ``{"profile": dict | None, "note": str | None}``."""
-    from ds_adaptive.planning.devices import detect_device_name
-
     if device.type == "cpu":   # a CPU run calibrates the CPU only when asked to (``calibrate``: tests)
         dev_name = "cpu" if setting == "calibrate" else None
     else:                      # cuda, or a dry run (meta) on whatever GPU this machine has

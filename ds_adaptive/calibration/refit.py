@@ -30,8 +30,10 @@ from typing import Sequence
 
 import numpy as np
 
-from ds_adaptive.planning.cost import CostModel, Profile
+from ds_adaptive.planning.cost import CostModel
+from ds_adaptive.planning.profile import Profile
 from ds_adaptive.core.shapes import SampleShape
+from ds_adaptive.planning.profile import ProfileError, load_profile
 
 __all__ = ["COMPUTE_LOG", "Window", "Refit", "RefitError", "trainer_windows", "trainer_steps", "refit_compute",
            "fit_train_overheads", "with_train_overheads", "plot", "MIN_CONFIGS", "main"]
@@ -303,7 +305,6 @@ def _check_runs(profile: Profile, run_dirs: Sequence[str]) -> None:
 def main(argv=None) -> int:
     import argparse
 
-    from ds_adaptive.planning.cost import ProfileError, load_profile
 
     p = argparse.ArgumentParser(prog="ds-adaptive refit", description=__doc__.split("\n\n")[0] + ": reads the "
                                 "trainer's --log-dir of one-GPU runs, prints each (shape, batch, checkpointed blocks) "

@@ -4,7 +4,7 @@ Times fwd+bwd of FlexAttention block-sparse attention (``BlockMask.from_kv_block
 the selected key blocks passed as *full* blocks so that no mask_mod runs; per head and query block
 ``round(rho * blocks)`` random key blocks, at least one) against dense SDPA (the default backend,
 cuDNN on Hopper) at the same shape, and writes the efficiency table ``g(rho) = sparse / dense``
-into a profile json (``sparse_attention`` section), which :class:`ds_adaptive.planning.sparse_cost.KernelEfficiency`
+into a profile json (``sparse_attention`` section), which :class:`ds_adaptive.core.contracts.KernelEfficiency`
 reads. With ``ds_adaptive.attention`` (issue 14) in place the same table can be measured on its op;
 until then this self-contained timing is the kernel's stand-in (DSV.md: the op is FlexAttention).
 
@@ -31,7 +31,11 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-__all__ = ["select_kv_blocks", "make_block_mask", "block_mask_dense", "time_ms", "measure_efficiency", "main"]
+from ds_adaptive.core.timing import time_ms
+from ds_adaptive.planning.profile import PROFILES_DIR
+from ds_adaptive.calibration.selection_timing import DEFAULT_GRID, measure_selection, selection_section
+
+__all__ = ["select_kv_blocks", "make_block_mask", "block_mask_dense", "measure_efficiency", "main"]
 
 DEFAULT_DENSITIES = (0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.85)
 
@@ -79,25 +83,6 @@ def block_mask_dense(densities: Sequence[float], seq_len: int, *, block: int = 1
             blocks[head, qb, idx[0, head, qb, :num[0, head, qb]].long()] = True
     full = blocks.repeat_interleave(block, 1).repeat_interleave(block, 2)
     return full[:, :seq_len, :seq_len]
-
-
-def time_ms(fn, *, warmup: int = 3, iters: int = 10) -> float:
-    """Median ms of ``fn()`` over ``iters`` CUDA-event-timed calls after ``warmup`` calls."""
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
 
 
 def fwd_bwd_fns(heads: int, seq_len: int, head_dim: int, *, device: str = "cuda", seed: int = 0):
@@ -209,7 +194,6 @@ def _base_profile(profile: Optional[str]) -> dict:
     """The profile json (shipped name or path) the section goes into; ``{}`` without one."""
     if not profile:
         return {}
-    from ds_adaptive.planning.cost import PROFILES_DIR
 
     p = Path(profile)
     p = p if p.is_file() else PROFILES_DIR / f"{profile}.json"
@@ -222,8 +206,6 @@ def _base_profile(profile: Optional[str]) -> dict:
 
 def _selection_main(args, argv) -> int:
     """``--selection``: time the runtime's selection, fit, write ``sparse_attention.selection``."""
-    from ds_adaptive.calibration.selection_timing import DEFAULT_GRID, measure_selection, selection_section
-
     try:
         grid = DEFAULT_GRID if not args.selection_grid else tuple(
             tuple(int(x) for x in pair.split(":")) for pair in args.selection_grid.split(","))

@@ -6,15 +6,22 @@ from __future__ import annotations
 
 import importlib
 import sys
+from ds_adaptive.planning.profile import ProfileError
+from ds_adaptive.core.layout import SequenceParallelError
+from ds_adaptive.planning.planner import OversizeSampleError, PlanError
+from ds_adaptive.core.config import ConfigError
+from ds_adaptive.data.synthetic import DataError
+from ds_adaptive.core.shapes import ShapeError
+from ds_adaptive.models.family import ModelError
 
 COMMANDS = {
     "train": ("ds_adaptive.cli.train", "train a model with DeepSpeed + AdaptiveLoad (what the launch/ script runs)"),
     "synth": ("ds_adaptive.data.synth", "write a synthetic latent dataset to disk (index.json + safetensors)"),
-    "simulate": ("ds_adaptive.simulation.simulate", "plan many ranks on paper: CV, balance, predicted tokens/s per sampler"),
-    "calibrate": ("ds_adaptive.calibration.calibrate", "profile the real model on this GPU -> cost/memory profile json"),
+    "simulate": ("ds_adaptive.cli.simulate", "plan many ranks on paper: CV, balance, predicted tokens/s per sampler"),
+    "calibrate": ("ds_adaptive.cli.calibrate", "profile the real model on this GPU -> cost/memory profile json"),
     "refit": ("ds_adaptive.calibration.refit", "a profile's compute and loop terms refitted to trainer runs' logs (CPU)"),
     "report": ("ds_adaptive.ops.report", "status of the fused op: DeepSpeed registry, compatibility, build"),
-    "config": ("ds_adaptive.core.config", "print the adaptive_load reference table, or --check a ds_config's block"),
+    "config": ("ds_adaptive.cli.config", "print the adaptive_load reference table, or --check a ds_config's block"),
     "dry-run": ("ds_adaptive.cli.dry_run", "validate a ds_config + topology without GPUs and print the deepspeed command"),
     "export": ("ds_adaptive.inference.export", "a trained checkpoint (ZeRO shards consolidated) -> diffusers-format transformer"),
     "sample": ("ds_adaptive.inference.sample", "generate videos from a checkpoint or exported model (Euler sampler, optional VAE)"),
@@ -48,14 +55,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _user_errors() -> tuple:
     """The project's exception types for bad input (config, shapes, profiles, data, weights, plans)."""
-    from ds_adaptive.planning.cost import ProfileError
-    from ds_adaptive.core.layout import SequenceParallelError
-    from ds_adaptive.planning.planner import OversizeSampleError, PlanError
-    from ds_adaptive.core.config import ConfigError
-    from ds_adaptive.data.synthetic import DataError
-    from ds_adaptive.core.shapes import ShapeError
 
-    from ds_adaptive.models.family import ModelError
 
     return (ConfigError, ShapeError, ProfileError, SequenceParallelError, PlanError, OversizeSampleError, DataError,
             FileNotFoundError, ModelError)

@@ -38,6 +38,25 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
+from ds_adaptive.models.registry import default_model, model_names
+from ds_adaptive.core.layout import MESH_KEYS, SequenceParallelError, resolve_sp_size
+from ds_adaptive.core.config import AdaptiveLoadConfig, ConfigError
+from ds_adaptive.planning.validate import RunFacts, run_problems
+from ds_adaptive.core.ds_config import accumulation_steps
+from ds_adaptive.core.config import ConfigError
+from ds_adaptive.core.ds_config import load_adaptive_config, read_ds_config
+from ds_adaptive.core.layout import Layout
+from ds_adaptive.models.family import ModelError
+from ds_adaptive.models.registry import get_model
+from ds_adaptive.planning.profile import ProfileError, load_profile
+from ds_adaptive.planning.planner import PlanError
+from ds_adaptive.training.assemble import build_run
+from ds_adaptive.training.run_config import RunConfig
+from ds_adaptive.core.shapes import ShapeError
+from ds_adaptive.planning.devices import resolve_auto_profile
+from ds_adaptive.planning.devices import calibrate_hint
+from ds_adaptive.core.shapes import load_shape_distribution
+from ds_adaptive.planning.memory import micro_batch_table, sample_memory
 
 GIB = float(1 << 30)
 TRAIN_SCRIPT = Path(__file__).resolve().parent.parent / "launch" / "train_wan.py"  # the launcher's file name
@@ -195,7 +214,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ds-adaptive dry-run", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--deepspeed_config", "--deepspeed-config", required=True, help="the ds_config json to check")
-    from ds_adaptive.models.registry import default_model, model_names
 
     p.add_argument("--model", default=default_model(), choices=model_names(), help="the model (default: %(default)s)")
     p.add_argument("--layers", type=int, default=None, help="override the number of blocks (as the trainer's --layers)")
@@ -225,8 +243,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check_topology(rep: Report, args: argparse.Namespace, raw: dict):
     """The launch plan and the Ulysses degree: (launch plan or None, sp or None, dp or None)."""
-    from ds_adaptive.core.layout import MESH_KEYS, SequenceParallelError, resolve_sp_size
-
     layout = None
     sp = dp = None
     try:
@@ -281,9 +297,6 @@ def _check_rules(rep: Report, args: argparse.Namespace, raw: dict, adaptive, wcf
     """The cross-field rules of ``ds_adaptive.planning.validate`` (heads vs sp, batch keys, layer indices, the sparse
     backend on --device, budgets) for the planned launch; False when one failed. The topology's own sp / world
     checks are ``_check_topology``'s rows."""
-    from ds_adaptive.core.config import AdaptiveLoadConfig, ConfigError
-    from ds_adaptive.planning.validate import RunFacts, accumulation_steps, run_problems
-
     facts = RunFacts(model=args.model if wcfg is not None else None, layers=args.layers, sp=sp,
                      world=sp * dp if sp is not None and dp is not None else None, device=args.device)
     problems = [p for p in run_problems(raw, adaptive or AdaptiveLoadConfig(), facts) if p.key != "sp"]
@@ -304,11 +317,6 @@ def _check_rules(rep: Report, args: argparse.Namespace, raw: dict, adaptive, wcf
 
 def run_checks(args: argparse.Namespace, extra: list[str]) -> tuple[Report, Optional[list[str]]]:
     """All checks; returns the report and the command (None when the layout itself is unusable)."""
-    from ds_adaptive.core.config import ConfigError, load_adaptive_config, read_ds_config
-    from ds_adaptive.core.layout import Layout
-    from ds_adaptive.models.family import ModelError
-    from ds_adaptive.models.registry import get_model
-
     rep = Report()
     cfg_path = args.deepspeed_config
     rep.lines.append(f"ds-adaptive dry-run: {cfg_path}, model {args.model}")
@@ -353,13 +361,6 @@ def _build_dry_run(rep: Report, args: argparse.Namespace, layout, extra: list[st
     """``build_run`` on the meta device with the planned layout: the trainer's own assembly (profile,
     depth rescaling, budgets, sampler), without GPUs or a process group. None (and a failed check) on error.
     Trainer flags after ``--`` that change the plan are honoured (``--grad-ckpt [auto|all|none]``)."""
-    from ds_adaptive.planning.cost import ProfileError, load_profile
-    from ds_adaptive.planning.planner import PlanError
-    from ds_adaptive.core.config import ConfigError
-    from ds_adaptive.training.assemble import build_run
-    from ds_adaptive.training.run_config import RunConfig
-    from ds_adaptive.core.shapes import ShapeError
-
     try:
         cfg = RunConfig.load(args.deepspeed_config, trainer={"model": args.model, "layers": args.layers,
                                                              "sp": layout.sp_size},
@@ -371,7 +372,6 @@ def _build_dry_run(rep: Report, args: argparse.Namespace, layout, extra: list[st
         if args.gpu_mem_gib:
             gpu = args.gpu_mem_gib
         elif profile in ("auto", "calibrate"):  # as the trainer: the detected GPU's profile (H100 without a GPU)
-            from ds_adaptive.planning.devices import resolve_auto_profile
 
             gpu = resolve_auto_profile(args.model)[0].gpu_mem_gib
         else:
@@ -402,9 +402,6 @@ def _grad_ckpt_flag(extra: list[str]) -> Optional[str]:
 def _check_memory_and_budgets(rep: Report, args: argparse.Namespace, run, n_params: int) -> None:
     """Static memory of the model under the run's ZeRO stage, the resolved budgets, and every shape of the
     distribution against them (oversize shapes with their share of the mix)."""
-    from ds_adaptive.planning.devices import calibrate_hint
-    from ds_adaptive.core.shapes import load_shape_distribution
-
     s, profile, cost, stage, world = run.cfg.adaptive_load.sampler, run.profile, run.cost, run.zero_stage, \
         run.layout.world
     gpu = run.gpu_mem_gib
@@ -445,7 +442,6 @@ def _check_memory_and_budgets(rep: Report, args: argparse.Namespace, run, n_para
 
 
 def _oversize_reasons(cost, shape, b: dict, mode: str) -> list[str]:
-    from ds_adaptive.planning.memory import micro_batch_table, sample_memory
 
     # at the checkpointing policy's fewest-memory block count, and that count's cost (with recompute)
     mem1, unit = sample_memory(cost, shape), cost.unit

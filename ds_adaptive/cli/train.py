@@ -23,6 +23,19 @@ from ds_adaptive.training.run_config import DEFAULT_SAVE_INTERVAL, UsageError, r
 from ds_adaptive.core.shapes import ShapeError
 from ds_adaptive.launch.supervise import ENV_SUPERVISOR
 from ds_adaptive.training.trainer import backward_micro_batch, evaluate, init_distributed, shutdown_distributed  # noqa: F401
+from ds_adaptive.models.registry import model_names
+from ds_adaptive.core.layout import Layout
+from ds_adaptive.training.assemble import build_run
+from ds_adaptive.launch.startup import prepare_save_dir
+from ds_adaptive.training.trainer import Trainer
+from ds_adaptive.planning.memory import configure_allocator
+from ds_adaptive.planning.profile import ProfileError
+from ds_adaptive.planning.planner import OversizeSampleError, PlanError
+from ds_adaptive.planning.sampler import SamplerStateError
+from ds_adaptive.core.layout import SequenceParallelError
+from ds_adaptive.models.family import ModelError
+from ds_adaptive.training.preempt import EXIT_PEER_LOST, peer_lost
+from ds_adaptive.training.trainer import EXIT_PREEMPTED, NonFiniteError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,7 +46,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deepspeed_config", "--deepspeed-config", required=True,
                    help="DeepSpeed json with the 'adaptive_load' block (see launch/configs/)")
     p.add_argument("--deepspeed", action="store_true", help="accepted for DeepSpeed launcher compatibility")
-    from ds_adaptive.models.registry import model_names
 
     p.add_argument("--model", default="tiny", choices=model_names(), help="the model (default: %(default)s)")
     p.add_argument("--layers", type=int, default=None, help="override the number of transformer blocks")
@@ -90,12 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def train(args: argparse.Namespace) -> dict:
     """Run the training job; returns the summary (identical on every rank)."""
-    from ds_adaptive.core.layout import Layout
-    from ds_adaptive.training.assemble import build_run
-    from ds_adaptive.launch.startup import prepare_save_dir
-    from ds_adaptive.training.trainer import Trainer
 
-    from ds_adaptive.planning.memory import configure_allocator
 
     cfg = run_config_from_args(args)
     alloc_msg = configure_allocator()  # before the first CUDA allocation
@@ -127,14 +134,7 @@ def _cuda_available() -> bool:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    from ds_adaptive.planning.cost import ProfileError
-    from ds_adaptive.planning.planner import OversizeSampleError, PlanError
-    from ds_adaptive.planning.sampler import SamplerStateError
-    from ds_adaptive.core.layout import SequenceParallelError
-    from ds_adaptive.models.family import ModelError
 
-    from ds_adaptive.training.preempt import EXIT_PEER_LOST, peer_lost
-    from ds_adaptive.training.trainer import EXIT_PREEMPTED, NonFiniteError
 
     ok = False
     try:

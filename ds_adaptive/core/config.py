@@ -3,7 +3,9 @@
 DeepSpeed ignores top-level keys it does not know, so our block lives in the
 same file the user passes as ``--deepspeed_config`` and is validated here
 with ``extra="forbid"``: a typo is an error that names the key and lists the
-valid ones. Example::
+valid ones. This module is the schema only; reading a ds_config is
+:mod:`ds_adaptive.core.ds_config`, the rules that span fields are
+:mod:`ds_adaptive.planning.validate`. Example::
 
     "adaptive_load": {
       "enabled": true,
@@ -15,11 +17,11 @@ valid ones. Example::
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from ds_adaptive.core.shapes import SampleShape, ShapeError
 
 BLOCK_KEY = "adaptive_load"
 
@@ -316,16 +318,6 @@ class SparseAttentionConfig(_Block):
             raise ValueError(f"must be a multiple of 16 (tensor-core tiles), got {v}")
         return v
 
-    @field_validator("backend")
-    @classmethod
-    def _known_backend(cls, v):
-        from ds_adaptive.attention.backends.registry import backend_names
-
-        names = backend_names()
-        if v != "auto" and v not in names:
-            raise ValueError(f"unknown sparse-attention backend '{v}'; use 'auto' or one of {names}")
-        return v
-
     @field_validator("dense_layers")
     @classmethod
     def _layers_non_negative(cls, v):
@@ -440,7 +432,6 @@ class PreviewConfig(_Block):
     @classmethod
     def _size_is_a_shape(cls, v):
         if v is not None:
-            from ds_adaptive.core.shapes import SampleShape, ShapeError
 
             try:  # the syntax; the model's grid rule is checked with the model (run_config, preview)
                 SampleShape.parse_text(v)
@@ -517,272 +508,3 @@ class AdaptiveLoadConfig(_Block):
 
     preview: PreviewConfig = Field(default_factory=PreviewConfig)
     """The sample-preview sub-block (off by default)."""
-
-
-def _format_validation_error(exc: ValidationError, source: str) -> str:
-    lines = [f"invalid '{BLOCK_KEY}' block in {source}:"]
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"])
-        key = f"{BLOCK_KEY}.{loc}" if loc else BLOCK_KEY
-        if err["type"] == "extra_forbidden":
-            parent = _model_at(err["loc"][:-1])
-            valid = ", ".join(sorted(parent.model_fields)) if parent else "?"
-            lines.append(f"  - unknown key '{key}'. Valid keys here: {valid}")
-        else:
-            lines.append(f"  - {key}: {err['msg'].removeprefix('Value error, ')} (got {err.get('input')!r})")
-    lines.append("Fix the ds_config json; see README.md 'The ds_config block' for every field.")
-    return "\n".join(lines)
-
-
-def _model_at(loc: tuple) -> type[BaseModel] | None:
-    model: type[BaseModel] = AdaptiveLoadConfig
-    for part in loc:
-        field = model.model_fields.get(str(part))
-        if field is None:
-            return None
-        ann = field.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            model = ann
-        else:
-            return None
-    return model
-
-
-def read_ds_config(ds_config: Union[str, Path, dict, None]) -> dict:
-    """The ds_config as a dict, from a dict or a json path (the one DeepSpeed gets)."""
-    if ds_config is None:
-        return {}
-    if isinstance(ds_config, dict):
-        return ds_config
-    path = Path(ds_config)
-    if not path.is_file():
-        raise ConfigError(f"ds_config file {path} does not exist (from --deepspeed_config / DS_CONFIG); "
-                          "pass the path of a DeepSpeed json, e.g. launch/configs/zero3_adaptive.json")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"ds_config file {path} is not valid JSON: {exc}") from exc
-
-
-MISSPELLING_CUTOFF = 0.75
-"""difflib ratio (of the lower-cased, alphanumeric-only key to "adaptiveload") from which a top-level key is taken
-for a misspelt block name; no DeepSpeed top-level key comes above 0.5."""
-
-
-def _normalised(key: str) -> str:
-    return "".join(c for c in key.lower() if c.isalnum())
-
-
-def misspelt_block_keys(raw: dict) -> list[str]:
-    """Top-level keys of a ds_config that look like a misspelling of ``adaptive_load`` ("adaptive_lod",
-    "AdaptiveLoad", "adaptive-load", ...). DeepSpeed ignores unknown top-level keys, so such a typo would
-    silently turn AdaptiveLoad off."""
-    import difflib
-
-    target = _normalised(BLOCK_KEY)
-    return [k for k in raw if isinstance(k, str) and k != BLOCK_KEY
-            and difflib.SequenceMatcher(None, _normalised(k), target).ratio() >= MISSPELLING_CUTOFF]
-
-
-def require_block(ds_config: Union[str, Path, dict, None], flags: list[str]) -> None:
-    """Raise ConfigError when command-line ``flags`` that only mean something with AdaptiveLoad are given
-    but the ds_config has no ``adaptive_load`` block (the run would silently be the baseline)."""
-    if not flags:
-        return
-    raw = read_ds_config(ds_config)
-    if BLOCK_KEY not in raw:
-        source = str(ds_config) if not isinstance(ds_config, dict) else "the ds_config dict"
-        raise ConfigError(f"{', '.join(flags)} given, but {source} has no '{BLOCK_KEY}' block: AdaptiveLoad would be "
-                          f"off and the flag(s) would change nothing you meant. Add an \"{BLOCK_KEY}\" block (e.g. "
-                          "from launch/configs/zero3_adaptive.json) or drop the flag(s)")
-
-
-def load_adaptive_config(ds_config: Union[str, Path, dict, None]) -> AdaptiveLoadConfig:
-    """Parse and validate the adaptive_load block; an absent block gives the defaults (disabled).
-
-    A top-level key that looks like a misspelling of ``adaptive_load`` is an error naming it."""
-    source = str(ds_config) if not isinstance(ds_config, dict) else "the ds_config dict"
-    raw = read_ds_config(ds_config)
-    typos = misspelt_block_keys(raw)
-    if typos:
-        raise ConfigError(f"top-level key(s) {', '.join(repr(k) for k in typos)} in {source} look like a misspelling of "
-                          f"'{BLOCK_KEY}'; DeepSpeed ignores unknown keys, so AdaptiveLoad would silently be off. "
-                          f"Rename the key to '{BLOCK_KEY}'" + (f" (the file also has an '{BLOCK_KEY}' block: merge them)"
-                                                                 if BLOCK_KEY in raw else ""))
-    block: Any = raw.get(BLOCK_KEY, {})
-    if not isinstance(block, dict):
-        raise ConfigError(f"'{BLOCK_KEY}' in {source} must be a JSON object, got {type(block).__name__}")
-    try:
-        return AdaptiveLoadConfig.model_validate(block)
-    except ValidationError as exc:
-        raise ConfigError(_format_validation_error(exc, source)) from None
-
-
-def strip_block(ds_config: dict) -> dict:
-    """A copy of ds_config without our block (to hand to deepspeed.initialize)."""
-    return {k: v for k, v in ds_config.items() if k != BLOCK_KEY}
-
-
-def _resolve_switch(section: object, key: str, auto_value: bool) -> bool:
-    if section is None:
-        return False
-    if not isinstance(section, dict):
-        raise ConfigError(f"ds_config '{key}' must be an object like {{\"enabled\": \"auto\"}}, got {section!r}")
-    value = section.get("enabled", False)
-    if value == "auto":
-        return auto_value
-    if not isinstance(value, bool):
-        raise ConfigError(f"ds_config '{key}.enabled' must be true, false or \"auto\", got {value!r}")
-    return value
-
-
-def prepare_ds_config(ds_config: dict, *, dp_size: int, on_gpu: bool) -> dict:
-    """The dict to hand to ``deepspeed.initialize``: our block stripped, precision and batch keys resolved.
-
-    * ``"bf16": {"enabled": "auto"}`` becomes bf16 on a GPU and fp32 on the CPU (``"fp16"``'s
-      ``"auto"`` becomes off); explicit true/false are kept.
-    * Micro-batch sizes come from the batch sampler and vary, so DeepSpeed gets a nominal
-      ``train_micro_batch_size_per_gpu = 1`` and the real ``gradient_accumulation_steps``: given
-      directly (a ``train_batch_size`` next to it must equal micro x gas x dp_size), or derived from
-      ``train_batch_size / (train_micro_batch_size_per_gpu x dp_size)`` (``ds_adaptive.planning.validate.accumulation_steps``).
-      ``"gradient_accumulation_steps": "auto"`` stays ``"auto"`` here: the batch sampler chooses it with
-      the throughput-optimal compute budget (``ds_adaptive.planning.budget``) and ``build_run`` writes
-      the number in (``Run.ds_config``) before ``deepspeed.initialize``.
-    * ``steps_per_print`` defaults to off (our metrics log every step).
-    """
-    from ds_adaptive.planning.validate import accumulation_steps
-
-    out = strip_block(ds_config)
-    bf16 = _resolve_switch(out.get("bf16", out.get("bfloat16")), "bf16", on_gpu)
-    fp16 = _resolve_switch(out.get("fp16"), "fp16", False)
-    if bf16 and fp16:
-        raise ConfigError("ds_config enables both 'bf16' and 'fp16'; enable one (bf16 is what the video DiTs train in)")
-    out.pop("bfloat16", None)
-    out["bf16"] = {**(out.get("bf16") or {}), "enabled": bf16}
-    if "fp16" in out:
-        out["fp16"] = {**out["fp16"], "enabled": fp16}
-    # the one rule for the batch keys (ds_adaptive.planning.validate): train_batch_size must agree, never silently dropped
-    out["gradient_accumulation_steps"] = accumulation_steps(out, dp_size)
-    out.pop("train_batch_size", None)
-    out["train_micro_batch_size_per_gpu"] = 1
-    out.setdefault("steps_per_print", 2**31 - 1)
-    return out
-
-
-# --- reference documentation ------------------------------------------------------------------
-
-README_BEGIN = "<!-- adaptive_load reference: generated by `python -m ds_adaptive.core.config --readme README.md` -->"
-README_END = "<!-- end of adaptive_load reference -->"
-
-
-def _type_name(ann: Any) -> str:
-    import typing
-
-    origin, args = typing.get_origin(ann), typing.get_args(ann)
-    if origin is Literal:
-        return " \\| ".join(json.dumps(a) for a in args)
-    if origin is Union:
-        return " \\| ".join("null" if a is type(None) else _type_name(a) for a in args)
-    if origin is dict:
-        return f"object of {_type_name(args[1])}"
-    return getattr(ann, "__name__", str(ann))
-
-
-def _bounds(field) -> str:
-    marks = []
-    for m in field.metadata:
-        for attr, sym in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")):
-            v = getattr(m, attr, None)
-            if v is not None:
-                marks.append(f"{sym} {v}")
-    return f" ({', '.join(marks)})" if marks else ""
-
-
-def markdown_reference() -> str:
-    """The table of every key of the adaptive_load block, from the models' field docstrings."""
-    rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
-
-    def walk(model: type[BaseModel], prefix: str) -> None:
-        for name, field in model.model_fields.items():
-            ann = field.annotation
-            if isinstance(ann, type) and issubclass(ann, BaseModel):
-                walk(ann, f"{prefix}{name}.")
-                continue
-            doc = " ".join((field.description or "").split()).replace("|", "\\|")
-            default = json.dumps(field.get_default(call_default_factory=True))
-            rows.append(f"| `{prefix}{name}` | {_type_name(ann)}{_bounds(field)} | `{default}` | {doc} |")
-
-    walk(AdaptiveLoadConfig, f"{BLOCK_KEY}.")
-    return "\n".join(rows)
-
-
-def update_readme(path: Union[str, Path]) -> bool:
-    """Rewrite the generated table between the markers of ``path``; True when it changed."""
-    p = Path(path)
-    text = p.read_text()
-    if README_BEGIN not in text or README_END not in text:
-        raise ConfigError(f"{p} has no '{README_BEGIN}' ... '{README_END}' markers to put the table between")
-    head, rest = text.split(README_BEGIN, 1)
-    _, tail = rest.split(README_END, 1)
-    new = f"{head}{README_BEGIN}\n{markdown_reference()}\n{README_END}{tail}"
-    if new != text:
-        p.write_text(new)
-    return new != text
-
-
-def _cross_field_problems(args, raw: dict, block: AdaptiveLoadConfig) -> list:
-    """``config --check``: ``ds_adaptive.planning.validate.run_problems`` with what the flags say about the run."""
-    from ds_adaptive.planning.validate import RunFacts, run_problems
-
-    device = args.device
-    if device is None:
-        try:
-            import torch
-
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        except ImportError:  # pragma: no cover - torch is a dependency
-            device = None
-    return run_problems(raw, block, RunFacts(model=args.model, layers=args.layers, sp=args.sp, world=args.world,
-                                             device=device))
-
-
-def main(argv: Optional[list] = None) -> int:
-    """``python -m ds_adaptive.core.config [--readme README.md]``: print the reference table, or refresh it in a README."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="ds-adaptive config", description=main.__doc__)
-    parser.add_argument("--readme", help="rewrite the generated table in this markdown file")
-    parser.add_argument("--check", metavar="DS_CONFIG",
-                        help="validate the adaptive_load block of this ds_config and the rules that span fields "
-                             "(ds_adaptive.planning.validate); the flags below say what is known about the run")
-    parser.add_argument("--model", default=None, help="--check: the model it trains (layer indices, heads)")
-    parser.add_argument("--layers", type=int, default=None, help="--check: the trainer's --layers")
-    parser.add_argument("--sp", type=int, default=None, help="--check: the Ulysses degree")
-    parser.add_argument("--world", type=int, default=None, help="--check: ranks of the launch (batch keys vs dp)")
-    parser.add_argument("--device", choices=("cuda", "cpu"), default=None,
-                        help="--check: where the ranks compute (default: this machine's, as `ds-adaptive train`)")
-    args = parser.parse_args(argv)
-    try:
-        if args.check:
-            cfg = load_adaptive_config(args.check)
-            problems = _cross_field_problems(args, read_ds_config(args.check), cfg)
-            if problems:
-                for p in problems:
-                    print(f"ds-adaptive config: error: {p.message}")
-                return 2
-            print(json.dumps({BLOCK_KEY: cfg.model_dump()}, indent=2))
-            if BLOCK_KEY not in read_ds_config(args.check):
-                print(f"note: {args.check} has no '{BLOCK_KEY}' block: the defaults above apply (AdaptiveLoad off)")
-            return 0
-        if args.readme:
-            print(f"{args.readme}: {'updated' if update_readme(args.readme) else 'already current'}")
-            return 0
-    except ConfigError as exc:
-        print(f"ds-adaptive config: {exc}")
-        return 2
-    print(markdown_reference())
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -50,6 +50,16 @@ def _dist():
     return dist if dist.is_available() and dist.is_initialized() else None
 
 
+
+def heads_sp_problem(num_heads: int, sp: int, what: str = "the model") -> Optional[str]:
+    """Ulysses gives each rank of an SP group heads/sp whole heads: sp must divide the heads."""
+    if sp >= 1 and num_heads % sp == 0:
+        return None
+    divisors = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
+    return (f"Ulysses sp={sp} does not divide the {num_heads} attention heads of {what}: each rank of an SP group "
+            f"attends with heads/sp whole heads. Use sp in {divisors}.")
+
+
 @dataclass(frozen=True)
 class Layout:
     """This process's place in the (dp, sp) layout and the process groups it talks over.
@@ -202,8 +212,6 @@ class Layout:
             raise SequenceParallelError(f"the world size {self.world} is not divisible by the Ulysses degree "
                                         f"sp={self.sp_size}: every SP group needs {self.sp_size} ranks")
         if num_heads is not None:
-            from ds_adaptive.planning.validate import heads_sp_problem  # the one message for this rule
-
             problem = heads_sp_problem(num_heads, self.sp_size, what)
             if problem:
                 raise SequenceParallelError(problem)

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
+from ds_adaptive.core.jsonfile import read_json
+
 
 class ShapeError(ValueError):
     """A (frames, height, width) that a model's VAE + patchify cannot represent."""
@@ -127,18 +129,26 @@ class InputSpec:
         return f"{who}{self.grid.describe()}, text [<= {self.text_len}, {self.text_dim}]"
 
 
-def default_grid() -> GridRule:
-    """The default model's grid rule (``ds_adaptive.models.registry.default_model``)."""
-    from ds_adaptive.models.registry import default_model, get_model
+DEFAULT_GRID = GridRule(vae_stride=(4, 8, 8), patch_size=(1, 2, 2), latent_channels=16)
+"""The grid rule of the default model (``ds_adaptive.models.registry.DEFAULT_MODEL``), for shapes that name no
+model. Its family builds on these numbers and a test keeps the two equal; names stay with the models."""
 
-    return get_model(default_model()).grid
+DEFAULT_INPUT_SPEC = InputSpec(DEFAULT_GRID, text_dim=4096, text_len=512)
+"""The default model's inputs: :data:`DEFAULT_GRID` latents and its text encoder's features (a test keeps it equal
+to the registry's default model's)."""
+
+DEFAULT_SHAPES = Path(__file__).resolve().parent.parent / "data" / "default_shapes.json"
+"""The default model's shipped shape mix (a test keeps it the registry's default model's)."""
+
+
+def default_grid() -> GridRule:
+    """:data:`DEFAULT_GRID`."""
+    return DEFAULT_GRID
 
 
 def default_input_spec() -> InputSpec:
-    """The default model's input spec."""
-    from ds_adaptive.models.registry import default_model, get_model
-
-    return get_model(default_model()).input_spec
+    """:data:`DEFAULT_INPUT_SPEC`."""
+    return DEFAULT_INPUT_SPEC
 
 
 @dataclass(frozen=True, order=True)
@@ -284,12 +294,8 @@ def parse_shape_distribution(entries: Iterable[dict], *, source: str = "<dict>",
 def load_shape_distribution(path: str | Path | None = None, *, grid: Optional[GridRule] = None) -> list[ShapeWeight]:
     """Read a shape-distribution JSON file under ``grid``; without a path, the default model's shipped mix
     (``ds_adaptive.models``: each model names its default mix)."""
-    from ds_adaptive.core.jsonfile import read_json
-
     if path is None:
-        from ds_adaptive.models.registry import default_model, get_model
-
-        path = get_model(default_model()).shapes
+        path = DEFAULT_SHAPES
     p = Path(path)
     data = read_json(p, missing=f"shape distribution file {p} does not exist; pass a JSON list of "
                                 '{"frames", "height", "width", "weight"} objects', invalid_error=ShapeError)

@@ -25,7 +25,16 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-CLIENT_STATE_KEY = "ds_adaptive"  # the trainer's client_state key (ds_adaptive.training.trainer.CLIENT_STATE_KEY)
+from ds_adaptive.training.checkpoint import CLIENT_STATE_KEY, CheckpointError
+from ds_adaptive.training.checkpoint import read_client_state as checkpoint_client_state
+from ds_adaptive.training.checkpoint import check_checkpoint, last_good, read_marker
+from ds_adaptive.models.registry import get_model
+from ds_adaptive.training.lora import export_lora
+from ds_adaptive.models.family import ModelError
+from ds_adaptive.training.lora import merged_weights
+from ds_adaptive.training.lora import LoraError
+from ds_adaptive.training.lora import loading_hint
+
 DTYPES = ("fp32", "bf16", "fp16")
 
 
@@ -59,8 +68,6 @@ def verify_checkpoint(save_dir: Path, tag: str, log=print) -> None:
     """The checkpoint's files against its completeness marker (sizes and checksums, every byte read):
     ExportError naming the first bad file. A checkpoint written by another program (no marker) is exported
     as it is; one saved after non-finite steps is exported with a note naming the last good one."""
-    from ds_adaptive.training.checkpoint import check_checkpoint, last_good, read_marker
-
     problem = check_checkpoint(save_dir / tag, need_marker=False)
     if problem is not None:
         good = last_good(save_dir, exclude=(tag,))
@@ -74,16 +81,11 @@ def verify_checkpoint(save_dir: Path, tag: str, log=print) -> None:
 
 
 def read_client_state(ckpt_dir: Path) -> dict:
-    """The ds_adaptive client state (model preset, layers, step, ...) of a checkpoint; {} if absent."""
-    import torch
-
-    files = sorted(ckpt_dir.glob("*model_states.pt"))
+    """:func:`ds_adaptive.training.checkpoint.read_client_state` with its error as an :class:`ExportError`."""
     try:
-        state = torch.load(files[0], map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - any unreadable file is the same message for the user
-        raise ExportError(f"{files[0]} cannot be read ({type(exc).__name__}: {exc}); the checkpoint is "
-                          "truncated or corrupt: export another one (--tag)") from None
-    return dict(state.get(CLIENT_STATE_KEY) or {})
+        return checkpoint_client_state(ckpt_dir)
+    except CheckpointError as exc:
+        raise ExportError(f"{exc}: export another one (--tag)") from None
 
 
 def consolidated_state_dict(save_dir: Path, tag: str) -> dict:
@@ -121,14 +123,12 @@ def export_checkpoint(ckpt: str, out: str, *, tag: Optional[str] = None, dtype: 
     the run's ``--init-from``)."""
     import torch
 
-    from ds_adaptive.models.registry import get_model
 
     if dtype not in DTYPES:
         raise ExportError(f"--dtype must be one of {DTYPES}, got {dtype!r}")
     save_dir, tag = resolve_checkpoint(ckpt, tag)
     verify_checkpoint(save_dir, tag)
     if lora:
-        from ds_adaptive.training.lora import export_lora
 
         return export_lora(save_dir, tag, read_client_state(save_dir / tag), out,
                            consolidated_state_dict(save_dir, tag), spec=get_model(cfg_model_name(save_dir, tag, model)))
@@ -160,8 +160,6 @@ def checkpoint_weights(save_dir: Path, tag: str, *, model: Optional[str] = None,
     a LoRA checkpoint's adapters merged into its base."""
     import torch
 
-    from ds_adaptive.models.family import ModelError
-    from ds_adaptive.models.registry import get_model
 
     state = read_client_state(save_dir / tag)
     name = cfg_model_name(save_dir, tag, model)
@@ -173,7 +171,6 @@ def checkpoint_weights(save_dir: Path, tag: str, *, model: Optional[str] = None,
         raise ExportError(f"model {name!r} (layers {n_layers}): {exc}") from None
     sd = consolidated_state_dict(save_dir, tag)
     if state.get("lora"):
-        from ds_adaptive.training.lora import merged_weights
 
         return cfg, merged_weights(cfg, state["lora"], sd, spec=spec, base=base, what=str(save_dir / tag))
     with torch.device("meta"):
@@ -205,8 +202,6 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="LoRA checkpoints exported whole: the base model's directory (default: the run's --init-from); "
                          "the adapters are merged into it")
     args = ap.parse_args(argv)
-    from ds_adaptive.training.lora import LoraError
-    from ds_adaptive.models.family import ModelError
 
     try:
         f = export_checkpoint(args.checkpoint, args.to, tag=args.tag, dtype=args.dtype, model=args.model,
@@ -215,8 +210,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"ds-adaptive export: error: {exc}", file=sys.stderr)
         return 2
     if args.lora:
-        from ds_adaptive.training.lora import loading_hint
-        from ds_adaptive.models.registry import get_model
 
         spec = get_model(cfg_model_name(*resolve_checkpoint(args.checkpoint, args.tag), args.model))
         print(f"wrote {f} (LoRA adapters, {loading_hint(spec, f.parent)})")

@@ -32,6 +32,22 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from ds_adaptive.inference.export import cfg_model_name, resolve_checkpoint
+from ds_adaptive.models.registry import default_model, get_model, model_of_weights
+from ds_adaptive.models.family import ModelError
+from ds_adaptive.inference.export import checkpoint_weights, resolve_checkpoint
+from ds_adaptive.training.lora import LORA_FILE, load_adapters, read_lora_file
+from ds_adaptive.training.preview import load_embeddings
+from ds_adaptive.media.encode import encode_captions, load_text_encoder, load_tokenizer
+from ds_adaptive.media.write import MEDIA_SUFFIXES
+from ds_adaptive.models.flow_sampler import euler_sample, initial_noise
+from ds_adaptive.media.write import decode_latents, latent_strip, write_media, write_png
+from ds_adaptive.training.preview import pad_context, save_embeddings
+from ds_adaptive.core.shapes import SampleShape, ShapeError
+from ds_adaptive.media.encode import load_vae
+from ds_adaptive.core.config import ConfigError
+from ds_adaptive.inference.export import ExportError
+from ds_adaptive.media.encode import EncoderError
 
 __all__ = ["main", "load_model", "model_of_source", "load_text_embeddings", "SampleError"]
 
@@ -48,9 +64,6 @@ def model_of_source(source: Optional[str], *, tag: Optional[str] = None, model: 
     """The registry entry (``get_model``) of what ``source`` holds: ``model`` (``--model``) when given, else a
     checkpoint's ``--model`` (its ds_adaptive state), else the registered architecture of a model directory's
     config; without a source, the default model."""
-    from ds_adaptive.inference.export import cfg_model_name, resolve_checkpoint
-    from ds_adaptive.models.registry import default_model, get_model, model_of_weights
-
     if model is not None or source is None:
         return get_model(model or default_model())
     p = Path(source)
@@ -58,7 +71,6 @@ def model_of_source(source: Optional[str], *, tag: Optional[str] = None, model: 
         raise SampleError(f"{source} does not exist: pass a --save directory, a global_stepN checkpoint or a model "
                           "directory (ds-adaptive export output, diffusers weights)")
     if _is_model_dir(p):
-        from ds_adaptive.models.family import ModelError
 
         try:
             return model_of_weights(p)
@@ -71,9 +83,6 @@ def load_model(source: str, *, tag: Optional[str] = None, base: Optional[str] = 
                dtype: torch.dtype = torch.float32, device: str = "cpu", spec=None):
     """The model (eval mode, no gradients) of a checkpoint or model directory, with ``lora`` applied; ``spec``:
     its registry entry (default :func:`model_of_source`). Returns ``(model, description)``."""
-    from ds_adaptive.inference.export import checkpoint_weights, resolve_checkpoint
-    from ds_adaptive.training.lora import LORA_FILE, load_adapters, read_lora_file
-
     spec = spec or model_of_source(source, tag=tag)
     p = Path(source)
     if _is_model_dir(p):
@@ -103,8 +112,6 @@ def load_model(source: str, *, tag: Optional[str] = None, base: Optional[str] = 
 def load_text_embeddings(args, spec) -> tuple[list[tuple[str, torch.Tensor]], Optional[torch.Tensor]]:
     """``([(name, [L, text_dim] fp32)], negative or None)`` from ``--prompt`` + ``--text-encoder`` (the text
     encoder of ``spec``, the model's registry entry) or ``--embeddings``."""
-    from ds_adaptive.training.preview import load_embeddings
-
     if args.embeddings:
         if args.prompt:
             raise SampleError("give either --prompt (with --text-encoder) or --embeddings, not both")
@@ -122,7 +129,6 @@ def load_text_embeddings(args, spec) -> tuple[list[tuple[str, torch.Tensor]], Op
         raise SampleError(f"--prompt needs --text-encoder DIR (model {spec.name}'s text encoder, a "
                           f"{spec.family.text_encoder_class} in diffusers / transformers format, e.g. a pipeline's "
                           "text_encoder/), or pass precomputed --embeddings")
-    from ds_adaptive.media.encode import encode_captions, load_text_encoder, load_tokenizer
 
     te = Path(args.text_encoder)
     tok = Path(args.tokenizer) if args.tokenizer else (
@@ -136,7 +142,6 @@ def load_text_embeddings(args, spec) -> tuple[list[tuple[str, torch.Tensor]], Op
 
 
 def _outputs(out: str, names: list[str], fmt: str) -> list[Path]:
-    from ds_adaptive.media.write import MEDIA_SUFFIXES
 
     p = Path(out)
     if p.suffix.lower() in MEDIA_SUFFIXES:
@@ -191,11 +196,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def sample(args) -> list[Path]:
     """Run the command; returns the files written."""
-    from ds_adaptive.models.flow_sampler import euler_sample, initial_noise
-    from ds_adaptive.media.write import decode_latents, latent_strip, write_media, write_png
-    from ds_adaptive.training.preview import pad_context, save_embeddings
-    from ds_adaptive.core.shapes import SampleShape, ShapeError
-
     spec = model_of_source(args.source, tag=args.tag, model=args.model)
     prompts, negative = load_text_embeddings(args, spec)
     written = []
@@ -224,7 +224,6 @@ def sample(args) -> list[Path]:
                              spec=spec)
     vae = None
     if args.vae is not None:
-        from ds_adaptive.media.encode import load_vae
 
         vae = load_vae(spec, args.vae, what="--vae").to(device)
     fmt = args.format or ("mp4" if vae is not None else "png")
@@ -253,10 +252,6 @@ def sample(args) -> list[Path]:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    from ds_adaptive.core.config import ConfigError
-    from ds_adaptive.inference.export import ExportError
-    from ds_adaptive.models.family import ModelError
-    from ds_adaptive.media.encode import EncoderError
 
     try:
         sample(args)

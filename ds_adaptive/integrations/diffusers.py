@@ -22,13 +22,13 @@ import types
 from typing import Any, Optional
 
 import torch
+from ds_adaptive.ops.ln_modulate import ln_modulate
 
 SUPPORTED = ((0, 42),)  # diffusers major.minor series whose Wan forwards are copied below
 _MARK = "_ds_adaptive_fused_ln_modulate"
 
 
 def _ln_modulate():
-    from ds_adaptive.ops.ln_modulate import ln_modulate
 
     return ln_modulate
 

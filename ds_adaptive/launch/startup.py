@@ -26,6 +26,8 @@ from typing import Optional
 from ds_adaptive.training.checkpoint import checkpoint_tags, step_of
 from ds_adaptive.training.run_config import RunConfig, UsageError
 from ds_adaptive.training.runlock import RunLock, RunLockError
+from ds_adaptive.models.family import ModelError
+from ds_adaptive.models.registry import get_model
 
 __all__ = ["SaveDir", "prepare_save_dir", "save_dir_problem", "init_from_problem", "checkpoint_bytes",
            "disk_problem", "OPTIMIZER_STATE_BYTES"]
@@ -83,8 +85,6 @@ def init_from_problem(path: str, model: str, layers: Optional[int]) -> Optional[
     by the model family's weight adapter); else one line naming the first problems and what to do."""
     import torch
 
-    from ds_adaptive.models.family import ModelError
-    from ds_adaptive.models.registry import get_model
 
     spec = get_model(model)
     cfg = spec.config(**({"num_layers": layers} if layers else {}))
@@ -104,8 +104,6 @@ def init_from_problem(path: str, model: str, layers: Optional[int]) -> Optional[
 def checkpoint_bytes(cfg: RunConfig) -> tuple[int, str]:
     """Estimated bytes of one checkpoint of this run and how the estimate was made: parameters x (optimizer
     state bytes + the weights' bytes when ZeRO < 3 keeps them in the model-state file)."""
-    from ds_adaptive.models.registry import get_model
-
     t, ds = cfg.trainer, cfg.ds_config
     spec = get_model(t.model)
     n = spec.param_counts(spec.config(**({"num_layers": t.layers} if t.layers else {})))["total"]

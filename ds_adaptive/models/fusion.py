@@ -8,8 +8,8 @@ chain into one kernel forward and one backward. Modes:
 
     off      eager (the default)
     rope     q / k RMSNorm + RoPE by one Triton kernel per tensor each way (``ds_adaptive.ops.qk_norm_rope``,
-             :func:`qk_norm_rope_kernel`; where it cannot run, ``wan.qk_norm_rope`` compiled)
-    regions  rope, plus the gated residuals (``wan.gated_residual``) compiled
+             :func:`qk_norm_rope_kernel`; where it cannot run, ``wan_blocks.qk_norm_rope`` compiled)
+    regions  rope, plus the gated residuals (``wan_blocks.gated_residual``) compiled
 
 Measured, not assumed (H200, ``bench/block_fusion_kernels.py``, fwd+bwd at 1 x 32,760 tokens): Inductor's
 dynamic-shape kernels for ``qk_norm_rope`` took 2.65 ms (10.6x the bytes' copy time: its weight-gradient reductions
@@ -21,7 +21,7 @@ hooks; a compiled region that contained them would break its graph at every hook
 core (an opaque call: dense SDPA, Ulysses or sparse attention alike) and the fused LayerNorm-modulate
 op. The compiled functions are plain functions of tensors (the RMSNorm weights are read as tensors:
 ZeRO-3 keeps them whole below ``stage3_param_persistence_threshold``; a partitioned one sends that block
-down the eager path, ``wan._params_available``). Compiled with ``dynamic=True``: one graph for every
+down the eager path, ``wan_blocks._params_available``). Compiled with ``dynamic=True``: one graph for every
 micro-batch shape, except where torch or Inductor specialise: a size of 1 (B = 1), a view's base (a one-frame
 grid's RoPE table), element counts behind some fusion decisions, the thread count. Without a warm-up, the trainer
 on an H200 paid 10-20 s of compile at the first step of each kind, mid-run. :func:`warm_up` compiles the plan's
@@ -37,8 +37,11 @@ import functools
 import itertools
 from typing import Callable, Iterable, Optional
 
-from ds_adaptive.models import wan
+from ds_adaptive.models import wan_blocks
 from ds_adaptive.models.family import BlockFusionUnavailable
+from ds_adaptive.ops.qk_norm_rope import try_triton_qk_norm_rope
+from ds_adaptive.core.config import ConfigError
+from ds_adaptive.ops.qk_norm_rope import tiles
 
 __all__ = ["BLOCK_FUSION_MODES", "BlockFusionUnavailable", "apply_block_fusion", "compiled", "qk_norm_rope_kernel",
            "warm_up"]
@@ -48,18 +51,16 @@ BLOCK_FUSION_MODES = ("off", "rope", "regions")
 
 @functools.lru_cache(maxsize=None)
 def compiled(name: str) -> Callable:
-    """The compiled form of ``wan.<name>`` (one per process; compilation happens at the first call)."""
+    """The compiled form of ``wan_blocks.<name>`` (one per process; compilation happens at the first call)."""
     import torch
 
-    return torch.compile(getattr(wan, name), dynamic=True, fullgraph=True)
+    return torch.compile(getattr(wan_blocks, name), dynamic=True, fullgraph=True)
 
 
 def qk_norm_rope_kernel(q, k, wq, wk, freqs, eps: float, heads: int):
-    """``wan.qk_norm_rope`` by the Triton kernels (``ds_adaptive.ops.qk_norm_rope``: one read and one write of each
+    """``wan_blocks.qk_norm_rope`` by the Triton kernels (``ds_adaptive.ops.qk_norm_rope``: one read and one write of each
     tensor, either way) where they can run (CUDA, triton), else its compiled form. Inductor's kernels for this
     function ran at ~10% of the memory bandwidth in the trainer (``bench/block_fusion_kernels.py``)."""
-    from ds_adaptive.ops.qk_norm_rope import try_triton_qk_norm_rope
-
     out = try_triton_qk_norm_rope(q, k, wq, wk, freqs, eps, heads)
     return out if out is not None else compiled("qk_norm_rope")(q, k, wq, wk, freqs, eps, heads)
 
@@ -72,8 +73,6 @@ def apply_block_fusion(model, mode: str) -> Optional[str]:
     if mode == "off":
         model.set_block_fusion()
         return None
-    from ds_adaptive.core.config import ConfigError
-    from ds_adaptive.ops.qk_norm_rope import tiles
 
     try:   # the kernel's launch override, checked before the run starts (one line, exit 2)
         tiles(model.config.dim)
@@ -118,9 +117,9 @@ def _warm_up(model, micro_batches: Iterable[tuple[int, int]], *, dtype, device, 
     block = model.blocks[0]
     attn, norm3 = block.self_attn, getattr(block, "norm3", None)
     qk_rope = attn.qk_rope
-    residual = block.residual if block.residual is not wan.gated_residual else None
-    layer_norm = getattr(norm3, "layer_norm_fn", wan.fp32_layer_norm)
-    layer_norm = None if layer_norm is wan.fp32_layer_norm else layer_norm
+    residual = block.residual if block.residual is not wan_blocks.gated_residual else None
+    layer_norm = getattr(norm3, "layer_norm_fn", wan_blocks.fp32_layer_norm)
+    layer_norm = None if layer_norm is wan_blocks.fp32_layer_norm else layer_norm
     if qk_rope is None and residual is None and layer_norm is None:
         return 0.0
     dim = model.config.dim
@@ -148,7 +147,7 @@ def _warm_up(model, micro_batches: Iterable[tuple[int, int]], *, dtype, device, 
         if residual is not None:
             time_mod = torch.zeros((b, tokens, shape[1], dim) if token_gate else (b, shape[1], dim),
                                    dtype=torch.float32, device=device, requires_grad=True)
-            gate = wan.modulation(like(block.modulation, *shape), time_mod)[2]
+            gate = wan_blocks.modulation(like(block.modulation, *shape), time_mod)[2]
             outs.append(residual(act(), act(), gate))
         if layer_norm is not None and not token_gate:
             outs.append(layer_norm(act(), like(norm3.weight), like(norm3.bias), norm3.eps))

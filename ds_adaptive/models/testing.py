@@ -11,6 +11,9 @@ import torch
 
 from ds_adaptive.models.wan import WanModel
 from ds_adaptive.models.weights import convert_wan_to_diffusers, diffusers_config
+from ds_adaptive.models.recompute import kept_attention_ops
+from ds_adaptive.models import fusion, wan, wan_blocks
+from ds_adaptive.models.wan_config import get_wan_config
 
 
 @torch.no_grad()
@@ -59,7 +62,6 @@ class AttentionCalls:
     def __init__(self) -> None:
         from torch.utils._python_dispatch import TorchDispatchMode
 
-        from ds_adaptive.models.recompute import kept_attention_ops
 
         counter = self
 
@@ -87,9 +89,6 @@ def block_fusion_errors(dtype: torch.dtype, size: tuple, device="cpu", impls: Op
     ``impls``: piece name -> the implementation to check instead of the compiled pieces (e.g. the Triton
     ``qk_norm_rope``; only those pieces are checked). Used by tests/test_fusion.py (CPU),
     tests/gpu/test_fusion_gpu.py and the q / k norm + RoPE kernel's tests."""
-    from ds_adaptive.models import fusion, wan
-    from ds_adaptive.models.wan import get_wan_config
-
     B, S, heads, head_dim = size
     D = heads * head_dim
     split = get_wan_config({"dim": D, "ffn_dim": 8, "num_heads": heads, "num_layers": 1}).rope_split
@@ -118,7 +117,7 @@ def block_fusion_errors(dtype: torch.dtype, size: tuple, device="cpu", impls: Op
             g = torch.Generator().manual_seed(i)
             x = torch.randn(*shape, generator=g) * 1.3 + 0.2
             args.append(x.to(device=device, dtype=kind or dtype).requires_grad_())
-        ref = getattr(wan, name)
+        ref = getattr(wan_blocks, name)
         got = outputs_and_grads(lambda *t: call(impls[name], *t), args)
         eager = outputs_and_grads(lambda *t: call(ref, *t), args)
         exact = outputs_and_grads(lambda *t: call(ref, *t), [a.detach().double().requires_grad_() for a in args])

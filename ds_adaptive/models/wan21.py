@@ -11,6 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from ds_adaptive.models.family import LoraTargets, MediaDefaults, ModelFamily, Preset
+from ds_adaptive.models.flops import wan_param_counts, wan_train_flops
+from ds_adaptive.models.wan import WanModel
+from ds_adaptive.models.wan_config import WanConfig, get_wan_config
+from ds_adaptive.models.weights import WanWeights
 
 _DATA = Path(__file__).resolve().parent.parent / "data"
 
@@ -37,26 +41,18 @@ projection and the head stay dense."""
 
 
 def make_config(arch, **overrides):
-    from ds_adaptive.models.wan import get_wan_config
-
     return get_wan_config(arch, **overrides)
 
 
 def build_model(config):
-    from ds_adaptive.models.wan import WanModel
-
     return WanModel(config)
 
 
 def train_flops(config, tokens: int, batch_size: int, ckpt_blocks: int = 0, kept_attention: bool = False):
-    from ds_adaptive.models.flops import wan_train_flops
-
     return wan_train_flops(config, tokens, batch_size, ckpt_blocks, kept_attention=kept_attention)
 
 
 def param_counts(config) -> dict:
-    from ds_adaptive.models.flops import wan_param_counts
-
     return wan_param_counts(config)
 
 
@@ -73,8 +69,6 @@ def per_token_modulation_bytes(config) -> tuple[float, float]:
 
 
 def weights():
-    from ds_adaptive.models.weights import WanWeights
-
     return WanWeights()
 
 
@@ -110,3 +104,7 @@ FAMILY = ModelFamily(
     keeps_attention=True,   # WanModel.set_checkpoint_attention
     per_token_modulation_bytes=per_token_modulation_bytes,
 )
+
+WAN_CONFIGS: dict[str, WanConfig] = {p.name: WanConfig(**p.arch) for p in FAMILY.presets}
+"""The Wan 2.1 presets' architectures by name; ``get_wan_config`` also knows every registered Wan-architecture model
+(``ds_adaptive.models.registry``)."""

@@ -24,7 +24,10 @@ from typing import Any, Mapping, Optional, Union
 import torch
 
 from ds_adaptive.models.family import ModelError
-from ds_adaptive.models.wan import WanConfig, WanModel, get_wan_config, is_fp32_param
+from ds_adaptive.models.wan import WanModel
+from ds_adaptive.models.wan_blocks import is_fp32_param
+from ds_adaptive.models.wan_config import WanConfig, get_wan_config
+from ds_adaptive.core.files import save_safetensors
 
 PathLike = Union[str, Path]
 WEIGHTS_STEM = "diffusion_pytorch_model"
@@ -454,7 +457,6 @@ def save_wan_weights(model: WanModel, directory: PathLike, layout: str = "wan") 
     """Write ``config.json`` + ``diffusion_pytorch_model.safetensors`` in the original Wan layout
     (``layout="wan"``) or diffusers' (``layout="diffusers"``, loadable by
     ``WanTransformer3DModel.from_pretrained``). Returns the weights file."""
-    from ds_adaptive.core.files import save_safetensors
     if layout not in ("wan", "diffusers"):
         raise ValueError(f"layout must be 'wan' or 'diffusers', got {layout!r}")
     out = Path(directory)

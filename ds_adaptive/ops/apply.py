@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ds_adaptive.ops.ln_modulate import ln_modulate, ln_modulate_reference, load_op
+from ds_adaptive.ops.ln_modulate import call_counts
 
 
 def apply_ln_modulate(model, enabled: bool, *, load: bool = True):
@@ -32,8 +33,6 @@ def ln_modulate_summary(requested: bool) -> dict:
     """What the model's LayerNorm-modulate sites really ran (for the run summary): the fused op only when
     it was asked for (adaptive_load.fused_ln_modulate) and every call took it; on the CPU, or when the op
     could not load, it falls back to the torch reference and the summary says so."""
-    from ds_adaptive.ops.ln_modulate import call_counts
-
     calls = call_counts() if requested else {"fused": 0, "reference": 0}
     ran = ("fused op" if calls["fused"] and not calls["reference"] else
            "fused op and torch reference" if calls["fused"] else "torch reference")

@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from ds_adaptive.ops.builder import LNModulateBuilder
 
 ENV_VAR = "DS_ADAPTIVE_LN_MODULATE"
 MODES = ("auto", "fused", "reference")
@@ -130,7 +131,6 @@ def _load_extension():
         if _STATE.tried:
             return _STATE.ext
         try:
-            from ds_adaptive.ops.builder import LNModulateBuilder
 
             builder = LNModulateBuilder()
             ext = builder.load(verbose=False)

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import functools
 from typing import Callable, Dict, List, Optional, Union
+from ds_adaptive.ops.builder import LNModulateBuilder
 
 _MARK = "_ds_adaptive_registered"
 
 
 def _builders() -> Dict[str, type]:
-    from ds_adaptive.ops.builder import LNModulateBuilder
 
     return {"LNModulateBuilder": LNModulateBuilder}
 

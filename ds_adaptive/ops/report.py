@@ -13,6 +13,11 @@ import json
 import os
 import sys
 from typing import Any, Dict, List, Optional
+from ds_adaptive.ops.ln_modulate import ENV_VAR, get_mode, load_op, op_status
+from ds_adaptive.ops.builder import LNModulateBuilder, parse_arch_list, gencode_flags
+from ds_adaptive.ops.registry import is_registered, register_ops
+from ds_adaptive.ops.ln_modulate import ln_modulate, ln_modulate_reference
+from ds_adaptive.ops.ln_modulate import KERNELS_ENV_VAR
 
 
 def collect(load: bool = False) -> Dict[str, Any]:
@@ -20,7 +25,6 @@ def collect(load: bool = False) -> Dict[str, Any]:
     import torch
 
     info: Dict[str, Any] = {}
-    from ds_adaptive.ops.ln_modulate import ENV_VAR, get_mode, load_op, op_status
 
     try:
         info["mode"] = get_mode()
@@ -40,9 +44,7 @@ def collect(load: bool = False) -> Dict[str, Any]:
         info["deepspeed"] = f"not importable: {e}"
         return info
 
-    from ds_adaptive.ops.builder import LNModulateBuilder, parse_arch_list, gencode_flags
 
-    from ds_adaptive.ops.registry import is_registered, register_ops
     register_ops()
     from deepspeed.accelerator import get_accelerator
     from deepspeed.ops.op_builder.all_ops import ALL_OPS
@@ -77,7 +79,6 @@ def collect(load: bool = False) -> Dict[str, Any]:
         ext = load_op(strict=False)
         info["load"] = op_status()
         if ext is not None and torch.cuda.is_available():
-            from ds_adaptive.ops.ln_modulate import ln_modulate, ln_modulate_reference
 
             x = torch.randn(2, 7, 1536, device="cuda", dtype=torch.bfloat16)
             mod = torch.randn(2, 6, 1536, device="cuda")
@@ -119,7 +120,6 @@ def _print(info: Dict[str, Any]) -> None:
         st = info["load"]
         row("load", f"loaded from {st['source']}" if st["loaded"] else f"FAILED: {st['error']}")
         if st.get("kernels"):
-            from ds_adaptive.ops.ln_modulate import KERNELS_ENV_VAR
 
             row("kernels", f"{st['kernels']}  ({KERNELS_ENV_VAR}; v1 = row in registers, v2 = staged cp.async)")
     if "smoke_max_abs_err" in info:

@@ -34,8 +34,10 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ds_adaptive.parallel.placement import HeadPlacement, check_placement, inverse_permutation, rank_heads
+from ds_adaptive.parallel.placement import (HeadPlacement, check_placement, inverse_permutation, plan_head_placement,
+                                            rank_heads)
 from ds_adaptive.models.family import set_plain_attr
+from ds_adaptive.core.contracts import load_densities
 
 __all__ = ["permute_heads", "place_heads", "apply_head_placement", "remove_head_placement", "current_placement",
            "update_sparse_balance"]
@@ -129,9 +131,6 @@ def update_sparse_balance(densities, *, model=None, sp=None, sampler=None, at_st
     density-balanced head placement applied to the model now (``enabled=False``: sparse attention is
     off, every block back to the plain attention). Call on every rank with the same densities.
     Returns the placement applied (None when none)."""
-    from ds_adaptive.parallel.placement import plan_head_placement
-    from ds_adaptive.planning.sparse_cost import load_densities
-
     dm = load_densities(densities)
     if sampler is not None:
         sampler.update_densities(dm, at_step, measured_at=measured_at)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional, Sequence
+from ds_adaptive.core.layout import heads_sp_problem
 
 __all__ = ["balance_heads", "identity_placement", "inverse_permutation", "rank_sums", "rank_heads",
            "check_placement", "placement_lower_bound", "HeadPlacement", "plan_head_placement", "PlacementError"]
@@ -53,8 +54,6 @@ def inverse_permutation(perm: Sequence[int]) -> list[int]:
 def check_placement(perm: Sequence[int], num_heads: int, sp: int) -> None:
     """Raise :class:`PlacementError` unless ``perm`` is a permutation of ``range(num_heads)`` and
     ``sp`` divides ``num_heads`` (equal head counts per rank)."""
-    from ds_adaptive.planning.validate import heads_sp_problem
-
     problem = heads_sp_problem(num_heads, sp, "the head placement")
     if problem:
         raise PlacementError(problem)

@@ -75,8 +75,8 @@ import numpy as np
 
 from ds_adaptive.planning.cost import CostModel
 from ds_adaptive.planning.memory import micro_batch_table, sample_memory
-from ds_adaptive.planning.planner import (EpochPlan, PlannerParams, efficient_batch, loop_ms_per_micro_step,
-                                         plan_epoch, unique_shapes)
+from ds_adaptive.planning.planner import (EpochPlan, Mode, PlannerParams, bucket_tokens, efficient_batch,
+                                         loop_ms_per_micro_step, plan_epoch, unique_shapes)
 from ds_adaptive.core.shapes import SampleShape
 
 __all__ = ["BudgetChoice", "choose_compute_budget", "candidate_budgets", "predicted_time_ms", "predicted_times",
@@ -361,3 +361,61 @@ def _best_index(rows: Sequence[dict]) -> int:
         if t > b or (t == b and r["m_comp"] > rows[best]["m_comp"]):
             best = i
     return best
+
+
+def resolve_budgets(*, mode: Mode, cost: CostModel, shapes: Sequence[SampleShape],
+                    m_mem: "float | str", m_comp: "float | str", max_tokens: Optional[int],
+                    gpu_mem_gib: Optional[float], mem_utilization: Optional[float], zero_stage: int,
+                    dp_size: int, micro_steps_per_step: "int | str" = 1, window: int = 256,
+                    balance_tolerance: float = 0.03, seed: int = 0, batch_cap: bool = True) -> dict:
+    """Numbers for ``auto`` budgets (``shapes``: one per sample; the budget search weighs shapes by count).
+
+    - ``m_mem: auto`` = usable GPU memory - static memory (ZeRO stage, ranks); usable = capacity x
+      ``mem_utilization`` when set, else capacity minus the profile's measured fragmentation margin
+      and headroom (:meth:`CostModel.usable_memory_gib`).
+    - ``m_comp: auto``: the reference = the costliest sample (that fits ``m_mem``) at B=1, i.e. the
+      smallest budget under which no sample is oversize. With the memory-aware checkpoint policy
+      (``dual``, calibrated, ``checkpointing: auto``) the throughput-optimal budget, below or above it
+      (:func:`ds_adaptive.planning.budget.choose_compute_budget`, which also scores the equal-token plan at
+      ``max_tokens``; the plan runs samples over a budget below the reference alone: ``solo_over_budget``),
+      else the reference itself. ``batch_cap``: the search may cap each shape's batches at their lowest time
+      per sample (``sampler.batch_cap``).
+    - ``micro_steps_per_step``: an int is kept; ``"auto"`` = the search's choice (1 without a search).
+    - ``max_tokens`` (tokens mode) = the tokens that ``m_mem`` holds at the per-token memory of the
+      longest sample, so that both baselines run at the same memory budget as ``dual``.
+
+    Returns ``{"m_mem", "m_comp", "max_tokens", "micro_steps_per_step", "solo_over_budget", "budget_choice",
+    "plan_mode", "efficient_batches"}`` (``budget_choice``: the search's
+    :class:`~ds_adaptive.planning.budget.BudgetChoice`, or None; ``plan_mode``: ``mode``, or ``tokens`` when the
+    search found the equal-token plan faster; ``efficient_batches``: the search's choice to cap batches at their
+    lowest time per sample).
+    """
+    uniq = sorted(set(shapes))
+    if m_mem == "auto":
+        m_mem_v = cost.auto_memory_budget(gpu_mem_gib, mem_utilization, zero_stage=zero_stage, dp_size=dp_size)
+    else:
+        m_mem_v = float(m_mem)
+    mem1 = {s: sample_memory(cost, s) for s in uniq}
+    fits = [s for s in uniq if mem1[s] <= m_mem_v] or uniq
+    choice = None
+    gas = micro_steps_per_step if micro_steps_per_step != "auto" else 1
+    if max_tokens is None:
+        longest = max(fits, key=bucket_tokens)
+        per_tok = mem1[longest] / cost.padded_tokens(longest)
+        max_tokens_v = max(int(m_mem_v / per_tok), cost.padded_tokens(longest))
+    else:
+        max_tokens_v = int(max_tokens)
+    if m_comp == "auto":   # B=1 with its checkpoint plan
+        m_comp_v = max(float(micro_batch_table(cost, s, 1, m_mem_v).cost[1]) for s in fits)
+        if uses_budget_search(cost, mode):
+            choice = choose_compute_budget(cost, shapes, m_mem=m_mem_v, reference=m_comp_v, dp_size=dp_size,
+                                           micro_steps_per_step=micro_steps_per_step, window=window,
+                                           balance_tolerance=balance_tolerance, seed=seed, max_tokens=max_tokens_v,
+                                           batch_cap=batch_cap)
+            m_comp_v, gas = choice.m_comp, choice.micro_steps_per_step
+    else:
+        m_comp_v = float(m_comp)
+    plan_mode = choice.plan_mode if choice is not None else mode
+    return {"m_mem": m_mem_v, "m_comp": m_comp_v, "max_tokens": max_tokens_v, "micro_steps_per_step": int(gas),
+            "solo_over_budget": choice is not None and plan_mode == "dual", "budget_choice": choice,
+            "plan_mode": plan_mode, "efficient_batches": choice is not None and choice.efficient_batches}

@@ -20,7 +20,9 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from ds_adaptive.planning.cost import Profile, load_profile, shipped_profiles
+from ds_adaptive.planning.profile import Profile, load_profile, shipped_profiles
+from ds_adaptive.models.registry import default_model
+from ds_adaptive.models.registry import default_model, model_for_profile
 
 
 @dataclass(frozen=True)
@@ -119,8 +121,6 @@ def scale_profile(profile: Profile, *, from_tflops: float, to_tflops: float, gpu
 
 def default_profile_name() -> str:
     """The shipped H100 calibration of the default model: the planners' reference profile (``simulate``)."""
-    from ds_adaptive.models.registry import default_model
-
     return f"h100-{default_model()}"
 
 
@@ -129,8 +129,6 @@ def resolve_auto_profile(model_name: Optional[str], device_name: Optional[str] =
     """``profile: "auto"`` -> (profile, one-line message saying what was chosen and why).
 
     ``device_name`` defaults to the detected GPU (None on a CPU-only machine)."""
-    from ds_adaptive.models.registry import default_model, model_for_profile
-
     if device_name is None and detect:
         device_name = detect_device_name()
     model = model_name or default_model()

@@ -31,7 +31,8 @@ from typing import Union
 
 import numpy as np
 
-from ds_adaptive.planning.cost import CHECKPOINT_POLICIES, CostModel
+from ds_adaptive.planning.cost import CostModel
+from ds_adaptive.planning.profile import CHECKPOINT_POLICIES
 from ds_adaptive.core.shapes import SampleShape
 
 __all__ = ["checkpoint_blocks", "fewest_memory_blocks", "micro_batch_table", "MicroBatchTable", "policy_blocks",

@@ -35,12 +35,15 @@ import numpy as np
 from ds_adaptive.core.config import SamplerConfig
 from ds_adaptive.core.layout import Layout
 from ds_adaptive.planning.budget import plan_tokens_per_s, uses_budget_search
-from ds_adaptive.planning.cost import CostModel, Profile, load_profile
+from ds_adaptive.planning.cost import CostModel
+from ds_adaptive.planning.profile import Profile, load_profile
 from ds_adaptive.planning.devices import calibrate_hint, resolve_auto_profile
 from ds_adaptive.planning.memory import sample_memory
 from ds_adaptive.planning.planner import (EpochPlan, OversizeSampleError, PlanError, PlannerParams, StepTotals,
-                                 plan_epoch, resolve_budgets, unique_shapes)
-from ds_adaptive.planning.sparse_cost import DensityMap, SparseAttentionCost, load_densities
+                                          plan_epoch, unique_shapes)
+from ds_adaptive.planning.budget import resolve_budgets
+from ds_adaptive.planning.sparse_cost import SparseAttentionCost
+from ds_adaptive.core.contracts import DensityMap, load_densities
 from ds_adaptive.models.registry import get_model
 from ds_adaptive.core.shapes import SampleShape
 

@@ -2,7 +2,7 @@
 
 One sparse layer's selection for a micro-batch of ``B`` samples of ``S`` tokens on one SP rank
 (``h = heads / sp`` local heads; ``nq = nk = ceil(S / block)`` query / key blocks) does, for the
-default ``pooled_lse`` scoring (``ds_adaptive.attention.selection.pooled_lse_scores``) and the top-k
+default ``pooled_lse`` scoring (``ds_adaptive.attention.scores.pooled_lse_scores``) and the top-k
 (``select_blocks``)::
 
     pooling   B * h * S * Dh             reads         (the block-mean query)         ~ B h S
@@ -126,43 +126,3 @@ class SelectionCost:
         if int(sec.get("block_size", -1)) != int(block_size) or sec.get("block_score", "pooled_lse") != block_score:
             return cls.default()
         return cls.from_dict(sec, where=where)
-
-
-def fit_selection(rows: Sequence[Mapping[str, float]], *, block_size: int, source: str = "fit") -> tuple[SelectionCost, dict]:
-    """Fit :class:`SelectionCost` to timings. Each row: ``B``, ``S``, ``heads``, ``select_ms`` (the whole
-    call) and optionally ``score_ms`` (the scoring part alone). With ``score_ms`` in every row, the
-    scoring is fitted on ``(1, B h S, B h nq S)`` and the rest (top-k) on ``(1, B h nq nk)``: at one
-    block size ``nq S`` and ``nq nk`` are nearly proportional, so only this split tells them apart;
-    without it the whole call is fitted on ``(1, B h S, B h nq S)`` (top-k inside ``ms_per_logit``).
-    Non-negative least squares on relative error. Returns ``(cost, {"max_rel_err", "mean_rel_err",
-    "points": [...]})``."""
-    from ds_adaptive.calibration.calibrate import nnls
-
-    if len(rows) < 3:
-        raise ValueError(f"fit_selection needs >= 3 timed (B, S) points, got {len(rows)}")
-    x = selection_features([r["B"] for r in rows], [r["S"] for r in rows], [r["heads"] for r in rows], block_size)
-    total = np.array([float(r["select_ms"]) for r in rows])
-    if np.any(total <= 0):
-        raise ValueError("fit_selection: every select_ms must be > 0")
-    split = all(r.get("score_ms") is not None for r in rows)
-    coef = np.zeros(4)
-    if split:
-        score = np.array([float(r["score_ms"]) for r in rows])
-        rest = np.maximum(total - score, 1e-6)
-        w = 1.0 / np.maximum(score, 1e-6)
-        c_s = nnls(x[:, :3] * w[:, None], score * w)
-        w = 1.0 / rest
-        c_k = nnls(x[:, [0, 3]] * w[:, None], rest * w)
-        coef[:3] = c_s
-        coef[0] += c_k[0]
-        coef[3] = c_k[1]
-    else:
-        w = 1.0 / total
-        coef[:3] = nnls(x[:, :3] * w[:, None], total * w)
-    cost = SelectionCost(*(float(c) for c in coef), block_size=int(block_size), source=source)
-    pred = x @ coef
-    err = (pred - total) / total
-    pts = [{**{k: r[k] for k in ("B", "S", "heads")}, "select_ms": float(t), "predicted_ms": float(p), "rel_err": float(e)}
-           for r, t, p, e in zip(rows, total, pred, err)]
-    return cost, {"max_rel_err": float(np.max(np.abs(err))), "mean_rel_err": float(np.mean(np.abs(err))),
-                  "split": split, "points": pts}

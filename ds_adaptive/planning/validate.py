@@ -30,7 +30,10 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from ds_adaptive.core.config import AdaptiveLoadConfig, ConfigError, SamplerConfig, SparseAttentionConfig
-from ds_adaptive.core.layout import SequenceParallelError
+from ds_adaptive.core.ds_config import accumulation_steps
+from ds_adaptive.core.layout import SequenceParallelError, heads_sp_problem, resolve_sp_size
+from ds_adaptive.models.registry import get_model, model_names
+from ds_adaptive.attention.backends.check import check_sparse_config
 
 __all__ = ["RunFacts", "Problem", "run_problems", "validate_run", "heads_sp_problem", "accumulation_steps"]
 
@@ -60,69 +63,15 @@ class Problem:
     """The exception type :func:`validate_run` raises it as."""
 
 
-def heads_sp_problem(num_heads: int, sp: int, what: str = "the model") -> Optional[str]:
-    """Ulysses gives each rank of an SP group heads/sp whole heads: sp must divide the heads."""
-    if sp >= 1 and num_heads % sp == 0:
-        return None
-    divisors = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
-    return (f"Ulysses sp={sp} does not divide the {num_heads} attention heads of {what}: each rank of an SP group "
-            f"attends with heads/sp whole heads. Use sp in {divisors}.")
-
-
-def accumulation_steps(ds_config: Mapping[str, Any], dp_size: Optional[int], sp: Optional[int] = None):
-    """``gradient_accumulation_steps`` of a ds_config: an int >= 1, or ``"auto"`` (the sampler chooses it).
-
-    ``train_micro_batch_size_per_gpu`` (default 1; the sampler decides the real micro-batch sizes) x
-    ``gradient_accumulation_steps`` x dp must equal ``train_batch_size`` when all are given; without
-    ``gradient_accumulation_steps`` it is ``train_batch_size / (micro x dp)``; with ``"auto"``,
-    ``train_batch_size`` cannot be given. ``dp_size`` None (not known yet): the types only. ``sp`` only explains
-    dp in the message. Raises ConfigError."""
-    gas, tbs, micro = (ds_config.get("gradient_accumulation_steps"), ds_config.get("train_batch_size"),
-                       ds_config.get("train_micro_batch_size_per_gpu"))
-    for key, value in (("train_batch_size", tbs), ("train_micro_batch_size_per_gpu", micro)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ConfigError(f"ds_config {key} must be an int >= 1, got {value!r}")
-    if gas == "auto":
-        if tbs is not None:
-            raise ConfigError(f"ds_config sets gradient_accumulation_steps 'auto' and train_batch_size {tbs!r}: "
-                              "with 'auto' the sampler chooses the micro-steps per optimizer step; drop "
-                              "train_batch_size, or set gradient_accumulation_steps to a number")
-        return "auto"
-    if gas is not None and (not isinstance(gas, int) or isinstance(gas, bool) or gas < 1):
-        raise ConfigError(f"ds_config gradient_accumulation_steps must be an int >= 1, got {gas!r} (or \"auto\": "
-                          "the adaptive_load sampler chooses it)")
-    micro = micro or 1
-    if tbs is None or dp_size is None:
-        return gas or 1
-    if gas is None:
-        if tbs % (micro * dp_size):
-            raise ConfigError(
-                f"ds_config train_batch_size={tbs!r} is not a multiple of train_micro_batch_size_per_gpu "
-                f"({micro}) x data-parallel size ({dp_size}); set 'gradient_accumulation_steps' instead "
-                "(micro-batch sizes are chosen by the adaptive_load sampler)")
-        return tbs // (micro * dp_size)
-    if tbs != micro * gas * dp_size:
-        raise ConfigError(
-            f"ds_config train_batch_size={tbs} != train_micro_batch_size_per_gpu {micro} x "
-            f"gradient_accumulation_steps {gas} x dp {dp_size}"
-            + (f" (= world {dp_size * sp} / sp {sp})" if sp else "") + f" = {micro * gas * dp_size}; set train_batch_size to "
-            f"{micro * gas * dp_size}, or drop it (the trainer derives it) -- an SP group of sp ranks trains one "
-            "micro-batch")
-    return gas
-
-
 def _model(facts: RunFacts):
     if facts.model is None:
         return None
-    from ds_adaptive.models.registry import get_model
 
     return get_model(facts.model).config(**({"num_layers": facts.layers} if facts.layers else {}))
 
 
 def _sp_problems(ds_config: Mapping[str, Any], facts: RunFacts, model) -> tuple[list[Problem], Optional[int]]:
     """The Ulysses degree (``--sp`` / ``sequence_parallel_size``), then sp vs the heads, then sp vs the world."""
-    from ds_adaptive.core.layout import resolve_sp_size
-
     try:
         sp = resolve_sp_size(facts.sp, ds_config)
     except SequenceParallelError as exc:
@@ -187,12 +136,10 @@ def _sparse_problems(sa: SparseAttentionConfig, facts: RunFacts, model) -> list[
     the deepest registered preset."""
     if not sa.enabled:
         return []
-    from ds_adaptive.attention.backends.check import check_sparse_config
 
     if model is not None:
         n, head_dim = model.num_layers, model.dim // model.num_heads
     else:
-        from ds_adaptive.models.registry import get_model, model_names
 
         n, head_dim = max(get_model(m).config().num_layers for m in model_names()), None
     device = facts.device if facts.device not in (None, "cuda") else "meta"  # meta: a GPU launch checked without one

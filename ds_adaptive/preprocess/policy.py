@@ -31,6 +31,8 @@ from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
                       model_validator)
 
 from ds_adaptive.core.shapes import GridRule, InputSpec, SampleShape, ShapeError, default_input_spec
+from ds_adaptive.models.registry import default_model, get_model
+from ds_adaptive.models.registry import default_model, model_names
 
 
 class PolicyError(ValueError):
@@ -62,8 +64,6 @@ def _context_grid(info: ValidationInfo) -> GridRule:
 def _default(field_name: str):
     """A field's default: the default model's media defaults (``Preset.media``)."""
     def factory():
-        from ds_adaptive.models.registry import default_model, get_model
-
         return list(v) if isinstance(v := getattr(get_model(default_model()).preset.media, field_name), tuple) else v
     return factory
 
@@ -180,7 +180,6 @@ def load_policy(path: Union[str, Path, None] = None, *, model=None, **overrides)
     (command-line flags; None values are ignored); validated under the model's grid rule. Errors name the
     key and the file."""
     if model is None:
-        from ds_adaptive.models.registry import default_model, get_model
 
         model = get_model(default_model())
     media = model.preset.media
@@ -215,8 +214,6 @@ def load_policy(path: Union[str, Path, None] = None, *, model=None, **overrides)
 
 def add_policy_args(parser: argparse.ArgumentParser) -> None:
     """The shape-policy flags shared by ``preprocess`` and ``stats``."""
-    from ds_adaptive.models.registry import default_model, model_names
-
     parser.add_argument("--model", default=None, choices=model_names(),
                         help=f"the model the data is for: its VAE, text encoder, grid rule and media defaults "
                              f"(default: {default_model()})")
@@ -237,8 +234,6 @@ def add_policy_args(parser: argparse.ArgumentParser) -> None:
 
 def model_from_args(args: argparse.Namespace):
     """The model of ``--model`` (default: the default model)."""
-    from ds_adaptive.models.registry import default_model, get_model
-
     return get_model(getattr(args, "model", None) or default_model())
 
 

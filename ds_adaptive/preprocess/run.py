@@ -37,6 +37,10 @@ from ds_adaptive.core.shapes import SampleShape
 from ds_adaptive.preprocess.manifest import ManifestError, MediaItem, read_inputs
 from ds_adaptive.media.decode import MediaError, decode_item
 from ds_adaptive.preprocess.policy import PolicyError, ShapePolicy, add_policy_args, model_from_args, policy_from_args
+from ds_adaptive.data.shards import LatentShardWriter
+from ds_adaptive.data.shards import write_index
+from ds_adaptive.media.encode import LatentEncoders
+from ds_adaptive.media.encode import EncoderError
 
 SETTINGS_FILE = "preprocess.json"
 REJECTS_FILE = "rejects.jsonl"
@@ -153,7 +157,6 @@ def _encode_unit(k: int, unit: range, results, items: list[MediaItem], encoders,
     """Decode (from the loader), encode and write unit ``k``; returns its record (written last)."""
     import torch
 
-    from ds_adaptive.data.shards import LatentShardWriter
 
     stats = Counter()
     rejects, accepted = [], []  # accepted: (item, [(shape, start, latents)])
@@ -223,8 +226,6 @@ def _encode_unit(k: int, unit: range, results, items: list[MediaItem], encoders,
 def finalize(out: Path, n_units: int, spec=None) -> Optional[dict]:
     """When every unit record exists: write index.json (latents for ``spec``, the model's inputs),
     rejects.jsonl and report.json; else None."""
-    from ds_adaptive.data.shards import write_index
-
     records = []
     for k in range(n_units):
         p = _unit_record(out, k)
@@ -363,7 +364,6 @@ def run(args: argparse.Namespace, encoders=None) -> dict:
     summary["units_done_before"] = sum(1 for k in range(len(units)) if k % world == rank) - len(mine)
     if mine:
         if encoders is None:
-            from ds_adaptive.media.encode import LatentEncoders
 
             encoders = LatentEncoders.from_pretrained(
                 model, vae=args.vae, text_encoder=args.text_encoder, tokenizer=args.tokenizer, pipeline=args.pipeline,
@@ -420,7 +420,6 @@ def run(args: argparse.Namespace, encoders=None) -> dict:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    from ds_adaptive.media.encode import EncoderError
 
     try:
         summary = run(args)

@@ -24,10 +24,12 @@ from typing import Optional
 from ds_adaptive.core.shapes import SampleShape
 from ds_adaptive.preprocess.manifest import ManifestError, MediaItem, read_inputs
 from ds_adaptive.preprocess.policy import PolicyError, ShapePolicy, add_policy_args, policy_from_args
+from ds_adaptive.media.decode import MediaError, planned_shapes, probe
+from ds_adaptive.preprocess.run import _reason_kind
+from ds_adaptive.data.shards import LatentShardDataset
 
 
 def _predict(job: tuple[MediaItem, ShapePolicy]) -> tuple[list[SampleShape], Optional[str]]:
-    from ds_adaptive.media.decode import MediaError, planned_shapes, probe
 
     item, policy = job
     try:
@@ -42,11 +44,8 @@ def _predict(job: tuple[MediaItem, ShapePolicy]) -> tuple[list[SampleShape], Opt
 
 def collect(source: str, policy: ShapePolicy, workers: int = 0) -> tuple[Counter, Counter, str]:
     """(samples per shape, rejects per reason kind, description) of a dataset dir or a manifest / folder."""
-    from ds_adaptive.preprocess.run import _reason_kind
-
     src = Path(source)
     if src.is_dir() and (src / "index.json").is_file():
-        from ds_adaptive.data.shards import LatentShardDataset
 
         shapes = Counter(LatentShardDataset(src, verify=False, spec=policy.spec).sample_shapes())
         return shapes, Counter(), f"shape mix of the latent dataset {src}"

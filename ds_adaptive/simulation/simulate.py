@@ -25,8 +25,6 @@ dual-constraint batching with cost S^p.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import sys
 import warnings
@@ -36,15 +34,20 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ds_adaptive.core.config import SamplerConfig
-from ds_adaptive.planning.budget import predicted_times  # noqa: F401  (re-exported: the simulator's time model)
-from ds_adaptive.planning.cost import CostModel, Profile, load_profile
-from ds_adaptive.planning.devices import default_profile_name, resolve_auto_profile
-from ds_adaptive.planning.planner import EpochPlan, resolve_budgets
-from ds_adaptive.planning.sampler import build_batch_sampler
 from ds_adaptive.core.layout import Layout
 from ds_adaptive.core.shapes import SampleShape, ShapeWeight, load_shape_distribution
+from ds_adaptive.planning.budget import predicted_times, resolve_budgets
+from ds_adaptive.planning.cost import CostModel
+from ds_adaptive.planning.devices import default_profile_name, resolve_auto_profile
+from ds_adaptive.planning.planner import EpochPlan
+from ds_adaptive.planning.profile import Profile, load_profile
+from ds_adaptive.planning.sampler import build_batch_sampler
+from ds_adaptive.models.registry import default_model, get_model, model_for_profile
+
 
 SAMPLERS = ("tokens", "fixed", "dual")
+
+
 # The paper's variant: dual-constraint with the power-law cost S^p (p = sampler.p), scored with
 # the calibrated model like every other sampler.
 PAPER_VARIANT = "dual_power"
@@ -53,8 +56,6 @@ PAPER_VARIANT = "dual_power"
 def profile_distribution(profile: Profile, path: Optional[str] = None) -> list[ShapeWeight]:
     """The shape mix at ``path`` (default: the profiled model's shipped mix) under the profiled model's grid
     rule; a profile of an unregistered model plans with the default model's."""
-    from ds_adaptive.models.registry import default_model, get_model, model_for_profile
-
     m = model_for_profile(profile.raw.get("model", {}).get("name")) or get_model(default_model())
     return load_shape_distribution(path or m.shapes, grid=m.grid)
 
@@ -139,7 +140,7 @@ def simulate(*, world: int, sp: int = 1, steps: int = 50, seed: int = 0,
     hungriest sampler), not its first ``steps`` steps: the first steps alone are a draw of the dual plan's
     shuffled micro-steps, where one micro-step of long videos more or less decides a comparison.
     ``num_layers``: plan for a model of that many blocks (the profile rescaled by
-    :meth:`ds_adaptive.planning.cost.Profile.with_num_layers`, as the trainer does for ``--layers``).
+    :meth:`ds_adaptive.planning.profile.Profile.with_num_layers`, as the trainer does for ``--layers``).
     ``profile`` default: :func:`default_profile_name`; ``dist`` default: the profiled model's mix."""
     if world % sp:
         raise ValueError(f"--world {world} is not divisible by --sp {sp}")
@@ -221,106 +222,3 @@ def plot(result: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
-
-def _table(result: dict) -> str:
-    rows = [f"{result['world']} GPUs, sp={result['sp']} (dp={result['dp']}), {result['steps']} steps, "
-            f"profile {result['profile']}, m_mem {result['budgets']['m_mem_gib']:.1f} GiB, "
-            f"m_comp {result['budgets']['m_comp']:.0f} {result['cost_unit']}",
-            f"{'sampler':>8} {'CV mean':>8} {'CV p90':>8} {'balance':>8} {'tok/s':>12} {'samples':>8} "
-            f"{'micro':>6} {'oversize':>8}"]
-    for mode, r in result["samplers"].items():
-        rows.append(f"{mode:>8} {r['compute_cv_mean']:>8.2%} {r['cv_p90']:>8.2%} {r['balance_efficiency']:>8.2%} "
-                    f"{r['predicted_tokens_per_s']:>12.0f} {r['samples']:>8} {r['micro_steps']:>6} {r['oversize']:>8}")
-    return "\n".join(rows)
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="ds-adaptive simulate", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", default=None, help="shape-distribution json (default: the profiled model's shipped mix)")
-    ap.add_argument("--profile", default=default_profile_name(), help="profile name or json path (default: %(default)s)")
-    ap.add_argument("--layers", type=int, default=None,
-                    help="transformer blocks of the trained model (as the trainer's --layers; default: the "
-                         "profile's): the profile is rescaled to that depth")
-    ap.add_argument("--world", type=int, required=True, help="number of GPUs")
-    ap.add_argument("--sp", type=int, default=1, help="Ulysses degree (default 1)")
-    ap.add_argument("--steps", type=int, default=50, help="optimizer steps to plan (default 50)")
-    ap.add_argument("--micro-steps-per-step", type=int, default=1, help="gradient accumulation steps")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--cost-model", choices=["calibrated", "power", "tokens"], default="calibrated")
-    ap.add_argument("--p", type=float, default=1.5, help="exponent of --cost-model power")
-    ap.add_argument("--m-mem", default="auto", help="memory budget GiB or auto")
-    ap.add_argument("--m-comp", default="auto", help="compute budget (cost unit) or auto")
-    ap.add_argument("--gpu-mem-gib", type=float, default=None, help="GPU capacity (default: the profile's)")
-    ap.add_argument("--window", type=int, default=None, help="samples per DP rank per planning window")
-    ap.add_argument("--json", action="store_true", help="print one JSON object")
-    ap.add_argument("--plot", default=None, help="write a PNG of CV per micro-step and per-rank load")
-    ap.add_argument("--sparse", default=None, metavar="DENSITIES",
-                    help="sparse attention: per layer x head densities ('synthetic' = drawn from 0.02-0.5, a density "
-                         "json, or a run's metrics.jsonl); compares the dense-cost and the sparse-aware dual planner "
-                         "timed with the sparse cost (ds_adaptive.simulation.sparse)")
-    ap.add_argument("--efficiency", default=None,
-                    help="with --sparse: the kernel's efficiency table (a `calibrate --sparse` json; default DSV's anchors)")
-    ap.add_argument("--density-step", type=int, default=None,
-                    help="with --sparse METRICS.jsonl: use the densities logged at or before this step")
-    args = ap.parse_args(argv)
-    budgets = {}
-    for key in ("m_mem", "m_comp"):
-        value = getattr(args, key)
-        try:
-            budgets[key] = value if value == "auto" else float(value)
-        except ValueError:
-            ap.error(f"--{key.replace('_', '-')} must be a number or 'auto', got {value!r}")
-    try:
-        return _run(args, budgets)
-    except (ValueError, FileNotFoundError) as exc:  # shapes, profile, topology, budgets: one message
-        print(f"ds-adaptive simulate: error: {exc}", file=sys.stderr)
-        return 2
-
-
-def _run(args: argparse.Namespace, budgets: dict) -> int:
-    upd = {"profile": args.profile, "cost_model": args.cost_model, "p": args.p,
-           **budgets}
-    if args.window:
-        upd["window"] = args.window
-    cfg = SamplerConfig(**upd)
-    dist = profile_distribution(resolve_auto_profile(None)[0] if args.profile == "auto" else load_profile(args.profile),
-                                args.shapes)
-    if args.sparse:
-        return _main_sparse(args, cfg, dist)
-    res = simulate(world=args.world, sp=args.sp, steps=args.steps, seed=args.seed, dist=dist,
-                   profile=args.profile, sampler_cfg=cfg, micro_steps_per_step=args.micro_steps_per_step,
-                   gpu_mem_gib=args.gpu_mem_gib, keep_plans=bool(args.plot), num_layers=args.layers)
-    if args.plot:
-        plot(res, args.plot)
-    res.pop("_plans", None)
-    res.pop("_truth", None)
-    if args.json:
-        print(json.dumps(res))
-    else:
-        print(_table(res))
-        if args.plot:
-            print(f"wrote {args.plot}")
-    return 0
-
-
-def _main_sparse(args, cfg: SamplerConfig, dist) -> int:
-    from ds_adaptive.planning import simulate_sparse as ss
-    from ds_adaptive.planning.sparse_cost import load_densities
-
-    if args.layers is not None:
-        raise SystemExit("--sparse with --layers: give densities of the reduced model and a profile of its depth")
-    dens = args.sparse if args.sparse == "synthetic" else load_densities(args.sparse, step=args.density_step)
-    res = ss.simulate_sparse(world=args.world, sp=args.sp, steps=args.steps, seed=args.seed, densities=dens,
-                             efficiency=args.efficiency, dist=dist, profile=args.profile, sampler_cfg=cfg,
-                             micro_steps_per_step=args.micro_steps_per_step, gpu_mem_gib=args.gpu_mem_gib,
-                             keep_plans=bool(args.plot))
-    if args.plot:
-        ss.plot(res, args.plot)
-    res.pop("_plans", None)
-    res.pop("_truths", None)
-    print(json.dumps(res) if args.json else ss.table(res) + (f"\nwrote {args.plot}" if args.plot else ""))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -24,15 +24,17 @@ from __future__ import annotations
 import warnings
 from typing import Optional, Sequence
 
-from ds_adaptive.planning.cost import CostModel, load_profile
+from ds_adaptive.planning.cost import CostModel
+from ds_adaptive.planning.profile import load_profile
 from ds_adaptive.planning.sampler import build_batch_sampler
 from ds_adaptive.core.layout import Layout
 from ds_adaptive.planning.devices import default_profile_name
 from ds_adaptive.simulation.simulate import profile_distribution, score_plan, simulated_dataset
-from ds_adaptive.planning.sparse_cost import (DensityMap, KernelEfficiency, SparseAttentionCost, load_densities,
-                                        synthetic_densities)
+from ds_adaptive.planning.sparse_cost import SparseAttentionCost, load_efficiency
+from ds_adaptive.core.contracts import DensityMap, KernelEfficiency, load_densities, synthetic_densities
 from ds_adaptive.core.config import SamplerConfig
 from ds_adaptive.core.shapes import ShapeWeight
+from ds_adaptive.simulation.simulate import predicted_times
 
 ARMS = ("dense_cost", "sparse", "sparse_identity", "tokens", "dense_attention")
 
@@ -62,7 +64,7 @@ def simulate_sparse(*, world: int, sp: int = 1, steps: int = 50, seed: int = 0,
     prof = load_profile(profile)
     dist = list(dist) if dist is not None else profile_distribution(prof)
     dm = resolve_densities(densities, num_layers=prof.num_layers, num_heads=prof.num_heads, seed=seed)
-    eff = efficiency if isinstance(efficiency, KernelEfficiency) else KernelEfficiency.load(efficiency)
+    eff = load_efficiency(efficiency)
     dp = world // sp
     sparse_bal = SparseAttentionCost(dm, efficiency=eff, head_placement="balanced")
     sparse_id = SparseAttentionCost(dm, efficiency=eff, head_placement="identity")
@@ -137,7 +139,6 @@ def plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from ds_adaptive.simulation.simulate import predicted_times
 
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.6))
     colors = {"dense_cost": "tab:red", "sparse": "tab:blue", "sparse_identity": "tab:purple", "tokens": "tab:orange",

@@ -18,11 +18,27 @@ from typing import Any, Optional
 
 import torch
 
-from ds_adaptive.core.config import ConfigError, prepare_ds_config
+from ds_adaptive.core.config import ConfigError
+from ds_adaptive.core.ds_config import prepare_ds_config
 from ds_adaptive.core.layout import Layout, strip_mesh_keys
 from ds_adaptive.training.lora import adapter_parameters, apply_run_lora
 from ds_adaptive.training.run_config import RunConfig
 from ds_adaptive.planning.validate import RunFacts, validate_run
+from ds_adaptive.models.registry import get_model
+from ds_adaptive.parallel import apply_ulysses
+from ds_adaptive.data import build_dataset
+from ds_adaptive.ops import apply_ln_modulate
+from ds_adaptive.models.family import ModelError, missing_members
+from ds_adaptive.attention.backends import select_backend
+from ds_adaptive.attention.backends.check import check_sparse_config, sparse_config_notes
+from ds_adaptive.attention.backends import BackendChoice, get_backend
+from ds_adaptive.planning.sparse_cost import SparseAttentionCost
+from ds_adaptive.core.contracts import DensityMap
+from ds_adaptive.attention.runtime import attach_sparse_attention
+from ds_adaptive.ops.ln_modulate import get_mode
+from ds_adaptive.calibration.autocalibrate import startup_profile
+from ds_adaptive.planning.profile import ProfileDepthError
+from ds_adaptive.planning.sampler import build_batch_sampler
 
 __all__ = ["Run", "build_run", "DEFAULT_NUM_SAMPLES"]
 
@@ -110,8 +126,6 @@ def build_run(cfg: RunConfig, *, layout: Optional[Layout] = None, device: Option
     explicit one. ``device``: default CPU (the meta device with ``meta``). ``gpu_mem_gib``: GPU memory
     for ``auto`` budgets (default: the visible GPU, else the profile's device).
     """
-    from ds_adaptive.models.registry import get_model
-
     t = cfg.trainer
     preset = get_model(t.model)
     overrides = {"num_layers": t.layers} if t.layers else {}
@@ -155,7 +169,6 @@ def build_run(cfg: RunConfig, *, layout: Optional[Layout] = None, device: Option
     if lora is not None:
         notes.append(lora.describe())
     if layout.sp_enabled and not meta:
-        from ds_adaptive.parallel import apply_ulysses
 
         apply_ulysses(model, layout)  # sequence sharding + DistributedAttention
     sparse = _attach_sparse(cfg, model, layout, device, sampler, sparse_choice, sparse_cost)
@@ -180,8 +193,6 @@ def _engine_config(cfg: RunConfig, layout: Layout, *, on_gpu: bool, announce: bo
 def _build_dataset(cfg: RunConfig, preset, notes: list):
     """The dataset of the model's inputs (its grid rule, text width and length): the synthetic mix
     (``sampler.shapes``, else the model's default mix) or ``--data DIR`` (checked against the model)."""
-    from ds_adaptive.data import build_dataset
-
     t, s = cfg.trainer, cfg.adaptive_load.sampler
     if t.data == "synthetic":
         return build_dataset("synthetic", num_samples=t.num_samples or DEFAULT_NUM_SAMPLES,
@@ -194,8 +205,6 @@ def _build_dataset(cfg: RunConfig, preset, notes: list):
 
 def _build_model(cfg: RunConfig, preset, model_config, ds_config: dict, *, meta: bool):
     """The model with the run's op choice; ZeRO-3 partitions it as it is built (same init on every rank)."""
-    from ds_adaptive.ops import apply_ln_modulate
-
     enabled = cfg.adaptive_load.fused_ln_modulate
     if meta:
         with torch.device("meta"):
@@ -284,8 +293,6 @@ def leaf_block_count(model) -> int:
 
 def _checked(preset, model):
     """``model`` if it has the runtime's setters and split forward (the family seam), else a ModelError."""
-    from ds_adaptive.models.family import ModelError, missing_members
-
     missing = missing_members(model)
     if missing:
         raise ModelError(f"model {preset.name}: {type(model).__name__} lacks {', '.join(missing)} of the runtime's "
@@ -346,8 +353,6 @@ def _sparse_backend(cfg: RunConfig, model_config, dataset, device: torch.device,
     sa = cfg.adaptive_load.sparse_attention
     if not sa.enabled:
         return None
-    from ds_adaptive.attention.backends import select_backend
-    from ds_adaptive.attention.backends.check import check_sparse_config, sparse_config_notes
 
     n = model_config.num_layers
     longest = max((sh.tokens for sh in dataset.sample_shapes()), default=None)
@@ -364,7 +369,6 @@ def _sparse_backend(cfg: RunConfig, model_config, dataset, device: torch.device,
                                 block_size=sa.block_size, measure=device.type == "cuda",
                                 num_heads=model_config.num_heads)
     if multi:  # one choice and one curve for every rank: the plans must be identical
-        from ds_adaptive.attention.backends import BackendChoice, get_backend
 
         msg = [None if choice is None else (choice.backend.name, choice.line, choice.fallback, choice.curve)]
         dist.broadcast_object_list(msg, src=0)
@@ -379,8 +383,6 @@ def sparse_decision_cost(sa, model_config, choice, device: torch.device, dtype: 
     curve and the config's block / sink / ``dense_above``: what the sampler plans with and (its
     densities replaced by the profiled ones) what the runtime decides with, so both make the same
     per-layer decision (``SparseAttentionCost.layer_decisions``)."""
-    from ds_adaptive.planning.sparse_cost import DensityMap, SparseAttentionCost
-
     n, h = model_config.num_layers, model_config.num_heads
     dense = sa.dense_layers if sa.dense_layers is not None else sorted({0, n - 1})
     ones = DensityMap(tuple((1.0,) * h for _ in range(n)), dense_layers=tuple(i for i in dense if 0 <= i < n),
@@ -419,7 +421,6 @@ def _attach_sparse(cfg: RunConfig, model, layout: Layout, device: torch.device, 
     plans dense costs): what runs is what the planner costs."""
     if choice is None:
         return None
-    from ds_adaptive.attention.runtime import attach_sparse_attention
 
     decision = sampler.cost.sparse or sparse_cost.for_profile(sampler.cost.profile)
     return attach_sparse_attention(model, cfg.adaptive_load.sparse_attention, layout=layout, device=device,
@@ -432,8 +433,6 @@ def run_ln_modulate_path(fused_requested: bool, device_type: str = "cuda") -> st
     of a GPU launch; the op has no CPU path) and DS_ADAPTIVE_LN_MODULATE does not force the reference, else
     ``reference``. (A CUDA op that fails to build also falls back; the trainer's summary reports that from the
     op's call counts.)"""
-    from ds_adaptive.ops.ln_modulate import get_mode
-
     on_cuda = device_type in ("cuda", "meta")
     return "fused" if fused_requested and on_cuda and get_mode() != "reference" else "reference"
 
@@ -447,11 +446,6 @@ def _build_sampler(cfg: RunConfig, dataset, layout: Layout, ds_config: dict, gpu
     on a GPU / model / LayerNorm-modulate path with no shipped profile, and ``profile: calibrate``, plan with
     the start-up calibration (rank 0 measures or reads the cache, every rank gets its result:
     :func:`ds_adaptive.calibration.autocalibrate.startup_profile`; collective when torch.distributed is up)."""
-    from ds_adaptive.calibration.autocalibrate import startup_profile
-    from ds_adaptive.planning.cost import ProfileDepthError
-    from ds_adaptive.planning.sampler import build_batch_sampler
-    from ds_adaptive.models.registry import get_model
-
     t, s = cfg.trainer, cfg.adaptive_load.sampler
     stage = _zero_stage(ds_config)
     gas = ds_config["gradient_accumulation_steps"]   # an int, or "auto": the sampler chooses it

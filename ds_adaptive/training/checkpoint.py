@@ -36,6 +36,8 @@ import zipfile
 from pathlib import Path
 from typing import Callable, Optional, Union
 
+import torch
+
 from ds_adaptive.training.checksum import ALGORITHM, HashingSaves, file_digest
 
 __all__ = ["MARKER", "TAG_PREFIX", "write_checkpoint", "check_checkpoint", "find_resumable", "tag_for",
@@ -48,6 +50,10 @@ TAG_PREFIX = "global_step"
 _TAG_RE = re.compile(rf"^{TAG_PREFIX}(\d+)$")
 
 PathLike = Union[str, os.PathLike]
+
+
+CLIENT_STATE_KEY = "ds_adaptive"
+"""The key of ds_adaptive's client state (model preset, layers, step, sampler, LoRA, ...) in a DeepSpeed checkpoint."""
 
 
 class CheckpointError(ValueError):
@@ -309,3 +315,17 @@ def find_resumable(save_dir: PathLike, check: Optional[Callable[[Path], Optional
         notes.append(f"skipping checkpoint {tag}: {problem}")
     detail = "; ".join(notes) if notes else "it holds no 'latest' file and no global_stepN directory"
     raise CheckpointError(f"no complete checkpoint in {save_dir}: {detail}")
+
+
+def read_client_state(ckpt_dir: Path) -> dict:
+    """The ds_adaptive client state (:data:`CLIENT_STATE_KEY`) of the checkpoint directory ``ckpt_dir``, read from
+    its model-states file; {} if absent. A file that cannot be read is a :class:`CheckpointError` naming it."""
+    files = sorted(Path(ckpt_dir).glob("*model_states.pt"))
+    if not files:
+        raise CheckpointError(f"{ckpt_dir} holds no *model_states.pt: not a complete DeepSpeed checkpoint")
+    try:
+        state = torch.load(files[0], map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is the same message for the user
+        raise CheckpointError(f"{files[0]} cannot be read ({type(exc).__name__}: {exc}); the checkpoint is "
+                              "truncated or corrupt") from None
+    return dict(state.get(CLIENT_STATE_KEY) or {})

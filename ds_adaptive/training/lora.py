@@ -51,6 +51,9 @@ import torch
 
 from ds_adaptive.core.config import ConfigError
 from ds_adaptive.models.family import LoraTargets, ModelError
+from ds_adaptive.training.checkpoint import CheckpointError, read_client_state
+from ds_adaptive.models.registry import get_model
+from ds_adaptive.core.files import save_safetensors
 
 __all__ = ["LoraError", "LoraTargets", "targets_for", "LoraInfo", "ADAPTER", "apply_lora", "adapter_parameters",
            "base_probe", "check_base", "check_resume", "diffusers_lora", "read_lora_file", "adapter_pairs",
@@ -91,7 +94,6 @@ def import_peft():
 def model_spec(spec: Any):
     """The registry entry of ``spec`` (a ``Model``, or a ``--model`` name)."""
     if isinstance(spec, str):
-        from ds_adaptive.models.registry import get_model
 
         return get_model(spec)
     return spec
@@ -460,11 +462,9 @@ def resume_problem(info: Optional[LoraInfo], ckpt_dir, client: Optional[Mapping]
     """:func:`check_resume` for the checkpoint directory ``ckpt_dir`` (``client``: its ``ds_adaptive`` client
     state when already loaded; else read from its model-states file)."""
     if client is None:
-        from ds_adaptive.inference.export import ExportError, read_client_state
-
         try:
             client = read_client_state(ckpt_dir)
-        except ExportError:
+        except CheckpointError:
             return None
     return check_resume(info, (client or {}).get(CLIENT_KEY), what=f"checkpoint {ckpt_dir}")
 
@@ -488,7 +488,6 @@ def export_lora(save_dir, tag: str, state: Mapping, out, sd: Mapping[str, torch.
     :data:`LORA_FILE` (:func:`diffusers_lora`); ``state`` is its ``ds_adaptive`` client state. Returns the file."""
     from pathlib import Path
 
-    from ds_adaptive.core.files import save_safetensors
 
     what = str(Path(save_dir) / tag)
     record = state.get(CLIENT_KEY)

@@ -45,6 +45,8 @@ import torch
 import torch.distributed as dist
 
 from ds_adaptive.core.config import MetricsConfig
+from ds_adaptive.training.wandb_log import WandbLogger
+from ds_adaptive.planning.devices import peak_tflops
 
 GIB = float(2**30)
 
@@ -279,7 +281,6 @@ class StepMetrics:
                     print("ds_adaptive.metrics: the 'tensorboard' package is not installed; TensorBoard logs are "
                           "off (pip install tensorboard, or set adaptive_load.metrics.tensorboard=false)")
             if cfg.wandb:
-                from ds_adaptive.training.wandb_log import WandbLogger
 
                 self._wandb = WandbLogger.open(project=cfg.wandb_project, log_dir=self.log_dir,
                                                config=json_safe(self.run_info))
@@ -561,7 +562,6 @@ def _peak_tflops(cfg: MetricsConfig, device: torch.device) -> float:
         return float(cfg.peak_tflops)
     if device.type != "cuda":
         return 0.0
-    from ds_adaptive.planning.devices import peak_tflops
 
     try:
         return float(peak_tflops(torch.cuda.get_device_name(device)) or 0.0)

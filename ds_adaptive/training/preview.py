@@ -38,6 +38,11 @@ from ds_adaptive.core.config import ConfigError
 from ds_adaptive.models.flow_sampler import euler_sample, initial_noise
 from ds_adaptive.models.objective import sample_seed
 from ds_adaptive.core.shapes import InputSpec, SampleShape, ShapeError, default_input_spec
+from ds_adaptive.core.files import save_safetensors
+from ds_adaptive.planning.memory import fewest_memory_blocks
+from ds_adaptive.media.encode import EncoderError, load_vae
+from ds_adaptive.media.write import frame_strip, latent_strip, write_media, write_png
+from ds_adaptive.media.write import decode_latents
 
 __all__ = ["PreviewPrompt", "PreviewPlan", "PreviewRunner", "load_prompts", "plan_previews", "preview_memory_gib",
            "load_embeddings", "save_embeddings", "preview_size", "pad_context"]
@@ -62,8 +67,6 @@ ORDER_KEY = "ds_adaptive_prompts"
 
 def save_embeddings(table: dict[str, torch.Tensor], path) -> Path:
     """Write ``{name: [L, text_dim]}`` text embeddings as safetensors, keeping the order of ``table``."""
-    from ds_adaptive.core.files import save_safetensors
-
     return save_safetensors({k: v.detach().float().contiguous().cpu() for k, v in table.items()}, path,
                             metadata={"format": "pt", ORDER_KEY: json.dumps(list(table))})
 
@@ -153,8 +156,6 @@ def preview_memory_gib(cost, shape: SampleShape, batch: int) -> float:
     activations of a training micro-batch of that size with its fewest-memory checkpoint count (which hold a
     block's backward working set, more than a no-grad forward), plus the sampler's fp32 state (x, noise,
     velocity and the gathered prediction)."""
-    from ds_adaptive.planning.memory import fewest_memory_blocks
-
     acts = float(cost.ckpt_memory(shape, batch, fewest_memory_blocks(cost, shape)))
     state = 4 * 4 * batch * math.prod(shape.latent_shape) / GIB
     return acts + state
@@ -196,8 +197,6 @@ def plan_previews(prompts: list[PreviewPrompt], cost, budget_gib: float, *, guid
 
 def _load_vae(model, path):
     """The model's VAE for decoding previews (rank 0); a ConfigError naming ``adaptive_load.preview.vae``."""
-    from ds_adaptive.media.encode import EncoderError, load_vae
-
     try:
         return load_vae(model, path, what="adaptive_load.preview.vae")
     except EncoderError as exc:
@@ -319,8 +318,6 @@ class PreviewRunner:
         return sorted((kv for part in (got or []) for kv in part), key=lambda kv: kv[0])
 
     def _write(self, step: int, results: list) -> list[Path]:
-        from ds_adaptive.media.write import frame_strip, latent_strip, write_media, write_png
-
         files = []
         for j, latents in results:
             p = self.plan.prompts[j]
@@ -339,8 +336,6 @@ class PreviewRunner:
     def _decode(self, latents: torch.Tensor):
         """uint8 frames of one preview; None (latent preview instead, with a message) when the VAE runs out of
         GPU memory: the VAE is outside the memory plan."""
-        from ds_adaptive.media.write import decode_latents
-
         device = self.run.device
         try:
             self.vae.to(device)

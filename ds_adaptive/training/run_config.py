@@ -18,7 +18,11 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ds_adaptive.core.config import AdaptiveLoadConfig, load_adaptive_config, read_ds_config, require_block
+from ds_adaptive.core.config import AdaptiveLoadConfig
+from ds_adaptive.core.ds_config import load_adaptive_config, read_ds_config, require_block
+from ds_adaptive.models.registry import get_model
+from ds_adaptive.planning.validate import RunFacts, validate_run
+from ds_adaptive.training.preview import preview_size
 
 __all__ = ["TrainerConfig", "RunConfig", "UsageError", "run_config_from_args", "resolve_relative",
            "DEFAULT_SAVE_INTERVAL"]
@@ -202,14 +206,11 @@ def _check_planned_layout(cfg: RunConfig) -> None:
     exists: a bad config fails on every rank before any collective."""
     import torch
 
-    from ds_adaptive.models.registry import get_model
-    from ds_adaptive.planning.validate import RunFacts, validate_run
 
     t = cfg.trainer
     model = get_model(t.model)
     model.objective_with(t.objective)
     if cfg.adaptive_load.preview.enabled:  # the preview size on the model's grid
-        from ds_adaptive.training.preview import preview_size
 
         preview_size(cfg.adaptive_load.preview, model.input_spec)
     validate_run(cfg.ds_config, cfg.adaptive_load, RunFacts(

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ds_adaptive.core.ports import free_port
-from ds_adaptive.training.checkpoint import (CheckpointError, check_checkpoint, find_resumable, last_good, read_marker, step_of, tag_for,
+from ds_adaptive.training.checkpoint import (CLIENT_STATE_KEY, CheckpointError, check_checkpoint, find_resumable, last_good, read_marker, step_of, tag_for,
                          write_checkpoint)
 from ds_adaptive.data import DataError, build_dataset, collate_latents
 from ds_adaptive.core.layout import Layout
@@ -44,11 +44,12 @@ from ds_adaptive.training.preempt import EXIT_PREEMPTED, StopRequest, ignore_sto
 from ds_adaptive.training.assemble import Run, leaf_block_count
 from ds_adaptive.core.config import ConfigError
 from ds_adaptive.training.run_config import UsageError
+from ds_adaptive.attention.telemetry import SparseTrainerHook
+from ds_adaptive.ops.ln_modulate import op_status
 
 __all__ = ["Trainer", "backward_micro_batch", "evaluate", "init_distributed", "shutdown_distributed",
            "check_accumulation", "MemoryLog", "CLIENT_STATE_KEY", "EVAL_SEED_OFFSET", "NonFiniteError", "EXIT_PREEMPTED"]
 
-CLIENT_STATE_KEY = "ds_adaptive"
 EVAL_SEED_OFFSET = 1_000_003   # held-out samples: the synthetic dataset with seed + this offset
 
 
@@ -281,7 +282,6 @@ class Trainer:
         engine's parameters); the hook logs, steps and checkpoints it. None when off."""
         if run.sparse is None:
             return None
-        from ds_adaptive.attention.telemetry import SparseTrainerHook
 
         return SparseTrainerHook(run.sparse, run.cfg.adaptive_load.metrics.log_dir, self.is_main)
 
@@ -350,7 +350,6 @@ class Trainer:
             "zero3_leaf_blocks": leaf_block_count(run.model),
         }
         if al.fused_ln_modulate:
-            from ds_adaptive.ops.ln_modulate import op_status
 
             info["ln_modulate_op"] = op_status()
         metrics = StepMetrics(al.metrics, micro_steps_per_step=run.gas, device=run.device, log_dir=log_dir,

@@ -10,7 +10,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ds_adaptive.models.testing import AttentionCalls
-from ds_adaptive.models.wan import WanModel, get_wan_config
+from ds_adaptive.models.wan import WanModel
+from ds_adaptive.models.wan_config import get_wan_config
 from ds_adaptive.models.recompute import kept_attention_bytes_per_token
 
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,

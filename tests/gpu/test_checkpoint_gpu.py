@@ -13,8 +13,9 @@ deepspeed = pytest.importorskip("deepspeed")
 def test_zero3_bf16_checkpoint_checksums_on_cuda(tmp_path):
     from ds_adaptive.training.checkpoint import check_checkpoint, read_marker, write_checkpoint
     from ds_adaptive.training.checksum import file_digest
-    from ds_adaptive.core.config import prepare_ds_config, read_ds_config
-    from ds_adaptive.models.wan import WanModel, get_wan_config
+    from ds_adaptive.core.ds_config import prepare_ds_config, read_ds_config
+    from ds_adaptive.models.wan import WanModel
+    from ds_adaptive.models.wan_config import get_wan_config
     from ds_adaptive.training.trainer import init_distributed
 
     init_distributed(0)

@@ -11,7 +11,8 @@ import torch
 
 from ds_adaptive.models import fusion
 from ds_adaptive.models.testing import block_fusion_errors
-from ds_adaptive.models.wan import WanModel, get_wan_config
+from ds_adaptive.models.wan import WanModel
+from ds_adaptive.models.wan_config import get_wan_config
 
 DEVICE = "cuda"
 

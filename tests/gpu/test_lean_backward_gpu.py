@@ -83,7 +83,8 @@ def test_wan_sized_ffn_holds_one_activation_less():
 def test_wan_block_lean_vs_plain(monkeypatch):
     """A Wan 1.3B-sized block in bf16: the same output, gradients as close as bf16 allows, and less memory held
     between its passes by at least GELU(h) and the three normalised Linear inputs."""
-    from ds_adaptive.models.wan import WanBlock, get_wan_config
+    from ds_adaptive.models.wan_blocks import WanBlock
+    from ds_adaptive.models.wan_config import get_wan_config
 
     cfg = get_wan_config("wan2.1-1.3b")
     torch.manual_seed(0)

@@ -13,7 +13,8 @@ peft = pytest.importorskip("peft", reason="LoRA needs peft (the wheelhouse's EXT
 from ds_adaptive.core.config import LoraConfig  # noqa: E402
 from ds_adaptive.training.lora import apply_lora  # noqa: E402
 from ds_adaptive.models.testing import random_init_  # noqa: E402
-from ds_adaptive.models.wan import WanModel, get_wan_config  # noqa: E402
+from ds_adaptive.models.wan import WanModel
+from ds_adaptive.models.wan_config import get_wan_config  # noqa: E402
 
 DEV = torch.device("cuda")
 

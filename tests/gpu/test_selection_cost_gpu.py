@@ -7,9 +7,11 @@ import json
 
 import pytest
 
-from ds_adaptive.planning.cost import CostModel, load_profile
+from ds_adaptive.planning.cost import CostModel
+from ds_adaptive.planning.profile import load_profile
 from ds_adaptive.planning.selection_cost import SelectionCost
-from ds_adaptive.planning.sparse_cost import DensityMap, SparseAttentionCost
+from ds_adaptive.planning.sparse_cost import SparseAttentionCost
+from ds_adaptive.core.contracts import DensityMap
 
 
 def test_measure_fit_and_profile_round_trip(tmp_path):

@@ -9,8 +9,11 @@ import math
 import pytest
 import torch
 
-from ds_adaptive.attention import (BlockSelection, SparseAttentionRuntime, SparseKernelError, dense_attention,
-                                flex_block_sparse_attention, masked_attention_reference, select_blocks)
+from ds_adaptive.attention.selection import BlockSelection, select_blocks
+from ds_adaptive.attention.runtime import SparseAttentionRuntime
+from ds_adaptive.attention.backends.reference import masked_attention_reference
+from ds_adaptive.attention.backends.flex import flex_block_sparse_attention
+from ds_adaptive.attention.attention import SparseKernelError, dense_attention
 from ds_adaptive.attention.backends import backend_names, get_backend
 from ds_adaptive.attention.backends.flex import compiled_graphs
 from ds_adaptive.attention.backends.measure import random_selection
@@ -123,7 +126,7 @@ def test_every_backend_equals_the_masked_reference(name, b, s, h, valid) -> None
 
 
 def test_pooled_lse_scores_on_cuda_equal_fp64() -> None:
-    from ds_adaptive.attention.selection import pooled_lse_scores
+    from ds_adaptive.attention.scores import pooled_lse_scores
 
     q, k, _ = _qkv(2, 1000, 3, 128, seed=21)
     got = pooled_lse_scores(q.detach(), k.detach(), 128, chunk_elems=2 * 3 * 1000 * 3)  # 3 query blocks a chunk
@@ -135,7 +138,8 @@ def test_pooled_lse_scores_on_cuda_equal_fp64() -> None:
 
 def _tiny_wan_step(cache: str):
     from ds_adaptive.models.testing import random_init_
-    from ds_adaptive.models.wan import WanConfig, WanModel
+    from ds_adaptive.models.wan import WanModel
+    from ds_adaptive.models.wan_config import WanConfig
     cfg = WanConfig(dim=256, ffn_dim=512, num_heads=2, num_layers=3)
     model = random_init_(WanModel(cfg), seed=0).to(DEV).to_dtype(torch.bfloat16)
     model.gradient_checkpointing = True

@@ -160,8 +160,9 @@ def test_triton_backend_runs_and_warms_up() -> None:
 
 def _tiny_wan_step(backend: str):
     from ds_adaptive.models.testing import random_init_
-    from ds_adaptive.models.wan import WanConfig, WanModel
-    from ds_adaptive.attention import SparseAttentionRuntime
+    from ds_adaptive.models.wan import WanModel
+    from ds_adaptive.models.wan_config import WanConfig
+    from ds_adaptive.attention.runtime import SparseAttentionRuntime
 
     cfg = WanConfig(dim=256, ffn_dim=512, num_heads=2, num_layers=3)
     model = random_init_(WanModel(cfg), seed=0).to(DEV).to_dtype(torch.bfloat16)
@@ -233,7 +234,8 @@ SCORE_CASES = [
 @pytest.mark.parametrize("b,s,h,d,block,dtype", SCORE_CASES)
 def test_pooled_scores_kernel_matches_fp64_and_selects_like_the_torch_path(monkeypatch, b, s, h, d, block, dtype):
     from ds_adaptive.attention.kernels import triton_block_scores as sc
-    from ds_adaptive.attention.selection import blocks_for_density, pooled_lse_scores, pooled_lse_scores_torch
+    from ds_adaptive.attention.selection import blocks_for_density
+    from ds_adaptive.attention.scores import pooled_lse_scores, pooled_lse_scores_torch
 
     monkeypatch.setattr(sc, "_alloc", lambda *a, **kw: torch.full(*a, float("nan"), **kw))
     q, k = _structured_qk(b, s, h, d, dtype, seed=s)

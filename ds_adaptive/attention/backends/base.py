@@ -45,6 +45,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Optional, Sequence
 
 import torch
+from ds_adaptive.attention.backends.measure import cached_curve
+from ds_adaptive.core.contracts import KernelEfficiency
 
 __all__ = ["BackendSupport", "SparseAttentionBackend", "SparseBackendError", "WarmupShape"]
 
@@ -130,10 +132,8 @@ class SparseAttentionBackend(abc.ABC):
 
     def efficiency(self, device: Any, *, dtype: torch.dtype = torch.bfloat16, head_dim: int = 128,
                    block_size: int = 128):
-        """:class:`ds_adaptive.planning.sparse_cost.KernelEfficiency` ``g(rho)`` of this backend on ``device``: a
+        """:class:`ds_adaptive.core.contracts.KernelEfficiency` ``g(rho)`` of this backend on ``device``: a
         measurement of this GPU + torch version in the cache (``measure``) wins, else :meth:`shipped_efficiency`."""
-        from ds_adaptive.attention.backends.measure import cached_curve
-
         curve = cached_curve(self, device, dtype=dtype, head_dim=head_dim, block_size=block_size)
         if curve is not None:
             return curve
@@ -142,8 +142,6 @@ class SparseAttentionBackend(abc.ABC):
     def shipped_efficiency(self, device: Any, *, dtype: torch.dtype, head_dim: int, block_size: int):
         """The curve this backend ships for ``device`` (a measured table, or an assumption it states in the
         curve's ``source``); default: the DSV anchors (``KernelEfficiency.default()``)."""
-        from ds_adaptive.planning.sparse_cost import KernelEfficiency
-
         return KernelEfficiency.default()
 
     def stats(self) -> dict:

@@ -12,6 +12,8 @@ from typing import Optional
 
 import torch
 
+from ds_adaptive.attention.backends.registry import backend_names, get_backend
+
 __all__ = ["check_sparse_config", "sparse_config_notes"]
 
 KEY = "adaptive_load.sparse_attention"
@@ -30,8 +32,8 @@ def check_sparse_config(cfg, num_layers: int, device_type: str, *, head_dim: Opt
     against a backend's limit). Disabled sparse attention has no problems."""
     if not cfg.enabled:
         return []
-    from ds_adaptive.attention.backends.registry import backend_names, get_backend
-
+    if cfg.backend != "auto" and cfg.backend not in backend_names():
+        return [f"{KEY}.backend: unknown sparse-attention backend '{cfg.backend}'; use 'auto' or one of {backend_names()}"]
     out = []
     bad = [i for i in _dense_layers(cfg, num_layers) if not 0 <= i < num_layers]
     if bad:

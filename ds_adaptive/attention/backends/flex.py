@@ -26,10 +26,13 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from ds_adaptive.attention.attention import SparseKernelError, check_qkv, split_valid
+from ds_adaptive.attention.attention import SparseKernelError, check_qkv, split_valid, transpose_blocks
 from ds_adaptive.attention.backends.base import BackendSupport, SparseAttentionBackend
 from ds_adaptive.attention.backends.registry import register_backend
 from ds_adaptive.attention.selection import BlockSelection
+from ds_adaptive.attention.kernel_options import options_for
+from ds_adaptive.attention.backends.measure import random_selection
+from ds_adaptive.core.contracts import KernelEfficiency
 
 __all__ = ["FlexBackend", "block_mask_from_selection", "compiled_graphs", "flex_block_sparse_attention",
            "transpose_blocks", "DEFAULT_MAX_GRAPHS"]
@@ -102,28 +105,6 @@ def _keys_below(length: torch.Tensor):
     return mask_mod
 
 
-def transpose_blocks(kv_num: torch.Tensor, kv_idx: torch.Tensor, num_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The transposed block lists: for each key block, the query blocks that selected it.
-
-    kv_num ``[B, H, nq]``, kv_idx ``[B, H, nq, w]`` (first ``kv_num`` entries valid, any order) ->
-    ``(q_num [B, H, num_cols] int32, q_idx [B, H, num_cols, nq] int32)``, query blocks ascending,
-    entries past ``q_num`` 0. A handful of vectorised kernels, no host sync (a bool scatter, an int32
-    cumsum, one scatter of the positions), unlike ``BlockMask.from_kv_blocks``' vmapped dense
-    transpose and argsort.
-    """
-    b, h, nq, w = kv_idx.shape
-    valid = torch.arange(w, device=kv_idx.device) < kv_num.unsqueeze(-1)
-    dense = torch.zeros(b, h, nq, num_cols + 1, dtype=torch.bool, device=kv_idx.device)
-    dense.scatter_(-1, torch.where(valid, kv_idx.long(), num_cols), True)
-    dense_t = dense[..., :num_cols].transpose(-1, -2)  # [B, H, nk, nq] view
-    pos = dense_t.cumsum(-1, dtype=torch.int32)
-    q_num = pos[..., -1].contiguous()
-    q_idx = torch.zeros(b, h, num_cols, nq + 1, dtype=torch.int32, device=kv_idx.device)
-    rows = torch.arange(nq, dtype=torch.int32, device=kv_idx.device).expand(b, h, num_cols, nq)
-    q_idx.scatter_(-1, torch.where(dense_t, pos - 1, nq).long(), rows)
-    return q_num, q_idx[..., :nq].contiguous()
-
-
 def block_mask_from_selection(selection: BlockSelection, *, pad_to_block: bool = True, with_q: bool = True):
     """FlexAttention ``BlockMask`` with the selected blocks as full blocks, built directly (no
     ``from_kv_blocks``): the kv side is the selection's own index rows widened to nk (a fixed width,
@@ -190,7 +171,6 @@ def flex_block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     None or no entry fits. ``max_graphs``: one more compiled graph than this is an error.
     """
     if kernel_options is None and density is not None:
-        from ds_adaptive.attention.kernel_options import options_for
         kernel_options = options_for(density, head_dim=q.shape[-1], dtype=q.dtype, device=q.device)
     check_qkv(q, k, v, selection)
     q, k, v, sel, pad = split_valid(q, k, v, selection, valid_len)
@@ -264,7 +244,6 @@ class FlexBackend(SparseAttentionBackend):
         the trainer runs it), or a forward without autograd; classes already warm cost nothing."""
         from torch.utils.checkpoint import checkpoint
 
-        from ds_adaptive.attention.backends.measure import random_selection
 
         dev = torch.device(device)
         todo: dict = {}
@@ -295,8 +274,6 @@ class FlexBackend(SparseAttentionBackend):
         return spent
 
     def shipped_efficiency(self, device, *, dtype, head_dim, block_size):
-        from ds_adaptive.planning.sparse_cost import KernelEfficiency
-
         dev = torch.device(device)
         gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" and torch.cuda.is_available() else ""
         for tag, (dens, ratio) in SHIPPED_CURVES.items():

@@ -2,7 +2,7 @@
 
 :func:`measure_backend` times a backend's fwd+bwd (random block selections at a few densities, one
 ragged sequence of ``seq_len`` tokens) against dense SDPA fwd+bwd (cuDNN / flash) at the same shape
-and returns the curve ``g(rho) = sparse / dense`` (:class:`ds_adaptive.planning.sparse_cost.KernelEfficiency`).
+and returns the curve ``g(rho) = sparse / dense`` (:class:`ds_adaptive.core.contracts.KernelEfficiency`).
 :func:`store` / :func:`cached_curve` keep it in a JSON file, ``$DS_ADAPTIVE_CACHE_DIR/sparse_backends.json``
 (default ``~/.cache/ds_adaptive/``), one entry per (GPU name, torch version, backend, dtype, head dim,
 block size): ``auto`` reuses it across runs, and a new driver, GPU or torch version measures anew.
@@ -18,6 +18,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+from ds_adaptive.core.contracts import KernelEfficiency
+from ds_adaptive.core.timing import time_ms
+from ds_adaptive.attention.selection import select_blocks
 
 __all__ = ["Measurement", "cache_key", "cache_path", "cached_curve", "cuda_time_ms", "measure_backend",
            "random_selection", "store", "MEASURE_DENSITIES", "MEASURE_SEQ_LEN"]
@@ -54,8 +57,6 @@ def _read() -> dict:
 
 def cached_curve(backend, device: Any, *, dtype: torch.dtype, head_dim: int, block_size: int):
     """The cached curve of ``backend`` for this GPU + torch version, or None."""
-    from ds_adaptive.planning.sparse_cost import KernelEfficiency
-
     rec = _read().get(cache_key(backend.name, device, dtype=dtype, head_dim=head_dim, block_size=block_size))
     if rec is None:
         return None
@@ -89,16 +90,12 @@ class Measurement:
 def cuda_time_ms(fn, iters: int) -> float:
     """Median ms of ``fn()`` (CUDA events) over ``iters`` calls after 2 untimed ones: the package's
     timer (``balance.calibrate_sparse.time_ms``), so measurements and calibration agree."""
-    from ds_adaptive.calibration.sparse import time_ms
-
     return time_ms(fn, warmup=2, iters=iters)
 
 
 def random_selection(batch: int, heads: int, seq_len: int, block_size: int, density: float, *, device: Any,
                      seed: int = 0):
     """A :class:`BlockSelection` of ``ceil(density * nk)`` random key blocks per query block (own block kept)."""
-    from ds_adaptive.attention.selection import select_blocks
-
     nk = math.ceil(seq_len / block_size)
     g = torch.Generator(device="cpu").manual_seed(seed)
     scores = torch.rand(batch, heads, nk, nk, generator=g).to(device)
@@ -112,7 +109,6 @@ def measure_backend(backend, device: Any, *, dtype: torch.dtype = torch.bfloat16
     """Time ``backend`` fwd+bwd vs dense SDPA fwd+bwd on ``device`` (CUDA); cache the curve (``cache``)."""
     import torch.nn.functional as F
 
-    from ds_adaptive.planning.sparse_cost import KernelEfficiency
 
     dev = torch.device(device)
     if dev.type != "cuda":

@@ -16,6 +16,7 @@ from ds_adaptive.attention.attention import SparseKernelError, check_qkv, split_
 from ds_adaptive.attention.backends.base import BackendSupport, SparseAttentionBackend
 from ds_adaptive.attention.backends.registry import register_backend
 from ds_adaptive.attention.selection import BlockSelection
+from ds_adaptive.core.contracts import KernelEfficiency
 
 __all__ = ["ReferenceBackend", "masked_attention_reference", "REFERENCE_MAX_TOKENS"]
 
@@ -59,7 +60,5 @@ class ReferenceBackend(SparseAttentionBackend):
         return masked_attention_reference(q, k, v, selection, valid_len=valid_len)
 
     def shipped_efficiency(self, device, *, dtype, head_dim, block_size):
-        from ds_adaptive.planning.sparse_cost import KernelEfficiency
-
         # the whole S x S at every density: never cheaper than dense
         return KernelEfficiency((1e-6, 1.0), (1.0, 1.0), source="reference: masked dense, no speed-up")

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ds_adaptive.attention.backends.base import SparseAttentionBackend, SparseBackendError
+from ds_adaptive.attention.backends import measure as m
 
 __all__ = ["BackendChoice", "BUILTIN_MODULES", "backend_names", "get_backend", "register_backend", "select_backend"]
 
@@ -101,7 +102,7 @@ class BackendChoice:
     candidates: dict = field(default_factory=dict)
     """name -> ``{"ok": bool, "why": str | None, "g_ref": float | None, "measured": bool}``."""
     curve: Any = None
-    """The chosen backend's :class:`~ds_adaptive.planning.sparse_cost.KernelEfficiency` on this device
+    """The chosen backend's :class:`~ds_adaptive.core.contracts.KernelEfficiency` on this device
     (what the cost model uses; the same on every rank when the choice was broadcast)."""
 
 
@@ -157,7 +158,6 @@ def select_backend(requested: str, device: Any, *, dtype: torch.dtype = torch.bf
         return BackendChoice(b, requested, f"sparse attention: backend '{b.name}' (auto: the only block-sparse kernel "
                                            f"that runs on {where})", candidates=cands,
                              curve=b.efficiency(dev, dtype=dtype, head_dim=head_dim, block_size=block_size))
-    from ds_adaptive.attention.backends import measure as m
 
     scored = []
     for b in fused:

@@ -16,6 +16,14 @@ import torch
 
 from ds_adaptive.attention.backends.base import BackendSupport, SparseAttentionBackend
 from ds_adaptive.attention.backends.registry import register_backend
+from ds_adaptive.attention.kernels import triton_status
+from ds_adaptive.attention.kernels import triton_block_sparse_attention
+from ds_adaptive.attention.backends.measure import random_selection
+from ds_adaptive.attention.kernels import config_for
+from ds_adaptive.attention.kernels.triton_block_sparse import block_sparse_backward, block_sparse_forward
+from ds_adaptive.attention.kernels.triton_configs import entry_for
+from ds_adaptive.core.contracts import KernelEfficiency
+from ds_adaptive.attention.kernels import compiled_kernels
 
 __all__ = ["TritonBackend", "UNMEASURED_SLOPE"]
 
@@ -43,7 +51,6 @@ class TritonBackend(SparseAttentionBackend):
     def unsupported(self, device: Any, **kw) -> Optional[str]:
         why = super().unsupported(device, **kw)
         if why is None:
-            from ds_adaptive.attention.kernels import triton_status
 
             ok, msg = triton_status()
             if not ok:
@@ -51,19 +58,12 @@ class TritonBackend(SparseAttentionBackend):
         return why
 
     def attention(self, q, k, v, selection, *, valid_len=None, density=None):
-        from ds_adaptive.attention.kernels import triton_block_sparse_attention
-
         return triton_block_sparse_attention(q, k, v, selection, valid_len=valid_len, density=density)
 
     def warmup(self, shapes: Sequence[tuple[int, int]], *, num_heads: int, head_dim: int, dtype: torch.dtype,
                device: Any, block_size: int, backward: bool = True) -> float:
         """Compile the kernels of every tile config the table can pick here (one short fwd(+bwd) launch each,
         B = 1, three blocks: ``shapes`` do not matter, S and B are run-time arguments)."""
-        from ds_adaptive.attention.backends.measure import random_selection
-        from ds_adaptive.attention.kernels import config_for
-        from ds_adaptive.attention.kernels.triton_block_sparse import block_sparse_backward, block_sparse_forward
-        from ds_adaptive.attention.kernels.triton_configs import entry_for
-
         dev = torch.device(device)
         entry = entry_for(head_dim, block_size, dev)
         densities = [None] if entry is None else [b["max_density"] for b in entry["buckets"]]
@@ -87,9 +87,6 @@ class TritonBackend(SparseAttentionBackend):
         return spent
 
     def shipped_efficiency(self, device, *, dtype, head_dim, block_size):
-        from ds_adaptive.planning.sparse_cost import KernelEfficiency
-        from ds_adaptive.attention.kernels.triton_configs import entry_for
-
         entry = entry_for(head_dim, block_size, device)
         if entry is not None and entry.get("curve"):
             c = entry["curve"]
@@ -101,6 +98,4 @@ class TritonBackend(SparseAttentionBackend):
                                 source=f"triton: not measured on this GPU (assumed {UNMEASURED_SLOPE} x density)")
 
     def stats(self) -> dict:
-        from ds_adaptive.attention.kernels import compiled_kernels
-
         return {"warmup_s": self._warmup_s, "compiled_kernels": compiled_kernels()}

@@ -3,8 +3,8 @@
 * :mod:`.triton_block_sparse`: our Triton kernels (forward, dQ, dK/dV without atomics), sequence length
   and batch at run time (no compile per S), tile configs from :mod:`.triton_configs` (a measured table);
 * :mod:`.triton_block_scores`: the fused pooled log-sum-exp block scores of the default selection (logits
-  kept in registers); its reference is :func:`ds_adaptive.attention.selection.pooled_lse_scores_torch`, and
-  :func:`ds_adaptive.attention.selection.pooled_lse_scores` dispatches between the two;
+  kept in registers); its reference is :func:`ds_adaptive.attention.scores.pooled_lse_scores_torch`, and
+  :func:`ds_adaptive.attention.scores.pooled_lse_scores` dispatches between the two;
 * :mod:`.reference`: the masked dense reference (output and log-sum-exp) the tests compare with.
 
 Importing this package never imports triton; the kernels compile at their first call.

@@ -1,6 +1,6 @@
 """The pooled log-sum-exp block scores by a fused Triton kernel: the logits never reach memory.
 
-:func:`triton_pooled_lse_scores` computes what :func:`ds_adaptive.attention.selection.pooled_lse_scores_torch`
+:func:`triton_pooled_lse_scores` computes what :func:`ds_adaptive.attention.scores.pooled_lse_scores_torch`
 (the torch reference and the CPU path) does, ``out[b, h, i, j] = log sum_{t in key block j} exp(qbar_i .
 k_t / sqrt(Dh))`` with ``qbar_i`` the mean query of query block i (a partial last block: its own mean), for
 q, k ``[B, S, H, Dh]`` (any strides with a contiguous last dim, e.g. a head slice) -> ``[B, H, nq, nk]``
@@ -11,7 +11,7 @@ kernel reads K about ``nq / BLOCK_Q`` times from L2 and writes only the ``nq x n
 fp32 (the reference rounds them to k's dtype before the log-sum-exp): the scores agree within that rounding.
 
 :func:`scores_unsupported` says why the kernel cannot run for given inputs (None: it can);
-:func:`ds_adaptive.attention.selection.pooled_lse_scores` is the one dispatch point (kernel where it can run on
+:func:`ds_adaptive.attention.scores.pooled_lse_scores` is the one dispatch point (kernel where it can run on
 CUDA, else the torch reference).
 """
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 
 from ds_adaptive.attention.attention import SparseKernelError
 from ds_adaptive.attention.kernels.triton_block_sparse import _launch, _prep, interpreted, triton_status
+from ds_adaptive.attention.selection import pooled_queries
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 """Input dtypes (fp32 runs tl.dot in TF32 on a GPU: for tests; training passes bf16 / fp16)."""
@@ -115,8 +116,6 @@ def triton_pooled_lse_scores(q: torch.Tensor, k: torch.Tensor, block_size: int, 
                              tiles: Optional[ScoreTiles] = None) -> torch.Tensor:
     """Pooled log-sum-exp block scores of q, k ``[B, S, H, Dh]`` -> ``[B, H, nq, nk]`` fp32 (see the module
     docstring). Raises :class:`SparseKernelError` for inputs the kernel does not take (:func:`scores_unsupported`)."""
-    from ds_adaptive.attention.selection import pooled_queries
-
     why = scores_unsupported(q, k, block_size)
     if why is not None:
         raise SparseKernelError(why)

@@ -30,6 +30,7 @@ import torch
 from ds_adaptive.attention.attention import SparseKernelError, check_qkv, truncate_selection
 from ds_adaptive.attention.kernels.triton_configs import KernelConfig, TileConfig, config_for
 from ds_adaptive.attention.selection import BlockSelection
+from ds_adaptive.attention.attention import transpose_blocks
 
 LOG2E = 1.0 / math.log(2.0)
 """Softmax in base 2: scores are scaled by sm_scale * log2(e)."""
@@ -133,8 +134,6 @@ class BackwardLaunch:
     gradients are not written. ``out`` is the forward's (contiguous); ``dout`` is made contiguous like it."""
 
     def __init__(self, q, k, v, out, lse, dout, kv_num, kv_idx, *, block: int, seq: int):
-        from ds_adaptive.attention.backends.flex import transpose_blocks
-
         # dout shares out's strides (contiguous) and, like every descriptor base, 16-byte alignment
         if not (dout.is_contiguous() and dout.data_ptr() % 16 == 0):
             dout = dout.clone(memory_format=torch.contiguous_format)
