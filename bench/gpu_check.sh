@@ -233,7 +233,7 @@ do_calfusion() {  # the shipped 1.3B profile of this GPU calibrated with block f
   [ -f "$prof" ] || { echo "calfusion: no shipped profile $prof"; return 1; }
   python3 -m ds_adaptive.cli calibrate --model wan2.1-1.3b --sp 1 --ln-modulate fused --block-fusion "$mode" \
     --out "$OUT/cal_fusion_$mode.json" --name "$key-wan2.1-1.3b" ${CALFUSION_ARGS:-} 2>&1 | tail -n 40 || return 1
-  python3 -m ds_adaptive.calibration.autocalibrate ship "$OUT/cal_fusion_$mode.json" "$prof" --replace || return 1
+  python3 -m ds_adaptive.cli.autocalibrate ship "$OUT/cal_fusion_$mode.json" "$prof" --replace || return 1
   cp "$prof" "$OUT/" && python3 - "$prof" "$mode" <<'PY'
 import sys
 from ds_adaptive.planning.cost import load_profile

@@ -56,7 +56,6 @@ MOVED = {
     "ports": "core.ports",
     "preempt": "training.preempt",
     "preprocess.encode": "media.encode",
-    "preprocess.media": "media.decode",
     "preview": "training.preview",
     "recompute": "models.recompute",
     "run": "training.assemble",

@@ -14,6 +14,7 @@ import torch
 
 from conftest import CONFIGS, ROOT, launch_ranks
 from ds_adaptive.calibration import autocalibrate as ac
+from ds_adaptive.cli import autocalibrate as ac_cli
 from ds_adaptive.planning.profile import Profile
 
 H100 = "NVIDIA H100 80GB HBM3"
@@ -176,5 +177,5 @@ def test_ship_a_calibration_as_the_profiles_other_path(tmp_path):
     p, c = tmp_path / "p.json", tmp_path / "c.json"
     p.write_text(json.dumps(base))
     c.write_text(json.dumps(cal))
-    assert ac.main(["ship", str(c), str(p)]) == 0 and "fused" in json.loads(p.read_text())["ln_modulate_variants"]
-    assert ac.main(["ship", str(c), str(p)]) == 2
+    assert ac_cli.main(["ship", str(c), str(p)]) == 0 and "fused" in json.loads(p.read_text())["ln_modulate_variants"]
+    assert ac_cli.main(["ship", str(c), str(p)]) == 2

@@ -11,6 +11,7 @@ import types
 import pytest
 
 from ds_adaptive.calibration import autocalibrate as ac
+from ds_adaptive.cli import autocalibrate as ac_cli
 from ds_adaptive.calibration import calibrate
 from ds_adaptive.cli import calibrate as calibrate_cli
 from ds_adaptive.calibration import profile_json
@@ -99,9 +100,9 @@ def test_ship_adds_a_block_fusion_variant_that_replaces_compute_memory_and_overh
     p, c = tmp_path / "p.json", tmp_path / "c.json"
     p.write_text(json.dumps(base))
     c.write_text(json.dumps(cal))
-    assert ac.main(["ship", str(c), str(p)]) == 0 and "regions" in json.loads(p.read_text())["block_fusion_variants"]
-    assert ac.main(["ship", str(c), str(p)]) == 2
-    assert ac.main(["ship", str(c), str(p), "--replace"]) == 0
+    assert ac_cli.main(["ship", str(c), str(p)]) == 0 and "regions" in json.loads(p.read_text())["block_fusion_variants"]
+    assert ac_cli.main(["ship", str(c), str(p)]) == 2
+    assert ac_cli.main(["ship", str(c), str(p), "--replace"]) == 0
 
 
 def test_a_variant_without_its_own_overheads_gives_its_memory_but_not_its_compute():

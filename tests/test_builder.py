@@ -244,7 +244,7 @@ def test_deepspeed_env_report_lists_the_op(registered, capsys):
 
 
 def test_ds_adaptive_report(capsys):
-    from ds_adaptive.ops import report
+    from ds_adaptive.cli import report
 
     assert report.main([]) == 0
     out = capsys.readouterr().out
@@ -256,7 +256,7 @@ def test_ds_adaptive_report(capsys):
 
 
 def test_report_shows_the_arch_handling(monkeypatch, capsys):
-    from ds_adaptive.ops import report
+    from ds_adaptive.cli import report
 
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
     report.main([])

@@ -413,7 +413,7 @@ def test_second_run_corrupt_checkpoint_and_export(tmp_path):
 
     victim = ck / "global_step4" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     _scribble(victim, offset=victim.stat().st_size // 3, size=min(400_000, victim.stat().st_size // 3))
-    from ds_adaptive.inference.export import main as export_main
+    from ds_adaptive.cli.export import main as export_main
 
     proc = subprocess.run([sys.executable, "-m", "ds_adaptive.cli", "export", str(ck), "--to", str(tmp_path / "out")],
                           capture_output=True, text=True, timeout=300, env=_env())

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import TINY_MODELS
-from ds_adaptive.inference.export import main as export_main
+from ds_adaptive.cli.export import main as export_main
 from ds_adaptive.models.registry import get_model
 from ds_adaptive.models.testing import diffusers_twin, random_init_
 from ds_adaptive.models.wan import WanModel

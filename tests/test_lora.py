@@ -292,7 +292,7 @@ def test_lora_zero3_resume_is_exact_and_checkpoints_hold_adapters_only(lora_runs
 @pytest.mark.slow
 def test_trained_adapters_export_to_diffusers_and_merge(lora_runs, capsys, monkeypatch):
     diffusers = pytest.importorskip("diffusers")
-    from ds_adaptive.inference.export import main as export_main
+    from ds_adaptive.cli.export import main as export_main
     from ds_adaptive.models.weights import load_pretrained
 
     tmp = lora_runs
@@ -320,7 +320,7 @@ def test_trained_adapters_export_to_diffusers_and_merge(lora_runs, capsys, monke
 
     # `ds-adaptive sample` from the checkpoint (ZeRO shards + base + adapters) draws what the merged export draws
     from ds_adaptive.training.preview import save_embeddings
-    from ds_adaptive.inference.sample import main as sample_main
+    from ds_adaptive.cli.sample import main as sample_main
 
     save_embeddings({"p": torch.randn(6, CFG.text_dim)}, tmp / "p.safetensors")
     common = ["--embeddings", "p.safetensors", "--frames", "5", "--height", "32", "--width", "32", "--steps", "2",
@@ -353,7 +353,7 @@ def test_lora_under_ulysses_sp_and_its_preview(tmp_path):
     from ds_adaptive.media.write import latent_strip
     from ds_adaptive.models.weights import save_wan_weights
     from ds_adaptive.models.objective import sample_seed
-    from ds_adaptive.inference.export import main as export_main
+    from ds_adaptive.cli.export import main as export_main
     from ds_adaptive.inference.sample import load_model
 
     save_wan_weights(random_init_(WanModel(get_wan_config("tiny")), seed=9), tmp_path / "base", layout="diffusers")

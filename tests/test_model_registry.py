@@ -153,7 +153,7 @@ def test_a_new_family_gets_lora_previews_and_sampling_from_its_data(odd_family, 
     from ds_adaptive.training.preview import load_prompts, save_embeddings
     from ds_adaptive.training.assemble import build_run
     from ds_adaptive.training.run_config import RunConfig
-    from ds_adaptive.inference.sample import main as sample_main
+    from ds_adaptive.cli.sample import main as sample_main
 
     ds_config = json.loads((CONFIGS / "cpu_tiny.json").read_text())
     del ds_config["adaptive_load"]["sampler"]["shapes"]

@@ -24,7 +24,7 @@ pytest.importorskip("ftfy")
 from conftest import CONFIGS, ROOT, launch_ranks  # noqa: E402
 
 from ds_adaptive.preprocess.manifest import MediaItem, read_inputs  # noqa: E402
-from ds_adaptive.media.decode import decode_item, planned_shapes, probe  # noqa: E402
+from ds_adaptive.preprocess.media import decode_item, planned_shapes, probe  # noqa: E402
 from ds_adaptive.preprocess.policy import (PolicyError, ShapePolicy, choose_bucket, clip_frame_counts,  # noqa: E402
                                            load_policy, plan_resize, sampled_frame_count)
 from ds_adaptive.core.shapes import SampleShape, load_shape_distribution  # noqa: E402

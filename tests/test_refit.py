@@ -9,8 +9,9 @@ import pytest
 from conftest import ROOT
 from ds_adaptive.planning.cost import CostModel
 from ds_adaptive.planning.profile import load_profile
-from ds_adaptive.calibration.refit import (RefitError, Window, fit_train_overheads, main, refit_compute, trainer_steps,
-                                       trainer_windows)
+from ds_adaptive.calibration.refit import (RefitError, Window, fit_train_overheads, refit_compute, trainer_steps,
+                                           trainer_windows)
+from ds_adaptive.cli.refit import main
 from ds_adaptive.core.shapes import SampleShape
 
 PROFILE = "h200-wan2.1-1.3b"

@@ -200,7 +200,7 @@ def test_ab_bench_reports_predicted_over_measured_per_shape_and_over_dense():
 def test_calibrate_selection_needs_a_gpu(capsys):
     import torch
 
-    from ds_adaptive.calibration.sparse import main
+    from ds_adaptive.cli.calibrate_sparse import main
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA GPU is present: tests/gpu/test_selection_cost_gpu.py runs the calibration")

@@ -22,7 +22,7 @@ A calibration that fails (an error, a fit over the quality bar) is not cached; t
 would do: the cached entry it would use, or that rank 0 would calibrate, and why.
 
 Entry point: :func:`startup_profile`, called by ``ds_adaptive.training.assemble.build_run`` (the one assembly path).
-To ship a cached calibration as a profile's other path: ``python -m ds_adaptive.calibration.autocalibrate ship
+To ship a cached calibration as a profile's other path: ``python -m ds_adaptive.cli.autocalibrate ship
 CACHED.json ds_adaptive/planning/profiles/<gpu>-<model>.json`` (:func:`ship_variant`).
 """
 from __future__ import annotations
@@ -37,21 +37,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
-from ds_adaptive.planning.profile import PROFILE_FORMAT, Profile, shipped_profiles
-from ds_adaptive.core.shapes import SampleShape
-from ds_adaptive.models.registry import get_model
-from ds_adaptive.planning.devices import gpu_spec
-from ds_adaptive.planning.profile import load_profile
 from ds_adaptive.calibration import calibrate as cal
 from ds_adaptive.calibration.fit import MAX_FIT_ERROR, fit_quality_problem
 from ds_adaptive.calibration.profile_json import profile_from_rows
-from ds_adaptive.planning.devices import detect_device_name
+from ds_adaptive.core.shapes import SampleShape
+from ds_adaptive.models.registry import get_model
+from ds_adaptive.planning.devices import detect_device_name, gpu_spec
+from ds_adaptive.planning.profile import PROFILE_FORMAT, Profile, load_profile, shipped_profiles
+
 
 __all__ = ["QuickProtocol", "quick_protocol", "cache_dir", "cache_key", "cache_path", "calibration_reason",
            "quick_calibrate", "startup_profile", "ship_variant", "CACHE_ENV", "PROTOCOL_VERSION", "CalibrationFailed"]
 
+
 #: environment variable naming the cache directory (``sampler.profile_cache`` takes precedence)
 CACHE_ENV = "DS_ADAPTIVE_CACHE_DIR"
+
+
 #: part of the cache key: a change of the quick protocol, or of what the model's blocks hold for the backward,
 #: invalidates the cached entries. 2: blocks keep less for the backward (``models.lean_backward``: ~30 KiB per token
 #: and block less for Wan 1.3B), so entries measured before over-predict activation memory.
@@ -367,32 +369,3 @@ def ship_variant(base: Mapping[str, Any], calibrated: Mapping[str, Any], *, repl
     prof = Profile.from_dict(out, where=f"{base.get('name')} + {value} variant")   # the variant validates too:
     prof.for_block_fusion(value) if key == "block_fusion_variants" else prof.for_ln_modulate(value)
     return out
-
-
-def main(argv=None) -> int:
-    """``python -m ds_adaptive.calibration.autocalibrate ship CAL.json PROFILE.json``: add a calibration (start-up cache
-    or ``ds-adaptive calibrate``) to a profile json as its other LayerNorm-modulate path or block-fusion mode
-    (``ship_variant``), in place."""
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="python -m ds_adaptive.calibration.autocalibrate", description=main.__doc__)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("ship")
-    s.add_argument("cached", type=Path, help="a profile json from the start-up calibration cache or ds-adaptive calibrate")
-    s.add_argument("profile", type=Path, help="the profile json to extend (a shipped one in ds_adaptive/planning/profiles/)")
-    s.add_argument("--replace", action="store_true", help="replace the profile's entries of that variant")
-    args = ap.parse_args(argv)
-    try:
-        out = ship_variant(json.loads(args.profile.read_text()), json.loads(args.cached.read_text()),
-                           replace=args.replace)
-    except (OSError, ValueError, KeyError) as exc:
-        print(f"autocalibrate ship: error: {exc}", file=sys.stderr)
-        return 2
-    args.profile.write_text(json.dumps(out, indent=1) + "\n")
-    added = {k: sorted(out.get(k) or {}) for k in ("ln_modulate_variants", "block_fusion_variants") if out.get(k)}
-    print(f"{args.profile}: variants now {added}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

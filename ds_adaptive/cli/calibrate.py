@@ -12,10 +12,11 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from ds_adaptive.calibration.calibrate import (_batch_sizes, _config_dict, measure, ran_ln_modulate,
+from ds_adaptive.calibration import calibrate  # a module: tests replace calibrate.measure
+from ds_adaptive.calibration.calibrate import (_batch_sizes, _config_dict, ran_ln_modulate,
                                                resolve_ln_modulate)
 from ds_adaptive.calibration.fit import MAX_FIT_ERROR, fit_quality_problem
-from ds_adaptive.calibration import sparse as calibrate_sparse
+from ds_adaptive.cli import calibrate_sparse
 from ds_adaptive.calibration.profile_json import (CPU_MODEL, DEFAULT_LINK_GBPS, block_scaling_models,
                                                   calibration_shapes, profile_from_block_scaling, profile_from_rows,
                                                   refit_profile)
@@ -84,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--block-fusion", default="off", choices=["off", "rope", "regions"],
                     help="adaptive_load.block_fusion to measure with (fused blocks hold less activation memory and "
                          "run faster): recorded in the profile as \"block_fusion\"; `python -m "
-                         "ds_adaptive.calibration.autocalibrate ship` adds it to a profile as its block_fusion_variants entry")
+                         "ds_adaptive.cli.autocalibrate ship` adds it to a profile as its block_fusion_variants entry")
     ap.add_argument("--from-block-scaling", metavar="JSON",
                     help="instead of measuring, rebuild the shipped profiles from a per-block scaling json")
     ap.add_argument("--refit", metavar="PROFILE",
@@ -216,7 +217,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"calibrate {args.model} on {dev_name} ({dtype}, sp={args.sp}, layers {k1},{k2} -> {num_layers}, {ln_path}, "
           f"block fusion {args.block_fusion})")
     t_start = time.perf_counter()
-    rows, _ = measure(args.model, layers=[k1, k2], shapes=shapes, batch_sizes=batch_sizes, sp=args.sp,
+    rows, _ = calibrate.measure(args.model, layers=[k1, k2], shapes=shapes, batch_sizes=batch_sizes, sp=args.sp,
                       device_name=args.device, dtype_name=dtype, warmup=args.warmup, iters=args.iters,
                       gradient_checkpointing=not args.no_checkpointing, overrides=overrides,
                       both_checkpointing=args.checkpoint_memory, ln_modulate=ln_path, block_fusion=args.block_fusion)

@@ -343,7 +343,7 @@ class Profile:
         Returns ``(profile, message)``: ``self`` when the modes match; the json's ``block_fusion_variants[mode]``
         (``memory``, and ``compute`` with the ``train_overheads`` fitted on it where the variant has both, measured
         with that mode and this profile's LayerNorm-modulate path, by ``ds-adaptive calibrate --block-fusion MODE``,
-        added by ``python -m ds_adaptive.calibration.autocalibrate ship``) in place of the top-level ones when it has
+        added by ``python -m ds_adaptive.cli.autocalibrate ship``) in place of the top-level ones when it has
         one, with a note (a variant's compute without its own overheads is not used: the profile's overheads were
         fitted on the profile's compute);
         else ``self`` with a note (fused blocks hold less: the plan is conservative), or a warning when the
@@ -370,7 +370,7 @@ class Profile:
                          f"{mode}: {', '.join(sorted(used))}){kept}")
         model = self.raw.get("model", {}).get("name", "MODEL")
         how = (f"`ds-adaptive calibrate --model {model} --ln-modulate {ln_path or self.ln_modulate} --block-fusion "
-               f"{mode} --out CAL.json`, then `python -m ds_adaptive.calibration.autocalibrate ship CAL.json PROFILE.json`")
+               f"{mode} --out CAL.json`, then `python -m ds_adaptive.cli.autocalibrate ship CAL.json PROFILE.json`")
         if mode == "off":
             return self, (f"warning: profile '{self.name}' was calibrated with block fusion '{self.block_fusion}', "
                           f"this run has it off: predicted activation memory is too low (fused blocks hold less); "

@@ -35,7 +35,7 @@ from typing import Optional
 
 from ds_adaptive.core.shapes import SampleShape
 from ds_adaptive.preprocess.manifest import ManifestError, MediaItem, read_inputs
-from ds_adaptive.media.decode import MediaError, decode_item
+from ds_adaptive.preprocess.media import MediaError, decode_item
 from ds_adaptive.preprocess.policy import PolicyError, ShapePolicy, add_policy_args, model_from_args, policy_from_args
 from ds_adaptive.data.shards import LatentShardWriter
 from ds_adaptive.data.shards import write_index

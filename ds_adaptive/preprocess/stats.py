@@ -24,7 +24,7 @@ from typing import Optional
 from ds_adaptive.core.shapes import SampleShape
 from ds_adaptive.preprocess.manifest import ManifestError, MediaItem, read_inputs
 from ds_adaptive.preprocess.policy import PolicyError, ShapePolicy, add_policy_args, policy_from_args
-from ds_adaptive.media.decode import MediaError, planned_shapes, probe
+from ds_adaptive.preprocess.media import MediaError, planned_shapes, probe
 from ds_adaptive.preprocess.run import _reason_kind
 from ds_adaptive.data.shards import LatentShardDataset
 

@@ -15,7 +15,7 @@ from ds_adaptive.core.contracts import DensityMap
 
 
 def test_measure_fit_and_profile_round_trip(tmp_path):
-    from ds_adaptive.calibration.sparse import main
+    from ds_adaptive.cli.calibrate_sparse import main
 
     out = tmp_path / "prof.json"
     assert main(["--selection", "--profile", "h200-wan2.1-1.3b", "--out", str(out), "--iters", "3",

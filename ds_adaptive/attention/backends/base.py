@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Optional, Sequence
 
 import torch
-from ds_adaptive.attention.backends.measure import cached_curve
+from ds_adaptive.attention.backends import measure as measured  # a module: tests replace measure.cached_curve
 from ds_adaptive.core.contracts import KernelEfficiency
 
 __all__ = ["BackendSupport", "SparseAttentionBackend", "SparseBackendError", "WarmupShape"]
@@ -134,7 +134,7 @@ class SparseAttentionBackend(abc.ABC):
                    block_size: int = 128):
         """:class:`ds_adaptive.core.contracts.KernelEfficiency` ``g(rho)`` of this backend on ``device``: a
         measurement of this GPU + torch version in the cache (``measure``) wins, else :meth:`shipped_efficiency`."""
-        curve = cached_curve(self, device, dtype=dtype, head_dim=head_dim, block_size=block_size)
+        curve = measured.cached_curve(self, device, dtype=dtype, head_dim=head_dim, block_size=block_size)
         if curve is not None:
             return curve
         return self.shipped_efficiency(device, dtype=dtype, head_dim=head_dim, block_size=block_size)
