@@ -27,7 +27,7 @@ from pathlib import Path
 from ds_adaptive.planning.profile import load_profile
 
 ROOT = Path(__file__).resolve().parents[1]
-PROFILE = ROOT / "ds_adaptive" / "balance" / "profiles" / "h200-wan2.1-1.3b.json"
+PROFILE = ROOT / "ds_adaptive" / "planning" / "profiles" / "h200-wan2.1-1.3b.json"
 CONFIG = ROOT / "launch" / "configs" / "zero3_adaptive.json"
 
 

@@ -207,4 +207,4 @@ fi
 # stopped S seconds after the first signal (default: wait; a second signal kills at once). It also
 # holds the rendezvous port (a busy default 29500 is replaced by a free one; a busy MASTER_PORT is
 # an error), stops every rank when one dies, and removes DeepSpeed's /dev/shm buffers at the end.
-exec "$PY" "$HERE/../ds_adaptive/launch/supervise.py" -- "${CMD[@]}"
+exec env "PYTHONPATH=$HERE/..${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m ds_adaptive.launch.supervise -- "${CMD[@]}"

@@ -26,17 +26,14 @@ from ds_adaptive.training.runlock import LOCK_NAME, STALE_AFTER_S, LockInfo, Run
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "launch" / "train_wan.sh"
-SUPERVISE = ROOT / "ds_adaptive" / "supervise.py"
+SUPERVISE = ("-m", "ds_adaptive.launch.supervise")  # as launch/train_wan.sh runs it
 CPU_CONFIG = ROOT / "launch" / "configs" / "cpu_tiny.json"
 TRAIN = ["--num-samples", "200", "--layers", "1", "--seed", "5"]
 
 
 def _supervise_module():
-    sys.path.insert(0, str(SUPERVISE.parent))
-    try:
-        import supervise  # the plain-script import, as launch/train_wan.sh runs it
-    finally:
-        sys.path.pop(0)
+    from ds_adaptive.launch import supervise
+
     return supervise
 
 
@@ -587,7 +584,7 @@ def test_a_failure_on_one_rank_stops_the_others_with_its_message(tmp_path):
     """Before: the other rank was left in a gloo error (a traceback) or a hang until the launcher killed it."""
     (tmp_path / "fails.py").write_text(ONE_RANK_FAILS)
     env = _env()
-    cmd = [sys.executable, str(SUPERVISE), "--", "deepspeed", "--num_gpus", "2", "--master_port", env["MASTER_PORT"],
+    cmd = [sys.executable, *SUPERVISE, "--", "deepspeed", "--num_gpus", "2", "--master_port", env["MASTER_PORT"],
            str(tmp_path / "fails.py"), "--deepspeed_config", str(CPU_CONFIG), *TRAIN, "--steps", "20", "--save", "ck",
            "--save-interval", "1"]
     t = time.monotonic()
@@ -617,7 +614,7 @@ def test_a_second_launch_on_a_busy_port_never_starts(tmp_path):
     its ranks can join the first job's rendezvous; the first job runs on untouched."""
     (tmp_path / "hold.py").write_text(HOLDS_THE_PORT)
     env = _env()
-    cmd = [sys.executable, str(SUPERVISE), "--", "deepspeed", "--num_gpus", "2", "--master_port", env["MASTER_PORT"],
+    cmd = [sys.executable, *SUPERVISE, "--", "deepspeed", "--num_gpus", "2", "--master_port", env["MASTER_PORT"],
            str(tmp_path / "hold.py"), str(tmp_path)]
     first = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -273,7 +273,7 @@ def test_a_node_that_vanishes_ends_the_other_within_the_node_timeout(tmp_path, l
     procs, logs = [], []
     for node in (0, 1):
         logs.append(tmp_path / f"node{node}.log")
-        cmd = [sys.executable, str(ROOT / "ds_adaptive" / "supervise.py"), "--", sys.executable, "-m",
+        cmd = [sys.executable, "-m", "ds_adaptive.launch.supervise", "--", sys.executable, "-m",
                "ds_adaptive.launch.multinode", "launch", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
                "--master-addr", "127.0.0.1", "--master-port", str(port), "--node-timeout", "4", "--",
                str(tmp_path / "rank.py")]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SUPERVISE = ROOT / "ds_adaptive" / "supervise.py"
+SUPERVISE = ("-m", "ds_adaptive.launch.supervise")  # as launch/train_wan.sh runs it
 
 # A stand-in for a training rank: records its pid and process group, and on SIGTERM "finishes its step"
 # (0.5 s), writes a marker and exits with 75 (what a preempted trainer returns).
@@ -82,7 +82,7 @@ def _start(tmp_path: Path) -> tuple[subprocess.Popen, list[tuple[int, int]]]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, str(SUPERVISE), "--", "deepspeed", "--num_gpus", "2", "--master_port",
+    proc = subprocess.Popen([sys.executable, *SUPERVISE, "--", "deepspeed", "--num_gpus", "2", "--master_port",
                              str(port), str(tmp_path / "fake_rank.py"), str(tmp_path)], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -163,11 +163,11 @@ def test_die_with_parent_sends_sigterm_when_the_parent_is_killed(tmp_path):
 
 
 def test_usage_errors():
-    r = subprocess.run([sys.executable, str(SUPERVISE), "deepspeed"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, *SUPERVISE, "deepspeed"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "give the command after '--'" in r.stderr
-    r = subprocess.run([sys.executable, str(SUPERVISE), "--", "/no/such/launcher"], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, *SUPERVISE, "--", "/no/such/launcher"], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 127 and "cannot start '/no/such/launcher'" in r.stderr
-    r = subprocess.run([sys.executable, str(SUPERVISE), "--", sys.executable, "-c", "import sys; sys.exit(3)"],
+    r = subprocess.run([sys.executable, *SUPERVISE, "--", sys.executable, "-c", "import sys; sys.exit(3)"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 3

@@ -1,6 +1,6 @@
 """Signal-safe wrapper around the ``deepspeed`` launcher: signals reach every rank, no orphans.
 
-    python ds_adaptive/launch/supervise.py [--stop-timeout S] -- deepspeed --num_gpus 8 launch/train_wan.py ...
+    python -m ds_adaptive.launch.supervise [--stop-timeout S] -- deepspeed --num_gpus 8 launch/train_wan.py ...
 
 ``launch/train_wan.sh`` runs its ``deepspeed`` command through this file. Why: DeepSpeed's
 launcher is a chain of processes (``deepspeed`` runner -> ``deepspeed.launcher.launch`` -> one
@@ -48,8 +48,8 @@ Exit status: 0 finished; 75 stopped by a forwarded signal with a checkpoint (the
 launcher's own report of it, 256-N, is mapped to 128+N) or the launcher itself killed by N; otherwise the
 status of the rank that failed first.
 
-This file uses the standard library, ``psutil`` (a DeepSpeed dependency) and ``ports.py`` beside it (standard
-library only), so it runs as a plain script before any package import.
+It imports the standard library, ``psutil`` (a DeepSpeed dependency) and :mod:`ds_adaptive.core.ports` (standard
+library only): ``python -m ds_adaptive.launch.supervise`` starts in well under a second, before torch.
 """
 from __future__ import annotations
 
@@ -71,10 +71,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-try:
-    from ds_adaptive.core.ports import free_port
-except ImportError:   # run as a plain script (launch/train_wan.sh): this file's folder is on sys.path
-    from ports import free_port
+from ds_adaptive.core.ports import free_port
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)  # USR1: SLURM's --signal=USR1@N
 LAUNCH_MODULE = "deepspeed.launcher.launch"
