@@ -1,4 +1,4 @@
-"""``ds-adaptive synth``: write the synthetic latent dataset to disk (index.json + safetensors shards).
+"""``ds-adaptive synth``: write the synthetic latent dataset to disk (index.arrow + safetensors shards).
 
     ds-adaptive synth --out data/synth --num-samples 1000 [--shapes FILE] [--seed S] [--model M]
 
@@ -16,6 +16,8 @@ from typing import Optional
 from ds_adaptive.core.shapes import ShapeError
 from ds_adaptive.data.shards import LatentShardWriter
 from ds_adaptive.data.synthetic import DEFAULT_TEXT_LEN, DataError, SyntheticLatentDataset
+from ds_adaptive.models.family import ModelError
+from ds_adaptive.models.registry import default_model, get_model
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,9 +46,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.num_samples < 1:
         print(f"ds-adaptive synth: --num-samples must be >= 1, got {args.num_samples}", file=sys.stderr)
         return 2
-    from ds_adaptive.models.family import ModelError
-    from ds_adaptive.models.registry import default_model, get_model
-
     try:
         model = get_model(args.model or default_model())
         ds = SyntheticLatentDataset(args.num_samples, args.shapes or model.shapes, seed=args.seed,
