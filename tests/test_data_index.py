@@ -127,6 +127,21 @@ def test_many_record_batches_and_a_rank_reading_its_slice(tmp_path, monkeypatch)
     assert "source" not in ds.entries[2]
 
 
+def test_shards_interleaved_in_the_index(tmp_path):
+    """Samples need not be grouped by shard (an edited index.json): each shard's rows are still found and checked."""
+    ref = _write(tmp_path / "d")
+    entries = list(LatentShardDataset(tmp_path / "d").entries)
+    order = np.random.default_rng(0).permutation(len(entries))
+    write_index(tmp_path / "d", [entries[k] for k in order])
+    ds = LatentShardDataset(tmp_path / "d")
+    files = [entries[k]["file"] for k in order]
+    for k, name in enumerate(ds.index.shard_files):
+        assert ds.index.rows_of_shard(k).tolist() == [i for i, f in enumerate(files) if f == name]
+    for i in (0, 9, 29):
+        assert torch.equal(ds[i]["latents"], ref[int(order[i])]["latents"])
+    LatentShardDataset(tmp_path / "d", verify="open")
+
+
 def test_old_json_datasets_read_the_same(tmp_path):
     ref = _write(tmp_path / "d", meta=True)
     arrow = LatentShardDataset(tmp_path / "d")

@@ -14,7 +14,7 @@ Per index and size:
 * write: entries -> index file, as preprocess's finalize does (arrow: ``IndexBuilder.add_entries`` per work
   unit of 64 samples, then ``write``; JSON: the old writer, ``write_legacy_index``, one call). The entries'
   generation is not timed.
-* in a fresh process (``ru_maxrss``, so each figure is that process's peak): RSS after the imports (Python,
+* in a fresh process (``VmHWM``, so each figure is that process's peak): RSS after the imports (Python,
   torch, ds_adaptive), open time and peak RSS after opening, time for every shape id + the unique shapes
   (what the planner needs; for JSON the old API: ``sample_shapes()`` + ``planning.planner.unique_shapes``),
   time for one rank (a contiguous 1/64 of the samples) to read 1,000 of its entries, and the per-sample
@@ -52,11 +52,12 @@ OLD_COMMIT = "cf60f30"        # the last commit whose datasets had only index.js
 PER_UNIT = 64                 # samples per work unit = per shard
 RANKS = 64
 MEASURE = r"""
-import json, resource, sys, time
+import json, sys, time
 import numpy as np
 from ds_adaptive.data.shards import LatentShardDataset
 from ds_adaptive.planning.planner import unique_shapes
-rss = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def rss():  # peak RSS of this process image, MiB (VmHWM; ru_maxrss would carry the parent's peak across exec)
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:")) / 1024
 out = {"rss_imports_mb": rss()}
 root, new = sys.argv[1], sys.argv[2] == "arrow"
 t = time.perf_counter(); ds = LatentShardDataset(root, verify=False)
@@ -70,6 +71,7 @@ out["shape_ids_s"], out["rss_shapes_mb"], out["unique"] = time.perf_counter() - 
 n = len(ds); lo = n // 64 * 37
 t = time.perf_counter(); rows = [ds.entries[i] for i in range(lo, lo + 1000)]
 out["rank_1k_entries_ms"] = 1e3 * (time.perf_counter() - t)
+out["package"] = __import__("ds_adaptive").__file__
 if new:
     t = time.perf_counter(); u2, i2 = unique_shapes(ds.sample_shapes())
     out["sample_shapes_s"], out["rss_sample_shapes_mb"] = time.perf_counter() - t, rss()
@@ -123,11 +125,14 @@ def measure(root: Path, kind: str, pythonpath: Path, repeat: int) -> dict:
     env = {**os.environ, "PYTHONPATH": str(pythonpath), "OMP_NUM_THREADS": "1"}
     runs = []
     for _ in range(repeat):
-        r = subprocess.run([sys.executable, "-c", MEASURE, str(root), kind], env=env, capture_output=True, text=True)
+        # cwd: not the checkout, whose ds_adaptive/ would shadow PYTHONPATH (python -c puts the cwd first)
+        r = subprocess.run([sys.executable, "-c", MEASURE, str(root), kind], env=env, capture_output=True, text=True,
+                           cwd=root.parent)
         if r.returncode:
             raise SystemExit(f"bench/data/index_scale.py: measuring {root} failed:\n{r.stderr[-3000:]}")
         runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
-    return {k: (max if k.startswith("rss") else min)(r[k] for r in runs) for k in runs[0]}
+    return {k: (max if k.startswith("rss") else min)(r[k] for r in runs) if k != "package" else runs[0][k]
+            for k in runs[0]}
 
 
 def old_package(tmp: Path, commit: str) -> Path:
@@ -176,7 +181,7 @@ def table(rows: list[dict]) -> str:
         lines.append(f"{r['index']:<6} {r['samples']:>10,} {r['write_s']:>8.2f} {r['file_mb']:>8.1f} "
                      f"{r['open_s']:>7.3f} {rss:>15} {r['shape_ids_s']:>8.3f} {r['rank_1k_entries_ms']:>10.1f} "
                      f"{compat:>26}{star}")
-    lines.append("RSS MB: after the imports -> peak after open + shape ids (ru_maxrss of a fresh process). "
+    lines.append("RSS MB: after the imports -> peak after open + shape ids (VmHWM of a fresh process). "
                  "* extrapolated linearly from the measured JSON sizes, not measured.")
     return "\n".join(lines)
 

@@ -148,9 +148,12 @@ class IndexBuilder:
                     if k in CORE_COLUMNS or k == "shape":
                         raise DataError(f"index entry {self.num_rows + n} ({sid!r}): extra key {k!r} is a column "
                                         "of the index; rename it")
-                    meta.setdefault(k, [None] * n).append(v)
+                    if k not in meta:
+                        meta[k] = [None] * n   # absent in the entries before
+                    meta[k].append(v)
             for vals in meta.values():
-                vals.extend([None] * (n + 1 - len(vals)))
+                if len(vals) == n:        # absent in this entry
+                    vals.append(None)
         if not ids:
             return
         self._chunks.append({
