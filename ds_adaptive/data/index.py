@@ -168,7 +168,7 @@ class IndexBuilder:
         """The index table; ``header`` goes into the schema's metadata (num_samples is set here)."""
         if not self.num_rows:
             raise DataError("an index needs at least one sample; nothing was added")
-        order = sorted(self._shapes, key=lambda s: s)     # SampleShape order: frames, height, width
+        order = sorted(self._shapes)     # (frames, height, width): the order of SampleShape
         remap = np.empty(len(order), np.int32)
         for new, s in enumerate(order):
             remap[self._shapes[s]] = new
