@@ -35,6 +35,7 @@ install_requires = [
     "pydantic>=2.7",             # use_attribute_docstrings (field docs in the config model)
     "numpy",
     "safetensors>=0.4",
+    "pyarrow>=14",               # the dataset index (index.arrow, memory-mapped by every rank); tested: 26.0
     "tqdm",
     "xxhash>=3",                 # checkpoint checksums (XXH3-128, ~10x BLAKE2b); without it: BLAKE2b (hashlib)
 ]

@@ -23,7 +23,7 @@ def test_unknown_command(capsys):
 
 def test_dispatch_to_synth_and_train(tmp_path, capsys):
     assert main(["synth", "--out", str(tmp_path / "d"), "--num-samples", "2"]) == 0
-    assert (tmp_path / "d" / "index.json").is_file()
+    assert (tmp_path / "d" / "index.arrow").is_file()
     with pytest.raises(SystemExit) as exc:
         main(["train", "--help"])
     assert exc.value.code == 0

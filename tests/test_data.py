@@ -4,11 +4,12 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 
 from ds_adaptive.data import (DataError, LatentShardDataset, LatentShardWriter, SyntheticLatentDataset,
-                              build_dataset, collate_latents)
+                              build_dataset, collate_latents, write_legacy_index)
 from ds_adaptive.data.synth import main as synth_main
 from ds_adaptive.core.shapes import SampleShape, ShapeWeight
 
@@ -102,15 +103,24 @@ def written(tmp_path):
     return ds, out
 
 
+@pytest.fixture
+def written_json(written):
+    """The same dataset with the index.json (version 1) of ds_adaptive before index.arrow."""
+    ds, out = written
+    write_legacy_index(out, list(LatentShardDataset(out).entries))
+    (out / "index.arrow").unlink()
+    return ds, out
+
+
 def test_round_trip_is_exact(written):
     ds, out = written
-    index = json.loads((out / "index.json").read_text())
-    assert index["format"] == "ds_adaptive.latents" and index["num_samples"] == 12
-    entry = index["samples"][0]
-    assert set(entry) >= {"id", "frames", "height", "width", "text_len", "file", "latents_key", "context_key"}
-    assert len({e["file"] for e in index["samples"]}) > 1  # several shards
+    table = pa.ipc.open_file(str(out / "index.arrow")).read_all()
+    assert table.schema.names == ["id", "file", "shape", "text_len"]   # default keys: no key columns
+    assert json.loads(table.schema.metadata[b"ds_adaptive"])["num_samples"] == 12
+    assert len(table.column("file").chunk(0).dictionary) > 1  # several shards
     rd = LatentShardDataset(out)
     assert len(rd) == 12 and rd.sample_shapes() == ds.sample_shapes()
+    assert set(rd.entries[0]) >= {"id", "frames", "height", "width", "text_len", "file", "latents_key", "context_key"}
     for i in range(12):
         a, b = rd[i], ds[i]
         assert a["index"] == i
@@ -129,7 +139,7 @@ def test_bf16_storage_reads_back_as_float32(tmp_path):
 
 def test_writer_refuses_bad_input(tmp_path, written):
     _, out = written
-    with pytest.raises(DataError, match="already exists.*--overwrite"):
+    with pytest.raises(DataError, match="index.arrow already exists.*--overwrite"):
         LatentShardWriter(out)
     w = LatentShardWriter(tmp_path / "w")
     shape = SampleShape(1, 64, 96)
@@ -146,19 +156,27 @@ def test_missing_directory_and_index(tmp_path):
     with pytest.raises(DataError, match=f"dataset directory {tmp_path / 'none'} does not exist.*ds-adaptive synth"):
         LatentShardDataset(tmp_path / "none")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(DataError, match="index.json does not exist"):
+    with pytest.raises(DataError, match=r"index.arrow does not exist \(nor an older index.json\)"):
         LatentShardDataset(tmp_path / "empty")
 
 
-def test_corrupt_index(written):
-    _, out = written
+def test_corrupt_index(written_json):
+    _, out = written_json
     (out / "index.json").write_text('{"format": "ds_adaptive.latents", ')
     with pytest.raises(DataError, match="index.json is not valid JSON"):
         LatentShardDataset(out)
 
 
-def test_index_entry_errors_name_the_sample(written):
+def test_corrupt_arrow_index(written):
     _, out = written
+    path = out / "index.arrow"
+    path.write_bytes(path.read_bytes()[:300])
+    with pytest.raises(DataError, match="index.arrow is not a readable Arrow IPC file.*rewrite the dataset"):
+        LatentShardDataset(out)
+
+
+def test_index_entry_errors_name_the_sample(written_json):
+    _, out = written_json
     index = json.loads((out / "index.json").read_text())
     index["samples"][3]["frames"] = 4
     (out / "index.json").write_text(json.dumps(index))
@@ -172,38 +190,43 @@ def test_index_entry_errors_name_the_sample(written):
 
 def test_missing_shard_names_file_and_sample(written):
     _, out = written
-    index = json.loads((out / "index.json").read_text())
-    victim = index["samples"][-1]
+    victim = LatentShardDataset(out).entries[-1]
     (out / victim["file"]).unlink()
     with pytest.raises(DataError, match=f"shard .*{victim['file']} does not exist.*sample '"):
-        LatentShardDataset(out)
-    rd = LatentShardDataset(out, verify=False)  # found lazily too
+        LatentShardDataset(out, verify="open")
+    rd = LatentShardDataset(out)  # lazily: opening reads no shard; the first read of that shard names it
+    rd[0]
     with pytest.raises(DataError, match=f"{victim['file']} does not exist.*sample '{victim['id']}'"):
         rd[len(rd) - 1]
 
 
 def test_corrupt_shard_names_file_and_sample(written):
     _, out = written
-    index = json.loads((out / "index.json").read_text())
-    victim = index["samples"][0]
+    victim = LatentShardDataset(out).entries[0]
     path = out / victim["file"]
     path.write_bytes(path.read_bytes()[:100])
     with pytest.raises(DataError, match=f"shard .*{victim['file']} is corrupt.*'{victim['id']}'"):
-        LatentShardDataset(out)
+        LatentShardDataset(out, verify=True)
+    rd = LatentShardDataset(out)
+    rd[len(rd) - 1]
+    with pytest.raises(DataError, match=f"shard .*{victim['file']} is corrupt.*'{victim['id']}'"):
+        rd[0]
 
 
-def test_key_and_shape_mismatch_are_errors(written):
-    _, out = written
+def test_key_and_shape_mismatch_are_errors(written_json):
+    _, out = written_json
     index = json.loads((out / "index.json").read_text())
     index["samples"][2]["latents_key"] = "nope.latents"
     (out / "index.json").write_text(json.dumps(index))
     with pytest.raises(DataError, match="has no tensor 'nope.latents' for sample '0002'"):
-        LatentShardDataset(out)
+        LatentShardDataset(out, verify=True)
+    with pytest.raises(DataError, match="has no tensor 'nope.latents' for sample '0002'"):
+        LatentShardDataset(out)[2]   # lazily, when its shard is first read
     index["samples"][2]["latents_key"] = "0002.latents"
     index["samples"][2]["text_len"] += 1
     (out / "index.json").write_text(json.dumps(index))
     with pytest.raises(DataError, match="'0002.context' of sample '0002' has shape .*the index says"):
-        LatentShardDataset(out)
+        LatentShardDataset(out, verify=True)
 
 
 def test_synth_cli_writes_the_embedded_samples(tmp_path, capsys):

@@ -103,7 +103,7 @@ def assets(tmp_path_factory) -> dict:
 
 
 def _files(d: Path) -> dict:
-    names = sorted(p.name for p in d.glob("shard-*.safetensors")) + ["index.json", "rejects.jsonl"]
+    names = sorted(p.name for p in d.glob("shard-*.safetensors")) + ["index.arrow", "rejects.jsonl"]
     return {n: (d / n).read_bytes() for n in names}
 
 
@@ -137,7 +137,7 @@ def test_pipeline_writes_shards_rejects_and_report(clean_run, capsys):
     report = json.loads((out / "report.json").read_text())
     assert report["items"] == 7 and report["samples"] == 7 and report["rejects"] == 3
     assert report["rejects_by_reason"] == {"missing caption": 1, "too short": 1, "unreadable video": 1}
-    for name in ("index.json", "rejects.jsonl", "shard-00000-00000.safetensors"):  # the user's umask (027)
+    for name in ("index.arrow", "rejects.jsonl", "shard-00000-00000.safetensors"):  # the user's umask (027)
         assert (out / name).stat().st_mode & 0o777 == 0o640, name
 
 
@@ -179,12 +179,12 @@ def test_two_ranks_killed_and_resumed_give_identical_bytes(assets, clean_run, mo
     r = subprocess.run([sys.executable, "-c", KILLED, *assets["argv"], "--out", str(out)], env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == -9, r.stdout + r.stderr
-    assert not list((out / "parts").glob("unit-*")) and not (out / "index.json").exists()
+    assert not list((out / "parts").glob("unit-*")) and not (out / "index.arrow").exists()
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
     assert main(assets["argv"] + ["--out", str(out)]) == 0
     assert sorted(p.name for p in (out / "parts").glob("unit-*")) == ["unit-00000.json", "unit-00002.json"]
-    assert not (out / "index.json").exists() and "still running" in capsys.readouterr().out
+    assert not (out / "index.arrow").exists() and "still running" in capsys.readouterr().out
     monkeypatch.setenv("RANK", "1")
     assert main(assets["argv"] + ["--out", str(out)]) == 0
     printed = capsys.readouterr().out
@@ -343,8 +343,8 @@ def test_overwrite_clears_only_preprocess_outputs_and_refuses_several_ranks(tmp_
 
     out = tmp_path / "out"
     (out / "parts").mkdir(parents=True)
-    for name in ("preprocess.json", "index.json", "rejects.jsonl", "report.json", "shard-00000-00000.safetensors",
-                 "parts/unit-00000.json", "notes.txt"):
+    for name in ("preprocess.json", "index.arrow", "index.json", "rejects.jsonl", "report.json",
+                 "shard-00000-00000.safetensors", "parts/unit-00000.json", "notes.txt"):
         (out / name).write_text("{}")
     with pytest.raises(PreprocessError, match="cannot run under several ranks"):
         _check_settings(out, {"a": 1}, True, world=2)

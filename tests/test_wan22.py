@@ -137,10 +137,10 @@ def test_preprocess_with_a_tiny_wan22_vae_gives_ti2v_shards(tmp_path):
             "--text-encoder", str(weights["--text-encoder"]), "--tokenizer", str(weights["--tokenizer"]),
             "--video-sizes", "64x96", "--workers", "0", "--no-progress"]
     assert main(argv) == 0
-    index = json.loads((tmp_path / "out" / "index.json").read_text())
-    assert index["latent_channels"] == 48 and index["vae_stride"] == [4, 16, 16] and index["vae"] == "Wan 2.2 VAE"
     m = get_model("tiny-ti2v")
     ds = LatentShardDataset(tmp_path / "out", spec=m.input_spec)
+    index = ds.header
+    assert index["latent_channels"] == 48 and index["vae_stride"] == [4, 16, 16] and index["vae"] == "Wan 2.2 VAE"
     assert Counter(str(s) for s in ds.sample_shapes()) == Counter({"25x64x96": 1})   # fps 24, 25 frames: the model's
     sample = ds[0]
     assert sample["latents"].shape == (48, 7, 4, 6) and sample["context"].shape[1] == 4096

@@ -1,9 +1,17 @@
 """Datasets of VAE latents: the embedded synthetic default and precomputed on-disk shards.
 
 Both expose ``__len__``, ``__getitem__(i) -> {"latents": [C,T',H',W'] float32,
-"context": [L,text_dim] float32, "index": i}`` and ``sample_shapes()`` (no tensor is loaded; the
-shapes carry the model's grid rule), which is what the batch sampler plans from. Both are built for
-a model's :class:`ds_adaptive.core.shapes.InputSpec`. ``collate_latents`` stacks one micro-batch.
+"context": [L,text_dim] float32, "index": i}`` and, without loading a tensor, the shapes the batch
+sampler plans from (they carry the model's grid rule):
+
+* ``unique_shapes() -> list[SampleShape]``: the distinct shapes, sorted;
+* ``shape_ids() -> np.ndarray[int32]``: per sample, its index into ``unique_shapes()`` (4 bytes a sample:
+  what a planner of 10M samples should read);
+* ``sample_shapes() -> list[SampleShape]``: the same, one object per sample.
+
+Both are built for a model's :class:`ds_adaptive.core.shapes.InputSpec`. On disk the index is
+``index.arrow`` (:mod:`ds_adaptive.data.index`; an older ``index.json`` is read too). ``collate_latents``
+stacks one micro-batch.
 """
 from __future__ import annotations
 
@@ -13,11 +21,14 @@ from typing import Optional, Union
 from ds_adaptive.core.shapes import InputSpec
 
 from ds_adaptive.data.collate import collate_latents
-from ds_adaptive.data.shards import INDEX_FILE, LatentShardDataset, LatentShardWriter, write_index
+from ds_adaptive.data.index import INDEX_FILE, LEGACY_INDEX_FILE, IndexBuilder, ShardIndex, find_index, write_index
+from ds_adaptive.data.legacy_json import read_legacy_index, write_legacy_index
+from ds_adaptive.data.shards import LatentShardDataset, LatentShardWriter, open_index
 from ds_adaptive.data.synthetic import DEFAULT_TEXT_LEN, DataError, SyntheticLatentDataset
 
 __all__ = ["DataError", "SyntheticLatentDataset", "LatentShardDataset", "LatentShardWriter", "collate_latents",
-           "build_dataset", "DEFAULT_TEXT_LEN", "INDEX_FILE", "write_index"]
+           "build_dataset", "DEFAULT_TEXT_LEN", "INDEX_FILE", "LEGACY_INDEX_FILE", "IndexBuilder", "ShardIndex",
+           "find_index", "open_index", "read_legacy_index", "write_index", "write_legacy_index"]
 
 
 def build_dataset(data: str, *, num_samples: int = 10000, shapes: Union[str, Path, None] = None,

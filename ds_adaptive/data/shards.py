@@ -1,50 +1,41 @@
-"""On-disk precomputed latents: ``index.json`` + safetensors shard files.
+"""On-disk precomputed latents: an index (``index.arrow``) + safetensors shard files.
 
 Layout of a dataset directory::
 
-    DIR/index.json
+    DIR/index.arrow                  # one row per sample (ds_adaptive.data.index has the schema)
     DIR/shard-00000.safetensors      # tensors "<id>.latents" [C, T', H', W'], "<id>.context" [L, text_dim]
     DIR/shard-00001.safetensors
     ...
 
-``index.json``::
-
-    {"format": "ds_adaptive.latents", "version": 1, "latent_channels": 16, "text_dim": 4096,
-     "vae": "Wan 2.1 VAE", "vae_stride": [4, 8, 8], "num_samples": 2,
-     "samples": [
-       {"id": "000000", "frames": 81, "height": 480, "width": 832, "latent_shape": [16, 21, 60, 104],
-        "text_len": 97, "file": "shard-00000.safetensors",
-        "latents_key": "000000.latents", "context_key": "000000.context"},
-       ...]}
+A directory written before version 2 has ``DIR/index.json`` instead (``ds_adaptive.data.legacy_json``); it is
+read the same way, and ``ds-adaptive data convert DIR`` writes its ``index.arrow``.
 
 A dataset is read for a model (its :class:`ds_adaptive.core.shapes.InputSpec`): latent channels, VAE stride and
-text width in the index must be the model's (``vae``/``vae_stride`` absent in indexes written before they
-were recorded: the channels and every entry's ``latent_shape`` are still checked against the model's rule).
-The index alone is enough to plan (``sample_shapes()`` reads no tensor). Shards are written
-first and the index last (atomically), so a directory with an index is complete. Files are
-checked when the dataset opens (existence, keys and tensor shapes from the safetensors
-headers, which costs no tensor read); errors name the file, the key and the sample id.
+text width in the index must be the model's, and every shape must fit its grid rule. The index alone is
+enough to plan (``shape_ids()`` / ``unique_shapes()`` / ``sample_shapes()`` read no tensor). Shards are
+written first and the index last (atomically), so a directory with an index is complete. A shard is checked
+when it is first read in a process (existence, keys and tensor shapes of all its samples from the
+safetensors header, which costs no tensor read): opening a dataset of 10M samples reads no shard. Errors
+name the file, the key and the sample id; ``verify()`` (``ds-adaptive data check DIR``) checks every shard.
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
+import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
 from ds_adaptive.core.files import save_safetensors
-from ds_adaptive.core.jsonfile import read_json
-from ds_adaptive.core.shapes import InputSpec, SampleShape, ShapeError, default_input_spec
+from ds_adaptive.core.shapes import InputSpec, SampleShape, default_input_spec
+from ds_adaptive.data.index import FORMAT, INDEX_FILE, LEGACY_INDEX_FILE, ShardIndex, find_index, write_index
+from ds_adaptive.data.legacy_json import read_legacy_index
 from ds_adaptive.data.synthetic import DataError
 
-FORMAT = "ds_adaptive.latents"
-VERSION = 1
-INDEX_FILE = "index.json"
-_ENTRY_KEYS = ("id", "frames", "height", "width", "text_len", "file", "latents_key", "context_key")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+VERIFY_MODES = ("lazy", "open", "off")
 
 
 class LatentShardWriter:
@@ -65,9 +56,11 @@ class LatentShardWriter:
         self.out_dir = Path(out_dir)
         self.spec = spec or default_input_spec()
         self.prefix, self.write_index = prefix, bool(index)
-        if index and (self.out_dir / INDEX_FILE).exists() and not overwrite:
-            raise DataError(f"{self.out_dir / INDEX_FILE} already exists; pick another --out directory or "
+        found = find_index(self.out_dir) if index else None
+        if found is not None and not overwrite:
+            raise DataError(f"{found} already exists; pick another --out directory or "
                             "pass --overwrite to replace the dataset")
+        self._overwrite = bool(overwrite)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.shard_bytes = int(shard_bytes)
         self.dtype = _DTYPES[dtype]
@@ -142,6 +135,8 @@ class LatentShardWriter:
         self._closed = True
         if self.write_index:
             write_index(self.out_dir, self._entries, spec=self.spec)
+            if self._overwrite:   # a replaced old dataset's index.json would describe the old samples
+                (self.out_dir / LEGACY_INDEX_FILE).unlink(missing_ok=True)
         return self.out_dir / INDEX_FILE
 
     def __enter__(self) -> "LatentShardWriter":
@@ -152,178 +147,151 @@ class LatentShardWriter:
             self.close()
 
 
-def write_index(out_dir: Union[str, Path], entries: list[dict], *, spec: Optional[InputSpec] = None) -> Path:
-    """Write ``out_dir/index.json`` for ``entries`` of latents for ``spec`` (default: the default model's)
-    atomically: temporary file, then rename."""
-    out_dir = Path(out_dir)
-    spec = spec or default_input_spec()
-    index = {"format": FORMAT, "version": VERSION, "latent_channels": spec.grid.latent_channels,
-             "text_dim": spec.text_dim, "vae": spec.grid.vae, "vae_stride": list(spec.grid.vae_stride),
-             "num_samples": len(entries), "samples": entries}
-    tmp = out_dir / (INDEX_FILE + ".tmp")
-    # One sample per line: readable, diffable and still plain JSON.
-    head = json.dumps({k: v for k, v in index.items() if k != "samples"})[:-1]
-    rows = ",\n  ".join(json.dumps(e) for e in entries)
-    tmp.write_text(f'{head}, "samples": [\n  {rows}\n]}}\n')
-    os.replace(tmp, out_dir / INDEX_FILE)
-    return out_dir / INDEX_FILE
-
-
-def _read_index(root: Path) -> dict:
+def open_index(root: Union[str, Path], spec: Optional[InputSpec] = None) -> ShardIndex:
+    """The index of the dataset at ``root`` for the model ``spec``: ``index.arrow`` (memory-mapped), else an
+    ``index.json`` read into memory; errors say what is missing and how to write a dataset."""
+    root = Path(root)
     if not root.is_dir():
         raise DataError(f"dataset directory {root} does not exist (from --data); write one with "
                         f"'ds-adaptive synth --out {root} --num-samples N' or pass --data synthetic")
-    path = root / INDEX_FILE
-    index = read_json(path, missing=f"{path} does not exist: {root} is not a ds_adaptive latent dataset (or its "
-                                    "writer did not finish; the index is written last)",
-                      missing_error=DataError, invalid_error=DataError, fix="; rewrite the dataset")
-    if not isinstance(index, dict) or index.get("format") != FORMAT:
-        raise DataError(f"{path}: 'format' must be {FORMAT!r}, got "
-                        f"{index.get('format') if isinstance(index, dict) else type(index).__name__!r}")
-    if index.get("version") != VERSION:
-        raise DataError(f"{path}: version {index.get('version')!r} is not supported (this ds_adaptive reads "
-                        f"version {VERSION})")
-    if not isinstance(index.get("samples"), list) or not index["samples"]:
-        raise DataError(f"{path}: 'samples' must be a non-empty list")
-    if index.get("num_samples", len(index["samples"])) != len(index["samples"]):
-        raise DataError(f"{path}: num_samples is {index['num_samples']} but 'samples' lists "
-                        f"{len(index['samples'])} entries; the index is truncated or edited")
-    return index
+    path = find_index(root)
+    if path is not None and path.name == INDEX_FILE:
+        return ShardIndex.open(path, spec)
+    return read_legacy_index(root, spec)   # or its error: neither index exists
 
 
 class LatentShardDataset(torch.utils.data.Dataset):
-    """Reader of a directory written by ``LatentShardWriter`` / ``ds-adaptive synth``.
+    """Reader of a directory written by ``LatentShardWriter`` / ``ds-adaptive synth`` / ``preprocess``.
 
     ``__getitem__(i)`` -> ``{"latents": [C, T', H', W'] float32, "context": [L, text_dim] float32,
-    "index": i}``. ``verify=True`` checks every file, key and tensor shape on open (headers only).
-    ``spec``: the model the latents are read for (default: the default model's).
+    "index": i}``. ``verify``: ``"lazy"`` (default) checks a shard's header (every key and tensor shape of
+    its samples) when the shard is first read in this process; ``"open"`` (or True) checks every shard now;
+    ``"off"`` (or False) only checks the tensors that are read. ``spec``: the model the latents are read for
+    (default: the default model's).
+
+    For planning: ``shape_ids()`` (int32 per sample) and ``unique_shapes()`` (sorted); ``sample_shapes()``
+    is the same as a list of one :class:`SampleShape` per sample.
     """
 
-    def __init__(self, root: Union[str, Path], *, verify: bool = True, spec: Optional[InputSpec] = None) -> None:
+    def __init__(self, root: Union[str, Path], *, verify: Union[bool, str] = "lazy",
+                 spec: Optional[InputSpec] = None) -> None:
+        mode = ("open" if verify else "off") if isinstance(verify, bool) else verify
+        if mode not in VERIFY_MODES:
+            raise DataError(f"verify must be one of {list(VERIFY_MODES)} (or a bool), got {verify!r}")
         self.root = Path(root)
-        self.index_path = self.root / INDEX_FILE
         self.spec = spec or default_input_spec()
-        index = _read_index(self.root)
-        self._check_model(index)
-        self.entries: list[dict] = []
-        self._shapes: list[SampleShape] = []
-        for i, e in enumerate(index["samples"]):
-            self.entries.append(self._check_entry(i, e))
-            self._shapes.append(SampleShape(e["frames"], e["height"], e["width"], self.spec.grid))
-        self._handles: dict[str, object] = {}
+        self.index = open_index(self.root, self.spec)
+        self.index_path = self.index.path
+        self._lazy = mode == "lazy"
+        self._handles: dict[int, object] = {}
         self._pid: Optional[int] = None
-        if verify:
+        if mode == "open":
             self.verify()
 
-    def _check_model(self, index: dict) -> None:
-        """The index's latent channels / VAE stride / text width against the model's."""
-        grid = self.spec.grid
-        found = {"latent_channels": index.get("latent_channels"), "vae_stride": index.get("vae_stride"),
-                 "text_dim": index.get("text_dim")}
-        want = {"latent_channels": grid.latent_channels, "vae_stride": list(grid.vae_stride),
-                "text_dim": self.spec.text_dim}
-        bad = [f"{k} {found[k]} (expected {want[k]})" for k in want if found[k] is not None and found[k] != want[k]]
-        if bad:
-            vae = f" ({index['vae']})" if index.get("vae") else ""
-            raise DataError(f"{self.index_path}: the latents were written for another model{vae}: "
-                            f"{', '.join(bad)}; {self.spec.describe()}. Train a model of that VAE (--model) or "
-                            "re-encode the media for this one (ds-adaptive preprocess --model ...)")
+    # ------------------------------------------------------------------ the index
+    def __len__(self) -> int:
+        return len(self.index)
 
-    def _check_entry(self, i: int, e: object) -> dict:
-        where = f"{self.index_path} sample {i}"
-        if not isinstance(e, dict):
-            raise DataError(f"{where}: expected an object, got {e!r}")
-        where = f"{self.index_path} sample {i} (id {e.get('id')!r})"
-        missing = [k for k in _ENTRY_KEYS if k not in e]
-        if missing:
-            raise DataError(f"{where}: missing key(s) {missing}; every entry needs {list(_ENTRY_KEYS)}")
+    @property
+    def header(self) -> dict:
+        """The index's dataset keys (format, version, latent_channels, text_dim, vae, vae_stride, num_samples)."""
+        return dict(self.index.header)
+
+    @property
+    def entries(self) -> "IndexEntries":
+        """Every sample's index entry (a dict like an index.json entry), read when indexed."""
+        return IndexEntries(self.index)
+
+    def shape_ids(self) -> np.ndarray:
+        """[num_samples] int32 (read-only): every sample's index into :meth:`unique_shapes`."""
+        return self.index.shape_ids()
+
+    def unique_shapes(self) -> list[SampleShape]:
+        """The distinct pixel shapes of the dataset, sorted (as ``planning.planner.unique_shapes`` sorts)."""
+        return self.index.unique_shapes()
+
+    def sample_shapes(self) -> list[SampleShape]:
+        """Every sample's pixel shape, read from the index (no tensor is loaded; one shared object per shape)."""
+        table = np.empty(len(self.index.unique_shapes()), dtype=object)
+        for k, s in enumerate(self.index.unique_shapes()):
+            table[k] = s
+        return table[self.shape_ids()].tolist()
+
+    def shape_of(self, i: int) -> SampleShape:
+        return self.index.unique_shapes()[self.index.keys(i)[2]]
+
+    def text_lens(self) -> np.ndarray:
+        """[num_samples] int32: every sample's text length (tokens)."""
+        return self.index.text_lens()
+
+    # ------------------------------------------------------------------ shards
+    def _check_shard(self, f, path: Path, rows: np.ndarray) -> None:
+        """Every key and tensor shape of the samples ``rows`` of the shard at ``path`` against its (open) header."""
+        keys = set(f.keys())
+        for row in rows:
+            sid, _, shape_id, text_len, lat_key, ctx_key = self.index.keys(int(row))
+            shape = self.index.unique_shapes()[shape_id]
+            for key, want in ((lat_key, list(shape.latent_shape)), (ctx_key, [text_len, self.spec.text_dim])):
+                if key not in keys:
+                    raise DataError(f"shard {path} has no tensor {key!r} for sample {sid!r} "
+                                    f"(index {self.index_path})")
+                got = list(f.get_slice(key).get_shape())
+                if got != want:
+                    raise DataError(f"shard {path} tensor {key!r} of sample {sid!r} has shape "
+                                    f"{got}, the index says {want}")
+
+    def _open_shard(self, shard: int, row: int, check: bool):
+        """safe_open of shard ``shard`` (read for sample ``row``), its header checked when ``check``."""
+        path = self.root / self.index.shard_files[shard]
+        rows = self.index.rows_of_shard(shard)
+        sid = self.index.sample_id(row)
+        if not path.is_file():
+            raise DataError(f"shard {path} does not exist (needed by sample {sid!r} and {len(rows) - 1} more, "
+                            f"listed in {self.index_path})")
         try:
-            self.spec.grid.validate(e["frames"], e["height"], e["width"], where=where)
-        except ShapeError as exc:
-            raise DataError(str(exc)) from None
-        n = self.spec.text_len
-        if not isinstance(e["text_len"], int) or not 1 <= e["text_len"] <= n:
-            raise DataError(f"{where}: text_len must be an int in 1..{n}, got {e['text_len']!r}")
-        shape = SampleShape(e["frames"], e["height"], e["width"], self.spec.grid)
-        if "latent_shape" in e and list(e["latent_shape"]) != list(shape.latent_shape):
-            raise DataError(f"{where}: latent_shape {e['latent_shape']} for {shape}, the model expects "
-                            f"{list(shape.latent_shape)} ({self.spec.describe()}); the latents were encoded for "
-                            "another model: re-encode them (ds-adaptive preprocess --model ...)")
-        return e
+            f = safe_open(str(path), framework="pt")
+            if check:
+                self._check_shard(f, path, rows)
+        except SafetensorError as exc:
+            raise DataError(f"shard {path} is corrupt or not a safetensors file ({exc}); sample {sid!r} is in it. "
+                            "Rewrite the dataset.") from None
+        return f
 
     def verify(self) -> None:
         """Check that every shard exists, is readable, and holds every key with the right shape."""
-        by_file: dict[str, list[dict]] = {}
-        for e in self.entries:
-            by_file.setdefault(e["file"], []).append(e)
-        for fname, entries in by_file.items():
-            path = self.root / fname
-            if not path.is_file():
-                raise DataError(f"shard {path} does not exist (needed by sample {entries[0]['id']!r} and "
-                                f"{len(entries) - 1} more, listed in {self.index_path})")
-            try:
-                with safe_open(str(path), framework="pt") as f:
-                    keys = set(f.keys())
-                    for e in entries:
-                        shape = SampleShape(e["frames"], e["height"], e["width"], self.spec.grid)
-                        expected = {e["latents_key"]: list(shape.latent_shape),
-                                    e["context_key"]: [e["text_len"], self.spec.text_dim]}
-                        for key, want in expected.items():
-                            if key not in keys:
-                                raise DataError(f"shard {path} has no tensor {key!r} for sample {e['id']!r} "
-                                                f"(index {self.index_path})")
-                            got = list(f.get_slice(key).get_shape())
-                            if got != want:
-                                raise DataError(f"shard {path} tensor {key!r} of sample {e['id']!r} has shape "
-                                                f"{got}, the index says {want}")
-            except SafetensorError as exc:
-                raise DataError(f"shard {path} is corrupt or not a safetensors file ({exc}); first sample in "
-                                f"it: {entries[0]['id']!r}. Rewrite the dataset.") from None
+        for shard in range(len(self.index.shard_files)):
+            rows = self.index.rows_of_shard(shard)
+            if len(rows):
+                self._open_shard(shard, int(rows[0]), check=True)
 
-    def __len__(self) -> int:
-        return len(self.entries)
-
-    def sample_shapes(self) -> list[SampleShape]:
-        """Every sample's pixel shape, read from the index (no tensor is loaded)."""
-        return list(self._shapes)
-
-    def _handle(self, fname: str, sample_id: str):
+    def _handle(self, shard: int, row: int):
         if self._pid != os.getpid():  # DataLoader workers: do not share mmaps across fork
             self._handles, self._pid = {}, os.getpid()
-        h = self._handles.get(fname)
+        h = self._handles.get(shard)
         if h is None:
-            path = self.root / fname
-            if not path.is_file():
-                raise DataError(f"shard {path} does not exist (sample {sample_id!r}, index {self.index_path})")
-            try:
-                h = safe_open(str(path), framework="pt")
-            except SafetensorError as exc:
-                raise DataError(f"shard {path} is corrupt ({exc}); sample {sample_id!r}") from None
-            self._handles[fname] = h
+            h = self._handles[shard] = self._open_shard(shard, row, check=self._lazy)
         return h
 
     def __getitem__(self, i: int) -> dict:
-        if not 0 <= i < len(self.entries):
-            raise IndexError(f"sample index {i} out of range for {self.root} ({len(self.entries)} samples)")
-        e = self.entries[i]
-        h = self._handle(e["file"], e["id"])
-        path = self.root / e["file"]
+        sid, shard, shape_id, text_len, lat_key, ctx_key = self.index.keys(i)
+        h = self._handle(shard, i)
+        path = self.root / self.index.shard_files[shard]
         out = {}
-        shape = self._shapes[i]
-        for name, key, want in (("latents", e["latents_key"], shape.latent_shape),
-                                ("context", e["context_key"], (e["text_len"], self.spec.text_dim))):
+        shape = self.index.unique_shapes()[shape_id]
+        for name, key, want in (("latents", lat_key, shape.latent_shape),
+                                ("context", ctx_key, (text_len, self.spec.text_dim))):
             try:
                 t = h.get_tensor(key)
             except SafetensorError as exc:
-                raise DataError(f"shard {path}: cannot read {key!r} of sample {e['id']!r} ({exc})") from None
+                raise DataError(f"shard {path}: cannot read {key!r} of sample {sid!r} ({exc})") from None
             if tuple(t.shape) != tuple(want):
-                raise DataError(f"shard {path} tensor {key!r} of sample {e['id']!r} has shape "
+                raise DataError(f"shard {path} tensor {key!r} of sample {sid!r} has shape "
                                 f"{tuple(t.shape)}, expected {tuple(want)}")
             t = t.float()
             finite = torch.isfinite(t)
             if not bool(finite.all()):
                 bad = int((~finite).sum())
-                raise DataError(f"sample {i} (id {e['id']!r}) in shard {path}: tensor {key!r} holds {bad} "
+                raise DataError(f"sample {i} (id {sid!r}) in shard {path}: tensor {key!r} holds {bad} "
                                 f"non-finite value(s) (NaN/inf) of {t.numel()}; the shard is corrupt or was "
                                 "written from a diverged encoder: re-encode this sample or drop it from "
                                 f"{self.index_path}")
@@ -337,5 +305,21 @@ class LatentShardDataset(torch.utils.data.Dataset):
         return state
 
     def describe(self) -> str:
-        n_img = sum(1 for s in self._shapes if s.is_image)
+        counts = np.bincount(self.shape_ids(), minlength=len(self.unique_shapes()))
+        n_img = int(sum(n for s, n in zip(self.unique_shapes(), counts) if s.is_image))
         return f"latent dataset {self.root}: {len(self)} samples ({n_img} images, {len(self) - n_img} videos)"
+
+
+class IndexEntries(Sequence):
+    """The index entries of a dataset as a sequence of dicts, each read from the index when indexed."""
+
+    def __init__(self, index: ShardIndex) -> None:
+        self._index = index
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self._index.entry(k) for k in range(*i.indices(len(self)))]
+        return self._index.entry(int(i) + len(self) if int(i) < 0 else int(i))

@@ -1,4 +1,4 @@
-"""``ds-adaptive synth``: write the synthetic latent dataset to disk (index.json + safetensors shards).
+"""``ds-adaptive synth``: write the synthetic latent dataset to disk (index.arrow + safetensors shards).
 
     ds-adaptive synth --out data/synth --num-samples 1000 [--shapes FILE] [--seed S] [--model M]
 
@@ -46,7 +46,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.num_samples < 1:
         print(f"ds-adaptive synth: --num-samples must be >= 1, got {args.num_samples}", file=sys.stderr)
         return 2
-
     try:
         model = get_model(args.model or default_model())
         ds = SyntheticLatentDataset(args.num_samples, args.shapes or model.shapes, seed=args.seed,

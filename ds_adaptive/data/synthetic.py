@@ -17,8 +17,9 @@ latents carry learnable structure, so that a flow-matching loss really falls:
 The "world" (prototypes and latent functions) is fixed by ``world_seed``; the dataset
 ``seed`` picks each sample's shape, class, text length and noise. Sample ``i`` is a pure
 function of (seed, i): any worker, rank or resume regenerates it bit for bit.
-``sample_shapes()`` returns every sample's shape without generating a tensor, so the
-sampler can plan an epoch of millions of samples in milliseconds.
+``sample_shapes()`` returns every sample's shape without generating a tensor (``unique_shapes()`` +
+``shape_ids()``: the same as distinct shapes and an int32 per sample), so the sampler can plan an epoch of
+millions of samples in milliseconds.
 """
 from __future__ import annotations
 
@@ -129,6 +130,12 @@ class SyntheticLatentDataset(torch.utils.data.Dataset):
         draw = np.random.default_rng([self.seed, 0x5A4E]).choice(
             len(self.distribution), size=num_samples, p=weights / weights.sum())
         self._shape_ids = draw.astype(np.int32)
+        # the planner's view: distinct shapes sorted, per sample an int32 index into them
+        self._unique = sorted({s.shape for s in self.distribution})
+        pos = {s: k for k, s in enumerate(self._unique)}
+        remap = np.array([pos[s.shape] for s in self.distribution], np.int32)
+        self._unique_ids = remap[self._shape_ids]
+        self._unique_ids.setflags(write=False)
 
     def __len__(self) -> int:
         return self.num_samples
@@ -137,6 +144,14 @@ class SyntheticLatentDataset(torch.utils.data.Dataset):
         """Every sample's pixel shape, without generating tensors."""
         table = [s.shape for s in self.distribution]
         return [table[k] for k in self._shape_ids]
+
+    def unique_shapes(self) -> list[SampleShape]:
+        """The distinct shapes of the distribution, sorted (as ``planning.planner.unique_shapes`` sorts)."""
+        return list(self._unique)
+
+    def shape_ids(self) -> np.ndarray:
+        """[num_samples] int32 (read-only): every sample's index into :meth:`unique_shapes`."""
+        return self._unique_ids
 
     def shape_of(self, index: int) -> SampleShape:
         return self.distribution[self._shape_ids[self._check_index(index)]].shape

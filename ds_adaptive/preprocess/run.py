@@ -16,7 +16,7 @@ WORLD_SIZE) takes units r, r + W, ... No process group is needed: a unit is fini
 record ``parts/unit-NNNNN.json`` exists (written after its shard files ``shard-NNNNN-*``, each
 renamed into place when complete). A killed job rerun with the same command skips finished units
 and redoes the others; the result is byte-identical to an uninterrupted run (same devices). The
-process that finishes the last unit writes ``index.json`` (the dataset), ``rejects.jsonl`` (path
+process that finishes the last unit writes ``index.arrow`` (the dataset), ``rejects.jsonl`` (path
 and reason of every item that gave no sample) and ``report.json``. Rerunning a finished job only
 rewrites those three files.
 """
@@ -34,6 +34,8 @@ from pathlib import Path
 from typing import Optional
 
 from ds_adaptive.core.shapes import SampleShape
+from ds_adaptive.data.index import INDEX_FILE, LEGACY_INDEX_FILE, IndexBuilder, find_index
+from ds_adaptive.data.shards import LatentShardWriter
 from ds_adaptive.preprocess.manifest import ManifestError, MediaItem, read_inputs
 from ds_adaptive.preprocess.media import MediaError, decode_item
 from ds_adaptive.preprocess.policy import PolicyError, ShapePolicy, add_policy_args, model_from_args, policy_from_args
@@ -127,7 +129,8 @@ def settings_of(args: argparse.Namespace, items: list[MediaItem], policy: ShapeP
 
 def _check_settings(out: Path, settings: dict, overwrite: bool, world: int) -> None:
     path = out / SETTINGS_FILE
-    ours = [out / SETTINGS_FILE, out / PARTS_DIR, out / "index.json", out / REJECTS_FILE, out / REPORT_FILE]
+    ours = [out / SETTINGS_FILE, out / PARTS_DIR, out / INDEX_FILE, out / LEGACY_INDEX_FILE, out / REJECTS_FILE,
+            out / REPORT_FILE]
     if overwrite:
         if world > 1:
             raise PreprocessError("--overwrite clears --out and cannot run under several ranks (they would race); "
@@ -144,8 +147,9 @@ def _check_settings(out: Path, settings: dict, overwrite: bool, world: int) -> N
             raise PreprocessError(f"{out} holds the output of a different preprocess job ({rows}). Resuming would "
                                   "mix two datasets: pass the same arguments, another --out, or --overwrite")
         return
-    if (out / "index.json").exists():
-        raise PreprocessError(f"{out} already holds a dataset (index.json) not written by preprocess; pick another "
+    found = find_index(out)
+    if found is not None:
+        raise PreprocessError(f"{out} already holds a dataset ({found.name}) not written by preprocess; pick another "
                               "--out or pass --overwrite")
     out.mkdir(parents=True, exist_ok=True)
     (out / PARTS_DIR).mkdir(exist_ok=True)
@@ -156,7 +160,6 @@ def _encode_unit(k: int, unit: range, results, items: list[MediaItem], encoders,
                  out: Path, bar) -> dict:
     """Decode (from the loader), encode and write unit ``k``; returns its record (written last)."""
     import torch
-
 
     stats = Counter()
     rejects, accepted = [], []  # accepted: (item, [(shape, start, latents)])
@@ -224,27 +227,28 @@ def _encode_unit(k: int, unit: range, results, items: list[MediaItem], encoders,
 
 
 def finalize(out: Path, n_units: int, spec=None) -> Optional[dict]:
-    """When every unit record exists: write index.json (latents for ``spec``, the model's inputs),
-    rejects.jsonl and report.json; else None."""
-    records = []
+    """When every unit record exists: write index.arrow (latents for ``spec``, the model's inputs),
+    rejects.jsonl and report.json; else None. The records are read one at a time (the index holds compact
+    columns, not every sample's entry)."""
+    if not all(_unit_record(out, k).is_file() for k in range(n_units)):
+        return None
+    builder, rejects = IndexBuilder(), []
+    totals, shapes = Counter(), Counter()
     for k in range(n_units):
-        p = _unit_record(out, k)
-        if not p.is_file():
-            return None
-        records.append(json.loads(p.read_text()))
-    entries = [e for r in records for e in r["samples"]]
-    rejects = [x for r in records for x in r["rejects"]]
-    _atomic_write(out / REJECTS_FILE, "".join(json.dumps(x) + "\n" for x in rejects))
-    if entries:
-        write_index(out, entries, spec=spec)
-    totals, shapes, kinds = Counter(), Counter(), Counter(_reason_kind(x["reason"]) for x in rejects)
-    for r in records:
+        r = json.loads(_unit_record(out, k).read_text())
+        builder.add_entries(r["samples"])
+        rejects += r["rejects"]
         totals.update(r["stats"])
         shapes.update(r["shapes"])
+    _atomic_write(out / REJECTS_FILE, "".join(json.dumps(x) + "\n" for x in rejects))
+    if builder.num_rows:
+        builder.write(out, spec=spec)
+        (out / LEGACY_INDEX_FILE).unlink(missing_ok=True)   # this job's index from before index.arrow
+    kinds = Counter(_reason_kind(x["reason"]) for x in rejects)
     ranks = {}
     for p in sorted((out / PARTS_DIR).glob("rank-*.json")):
         ranks[p.stem] = json.loads(p.read_text())
-    report = {"out": str(out), "items": int(totals["items"]), "samples": len(entries),
+    report = {"out": str(out), "items": int(totals["items"]), "samples": builder.num_rows,
               "images": int(totals["images"]), "videos": int(totals["videos"]), "rejects": len(rejects),
               "rejects_by_reason": dict(sorted(kinds.items())), "truncated_captions": int(totals["truncated_captions"]),
               "shapes": dict(sorted(shapes.items(), key=lambda kv: tuple(map(int, kv[0].split("x"))))),
@@ -270,7 +274,7 @@ def format_report(report: dict) -> str:
     lines.append(f"  summed time: decode {sec['decode_s']:.1f} s (in loader workers), VAE {sec['vae_s']:.1f} s, "
                  f"text {sec['text_s']:.1f} s, write {sec['write_s']:.1f} s")
     if not report["samples"]:
-        lines.append("  no sample was written, so there is no index.json: see the rejects")
+        lines.append(f"  no sample was written, so there is no {INDEX_FILE}: see the rejects")
     return "\n".join(lines)
 
 
@@ -413,7 +417,7 @@ def run(args: argparse.Namespace, encoders=None) -> dict:
         print(format_report(report), flush=True)
     else:
         print(f"preprocess rank {rank}: units of other ranks are still running; the last rank to finish writes "
-              f"{out / 'index.json'} (or rerun the same command)", flush=True)
+              f"{out / INDEX_FILE} (or rerun the same command)", flush=True)
     summary["report"] = report
     return summary
 

@@ -1,6 +1,6 @@
 """``ds-adaptive stats``: the shape mix of a latent dataset, or the one a manifest / folder will give.
 
-    ds-adaptive stats data/my_latents                       # a dataset directory (reads index.json only)
+    ds-adaptive stats data/my_latents                       # a dataset directory (reads its index only)
     ds-adaptive stats videos.jsonl --json shapes.json --png shapes.png [shape-policy flags]
 
 Prints a table (samples and tokens per shape), writes a shapes json in the shape-distribution
@@ -21,7 +21,11 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
+
 from ds_adaptive.core.shapes import SampleShape
+from ds_adaptive.data.index import find_index
+from ds_adaptive.data.shards import LatentShardDataset
 from ds_adaptive.preprocess.manifest import ManifestError, MediaItem, read_inputs
 from ds_adaptive.preprocess.policy import PolicyError, ShapePolicy, add_policy_args, policy_from_args
 from ds_adaptive.preprocess.media import MediaError, planned_shapes, probe
@@ -45,9 +49,10 @@ def _predict(job: tuple[MediaItem, ShapePolicy]) -> tuple[list[SampleShape], Opt
 def collect(source: str, policy: ShapePolicy, workers: int = 0) -> tuple[Counter, Counter, str]:
     """(samples per shape, rejects per reason kind, description) of a dataset dir or a manifest / folder."""
     src = Path(source)
-    if src.is_dir() and (src / "index.json").is_file():
-
-        shapes = Counter(LatentShardDataset(src, verify=False, spec=policy.spec).sample_shapes())
+    if src.is_dir() and find_index(src) is not None:
+        ds = LatentShardDataset(src, verify="off", spec=policy.spec)
+        counts = np.bincount(ds.shape_ids(), minlength=len(ds.unique_shapes()))
+        shapes = Counter({s: int(n) for s, n in zip(ds.unique_shapes(), counts) if n})
         return shapes, Counter(), f"shape mix of the latent dataset {src}"
     items = read_inputs(src)
     jobs = [(it, policy) for it in items]
@@ -111,7 +116,8 @@ def plot(shapes: Counter, path: Path, title: str) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ds-adaptive stats", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("source", help="a latent dataset directory (index.json), a manifest, or a media folder")
+    p.add_argument("source", help="a latent dataset directory (index.arrow or index.json), a manifest, or a media "
+                   "folder")
     p.add_argument("--json", default=None, help="write the shapes json here (default: SOURCE_shapes.json for a "
                    "manifest, DIR/shapes.json for a dataset)")
     p.add_argument("--png", default=None, help="write the histogram here (default: beside the json, .png)")
@@ -132,7 +138,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     src = Path(args.source)
     if args.json:
         out_json = Path(args.json)
-    elif src.is_dir() and (src / "index.json").is_file():
+    elif src.is_dir() and find_index(src) is not None:
         out_json = src / "shapes.json"
     else:
         out_json = src.with_name(src.name.rstrip("/") + "_shapes.json")
