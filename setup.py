@@ -41,7 +41,8 @@ install_requires = [
 ]
 
 extras_require = {
-    "dev": ["pytest>=7", "pytest-timeout", "pytest-xdist>=3.6", "hypothesis>=6", "matplotlib", "tensorboard",
+    "dev": ["pytest>=7", "pytest-timeout", "pytest-xdist>=3.6", "pytest-randomly", "ruff", "hypothesis>=6",
+            "matplotlib", "tensorboard",
             "diffusers>=0.33", "accelerate", "megatron-core>=0.12",
             "av>=14", "transformers>=4.56", "ftfy",  # the preprocess tests (tests/test_preprocess.py)
             "triton>=3.2",  # tests/test_sparse_kernels.py: the block-sparse kernels under the Triton interpreter

@@ -91,6 +91,34 @@ def _torch_linear_after_test():
         use_torch_linear()
 
 
+_COMPILER_CONFIGS = ("torch._dynamo.config", "torch._inductor.config", "torch._functorch.config")
+
+
+@pytest.fixture(autouse=True)
+def _process_state_restored():
+    """Every test ends with the process-wide torch state it started with: the compiler configs (dynamo, inductor,
+    functorch: a test that switches the autograd cache or the C++ compiler off must not change what a later test
+    compiles), the intra-op thread count (the trainer sets 1 under a pinning DataLoader) and the default dtype, so
+    that the suite passes in any order (``pytest -p randomly``)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        yield
+        return
+    configs = [sys.modules[m] for m in _COMPILER_CONFIGS if m in sys.modules]
+    saved = [c.get_config_copy() for c in configs]
+    threads, dtype = torch.get_num_threads(), torch.get_default_dtype()
+    yield
+    for config, before in zip(configs, saved):
+        after = config.get_config_copy()
+        for key, value in before.items():
+            if after.get(key) != value:
+                setattr(config, key, value)
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    if torch.get_default_dtype() != dtype:
+        torch.set_default_dtype(dtype)
+
+
 # --- pytest-xdist (.ci/run: -n 2 --dist loadgroup) -----------------------------------------------------------
 
 def pytest_configure(config) -> None:

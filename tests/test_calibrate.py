@@ -10,7 +10,7 @@ import pytest
 from ds_adaptive.calibration import calibrate
 from ds_adaptive.cli import calibrate as calibrate_cli
 from ds_adaptive.planning.cost import CostModel
-from ds_adaptive.planning.profile import PROFILES_DIR, load_profile
+from ds_adaptive.planning.profile import load_profile
 
 # Per-block H100 timings of Wan 1.3B/14B (copied from the project's shared/data, so CI has it).
 BLOCK_DATA = Path(__file__).resolve().parent / "data" / "h100_block_scaling.json"

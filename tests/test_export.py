@@ -10,7 +10,6 @@ import json
 import os
 import stat
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import sys
-from pathlib import Path
 
 import pytest
 

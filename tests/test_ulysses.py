@@ -15,7 +15,7 @@ from ds_adaptive.models.wan import WanModel
 from ds_adaptive.models.wan_blocks import sdpa_attention
 from ds_adaptive.core.layout import Layout, SequenceParallelError, resolve_sp_size, strip_mesh_keys
 from ds_adaptive.models.objective import per_sample_mse
-from ds_adaptive.parallel import (UlyssesRunner, apply_ulysses, remove_ulysses, shard_plan, shard_sequence,
+from ds_adaptive.parallel import (apply_ulysses, remove_ulysses, shard_plan, shard_sequence,
                                   valid_len_attention)
 
 

@@ -147,7 +147,7 @@ def measure(model_name: str, *, layers: Sequence[int], shapes: Sequence[SampleSh
             tstep = _timesteps(spec, b, shape, device)
             ctx = torch.randn(b, spec.text_len, cfg.text_dim, device=device, dtype=dtype)
 
-            def step():
+            def step(model=model):
                 out = _forward(model, latents, tstep, ctx, sp)
                 out.float().square().mean().backward()
 

@@ -5,7 +5,6 @@ and the check that a fit is good enough to plan with.
 from __future__ import annotations
 
 import itertools
-import time
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np

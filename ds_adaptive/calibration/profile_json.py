@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import copy
 import datetime as _dt
-import json
 import os
-import time
 from typing import Any, Mapping, Sequence
 
 import numpy as np

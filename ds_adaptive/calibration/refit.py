@@ -35,7 +35,7 @@ from ds_adaptive.planning.profile import Profile
 
 
 __all__ = ["COMPUTE_LOG", "Window", "Refit", "RefitError", "trainer_windows", "trainer_steps", "refit_compute",
-           "fit_train_overheads", "with_train_overheads", "plot", "MIN_CONFIGS", "main"]
+           "fit_train_overheads", "with_train_overheads", "plot", "MIN_CONFIGS"]
 
 
 #: the trainer's per-micro-step compute log in its --log-dir (``trainer.MemoryLog``)

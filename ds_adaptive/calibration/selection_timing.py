@@ -42,8 +42,8 @@ def measure_selection(grid: Sequence[tuple[int, int]] = DEFAULT_GRID, *, heads: 
     rows = []
     for b, s in grid:
         q, k = (torch.randn(int(b), int(s), heads, head_dim, generator=gen).to(dev, dtype) for _ in range(2))
-        select = time_ms(lambda: rt.select(0, q, k), warmup=2, iters=iters)
-        score = time_ms(lambda: rt.block_scores(0, q, k), warmup=2, iters=iters)
+        select = time_ms(lambda q=q, k=k: rt.select(0, q, k), warmup=2, iters=iters)
+        score = time_ms(lambda q=q, k=k: rt.block_scores(0, q, k), warmup=2, iters=iters)
         rows.append({"B": int(b), "S": int(s), "heads": heads, "select_ms": select, "score_ms": score})
         if log is not None:
             log(f"selection B={b:>3} S={s:>6}: {select:8.3f} ms (scoring {score:8.3f} ms)")

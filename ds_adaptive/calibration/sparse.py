@@ -28,7 +28,7 @@ from typing import Any, Sequence
 from ds_adaptive.core.timing import time_ms
 
 
-__all__ = ["select_kv_blocks", "make_block_mask", "block_mask_dense", "measure_efficiency", "main"]
+__all__ = ["select_kv_blocks", "make_block_mask", "block_mask_dense", "measure_efficiency"]
 
 
 DEFAULT_DENSITIES = (0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.85)
@@ -116,7 +116,7 @@ def measure_efficiency(seq_lens: Sequence[int], densities: Sequence[float], *, h
         flops = 4 * 2 * heads * s * s * head_dim * 1.0   # fwd 2 matmuls; bwd ~2.5x; counted as 3.5 x fwd below
         for rho in densities:
             mask = make_block_mask([rho] * heads, s, device="cuda", seed=int(rho * 1000))
-            t = time_ms(lambda: sparse(mask), iters=iters)
+            t = time_ms(lambda mask=mask, sparse=sparse: sparse(mask), iters=iters)
             real = float(mask.kv_num_blocks.sum() + mask.full_kv_num_blocks.sum()) / (heads * mask.full_kv_num_blocks.shape[-1] ** 2)
             rows.append({"S": s, "density": rho, "block_density": real, "dense_ms": t_dense, "sparse_ms": t,
                          "ratio": t / t_dense, "dense_tflops": 3.5 * flops / 2 / t_dense / 1e9,

@@ -8,7 +8,6 @@ import json
 import sys
 from typing import Any, Dict, List, Optional
 
-from ds_adaptive.ops.builder import LNModulateBuilder
 from ds_adaptive.ops.ln_modulate import KERNELS_ENV_VAR
 from ds_adaptive.ops.report import collect
 

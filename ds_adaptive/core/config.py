@@ -17,7 +17,7 @@ valid ones. This module is the schema only; reading a ds_config is
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 

@@ -42,7 +42,7 @@ from ds_adaptive.training.lora import LORA_FILE, load_adapters, read_lora_file
 from ds_adaptive.training.preview import load_embeddings, pad_context, save_embeddings
 
 
-__all__ = ["main", "load_model", "model_of_source", "load_text_embeddings", "SampleError"]
+__all__ = ["load_model", "model_of_source", "load_text_embeddings", "SampleError"]
 
 
 class SampleError(ValueError):

@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Optional, Protocol, Sequence, Union, runtime_checkable
+from typing import Any, Callable, Iterator, Mapping, Optional, Protocol, Union, runtime_checkable
 
 from ds_adaptive.core.config import SamplerConfig
 from ds_adaptive.planning.planner import StepTotals

@@ -45,14 +45,12 @@ from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from einops import rearrange
-from torch.utils.checkpoint import checkpoint
 
 from ds_adaptive.models import fusion
 from ds_adaptive.models.lean_backward import fp32_layer_norm
 from ds_adaptive.models.recompute import CHECKPOINT_ATTENTION_MODES, keep_attention_context
-from ds_adaptive.models.rope import apply_rope, rope_table
+from ds_adaptive.models.rope import rope_table
 from ds_adaptive.models.wan_blocks import (AttentionFn, FP32LayerNorm, Grid, LnModulateFn, TokenOrder, WanBlock,
                                            WanHead, WanInputs, _set_plain_attr, gated_residual, is_fp32_param,
                                            sdpa_attention, timestep_embedding)

@@ -25,7 +25,6 @@ import torch
 
 from ds_adaptive.models.family import ModelError
 from ds_adaptive.models.wan import WanModel
-from ds_adaptive.models.wan_blocks import is_fp32_param
 from ds_adaptive.models.wan_config import WanConfig, get_wan_config
 from ds_adaptive.core.files import save_safetensors
 

@@ -19,7 +19,7 @@ with our op registered.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Dict, List, Optional, Union
+from typing import Callable, Dict, List, Optional
 from ds_adaptive.ops.builder import LNModulateBuilder
 
 _MARK = "_ds_adaptive_registered"

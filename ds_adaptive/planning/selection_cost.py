@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional
 
 import numpy as np
 
-__all__ = ["SelectionCost", "fit_selection", "selection_features", "DEFAULT_SELECTION", "SELECTION_FORMAT"]
+__all__ = ["SelectionCost", "selection_features", "DEFAULT_SELECTION", "SELECTION_FORMAT"]
 
 SELECTION_FORMAT = "ds_adaptive.selection_cost/1"
 

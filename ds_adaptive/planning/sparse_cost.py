@@ -42,13 +42,11 @@ optional ``dense_layers`` and ``step``) at or before ``--step`` is used.
 """
 from __future__ import annotations
 
-import hashlib
 import json
-import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Union
 
 import numpy as np
 

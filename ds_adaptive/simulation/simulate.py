@@ -26,7 +26,6 @@ dual-constraint batching with cost S^p.
 from __future__ import annotations
 
 import math
-import sys
 import warnings
 from pathlib import Path
 from typing import Optional, Sequence

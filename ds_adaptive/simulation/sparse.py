@@ -31,7 +31,7 @@ from ds_adaptive.core.layout import Layout
 from ds_adaptive.planning.devices import default_profile_name
 from ds_adaptive.simulation.simulate import profile_distribution, score_plan, simulated_dataset
 from ds_adaptive.planning.sparse_cost import SparseAttentionCost, load_efficiency
-from ds_adaptive.core.contracts import DensityMap, KernelEfficiency, load_densities, synthetic_densities
+from ds_adaptive.core.contracts import DensityMap, load_densities, synthetic_densities
 from ds_adaptive.core.config import SamplerConfig
 from ds_adaptive.core.shapes import ShapeWeight
 from ds_adaptive.simulation.simulate import predicted_times

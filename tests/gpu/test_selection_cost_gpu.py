@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 
 from ds_adaptive.planning.cost import CostModel
 from ds_adaptive.planning.profile import load_profile
