@@ -40,7 +40,6 @@ from ds_adaptive.preprocess.manifest import ManifestError, MediaItem, read_input
 from ds_adaptive.preprocess.media import MediaError, decode_item
 from ds_adaptive.preprocess.policy import PolicyError, ShapePolicy, add_policy_args, model_from_args, policy_from_args
 from ds_adaptive.data.shards import LatentShardWriter
-from ds_adaptive.data.shards import write_index
 from ds_adaptive.media.encode import LatentEncoders
 from ds_adaptive.media.encode import EncoderError
 
