@@ -1,15 +1,14 @@
-"""Guards bench/sparse_quality_curves.py: the sparse arm's lead in steps and the repeat spread of quality runs."""
+"""ds_adaptive.simulation.curves: the sparse arm's lead in steps, the repeat spread of quality runs
+(bench/training/sparse_quality_curves.py), and the loss-curve gap of two runs (bench/training/scale.py summary)."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import sparse_quality_curves as qc  # noqa: E402
+from ds_adaptive.simulation import curves as qc
 
 
 def _curve(n: int, shift: int = 0, noise: float = 0.0, seed: int = 0) -> list:
@@ -58,3 +57,13 @@ def test_analyze_reports_the_repeat_spread_only_for_repeats(tmp_path):
     assert spread["dense"]["train_rel_spread"] == pytest.approx(0.05) and spread["sparse"]["train_rel_spread"] == 0
     assert [r["lead_median"] for r in res["runs"]][0] == 20
     assert "repeat_spread" not in qc.analyze([paths[0], paths[2]])   # another lr: not a repeat
+
+
+def test_loss_curve_gap():
+    a = {"loss_curve": {"samples_seen": [10, 20, 30, 40, 50, 60], "loss": [2.0, 1.8, 1.6, 1.5, 1.4, 1.3]}}
+    b = {"loss_curve": {"samples_seen": [12, 24, 36, 48, 60], "loss": [2.0, 1.8, 1.6, 1.5, 1.4]}}
+    assert qc.loss_curve_gap(a, a, smooth=1) == 0.0
+    same_shifted = {"loss_curve": {"samples_seen": a["loss_curve"]["samples_seen"],
+                                   "loss": [x * 1.02 for x in a["loss_curve"]["loss"]]}}
+    assert qc.loss_curve_gap(same_shifted, a, smooth=1) == pytest.approx(0.02)
+    assert qc.loss_curve_gap(a, b, smooth=2) > 0.0
