@@ -233,7 +233,7 @@ __device__ __forceinline__ void load_thread_mod(const M* shr, const M* scr, int 
 //        once), else through the read-only cache (per-sample rows are re-read by every row)
 // Persistent grid: CTA c takes rows c * ROWS + rg, c * ROWS + rg + gridDim.x * ROWS, ... (with
 // MODC: the contiguous rows [c * chunk, (c + 1) * chunk), its ROWS row groups interleaved).
-// Measured on H100 (bf16 x, fp32 modulation, bench/ln_modulate.py --tune): PF and MODC cost more
+// Measured on H100 (bf16 x, fp32 modulation, bench/kernels/ln_modulate.py --tune): PF and MODC cost more
 // (registers, occupancy) than they save, so the defaults use neither; they stay as tuning variants.
 // ----------------------------------------------------------------------------------------------
 template <typename T, typename M, int VEC, int NV, int TPR, int ROWS, bool EVEN, bool PF, bool MODC,
@@ -668,7 +668,7 @@ FwdChoice fwd_generic_v2(const FwdParams& p, int nvec) {
 // Tuning alternatives (benchmark only) for x bf16 / modulation fp32, D in {1536, 5120}: a variant
 // index other than 0 (set through ln_modulate_set_tuning) picks another configuration. Slots:
 // v1: 0 fwd 1536, 1 fwd 5120, 2 bwd 1536, 3 bwd 5120; v2: 4 fwd 1536, 5 fwd 5120, 6 bwd 1536,
-// 7 bwd 5120. Names in bench/ln_modulate.py (TUNE). Compiled in ln_modulate_tune.cu.
+// 7 bwd 5120. Names in bench/kernels/ln_modulate.py (TUNE). Compiled in ln_modulate_tune.cu.
 int tuning_variant(int slot);
 FwdChoice fwd_tuned_bf16_f32(const FwdParams& p, int gen);
 BwdChoice bwd_tuned_bf16_f32(const BwdParams& p, int gen);

@@ -19,7 +19,7 @@ planner's sparse cost and its "sparse only where it pays" decision then use it (
 
 Layout: q, k, v ``[B, H, S, Dh]`` bf16 (flex/SDPA layout). ``make_block_mask`` and
 ``block_mask_dense`` (the boolean ``[H, S, S]`` mask the block mask stands for) are shared with
-``bench/sparse_heads_gpu.py`` and tested on CPU against masked dense attention.
+``bench/kernels/sparse_heads_gpu.py`` and tested on CPU against masked dense attention.
 """
 from __future__ import annotations
 

@@ -476,7 +476,7 @@ class AdaptiveLoadConfig(_Block):
     sizes a later epoch's plan adds (printed, and `block_fusion` in the summary), so no step compiles;
     where torch.compile cannot work (no triton on the GPU, no C++ compiler on the CPU) it warns once and runs eager.
     The shipped Wan 1.3B config turns `regions` on: on one H200 its default job ran 15,111 tokens/s (MFU 42.8%)
-    against 13,785 (39.1%) off, after a 9 s warm-up (before `zero3_leaf_blocks`). Measure on your job (`bench/mfu_levers.py`)."""
+    against 13,785 (39.1%) off, after a 9 s warm-up (before `zero3_leaf_blocks`). Measure on your job (`bench/training/mfu_levers.py`)."""
 
     zero3_leaf_blocks: bool = True
     """Under ZeRO stage 3, mark each transformer block a ZeRO-3 leaf module (DeepSpeed's

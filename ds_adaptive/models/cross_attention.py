@@ -4,7 +4,7 @@ A DiT block's cross-attention has S video tokens attend to L = 512 text tokens. 
 (cuDNN's, which torch picks on Hopper) give each thread block one (sample, head, block of 128 keys) and walk
 every query block in turn: 512 keys make 4 key blocks, so one sample of Wan 1.3B (12 heads) gives 48 thread
 blocks to a GPU with 132 SMs, and the backward runs at 5.2-6.5x its forward where its FLOPs need 2.5x (one H200,
-``bench/attention_backends.py``, 14,040-75,600 tokens). Splitting the S queries into ``n`` chunks, each a batch
+``bench/kernels/attention_backends.py``, 14,040-75,600 tokens). Splitting the S queries into ``n`` chunks, each a batch
 entry with its own copy of the (small) keys and values, gives ``n`` times the thread blocks; the result is the
 same attention (every query still sees all L keys), and the keys' and values' gradients are summed over the
 chunks by autograd. One H200, fwd+bwd of one sample's cross-attention: 1.23-1.45x at 18,000-75,600 tokens,

@@ -81,7 +81,7 @@ COST_UNITS = {"calibrated": "ms", "power": "S^p", "tokens": "tokens"}
 # Depth-independent embed/head part of a calibrated profile's time (see Profile.with_num_layers):
 # patch/text/time embeddings and the head cost ~2 ms per micro-batch (launches, fwd+bwd) plus
 # 12 * dim * 64 FLOP per token at 400 TFLOP/s. Estimates, not fitted: changing them changes every
-# depth-rescaled plan (bench/e2e.py's GPU results were planned with these values).
+# depth-rescaled plan (bench/training/e2e.py's GPU results were planned with these values).
 EMBED_HEAD_MS = 2.0
 EMBED_HEAD_FLOP_PER_TOKEN_PER_DIM = 12 * 64
 EMBED_HEAD_FLOPS = 400e12
@@ -469,7 +469,7 @@ class Profile:
             raise ProfileDepthError(f"profile {self.name} has no model.block_params: cannot rescale it from {L0} to "
                                f"{num_layers} blocks; re-create it with `ds-adaptive calibrate`, or calibrate "
                                f"the {num_layers}-block model")
-        # The arithmetic below is bench/e2e.py's former scale_profile_depth, operation for operation:
+        # The arithmetic below is bench/training/e2e.py's former scale_profile_depth, operation for operation:
         # e2e's GPU results were planned with it (tests/test_cost.py pins the numbers).
         f = num_layers / L0
         dim = int(raw["model"]["dim"])
@@ -505,7 +505,7 @@ class Profile:
 
     def with_train_overheads(self, micro_step_ms: float, optimizer_step_ms: float) -> "Profile":
         """The same calibration with other training-loop terms (``train_overheads``: ms per micro-step and per
-        optimizer step), e.g. to see how they move the budget search (``bench/budget_candidates.py``); its variants'
+        optimizer step), e.g. to see how they move the budget search (``bench/planner/budget_candidates.py``); its variants'
         own terms are replaced too, so a run that resolves one (:meth:`for_block_fusion`) plans with them."""
         d = copy.deepcopy(dict(self.raw))
         terms = {"micro_step_ms": float(micro_step_ms), "optimizer_step_ms": float(optimizer_step_ms),

@@ -38,7 +38,7 @@ __all__ = ["SelectionCost", "fit_selection", "selection_features", "DEFAULT_SELE
 SELECTION_FORMAT = "ds_adaptive.selection_cost/1"
 
 # The shipped default (no measurement of this GPU): the torch pooled_lse selection (block 128, Dh 128)
-# as the H200 A/B (bench/sparse_train_ab.py at 108c289, bench/results/sparse_train_ab_h200/) measured it
+# as the H200 A/B (bench/training/sparse_train_ab.py at 108c289, bench/results/sparse_train_ab_h200/) measured it
 # in the trainer: per micro-batch, summed over 6 sparse layers, 14,040 tokens x B 13: 72.9 ms; 18,000 x 9:
 # 82.5; 20,280 x 8: 84.4; 32,400 x 4: 88.6; 32,760 x 4: 96.4, x 5: 130.7; 46,800 x 2: 82.5, x 3: 151.0;
 # 75,600 x 1: 51.2. Non-negative least squares on relative error over these 9 points (12 heads): no

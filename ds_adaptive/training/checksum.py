@@ -8,7 +8,7 @@
 The hash is xxHash's XXH3-128 (``xxhash`` package) when it is installed, else BLAKE2b from the standard
 library; the completeness marker names the algorithm it used, so either can be checked later. Measured on one
 core of the 2-core development machine (256 MiB of random bytes): xxh3_128 10.1 GB/s, blake2b 0.96, sha1 0.99,
-sha256 0.75, zlib.crc32 1.45 (``bench/checkpoint_save.py --hashes``). Both release the GIL on large buffers.
+sha256 0.75, zlib.crc32 1.45 (``bench/training/checkpoint_save.py --hashes``). Both release the GIL on large buffers.
 
 "While writing": DeepSpeed's ``TorchCheckpointEngine.save`` is ``torch.save(state, path)``. Inside
 :class:`HashingSaves` it is ``torch.save(state, <a file object>)`` instead: torch's zip writer hands every record

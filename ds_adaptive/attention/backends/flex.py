@@ -39,7 +39,7 @@ DEFAULT_MAX_GRAPHS = 8
 
 SHIPPED_CURVES = {
     # g(rho) = flex fwd+bwd / cuDNN SDPA fwd+bwd, bf16, head dim 128, 128-token blocks, compiled with dynamic
-    # shapes (this backend), the worst over S 32,760 / 75,600 x H 12 / 40: H200, bench/sparse_backends.py at
+    # shapes (this backend), the worst over S 32,760 / 75,600 x H 12 / 40: H200, bench/kernels/sparse_backends.py at
     # 6eceb6a (bench/results/sparse_backends_h200_6eceb6a/). H100: the static-shape anchors of DSV.md (S 32,768,
     # 12 heads) x 1.22, the dynamic / static ratio measured on the H200 (no H100 measurement of this backend).
     "H200": ((0.05, 0.1, 0.2, 0.4), (0.1271, 0.2093, 0.3731, 0.6938)),

@@ -4,7 +4,7 @@ Forward + backward (dQ and dK/dV kernels, no atomics) straight from the compact 
 sequence length and the batch are run-time arguments, so nothing compiles per shape: the kernels
 compile once per (dtype, head dim, block, head count, tile config) at :meth:`TritonBackend.warmup`
 (and Triton's disk cache keeps them across runs). Tile configs and the efficiency curve come from the
-measured table ``ds_adaptive/attention/kernels/triton_configs.json`` (``bench/sparse_kernel.py
+measured table ``ds_adaptive/attention/kernels/triton_configs.json`` (``bench/kernels/sparse_kernel.py
 --table-out``) for this GPU, else sm90 defaults and the generic DSV curve.
 """
 from __future__ import annotations
