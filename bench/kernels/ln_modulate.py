@@ -14,7 +14,7 @@ table of ratios, writes JSON (--out) and a PNG bar chart next to it.
 
 L2 flush (--flush): ``read`` (default) reads a 256 MiB buffer before each run, leaving L2 full of
 clean, useless lines; ``zero`` writes it (what triton.testing.do_bench does), leaving ~50 MB of
-dirty lines whose write-back the timed kernel pays: measured on H100 (bench/ln_modulate_probe.cu),
+dirty lines whose write-back the timed kernel pays: measured on H100 (a copy-kernel probe at commit c0c9b33, bench/ln_modulate_probe.cu),
 a device-to-device copy of the 16x1560x1536 forward's bytes takes 1.15x the floor after a zero
 flush and 1.03x after a read flush. ``both`` times every method under each (the zero-flush times
 under keys ``... @zero``); the floor's copy bandwidth is measured with the first.

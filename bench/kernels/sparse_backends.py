@@ -62,7 +62,7 @@ TILES = {
          "atomic": [(64, 64, 8, 3), (16, 64, 4, 3)]},
 }
 """15 kernels to compile per block size (0.5-1 s each: 7.8 s of CPU for 14 on the dev machine, cold cache). Block 128:
-the H200 winners of 6eceb6a first (bench/results/sparse_backends_h200_6eceb6a), then a deeper pipeline, a narrower
+the H200 winners of 6eceb6a first (bench/results/sparse/sparse_backends_h200_6eceb6a), then a deeper pipeline, a narrower
 tile and a two-programs-per-SM tile per kernel; atomic dQ now by TMA bulk reductions."""
 TARGET_MS = 400.0
 """Timed calls per measurement: about this many ms of GPU time (at least 1, at most --reps)."""
@@ -387,7 +387,7 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=170.0)
     p.add_argument("--table-out", default=None, help="write the swept tile table (triton_configs.json format; "
                                                        "entries of an existing file for other GPU/head dim/block kept)")
-    p.add_argument("--out", default="bench/results/sparse_backends.json")
+    p.add_argument("--out", default="bench/out/sparse_backends.json")
     args = p.parse_args(argv)
     if args.quick:
         args.seq, args.heads, args.densities = [32760], [12], [0.05, 0.1, 0.4]

@@ -7,7 +7,7 @@ and T5-width context (512 tokens). Per shape: dense (SDPA, raster order) and spa
 step time (median of --steps after --warmup; no optimizer step: it is the same for both) and peak
 memory. Prints the table of ratios, writes JSON.
 
-    python bench/kernels/sparse_e2e.py --out bench/results/sparse_e2e_h200.json
+    python bench/kernels/sparse_e2e.py --out bench/out/sparse_e2e.json
 """
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     p.add_argument("--kernel-table", default=None, help="kernel-options table to use (default: the shipped one)")
     p.add_argument("--caches", nargs="+", default=["host"], choices=["host", "device"],
                    help="selection_cache settings to time (one sparse run each; the first is the headline)")
-    p.add_argument("--out", default="bench/results/sparse_e2e.json")
+    p.add_argument("--out", default="bench/out/sparse_e2e.json")
     args = p.parse_args(argv)
 
     from ds_adaptive.models.testing import random_init_

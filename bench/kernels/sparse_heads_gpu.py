@@ -9,7 +9,7 @@ placement and under ``ds_adaptive.parallel.placement.balance_heads``, and report
 density sums.
 
     python bench/kernels/sparse_heads_gpu.py --densities synthetic --layers 30 --heads 12 --sp 4 --seq-len 32768 \
-        --out bench/results/sparse_heads_h200.json
+        --out bench/out/sparse_heads.json
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ For each S (default 32,760 and 75,600 tokens: 81x480x832 and 81x720x1280 videos)
 Timing: CUDA events, --warmup untimed then --reps timed calls, median. FLOPs: 4 B H S^2 Dh for the
 forward, x3.5 for fwd+bwd (backward = 2.5 forward). Prints tables, writes JSON (--out).
 
-    python bench/kernels/sparse_kernel.py --out bench/results/sparse_kernel_h200.json --table-out kernel_options.json
+    python bench/kernels/sparse_kernel.py --out bench/out/sparse_kernel.json --table-out kernel_options.json
 """
 from __future__ import annotations
 
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     p.add_argument("--flash", action="store_true", help="also time dense flash SDPA")
     p.add_argument("--trace", default=None, help="chrome trace of one layer's selection + attention (first S)")
     p.add_argument("--table-out", default=None, help="write the measured kernel-options table here")
-    p.add_argument("--out", default="bench/results/sparse_kernel.json")
+    p.add_argument("--out", default="bench/out/sparse_kernel.json")
     args = p.parse_args(argv)
 
     from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -16,7 +16,7 @@ per query block and we report the exact softmax mass it keeps (mean over every q
 
 Also the scoring time per call on this CPU (relative costs only: the GPU figures are bench/kernels/sparse_select.py's).
 
-    python bench/kernels/sparse_mass.py --out bench/results/sparse_mass.json
+    python bench/kernels/sparse_mass.py --out bench/out/sparse_mass.json
 """
 from __future__ import annotations
 

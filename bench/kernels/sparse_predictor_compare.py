@@ -8,7 +8,7 @@ same loss (``LowRankPredictor.loss``'s cosine + normalised MSE), rows, optimizer
 each selects the top-k blocks at the measured per-head density (mass 0.99) and we report recall
 (exact softmax mass inside the selection) on fresh inputs. CPU, seconds.
 
-    python bench/kernels/sparse_predictor_compare.py --out bench/results/sparse_predictor_compare.json
+    python bench/kernels/sparse_predictor_compare.py --out bench/out/sparse_predictor_compare.json
 """
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     p.add_argument("--content", type=float, default=0.5, help="per-token content noise relative to the shared part")
     p.add_argument("--scale", type=float, default=1.5, help="hidden-state scale (sets the logit temperature)")
     p.add_argument("--lr", type=float, default=1e-2)
-    p.add_argument("--out", default="bench/results/sparse_predictor_compare.json")
+    p.add_argument("--out", default="bench/out/sparse_predictor_compare.json")
     args = p.parse_args(argv)
     torch.manual_seed(0)
     grid, h, d = tuple(args.grid), args.heads, args.head_dim

@@ -12,13 +12,13 @@ trained DiT's; random q, k would make every block score alike and the top-k a co
 * ``select``: the runtime's whole call (``pooled_lse_scores`` dispatch + ``select_blocks``);
 * ``attn``: block-sparse fwd+bwd of our ``triton`` backend on that selection (density 0.1), ``share``: select / attn;
 * ``x6 old / new``: selection per micro-batch summed over 6 sparse layers with the torch / the fused scores (what
-  the A/B summed: ``A/B`` is its measured figure, bench/RESULTS.md), ``agree``: share of selected blocks the
+  the A/B summed: ``A/B`` is its measured figure, docs/RESULTS.md), ``agree``: share of selected blocks the
   same from both score paths, ``|d|``: max |triton - torch| score.
 
 ``--sweep`` (default on): the kernel's tile candidates on the longest and the widest shape (the best one is what
 ``default_tiles`` should ship). Times: median of CUDA-event-timed calls after warm-up (host launch included).
 
-    python bench/kernels/sparse_select_cost.py --out bench/results/sparse_select_cost_h200.json   # ~40-70 s on an H200
+    python bench/kernels/sparse_select_cost.py --out bench/out/sparse_select_cost.json   # ~40-70 s on an H200
     TRITON_INTERPRET=1 python bench/kernels/sparse_select_cost.py --device cpu --out /tmp/ssc.json   # plumbing check, tiny
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ from sparse_common import run_meta, write_results
 
 AB_SHAPES = ((14040, 13), (18000, 9), (20280, 8), (32400, 4), (32760, 4), (32760, 5), (46800, 2), (46800, 3),
              (75600, 1))
-"""(tokens, batch) of the micro-batches of the H200 A/B (bench/RESULTS.md)."""
+"""(tokens, batch) of the micro-batches of the H200 A/B (docs/RESULTS.md)."""
 AB_SELECT_MS = {(14040, 13): 72.9, (18000, 9): 82.5, (20280, 8): 84.4, (32400, 4): 88.6, (32760, 4): 96.4,
                 (32760, 5): 130.7, (46800, 2): 82.5, (46800, 3): 151.0, (75600, 1): 51.2}
 """Selection ms per micro-batch (6 sparse layers) the A/B measured in the trainer with the torch scores."""

@@ -4,7 +4,7 @@ checkpoint plan, plus the training loop's terms), for sampler settings side by s
 
     python bench/planner/plan_mfu.py                                     (the shipped settings and the plans before them)
     python bench/planner/plan_mfu.py --arm "before:checkpoint_attention=recompute,batch_cap=off" --arm "head:"
-    python bench/planner/plan_mfu.py --run bench/results/default_job_h200_2f0fcdc \\
+    python bench/planner/plan_mfu.py --run tests/data/trainer_runs/default_job_h200_2f0fcdc \\
         --arm "2f0fcdc:checkpoint_attention=recompute,batch_cap=off"   (a measured run beside the plan it ran)
 
 Steps as the trainer's summary counts them: 22 steps, MFU after the first, a warm-up (``--steps``, ``--warmup``).

@@ -6,7 +6,7 @@ sparse truth (see ``ds_adaptive.simulation.sparse``). Prints one table of CV and
 from this run and writes JSON (+ PNG per configuration).
 
     python bench/planner/sparse_balance.py --out bench/out/sparse_balance      # ~10 s on a laptop core
-    python bench/planner/sparse_balance.py --efficiency bench/results/h200-wan2.1-1.3b-sparse.json
+    python bench/planner/sparse_balance.py --efficiency bench/results/sparse/h200-wan2.1-1.3b-sparse_c5deae0.json
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ Also timed: ``verify``, the resume-side check of the last checkpoint (``check_ch
 and hashed), and with ``--hashes`` the throughput of each hash on random bytes in memory.
 
     # one GPU (the figure: Wan 2.1 1.3B under ZeRO-3, bf16, AdamW; ~17 GB per save)
-    python bench/training/checkpoint_save.py --out bench/results/checkpoint_save_h200.json
+    python bench/training/checkpoint_save.py --out bench/out/checkpoint_save.json
     # CPU: a synthetic state of --synthetic-gib GiB in --files files through DeepSpeed's torch writer
     python bench/training/checkpoint_save.py --synthetic-gib 1 --files 4 --hashes --out /tmp/checkpoint_save_cpu.json
 

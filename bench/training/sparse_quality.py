@@ -30,7 +30,7 @@ blocks, sampled query rows) of the trained predictor's selection at ``--density`
 natural density, next to random blocks at the same density. Prints a table of ratios, writes JSON
 and a PNG of the training and held-out loss curves.
 
-    python bench/training/sparse_quality.py --out bench/results/sparse_quality_h200.json       # H200
+    python bench/training/sparse_quality.py --out bench/out/sparse_quality.json       # H200
     python bench/training/sparse_quality.py --model tiny --layers 4 --resolution 64x128 --stage1 3 --stage2 4 \\
         --eval-every 3 --out /tmp/q.json                                            # CPU smoke
 """
@@ -360,7 +360,7 @@ def parse(argv=None):
     p.add_argument("--log-interval", type=int, default=25)
     p.add_argument("--deadline-s", type=float, default=1e9, help="stop both arms after this much training time")
     p.add_argument("--device", default="auto", choices=["auto", "cpu"])
-    p.add_argument("--out", default="bench/results/sparse_quality.json")
+    p.add_argument("--out", default="bench/out/sparse_quality.json")
     p.add_argument("--runs-dir", default=None, help="the arms' log dirs (default: next to --out); the density "
                    "PNG and sparse.jsonl are copied next to --out")
     args = p.parse_args(argv)

@@ -12,8 +12,8 @@ a 10% gap. This reads the runs' JSON (``ds_adaptive.simulation.curves.analyze``)
   last-20% training and held-out losses between the repeats: the noise floor of the ratio (GPU kernels are not
   bitwise deterministic; a fast-falling phase amplifies the difference).
 
-    python bench/training/sparse_quality_curves.py bench/results/sparse_quality_h200.json \\
-        bench/results/sparse_quality_h200_1cd4fbb.json --out bench/results/sparse_quality_curves_h200.json
+    python bench/training/sparse_quality_curves.py bench/results/sparse/sparse_quality_seed0_h200_fc3f12b.json \\
+        bench/results/sparse/sparse_quality_seed0_h200_60ad62d.json --out bench/out/sparse_quality_curves.json
 """
 from __future__ import annotations
 
