@@ -54,7 +54,7 @@ CPU_MODEL = "tiny"
 GPU model's grids)."""
 MAX_FIT_ERROR = 0.10
 """Quality bar of a calibration: largest |relative error| of the compute fit over its fitted points.
-The shipped H100/H200 calibrations fit within 1.5-2.2%; a fit worse than 10% would mis-plan batches."""
+A fit worse than this would mis-plan batches (the shipped calibrations' errors: docs/RESULTS.md)."""
 
 # Bytes per parameter of mixed-precision Adam under DeepSpeed: bf16 params, bf16 grads,
 # fp32 master weights + Adam m + v.
@@ -125,8 +125,7 @@ def fit_memory(points: Sequence[Mapping[str, float]], *, relative: bool = True) 
     Points measured with one timestep per token (``pt`` true: the videos of a model trained with first-frame
     conditioning) hold that modulation besides; when both kinds are present the fit has a third term,
     ``gib/B = m0 + (m1 + pt * m1_pt) S``, and returns ``per_token_timesteps_gib_per_token`` (m1_pt): one
-    ``m1`` over both kinds over-predicted the images by up to 37% and under-predicted the videos by 15%
-    (TI2V-5B on an H200)."""
+    ``m1`` over both kinds over-predicts the images and under-predicts the videos."""
     pts = [dict(p) for p in points]
     s = np.array([p["S"] for p in pts], float)
     b = np.array([p["B"] for p in pts], float)
@@ -246,8 +245,8 @@ def profile_from_block_scaling(data: Mapping[str, Any], model_name: str, *, sour
     for r in rows:
         ms = layers * r["fwdbwd_ms"] * gc + overhead_ms + per_tok_head_ms * r["S"]
         meas.append({"S": r["S"], "B": 1, "ms": ms, "block_ms": r["fwdbwd_ms"], "block_peak_gib": r["peak_GiB"]})
-    # The short sequences at B=1 are latency-bound on an H100 (1560 and 3120 tokens take the same
-    # time): fit on saturated points only (>= 7800 tokens per micro-batch).
+    # The short sequences at B=1 are latency-bound (on an H100 the two shortest take the same time):
+    # fit on saturated points only (>= 7800 tokens per micro-batch).
     compute = fit_compute(meas, min_fit_tokens=7800)
     s = np.array([r["S"] for r in rows], float)
     pk = np.array([r["peak_GiB"] for r in rows], float)

@@ -99,8 +99,8 @@ def release_engine(engine) -> None:
     on its module-level forward stack (``parameter_offload.FWD_MODULE_STACK``: the model appended at set-up
     and never popped, and submodules whose checkpointed recompute pushed without a pop) and in the ``functools.lru_cache`` of ``PartitionedParameterCoordinator.__params_to_release``
     (keyed by the coordinator and the submodules), and the parameters' hooks hold the optimizer: every
-    engine of the process stayed alive (the third arm of bench/training/sparse_train_ab.py on an H200 ran ~10 GiB over
-    its predicted memory: the two earlier arms' Wan 1.3B x 8 blocks, ~5.9 GiB each, and OOMed).
+    engine of the process stayed alive (the third arm of bench/training/sparse_train_ab.py once ran out of memory:
+    it held the two earlier arms' engines besides its own).
     ``engine.destroy()`` removes the hooks; this also drops those references. The engine is unusable after."""
     import gc
 

@@ -21,7 +21,7 @@ __all__ = ["TritonBackend", "UNMEASURED_SLOPE"]
 
 UNMEASURED_SLOPE = 2.5
 """g(rho) = 2.5 rho where this GPU has no measurement: worse than flex's shipped curves at auto's reference density
-0.1 (dynamic-shape flex: 2.09 rho on the H200, ~1.8 rho estimated on the H100), so ``auto`` keeps flex until a
+0.1 (``flex.SHIPPED_CURVES``), so ``auto`` keeps flex until a
 measurement or a shipped tile table of this GPU says otherwise."""
 UNMEASURED_DENSITY = (0.05, 0.1, 0.2, 0.4)
 

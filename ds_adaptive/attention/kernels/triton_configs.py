@@ -93,7 +93,7 @@ def default_config(head_dim: int, block: int) -> KernelConfig:
     offline with triton 3.6's sm90 compiler; the dK/dV kernel keeps two [tile, Dh] fp32 accumulators, so it
     takes 64 keys per program and steps through the queries 32 rows at a time, two programs per SM).
     ``head_dim`` does not change the defaults (the measured table has entries per head dim)."""
-    if block >= 128:  # the H200 sweep's winners at densities 0.1-0.4 (bench/results/sparse_backends_h200_6eceb6a)
+    if block >= 128:  # the H200 sweep's winners at densities 0.1-0.4 (bench/results/sparse/sparse_backends_h200_6eceb6a)
         return KernelConfig(fwd=TileConfig(128, 128, 8, 2), dq=TileConfig(128, 128, 8, 2),
                             dkdv=TileConfig(32, 64, 4, 3)).check(block)
     return KernelConfig(fwd=TileConfig(block, block, 4, 3), dq=TileConfig(block, block, 4, 3),
