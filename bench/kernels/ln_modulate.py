@@ -749,10 +749,10 @@ def plot(results: List[Dict], path: Path) -> None:
 
 
 def print_targets(results: List[Dict], host: Optional[Dict]) -> None:
-    """Issue 18's targets, from this run: eager fwd+bwd / floor, eager fwd / floor, host time."""
+    """The op's targets, from this run: eager fwd+bwd / floor, eager fwd / floor, host time."""
     nan = float("nan")
     print()
-    print("targets (issue 18; eager = the call as a training loop makes it, no CUDA graph):")
+    print("targets (eager = the call as a training loop makes it, no CUDA graph):")
     lim = {"1.3B 1x32760x1536": 1.5, "1.3B 16x1560x1536": 1.5, "14B 1x75600x5120": 1.2}
     for r in results:
         f = r.get("ours launch fwd", nan) / r.get("floor fwd", nan)

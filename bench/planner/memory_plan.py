@@ -1,4 +1,4 @@
-"""Predicted throughput of the shipped configs' plans under each checkpointing policy (issue 16), from
+"""Predicted throughput of the shipped configs' plans under each checkpointing policy, from
 the H200 calibration, for the trainer's default data (synthetic, 10,000 samples, seed 0, 1 GPU).
 
     python bench/planner/memory_plan.py [--steps 30,200] [--num-samples 10000] [--out bench/out/memory_plan.json]

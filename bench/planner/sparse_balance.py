@@ -1,4 +1,4 @@
-"""Sparsity-aware balancing on paper (issue 15): dense-cost vs sparse-cost dual planner under sparsity.
+"""Sparsity-aware balancing on paper: dense-cost vs sparse-cost dual planner under sparsity.
 
 For the shipped mixed shape distribution and Wan 2.1 1.3B (H100 profile), 16 and 128 GPUs, sp 1 and 4,
 per layer x head densities drawn from 0.02-0.5 (``synthetic_densities``), every arm is timed with the

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""End-to-end result: AdaptiveLoad vs the equal-token baseline on real multi-GPU training (issue 7).
+"""End-to-end result: AdaptiveLoad vs the equal-token baseline on real multi-GPU training.
 
 Four arms train the same model (Wan 2.1 1.3B shape: dim 1536, 12 heads, ffn 8960; fewer blocks so
 that all arms fit a few minutes) with ZeRO-3 for ONE epoch of the same synthetic dataset (same

@@ -1,4 +1,4 @@
-"""Does Ulysses SP=2 train the same model as SP=1? Loss of both over N steps (issue 6).
+"""Does Ulysses SP=2 train the same model as SP=1? Loss of both over N steps.
 
 Runs the real trainer twice at the same time on one node: SP=2 on 2 GPUs and SP=1 on a third
 GPU, both with DP=1, the same seed, data and a `fixed` sampler (explicit batch size per shape),
