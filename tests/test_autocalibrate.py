@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import CONFIGS, ROOT, launch_ranks
-from ds_adaptive.planning import autocalibrate as ac
+from ds_adaptive.calibration import autocalibrate as ac
 from ds_adaptive.planning.cost import Profile
 
 H100 = "NVIDIA H100 80GB HBM3"

@@ -10,8 +10,8 @@ import types
 
 import pytest
 
-from ds_adaptive.planning import autocalibrate as ac
-from ds_adaptive.planning import calibrate
+from ds_adaptive.calibration import autocalibrate as ac
+from ds_adaptive.calibration import calibrate
 from ds_adaptive.planning.cost import BLOCK_FUSION_MODES, ProfileError, load_profile
 from ds_adaptive.planning.sampler import build_batch_sampler
 from ds_adaptive.core.config import ConfigError, SamplerConfig

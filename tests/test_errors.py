@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ds_adaptive.core.ports import free_port
-from ds_adaptive.planning import calibrate
+from ds_adaptive.calibration import calibrate
 from ds_adaptive.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,7 +69,7 @@ def test_dispatcher_turns_project_errors_into_one_message(tmp_path, capsys, monk
     err = capsys.readouterr().err
     assert err.startswith("ds-adaptive synth: height must be a multiple of 16") and "Traceback" not in err
     # a command that lets a project error escape: the dispatcher prints it as one message
-    from ds_adaptive.planning import simulate
+    from ds_adaptive.simulation import simulate
     from ds_adaptive.core.shapes import ShapeError
 
     def raises(argv):

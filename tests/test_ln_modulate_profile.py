@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from ds_adaptive.planning import calibrate
+from ds_adaptive.calibration import calibrate
 from ds_adaptive.planning.cost import CostModel, ProfileError, load_profile
 from ds_adaptive.planning.sampler import build_batch_sampler
 from ds_adaptive.core.config import SamplerConfig

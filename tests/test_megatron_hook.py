@@ -18,7 +18,7 @@ import torch.multiprocessing as mp  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from patches.megatron import (MegatronAdaptiveLoader, ShapedDataset, add_sampler_state,  # noqa: E402
+from ds_adaptive.integrations.megatron import (MegatronAdaptiveLoader, ShapedDataset, add_sampler_state,  # noqa: E402
                               dataset_shapes, load_sampler_state, restore_sampler_state, save_sampler_state)
 from ds_adaptive.core.layout import Layout  # noqa: E402
 from ds_adaptive.core.shapes import SampleShape  # noqa: E402

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from ds_adaptive.planning import simulate
+from ds_adaptive.simulation import simulate
 
 KEYS = {"compute_cv_mean", "balance_efficiency", "predicted_tokens_per_s", "samples", "micro_steps", "oversize",
         "cv_p50", "cv_p90", "idle_fraction", "tail_dropped", "steps", "tokens", "memory_utilization"}
