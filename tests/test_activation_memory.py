@@ -98,8 +98,9 @@ def test_rows_without_the_flag_follow_the_objective():
 
 
 def test_the_shipped_ti2v_profile_covers_the_measured_h200_micro_batches():
-    """The H200 micro-batches of the TI2V-5B default job (bench/results/ti2v_h200/ti2v_memory.jsonl: activation
-    memory = measured peak - static memory present, the Adam moments coming only with the first optimizer step):
+    """The H200 micro-batches of the TI2V-5B default job (recorded at eaf4b8c; in git history,
+    ``git show c0c9b33:bench/results/ti2v_h200/ti2v_memory.jsonl``: activation memory = measured peak - static
+    memory present, the Adam moments coming only with the first optimizer step):
     first-frame conditioned videos 63.6 GiB (121x480x832, B=1, 8 blocks checkpointed), 62.7 (49x704x1280, 7),
     42.8 (25x704x1280, 0), 57.4 (121x704x1280, 22). The profile now predicts each within [0, +4] GiB (it was
     -5.0, -5.0, -2.9, -3.7: the OOM); images stay within +2.1 GiB (were +5.8 .. +7.7)."""

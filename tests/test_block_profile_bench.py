@@ -1,4 +1,4 @@
-"""Guards the plumbing of bench/block_profile.py (a GPU benchmark) on the CPU: it runs end to end with the tiny
+"""Guards the plumbing of bench/kernels/block_profile.py (a GPU benchmark) on the CPU: it runs end to end with the tiny
 model on small cases (trace, A/B of the fusion modes) and writes its JSON; the GPU figures are not tested."""
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ CACHES = {k: os.environ[k] for k in ("TORCHINDUCTOR_CACHE_DIR", "TORCH_EXTENSION
 @pytest.mark.slow   # ~1 min on a shared 2-core machine (one compile of the 'rope' mode)
 def test_runs_on_the_cpu_and_writes_json(tmp_path):
     out = tmp_path / "bp.json"
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "block_profile.py"), "--device", "cpu", "--model", "tiny",
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "kernels" / "block_profile.py"), "--device", "cpu", "--model", "tiny",
                         "--quick", "--modes", "off,rope", "--out", str(out)], capture_output=True, text=True,
                        timeout=600, env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin",
                                          **CACHES})

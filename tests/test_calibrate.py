@@ -85,23 +85,26 @@ def test_cuda_requested_without_gpu_is_a_clear_error(tmp_path, capsys):
 
 
 def test_cost_fit_bench_runs_on_cpu_with_tiny(tmp_path):
+    """bench/planner/cost_fit.py, run as a program on the CPU with the tiny model: timed batches, Pearson r, JSON + PNG."""
     pytest.importorskip("torch")
     pytest.importorskip("matplotlib")
     import ds_adaptive.models.wan  # noqa: F401  -- our own module: an ImportError is a failure, not a skip
-    import importlib.util
+    import os
+    import subprocess
+    import sys
 
     root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("cost_fit", root / "bench" / "cost_fit.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
     shapes = tmp_path / "shapes.json"
     shapes.write_text(json.dumps({"shapes": [{"frames": 1, "height": 64, "width": 64, "weight": 4},
                                              {"frames": 5, "height": 64, "width": 64, "weight": 2},
                                              {"frames": 1, "height": 128, "width": 128, "weight": 1}]}))
     out = tmp_path / "cf"
-    assert mod.main(["--device", "cpu", "--model", "tiny", "--layers", "1", "--shapes", str(shapes),
-                     "--m-mem", "0.1", "--batches", "4", "--samples", "120", "--warmup", "0", "--iters", "1",
-                     "--out", str(out)]) == 0
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    r = subprocess.run([sys.executable, str(root / "bench" / "planner" / "cost_fit.py"), "--device", "cpu", "--model",
+                        "tiny", "--layers", "1", "--shapes", str(shapes), "--m-mem", "0.1", "--batches", "4",
+                        "--samples", "120", "--warmup", "0", "--iters", "1", "--out", str(out)],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.with_suffix(".json").read_text())
     assert len(res["batches"]) >= 3 and -1 <= res["pearson_r_calibrated"] <= 1
     assert {"pearson_r_tokens", "pearson_r_power", "median_abs_rel_err_after_scale"} <= set(res)

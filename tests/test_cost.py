@@ -142,7 +142,7 @@ def test_latency_bound_points_are_reported_not_fitted():
 
 # ----------------------------------------------------------------------------------- depth rescaling
 def _legacy_scale_profile_depth(raw: dict, num_layers: int) -> dict:
-    """bench/e2e.py's scale_profile_depth as of commit a89da5d, verbatim (constants inlined): the e2e GPU
+    """bench/training/e2e.py's scale_profile_depth as of commit a89da5d, verbatim (constants inlined): the e2e GPU
     results were planned with it, so Profile.with_num_layers must reproduce it exactly."""
     import copy
 
@@ -172,7 +172,7 @@ def _legacy_scale_profile_depth(raw: dict, num_layers: int) -> dict:
 
 
 def test_with_num_layers_reproduces_the_e2e_rescaling_exactly():
-    """bench/e2e.py's GPU results were planned with its former scale_profile_depth: same json (key order,
+    """bench/training/e2e.py's GPU results were planned with its former scale_profile_depth: same json (key order,
     every bit of every number) for both shipped profiles at many depths; only the provenance text moved."""
     for name in ("h100-wan2.1-1.3b", "h100-wan2.1-14b"):
         base = load_profile(name)

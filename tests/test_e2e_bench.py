@@ -1,4 +1,4 @@
-"""Guards the end-to-end benchmark (bench/e2e.py) and the compute-time instrumentation it relies on:
+"""Guards the end-to-end benchmark (bench/training/e2e.py) and the compute-time instrumentation it relies on:
 ZeRO-3 waits taken out of per-rank compute time (single process: compute ~ forward+backward wall time;
 two ranks: the heavier rank reports more compute while wall-clock times agree), the depth-rescaled cost
 profile it plans with (ds_adaptive.planning.profile.Profile.with_num_layers), the GPU defaults' time budget,
@@ -238,7 +238,7 @@ def test_gpu_defaults_fit_the_time_budget(tmp_path):
     <= 300 s and give every arm >= warm-up + 8 optimizer steps, all samples planned or counted."""
     for gpus in (4, 2):
         out = tmp_path / f"g{gpus}"
-        r = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e.py"), "--plan-only", "--device", "cuda",
+        r = subprocess.run([sys.executable, str(ROOT / "bench" / "training" / "e2e.py"), "--plan-only", "--device", "cuda",
                             "--num-gpus", str(gpus), "--out", str(out), "--sim-worlds", ""],
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stdout + r.stderr
@@ -328,10 +328,10 @@ def test_aggregate_with_gradient_accumulation_excludes_whole_warmup_steps():
 # ----------------------------------------------------------------------------------- a real run
 @pytest.mark.slow
 def test_two_arm_cpu_run_end_to_end(tmp_path):
-    """bench/e2e.py on 2 CPU processes with the tiny model: two arms of the real trainer, parsed and
+    """bench/training/e2e.py on 2 CPU processes with the tiny model: two arms of the real trainer, parsed and
     aggregated; every sample of the epoch seen or counted; the report re-renders from its JSON."""
     out = tmp_path / "out"
-    cmd = [sys.executable, str(ROOT / "bench" / "e2e.py"), "--device", "cpu", "--num-gpus", "2",
+    cmd = [sys.executable, str(ROOT / "bench" / "training" / "e2e.py"), "--device", "cpu", "--num-gpus", "2",
            "--arms", "baseline,adaptive", "--num-samples", "48", "--eval-samples", "2", "--sim-worlds", "8",
            "--out", str(out)]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -356,6 +356,6 @@ def test_two_arm_cpu_run_end_to_end(tmp_path):
     assert "baseline" in text and "Simulator vs measurement" in text
     assert (out / "e2e.png").stat().st_size > 10_000
     assert "===== baseline" in (out / "e2e_logs.txt").read_text()
-    again = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e.py"), "--report-only", "--out", str(out)],
+    again = subprocess.run([sys.executable, str(ROOT / "bench" / "training" / "e2e.py"), "--report-only", "--out", str(out)],
                            cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and (out / "e2e.txt").read_text() == text

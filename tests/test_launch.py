@@ -32,7 +32,7 @@ def test_shipped_configs_validate(name):
         assert ds["optimizer"]["params"]["torch_adam"] is True  # no JIT-built FusedAdam needed anywhere
     assert cfg.enabled is (name != "zero3_baseline.json")
     assert cfg.fused_ln_modulate is (name != "zero3_baseline.json")
-    # block fusion is on where it was measured faster in the trainer (Wan 1.3B default job, bench/RESULTS.md)
+    # block fusion is on where it was measured faster in the trainer (Wan 1.3B default job, docs/RESULTS.md)
     assert cfg.block_fusion == ("regions" if name == "zero3_adaptive.json" else "off")
 
 

@@ -4,7 +4,7 @@ their parametrization only shows on a GPU, in the lead's few minutes of device t
 * every test that takes the indirect ``kernels`` fixture is parametrized over it (a test without the
   parameter errors at set-up: ``request.param`` is missing; this happened when a decorator moved to a
   neighbouring test);
-* ``-k per_token`` selects exactly the per-token cases (bench/gpu_check.sh's ``pertoken`` step runs them):
+* ``-k per_token`` selects exactly the per-token cases (bench/gpu/gpu_check.sh's ``pertoken`` step runs them):
   a test parametrized over ``per_token`` names the layout in its id.
 """
 from __future__ import annotations

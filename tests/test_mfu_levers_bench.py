@@ -1,44 +1,25 @@
-"""Guards bench/mfu_levers.py (the trainer-level A/B of the MFU levers) on the CPU: prepare writes three arms'
-configs that differ only in their lever and pin the same plan; report compares arms that ran the same
-micro-batches and refuses arms that did not."""
+"""bench/training/mfu_levers.py prepare, run as a program on the CPU: the arms' configs differ only in their lever and
+pin the same plan (its report is ds_adaptive.calibration.trainer_runs.pinned_ab, tests/test_trainer_runs.py)."""
 from __future__ import annotations
 
-import importlib.util
-import json
-
-import pytest
+import os
+import subprocess
+import sys
 
 from conftest import ROOT
 from ds_adaptive.training.run_config import RunConfig
 
-_spec = importlib.util.spec_from_file_location("mfu_levers", ROOT / "bench" / "mfu_levers.py")
-ml = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ml)
+SCRIPT = ROOT / "bench" / "training" / "mfu_levers.py"
 
 
-def _arm(d, wall, shapes=("1x480x832",)):
-    d.mkdir(parents=True)
-    (d / "summary.json").write_text(json.dumps({"tokens_per_s": 1.0, "mfu": 0.4, "peak_mem_gib": 100.0}))
-    (d / "metrics.jsonl").write_text("\n".join(json.dumps({"step": k, "tokens": 1000, "wall_s": wall,
-                                                           "micro_compute_ms": [[400.0], [400.0]]})
-                                               for k in (1, 2, 3)))
-    (d / "memory.jsonl").write_text("\n".join(json.dumps({"step": k, "micro": m, "shape": shapes[0], "B": 4,
-                                                          "ckpt_blocks": 3}) for k in (1, 2, 3) for m in (0, 1)))
-
-
-def test_prepare_and_report(tmp_path, capsys):
-    ml.prepare(tmp_path, "2", 21, 2000)
+def test_prepare_writes_arms_that_differ_only_in_their_lever(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, str(SCRIPT), "prepare", "--dir", str(tmp_path), "--gas", "2", "--steps", "21",
+                        "--num-samples", "2000"], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
     cfgs = {n: RunConfig.load(str(tmp_path / f"{n}.json"), trainer={"model": "wan2.1-1.3b"})
             for n in ("config", "config_fusion", "config_zero")}
     assert cfgs["config"].adaptive_load.block_fusion == "off" and cfgs["config_fusion"].adaptive_load.block_fusion == "regions"
     assert cfgs["config_zero"].ds_config["zero_optimization"]["reduce_bucket_size"] == 200_000_000
     assert cfgs["config"].adaptive_load.sampler == cfgs["config_zero"].adaptive_load.sampler   # one pinned plan
-    assert "--log-dir " + str(tmp_path / "runs" / "fusion") in capsys.readouterr().out
-    runs = tmp_path / "runs"
-    _arm(runs / "ref", 2.0)
-    _arm(runs / "fusion", 1.6)
-    res = ml.report(runs, ["ref", "fusion"], tmp_path / "r.json")
-    assert res["steps"] == [2, 3] and res["rows"][1]["ratio_tokens_per_s"] == pytest.approx(1.25)
-    _arm(runs / "other", 1.0, shapes=("81x480x832",))
-    with pytest.raises(SystemExit, match="did not run the same plan"):
-        ml.report(runs, ["ref", "other"], None)
+    assert "--log-dir " + str(tmp_path / "runs" / "fusion") in r.stdout

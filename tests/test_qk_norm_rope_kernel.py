@@ -73,7 +73,7 @@ def test_unsupported_names_the_input(monkeypatch):
 
 
 def _qk_inputs(dtype=torch.float32):
-    from ds_adaptive.models.wan import rope_table
+    from ds_adaptive.models.rope import rope_table
 
     g = torch.Generator().manual_seed(3)
     q, k = (torch.randn(2, 15, 24, generator=g).to(dtype) for _ in range(2))

@@ -167,7 +167,7 @@ def test_cli_writes_a_profile_the_sampler_takes_and_names_bad_input(tmp_path, ca
 def test_the_shipped_default_job_runs_hold_out_each_other():
     """The three recorded H200 default-job runs: fitted on two, the third's windows are predicted within 4% each
     (the calibrated profile: up to 17%)."""
-    runs = [ROOT / "bench" / "results" / d for d in ("lean_backward_h200_273bf38/default_job",
+    runs = [ROOT / "tests" / "data" / "trainer_runs" / d for d in ("lean_backward_h200_273bf38/default_job",
                                                      "lean_norm_h200_9180477/default_job_gas3",
                                                      "default_job_h200_2f0fcdc")]
     prof, _ = load_profile(PROFILE).for_ln_modulate("fused")
@@ -233,8 +233,8 @@ def test_the_trainer_summary_holds_the_plan_s_compute_against_its_windows(tmp_pa
 
 def test_the_shipped_regions_variant_is_the_refit_of_the_recorded_runs():
     """The H200 1.3B profile's block-fusion 'regions' compute and loop terms are what ``ds-adaptive refit`` gives on
-    the four recorded default-job runs (bench/results), from the calibrated compute they were refitted from."""
-    runs = [str(ROOT / "bench" / "results" / d) for d in ("lean_backward_h200_273bf38/default_job",
+    the four recorded default-job runs (tests/data/trainer_runs), from the calibrated compute they were refitted from."""
+    runs = [str(ROOT / "tests" / "data" / "trainer_runs" / d) for d in ("lean_backward_h200_273bf38/default_job",
                                                           "lean_norm_h200_9180477/default_job_gas3",
                                                           "default_job_h200_2f0fcdc", "default_job_h200_ff7d565")]
     shipped, _ = load_profile(PROFILE).for_ln_modulate("fused")

@@ -1,12 +1,10 @@
 """The sparse selection's cost: its form, the fit to timings, the profile round trip, the pay decision,
 the sparse recompute in the checkpoint cost, the runtime's predicted selection telemetry, and the A/B
-bench's prediction check (CPU, no timings)."""
+bench's prediction check (ds_adaptive.simulation.sparse_ab, CPU, no timings)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,7 +16,6 @@ from ds_adaptive.calibration.selection_timing import fit_selection
 from ds_adaptive.planning.sparse_cost import SparseAttentionCost
 from ds_adaptive.core.contracts import DensityMap, KernelEfficiency
 
-ROOT = Path(__file__).resolve().parents[1]
 H200 = "h200-wan2.1-1.3b"
 GRID = [(32, 1560), (1, 8190), (8, 8190), (1, 16380), (4, 16380), (1, 32760), (4, 32760), (1, 75600), (2, 75600)]
 
@@ -168,15 +165,8 @@ def test_runtime_reports_predicted_selection_beside_the_measured_one():
     assert "sparse/select_ms_predicted" in rt.metrics()
 
 
-def _bench():
-    spec = importlib.util.spec_from_file_location("sparse_train_ab", ROOT / "bench" / "sparse_train_ab.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_ab_bench_reports_predicted_over_measured_per_shape_and_over_dense():
-    ab = _bench()
+    from ds_adaptive.simulation import sparse_ab as ab
 
     def arm(name, pairs):
         micro = [{"step": i + 2, "shape": sh, "B": 1, "compute_ms": m, "predicted_ms": p,
@@ -208,8 +198,8 @@ def test_calibrate_selection_needs_a_gpu(capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
-def test_ab_bench_merge_compares_arms_run_in_separate_calls_and_counts_the_loop(tmp_path, capsys):
-    ab = _bench()
+def test_ab_bench_merge_compares_arms_run_in_separate_calls_and_counts_the_loop():
+    from ds_adaptive.simulation import sparse_ab as ab
 
     def arm(name, comp_ms, pred_ms, wall_s, fusion_s):
         steps = [{"step": k, "tokens": 1000, "wall_s": wall_s, "compute_ms": comp_ms, "micro_compute_ms": [comp_ms],
@@ -220,14 +210,11 @@ def test_ab_bench_merge_compares_arms_run_in_separate_calls_and_counts_the_loop(
                 "fusion_warmup_s": fusion_s, "backend": None,
                 "loop_overheads_ms": {"micro_step": 100.0, "optimizer_step": 300.0}}
 
-    files = []
+    docs = []
     # block fusion compiled in the first arm (3 s); the second found its graphs (0.1 s)
     for name, comp, pred, wall, fz in (("dense", 1000.0, 800.0, 1.2, 3.0), ("sparse", 500.0, 400.0, 0.6, 0.1)):
-        p = tmp_path / f"{name}.json"
-        p.write_text(json.dumps({"args": {}, "device": "GPU X", "torch": "t", "arms": [arm(name, comp, pred, wall, fz)]}))
-        files.append(str(p))
-    assert ab.main(["--merge", *files, "--out", str(tmp_path / "m.json")]) == 0
-    doc = json.loads((tmp_path / "m.json").read_text())
+        docs.append({"args": {}, "device": "GPU X", "torch": "t", "arms": [arm(name, comp, pred, wall, fz)]})
+    doc = json.loads(json.dumps(ab.merge_results(docs, ["dense.json", "sparse.json"]), default=str))
     c = doc["compare"]["m"]["sparse"]
     assert c["tokens_per_s_2toN"] == pytest.approx(2.0) and c["tokens_per_s_with_warmup"] == pytest.approx(2.0)
     # the compile both arms pay once, charged to each: 3000 tokens in 3 + 3.6 s vs 3 + 1.8 s
@@ -236,20 +223,19 @@ def test_ab_bench_merge_compares_arms_run_in_separate_calls_and_counts_the_loop(
     assert p["sum_pred_over_measured"] == pytest.approx(0.8)
     assert p["micro_step_pred_over_measured"] == pytest.approx(500.0 / 500.0)            # + 100 ms per micro-step
     assert p["step_pred_over_measured"] == pytest.approx((400.0 + 100.0 + 300.0) / 600.0)  # + the optimizer step
-    assert "| m | sparse | 1,667 | 2.000 | 2.000 | 1.375 |" in capsys.readouterr().out   # 2 x 1000 tokens in 2 x 0.6 s
-    other = tmp_path / "other.json"
-    other.write_text(json.dumps({"args": {}, "device": "GPU Y", "torch": "t", "arms": []}))
-    with pytest.raises(SystemExit, match="different devices"):
-        ab.main(["--merge", files[0], str(other), "--out", str(tmp_path / "x.json")])
+    assert "| m | sparse | 1,667 | 2.000 | 2.000 | 1.375 |" in ab.table(doc)   # 2 x 1000 tokens in 2 x 0.6 s
+    other = {"args": {}, "device": "GPU Y", "torch": "t", "arms": []}
+    with pytest.raises(ValueError, match="different devices"):
+        ab.merge_results([docs[0], other])
 
 
 def test_ab_bench_says_whether_a_plan_is_the_one_a_recorded_run_ran():
     from ds_adaptive.core.shapes import SampleShape
+    from ds_adaptive.simulation.sparse_ab import same_plan_status
 
-    ab = _bench()
     a, b = SampleShape(81, 480, 832), SampleShape(1, 480, 832)
     ran = {"micro": [{"shape": str(a), "B": 2, "ckpt": 1}, {"shape": str(b), "B": 38, "ckpt": 0}]}
-    assert ab._same_plan(ran, [(a, 2, 1), (b, 38, 0)]) == "same"
-    assert ab._same_plan(ran, [(a, 2, 1), (b, 37, 0)]) == "differs from micro-step 1"
-    assert ab._same_plan(ran, [(a, 2, 1)]) == "differs from micro-step 1"   # shorter
-    assert ab._same_plan(None, [(a, 2, 1)]) == "not recorded"
+    assert same_plan_status(ran, [(a, 2, 1), (b, 38, 0)]) == "same"
+    assert same_plan_status(ran, [(a, 2, 1), (b, 37, 0)]) == "differs from micro-step 1"
+    assert same_plan_status(ran, [(a, 2, 1)]) == "differs from micro-step 1"   # shorter
+    assert same_plan_status(None, [(a, 2, 1)]) == "not recorded"

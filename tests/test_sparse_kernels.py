@@ -250,18 +250,16 @@ def test_triton_backend_is_registered_and_says_what_it_needs() -> None:
 
 
 def test_bench_table_from_a_sweep_is_a_valid_config_table() -> None:
-    """bench/sparse_backends.py: per-density winners become buckets (same config merged, edges at midpoints) that
-    validate and route densities; the curves take the worst shape."""
-    import sys
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    import sparse_backends as sb
+    """A tile sweep's per-density winners (bench/kernels/sparse_backends.py) become buckets (same config merged, edges
+    at midpoints) that validate and route densities; the curves take the worst shape."""
+    from ds_adaptive.attention.kernels import triton_configs as sb
 
     a = default_config(128, 128)
     b = KernelConfig(fwd=TileConfig(64, 64, 4, 3), dq=a.dq, dkdv=a.dkdv)
     rec = lambda d: {"density": d, "seq": 32760, "heads": 12, "fwd_ms": 1.0, "dq_ms": 1.0, "dkdv_ms": 1.0}  # noqa: E731
     chosen = {0.05: (b, rec(0.05)), 0.1: (b, rec(0.1)), 0.2: (a, rec(0.2)), 0.4: (a, rec(0.4))}
     meta = {"device": "GPU X", "torch": "2.11", "commit": "abc", "date": "today", "dtype": "bfloat16"}
-    table = validate_table(sb.build_table(chosen, meta, 128, 128, [9, 0], "3.6"))
+    table = validate_table(sb.table_from_sweep(chosen, meta, 128, 128, [9, 0], "3.6", "bench/kernels/sparse_backends.py"))
     buckets = table["entries"][0]["buckets"]
     assert [x["max_density"] for x in buckets] == [0.15, 1.0] and len(buckets[0]["measured"]) == 2
     assert KernelConfig.from_json(buckets[0]["config"], 128) == b
@@ -269,7 +267,7 @@ def test_bench_table_from_a_sweep_is_a_valid_config_table() -> None:
                                                                   "speedup_vs_dense": 10.0}]}}},
             {"dense_ms": 10.0, "backends": {"triton": {"rows": [{"density": 0.1, "ms": 2.0, "eff_vs_dense": 0.5,
                                                                   "speedup_vs_dense": 5.0}]}}}]
-    assert sb.curves(rows) == {"triton": {0.1: {"g": 0.2, "eff": 0.5, "speedup": 5.0}}}
+    assert sb.worst_curves(rows) == {"triton": {0.1: {"g": 0.2, "eff": 0.5, "speedup": 5.0}}}
     # --table-out into an existing file: other head dims' (blocks', GPUs') entries stay, the same one is replaced
     d64 = {**table["entries"][0], "head_dim": 64}
     merged = validate_table(sb.merge_tables({"entries": [d64, table["entries"][0]]}, table))
@@ -279,7 +277,7 @@ def test_bench_table_from_a_sweep_is_a_valid_config_table() -> None:
 @needs_triton
 @pytest.mark.skipif(IN_INTERPRETER, reason="runs its own interpreter process")
 def test_bench_runs_end_to_end_on_cpu_under_the_interpreter(tmp_path) -> None:
-    """bench/sparse_backends.py's whole path (sweep of every tile candidate, table, rows, new-S probe, report,
+    """bench/kernels/sparse_backends.py's whole path (sweep of every tile candidate, table, rows, new-S probe, report,
     JSON) on a tiny shape under the interpreter, so a GPU run does not die on plumbing."""
     import json
     import subprocess
@@ -287,7 +285,7 @@ def test_bench_runs_end_to_end_on_cpu_under_the_interpreter(tmp_path) -> None:
     root = Path(__file__).resolve().parents[1]
     out, table = tmp_path / "sb.json", tmp_path / "table.json"
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
-    r = subprocess.run([sys.executable, str(root / "bench" / "sparse_backends.py"), "--device", "cpu", "--seq", "130",
+    r = subprocess.run([sys.executable, str(root / "bench" / "kernels" / "sparse_backends.py"), "--device", "cpu", "--seq", "130",
                         "--heads", "1", "--head-dim", "64", "--block", "64", "--densities", "0.5", "--reps", "1",
                         "--dtype", "float16", "--out", str(out), "--table-out", str(table)],
                        env=env, capture_output=True, text=True, timeout=300)

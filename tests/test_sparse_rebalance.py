@@ -23,7 +23,8 @@ def test_effective_densities_and_min_change() -> None:
     """Dense layers hand over 1, sparse layers their clamped profiled (or forced) densities; a change
     below rebalance_min_change is not handed over."""
     from ds_adaptive.attention.runtime import SparseAttentionRuntime
-    from ds_adaptive.attention.telemetry import SparseTrainerHook, effective_densities
+    from ds_adaptive.attention.telemetry import SparseTrainerHook
+    from ds_adaptive.attention.runtime import effective_densities
 
     cfg = {"warmup_steps": 0, "dense_layers": [0], "layer_density_threshold": 0.5, "min_density": 0.05,
            "backend": "reference", "rebalance": "epoch", "rebalance_min_change": 0.05}

@@ -184,7 +184,7 @@ def test_warm_up_runs_the_dispatch() -> None:
 @needs_triton
 @pytest.mark.skipif(IN_INTERPRETER, reason="runs its own interpreter process")
 def test_cost_bench_runs_end_to_end_on_cpu_under_the_interpreter(tmp_path) -> None:
-    """bench/sparse_select_cost.py's whole path (scores both ways, top-k, selection, triton attention fwd+bwd, the
+    """bench/kernels/sparse_select_cost.py's whole path (scores both ways, top-k, selection, triton attention fwd+bwd, the
     tile sweep, table, JSON) on tiny shapes under the interpreter, so a GPU run does not die on plumbing."""
     import json
     import subprocess
@@ -192,9 +192,9 @@ def test_cost_bench_runs_end_to_end_on_cpu_under_the_interpreter(tmp_path) -> No
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "ssc.json"
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
-    r = subprocess.run([sys.executable, str(root / "bench" / "sparse_select_cost.py"), "--device", "cpu", "--heads", "2",
+    r = subprocess.run([sys.executable, str(root / "bench" / "kernels" / "sparse_select_cost.py"), "--device", "cpu", "--heads", "2",
                         "--head-dim", "64", "--dtype", "float16", "--reps", "1", "--shapes", "200x2", "130",
-                        "--out", str(out)], env=env, capture_output=True, text=True, timeout=300, cwd=str(root / "bench"))
+                        "--out", str(out)], env=env, capture_output=True, text=True, timeout=300, cwd=str(root / "bench" / "kernels"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert [(x["seq"], x["batch"]) for x in res["results"]] == [(200, 2), (130, 1)]

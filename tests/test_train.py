@@ -14,7 +14,8 @@ import torch
 from conftest import TINY_MODELS
 from ds_adaptive.data import SyntheticLatentDataset, collate_latents
 from ds_adaptive.core.shapes import SampleShape, ShapeWeight
-from ds_adaptive.cli.train import build_parser, flow_matching_losses, main, sample_seed
+from ds_adaptive.cli.train import build_parser, main
+from ds_adaptive.models.objective import flow_matching_losses, sample_seed
 
 pytest.importorskip("deepspeed")
 

@@ -1,4 +1,4 @@
-"""Guards bench/train_step_profile.py on the CPU: the trainer's step is split into its segments (fetch, forward,
+"""Guards bench/training/train_step_profile.py on the CPU: the trainer's step is split into its segments (fetch, forward,
 backward, the engine's inner and boundary steps, the metrics), every micro-step's call is counted, the segments and
 the host time between them add up to the timed step, and the profiled step lists the same segments as ranges and its
 elementwise operators by input shape."""
@@ -20,7 +20,7 @@ def test_segments_add_up_to_the_step(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                            "MASTER_PORT")}  # its own world of one, as users run it
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    res = subprocess.run([sys.executable, str(ROOT / "bench" / "train_step_profile.py"), "--out", str(out), "--config",
+    res = subprocess.run([sys.executable, str(ROOT / "bench" / "training" / "train_step_profile.py"), "--out", str(out), "--config",
                           str(ROOT / "launch" / "configs" / "cpu_tiny.json"), "--model", "tiny", "--gas", "2",
                           "--num-samples", "64", "--warm", "1", "--timed", "1", "--profiled", "1", "--set",
                           f'adaptive_load.sampler.shapes="{ROOT / "launch" / "configs" / "shapes_cpu.json"}"'],
@@ -43,13 +43,26 @@ def test_segments_add_up_to_the_step(tmp_path):
     assert "| backward |" in res.stdout
 
 
-def test_the_module_call_arm_recomputes_through_the_module_with_the_same_gradients():
-    """``--checkpoint-module-call`` (the A/B arm of checkpointing around a block's call): the same loss and gradients
-    as the trainer's checkpoint inside the call, but a checkpointed block's module hooks fire again in backward."""
-    import torch
+def _checkpoint_around_module_call(model) -> None:
+    """The placement before the trainer's (checkpoint around a block's module call, ``checkpoint(block, ...)``): the
+    recompute calls the module again, so module hooks (ZeRO-3's) fire in the recompute."""
+    from torch.utils.checkpoint import checkpoint
 
-    sys.path.insert(0, str(ROOT / "bench"))
-    from train_step_profile import checkpoint_around_module_call
+    class AroundCall(type(model.blocks[0])):
+        def __call__(self, *args, checkpointed=None, **kwargs):
+            if checkpointed is None:
+                return super().__call__(*args, **kwargs)
+            return checkpoint(super().__call__, *args, use_reentrant=False, **checkpointed, **kwargs)
+
+    for block in model.blocks:
+        block.__class__ = AroundCall
+
+
+def test_checkpointing_inside_the_call_recomputes_without_calling_the_module_with_the_same_gradients():
+    """The trainer checkpoints a block inside its call: the same loss and gradients as checkpointing around the
+    block's module call, but a checkpointed block's module hooks do not fire again in backward (ZeRO-3's trace of
+    module calls stays the same whatever the count of checkpointed blocks)."""
+    import torch
 
     from ds_adaptive.models.testing import random_init_
     from ds_adaptive.models.wan import WanModel
@@ -58,7 +71,7 @@ def test_the_module_call_arm_recomputes_through_the_module_with_the_same_gradien
     def run(around: bool):
         model = random_init_(WanModel(get_wan_config("tiny", num_layers=3)), seed=0).double()
         if around:
-            checkpoint_around_module_call(model)
+            _checkpoint_around_module_call(model)
         model.set_checkpoint_blocks(2)
         calls = []
         for i, b in enumerate(model.blocks):

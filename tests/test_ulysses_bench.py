@@ -1,4 +1,4 @@
-"""Guards bench/ulysses_gpu.py (the GPU check the lead runs) on 2 CPU ranks: perf table, fp32-referenced SP check, JSON."""
+"""Guards bench/training/ulysses_gpu.py (the GPU check the lead runs) on 2 CPU ranks: perf table, fp32-referenced SP check, JSON."""
 from __future__ import annotations
 
 import json
@@ -18,7 +18,7 @@ def test_bench_runs_on_cpu_and_checks_sp(tmp_path: Path) -> None:
     env = {"PYTHONPATH": str(ROOT), "TORCH_EXTENSIONS_DIR": os.environ.get(
         "TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions"))}
     # perf shape 9x64x112 -> 3x4x7 = 84 tokens; check shape 9x48x80 -> 3x3x5 = 45 tokens (padded to 46)
-    results = launch_ranks([str(ROOT / "bench" / "ulysses_gpu.py"), "--device", "cpu", "--model", "tiny",
+    results = launch_ranks([str(ROOT / "bench" / "training" / "ulysses_gpu.py"), "--device", "cpu", "--model", "tiny",
                             "--frames", "9", "--height", "64", "--width", "112", "--check-shape", "9x48x80",
                             "--out", str(out)], 2, cwd=tmp_path, timeout=180, env=env)
     text = results[0].stdout

@@ -7,7 +7,8 @@ import torch
 from ds_adaptive.models.lean_backward import RecomputingLinear
 from ds_adaptive.models.testing import diffusers_twin, random_init_
 from ds_adaptive.models.wan21 import WAN_CONFIGS
-from ds_adaptive.models.wan import WanModel, rope_table
+from ds_adaptive.models.wan import WanModel
+from ds_adaptive.models.rope import rope_table
 from ds_adaptive.models.wan_blocks import sdpa_attention
 from ds_adaptive.models.wan_config import WanConfigError, get_wan_config
 from ds_adaptive.models.weights import wan_key_to_diffusers

@@ -91,7 +91,7 @@ struct FinalizeParams {
 // cp.async, sample-aware row dealing, two-pass backward, single-launch finalize). v2 falls back to
 // v1 where it has no configuration (scalar path, D <= 512 x 16-bit / 256 x fp32, very large D,
 // GPUs older than sm_80, or when its stages do not fit in shared memory).
-// Defaults from H100 measurements (bench/ln_modulate_probe.cu, bench/ln_modulate.py; ms, bf16 x,
+// Defaults from H100 measurements (the kernel probe, git show c0c9b33:bench/ln_modulate_probe.cu, and bench/kernels/ln_modulate.py; ms, bf16 x,
 // fp32 modulation, L2 flushed by a read before each run):
 struct KernelPolicy {
   int fwd_sample = 2;  // forward, per-sample ([B, 1, D]): v2 0.0562 vs v1 0.0598 at 16x1560x1536 (H200: also B = 1)

@@ -144,7 +144,7 @@ FwdChoice fwd_dispatch(const FwdParams& p, DType x, DType mod) {
   const int gen = effective_gen(tok ? pol.fwd_token : pol.fwd_sample);
   // (Until issue 18 a per-sample forward of one sample ran v1 whatever the policy, from H100
   // measurements; on the H200 v2 is faster there too: 0.0624 vs 0.0657 ms at 1x32760x1536, 0.4197
-  // vs 0.4225 ms at 1x75600x5120, bench/ln_modulate_probe.cu.)
+  // vs 0.4225 ms at 1x75600x5120, the kernel probe at c0c9b33.)
   FwdChoice c = fwd_dispatch_gen(p, x, mod, gen);
   if (c.fn != nullptr && c.gen == 2 && !v2_ok(c.smem, p.B * p.S)) c = fwd_dispatch_gen(p, x, mod, 1);
   return c;

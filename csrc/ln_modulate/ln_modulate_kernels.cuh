@@ -233,7 +233,7 @@ __device__ __forceinline__ void load_thread_mod(const M* shr, const M* scr, int 
 //        once), else through the read-only cache (per-sample rows are re-read by every row)
 // Persistent grid: CTA c takes rows c * ROWS + rg, c * ROWS + rg + gridDim.x * ROWS, ... (with
 // MODC: the contiguous rows [c * chunk, (c + 1) * chunk), its ROWS row groups interleaved).
-// Measured on H100 (bf16 x, fp32 modulation, bench/ln_modulate.py --tune): PF and MODC cost more
+// Measured on H100 (bf16 x, fp32 modulation, bench/kernels/ln_modulate.py --tune): PF and MODC cost more
 // (registers, occupancy) than they save, so the defaults use neither; they stay as tuning variants.
 // ----------------------------------------------------------------------------------------------
 template <typename T, typename M, int VEC, int NV, int TPR, int ROWS, bool EVEN, bool PF, bool MODC,
@@ -589,7 +589,7 @@ FwdChoice fwd_make() {
   return FwdChoice{&ln_mod_fwd_kernel<T, M, VEC, NV, TPR, ROWS, EVEN, PF, MODC>, TPR * ROWS, ROWS, 0, 1};
 }
 
-// v1 per-token forward (measured on H100, bench/ln_modulate_probe.cu): one CTA per row (grid =
+// v1 per-token forward (measured on H100, the kernel probe at c0c9b33): one CTA per row (grid =
 // rows; the persistent grid was 2-3% slower), shift / scale loaded before the row reduction with
 // the streaming hint (they are read once) when that costs at most 32 registers, x through the
 // read-only cache.
@@ -668,7 +668,7 @@ FwdChoice fwd_generic_v2(const FwdParams& p, int nvec) {
 // Tuning alternatives (benchmark only) for x bf16 / modulation fp32, D in {1536, 5120}: a variant
 // index other than 0 (set through ln_modulate_set_tuning) picks another configuration. Slots:
 // v1: 0 fwd 1536, 1 fwd 5120, 2 bwd 1536, 3 bwd 5120; v2: 4 fwd 1536, 5 fwd 5120, 6 bwd 1536,
-// 7 bwd 5120. Names in bench/ln_modulate.py (TUNE). Compiled in ln_modulate_tune.cu.
+// 7 bwd 5120. Names in bench/kernels/ln_modulate.py (TUNE). Compiled in ln_modulate_tune.cu.
 int tuning_variant(int slot);
 FwdChoice fwd_tuned_bf16_f32(const FwdParams& p, int gen);
 BwdChoice bwd_tuned_bf16_f32(const BwdParams& p, int gen);
@@ -709,7 +709,7 @@ FwdChoice fwd_select(const FwdParams& p, int gen) {
     if constexpr (V == 8) {
       switch (p.D) {
         // s3: 0.0555 vs s4 0.0560 ms (16x1560, H100). Per-sample shift / scale in registers (MODC; H200,
-        // bench/ln_modulate_probe.cu, read flush): 0.0584 vs 0.0620 ms at 1x32760, 0.0446 vs 0.0496 at
+        // the kernel probe at c0c9b33, read flush): 0.0584 vs 0.0620 ms at 1x32760, 0.0446 vs 0.0496 at
         // 16x1560 (reading them from L1 for every row was most of the gap to a copy: without any
         // modulation the same kernel shape ran 0.0542 / 0.0417)
         // Issue 18, fourth round: per-sample rows on one warp each (32x6: 6 vectors per lane, the row
@@ -720,7 +720,7 @@ FwdChoice fwd_select(const FwdParams& p, int gen) {
         case 1536:
           if (p.shift_ss == 0 && p.scale_ss == 0) return fwd_make_v2<T, M, 6, 32, 4, 2, true, true>(p);
           return fwd_make_v2<T, M, 2, 96, 3, 2, true>(p);
-        // H200 (bench/ln_modulate_probe.cu, read flush, ms): 8x4096x2304 96x3 0.0929 (v1 0.0914);
+        // H200 (the kernel probe, git show c0c9b33:bench/ln_modulate_probe.cu, read flush, ms): 8x4096x2304 96x3 0.0929 (v1 0.0914);
         // 8x4096x3072 96x4 0.1164 vs 192x2 s4 > 0.122; 4x4096x4096 128x4 0.0811 vs 256x2 0.0886.
         // Issue 18, fourth round: per-sample rows with the modulation in registers (MODC), one warp per row at
         // 2304 (32x9 s3: 0.0799 vs 0.0936 for 96x3 s3, 1.117x of the floor; 4x1024x2304 0.0142 vs 0.0183), two
@@ -738,7 +738,7 @@ FwdChoice fwd_select(const FwdParams& p, int gen) {
         // accesses, 9 per lane (no masks), shift / scale in registers, 3 stages. H200 probe (8x4096x1152,
         // read flush, ms): 0.0415 (1.159x of the floor) vs 0.0439 for 16-byte accesses, 5 per lane with
         // the last half of the lanes masked (the third round's kernel), and 0.0569 for the v1 4-byte 96x6
-        // below (bench/RESULTS.md, issue 18 fourth round). Per-token rows keep the generic path.
+        // below (docs/RESULTS.md; the probe at c0c9b33). Per-token rows keep the generic path.
         case 1152:
           if (p.shift_ss == 0 && p.scale_ss == 0) return fwd_make_v2<T, M, 9, 32, 3, 2, true, true, 8>(p);
           break;
@@ -812,7 +812,7 @@ BwdChoice bwd_make_noaffine(const BwdParams& p) {
   return BwdChoice{&ln_mod_bwd_kernel<T, M, VEC, NV, TPR, EVEN, false, false, PF>, TPR, 0, 1};
 }
 
-// v1 per-token backward (measured on H100, bench/ln_modulate_probe.cu): plain stores (the
+// v1 per-token backward (measured on H100, the kernel probe at c0c9b33): plain stores (the
 // streaming hint was 1-4% slower), dy / x through the read-only cache, and without elementwise
 // affine one CTA per row (per_row: the plan makes every row a tile; 0.344 vs 0.387 ms for the
 // persistent contiguous tiles at 1x32760x1536). Affine keeps the persistent tiles: per-row tiles

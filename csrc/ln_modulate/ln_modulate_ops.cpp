@@ -39,7 +39,7 @@ at::ScalarType stats_dtype(const Tensor& x) { return x.scalar_type() == at::kDou
 // Sizes and sizes in error messages, concrete values printed as integers ("[2, 5, 64]", the format of
 // c10's ArrayRef printing). Printing c10::SymInt / SymIntArrayRef through c10::str in these messages
 // segfaulted in the CUDA extension under torch 2.11 on the H200 whenever such a check failed
-// (bench/ln_modulate_cpp_errors.py, issue 18: the shape messages crashed, the device / dtype
+// (a one-off check, bench/ln_modulate_cpp_errors.py at c0c9b33: the shape messages crashed, the device / dtype
 // messages of the same checks raised cleanly); these helpers never call SymInt's operator<<.
 std::string sym_str(const c10::SymInt& v) {
   const auto c = v.maybe_as_int();

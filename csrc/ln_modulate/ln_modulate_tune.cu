@@ -1,7 +1,7 @@
 // Benchmark-only kernel-configuration alternatives for x = bf16, modulation = fp32 at D = 1536 and
 // D = 5120 (the Wan 2.1 1.3B / 14B hidden sizes), selected with ln_modulate_set_tuning(slot,
 // variant); variant 0 of every slot is the shipped default (an empty choice here, so that
-// fwd_select / bwd_select use their own table). Names: bench/ln_modulate.py TUNE.
+// fwd_select / bwd_select use their own table). Names: bench/kernels/ln_modulate.py TUNE.
 // A translation unit of its own so that it compiles in parallel with the dtype pairs; no kernel
 // instantiated here is also instantiated in a pair unit (each kernel is registered by one module).
 #include "ln_modulate_kernels.cuh"

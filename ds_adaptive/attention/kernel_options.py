@@ -1,7 +1,7 @@
 """Measured FlexAttention ``kernel_options`` per density bucket (the block-sparse op's defaults).
 
 ``kernel_options.json`` beside this module holds one table (``options: {}`` = torch's defaults won), measured by
-``bench/sparse_kernel.py --sweep`` on one device: the GPU (name, compute capability), head dim and
+``bench/kernels/sparse_kernel.py --sweep`` on one device: the GPU (name, compute capability), head dim and
 dtype it was measured for, and per density bucket (``max_density``, ascending) the tile options
 that were fastest for sparse fwd+bwd, with the measured times (ours and torch's default config) as
 a record. :func:`options_for` returns a bucket's options only for a matching device / head dim /

@@ -9,7 +9,7 @@ linearity are ``mean_block(q Wq) . mean_block(k Wk)`` (cost O(S r) + O(nq nk r) 
 Why q/k and not DSV's hidden-state projection: DSV projects the layer input x to rank-r "q'/k'",
 which sees neither RoPE (the positional part of the logits, the source of spatio-temporal locality)
 nor, under Ulysses, the full sequence of the local heads without an extra all-to-all.
-``bench/sparse_predictor_compare.py`` measures both on planted data (see docs/SPARSE.md).
+``bench/kernels/sparse_predictor_compare.py`` measures both on planted data (see docs/SPARSE.md).
 
 Parameters live in this module (fp32), outside the DiT's module tree, so ZeRO-3 never partitions
 them; ``SparseAttentionRuntime`` all-reduces their gradients over DP x SP.

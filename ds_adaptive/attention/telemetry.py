@@ -75,7 +75,7 @@ class SparseTrainerHook:
     def log(self, step: int, metrics=None) -> dict:
         """Write one ``sparse.jsonl`` record (call on every rank; the writer rank writes). It carries
         ``head_density`` [layers][heads] (all heads; unprofiled = 1.0) and ``dense_layers``, so
-        ``ds_adaptive.planning.sparse_cost.load_densities(log_dir / "sparse.jsonl")`` reads it (issue 15)."""
+        ``ds_adaptive.planning.sparse_cost.load_densities(log_dir / "sparse.jsonl")`` reads it."""
         m = self.runtime.metrics()
         dens = torch.nan_to_num(self.runtime._all_head_density(), nan=1.0)
         if self._jsonl is not None:

@@ -55,8 +55,8 @@ CACHE_ENV = "DS_ADAPTIVE_CACHE_DIR"
 
 
 #: part of the cache key: a change of the quick protocol, or of what the model's blocks hold for the backward,
-#: invalidates the cached entries. 2: blocks keep less for the backward (``models.lean_backward``: ~30 KiB per token
-#: and block less for Wan 1.3B), so entries measured before over-predict activation memory.
+#: invalidates the cached entries. 2: blocks keep less for the backward (``models.lean_backward``), so entries
+#: measured before over-predict activation memory.
 PROTOCOL_VERSION = 2
 
 
@@ -90,11 +90,11 @@ def quick_protocol(model_name: str, device_type: str) -> QuickProtocol:
     GPU: 6 of the preset's calibration grids (the shortest and the 5 longest; Wan 2.1: 1x480x832, 33x480x832,
     49x480x832, 81x480x832, 49x720x1280, 81x720x1280 = 1,560 to 75,600 tokens, 5 points over the fit's 8,192
     tokens), the two shortest also at a batch of ~17k tokens (Wan 2.1: B = 11 and 2), 2 and 4
-    blocks (1 and 2 for models over 10B parameters). Measured on an H200 a full ``ds-adaptive calibrate``
-    (8 grids, 2 + 5 runs per point) takes 51-68 s for Wan 1.3B; this protocol has 6 grids and 1 + 3 runs.
+    blocks (1 and 2 for models over 10B parameters): 6 grids and 1 + 3 runs per point, where a full
+    ``ds-adaptive calibrate`` runs 8 grids and 2 + 5.
     CPU (``profile: calibrate`` in tests): tiny grids of 16-720 tokens (Wan 2.1's rule), 1 and 2 blocks, fp32,
     no quality bar (CPU timings describe no GPU). The longest two hold the length-dependent time above the
-    per-micro-batch overhead (~50-90 ms on a 2-core machine): with 192 tokens at most, a loaded machine's noise
+    per-micro-batch overhead: with 192 tokens at most, a loaded machine's noise
     sometimes fitted a = b = 0, a fit that ``fit_quality_problem`` refuses."""
     m = get_model(model_name)
     if device_type != "cuda":

@@ -12,7 +12,7 @@ import numpy as np
 
 MAX_FIT_ERROR = 0.10
 """Quality bar of a calibration: largest |relative error| of the compute fit over its fitted points.
-The shipped H100/H200 calibrations fit within 1.5-2.2%; a fit worse than 10% would mis-plan batches."""
+A fit worse than this would mis-plan batches (the shipped calibrations' errors: docs/RESULTS.md)."""
 
 
 # ------------------------------------------------------------------------------------- fitting
@@ -74,8 +74,7 @@ def fit_memory(points: Sequence[Mapping[str, float]], *, relative: bool = True) 
     Points measured with one timestep per token (``pt`` true: the videos of a model trained with first-frame
     conditioning) hold that modulation besides; when both kinds are present the fit has a third term,
     ``gib/B = m0 + (m1 + pt * m1_pt) S``, and returns ``per_token_timesteps_gib_per_token`` (m1_pt): one
-    ``m1`` over both kinds over-predicted the images by up to 37% and under-predicted the videos by 15%
-    (TI2V-5B on an H200)."""
+    ``m1`` over both kinds over-predicts the images and under-predicts the videos."""
     pts = [dict(p) for p in points]
     s = np.array([p["S"] for p in pts], float)
     b = np.array([p["B"] for p in pts], float)

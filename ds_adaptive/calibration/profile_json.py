@@ -109,8 +109,8 @@ def profile_from_block_scaling(data: Mapping[str, Any], model_name: str, *, sour
     for r in rows:
         ms = layers * r["fwdbwd_ms"] * gc + overhead_ms + per_tok_head_ms * r["S"]
         meas.append({"S": r["S"], "B": 1, "ms": ms, "block_ms": r["fwdbwd_ms"], "block_peak_gib": r["peak_GiB"]})
-    # The short sequences at B=1 are latency-bound on an H100 (1560 and 3120 tokens take the same
-    # time): fit on saturated points only (>= 7800 tokens per micro-batch).
+    # The short sequences at B=1 are latency-bound (on an H100 the two shortest take the same time):
+    # fit on saturated points only (>= 7800 tokens per micro-batch).
     compute = fit_compute(meas, min_fit_tokens=7800)
     s = np.array([r["S"] for r in rows], float)
     pk = np.array([r["peak_GiB"] for r in rows], float)

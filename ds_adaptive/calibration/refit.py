@@ -3,9 +3,9 @@
 ``ds-adaptive calibrate`` times fwd + bwd of a model of 2 and 4 blocks at a dozen (tokens, batch) points and
 extrapolates to the full depth. The trainer logs each micro-step's compute window with its shape, batch size,
 checkpointed blocks and its step's wall time (``compute.jsonl``; runs from before it: ``metrics.jsonl``'s
-``micro_compute_ms`` every ``metrics.interval``-th step, with ``memory.jsonl``). On the H200 default job
-the calibrated cost was 0.94-0.98x those windows for long clips and 1.10-1.17x for large, checkpointed image
-batches (``bench/RESULTS.md``): the planner balances and sizes batches on a cost the trainer does not run.
+``micro_compute_ms`` every ``metrics.interval``-th step, with ``memory.jsonl``). The calibrated cost
+can miss those windows in both directions (under for long clips, over for large, checkpointed image batches;
+docs/RESULTS.md): the planner then balances and sizes batches on a cost the trainer does not run.
 
 :func:`refit_compute` fits, by least squares of the relative error over the windows,
 

@@ -5,21 +5,21 @@ the selected key blocks passed as *full* blocks so that no mask_mod runs; per he
 ``round(rho * blocks)`` random key blocks, at least one) against dense SDPA (the default backend,
 cuDNN on Hopper) at the same shape, and writes the efficiency table ``g(rho) = sparse / dense``
 into a profile json (``sparse_attention`` section), which :class:`ds_adaptive.core.contracts.KernelEfficiency`
-reads. With ``ds_adaptive.attention`` (issue 14) in place the same table can be measured on its op;
-until then this self-contained timing is the kernel's stand-in (DSV.md: the op is FlexAttention).
+reads. It times FlexAttention, the first sparse backend; ``bench/kernels/sparse_backends.py`` measures every
+backend of ``ds_adaptive.attention.backends``.
 
     ds-adaptive calibrate --sparse --profile h100-wan2.1-1.3b --out h200-wan2.1-1.3b-sparse.json
 
 ``--selection`` instead times the runtime's block selection (scoring + top-k) over a grid of micro-batch
 shapes and writes its fitted cost (:mod:`ds_adaptive.planning.selection_cost`) as the profile's
 ``sparse_attention.selection`` (the rest of the profile, an efficiency table included, is kept); the
-planner's sparse cost and its "sparse only where it pays" decision then use it (~10-30 s on an H200)::
+planner's sparse cost and its "sparse only where it pays" decision then use it::
 
     ds-adaptive calibrate --sparse --selection --profile h200-wan2.1-1.3b --out h200-wan2.1-1.3b.json
 
 Layout: q, k, v ``[B, H, S, Dh]`` bf16 (flex/SDPA layout). ``make_block_mask`` and
 ``block_mask_dense`` (the boolean ``[H, S, S]`` mask the block mask stands for) are shared with
-``bench/sparse_heads_gpu.py`` and tested on CPU against masked dense attention.
+``bench/kernels/sparse_heads_gpu.py`` and tested on CPU against masked dense attention.
 """
 from __future__ import annotations
 

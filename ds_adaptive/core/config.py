@@ -191,7 +191,7 @@ class MetricsConfig(_Block):
     trainer's default `--compute-timing` on CUDA, per-rank compute time comes from CUDA events
     (`metrics.ComputeTimer`: ZeRO-3's waits for other ranks inside forward/backward subtracted), which
     need no sync, so `auto` does not sync and the host queues the next micro-step while the GPU finishes
-    this one (one H200, the default job's same 3 steps: 1.014x); `data_ms` is then the host's wait for
+    this one; `data_ms` is then the host's wait for
     the batch. With `--no-compute-timing`, or when no DeepSpeed wait points are found (summary `timing:
     wall`), compute time is the region's host wall-clock time, waits for other ranks included, and only
     with the sync does it cover the rank's kernels rather than their launches: `auto` syncs there.
@@ -256,8 +256,8 @@ class SparseAttentionConfig(_Block):
     """In stage 2 a layer runs sparse only when its profiled mean head density is at most this."""
 
     dense_above: float = Field(0.6, gt=0.0, le=1.0)
-    """A layer whose selected density is above this runs dense cuDNN/flash SDPA instead (the
-    block-sparse kernel is ~1.45x dense cost per selected block: break-even near 0.7 on H100/H200)."""
+    """A layer whose selected density is above this runs dense cuDNN/flash SDPA instead (per
+    selected block a block-sparse kernel costs more than dense attention, so above some density dense is faster)."""
 
     dense_layers: Optional[list[int]] = None
     """Layers that always run dense (0-based). Default: the first and the last layer."""
@@ -277,7 +277,7 @@ class SparseAttentionConfig(_Block):
     rebalance: Literal["off", "epoch", "step"] = "step"
     """Feed the densities the layers really run at (profiled per head, all-reduced over the ranks;
     1 for dense layers) to the balancers when they change: the batch sampler plans with the sparse
-    cost (issue 15; needs `sampler.cost_model: calibrated` and a profile of the trained depth) and,
+    cost (needs `sampler.cost_model: calibrated` and a profile of the trained depth) and,
     under Ulysses SP, the heads are re-placed for equal density per rank. `step`: the sampler
     re-plans the rest of the epoch from the next step; `epoch`: from the next epoch; `off`: never
     (the plan is the dense plan, e.g. to compare with a dense run on the same batches)."""
@@ -466,15 +466,15 @@ class AdaptiveLoadConfig(_Block):
     are. `off`: eager. The trainer compiles the pieces for the plan's micro-batch sizes before step 1 and for the
     sizes a later epoch's plan adds (printed, and `block_fusion` in the summary), so no step compiles;
     where torch.compile cannot work (no triton on the GPU, no C++ compiler on the CPU) it warns once and runs eager.
-    The shipped Wan 1.3B config turns `regions` on: on one H200 its default job ran 15,111 tokens/s (MFU 42.8%)
-    against 13,785 (39.1%) off, after a 9 s warm-up (before `zero3_leaf_blocks`). Measure on your job (`bench/mfu_levers.py`)."""
+    The shipped Wan 1.3B config turns `regions` on, where it measured faster (docs/RESULTS.md). Measure on your job
+    (`bench/training/mfu_levers.py`)."""
 
     zero3_leaf_blocks: bool = True
     """Under ZeRO stage 3, mark each transformer block a ZeRO-3 leaf module (DeepSpeed's
     `set_z3_leaf_module`): ZeRO-3 then gathers and releases a block's parameters at once, with one hook
     pair per block instead of one per Linear and norm (a Wan 1.3B block has 18), so the host spends less
     time per block in forward, backward and recompute, and multi-GPU runs all-gather a block in one
-    collective (one H200, the default job's same 3 steps: 1.021x). A checkpointed block recomputes inside its
+    collective. A checkpointed block recomputes inside its
     own call, so ZeRO-3's trace of the module order, which it prefetches parameters by, stays valid when the count
     of checkpointed blocks changes between micro-batches. The same as listing the block class in
     ds_config's `zero_optimization.leaf_module`. A block's parameters are all live while it runs (Wan 1.3B:
@@ -490,9 +490,8 @@ class AdaptiveLoadConfig(_Block):
     `memory_efficient_linear: false` into the ds_config it hands DeepSpeed when your ds_config does not set the key
     (yours wins when it does), and puts torch's `F.linear` back if an earlier DeepSpeed engine of the process
     replaced it. Training is the same up to rounding (CPU test); DeepSpeed's version saves no memory here (ZeRO-3
-    gathers a Linear's weight again for its backward either way). One H200, the shipped 1.3B job, the same samples:
-    1.019x over 3 steps, the same peak memory; the job's 22 steps: MFU 44.3% (43.6% without it the day before, same
-    samples). No effect below stage 3."""
+    gathers a Linear's weight again for its backward either way; its same-sample A/B: docs/RESULTS.md). No effect
+    below stage 3."""
 
     sampler: SamplerConfig = Field(default_factory=SamplerConfig)
     """The sampler sub-block."""

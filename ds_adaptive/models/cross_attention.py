@@ -3,13 +3,12 @@
 A DiT block's cross-attention has S video tokens attend to L = 512 text tokens. Flash-style backward kernels
 (cuDNN's, which torch picks on Hopper) give each thread block one (sample, head, block of 128 keys) and walk
 every query block in turn: 512 keys make 4 key blocks, so one sample of Wan 1.3B (12 heads) gives 48 thread
-blocks to a GPU with 132 SMs, and the backward runs at 5.2-6.5x its forward where its FLOPs need 2.5x (one H200,
-``bench/attention_backends.py``, 14,040-75,600 tokens). Splitting the S queries into ``n`` chunks, each a batch
+blocks to a GPU with 132 SMs, and the backward runs far slower than its FLOPs need
+(``bench/kernels/attention_backends.py``). Splitting the S queries into ``n`` chunks, each a batch
 entry with its own copy of the (small) keys and values, gives ``n`` times the thread blocks; the result is the
 same attention (every query still sees all L keys), and the keys' and values' gradients are summed over the
-chunks by autograd. One H200, fwd+bwd of one sample's cross-attention: 1.23-1.45x at 18,000-75,600 tokens,
-1.03x at 14,040; in the shipped default job's steps it is within noise (1.002x, GPU busy 0.4% less): the
-cross-attention is ~3% of the attention there.
+chunks by autograd. It speeds up a long sample's cross-attention; in a whole training step, where the
+cross-attention is a small part of the attention, the gain is small (docs/RESULTS.md).
 
 ``query_chunks`` picks ``n``: on CUDA, up to the count that gives ~2 thread blocks per SM, held to chunks of at
 least ``MIN_CHUNK_TOKENS`` queries and to a divisor of S (a view, no padding); 1 (no split) on other devices,
@@ -27,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 ENV = "DS_ADAPTIVE_CROSS_ATTN_CHUNKS"
-#: the queries of one chunk, at least: with 2,048 the split was slower at 2 x 7,800 and 4 x 4,096 tokens (0.78x /
-#: 0.84x, one H200); from 4,096 up it is as fast or faster everywhere measured
+#: the queries of one chunk, at least: smaller chunks measured slower on short batched samples; from this size up
+#: the split was as fast or faster everywhere measured
 MIN_CHUNK_TOKENS = 4096
 #: the key-block size of the backward kernels the policy counts thread blocks for
 KEY_BLOCK = 128

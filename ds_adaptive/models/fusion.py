@@ -11,10 +11,10 @@ chain into one kernel forward and one backward. Modes:
              :func:`qk_norm_rope_kernel`; where it cannot run, ``wan_blocks.qk_norm_rope`` compiled)
     regions  rope, plus the gated residuals (``wan_blocks.gated_residual``) compiled
 
-Measured, not assumed (H200, ``bench/block_fusion_kernels.py``, fwd+bwd at 1 x 32,760 tokens): Inductor's
-dynamic-shape kernels for ``qk_norm_rope`` took 2.65 ms (10.6x the bytes' copy time: its weight-gradient reductions
-over the tokens), the Triton kernel 0.76 ms; the compiled gated residual 0.59 ms against 1.32 eager; the compiled
-cross-attention LayerNorm was slower than eager (1.03 vs 0.91 ms; 0.84 vs 0.49 at 11 x 1,560), so it stays eager.
+Measured, not assumed (``bench/kernels/block_fusion_kernels.py``, fwd+bwd; figures in docs/RESULTS.md): Inductor's
+dynamic-shape kernels for ``qk_norm_rope`` ran far from the bytes' copy time (its weight-gradient reductions over
+the tokens), the Triton kernel close to it; the compiled gated residual beat eager; the compiled cross-attention
+LayerNorm was slower than eager, so it stays eager.
 
 What stays eager, on purpose: the Linear layers (ZeRO-3 gathers their weights in their modules' forward
 hooks; a compiled region that contained them would break its graph at every hook), the self-attention
@@ -24,12 +24,11 @@ ZeRO-3 keeps them whole below ``stage3_param_persistence_threshold``; a partitio
 down the eager path, ``wan_blocks._params_available``). Compiled with ``dynamic=True``: one graph for every
 micro-batch shape, except where torch or Inductor specialise: a size of 1 (B = 1), a view's base (a one-frame
 grid's RoPE table), element counts behind some fusion decisions, the thread count. Without a warm-up, the trainer
-on an H200 paid 10-20 s of compile at the first step of each kind, mid-run. :func:`warm_up` compiles the plan's
-micro-batch sizes before step 1 (the trainer calls it; the time is in the summary, ``block_fusion.warmup_s``): on
-the shipped Wan 1.3B job (``regions`` on) 9 s, after which no step compiled (H200: 1.101x the tokens/s of ``off``
-on a pinned plan). The Triton kernel compiles once per dtype and D, whatever the shapes. The torch references are
+pays a compile of seconds at the first step of each kind, mid-run. :func:`warm_up` compiles the plan's
+micro-batch sizes before step 1 (the trainer calls it; the time is in the summary, ``block_fusion.warmup_s``), after
+which no step compiles. The Triton kernel compiles once per dtype and D, whatever the shapes. The torch references are
 the eager functions themselves (``tests/test_fusion.py`` compares them). Whether a mode is faster is measured, not
-assumed: ``bench/block_profile.py`` (one block), ``bench/mfu_levers.py`` (the trainer).
+assumed: ``bench/kernels/block_profile.py`` (one block), ``bench/training/mfu_levers.py`` (the trainer).
 """
 from __future__ import annotations
 
@@ -60,7 +59,7 @@ def compiled(name: str) -> Callable:
 def qk_norm_rope_kernel(q, k, wq, wk, freqs, eps: float, heads: int):
     """``wan_blocks.qk_norm_rope`` by the Triton kernels (``ds_adaptive.ops.qk_norm_rope``: one read and one write of each
     tensor, either way) where they can run (CUDA, triton), else its compiled form. Inductor's kernels for this
-    function ran at ~10% of the memory bandwidth in the trainer (``bench/block_fusion_kernels.py``)."""
+    function ran at a small fraction of the memory bandwidth (``bench/kernels/block_fusion_kernels.py``)."""
     out = try_triton_qk_norm_rope(q, k, wq, wk, freqs, eps, heads)
     return out if out is not None else compiled("qk_norm_rope")(q, k, wq, wk, freqs, eps, heads)
 

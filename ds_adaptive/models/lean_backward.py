@@ -1,8 +1,7 @@
 """Layers whose backward keeps less: recompute cheap work in the backward instead of keeping its output.
 
-A whole (not checkpointed) Wan block kept ~89 KiB of activations per token for its backward (H200, Wan 1.3B, fused
-LayerNorm-modulate op, block fusion ``regions``; ``ds-adaptive calibrate`` measures it). Several of those tensors are
-outputs of cheap elementwise or normalisation work whose inputs are kept anyway:
+A whole (not checkpointed) Wan block keeps its activations for its backward (``ds-adaptive calibrate`` measures how
+much per token). Several of those tensors are outputs of cheap elementwise or normalisation work whose inputs are kept anyway:
 
 * the FFN's ``Linear(GELU_tanh(h))``: autograd keeps ``h`` (GELU's backward) AND ``GELU(h)`` (the second Linear's
   weight gradient), two ``[tokens, ffn_dim]`` bf16 tensors: 2 x 17.5 KiB per token for Wan 1.3B;
@@ -18,9 +17,8 @@ keeps its bf16 input. The forward runs the same kernels on the same values; the 
 (one elementwise pass per site; each of q / k / v recomputes its norm), so outputs are the plain modules' and
 gradients match an fp64 reference as closely (``tests/test_lean_backward.py``,
 ``tests/gpu/test_lean_backward_gpu.py``).
-Measured: the GELU and LayerNorm sites took a whole block from 89.1 to 68.7 KiB per token (H200, bench/RESULTS.md,
-eighteenth session), so the memory-bounded planner checkpoints fewer blocks; with the norm inputs, 59.7 KiB per token
-(nineteenth session). ``DS_ADAPTIVE_LEAN_BACKWARD`` picks what runs, for same-sample A/Bs of each part's compute:
+A whole block then keeps less per token (the H200 profile's ``block_fusion_variants.regions`` memory terms are
+calibrated with it), so the memory-bounded planner checkpoints fewer blocks. ``DS_ADAPTIVE_LEAN_BACKWARD`` picks what runs, for same-sample A/Bs of each part's compute:
 ``1`` everything (the default), ``gelu`` the GELU and LayerNorm sites only (the norms' outputs kept), ``0`` nothing
 (the plain modules).
 """

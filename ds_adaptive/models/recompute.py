@@ -1,9 +1,8 @@
 """Selective activation checkpointing that keeps the self-attention core (``sampler.checkpoint_attention``).
 
 A checkpointed block normally keeps only its input and runs its whole forward again in backward. For
-video DiTs the expensive part of that recomputed forward is the self-attention core: on an H200, one
-Wan 1.3B block's recompute at 75,600 tokens is ~76 ms, ~58 ms of it the attention's ``b S^2`` term
-(the shipped profile's ``compute.recompute``), and the core's output is small (``[S, D]``, like the
+video DiTs the expensive part of that recomputed forward is the self-attention core (at long sequences most of a
+block's recompute is the attention's ``b S^2`` term, the profile's ``compute.recompute``), and the core's output is small (``[S, D]``, like the
 block's input). With ``keep``, the checkpoint region keeps the outputs of the fused SDPA op that
 self-attention calls (output and log-sum-exp: ``2 D + 4 H`` bytes per token of the local shard in bf16)
 and recomputes everything else (norms, q / k / v projections, RoPE, cross-attention, FFN), so the

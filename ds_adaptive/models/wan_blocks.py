@@ -109,8 +109,8 @@ class FlatLinear(RecomputingLinear):
     (``LinearFunctionForZeroStage3``, ``zero_optimization.memory_efficient_linear``) adds a 3-D input's bias
     as a separate broadcast kernel. Same parameters, names and numerics class as ``nn.Linear`` (torch's own
     ``F.linear`` flattens a contiguous 3-D input the same way). Used where it measured faster under ZeRO-3's
-    function (H200, ``bench/block_fusion_kernels.py``, fwd+bwd): the FFN's D -> FFN projection, 1.20x at 1 x 32,760
-    tokens and 1.14x at 11 x 1,560; not the D -> D ones (0.98x / 0.70x: the 2-D backward was slower there)."""
+    function (``bench/kernels/block_fusion_kernels.py``, fwd+bwd): the FFN's D -> FFN projection; not the D -> D ones
+    (their 2-D backward was slower)."""
 
     def plain(self, x: torch.Tensor) -> torch.Tensor:
         return flat_linear(x, self.weight, self.bias)

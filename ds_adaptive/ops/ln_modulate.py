@@ -88,10 +88,10 @@ class _OpState:
         self.source: Optional[str] = None  # "prebuilt" / "jit"
         self.apply = None  # torch.ops.ds_adaptive.ln_modulate_apply.default once the extension is loaded
         # the extension's `apply`: the same op called through the dispatcher without torch.ops' Python
-        # argument parsing (eager calls on plain tensors; issue 18: host time per call)
+        # argument parsing (eager calls on plain tensors: less host time per call)
         self.fast_apply = None
         # the extension's `try_apply`: the eager fast path in one C++ call (its conditions checked there;
-        # None when they do not hold), issue 18
+        # None when they do not hold)
         self.try_apply = None
         self.warned: set = set()
         self.mode = "auto"  # last mode read from the environment
@@ -104,7 +104,7 @@ _STATE = _OpState()
 
 
 def _not_compiled(fn):
-    """``torch.compiler.disable(fn)``, made at the first call: importing torch._dynamo costs ~2 s of CPU, which a
+    """``torch.compiler.disable(fn)``, made at the first call: importing torch._dynamo costs seconds of CPU, which a
     process that only imports the model (a dry run, the CLI) never needs. A first call inside a compiled function
     works too (a test checks it: the function runs once, eagerly)."""
     @functools.wraps(fn)
@@ -264,7 +264,7 @@ def get_mode() -> str:
 
 # The environment as CPython's os.environ keeps it (a dict of encoded keys / values, updated by every
 # os.environ assignment and by monkeypatch.setenv): one dict lookup instead of os.environ.get's key
-# encoding (~0.7 us per call on the CPU host, issue 18).
+# encoding (host time on every call).
 try:
     _ENV_DATA, _ENV_KEY = os.environ._data, os.environ.encodekey(ENV_VAR)  # type: ignore[attr-defined]
 except AttributeError:  # not CPython's os._Environ
@@ -381,7 +381,7 @@ def ln_modulate(x: Tensor, shift: Tensor, scale: Tensor, eps: float = 1e-6, weig
     """
     try_apply = _STATE.try_apply
     if try_apply is not None and not torch.compiler.is_compiling() and _mode() != "reference":
-        # Eager fast path (issue 18, host time per call): one C++ call checks that the arguments are plain
+        # Eager fast path (host time per call): one C++ call checks that the arguments are plain
         # tensors (or nn.Parameter) without a torch-function mode and that x is a CUDA [B, S, D] tensor of a
         # kernel dtype with D <= 8192, then runs the op, which checks the rest; None when it does not apply.
         # On an error _check_args runs to raise the Python layer's ValueError / TypeError (the extension's

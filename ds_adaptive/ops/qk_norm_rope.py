@@ -7,9 +7,7 @@ roundings (after the norm, after the rotation). One kernel reads a tensor once a
 (:mod:`._triton_qk_norm_rope`); the weight gradient is summed per program in fp32, then over programs.
 
 Why a hand kernel: in the trainer, Inductor's kernels for this function (``block_fusion: regions``, dynamic
-shapes) ran at a small fraction of the memory bandwidth (the H200 profile of the default job: 0.9 ms forward and
-1.1 ms backward per call at ~30k tokens, against ~0.1 ms to move the bytes; ``bench/block_fusion_kernels.py``
-times both). :func:`unsupported` says why the kernel cannot run for given inputs (None: it can); callers
+shapes) ran at a small fraction of the memory bandwidth (``bench/kernels/block_fusion_kernels.py`` times both). :func:`unsupported` says why the kernel cannot run for given inputs (None: it can); callers
 fall back to the reference (or to its compiled form).
 """
 from __future__ import annotations
@@ -32,7 +30,7 @@ ELEMENTS_PER_WARP = 512
 """A program holds one row of D channels (padded to a power of two) at a time: one warp per 512 of them (16 a
 thread), so that a wider model (Wan 14B: D 5,120 -> 16 warps) keeps the row in registers. Wan 1.3B: 4 warps."""
 TILES_ENV = "DS_ADAPTIVE_QK_ROPE_TILES"
-"""``"PROGRAMS_PER_SM,NUM_WARPS"`` overrides the launch defaults above (``bench/block_fusion_kernels.py
+"""``"PROGRAMS_PER_SM,NUM_WARPS"`` overrides the launch defaults above (``bench/kernels/block_fusion_kernels.py
 --sweep`` times the alternatives)."""
 
 

@@ -4,9 +4,8 @@ With every block checkpointed a micro-batch's time per token falls as it grows (
 overhead is spread over more samples), so the smallest budget under which no sample is oversize -- the
 costliest sample at B=1 -- was the natural ``auto``. With the checkpoint plan (``ds_adaptive.planning.memory``)
 that is no longer so: a micro-batch that fills the memory budget must checkpoint blocks, and each one
-adds a recomputed forward for every sample of the batch. On an H200 (Wan 1.3B), 21 images of
-1x480x832 with no block checkpointed train at ~41k tokens/s; 191 of them (28 blocks checkpointed) at
-~32.5k. A smaller compute budget gives smaller micro-batches that checkpoint fewer blocks, and pays the
+adds a recomputed forward for every sample of the batch: a memory-filling batch of images that checkpoints most
+blocks trains fewer tokens per second than a smaller one that checkpoints none. A smaller compute budget gives smaller micro-batches that checkpoint fewer blocks, and pays the
 per-micro-step and per-optimizer-step time of the training loop more often.
 
 :func:`choose_compute_budget` picks, from a small candidate set, the budget with the highest predicted
@@ -28,7 +27,7 @@ the reference, and a geometric grid ABOVE the reference up to the costliest micr
 ``m_mem`` (:func:`upper_budget`). The grid above matters when every sample is short (low resolution,
 image-only sets): the reference is then a few tens of ms, about the per-micro-batch cost ``c0`` plus the
 per-micro-step loop overhead, and micro-batches sized to it are dominated by those fixed costs; the
-equal-token baseline, whose batches fill the memory, was predicted 2.8x faster on such a set. The
+equal-token baseline, whose batches fill the memory, is predicted far faster on such a set. The
 *equal-token plan* (mode ``tokens`` at the same ``m_mem`` and ``max_tokens``) is scored as well: its
 costliest micro-batch is a candidate budget (under it every batch the baseline forms is feasible), and
 its predicted tokens/s is published (``BudgetChoice.equal_token_tokens_per_s``). When it is predicted faster
@@ -49,8 +48,8 @@ every batch of every candidate is within ``m_mem`` (the planner's memory bound d
 ``m_comp``).
 
 Efficient batches: under a budget where a shape's largest batch must checkpoint blocks, a smaller batch of it
-can take less time per sample (its cost plus the loop's time per micro-step, over its samples): on an H200 (Wan
-1.3B), 52 images of 1x480x832 with 9 blocks checkpointed take 38.3 ms per sample, 38 with none 35.5 ms. Each such
+can take less time per sample (its cost plus the loop's time per micro-step, over its samples): a batch of images
+just small enough to checkpoint no block beats the largest one that checkpoints several. Each such
 budget is scored twice, as it is and with every shape's batch capped at its lowest time per sample
 (``PlannerParams.efficient_batches``; ``BudgetChoice.efficient_batches`` says which won). With several DP ranks the
 cap can cost balance (a capped batch may no longer reach a micro-step's target), which the prediction counts.
@@ -93,7 +92,7 @@ GRID_POINTS = 8
 #: points of the geometric grid above the reference, up to the costliest micro-batch within m_mem
 GRID_POINTS_ABOVE = 10
 #: a candidate's plan should have at least this many micro-steps: the samples planned for a large budget
-#: grow with it (at most SEARCH_SAMPLES_ABOVE_MAX, at most the dataset; ~0.15 s per 10^6 samples)
+#: grow with it (at most SEARCH_SAMPLES_ABOVE_MAX, at most the dataset)
 SEARCH_MICRO_STEPS = 8
 SEARCH_SAMPLES_ABOVE_MAX = 1 << 21
 

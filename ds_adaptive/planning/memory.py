@@ -2,7 +2,7 @@
 
 Activation checkpointing trades memory for compute: a checkpointed block keeps only its input for
 backward and runs its forward a second time there. Checkpointing every block (the old default)
-leaves most of a large GPU idle and pays ~30% more compute for micro-batches that would fit without
+leaves most of a large GPU idle and pays the recomputed forwards for micro-batches that would fit without
 it. The *checkpoint plan* checkpoints, for each micro-batch ``(B, S)``, the fewest blocks ``n`` such
 that its activations fit the memory budget ``m_mem`` (GiB, static memory already taken out)::
 
@@ -12,9 +12,8 @@ with ``mem(S, n) = E + n c + max(L - n, 1) g + (d if n < L)`` per sample (:meth:
 ``n`` is the count of the FIRST blocks (closest to the input): backward reaches them last, when the
 whole blocks after them have already been freed. ``n = L`` is chosen only when ``n = L - 1`` does not
 fit and checkpointing the last block as well holds less (the profile's last-block term ``d``, the
-head's backward on top of a whole last block, exceeds the block input ``c``: measured on an H200 for
-Wan 1.3B, 6-10 KiB/token with the fused LayerNorm-modulate op, 14-18 with the torch reference, vs
-3); profiles without ``d`` never choose it. When nothing fits, the fewest-memory count is returned;
+head's backward on top of a whole last block, exceeds the block input ``c`` in the shipped H200 Wan 1.3B
+profiles); profiles without ``d`` never choose it. When nothing fits, the fewest-memory count is returned;
 the planner never forms such a batch (its feasibility check is that count's memory, :func:`sample_memory`).
 
 The plan is a pure function of (B, S, profile, m_mem, policy): identical on every rank of a
@@ -138,8 +137,8 @@ def sample_memory(cost: CostModel, shape: Union[SampleShape, int]) -> float:
 
 #: The allocator configuration the trainer, the launcher and ``calibrate`` use unless the user set one:
 #: expandable segments grow one mapping instead of caching fixed-size blocks per shape, so changing
-#: micro-batch shapes do not strand reserved-but-unallocated memory (a 1.3B run of the equal-token
-#: baseline OOMed at step 2 with 31.7 GiB reserved and unallocated without it).
+#: micro-batch shapes do not strand reserved-but-unallocated memory (without it a 1.3B run of the
+#: equal-token baseline ran out of memory with a large share of the GPU reserved and unallocated).
 ALLOCATOR_CONF = "expandable_segments:True"
 
 

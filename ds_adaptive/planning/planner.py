@@ -325,7 +325,7 @@ class _ShapeTable:
         bs = np.empty(len(cand), np.int64)
         for i, (u, c) in enumerate(zip(cand.tolist(), cap.tolist())):
             row = self.tables[u].cost[1:c + 1]
-            j = min(max(int(np.searchsorted(row, target)), 1), max(len(row) - 1, 1))   # scalar np.clip: 12 us
+            j = min(max(int(np.searchsorted(row, target)), 1), max(len(row) - 1, 1))   # not a scalar np.clip: slower per call
             j = j - 1 if len(row) == 1 or abs(row[j - 1] - target) <= abs(row[j] - target) else j
             bs[i] = j + 1
         return bs, np.array([self.tables[u].cost[b] for u, b in zip(cand.tolist(), bs.tolist())], float)

@@ -37,7 +37,7 @@ COST_UNITS = {"calibrated": "ms", "power": "S^p", "tokens": "tokens"}
 # Depth-independent embed/head part of a calibrated profile's time (see Profile.with_num_layers):
 # patch/text/time embeddings and the head cost ~2 ms per micro-batch (launches, fwd+bwd) plus
 # 12 * dim * 64 FLOP per token at 400 TFLOP/s. Estimates, not fitted: changing them changes every
-# depth-rescaled plan (bench/e2e.py's GPU results were planned with these values).
+# depth-rescaled plan (bench/training/e2e.py's GPU results were planned with these values).
 EMBED_HEAD_MS = 2.0
 EMBED_HEAD_FLOP_PER_TOKEN_PER_DIM = 12 * 64
 EMBED_HEAD_FLOPS = 400e12
@@ -49,8 +49,8 @@ EMBED_HEAD_FLOPS = 400e12
 # holds what the all-checkpointed fit's per-token memory leaves after the L checkpointed inputs and
 # 6 x dim x 2 bytes of embed/head (the working set of the one block recomputed in backward), plus the
 # cross-attention's k/v over the 512 text tokens per sample; the recomputed forward of one block is
-# 0.3 / 1.3 of its checkpointed fwd+bwd (measured on an H200 at 7,800-32,760 tokens: checkpointing costs
-# 1.30-1.31x of fwd+bwd).
+# 0.3 / 1.3 of its checkpointed fwd+bwd (from an H200 calibration: checkpointing every block costs 1.3x of
+# fwd+bwd).
 RECOMPUTE_SHARE_ESTIMATE = 0.3 / 1.3
 CHECKPOINT_POLICIES = ("auto", "all", "none")
 # m_mem auto: without a measured fragmentation margin, capacity x this fraction; with one, capacity minus
@@ -62,10 +62,9 @@ AUTO_HEADROOM = 0.03
 # host-to-device copy and the synchronised start and end of the micro-step; per optimizer step: the
 # optimizer (ZeRO-3 AdamW on the fp32 partition, gradient norm, clipping, bf16 copy-back). Estimates per
 # billion parameters for profiles without a measured ``train_overheads`` block (documented in
-# docs/MEMORY.md): the measurement of h200-wan2.1-1.3b (1.42B params, one H200, ZeRO-3: the trainer's time
-# outside its compute windows, 35.4 ms per micro-step and 66.4 ms per optimizer step; bench/RESULTS.md,
-# nineteenth session) divided by its parameters. Until then 136 / 648, from a fit that booked compute the
-# calibration did not see as loop time.
+# docs/MEMORY.md): the trainer's time outside its compute windows in h200-wan2.1-1.3b's measured
+# ``train_overheads`` (one H200, ZeRO-3; 35.4 ms per micro-step, 66.4 ms per optimizer step) divided by its 1.42B
+# parameters.
 MICRO_STEP_OVERHEAD_MS_PER_BPARAM = 24.9
 OPTIMIZER_STEP_OVERHEAD_MS_PER_BPARAM = 46.8
 
@@ -320,7 +319,7 @@ class Profile:
         ``ln_modulate_variants[path]`` (its own ``compute`` and ``memory`` blocks, measured with that path by
         ``ds-adaptive calibrate --ln-modulate PATH``) in place of the top-level ones when it has one, with a
         note; else ``self`` with a warning naming both paths and the calibrate command (the fused op holds
-        less activation memory per token than the reference: 95 vs 113 KiB per Wan 1.3B block on an H200)."""
+        less activation memory per token than the reference)."""
         if path is None or path == self.ln_modulate:
             return self, None
         if path not in LN_MODULATE_PATHS:
@@ -357,7 +356,7 @@ class Profile:
         if variant is not None and variant.get("ln_modulate", "reference") == self.ln_modulate:
             # compute terms and the trainer's overheads are fitted together: a variant's compute replaces the
             # profile's only with overheads fitted on it (a model-level calibration's compute with the profile's
-            # overheads over-predicted the H200 default job by 7.8%, bench/RESULTS.md)
+            # overheads over-predicted the H200 default job; docs/MEMORY.md)
             used = [k for k in _VARIANT_BLOCKS if k in variant and (k != "compute" or "train_overheads" in variant)]
             d = copy.deepcopy(dict(self.raw))
             d.update({k: copy.deepcopy(variant[k]) for k in used})
@@ -408,9 +407,8 @@ class Profile:
 
         ``EMBED_HEAD_MS`` and the per-token FLOP are estimates, not fitted. Against the shipped
         calibrations' own reduced-depth measurements (``measurements.raw``: 1.3B at 2 and 4 blocks,
-        14B at 1 and 2), the rescaled profiles predict time within 7% and activation memory within
-        15% at the points the full-depth fit uses (B x S >= 8192 tokens), as good as the full-depth
-        fit itself; latency-bound micro-batches (one short sample) are underpredicted there as at
+        14B at 1 and 2), the rescaled profiles predict time and activation memory at the points the
+        full-depth fit uses (B x S >= 8192 tokens) as well as the full-depth fit itself; latency-bound micro-batches (one short sample) are underpredicted there as at
         full depth. Returns ``self`` when the depth is unchanged; the result's
         ``rescaled_from_layers`` is the original depth. Needs ``model.block_params`` in the profile
         json (written by ``ds-adaptive calibrate``).
@@ -425,7 +423,7 @@ class Profile:
             raise ProfileDepthError(f"profile {self.name} has no model.block_params: cannot rescale it from {L0} to "
                                f"{num_layers} blocks; re-create it with `ds-adaptive calibrate`, or calibrate "
                                f"the {num_layers}-block model")
-        # The arithmetic below is bench/e2e.py's former scale_profile_depth, operation for operation:
+        # The arithmetic below is bench/training/e2e.py's former scale_profile_depth, operation for operation:
         # e2e's GPU results were planned with it (tests/test_cost.py pins the numbers).
         f = num_layers / L0
         dim = int(raw["model"]["dim"])
@@ -461,7 +459,7 @@ class Profile:
 
     def with_train_overheads(self, micro_step_ms: float, optimizer_step_ms: float) -> "Profile":
         """The same calibration with other training-loop terms (``train_overheads``: ms per micro-step and per
-        optimizer step), e.g. to see how they move the budget search (``bench/budget_candidates.py``); its variants'
+        optimizer step), e.g. to see how they move the budget search (``bench/planner/budget_candidates.py``); its variants'
         own terms are replaced too, so a run that resolves one (:meth:`for_block_fusion`) plans with them."""
         d = copy.deepcopy(dict(self.raw))
         terms = {"micro_step_ms": float(micro_step_ms), "optimizer_step_ms": float(optimizer_step_ms),

@@ -207,9 +207,8 @@ class _PlannedBatchSampler(_SamplerBase):
         scores a prefix of epoch 0 and a re-plan re-draws the batches of the rest, either of which can lose to
         the running plan. Both predictions must favour the re-plan because the loop terms are the uncertain
         part: the shipped profiles' per-step terms are several times the time measured outside compute (they
-        absorb compute the calibration under-counts), and on an H200 they made a re-plan into larger,
-        checkpointed micro-batches look faster while its compute per token was predicted, and measured, slower
-        (0.931x; bench/RESULTS.md, ninth session)."""
+        absorb compute the calibration under-counts), and on an H200 they once made a re-plan into larger,
+        checkpointed micro-batches look faster while its compute per token was predicted, and measured, slower."""
         plan, start = self._plans()
         first = self._resume_step if at_step is None else at_step - start
         new_cost = self.cost.with_sparse(sparse)

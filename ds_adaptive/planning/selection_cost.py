@@ -38,12 +38,10 @@ __all__ = ["SelectionCost", "selection_features", "DEFAULT_SELECTION", "SELECTIO
 SELECTION_FORMAT = "ds_adaptive.selection_cost/1"
 
 # The shipped default (no measurement of this GPU): the torch pooled_lse selection (block 128, Dh 128)
-# as the H200 A/B (bench/sparse_train_ab.py at 108c289, bench/results/sparse_train_ab_h200/) measured it
-# in the trainer: per micro-batch, summed over 6 sparse layers, 14,040 tokens x B 13: 72.9 ms; 18,000 x 9:
-# 82.5; 20,280 x 8: 84.4; 32,400 x 4: 88.6; 32,760 x 4: 96.4, x 5: 130.7; 46,800 x 2: 82.5, x 3: 151.0;
-# 75,600 x 1: 51.2. Non-negative least squares on relative error over these 9 points (12 heads): no
-# fixed part, within -34% / +32% of each point (the in-training times grow faster than linearly in B:
-# not all of that is the selection's own work). A calibration of the GPU (calibrate --sparse --selection)
+# as the H200 A/B (bench/training/sparse_train_ab.py at 108c289) measured it in the trainer, per micro-batch over
+# 6 sparse layers, at 9 micro-batch shapes of 14,040-75,600 tokens (12 heads): non-negative least squares on
+# relative error, no fixed part (the in-training times grow faster than linearly in B: not all of that is the
+# selection's own work). A calibration of the GPU (calibrate --sparse --selection)
 # replaces it; a faster scoring kernel makes it pessimistic (then sparse pays in fewer places).
 DEFAULT_SELECTION = {"ms_per_call": 0.0, "ms_per_token": 5.62e-6, "ms_per_logit": 1.152e-8,
                      "ms_per_block_pair": 0.0, "block_size": 128,

@@ -1,4 +1,4 @@
-"""The end-to-end benchmark's analysis (``bench/e2e.py`` runs the arms): the four arms, per-arm figures from
+"""The end-to-end benchmark's analysis (``bench/training/e2e.py`` runs the arms): the four arms, per-arm figures from
 the trainer's ``summary.json`` / ``metrics.jsonl``, ratios against the baseline, and the report tables.
 
 Pure functions of the records and plans (no GPU, no process): ``tests/test_e2e_bench.py`` checks them on
@@ -33,7 +33,7 @@ class Arm:
     sampler: str           # "tokens" | "dual"
     fused: bool
     label: str
-    sparse: bool = False   # DSV sparse attention at a forced density (bench/e2e.py --sparse-density)
+    sparse: bool = False   # DSV sparse attention at a forced density (bench/training/e2e.py --sparse-density)
 
     @property
     def enabled(self) -> bool:

@@ -34,7 +34,7 @@ from ds_adaptive.planning.sparse_cost import SparseAttentionCost, load_efficienc
 from ds_adaptive.core.contracts import DensityMap, load_densities, synthetic_densities
 from ds_adaptive.core.config import SamplerConfig
 from ds_adaptive.core.shapes import ShapeWeight
-from ds_adaptive.simulation.simulate import predicted_times
+from ds_adaptive.planning.budget import predicted_times
 
 ARMS = ("dense_cost", "sparse", "sparse_identity", "tokens", "dense_attention")
 

@@ -6,9 +6,9 @@
     file_digest(path, ALGORITHM)                  # the same digest of a file on disk (streamed, 64 MiB reads)
 
 The hash is xxHash's XXH3-128 (``xxhash`` package) when it is installed, else BLAKE2b from the standard
-library; the completeness marker names the algorithm it used, so either can be checked later. Measured on one
-core of the 2-core development machine (256 MiB of random bytes): xxh3_128 10.1 GB/s, blake2b 0.96, sha1 0.99,
-sha256 0.75, zlib.crc32 1.45 (``bench/checkpoint_save.py --hashes``). Both release the GIL on large buffers.
+library; the completeness marker names the algorithm it used, so either can be checked later. XXH3-128 hashes several times
+faster than BLAKE2b, SHA or zlib's CRC32 on one core (``bench/training/checkpoint_save.py --hashes`` times them).
+Both release the GIL on large buffers.
 
 "While writing": DeepSpeed's ``TorchCheckpointEngine.save`` is ``torch.save(state, path)``. Inside
 :class:`HashingSaves` it is ``torch.save(state, <a file object>)`` instead: torch's zip writer hands every record
@@ -19,8 +19,7 @@ fast / decoupled / datastates writers) are left as they are; the files they wrot
 reading them back (``write_checkpoint`` spreads that over the ranks).
 
 torch's zip writer also computes a CRC32 of every record by default, which ``torch.load`` never checks and which
-costs more than the hash (0.5 GiB to /dev/shm on this machine: 0.67 s with it, 0.23 s without, 0.32 s without
-it and with XXH3-128 computed while writing). Inside :class:`HashingSaves` it is off (``torch_crc32=False``): the
+costs more than the hash (``bench/training/checkpoint_save.py`` times a save with and without it). Inside :class:`HashingSaves` it is off (``torch_crc32=False``): the
 file's checksum, which resume and export do check, replaces it.
 """
 from __future__ import annotations
@@ -32,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Optional, Union
 
-try:  # XXH3-128: ~10x BLAKE2b; the fallback keeps checkpoints hashed when the package is missing
+try:  # XXH3-128: faster than BLAKE2b; the fallback keeps checkpoints hashed when the package is missing
     import xxhash as _xxhash
 except ImportError:  # pragma: no cover - xxhash is in install_requires
     _xxhash = None

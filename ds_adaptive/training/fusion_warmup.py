@@ -1,7 +1,7 @@
 """Block fusion's compile-ahead in the trainer (``adaptive_load.block_fusion``): :class:`FusionWarmup`.
 
 The compiled block pieces specialise on a few sizes (B = 1, element counts behind Inductor's fusion decisions),
-so a micro-batch of a new (B, tokens per rank) pair can compile mid-step: 10-20 s on an H200 at Wan 1.3B, with
+so a micro-batch of a new (B, tokens per rank) pair can compile mid-step, for seconds, with
 every other rank waiting at the next collective. The trainer therefore asks the model to compile (its optional
 ``warm_up_block_fusion``) for every pair of a plan before a step runs it: all of the first plan's pairs before
 step 1, and the pairs a later plan adds (a new epoch's shuffle, a sparse re-plan) before that plan's first step.

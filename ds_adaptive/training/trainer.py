@@ -100,8 +100,8 @@ def release_engine(engine) -> None:
     on its module-level forward stack (``parameter_offload.FWD_MODULE_STACK``: the model appended at set-up
     and never popped, and submodules whose checkpointed recompute pushed without a pop) and in the ``functools.lru_cache`` of ``PartitionedParameterCoordinator.__params_to_release``
     (keyed by the coordinator and the submodules), and the parameters' hooks hold the optimizer: every
-    engine of the process stayed alive (the third arm of bench/sparse_train_ab.py on an H200 ran ~10 GiB over
-    its predicted memory: the two earlier arms' Wan 1.3B x 8 blocks, ~5.9 GiB each, and OOMed).
+    engine of the process stayed alive (the third arm of bench/training/sparse_train_ab.py once ran out of memory:
+    it held the two earlier arms' engines besides its own).
     ``engine.destroy()`` removes the hooks; this also drops those references. The engine is unusable after."""
     import gc
 
@@ -716,7 +716,7 @@ class MemoryLog:
     - ``compute.jsonl``, one line per micro-step, written when its step ends (its window is read then): shape, B,
       checkpointed blocks, this rank's compute window (``compute_ms``) and the step's wall time (``step_wall_ms``),
       with ``predicted_ms`` as above. Every step, not every ``metrics.interval``-th: ``ds-adaptive refit`` and
-      ``bench/micro_batch_mfu.py`` read it."""
+      ``bench/training/micro_batch_mfu.py`` read it."""
 
     def __init__(self, sampler, zero_stage: int, shard_ranks: int, log_dir: str, enabled: bool,
                  compute_log: Optional[bool] = None) -> None:

@@ -1,6 +1,6 @@
 """GPU tests (tests/gpu): skipped as a whole, with the reason shown, where torch sees no CUDA GPU.
 
-Run on a GPU machine: ``bash bench/gpu_check.sh`` (builds the fused op once, then runs these).
+Run on a GPU machine: ``bash bench/gpu/gpu_check.sh`` (builds the fused op once, then runs these).
 """
 from __future__ import annotations
 

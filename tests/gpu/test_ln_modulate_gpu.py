@@ -16,7 +16,7 @@ BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 COMBOS = [(BF16, F32), (BF16, BF16), (F16, F32), (F16, F16), (F32, F32)]
 DS = [8, 100, 1000, 1536, 3072, 5120, 8192]
 BS = [(1, 129), (3, 37), (16, 17)]  # odd S
-# Test ids name the modulation layout, so that `-k per_token` selects every per-token case (bench/gpu_check.sh's
+# Test ids name the modulation layout, so that `-k per_token` selects every per-token case (bench/gpu/gpu_check.sh's
 # pertoken step) and `-k per_sample` every per-sample one.
 LAYOUT_IDS = ["per_sample", "per_token"]
 
@@ -323,7 +323,7 @@ def _poison_allocator(nbytes):
 def test_per_token_gradient_of_the_table(B, S, D, kernels):
     """Per-token modulation as a training step differentiates it: shift / scale are chunks of a [B, S, 6, D]
     fp32 table that requires grad (Wan 2.2 style), the gradient lands in the table (its other chunks zero);
-    every gradient vs fp64 within 2x torch's own low-precision error (bench/ln_modulate_per_token.py times
+    every gradient vs fp64 within 2x torch's own low-precision error (bench/kernels/ln_modulate_per_token.py times
     this path)."""
     g = torch.Generator(device=CUDA).manual_seed(S + D)
     x0 = (torch.randn(B, S, D, generator=g, device=CUDA) * 1.5 + 0.5).to(BF16)

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-peft = pytest.importorskip("peft", reason="LoRA needs peft (the wheelhouse's EXTRA_WHEELS, bench/lora_preview.sh)")
+peft = pytest.importorskip("peft", reason="LoRA needs peft (the wheelhouse's EXTRA_WHEELS, bench/gpu/lora_preview.sh)")
 
 from ds_adaptive.core.config import LoraConfig  # noqa: E402
 from ds_adaptive.training.lora import apply_lora  # noqa: E402

@@ -42,8 +42,8 @@ DEFAULT_MAX_GRAPHS = 8
 
 SHIPPED_CURVES = {
     # g(rho) = flex fwd+bwd / cuDNN SDPA fwd+bwd, bf16, head dim 128, 128-token blocks, compiled with dynamic
-    # shapes (this backend), the worst over S 32,760 / 75,600 x H 12 / 40: H200, bench/sparse_backends.py at
-    # 6eceb6a (bench/results/sparse_backends_h200_6eceb6a/). H100: the static-shape anchors of DSV.md (S 32,768,
+    # shapes (this backend), the worst over S 32,760 / 75,600 x H 12 / 40: H200, bench/kernels/sparse_backends.py at
+    # 6eceb6a (bench/results/sparse/sparse_backends_h200_6eceb6a/). H100: the static-shape anchors of DSV.md (S 32,768,
     # 12 heads) x 1.22, the dynamic / static ratio measured on the H200 (no H100 measurement of this backend).
     "H200": ((0.05, 0.1, 0.2, 0.4), (0.1271, 0.2093, 0.3731, 0.6938)),
     "H100": ((0.05, 0.1, 0.2, 0.4), tuple(1.22 * ms / 40.3 for ms in (3.1, 5.9, 11.4, 22.2))),
@@ -127,7 +127,7 @@ def block_mask_from_selection(selection: BlockSelection, *, pad_to_block: bool =
     idx = selection.flex_indices()
     ragged = pad_to_block and s % bs != 0
     # every index tensor is nk wide, as from_kv_blocks makes them: a one-column partial kv list gave
-    # wrong outputs on the GPU (torch 2.11, B=2, ragged S; bench/results/ at 50dfe55)
+    # wrong outputs on the GPU (torch 2.11, B=2, ragged S; commit 50dfe55)
     if ragged:  # selected indices are ascending: the last block, if selected, sits at kv_num - 1
         pos = (kv_num.long() - 1).clamp_min(0).unsqueeze(-1)
         has_last = ((idx.gather(-1, pos).squeeze(-1) == n - 1) & (kv_num > 0)).to(torch.int32)

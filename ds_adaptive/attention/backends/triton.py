@@ -4,7 +4,7 @@ Forward + backward (dQ and dK/dV kernels, no atomics) straight from the compact 
 sequence length and the batch are run-time arguments, so nothing compiles per shape: the kernels
 compile once per (dtype, head dim, block, head count, tile config) at :meth:`TritonBackend.warmup`
 (and Triton's disk cache keeps them across runs). Tile configs and the efficiency curve come from the
-measured table ``ds_adaptive/attention/kernels/triton_configs.json`` (``bench/sparse_kernel.py
+measured table ``ds_adaptive/attention/kernels/triton_configs.json`` (``bench/kernels/sparse_kernel.py
 --table-out``) for this GPU, else sm90 defaults and the generic DSV curve.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ __all__ = ["TritonBackend", "UNMEASURED_SLOPE"]
 
 UNMEASURED_SLOPE = 2.5
 """g(rho) = 2.5 rho where this GPU has no measurement: worse than flex's shipped curves at auto's reference density
-0.1 (dynamic-shape flex: 2.09 rho on the H200, ~1.8 rho estimated on the H100), so ``auto`` keeps flex until a
+0.1 (``flex.SHIPPED_CURVES``), so ``auto`` keeps flex until a
 measurement or a shipped tile table of this GPU says otherwise."""
 UNMEASURED_DENSITY = (0.05, 0.1, 0.2, 0.4)
 

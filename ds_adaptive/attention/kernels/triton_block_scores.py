@@ -78,7 +78,7 @@ class ScoreTiles:
 def default_tiles(head_dim: int, block: int) -> ScoreTiles:
     """The tile config for a head dim and block: the fp32 logits tile ``64 x block`` takes 32 registers a thread
     at 4 warps for 64-token blocks; 128-token blocks use 8 warps (the same per thread). Unmeasured starting
-    point: ``bench/sparse_select_cost.py --sweep`` times the alternatives."""
+    point: ``bench/kernels/sparse_select_cost.py --sweep`` times the alternatives."""
     return ScoreTiles(block_q=64, num_warps=8 if block >= 128 else 4)
 
 

@@ -130,7 +130,7 @@ def block_sparse_forward(q, k, v, kv_num, kv_idx, *, block: int, seq: int, confi
 
 class BackwardLaunch:
     """One backward's buffers and block lists (the kv lists, their transpose for dK/dV); its kernels launch
-    one by one (:meth:`run` in order; ``bench/sparse_backends.py`` times each alone). Rows >= ``seq`` of the
+    one by one (:meth:`run` in order; ``bench/kernels/sparse_backends.py`` times each alone). Rows >= ``seq`` of the
     gradients are not written. ``out`` is the forward's (contiguous); ``dout`` is made contiguous like it."""
 
     def __init__(self, q, k, v, out, lse, dout, kv_num, kv_idx, *, block: int, seq: int):

@@ -3,7 +3,7 @@
 A :class:`KernelConfig` holds one :class:`TileConfig` per kernel (forward, dQ, dK/dV) and the dQ mode.
 Each distinct config is one compiled kernel per (dtype, head dim, block); the sequence length never
 enters the choice (no compile per S). ``triton_configs.json`` beside this module holds the measured
-table written by ``bench/sparse_kernel.py --table-out``: entries per GPU (name, compute capability),
+table written by ``bench/kernels/sparse_backends.py --table-out``: entries per GPU (name, compute capability),
 head dim and block size, each with density buckets (``max_density`` ascending) and the timings the
 choice rests on. :func:`config_for` takes the table's bucket for (device, head dim, block, density)
 when one matches, else :func:`default_config` (the sm90 starting point of the sweep).
@@ -93,7 +93,7 @@ def default_config(head_dim: int, block: int) -> KernelConfig:
     offline with triton 3.6's sm90 compiler; the dK/dV kernel keeps two [tile, Dh] fp32 accumulators, so it
     takes 64 keys per program and steps through the queries 32 rows at a time, two programs per SM).
     ``head_dim`` does not change the defaults (the measured table has entries per head dim)."""
-    if block >= 128:  # the H200 sweep's winners at densities 0.1-0.4 (bench/results/sparse_backends_h200_6eceb6a)
+    if block >= 128:  # the H200 sweep's winners at densities 0.1-0.4 (bench/results/sparse/sparse_backends_h200_6eceb6a)
         return KernelConfig(fwd=TileConfig(128, 128, 8, 2), dq=TileConfig(128, 128, 8, 2),
                             dkdv=TileConfig(32, 64, 4, 3)).check(block)
     return KernelConfig(fwd=TileConfig(block, block, 4, 3), dq=TileConfig(block, block, 4, 3),
@@ -169,3 +169,50 @@ def config_for(head_dim: int, block: int, density: Optional[float], device: Any 
             if density is None or density <= b["max_density"] + 1e-9:
                 return KernelConfig.from_json(b["config"], block)
     return default_config(head_dim, block)
+
+
+def table_from_sweep(chosen: dict, meta: dict, head_dim: int, block: int, capability: list, triton_version: str,
+                     command: str) -> dict:
+    """A one-entry table from a tile sweep's per-density winners ``{density: (KernelConfig, measured record)}``
+    (``bench/kernels/sparse_backends.py``): adjacent densities with the same config share a bucket, bucket edges at
+    the midpoints between measured densities, the last at 1.0. ``meta``: the run's device, dtype, torch, commit and
+    date; ``command``: what produced it."""
+    dens = sorted(chosen)
+    tops = [round((a + b) / 2, 4) for a, b in zip(dens, dens[1:])] + [1.0]
+    buckets = []
+    for dv, top in zip(dens, tops):
+        cfg, rec = chosen[dv]
+        if buckets and buckets[-1]["config"] == cfg.to_json():
+            buckets[-1]["max_density"] = top
+            buckets[-1]["measured"].append(rec)
+        else:
+            buckets.append({"max_density": top, "config": cfg.to_json(), "measured": [rec]})
+    entry = {"device": meta["device"], "capability": list(capability), "head_dim": head_dim,
+             "block": block, "dtype": meta["dtype"], "torch": meta["torch"], "triton": triton_version,
+             "commit": meta["commit"], "date": meta["date"], "command": command, "buckets": buckets}
+    return {"entries": [entry]}
+
+
+def merge_tables(old: Optional[dict], new: dict) -> dict:
+    """``new``'s entries plus those of ``old`` (a table file already written) for other (GPU, head dim, block):
+    one file can ship several blocks, head dims and GPUs."""
+    key = lambda e: (e["device"], tuple(e["capability"]), e["head_dim"], e["block"])  # noqa: E731
+    mine = {key(e) for e in new["entries"]}
+    kept = [e for e in (old or {}).get("entries", []) if key(e) not in mine]
+    return {**(old or {}), **new, "entries": new["entries"] + kept}
+
+
+def worst_curves(rows: list) -> dict:
+    """Per backend and density, over a benchmark's shapes (``rows``: per shape ``dense_ms`` and per backend
+    ``rows`` of density, ms, ``eff_vs_dense``, ``speedup_vs_dense``): the worst of ``g`` (sparse ms / dense ms, the
+    curve a table entry ships), efficiency and speed-up."""
+    out: dict = {}
+    for r in rows:
+        for name, rec in r["backends"].items():
+            for x in rec.get("rows", []):
+                c = out.setdefault(name, {}).setdefault(x["density"], {"g": 0.0, "eff": float("inf"),
+                                                                       "speedup": float("inf")})
+                c["g"] = max(c["g"], x["ms"] / r["dense_ms"])
+                c["eff"] = min(c["eff"], x["eff_vs_dense"])
+                c["speedup"] = min(c["speedup"], x["speedup_vs_dense"])
+    return out
