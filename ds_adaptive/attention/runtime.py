@@ -42,6 +42,8 @@ from ds_adaptive.attention.selector import BlockSelector
 from ds_adaptive.attention.scores import warm_pooled_lse_scores
 from ds_adaptive.parallel.ulysses import make_ulysses_attention
 from ds_adaptive.attention.backends import select_backend
+from ds_adaptive.attention.context_parallel import ContextParallelAttention
+from ds_adaptive.parallel.mesh import mesh_shapes
 
 _HostCopy = HostCopy  # the old private name (tests, bench/sparse_select.py)
 
@@ -87,11 +89,12 @@ class SparseAttentionRuntime:
         if cfg.predictor_rank > head_dim:
             raise ValueError(f"adaptive_load.sparse_attention.predictor_rank = {cfg.predictor_rank} is larger than "
                              f"the head dim {head_dim}; use <= {head_dim} (default 16)")
-        if num_heads % sp_size:
+        hybrid = cfg.context_parallel != "heads"  # per-layer meshes: a layer's heads come from its mesh
+        if num_heads % sp_size and not hybrid:
             raise ValueError(f"num_heads {num_heads} is not divisible by the SP degree {sp_size}")
         self.cfg = cfg
         self.num_layers, self.num_heads, self.head_dim = num_layers, num_heads, head_dim
-        self.local_heads = num_heads // sp_size
+        self.local_heads = num_heads // (mesh_shapes(sp_size, num_heads)[0][0] if hybrid else sp_size)
         self.head_offset = sp_rank * self.local_heads
         self.group = group
         self.sp_group, self.sp_size, self.sp_rank = sp_group, sp_size, sp_rank
@@ -117,6 +120,7 @@ class SparseAttentionRuntime:
         self.warmup_s = 0.0
         self._force_dense = False
         self.selections = SelectionCache(host=cfg.selection_cache == "host")
+        self.context_parallel: Optional[ContextParallelAttention] = None  # install() under a hybrid mode
         nan = float("nan")
         # select_ms: the selection's CUDA-event time per layer (mean over this step's calls); select_ms_predicted:
         # the decision cost's selection time for the same calls (its measured or default SelectionCost)
@@ -148,9 +152,17 @@ class SparseAttentionRuntime:
 
     def install(self, model, layout=None) -> None:
         """Cube token order + this runtime as every block's attention (Ulysses-wrapped when
-        ``layout.sp_enabled``; call after ``apply_ulysses``)."""
+        ``layout.sp_enabled``; under ``context_parallel`` ``sequence`` / ``auto`` the per-layer meshes of
+        :class:`ContextParallelAttention`, which also tells the sequence runner how to pad; call after
+        ``apply_ulysses``; a collective under a hybrid mode: its process groups)."""
         model.set_token_order(self.order)
-        model.set_attention(_UlyssesLayers(self, layout) if layout is not None and layout.sp_enabled else self)
+        sp_on = layout is not None and layout.sp_enabled
+        if sp_on and self.cfg.context_parallel != "heads":
+            self.context_parallel = ContextParallelAttention(self, layout)
+            model.set_attention(self.context_parallel)
+            model.sequence_parallel.token_multiple = self.context_parallel.token_multiple
+            return
+        model.set_attention(_UlyssesLayers(self, layout) if sp_on else self)
 
     def backend_for(self, q: torch.Tensor):
         """The block-sparse backend (chosen from ``cfg.backend`` for q's device and dtype on first use)."""
@@ -274,6 +286,8 @@ class SparseAttentionRuntime:
         self._refresh_decision()
         self.profiler.reset()
         self.selections.clear()
+        if self.context_parallel is not None:
+            self.context_parallel.end_step()
 
     # ------------------------------------------------------------------ telemetry / state
     def metrics(self) -> dict[str, Any]:
@@ -335,7 +349,9 @@ class SparseAttentionRuntime:
                 "config": self.cfg.model_dump(mode="json"), **{k.split("/", 1)[1]: v for k, v in m.items()},
                 "backend": None if be is None else {"name": be.name, **be.stats()},
                 "backend_line": None if self.backend_choice is None else self.backend_choice.line,
-                "warmup_s": self.warmup_s, "layer_calls": dict(self.calls)}
+                "warmup_s": self.warmup_s, "layer_calls": dict(self.calls),
+                "context_parallel": self.cfg.context_parallel if self.context_parallel is None else
+                {"mode": self.cfg.context_parallel, "last_step_bytes": self.context_parallel.last_bytes}}
 
 
 def attach_sparse_attention(model, cfg: SparseAttentionConfig, *, layout=None, device=None, choice=None,
