@@ -139,6 +139,8 @@ class ContextParallelAttention:
 
     def _sequence_layer(self, layer, q, k, v, geo: ShardGeometry, mesh: CPMesh, heads) -> torch.Tensor:
         rt = self.runtime
+        if rt.dense_forced:  # dense_only(): every block, no selection, no profiling
+            return sequence_attention(q, k, v, None, geo, mesh.seq_group, counter=self.counter, layer=layer)
         key = ("sequence", tuple(q.shape), geo, heads)
         if rt.selections.recompute_hit(layer, key):  # the checkpoint recompute: the forward's selection
             entry, selection = rt.selections.entry(layer), rt.selections.selection(layer)

@@ -185,6 +185,11 @@ class SparseAttentionRuntime:
         finally:
             self._force_dense = old
 
+    @property
+    def dense_forced(self) -> bool:
+        """Inside :meth:`dense_only`."""
+        return self._force_dense
+
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                   valid_len: Optional[int] = None, head_ids=None, **_: Any) -> torch.Tensor:
         if self._force_dense:

@@ -238,7 +238,7 @@ def crossover_density(*, sp: int, seq_len: int, dim: int, block: int, links: CPL
     target = 2.0 / sp
     nq_loc = max(1, seq_len // sp // block)
     lo, hi = 0.0, 1.0
-    if fetch_share(hi, nq_loc, links.query_block_overlap) < target:
+    if target >= 1.0:
         return 1.0
     for _ in range(60):
         mid = 0.5 * (lo + hi)
