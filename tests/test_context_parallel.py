@@ -262,3 +262,44 @@ MODEL = textwrap.dedent("""
 def test_hybrid_meshes_in_the_model_equal_one_process(tmp_path: Path, world: int) -> None:
     out = launch_script(MODEL, world, tmp_path, name=f"cp_model_{world}.py", timeout=180)
     assert "CP_MODEL_OK" in out and out.count("case") == 4, out[-4000:]
+
+
+# ------------------------------------------------------------------------------ on paper: simulate, config --check
+def test_simulation_reports_meshes_and_gains_against_ulysses() -> None:
+    from ds_adaptive.simulation.context_parallel import context_parallel_report, context_parallel_table
+
+    dense = context_parallel_report(profile="h200-wan2.1-14b", gpus=8, seq_len=75_600, densities=1.0)
+    assert dense["meshes"] == [(8, 1)] and dense["predicted_gain"] == pytest.approx(1.0, rel=1e-12)
+    assert dense["padded_tokens"] == 75_600   # Ulysses everywhere: no block alignment
+    sparse = context_parallel_report(profile="h200-wan2.1-14b", gpus=8, seq_len=75_600, densities=0.02)
+    assert (1, 8) in sparse["meshes"] and sparse["predicted_gain"] > 1.0   # the solver picks it only where it pays
+    assert sparse["padded_tokens"] % (8 * 128) == 0
+    wide = context_parallel_report(profile="h200-wan2.1-14b", gpus=16, seq_len=302_400, densities=0.1)
+    assert wide["ulysses_degree"] == 8 and all(h * s == 16 and 40 % h == 0 for h, s in wide["meshes"])
+    assert len(wide["layers"]) == 40 and wide["predicted_only"] and "ulysses_attention_ms" not in wide["layers"][0]
+    text = context_parallel_table([dense, sparse, wide], per_layer=True)
+    assert "h200-wan2.1-14b" in text and "layer  39" in text and "Predicted, not measured" in text
+
+
+def test_cli_simulate_and_config_check_show_the_meshes(tmp_path, capsys) -> None:
+    import json
+
+    from ds_adaptive.cli import config as config_cli
+    from ds_adaptive.cli import simulate as simulate_cli
+
+    assert simulate_cli.main(["--world", "16", "--sparse", "0.1", "--context-parallel", "auto", "--profile",
+                              "h200-wan2.1-14b", "--cp-tokens", "75600", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["context_parallel"][0]
+    assert rep["gpus"] == 16 and rep["tokens"] == 75_600 and rep["meshes"]
+    cfg = json.loads((ROOT / "launch" / "configs" / "cpu_tiny.json").read_text())
+    cfg["adaptive_load"]["sparse_attention"] = {"enabled": True, "context_parallel": "sequence", "forced_density": 0.1,
+                                                "dense_layers": [0]}
+    path = tmp_path / "cp.json"
+    path.write_text(json.dumps(cfg))
+    assert config_cli.main(["--check", str(path), "--model", "tiny", "--sp", "4", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "note: context_parallel sequence, sp 4, 75,600 tokens: layers 0 2x2, layers 1 1x4" in out, out[-500:]
+    cfg["adaptive_load"]["sparse_attention"]["context_parallel"] = "heads"
+    path.write_text(json.dumps(cfg))
+    assert config_cli.main(["--check", str(path), "--model", "tiny", "--sp", "4", "--device", "cpu"]) == 2
+    assert "set adaptive_load.sparse_attention.context_parallel to 'sequence' or 'auto'" in capsys.readouterr().out

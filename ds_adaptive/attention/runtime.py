@@ -160,7 +160,8 @@ class SparseAttentionRuntime:
         if sp_on and self.cfg.context_parallel != "heads":
             self.context_parallel = ContextParallelAttention(self, layout)
             model.set_attention(self.context_parallel)
-            model.sequence_parallel.token_multiple = self.context_parallel.token_multiple
+            if model.sequence_parallel is not None:  # (a dry run on the meta device has no runner)
+                model.sequence_parallel.token_multiple = self.context_parallel.token_multiple
             return
         model.set_attention(_UlyssesLayers(self, layout) if sp_on else self)
 

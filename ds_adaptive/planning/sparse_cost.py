@@ -162,6 +162,18 @@ class SparseAttentionCost:
         Ulysses for every layer without a hybrid mode."""
         return _layer_meshes(self, int(seq_len), int(sp), None if sparse is None else tuple(bool(x) for x in sparse))
 
+    def mesh_summary(self, seq_len: int, sp: int) -> str:
+        """One line: which layers run on which ``h x s`` mesh at ``seq_len`` tokens (``config --check``, the dry run)."""
+        meshes = [m.shape for m in self.layer_meshes(seq_len, sp)]
+        runs, start = [], 0
+        for i in range(1, len(meshes) + 1):
+            if i == len(meshes) or meshes[i] != meshes[start]:
+                span = f"{start}-{i - 1}" if i - 1 > start else f"{start}"
+                runs.append(f"layers {span} {meshes[start][0]}x{meshes[start][1]}")
+                start = i
+        mode = self.context_parallel.mode if self.context_parallel is not None else "heads"
+        return f"context_parallel {mode}, sp {sp}, {seq_len:,} tokens: " + ", ".join(runs) + " (head-wise x sequence-wise)"
+
     def context_parallel_comm_ms(self, seq_len: int, sp: int) -> float:
         """Predicted communication time of all layers for one sample on one rank (ms, fwd + recompute + bwd)."""
         return float(sum(m.comm_ms for m in self.layer_meshes(seq_len, sp)))
