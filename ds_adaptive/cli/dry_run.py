@@ -305,7 +305,8 @@ def _check_rules(rep: Report, args: argparse.Namespace, raw: dict, adaptive, wcf
         rep.fail(p.key.split(".")[0], p.message)
     keys = {p.key for p in problems}
     if wcfg is not None and sp is not None and "heads" not in keys:
-        hybrid = context_parallel_mode(adaptive.sparse_attention) != "heads" and wcfg.num_heads % sp
+        hybrid = (adaptive is not None and context_parallel_mode(adaptive.sparse_attention) != "heads"
+                  and wcfg.num_heads % sp)
         rep.row("heads", f"{wcfg.num_heads} heads / sp {sp} = {wcfg.num_heads // sp} per rank" if not hybrid else
                 f"{wcfg.num_heads} heads, sp {sp}: hybrid context parallelism (head-wise groups of a divisor of the "
                 "heads x sequence-wise groups; cp meshes below)", "ok")
