@@ -303,3 +303,27 @@ def test_cli_simulate_and_config_check_show_the_meshes(tmp_path, capsys) -> None
     path.write_text(json.dumps(cfg))
     assert config_cli.main(["--check", str(path), "--model", "tiny", "--sp", "4", "--device", "cpu"]) == 2
     assert "set adaptive_load.sparse_attention.context_parallel to 'sequence' or 'auto'" in capsys.readouterr().out
+
+
+def test_the_planner_costs_hybrid_meshes_beyond_the_heads() -> None:
+    from dataclasses import replace
+
+    from ds_adaptive.core.contracts import DensityMap
+    from ds_adaptive.core.layout import SequenceParallelError
+    from ds_adaptive.planning.context_parallel import ContextParallelCost
+    from ds_adaptive.planning.cost import CostModel
+    from ds_adaptive.planning.sparse_cost import SparseAttentionCost
+
+    dm = DensityMap(tuple((0.1,) * 40 for _ in range(40)), dense_layers=(0, 39))
+    base = SparseAttentionCost(densities=dm, head_placement="identity")
+    with pytest.raises(SequenceParallelError, match="Ulysses sp=16 does not divide the 40 attention heads"):
+        CostModel("h200-wan2.1-14b", sp=16, sparse=base)
+    hybrid = replace(base, context_parallel=ContextParallelCost("auto", CPLinks(), 128))
+    cost = CostModel("h200-wan2.1-14b", sp=16, sparse=hybrid)
+    s = cost.padded_tokens(75_600)
+    meshes = cost.sparse.layer_meshes(s, 16)
+    assert all(m.heads * m.seq == 16 for m in meshes)
+    assert cost.comm_cost(75_600) == pytest.approx(sum(m.comm_ms for m in meshes))
+    dense_mem = CostModel("h200-wan2.1-14b", sp=16, context_parallel="auto").per_gpu_memory(75_600)
+    assert cost.per_gpu_memory(75_600) == pytest.approx(dense_mem + max(m.extra_kv_bytes for m in meshes) / 2 ** 30)
+    assert "layers 0-39 8x2" in cost.sparse.mesh_summary(s, 16)
