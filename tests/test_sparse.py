@@ -346,13 +346,13 @@ def test_per_head_state_follows_the_head_ids_of_a_placement() -> None:
     assert torch.equal(sel_part.kv_num, sel_full.kv_num[:, mine])
     assert sel_part.kv_num[0, 0].float().mean() > sel_part.kv_num[0, 1].float().mean()  # head 3 (0.3) > head 0 (0.15)
     # negative control: the same rank without the ids takes heads 2, 3 (its contiguous slice): different blocks
-    part._cache.clear()
+    part.selections.clear()
     part.attention(0, q[:, :, mine], k[:, :, mine], v[:, :, mine])
     assert not torch.equal(part.cached_selection(0).kv_num, sel_full.kv_num[:, mine])
     # profiling (grad-enabled q): the densities land on the original head ids
-    part._reset_step_stats()
+    part.profiler.reset()
     qg = q[:, :, mine].clone().requires_grad_()
     part.attention(0, qg, k[:, :, mine], v[:, :, mine], head_ids=mine)
-    assert part._density_n[0].tolist() == [1.0, 0.0, 0.0, 1.0]
+    assert part.profiler.density_n[0].tolist() == [1.0, 0.0, 0.0, 1.0]
     with pytest.raises(ValueError, match="head_ids \\[0, 0\\] must be 2 distinct head ids"):
         part.attention(0, q[:, :, mine], k[:, :, mine], v[:, :, mine], head_ids=[0, 0])

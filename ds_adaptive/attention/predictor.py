@@ -72,14 +72,26 @@ class LowRankPredictor(nn.Module):
         ``mean``: by linearity the block means of q / k are pooled first (one fp32-accumulating pass
         over q and k, no copy of them) and projected in fp32 ([B, H, n, Dh] x [H, Dh, r]): a handful
         of small kernels. ``lse`` projects every key in k's dtype (fp32 accumulation)."""
-        hl = q.shape[2]
-        wq = self.head_weights(self.wq, layer, head_offset, hl)
-        wk = self.head_weights(self.wk, layer, head_offset, hl)
+        return self.key_columns(layer, self.query_summary(layer, q, block_size, head_offset), k, block_size,
+                                head_offset, mode=mode)
+
+    @torch.no_grad()
+    def query_summary(self, layer: int, q: torch.Tensor, block_size: int,
+                      head_offset: "int | Sequence[int]" = 0) -> torch.Tensor:
+        """``[B, H, nq, r]`` fp32: each query block's mean query projected (what both modes score with)."""
+        wq = self.head_weights(self.wq, layer, head_offset, q.shape[2])
+        return torch.matmul(pool_blocks(q, block_size), wq)
+
+    @torch.no_grad()
+    def key_columns(self, layer: int, qp: torch.Tensor, k: torch.Tensor, block_size: int,
+                    head_offset: "int | Sequence[int]" = 0, mode: str = "mean") -> torch.Tensor:
+        """Block scores of query summaries ``qp [B, H, n, r]`` (:meth:`query_summary`) against the key blocks of
+        k ``[B, S_k, H, Dh]``: ``[B, H, n, ceil(S_k / block)]`` fp32. A sequence-wise rank computes its own key
+        blocks' columns for every query block this way."""
+        wk = self.head_weights(self.wk, layer, head_offset, k.shape[2])
         if mode == "mean":
-            qp = torch.matmul(pool_blocks(q, block_size), wq)  # [B, H, nq, r]
             kp = torch.matmul(pool_blocks(k, block_size), wk)
             return torch.matmul(qp, kp.transpose(-1, -2))
-        qp = torch.matmul(pool_blocks(q, block_size), wq)
         kt = torch.einsum("bshd,hdr->bshr", k, wk.to(k.dtype))
         # "lse": log-sum-exp over each key block of the mean query's predicted logits to every key
         # (closer to the block's softmax mass than the mean logit; O(nq * S * r) per head)

@@ -62,14 +62,24 @@ def pooled_lse_scores_torch(q: torch.Tensor, k: torch.Tensor, block_size: int, *
     """:func:`pooled_lse_scores` in torch (the reference of the Triton kernel and the CPU path): the
     logits in q's dtype by matmul, then an fp32 log-sum-exp per key block, in query chunks of at most
     ``chunk_elems`` logits (memory bounded whatever S; memory bound in time: the logits round-trip)."""
-    b, s, h, d = q.shape
+    return lse_columns(pooled_queries(q, block_size, k.dtype), k, block_size, chunk_elems=chunk_elems)
+
+
+@torch.no_grad()
+def lse_columns(qbar: torch.Tensor, k: torch.Tensor, block_size: int, *,
+                chunk_elems: int = SCORE_CHUNK_ELEMS) -> torch.Tensor:
+    """The pooled log-sum-exp of given (already scaled) query summaries against the key blocks of ``k``:
+    qbar ``[B, H, n, Dh]`` (k's dtype), k ``[B, S_k, H, Dh]`` -> ``[B, H, n, ceil(S_k / block)]`` fp32 (a
+    partial last key block over its own keys). :func:`pooled_lse_scores_torch` is this with every query
+    block's mean; a sequence-wise rank computes its own key blocks' columns for all query blocks."""
+    b, h, n, _ = qbar.shape
+    s = k.shape[1]
     nb = -(-s // block_size)
     full = s // block_size
-    qbar = pooled_queries(q, block_size, k.dtype)  # [B, H, nq, Dh]
     kt = k.permute(0, 2, 3, 1)  # [B, H, Dh, S] (a view)
-    out = torch.empty(b, h, nb, nb, dtype=torch.float32, device=q.device)
+    out = torch.empty(b, h, n, nb, dtype=torch.float32, device=k.device)
     step = max(1, chunk_elems // max(1, b * h * s))
-    for i in range(0, nb, step):
+    for i in range(0, n, step):
         lg = torch.matmul(qbar[:, :, i:i + step], kt)  # [B, H, c, S]
         c = lg.shape[2]
         if full:

@@ -119,7 +119,9 @@ class SparseTrainerHook:
         dm = DensityMap(tuple(tuple(r) for r in table), dense_layers=tuple(sorted(self.runtime.schedule.dense_layers)),
                         step=measured_at, source="sparse-attention profiler")
         use_sampler = sampler if sampler is not None and sampler.cost.sparse is not None else None
-        sp_on = model is not None and layout is not None and layout.sp_size > 1
+        # a head placement permutes Ulysses heads; hybrid meshes keep contiguous heads (docs/CONTEXT_PARALLEL.md)
+        sp_on = (model is not None and layout is not None and layout.sp_size > 1
+                 and self.runtime.cfg.context_parallel == "heads")
         return update_sparse_balance(dm, model=model if sp_on else None, sp=layout if sp_on else None,
                                      sampler=use_sampler, at_step=at_step, measured_at=measured_at,
                                      head_ids_kwarg="head_ids")

@@ -41,7 +41,7 @@ from typing import Optional
 from ds_adaptive.models.registry import default_model, model_names
 from ds_adaptive.core.layout import MESH_KEYS, SequenceParallelError, resolve_sp_size
 from ds_adaptive.core.config import AdaptiveLoadConfig, ConfigError
-from ds_adaptive.planning.validate import RunFacts, run_problems
+from ds_adaptive.planning.validate import RunFacts, context_parallel_mode, run_problems
 from ds_adaptive.core.ds_config import accumulation_steps
 from ds_adaptive.core.config import ConfigError
 from ds_adaptive.core.ds_config import load_adaptive_config, read_ds_config
@@ -50,6 +50,7 @@ from ds_adaptive.models.family import ModelError
 from ds_adaptive.models.registry import get_model
 from ds_adaptive.planning.profile import ProfileError, load_profile
 from ds_adaptive.planning.planner import PlanError
+from ds_adaptive.simulation.context_parallel import uniform_densities
 from ds_adaptive.training.assemble import build_run
 from ds_adaptive.training.run_config import RunConfig
 from ds_adaptive.core.shapes import ShapeError
@@ -304,7 +305,11 @@ def _check_rules(rep: Report, args: argparse.Namespace, raw: dict, adaptive, wcf
         rep.fail(p.key.split(".")[0], p.message)
     keys = {p.key for p in problems}
     if wcfg is not None and sp is not None and "heads" not in keys:
-        rep.row("heads", f"{wcfg.num_heads} heads / sp {sp} = {wcfg.num_heads // sp} per rank", "ok")
+        hybrid = (adaptive is not None and context_parallel_mode(adaptive.sparse_attention) != "heads"
+                  and wcfg.num_heads % sp)
+        rep.row("heads", f"{wcfg.num_heads} heads / sp {sp} = {wcfg.num_heads // sp} per rank" if not hybrid else
+                f"{wcfg.num_heads} heads, sp {sp}: hybrid context parallelism (head-wise groups of a divisor of the "
+                "heads x sequence-wise groups; cp meshes below)", "ok")
     if dp is not None and "batch" not in keys:
         try:
             gas = accumulation_steps(raw, dp, sp)
@@ -470,6 +475,9 @@ def _check_shapes(rep: Report, run, dist_, static: float, gpu: float) -> None:
                       f"{cost.padded_tokens(longest)}, {cost.padded_tokens(longest) // sp} per rank): "
                       f"{mem_l:.2f} GiB activations, {cost.batch_cost(longest, 1):.4g} {cost.unit} per GPU at B=1; "
                       f"peak ~{static + mem_l:.1f} of {gpu:.1f} GiB", "ok" if not over else "")
+    line = _mesh_line(run, longest.tokens)
+    if line:
+        rep.row("cp meshes", line, "ok")
     for shape, why in over:
         msg = (f"shape {shape} ({shape.tokens} tokens, {100 * weight[shape] / total_w:.1f}% of the mix) does not fit "
                f"one GPU even at batch size 1 with sp {sp}: {'; '.join(why)}")
@@ -478,6 +486,18 @@ def _check_shapes(rep: Report, run, dist_, static: float, gpu: float) -> None:
                                        "drop the shape, or set sampler.oversize: \"skip\"")
         else:
             rep.warn("oversize", msg + " -> skipped (oversize: skip)")
+
+
+def _mesh_line(run, tokens: int) -> Optional[str]:
+    """Under hybrid context parallelism: which layers run on which mesh for the longest shape, at the density stage 2
+    runs at (``forced_density``, else ``layer_density_threshold``) with the run's decision cost."""
+    rt = run.sparse
+    if rt is None or rt.cfg.context_parallel == "heads" or run.layout.sp_size == 1 or rt.decision is None:
+        return None
+    sa = rt.cfg
+    d = sa.forced_density if sa.forced_density is not None else sa.layer_density_threshold
+    dm = uniform_densities(rt.num_layers, rt.num_heads, d, sorted(rt.schedule.dense_layers))
+    return rt.decision.with_densities(dm).mesh_summary(tokens, run.layout.sp_size) + f", at density {d}"
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -14,6 +14,7 @@ from ds_adaptive.planning.devices import default_profile_name, resolve_auto_prof
 from ds_adaptive.planning.profile import load_profile
 from ds_adaptive.simulation.simulate import plot, profile_distribution, simulate
 from ds_adaptive.simulation import sparse as ss
+from ds_adaptive.simulation.context_parallel import simulate_context_parallel
 from ds_adaptive.core.contracts import load_densities
 
 
@@ -55,6 +56,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "timed with the sparse cost (ds_adaptive.simulation.sparse)")
     ap.add_argument("--efficiency", default=None,
                     help="with --sparse: the kernel's efficiency table (a `calibrate --sparse` json; default DSV's anchors)")
+    ap.add_argument("--context-parallel", choices=["auto", "sequence"], default=None,
+                    help="with --sparse (a density json, 'synthetic' or one density such as 0.1): per layer the hybrid "
+                         "context-parallel mesh on --world GPUs and its predicted attention + comm time against Ulysses "
+                         "only, at the lengths of --cp-tokens (ds_adaptive.simulation.context_parallel)")
+    ap.add_argument("--cp-tokens", default="32760,75600,151200,302400", help="with --context-parallel: tokens per sample")
     ap.add_argument("--density-step", type=int, default=None,
                     help="with --sparse METRICS.jsonl: use the densities logged at or before this step")
     args = ap.parse_args(argv)
@@ -80,6 +86,11 @@ def _run(args: argparse.Namespace, budgets: dict) -> int:
     cfg = SamplerConfig(**upd)
     dist = profile_distribution(resolve_auto_profile(None)[0] if args.profile == "auto" else load_profile(args.profile),
                                 args.shapes)
+    if args.sparse and args.context_parallel:
+        print(simulate_context_parallel(profile=args.profile, gpus=args.world, densities=args.sparse,
+                                        tokens=[int(x) for x in args.cp_tokens.split(",")], mode=args.context_parallel,
+                                        efficiency=args.efficiency, as_json=args.json))
+        return 0
     if args.sparse:
         return _main_sparse(args, cfg, dist)
     res = simulate(world=args.world, sp=args.sp, steps=args.steps, seed=args.seed, dist=dist,

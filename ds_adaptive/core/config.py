@@ -198,6 +198,29 @@ class MetricsConfig(_Block):
     `true` / `false` force it. No effect on CPU."""
 
 
+class ContextParallelCostConfig(_Block):
+    """What the hybrid context-parallel cost model assumes about the machine and the selections
+    (ds_adaptive.planning.context_parallel; docs/CONTEXT_PARALLEL.md). Configured, not measured: replace the
+    bandwidths with an nccl-tests alltoall_perf bus bandwidth of your cluster."""
+
+    intra_node_gbps: float = Field(150.0, gt=0.0)
+    """All-to-all bandwidth per GPU between the GPUs of one node, GB/s (the shipped profiles' estimate for
+    8 x H100 NVSwitch)."""
+
+    inter_node_gbps: float = Field(25.0, gt=0.0)
+    """All-to-all bandwidth per GPU between nodes, GB/s (about a 400 Gb/s NIC per GPU at ~50% efficiency)."""
+
+    gpus_per_node: int = Field(8, ge=1)
+    """GPUs per node (consecutive ranks share a node)."""
+
+    latency_us: float = Field(30.0, ge=0.0)
+    """Fixed time per collective, microseconds."""
+
+    query_block_overlap: float = Field(0.9, ge=0.0, le=1.0)
+    """Share of selected key blocks two adjacent query blocks have in common: the planner's estimate of how
+    many key blocks a rank's query chunk fetches (DSV reports > 0.9 on trained video DiTs)."""
+
+
 class SparseAttentionConfig(_Block):
     """DSV dynamic sparse self-attention (ds_adaptive.attention; docs/SPARSE.md)."""
 
@@ -303,6 +326,17 @@ class SparseAttentionConfig(_Block):
 
     seed: int = 0
     """Seed of the predictor init and of the profiled row samples."""
+
+    context_parallel: Literal["heads", "sequence", "auto"] = "heads"
+    """How an SP group runs self-attention (docs/CONTEXT_PARALLEL.md): `heads` = Ulysses (heads % sp == 0);
+    `sequence` = every sparse layer sequence-wise (each rank keeps its query chunk and fetches only the key
+    blocks it selected), dense layers Ulysses (or the largest head-wise group the heads allow, the rest
+    sequence-wise); `auto` = per layer and sequence length, the mesh (head-wise x sequence-wise = sp) the cost
+    model predicts fastest. `sequence` and `auto` allow sp beyond the head count. Default `heads` until a GPU
+    run has measured `auto`."""
+
+    context_parallel_cost: ContextParallelCostConfig = Field(default_factory=ContextParallelCostConfig)
+    """Links and selection overlap the `auto` solver and the planner's communication term assume."""
 
     @field_validator("cube")
     @classmethod

@@ -51,13 +51,17 @@ def _dist():
 
 
 
-def heads_sp_problem(num_heads: int, sp: int, what: str = "the model") -> Optional[str]:
-    """Ulysses gives each rank of an SP group heads/sp whole heads: sp must divide the heads."""
-    if sp >= 1 and num_heads % sp == 0:
+def heads_sp_problem(num_heads: int, sp: int, what: str = "the model",
+                     context_parallel: str = "heads") -> Optional[str]:
+    """Ulysses gives each rank of an SP group heads/sp whole heads: sp must divide the heads. With hybrid context
+    parallelism (``adaptive_load.sparse_attention.context_parallel`` ``sequence`` / ``auto``: a head-wise group of
+    a divisor of the heads times a sequence-wise group) any sp >= 1 runs."""
+    if sp >= 1 and (num_heads % sp == 0 or context_parallel != "heads"):
         return None
     divisors = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
     return (f"Ulysses sp={sp} does not divide the {num_heads} attention heads of {what}: each rank of an SP group "
-            f"attends with heads/sp whole heads. Use sp in {divisors}.")
+            f"attends with heads/sp whole heads. Use sp in {divisors}, or set adaptive_load.sparse_attention."
+            "context_parallel to 'sequence' or 'auto' (sequence-wise sparse attention has no head limit).")
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,9 @@ class Layout:
     sp_group: Any = field(default=None, compare=False)
     dp_group: Any = field(default=None, compare=False)
     source: str = "explicit"
+    context_parallel: str = "heads"
+    """How self-attention runs over the SP group (``adaptive_load.sparse_attention.context_parallel``):
+    ``heads`` = Ulysses; ``sequence`` / ``auto`` = hybrid meshes, sp not bounded by the heads."""
 
     def __post_init__(self) -> None:
         for name in ("dp_size", "sp_size"):
@@ -212,7 +219,7 @@ class Layout:
             raise SequenceParallelError(f"the world size {self.world} is not divisible by the Ulysses degree "
                                         f"sp={self.sp_size}: every SP group needs {self.sp_size} ranks")
         if num_heads is not None:
-            problem = heads_sp_problem(num_heads, self.sp_size, what)
+            problem = heads_sp_problem(num_heads, self.sp_size, what, self.context_parallel)
             if problem:
                 raise SequenceParallelError(problem)
         return self

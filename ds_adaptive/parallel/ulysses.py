@@ -37,8 +37,9 @@ every stage when DeepSpeed has no (dp, sp) mesh), so the reduced gradient is
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -69,10 +70,14 @@ class SeqShard:
     seq_len: int
     sp_size: int
     sp_rank: int
+    multiple: int = 1
+    """The padded length is also a multiple of this (tokens): hybrid context parallelism keeps every
+    sequence-wise chunk whole key blocks (``ContextParallelAttention.token_multiple``); 1 under Ulysses."""
 
     @property
     def padded_len(self) -> int:
-        return -(-self.seq_len // self.sp_size) * self.sp_size
+        m = math.lcm(self.sp_size, self.multiple)
+        return -(-self.seq_len // m) * m
 
     @property
     def pad(self) -> int:
@@ -96,10 +101,10 @@ class SeqShard:
         return {"valid_len": self.seq_len} if self.pad else {}
 
 
-def shard_plan(seq_len: int, layout: Layout) -> SeqShard:
+def shard_plan(seq_len: int, layout: Layout, multiple: int = 1) -> SeqShard:
     if seq_len < 1:
         raise ValueError(f"sequence length must be >= 1 token, got {seq_len}")
-    return SeqShard(int(seq_len), layout.sp_size, layout.sp_rank)
+    return SeqShard(int(seq_len), layout.sp_size, layout.sp_rank, int(multiple))
 
 
 def shard_sequence(x: torch.Tensor, shard: SeqShard, dim: int = 1) -> torch.Tensor:
@@ -239,13 +244,16 @@ class UlyssesRunner:
 
     def __init__(self, layout: Layout) -> None:
         self.layout = layout
+        # seq_len -> tokens the padded sequence must be a multiple of (hybrid context parallelism sets it)
+        self.token_multiple: Optional[Callable[[int], int]] = None
 
     def forward_local(self, model: DiffusionTransformer, latents: torch.Tensor, timestep: torch.Tensor,
                       context: torch.Tensor) -> LocalOutput:
         """Embed the full batch, keep this rank's shard (the inputs' per-token tensors: ``inputs.local``), run
         the blocks and the head on it."""
         inputs = model.embed(latents, timestep, context)
-        shard = shard_plan(inputs.tokens.shape[1], self.layout)
+        n = inputs.tokens.shape[1]
+        shard = shard_plan(n, self.layout, self.token_multiple(n) if self.token_multiple is not None else 1)
         inputs = inputs.local(lambda t, dim: shard_sequence(t, shard, dim=dim))  # copies: the full ones are freed
         x = inputs.tokens
         freqs = shard_sequence(model.rope(inputs.grid, x.device), shard, dim=0)

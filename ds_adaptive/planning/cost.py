@@ -78,7 +78,7 @@ class CostModel:
     def __init__(self, profile: Union[Profile, str, Path, Mapping[str, Any]], mode: CostMode = "calibrated",
                  *, p: float = 1.5, sp: int = 1, num_heads: Optional[int] = None,
                  sparse: "Optional[SparseAttentionCost]" = None, checkpointing: str = "all",
-                 checkpoint_attention: str = "recompute") -> None:
+                 checkpoint_attention: str = "recompute", context_parallel: str = "heads") -> None:
         self.profile = profile if isinstance(profile, Profile) else load_profile(profile)
         if checkpointing not in CHECKPOINT_POLICIES:
             raise ValueError(f"checkpointing must be one of {list(CHECKPOINT_POLICIES)}, got {checkpointing!r}")
@@ -95,7 +95,11 @@ class CostModel:
         if mode not in COST_UNITS:
             raise ValueError(f"cost mode must be one of {sorted(COST_UNITS)}, got {mode!r}")
         heads = self.profile.num_heads if num_heads is None else int(num_heads)
-        Layout.explicit(sp_size=sp).validate(num_heads=heads, what=f"the model of profile '{self.profile.name}'")
+        if sparse is not None and sparse.hybrid:
+            context_parallel = sparse.context_parallel.mode
+        self.context_parallel = context_parallel  # "heads" (Ulysses) or a hybrid mode: sp may exceed the heads
+        Layout(sp_size=sp, context_parallel=context_parallel).validate(
+            num_heads=heads, what=f"the model of profile '{self.profile.name}'")
         if not p > 0:
             raise ValueError(f"power-law exponent p must be > 0, got {p!r}")
         if sparse is not None:
@@ -158,6 +162,8 @@ class CostModel:
         if self.mode != "calibrated" or self.sp == 1:
             return 0.0
         s = float(self.padded_tokens(shape_or_tokens))
+        if self.sparse is not None and self.sparse.hybrid:  # per-layer meshes (planning.context_parallel)
+            return self.sparse.context_parallel_comm_ms(int(s), self.sp)
         return self._comm_ms_per_token * (s / self.sp) * (self.sp - 1) / self.sp
 
     def batch_overhead(self, shape_or_tokens: Union[SampleShape, int]) -> float:
@@ -178,7 +184,8 @@ class CostModel:
         """Activation memory of ONE sample on one GPU (GiB)."""
         s = float(self.padded_tokens(shape_or_tokens))
         m1 = self.profile.m1_gib_per_token + self.profile.per_token_extra(shape_or_tokens)[0]
-        return self.profile.m0_gib + m1 * s / self.sp
+        kv = self.sparse.context_parallel_kv_gib(int(s), self.sp) if self.sparse is not None and self.sparse.hybrid else 0.0
+        return self.profile.m0_gib + m1 * s / self.sp + kv
 
     def batch_memory(self, shape_or_tokens: Union[SampleShape, int], batch_size: int) -> float:
         """Activation memory of a micro-batch on one GPU (GiB)."""
@@ -368,7 +375,8 @@ class CostModel:
     def with_sparse(self, sparse: "Optional[SparseAttentionCost]") -> "CostModel":
         """The same model (checkpointing policy included) with another (or no) sparse-attention term."""
         return CostModel(self.profile, self.mode, p=self.p, sp=self.sp, num_heads=self.num_heads, sparse=sparse,
-                         checkpointing=self.checkpointing, checkpoint_attention=self.checkpoint_attention)
+                         checkpointing=self.checkpointing, checkpoint_attention=self.checkpoint_attention,
+                         context_parallel=self.context_parallel)
 
     def describe(self) -> dict:
         """Small JSON-able summary (for logs and plan fingerprints)."""
@@ -378,4 +386,4 @@ class CostModel:
                 "m1_gib_per_token": self.profile.m1_gib_per_token,
                 "comm_ms_per_token": self._comm_ms_per_token, "checkpointing": self.checkpointing,
                 "checkpoint_attention": self.checkpoint_attention,
-                "checkpoint_source": self.profile.checkpoint_source}
+                "checkpoint_source": self.profile.checkpoint_source, "context_parallel": self.context_parallel}

@@ -395,7 +395,7 @@ class _PlannedBatchSampler(_SamplerBase):
             return self._cache[1]
         order = self._order()
         consumed = np.zeros(len(self.shapes), bool)
-        seg_plans = []
+        seg_plans, cp = [], self.cost.context_parallel   # the run's context-parallel mode (sp vs the heads)
         start = 0
         for k, seg in enumerate(self._segments):
             remaining = order[~consumed[order]]
@@ -404,7 +404,7 @@ class _PlannedBatchSampler(_SamplerBase):
             cost = CostModel(Profile.from_dict(seg["profile"], where="sampler state"), seg["cost_mode"],
                              p=seg["p"], sp=seg["sp"], num_heads=seg.get("num_heads"), sparse=sparse,
                              checkpointing=seg.get("checkpointing", "all"),
-                             checkpoint_attention=seg.get("checkpoint_attention", "recompute"))
+                             checkpoint_attention=seg.get("checkpoint_attention", "recompute"), context_parallel=cp)
             uniq, sid = unique_shapes(self.shapes)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -574,7 +574,7 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
     def plan_with(attention: str):
         cost = CostModel(profile, sampler_cfg.cost_model, p=sampler_cfg.p, sp=layout.sp_size, num_heads=num_heads,
                          sparse=sparse, checkpointing=checkpointing or sampler_cfg.checkpointing,
-                         checkpoint_attention=attention)
+                         checkpoint_attention=attention, context_parallel=layout.context_parallel)
         return cost, resolve_budgets(
             mode=chosen, cost=cost, shapes=shapes, m_mem=sampler_cfg.m_mem, m_comp=sampler_cfg.m_comp,
             max_tokens=sampler_cfg.max_tokens, gpu_mem_gib=gpu_mem_gib or _detect_gpu_mem_gib(),

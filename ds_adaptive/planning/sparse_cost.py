@@ -52,6 +52,7 @@ import numpy as np
 
 from ds_adaptive.core.contracts import DensityError, DensityMap, KernelEfficiency
 from ds_adaptive.parallel.placement import identity_placement, plan_head_placement
+from ds_adaptive.planning.context_parallel import ContextParallelCost, MeshCost, head_degree
 from ds_adaptive.planning.profile import PROFILES_DIR
 from ds_adaptive.planning.selection_cost import DEFAULT_SELECTION, SelectionCost
 from ds_adaptive.core.layout import heads_sp_problem
@@ -109,6 +110,10 @@ class SparseAttentionCost:
         dense_above: a layer whose busiest rank's density is above this runs dense.
         pay_check: False: every eligible layer runs sparse, even where it is slower (a reference
             backend, whose point is exactness, not speed).
+        context_parallel: the hybrid context-parallel model (``ds_adaptive.planning.context_parallel``);
+            None or mode ``heads``: Ulysses. Otherwise the per-layer decision takes the busiest of the
+            largest head-wise groups the SP degree allows (contiguous heads: no head placement), and
+            :meth:`layer_meshes` gives every layer its ``(h, s)`` mesh.
     """
 
     densities: DensityMap
@@ -122,6 +127,7 @@ class SparseAttentionCost:
     attention_ms_per_token2_per_layer: Optional[float] = None
     dense_above: float = 1.0
     pay_check: bool = True
+    context_parallel: Optional[ContextParallelCost] = None
 
     def __post_init__(self) -> None:
         if self.head_placement not in ("balanced", "identity"):
@@ -135,8 +141,44 @@ class SparseAttentionCost:
 
     # ------------------------------------------------------------------ placement
     def rank_density_tables(self, sp: int) -> np.ndarray:
-        """``[layers, sp, heads/sp]`` densities of every rank's heads under the placement."""
+        """``[layers, h, heads/h]`` densities of every head-wise rank's heads under the placement (``h = sp``
+        under Ulysses; the largest head-wise size of the SP degree, contiguous heads, under hybrid context
+        parallelism)."""
+        if self.hybrid:
+            return _rank_tables(self.densities, head_degree(sp, self.densities.num_heads), "identity")
         return _rank_tables(self.densities, sp, self.head_placement)
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether the context-parallel mode is not ``heads`` (meshes other than Ulysses may run)."""
+        return self.context_parallel is not None and self.context_parallel.mode != "heads"
+
+    def layer_meshes(self, seq_len: int, sp: int, sparse: Optional[Sequence[bool]] = None) -> tuple[MeshCost, ...]:
+        """Every layer's mesh and its predicted cost at ``seq_len`` (padded) tokens, one sample: the solver's
+        choice (``ds_adaptive.planning.context_parallel.choose_mesh``) at the layer's densities and whether it
+        runs sparse (``sparse``: per layer, e.g. the runtime's schedule; default :meth:`layer_decisions`);
+        Ulysses for every layer without a hybrid mode."""
+        return _layer_meshes(self, int(seq_len), int(sp), None if sparse is None else tuple(bool(x) for x in sparse))
+
+    def mesh_summary(self, seq_len: int, sp: int) -> str:
+        """One line: which layers run on which ``h x s`` mesh at ``seq_len`` tokens (``config --check``, the dry run)."""
+        meshes = [m.shape for m in self.layer_meshes(seq_len, sp)]
+        runs, start = [], 0
+        for i in range(1, len(meshes) + 1):
+            if i == len(meshes) or meshes[i] != meshes[start]:
+                span = f"{start}-{i - 1}" if i - 1 > start else f"{start}"
+                runs.append(f"layers {span} {meshes[start][0]}x{meshes[start][1]}")
+                start = i
+        mode = self.context_parallel.mode if self.context_parallel is not None else "heads"
+        return f"context_parallel {mode}, sp {sp}, {seq_len:,} tokens: " + ", ".join(runs) + " (head-wise x sequence-wise)"
+
+    def context_parallel_comm_ms(self, seq_len: int, sp: int) -> float:
+        """Predicted communication time of all layers for one sample on one rank (ms, fwd + recompute + bwd)."""
+        return float(sum(m.comm_ms for m in self.layer_meshes(seq_len, sp)))
+
+    def context_parallel_kv_gib(self, seq_len: int, sp: int) -> float:
+        """The largest layer's fetched K / V (GiB) for one sample: held during that layer's forward and backward."""
+        return max(m.extra_kv_bytes for m in self.layer_meshes(seq_len, sp)) / 2 ** 30
 
     # ------------------------------------------------------------------ the decision
     def layer_decisions(self, seq_len: int, sp: int) -> tuple[np.ndarray, np.ndarray]:
@@ -221,7 +263,8 @@ class SparseAttentionCost:
                 "block_size": self.block_size, "min_blocks": self.min_blocks,
                 "selection": self.selection_cost.as_dict(), "block_score": self.block_score,
                 "attention_ms_per_token2_per_layer": self.attention_ms_per_token2_per_layer,
-                "dense_above": self.dense_above, "pay_check": self.pay_check}
+                "dense_above": self.dense_above, "pay_check": self.pay_check,
+                **({"context_parallel": self.context_parallel.describe()} if self.context_parallel else {})}
 
     @classmethod
     def from_description(cls, d: Mapping[str, Any]) -> "SparseAttentionCost":
@@ -233,7 +276,9 @@ class SparseAttentionCost:
                    block_size=int(d["block_size"]), min_blocks=int(d["min_blocks"]),
                    selection=_selection_from_description(d), block_score=str(d.get("block_score", "pooled_lse")),
                    attention_ms_per_token2_per_layer=None if att is None else float(att),
-                   dense_above=float(d.get("dense_above", 1.0)), pay_check=bool(d.get("pay_check", True)))
+                   dense_above=float(d.get("dense_above", 1.0)), pay_check=bool(d.get("pay_check", True)),
+                   context_parallel=(ContextParallelCost.from_description(d["context_parallel"])
+                                     if d.get("context_parallel") else None))
 
 
 def _selection_from_description(d: Mapping[str, Any]) -> SelectionCost:
@@ -267,6 +312,11 @@ def _decisions(cost: SparseAttentionCost, seq_len: int, sp: int) -> tuple[np.nda
     sparse.setflags(write=False)
     ratio.setflags(write=False)
     return sparse, ratio
+
+
+@lru_cache(maxsize=1024)
+def _layer_meshes(cost: SparseAttentionCost, seq_len: int, sp: int, sparse) -> tuple[MeshCost, ...]:
+    return (cost.context_parallel or ContextParallelCost()).layer_costs(cost, seq_len, sp, sparse)
 
 
 @lru_cache(maxsize=64)

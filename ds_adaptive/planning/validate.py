@@ -14,7 +14,8 @@ Rules, in the order they are reported:
 
 * ``sp``: the Ulysses degree from ``--sp`` / ``sequence_parallel_size`` agrees, divides the world, and
   ``data_parallel_size`` (if set) is world / sp (``ds_adaptive.core.layout.resolve_sp_size``);
-* ``heads``: sp divides the model's attention heads (:func:`heads_sp_problem`, the one message for it);
+* ``heads``: sp divides the model's attention heads (:func:`heads_sp_problem`, the one message for it), unless
+  sparse attention runs a hybrid ``context_parallel`` mode (``sequence`` / ``auto``: any sp);
 * ``batch``: ``train_batch_size`` / ``train_micro_batch_size_per_gpu`` / ``gradient_accumulation_steps`` agree
   (:func:`accumulation_steps`, which ``prepare_ds_config`` uses too);
 * ``precision``: not both ``bf16`` and ``fp16``;
@@ -35,7 +36,8 @@ from ds_adaptive.core.layout import SequenceParallelError, heads_sp_problem, res
 from ds_adaptive.models.registry import get_model, model_names
 from ds_adaptive.attention.backends.check import check_sparse_config
 
-__all__ = ["RunFacts", "Problem", "run_problems", "validate_run", "heads_sp_problem", "accumulation_steps"]
+__all__ = ["RunFacts", "Problem", "run_problems", "validate_run", "heads_sp_problem", "accumulation_steps",
+           "context_parallel_mode"]
 
 
 @dataclass(frozen=True)
@@ -70,15 +72,17 @@ def _model(facts: RunFacts):
     return get_model(facts.model).config(**({"num_layers": facts.layers} if facts.layers else {}))
 
 
-def _sp_problems(ds_config: Mapping[str, Any], facts: RunFacts, model) -> tuple[list[Problem], Optional[int]]:
-    """The Ulysses degree (``--sp`` / ``sequence_parallel_size``), then sp vs the heads, then sp vs the world."""
+def _sp_problems(ds_config: Mapping[str, Any], facts: RunFacts, model,
+                 context_parallel: str = "heads") -> tuple[list[Problem], Optional[int]]:
+    """The Ulysses degree (``--sp`` / ``sequence_parallel_size``), then sp vs the heads (any sp under a hybrid
+    ``context_parallel`` mode), then sp vs the world."""
     try:
         sp = resolve_sp_size(facts.sp, ds_config)
     except SequenceParallelError as exc:
         return [Problem("sp", str(exc), SequenceParallelError)], None
     out = []
     if model is not None:
-        msg = heads_sp_problem(model.num_heads, sp, facts.model)
+        msg = heads_sp_problem(model.num_heads, sp, facts.model, context_parallel)
         if msg:
             out.append(Problem("heads", msg, SequenceParallelError))
     if facts.world is not None:
@@ -153,7 +157,7 @@ def run_problems(ds_config: Mapping[str, Any], block: AdaptiveLoadConfig, facts:
         model = _model(facts)
     except (ValueError, KeyError) as exc:  # an unknown model or a bad --layers (ModelError is a ValueError)
         return [Problem("model", f"--model {facts.model} / --layers {facts.layers}: {exc}")]
-    out, sp = _sp_problems(ds_config, facts, model)
+    out, sp = _sp_problems(ds_config, facts, model, context_parallel_mode(block.sparse_attention))
     dp = facts.world // sp if facts.world is not None and sp is not None else None
     try:
         accumulation_steps(ds_config, dp, sp)
@@ -167,6 +171,12 @@ def run_problems(ds_config: Mapping[str, Any], block: AdaptiveLoadConfig, facts:
     out += _budget_problems(block.sampler)
     out += _sparse_problems(block.sparse_attention, facts, model)
     return out
+
+
+def context_parallel_mode(sa: SparseAttentionConfig) -> str:
+    """The run's context-parallel mode: ``sparse_attention.context_parallel`` when sparse attention is on, else
+    ``heads`` (the sequence-wise path is the sparse runtime's)."""
+    return sa.context_parallel if sa.enabled else "heads"
 
 
 def validate_run(ds_config: Mapping[str, Any], block: AdaptiveLoadConfig, facts: RunFacts = RunFacts()) -> None:

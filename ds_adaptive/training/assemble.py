@@ -13,7 +13,7 @@ dry run follows the same code path as training.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 import torch
@@ -23,7 +23,8 @@ from ds_adaptive.core.ds_config import prepare_ds_config
 from ds_adaptive.core.layout import Layout, strip_mesh_keys
 from ds_adaptive.training.lora import adapter_parameters, apply_run_lora
 from ds_adaptive.training.run_config import RunConfig
-from ds_adaptive.planning.validate import RunFacts, validate_run
+from ds_adaptive.planning.validate import RunFacts, context_parallel_mode, validate_run
+from ds_adaptive.planning.context_parallel import ContextParallelCost
 from ds_adaptive.models.registry import get_model
 from ds_adaptive.parallel import apply_ulysses
 from ds_adaptive.data import build_dataset
@@ -133,6 +134,8 @@ def build_run(cfg: RunConfig, *, layout: Optional[Layout] = None, device: Option
     preset.objective_with(t.objective)  # a bad --objective fails before any work
     if layout is None:
         layout = Layout.detect(t.sp, ds_config=cfg.ds_config)
+    # hybrid context parallelism (sparse_attention.context_parallel sequence / auto): sp may exceed the heads
+    layout = replace(layout, context_parallel=context_parallel_mode(cfg.adaptive_load.sparse_attention))
     device = torch.device("meta") if meta else (device or torch.device("cpu"))
     on_gpu = device.type in ("cuda", "meta")  # a dry run checks a GPU launch
     # the cross-field rules (heads vs sp, batch keys, layer indices, sparse backend, budgets), once
@@ -395,7 +398,8 @@ def sparse_decision_cost(sa, model_config, choice, device: torch.device, dtype: 
     return SparseAttentionCost(densities=ones, efficiency=eff, block_size=sa.block_size, block_score=sa.block_score,
                                min_blocks=1 + int(sa.keep_sink), dense_above=sa.dense_above,
                                # a reference backend runs for exactness, not speed: no pay check
-                               pay_check=not backend.support.materialises_scores)
+                               pay_check=not backend.support.materialises_scores,
+                               context_parallel=ContextParallelCost.from_config(sa, model_config.head_dim))
 
 
 def _sparse_cost(cfg: RunConfig, notes: list, sparse_cost):
