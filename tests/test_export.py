@@ -20,6 +20,7 @@ from ds_adaptive.models.registry import get_model
 from ds_adaptive.models.testing import diffusers_twin, random_init_
 from ds_adaptive.models.wan import WanModel
 from ds_adaptive.models.wan_config import get_wan_config
+from ds_adaptive.models.weights import load_pretrained
 
 diffusers = pytest.importorskip("diffusers", reason="diffusers is the reference these tests compare with")
 pytest.importorskip("deepspeed")
@@ -113,7 +114,7 @@ def test_export_consolidates_zero3_and_diffusers_loads_it(trained, capsys):
     assert (got - ref).abs().max() > 1e-3  # the trained weights, not the initial ones
     # our own loader reads the export too, and the files are readable for the group (umask 022 here)
     with torch.no_grad():
-        torch.testing.assert_close(WanModel.from_pretrained(tmp / "exported")(*_inputs(cfg)), got, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(load_pretrained(tmp / "exported")(*_inputs(cfg)), got, rtol=1e-5, atol=1e-5)
     mode = stat.S_IMODE(os.stat(tmp / "exported" / "diffusion_pytorch_model.safetensors").st_mode)
     assert mode == 0o666 & ~_umask()
     # bf16 export: diffusers' fp32 modules stay fp32

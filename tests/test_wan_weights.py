@@ -13,7 +13,7 @@ from ds_adaptive.models.testing import diffusers_twin, random_init_
 from ds_adaptive.models.wan import WanModel
 from ds_adaptive.models.wan_blocks import is_fp32_param
 from ds_adaptive.models.wan_config import get_wan_config
-from ds_adaptive.models.weights import (WanWeightsError, checkpoint_files, config_from_dict, convert_diffusers_to_wan,
+from ds_adaptive.models.weights import (load_pretrained, WanWeightsError, checkpoint_files, config_from_dict, convert_diffusers_to_wan,
                                         convert_wan_to_diffusers, load_wan_weights, read_config, save_wan_weights)
 
 diffusers = pytest.importorskip("diffusers", reason="diffusers writes the reference checkpoints these tests load")
@@ -49,7 +49,7 @@ def _inputs(b=1, t=3, h=6, w=10):
 def test_load_diffusers_save_pretrained(model, diffusers_dir):
     assert (diffusers_dir / "config.json").is_file()
     assert read_config(diffusers_dir) == CFG  # config inferred from diffusers' config.json
-    loaded = WanModel.from_pretrained(diffusers_dir)
+    loaded = load_pretrained(diffusers_dir)
     _same_params(loaded, model)
     with torch.no_grad():
         assert torch.equal(loaded(*_inputs()), model(*_inputs()))
@@ -60,12 +60,12 @@ def test_load_sharded_and_pipeline_dir(model, diffusers_dir, tmp_path):
     diffusers_twin(model).save_pretrained(str(sharded), safe_serialization=True, max_shard_size="150KB")
     files = checkpoint_files(sharded)
     assert len(files) > 2 and (sharded / "diffusion_pytorch_model.safetensors.index.json").is_file()
-    _same_params(WanModel.from_pretrained(sharded), model)
+    _same_params(load_pretrained(sharded), model)
     (tmp_path / "pipe" / "model_index.json").write_text("{}")  # a diffusers pipeline folder
-    _same_params(WanModel.from_pretrained(tmp_path / "pipe"), model)
+    _same_params(load_pretrained(tmp_path / "pipe"), model)
     files[1].unlink()
     with pytest.raises(WanWeightsError, match=f"lists shard.*{files[1].name}.*incomplete"):
-        WanModel.from_pretrained(sharded)
+        load_pretrained(sharded)
 
 
 def _corrupt(src: Path, dst: Path, edit) -> Path:
@@ -82,19 +82,19 @@ def test_missing_unexpected_and_misshapen_keys_are_named(diffusers_dir, tmp_path
     bad = _corrupt(diffusers_dir, tmp_path / "missing", lambda sd: sd.pop(key))
     with pytest.raises(WanWeightsError,
                        match=r"1 missing parameter\(s\): 'blocks.1.cross_attn.k.weight' \(shape \[96, 96\]\)"):
-        WanModel.from_pretrained(bad)
+        load_pretrained(bad)
 
     bad = _corrupt(diffusers_dir, tmp_path / "unexpected",
                    lambda sd: sd.update({"blocks.0.attn1.extra": torch.ones(3)}))
     with pytest.raises(WanWeightsError,
                        match=r"1 unexpected key\(s\): 'blocks.0.attn1.extra' "
                              r"\(in diffusion_pytorch_model.safetensors\)"):
-        WanModel.from_pretrained(bad)
+        load_pretrained(bad)
 
     bad = _corrupt(diffusers_dir, tmp_path / "shape",
                    lambda sd: sd.update({"blocks.0.scale_shift_table": torch.ones(1, 6, 48)}))
     with pytest.raises(WanWeightsError) as err:
-        WanModel.from_pretrained(bad)
+        load_pretrained(bad)
     msg = str(err.value)
     assert ("'blocks.0.modulation' (checkpoint key 'blocks.0.scale_shift_table') "
             "in diffusion_pytorch_model.safetensors") in msg
@@ -103,7 +103,7 @@ def test_missing_unexpected_and_misshapen_keys_are_named(diffusers_dir, tmp_path
     # a config that does not match the weights: every mismatch is reported with both shapes
     with pytest.raises(WanWeightsError, match=r"shape mismatch.*'patch_embedding.weight'.*"
                        r"checkpoint has \[96, 16, 1, 2, 2\], model expects \[128, 16, 1, 2, 2\]"):
-        WanModel.from_pretrained(diffusers_dir, config=dict(CFG.to_dict(), dim=128, num_heads=2))
+        load_pretrained(diffusers_dir, config=dict(CFG.to_dict(), dim=128, num_heads=2))
 
 
 def test_original_layout_round_trip(model, tmp_path):
@@ -115,7 +115,7 @@ def test_original_layout_round_trip(model, tmp_path):
     assert {"blocks.0.self_attn.q.weight", "blocks.0.modulation", "blocks.0.norm3.weight", "head.head.weight",
             "head.modulation", "time_embedding.0.weight", "time_projection.1.weight", "text_embedding.2.bias",
             "patch_embedding.weight", "blocks.1.ffn.2.weight"} <= keys
-    loaded = WanModel.from_pretrained(out)
+    loaded = load_pretrained(out)
     assert loaded.config == CFG
     _same_params(loaded, model)
 
@@ -135,14 +135,14 @@ def test_original_released_config_and_prefixed_torch_file(model, tmp_path):
     f = tmp_path / "wan.pt"
     torch.save({f"model.diffusion_model.{k}": v for k, v in model.state_dict().items()}, f)
     with pytest.raises(WanWeightsError, match="no config.json found .* pass config="):
-        WanModel.from_pretrained(f)
-    _same_params(WanModel.from_pretrained(f, config=CFG), model)
+        load_pretrained(f)
+    _same_params(load_pretrained(f, config=CFG), model)
 
     sd = dict(model.state_dict())
     sd["blocks.0.cross_attn.k_img.weight"] = torch.ones(96, 96)
     torch.save(sd, f)
     with pytest.raises(WanWeightsError, match="image-conditioned .*k_img"):
-        WanModel.from_pretrained(f, config=CFG)
+        load_pretrained(f, config=CFG)
 
 
 def test_key_conversion_agrees_with_diffusers_converter(model):
@@ -166,13 +166,13 @@ def test_diffusers_layout_save_loads_in_diffusers(model, tmp_path):
     twin.load_state_dict(load_file(str(f)), strict=True)
     with torch.no_grad():
         assert torch.equal(twin(*_inputs(), return_dict=False)[0], model(*_inputs()))
-    _same_params(WanModel.from_pretrained(out), model)
+    _same_params(load_pretrained(out), model)
 
 
 def test_bf16_load_keeps_fp32_params_and_load_into_existing_model(model, diffusers_dir):
     from diffusers import WanTransformer3DModel
 
-    m16 = WanModel.from_pretrained(diffusers_dir, dtype=torch.bfloat16)
+    m16 = load_pretrained(diffusers_dir, dtype=torch.bfloat16)
     keep = WanTransformer3DModel._keep_in_fp32_modules
     for name, p in m16.named_parameters():
         d_name = convert_wan_to_diffusers({name: p}).popitem()[0]
