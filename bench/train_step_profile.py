@@ -78,7 +78,7 @@ class Segments:
         self.ms = defaultdict(float)
         self.calls = defaultdict(int)
         eng = trainer.engine
-        self._wrap(trainer, "_next_batch", "data")
+        self._wrap(trainer.batches, "next", "data")
         self._wrap(eng, "forward", "forward")
         self._wrap(eng, "backward", "backward")
         step = eng.step
