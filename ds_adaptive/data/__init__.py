@@ -13,11 +13,14 @@ from typing import Optional, Union
 from ds_adaptive.core.shapes import InputSpec
 
 from ds_adaptive.data.collate import collate_latents
-from ds_adaptive.data.shards import INDEX_FILE, LatentShardDataset, LatentShardWriter, write_index
+from ds_adaptive.data.shards import (EMPTY_PROMPT_FILE, INDEX_FILE, LatentShardDataset, LatentShardWriter,
+                                     read_empty_prompt, write_empty_prompt, write_index)
+from ds_adaptive.data.split import DatasetView, split_held_out
 from ds_adaptive.data.synthetic import DEFAULT_TEXT_LEN, DataError, SyntheticLatentDataset
 
 __all__ = ["DataError", "SyntheticLatentDataset", "LatentShardDataset", "LatentShardWriter", "collate_latents",
-           "build_dataset", "DEFAULT_TEXT_LEN", "INDEX_FILE", "write_index"]
+           "build_dataset", "DEFAULT_TEXT_LEN", "INDEX_FILE", "write_index", "EMPTY_PROMPT_FILE", "write_empty_prompt",
+           "read_empty_prompt", "DatasetView", "split_held_out"]
 
 
 def build_dataset(data: str, *, num_samples: int = 10000, shapes: Union[str, Path, None] = None,
