@@ -27,6 +27,7 @@ COMMANDS = {
     "sample": ("ds_adaptive.cli.sample", "generate videos from a checkpoint or exported model (Euler sampler, optional VAE)"),
     "preprocess": ("ds_adaptive.preprocess.run", "media + captions -> latent shards (the model's VAE + text encoder), multi-GPU, resumable"),
     "stats": ("ds_adaptive.preprocess.stats", "shape histogram (table, PNG, shapes json) of a latent dataset or manifest"),
+    "plot": ("ds_adaptive.cli.plot", "one PNG of a training run: losses, tokens/s, peak memory and compute per rank"),
 }
 
 

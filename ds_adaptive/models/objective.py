@@ -177,18 +177,20 @@ def flow_matching_losses(model, latents: torch.Tensor, context: torch.Tensor, in
 
 
 def eval_inputs(latents: torch.Tensor, index: int, *, seed: int, shift: float, timesteps: int = EVAL_TIMESTEPS,
-                objective=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                objective=None, rows=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(x_t, timestep, target)`` of one held-out sample ``latents`` [C, T', H', W'] at the ``timesteps``
-    fixed u values of the model's u interval (a batch of ``timesteps`` rows), noise seeded by (seed, k, index)."""
+    fixed u values of the model's u interval (a batch of ``timesteps`` rows), noise seeded by (seed, k, index).
+    ``rows``: only the timesteps ``k`` in it (in its order; default all), each row as in the full batch."""
     device = latents.device
     k = timesteps
+    ks = list(range(k)) if rows is None else [int(r) for r in rows]
     lo, hi = _u_range(objective, shift)
-    u = lo + (hi - lo) * ((torch.arange(k, dtype=torch.float32, device=device) + 0.5) / k)
-    x0 = latents.float().unsqueeze(0).expand(k, *latents.shape)
+    u = lo + (hi - lo) * ((torch.tensor(ks, dtype=torch.float32, device=device) + 0.5) / k)
+    x0 = latents.float().unsqueeze(0).expand(len(ks), *latents.shape)
     eps = torch.empty_like(x0)
-    for row in range(k):
+    for row, kk in enumerate(ks):
         g = torch.Generator(device=device)
-        g.manual_seed(sample_seed(seed, row, index))
+        g.manual_seed(sample_seed(seed, kk, index))
         eps[row] = torch.randn(x0.shape[1:], generator=g, device=device)
     return noisy_inputs(x0, u, eps, shift=shift)
 
