@@ -227,10 +227,8 @@ def _sampler_and_ema(cfg: RunConfig, dataset, layout: Layout, ds_config: dict, g
     try:
         sampler = _build_sampler(cfg, dataset, layout, ds_config, gpu_mem_gib, trial, device=device,
                                  ema_params=ema_params, **kw)
-        longest = max(set(dataset.sample_shapes()), key=lambda s: sample_memory(sampler.cost, s))
-        need = sample_memory(sampler.cost, longest)
-        problem = (None if need <= sampler.params.m_mem else
-                   f"m_mem {sampler.params.m_mem:.2f} GiB < the {need:.2f} GiB one sample of {longest} needs")
+        problem = _ema_crowds_out(sampler, dataset, cfg, ema_params * 4 / max(layout.world_size, 1) / 2**30,
+                                  gpu_mem_gib, zero_stage=_zero_stage(ds_config), world=layout.world_size)
     except ValueError as exc:   # m_mem auto found no memory left, or a sample over every budget
         if ema.device != "auto":
             raise
@@ -244,6 +242,22 @@ def _sampler_and_ema(cfg: RunConfig, dataset, layout: Layout, ds_config: dict, g
     notes.append(f"EMA on the CPU (adaptive_load.ema.device auto): {gib:.2f} GiB per rank on the accelerator would "
                  f"leave too little for the plan ({problem}); each update copies the rank's slice to the host")
     return sampler, torch.device("cpu")
+
+
+def _ema_crowds_out(sampler, dataset, cfg: RunConfig, ema_gib: float, gpu_mem_gib, *, zero_stage: int,
+                    world: int) -> Optional[str]:
+    """What the EMA on the accelerator costs the plan, or None: a ``sampler.m_mem`` that no longer fits beside the
+    static memory, or a sample that fits one GPU at batch 1 only without the EMA's ``ema_gib``."""
+    cost, m_mem = sampler.cost, sampler.params.m_mem
+    room = cost.usable_memory_gib(gpu_mem_gib, cfg.adaptive_load.sampler.mem_utilization) - \
+        cost.profile.static_memory_gib(zero_stage, world)
+    if m_mem > room * (1 + 1e-9):
+        return f"sampler.m_mem {m_mem:.2f} GiB > the {room:.2f} GiB left beside the static memory"
+    lost = [s for s in sorted(set(dataset.sample_shapes()), key=str) if m_mem < sample_memory(cost, s) <= m_mem + ema_gib]
+    if lost:
+        return (f"m_mem {m_mem:.2f} GiB < the {sample_memory(cost, lost[0]):.2f} GiB one sample of {lost[0]} needs, "
+                f"which fits without the EMA")
+    return None
 
 
 def _engine_config(cfg: RunConfig, layout: Layout, *, on_gpu: bool, announce: bool) -> dict:

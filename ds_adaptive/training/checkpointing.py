@@ -6,7 +6,8 @@
     ckpt.save(state)                                          # global_step{state.global_step} in --save
 
 The files, markers, checksums and retention are ``ds_adaptive.training.checkpoint``; this module adds the
-trainer's part: the client state (sampler position, model, LoRA adapters, sparse-attention state), the checks
+trainer's part: the client state (sampler position, model, LoRA adapters, sparse-attention state; the EMA's
+record, its slices in one file per rank: ``ds_adaptive.training.ema``), the checks
 shared by the ranks before a load, and the run's continuation after a resume (its run id, a note when the loaded
 checkpoint is not marked good).
 """
@@ -20,6 +21,7 @@ from typing import Callable, Optional
 
 from ds_adaptive.training.checkpoint import (CLIENT_STATE_KEY, CheckpointError, check_checkpoint, find_resumable,
                                              last_good, read_marker, step_of, tag_for, write_checkpoint)
+from ds_adaptive.training.ema import EMA_CLIENT_KEY
 from ds_adaptive.training.lora import CLIENT_KEY as LORA_KEY, resume_problem
 from ds_adaptive.training.run_config import UsageError
 
@@ -52,8 +54,8 @@ class TrainState:
 class Checkpointing:
     """Saves and resumes the trainer's checkpoints (every rank calls both: they are collectives)."""
 
-    def __init__(self, run, engine, *, sparse=None, log: Callable[[str], None] = print) -> None:
-        self.run, self.engine, self.sparse, self.log = run, engine, sparse, log
+    def __init__(self, run, engine, *, sparse=None, log: Callable[[str], None] = print, ema=None) -> None:
+        self.run, self.engine, self.sparse, self.log, self.ema = run, engine, sparse, log, ema
         self.opts = run.cfg.trainer
 
     def client_state(self, state: TrainState) -> dict:
@@ -68,6 +70,8 @@ class Checkpointing:
             out.update(self.sparse.client_state())
         if self.run.lora is not None:  # adapters only: the frozen base is rebuilt (seed / --init-from) on resume
             mine[LORA_KEY] = self.run.lora.client_state()
+        if self.ema is not None:
+            mine[EMA_CLIENT_KEY] = self.ema.record()
         return out
 
     def save(self, state: TrainState) -> None:
@@ -80,7 +84,8 @@ class Checkpointing:
         write_checkpoint(self.engine, self.opts.save, tag_for(state.global_step), self.client_state(state),
                          step=state.global_step, keep=self.opts.keep_checkpoints, run_id=state.run_id,
                          good=not window, nonfinite_steps=window, log=self.log,
-                         exclude_frozen=self.run.lora is not None)
+                         exclude_frozen=self.run.lora is not None,
+                         extra_files=self.ema.save if self.ema is not None else None)
         state.last_saved_step = state.global_step
         self.log(f"saved checkpoint step {state.global_step} to {self.opts.save} ({time.perf_counter() - t0:.1f} s)"
                  + (f"; not marked good: non-finite step(s) {window[-5:]} since the previous checkpoint" if window
@@ -100,6 +105,8 @@ class Checkpointing:
         if lora is not None:
             raise UsageError(f"--resume {path}: {lora}")
         self.run.sampler.load_state_dict(mine["sampler"])
+        if self.ema is not None:
+            self.log(f"ds_adaptive: {self.ema.load(Path(load_dir) / tag)}")
         if self.sparse is not None:
             self.sparse.load(client, model=self.run.model, layout=self.run.layout)
         state.global_step, state.epoch, state.step_in_epoch = mine["global_step"], mine["epoch"], mine["step_in_epoch"]

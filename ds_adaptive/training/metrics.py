@@ -198,8 +198,11 @@ class StepMetrics:
                           mem_capacity_gib=float(self._acc.total_memory()) / GIB, peak_tflops=self.peak_tflops,
                           skipped=skipped)
         self.history.append(rec)
-        if self.is_writer and (log or step % self.cfg.interval == 0 or len(self.history) == 1):
-            self.write(rec)
+        first = log or len(self.history) == 1
+        board = first or step % self.cfg.interval == 0
+        line = first or step % (self.cfg.jsonl_interval or self.cfg.interval) == 0   # metrics.jsonl: every step
+        if self.is_writer and (board or line):
+            self.write(rec, jsonl=line, board=board)
         return rec
 
     def _gather(self, local: torch.Tensor) -> list[list[float]]:
@@ -211,11 +214,11 @@ class StepMetrics:
         return [o.cpu().tolist() for o in out]
 
     # output -------------------------------------------------------------------------------
-    def write(self, rec: StepRecord) -> None:
-        """Append ``rec`` to metrics.jsonl and TensorBoard (writer rank only)."""
+    def write(self, rec: StepRecord, *, jsonl: bool = True, board: bool = True) -> None:
+        """Append ``rec`` to metrics.jsonl (``jsonl``) and TensorBoard / W&B (``board``) (writer rank only)."""
         if not self.is_writer:
             return
-        if self._jsonl is not None:
+        if self._jsonl is not None and jsonl:
             self._jsonl.write(json.dumps(json_safe(rec.as_dict()), allow_nan=False) + "\n")
             self._jsonl.flush()
         values = {f"train/{key}": getattr(rec, key) for key in (
@@ -223,6 +226,8 @@ class StepMetrics:
             "mfu", "hfu")}
         values["train/peak_mem_gib_max"] = max(rec.peak_mem_gib)
         values["train/step_s"] = rec.wall_s
+        if not board:
+            return
         if self._tb is not None:
             for key, value in values.items():
                 self._tb.add_scalar(key, value, rec.step)

@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["plot_run", "read_jsonl", "PlotError", "PLOT_FILE"]
+__all__ = ["plot_run", "draw_at_end", "read_jsonl", "PlotError", "PLOT_FILE"]
 
 PLOT_FILE = "run.png"
 MAX_RANK_LINES = 16
@@ -121,4 +121,15 @@ def plot_run(log_dir, out: Optional[str] = None) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return path
+
+
+def draw_at_end(log_dir, log) -> Optional[Path]:
+    """The trainer's end of run (rank 0, ``metrics.plot``): :func:`plot_run`, or a note saying why not."""
+    try:
+        path = plot_run(log_dir)
+    except PlotError as exc:
+        log(f"ds_adaptive: note: no run plot ({exc})")
+        return None
+    log(f"run plot written to {path}")
     return path

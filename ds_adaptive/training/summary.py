@@ -136,5 +136,17 @@ def format_summary(s: dict) -> str:
     if "eval_loss" in s:
         lines.append(f"  held-out loss    {s['eval_loss']:.4f} ({s.get('eval', {}).get('samples', '?')} samples x "
                      f"{s.get('eval', {}).get('timesteps', '?')} fixed timesteps)")
+    if "validation_loss" in s:
+        v, ema = s.get("validation") or {}, s.get("validation_loss_ema")
+        lines.append(f"  validation       loss {s['validation_loss']:.4f}" + (f", EMA weights {ema:.4f}" if ema is not None
+                     else "") + f" ({v.get('scored')} held-out samples x {v.get('timesteps')} fixed timesteps)")
+    if s.get("ema"):
+        e = s["ema"]
+        lines.append(f"  EMA              decay {e['decay']:g}, {e['updates']} updates, {e['numel']:,} parameters, "
+                     f"{e['bytes_per_rank'] / 2**20:.1f} MiB per rank on {e['device']}")
+    if s.get("caption_dropout"):
+        c = s["caption_dropout"]
+        lines.append(f"  caption dropout  {c['dropped']} of {c['samples']} samples ({100 * c['observed_rate']:.1f}%, "
+                     f"rate {c['rate']:g}, {c['replace']})")
     lines.append("=" * 72)
     return "\n".join(lines)

@@ -13,6 +13,8 @@ The Trainer is the loop; each job around it is a collaborator of its own module:
   (what a checkpoint carries besides weights and sampler);
 * ``warmups`` (sparse attention and block fusion compile before step 1), ``rebalance`` (sparse densities back
   into the plan), ``nonfinite`` (the policy for non-finite steps), ``evaluation`` (the held-out loss),
+  ``ema`` (the partitioned EMA of the weights), ``captions`` (caption dropout), ``validation`` (the held-out
+  split scored during training), ``plot`` (the run's PNG),
   ``metrics_setup`` / ``metrics`` (the step records and logs), ``memory_log`` (predicted vs measured memory and
   compute), ``progress`` (the progress bar), ``summary`` (the run summary).
 
@@ -35,8 +37,10 @@ from ds_adaptive.ops.apply import ln_modulate_summary
 from ds_adaptive.planning.memory import model_checkpoint_blocks
 from ds_adaptive.training.assemble import Run
 from ds_adaptive.training.batches import Batches
+from ds_adaptive.training.captions import CaptionDropout
 from ds_adaptive.training.checkpoint import CLIENT_STATE_KEY, tag_for
 from ds_adaptive.training.checkpointing import Checkpointing, TrainState
+from ds_adaptive.training.ema import EmaState
 from ds_adaptive.training.engine import (backward_micro_batch, check_accumulation, init_distributed, optimizer_step,
                                          release_engine, shutdown_distributed, start_engine, trim_forward_stack)
 from ds_adaptive.training.evaluation import EVAL_SEED_OFFSET, evaluate, held_out
@@ -48,9 +52,11 @@ from ds_adaptive.training.metrics_setup import open_metrics
 from ds_adaptive.training.nonfinite import NonFiniteError, NonFiniteGuard
 from ds_adaptive.training.preempt import EXIT_PREEMPTED, StopRequest
 from ds_adaptive.training.preview import PreviewRunner
+from ds_adaptive.training.plot import draw_at_end
 from ds_adaptive.training.progress import Progress
 from ds_adaptive.training.rebalance import sparse_rebalance
 from ds_adaptive.training.run_config import UsageError
+from ds_adaptive.training.validation import ValidationRunner
 from ds_adaptive.training.warmups import fusion_pairs, warm_block_fusion, warm_sparse
 
 __all__ = ["Trainer", "TrainState", "backward_micro_batch", "evaluate", "init_distributed", "shutdown_distributed",
@@ -77,12 +83,14 @@ class Trainer:
         self.sparse = (SparseTrainerHook(run.sparse, run.cfg.adaptive_load.metrics.log_dir, self.is_main)
                        if run.sparse is not None else None)
         self.engine, self._fwd_stack_base = start_engine(run)
+        self.ema = EmaState.attach(run, self.engine, self.log)       # None without adaptive_load.ema
+        self.captions = CaptionDropout.attach(run)                    # None without adaptive_load.caption_dropout
         self.batches = Batches(run, o.workers)
-        self.checkpoints = Checkpointing(run, self.engine, sparse=self.sparse, log=self.log)
+        self.checkpoints = Checkpointing(run, self.engine, sparse=self.sparse, log=self.log, ema=self.ema)
         self.nonfinite = NonFiniteGuard(o.nonfinite, o.nonfinite_limit, log=self.log,
                                         fp16=bool((run.ds_config.get("fp16") or {}).get("enabled")))
         self._shapes = run.dataset.sample_shapes()
-        for note in run.notes:
+        for note in run.notes + ([self.captions.describe()] if self.captions is not None else []):
             self.log(f"ds_adaptive.train: {note}")
         if o.resume:
             self.resume(o.resume)
@@ -96,7 +104,10 @@ class Trainer:
         self.fusion = FusionWarmup.attach(run, self.log)   # None with block fusion off
         warm_block_fusion(self.fusion, run.sampler, sp=self.layout.sp_size, epoch=self.epoch,
                           pin_memory=self.batches.pin_memory)
-        self.preview = PreviewRunner.attach(run, engine=self.engine, metrics=self.metrics, log=self.log)
+        self.preview = PreviewRunner.attach(run, engine=self.engine, metrics=self.metrics, log=self.log,
+                                            weights=self.ema.swapped if self.ema is not None else None)
+        self.validation = ValidationRunner.attach(run, engine=self.engine, metrics=self.metrics, log=self.log,
+                                                  ema=self.ema)
         self.ckpt_policy = run.cfg.adaptive_load.sampler.checkpointing
         mcfg = run.cfg.adaptive_load.metrics
         self.memory_log = MemoryLog(run.sampler, run.zero_stage, self.layout.world, mcfg.log_dir,
@@ -147,6 +158,8 @@ class Trainer:
         st.global_step += 1
         st.step_in_epoch += 1
         applied = bool(self.engine.was_step_applied())  # False: DeepSpeed skipped a non-finite update
+        if self.ema is not None:
+            self.ema.after_step(st.global_step)
         rec = self.metrics.end_step(st.global_step, float(loss_num), loss_den, step_lr,
                                     log=st.global_step == self.opts.steps, skipped=not applied)
         self.memory_log.end_step(rec)
@@ -178,6 +191,8 @@ class Trainer:
         latents = batch["latents"].to(run.device, non_blocking=True)
         context = batch["context"].to(run.device, non_blocking=True)
         context = F.pad(context, (0, 0, 0, run.text_len - context.shape[1]))
+        if self.captions is not None:   # per sample, from (seed, epoch, index): the same after a resume
+            context = self.captions.apply(context, batch["index"], st.epoch)
         metrics.data_ready()
         shape = self._shapes[int(batch["index"][0])]
         tokens = shape.tokens
@@ -254,6 +269,8 @@ class Trainer:
                 progress.update(rec, o.steps)
                 if self.preview is not None:  # every rank: ZeRO-3 gathers parameters collectively
                     self.preview.after_step(st.global_step, last=st.global_step == o.steps)
+                if self.validation is not None:  # every rank, likewise
+                    self.validation.after_step(st.global_step, last=st.global_step == o.steps)
                 if o.save and o.save_every and st.global_step % o.save_every == 0:
                     self.save()
                     last_saved = st.global_step
@@ -269,6 +286,8 @@ class Trainer:
             path = self.metrics.write_summary(summary)
             print(format_summary(summary))
             print(f"summary written to {path}", flush=True)
+            if self.run.cfg.adaptive_load.metrics.plot:
+                draw_at_end(self.run.cfg.adaptive_load.metrics.log_dir, self.log)
         return summary
 
     def _summary(self, stopped) -> dict:
@@ -290,6 +309,12 @@ class Trainer:
             summary["lora"] = {k: v for k, v in self.run.lora.client_state().items() if k not in ("base", "modules")}
         if self.preview is not None:
             summary["preview"] = self.preview.summary()
+        if self.ema is not None:
+            summary["ema"] = self.ema.summary()
+        if self.captions is not None:   # every rank: one all-reduce
+            summary.update(self.captions.summary(self.run.device))
+        if self.validation is not None:
+            summary.update(self.validation.summary())
         if stopped is not None:
             stopped["checkpoint"] = str(Path(o.save) / tag_for(st.global_step)) if o.save else None
             stopped["exit_code"] = EXIT_PREEMPTED
