@@ -137,6 +137,7 @@ class EmaState:
         with torch.no_grad():
             self.tensors = [s.local().detach().to(self.device, torch.float32, copy=True) for s in self.slots]
         self.updates, self.last_step = 0, None
+        self.predicted_bytes: Optional[float] = None   # what the memory model counts for this rank's slices
 
     # ---------------------------------------------------------------- construction from a run
     @classmethod
@@ -147,6 +148,8 @@ class EmaState:
         if cfg is None:
             return None
         state = cls(cfg, select_parameters(engine.module, cfg.parameters), device=run.ema_device, log=log)
+        part = run.profile.static_memory_parts(run.zero_stage, run.layout.world).get("ema")
+        state.predicted_bytes = None if part is None else part * 2**30   # the plan's term (None: on the host)
         log(f"ds_adaptive: {state.describe()}")
         return state
 
@@ -300,7 +303,8 @@ class EmaState:
 
     def summary(self) -> dict:
         """For the run summary."""
-        return {**self.record(), "bytes_per_rank": self.nbytes(), "device": str(self.device)}
+        return {**self.record(), "bytes_per_rank": self.nbytes(), "predicted_bytes_per_rank": self.predicted_bytes,
+                "device": str(self.device)}
 
 
 def _read(path: Path) -> dict:
