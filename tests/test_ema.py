@@ -230,3 +230,34 @@ def test_the_config_block_is_strict():
             AdaptiveLoadConfig.model_validate({"ema": bad})
     block = AdaptiveLoadConfig.model_validate({"ema": {"parameters": "lora"}})
     assert any(p.key == "ema" and "adaptive_load.lora is not enabled" in p.message for p in run_problems({}, block))
+
+
+@pytest.mark.parametrize("model, device, where", [("wan2.1-1.3b", "auto", "accelerator"),
+                                                  ("wan2.1-14b", "auto", "cpu"),
+                                                  ("wan2.1-14b", "accelerator", "accelerator")])
+def test_auto_placement_keeps_the_ema_where_the_plan_has_room(model, device, where):
+    """The dry-run build of 8 GPUs: Wan 1.3B's EMA (0.66 GiB per GPU) stays on the accelerator and the budget
+    shrinks by it; Wan 14B's (6.65 GiB) would cost the plan a shape that fits without it, so ``auto`` keeps it in
+    host memory (a note says why) and plans without it; ``accelerator`` keeps it there regardless."""
+    import json as _json
+    import warnings
+
+    from conftest import CONFIGS
+    from ds_adaptive.core.layout import Layout
+    from ds_adaptive.training.assemble import build_run
+    from ds_adaptive.training.run_config import RunConfig
+
+    raw = _json.loads((CONFIGS / "zero3_adaptive.json").read_text())
+    raw["adaptive_load"]["sampler"]["oversize"] = "skip"
+    raw["adaptive_load"]["ema"] = {"device": device}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run = build_run(RunConfig.load(raw, trainer={"model": model}), layout=Layout.for_world(8), meta=True,
+                        gpu_mem_gib=80.0)
+    parts = run.profile.static_memory_parts(run.zero_stage, 8)
+    n = sum(p.numel() for p in run.model.parameters())
+    if where == "accelerator":
+        assert run.ema_device.type == "meta" and parts["ema"] == pytest.approx(4 * n / 8 / 2**30)
+    else:
+        assert run.ema_device.type == "cpu" and "ema" not in parts
+        assert any(note.startswith("EMA on the CPU") and "fits without the EMA" in note for note in run.notes)

@@ -26,9 +26,8 @@ from ds_adaptive.training.run_config import RunConfig
 from ds_adaptive.planning.validate import RunFacts, validate_run
 from ds_adaptive.models.registry import get_model
 from ds_adaptive.parallel import apply_ulysses
-from ds_adaptive.data import build_dataset, split_held_out
-from ds_adaptive.core.features import validation_count
-from ds_adaptive.planning.memory import sample_memory
+from ds_adaptive.data import build_dataset
+from ds_adaptive.training.placement import ema_param_count, sampler_and_ema, split_for_validation
 from ds_adaptive.ops import apply_ln_modulate
 from ds_adaptive.models.family import ModelError, missing_members
 from ds_adaptive.attention.backends import select_backend
@@ -150,7 +149,7 @@ def build_run(cfg: RunConfig, *, layout: Optional[Layout] = None, device: Option
     dtype = torch.bfloat16 if ds_config["bf16"]["enabled"] else (
         torch.float16 if (ds_config.get("fp16") or {}).get("enabled") else torch.float32)
     notes: list = []
-    dataset, held_out = _split(cfg, _build_dataset(cfg, preset, notes), notes)
+    dataset, held_out = split_for_validation(cfg, _build_dataset(cfg, preset, notes), notes)
     if on_gpu and not meta and gpu_mem_gib is None:
         from deepspeed.accelerator import get_accelerator
 
@@ -163,10 +162,12 @@ def build_run(cfg: RunConfig, *, layout: Optional[Layout] = None, device: Option
     # reads the ds_config.
     lora_cfg = cfg.adaptive_load.lora  # LoRA: only the adapters have gradients and optimizer state (memory model)
     adapters = adapter_parameters(model_config, lora_cfg, spec=preset) if lora_cfg.enabled else None
-    sampler, ema_device = _sampler_and_ema(cfg, dataset, layout, ds_config, gpu_mem_gib, notes, device=device,
-                                           ema_params=_ema_params(cfg, preset, model_config, adapters),
-                                           model_config=model_config, sparse_cost=sparse_cost, meta=meta,
-                                           adapter_params=adapters)
+    build = lambda out, ema: _build_sampler(cfg, dataset, layout, ds_config, gpu_mem_gib, out,  # noqa: E731
+                                            model_config=model_config, sparse_cost=sparse_cost, device=device,
+                                            meta=meta, adapter_params=adapters, ema_params=ema)
+    sampler, ema_device = sampler_and_ema(build, cfg, dataset, layout, ds_config, notes, device=device,
+                                          ema_params=ema_param_count(cfg, preset, model_config, adapters),
+                                          gpu_mem_gib=gpu_mem_gib)
     model = _build_model(cfg, preset, model_config, ds_config, meta=meta)
     notes.extend(_leaf_blocks(model, cfg.adaptive_load, _zero_stage(ds_config)))
     notes.extend(_checkpoint_attention(model, cfg.adaptive_load.sampler, sampler.cost.checkpoint_attention, t.model))
@@ -184,80 +185,6 @@ def build_run(cfg: RunConfig, *, layout: Optional[Layout] = None, device: Option
     return Run(cfg=cfg, layout=layout, device=device, ds_config=ds_config, dtype=dtype, preset=preset,
                model_config=model_config, model=model, dataset=dataset, sampler=sampler, gpu_mem_gib=gpu_mem_gib,
                notes=notes, sparse=sparse, lora=lora, validation=held_out, ema_device=ema_device)
-
-
-def _split(cfg: RunConfig, dataset, notes: list):
-    """``(training split, held-out split)`` for ``adaptive_load.validation`` (else ``(dataset, None)``)."""
-    v = cfg.adaptive_load.validation
-    if v is None:
-        return dataset, None
-    try:
-        count = validation_count(v, len(dataset))
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    train, held_out = split_held_out(dataset, count=count, seed=v.seed)
-    notes.append(f"validation: {count} of {len(dataset)} samples held out (adaptive_load.validation.samples "
-                 f"{v.samples!r}, seed {v.seed}); the sampler plans the other {len(train)}")
-    return train, held_out
-
-
-def _ema_params(cfg: RunConfig, preset, model_config, adapters: Optional[int]) -> Optional[int]:
-    """Parameters the EMA averages (the memory model's count; None without ``adaptive_load.ema``): the LoRA
-    adapters, else every parameter of the model (counted on the meta device)."""
-    ema = cfg.adaptive_load.ema
-    if ema is None:
-        return None
-    if cfg.adaptive_load.lora.enabled:
-        return int(adapters)
-    with torch.device("meta"):
-        return sum(p.numel() for p in preset.build(model_config).parameters())
-
-
-def _sampler_and_ema(cfg: RunConfig, dataset, layout: Layout, ds_config: dict, gpu_mem_gib, notes: list, *,
-                     device: torch.device, ema_params: Optional[int], **kw):
-    """The batch sampler, and where the EMA lives (None: no EMA). The EMA on the accelerator is static memory the
-    plan counts (``m_mem: auto`` shrinks by it); ``ema.device: auto`` keeps it there unless the budget left would
-    not hold every sample at batch 1 (or none is left): then the EMA goes to the CPU and the plan is made without
-    it, with a note naming both."""
-    ema = cfg.adaptive_load.ema
-    if ema is None or ema.device == "cpu":
-        sampler = _build_sampler(cfg, dataset, layout, ds_config, gpu_mem_gib, notes, device=device, **kw)
-        return sampler, (None if ema is None else torch.device("cpu"))
-    gas, trial = ds_config["gradient_accumulation_steps"], []
-    try:
-        sampler = _build_sampler(cfg, dataset, layout, ds_config, gpu_mem_gib, trial, device=device,
-                                 ema_params=ema_params, **kw)
-        problem = _ema_crowds_out(sampler, dataset, cfg, ema_params * 4 / max(layout.world_size, 1) / 2**30,
-                                  gpu_mem_gib, zero_stage=_zero_stage(ds_config), world=layout.world_size)
-    except ValueError as exc:   # m_mem auto found no memory left, or a sample over every budget
-        if ema.device != "auto":
-            raise
-        problem = str(exc).split(". ")[0]
-    if problem is None or ema.device != "auto":
-        notes.extend(trial)
-        return sampler, device
-    ds_config["gradient_accumulation_steps"] = gas   # the first attempt resolved "auto": plan it again
-    sampler = _build_sampler(cfg, dataset, layout, ds_config, gpu_mem_gib, notes, device=device, **kw)
-    gib = ema_params * 4 / max(layout.world_size, 1) / 2**30
-    notes.append(f"EMA on the CPU (adaptive_load.ema.device auto): {gib:.2f} GiB per rank on the accelerator would "
-                 f"leave too little for the plan ({problem}); each update copies the rank's slice to the host")
-    return sampler, torch.device("cpu")
-
-
-def _ema_crowds_out(sampler, dataset, cfg: RunConfig, ema_gib: float, gpu_mem_gib, *, zero_stage: int,
-                    world: int) -> Optional[str]:
-    """What the EMA on the accelerator costs the plan, or None: a ``sampler.m_mem`` that no longer fits beside the
-    static memory, or a sample that fits one GPU at batch 1 only without the EMA's ``ema_gib``."""
-    cost, m_mem = sampler.cost, sampler.params.m_mem
-    room = cost.usable_memory_gib(gpu_mem_gib, cfg.adaptive_load.sampler.mem_utilization) - \
-        cost.profile.static_memory_gib(zero_stage, world)
-    if m_mem > room * (1 + 1e-9):
-        return f"sampler.m_mem {m_mem:.2f} GiB > the {room:.2f} GiB left beside the static memory"
-    lost = [s for s in sorted(set(dataset.sample_shapes()), key=str) if m_mem < sample_memory(cost, s) <= m_mem + ema_gib]
-    if lost:
-        return (f"m_mem {m_mem:.2f} GiB < the {sample_memory(cost, lost[0]):.2f} GiB one sample of {lost[0]} needs, "
-                f"which fits without the EMA")
-    return None
 
 
 def _engine_config(cfg: RunConfig, layout: Layout, *, on_gpu: bool, announce: bool) -> dict:
