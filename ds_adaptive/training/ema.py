@@ -185,9 +185,9 @@ class EmaState:
             for t, s in zip(self.tensors, self.slots):
                 t.copy_(s.local())
         elif what == "update":
-            weight = 1.0 - float(self.cfg.decay)
-            for t, s in zip(self.tensors, self.slots):
-                t.lerp_(s.local().to(t.device, torch.float32), weight)
+            weight = 1.0 - float(self.cfg.decay)   # one fused launch per list (hundreds of tensors on a GPU)
+            torch._foreach_lerp_(self.tensors, [s.local().to(t.device, torch.float32)
+                                                for t, s in zip(self.tensors, self.slots)], weight)
             self.updates += 1
         if what:
             self.last_step = int(step)
