@@ -178,20 +178,19 @@ def test_the_planner_plans_for_fusion_only_where_it_can_run(monkeypatch):
 
 
 def test_a_fusion_fallback_after_a_fused_plan_stops_with_one_line():
-    from ds_adaptive.training.trainer import Trainer
+    from ds_adaptive.training.warmups import warm_block_fusion
 
-    def fake(planned, fallback):
+    def warm(planned, fallback):
         fusion = types.SimpleNamespace(mode="regions", fallback=fallback, before_step=lambda *a: None)
         profile = types.SimpleNamespace(block_fusion=planned, name="p")
         sampler = types.SimpleNamespace(plan=None, cost=types.SimpleNamespace(profile=profile))
-        return types.SimpleNamespace(fusion=fusion, run=types.SimpleNamespace(sampler=sampler), _pin_memory=lambda: False,
-                                     _fusion_pairs=None, epoch=0)
+        warm_block_fusion(fusion, sampler, sp=1, epoch=0, pin_memory=False)
 
-    Trainer._warm_block_fusion(fake("regions", None))       # compiled: fine
-    Trainer._warm_block_fusion(fake("off", "no triton"))    # eager, planned eager: fine (the warm-up warned)
+    warm("regions", None)       # compiled: fine
+    warm("off", "no triton")    # eager, planned eager: fine (the warm-up warned)
     with pytest.raises(ConfigError, match=r"could not compile here, but the plan counts its smaller activations.*"
                                           r"set adaptive_load.block_fusion to 'off'"):
-        Trainer._warm_block_fusion(fake("regions", "no triton"))
+        warm("regions", "no triton")
 
 
 def test_calibrate_measures_with_block_fusion_compiled_for_every_point_and_records_it(monkeypatch):

@@ -119,7 +119,7 @@ def test_gradient_accumulation_auto_and_fixed():
 def test_build_run_gives_deepspeed_the_sampler_count_and_the_trainer_checks_it():
     from ds_adaptive.training.assemble import build_run
     from ds_adaptive.training.run_config import RunConfig, UsageError
-    from ds_adaptive.training.trainer import check_accumulation
+    from ds_adaptive.training.engine import check_accumulation
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "launch" / "configs" / "zero3_adaptive.json"

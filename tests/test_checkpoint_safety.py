@@ -435,7 +435,7 @@ def test_second_run_corrupt_checkpoint_and_export(tmp_path):
 POISON = textwrap.dedent("""
     import sys
     import torch
-    import ds_adaptive.training.trainer as T
+    import ds_adaptive.training.engine as T
     from ds_adaptive.cli.train import exit_process, main
 
     calls = {"n": 0}
@@ -561,20 +561,20 @@ def test_sigkill_of_one_rank_stops_all_with_one_line_and_the_resume_command(tmp_
 ONE_RANK_FAILS = textwrap.dedent("""
     import os, sys
     import torch
-    import ds_adaptive.training.trainer as T
+    import ds_adaptive.training.batches as B
     from ds_adaptive.data import DataError
     from ds_adaptive.launch.supervise import die_with_parent
     from ds_adaptive.cli.train import exit_process, main
 
     die_with_parent()
     calls = {"n": 0}
-    real = T.Trainer._next_batch
-    def failing(self, micro):   # the 5th batch of rank 1 cannot be read (a bad sample, a failing load)
+    real = B.Batches.next
+    def failing(self, micro, **position):   # the 5th batch of rank 1 cannot be read (a bad sample, a failing load)
         calls["n"] += 1
         if calls["n"] == 5 and torch.distributed.get_rank() == 1:
             raise DataError("sample 17 (id 'clip-017') of shard-00003.safetensors: 2 non-finite values")
-        return real(self, micro)
-    T.Trainer._next_batch = failing
+        return real(self, micro, **position)
+    B.Batches.next = failing
     exit_process(main(sys.argv[1:]))
 """)
 

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from ds_adaptive.planning.profile import load_profile
-from ds_adaptive.training.metrics import WAIT_POINTS, ComputeTimer, StepMetrics
+from ds_adaptive.training.metrics import StepMetrics
+from ds_adaptive.training.timers import WAIT_POINTS, ComputeTimer
 from ds_adaptive.core.config import MetricsConfig
 from ds_adaptive.simulation import e2e
 

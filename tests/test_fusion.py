@@ -187,7 +187,7 @@ def test_warm_up_with_fusion_off_compiles_nothing():
 
 
 def test_the_run_summary_names_the_warm_up():
-    from ds_adaptive.training.metrics import format_summary
+    from ds_adaptive.training.summary import format_summary
 
     s = {"steps": 3, "samples": 3, "tokens": 30, "wall_s": 1.0, "tokens_per_s": 30.0, "samples_per_s": 3.0,
          "step_s_mean": 0.3, "warmup_steps": 1, "peak_mem_gib": 1.0, "mem_capacity_gib": 2.0, "peak_mem_frac": 0.5,

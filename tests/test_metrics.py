@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from ds_adaptive.core.config import MetricsConfig
-from ds_adaptive.training.metrics import StepMetrics, cv, format_summary
+from ds_adaptive.training.metrics import StepMetrics
+from ds_adaptive.training.balance import cv
+from ds_adaptive.training.summary import format_summary
 
 
 def test_cv():
@@ -49,11 +51,21 @@ def test_records_summary_and_logs(tmp_path):
     assert json.loads(path.read_text())["steps"] == 6
     m.close()
     logged = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in logged] == [1, 2, 4, 5, 6]
+    assert [r["step"] for r in logged] == [1, 2, 3, 4, 5, 6]   # metrics.jsonl: every step (jsonl_interval 1)
     assert {"loss", "cv_step", "compute_cv", "tokens_per_s", "peak_mem_gib"} <= set(logged[0])
     assert any((tmp_path / "logs" / "tensorboard").iterdir())
     text = format_summary(s)
     assert "tokens/s" in text and "CV_step" in text and "falling" in text
+
+
+def test_jsonl_interval_null_logs_at_the_tensorboard_interval(tmp_path):
+    cfg = MetricsConfig(interval=2, jsonl_interval=None, tensorboard=False, log_dir=str(tmp_path / "logs"))
+    m = StepMetrics(cfg, micro_steps_per_step=2, device=torch.device("cpu"))
+    for k in range(1, 7):
+        _step(m, k, [(0.0, 1, 10), (0.0, 1, 10)], 1.0)
+    m.close()
+    logged = [json.loads(line)["step"] for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert logged == [1, 2, 4, 5, 6]   # the first, every 2nd and the one asked for (log=True at step 5)
 
 
 def test_summary_reports_a_rising_loss():

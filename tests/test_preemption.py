@@ -17,7 +17,7 @@ import torch
 
 from ds_adaptive.core.ports import free_port
 from ds_adaptive.training.checkpoint import MARKER, check_checkpoint, find_resumable, prune_checkpoints, write_latest
-from ds_adaptive.training.metrics import json_safe
+from ds_adaptive.training.summary import json_safe
 from ds_adaptive.training.preempt import EXIT_PREEMPTED
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -120,7 +120,7 @@ def test_nan_sample_is_an_error_naming_sample_and_shard(tmp_path):
 NAN_STEP = textwrap.dedent("""
     import json, sys
     import torch
-    import ds_adaptive.training.trainer as T
+    import ds_adaptive.training.engine as T
     from ds_adaptive.cli.train import main
 
     calls = {"n": 0}
@@ -153,17 +153,18 @@ def test_nonfinite_loss_step_is_skipped_counted_and_logged_as_valid_json(tmp_pat
 def _checker(**opts):
     from types import SimpleNamespace
 
-    from ds_adaptive.training.trainer import Trainer
+    from ds_adaptive.training.nonfinite import NonFiniteGuard
 
     logs = []
-    fake = SimpleNamespace(run=SimpleNamespace(ds_config={}), nonfinite_steps=[], log=logs.append,
-                           opts=SimpleNamespace(**{"nonfinite": "skip", "nonfinite_limit": 20, **opts}))
-    return (lambda step, loss, applied: Trainer._check_finite(fake, SimpleNamespace(step=step, loss=loss), applied)), \
-        fake, logs
+    o = {"nonfinite": "skip", "nonfinite_limit": 20, "fp16": False, **opts}
+    guard = NonFiniteGuard(o["nonfinite"], o["nonfinite_limit"], fp16=o["fp16"], log=logs.append)
+    fake = SimpleNamespace(nonfinite_steps=[])
+    return (lambda step, loss, applied: guard.check(SimpleNamespace(step=step, loss=loss), applied,
+                                                    fake.nonfinite_steps)), fake, logs
 
 
 def test_nonfinite_policy_stop_limit_and_an_applied_update():
-    from ds_adaptive.training.trainer import NonFiniteError
+    from ds_adaptive.training.nonfinite import NonFiniteError
 
     check, fake, logs = _checker()
     check(1, 0.5, True)
@@ -180,7 +181,7 @@ def test_nonfinite_policy_stop_limit_and_an_applied_update():
     check, fake, _ = _checker()
     with pytest.raises(NonFiniteError, match="step 4: loss nan, and the optimizer applied the update"):
         check(4, float("nan"), True)
-    fake.run.ds_config, fake.nonfinite_steps = {"fp16": {"enabled": True}}, []
+    check, fake, _ = _checker(fp16=True)
     check(6, 1.0, False)  # fp16 loss-scale overflow skips are normal
     assert fake.nonfinite_steps == []
 

@@ -236,6 +236,26 @@ def test_encoding_matches_diffusers_wan_pipeline(assets):
         assert ref_row[g.shape[0]:].abs().max() == 0  # Wan zeroes past the prompt: collate's padding gives the same
 
 
+def test_the_empty_prompt_is_stored_as_the_wan_pipeline_encodes_it(assets, clean_run):
+    """Caption dropout's replacement: the text encoder's embedding of "" (diffusers' Wan pipeline, its unconditional
+    branch without a negative prompt), next to the index."""
+    from diffusers import WanVideoToVideoPipeline
+    from transformers import AutoTokenizer, UMT5EncoderModel
+
+    from ds_adaptive.data import EMPTY_PROMPT_FILE, LatentShardDataset
+
+    w = assets["weights"]
+    te, tok = UMT5EncoderModel.from_pretrained(w["--text-encoder"]), AutoTokenizer.from_pretrained(w["--tokenizer"])
+    pipe = WanVideoToVideoPipeline(tokenizer=tok, text_encoder=te, transformer=None, vae=None, scheduler=None)
+    ref, _ = pipe.encode_prompt([""], do_classifier_free_guidance=False, max_sequence_length=512,
+                                device=torch.device("cpu"))
+    assert (clean_run["out"] / EMPTY_PROMPT_FILE).is_file()
+    got = LatentShardDataset(clean_run["out"]).empty_context()
+    assert got.shape == (1, 4096)   # the EOS token alone
+    torch.testing.assert_close(got, ref[0, :1], rtol=0, atol=0)
+    assert ref[0, 1:].abs().max() == 0
+
+
 def test_stats_predicts_the_written_shapes_and_writes_a_usable_shapes_json(assets, clean_run, tmp_path, capsys):
     from ds_adaptive.preprocess.stats import main
 

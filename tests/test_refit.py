@@ -185,8 +185,8 @@ def test_the_trainer_summary_holds_the_plan_s_compute_against_its_windows(tmp_pa
     windows after the warm-up and, on one GPU off by more than 5%, gives the refit command."""
     from types import SimpleNamespace
 
-    from ds_adaptive.training.metrics import format_summary
-    from ds_adaptive.training.trainer import MemoryLog
+    from ds_adaptive.training.summary import format_summary
+    from ds_adaptive.training.memory_log import MemoryLog
 
     cost = CostModel(load_profile(PROFILE), "calibrated", checkpointing="auto", checkpoint_attention="recompute")
     log = MemoryLog(SimpleNamespace(cost=cost), 3, 1, str(tmp_path), True)

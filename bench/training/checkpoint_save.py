@@ -92,7 +92,7 @@ def deepspeed_engine(model_name: str, layers) -> tuple[object, str]:
     from ds_adaptive.core.ds_config import prepare_ds_config, read_ds_config
     from ds_adaptive.models.wan import WanModel
     from ds_adaptive.models.wan_config import get_wan_config
-    from ds_adaptive.training.trainer import init_distributed
+    from ds_adaptive.training.engine import init_distributed
 
     _, _, device = init_distributed(0)
     raw = dict(read_ds_config(ROOT / "launch" / "configs" / "zero3_adaptive.json"))

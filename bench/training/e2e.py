@@ -343,7 +343,7 @@ def eval_estimate_s(s: Settings, profile_path: str) -> float:
         return 0.0
     from ds_adaptive.data import build_dataset
     from ds_adaptive.models.objective import EVAL_TIMESTEPS
-    from ds_adaptive.training.trainer import EVAL_SEED_OFFSET
+    from ds_adaptive.training.evaluation import EVAL_SEED_OFFSET
 
     held = build_dataset("synthetic", num_samples=s.eval_samples, shapes=s.shapes,
                          seed=s.seed + EVAL_SEED_OFFSET).sample_shapes()

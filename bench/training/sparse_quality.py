@@ -100,7 +100,8 @@ def build_trainers(args, out_dir: Path):
     from ds_adaptive.training.assemble import build_run
     from ds_adaptive.training.run_config import RunConfig
     from ds_adaptive.planning.memory import configure_allocator
-    from ds_adaptive.training.trainer import Trainer, init_distributed
+    from ds_adaptive.training.trainer import Trainer
+    from ds_adaptive.training.engine import init_distributed
 
     configure_allocator()  # as the trainer's main does, before the first CUDA allocation
     _, _, device = init_distributed(0)
@@ -169,7 +170,7 @@ def capture_qk(trainer, num_samples: int, seed: int) -> list[dict]:
 
     from ds_adaptive.data import build_dataset
     from ds_adaptive.models.objective import eval_inputs
-    from ds_adaptive.training.trainer import EVAL_SEED_OFFSET
+    from ds_adaptive.training.evaluation import EVAL_SEED_OFFSET
 
     run, rt = trainer.run, trainer.sparse.runtime
     ds = build_dataset("synthetic", num_samples=num_samples, spec=run.preset.input_spec,

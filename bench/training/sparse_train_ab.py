@@ -300,7 +300,7 @@ def main(argv=None) -> int:
     if args.merge:
         return merge(args.merge, out)
     from ds_adaptive.planning.memory import configure_allocator
-    from ds_adaptive.training.trainer import init_distributed
+    from ds_adaptive.training.engine import init_distributed
 
     print(configure_allocator())  # as the trainer's main does, before the first CUDA allocation (the shipped
     # plan runs at ~95% of memory: without expandable segments the dense arm OOMed at step 6 with 24 GiB reserved)

@@ -72,7 +72,7 @@ class Segments:
         self.ms = defaultdict(float)
         self.calls = defaultdict(int)
         eng = trainer.engine
-        self._wrap(trainer, "_next_batch", "data")
+        self._wrap(trainer.batches, "next", "data")
         self._wrap(eng, "forward", "forward")
         self._wrap(eng, "backward", "backward")
         step = eng.step
@@ -192,7 +192,8 @@ def main(argv=None) -> int:
     from ds_adaptive.core.layout import Layout
     from ds_adaptive.training.assemble import build_run, leaf_block_count
     from ds_adaptive.training.run_config import RunConfig
-    from ds_adaptive.training.trainer import Trainer, init_distributed
+    from ds_adaptive.training.trainer import Trainer
+    from ds_adaptive.training.engine import init_distributed
 
     print(configure_allocator())
     _, _, device = init_distributed(0)

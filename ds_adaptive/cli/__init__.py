@@ -28,6 +28,7 @@ COMMANDS = {
     "preprocess": ("ds_adaptive.preprocess.run", "media + captions -> latent shards (the model's VAE + text encoder), multi-GPU, resumable"),
     "stats": ("ds_adaptive.preprocess.stats", "shape histogram (table, PNG, shapes json) of a latent dataset or manifest"),
     "data": ("ds_adaptive.cli.data", "a latent dataset's index: convert index.json -> index.arrow, check every shard"),
+    "plot": ("ds_adaptive.cli.plot", "one PNG of a training run: losses, tokens/s, peak memory and compute per rank"),
 }
 
 

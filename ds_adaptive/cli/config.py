@@ -46,6 +46,14 @@ def _bounds(field) -> str:
     return f" ({', '.join(marks)})" if marks else ""
 
 
+def _optional_block(ann: Any) -> Optional[type]:
+    """The model of an ``Optional[SomeBlock]`` annotation, else None."""
+    args = [a for a in typing.get_args(ann) if a is not type(None)]
+    if typing.get_origin(ann) is Union and len(args) == 1 and isinstance(args[0], type) and issubclass(args[0], BaseModel):
+        return args[0]
+    return None
+
+
 def markdown_reference() -> str:
     """The table of every key of the adaptive_load block, from the models' field docstrings."""
     rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
@@ -56,9 +64,15 @@ def markdown_reference() -> str:
             if isinstance(ann, type) and issubclass(ann, BaseModel):
                 walk(ann, f"{prefix}{name}.")
                 continue
+            block = _optional_block(ann)
+            if block is not None:   # a sub-block that is off when null (ema, caption_dropout, validation)
+                doc = " ".join((field.description or "").split()).replace("|", "\\|")
+                rows.append(f"| `{prefix}{name}` | object \\| null | `null` | {doc} |")
+                walk(block, f"{prefix}{name}.")
+                continue
             doc = " ".join((field.description or "").split()).replace("|", "\\|")
-            default = json.dumps(field.get_default(call_default_factory=True))
-            rows.append(f"| `{prefix}{name}` | {_type_name(ann)}{_bounds(field)} | `{default}` | {doc} |")
+            default = "required" if field.is_required() else f"`{json.dumps(field.get_default(call_default_factory=True))}`"
+            rows.append(f"| `{prefix}{name}` | {_type_name(ann)}{_bounds(field)} | {default} | {doc} |")
 
     walk(AdaptiveLoadConfig, f"{BLOCK_KEY}.")
     return "\n".join(rows)

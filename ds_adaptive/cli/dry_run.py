@@ -356,6 +356,7 @@ def run_checks(args: argparse.Namespace, extra: list[str]) -> tuple[Report, Opti
         run = _build_dry_run(rep, args, Layout.for_world(sp * dp, sp), extra)
         if run is not None:
             _check_memory_and_budgets(rep, args, run, n_params)
+            _feature_rows(rep, run)
 
     build = node_command if args.launcher == "node" else deepspeed_command
     cmd = build(launch, args, sp or args.sp or 1, extra) if launch is not None else None
@@ -528,6 +529,21 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(shlex.join(cmd))
     return 0
 
+
+
+def _feature_rows(rep: Report, run) -> None:
+    """One row each for ``adaptive_load.ema`` / ``caption_dropout`` / ``validation`` when they are set."""
+    al, parts = run.cfg.adaptive_load, run.profile.static_memory_parts(run.zero_stage, run.layout.world)
+    if al.ema is not None:
+        where = (f"{parts['ema']:.2f} GiB per GPU in the static memory above" if "ema" in parts else
+                 "host memory (not in the GPU's static memory)")
+        rep.row("ema", f"decay {al.ema.decay:g} every {al.ema.every} step(s), {al.ema.parameters} parameters: {where}",
+                "ok")
+    if al.caption_dropout is not None:
+        rep.row("captions", f"caption dropout rate {al.caption_dropout.rate:g} ({al.caption_dropout.replace})", "ok")
+    if run.validation is not None:
+        rep.row("validation", f"{len(run.validation)} held-out samples, every {al.validation.every} steps x "
+                              f"{al.validation.timesteps} timesteps; training plans {len(run.dataset)}", "ok")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -31,11 +31,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--base", default=None,
                     help="LoRA checkpoints exported whole: the base model's directory (default: the run's --init-from); "
                          "the adapters are merged into it")
+    ap.add_argument("--ema", action="store_true",
+                    help="export the EMA of the weights the run kept (adaptive_load.ema) instead of the trained weights")
     args = ap.parse_args(argv)
 
     try:
         f = export_checkpoint(args.checkpoint, args.to, tag=args.tag, dtype=args.dtype, model=args.model,
-                              layers=args.layers, lora=args.lora, base=args.base)
+                              layers=args.layers, lora=args.lora, base=args.base, ema=args.ema)
     except (ExportError, ModelError, LoraError) as exc:
         print(f"ds-adaptive export: error: {exc}", file=sys.stderr)
         return 2
@@ -44,7 +46,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         spec = get_model(cfg_model_name(*resolve_checkpoint(args.checkpoint, args.tag), args.model))
         print(f"wrote {f} (LoRA adapters, {loading_hint(spec, f.parent)})")
     else:
-        print(f"wrote {f.parent / 'config.json'} and {f} (diffusers layout, {args.dtype})")
+        print(f"wrote {f.parent / 'config.json'} and {f} (diffusers layout, {args.dtype}"
+              + (", the EMA weights)" if args.ema else ")"))
     return 0
 
 

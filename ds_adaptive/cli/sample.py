@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tag", default=None, help="checkpoint tag in a --save directory (default: its 'latest')")
     ap.add_argument("--base", default=None, help="LoRA checkpoints: the base model directory (default: the run's "
                                                  "--init-from)")
+    ap.add_argument("--ema", action="store_true", help="a checkpoint SOURCE: sample its EMA weights (adaptive_load.ema)")
     ap.add_argument("--lora", default=None, help="a diffusers-format LoRA file or directory (ds-adaptive export --lora)")
     ap.add_argument("--prompt", action="append", default=[], help="prompt text (repeat for several)")
     ap.add_argument("--negative", default=None, help="negative prompt text (with --text-encoder), or the name of its "

@@ -22,7 +22,8 @@ from ds_adaptive.models.objective import EVAL_TIMESTEPS, flow_matching_losses, s
 from ds_adaptive.training.run_config import DEFAULT_SAVE_INTERVAL, UsageError, run_config_from_args
 from ds_adaptive.core.shapes import ShapeError
 from ds_adaptive.launch.supervise import ENV_SUPERVISOR
-from ds_adaptive.training.trainer import backward_micro_batch, evaluate, init_distributed, shutdown_distributed  # noqa: F401
+from ds_adaptive.training.evaluation import evaluate  # noqa: F401  (public name)
+from ds_adaptive.training.engine import backward_micro_batch, init_distributed, shutdown_distributed  # noqa: F401
 from ds_adaptive.models.registry import model_names
 from ds_adaptive.core.layout import Layout
 from ds_adaptive.training.assemble import build_run
@@ -35,7 +36,8 @@ from ds_adaptive.planning.sampler import SamplerStateError
 from ds_adaptive.core.layout import SequenceParallelError
 from ds_adaptive.models.family import ModelError
 from ds_adaptive.training.preempt import EXIT_PEER_LOST, peer_lost
-from ds_adaptive.training.trainer import EXIT_PREEMPTED, NonFiniteError
+from ds_adaptive.training.trainer import EXIT_PREEMPTED
+from ds_adaptive.training.nonfinite import NonFiniteError
 
 
 def build_parser() -> argparse.ArgumentParser:

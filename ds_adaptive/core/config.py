@@ -21,6 +21,7 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ds_adaptive.core.features import CaptionDropoutConfig, EmaConfig, ValidationConfig
 from ds_adaptive.core.shapes import SampleShape, ShapeError
 
 BLOCK_KEY = "adaptive_load"
@@ -161,7 +162,14 @@ class MetricsConfig(_Block):
     """Step timing, balance figures and logs."""
 
     interval: int = Field(10, ge=1)
-    """Log every `interval` optimizer steps (JSONL, TensorBoard, progress bar)."""
+    """Log every `interval` optimizer steps (TensorBoard, W&B, progress bar; metrics.jsonl: `jsonl_interval`)."""
+
+    jsonl_interval: Optional[int] = Field(1, ge=1)
+    """Steps between metrics.jsonl lines (1: every step, what the run's plot draws); null: every `interval`."""
+
+    plot: bool = True
+    """At the end of the run, draw `log_dir`/run.png (losses, tokens/s, peak memory and compute per rank; needs
+    matplotlib, a note when it is missing); `ds-adaptive plot LOG_DIR` draws it on demand."""
 
     log_dir: str = "runs/ds_adaptive"
     """Directory for metrics.jsonl, TensorBoard events and the final summary.json."""
@@ -541,3 +549,12 @@ class AdaptiveLoadConfig(_Block):
 
     preview: PreviewConfig = Field(default_factory=PreviewConfig)
     """The sample-preview sub-block (off by default)."""
+
+    ema: Optional[EmaConfig] = None
+    """An EMA of the weights, partitioned like them (null: off; `export --ema`, `sample --ema`, previews use it)."""
+
+    caption_dropout: Optional[CaptionDropoutConfig] = None
+    """Caption dropout for classifier-free guidance (null: off)."""
+
+    validation: Optional[ValidationConfig] = None
+    """Validation on a held-out split of the dataset during training (null: off)."""

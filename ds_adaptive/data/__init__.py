@@ -23,12 +23,15 @@ from ds_adaptive.core.shapes import InputSpec
 from ds_adaptive.data.collate import collate_latents
 from ds_adaptive.data.index import INDEX_FILE, LEGACY_INDEX_FILE, IndexBuilder, ShardIndex, find_index, write_index
 from ds_adaptive.data.legacy_json import read_legacy_index, write_legacy_index
-from ds_adaptive.data.shards import LatentShardDataset, LatentShardWriter, open_index
+from ds_adaptive.data.shards import (EMPTY_PROMPT_FILE, LatentShardDataset, LatentShardWriter, open_index,
+                                     read_empty_prompt, write_empty_prompt)
+from ds_adaptive.data.split import DatasetView, split_held_out
 from ds_adaptive.data.synthetic import DEFAULT_TEXT_LEN, DataError, SyntheticLatentDataset
 
 __all__ = ["DataError", "SyntheticLatentDataset", "LatentShardDataset", "LatentShardWriter", "collate_latents",
            "build_dataset", "DEFAULT_TEXT_LEN", "INDEX_FILE", "LEGACY_INDEX_FILE", "IndexBuilder", "ShardIndex",
-           "find_index", "open_index", "read_legacy_index", "write_index", "write_legacy_index"]
+           "find_index", "open_index", "read_legacy_index", "write_index", "write_legacy_index", "EMPTY_PROMPT_FILE",
+           "write_empty_prompt", "read_empty_prompt", "DatasetView", "split_held_out"]
 
 
 def build_dataset(data: str, *, num_samples: int = 10000, shapes: Union[str, Path, None] = None,

@@ -34,6 +34,10 @@ from ds_adaptive.data.index import FORMAT, INDEX_FILE, LEGACY_INDEX_FILE, ShardI
 from ds_adaptive.data.legacy_json import read_legacy_index
 from ds_adaptive.data.synthetic import DataError
 
+EMPTY_PROMPT_FILE = "empty_prompt.safetensors"
+"""The text encoder's embedding of the empty prompt, tensor ``context`` ``[L, text_dim]``, next to the index
+(``ds-adaptive preprocess`` and ``synth`` write it): what caption dropout trains the unconditional branch with."""
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 VERIFY_MODES = ("lazy", "open", "off")
 
@@ -145,6 +149,32 @@ class LatentShardWriter:
     def __exit__(self, exc_type, *_exc) -> None:
         if exc_type is None:
             self.close()
+
+
+def write_empty_prompt(out_dir: Union[str, Path], context: torch.Tensor) -> Path:
+    """Store the empty prompt's embedding ``[L, text_dim]`` as ``out_dir/``:data:`EMPTY_PROMPT_FILE` (atomically)."""
+    path = Path(out_dir) / EMPTY_PROMPT_FILE
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    save_safetensors({"context": context.detach().cpu().contiguous()}, tmp, metadata={"format": FORMAT})
+    os.replace(tmp, path)
+    return path
+
+
+def read_empty_prompt(path: Union[str, Path], spec: InputSpec, *, what: str) -> torch.Tensor:
+    """The empty-prompt embedding in the safetensors file ``path`` (one tensor, ``[L <= text_len, text_dim]`` of
+    ``spec``) as fp32; errors name ``what`` and the file."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            keys = list(f.keys())
+            t = f.get_tensor(keys[0]).float() if len(keys) == 1 else None
+    except (SafetensorError, OSError) as exc:
+        raise DataError(f"{what}: {path} is not a readable safetensors file ({exc})") from None
+    if t is None:
+        raise DataError(f"{what}: {path} must hold one tensor (the empty prompt's embedding), it holds {len(keys)}")
+    if t.dim() != 2 or t.shape[1] != spec.text_dim or not 1 <= t.shape[0] <= spec.text_len:
+        raise DataError(f"{what}: {path} holds a {list(t.shape)} tensor; the empty prompt's embedding must be "
+                        f"[L <= {spec.text_len}, {spec.text_dim}] ({spec.describe()})")
+    return t
 
 
 def open_index(root: Union[str, Path], spec: Optional[InputSpec] = None) -> ShardIndex:
@@ -303,6 +333,11 @@ class LatentShardDataset(torch.utils.data.Dataset):
         state = dict(self.__dict__)
         state["_handles"], state["_pid"] = {}, None
         return state
+
+    def empty_context(self) -> Optional[torch.Tensor]:
+        """The empty prompt's embedding stored with the dataset (:data:`EMPTY_PROMPT_FILE`), or None."""
+        path = self.root / EMPTY_PROMPT_FILE
+        return read_empty_prompt(path, self.spec, what=f"dataset {self.root}") if path.is_file() else None
 
     def describe(self) -> str:
         counts = np.bincount(self.shape_ids(), minlength=len(self.unique_shapes()))

@@ -14,7 +14,7 @@ import time
 from typing import Optional
 
 from ds_adaptive.core.shapes import ShapeError
-from ds_adaptive.data.shards import LatentShardWriter
+from ds_adaptive.data.shards import LatentShardWriter, write_empty_prompt
 from ds_adaptive.data.synthetic import DEFAULT_TEXT_LEN, DataError, SyntheticLatentDataset
 from ds_adaptive.models.family import ModelError
 from ds_adaptive.models.registry import default_model, get_model
@@ -57,6 +57,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 s = ds[i]
                 writer.add(f"{i:08d}", ds.shape_of(i), s["latents"], s["context"])
         index = writer.close()
+        write_empty_prompt(args.out, ds.empty_context())   # what caption dropout replaces a caption with
     except (DataError, ShapeError, FileNotFoundError, ModelError) as exc:
         print(f"ds-adaptive synth: {exc}", file=sys.stderr)
         return 2

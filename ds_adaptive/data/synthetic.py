@@ -73,6 +73,8 @@ class _World:
         self.bias = (0.5 * rng.standard_normal((num_classes, channels))).astype(np.float32)
         self.mix = (rng.standard_normal((num_classes, channels, waves))
                     * math.sqrt(2 * 0.74 / waves)).astype(np.float32)
+        # the "empty prompt": one token, like a text encoder's EOS-only output, from its own stream
+        self.empty = np.random.default_rng([world_seed, 0xE4]).standard_normal((1, text_dim), dtype=np.float32)
 
     def clean_latent(self, cls: int, latent_thw: tuple[int, int, int]) -> np.ndarray:
         """The noiseless latent [C, T', H', W'] of class ``cls`` (float32)."""
@@ -180,6 +182,10 @@ class SyntheticLatentDataset(torch.utils.data.Dataset):
         context = self.world.text_proto[cls] + 0.5 * rng.standard_normal((length, self.spec.text_dim),
                                                                          dtype=np.float32)
         return {"latents": torch.from_numpy(latent), "context": torch.from_numpy(context), "index": index}
+
+    def empty_context(self) -> torch.Tensor:
+        """The synthetic world's embedding of the empty prompt, ``[1, text_dim]`` fp32 (fixed by its world seed)."""
+        return torch.from_numpy(self.world.empty.copy())
 
     def describe(self) -> str:
         n_img = sum(1 for k in self._shape_ids if self.distribution[k].shape.is_image)

@@ -14,7 +14,9 @@ pipeline directory (it has ``model_index.json``, e.g. a copy of the base pipelin
 the model's own folder in it (``transformer``, or ``transformer_2`` for the second expert of a
 mixture), so exporting both experts of a run pair into one copy gives a complete pipeline. The model
 (``--model`` and ``--layers`` of the run) comes from the checkpoint's ds_adaptive state;
-``--model`` / ``--layers`` give it for checkpoints written by other code.
+``--model`` / ``--layers`` give it for checkpoints written by other code. ``--ema`` exports the EMA of the
+weights the run kept (``adaptive_load.ema``: every rank's slices put together, ``ds_adaptive.training.ema``)
+instead of the trained weights; with ``--lora``, the EMA of the adapters.
 
 Exit status: 0 written, 2 a checkpoint or argument that cannot be exported (one message, no traceback).
 """
@@ -27,6 +29,7 @@ from ds_adaptive.models.family import ModelError
 from ds_adaptive.models.registry import get_model
 from ds_adaptive.training.checkpoint import (CLIENT_STATE_KEY, CheckpointError, check_checkpoint, last_good,
                                              read_client_state as checkpoint_client_state, read_marker)
+from ds_adaptive.training.ema import EmaError, consolidate as consolidate_ema
 from ds_adaptive.training.lora import export_lora, merged_weights
 
 
@@ -83,8 +86,9 @@ def read_client_state(ckpt_dir: Path) -> dict:
         raise ExportError(f"{exc}: export another one (--tag)") from None
 
 
-def consolidated_state_dict(save_dir: Path, tag: str) -> dict:
-    """Full fp32 tensors of every trained parameter (ZeRO shards merged), WanModel names."""
+def consolidated_state_dict(save_dir: Path, tag: str, *, ema: bool = False) -> dict:
+    """Full fp32 tensors of every trained parameter (ZeRO shards merged), WanModel names; ``ema``: the averaged
+    parameters replaced by the checkpoint's EMA of them."""
     import torch
 
     ckpt = save_dir / tag
@@ -105,12 +109,25 @@ def consolidated_state_dict(save_dir: Path, tag: str) -> dict:
     # a run under Ulysses SP may wrap the model (wrapper.model)
     if sd and all(k.startswith("model.") for k in sd):
         sd = {k[len("model."):]: v for k, v in sd.items()}
-    return sd
+    return with_ema(sd, ckpt) if ema else sd
+
+
+def with_ema(sd: dict, ckpt: Path) -> dict:
+    """``sd`` with every parameter the EMA of checkpoint ``ckpt`` averages replaced by its average (fp32)."""
+    try:
+        avg = consolidate_ema(ckpt)
+    except EmaError as exc:
+        raise ExportError(str(exc)) from None
+    unknown = sorted(set(avg) - set(sd))
+    if unknown:
+        raise ExportError(f"{ckpt}: the EMA averages {unknown[:3]}, which the checkpoint's weights do not hold; the "
+                          "EMA files belong to another run")
+    return {**sd, **avg}
 
 
 def export_checkpoint(ckpt: str, out: str, *, tag: Optional[str] = None, dtype: str = "fp32",
                       model: Optional[str] = None, layers: Optional[int] = None, lora: bool = False,
-                      base: Optional[str] = None) -> Path:
+                      base: Optional[str] = None, ema: bool = False) -> Path:
     """Write the diffusers-format transformer of a DeepSpeed checkpoint to ``out`` (or to the model's folder of
     the diffusers pipeline directory ``out``); returns the weights file. ``lora``: write only the LoRA adapters
     of a LoRA checkpoint (``out/pytorch_lora_weights.safetensors``, ``ds_adaptive.training.lora.export_lora``). A LoRA
@@ -126,8 +143,9 @@ def export_checkpoint(ckpt: str, out: str, *, tag: Optional[str] = None, dtype: 
     if lora:
 
         return export_lora(save_dir, tag, read_client_state(save_dir / tag), out,
-                           consolidated_state_dict(save_dir, tag), spec=get_model(cfg_model_name(save_dir, tag, model)))
-    cfg, sd = checkpoint_weights(save_dir, tag, model=model, layers=layers, base=base)
+                           consolidated_state_dict(save_dir, tag, ema=ema),
+                           spec=get_model(cfg_model_name(save_dir, tag, model)))
+    cfg, sd = checkpoint_weights(save_dir, tag, model=model, layers=layers, base=base, ema=ema)
     spec = get_model(cfg_model_name(save_dir, tag, model))
     with torch.device("meta"):
         net = spec.build(cfg)
@@ -149,7 +167,7 @@ def cfg_model_name(save_dir: Path, tag: str, model: Optional[str] = None) -> str
 
 
 def checkpoint_weights(save_dir: Path, tag: str, *, model: Optional[str] = None, layers: Optional[int] = None,
-                       base: Optional[str] = None):
+                       base: Optional[str] = None, ema: bool = False):
     """``(model config, {model parameter name: fp32 tensor})`` of the model a checkpoint holds (``export`` and
     ``ds-adaptive sample``): ZeRO shards consolidated, names and shapes checked by the family's weight adapter;
     a LoRA checkpoint's adapters merged into its base."""
@@ -164,7 +182,7 @@ def checkpoint_weights(save_dir: Path, tag: str, *, model: Optional[str] = None,
         cfg = spec.config(**({"num_layers": n_layers} if n_layers else {}))
     except ModelError as exc:
         raise ExportError(f"model {name!r} (layers {n_layers}): {exc}") from None
-    sd = consolidated_state_dict(save_dir, tag)
+    sd = consolidated_state_dict(save_dir, tag, ema=ema)
     if state.get("lora"):
 
         return cfg, merged_weights(cfg, state["lora"], sd, spec=spec, base=base, what=str(save_dir / tag))

@@ -73,12 +73,16 @@ def model_of_source(source: Optional[str], *, tag: Optional[str] = None, model: 
 
 
 def load_model(source: str, *, tag: Optional[str] = None, base: Optional[str] = None, lora: Optional[str] = None,
-               dtype: torch.dtype = torch.float32, device: str = "cpu", spec=None):
+               dtype: torch.dtype = torch.float32, device: str = "cpu", spec=None, ema: bool = False):
     """The model (eval mode, no gradients) of a checkpoint or model directory, with ``lora`` applied; ``spec``:
-    its registry entry (default :func:`model_of_source`). Returns ``(model, description)``."""
+    its registry entry (default :func:`model_of_source`); ``ema``: a checkpoint's EMA weights. Returns
+    ``(model, description)``."""
     spec = spec or model_of_source(source, tag=tag)
     p = Path(source)
     if _is_model_dir(p):
+        if ema:
+            raise SampleError(f"--ema: {source} is a model directory (exported weights); the EMA is in a training "
+                              "checkpoint: pass the --save directory, or export it with `ds-adaptive export CKPT --ema`")
         cfg = spec.weights.read_config(str(p), subfolder=spec.subfolder)
         if cfg is not None and not spec.takes_inputs_of(cfg):
             raise SampleError(f"{source} holds a model ({cfg}) that does not read the inputs of model {spec.name} "
@@ -87,11 +91,11 @@ def load_model(source: str, *, tag: Optional[str] = None, base: Optional[str] = 
         what = f"model {p} ({spec.name})"
     else:
         save_dir, tag = resolve_checkpoint(source, tag)
-        cfg, sd = checkpoint_weights(save_dir, tag, model=spec.name, base=base)
+        cfg, sd = checkpoint_weights(save_dir, tag, model=spec.name, base=base, ema=ema)
         with torch.device("meta"):
             model = spec.build(cfg)
         model.load_state_dict(sd, strict=True, assign=True)
-        what = f"checkpoint {save_dir / tag} ({spec.name})"
+        what = f"checkpoint {save_dir / tag} ({spec.name}{', EMA weights' if ema else ''})"
     if lora is not None:
         f = Path(lora) / LORA_FILE if Path(lora).is_dir() else Path(lora)
         pairs, scale = read_lora_file(f, spec=spec)
@@ -172,7 +176,7 @@ def sample(args) -> list[Path]:
     device = torch.device(args.device)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     model, what = load_model(args.source, tag=args.tag, base=args.base, lora=args.lora, dtype=dtype, device=args.device,
-                             spec=spec)
+                             spec=spec, ema=getattr(args, "ema", False))
     vae = None
     if args.vae is not None:
 

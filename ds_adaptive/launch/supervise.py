@@ -48,6 +48,7 @@ Exit status: 0 finished; 75 stopped by a forwarded signal with a checkpoint (the
 launcher's own report of it, 256-N, is mapped to 128+N) or the launcher itself killed by N; otherwise the
 status of the rank that failed first.
 
+The port claim is :mod:`ds_adaptive.launch.port_claim`, the view of the ranks :mod:`ds_adaptive.launch.rank_watch`.
 It imports the standard library, ``psutil`` (a DeepSpeed dependency) and :mod:`ds_adaptive.core.ports` (standard
 library only): ``python -m ds_adaptive.launch.supervise`` starts in well under a second, before torch.
 """
@@ -55,28 +56,23 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import errno
-import fcntl
-import glob
 import os
 import select
 import shlex
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from ds_adaptive.core.ports import free_port
+from ds_adaptive.launch.port_claim import (DEFAULT_MASTER_PORT, SHM_PREFIX, PortInUse, choose_master_port,  # noqa: F401
+                                           claim_port, port_lock_path, release_port, remove_shm_buffers, single_node)
+from ds_adaptive.launch.rank_watch import (EXIT_PEER_LOST, EXIT_PREEMPTED, EXIT_USAGE, LAUNCH_MODULE,  # noqa: F401
+                                           NODE_LAUNCH_MODULE, RankEnd, RankWatch, launcher_status, process_end,
+                                           rank_processes)
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)  # USR1: SLURM's --signal=USR1@N
-LAUNCH_MODULE = "deepspeed.launcher.launch"
-# Multi-node without ssh: the per-node launcher of ds_adaptive/launch/multinode/ starts the ranks itself.
-NODE_LAUNCH_MODULE = "ds_adaptive.launch.multinode"
 ENV_SUPERVISOR = "DS_ADAPTIVE_SUPERVISOR_PID"
 # DS_ADAPTIVE_REPEAT_SIGNAL=ignore (set by launch/train_wan.sh under SLURM): SLURM signals every process of the
 # step, and srun forwards its own copy, so one preemption arrives more than once; a repeat must not kill.
@@ -84,17 +80,8 @@ ENV_REPEAT_SIGNAL = "DS_ADAPTIVE_REPEAT_SIGNAL"
 ENV_RESUME_HINT = "DS_ADAPTIVE_RESUME_HINT"
 """The command that resumes this run (``launch/train_wan.sh`` sets it), for the rank-death message."""
 _PR_SET_PDEATHSIG = 1
-
-# The ranks' exit codes the supervisor tells apart (ds_adaptive.training.preempt; this file imports no package code:
-# tests/test_checkpoint_safety.py checks that they agree).
-EXIT_USAGE = 2
-EXIT_PEER_LOST = 3
-EXIT_PREEMPTED = 75
-DEFAULT_MASTER_PORT = 29500
-"""DeepSpeed's default rendezvous port (``deepspeed --master_port``)."""
 RANK_EXIT_GRACE = 10.0
 """Seconds the other ranks get to end on their own after one rank died or failed."""
-SHM_PREFIX = "/dev/shm/deepspeed_allreduce_buffer"
 
 # The reaper: waits for EOF on stdin (the supervisor closed the pipe: it exited or was killed).
 # A supervisor that exits normally first writes "done"; anything else kills the group.
@@ -144,28 +131,6 @@ def die_with_parent(sig: int = signal.SIGTERM) -> bool:
     return True
 
 
-def rank_processes(root_pid: int) -> list:
-    """The rank processes under ``root_pid``: children of a ``deepspeed.launcher.launch`` process, or of
-    the per-node launcher ``ds_adaptive.launch.multinode`` (which may be ``root_pid`` itself) (psutil.Process
-    objects; empty when none runs on this node)."""
-    import psutil
-
-    try:
-        root = psutil.Process(root_pid)
-        tree = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
-    ranks = []
-    for proc in tree:
-        try:
-            cmd = " ".join(proc.cmdline())
-            if LAUNCH_MODULE in cmd or f"-m {NODE_LAUNCH_MODULE} launch" in cmd:
-                ranks.extend(proc.children())
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return ranks
-
-
 def _group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
@@ -174,284 +139,6 @@ def _group_alive(pgid: int) -> bool:
         return False
     except PermissionError:
         return True
-
-
-# --- the rendezvous port (one job per port on this host) ---------------------------------------
-
-class PortInUse(RuntimeError):
-    """An explicitly chosen rendezvous port is taken on this host (one line, for the user)."""
-
-
-def _port_lock_path(port: int) -> Path:
-    return Path(tempfile.gettempdir()) / f"ds_adaptive.port-{port}.lock"
-
-
-def _listening(port: int) -> bool:
-    """Something on this host listens on TCP ``port`` (a bind with SO_REUSEADDR fails: TIME_WAIT does not count)."""
-    for family, addr in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
-        try:
-            s = socket.socket(family, socket.SOCK_STREAM)
-        except OSError:
-            continue
-        try:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind((addr, port))
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                return True
-        finally:
-            s.close()
-    return False
-
-
-def claim_port(port: int) -> tuple[Optional[int], str]:
-    """Hold ``port`` for this run: (file descriptor of the held flock, "") or (None, who has it). The lock file
-    is removed by :func:`release_port`; a holder checks that the file it locked is still the one at the path."""
-    path = _port_lock_path(port)
-    for _ in range(10):
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-        except PermissionError:  # another user's lock file: read-only is enough for flock
-            fd = os.open(path, os.O_RDONLY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            holder = ""
-            try:
-                holder = Path(path).read_text().strip()
-            except OSError:
-                pass
-            os.close(fd)
-            return None, f"held by another ds_adaptive run ({holder or 'see ' + str(path)})"
-        try:
-            if os.fstat(fd).st_ino == os.stat(path).st_ino:
-                break
-        except FileNotFoundError:
-            pass
-        os.close(fd)  # its holder removed the file while we opened it: lock the new one
-    else:
-        return None, f"its lock file {path} keeps changing"
-    if _listening(port):
-        release_port(port, fd)
-        return None, "another program listens on it"
-    try:
-        os.ftruncate(fd, 0)
-        os.write(fd, f"supervisor pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
-    except OSError:
-        pass
-    return fd, ""
-
-
-def release_port(port: int, fd: int) -> None:
-    """Give up a port claimed by :func:`claim_port` (its lock file removed while still locked)."""
-    try:
-        os.unlink(_port_lock_path(port))
-    except OSError:
-        pass
-    os.close(fd)
-
-
-def _runner_args(cmd: list[str]) -> Optional[tuple[int, dict]]:
-    """For a ``deepspeed`` runner command: (index of the user script, {runner option: value}); else None."""
-    if not cmd or (os.path.basename(cmd[0]) != "deepspeed" and "deepspeed.launcher.runner" not in cmd):
-        return None
-    opts: dict = {}
-    i = 1 if os.path.basename(cmd[0]) == "deepspeed" else cmd.index("deepspeed.launcher.runner") + 1
-    while i < len(cmd) and cmd[i].startswith("-"):
-        key, eq, value = cmd[i].partition("=")
-        if eq:
-            opts[key] = value
-            i += 1
-        elif i + 1 < len(cmd) and not cmd[i + 1].startswith("-") and not cmd[i + 1].endswith(".py"):
-            opts[key] = cmd[i + 1]
-            i += 2
-        else:
-            opts[key] = True
-            i += 1
-    return i, opts
-
-
-def single_node(opts: dict) -> bool:
-    """The runner options launch on this host only (no hostfile, DeepSpeed's default /job/hostfile absent)."""
-    if opts.get("--hostfile") or opts.get("-H") or os.path.isfile("/job/hostfile"):
-        return False
-    try:
-        return int(opts.get("--num_nodes", 1) or 1) <= 1
-    except ValueError:
-        return False
-
-
-def choose_master_port(cmd: list[str], *, default: int = DEFAULT_MASTER_PORT, log=print
-                       ) -> tuple[list[str], Optional[int], Optional[int]]:
-    """The ``deepspeed`` command with a rendezvous port held for this run: (command, port, lock fd).
-
-    Single node only (multi-node rendezvous is on the first host of the hostfile: port None, command as is).
-    ``--master_port P`` given and busy: :class:`PortInUse`. Not given: ``default`` if free, else a free port,
-    added to the command as ``--master_port`` and announced through ``log``."""
-    parsed = _runner_args(cmd)
-    if parsed is None:
-        return cmd, None, None
-    script_at, opts = parsed
-    if not single_node(opts):
-        return cmd, None, None
-    given = opts.get("--master_port")
-    port = int(given) if given not in (None, True) else default
-    fd, why = claim_port(port)
-    if fd is not None:
-        return cmd, port, fd
-    if given not in (None, True):
-        raise PortInUse(f"MASTER_PORT {port} is in use on this host: {why}; a second job on it fails or joins the "
-                        "first one's rendezvous. Choose a free port (MASTER_PORT=...), or leave MASTER_PORT unset to "
-                        "have one picked")
-    for _ in range(20):
-        new = free_port()
-        fd, _ = claim_port(new)
-        if fd is not None:
-            log(f"the default rendezvous port {port} is in use on this host: {why}; this run uses port {new} "
-                "(set MASTER_PORT to choose one)")
-            return cmd[:script_at] + ["--master_port", str(new)] + cmd[script_at:], new, fd
-    raise PortInUse(f"no free rendezvous port found on this host (the default {port} is {why}); set MASTER_PORT")
-
-
-def remove_shm_buffers(port: int) -> list[str]:
-    """Remove DeepSpeed's CPU shared-memory buffers of this user's job on ``port`` (after its ranks ended)."""
-    gone = []
-    for f in glob.glob(f"{SHM_PREFIX}_{os.getuid()}_*_{port}_*"):
-        try:
-            os.unlink(f)
-            gone.append(f)
-        except OSError:
-            pass
-    return gone
-
-
-# --- how each rank ended ---------------------------------------------------------------------
-
-@dataclass
-class RankEnd:
-    """One rank process that ended: its rank, pid, and the signal that killed it or its exit code (both None
-    when it was reaped before the supervisor could read its status)."""
-
-    rank: int
-    pid: int
-    signal: Optional[int] = None
-    code: Optional[int] = None
-
-    @property
-    def failed(self) -> bool:
-        """Ended by a signal, or with a status other than 0 and the preemption exit."""
-        return self.signal is not None or self.code not in (0, EXIT_PREEMPTED)
-
-    @property
-    def cause(self) -> bool:
-        """A failure of its own (not a rank that stopped because another was gone)."""
-        return self.failed and self.code != EXIT_PEER_LOST
-
-    def describe(self) -> str:
-        who = f"rank {self.rank} (pid {self.pid})"
-        if self.signal is not None:
-            return f"{who} was killed by {_signame(self.signal)}"
-        if self.code is None:
-            return f"{who} ended (its exit status was not seen)"
-        return f"{who} exited with status {self.code}"
-
-    def exit_status(self) -> Optional[int]:
-        return 128 + self.signal if self.signal is not None else self.code
-
-
-def _signame(sig: int) -> str:
-    try:
-        return f"{signal.Signals(sig).name} (signal {sig})"
-    except ValueError:
-        return f"signal {sig}"
-
-
-def process_end(pid: int) -> Optional[tuple[Optional[int], Optional[int]]]:
-    """None while ``pid`` runs; (signal, None) / (None, exit code) once it is a zombie (its parent has not reaped
-    it yet: /proc/PID/stat field 52, the wait status); (None, None) once it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError):
-        return None, None
-    if fields[0] not in ("Z", "X"):
-        return None
-    status = int(fields[49]) if len(fields) > 49 else -1
-    if status < 0:
-        return None, None
-    return (status & 0x7F, None) if status & 0x7F else (None, (status >> 8) & 0xFF)
-
-
-class RankWatch:
-    """The rank processes of this node (children of ``deepspeed.launcher.launch``) and how each ended.
-
-    Each rank gets a pidfd (Linux >= 5.3), readable the moment it exits, so :meth:`poll` runs before
-    DeepSpeed's launcher (which polls once a second) reaps it and the wait status is still readable."""
-
-    def __init__(self, root_pid: int) -> None:
-        self.root_pid = root_pid
-        self.ranks: dict[int, tuple[int, Optional[int]]] = {}  # pid -> (rank, pidfd)
-        self.ended: list[RankEnd] = []
-
-    def fds(self) -> list[int]:
-        done = {e.pid for e in self.ended}
-        return [fd for pid, (_, fd) in self.ranks.items() if fd is not None and pid not in done]
-
-    def _discover(self) -> None:
-        for proc in rank_processes(self.root_pid):
-            if proc.pid in self.ranks:
-                continue
-            try:
-                rank = int(proc.environ().get("RANK", len(self.ranks)))
-            except Exception:  # noqa: BLE001 - psutil AccessDenied / NoSuchProcess / a bad value
-                rank = len(self.ranks)
-            try:
-                fd = os.pidfd_open(proc.pid)
-            except (AttributeError, OSError):
-                fd = None
-            self.ranks[proc.pid] = (rank, fd)
-
-    def poll(self) -> list[RankEnd]:
-        """Ranks that ended since the last call (oldest first)."""
-        new = []
-        done = {e.pid for e in self.ended}
-        for pid, (rank, _) in self.ranks.items():
-            if pid in done:
-                continue
-            end = process_end(pid)
-            if end is not None:
-                new.append(RankEnd(rank, pid, *end))
-        self.ended += new
-        self._discover()
-        return new
-
-    def close(self) -> None:
-        for _, fd in self.ranks.values():
-            if fd is not None:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-
-    def first_failure(self) -> Optional[RankEnd]:
-        """The rank whose failure stopped the run: the first that failed on its own; else the first that ended
-        with an unseen status; else the first that lost its peers."""
-        for test in (lambda e: e.cause and (e.signal is not None or e.code is not None),
-                     lambda e: e.cause, lambda e: e.failed):
-            found = next((e for e in self.ended if test(e)), None)
-            if found is not None:
-                return found
-        return None
-
-
-def launcher_status(rc: int) -> int:
-    """The supervisor's exit status for the launcher's return code: a signal death -N is 128+N, and so is the
-    ``deepspeed`` launcher's 256-N (``sys.exit(-N)`` of a rank killed by signal N)."""
-    if rc < 0:
-        return 128 - rc
-    if 256 - 64 <= rc <= 255:
-        return 128 + (256 - rc)
-    return rc
 
 
 def _save_dir(cmd: list[str]) -> Optional[str]:
@@ -542,7 +229,7 @@ class Supervisor:
             signal.signal(s, self._on_signal)
         env = {**os.environ, ENV_SUPERVISOR: str(os.getpid())}
         self.proc = subprocess.Popen(self.cmd, start_new_session=True, env=env)
-        lock = [str(_port_lock_path(self.port))] if self.port is not None else []
+        lock = [str(port_lock_path(self.port))] if self.port is not None else []
         self.reaper = subprocess.Popen([sys.executable, "-c", _REAPER, str(self.proc.pid), *lock],
                                        stdin=subprocess.PIPE, start_new_session=True)
         self.watch = RankWatch(self.proc.pid)

@@ -15,6 +15,11 @@ and its loss is the MSE over the other frames. Images are never conditioned. Eve
 lands in, the ranks of a Ulysses group draw the same noise, and a resumed run draws what the
 straight run would have.
 
+Caption dropout (``adaptive_load.caption_dropout``): a sample's caption is replaced by the empty prompt's
+embedding (or zeros) with probability ``rate``, drawn from its own stream seeded by (seed, epoch, index), apart
+from the noise draws (:func:`caption_dropout_draws`, :func:`drop_captions`): the unconditional branch of
+classifier-free guidance stays trained, and a resumed run drops the captions of the straight run.
+
 Held-out evaluation uses ``EVAL_TIMESTEPS`` fixed ``u = lo + (hi - lo) (k + 0.5) / EVAL_TIMESTEPS`` (the
 model's u interval, (0, 1) by default) and noise seeded by (seed, k, index): a pure function of the weights.
 
@@ -68,6 +73,34 @@ def first_frame_draws(indices, *, seed: int, epoch: int, ratio: float) -> torch.
     out = [np.random.default_rng(np.random.SeedSequence([seed, epoch, int(i), 0x1F2F])).random() < ratio
            for i in torch.as_tensor(indices).tolist()]
     return torch.tensor(out, dtype=torch.bool)
+
+
+CAPTION_DROPOUT_STREAM = 0xCA9D
+"""Tag of the caption-dropout stream in a sample's seed sequence (the first-frame draws use 0x1F2F)."""
+
+
+def caption_dropout_draws(indices, *, seed: int, epoch: int, rate: float) -> torch.Tensor:
+    """``[B]`` bool: which samples train without their caption, each from its own stream (seeded by (seed, epoch,
+    index, :data:`CAPTION_DROPOUT_STREAM`)), with probability ``rate``."""
+    out = [np.random.default_rng(np.random.SeedSequence([seed, epoch, int(i), CAPTION_DROPOUT_STREAM])).random() < rate
+           for i in torch.as_tensor(indices).tolist()]
+    return torch.tensor(out, dtype=torch.bool)
+
+
+def drop_captions(context: torch.Tensor, dropped: torch.Tensor, empty: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``context`` ``[B, L, text_dim]`` with the rows ``dropped`` ``[B]`` replaced by ``empty`` ``[L0 <= L,
+    text_dim]`` zero-padded to ``L`` (as the trainer pads every caption), or by zeros when ``empty`` is None. A new
+    tensor when a row is dropped, ``context`` itself otherwise."""
+    dropped = torch.as_tensor(dropped, dtype=torch.bool, device=context.device)
+    if not bool(dropped.any()):
+        return context
+    b, length, dim = context.shape
+    row = context.new_zeros(length, dim)
+    if empty is not None:
+        if empty.dim() != 2 or empty.shape[1] != dim or empty.shape[0] > length:
+            raise ValueError(f"the empty-prompt embedding must be [L <= {length}, {dim}], got {list(empty.shape)}")
+        row[: empty.shape[0]] = empty.to(device=context.device, dtype=context.dtype)
+    return torch.where(dropped[:, None, None], row.expand(b, length, dim), context)
 
 
 def condition_first_frame(x0: torch.Tensor, x_t: torch.Tensor, timestep: torch.Tensor, cond: torch.Tensor,
@@ -144,18 +177,20 @@ def flow_matching_losses(model, latents: torch.Tensor, context: torch.Tensor, in
 
 
 def eval_inputs(latents: torch.Tensor, index: int, *, seed: int, shift: float, timesteps: int = EVAL_TIMESTEPS,
-                objective=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                objective=None, rows=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(x_t, timestep, target)`` of one held-out sample ``latents`` [C, T', H', W'] at the ``timesteps``
-    fixed u values of the model's u interval (a batch of ``timesteps`` rows), noise seeded by (seed, k, index)."""
+    fixed u values of the model's u interval (a batch of ``timesteps`` rows), noise seeded by (seed, k, index).
+    ``rows``: only the timesteps ``k`` in it (in its order; default all), each row as in the full batch."""
     device = latents.device
     k = timesteps
+    ks = list(range(k)) if rows is None else [int(r) for r in rows]
     lo, hi = _u_range(objective, shift)
-    u = lo + (hi - lo) * ((torch.arange(k, dtype=torch.float32, device=device) + 0.5) / k)
-    x0 = latents.float().unsqueeze(0).expand(k, *latents.shape)
+    u = lo + (hi - lo) * ((torch.tensor(ks, dtype=torch.float32, device=device) + 0.5) / k)
+    x0 = latents.float().unsqueeze(0).expand(len(ks), *latents.shape)
     eps = torch.empty_like(x0)
-    for row in range(k):
+    for row, kk in enumerate(ks):
         g = torch.Generator(device=device)
-        g.manual_seed(sample_seed(seed, row, index))
+        g.manual_seed(sample_seed(seed, kk, index))
         eps[row] = torch.randn(x0.shape[1:], generator=g, device=device)
     return noisy_inputs(x0, u, eps, shift=shift)
 

@@ -229,6 +229,9 @@ class Profile:
     #: LoRA: parameters added to the (frozen) model by adapters, the only ones with gradients and optimizer
     #: state (json ``static_memory.adapter_params``; None: every parameter is trained). :meth:`with_adapter_params`
     adapter_params: Optional[int] = None
+    #: an EMA of ``ema_params`` parameters kept in fp32 on the accelerator, partitioned over the ranks
+    #: (``ds_adaptive.training.ema``; None: no EMA on the accelerator). :meth:`with_ema`
+    ema_params: Optional[int] = None
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
     #: depth of the profile this one was rescaled from by :meth:`with_num_layers` (None: as loaded)
     rescaled_from_layers: Optional[int] = field(default=None, compare=False)
@@ -487,11 +490,19 @@ class Profile:
         return dataclasses.replace(self, adapter_params=None if adapter_params is None else int(adapter_params),
                                    raw=d)
 
+    def with_ema(self, ema_params: Optional[int]) -> "Profile":
+        """The same calibration for a run that keeps an EMA of ``ema_params`` parameters on the accelerator (fp32,
+        each rank the average of its slice: 4 bytes x ``ema_params`` / ranks at every ZeRO stage); None: none."""
+        if ema_params is not None and (isinstance(ema_params, bool) or int(ema_params) != ema_params or ema_params < 0):
+            raise ValueError(f"ema_params must be an int >= 0 or None, got {ema_params!r}")
+        return dataclasses.replace(self, ema_params=None if ema_params is None else int(ema_params))
+
     def static_memory_parts(self, zero_stage: int, shard_ranks: int, params: Optional[int] = None) -> dict:
         """GiB per GPU of ``params`` (default: the profile's model) under ZeRO ``zero_stage`` (0-3) with
         ``shard_ranks`` ranks sharing the partition (DeepSpeed+Ulysses partitions over dp*sp):
-        ``{"params", "grads", "optimizer", "zero3 live", "workspace"}``. With ``adapter_params`` (LoRA) the
-        weights are those of the model plus the adapters, gradients and optimizer state the adapters' only."""
+        ``{"params", "grads", "optimizer", "zero3 live", "workspace"}`` (and ``"ema"`` with :meth:`with_ema`). With
+        ``adapter_params`` (LoRA) the weights are those of the model plus the adapters, gradients and optimizer
+        state the adapters' only."""
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
         n = max(int(shard_ranks), 1)
@@ -503,15 +514,22 @@ class Profile:
         def sharded(kind: str, default: float, from_stage: int, number: int) -> float:
             return number * bpp.get(kind, default) / (n if zero_stage >= from_stage else 1) / GIB
 
-        return {"params": sharded("params", 2.0, 3, weights), "grads": sharded("grads", 2.0, 2, trained),
-                "optimizer": sharded("optimizer", 12.0, 1, trained),
-                "zero3 live": self.stage3_live_params * bpp.get("params", 2.0) / GIB if zero_stage >= 3 else 0.0,
-                "workspace": self.workspace_gib}
+        parts = {"params": sharded("params", 2.0, 3, weights), "grads": sharded("grads", 2.0, 2, trained),
+                 "optimizer": sharded("optimizer", 12.0, 1, trained),
+                 "zero3 live": self.stage3_live_params * bpp.get("params", 2.0) / GIB if zero_stage >= 3 else 0.0,
+                 "workspace": self.workspace_gib}
+        if self.ema_params:   # partitioned over the ranks at every stage (ds_adaptive.training.ema)
+            parts["ema"] = self.ema_params * EMA_BYTES_PER_PARAM / n / GIB
+        return parts
 
     def static_memory_gib(self, zero_stage: int, shard_ranks: int) -> float:
         """Parameters + gradients + optimizer state per GPU plus the working set (ZeRO-3's gathered
         layers, kernel workspace), GiB: the sum of :meth:`static_memory_parts`."""
         return sum(self.static_memory_parts(zero_stage, shard_ranks).values())
+
+
+EMA_BYTES_PER_PARAM = 4
+"""An EMA is kept in fp32 (``ds_adaptive.training.ema``)."""
 
 
 def load_profile(name_or_path: Union[str, Path, Mapping[str, Any]]) -> Profile:

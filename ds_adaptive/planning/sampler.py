@@ -532,7 +532,7 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
                         profile: Optional[Profile] = None,
                         adapter_params: Optional[int] = None,
                         per_token_timesteps: Optional[bool] = None,
-                        block_fusion: Optional[str] = None) -> _PlannedBatchSampler:
+                        block_fusion: Optional[str] = None, ema_params: Optional[int] = None) -> _PlannedBatchSampler:
     """The batch sampler that ``sampler_cfg`` describes, with ``auto`` budgets resolved.
 
     ``enabled=False`` builds the ``tokens`` baseline at the same memory budget (AdaptiveLoad off);
@@ -557,7 +557,7 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
     timestep per token (first-frame conditioning; default: the model's preset objective); their memory then
     counts the per-token modulation (:meth:`Profile.with_per_token_timesteps`). ``block_fusion``: the run's
     ``adaptive_load.block_fusion`` where it can run (None: no check); the profile's entries for it are used, or a
-    note says the plan is conservative (:meth:`Profile.for_block_fusion`).
+    note says the plan is conservative (:meth:`Profile.for_block_fusion`). ``ema_params``: :meth:`Profile.with_ema`.
     """
     if isinstance(sampler_cfg, Mapping):
         sampler_cfg = SamplerConfig.model_validate(sampler_cfg)
@@ -567,7 +567,7 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
     model = get_model(model_name) if model_name else None
     profile = _run_profile(sampler_cfg, profile, model, model_name, gpu_mem_gib=gpu_mem_gib, profile_log=profile_log,
                            ln_modulate=ln_modulate, num_layers=num_layers, adapter_params=adapter_params,
-                           per_token_timesteps=per_token_timesteps, block_fusion=block_fusion)
+                           per_token_timesteps=per_token_timesteps, block_fusion=block_fusion).with_ema(ema_params)
     num_heads = int(model.config().num_heads) if model is not None else None
     if sparse is not None and num_layers is not None and sparse.densities.num_layers != profile.num_layers:
         sparse = sparse.with_densities(sparse.densities.with_num_layers(profile.num_layers))

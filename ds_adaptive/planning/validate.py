@@ -23,7 +23,8 @@ Rules, in the order they are reported:
 * ``zero3_torch_linear``: not set true next to ``zero_optimization.memory_efficient_linear: true``;
 * ``budgets``: ``lr_scaling`` has a ``reference_batch``; a null ``profile`` only where no profile is needed;
 * ``sparse_attention``: ``dense_layers`` inside the model, ``predictor_rank`` <= the head dim, the backend
-  available on the run's device: the sparse backends' own check (``sparse.backends.check_sparse_config``).
+  available on the run's device: the sparse backends' own check (``sparse.backends.check_sparse_config``);
+* ``ema``: ``ema.parameters: lora`` needs LoRA (``ds_adaptive.core.features.feature_problems``).
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from typing import Any, Mapping, Optional
 
 from ds_adaptive.core.config import AdaptiveLoadConfig, ConfigError, SamplerConfig, SparseAttentionConfig
 from ds_adaptive.core.ds_config import accumulation_steps
+from ds_adaptive.core.features import feature_problems
 from ds_adaptive.core.layout import SequenceParallelError, heads_sp_problem, resolve_sp_size
 from ds_adaptive.models.registry import get_model, model_names
 from ds_adaptive.attention.backends.check import check_sparse_config
@@ -170,6 +172,7 @@ def run_problems(ds_config: Mapping[str, Any], block: AdaptiveLoadConfig, facts:
             out.append(Problem(key, msg))
     out += _budget_problems(block.sampler)
     out += _sparse_problems(block.sparse_attention, facts, model)
+    out += [Problem("ema", msg) for msg in feature_problems(block.ema, block.lora.enabled)]
     return out
 
 

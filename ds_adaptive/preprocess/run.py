@@ -18,7 +18,9 @@ renamed into place when complete). A killed job rerun with the same command skip
 and redoes the others; the result is byte-identical to an uninterrupted run (same devices). The
 process that finishes the last unit writes ``index.arrow`` (the dataset), ``rejects.jsonl`` (path
 and reason of every item that gave no sample) and ``report.json``. Rerunning a finished job only
-rewrites those three files.
+rewrites those three files. The text encoder's embedding of the empty prompt goes to ``empty_prompt.safetensors``
+(what ``adaptive_load.caption_dropout`` trains the unconditional branch with); a rerun of a job finished before
+that file existed writes it (rank 0).
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ from ds_adaptive.preprocess.manifest import ManifestError, MediaItem, read_input
 from ds_adaptive.preprocess.media import MediaError, decode_item
 from ds_adaptive.preprocess.policy import PolicyError, ShapePolicy, add_policy_args, model_from_args, policy_from_args
 from ds_adaptive.data.shards import LatentShardWriter
+from ds_adaptive.data.shards import EMPTY_PROMPT_FILE, write_empty_prompt
 from ds_adaptive.media.encode import LatentEncoders
 from ds_adaptive.media.encode import EncoderError
 
@@ -129,7 +132,7 @@ def settings_of(args: argparse.Namespace, items: list[MediaItem], policy: ShapeP
 def _check_settings(out: Path, settings: dict, overwrite: bool, world: int) -> None:
     path = out / SETTINGS_FILE
     ours = [out / SETTINGS_FILE, out / PARTS_DIR, out / INDEX_FILE, out / LEGACY_INDEX_FILE, out / REJECTS_FILE,
-            out / REPORT_FILE]
+            out / REPORT_FILE, out / EMPTY_PROMPT_FILE]
     if overwrite:
         if world > 1:
             raise PreprocessError("--overwrite clears --out and cannot run under several ranks (they would race); "
@@ -365,12 +368,14 @@ def run(args: argparse.Namespace, encoders=None) -> dict:
     summary = {"rank": rank, "world_size": world, "device": str(device), "units_done_before": 0,
                "units": len(mine), "items": 0, "clips": 0, "rejects": 0}
     summary["units_done_before"] = sum(1 for k in range(len(units)) if k % world == rank) - len(mine)
+    need_empty = not (out / EMPTY_PROMPT_FILE).is_file() and (bool(mine) or rank == 0)
+    if (mine or need_empty) and encoders is None:
+        encoders = LatentEncoders.from_pretrained(
+            model, vae=args.vae, text_encoder=args.text_encoder, tokenizer=args.tokenizer, pipeline=args.pipeline,
+            device=device, dtype=getattr(torch, compute), vae_tiling=args.vae_tiling, text_len=args.text_len)
+    if need_empty:   # the same bytes from every rank that writes it (atomic rename)
+        write_empty_prompt(out, encoders.encode_text([""])[0].to(getattr(torch, storage)))
     if mine:
-        if encoders is None:
-
-            encoders = LatentEncoders.from_pretrained(
-                model, vae=args.vae, text_encoder=args.text_encoder, tokenizer=args.tokenizer, pipeline=args.pipeline,
-                device=device, dtype=getattr(torch, compute), vae_tiling=args.vae_tiling, text_len=args.text_len)
         todo = [i for k in mine for i in units[k]]
         workers = args.workers if args.workers is not None else min(8, max(1, (os.cpu_count() or 1) // world - 1))
         loader = torch.utils.data.DataLoader(_DecodeSet([items[i] for i in todo], policy), batch_size=None,

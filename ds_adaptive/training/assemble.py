@@ -28,6 +28,7 @@ from ds_adaptive.planning.context_parallel import ContextParallelCost
 from ds_adaptive.models.registry import get_model
 from ds_adaptive.parallel import apply_ulysses
 from ds_adaptive.data import build_dataset
+from ds_adaptive.training.placement import ema_param_count, sampler_and_ema, split_for_validation
 from ds_adaptive.ops import apply_ln_modulate
 from ds_adaptive.models.family import ModelError, missing_members
 from ds_adaptive.attention.backends import select_backend
@@ -86,6 +87,11 @@ class Run:
         return self.preset.text_len
     lora: Any = None
     """``ds_adaptive.training.lora.LoraInfo`` when ``adaptive_load.lora`` is enabled (adapters injected, base frozen)."""
+    validation: Any = None
+    """The held-out split (``ds_adaptive.data.split.DatasetView``) when ``adaptive_load.validation`` is set;
+    ``dataset`` is then the training split, which alone the sampler plans."""
+    ema_device: Any = None
+    """Where each rank keeps its EMA slices (``adaptive_load.ema``; None: no EMA): the run's device, or the CPU."""
 
     @property
     def gas(self) -> int:
@@ -146,7 +152,7 @@ def build_run(cfg: RunConfig, *, layout: Optional[Layout] = None, device: Option
     dtype = torch.bfloat16 if ds_config["bf16"]["enabled"] else (
         torch.float16 if (ds_config.get("fp16") or {}).get("enabled") else torch.float32)
     notes: list = []
-    dataset = _build_dataset(cfg, preset, notes)
+    dataset, held_out = split_for_validation(cfg, _build_dataset(cfg, preset, notes), notes)
     if on_gpu and not meta and gpu_mem_gib is None:
         from deepspeed.accelerator import get_accelerator
 
@@ -159,8 +165,12 @@ def build_run(cfg: RunConfig, *, layout: Optional[Layout] = None, device: Option
     # reads the ds_config.
     lora_cfg = cfg.adaptive_load.lora  # LoRA: only the adapters have gradients and optimizer state (memory model)
     adapters = adapter_parameters(model_config, lora_cfg, spec=preset) if lora_cfg.enabled else None
-    sampler = _build_sampler(cfg, dataset, layout, ds_config, gpu_mem_gib, notes, model_config=model_config,
-                             sparse_cost=sparse_cost, device=device, meta=meta, adapter_params=adapters)
+    build = lambda out, ema: _build_sampler(cfg, dataset, layout, ds_config, gpu_mem_gib, out,  # noqa: E731
+                                            model_config=model_config, sparse_cost=sparse_cost, device=device,
+                                            meta=meta, adapter_params=adapters, ema_params=ema)
+    sampler, ema_device = sampler_and_ema(build, cfg, dataset, layout, ds_config, notes, device=device,
+                                          ema_params=ema_param_count(cfg, preset, model_config, adapters),
+                                          gpu_mem_gib=gpu_mem_gib)
     model = _build_model(cfg, preset, model_config, ds_config, meta=meta)
     notes.extend(_leaf_blocks(model, cfg.adaptive_load, _zero_stage(ds_config)))
     notes.extend(_checkpoint_attention(model, cfg.adaptive_load.sampler, sampler.cost.checkpoint_attention, t.model))
@@ -177,7 +187,7 @@ def build_run(cfg: RunConfig, *, layout: Optional[Layout] = None, device: Option
     sparse = _attach_sparse(cfg, model, layout, device, sampler, sparse_choice, sparse_cost)
     return Run(cfg=cfg, layout=layout, device=device, ds_config=ds_config, dtype=dtype, preset=preset,
                model_config=model_config, model=model, dataset=dataset, sampler=sampler, gpu_mem_gib=gpu_mem_gib,
-               notes=notes, sparse=sparse, lora=lora)
+               notes=notes, sparse=sparse, lora=lora, validation=held_out, ema_device=ema_device)
 
 
 def _engine_config(cfg: RunConfig, layout: Layout, *, on_gpu: bool, announce: bool) -> dict:
@@ -443,7 +453,7 @@ def run_ln_modulate_path(fused_requested: bool, device_type: str = "cuda") -> st
 
 def _build_sampler(cfg: RunConfig, dataset, layout: Layout, ds_config: dict, gpu_mem_gib, notes: list, *,
                    model_config=None, sparse_cost=None, device: Optional[torch.device] = None, meta: bool = False,
-                   adapter_params=None):
+                   adapter_params=None, ema_params=None):
     """The batch sampler; with ``--layers`` the profile is rescaled to the trained depth (or, when it
     cannot be, used at full depth with a note). With sparse attention rebalancing, it plans with the
     sparse cost (:func:`_sparse_cost`) when the profile has the trained model's layers. ``profile: auto``
@@ -462,7 +472,7 @@ def _build_sampler(cfg: RunConfig, dataset, layout: Layout, ds_config: dict, gpu
               gpu_mem_gib=gpu_mem_gib, model_name=t.model, zero_stage=stage, profile_log=notes.append,
               ln_modulate=ln_path, profile=calibrated, adapter_params=adapter_params,
               per_token_timesteps=model.trains_per_token_timesteps(model.objective_with(t.objective)),
-              block_fusion=fusion)
+              block_fusion=fusion, ema_params=ema_params)
     shapes = dataset.sample_shapes()
     sparse = _sparse_cost(cfg, notes, sparse_cost)
     try:

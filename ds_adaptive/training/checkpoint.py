@@ -135,12 +135,14 @@ def read_marker(tag_dir: PathLike) -> Optional[dict]:
 
 def write_checkpoint(engine, save_dir: PathLike, tag: str, client_state: dict, *, step: int, keep: int = 0,
                      run_id: Optional[str] = None, good: bool = True, nonfinite_steps=(), log=print,
-                     exclude_frozen: bool = False) -> Path:
+                     exclude_frozen: bool = False, extra_files: Optional[Callable[[Path], object]] = None) -> Path:
     """Save a complete checkpoint (see the module doc); every rank calls it. ``keep`` > 0: keep only the
     ``keep`` newest complete checkpoints of ``run_id`` and its newest ``good`` one (rank 0 deletes the rest
     after the new one is complete; checkpoints of other runs are never deleted). ``good``: every step since
     the previous checkpoint was finite (``nonfinite_steps`` lists the ones that were not). ``exclude_frozen``:
-    leave out parameters without gradients (LoRA: the frozen base). Returns the tag directory."""
+    leave out parameters without gradients (LoRA: the frozen base). ``extra_files(tag_dir)``: every rank writes
+    its own files into the checkpoint after DeepSpeed's (the EMA's slices); they are in the marker, checked like
+    DeepSpeed's. Returns the tag directory."""
     save_dir = Path(save_dir)
     tag_dir = save_dir / tag
     if _rank() == 0 and tag_dir.exists():  # a save of this step from before a resume: this one replaces it
@@ -150,6 +152,8 @@ def write_checkpoint(engine, save_dir: PathLike, tag: str, client_state: dict, *
     with HashingSaves(engine) as saved:
         engine.save_checkpoint(str(save_dir), tag=tag, client_state=client_state, save_latest=False,
                                exclude_frozen_parameters=exclude_frozen)
+    if extra_files is not None:
+        extra_files(tag_dir)
     checksums = _gather_checksums(tag_dir, saved.digests)
     if _rank() == 0:
         marker = {"tag": tag, "step": step, "run_id": run_id, "good": bool(good),

@@ -1,43 +1,15 @@
-"""Step timers and balance figures across data-parallel ranks; JSONL / TensorBoard logs; run summary.
+"""Per-step metrics of a training run: :class:`StepMetrics` records each rank's micro-steps, gathers them once per
+optimizer step into a :class:`~ds_adaptive.training.balance.StepRecord` (the balance figures) and writes the logs
+(metrics.jsonl, TensorBoard, W&B) and the summary.
 
-Per micro-step every rank records how long its forward + backward took, the samples and tokens
-it processed and its quadratic pressure ``sum_b S_b^2``. Once per optimizer step one small
-``all_gather`` brings every rank's figures to every rank, so all ranks hold the same history
-and the same summary:
-
-* ``cv_step``: coefficient of variation (std / mean over ranks) of per-rank *compute* time,
-  per micro-step, averaged over the step's micro-steps (the paper's CV_step);
-* ``cv_step_wall``: the same CV of per-rank *wall-clock* time of the same region;
-* ``compute_cv``: the same CV of the quadratic pressure ``B x S^2`` (the paper's Compute CV);
-* ``idle_frac``: share of the step's slowest-rank compute time that the average rank sits
-  idle, ``sum_m (max_r t - mean_r t) / sum_m max_r t``;
-* ``peak_mem`` / ``mem_capacity``: per-rank peak accelerator memory in the step (host RSS
-  on CPU) and the device capacity;
-* ``tokens_per_s`` / ``samples_per_s``: global tokens (samples) of the step / step wall time.
-
-Compute time versus wall-clock time. Under ZeRO-3 every module's parameters are all-gathered
-inside forward and backward, and gradients are reduce-scattered inside backward: collectives
-that complete only when every rank has reached them. A rank with a light batch therefore
-*waits* inside its own forward/backward for the rank with the heavy one, and a wall-clock timer
-around forward + backward reads about the same on every rank (``cv_step_wall`` is small even
-when the load is not balanced). :class:`ComputeTimer` (``StepMetrics.attach_engine(engine)``)
-takes those waits out: it brackets every DeepSpeed entry point that can wait for another rank
-(ZeRO-3's parameter fetch before a module's forward and backward, the gradient reduce hook, the
-backward epilogue; see ``WAIT_POINTS``) and subtracts them from the micro-step's region
-(``data_ready()`` .. ``backward_done()``). On CUDA both the region and the windows are CUDA
-events on the compute stream, read once per optimizer step (no per-micro-step sync): a window's
-length is how long the *stream* stalled there (a stream wait on NCCL or an idle stream while the
-host blocked), so kernels that were still queued while the host waited count as compute, not as
-waiting. On the CPU, where gloo collectives block the caller, the same points are timed with
-``perf_counter``. Without an engine (or with ``attach_engine`` not called) compute time is the
-region's wall-clock time, as before.
+The pieces: ``ds_adaptive.training.timers`` (compute time without the waits for other ranks),
+``ds_adaptive.training.balance`` (the figures of one step across ranks), ``ds_adaptive.training.summary`` (run
+totals and the printed block). Their names are importable from here too.
 """
 from __future__ import annotations
 
 import json
-import math
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -45,191 +17,20 @@ import torch
 import torch.distributed as dist
 
 from ds_adaptive.core.config import MetricsConfig
-from ds_adaptive.training.wandb_log import WandbLogger
 from ds_adaptive.planning.devices import peak_tflops
+from ds_adaptive.training.balance import GIB, StepRecord, cv, step_record
+from ds_adaptive.training.summary import COMPUTE_REFIT_HINT, format_summary, json_safe, summarize
+from ds_adaptive.training.timers import WAIT_POINTS, ComputeTimer
+from ds_adaptive.training.wandb_log import WandbLogger
 
-GIB = float(2**30)
+__all__ = ["StepMetrics", "StepRecord", "ComputeTimer", "WAIT_POINTS", "cv", "json_safe", "format_summary",
+           "summarize", "step_record", "GIB", "COMPUTE_REFIT_HINT"]
 
 
 def _accelerator():
     from deepspeed.accelerator import get_accelerator
 
     return get_accelerator()
-
-
-def cv(values) -> float:
-    """Coefficient of variation (population std / mean); 0 for a single value or a zero mean."""
-    vals = [float(v) for v in values]
-    if len(vals) < 2:
-        return 0.0
-    mean = sum(vals) / len(vals)
-    if mean == 0:
-        return 0.0
-    return math.sqrt(sum((v - mean) ** 2 for v in vals) / len(vals)) / mean
-
-
-# (attribute path from the DeepSpeed engine, method name): every entry point through which a
-# rank can wait for another one inside forward/backward. ZeRO-3 calls them through ``self.``,
-# so an instance attribute that wraps the bound method is what runs.
-WAIT_POINTS = (
-    ("optimizer.parameter_offload", "pre_sub_module_forward_function"),   # ZeRO-3 all-gather wait (fwd)
-    ("optimizer.parameter_offload", "pre_sub_module_backward_function"),  # ZeRO-3 all-gather wait (bwd)
-    ("optimizer", "reduce_ready_partitions_and_remove_grads"),            # gradient reduce(-scatter) hook
-    ("", "_backward_epilogue"),                                           # final reduce + stream syncs
-)
-
-
-class ComputeTimer:
-    """Per micro-step: the wall-clock length of a region and the part of it spent inside
-    DeepSpeed's wait points (``WAIT_POINTS``); compute = region - waits.
-
-    ``begin()`` / ``end()`` bracket one micro-step's forward + backward; ``collect()`` returns
-    ``[(wall_ms, wait_ms), ...]`` for the micro-steps since the last call (one device sync on
-    CUDA). Windows nest (the epilogue calls the reduce hook): only the outermost one counts.
-    Calls outside a region pass straight through, so evaluation and the optimizer step cost
-    one attribute check per call.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.wrapped: list[str] = []
-        self._active = False
-        self._depth = 0
-        self._start = None
-        self._windows: list = []
-        self._done: list = []         # (start, end, windows) per micro-step
-        self._pool: list = []         # reusable CUDA events
-
-    # timestamps: CUDA events on the current stream, or perf_counter seconds
-    def _mark(self):
-        if not self.cuda:
-            return time.perf_counter()
-        ev = self._pool.pop() if self._pool else torch.cuda.Event(enable_timing=True)
-        ev.record()
-        return ev
-
-    def _ms(self, a, b) -> float:
-        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
-
-    def attach(self, engine) -> list[str]:
-        """Wrap the wait points that ``engine`` has; returns their names (empty: none found,
-        compute time then equals wall-clock time)."""
-        for path, name in WAIT_POINTS:
-            owner = engine
-            for part in filter(None, path.split(".")):
-                owner = getattr(owner, part, None)
-            fn = getattr(owner, name, None) if owner is not None else None
-            if fn is None or getattr(fn, "_ds_adaptive_wait_point", False):
-                continue
-            setattr(owner, name, self._wrap(fn))
-            self.wrapped.append(f"{path + '.' if path else ''}{name}")
-        return list(self.wrapped)
-
-    def _wrap(self, fn):
-        timer = self
-
-        def wait_point(*args, **kwargs):
-            if not timer._active:
-                return fn(*args, **kwargs)
-            timer._depth += 1
-            t0 = timer._mark() if timer._depth == 1 else None
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                timer._depth -= 1
-                if t0 is not None:
-                    timer._windows.append((t0, timer._mark()))
-
-        wait_point._ds_adaptive_wait_point = True
-        wait_point.__wrapped__ = fn
-        return wait_point
-
-    @property
-    def active(self) -> bool:
-        return self._active
-
-    def begin(self) -> None:
-        self._windows = []
-        self._depth = 0
-        self._start = self._mark()
-        self._active = True
-
-    def end(self) -> None:
-        if not self._active:
-            raise RuntimeError("ComputeTimer.end() without begin()")
-        self._active = False
-        self._done.append((self._start, self._mark(), self._windows))
-        self._windows = []
-
-    def collect(self) -> list[tuple[float, float]]:
-        """``(wall_ms, wait_ms)`` of every micro-step ended since the last call."""
-        if self.cuda and self._done:
-            torch.cuda.synchronize()
-        out = []
-        for start, end, windows in self._done:
-            out.append((self._ms(start, end), sum(self._ms(a, b) for a, b in windows)))
-            if self.cuda:
-                self._pool.extend([start, end, *(e for w in windows for e in w)])
-        self._done = []
-        return out
-
-
-@dataclass
-class StepRecord:
-    """One optimizer step, global over ranks (identical on every rank)."""
-
-    step: int
-    loss: float
-    lr: float
-    samples: int
-    tokens: int
-    wall_s: float
-    cv_step: float
-    compute_cv: float
-    idle_frac: float
-    compute_ms: list = field(default_factory=list)   # per rank, summed over the micro-steps (waits excluded)
-    samples_per_rank: list = field(default_factory=list)
-    tokens_per_rank: list = field(default_factory=list)
-    peak_mem_gib: list = field(default_factory=list)  # per rank
-    mem_capacity_gib: float = 0.0
-    data_ms: float = 0.0                              # max over ranks, waiting for the DataLoader
-    cv_step_wall: float = 0.0                         # CV_step of the region's wall-clock time
-    wall_ms: list = field(default_factory=list)       # per rank, region wall-clock, summed over micro-steps
-    micro_compute_ms: list = field(default_factory=list)  # [micro][rank]
-    micro_wall_ms: list = field(default_factory=list)     # [micro][rank]
-    model_flops: float = 0.0                          # all ranks, fwd+bwd, recompute excluded (models/flops.py)
-    hw_flops: float = 0.0                             # the same with the recomputed forwards
-    peak_tflops: float = 0.0                          # dense bf16 peak of one GPU (0: unknown)
-    world: int = 1
-
-    @property
-    def mfu(self) -> float:
-        """Model FLOPs utilisation of the step: model FLOPs / (wall x GPUs x peak); 0 when the peak is unknown."""
-        den = self.wall_s * self.world * self.peak_tflops * 1e12
-        return self.model_flops / den if den > 0 else 0.0
-
-    @property
-    def hfu(self) -> float:
-        """Hardware FLOPs utilisation (recomputed forwards of checkpointed blocks included)."""
-        den = self.wall_s * self.world * self.peak_tflops * 1e12
-        return self.hw_flops / den if den > 0 else 0.0
-    skipped: bool = False                             # the optimizer skipped the update (non-finite step)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
-
-    @property
-    def samples_per_s(self) -> float:
-        return self.samples / self.wall_s if self.wall_s > 0 else 0.0
-
-    def as_dict(self) -> dict:
-        d = asdict(self)
-        d["tokens_per_s"] = self.tokens_per_s
-        d["samples_per_s"] = self.samples_per_s
-        d["mfu"] = self.mfu
-        d["hfu"] = self.hfu
-        return d
 
 
 class StepMetrics:
@@ -388,52 +189,20 @@ class StepMetrics:
         count = 1.0 if self.count_this_rank else 0.0
         peak = max(self._step_peak, float(self._acc.max_memory_allocated()))
         compute_local, wall_local = self._local_times()
-        g = self.gas
         local = compute_local + [m[1] * count for m in self._micro] + \
             [m[2] * count for m in self._micro] + [m[3] for m in self._micro] + wall_local + \
             [loss_num * count, loss_den * count, peak, self._data_ms,
              sum(m[4] for m in self._micro) * count, sum(m[5] for m in self._micro) * count]
         rows = self._gather(torch.tensor(local, dtype=torch.float64))
-        compute = [r[0:g] for r in rows]
-        quad = [r[3 * g:4 * g] for r in rows]
-        wall_ms = [r[4 * g:5 * g] for r in rows]
-        tail = 5 * g
-        per_micro_ms = [list(c) for c in zip(*compute)]      # [micro][rank]
-        per_micro_wall = [list(c) for c in zip(*wall_ms)]
-        per_micro_quad = list(zip(*quad))
-        max_sum = sum(max(c) for c in per_micro_ms)
-        idle = sum(max(c) - sum(c) / len(c) for c in per_micro_ms) / max_sum if max_sum > 0 else 0.0
-        loss_den_all = sum(r[tail + 1] for r in rows)
-        wall = time.perf_counter() - self._step_t0
-        rec = StepRecord(
-            step=step,
-            loss=sum(r[tail] for r in rows) / loss_den_all if loss_den_all > 0 else float("nan"),
-            lr=float(lr),
-            samples=int(round(sum(sum(r[g:2 * g]) for r in rows))),
-            tokens=int(round(sum(sum(r[2 * g:3 * g]) for r in rows))),
-            wall_s=wall,
-            cv_step=sum(cv(c) for c in per_micro_ms) / g,
-            compute_cv=sum(cv(q) for q in per_micro_quad) / g,
-            idle_frac=idle,
-            compute_ms=[sum(c) for c in compute],
-            samples_per_rank=[int(round(sum(r[g:2 * g]))) for r in rows],
-            tokens_per_rank=[int(round(sum(r[2 * g:3 * g]))) for r in rows],
-            peak_mem_gib=[r[tail + 2] / GIB for r in rows],
-            mem_capacity_gib=float(self._acc.total_memory()) / GIB,
-            data_ms=max(r[tail + 3] for r in rows),
-            cv_step_wall=sum(cv(c) for c in per_micro_wall) / g,
-            wall_ms=[sum(w) for w in wall_ms],
-            micro_compute_ms=per_micro_ms,
-            micro_wall_ms=per_micro_wall,
-            model_flops=sum(r[tail + 4] for r in rows),
-            hw_flops=sum(r[tail + 5] for r in rows),
-            peak_tflops=self.peak_tflops,
-            world=len(rows),
-            skipped=skipped,
-        )
+        rec = step_record(step, rows, self.gas, lr=lr, wall_s=time.perf_counter() - self._step_t0,
+                          mem_capacity_gib=float(self._acc.total_memory()) / GIB, peak_tflops=self.peak_tflops,
+                          skipped=skipped)
         self.history.append(rec)
-        if self.is_writer and (log or step % self.cfg.interval == 0 or len(self.history) == 1):
-            self.write(rec)
+        first = log or len(self.history) == 1
+        board = first or step % self.cfg.interval == 0
+        line = first or step % (self.cfg.jsonl_interval or self.cfg.interval) == 0   # metrics.jsonl: every step
+        if self.is_writer and (board or line):
+            self.write(rec, jsonl=line, board=board)
         return rec
 
     def _gather(self, local: torch.Tensor) -> list[list[float]]:
@@ -445,11 +214,11 @@ class StepMetrics:
         return [o.cpu().tolist() for o in out]
 
     # output -------------------------------------------------------------------------------
-    def write(self, rec: StepRecord) -> None:
-        """Append ``rec`` to metrics.jsonl and TensorBoard (writer rank only)."""
+    def write(self, rec: StepRecord, *, jsonl: bool = True, board: bool = True) -> None:
+        """Append ``rec`` to metrics.jsonl (``jsonl``) and TensorBoard / W&B (``board``) (writer rank only)."""
         if not self.is_writer:
             return
-        if self._jsonl is not None:
+        if self._jsonl is not None and jsonl:
             self._jsonl.write(json.dumps(json_safe(rec.as_dict()), allow_nan=False) + "\n")
             self._jsonl.flush()
         values = {f"train/{key}": getattr(rec, key) for key in (
@@ -457,6 +226,8 @@ class StepMetrics:
             "mfu", "hfu")}
         values["train/peak_mem_gib_max"] = max(rec.peak_mem_gib)
         values["train/step_s"] = rec.wall_s
+        if not board:
+            return
         if self._tb is not None:
             for key, value in values.items():
                 self._tb.add_scalar(key, value, rec.step)
@@ -481,55 +252,9 @@ class StepMetrics:
             self._wandb.image(tag, image, step, caption)
 
     def summary(self, warmup_steps: Optional[int] = None) -> dict:
-        """Run totals; throughput and balance are measured after ``warmup_steps`` (default: 1 when
-        the run has more than 2 steps: the first step pays for compilation and allocator growth)."""
-        h = self.history
-        if not h:
-            return {**self.run_info, "steps": 0}
-        if warmup_steps is None:
-            warmup_steps = 1 if len(h) > 2 else 0
-        measured = h[warmup_steps:]
-        wall = sum(r.wall_s for r in measured)
-        tokens = sum(r.tokens for r in measured)
-        samples = sum(r.samples for r in measured)
-        finite = [r.loss for r in h if math.isfinite(r.loss)]  # the trend of the steps that trained
-        k = max(1, min(5, len(finite) // 2))
-        first = sum(finite[:k]) / k if finite else float("nan")
-        last = sum(finite[-k:]) / k if finite else float("nan")
-        cap = h[-1].mem_capacity_gib
-        peak = max(max(r.peak_mem_gib) for r in h)
-        return {
-            **self.run_info,
-            "steps": len(h),
-            "first_step": h[0].step,
-            "last_step": h[-1].step,
-            "samples": sum(r.samples for r in h),
-            "tokens": sum(r.tokens for r in h),
-            "wall_s": sum(r.wall_s for r in h),
-            "warmup_steps": warmup_steps,
-            "tokens_per_s": tokens / wall if wall > 0 else 0.0,
-            "samples_per_s": samples / wall if wall > 0 else 0.0,
-            "step_s_mean": wall / len(measured) if measured else 0.0,
-            "peak_mem_gib": peak,
-            "mem_capacity_gib": cap,
-            "peak_mem_frac": peak / cap if cap > 0 else 0.0,
-            "mem_efficiency": (sum(sum(r.peak_mem_gib) / len(r.peak_mem_gib) for r in measured)
-                               / len(measured) / cap) if measured and cap > 0 else 0.0,
-            "timing": self.timing,
-            "cv_step": sum(r.cv_step for r in measured) / len(measured) if measured else 0.0,
-            "cv_step_wall": sum(r.cv_step_wall for r in measured) / len(measured) if measured else 0.0,
-            "compute_cv": sum(r.compute_cv for r in measured) / len(measured) if measured else 0.0,
-            "idle_frac": sum(r.idle_frac for r in measured) / len(measured) if measured else 0.0,
-            "loss_window": k,
-            "loss_first": first,
-            "loss_last": last,
-            "loss_fell": last < first,
-            "losses": [r.loss for r in h],
-            "peak_tflops": self.peak_tflops,
-            "mfu": _utilisation(measured, "model_flops"),
-            "hfu": _utilisation(measured, "hw_flops"),
-            "skipped_steps": [r.step for r in h if r.skipped],
-        }
+        """Run totals (:func:`ds_adaptive.training.summary.summarize` of ``history``)."""
+        return summarize(self.history, self.run_info, timing=self.timing, peak_tflops=self.peak_tflops,
+                         warmup_steps=warmup_steps)
 
     def write_summary(self, summary: dict) -> Optional[Path]:
         if not self.is_writer:
@@ -550,11 +275,6 @@ class StepMetrics:
             self._wandb = None
 
 
-def _utilisation(records, attr: str) -> float:
-    den = sum(r.wall_s * r.world * r.peak_tflops * 1e12 for r in records)
-    return sum(getattr(r, attr) for r in records) / den if den > 0 else 0.0
-
-
 def _peak_tflops(cfg: MetricsConfig, device: torch.device) -> float:
     """Dense bf16 peak of one GPU: the config's ``peak_tflops``, else the known-GPU table; 0 on CPU
     or an unknown GPU (MFU not reported)."""
@@ -567,77 +287,3 @@ def _peak_tflops(cfg: MetricsConfig, device: torch.device) -> float:
         return float(peak_tflops(torch.cuda.get_device_name(device)) or 0.0)
     except Exception:
         return 0.0
-
-
-def json_safe(obj):
-    """``obj`` with every non-finite float replaced by None (JSON has no NaN/Infinity: strict readers
-    reject Python's bare ``NaN``)."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [json_safe(v) for v in obj]
-    return obj
-
-
-#: a run's per-micro-step compute prediction error over which the summary gives the ``ds-adaptive refit`` command
-COMPUTE_REFIT_HINT = 0.05
-
-
-def format_summary(s: dict) -> str:
-    """A short human-readable block of the run summary (printed on rank 0)."""
-    lines = [
-        "=" * 72,
-        f"ds_adaptive run summary  ({s.get('model', '?')}, {s.get('world_size', '?')} rank(s) on "
-        f"{s.get('device', '?')}, sampler {s.get('sampler', '?')})",
-        f"  steps            {s['steps']} (steps {s.get('first_step')}..{s.get('last_step')}), "
-        f"{s['samples']} samples, {s['tokens']} tokens, {s['wall_s']:.1f} s",
-        f"  throughput       {s['tokens_per_s']:.1f} tokens/s, {s['samples_per_s']:.2f} samples/s, "
-        f"{s['step_s_mean']:.3f} s/step (after {s['warmup_steps']} warm-up step(s))",
-        f"  peak memory      {s['peak_mem_gib']:.2f} GiB of {s['mem_capacity_gib']:.1f} GiB "
-        f"({100 * s['peak_mem_frac']:.1f}%; mean per-rank peak {100 * s['mem_efficiency']:.1f}%)",
-        f"  balance          CV_step {100 * s['cv_step']:.1f}% ({s.get('timing', 'wall')} time; wall-clock "
-        f"{100 * s.get('cv_step_wall', s['cv_step']):.1f}%), compute CV {100 * s['compute_cv']:.1f}%, "
-        f"idle {100 * s['idle_frac']:.1f}%",
-        f"  loss             first-{s['loss_window']} mean {s['loss_first']:.4f} -> last-{s['loss_window']} mean "
-        f"{s['loss_last']:.4f} ({'falling' if s['loss_fell'] else 'NOT falling'})",
-    ]
-    if s.get("peak_tflops"):
-        lines.append(f"  FLOPs            MFU {100 * s.get('mfu', 0.0):.1f}%, HFU {100 * s.get('hfu', 0.0):.1f}% "
-                     f"(recompute excluded / included; dense bf16 peak {s['peak_tflops']:g} TFLOP/s per GPU)")
-    cp = s.get("compute_prediction")
-    if cp:
-        off = cp["max_abs_rel_err"] > COMPUTE_REFIT_HINT and cp.get("refit")
-        lines.append(f"  cost model       compute {cp['measured_over_predicted']:.3f}x the plan's prediction over "
-                     f"{cp['micro_steps']} micro-steps (per micro-step max |err| {100 * cp['max_abs_rel_err']:.1f}%)"
-                     + (f"; to plan with this run's costs: {cp['refit']} --out PROFILE.json" if off else ""))
-    if s.get("nonfinite_steps"):
-        n = s["nonfinite_steps"]
-        lines.append(f"  non-finite       {len(n)} step(s) with a non-finite loss or gradient norm, update skipped "
-                     f"(steps {n[:10]}{' ...' if len(n) > 10 else ''}); the loss trend leaves them out")
-    if s.get("stopped"):
-        st = s["stopped"]
-        lines.append(f"  stopped          by {st['signal']} after step {st['step']}; checkpoint "
-                     f"{st.get('checkpoint') or 'none (no --save)'}")
-    sa = s.get("sparse_attention")
-    if sa:
-        be, calls = sa.get("backend") or {}, sa.get("layer_calls") or {}
-        n_sparse = len((sa.get("layers") or {}).get("sparse", []))
-        compiled = f", {be['graphs']} compiled graph(s) ({be.get('compile_s', 0.0):.1f} s)" if "graphs" in be else ""
-        lines.append(f"  sparse attn      backend {be.get('name', '?')}, stage {sa.get('stage')}, {n_sparse} sparse "
-                     f"layer(s); layer calls sparse {calls.get('sparse', 0)}, dense by cost "
-                     f"{calls.get('dense_by_cost', 0)}; warm-up {sa.get('warmup_s', 0.0):.1f} s{compiled}")
-    bf = s.get("block_fusion")
-    if bf and bf.get("fallback"):
-        lines.append(f"  block fusion     '{bf['mode']}' could not compile ({bf['fallback']}): the blocks ran eager")
-    elif bf:
-        later = (f", and {bf['later_warmup_s']:.1f} s for {bf['later_pairs']} new pair(s) of later plans"
-                 if bf.get("later_pairs") else "")
-        first = bf["warmup_s"] or 0.0
-        lines.append(f"  block fusion     '{bf['mode']}': compiled before step 1 in {first:.1f} s{later}")
-    if "eval_loss" in s:
-        lines.append(f"  held-out loss    {s['eval_loss']:.4f} ({s.get('eval', {}).get('samples', '?')} samples x "
-                     f"{s.get('eval', {}).get('timesteps', '?')} fixed timesteps)")
-    lines.append("=" * 72)
-    return "\n".join(lines)

@@ -24,6 +24,7 @@ allocator's cache is emptied afterwards, so the preview leaves no fragmentation 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -207,8 +208,9 @@ class PreviewRunner:
     """Runs the previews of a training run (see the module docstring). Every rank holds one."""
 
     def __init__(self, run, cfg, prompts: list[PreviewPrompt], negative: Optional[torch.Tensor], *, engine,
-                 metrics, log: Callable[[str], None], shift: float) -> None:
+                 metrics, log: Callable[[str], None], shift: float, weights=None) -> None:
         self.run, self.cfg, self.engine, self.metrics, self.log = run, cfg, engine, metrics, log
+        self.weights = weights or contextlib.nullcontext   # the EMA's ``swapped``: previews of the average
         self.layout = run.layout
         self.spec = run.preset
         self.negative = negative
@@ -226,14 +228,15 @@ class PreviewRunner:
                 self.vae = _load_vae(run.preset, cfg.vae)
 
     @classmethod
-    def attach(cls, run, *, engine, metrics, log: Callable[[str], None]) -> Optional["PreviewRunner"]:
-        """The runner of ``run`` (None when ``adaptive_load.preview`` is off)."""
+    def attach(cls, run, *, engine, metrics, log: Callable[[str], None], weights=None) -> Optional["PreviewRunner"]:
+        """The runner of ``run`` (None when ``adaptive_load.preview`` is off); ``weights``: a context manager the
+        previews run inside (the EMA's ``swapped``: previews of the EMA weights)."""
         cfg = run.cfg.adaptive_load.preview
         if not cfg.enabled:
             return None
         prompts, negative = load_prompts(cfg, run.dataset, run.preset.input_spec)
         shift = cfg.shift if cfg.shift is not None else run.cfg.trainer.shift
-        return cls(run, cfg, prompts, negative, engine=engine, metrics=metrics, log=log, shift=shift)
+        return cls(run, cfg, prompts, negative, engine=engine, metrics=metrics, log=log, shift=shift, weights=weights)
 
     def after_step(self, step: int, *, last: bool = False) -> Optional[dict]:
         """Run a preview round when ``step`` is a multiple of ``interval`` (or the last step); every rank."""
@@ -252,7 +255,8 @@ class PreviewRunner:
             torch.cuda.synchronize(device)
             before = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
-        mine = self._generate()
+        with self.weights():
+            mine = self._generate()
         if cuda:
             torch.cuda.synchronize(device)
             peak = torch.cuda.max_memory_allocated(device) / GIB

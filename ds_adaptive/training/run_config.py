@@ -119,6 +119,8 @@ class RunConfig(BaseModel):
             s.profile = resolve_relative(s.profile, path)
             pv = block.preview
             pv.prompts, pv.vae = resolve_relative(pv.prompts, path), resolve_relative(pv.vae, path)
+            if block.caption_dropout is not None:
+                block.caption_dropout.embedding = resolve_relative(block.caption_dropout.embedding, path)
         for key, value in (overrides or {}).items():
             if value is not None:
                 _set_dotted(block, key, value)
@@ -173,7 +175,8 @@ def run_config_from_args(args) -> RunConfig:
                          "reads its samples and shapes from its index.json")
     if args.eval_samples and args.data != "synthetic":
         raise UsageError(f"--eval-samples {args.eval_samples}: held-out evaluation needs --data synthetic "
-                         "(the held-out set is drawn from its shape mix)")
+                         "(the held-out set is drawn from its shape mix); to score a held-out split of your own "
+                         "data during training, set adaptive_load.validation (e.g. {\"samples\": 64, \"every\": 200})")
     # adaptive-load-only flags without an adaptive_load block would silently change nothing
     require_block(args.deepspeed_config, [f"--{'' if args.fused_ln_modulate else 'no-'}fused-ln-modulate"]
                   if args.fused_ln_modulate is not None else [])

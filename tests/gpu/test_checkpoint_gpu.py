@@ -16,7 +16,7 @@ def test_zero3_bf16_checkpoint_checksums_on_cuda(tmp_path):
     from ds_adaptive.core.ds_config import prepare_ds_config, read_ds_config
     from ds_adaptive.models.wan import WanModel
     from ds_adaptive.models.wan_config import get_wan_config
-    from ds_adaptive.training.trainer import init_distributed
+    from ds_adaptive.training.engine import init_distributed
 
     init_distributed(0)
     raw = dict(read_ds_config(Path(__file__).resolve().parents[2] / "launch" / "configs" / "zero3_adaptive.json"))

@@ -1,0 +1,176 @@
+"""The rank processes of this node and how each one ended (the supervisor's view of its job).
+
+    watch = RankWatch(launcher_pid)
+    for end in watch.poll(): ...          # RankEnd: rank, pid, the signal that killed it or its exit code
+    watch.first_failure()                 # the rank whose failure stopped the run
+
+Standard library and ``psutil`` only (the supervisor starts before torch).
+"""
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+from typing import Optional
+
+__all__ = ["LAUNCH_MODULE", "NODE_LAUNCH_MODULE", "EXIT_USAGE", "EXIT_PEER_LOST", "EXIT_PREEMPTED", "RankEnd",
+           "RankWatch", "rank_processes", "process_end", "launcher_status", "signame"]
+
+LAUNCH_MODULE = "deepspeed.launcher.launch"
+# Multi-node without ssh: the per-node launcher of ds_adaptive/launch/multinode/ starts the ranks itself.
+NODE_LAUNCH_MODULE = "ds_adaptive.launch.multinode"
+
+# The ranks' exit codes the supervisor tells apart (ds_adaptive.training.preempt; this file imports no package code:
+# tests/test_checkpoint_safety.py checks that they agree).
+EXIT_USAGE = 2
+EXIT_PEER_LOST = 3
+EXIT_PREEMPTED = 75
+
+
+def rank_processes(root_pid: int) -> list:
+    """The rank processes under ``root_pid``: children of a ``deepspeed.launcher.launch`` process, or of
+    the per-node launcher ``ds_adaptive.launch.multinode`` (which may be ``root_pid`` itself) (psutil.Process
+    objects; empty when none runs on this node)."""
+    import psutil
+
+    try:
+        root = psutil.Process(root_pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+    ranks = []
+    for proc in tree:
+        try:
+            cmd = " ".join(proc.cmdline())
+            if LAUNCH_MODULE in cmd or f"-m {NODE_LAUNCH_MODULE} launch" in cmd:
+                ranks.extend(proc.children())
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return ranks
+
+
+@dataclass
+class RankEnd:
+    """One rank process that ended: its rank, pid, and the signal that killed it or its exit code (both None
+    when it was reaped before the supervisor could read its status)."""
+
+    rank: int
+    pid: int
+    signal: Optional[int] = None
+    code: Optional[int] = None
+
+    @property
+    def failed(self) -> bool:
+        """Ended by a signal, or with a status other than 0 and the preemption exit."""
+        return self.signal is not None or self.code not in (0, EXIT_PREEMPTED)
+
+    @property
+    def cause(self) -> bool:
+        """A failure of its own (not a rank that stopped because another was gone)."""
+        return self.failed and self.code != EXIT_PEER_LOST
+
+    def describe(self) -> str:
+        who = f"rank {self.rank} (pid {self.pid})"
+        if self.signal is not None:
+            return f"{who} was killed by {signame(self.signal)}"
+        if self.code is None:
+            return f"{who} ended (its exit status was not seen)"
+        return f"{who} exited with status {self.code}"
+
+    def exit_status(self) -> Optional[int]:
+        return 128 + self.signal if self.signal is not None else self.code
+
+
+def signame(sig: int) -> str:
+    try:
+        return f"{signal.Signals(sig).name} (signal {sig})"
+    except ValueError:
+        return f"signal {sig}"
+
+
+def process_end(pid: int) -> Optional[tuple[Optional[int], Optional[int]]]:
+    """None while ``pid`` runs; (signal, None) / (None, exit code) once it is a zombie (its parent has not reaped
+    it yet: /proc/PID/stat field 52, the wait status); (None, None) once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return None, None
+    if fields[0] not in ("Z", "X"):
+        return None
+    status = int(fields[49]) if len(fields) > 49 else -1
+    if status < 0:
+        return None, None
+    return (status & 0x7F, None) if status & 0x7F else (None, (status >> 8) & 0xFF)
+
+
+class RankWatch:
+    """The rank processes of this node (children of ``deepspeed.launcher.launch``) and how each ended.
+
+    Each rank gets a pidfd (Linux >= 5.3), readable the moment it exits, so :meth:`poll` runs before
+    DeepSpeed's launcher (which polls once a second) reaps it and the wait status is still readable."""
+
+    def __init__(self, root_pid: int) -> None:
+        self.root_pid = root_pid
+        self.ranks: dict[int, tuple[int, Optional[int]]] = {}  # pid -> (rank, pidfd)
+        self.ended: list[RankEnd] = []
+
+    def fds(self) -> list[int]:
+        done = {e.pid for e in self.ended}
+        return [fd for pid, (_, fd) in self.ranks.items() if fd is not None and pid not in done]
+
+    def _discover(self) -> None:
+        for proc in rank_processes(self.root_pid):
+            if proc.pid in self.ranks:
+                continue
+            try:
+                rank = int(proc.environ().get("RANK", len(self.ranks)))
+            except Exception:  # noqa: BLE001 - psutil AccessDenied / NoSuchProcess / a bad value
+                rank = len(self.ranks)
+            try:
+                fd = os.pidfd_open(proc.pid)
+            except (AttributeError, OSError):
+                fd = None
+            self.ranks[proc.pid] = (rank, fd)
+
+    def poll(self) -> list[RankEnd]:
+        """Ranks that ended since the last call (oldest first)."""
+        new = []
+        done = {e.pid for e in self.ended}
+        for pid, (rank, _) in self.ranks.items():
+            if pid in done:
+                continue
+            end = process_end(pid)
+            if end is not None:
+                new.append(RankEnd(rank, pid, *end))
+        self.ended += new
+        self._discover()
+        return new
+
+    def close(self) -> None:
+        for _, fd in self.ranks.values():
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+    def first_failure(self) -> Optional[RankEnd]:
+        """The rank whose failure stopped the run: the first that failed on its own; else the first that ended
+        with an unseen status; else the first that lost its peers."""
+        for test in (lambda e: e.cause and (e.signal is not None or e.code is not None),
+                     lambda e: e.cause, lambda e: e.failed):
+            found = next((e for e in self.ended if test(e)), None)
+            if found is not None:
+                return found
+        return None
+
+
+def launcher_status(rc: int) -> int:
+    """The supervisor's exit status for the launcher's return code: a signal death -N is 128+N, and so is the
+    ``deepspeed`` launcher's 256-N (``sys.exit(-N)`` of a rank killed by signal N)."""
+    if rc < 0:
+        return 128 - rc
+    if 256 - 64 <= rc <= 255:
+        return 128 + (256 - rc)
+    return rc
