@@ -14,7 +14,7 @@ import torch
 from conftest import CONFIGS, ROOT, launch_ranks
 from ds_adaptive.calibration import autocalibrate as ac
 from ds_adaptive.cli import autocalibrate as ac_cli
-from ds_adaptive.planning.profile import Profile
+from ds_adaptive.planning.profile import PROFILES_DIR, Profile
 
 H100 = "NVIDIA H100 80GB HBM3"
 H200 = "NVIDIA H200"
@@ -162,8 +162,8 @@ def test_two_ranks_calibrate_once_agree_and_reuse_the_cache(tmp_path):
 
 
 def test_ship_a_calibration_as_the_profiles_other_path(tmp_path):
-    base = json.loads((ac.Path(ac.__file__).parent / "profiles" / "h100-wan2.1-1.3b.json").read_text())
-    cal = json.loads((ac.Path(ac.__file__).parent / "profiles" / "h200-wan2.1-1.3b.json").read_text())
+    base = json.loads((PROFILES_DIR / "h100-wan2.1-1.3b.json").read_text())
+    cal = json.loads((PROFILES_DIR / "h200-wan2.1-1.3b.json").read_text())
     cal.pop("ln_modulate_variants")   # stands in for a fused start-up calibration of the same model
     out = ac.ship_variant(base, cal)
     prof, note = Profile.from_dict(out).for_ln_modulate("fused")

@@ -188,7 +188,8 @@ def test_the_side_effect_helpers_import_dynamo_lazily_and_stay_out_of_compiled_g
     CPU); the warn-once helper still runs eagerly, once, when its first call is inside a compiled function."""
     code = "import sys, ds_adaptive.ops, ds_adaptive.models.wan; print('torch._dynamo' in sys.modules)"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and r.stdout.strip() == "False", r.stdout + r.stderr
+    # the last line: DeepSpeed's op registry (imported by ops.builder) may print its accelerator line first
+    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1:] == ["False"], r.stdout + r.stderr
 
     monkeypatch.setattr(lnm, "_STATE", lnm._OpState())
 

@@ -134,7 +134,7 @@ def test_profile_auto_selection_and_messages():
 
 
 def test_shipped_h200_profiles_are_picked_on_an_h200():
-    if "h200-wan2.1-1.3b" not in __import__("ds_adaptive.planning.cost", fromlist=["x"]).shipped_profiles():
+    if "h200-wan2.1-1.3b" not in __import__("ds_adaptive.planning.profile", fromlist=["x"]).shipped_profiles():
         pytest.skip("no H200 calibration shipped")
     for model in ("wan2.1-1.3b", "wan2.1-14b"):
         prof, msg = resolve_auto_profile(model, "NVIDIA H200")

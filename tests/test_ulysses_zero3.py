@@ -21,7 +21,7 @@ SCRIPT = textwrap.dedent("""
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-    from ds_adaptive.core.config import load_adaptive_config
+    from ds_adaptive.core.ds_config import load_adaptive_config
     from ds_adaptive.data import SyntheticLatentDataset, collate_latents
     from ds_adaptive.models.testing import random_init_
     from ds_adaptive.models.wan import WanModel

@@ -172,7 +172,7 @@ def copy_bandwidth() -> float:
 # cases
 # ------------------------------------------------------------------------------------------------
 _SEED = [0]
-DEVICE = "cuda"  # the CPU tests (tests/test_ln_modulate_bench.py) run the plumbing on "cpu"
+DEVICE = "cuda"  # the CPU tests (bench/kernels/test_ln_modulate_bench.py) run the plumbing on "cpu"
 
 
 def _randn(*shape):

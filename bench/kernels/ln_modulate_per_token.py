@@ -46,7 +46,7 @@ from ds_adaptive.ops.ln_modulate import ln_modulate, ln_modulate_reference, load
 
 EPS = 1e-6
 TARGET = 1.5   # per-token fwd+bwd of the op vs its floor (the leaves row)
-DEVICE = "cuda"  # tests/test_ln_modulate_per_token_bench.py runs the plumbing on "cpu"
+DEVICE = "cuda"  # bench/kernels/test_ln_modulate_per_token_bench.py runs the plumbing on "cpu"
 
 
 def make(B: int, S: int, D: int, how: str):
