@@ -90,6 +90,10 @@ LAUNCH=(deepspeed)
 if [[ "$NUM_GPUS" == 0 ]]; then
   # CPU run: gloo, fp32; one thread per process so that 2 processes share 2 cores fairly.
   NPROC="${NUM_PROCS:-2}"
+  if ! [[ "$NPROC" =~ ^[0-9]+$ ]] || (( NPROC < 1 )); then
+    echo "train_wan.sh: NUM_PROCS must be a number of CPU processes >= 1, got '$NPROC'; e.g. NUM_PROCS=2" >&2
+    exit 2
+  fi
   DS_CONFIG="${DS_CONFIG:-$HERE/configs/cpu_tiny.json}"
   MODEL="${MODEL:-tiny}"
   STEPS="${STEPS:-20}"
@@ -168,10 +172,19 @@ if [[ -n "$SAVE_DIR" ]]; then
   if [[ "$NUM_GPUS" == 0 ]]; then DEFAULT_INTERVAL=10; else DEFAULT_INTERVAL=100; fi
   CMD+=(--save "$SAVE_DIR" --save-interval "${SAVE_INTERVAL:-$DEFAULT_INTERVAL}"
         --keep-checkpoints "${KEEP_CHECKPOINTS:-2}")
-  if [[ "${RESUME:-0}" == 1 && -d "$SAVE_DIR" ]] && ls -d "$SAVE_DIR"/global_step* >/dev/null 2>&1; then
+  if [[ "${RESUME:-0}" == 1 && "${OVERWRITE:-0}" == 1 ]]; then
+    echo "train_wan.sh: RESUME=1 continues the run in SAVE_DIR=$SAVE_DIR and OVERWRITE=1 deletes it to start a new" \
+         "one: give one of them" >&2
+    exit 2
+  fi
+  # RESUME=1 resumes when SAVE_DIR holds a complete checkpoint (one with its completeness marker); partial
+  # ones (an interrupted save) never block it: the run starts from step 1 (or --init-from) and says so
+  if [[ "${RESUME:-0}" == 1 && -d "$SAVE_DIR" ]] && ls "$SAVE_DIR"/global_step*/ds_adaptive_complete.json >/dev/null 2>&1; then
     CMD+=(--resume "$SAVE_DIR")
   elif [[ "${OVERWRITE:-0}" == 1 ]]; then
     CMD+=(--overwrite)
+  elif [[ "${RESUME:-0}" == 1 && -d "$SAVE_DIR" ]]; then
+    echo "train_wan.sh: RESUME=1: no complete checkpoint in $SAVE_DIR yet: starting from step 1"
   fi
 elif [[ "${RESUME:-0}" == 1 ]]; then
   echo "train_wan.sh: RESUME=1 needs SAVE_DIR (the directory to resume from)" >&2

@@ -13,7 +13,11 @@ Rank 0 checks, in this order, and the first problem ends every rank with the sam
 4. checkpoints already in ``--save`` from an earlier run: an error naming them, unless this run resumes
    from that directory (``--resume``) or was started with ``--overwrite`` (then they are deleted, after
    every check has passed);
-5. free disk space for one checkpoint (:func:`checkpoint_bytes`: parameters x optimizer-state bytes).
+5. free disk space for ``--keep-checkpoints`` + 1 checkpoints (they coexist until the oldest is pruned;
+   :func:`checkpoint_bytes`: parameters x optimizer-state bytes), in MB where GiB would read 0.00.
+
+Partial checkpoints (``.global_stepN.partial``: a save that was killed) are deleted first, with one line;
+``global_stepN`` directories without a completeness marker neither block a new run nor get resumed.
 """
 from __future__ import annotations
 
@@ -23,7 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from ds_adaptive.training.checkpoint import checkpoint_tags, step_of
+from ds_adaptive.training.checkpoint import (checkpoint_tags, human_bytes, newest_kept, read_marker, remove_partial,
+                                             step_of)
 from ds_adaptive.training.run_config import RunConfig, UsageError
 from ds_adaptive.training.runlock import RunLock, RunLockError
 from ds_adaptive.models.family import ModelError
@@ -116,15 +121,35 @@ def checkpoint_bytes(cfg: RunConfig) -> tuple[int, str]:
                                  + (f" + weights" if weights else "") + ")")
 
 
-def disk_problem(save: str, need: int, how: str, freed: int = 0) -> Optional[str]:
-    """None when the filesystem of ``save`` has ``need`` bytes free (counting ``freed`` bytes about to be
-    deleted); else the message."""
+def disk_problem(save: str, need: int, how: str, freed: int = 0, count: int = 1) -> Optional[str]:
+    """None when the filesystem of ``save`` has ``count`` x ``need`` bytes free (counting ``freed`` bytes about to
+    be deleted); else the message (MB where GiB would read 0.00)."""
     free = shutil.disk_usage(save).free + freed
-    if free >= need:
+    if free >= need * count:
         return None
-    gib = float(1 << 30)
-    return (f"--save {save}: {free / gib:.2f} GiB free on its filesystem, one checkpoint needs about "
-            f"{need / gib:.2f} GiB ({how}); free some space or choose another --save / SAVE_DIR")
+    many = (f"{count} checkpoints (--keep-checkpoints + the one being written) need about "
+            f"{human_bytes(need * count)}, one" if count > 1 else "one checkpoint")
+    return (f"--save {save}: {human_bytes(free)} free on its filesystem, {many} needs about "
+            f"{human_bytes(need)} ({how}); free some space, lower KEEP_CHECKPOINTS, or choose another --save / "
+            "SAVE_DIR")
+
+
+def _incomplete(save: Path, tags: list[str]) -> list[str]:
+    """The ``global_stepN`` of ``tags`` without a completeness marker (saves interrupted before atomic saves)."""
+    return [t for t in tags if read_marker(save / t) is None]
+
+
+def _checkpoints_to_keep(cfg: RunConfig, save: Path, resuming: bool) -> int:
+    """How many more checkpoints must fit on the disk: ``keep + 1`` coexist before pruning, less the ones of
+    the run resumed already there (at least one)."""
+    keep = cfg.trainer.keep_checkpoints or 0
+    if keep <= 0:
+        return 1
+    there = 0
+    if resuming:
+        run = (read_marker(save / newest_kept(save)) or {}).get("run_id") if newest_kept(save) else None
+        there = sum(1 for t in checkpoint_tags(save) if run and (read_marker(save / t) or {}).get("run_id") == run)
+    return max(1, keep + 1 - there)
 
 
 def _dir_bytes(path: Path) -> int:
@@ -164,14 +189,24 @@ def _rank0_checks(cfg: RunConfig, command: str) -> SaveDir:
     try:
         if out.lock.took_over:
             out.notes.append(f"ds_adaptive: {save}: {out.lock.took_over}")
-        earlier = [] if _resumes_from(save, t.resume) else checkpoint_tags(save)
+        for gone in remove_partial(save):
+            out.notes.append(f"ds_adaptive: {save}: removed {gone.name}, a checkpoint whose save was interrupted "
+                             "(it was never complete)")
+        resuming = _resumes_from(save, t.resume)
+        found = checkpoint_tags(save)
+        partial = _incomplete(save, found)
+        if partial and not resuming:
+            out.notes.append(f"ds_adaptive: {save}: ignoring {', '.join(partial)}: no completeness marker (an "
+                             "interrupted save); they are not resumed and do not block a new run")
+        earlier = [] if resuming else [tag for tag in found if tag not in partial]
         if earlier and not t.overwrite:
             shown = ", ".join(earlier[-4:]) + (f" and {len(earlier) - 4} more" if len(earlier) > 4 else "")
             raise UsageError(f"--save {save} already holds checkpoints of an earlier run ({shown}): continue that "
                              f"run with RESUME=1 (--resume {save}), start a new one there with OVERWRITE=1 "
                              "(--overwrite deletes them), or choose another SAVE_DIR / --save")
         need, how = checkpoint_bytes(cfg)
-        problem = disk_problem(str(save), need, how, freed=sum(_dir_bytes(save / tag) for tag in earlier))
+        problem = disk_problem(str(save), need, how, freed=sum(_dir_bytes(save / tag) for tag in earlier),
+                               count=_checkpoints_to_keep(cfg, save, resuming))
         if problem:
             raise UsageError(problem)
         for tag in earlier:  # --overwrite: every check passed

@@ -66,6 +66,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from ds_adaptive.core.ckpt_pointer import directory_run_id, marker_of, newest_complete, read_pointer, sizes_problem
 from ds_adaptive.launch.port_claim import (DEFAULT_MASTER_PORT, SHM_PREFIX, PortInUse, choose_master_port,  # noqa: F401
                                            claim_port, port_lock_path, release_port, remove_shm_buffers, single_node)
 from ds_adaptive.launch.rank_watch import (EXIT_PEER_LOST, EXIT_PREEMPTED, EXIT_USAGE, LAUNCH_MODULE,  # noqa: F401
@@ -151,14 +152,20 @@ def _save_dir(cmd: list[str]) -> Optional[str]:
 
 
 def resume_advice(cmd: list[str]) -> str:
-    """Where the run can go on from: the checkpoint ``latest`` names in ``--save`` and the command."""
+    """Where the run can go on from: the newest complete checkpoint of ``--save`` (the one ``latest`` names when it
+    is a ``global_stepN`` of the directory, by the directory's run, with every file of its marker at its size;
+    garbage, an unreadable ``latest`` or a path elsewhere are passed over) and the command."""
     save = _save_dir(cmd)
     if save is None:
         return "Nothing was saved (no --save directory)."
-    latest = Path(save) / "latest"
-    tag = latest.read_text().strip() if latest.is_file() else None
+    tag, _ = read_pointer(save)
+    owner = directory_run_id(save)
+    if tag is not None and (sizes_problem(Path(save) / tag) is not None
+                            or (marker_of(Path(save) / tag) or {}).get("run_id") not in (None, owner)):
+        tag = None
+    tag = tag or newest_complete(save, run_id=owner)
     if tag is None:
-        return f"No checkpoint was completed in {save} yet."
+        return f"No complete checkpoint in {save} yet."
     hint = os.environ.get(ENV_RESUME_HINT) or shlex.join(
         [c for c in cmd if c != "--overwrite"] + ([] if "--resume" in cmd else ["--resume", save]))
     return f"The last complete checkpoint is {Path(save) / tag}; resume with: {hint}"

@@ -123,7 +123,9 @@ class Checkpointing:
             try:
                 tag, skipped = find_resumable(load_dir, check=self.check_shared)
             except CheckpointError as exc:
-                raise UsageError(f"--resume {path}: {exc}") from None
+                raise UsageError(f"--resume {path}: {exc}. Nothing was loaded: fix or remove them and resume "
+                                 f"(RESUME=1), or start a new run there with OVERWRITE=1 (--overwrite deletes "
+                                 "them)") from None
             for note in skipped:
                 self.log(f"ds_adaptive: --resume {path}: {note}; falling back to an older checkpoint")
         else:
