@@ -206,7 +206,9 @@ def test_startup_checks_each_one_line(tmp_path, monkeypatch):
     import shutil as sh
 
     monkeypatch.setattr(sh, "disk_usage", lambda p: sh._ntuple_diskusage(100, 100, 1000))
-    assert "GiB free on its filesystem, one checkpoint needs about" in problem(save=str(tmp_path / "d"))
+    # keep + 1 checkpoints (the default --keep-checkpoints 3: 4) coexist before pruning; MB where GiB reads 0.00
+    assert "0.0 MB free on its filesystem, 4 checkpoints (--keep-checkpoints + the one being written) need about" \
+        in problem(save=str(tmp_path / "d"))
     monkeypatch.undo()
     # --init-from: missing, and weights of another depth (names and shapes from the headers, nothing loaded)
     assert "--init-from" in problem(init_from=str(tmp_path / "nowhere")) and "does not exist" in problem(
@@ -596,7 +598,8 @@ def test_a_failure_on_one_rank_stops_the_others_with_its_message(tmp_path):
     assert errors[0] == ("ds-adaptive train: error: sample 17 (id 'clip-017') of shard-00003.safetensors: "
                          "2 non-finite values"), errors
     assert len(errors) == 2 and errors[1].startswith("ds_adaptive supervisor: rank 1 (pid ") and \
-        "exited with status 2; the other rank(s)" in errors[1] and "exit 2. The last complete checkpoint is ck/" in \
+        "exited with status 2 (ds-adaptive train: error: sample 17 (id 'clip-017')" in errors[1] and \
+        "; the other rank(s)" in errors[1] and "exit 2. The last complete checkpoint is ck/" in \
         errors[1], errors
     assert check_checkpoint(tmp_path / "ck" / (tmp_path / "ck" / "latest").read_text().strip()) is None
     assert _shm(env["MASTER_PORT"]) == []
