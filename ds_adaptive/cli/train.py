@@ -161,9 +161,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         # every rank says it. The supervisor gets it too (its line names it, however this rank ends).
         rank = int(os.environ.get("RANK", "0") or 0)
         line = f"ds-adaptive train: error: {exc}"
-        write_fatal(line, resume=_STAGE["training"], rank=rank)
-        if rank == 0 or isinstance(exc, DataError) or (isinstance(exc, CheckpointSpaceError) and not exc.shared):
+        printed = rank == 0 or isinstance(exc, DataError) or (isinstance(exc, CheckpointSpaceError) and not exc.shared)
+        if printed:
             print(line, file=sys.stderr, flush=True)
+        write_fatal(line, resume=_STAGE["training"], rank=rank, printed=printed)  # after: the console has it
         return 2
     except Exception as exc:
         if not peer_lost(exc):

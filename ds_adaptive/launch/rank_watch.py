@@ -177,9 +177,10 @@ class RankWatch:
         return None
 
 
-def write_fatal(message: str, *, resume: bool, rank: Optional[int] = None) -> None:
+def write_fatal(message: str, *, resume: bool, rank: Optional[int] = None, printed: bool = False) -> None:
     """Record this rank's fatal one-line ``message`` for the supervisor (no-op outside one). ``resume``: resuming
-    from the last checkpoint is the way on (False: a start-up problem the message says how to fix)."""
+    from the last checkpoint is the way on (False: a start-up problem the message says how to fix). ``printed``:
+    this rank printed it (and flushed) before recording it, so the console has it already."""
     where = os.environ.get(ENV_FATAL_DIR)
     if not where:
         return
@@ -188,7 +189,8 @@ def write_fatal(message: str, *, resume: bool, rank: Optional[int] = None) -> No
     try:
         tmp = f"{path}.tmp{os.getpid()}"
         with open(tmp, "w") as f:
-            json.dump({"rank": rank, "message": message, "resume": bool(resume), "time": time.time()}, f)
+            json.dump({"rank": rank, "message": message, "resume": bool(resume), "printed": bool(printed),
+                       "time": time.time()}, f)
         os.replace(tmp, path)
     except OSError:
         pass
@@ -283,7 +285,8 @@ def read_exits(where: Optional[str]) -> dict[int, int]:
 
 
 def read_fatal(where: Optional[str]) -> Optional[dict]:
-    """The first (earliest) fatal record of the run's ranks in ``where``; None when no rank wrote one."""
+    """The first (earliest) fatal record of the run's ranks in ``where``, with ``printed`` true when any rank
+    printed its message; None when no rank wrote one."""
     if not where or not os.path.isdir(where):
         return None
     found = []
@@ -296,7 +299,10 @@ def read_fatal(where: Optional[str]) -> Optional[dict]:
                 continue
             if isinstance(rec, dict) and isinstance(rec.get("message"), str):
                 found.append(rec)
-    return min(found, key=lambda r: (r.get("time", 0), r.get("rank", 0))) if found else None
+    if not found:
+        return None
+    return {**min(found, key=lambda r: (r.get("time", 0), r.get("rank", 0))),
+            "printed": any(r.get("printed") for r in found)}
 
 
 def launcher_status(rc: int) -> int:

@@ -8,7 +8,8 @@ Rank 0 checks, in this order, and the first problem ends every rank with the sam
 
 1. ``--save``: not a file, creatable, writable (a probe file is written, synced and removed);
 2. ``--init-from``: the weights' files exist, their headers read, and every tensor's name and shape fit
-   the model of ``--model`` / ``--layers`` (``ds_adaptive.models.weights``; nothing is loaded);
+   the model of ``--model`` / ``--layers`` (``ds_adaptive.models.weights``); then every tensor is read once
+   (one at a time) and one with a NaN / inf is named;
 3. the run lock of ``--save`` (``ds_adaptive.training.runlock``): another live run there is an error;
 4. checkpoints already in ``--save`` from an earlier run: an error naming them, unless this run resumes
    from that directory (``--resume``) or was started with ``--overwrite`` (then they are deleted, after
@@ -34,7 +35,8 @@ from ds_adaptive.training.runlock import RunLock, RunLockError
 from ds_adaptive.models.family import ModelError
 from ds_adaptive.models.registry import get_model
 
-__all__ = ["SaveDir", "prepare_save_dir", "save_dir_problem", "init_from_problem", "checkpoint_bytes",
+__all__ = ["SaveDir", "prepare_save_dir", "save_dir_problem", "init_from_problem", "nonfinite_weights_problem",
+           "checkpoint_bytes",
            "disk_problem", "OPTIMIZER_STATE_BYTES"]
 
 OPTIMIZER_STATE_BYTES = {"sgd": 8, "adagrad": 8}
@@ -103,6 +105,30 @@ def init_from_problem(path: str, model: str, layers: Optional[int]) -> Optional[
     except Exception as exc:  # noqa: BLE001 - an unreadable file is the same message whatever the reader raised
         return (f"--init-from {path} cannot be read ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
                 "check the path and that the download is complete")
+    return nonfinite_weights_problem(path, spec.subfolder)
+
+
+def nonfinite_weights_problem(path: str, subfolder: Optional[str] = None) -> Optional[str]:
+    """None when every floating-point tensor of the safetensors files at ``path`` (its ``subfolder`` when it has
+    one) is finite; else one line naming the first tensor with NaN / inf and its file. Read tensor by tensor."""
+    import torch
+    from safetensors import safe_open
+
+    root = Path(path)
+    if subfolder and (root / subfolder).is_dir():
+        root = root / subfolder
+    files = [root] if root.is_file() else sorted(root.glob("*.safetensors"))
+    for f in files:
+        if f.suffix != ".safetensors":
+            continue
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                t = st.get_tensor(name)
+                if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                    bad = int((~torch.isfinite(t)).sum())
+                    return (f"--init-from {path}: tensor {name!r} in {f} has {bad} non-finite value(s) (NaN / inf) of "
+                            f"{t.numel()}: every step would be skipped as non-finite. Use an intact copy of the "
+                            "weights (re-download or re-export them)")
     return None
 
 

@@ -361,7 +361,7 @@ class Supervisor:
             stopped = ("the other rank(s) were killed after " f"{self.rank_exit_grace:g} s" if self.killed_others
                        else "the other rank(s) stopped")
             fatal = read_fatal(self.fatal_dir)
-            said = f" ({fatal['message']})" if fatal else ""
+            said = f" ({fatal['message']})" if fatal and not fatal.get("printed") else ""  # its own line was lost
             advice = (resume_advice(self.cmd) if fatal is None or fatal.get("resume") else
                       "Nothing to resume from this launch: do what the message says, then start it again.")
             self.log(f"{failure.describe()}{said}; {stopped}; exit {status}. {advice}")
