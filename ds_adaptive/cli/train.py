@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", default=None,
                    help="resume from the newest complete checkpoint of this --save directory (a corrupt or "
                         "incomplete 'latest' falls back to the previous one), or from DIR/global_stepN")
+    p.add_argument("--restart-epoch", action="store_true", default=None,
+                   help="with --resume after the dataset changed (bad samples dropped from its index): keep the "
+                        "weights, optimizer and step, plan the current epoch afresh for this dataset")
     p.add_argument("--overwrite", action="store_true", default=None,
                    help="start a new run in --save although it holds checkpoints of an earlier run: they are "
                         "deleted at start-up (without it: an error naming them; --resume continues that run)")

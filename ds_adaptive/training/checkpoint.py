@@ -209,14 +209,16 @@ def _replace_dir(tmp: Path, final: Path, log) -> None:
 
 def write_checkpoint(engine, save_dir: PathLike, tag: str, client_state: dict, *, step: int, keep: int = 0,
                      run_id: Optional[str] = None, good: bool = True, nonfinite_steps=(), log=print,
-                     exclude_frozen: bool = False, extra_files: Optional[Callable[[Path], object]] = None) -> Path:
+                     exclude_frozen: bool = False, extra_files: Optional[Callable[[Path], object]] = None,
+                     info: Optional[dict] = None) -> Path:
     """Save a complete checkpoint (see the module doc); every rank calls it. ``keep`` > 0: keep only the
     ``keep`` newest complete checkpoints of ``run_id`` and its newest ``good`` one (rank 0 deletes the rest
     after the new one is complete; checkpoints of other runs are never deleted). ``good``: every step since
     the previous checkpoint was finite (``nonfinite_steps`` lists the ones that were not). ``exclude_frozen``:
     leave out parameters without gradients (LoRA: the frozen base). ``extra_files(tag_dir)``: every rank writes
     its own files into the checkpoint after DeepSpeed's (the EMA's slices); they are in the marker, checked like
-    DeepSpeed's. The files are written under ``.TAG.partial`` and renamed to ``TAG`` once complete. A full disk is
+    DeepSpeed's. ``info``: more keys for the marker (the model, its depth, the world size: checked before a
+    resume loads anything). The files are written under ``.TAG.partial`` and renamed to ``TAG`` once complete. A full disk is
     a :class:`CheckpointSpaceError` (the partial files removed). Returns the tag directory."""
     save_dir = Path(save_dir)
     tag_dir, work = save_dir / tag, partial_name(tag)
@@ -239,7 +241,7 @@ def write_checkpoint(engine, save_dir: PathLike, tag: str, client_state: dict, *
         raise CheckpointSpaceError(_space_message(save_dir, tag, need, run_id, during=True)) from None
     checksums = _gather_checksums(tmp_dir, saved.digests)
     if _rank() == 0:
-        marker = {"tag": tag, "step": step, "run_id": run_id, "good": bool(good),
+        marker = {**(info or {}), "tag": tag, "step": step, "run_id": run_id, "good": bool(good),
                   "nonfinite_steps": list(nonfinite_steps),
                   "files": {name: size for name, (size, _) in sorted(checksums.items())},
                   "checksums": {"algorithm": ALGORITHM,
