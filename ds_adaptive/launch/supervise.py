@@ -43,7 +43,18 @@ What the supervisor does:
   (``/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>``, ~69 MB per rank, never unlinked by
   DeepSpeed 0.19.8) are removed.
 
+* **The ranks' own words**: the supervisor makes a directory for the run (``$DS_ADAPTIVE_FATAL_DIR``); a rank
+  that fails writes its one-line message there, and every rank its exit status, so the supervisor's line carries
+  the first failing rank's message when DeepSpeed's launcher killed the ranks before it got out, and says
+  "resume with" only when resuming is the way on (not after a start-up error the message explains).
+* **The watchdog**: every rank beats ``rankR.beat`` there once a second (a thread); a rank without a beat for
+  ``--watchdog`` / ``$DS_ADAPTIVE_WATCHDOG_S`` seconds (default 120; stopped, hung, its node not answering) ends
+  the job at once with one line naming the rank, its pid and host, and the resume command (exit 124).
+* DeepSpeed's runner exits 0 when its per-node launcher is killed by a signal; the ranks then stop on their
+  parent's death and save: the supervisor reports 75 (what they recorded), never 0.
+
 Exit status: 0 finished; 75 stopped by a forwarded signal with a checkpoint (the ranks' ``EXIT_PREEMPTED``);
+124 stopped by the watchdog;
 2 a usage, config, data or checkpoint error (one message); 128+N a rank killed by signal N (the ``deepspeed``
 launcher's own report of it, 256-N, is mapped to 128+N) or the launcher itself killed by N; otherwise the
 status of the rank that failed first.
