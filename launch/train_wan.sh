@@ -43,7 +43,9 @@
 #   RESUME=1    continue from the newest complete checkpoint in SAVE_DIR, if there is one (default 1
 #               under SLURM: a requeued job resumes); multi-node: SAVE_DIR on a filesystem every node sees
 #   OVERWRITE=1 start a new run in a SAVE_DIR that holds an earlier run's checkpoints (they are deleted);
-#               without RESUME=1 or OVERWRITE=1 that is an error naming them
+#               without RESUME=1 or OVERWRITE=1 that is an error naming them; RESUME=1 OVERWRITE=1 is an error
+#   DS_ADAPTIVE_WATCHDOG_S  seconds without a heartbeat from a rank before the job is stopped (default 120;
+#               0 = off; exit 124). Exit codes and what to do: docs/RELIABILITY.md
 #
 # Signals: SIGTERM/SIGINT/SIGHUP/SIGUSR1 to this script reach every rank (not only DeepSpeed's launcher);
 # multi-node without ssh: a signal to any one node's launcher stops every node after the same step;

@@ -141,9 +141,9 @@ class CheckpointSpaceError(CheckpointError):
 
 
 def human_bytes(n: float) -> str:
-    """``n`` bytes for a person: GiB, or MB where GiB would read 0.00."""
+    """``n`` bytes for a person: GiB from 1 GiB on, MB below (where GiB would read 0.00 or 0.01)."""
     gib = float(1 << 30)
-    return f"{n / gib:.2f} GiB" if n >= 0.01 * gib else f"{n / 1e6:.1f} MB"
+    return f"{n / gib:.2f} GiB" if n >= gib else f"{n / 1e6:.1f} MB"
 
 
 def _no_space(exc: BaseException) -> bool:
