@@ -185,3 +185,49 @@ def test_newest_complete_skips_truncated(ck):
     (ck / "latest").write_text("global_step12")
     assert "global_step10" in resume_advice(["x", "--save", str(ck)])
     assert json.loads((ck / "global_step10" / MARKER).read_text())["run_id"] == "runA"
+
+
+def test_export_destinations_are_one_line_each(tmp_path, monkeypatch):
+    from ds_adaptive.inference import export
+
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ExportError, match=r"--to .*afile is an existing file, not a directory; nothing was written"):
+        export.destination_problem(str(tmp_path / "afile"))
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != ro)   # a read-only filesystem (root included)
+    with pytest.raises(ExportError, match=r"is not writable \(permission denied or a read-only filesystem\)"):
+        export.destination_problem(str(ro / "out"))
+    monkeypatch.undo()
+    export.destination_problem(str(tmp_path / "new" / "out"))   # created later: fine
+    out = tmp_path / "full"
+    out.mkdir()
+
+    def fills_the_disk():
+        (out / "config.json").write_text("{}")
+        (out / "diffusion_pytorch_model.safetensors").write_bytes(b"\0" * 10)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(ExportError, match=r"writing the weights failed \(No space left on device; .* MB free there\); "
+                                          "the partial files were removed") as e:
+        export._written(fills_the_disk, out)
+    assert "\n" not in str(e.value) and list(out.iterdir()) == []
+
+
+def test_resume_1_with_only_a_partial_checkpoint_starts_fresh(tmp_path):
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    ck = tmp_path / "ck"
+    (ck / "global_step2").mkdir(parents=True)   # a first save killed before atomic saves: no marker
+    env = {k: v for k, v in os.environ.items() if k not in ("RESUME", "OVERWRITE", "SAVE_DIR", "NUM_PROCS")}
+    env.update(NUM_GPUS="0", DRY_RUN="1", SAVE_DIR=str(ck), RESUME="1", PYTHONPATH=str(root), PYTHON=sys.executable)
+    r = subprocess.run(["bash", str(root / "launch" / "train_wan.sh")], capture_output=True, text=True, env=env,
+                       timeout=120, cwd=tmp_path)
+    cmd = next(x for x in r.stdout.splitlines() if x.startswith("+ "))
+    assert "--resume" not in cmd and "no complete checkpoint in" in r.stdout, r.stdout + r.stderr[-2000:]
+    _save(ck, 4)
+    r = subprocess.run(["bash", str(root / "launch" / "train_wan.sh")], capture_output=True, text=True, env=env,
+                       timeout=120, cwd=tmp_path)
+    assert f"--resume {ck}" in next(x for x in r.stdout.splitlines() if x.startswith("+ "))
