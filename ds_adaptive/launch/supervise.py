@@ -328,7 +328,7 @@ class Supervisor:
                          "killing it (SIGKILL)")
                 self._kill_group()
                 self.stop_deadline = None
-            if self.stuck is None and not self.node_launcher:
+            if self.stuck is None:  # per-node launches too: this node's ranks (the others see the node go)
                 self._check_heartbeats()
             if self.rank_deadline is not None and now > self.rank_deadline:
                 self.killed_others = True
