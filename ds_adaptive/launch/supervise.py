@@ -272,7 +272,13 @@ class Supervisor:
             signal.signal(s, self._on_signal)
         self.fatal_dir = tempfile.mkdtemp(prefix="ds_adaptive_fatal.")
         env = {**os.environ, ENV_SUPERVISOR: str(os.getpid()), ENV_FATAL_DIR: self.fatal_dir}
-        self.proc = subprocess.Popen(self.cmd, start_new_session=True, env=env)
+        try:
+            self.proc = subprocess.Popen(self.cmd, start_new_session=True, env=env)
+        except OSError:  # the command cannot start (main: exit 127): leave no directory behind
+            shutil.rmtree(self.fatal_dir, ignore_errors=True)
+            if port_fd is not None:
+                release_port(self.port, port_fd)
+            raise
         clean = ([f"lock={port_lock_path(self.port)}", f"shm={SHM_PREFIX}_{os.getuid()}_*_{self.port}_*"]
                  if self.port is not None else []) + [f"rm={self.fatal_dir}"]
         self.reaper = subprocess.Popen([sys.executable, "-c", _REAPER, str(self.proc.pid), *clean],
