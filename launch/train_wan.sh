@@ -43,7 +43,9 @@
 #   RESUME=1    continue from the newest complete checkpoint in SAVE_DIR, if there is one (default 1
 #               under SLURM: a requeued job resumes); multi-node: SAVE_DIR on a filesystem every node sees
 #   OVERWRITE=1 start a new run in a SAVE_DIR that holds an earlier run's checkpoints (they are deleted);
-#               without RESUME=1 or OVERWRITE=1 that is an error naming them
+#               without RESUME=1 or OVERWRITE=1 that is an error naming them; RESUME=1 OVERWRITE=1 is an error
+#   DS_ADAPTIVE_WATCHDOG_S  seconds without a heartbeat from a rank before the job is stopped (default 120;
+#               0 = off; exit 124). Exit codes and what to do: docs/RELIABILITY.md
 #
 # Signals: SIGTERM/SIGINT/SIGHUP/SIGUSR1 to this script reach every rank (not only DeepSpeed's launcher);
 # multi-node without ssh: a signal to any one node's launcher stops every node after the same step;
@@ -90,6 +92,10 @@ LAUNCH=(deepspeed)
 if [[ "$NUM_GPUS" == 0 ]]; then
   # CPU run: gloo, fp32; one thread per process so that 2 processes share 2 cores fairly.
   NPROC="${NUM_PROCS:-2}"
+  if ! [[ "$NPROC" =~ ^[0-9]+$ ]] || (( NPROC < 1 )); then
+    echo "train_wan.sh: NUM_PROCS must be a number of CPU processes >= 1, got '$NPROC'; e.g. NUM_PROCS=2" >&2
+    exit 2
+  fi
   DS_CONFIG="${DS_CONFIG:-$HERE/configs/cpu_tiny.json}"
   MODEL="${MODEL:-tiny}"
   STEPS="${STEPS:-20}"
@@ -168,10 +174,19 @@ if [[ -n "$SAVE_DIR" ]]; then
   if [[ "$NUM_GPUS" == 0 ]]; then DEFAULT_INTERVAL=10; else DEFAULT_INTERVAL=100; fi
   CMD+=(--save "$SAVE_DIR" --save-interval "${SAVE_INTERVAL:-$DEFAULT_INTERVAL}"
         --keep-checkpoints "${KEEP_CHECKPOINTS:-2}")
-  if [[ "${RESUME:-0}" == 1 && -d "$SAVE_DIR" ]] && ls -d "$SAVE_DIR"/global_step* >/dev/null 2>&1; then
+  if [[ "${RESUME:-0}" == 1 && "${OVERWRITE:-0}" == 1 ]]; then
+    echo "train_wan.sh: RESUME=1 continues the run in SAVE_DIR=$SAVE_DIR and OVERWRITE=1 deletes it to start a new" \
+         "one: give one of them" >&2
+    exit 2
+  fi
+  # RESUME=1 resumes when SAVE_DIR holds a complete checkpoint (one with its completeness marker); partial
+  # ones (an interrupted save) never block it: the run starts from step 1 (or --init-from) and says so
+  if [[ "${RESUME:-0}" == 1 && -d "$SAVE_DIR" ]] && ls "$SAVE_DIR"/global_step*/ds_adaptive_complete.json >/dev/null 2>&1; then
     CMD+=(--resume "$SAVE_DIR")
   elif [[ "${OVERWRITE:-0}" == 1 ]]; then
     CMD+=(--overwrite)
+  elif [[ "${RESUME:-0}" == 1 && -d "$SAVE_DIR" ]]; then
+    echo "train_wan.sh: RESUME=1: no complete checkpoint in $SAVE_DIR yet: starting from step 1"
   fi
 elif [[ "${RESUME:-0}" == 1 ]]; then
   echo "train_wan.sh: RESUME=1 needs SAVE_DIR (the directory to resume from)" >&2
@@ -181,7 +196,7 @@ CMD+=("$@")
 echo "train_wan.sh: $MODEL on $WHERE, $STEPS steps, config $DS_CONFIG"
 echo "+ ${CMD[*]}"
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
-  # check config + topology without GPUs (report on stderr; exit 1 names what is wrong)
+  # check config + topology without GPUs (report on stderr; exit 2 names what is wrong)
   DRY=("$PY" -m ds_adaptive.cli dry-run --deepspeed_config "$DS_CONFIG" --model "$MODEL" --sp "${SP:-1}")
   if [[ "$LAUNCH_MODE" != deepspeed ]]; then  # nodes x ranks per node: SP groups must stay inside a node
     DRY+=(--num-gpus "$PER_NODE" --num-nodes "$NNODES" --launcher node --node-rank "$NODE_RANK"

@@ -206,7 +206,9 @@ def test_startup_checks_each_one_line(tmp_path, monkeypatch):
     import shutil as sh
 
     monkeypatch.setattr(sh, "disk_usage", lambda p: sh._ntuple_diskusage(100, 100, 1000))
-    assert "GiB free on its filesystem, one checkpoint needs about" in problem(save=str(tmp_path / "d"))
+    # keep + 1 checkpoints (the default --keep-checkpoints 3: 4) coexist before pruning; MB where GiB reads 0.00
+    assert "0.0 MB free on its filesystem, 4 checkpoints (--keep-checkpoints + the one being written) need about" \
+        in problem(save=str(tmp_path / "d"))
     monkeypatch.undo()
     # --init-from: missing, and weights of another depth (names and shapes from the headers, nothing loaded)
     assert "--init-from" in problem(init_from=str(tmp_path / "nowhere")) and "does not exist" in problem(
@@ -272,11 +274,11 @@ def test_config_check_dry_run_and_build_run_share_the_cross_field_rules(tmp_path
     # the dry run (train_wan.sh DRY_RUN=1) of a CPU launch: the same rules, reported as failed checks
     for path, message in ((layers, "outside the model's layers 0..1"), (flex, "'flex' has no backward on cpu")):
         assert dry_main(["--deepspeed_config", path, "--model", "tiny", "--world", "2", "--device", "cpu",
-                         "--gpu-mem-gib", "8"]) == 1
+                         "--gpu-mem-gib", "8"]) == 2
         assert message in capsys.readouterr().out
     r = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=120,
                        env={**_env(DRY_RUN="1", DS_CONFIG=flex)})  # DRY_RUN=1 of the CPU launch says --device cpu
-    assert r.returncode == 1 and "'flex' has no backward on cpu" in r.stderr, r.stderr[-2000:]
+    assert r.returncode == 2 and "'flex' has no backward on cpu" in r.stderr, r.stderr[-2000:]
     # and the trainer (build_run), before the model is built
     cfg = RunConfig.load(layers, trainer={"model": "tiny", "num_samples": 20})
     with pytest.raises(ConfigError, match=r"outside the model's layers 0..1"):

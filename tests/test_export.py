@@ -104,7 +104,7 @@ def test_export_consolidates_zero3_and_diffusers_loads_it(trained, capsys):
     from diffusers import WanTransformer3DModel
 
     tmp, ref, outs, _, cfg = trained
-    assert export_main([str(tmp / "ckpt"), "--to", str(tmp / "exported")]) == 0
+    assert export_main([str(tmp / "ckpt"), "--to", str(tmp / "exported"), "--allow-unverified"]) == 0
     assert "wrote" in capsys.readouterr().out
     loaded = WanTransformer3DModel.from_pretrained(str(tmp / "exported"))
     assert loaded.config.in_channels == cfg.in_channels
@@ -118,7 +118,8 @@ def test_export_consolidates_zero3_and_diffusers_loads_it(trained, capsys):
     mode = stat.S_IMODE(os.stat(tmp / "exported" / "diffusion_pytorch_model.safetensors").st_mode)
     assert mode == 0o666 & ~_umask()
     # bf16 export: diffusers' fp32 modules stay fp32
-    assert export_main([str(tmp / "ckpt" / "global_step1"), "--to", str(tmp / "bf16"), "--dtype", "bf16"]) == 0
+    assert export_main([str(tmp / "ckpt" / "global_step1"), "--to", str(tmp / "bf16"), "--dtype", "bf16",
+                        "--allow-unverified"]) == 0
     from safetensors.torch import load_file
 
     sd = load_file(str(tmp / "bf16" / "diffusion_pytorch_model.safetensors"))
@@ -152,7 +153,7 @@ def test_both_experts_export_into_one_pipeline_and_init_from_reads_their_folders
         pytest.skip("the A14B experts have the Wan 2.1 architecture (the 'tiny' parametrisation covers them)")
     base = [diffusers_twin(random_init_(WanModel(cfg), seed=s)) for s in (10, 11)]
     pipe_dir = _tiny_pipeline(tmp_path / "pipe", *base)
-    assert export_main([str(tmp / "ckpt"), "--to", str(pipe_dir), "--model", "tiny-a14b-low"]) == 0
+    assert export_main([str(tmp / "ckpt"), "--to", str(pipe_dir), "--model", "tiny-a14b-low", "--allow-unverified"]) == 0
     assert "transformer_2" in capsys.readouterr().out
     pipe = WanPipeline.from_pretrained(str(pipe_dir))
     assert pipe.config.boundary_ratio == 0.875
@@ -182,7 +183,11 @@ def test_export_errors_are_one_message(trained, tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     assert export_main([str(tmp / "ckpt"), "--tag", "global_step9", "--to", str(tmp_path / "o")]) == 2
     assert "'global_step9'" in capsys.readouterr().err
-    assert export_main([str(tmp / "ckpt"), "--to", str(tmp_path / "o"), "--layers", "3"]) == 2
+    # a checkpoint DeepSpeed wrote without ds_adaptive (no completeness marker): refused unless asked
+    assert export_main([str(tmp / "ckpt"), "--to", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "has no completeness marker" in err and "--allow-unverified" in err and len(err.strip().splitlines()) == 1
+    assert export_main([str(tmp / "ckpt"), "--to", str(tmp_path / "o"), "--layers", "3", "--allow-unverified"]) == 2
     err = capsys.readouterr().err
     assert "missing parameter(s)" in err and "blocks.2." in err and "Traceback" not in err
     # a truncated model-states file
@@ -192,7 +197,7 @@ def test_export_errors_are_one_message(trained, tmp_path, capsys):
         data = f.read_bytes()
         (bad / "global_step1" / f.name).write_bytes(data[: len(data) // 2] if "model_states" in f.name else data)
     (bad / "latest").write_text("global_step1")
-    assert export_main([str(bad), "--to", str(tmp_path / "o")]) == 2
+    assert export_main([str(bad), "--to", str(tmp_path / "o"), "--allow-unverified"]) == 2
     err = capsys.readouterr().err
     assert "model_states.pt is not a readable torch checkpoint file" in err and "nothing was written" in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1

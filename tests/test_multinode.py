@@ -180,7 +180,7 @@ def test_dry_run_launcher_node_layouts(capsys):
     assert dry_run([*base, "--num-gpus", "6", "--num-nodes", "2", "--sp", "4", "--master-addr", "a"]) == 0
     out = capsys.readouterr().out  # 12 ranks in SP groups of 4: the second group spans both nodes
     assert "some SP groups span two nodes" in out and "[warn]" in out and "without --hostfile" not in out
-    assert dry_run([*base, "--num-gpus", "8", "--num-nodes", "2", "--node-rank", "2", "--master-addr", "a"]) == 1
+    assert dry_run([*base, "--num-gpus", "8", "--num-nodes", "2", "--node-rank", "2", "--master-addr", "a"]) == 2
     assert "--node-rank 2 but the job has 2 node(s): use 0..1" in capsys.readouterr().out
     assert dry_run([*base, "--num-gpus", "8", "--num-nodes", "2", "--sp", "2"]) == 0
     assert "no --master-addr: every node needs node 0's address" in capsys.readouterr().out
@@ -190,6 +190,7 @@ def test_dry_run_under_slurm_and_bad_combinations(tmp_path):
     slurm = dict(SLURM_JOB_ID=77, SLURM_PROCID=1, SLURM_NODEID=1, SLURM_LOCALID=0, SLURM_NTASKS=2,
                  SLURM_JOB_NUM_NODES=2, SLURM_JOB_NODELIST="gpu[07-08]", NUM_GPUS=8)
     (tmp_path / "ck" / "global_step4").mkdir(parents=True)
+    (tmp_path / "ck" / "global_step4" / "ds_adaptive_complete.json").write_text("{}")  # RESUME=1 needs a complete one
     r = _dry(**slurm, SAVE_DIR=tmp_path / "ck")
     assert r.returncode == 0, r.stdout + r.stderr
     cmd = r.stdout.splitlines()[-1]

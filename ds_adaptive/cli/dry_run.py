@@ -3,7 +3,7 @@
     ds-adaptive dry-run --deepspeed_config launch/configs/zero3_adaptive.json --model wan2.1-1.3b \\
         --num-gpus 8 --num-nodes 2 --hostfile launch/hostfile --sp 2 [-- extra trainer args]
 
-Checks (each failure names the key / value, expected vs actual, and the fix; exit status 1):
+Checks (each failure names the key / value, expected vs actual, and the fix; exit status 2, as `config --check` and the run):
 
 * the ``adaptive_load`` block validates; the model preset exists;
 * topology: world = --world, --num-gpus x --num-nodes, or the hostfile's slots (limited by
@@ -522,7 +522,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"\nFAILED: {len(rep.problems)} problem(s):", file=out)
         for i, p in enumerate(rep.problems, 1):
             print(f"  {i}. {p}", file=out)
-        return 1
+        return 2  # an invalid configuration: the status `config --check` and the run give it too
     print(f"\nOK{f' ({len(rep.warnings)} warning(s))' if rep.warnings else ''}: the configuration can launch.",
           file=out)
     if args.print_command and cmd is not None:

@@ -33,11 +33,15 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "the adapters are merged into it")
     ap.add_argument("--ema", action="store_true",
                     help="export the EMA of the weights the run kept (adaptive_load.ema) instead of the trained weights")
+    ap.add_argument("--allow-unverified", action="store_true",
+                    help="export a checkpoint without a completeness marker (an interrupted save, or written by "
+                         "another program) as it is, unchecked")
     args = ap.parse_args(argv)
 
     try:
         f = export_checkpoint(args.checkpoint, args.to, tag=args.tag, dtype=args.dtype, model=args.model,
-                              layers=args.layers, lora=args.lora, base=args.base, ema=args.ema)
+                              layers=args.layers, lora=args.lora, base=args.base, ema=args.ema,
+                              allow_unverified=args.allow_unverified)
     except (ExportError, ModelError, LoraError) as exc:
         print(f"ds-adaptive export: error: {exc}", file=sys.stderr)
         return 2

@@ -22,6 +22,8 @@ from ds_adaptive.models.objective import EVAL_TIMESTEPS, flow_matching_losses, s
 from ds_adaptive.training.run_config import DEFAULT_SAVE_INTERVAL, UsageError, run_config_from_args
 from ds_adaptive.core.shapes import ShapeError
 from ds_adaptive.launch.supervise import ENV_SUPERVISOR
+from ds_adaptive.launch.rank_watch import start_heartbeat, write_exit, write_fatal
+from ds_adaptive.training.checkpoint import CheckpointError, CheckpointSpaceError
 from ds_adaptive.training.evaluation import evaluate  # noqa: F401  (public name)
 from ds_adaptive.training.engine import backward_micro_batch, init_distributed, shutdown_distributed  # noqa: F401
 from ds_adaptive.models.registry import model_names
@@ -89,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", default=None,
                    help="resume from the newest complete checkpoint of this --save directory (a corrupt or "
                         "incomplete 'latest' falls back to the previous one), or from DIR/global_stepN")
+    p.add_argument("--restart-epoch", action="store_true", default=None,
+                   help="with --resume after the dataset changed (bad samples dropped from its index): keep the "
+                        "weights, optimizer and step, plan the current epoch afresh for this dataset")
     p.add_argument("--overwrite", action="store_true", default=None,
                    help="start a new run in --save although it holds checkpoints of an earlier run: they are "
                         "deleted at start-up (without it: an error naming them; --resume continues that run)")
@@ -106,6 +111,7 @@ def train(args: argparse.Namespace) -> dict:
     """Run the training job; returns the summary (identical on every rank)."""
 
 
+    start_heartbeat()   # the supervisor's watchdog: this rank is alive (a thread; none outside a supervisor)
     cfg = run_config_from_args(args)
     alloc_msg = configure_allocator()  # before the first CUDA allocation
     if os.environ.get("RANK", "0") == "0" and _cuda_available():  # the CUDA allocator means nothing on a CPU run
@@ -123,9 +129,15 @@ def train(args: argparse.Namespace) -> dict:
             warnings.filterwarnings("ignore", category=UserWarning, module=r"ds_adaptive")
         layout = Layout.detect(cfg.trainer.sp, ds_config=cfg.ds_config)
         run = build_run(cfg, layout=layout, device=device)
-        return Trainer(run).fit()
+        trainer = Trainer(run)
+        _STAGE["training"] = True   # a failure from now on is resumed from the last checkpoint
+        return trainer.fit()
     finally:
         save_dir.release()
+
+
+_STAGE = {"training": False}
+"""Whether the run got past its start-up (resume included): a later failure's way on is to resume."""
 
 
 def _cuda_available() -> bool:
@@ -145,12 +157,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         if summary.get("stopped"):
             return EXIT_PREEMPTED  # stopped by a signal at a step boundary (checkpoint saved with --save)
     except (ConfigError, DataError, ShapeError, UsageError, FileNotFoundError, ModelError, PlanError,
-            ProfileError, SequenceParallelError, SamplerStateError, OversizeSampleError, NonFiniteError) as exc:
+            ProfileError, SequenceParallelError, SamplerStateError, OversizeSampleError, NonFiniteError,
+            CheckpointError) as exc:
         # These come from the config, the plan or the files, which every rank sees alike: one message
-        # (rank 0's), not one per rank; a DataError may be one rank's own sample, so every rank says it.
+        # (rank 0's), not one per rank; a DataError (or a full disk met by one rank) may be one rank's own, so
+        # every rank says it. The supervisor gets it too (its line names it, however this rank ends).
         rank = int(os.environ.get("RANK", "0") or 0)
-        if rank == 0 or isinstance(exc, DataError):
-            print(f"ds-adaptive train: error: {exc}", file=sys.stderr, flush=True)
+        line = f"ds-adaptive train: error: {exc}"
+        printed = rank == 0 or isinstance(exc, DataError) or (isinstance(exc, CheckpointSpaceError) and not exc.shared)
+        if printed:
+            print(line, file=sys.stderr, flush=True)
+        write_fatal(line, resume=_STAGE["training"], rank=rank, printed=printed)  # after: the console has it
         return 2
     except Exception as exc:
         if not peer_lost(exc):
@@ -174,7 +191,8 @@ def exit_process(code: int) -> None:
     summary are closed and the process group is destroyed, but C++ threads of gloo / DeepSpeed ops
     can still abort the interpreter's teardown ("terminate called without an active exception",
     signal 6), which would replace the run's exit code (0, or 75 after a preemption) with a crash.
-    A single process exits normally."""
+    A single process exits normally. The status is recorded for the supervisor first (``write_exit``)."""
+    write_exit(code)
     if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
         sys.exit(code)
     import logging

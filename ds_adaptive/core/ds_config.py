@@ -53,9 +53,16 @@ def read_ds_config(ds_config: Union[str, Path, dict, None]) -> dict:
         raise ConfigError(f"ds_config file {path} does not exist (from --deepspeed_config / DS_CONFIG); "
                           "pass the path of a DeepSpeed json, e.g. launch/configs/zero3_adaptive.json")
     try:
-        return json.loads(path.read_text())
+        raw = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ConfigError(f"ds_config file {path} is not valid JSON: {exc}") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"ds_config file {path} cannot be read ({getattr(exc, 'strerror', None) or exc}); check "
+                          "its permissions and that it is a text file") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"ds_config file {path} holds a JSON {type(raw).__name__}, expected an object "
+                          "({\"train_batch_size\": ..., \"adaptive_load\": {...}}); e.g. launch/configs/cpu_tiny.json")
+    return raw
 
 
 MISSPELLING_CUTOFF = 0.75

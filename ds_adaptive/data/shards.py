@@ -279,6 +279,13 @@ class LatentShardDataset(torch.utils.data.Dataset):
             raise DataError(f"shard {path} does not exist (needed by sample {sid!r} and {len(rows) - 1} more, "
                             f"listed in {self.index_path})")
         try:
+            with open(path, "rb"):  # safetensors reports EACCES as "No such file": say what it is
+                pass
+        except OSError as exc:
+            raise DataError(f"shard {path} exists but cannot be read ({exc.strerror or exc}; needed by sample "
+                            f"{sid!r} and {len(rows) - 1} more): fix its permissions (chmod a+r) or run as its "
+                            "owner") from None
+        try:
             f = safe_open(str(path), framework="pt")
             if check:
                 self._check_shard(f, path, rows)

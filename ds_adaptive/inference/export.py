@@ -22,12 +22,15 @@ Exit status: 0 written, 2 a checkpoint or argument that cannot be exported (one 
 """
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 from typing import Optional
 
 from ds_adaptive.models.family import ModelError
 from ds_adaptive.models.registry import get_model
-from ds_adaptive.training.checkpoint import (CLIENT_STATE_KEY, CheckpointError, check_checkpoint, last_good,
+from ds_adaptive.core.ckpt_pointer import directory_run_id, newest_complete, read_pointer
+from ds_adaptive.training.checkpoint import (MARKER, CLIENT_STATE_KEY, CheckpointError, check_checkpoint, last_good,
                                              read_client_state as checkpoint_client_state, read_marker)
 from ds_adaptive.training.ema import EmaError, consolidate as consolidate_ema
 from ds_adaptive.training.lora import export_lora, merged_weights
@@ -40,7 +43,27 @@ class ExportError(ValueError):
     """A checkpoint that cannot be exported; the message names the file and what to do."""
 
 
-def resolve_checkpoint(path: str, tag: Optional[str] = None) -> tuple[Path, str]:
+def _pointed(p: Path, path: str, log) -> str:
+    """The checkpoint ``p/latest`` names, under the pointer rule (``ds_adaptive.core.ckpt_pointer``): a bare
+    ``global_stepN`` of ``p`` written by the directory's run; otherwise (one line) the newest complete one."""
+    named, note = read_pointer(p)
+    owner = directory_run_id(p, exclude=(named,) if named else ())
+    if named is not None and owner and (read_marker(p / named) or {}).get("run_id") not in (None, owner):
+        note, named = (f"{p / 'latest'} names {named}, a checkpoint of another run (run id "
+                       f"{read_marker(p / named).get('run_id')}, the directory's run is {owner}): ignored"), None
+    if named is not None:
+        return named
+    fallback = newest_complete(p, run_id=directory_run_id(p))
+    if note is None and fallback is None:
+        raise ExportError(f"{path} has no 'latest' file and no *model_states.pt: not a DeepSpeed checkpoint "
+                          "directory; pass --tag global_stepN or the global_stepN directory itself")
+    if fallback is None:
+        raise ExportError(f"{note}; and {path} holds no complete checkpoint: pass --tag global_stepN")
+    log(f"ds-adaptive export: {note}; exporting {fallback}")
+    return fallback
+
+
+def resolve_checkpoint(path: str, tag: Optional[str] = None, log=print) -> tuple[Path, str]:
     """(save directory, tag) of ``path``: a --save directory (its 'latest', or ``tag``) or DIR/global_stepN."""
     p = Path(path)
     if not p.exists():
@@ -51,21 +74,24 @@ def resolve_checkpoint(path: str, tag: Optional[str] = None) -> tuple[Path, str]
             raise ExportError(f"{path} is the checkpoint '{p.name}' but --tag {tag} was given; drop one")
         return p.parent, p.name
     if tag is None:
-        latest = p / "latest"
-        if not latest.is_file():
-            raise ExportError(f"{path} has no 'latest' file and no *model_states.pt: not a DeepSpeed checkpoint "
-                              "directory; pass --tag global_stepN or the global_stepN directory itself")
-        tag = latest.read_text().strip()
+        tag = _pointed(p, path, log)
     if not (p / tag).is_dir() or not any((p / tag).glob("*model_states.pt")):
         raise ExportError(f"checkpoint '{tag}' of {path} is missing or incomplete ({p / tag} holds no "
                           "*model_states.pt); pick another with --tag")
     return p, tag
 
 
-def verify_checkpoint(save_dir: Path, tag: str, log=print) -> None:
+def verify_checkpoint(save_dir: Path, tag: str, log=print, allow_unverified: bool = False) -> None:
     """The checkpoint's files against its completeness marker (sizes and checksums, every byte read):
-    ExportError naming the first bad file. A checkpoint written by another program (no marker) is exported
-    as it is; one saved after non-finite steps is exported with a note naming the last good one."""
+    ExportError naming the first bad file. A checkpoint without a marker (an interrupted save, or another
+    program's) is refused unless ``allow_unverified`` (``--allow-unverified``); one saved after non-finite steps
+    is exported with a note naming the last good one."""
+    if not allow_unverified and read_marker(save_dir / tag) is None:
+        good = last_good(save_dir, exclude=(tag,))
+        raise ExportError(f"{save_dir / tag} has no completeness marker {MARKER}: its save may have been "
+                          "interrupted, so it cannot be verified; nothing was written. Export another checkpoint"
+                          + (f" (--tag {good})" if good else " (--tag)")
+                          + ", or pass --allow-unverified to export it as it is")
     problem = check_checkpoint(save_dir / tag, need_marker=False)
     if problem is not None:
         good = last_good(save_dir, exclude=(tag,))
@@ -127,7 +153,7 @@ def with_ema(sd: dict, ckpt: Path) -> dict:
 
 def export_checkpoint(ckpt: str, out: str, *, tag: Optional[str] = None, dtype: str = "fp32",
                       model: Optional[str] = None, layers: Optional[int] = None, lora: bool = False,
-                      base: Optional[str] = None, ema: bool = False) -> Path:
+                      base: Optional[str] = None, ema: bool = False, allow_unverified: bool = False) -> Path:
     """Write the diffusers-format transformer of a DeepSpeed checkpoint to ``out`` (or to the model's folder of
     the diffusers pipeline directory ``out``); returns the weights file. ``lora``: write only the LoRA adapters
     of a LoRA checkpoint (``out/pytorch_lora_weights.safetensors``, ``ds_adaptive.training.lora.export_lora``). A LoRA
@@ -139,7 +165,8 @@ def export_checkpoint(ckpt: str, out: str, *, tag: Optional[str] = None, dtype: 
     if dtype not in DTYPES:
         raise ExportError(f"--dtype must be one of {DTYPES}, got {dtype!r}")
     save_dir, tag = resolve_checkpoint(ckpt, tag)
-    verify_checkpoint(save_dir, tag)
+    verify_checkpoint(save_dir, tag, allow_unverified=allow_unverified)
+    destination_problem(out)
     if lora:
 
         return export_lora(save_dir, tag, read_client_state(save_dir / tag), out,
@@ -154,7 +181,36 @@ def export_checkpoint(ckpt: str, out: str, *, tag: Optional[str] = None, dtype: 
     target = Path(out)
     if (target / "model_index.json").is_file():   # a diffusers pipeline: the model's own folder in it
         target = target / spec.subfolder
-    return spec.weights.save(net, target, layout="diffusers")
+    return _written(lambda: spec.weights.save(net, target, layout="diffusers"), target)
+
+
+def destination_problem(out: str) -> None:
+    """``--to out`` must be a directory this process can write (or one it can create): ExportError otherwise."""
+    p = Path(out)
+    if p.exists() and not p.is_dir():
+        raise ExportError(f"--to {out} is an existing file, not a directory; nothing was written. Pass a "
+                          "directory (it is created), or remove the file")
+    probe_dir = p if p.is_dir() else next((a for a in p.parents if a.exists()), Path("."))
+    if not os.access(probe_dir, os.W_OK | os.X_OK):
+        raise ExportError(f"--to {out}: {probe_dir} is not writable (permission denied or a read-only "
+                          "filesystem); nothing was written. Pick a directory you can write")
+
+
+def _written(save, target: Path):
+    """Run ``save()`` (it writes files into ``target``); an OSError (a full disk, a read-only filesystem) removes
+    the files it created and is one ExportError."""
+    before = set(target.iterdir()) if target.is_dir() else set()
+    try:
+        return save()
+    except OSError as exc:
+        created = (set(target.iterdir()) if target.is_dir() else set()) - before
+        for f in created:
+            if f.is_file():
+                f.unlink(missing_ok=True)
+        free = shutil.disk_usage(target if target.exists() else target.parent).free
+        raise ExportError(f"--to {target}: writing the weights failed ({exc.strerror or exc}; "
+                          f"{free / 1e6:.1f} MB free there); the partial files were removed. Free some space or "
+                          "pick another --to") from None
 
 
 def cfg_model_name(save_dir: Path, tag: str, model: Optional[str] = None) -> str:

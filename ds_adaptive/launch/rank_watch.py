@@ -8,13 +8,24 @@ Standard library and ``psutil`` only (the supervisor starts before torch).
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
+import threading
+import time
 from dataclasses import dataclass
 from typing import Optional
 
 __all__ = ["LAUNCH_MODULE", "NODE_LAUNCH_MODULE", "EXIT_USAGE", "EXIT_PEER_LOST", "EXIT_PREEMPTED", "RankEnd",
-           "RankWatch", "rank_processes", "process_end", "launcher_status", "signame"]
+           "RankWatch", "rank_processes", "process_end", "launcher_status", "signame", "ENV_FATAL_DIR", "write_fatal",
+           "read_fatal", "write_exit", "read_exits",
+           "start_heartbeat", "stale_heartbeats", "EXIT_STUCK", "HEARTBEAT_S"]
+
+ENV_FATAL_DIR = "DS_ADAPTIVE_FATAL_DIR"
+"""A directory the supervisor makes for its run: a rank that fails writes its one-line message there
+(:func:`write_fatal`) before it prints it, so the message reaches the console (the supervisor's line) even when
+DeepSpeed's launcher kills that rank before its own output got out."""
 
 LAUNCH_MODULE = "deepspeed.launcher.launch"
 # Multi-node without ssh: the per-node launcher of ds_adaptive/launch/multinode/ starts the ranks itself.
@@ -164,6 +175,134 @@ class RankWatch:
             if found is not None:
                 return found
         return None
+
+
+def write_fatal(message: str, *, resume: bool, rank: Optional[int] = None, printed: bool = False) -> None:
+    """Record this rank's fatal one-line ``message`` for the supervisor (no-op outside one). ``resume``: resuming
+    from the last checkpoint is the way on (False: a start-up problem the message says how to fix). ``printed``:
+    this rank printed it (and flushed) before recording it, so the console has it already."""
+    where = os.environ.get(ENV_FATAL_DIR)
+    if not where:
+        return
+    rank = int(os.environ.get("RANK", "0") or 0) if rank is None else rank
+    path = os.path.join(where, f"rank{rank}.json")
+    try:
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump({"rank": rank, "message": message, "resume": bool(resume), "printed": bool(printed),
+                       "time": time.time()}, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+HEARTBEAT_S = 1.0
+"""Seconds between a rank's heartbeats (a thread: a rank waiting in a collective still beats; a stopped
+process, a hung node or a rank holding the interpreter does not)."""
+EXIT_STUCK = 124
+"""The supervisor's exit status when its watchdog stopped the job: a rank made no progress (no heartbeat) for
+the watchdog's time (``timeout``'s convention: 124 = timed out)."""
+
+
+def start_heartbeat(interval: float = HEARTBEAT_S) -> Optional[threading.Thread]:
+    """Beat ``rank{R}.beat`` in the supervisor's directory every ``interval`` s from a daemon thread (its
+    content: host and pid; its mtime: the beat). None outside a supervisor."""
+    where = os.environ.get(ENV_FATAL_DIR)
+    if not where:
+        return None
+    path = os.path.join(where, f"rank{int(os.environ.get('RANK', '0') or 0)}.beat")
+    try:
+        with open(path, "w") as f:
+            json.dump({"host": socket.gethostname(), "pid": os.getpid()}, f)
+    except OSError:
+        return None
+
+    def beat() -> None:
+        while True:
+            try:
+                os.utime(path)
+            except OSError:
+                return
+            time.sleep(interval)
+
+    t = threading.Thread(target=beat, name="ds_adaptive-heartbeat", daemon=True)
+    t.start()
+    return t
+
+
+def stale_heartbeats(where: Optional[str], timeout: float, now: Optional[float] = None, ended=()) -> list[dict]:
+    """The ranks whose heartbeat in ``where`` is older than ``timeout`` s: {rank, host, pid, age}, oldest first.
+    A rank that recorded its exit (``rankR.exit``) or is in ``ended`` (seen ending) is not counted."""
+    if not where or not os.path.isdir(where) or timeout <= 0:
+        return []
+    now = time.time() if now is None else now
+    out = []
+    for name in os.listdir(where):
+        if not (name.startswith("rank") and name.endswith(".beat")):
+            continue
+        path = os.path.join(where, name)
+        if os.path.exists(path[:-5] + ".exit"):
+            continue
+        try:
+            age = now - os.stat(path).st_mtime
+            if age <= timeout:
+                continue
+            with open(path) as f:
+                info = json.load(f)
+            if int(name[4:-5]) in ended:
+                continue
+            out.append({"rank": int(name[4:-5]), "host": info.get("host", "?"), "pid": info.get("pid"), "age": age})
+        except (OSError, ValueError):
+            continue
+    return sorted(out, key=lambda r: -r["age"])
+
+
+def write_exit(code: int) -> None:
+    """Record this rank's exit status for the supervisor (no-op outside one): DeepSpeed's runner turns a launcher
+    killed by a signal into exit 0, and a rank reparented away from its launcher is reaped unseen."""
+    where = os.environ.get(ENV_FATAL_DIR)
+    if not where:
+        return
+    try:
+        with open(os.path.join(where, f"rank{int(os.environ.get('RANK', '0') or 0)}.exit"), "w") as f:
+            f.write(str(int(code)))
+    except (OSError, ValueError):
+        pass
+
+
+def read_exits(where: Optional[str]) -> dict[int, int]:
+    """rank -> the exit status it recorded (:func:`write_exit`)."""
+    out = {}
+    if where and os.path.isdir(where):
+        for name in os.listdir(where):
+            if name.startswith("rank") and name.endswith(".exit"):
+                try:
+                    with open(os.path.join(where, name)) as f:
+                        out[int(name[4:-5])] = int(f.read().strip())
+                except (OSError, ValueError):
+                    continue
+    return out
+
+
+def read_fatal(where: Optional[str]) -> Optional[dict]:
+    """The first (earliest) fatal record of the run's ranks in ``where``, with ``printed`` true when any rank
+    printed its message; None when no rank wrote one."""
+    if not where or not os.path.isdir(where):
+        return None
+    found = []
+    for name in os.listdir(where):
+        if name.startswith("rank") and name.endswith(".json"):
+            try:
+                with open(os.path.join(where, name)) as f:
+                    rec = json.load(f)
+            except (OSError, ValueError):
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("message"), str):
+                found.append(rec)
+    if not found:
+        return None
+    return {**min(found, key=lambda r: (r.get("time", 0), r.get("rank", 0))),
+            "printed": any(r.get("printed") for r in found)}
 
 
 def launcher_status(rc: int) -> int:

@@ -8,12 +8,17 @@ Rank 0 checks, in this order, and the first problem ends every rank with the sam
 
 1. ``--save``: not a file, creatable, writable (a probe file is written, synced and removed);
 2. ``--init-from``: the weights' files exist, their headers read, and every tensor's name and shape fit
-   the model of ``--model`` / ``--layers`` (``ds_adaptive.models.weights``; nothing is loaded);
+   the model of ``--model`` / ``--layers`` (``ds_adaptive.models.weights``); then every tensor is read once
+   (one at a time) and one with a NaN / inf is named;
 3. the run lock of ``--save`` (``ds_adaptive.training.runlock``): another live run there is an error;
 4. checkpoints already in ``--save`` from an earlier run: an error naming them, unless this run resumes
    from that directory (``--resume``) or was started with ``--overwrite`` (then they are deleted, after
    every check has passed);
-5. free disk space for one checkpoint (:func:`checkpoint_bytes`: parameters x optimizer-state bytes).
+5. free disk space for ``--keep-checkpoints`` + 1 checkpoints (they coexist until the oldest is pruned;
+   :func:`checkpoint_bytes`: parameters x optimizer-state bytes), in MB where GiB would read 0.00.
+
+Partial checkpoints (``.global_stepN.partial``: a save that was killed) are deleted first, with one line;
+``global_stepN`` directories without a completeness marker neither block a new run nor get resumed.
 """
 from __future__ import annotations
 
@@ -23,13 +28,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from ds_adaptive.training.checkpoint import checkpoint_tags, step_of
+from ds_adaptive.training.checkpoint import (checkpoint_tags, human_bytes, newest_kept, read_marker, remove_partial,
+                                             step_of)
 from ds_adaptive.training.run_config import RunConfig, UsageError
 from ds_adaptive.training.runlock import RunLock, RunLockError
 from ds_adaptive.models.family import ModelError
 from ds_adaptive.models.registry import get_model
 
-__all__ = ["SaveDir", "prepare_save_dir", "save_dir_problem", "init_from_problem", "checkpoint_bytes",
+__all__ = ["SaveDir", "prepare_save_dir", "save_dir_problem", "init_from_problem", "nonfinite_weights_problem",
+           "checkpoint_bytes",
            "disk_problem", "OPTIMIZER_STATE_BYTES"]
 
 OPTIMIZER_STATE_BYTES = {"sgd": 8, "adagrad": 8}
@@ -98,6 +105,30 @@ def init_from_problem(path: str, model: str, layers: Optional[int]) -> Optional[
     except Exception as exc:  # noqa: BLE001 - an unreadable file is the same message whatever the reader raised
         return (f"--init-from {path} cannot be read ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
                 "check the path and that the download is complete")
+    return nonfinite_weights_problem(path, spec.subfolder)
+
+
+def nonfinite_weights_problem(path: str, subfolder: Optional[str] = None) -> Optional[str]:
+    """None when every floating-point tensor of the safetensors files at ``path`` (its ``subfolder`` when it has
+    one) is finite; else one line naming the first tensor with NaN / inf and its file. Read tensor by tensor."""
+    import torch
+    from safetensors import safe_open
+
+    root = Path(path)
+    if subfolder and (root / subfolder).is_dir():
+        root = root / subfolder
+    files = [root] if root.is_file() else sorted(root.glob("*.safetensors"))
+    for f in files:
+        if f.suffix != ".safetensors":
+            continue
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                t = st.get_tensor(name)
+                if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                    bad = int((~torch.isfinite(t)).sum())
+                    return (f"--init-from {path}: tensor {name!r} in {f} has {bad} non-finite value(s) (NaN / inf) of "
+                            f"{t.numel()}: every step would be skipped as non-finite. Use an intact copy of the "
+                            "weights (re-download or re-export them)")
     return None
 
 
@@ -116,15 +147,35 @@ def checkpoint_bytes(cfg: RunConfig) -> tuple[int, str]:
                                  + (f" + weights" if weights else "") + ")")
 
 
-def disk_problem(save: str, need: int, how: str, freed: int = 0) -> Optional[str]:
-    """None when the filesystem of ``save`` has ``need`` bytes free (counting ``freed`` bytes about to be
-    deleted); else the message."""
+def disk_problem(save: str, need: int, how: str, freed: int = 0, count: int = 1) -> Optional[str]:
+    """None when the filesystem of ``save`` has ``count`` x ``need`` bytes free (counting ``freed`` bytes about to
+    be deleted); else the message (MB where GiB would read 0.00)."""
     free = shutil.disk_usage(save).free + freed
-    if free >= need:
+    if free >= need * count:
         return None
-    gib = float(1 << 30)
-    return (f"--save {save}: {free / gib:.2f} GiB free on its filesystem, one checkpoint needs about "
-            f"{need / gib:.2f} GiB ({how}); free some space or choose another --save / SAVE_DIR")
+    many = (f"{count} checkpoints (--keep-checkpoints + the one being written) need about "
+            f"{human_bytes(need * count)}, one" if count > 1 else "one checkpoint")
+    return (f"--save {save}: {human_bytes(free)} free on its filesystem, {many} needs about "
+            f"{human_bytes(need)} ({how}); free some space, lower KEEP_CHECKPOINTS, or choose another --save / "
+            "SAVE_DIR")
+
+
+def _incomplete(save: Path, tags: list[str]) -> list[str]:
+    """The ``global_stepN`` of ``tags`` without a completeness marker (saves interrupted before atomic saves)."""
+    return [t for t in tags if read_marker(save / t) is None]
+
+
+def _checkpoints_to_keep(cfg: RunConfig, save: Path, resuming: bool) -> int:
+    """How many more checkpoints must fit on the disk: ``keep + 1`` coexist before pruning, less the ones of
+    the run resumed already there (at least one)."""
+    keep = cfg.trainer.keep_checkpoints or 0
+    if keep <= 0:
+        return 1
+    there = 0
+    if resuming:
+        run = (read_marker(save / newest_kept(save)) or {}).get("run_id") if newest_kept(save) else None
+        there = sum(1 for t in checkpoint_tags(save) if run and (read_marker(save / t) or {}).get("run_id") == run)
+    return max(1, keep + 1 - there)
 
 
 def _dir_bytes(path: Path) -> int:
@@ -164,14 +215,24 @@ def _rank0_checks(cfg: RunConfig, command: str) -> SaveDir:
     try:
         if out.lock.took_over:
             out.notes.append(f"ds_adaptive: {save}: {out.lock.took_over}")
-        earlier = [] if _resumes_from(save, t.resume) else checkpoint_tags(save)
+        for gone in remove_partial(save):
+            out.notes.append(f"ds_adaptive: {save}: removed {gone.name}, a checkpoint whose save was interrupted "
+                             "(it was never complete)")
+        resuming = _resumes_from(save, t.resume)
+        found = checkpoint_tags(save)
+        partial = _incomplete(save, found)
+        if partial and not resuming:
+            out.notes.append(f"ds_adaptive: {save}: ignoring {', '.join(partial)}: no completeness marker (an "
+                             "interrupted save); they are not resumed and do not block a new run")
+        earlier = [] if resuming else [tag for tag in found if tag not in partial]
         if earlier and not t.overwrite:
             shown = ", ".join(earlier[-4:]) + (f" and {len(earlier) - 4} more" if len(earlier) > 4 else "")
             raise UsageError(f"--save {save} already holds checkpoints of an earlier run ({shown}): continue that "
                              f"run with RESUME=1 (--resume {save}), start a new one there with OVERWRITE=1 "
                              "(--overwrite deletes them), or choose another SAVE_DIR / --save")
         need, how = checkpoint_bytes(cfg)
-        problem = disk_problem(str(save), need, how, freed=sum(_dir_bytes(save / tag) for tag in earlier))
+        problem = disk_problem(str(save), need, how, freed=sum(_dir_bytes(save / tag) for tag in earlier),
+                               count=_checkpoints_to_keep(cfg, save, resuming))
         if problem:
             raise UsageError(problem)
         for tag in earlier:  # --overwrite: every check passed

@@ -43,7 +43,18 @@ What the supervisor does:
   (``/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>``, ~69 MB per rank, never unlinked by
   DeepSpeed 0.19.8) are removed.
 
+* **The ranks' own words**: the supervisor makes a directory for the run (``$DS_ADAPTIVE_FATAL_DIR``); a rank
+  that fails writes its one-line message there, and every rank its exit status, so the supervisor's line carries
+  the first failing rank's message when DeepSpeed's launcher killed the ranks before it got out, and says
+  "resume with" only when resuming is the way on (not after a start-up error the message explains).
+* **The watchdog**: every rank beats ``rankR.beat`` there once a second (a thread); a rank without a beat for
+  ``--watchdog`` / ``$DS_ADAPTIVE_WATCHDOG_S`` seconds (default 120; stopped, hung, its node not answering) ends
+  the job at once with one line naming the rank, its pid and host, and the resume command (exit 124).
+* DeepSpeed's runner exits 0 when its per-node launcher is killed by a signal; the ranks then stop on their
+  parent's death and save: the supervisor reports 75 (what they recorded), never 0.
+
 Exit status: 0 finished; 75 stopped by a forwarded signal with a checkpoint (the ranks' ``EXIT_PREEMPTED``);
+124 stopped by the watchdog;
 2 a usage, config, data or checkpoint error (one message); 128+N a rank killed by signal N (the ``deepspeed``
 launcher's own report of it, 256-N, is mapped to 128+N) or the launcher itself killed by N; otherwise the
 status of the rank that failed first.
@@ -59,18 +70,22 @@ import ctypes
 import os
 import select
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Optional
 
+from ds_adaptive.core.ckpt_pointer import directory_run_id, marker_of, newest_complete, read_pointer, sizes_problem
 from ds_adaptive.launch.port_claim import (DEFAULT_MASTER_PORT, SHM_PREFIX, PortInUse, choose_master_port,  # noqa: F401
                                            claim_port, port_lock_path, release_port, remove_shm_buffers, single_node)
-from ds_adaptive.launch.rank_watch import (EXIT_PEER_LOST, EXIT_PREEMPTED, EXIT_USAGE, LAUNCH_MODULE,  # noqa: F401
-                                           NODE_LAUNCH_MODULE, RankEnd, RankWatch, launcher_status, process_end,
-                                           rank_processes)
+from ds_adaptive.launch.rank_watch import (ENV_FATAL_DIR, EXIT_PEER_LOST, EXIT_PREEMPTED,  # noqa: F401
+                                           EXIT_USAGE, LAUNCH_MODULE, NODE_LAUNCH_MODULE, RankEnd, RankWatch,
+                                           EXIT_STUCK, launcher_status, process_end, rank_processes,
+                                           read_exits, read_fatal, stale_heartbeats)
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)  # USR1: SLURM's --signal=USR1@N
 ENV_SUPERVISOR = "DS_ADAPTIVE_SUPERVISOR_PID"
@@ -80,17 +95,23 @@ ENV_REPEAT_SIGNAL = "DS_ADAPTIVE_REPEAT_SIGNAL"
 ENV_RESUME_HINT = "DS_ADAPTIVE_RESUME_HINT"
 """The command that resumes this run (``launch/train_wan.sh`` sets it), for the rank-death message."""
 _PR_SET_PDEATHSIG = 1
+ENV_WATCHDOG = "DS_ADAPTIVE_WATCHDOG_S"
+WATCHDOG_S = 120.0
+"""Default seconds without a heartbeat from a rank before the watchdog stops the job (well under the collective
+timeouts: DeepSpeed's 30 min, NCCL's 10 min); ``$DS_ADAPTIVE_WATCHDOG_S`` or ``--watchdog`` set it, 0 turns it off."""
 RANK_EXIT_GRACE = 10.0
 """Seconds the other ranks get to end on their own after one rank died or failed."""
 
 # The reaper: waits for EOF on stdin (the supervisor closed the pipe: it exited or was killed).
-# A supervisor that exits normally first writes "done"; anything else kills the group.
-# Also removes the run's port lock file (argv[2], if any), which the dead supervisor held.
+# A supervisor that exits normally first writes "done"; anything else kills the group, then cleans up what the dead
+# supervisor would have: its port lock file (lock=PATH), DeepSpeed's /dev/shm buffers of the job (shm=GLOB: the
+# ranks are dead by then) and the ranks' fatal-message directory (rm=DIR).
 _REAPER = r"""
-import fcntl, os, signal, sys, time
+import fcntl, glob, os, shutil, signal, sys, time
 for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):  # a scheduler signals every process
     signal.signal(s, signal.SIG_IGN)
 pgid = int(sys.argv[1])
+opts = [a.split("=", 1) for a in sys.argv[2:]]
 msg = sys.stdin.buffer.read()
 if msg.strip() == b"done":
     sys.exit(0)
@@ -99,12 +120,24 @@ try:
     sys.stderr.write(f"ds_adaptive supervisor: the launcher died; killed its process group {pgid}\n")
 except ProcessLookupError:
     pass
-if len(sys.argv) > 2:
+for _ in range(50):  # the killed ranks' memory maps go before their buffers can be removed for good
     try:
-        fd = os.open(sys.argv[2], os.O_RDONLY)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free now: nobody else holds it
-        os.unlink(sys.argv[2])
-        os.close(fd)
+        os.killpg(pgid, 0)
+        time.sleep(0.1)
+    except (ProcessLookupError, PermissionError):
+        break
+for key, value in opts:
+    try:
+        if key == "lock":
+            fd = os.open(value, os.O_RDONLY)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free now: nobody else holds it
+            os.unlink(value)
+            os.close(fd)
+        elif key == "shm":
+            for f in glob.glob(value):
+                os.unlink(f)
+        elif key == "rm":
+            shutil.rmtree(value, ignore_errors=True)
     except OSError:
         pass
 """
@@ -151,14 +184,20 @@ def _save_dir(cmd: list[str]) -> Optional[str]:
 
 
 def resume_advice(cmd: list[str]) -> str:
-    """Where the run can go on from: the checkpoint ``latest`` names in ``--save`` and the command."""
+    """Where the run can go on from: the newest complete checkpoint of ``--save`` (the one ``latest`` names when it
+    is a ``global_stepN`` of the directory, by the directory's run, with every file of its marker at its size;
+    garbage, an unreadable ``latest`` or a path elsewhere are passed over) and the command."""
     save = _save_dir(cmd)
     if save is None:
         return "Nothing was saved (no --save directory)."
-    latest = Path(save) / "latest"
-    tag = latest.read_text().strip() if latest.is_file() else None
+    tag, _ = read_pointer(save)
+    owner = directory_run_id(save)
+    if tag is not None and (sizes_problem(Path(save) / tag) is not None
+                            or (marker_of(Path(save) / tag) or {}).get("run_id") not in (None, owner)):
+        tag = None
+    tag = tag or newest_complete(save, run_id=owner)
     if tag is None:
-        return f"No checkpoint was completed in {save} yet."
+        return f"No complete checkpoint in {save} yet."
     hint = os.environ.get(ENV_RESUME_HINT) or shlex.join(
         [c for c in cmd if c != "--overwrite"] + ([] if "--resume" in cmd else ["--resume", save]))
     return f"The last complete checkpoint is {Path(save) / tag}; resume with: {hint}"
@@ -168,7 +207,7 @@ class Supervisor:
     """Runs one command in its own process group and owns its signals (see the module doc)."""
 
     def __init__(self, cmd: list[str], *, stop_timeout: float = 0.0, rank_exit_grace: float = RANK_EXIT_GRACE,
-                 log=None) -> None:
+                 log=None, watchdog: float = WATCHDOG_S) -> None:
         self.cmd = cmd
         # the per-node launcher watches its ranks and the other nodes itself and reports the failure once, with
         # its own exit status: the supervisor then only forwards signals and keeps the process group
@@ -185,6 +224,10 @@ class Supervisor:
         self.rank_deadline: Optional[float] = None
         """Set when a rank failed: the others are killed if still running then."""
         self.killed_others = False
+        self.fatal_dir: Optional[str] = None
+        self.watchdog = watchdog
+        self.stuck: Optional[dict] = None
+        """The rank the watchdog stopped the job for."""
 
     def _on_signal(self, signum, _frame) -> None:
         self.signals.append(signum)
@@ -227,12 +270,21 @@ class Supervisor:
         self.cmd, self.port, port_fd = choose_master_port(self.cmd, log=self.log)
         for s in FORWARDED:
             signal.signal(s, self._on_signal)
-        env = {**os.environ, ENV_SUPERVISOR: str(os.getpid())}
-        self.proc = subprocess.Popen(self.cmd, start_new_session=True, env=env)
-        lock = [str(port_lock_path(self.port))] if self.port is not None else []
-        self.reaper = subprocess.Popen([sys.executable, "-c", _REAPER, str(self.proc.pid), *lock],
+        self.fatal_dir = tempfile.mkdtemp(prefix="ds_adaptive_fatal.")
+        env = {**os.environ, ENV_SUPERVISOR: str(os.getpid()), ENV_FATAL_DIR: self.fatal_dir}
+        try:
+            self.proc = subprocess.Popen(self.cmd, start_new_session=True, env=env)
+        except OSError:  # the command cannot start (main: exit 127): leave no directory behind
+            shutil.rmtree(self.fatal_dir, ignore_errors=True)
+            if port_fd is not None:
+                release_port(self.port, port_fd)
+            raise
+        clean = ([f"lock={port_lock_path(self.port)}", f"shm={SHM_PREFIX}_{os.getuid()}_*_{self.port}_*"]
+                 if self.port is not None else []) + [f"rm={self.fatal_dir}"]
+        self.reaper = subprocess.Popen([sys.executable, "-c", _REAPER, str(self.proc.pid), *clean],
                                        stdin=subprocess.PIPE, start_new_session=True)
         self.watch = RankWatch(self.proc.pid)
+        rc = None
         try:
             rc = self._supervise()
             self._reap_stragglers()
@@ -246,11 +298,13 @@ class Supervisor:
             except (BrokenPipeError, OSError, subprocess.TimeoutExpired):
                 pass
             self.watch.close()
+            status = self._exit_status(rc) if rc is not None else None
+            shutil.rmtree(self.fatal_dir, ignore_errors=True)
             if self.port is not None:
                 remove_shm_buffers(self.port)
             if port_fd is not None:
                 release_port(self.port, port_fd)
-        return self._exit_status(rc)
+        return status
 
     def _supervise(self) -> int:
         """The loop: wait for the launcher, a rank's end (its pidfd) or a signal; returns the launcher's code."""
@@ -280,10 +334,25 @@ class Supervisor:
                          "killing it (SIGKILL)")
                 self._kill_group()
                 self.stop_deadline = None
+            if self.stuck is None:  # per-node launches too: this node's ranks (the others see the node go)
+                self._check_heartbeats()
             if self.rank_deadline is not None and now > self.rank_deadline:
                 self.killed_others = True
                 self._kill_group()
                 self.rank_deadline = None
+
+    def _check_heartbeats(self) -> None:
+        """The watchdog: a rank without a heartbeat for ``watchdog`` s (stopped, hung, its node not answering)
+        stops the job at once (SIGKILL of the group: a stopped process cannot act on anything else)."""
+        stale = stale_heartbeats(self.fatal_dir, self.watchdog, ended={e.rank for e in self.watch.ended})
+        if not stale:
+            return
+        self.stuck = stale[0]
+        self.log(f"watchdog: rank {self.stuck['rank']} (pid {self.stuck['pid']}) on host {self.stuck['host']} made no "
+                 f"progress for {self.stuck['age']:.0f} s (no heartbeat: stopped, hung, or its node stopped "
+                 f"answering; {ENV_WATCHDOG}={self.watchdog:g}); stopping the job (SIGKILL); exit {EXIT_STUCK}. "
+                 f"{resume_advice(self.cmd)}")
+        self._kill_group()
 
     def _on_rank_end(self, end: RankEnd) -> None:
         """A rank ended: after a failure (not during a stop we forwarded) the others get rank_exit_grace s."""
@@ -293,20 +362,43 @@ class Supervisor:
 
     def _exit_status(self, rc: int) -> int:
         """The run's exit status (module doc), and the one line after a rank failure."""
+        if self.stuck is not None:
+            return EXIT_STUCK
         failure = self.watch.first_failure() if not (self.signals or self.node_launcher) else None
-        if failure is None:
-            return launcher_status(rc)
+        exits = read_exits(self.fatal_dir)
+        if failure is None or (failure.exit_status() is None and exits.get(failure.rank) == EXIT_PREEMPTED):
+            return self._launcher_truth(launcher_status(rc), exits)
         status = failure.exit_status()
-        if status is None:  # reaped before it was seen: what the launcher reported
-            status = launcher_status(rc)
+        if status is None:  # reaped before it was seen: what it recorded, else what the launcher reported
+            status = exits.get(failure.rank, launcher_status(rc))
         # the others ended after the failure however they did: on the lost peer (EXIT_PEER_LOST), or terminated by
         # DeepSpeed's launcher first (it kills the rest when one rank exits non-zero: a race with the peer check)
         others = [e for e in self.watch.ended if e is not failure]
         if failure.signal is not None or self.killed_others or others:
             stopped = ("the other rank(s) were killed after " f"{self.rank_exit_grace:g} s" if self.killed_others
                        else "the other rank(s) stopped")
-            self.log(f"{failure.describe()}; {stopped}; exit {status}. {resume_advice(self.cmd)}")
+            fatal = read_fatal(self.fatal_dir)
+            said = f" ({fatal['message']})" if fatal and not fatal.get("printed") else ""  # its own line was lost
+            advice = (resume_advice(self.cmd) if fatal is None or fatal.get("resume") else
+                      "Nothing to resume from this launch: do what the message says, then start it again.")
+            self.log(f"{failure.describe()}{said}; {stopped}; exit {status}. {advice}")
         return status
+
+    def _launcher_truth(self, status: int, exits: dict) -> int:
+        """``status`` of the launcher, unless it says 0 while the ranks did not finish: DeepSpeed's runner exits 0
+        when its per-node launcher is killed by a signal (the ranks then stop on their parent's death, save and
+        exit 75: the job's status is 75), or a rank recorded a failure."""
+        if status != 0 or not exits or all(code == 0 for code in exits.values()):
+            return status
+        if all(code in (0, EXIT_PREEMPTED) for code in exits.values()):
+            self.log(f"DeepSpeed's launcher ended early (killed?); the ranks stopped at a step boundary and exited "
+                     f"{EXIT_PREEMPTED}; exit {EXIT_PREEMPTED}. {resume_advice(self.cmd)}")
+            return EXIT_PREEMPTED
+        rank, code = min(((r, c) for r, c in exits.items() if c not in (0, EXIT_PREEMPTED)),
+                         key=lambda rc: (rc[1] == EXIT_PEER_LOST, rc[0]))
+        self.log(f"rank {rank} exited with status {code} but the launcher reported success; exit {code}. "
+                 f"{resume_advice(self.cmd)}")
+        return code
 
     def _reap_stragglers(self, grace: float = 5.0) -> None:
         """The launcher exited; give what is left of its group ``grace`` s, then SIGKILL it."""
@@ -328,6 +420,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--rank-exit-grace", type=float, default=RANK_EXIT_GRACE,
                     help="after one rank died or failed, SIGKILL the others if they have not ended within this many "
                          f"seconds (default {RANK_EXIT_GRACE:g})")
+    ap.add_argument("--watchdog", type=float, default=float(os.environ.get(ENV_WATCHDOG, WATCHDOG_S) or 0),
+                    help="stop the job when a rank has not sent a heartbeat for this many seconds (default: "
+                         f"${ENV_WATCHDOG}, else {WATCHDOG_S:g}; 0 = off)")
     if "--" not in argv:
         ap.error("give the command after '--'")
     i = argv.index("--")
@@ -340,7 +435,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.rank_exit_grace < 0:
         ap.error(f"--rank-exit-grace must be >= 0, got {args.rank_exit_grace}")
     try:
-        return Supervisor(cmd, stop_timeout=args.stop_timeout, rank_exit_grace=args.rank_exit_grace).run()
+        return Supervisor(cmd, stop_timeout=args.stop_timeout, rank_exit_grace=args.rank_exit_grace,
+                          watchdog=args.watchdog).run()
     except PortInUse as exc:
         print(f"ds_adaptive supervisor: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

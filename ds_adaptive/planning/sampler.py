@@ -343,8 +343,9 @@ class _PlannedBatchSampler(_SamplerBase):
             raise SamplerStateError(
                 f"sampler state was saved for a dataset of {state['num_samples']} samples (shapes "
                 f"{state['shapes_sha']}), this dataset has {len(self.shapes)} ({self._fingerprint}): the "
-                "consumed samples cannot be identified. Resume with the same dataset, or start the epoch "
-                "afresh (skip load_state_dict for the sampler).")
+                "consumed samples cannot be identified. Resume with the same dataset, or pass --restart-epoch "
+                "(RESUME=1 bash launch/train_wan.sh ... --restart-epoch) to keep the weights, optimizer and step "
+                "and plan this epoch afresh for this dataset.")
         if int(state["seed"]) != self.seed:
             raise SamplerStateError(f"sampler state has seed {state['seed']}, this sampler {self.seed}: "
                                     "set sampler.seed to the saved value to resume")

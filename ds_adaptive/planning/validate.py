@@ -24,19 +24,33 @@ Rules, in the order they are reported:
 * ``budgets``: ``lr_scaling`` has a ``reference_batch``; a null ``profile`` only where no profile is needed;
 * ``sparse_attention``: ``dense_layers`` inside the model, ``predictor_rank`` <= the head dim, the backend
   available on the run's device: the sparse backends' own check (``sparse.backends.check_sparse_config``);
-* ``ema``: ``ema.parameters: lora`` needs LoRA (``ds_adaptive.core.features.feature_problems``).
+* ``ema``: ``ema.parameters: lora`` needs LoRA (``ds_adaptive.core.features.feature_problems``);
+* ``optimizer``: ``optimizer.type`` is one DeepSpeed builds (its own names, any case, or a ``torch.optim`` class);
+* ``zero_optimization.stage``: an integer 0..3;
+* ``budgets`` (bounds): ``m_mem`` at most :data:`MAX_M_MEM_GIB` GiB (a typo like ``1e30`` would make the planner
+  allocate a table of that many batch sizes);
+* ``metrics.log_dir``: not a file, and no parent of it a file;
+* ``adaptive_load``: a CPU run without the block would train the model's full-size shape mix with DeepSpeed's
+  fixed batches (hours per step): an error naming what would be used.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from ds_adaptive.core.config import AdaptiveLoadConfig, ConfigError, SamplerConfig, SparseAttentionConfig
+from ds_adaptive.core.config import BLOCK_KEY, AdaptiveLoadConfig, ConfigError, SamplerConfig, SparseAttentionConfig
 from ds_adaptive.core.ds_config import accumulation_steps
 from ds_adaptive.core.features import feature_problems
 from ds_adaptive.core.layout import SequenceParallelError, heads_sp_problem, resolve_sp_size
 from ds_adaptive.models.registry import get_model, model_names
 from ds_adaptive.attention.backends.check import check_sparse_config
+
+MAX_M_MEM_GIB = 4096.0
+"""Largest ``adaptive_load.sampler.m_mem`` accepted (GiB of activation memory per GPU; no GPU has a tenth of it)."""
+DEEPSPEED_OPTIMIZERS = ("adagrad", "adam", "adamw", "lamb", "muadam", "muadamw", "musgd", "lion", "muon",
+                        "onebitadam", "zerooneadam", "onebitlamb", "cpu_adam", "fusedadam")
+"""Optimizer types DeepSpeed 0.19 builds by name (lower case); any ``torch.optim`` class name is accepted too."""
 
 __all__ = ["RunFacts", "Problem", "run_problems", "validate_run", "heads_sp_problem", "accumulation_steps",
            "context_parallel_mode"]
@@ -173,7 +187,73 @@ def run_problems(ds_config: Mapping[str, Any], block: AdaptiveLoadConfig, facts:
     out += _budget_problems(block.sampler)
     out += _sparse_problems(block.sparse_attention, facts, model)
     out += [Problem("ema", msg) for msg in feature_problems(block.ema, block.lora.enabled)]
+    for key, msg in (("optimizer", _optimizer_problem(ds_config)),
+                     ("zero_optimization.stage", _stage_problem(ds_config)),
+                     ("budgets", _budget_bound_problem(block.sampler)),
+                     ("metrics.log_dir", _log_dir_problem(block.metrics.log_dir)),
+                     ("adaptive_load", _missing_block_problem(ds_config, facts))):
+        if msg:
+            out.append(Problem(key, msg))
     return out
+
+
+def _optimizer_problem(ds_config: Mapping[str, Any]) -> Optional[str]:
+    import torch
+
+    opt = ds_config.get("optimizer")
+    if opt is None:
+        return None
+    name = opt.get("type") if isinstance(opt, Mapping) else None
+    if not isinstance(name, str):
+        return (f"ds_config 'optimizer' must be an object with a string 'type' (e.g. {{\"type\": \"AdamW\", \"params\": "
+                f"{{\"lr\": 1e-4}}}}), got {opt!r}")
+    if name.lower() in DEEPSPEED_OPTIMIZERS or isinstance(getattr(torch.optim, name, None), type):
+        return None
+    return (f"ds_config optimizer.type is {name!r}, which DeepSpeed cannot build: expected one of DeepSpeed's "
+            f"({', '.join(DEEPSPEED_OPTIMIZERS[:9])}, any case) or a torch.optim class (SGD, RMSprop, ...); e.g. "
+            "\"AdamW\"")
+
+
+def _stage_problem(ds_config: Mapping[str, Any]) -> Optional[str]:
+    zo = ds_config.get("zero_optimization")
+    if zo is None:
+        return None
+    if not isinstance(zo, Mapping):
+        return f"ds_config 'zero_optimization' must be an object (e.g. {{\"stage\": 3}}), got {zo!r}"
+    stage = zo.get("stage", 0)
+    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage <= 3:
+        return (f"ds_config zero_optimization.stage is {stage!r}: expected 0, 1, 2 or 3 (3 shards parameters, "
+                "gradients and optimizer state: what the shipped configs use)")
+    return None
+
+
+def _budget_bound_problem(s: SamplerConfig) -> Optional[str]:
+    if s.m_mem != "auto" and s.m_mem > MAX_M_MEM_GIB:
+        return (f"adaptive_load.sampler.m_mem is {s.m_mem:g} GiB per GPU: expected at most {MAX_M_MEM_GIB:g} (GiB of "
+                "activation memory per micro-batch per GPU); use \"auto\" (the GPU's capacity) or a value in GiB")
+    return None
+
+
+def _log_dir_problem(log_dir: str) -> Optional[str]:
+    """``log_dir`` (not created yet) cannot be a directory when it or a parent of it is a file."""
+    p = Path(log_dir)
+    for part in (p, *p.parents):
+        if part.exists() and not part.is_dir():
+            what = "is a file" if part == p else f"is under {part}, which is a file"
+            return (f"adaptive_load.metrics.log_dir {log_dir} {what}: expected a directory (it is created); pick "
+                    "another metrics.log_dir (or --log-dir)")
+    return None
+
+
+def _missing_block_problem(ds_config: Mapping[str, Any], facts: RunFacts) -> Optional[str]:
+    if BLOCK_KEY in ds_config or facts.device != "cpu":
+        return None
+    shapes = (f"{facts.model}'s shipped shape mix ({get_model(facts.model).shapes})" if facts.model else
+              "the model's shipped shape mix")
+    return (f"the ds_config has no '{BLOCK_KEY}' block: the run would use the defaults instead, AdaptiveLoad off "
+            f"(DeepSpeed's fixed micro-batches) and {shapes}: full-size videos, hours per step "
+            f"on the CPU. Add an \"{BLOCK_KEY}\" block (e.g. from launch/configs/cpu_tiny.json, with "
+            "sampler.shapes for small shapes)")
 
 
 def context_parallel_mode(sa: SparseAttentionConfig) -> str:

@@ -23,9 +23,10 @@ from ds_adaptive.training.checkpoint import (CLIENT_STATE_KEY, CheckpointError, 
                                              last_good, read_marker, step_of, tag_for, write_checkpoint)
 from ds_adaptive.training.ema import EMA_CLIENT_KEY
 from ds_adaptive.training.lora import CLIENT_KEY as LORA_KEY, resume_problem
+from ds_adaptive.planning.sampler import SamplerStateError
 from ds_adaptive.training.run_config import UsageError
 
-__all__ = ["TrainState", "Checkpointing", "checkpoint_location"]
+__all__ = ["TrainState", "Checkpointing", "checkpoint_location", "resume_mismatch"]
 
 
 def _new_run_id() -> str:
@@ -85,7 +86,9 @@ class Checkpointing:
                          step=state.global_step, keep=self.opts.keep_checkpoints, run_id=state.run_id,
                          good=not window, nonfinite_steps=window, log=self.log,
                          exclude_frozen=self.run.lora is not None,
-                         extra_files=self.ema.save if self.ema is not None else None)
+                         extra_files=self.ema.save if self.ema is not None else None,
+                         info={"model": self.opts.model, "num_layers": self.run.model_config.num_layers,
+                               "world_size": self.run.layout.world})
         state.last_saved_step = state.global_step
         self.log(f"saved checkpoint step {state.global_step} to {self.opts.save} ({time.perf_counter() - t0:.1f} s)"
                  + (f"; not marked good: non-finite step(s) {window[-5:]} since the previous checkpoint" if window
@@ -96,6 +99,11 @@ class Checkpointing:
         incomplete ``latest``; or DIR/global_stepN: that one) into the engine (weights, optimizer, scheduler),
         the sampler and ``state``."""
         load_dir, tag = self._choose(path)
+        problem = resume_mismatch(read_marker(Path(load_dir) / tag) or {}, world=self.run.layout.world,
+                                  model=self.opts.model, layers=self.run.model_config.num_layers,
+                                  zero_sharded=any((Path(load_dir) / tag).glob("zero_pp_rank_*optim_states.pt")))
+        if problem is not None:
+            raise UsageError(f"--resume {path}: {problem}")
         client, load_path = self._load(path, load_dir, tag)
         mine = (client or {}).get(CLIENT_STATE_KEY)
         if mine is None:
@@ -104,17 +112,34 @@ class Checkpointing:
         lora = resume_problem(self.run.lora, Path(load_dir) / tag, mine)
         if lora is not None:
             raise UsageError(f"--resume {path}: {lora}")
-        self.run.sampler.load_state_dict(mine["sampler"])
+        restarted = self._load_sampler(mine)
         if self.ema is not None:
             self.log(f"ds_adaptive: {self.ema.load(Path(load_dir) / tag)}")
         if self.sparse is not None:
             self.sparse.load(client, model=self.run.model, layout=self.run.layout)
         state.global_step, state.epoch, state.step_in_epoch = mine["global_step"], mine["epoch"], mine["step_in_epoch"]
+        if restarted:
+            state.step_in_epoch = 0
         state.nonfinite_steps = list(mine.get("nonfinite_steps", []))
         state.last_saved_step = state.global_step
         self.log(f"resumed from {load_path}: step {state.global_step} (epoch {state.epoch}, step "
                  f"{state.step_in_epoch} of the epoch)")
         self.continue_run(Path(load_dir), tag, state)
+
+    def _load_sampler(self, mine: dict) -> bool:
+        """The sampler's position; True when ``--restart-epoch`` replaced a state of another dataset by the
+        saved epoch planned afresh (said in one line)."""
+        try:
+            self.run.sampler.load_state_dict(mine["sampler"])
+            return False
+        except SamplerStateError as exc:
+            if not self.opts.restart_epoch:
+                raise
+            self.run.sampler.set_epoch(int(mine["epoch"]))
+            self.log(f"ds_adaptive: --restart-epoch: {str(exc).split(': the consumed', 1)[0]}; epoch {mine['epoch']} "
+                     f"is planned afresh for this dataset from step {mine['global_step']} on (weights and optimizer "
+                     "resumed; samples already seen in this epoch are seen again)")
+            return True
 
     def _choose(self, path: str) -> tuple[str, str]:
         """(load directory, tag) of ``--resume path``, the files checked (the ranks share the reading)."""
@@ -123,7 +148,9 @@ class Checkpointing:
             try:
                 tag, skipped = find_resumable(load_dir, check=self.check_shared)
             except CheckpointError as exc:
-                raise UsageError(f"--resume {path}: {exc}") from None
+                raise UsageError(f"--resume {path}: {exc}. Nothing was loaded: fix or remove them and resume "
+                                 f"(RESUME=1), or start a new run there with OVERWRITE=1 (--overwrite deletes "
+                                 "them)") from None
             for note in skipped:
                 self.log(f"ds_adaptive: --resume {path}: {note}; falling back to an older checkpoint")
         else:
@@ -169,6 +196,26 @@ class Checkpointing:
             self.log(f"ds_adaptive: note: {tag} was saved after non-finite step(s) {marker.get('nonfinite_steps')} "
                      "(their updates were skipped); the last checkpoint whose steps were all finite is "
                      + (f"{good}: --resume {load_dir / good} goes back to it" if good else "none"))
+
+
+def resume_mismatch(saved: dict, *, world: int, model: str, layers: Optional[int],
+                    zero_sharded: bool = True) -> Optional[str]:
+    """None when a run of ``model`` (``layers`` blocks) on ``world`` ranks can load a checkpoint whose marker is
+    ``saved``; else one line saying why not and how to go on (before anything is loaded). Markers without these
+    keys (older checkpoints) are not checked. A checkpoint without ZeRO optimizer shards loads on any world size."""
+    s_model, s_layers, s_world = saved.get("model"), saved.get("num_layers"), saved.get("world_size")
+    if s_model is not None and (s_model != model or (s_layers is not None and layers is not None
+                                                      and s_layers != layers)):
+        return (f"the checkpoint is of --model {s_model} ({s_layers} blocks), this run is --model {model} "
+                f"({layers} blocks): resume with MODEL={s_model} (--model {s_model}"
+                + (f" --layers {s_layers}" if s_layers is not None else "") + "), or start a new run in another "
+                "SAVE_DIR (--init-from an export of it: ds-adaptive export)")
+    if zero_sharded and s_world is not None and s_world != world:
+        return (f"the checkpoint was saved by {s_world} rank(s), this run has {world}: its ZeRO optimizer shards "
+                f"are per rank and nothing was loaded. Resume with the same world size (NUM_PROCS={s_world} on the "
+                f"CPU, or {s_world} GPUs in all: NUM_GPUS / nodes), or export it (ds-adaptive export) and start a "
+                "new run on this world size with --init-from (the optimizer state starts afresh)")
+    return None
 
 
 def checkpoint_location(path: str) -> tuple[str, Optional[str]]:

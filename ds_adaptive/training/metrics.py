@@ -9,6 +9,7 @@ totals and the printed block). Their names are importable from here too.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Optional
@@ -23,7 +24,7 @@ from ds_adaptive.training.summary import COMPUTE_REFIT_HINT, format_summary, jso
 from ds_adaptive.training.timers import WAIT_POINTS, ComputeTimer
 from ds_adaptive.training.wandb_log import WandbLogger
 
-__all__ = ["StepMetrics", "StepRecord", "ComputeTimer", "WAIT_POINTS", "cv", "json_safe", "format_summary",
+__all__ = ["StepMetrics", "truncate_jsonl", "StepRecord", "ComputeTimer", "WAIT_POINTS", "cv", "json_safe", "format_summary",
            "summarize", "step_record", "GIB", "COMPUTE_REFIT_HINT"]
 
 
@@ -287,3 +288,27 @@ def _peak_tflops(cfg: MetricsConfig, device: torch.device) -> float:
         return float(peak_tflops(torch.cuda.get_device_name(device)) or 0.0)
     except Exception:
         return 0.0
+
+
+def truncate_jsonl(path, step: int) -> int:
+    """Drop the lines of ``path`` (a metrics.jsonl) whose ``step`` is above ``step``, and a cut-off last line: a run
+    resumed from ``step`` writes those steps again, each once. Returns the lines dropped (0 when no file)."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            dropped += 1
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] > step:
+            dropped += 1
+            continue
+        kept.append(line)
+    if dropped:
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        tmp.write_text("".join(x + "\n" for x in kept))
+        os.replace(tmp, path)
+    return dropped

@@ -4,11 +4,12 @@
 """
 from __future__ import annotations
 
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Optional
 
 from ds_adaptive.ops.ln_modulate import op_status
 from ds_adaptive.training.assemble import leaf_block_count
-from ds_adaptive.training.metrics import StepMetrics
+from ds_adaptive.training.metrics import StepMetrics, truncate_jsonl
 
 __all__ = ["run_info", "open_metrics"]
 
@@ -35,10 +36,16 @@ def run_info(run) -> dict:
     return info
 
 
-def open_metrics(run, engine, log: Callable[[str], None]) -> StepMetrics:
+def open_metrics(run, engine, log: Callable[[str], None], resumed_step: Optional[int] = None) -> StepMetrics:
     """The run's StepMetrics (rank 0 writes; SP ranks > 0 do not count samples), compute timing attached to
-    ``engine`` unless ``--no-compute-timing``; one line describes the run."""
+    ``engine`` unless ``--no-compute-timing``; one line describes the run. ``resumed_step``: a resumed run first
+    drops the steps after it from metrics.jsonl (they are trained again: each step is in the file once)."""
     opts, al, layout = run.cfg.trainer, run.cfg.adaptive_load, run.layout
+    if resumed_step is not None and layout.rank == 0 and al.metrics.jsonl:
+        dropped = truncate_jsonl(Path(al.metrics.log_dir) / "metrics.jsonl", resumed_step)
+        if dropped:
+            log(f"ds_adaptive: {al.metrics.log_dir}/metrics.jsonl: dropped {dropped} line(s) after step "
+                f"{resumed_step} (this run trains those steps again)")
     info = run_info(run)
     metrics = StepMetrics(al.metrics, micro_steps_per_step=run.gas, device=run.device, log_dir=al.metrics.log_dir,
                           is_writer=layout.rank == 0, count_this_rank=layout.sp_rank == 0, run_info=info)

@@ -75,6 +75,10 @@ class TrainerConfig(BaseModel):
     """``--keep-checkpoints``: keep the N newest complete checkpoints in ``save`` (0: keep all)."""
     resume: Optional[str] = None
     """``--resume``: the --save directory (its newest complete checkpoint) or DIR/global_stepN."""
+    restart_epoch: bool = False
+    """``--restart-epoch``: resume the weights, optimizer and step of a checkpoint whose sampler state belongs to
+    another dataset (samples were removed or added): the current epoch is planned afresh from its start for this
+    dataset (its samples already seen this epoch are seen again); without it that is an error naming the flag."""
     overwrite: bool = False
     """``--overwrite``: start a new run in ``save`` although it holds checkpoints of an earlier run (they are
     deleted at start-up); without it that is an error naming them."""

@@ -17,7 +17,8 @@ its command line. A lock is **stale** (taken over, with a note) when:
 Otherwise it is **live** and a second run into the directory fails at start-up naming the holder. The lock
 file is created complete (written to a temporary file, then hard-linked to its name, which fails if the
 name exists); starters that race are serialised by ``flock`` on ``.ds_adaptive.lock.guard`` while they look
-at, take over or remove a lock.
+at, take over or remove a lock; the release deletes the guard file too (a starter that locked the deleted file
+notices the new inode and locks the new one).
 """
 from __future__ import annotations
 
@@ -127,15 +128,27 @@ def read_lock(save_dir) -> Optional[LockInfo]:
 
 
 @contextlib.contextmanager
-def _guard(save_dir: Path):
-    """flock on the guard file while a lock is looked at and changed (a no-op where flock is unsupported)."""
-    fd = os.open(save_dir / f".{LOCK_NAME}.guard", os.O_RDWR | os.O_CREAT, 0o666)
-    try:
+def _guard(save_dir: Path, remove: bool = False):
+    """flock on the guard file while a lock is looked at and changed (a no-op where flock is unsupported).
+    ``remove``: the guard file is deleted before the flock is let go (the run's release: nothing is left in
+    ``--save``). A starter that locked a guard file deleted meanwhile opens the new one (inode compared)."""
+    path = save_dir / f".{LOCK_NAME}.guard"
+    for _ in range(100):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
         except OSError:  # e.g. a filesystem without locks: the O_EXCL / link creation still decides
+            break
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
             pass
+        os.close(fd)  # removed by a releasing run after we opened it: take the new one
+    try:
         yield
+        if remove:
+            path.unlink(missing_ok=True)
     finally:
         os.close(fd)
 
@@ -227,7 +240,7 @@ class RunLock:
         """Remove the lock if it is still this process's."""
         self._stop.set()
         try:
-            with _guard(self.save_dir):
+            with _guard(self.save_dir, remove=True):
                 held = read_lock(self.save_dir)
                 if held is not None and held.same_holder(self.info):
                     self.path.unlink(missing_ok=True)

@@ -98,7 +98,7 @@ class Trainer:
                 raise UsageError(f"--resume {o.resume}: the checkpoint is at step {self.global_step} and "
                                  f"--steps is {o.steps}: nothing left to train; pass --steps greater than "
                                  f"{self.global_step} to continue")
-        self.metrics = open_metrics(run, self.engine, self.log)
+        self.metrics = open_metrics(run, self.engine, self.log, resumed_step=self.global_step if o.resume else None)
         if self.sparse is not None:
             warm_sparse(self.sparse, run.sampler, dtype=run.dtype, log=self.log)
         self.fusion = FusionWarmup.attach(run, self.log)   # None with block fusion off
