@@ -50,7 +50,7 @@
 # the ranks finish the current step, save a checkpoint into SAVE_DIR and exit 75 (EX_TEMPFAIL:
 # resume with RESUME=1). SIGKILL of it kills the whole run (no orphan ranks). A rank killed by
 # signal N stops the others and the run exits 128+N with one line saying how to resume. See
-# ds_adaptive/launch/supervise.py and ds_adaptive/training/preempt.py; exit codes in README "Signals, preemption and orphans".
+# ds_adaptive/launch/supervise.py and ds_adaptive/training/preempt.py; exit codes in docs/LAUNCH.md.
 # Extra arguments go to the trainer (ds-adaptive train --help lists them).
 set -euo pipefail
 
