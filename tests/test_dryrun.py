@@ -82,7 +82,7 @@ def test_layers_rescales_the_profile_to_the_checked_depth(capsys) -> None:
 
 def test_heads_not_divisible_by_sp(capsys) -> None:
     code, out, _ = run(capsys, "--deepspeed_config", ZERO3, "--num-gpus", "8", "--sp", "8")
-    assert code == 1
+    assert code == 2
     assert "Ulysses sp=8 does not divide the 12 attention heads of wan2.1-1.3b" in out
     assert "Use sp in [1, 2, 3, 4, 6, 12]" in out
     assert out.count("[FAIL]") == 1  # reported once, not again by the cost model
@@ -90,7 +90,7 @@ def test_heads_not_divisible_by_sp(capsys) -> None:
 
 def test_world_not_divisible_by_sp(capsys) -> None:
     code, out, _ = run(capsys, "--deepspeed_config", ZERO3, "--world", "6", "--sp", "4")
-    assert code == 1
+    assert code == 2
     assert "world size 6 (ranks) is not divisible by the Ulysses degree sp=4" in out
     assert "--sp 4" in out  # the command shows what was asked
 
@@ -108,7 +108,7 @@ def test_oversize_sample_error_and_skip(capsys, tmp_path: Path) -> None:
     # checkpointed blocks hold their attention output too, where no shape it would lose fits either way)
     cfg = write_config(tmp_path, sampler={"m_mem": 6.0, "checkpoint_attention": "recompute"})
     code, out, _ = run(capsys, "--deepspeed_config", cfg, "--num-gpus", "8", "--sp", "1")
-    assert code == 1
+    assert code == 2
     assert "shape 81x720x1280 (75600 tokens" in out
     from ds_adaptive.planning.cost import CostModel
     from ds_adaptive.planning.memory import sample_memory
@@ -129,7 +129,7 @@ def test_oversize_sample_error_and_skip(capsys, tmp_path: Path) -> None:
 def test_compute_budget_oversize(capsys, tmp_path: Path) -> None:
     cfg = write_config(tmp_path, sampler={"m_comp": 1000.0})
     code, out, _ = run(capsys, "--deepspeed_config", cfg, "--num-gpus", "8", "--sp", "2")
-    assert code == 1 and "> m_comp 1000 ms" in out
+    assert code == 2 and "> m_comp 1000 ms" in out
 
 
 @pytest.mark.parametrize("keys,ok,msg", [
@@ -160,14 +160,14 @@ def test_batch_keys_against_dp(capsys, tmp_path: Path, keys: dict, ok: bool, msg
 def test_ds_config_sequence_parallel_keys(capsys, tmp_path: Path) -> None:
     cfg = write_config(tmp_path, sequence_parallel_size=4)
     code, out, _ = run(capsys, "--deepspeed_config", cfg, "--num-gpus", "8", "--sp", "2")
-    assert code == 1 and "--sp 2 but the ds_config has sequence_parallel_size=4" in out
+    assert code == 2 and "--sp 2 but the ds_config has sequence_parallel_size=4" in out
     code, out, _ = run(capsys, "--deepspeed_config", cfg, "--num-gpus", "8")  # sp from the ds_config
     assert code == 0 and "Ulysses sp 4 -> dp 2" in out
     cfg = write_config(tmp_path, "m.json", sequence_parallel_size=2, data_parallel_size=4)
     code, out, _ = run(capsys, "--deepspeed_config", cfg, "--num-gpus", "8")
     assert code == 0 and "DeepSpeed build a (dp, sp) mesh" in out
     code, out, _ = run(capsys, "--deepspeed_config", cfg, "--num-gpus", "4")
-    assert code == 1 and "data_parallel_size=4 x sp=2 = 8 but the world has 4 ranks" in out
+    assert code == 2 and "data_parallel_size=4 x sp=2 = 8 but the world has 4 ranks" in out
 
 
 def test_bad_adaptive_block_and_model_memory(capsys, tmp_path: Path) -> None:
@@ -176,13 +176,13 @@ def test_bad_adaptive_block_and_model_memory(capsys, tmp_path: Path) -> None:
     p = tmp_path / "typo.json"
     p.write_text(json.dumps(cfg))
     code, out, _ = run(capsys, "--deepspeed_config", str(p), "--num-gpus", "8")
-    assert code == 1 and "unknown key 'adaptive_load.sampler.mdoe'" in out
+    assert code == 2 and "unknown key 'adaptive_load.sampler.mdoe'" in out
     code, out, _ = run(capsys, "--deepspeed_config", str(tmp_path / "missing.json"), "--num-gpus", "8")
-    assert code == 1 and "does not exist" in out
+    assert code == 2 and "does not exist" in out
     # 14B with the 1.3B profile: m_mem auto assumes 1.3B's static memory -> would OOM
     p13 = write_config(tmp_path, "p13.json", sampler={"profile": "h100-wan2.1-1.3b"})
     code, out, _ = run(capsys, "--deepspeed_config", p13, "--model", "wan2.1-14b", "--num-gpus", "8", "--sp", "2")
-    assert code == 1 and "static memory of wan2.1-14b" in out and "measured for wan2.1-1.3b" in out
+    assert code == 2 and "static memory of wan2.1-14b" in out and "measured for wan2.1-1.3b" in out
     # the shipped config's `profile: auto` takes the 14B profile for the 14B model
     code, out, _ = run(capsys, "--deepspeed_config", ZERO3, "--model", "wan2.1-14b", "--num-gpus", "8", "--sp", "2")
     assert "profile auto: no GPU visible; using 'h100-wan2.1-14b'" in out and "measured for" not in out
@@ -190,16 +190,16 @@ def test_bad_adaptive_block_and_model_memory(capsys, tmp_path: Path) -> None:
 
 def test_layout_errors(capsys, tmp_path: Path) -> None:
     code, out, _ = run(capsys, "--deepspeed_config", ZERO3)
-    assert code == 1 and "--world N, --num-gpus G [--num-nodes K], or --hostfile FILE" in out
+    assert code == 2 and "--world N, --num-gpus G [--num-nodes K], or --hostfile FILE" in out
     bad = tmp_path / "hosts"
     bad.write_text("node-a slots=8\nnode-b gpus=8\n")
     code, out, _ = run(capsys, "--deepspeed_config", ZERO3, "--hostfile", str(bad))
-    assert code == 1 and "line 2: 'node-b gpus=8' is not 'hostname slots=N'" in out
+    assert code == 2 and "line 2: 'node-b gpus=8' is not 'hostname slots=N'" in out
     bad.write_text("node-a slots=8\nnode-b slots=4\n")
     code, out, _ = run(capsys, "--deepspeed_config", ZERO3, "--hostfile", str(bad), "--num-gpus", "8")
-    assert code == 1 and "fewer slots on: node-b (slots=4)" in out
+    assert code == 2 and "fewer slots on: node-b (slots=4)" in out
     code, out, _ = run(capsys, "--deepspeed_config", ZERO3, "--world", "8", "--num-gpus", "8")
-    assert code == 1 and "not --world with the others" in out
+    assert code == 2 and "not --world with the others" in out
 
 
 def test_cli_dispatch(capsys) -> None:
@@ -208,4 +208,4 @@ def test_cli_dispatch(capsys) -> None:
     out = capsys.readouterr().out
     assert code == 0, out
     assert "--model tiny --sp 2" in out
-    assert cli.main(["dry-run", "--deepspeed_config", ZERO3, "--world", "3", "--sp", "2"]) == 1
+    assert cli.main(["dry-run", "--deepspeed_config", ZERO3, "--world", "3", "--sp", "2"]) == 2

@@ -9,6 +9,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -72,8 +73,9 @@ def test_dry_run_cpu_defaults():
     assert cmd.startswith("+ deepspeed --num_gpus 2 ")
     assert "train_wan.py --deepspeed_config" in cmd and cmd.split("--deepspeed_config ")[1].split()[0].endswith(
         "launch/configs/cpu_tiny.json")
-    assert "--model tiny --steps 20 --sp 1" in cmd
-    assert "--save checkpoints/tiny --save-interval 10 --keep-checkpoints 2" in cmd  # periodic checkpoints by default
+    assert "--model tiny --steps 20 --save" in cmd and "--sp" not in cmd  # SP unset: the ds_config's, else 1
+    # periodic checkpoints by default, each launch in a run directory of its own
+    assert re.search(r"--save checkpoints/tiny/run-\d{8}-\d{6} --save-interval 10 --keep-checkpoints 2", cmd), cmd
 
 
 def test_dry_run_gpu_defaults_knobs_and_pass_through():
@@ -86,7 +88,7 @@ def test_dry_run_gpu_defaults_knobs_and_pass_through():
     assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in r.stdout
     r = _dry({"NUM_GPUS": "8", "GRAD_CKPT": "1", "PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.8"})
     assert "--grad-ckpt all --save" in r.stdout.splitlines()[-1] and "garbage_collection_threshold:0.8 (yours" in r.stdout
-    assert "--save checkpoints/wan2.1-1.3b --save-interval 100 --keep-checkpoints 2" in cmd
+    assert re.search(r"--save checkpoints/wan2.1-1.3b/run-[-\d]+ --save-interval 100 --keep-checkpoints 2", cmd), cmd
     r = _dry({"NUM_GPUS": "4", "DS_CONFIG": str(CONFIGS / "zero3_baseline.json"), "MODEL": "wan2.1-14b",
               "STEPS": "7", "SP": "2", "GRAD_CKPT": "0", "SAVE_DIR": ""}, "--save", "ck", "--save-interval", "5")
     cmd = r.stdout.splitlines()[-1]
@@ -112,6 +114,61 @@ def test_dry_run_multi_node(tmp_path):
     r = _dry({"NUM_GPUS": "8", "HOSTFILE": str(hosts), "MASTER_ADDR": "node-1", "MASTER_PORT": "29600"})
     cmd = r.stdout.splitlines()[-1]
     assert f"--hostfile {hosts}" in cmd and "--master_addr node-1" in cmd and "--master_port 29600" in cmd
+
+
+def test_dry_run_checks_the_trainer_arguments(tmp_path):
+    """The dry run parses every trainer argument with the trainer's parser and checks the data it names: an unknown
+    flag, or a data directory with a sample over the budgets, is exit 2 with one line, as the run would be."""
+    r = _dry({"NUM_GPUS": "0"}, "--bogus-flag")
+    err = [line for line in r.stderr.splitlines() if "error" in line.lower()]
+    assert r.returncode == 2 and err == ["ds-adaptive dry-run: error: unknown trainer argument(s) --bogus-flag "
+                                         "(`ds-adaptive train --help` lists them)"], r.stderr[-2000:]
+    r = _dry({"NUM_GPUS": "0"}, "--layers", "0")
+    assert r.returncode == 2 and "FAILED: " in r.stderr, r.stderr[-2000:]
+    shapes = tmp_path / "shapes.json"
+    shapes.write_text(json.dumps([{"frames": 33, "height": 480, "width": 832, "weight": 1},
+                                  {"frames": 1, "height": 128, "width": 224, "weight": 3}]))
+    data = tmp_path / "big"
+    subprocess.run([sys.executable, "-m", "ds_adaptive.cli", "synth", "--out", str(data), "--num-samples", "4",
+                    "--shapes", str(shapes), "--model", "tiny"], check=True, capture_output=True)
+    r = _dry({"NUM_GPUS": "0"}, "--data", str(data))
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 2 and last.startswith("FAILED: shape 33x480x832") and "does not fit" in last, r.stderr[-2000:]
+
+
+def test_sp_comes_from_the_ds_config_unless_set(tmp_path):
+    """`sequence_parallel_size: 2` in the ds_config is the documented way: the launcher passes --sp only for SP."""
+    cfg = json.loads((CONFIGS / "zero3_adaptive.json").read_text())
+    cfg["sequence_parallel_size"] = 2
+    (tmp_path / "sp2.json").write_text(json.dumps(cfg))
+    r = _dry({"NUM_GPUS": "8", "DS_CONFIG": str(tmp_path / "sp2.json")})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "--sp" not in r.stdout.splitlines()[-1] and "sp 2" in r.stderr
+
+
+def test_launcher_knob_errors_are_one_line(tmp_path):
+    """NUM_GPUS on a machine without those GPUs, NUM_PROCS=0: one line, exit 2, before anything starts."""
+    e = {k: v for k, v in os.environ.items() if k not in ("NUM_GPUS", "DRY_RUN", "NUM_PROCS")}
+    r = subprocess.run(["bash", str(SCRIPT)], env={**e, "NUM_GPUS": "64"}, capture_output=True, text=True,
+                       timeout=120, cwd=tmp_path)
+    assert r.returncode == 2 and "NUM_GPUS=64 but this machine has" in r.stderr and not list(tmp_path.iterdir())
+    r = _dry({"NUM_GPUS": "0", "NUM_PROCS": "0"})
+    assert r.returncode == 2 and "NUM_PROCS must be a number of CPU processes >= 1, got '0'" in r.stderr
+
+
+def test_resume_finds_the_newest_run_directory(tmp_path):
+    """Without SAVE_DIR each launch saves into a fresh checkpoints/MODEL/run-*; RESUME=1 continues the newest one
+    that holds a checkpoint."""
+    for name in ("run-20260101-000000", "run-20260102-000000"):
+        (tmp_path / "checkpoints" / "tiny" / name / "global_step10").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "tiny" / "run-20260103-000000").mkdir()  # started, no checkpoint yet
+    e = {k: v for k, v in os.environ.items() if k not in ("NUM_GPUS", "SAVE_DIR", "RESUME", "SP")}
+    r = subprocess.run(["bash", str(SCRIPT)], env={**e, "NUM_GPUS": "0", "RESUME": "1", "DRY_RUN": "1"},
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    cmd = r.stdout.splitlines()[-1]
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert cmd.endswith("--save checkpoints/tiny/run-20260102-000000 --save-interval 10 --keep-checkpoints 2 "
+                        "--resume checkpoints/tiny/run-20260102-000000"), cmd
 
 
 @pytest.mark.parametrize("env, message", [

@@ -64,10 +64,7 @@ class SamplerStateError(ValueError):
 
 # ============================================================================== samplers
 def shapes_fingerprint(shapes: Sequence[SampleShape]) -> str:
-    h = hashlib.sha256()
-    for s in shapes:
-        h.update(f"{s};".encode())   # FxHxW, or a token length
-    return h.hexdigest()[:16]
+    return hashlib.sha256("".join(f"{s};" for s in shapes).encode()).hexdigest()[:16]   # FxHxW, or a token length
 
 
 def _compact_profile(p: Profile) -> dict:
@@ -474,7 +471,8 @@ def _run_profile(sampler_cfg: SamplerConfig, profile: Optional[Profile], model, 
             profile_log(msg)
     elif profile is None:
         profile = load_profile(sampler_cfg.profile)
-    if model is not None and profile.raw.get("model", {}).get("name") not in (None, model_name, model.profile_model):
+    if model is not None and (gpu_mem_gib or _detect_gpu_mem_gib()) and profile.raw.get("model", {}).get("name") not in (
+            None, model_name, model.profile_model):   # a CPU run: no GPU to calibrate on, nothing to act on
         warnings.warn(f"sampler.profile '{profile.name}' was measured for model "
                       f"'{profile.raw['model']['name']}', training '{model_name}': predicted costs "
                       f"and memory will be off; {calibrate_hint(model_name)}",
