@@ -52,29 +52,11 @@ def write_video(path: Path, n: int, fps: int, h: int, w: int, *, seed: int = 0, 
 
 
 def tiny_models(root: Path) -> dict:
-    """Random tiny AutoencoderKLWan (z_dim 16) and UMT5 (d_model 4096) saved by save_pretrained, and a Unigram
-    tokenizer with T5's special tokens built from a word list."""
-    from diffusers import AutoencoderKLWan
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import T5TokenizerFast, UMT5Config, UMT5EncoderModel
+    """The stand-in pipeline's random tiny AutoencoderKLWan (z_dim 16), UMT5 (d_model 4096) and Unigram tokenizer with
+    T5's special tokens (``ds_adaptive.media.demo``, what ``ds-adaptive demo-assets`` writes)."""
+    from ds_adaptive.media.demo import write_demo_encoders
 
-    torch.manual_seed(0)
-    AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                     temperal_downsample=[False, True, True]).save_pretrained(root / "vae")
-    words = "a the cat dog runs jumps over red blue sky video of in on with".split()
-    vocab = ([("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)] + [("▁" + w, -1.0) for w in words]
-             + [(ch, -5.0) for ch in "abcdefghijklmnopqrstuvwxyz&;"] + [("▁", -3.0)])
-    tok = Tokenizer(models.Unigram(vocab, unk_id=2))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
-    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
-    tok.post_processor = processors.TemplateProcessing(single="$A </s>", pair="$A </s> $B </s>",
-                                                       special_tokens=[("</s>", 1)])
-    T5TokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>", pad_token="<pad>",
-                    extra_ids=0).save_pretrained(root / "tokenizer")
-    cfg = UMT5Config(vocab_size=len(vocab), d_model=4096, d_kv=8, d_ff=16, num_layers=1, num_heads=2,
-                     relative_attention_num_buckets=8, feed_forward_proj="gated-gelu", pad_token_id=0,
-                     eos_token_id=1, decoder_start_token_id=0)
-    UMT5EncoderModel(cfg).save_pretrained(root / "text_encoder")
+    write_demo_encoders(root)
     return {"--vae": root / "vae", "--text-encoder": root / "text_encoder", "--tokenizer": root / "tokenizer"}
 
 

@@ -31,16 +31,9 @@ CLIPS = (("ball", "a red ball rolls on the grass", 24, 8, 72, 128),
 
 def write_demo_pipeline(root: PathLike, *, model: str = "tiny", seed: int = 0) -> Path:
     """The tiny random Wan-layout pipeline under ``root`` (see the module doc); returns ``root``."""
-    import torch
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
+    from diffusers import UniPCMultistepScheduler
 
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)
-    AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                     temperal_downsample=[False, True, True]).save_pretrained(root / "vae")
-    n_vocab = _write_tokenizer(root / "tokenizer")
-    _write_text_encoder(root / "text_encoder", n_vocab)
+    root = write_demo_encoders(root, seed=seed)
     spec = get_model(model)
     net = spec.build(spec.config())
     spec.weights.save(net, root / "transformer", layout="diffusers")
@@ -53,6 +46,22 @@ def write_demo_pipeline(root: PathLike, *, model: str = "tiny", seed: int = 0) -
         "scheduler": ["diffusers", "UniPCMultistepScheduler"], "text_encoder": ["transformers", "UMT5EncoderModel"],
         "tokenizer": ["transformers", "T5TokenizerFast"], "transformer": ["diffusers", "WanTransformer3DModel"],
         "vae": ["diffusers", "AutoencoderKLWan"]}, indent=2) + "\n")
+    return root
+
+
+def write_demo_encoders(root: PathLike, *, seed: int = 0) -> Path:
+    """``root/vae``, ``root/tokenizer`` and ``root/text_encoder`` of the stand-in pipeline (what ``preprocess`` and
+    ``sample --text-encoder`` read); returns ``root``."""
+    import torch
+    from diffusers import AutoencoderKLWan
+
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                     temperal_downsample=[False, True, True]).save_pretrained(root / "vae")
+    n_vocab = _write_tokenizer(root / "tokenizer")
+    _write_text_encoder(root / "text_encoder", n_vocab)
     return root
 
 
