@@ -357,3 +357,16 @@ def test_overwrite_clears_only_preprocess_outputs_and_refuses_several_ranks(tmp_
     (tmp_path / "synth" / "index.json").write_text("{}")
     with pytest.raises(PreprocessError, match="not written by preprocess"):
         _check_settings(tmp_path / "synth", {"a": 1}, False, world=1)
+
+
+def test_a_failed_argument_check_writes_nothing(assets, tmp_path, capsys):
+    """No weights (or a missing folder): one line, exit 2, and --out untouched, so the corrected call is not refused
+    as "a different job"."""
+    from ds_adaptive.preprocess.run import main
+
+    out = tmp_path / "out"
+    argv = [str(assets["manifest"]), "--out", str(out)] + POLICY_ARGS + ["--workers", "0", "--no-progress"]
+    assert main(argv) == 2
+    assert "no vae weights: pass --vae DIR or --pipeline DIR" in capsys.readouterr().err and not out.exists()
+    assert main(argv + ["--pipeline", str(tmp_path / "nowhere")]) == 2
+    assert "does not exist" in capsys.readouterr().err and not out.exists()

@@ -43,7 +43,7 @@ from ds_adaptive.preprocess.media import MediaError, decode_item
 from ds_adaptive.preprocess.policy import PolicyError, ShapePolicy, add_policy_args, model_from_args, policy_from_args
 from ds_adaptive.data.shards import LatentShardWriter
 from ds_adaptive.data.shards import EMPTY_PROMPT_FILE, write_empty_prompt
-from ds_adaptive.media.encode import LatentEncoders
+from ds_adaptive.media.encode import LatentEncoders, component_dirs
 from ds_adaptive.media.encode import EncoderError
 
 SETTINGS_FILE = "preprocess.json"
@@ -358,6 +358,8 @@ def run(args: argparse.Namespace, encoders=None) -> dict:
     device, compute, storage = _device_and_dtypes(args, local)
     args.dtype = compute
     out = Path(args.out)
+    if encoders is None:  # the weights' folders before anything is written: a failed check leaves --out as it was
+        component_dirs(vae=args.vae, text_encoder=args.text_encoder, tokenizer=args.tokenizer, pipeline=args.pipeline)
     _check_settings(out, settings_of(args, items, policy, storage), args.overwrite, world)
     units = units_of(len(items), args.items_per_unit)
     mine = [k for k in range(len(units)) if k % world == rank and not _unit_record(out, k).is_file()]
