@@ -370,3 +370,18 @@ def test_a_failed_argument_check_writes_nothing(assets, tmp_path, capsys):
     assert "no vae weights: pass --vae DIR or --pipeline DIR" in capsys.readouterr().err and not out.exists()
     assert main(argv + ["--pipeline", str(tmp_path / "nowhere")]) == 2
     assert "does not exist" in capsys.readouterr().err and not out.exists()
+
+
+def test_upscaling_is_counted_in_the_report(tmp_path, clean_run):
+    """A source smaller than every bucket is upscaled to the nearest one, and the report says how many were."""
+    from PIL import Image
+
+    from ds_adaptive.preprocess.run import format_report
+
+    Image.fromarray(np.zeros((24, 40, 3), np.uint8)).save(tmp_path / "small.png")
+    pol = ShapePolicy(fps=8, frame_counts=[5], video_sizes=["32x64"], image_sizes=["32x64"])
+    d = decode_item(MediaItem(0, str(tmp_path / "small.png"), "c"), pol)
+    assert d.shapes == [SampleShape(1, 32, 64)] and d.upscale > 1.5
+    report = json.loads((clean_run["out"] / "report.json").read_text())
+    assert report["upscaled"] == 0 and "upscaled" not in format_report(report)
+    assert "upscaled to reach a size bucket" in format_report(dict(report, upscaled=2))

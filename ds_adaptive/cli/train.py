@@ -11,6 +11,7 @@ weighting and checkpoints are ``ds_adaptive.training.trainer``; docs/ARCHITECTUR
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import warnings
@@ -119,6 +120,8 @@ def train(args: argparse.Namespace) -> dict:
         # DeepSpeed 0.19 still calls torch.distributed's renamed collectives (one FutureWarning per call
         # site and rank); and one copy of our own warnings is enough.
         warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+        # DeepSpeed reads the LR scheduler once before its first step (a warning per rank, about its own call)
+        logging.getLogger("DeepSpeed").addFilter(_drop_deepspeed_noise)
         if rank != 0:
             warnings.filterwarnings("ignore", category=UserWarning, module=r"ds_adaptive")
         layout = Layout.detect(cfg.trainer.sp, ds_config=cfg.ds_config)
@@ -126,6 +129,10 @@ def train(args: argparse.Namespace) -> dict:
         return Trainer(run).fit()
     finally:
         save_dir.release()
+
+
+def _drop_deepspeed_noise(record: logging.LogRecord) -> bool:
+    return "get learning rate from scheduler before it has started" not in record.getMessage()
 
 
 def _cuda_available() -> bool:
