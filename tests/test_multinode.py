@@ -180,7 +180,7 @@ def test_dry_run_launcher_node_layouts(capsys):
     assert dry_run([*base, "--num-gpus", "6", "--num-nodes", "2", "--sp", "4", "--master-addr", "a"]) == 0
     out = capsys.readouterr().out  # 12 ranks in SP groups of 4: the second group spans both nodes
     assert "some SP groups span two nodes" in out and "[warn]" in out and "without --hostfile" not in out
-    assert dry_run([*base, "--num-gpus", "8", "--num-nodes", "2", "--node-rank", "2", "--master-addr", "a"]) == 1
+    assert dry_run([*base, "--num-gpus", "8", "--num-nodes", "2", "--node-rank", "2", "--master-addr", "a"]) == 2
     assert "--node-rank 2 but the job has 2 node(s): use 0..1" in capsys.readouterr().out
     assert dry_run([*base, "--num-gpus", "8", "--num-nodes", "2", "--sp", "2"]) == 0
     assert "no --master-addr: every node needs node 0's address" in capsys.readouterr().out
