@@ -77,7 +77,10 @@ RESUME_HINT+=" bash $(printf '%q' "${BASH_SOURCE[0]}")"
 for arg in "$@"; do [[ "$arg" != --overwrite ]] && RESUME_HINT+=" $(printf '%q' "$arg")"; done
 export DS_ADAPTIVE_RESUME_HINT="$RESUME_HINT"
 
-if [[ -z "${NUM_GPUS:-}" ]]; then
+if [[ -z "${NUM_GPUS:-}" && -n "${HOSTFILE:-}" ]]; then
+  NUM_GPUS=1  # the hostfile's slots say how many GPUs each node has (this node may have none: a login node)
+  GPUS_GIVEN=0
+elif [[ -z "${NUM_GPUS:-}" ]]; then
   NUM_GPUS="$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')"
   GPUS_GIVEN=0
 else

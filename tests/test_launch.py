@@ -136,6 +136,16 @@ def test_dry_run_checks_the_trainer_arguments(tmp_path):
     assert r.returncode == 2 and last.startswith("FAILED: shape 33x480x832") and "does not fit" in last, r.stderr[-2000:]
 
 
+def test_hostfile_dry_run_on_a_login_node_without_gpus(tmp_path):
+    """HOSTFILE without NUM_GPUS on a machine without GPUs checks the hostfile's GPU launch, not the CPU run."""
+    hosts = tmp_path / "hostfile"
+    hosts.write_text("node-1 slots=8\nnode-2 slots=8\n")
+    r = _dry({"HOSTFILE": str(hosts), "CUDA_VISIBLE_DEVICES": ""})
+    cmd = r.stdout.splitlines()[-1]
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"--hostfile {hosts}" in cmd and "--model wan2.1-1.3b" in cmd and "--num_gpus" not in cmd, cmd
+
+
 def test_sp_comes_from_the_ds_config_unless_set(tmp_path):
     """`sequence_parallel_size: 2` in the ds_config is the documented way: the launcher passes --sp only for SP."""
     cfg = json.loads((CONFIGS / "zero3_adaptive.json").read_text())
