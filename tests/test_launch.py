@@ -136,6 +136,21 @@ def test_dry_run_checks_the_trainer_arguments(tmp_path):
     assert r.returncode == 2 and last.startswith("FAILED: shape 33x480x832") and "does not fit" in last, r.stderr[-2000:]
 
 
+@pytest.mark.slow
+def test_the_run_fails_as_its_dry_run_said(tmp_path):
+    """The same launch without DRY_RUN: an unknown trainer flag is exit 2 with one error line (rank 0's)."""
+    e = {k: v for k, v in os.environ.items() if k not in ("NUM_GPUS", "DRY_RUN", "SAVE_DIR", "SP", "MODEL")}
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        e["MASTER_PORT"] = str(sock.getsockname()[1])
+    r = subprocess.run(["bash", str(SCRIPT), "--bogus-flag"], env={**e, "NUM_GPUS": "0"}, capture_output=True,
+                       text=True, timeout=300, cwd=tmp_path)
+    errors = [line for line in r.stderr.splitlines() if "error:" in line]
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert errors == ["ds-adaptive train: error: unrecognized arguments: --bogus-flag (`ds-adaptive train --help` "
+                      "lists the flags)"], r.stderr[-3000:]
+
+
 def test_hostfile_dry_run_on_a_login_node_without_gpus(tmp_path):
     """HOSTFILE without NUM_GPUS on a machine without GPUs checks the hostfile's GPU launch, not the CPU run."""
     hosts = tmp_path / "hostfile"

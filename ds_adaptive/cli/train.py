@@ -41,9 +41,17 @@ from ds_adaptive.training.trainer import EXIT_PREEMPTED
 from ds_adaptive.training.nonfinite import NonFiniteError
 
 
+class _Parser(argparse.ArgumentParser):
+    """A bad flag is one line (from rank 0 only), not the usage block once per rank."""
+
+    def error(self, message: str):
+        if os.environ.get("RANK", "0") == "0":
+            sys.stderr.write(f"{self.prog}: error: {message} (`{self.prog} --help` lists the flags)\n")
+        self.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ds-adaptive train", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(prog="ds-adaptive train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
                    help="set by the deepspeed launcher")
     p.add_argument("--deepspeed_config", "--deepspeed-config", required=True,
