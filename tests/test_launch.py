@@ -211,7 +211,8 @@ def test_main_job_on_cpu_prints_summary_and_loss_falls(tmp_path):
     """`bash launch/train_wan.sh` with no argument: the embedded default, 2 CPU ranks, tiny model, 20 steps."""
     if shutil.which("deepspeed") is None:
         pytest.fail("the `deepspeed` launcher is not on PATH: pip install -e '.[dev]' installs it")
-    env = {k: v for k, v in os.environ.items() if k not in ("NUM_GPUS", "HOSTFILE", "DS_CONFIG", "MODEL", "STEPS")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("NUM_GPUS", "HOSTFILE", "DS_CONFIG", "MODEL", "STEPS", "SP", "SAVE_DIR", "RESUME", "DRY_RUN")}
     env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU job even on a GPU machine
     with socket.socket() as sock:  # a free rendezvous port: other jobs on the machine may hold 29500
         sock.bind(("127.0.0.1", 0))
@@ -236,6 +237,12 @@ def test_main_job_on_cpu_prints_summary_and_loss_falls(tmp_path):
     assert s["loss_window"] == 5 and s["loss_fell"] is True
     assert s["loss_last"] < 0.9 * s["loss_first"], s["losses"]
     assert (tmp_path / "runs" / "cpu_tiny" / "metrics.jsonl").is_file()
+    # the same command again in the same directory: a run directory of its own, exit 0 (STEPS=2 keeps it short)
+    r = subprocess.run(["bash", str(SCRIPT)], cwd=tmp_path, env={**env, "STEPS": "2"}, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
+    runs = sorted((tmp_path / "checkpoints" / "tiny").glob("run-*"))
+    assert len(runs) == 2 and all(sorted(p.name for p in d.glob("global_step*")) for d in runs), runs
 
 
 def _bash_blocks(text: str) -> list[list[str]]:
