@@ -248,3 +248,20 @@ def test_unknown_fixed_batch_bucket_is_an_error():
     with pytest.raises(ConfigError, match=r"bucket\(s\) 'banana' that are not shapes of the data \(2 bucket\(s\): "
                                           r"1x128x224, 17x128x224\)"):
         check_fixed_batch_sizes({"banana": 2, "17x128x224": 1}, shapes)
+
+
+def test_readme_config_check_commands_pass(capsys, monkeypatch):
+    """README.md's `ds-adaptive config --check` lines run as written and end with the OK verdict."""
+    import re
+    import shlex
+
+    from ds_adaptive.cli.config import main
+
+    root = Path(__file__).resolve().parent.parent
+    blocks = re.findall(r"```bash\n(.*?)```", (root / "README.md").read_text(), re.S)
+    lines = [line.strip() for b in blocks for line in b.splitlines() if line.strip().startswith("ds-adaptive config")]
+    assert lines
+    monkeypatch.chdir(root)
+    for line in lines:
+        assert main(shlex.split(line)[2:]) == 0, line
+        assert capsys.readouterr().out.strip().splitlines()[-1].startswith("OK: "), line
