@@ -3,7 +3,7 @@ workflow (preprocess -> stats -> simulate -> train -> sample -> export) on a CPU
 
 Writes DIR/pipeline (vae/, text_encoder/, tokenizer/, transformer/, scheduler/, model_index.json: diffusers' Wan
 layout, random weights, for the `tiny` model), DIR/clips (four short mp4 videos and an image, each with a
-<stem>.txt caption) and DIR/policy.json (the shape policy of the demo: 5 and 9 frames at 8 fps, 64x112 pixels).
+<stem>.txt caption) and DIR/policy.json (the shape policy of the demo: 5-frame clips at 8 fps, 64x112 pixels).
 
 Exit status: 0 written, 2 DIR already holds files (pick another, or remove it).
 """
