@@ -152,11 +152,11 @@ NAMES = {
         "synthetic_densities": "core.contracts",
     },
     "config": {
-        "MISSPELLING_CUTOFF": "core.ds_config", "README_BEGIN": "cli.config", "README_END": "cli.config",
+        "MISSPELLING_CUTOFF": "core.ds_config",
         "load_adaptive_config": "core.ds_config", "main": "cli", "markdown_reference": "cli.config",
         "misspelt_block_keys": "core.ds_config", "prepare_ds_config": "core.ds_config",
         "read_ds_config": "core.ds_config", "require_block": "core.ds_config",
-        "strip_block": "core.ds_config", "update_readme": "cli.config",
+        "strip_block": "core.ds_config",
     },
     "export": {
         "CLIENT_STATE_KEY": "training.checkpoint", "main": "cli",

@@ -27,16 +27,18 @@
 #               wan2.2-ti2v-5b | wan2.2-t2v-a14b-high | wan2.2-t2v-a14b-low | tiny-ti2v | ... (default:
 #               wan2.1-1.3b on GPU, tiny on CPU); the A14B experts train one per run, on their noise range
 #   STEPS       optimizer steps (default: 50 on GPU, 20 on CPU)
-#   SP          Ulysses sequence-parallel degree (default 1)
+#   SP          Ulysses sequence-parallel degree (default: the ds_config's sequence_parallel_size, else 1)
 #   GRAD_CKPT   activation checkpointing: auto (per micro-batch the fewest blocks that fit the memory
 #               budget), 1/all (every block), 0/none; default: the config's sampler.checkpointing (auto)
 #   PYTORCH_CUDA_ALLOC_CONF  default expandable_segments:True (changing micro-batch shapes fragment
 #               the caching allocator); a value you set is kept
 #   PYTHON      python interpreter (default: python)
-#   DRY_RUN=1   print the deepspeed command instead of running it
+#   DRY_RUN=1   check the launch (config, topology, every trainer argument, the data's shapes) without GPUs,
+#               print the command and exit (0: it can launch, 2: the problems it names)
 #   STOP_TIMEOUT  seconds a run may take to stop after SIGTERM/SIGINT before it is killed
 #               (default 0: wait; a second signal kills at once)
-#   SAVE_DIR    checkpoint directory (default: checkpoints/$MODEL; empty = no checkpoints)
+#   SAVE_DIR    checkpoint directory (default: a fresh checkpoints/$MODEL/run-<date>-<time> per launch, and with
+#               RESUME=1 the newest of those; per-node launches: checkpoints/$MODEL; empty = no checkpoints)
 #   SAVE_INTERVAL  steps between checkpoints (default: 100 on GPU, 10 on CPU)
 #   KEEP_CHECKPOINTS  complete checkpoints of this run kept in SAVE_DIR, older ones deleted (default 2; 0 = all;
 #               the newest one saved after only finite steps is always kept)
@@ -52,8 +54,8 @@
 # the ranks finish the current step, save a checkpoint into SAVE_DIR and exit 75 (EX_TEMPFAIL:
 # resume with RESUME=1). SIGKILL of it kills the whole run (no orphan ranks). A rank killed by
 # signal N stops the others and the run exits 128+N with one line saying how to resume. See
-# ds_adaptive/launch/supervise.py and ds_adaptive/training/preempt.py; exit codes in README "Signals, preemption and orphans".
-# Extra arguments go to the trainer (ds-adaptive train --help lists them).
+# ds_adaptive/launch/supervise.py and ds_adaptive/training/preempt.py; exit codes in docs/LAUNCH.md.
+# Extra arguments go to the trainer (ds-adaptive train --help lists them); an unknown one is an error.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -77,7 +79,10 @@ RESUME_HINT+=" bash $(printf '%q' "${BASH_SOURCE[0]}")"
 for arg in "$@"; do [[ "$arg" != --overwrite ]] && RESUME_HINT+=" $(printf '%q' "$arg")"; done
 export DS_ADAPTIVE_RESUME_HINT="$RESUME_HINT"
 
-if [[ -z "${NUM_GPUS:-}" ]]; then
+if [[ -z "${NUM_GPUS:-}" && -n "${HOSTFILE:-}" ]]; then
+  NUM_GPUS=1  # the hostfile's slots say how many GPUs each node has (this node may have none: a login node)
+  GPUS_GIVEN=0
+elif [[ -z "${NUM_GPUS:-}" ]]; then
   NUM_GPUS="$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')"
   GPUS_GIVEN=0
 else
@@ -86,6 +91,16 @@ fi
 if ! [[ "$NUM_GPUS" =~ ^[0-9]+$ ]]; then
   echo "train_wan.sh: NUM_GPUS must be a number of GPUs per node, got '$NUM_GPUS'" >&2
   exit 2
+fi
+
+if [[ "$GPUS_GIVEN" == 1 && "$NUM_GPUS" != 0 && "${DRY_RUN:-0}" != 1 && -z "${HOSTFILE:-}" \
+      && "$LAUNCH_MODE" == deepspeed ]]; then  # a GPU launch on this machine: it must have the GPUs
+  HAVE="$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')"
+  if (( HAVE < NUM_GPUS )); then
+    echo "train_wan.sh: NUM_GPUS=$NUM_GPUS but this machine has $HAVE GPU(s): unset NUM_GPUS (or NUM_GPUS=0) for" \
+         "the CPU run, or check a GPU launch from here with DRY_RUN=1" >&2
+    exit 2
+  fi
 fi
 
 LAUNCH=(deepspeed)
@@ -100,6 +115,7 @@ if [[ "$NUM_GPUS" == 0 ]]; then
   MODEL="${MODEL:-tiny}"
   STEPS="${STEPS:-20}"
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+  export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"  # DeepSpeed's own "no GPU detected" warning says nothing new here
   LAUNCH+=(--num_gpus "$NPROC")
   WHERE="$NPROC CPU process(es)"
 else
@@ -150,8 +166,9 @@ if [[ ! -f "$DS_CONFIG" ]]; then
   exit 2
 fi
 
-CMD=("${LAUNCH[@]}" "$HERE/train_wan.py" --deepspeed_config "$DS_CONFIG" --model "$MODEL" --steps "$STEPS"
-     --sp "${SP:-1}")
+# --sp only when SP is set: otherwise the trainer takes the ds_config's sequence_parallel_size (else 1)
+TRAINER=(--deepspeed_config "$DS_CONFIG" --model "$MODEL" --steps "$STEPS")
+[[ -n "${SP:-}" ]] && TRAINER+=(--sp "$SP")
 case "${GRAD_CKPT:-}" in
   "") CKPT="" ;;
   1|all) CKPT=all ;;
@@ -159,7 +176,7 @@ case "${GRAD_CKPT:-}" in
   auto) CKPT=auto ;;
   *) echo "train_wan.sh: GRAD_CKPT must be auto, all (1) or none (0), got '$GRAD_CKPT'" >&2; exit 2 ;;
 esac
-[[ -n "$CKPT" ]] && CMD+=(--grad-ckpt "$CKPT")
+[[ -n "$CKPT" ]] && TRAINER+=(--grad-ckpt "$CKPT")
 if [[ "$NUM_GPUS" == 0 ]]; then
   :  # the CUDA allocator's setting means nothing to the CPU run
 elif [[ -z "${PYTORCH_CUDA_ALLOC_CONF+x}" ]]; then
@@ -169,11 +186,31 @@ else
   echo "train_wan.sh: PYTORCH_CUDA_ALLOC_CONF=$PYTORCH_CUDA_ALLOC_CONF (yours, kept)"
 fi
 # Periodic checkpoints are on by default: a preempted or killed run loses at most SAVE_INTERVAL steps.
+# Without SAVE_DIR a launch from one node saves into a fresh run directory, checkpoints/$MODEL/run-<date>-<time>
+# (so the command can be run again and again), and RESUME=1 continues the newest of them that has a checkpoint.
+# A per-node launch (NNODES / SLURM) keeps checkpoints/$MODEL: every node must name the same directory.
+if [[ -z "${SAVE_DIR+x}" && "$LAUNCH_MODE" == deepspeed ]]; then
+  RUNS="checkpoints/$MODEL"
+  # the newest run directory with a complete checkpoint (its completeness marker): partial saves do not count
+  LAST="$(ls -d "$RUNS"/run-*/global_step*/ds_adaptive_complete.json 2>/dev/null | sort | tail -n 1 || true)"
+  LAST="${LAST%/*}"
+  if [[ "${RESUME:-0}" == 1 && -n "$LAST" ]]; then
+    SAVE_DIR="$(dirname "$LAST")"
+  elif [[ "${RESUME:-0}" == 1 ]] && ls -d "$RUNS"/global_step* >/dev/null 2>&1; then
+    SAVE_DIR="$RUNS"  # checkpoints of a run saved straight into the base directory
+  else
+    SAVE_DIR="$RUNS/run-$(date +%Y%m%d-%H%M%S)"
+    n=1
+    while [[ -e "$SAVE_DIR" ]]; do SAVE_DIR="$RUNS/run-$(date +%Y%m%d-%H%M%S)-$n"; n=$((n + 1)); done
+  fi
+  DS_ADAPTIVE_RESUME_HINT="${DS_ADAPTIVE_RESUME_HINT/#RESUME=1/RESUME=1 SAVE_DIR=$(printf '%q' "$SAVE_DIR")}"
+  export DS_ADAPTIVE_RESUME_HINT
+fi
 SAVE_DIR="${SAVE_DIR-checkpoints/$MODEL}"
 if [[ -n "$SAVE_DIR" ]]; then
   if [[ "$NUM_GPUS" == 0 ]]; then DEFAULT_INTERVAL=10; else DEFAULT_INTERVAL=100; fi
-  CMD+=(--save "$SAVE_DIR" --save-interval "${SAVE_INTERVAL:-$DEFAULT_INTERVAL}"
-        --keep-checkpoints "${KEEP_CHECKPOINTS:-2}")
+  TRAINER+=(--save "$SAVE_DIR" --save-interval "${SAVE_INTERVAL:-$DEFAULT_INTERVAL}"
+            --keep-checkpoints "${KEEP_CHECKPOINTS:-2}")
   if [[ "${RESUME:-0}" == 1 && "${OVERWRITE:-0}" == 1 ]]; then
     echo "train_wan.sh: RESUME=1 continues the run in SAVE_DIR=$SAVE_DIR and OVERWRITE=1 deletes it to start a new" \
          "one: give one of them" >&2
@@ -182,9 +219,9 @@ if [[ -n "$SAVE_DIR" ]]; then
   # RESUME=1 resumes when SAVE_DIR holds a complete checkpoint (one with its completeness marker); partial
   # ones (an interrupted save) never block it: the run starts from step 1 (or --init-from) and says so
   if [[ "${RESUME:-0}" == 1 && -d "$SAVE_DIR" ]] && ls "$SAVE_DIR"/global_step*/ds_adaptive_complete.json >/dev/null 2>&1; then
-    CMD+=(--resume "$SAVE_DIR")
+    TRAINER+=(--resume "$SAVE_DIR")
   elif [[ "${OVERWRITE:-0}" == 1 ]]; then
-    CMD+=(--overwrite)
+    TRAINER+=(--overwrite)
   elif [[ "${RESUME:-0}" == 1 && -d "$SAVE_DIR" ]]; then
     echo "train_wan.sh: RESUME=1: no complete checkpoint in $SAVE_DIR yet: starting from step 1"
   fi
@@ -192,12 +229,13 @@ elif [[ "${RESUME:-0}" == 1 ]]; then
   echo "train_wan.sh: RESUME=1 needs SAVE_DIR (the directory to resume from)" >&2
   exit 2
 fi
-CMD+=("$@")
+TRAINER+=("$@")
+CMD=("${LAUNCH[@]}" "$HERE/train_wan.py" "${TRAINER[@]}")
 echo "train_wan.sh: $MODEL on $WHERE, $STEPS steps, config $DS_CONFIG"
 echo "+ ${CMD[*]}"
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
-  # check config + topology without GPUs (report on stderr; exit 2 names what is wrong)
-  DRY=("$PY" -m ds_adaptive.cli dry-run --deepspeed_config "$DS_CONFIG" --model "$MODEL" --sp "${SP:-1}")
+  # check config + topology without GPUs (report on stderr; exit 2 names what is wrong, as `config --check` and the run)
+  DRY=("$PY" -m ds_adaptive.cli dry-run --deepspeed_config "$DS_CONFIG" --model "$MODEL")
   if [[ "$LAUNCH_MODE" != deepspeed ]]; then  # nodes x ranks per node: SP groups must stay inside a node
     DRY+=(--num-gpus "$PER_NODE" --num-nodes "$NNODES" --launcher node --node-rank "$NODE_RANK"
           --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT")
@@ -210,9 +248,13 @@ if [[ "${DRY_RUN:-0}" == 1 ]]; then
   else
     DRY+=(--num-gpus "$NUM_GPUS")
   fi
-  [[ -n "$CKPT" ]] && DRY+=(-- --grad-ckpt "$CKPT")
+  # every trainer argument goes through the trainer's own parser and checks (an unknown flag is an error)
+  DRY+=(-- "${TRAINER[@]:4}")  # from --steps on (the dry run has the config and the model)
+  set +e
   "${DRY[@]}" >&2
-  exit $?
+  rc=$?
+  set -e
+  exit $rc
 fi
 if [[ "$LAUNCH_MODE" == task ]]; then
   exec "${CMD[@]}"  # one SLURM task per GPU: srun owns the tasks and signals each rank itself

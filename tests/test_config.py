@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -137,16 +138,15 @@ def test_bad_batch_keys_are_errors():
         prepare_ds_config({"gradient_accumulation_steps": 0}, dp_size=1, on_gpu=True)
 
 
-def test_readme_table_is_current():
-    """README.md's key table is generated from the field docstrings; a new or changed field must show up there."""
-    from pathlib import Path
+def test_config_reference_is_current():
+    """docs/CONFIG.md is generated from the field docstrings; a new or changed field must show up there."""
+    from ds_adaptive.cli.config import REFERENCE_COMMAND, markdown_reference, reference_page
 
-    from ds_adaptive.cli.config import README_BEGIN, README_END, markdown_reference
-
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = text.split(README_BEGIN, 1)[1].split(README_END, 1)[0].strip()
-    assert section == markdown_reference(), "regenerate it: ds-adaptive config --readme README.md"
-    assert "`adaptive_load.sampler.mode`" in section and "`adaptive_load.metrics.log_dir`" in section
+    page = (Path(__file__).resolve().parent.parent / "docs" / "CONFIG.md").read_text()
+    assert page == reference_page(), f"regenerate it: {REFERENCE_COMMAND}"
+    table = markdown_reference()
+    assert "`adaptive_load.sampler.mode`" in table and "`adaptive_load.metrics.log_dir`" in table
+    assert max(len(row) for row in table.splitlines()) < 400  # cells short: the full text is below the table
 
 
 def test_config_check_command(tmp_path, capsys):
@@ -154,10 +154,31 @@ def test_config_check_command(tmp_path, capsys):
 
     good = _write(tmp_path, {"adaptive_load": {"enabled": True}})
     assert main(["--check", good]) == 0
-    assert json.loads(capsys.readouterr().out)["adaptive_load"]["enabled"] is True
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and out[0].startswith(f"OK: {good} is valid (AdaptiveLoad on"), out
+    assert main(["--check", good, "--json"]) == 0
+    out = capsys.readouterr().out
+    assert json.loads(out[:out.rindex("}") + 1])["adaptive_load"]["enabled"] is True
+    assert out.strip().splitlines()[-1].startswith("OK: ")
     (tmp_path / "bad.json").write_text(json.dumps({"adaptive_load": {"enabeld": True}}))
     assert main(["--check", str(tmp_path / "bad.json")]) == 2
-    assert "unknown key 'adaptive_load.enabeld'" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "unknown key 'adaptive_load.enabeld'" in out and out.strip().splitlines()[-1].startswith("FAILED: ")
+
+
+def test_duplicate_keys_and_shapes_files_are_errors(tmp_path):
+    """JSON keeps the last of two equal keys silently ("enabled": true, "enabled": false would turn AdaptiveLoad
+    off); a shape-distribution file given as the ds_config is not silently an empty config."""
+    dup = tmp_path / "dup.json"
+    dup.write_text('{"adaptive_load": {"enabled": true, "enabled": false}}')
+    with pytest.raises(ConfigError, match=f"{dup}: key 'enabled' is given twice"):
+        load_adaptive_config(str(dup))
+    shapes = Path(__file__).resolve().parent.parent / "launch" / "configs" / "shapes_cpu.json"
+    with pytest.raises(ConfigError, match="is a shape-distribution file, not a ds_config: pass it as --shapes"):
+        load_adaptive_config(str(shapes))
+    (tmp_path / "list.json").write_text(json.dumps([{"frames": 1, "height": 64, "width": 64, "weight": 1}]))
+    with pytest.raises(ConfigError, match="shape-distribution file"):
+        load_adaptive_config(str(tmp_path / "list.json"))
 
 
 @pytest.mark.parametrize("block, key", [
@@ -213,4 +234,34 @@ def test_adaptive_flags_without_a_block_are_an_error(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "has no 'adaptive_load' block" in err and "Traceback" not in err
     assert config_main(["--check", path]) == 0
-    assert "has no 'adaptive_load' block" in capsys.readouterr().out
+    assert "has no 'adaptive_load' block, so AdaptiveLoad is off" in capsys.readouterr().out
+
+
+def test_unknown_fixed_batch_bucket_is_an_error():
+    """`fixed_batch_sizes: {"banana": 2}` names no shape of the data: an error listing the buckets, not ignored."""
+    from ds_adaptive.core.shapes import SampleShape
+    from ds_adaptive.planning.validate import check_fixed_batch_sizes
+
+    shapes = [SampleShape(1, 128, 224), SampleShape(17, 128, 224)]
+    check_fixed_batch_sizes({"17x128x224": 2}, shapes)
+    check_fixed_batch_sizes(None, shapes)
+    with pytest.raises(ConfigError, match=r"bucket\(s\) 'banana' that are not shapes of the data \(2 bucket\(s\): "
+                                          r"1x128x224, 17x128x224\)"):
+        check_fixed_batch_sizes({"banana": 2, "17x128x224": 1}, shapes)
+
+
+def test_readme_config_check_commands_pass(capsys, monkeypatch):
+    """README.md's `ds-adaptive config --check` lines run as written and end with the OK verdict."""
+    import re
+    import shlex
+
+    from ds_adaptive.cli.config import main
+
+    root = Path(__file__).resolve().parent.parent
+    blocks = re.findall(r"```bash\n(.*?)```", (root / "README.md").read_text(), re.S)
+    lines = [line.strip() for b in blocks for line in b.splitlines() if line.strip().startswith("ds-adaptive config")]
+    assert lines
+    monkeypatch.chdir(root)
+    for line in lines:
+        assert main(shlex.split(line)[2:]) == 0, line
+        assert capsys.readouterr().out.strip().splitlines()[-1].startswith("OK: "), line

@@ -5,9 +5,11 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -71,8 +73,9 @@ def test_dry_run_cpu_defaults():
     assert cmd.startswith("+ deepspeed --num_gpus 2 ")
     assert "train_wan.py --deepspeed_config" in cmd and cmd.split("--deepspeed_config ")[1].split()[0].endswith(
         "launch/configs/cpu_tiny.json")
-    assert "--model tiny --steps 20 --sp 1" in cmd
-    assert "--save checkpoints/tiny --save-interval 10 --keep-checkpoints 2" in cmd  # periodic checkpoints by default
+    assert "--model tiny --steps 20 --save" in cmd and "--sp" not in cmd  # SP unset: the ds_config's, else 1
+    # periodic checkpoints by default, each launch in a run directory of its own
+    assert re.search(r"--save checkpoints/tiny/run-\d{8}-\d{6} --save-interval 10 --keep-checkpoints 2", cmd), cmd
 
 
 def test_dry_run_gpu_defaults_knobs_and_pass_through():
@@ -85,7 +88,7 @@ def test_dry_run_gpu_defaults_knobs_and_pass_through():
     assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in r.stdout
     r = _dry({"NUM_GPUS": "8", "GRAD_CKPT": "1", "PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.8"})
     assert "--grad-ckpt all --save" in r.stdout.splitlines()[-1] and "garbage_collection_threshold:0.8 (yours" in r.stdout
-    assert "--save checkpoints/wan2.1-1.3b --save-interval 100 --keep-checkpoints 2" in cmd
+    assert re.search(r"--save checkpoints/wan2.1-1.3b/run-[-\d]+ --save-interval 100 --keep-checkpoints 2", cmd), cmd
     r = _dry({"NUM_GPUS": "4", "DS_CONFIG": str(CONFIGS / "zero3_baseline.json"), "MODEL": "wan2.1-14b",
               "STEPS": "7", "SP": "2", "GRAD_CKPT": "0", "SAVE_DIR": ""}, "--save", "ck", "--save-interval", "5")
     cmd = r.stdout.splitlines()[-1]
@@ -113,6 +116,86 @@ def test_dry_run_multi_node(tmp_path):
     assert f"--hostfile {hosts}" in cmd and "--master_addr node-1" in cmd and "--master_port 29600" in cmd
 
 
+def test_dry_run_checks_the_trainer_arguments(tmp_path):
+    """The dry run parses every trainer argument with the trainer's parser and checks the data it names: an unknown
+    flag, or a data directory with a sample over the budgets, is exit 2 with one line, as the run would be."""
+    r = _dry({"NUM_GPUS": "0"}, "--bogus-flag")
+    err = [line for line in r.stderr.splitlines() if "error" in line.lower()]
+    assert r.returncode == 2 and err == ["ds-adaptive dry-run: error: unknown trainer argument(s) --bogus-flag "
+                                         "(`ds-adaptive train --help` lists them)"], r.stderr[-2000:]
+    r = _dry({"NUM_GPUS": "0"}, "--layers", "0")
+    assert r.returncode == 2 and "FAILED: " in r.stderr, r.stderr[-2000:]
+    shapes = tmp_path / "shapes.json"
+    shapes.write_text(json.dumps([{"frames": 33, "height": 480, "width": 832, "weight": 1},
+                                  {"frames": 1, "height": 128, "width": 224, "weight": 3}]))
+    data = tmp_path / "big"
+    subprocess.run([sys.executable, "-m", "ds_adaptive.cli", "synth", "--out", str(data), "--num-samples", "4",
+                    "--shapes", str(shapes), "--model", "tiny"], check=True, capture_output=True)
+    r = _dry({"NUM_GPUS": "0"}, "--data", str(data))
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 2 and last.startswith("FAILED: shape 33x480x832") and "does not fit" in last, r.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_the_run_fails_as_its_dry_run_said(tmp_path):
+    """The same launch without DRY_RUN: an unknown trainer flag is exit 2 with one error line (rank 0's)."""
+    e = {k: v for k, v in os.environ.items() if k not in ("NUM_GPUS", "DRY_RUN", "SAVE_DIR", "SP", "MODEL")}
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        e["MASTER_PORT"] = str(sock.getsockname()[1])
+    r = subprocess.run(["bash", str(SCRIPT), "--bogus-flag"], env={**e, "NUM_GPUS": "0"}, capture_output=True,
+                       text=True, timeout=300, cwd=tmp_path)
+    errors = [line for line in r.stderr.splitlines() if "error:" in line]
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert errors == ["ds-adaptive train: error: unrecognized arguments: --bogus-flag (`ds-adaptive train --help` "
+                      "lists the flags)"], r.stderr[-3000:]
+
+
+def test_hostfile_dry_run_on_a_login_node_without_gpus(tmp_path):
+    """HOSTFILE without NUM_GPUS on a machine without GPUs checks the hostfile's GPU launch, not the CPU run."""
+    hosts = tmp_path / "hostfile"
+    hosts.write_text("node-1 slots=8\nnode-2 slots=8\n")
+    r = _dry({"HOSTFILE": str(hosts), "CUDA_VISIBLE_DEVICES": ""})
+    cmd = r.stdout.splitlines()[-1]
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"--hostfile {hosts}" in cmd and "--model wan2.1-1.3b" in cmd and "--num_gpus" not in cmd, cmd
+
+
+def test_sp_comes_from_the_ds_config_unless_set(tmp_path):
+    """`sequence_parallel_size: 2` in the ds_config is the documented way: the launcher passes --sp only for SP."""
+    cfg = json.loads((CONFIGS / "zero3_adaptive.json").read_text())
+    cfg["sequence_parallel_size"] = 2
+    (tmp_path / "sp2.json").write_text(json.dumps(cfg))
+    r = _dry({"NUM_GPUS": "8", "DS_CONFIG": str(tmp_path / "sp2.json")})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "--sp" not in r.stdout.splitlines()[-1] and "sp 2" in r.stderr
+
+
+def test_launcher_knob_errors_are_one_line(tmp_path):
+    """NUM_GPUS on a machine without those GPUs, NUM_PROCS=0: one line, exit 2, before anything starts."""
+    e = {k: v for k, v in os.environ.items() if k not in ("NUM_GPUS", "DRY_RUN", "NUM_PROCS")}
+    r = subprocess.run(["bash", str(SCRIPT)], env={**e, "NUM_GPUS": "64"}, capture_output=True, text=True,
+                       timeout=120, cwd=tmp_path)
+    assert r.returncode == 2 and "NUM_GPUS=64 but this machine has" in r.stderr and not list(tmp_path.iterdir())
+    r = _dry({"NUM_GPUS": "0", "NUM_PROCS": "0"})
+    assert r.returncode == 2 and "NUM_PROCS must be a number of CPU processes >= 1, got '0'" in r.stderr
+
+
+def test_resume_finds_the_newest_run_directory(tmp_path):
+    """Without SAVE_DIR each launch saves into a fresh checkpoints/MODEL/run-*; RESUME=1 continues the newest one
+    that holds a checkpoint."""
+    for name in ("run-20260101-000000", "run-20260102-000000"):
+        (tmp_path / "checkpoints" / "tiny" / name / "global_step10").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "tiny" / "run-20260103-000000").mkdir()  # started, no checkpoint yet
+    e = {k: v for k, v in os.environ.items() if k not in ("NUM_GPUS", "SAVE_DIR", "RESUME", "SP")}
+    r = subprocess.run(["bash", str(SCRIPT)], env={**e, "NUM_GPUS": "0", "RESUME": "1", "DRY_RUN": "1"},
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    cmd = r.stdout.splitlines()[-1]
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert cmd.endswith("--save checkpoints/tiny/run-20260102-000000 --save-interval 10 --keep-checkpoints 2 "
+                        "--resume checkpoints/tiny/run-20260102-000000"), cmd
+
+
 @pytest.mark.parametrize("env, message", [
     ({"NUM_GPUS": "two"}, "NUM_GPUS must be a number"),
     ({"NUM_GPUS": "8", "HOSTFILE": "/no/such/hostfile"}, "HOSTFILE=/no/such/hostfile does not exist"),
@@ -128,7 +211,8 @@ def test_main_job_on_cpu_prints_summary_and_loss_falls(tmp_path):
     """`bash launch/train_wan.sh` with no argument: the embedded default, 2 CPU ranks, tiny model, 20 steps."""
     if shutil.which("deepspeed") is None:
         pytest.fail("the `deepspeed` launcher is not on PATH: pip install -e '.[dev]' installs it")
-    env = {k: v for k, v in os.environ.items() if k not in ("NUM_GPUS", "HOSTFILE", "DS_CONFIG", "MODEL", "STEPS")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("NUM_GPUS", "HOSTFILE", "DS_CONFIG", "MODEL", "STEPS", "SP", "SAVE_DIR", "RESUME", "DRY_RUN")}
     env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU job even on a GPU machine
     with socket.socket() as sock:  # a free rendezvous port: other jobs on the machine may hold 29500
         sock.bind(("127.0.0.1", 0))
@@ -153,19 +237,43 @@ def test_main_job_on_cpu_prints_summary_and_loss_falls(tmp_path):
     assert s["loss_window"] == 5 and s["loss_fell"] is True
     assert s["loss_last"] < 0.9 * s["loss_first"], s["losses"]
     assert (tmp_path / "runs" / "cpu_tiny" / "metrics.jsonl").is_file()
+    # the same command again in the same directory: a run directory of its own, exit 0 (STEPS=2 keeps it short)
+    r = subprocess.run(["bash", str(SCRIPT)], cwd=tmp_path, env={**env, "STEPS": "2"}, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
+    runs = sorted((tmp_path / "checkpoints" / "tiny").glob("run-*"))
+    assert len(runs) == 2 and all(sorted(p.name for p in d.glob("global_step*")) for d in runs), runs
+
+
+def _bash_blocks(text: str) -> list[list[str]]:
+    return [b.strip().splitlines() for b in re.findall(r"```bash\n(.*?)```", text, re.S)]
 
 
 def test_readme_commands_are_what_ci_runs():
-    """README.md gives exactly two set-up commands; .ci/run installs the same way and runs the same tests."""
-    readme = (ROOT / "README.md").read_text()
-    install = 'pip install torch==2.13.0 && pip install -e ".[dev]"'
-    tests = "python -m pytest tests -n 2 --dist loadgroup"  # two xdist workers (tests/conftest.py schedules them)
-    commands = [line for line in readme.splitlines() if line.startswith(install)]
-    assert commands == [f"{install} && bash launch/train_wan.sh", f"{install} && {tests}"]
+    """README.md's set-up: torch (the CPU wheel index without a GPU, the plain wheel with one), then the package
+    with its dev extra; then the main job and the tests, each a block of its own. .ci/run installs the same way and
+    runs the same test command."""
+    blocks = _bash_blocks((ROOT / "README.md").read_text())
+    cpu, gpu, dev = ["pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"], \
+        ["pip install torch==2.13.0"], ['pip install -e ".[dev]"']
+    tests = "python -m pytest tests bench -n 2 --dist loadgroup"  # two xdist workers (tests/conftest.py schedules them)
+    assert blocks[:5] == [cpu, gpu, dev, ["bash launch/train_wan.sh"], [tests]], blocks[:5]
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert "pip install torch==2.13.0" in ci and 'pip install -e ".[dev]"' in ci
-    assert ci.index("pip install torch==2.13.0") < ci.index('pip install -e ".[dev]"') < ci.index(tests)
+    test_line = next(i for i, line in enumerate(ci) if line.startswith(tests + " ") or line == tests)
+    assert ci.index("pip install torch==2.13.0") < ci.index('pip install -e ".[dev]"') < test_line
     assert any("-eq 5" in line for line in ci)  # "no tests collected" fails CI
+
+
+def test_readme_is_a_guide():
+    """README.md stays short (detail lives in docs/), links only to pages that exist (besides the two slots other
+    pages fill), and speaks to users (no issue numbers)."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 350
+    slots = {"docs/SCALE.md", "docs/RELIABILITY.md"}
+    for link in re.findall(r"\]\(((?:docs|bench)/[^)#]+)", text):
+        assert link in slots or (ROOT / link).exists(), link
+    assert not re.search(r"\bissue \d+|#\d{2,}\b|\bowed\b|\bsession\b", text, re.I)
 
 
 def test_14b_config_plans_with_the_14b_profile():

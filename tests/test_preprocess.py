@@ -52,29 +52,11 @@ def write_video(path: Path, n: int, fps: int, h: int, w: int, *, seed: int = 0, 
 
 
 def tiny_models(root: Path) -> dict:
-    """Random tiny AutoencoderKLWan (z_dim 16) and UMT5 (d_model 4096) saved by save_pretrained, and a Unigram
-    tokenizer with T5's special tokens built from a word list."""
-    from diffusers import AutoencoderKLWan
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import T5TokenizerFast, UMT5Config, UMT5EncoderModel
+    """The stand-in pipeline's random tiny AutoencoderKLWan (z_dim 16), UMT5 (d_model 4096) and Unigram tokenizer with
+    T5's special tokens (``ds_adaptive.media.demo``, what ``ds-adaptive demo-assets`` writes)."""
+    from ds_adaptive.media.demo import write_demo_encoders
 
-    torch.manual_seed(0)
-    AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                     temperal_downsample=[False, True, True]).save_pretrained(root / "vae")
-    words = "a the cat dog runs jumps over red blue sky video of in on with".split()
-    vocab = ([("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)] + [("▁" + w, -1.0) for w in words]
-             + [(ch, -5.0) for ch in "abcdefghijklmnopqrstuvwxyz&;"] + [("▁", -3.0)])
-    tok = Tokenizer(models.Unigram(vocab, unk_id=2))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
-    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
-    tok.post_processor = processors.TemplateProcessing(single="$A </s>", pair="$A </s> $B </s>",
-                                                       special_tokens=[("</s>", 1)])
-    T5TokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>", pad_token="<pad>",
-                    extra_ids=0).save_pretrained(root / "tokenizer")
-    cfg = UMT5Config(vocab_size=len(vocab), d_model=4096, d_kv=8, d_ff=16, num_layers=1, num_heads=2,
-                     relative_attention_num_buckets=8, feed_forward_proj="gated-gelu", pad_token_id=0,
-                     eos_token_id=1, decoder_start_token_id=0)
-    UMT5EncoderModel(cfg).save_pretrained(root / "text_encoder")
+    write_demo_encoders(root)
     return {"--vae": root / "vae", "--text-encoder": root / "text_encoder", "--tokenizer": root / "tokenizer"}
 
 
@@ -375,3 +357,31 @@ def test_overwrite_clears_only_preprocess_outputs_and_refuses_several_ranks(tmp_
     (tmp_path / "synth" / "index.json").write_text("{}")
     with pytest.raises(PreprocessError, match="not written by preprocess"):
         _check_settings(tmp_path / "synth", {"a": 1}, False, world=1)
+
+
+def test_a_failed_argument_check_writes_nothing(assets, tmp_path, capsys):
+    """No weights (or a missing folder): one line, exit 2, and --out untouched, so the corrected call is not refused
+    as "a different job"."""
+    from ds_adaptive.preprocess.run import main
+
+    out = tmp_path / "out"
+    argv = [str(assets["manifest"]), "--out", str(out)] + POLICY_ARGS + ["--workers", "0", "--no-progress"]
+    assert main(argv) == 2
+    assert "no vae weights: pass --vae DIR or --pipeline DIR" in capsys.readouterr().err and not out.exists()
+    assert main(argv + ["--pipeline", str(tmp_path / "nowhere")]) == 2
+    assert "does not exist" in capsys.readouterr().err and not out.exists()
+
+
+def test_upscaling_is_counted_in_the_report(tmp_path, clean_run):
+    """A source smaller than every bucket is upscaled to the nearest one, and the report says how many were."""
+    from PIL import Image
+
+    from ds_adaptive.preprocess.run import format_report
+
+    Image.fromarray(np.zeros((24, 40, 3), np.uint8)).save(tmp_path / "small.png")
+    pol = ShapePolicy(fps=8, frame_counts=[5], video_sizes=["32x64"], image_sizes=["32x64"])
+    d = decode_item(MediaItem(0, str(tmp_path / "small.png"), "c"), pol)
+    assert d.shapes == [SampleShape(1, 32, 64)] and d.upscale > 1.5
+    report = json.loads((clean_run["out"] / "report.json").read_text())
+    assert report["upscaled"] == 0 and "upscaled" not in format_report(report)
+    assert "upscaled to reach a size bucket" in format_report(dict(report, upscaled=2))

@@ -5,7 +5,9 @@
 
 Checks (each failure names the key / value, expected vs actual, and the fix; exit status 2, as `config --check` and the run):
 
-* the ``adaptive_load`` block validates; the model preset exists;
+* the ``adaptive_load`` block validates; the model preset exists; the trainer arguments after ``--`` parse with the
+  trainer's own parser (an unknown flag is an error) and pass its checks: the data directory and its shapes,
+  ``--init-from`` weights against ``--model``/``--layers``, ``--save`` and its earlier checkpoints;
 * topology: world = --world, --num-gpus x --num-nodes, or the hostfile's slots (limited by
   --num-gpus / --num-nodes like the ``deepspeed`` launcher); ``world % sp == 0``;
   ``heads % sp == 0``; ds_config ``sequence_parallel_size`` / ``data_parallel_size`` agree;
@@ -17,7 +19,7 @@ Checks (each failure names the key / value, expected vs actual, and the fix; exi
 * memory per GPU under the ZeRO stage (parameters, gradients, optimizer state partitioned over
   all ``world`` ranks, ZeRO-3's live parameters, workspace) and the activation budget left;
 * budgets (``m_mem``, ``m_comp`` / ``max_tokens``, ``auto`` resolved exactly as the sampler does)
-  against every shape of the distribution: shapes over a budget even at B=1 are listed with the
+  against every shape of the distribution (of the data directory with ``--data DIR``): shapes over a budget even at B=1 are listed with the
   budget; an error under ``oversize: "error"``, a warning with the skipped share under ``"skip"``.
 
 Prints a report and the exact ``deepspeed`` command. With ``--print-command`` the report goes to
@@ -25,7 +27,7 @@ stderr and stdout carries only the command (shell-quoted), for scripts::
 
     CMD=$(ds-adaptive dry-run ... --print-command) && eval "$CMD"
 
-Exit status: 0 all checks passed (warnings allowed), 1 a check failed, 2 bad arguments.
+Exit status: 0 all checks passed (warnings allowed), 2 a check failed or bad arguments (as the trainer).
 """
 from __future__ import annotations
 
@@ -52,7 +54,8 @@ from ds_adaptive.planning.profile import ProfileError, load_profile
 from ds_adaptive.planning.planner import PlanError
 from ds_adaptive.simulation.context_parallel import uniform_densities
 from ds_adaptive.training.assemble import build_run
-from ds_adaptive.training.run_config import RunConfig
+from ds_adaptive.cli.dry_run_trainer import (TrainerArgumentError, UsageError as TrainerUsageError, data_shapes,
+                                             start_up_problems, trainer_namespace, trainer_run_config)
 from ds_adaptive.core.shapes import ShapeError
 from ds_adaptive.planning.devices import resolve_auto_profile
 from ds_adaptive.planning.devices import calibrate_hint
@@ -323,6 +326,10 @@ def _check_rules(rep: Report, args: argparse.Namespace, raw: dict, adaptive, wcf
 def run_checks(args: argparse.Namespace, extra: list[str]) -> tuple[Report, Optional[list[str]]]:
     """All checks; returns the report and the command (None when the layout itself is unusable)."""
     rep = Report()
+    launch_args = args
+    ns = trainer_namespace(args, extra)  # the trainer's own parser: an unknown flag ends the dry run here
+    args = argparse.Namespace(**{**vars(args), "model": ns.model, "layers": ns.layers, "sp": ns.sp,
+                                 "shapes": ns.shapes, "trainer": ns})
     cfg_path = args.deepspeed_config
     rep.lines.append(f"ds-adaptive dry-run: {cfg_path}, model {args.model}")
 
@@ -359,18 +366,19 @@ def run_checks(args: argparse.Namespace, extra: list[str]) -> tuple[Report, Opti
             _feature_rows(rep, run)
 
     build = node_command if args.launcher == "node" else deepspeed_command
-    cmd = build(launch, args, sp or args.sp or 1, extra) if launch is not None else None
+    cmd = build(launch, launch_args, sp or args.sp or 1, extra) if launch is not None else None
     return rep, cmd
 
 
 def _build_dry_run(rep: Report, args: argparse.Namespace, layout, extra: list[str]):
     """``build_run`` on the meta device with the planned layout: the trainer's own assembly (profile,
     depth rescaling, budgets, sampler), without GPUs or a process group. None (and a failed check) on error.
-    Trainer flags after ``--`` that change the plan are honoured (``--grad-ckpt [auto|all|none]``)."""
+    Every trainer flag after ``--`` goes through the trainer's own parser and checks (``dry_run_trainer``)."""
     try:
-        cfg = RunConfig.load(args.deepspeed_config, trainer={"model": args.model, "layers": args.layers,
-                                                             "sp": layout.sp_size},
-                             overrides={"sampler.shapes": args.shapes, "sampler.checkpointing": _grad_ckpt_flag(extra)})
+        cfg = trainer_run_config(argparse.Namespace(**{**vars(args.trainer), "sp": layout.sp_size}),
+                                 world=layout.world, device=args.device)
+        for key, problem in start_up_problems(cfg):
+            rep.fail(key, problem)
         profile = cfg.adaptive_load.sampler.profile
         if profile is None:
             raise ValueError("adaptive_load.sampler.profile is null: the memory model needs a profile "
@@ -385,24 +393,18 @@ def _build_dry_run(rep: Report, args: argparse.Namespace, layout, extra: list[st
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             run = build_run(cfg, layout=layout, meta=True, gpu_mem_gib=gpu)
+    except TrainerUsageError as exc:
+        rep.fail("trainer", str(exc))
+        return None
     except (ProfileError, ShapeError, ValueError, FileNotFoundError, ConfigError, PlanError) as exc:
         rep.fail("budgets", str(exc))
         return None
-    for note in run.notes:
-        if note.startswith("warning: "):
+    for note in run.notes:  # a CPU run has no GPU profile to calibrate and runs the reference LayerNorm path
+        if note.startswith("warning: ") and not (args.device == "cpu" and "profile" in note):
             rep.warn("profile", note[len("warning: "):])
         else:
             rep.row("profile", note, "ok")
     return run
-
-
-def _grad_ckpt_flag(extra: list[str]) -> Optional[str]:
-    """The trainer's ``--grad-ckpt [auto|all|none]`` among the flags after ``--`` (bare: all; absent: None)."""
-    if "--grad-ckpt" not in extra:
-        return None
-    i = extra.index("--grad-ckpt")
-    nxt = extra[i + 1] if i + 1 < len(extra) else None
-    return nxt if nxt in ("auto", "all", "none") else "all"
 
 
 def _check_memory_and_budgets(rep: Report, args: argparse.Namespace, run, n_params: int) -> None:
@@ -412,7 +414,7 @@ def _check_memory_and_budgets(rep: Report, args: argparse.Namespace, run, n_para
         run.layout.world
     gpu = run.gpu_mem_gib
     pmodel = profile.raw.get("model", {}).get("name")
-    if pmodel not in (None, args.model, run.preset.profile_model):
+    if pmodel not in (None, args.model, run.preset.profile_model) and args.device != "cpu":
         rep.warn("profile", f"profile '{profile.name}' was measured for {pmodel}, checking {args.model}: costs and "
                             f"activation memory are extrapolated; {calibrate_hint(args.model, profile.device)}")
     parts = profile.static_memory_parts(stage, world, params=n_params)  # THIS model, partitioned over the world
@@ -444,7 +446,8 @@ def _check_memory_and_budgets(rep: Report, args: argparse.Namespace, run, n_para
                             f"= {static + b['m_mem']:.1f} GiB > {gpu:.1f} GiB per GPU: batches planned to m_mem would run "
                             f"out of memory. Set sampler.m_mem <= {max(usable - static, 0):.1f} or use "
                             f"a profile calibrated for {args.model} (`ds-adaptive calibrate`)")
-    _check_shapes(rep, run, load_shape_distribution(s.shapes or run.preset.shapes, grid=run.preset.grid), static, gpu)
+    dist_ = data_shapes(run) or load_shape_distribution(s.shapes or run.preset.shapes, grid=run.preset.grid)
+    _check_shapes(rep, run, dist_, static, gpu)
 
 
 def _oversize_reasons(cost, shape, b: dict, mode: str) -> list[str]:
@@ -511,7 +514,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     out = sys.stderr if args.print_command else sys.stdout
     try:
         rep, cmd = run_checks(args, extra)
-    except UsageError as exc:
+    except (UsageError, TrainerArgumentError, TrainerUsageError) as exc:
         print(f"ds-adaptive dry-run: error: {exc}", file=sys.stderr)
         return 2
     for line in rep.lines:
@@ -519,6 +522,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if cmd is not None:
         print(f"  {'command':<12} {shlex.join(cmd)}", file=out)
     if rep.problems:
+        if len(rep.problems) == 1:
+            print(f"\nFAILED: {rep.problems[0]}", file=out)
+            return 2
         print(f"\nFAILED: {len(rep.problems)} problem(s):", file=out)
         for i, p in enumerate(rep.problems, 1):
             print(f"  {i}. {p}", file=out)

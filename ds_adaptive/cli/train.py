@@ -11,6 +11,7 @@ weighting and checkpoints are ``ds_adaptive.training.trainer``; docs/ARCHITECTUR
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import warnings
@@ -42,9 +43,17 @@ from ds_adaptive.training.trainer import EXIT_PREEMPTED
 from ds_adaptive.training.nonfinite import NonFiniteError
 
 
+class _Parser(argparse.ArgumentParser):
+    """A bad flag is one line (from rank 0 only), not the usage block once per rank."""
+
+    def error(self, message: str):
+        if os.environ.get("RANK", "0") == "0":
+            sys.stderr.write(f"{self.prog}: error: {message} (`{self.prog} --help` lists the flags)\n")
+        self.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ds-adaptive train", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(prog="ds-adaptive train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
                    help="set by the deepspeed launcher")
     p.add_argument("--deepspeed_config", "--deepspeed-config", required=True,
@@ -125,6 +134,8 @@ def train(args: argparse.Namespace) -> dict:
         # DeepSpeed 0.19 still calls torch.distributed's renamed collectives (one FutureWarning per call
         # site and rank); and one copy of our own warnings is enough.
         warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+        # DeepSpeed reads the LR scheduler once before its first step (a warning per rank, about its own call)
+        logging.getLogger("DeepSpeed").addFilter(_drop_deepspeed_noise)
         if rank != 0:
             warnings.filterwarnings("ignore", category=UserWarning, module=r"ds_adaptive")
         layout = Layout.detect(cfg.trainer.sp, ds_config=cfg.ds_config)
@@ -138,6 +149,10 @@ def train(args: argparse.Namespace) -> dict:
 
 _STAGE = {"training": False}
 """Whether the run got past its start-up (resume included): a later failure's way on is to resume."""
+
+
+def _drop_deepspeed_noise(record: logging.LogRecord) -> bool:
+    return "get learning rate from scheduler before it has started" not in record.getMessage()
 
 
 def _cuda_available() -> bool:

@@ -115,8 +115,8 @@ class SamplerConfig(_Block):
     """`tokens` mode: tokens per micro-batch (default: what `m_mem` allows for the longest sample)."""
 
     fixed_batch_sizes: Optional[dict[str, int]] = None
-    """`fixed` mode: batch size per bucket, keyed "FxHxW" (e.g. "81x480x832": 1); missing buckets
-    get the largest size that fits `m_mem`."""
+    """`fixed` mode: batch size per bucket, keyed "FxHxW" in pixels (e.g. "81x480x832": 1); missing buckets
+    get the largest size that fits `m_mem`, a key that is not a shape of the data is an error."""
 
     window: int = Field(256, ge=1)
     """Samples per data-parallel rank drawn (shuffled) per planning window: the planner sees

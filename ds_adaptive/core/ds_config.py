@@ -24,7 +24,7 @@ def _format_validation_error(exc: ValidationError, source: str) -> str:
             lines.append(f"  - unknown key '{key}'. Valid keys here: {valid}")
         else:
             lines.append(f"  - {key}: {err['msg'].removeprefix('Value error, ')} (got {err.get('input')!r})")
-    lines.append("Fix the ds_config json; see README.md 'The ds_config block' for every field.")
+    lines.append("Fix the ds_config json; docs/CONFIG.md (or `ds-adaptive config`) lists every key.")
     return "\n".join(lines)
 
 
@@ -53,16 +53,41 @@ def read_ds_config(ds_config: Union[str, Path, dict, None]) -> dict:
         raise ConfigError(f"ds_config file {path} does not exist (from --deepspeed_config / DS_CONFIG); "
                           "pass the path of a DeepSpeed json, e.g. launch/configs/zero3_adaptive.json")
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(path.read_text(), object_pairs_hook=_unique_keys(path))
     except json.JSONDecodeError as exc:
         raise ConfigError(f"ds_config file {path} is not valid JSON: {exc}") from exc
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"ds_config file {path} cannot be read ({getattr(exc, 'strerror', None) or exc}); check "
                           "its permissions and that it is a text file") from None
+    if _looks_like_shapes(raw):
+        raise ConfigError(f"{path} is a shape-distribution file, not a ds_config: pass it as --shapes {path} (or "
+                          "adaptive_load.sampler.shapes) and give a DeepSpeed json, e.g. launch/configs/cpu_tiny.json, "
+                          "as the ds_config")
     if not isinstance(raw, dict):
         raise ConfigError(f"ds_config file {path} holds a JSON {type(raw).__name__}, expected an object "
                           "({\"train_batch_size\": ..., \"adaptive_load\": {...}}); e.g. launch/configs/cpu_tiny.json")
     return raw
+
+
+def _unique_keys(path: Path):
+    """``json`` object hook that refuses a key given twice in one object: JSON keeps the last silently, so
+    ``"enabled": true, "enabled": false`` would turn a feature off without a word."""
+    def hook(pairs: list) -> dict:
+        out: dict = {}
+        for k, v in pairs:
+            if k in out:
+                raise ConfigError(f"ds_config file {path}: key '{k}' is given twice in one object (JSON keeps the "
+                                  "last one silently); keep one")
+            out[k] = v
+        return out
+    return hook
+
+
+def _looks_like_shapes(raw: Any) -> bool:
+    """A shape-distribution json (a list of ``{frames, height, width, weight}``, or ``{"shapes": [...]}``)."""
+    items = raw.get("shapes") if isinstance(raw, dict) and BLOCK_KEY not in raw else raw
+    return isinstance(items, list) and bool(items) and all(isinstance(i, dict) and {"frames", "height", "width"} <= set(i)
+                                                          for i in items)
 
 
 MISSPELLING_CUTOFF = 0.75

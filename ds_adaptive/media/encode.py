@@ -59,6 +59,15 @@ def _component_dir(path: Optional[PathLike], pipeline: Optional[PathLike], sub: 
     return d
 
 
+def component_dirs(*, vae: Optional[PathLike] = None, text_encoder: Optional[PathLike] = None,
+                   tokenizer: Optional[PathLike] = None, pipeline: Optional[PathLike] = None) -> tuple[Path, Path, Path]:
+    """The VAE, text-encoder and tokenizer directories :meth:`LatentEncoders.from_pretrained` reads (each flag, else
+    the pipeline's folder); :class:`EncoderError` names the first that is missing. Reads nothing else."""
+    return (_component_dir(vae, pipeline, "vae", "--vae"),
+            _component_dir(text_encoder, pipeline, "text_encoder", "--text-encoder"),
+            _component_dir(tokenizer, pipeline, "tokenizer", "--tokenizer"))
+
+
 def check_vae(vae, spec: InputSpec) -> None:
     """The VAE's latent channels and compression against the model's grid rule (its config's ``z_dim``,
     ``scale_factor_temporal`` / ``_spatial``, as diffusers' VAEs name them)."""

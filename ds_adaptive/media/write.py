@@ -119,6 +119,8 @@ def write_media(frames: np.ndarray, path: Union[str, Path], *, fps: int = 16) ->
     a single frame as it is)."""
     path = Path(path)
     suffix = path.suffix.lower()
+    if suffix in MEDIA_SUFFIXES:
+        path.parent.mkdir(parents=True, exist_ok=True)  # `--out samples/ball.mp4` as written
     if suffix == ".mp4":
         return write_mp4(frames, path, fps)
     if suffix == ".gif":

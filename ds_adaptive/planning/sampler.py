@@ -34,14 +34,14 @@ import numpy as np
 
 from ds_adaptive.core.config import SamplerConfig
 from ds_adaptive.core.layout import Layout
-from ds_adaptive.planning.budget import plan_tokens_per_s, uses_budget_search
+from ds_adaptive.planning.budget import plan_tokens_per_s, resolve_budgets, uses_budget_search
 from ds_adaptive.planning.cost import CostModel
 from ds_adaptive.planning.profile import Profile, load_profile
 from ds_adaptive.planning.devices import calibrate_hint, resolve_auto_profile
 from ds_adaptive.planning.memory import sample_memory
 from ds_adaptive.planning.planner import (EpochPlan, OversizeSampleError, PlanError, PlannerParams, StepTotals,
                                           plan_epoch, unique_shapes)
-from ds_adaptive.planning.budget import resolve_budgets
+from ds_adaptive.planning.validate import check_fixed_batch_sizes
 from ds_adaptive.planning.sparse_cost import SparseAttentionCost
 from ds_adaptive.core.contracts import DensityMap, load_densities
 from ds_adaptive.models.registry import get_model
@@ -64,10 +64,7 @@ class SamplerStateError(ValueError):
 
 # ============================================================================== samplers
 def shapes_fingerprint(shapes: Sequence[SampleShape]) -> str:
-    h = hashlib.sha256()
-    for s in shapes:
-        h.update(f"{s};".encode())   # FxHxW, or a token length
-    return h.hexdigest()[:16]
+    return hashlib.sha256("".join(f"{s};" for s in shapes).encode()).hexdigest()[:16]   # FxHxW, or a token length
 
 
 def _compact_profile(p: Profile) -> dict:
@@ -475,7 +472,8 @@ def _run_profile(sampler_cfg: SamplerConfig, profile: Optional[Profile], model, 
             profile_log(msg)
     elif profile is None:
         profile = load_profile(sampler_cfg.profile)
-    if model is not None and profile.raw.get("model", {}).get("name") not in (None, model_name, model.profile_model):
+    if model is not None and (gpu_mem_gib or _detect_gpu_mem_gib()) and profile.raw.get("model", {}).get("name") not in (
+            None, model_name, model.profile_model):   # a CPU run: no GPU to calibrate on, nothing to act on
         warnings.warn(f"sampler.profile '{profile.name}' was measured for model "
                       f"'{profile.raw['model']['name']}', training '{model_name}': predicted costs "
                       f"and memory will be off; {calibrate_hint(model_name)}",
@@ -585,6 +583,7 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
             balance_tolerance=sampler_cfg.balance_tolerance, seed=sampler_cfg.seed,
             batch_cap=sampler_cfg.batch_cap == "auto")
 
+    check_fixed_batch_sizes(sampler_cfg.fixed_batch_sizes, shapes)
     cost, budgets = _checkpoint_attention_plan(sampler_cfg, chosen, model, shapes, plan_with, profile_log)
     plan_mode = budgets["plan_mode"] if chosen == "dual" else chosen
     return _CLASSES[chosen](

@@ -267,3 +267,16 @@ def validate_run(ds_config: Mapping[str, Any], block: AdaptiveLoadConfig, facts:
     problems = run_problems(ds_config, block, facts)
     if problems:
         raise problems[0].error(problems[0].message)
+
+
+def check_fixed_batch_sizes(fixed: Optional[Mapping[str, int]], shapes) -> None:
+    """``sampler.fixed_batch_sizes`` names only buckets ("FxHxW", pixels) that the data has: a misspelt or absent
+    bucket would silently get the memory-bound size instead of the one asked for."""
+    if not fixed:
+        return
+    known = sorted({str(s) for s in set(shapes)}, key=lambda k: [int(x) for x in k.split("x")])
+    unknown = sorted(set(fixed or {}) - set(known))
+    if unknown:
+        raise ConfigError(f"adaptive_load.sampler.fixed_batch_sizes names bucket(s) {', '.join(map(repr, unknown))} "
+                          f"that are not shapes of the data ({len(known)} bucket(s): {', '.join(known[:12])}"
+                          f"{', ...' if len(known) > 12 else ''}); use those keys, FRAMESxHEIGHTxWIDTH in pixels")

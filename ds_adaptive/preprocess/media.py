@@ -53,6 +53,7 @@ class DecodedItem:
     source_frames: int = 0    # sampled frames before cutting into clips
     seconds: float = 0.0      # decode wall time
     grid: Optional[GridRule] = None  # the policy's (the model's) grid rule
+    upscale: float = 1.0      # resize factor to cover the size bucket (> 1: smaller than every bucket, upscaled)
 
     @property
     def shapes(self) -> list[SampleShape]:
@@ -170,7 +171,7 @@ def _decode_image(item: MediaItem, policy: ShapePolicy) -> DecodedItem:
     r = plan_resize(img.height, img.width, bucket)
     img = img.resize((r.resized_w, r.resized_h), Image.BICUBIC)
     arr = np.asarray(img.crop((r.left, r.top, r.left + r.width, r.top + r.height)), dtype=np.uint8)
-    return DecodedItem([arr[None].copy()], [0.0], 1, grid=policy.grid)
+    return DecodedItem([arr[None].copy()], [0.0], 1, grid=policy.grid, upscale=r.scale)
 
 
 def _sampled_frames(container, stream, start: float, end: float, fps: float,
@@ -249,7 +250,7 @@ def _decode_video(item: MediaItem, policy: ShapePolicy) -> DecodedItem:
     if not counts:
         span = f"in {start:g}..{end:g} s" if math.isfinite(end) else f"from {start:g} s to the end"
         raise _too_short(len(frames), fps, policy, span)
-    out = DecodedItem(source_frames=len(frames), grid=policy.grid)
+    out = DecodedItem(source_frames=len(frames), grid=policy.grid, upscale=resize.scale if resize else 1.0)
     pos = 0
     for f in counts:
         out.clips.append(np.stack(frames[pos: pos + f]))

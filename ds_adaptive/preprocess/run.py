@@ -43,7 +43,7 @@ from ds_adaptive.preprocess.media import MediaError, decode_item
 from ds_adaptive.preprocess.policy import PolicyError, ShapePolicy, add_policy_args, model_from_args, policy_from_args
 from ds_adaptive.data.shards import LatentShardWriter
 from ds_adaptive.data.shards import EMPTY_PROMPT_FILE, write_empty_prompt
-from ds_adaptive.media.encode import LatentEncoders
+from ds_adaptive.media.encode import LatentEncoders, component_dirs
 from ds_adaptive.media.encode import EncoderError
 
 SETTINGS_FILE = "preprocess.json"
@@ -110,7 +110,7 @@ class _DecodeSet:
         except Exception as exc:  # noqa: BLE001 - a bad file must become a reject, never end the job
             return {"i": i, "error": f"unexpected error while decoding ({type(exc).__name__}: {exc})"}
         return {"i": i, "error": None, "clips": [torch.from_numpy(c) for c in d.clips], "starts": d.starts,
-                "frames": d.source_frames, "seconds": d.seconds}
+                "frames": d.source_frames, "seconds": d.seconds, "upscale": d.upscale}
 
 
 def settings_of(args: argparse.Namespace, items: list[MediaItem], policy: ShapePolicy, storage_dtype: str) -> dict:
@@ -193,6 +193,7 @@ def _encode_unit(k: int, unit: range, results, items: list[MediaItem], encoders,
                 pending.append((latents, pos, clip))
             accepted.append((item, r["starts"], [tuple(c.shape[:3]) for c in r["clips"]], latents))
             stats["images" if item.is_image else "videos"] += 1
+            stats["upscaled"] += int(r["upscale"] > 1 + 1e-6)   # said in the report, never silent
         stats["items"] += 1
         if bar is not None:
             bar.n_clips = getattr(bar, "n_clips", 0) + (0 if r["error"] else len(r["clips"]))
@@ -253,6 +254,7 @@ def finalize(out: Path, n_units: int, spec=None) -> Optional[dict]:
     report = {"out": str(out), "items": int(totals["items"]), "samples": builder.num_rows,
               "images": int(totals["images"]), "videos": int(totals["videos"]), "rejects": len(rejects),
               "rejects_by_reason": dict(sorted(kinds.items())), "truncated_captions": int(totals["truncated_captions"]),
+              "upscaled": int(totals["upscaled"]),
               "shapes": dict(sorted(shapes.items(), key=lambda kv: tuple(map(int, kv[0].split("x"))))),
               "seconds": {k: round(totals[k], 3) for k in ("decode_s", "vae_s", "text_s", "write_s")},
               "ranks_last_run": ranks}
@@ -269,6 +271,9 @@ def format_report(report: dict) -> str:
         lines.append(f"  every reject with its path and reason: {Path(report['out']) / REJECTS_FILE}")
     if report["truncated_captions"]:
         lines.append(f"  captions cut to the model's text length: {report['truncated_captions']}")
+    if report.get("upscaled"):
+        lines.append(f"  upscaled to reach a size bucket (smaller than every bucket it could go to): "
+                     f"{report['upscaled']} item(s); add smaller --video-sizes / --image-sizes to keep them as they are")
     lines.append("  shape (FxHxW)      samples")
     for s, n in report["shapes"].items():
         lines.append(f"  {s:<18} {n:>7}")
@@ -358,6 +363,8 @@ def run(args: argparse.Namespace, encoders=None) -> dict:
     device, compute, storage = _device_and_dtypes(args, local)
     args.dtype = compute
     out = Path(args.out)
+    if encoders is None:  # the weights' folders before anything is written: a failed check leaves --out as it was
+        component_dirs(vae=args.vae, text_encoder=args.text_encoder, tokenizer=args.tokenizer, pipeline=args.pipeline)
     _check_settings(out, settings_of(args, items, policy, storage), args.overwrite, world)
     units = units_of(len(items), args.items_per_unit)
     mine = [k for k in range(len(units)) if k % world == rank and not _unit_record(out, k).is_file()]

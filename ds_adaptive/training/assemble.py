@@ -498,7 +498,8 @@ def _build_sampler(cfg: RunConfig, dataset, layout: Layout, ds_config: dict, gpu
                      f"and activation terms x {prof.num_layers}/{prof.rescaled_from_layers}, embed/head kept, "
                      f"static memory of {prof.params / 1e9:.3f}B params)")
     model_blocks = model_config.num_layers if model_config is not None else prof.num_layers
-    if sampler.cost.checkpointing == "auto" and prof.num_layers != model_blocks:
+    on_cpu = device is not None and device.type == "cpu"   # nothing to act on: no GPU profile of the model there
+    if sampler.cost.checkpointing == "auto" and prof.num_layers != model_blocks and not on_cpu:
         notes.append(f"checkpointing auto: the plan's checkpoint counts are for the profile's {prof.num_layers} "
                      f"blocks; the model has {model_blocks}: each count is mapped to the same share of its blocks "
                      "(rounded up; pass --layers to plan at the model's depth)")

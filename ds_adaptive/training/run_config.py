@@ -168,9 +168,10 @@ TRAINER_FLAGS = tuple(TrainerConfig.model_fields)
 """argparse destinations that are TrainerConfig fields (the rest are overrides or launcher flags)."""
 
 
-def run_config_from_args(args) -> RunConfig:
+def run_config_from_args(args, *, world: Optional[int] = None, device: Optional[str] = None) -> RunConfig:
     """The trainer CLI's namespace -> a validated :class:`RunConfig`, with the checks that need no
-    process group done here (bad flags fail before any rank starts a collective)."""
+    process group done here (bad flags fail before any rank starts a collective). ``world`` / ``device``: the
+    launch the rules are checked for (default: the launcher's WORLD_SIZE and this machine; the dry run's plan)."""
     trainer = {k: getattr(args, k) for k in TRAINER_FLAGS if getattr(args, k, None) is not None}
     if "objective" in trainer:
         trainer["objective"] = parse_key_values(trainer["objective"], "--objective")
@@ -187,7 +188,7 @@ def run_config_from_args(args) -> RunConfig:
     cfg = RunConfig.load(args.deepspeed_config, trainer=trainer, overrides={
         "fused_ln_modulate": args.fused_ln_modulate, "metrics.log_dir": args.log_dir,
         "sampler.shapes": args.shapes, "sampler.checkpointing": args.grad_ckpt})
-    _check_planned_layout(cfg)
+    _check_planned_layout(cfg, world=world, device=device)
     return cfg
 
 
@@ -207,7 +208,7 @@ def parse_key_values(items, flag: str) -> dict:
     return out
 
 
-def _check_planned_layout(cfg: RunConfig) -> None:
+def _check_planned_layout(cfg: RunConfig, *, world: Optional[int] = None, device: Optional[str] = None) -> None:
     """The model's objective overrides, the preview size on its grid, and the cross-field rules
     (``ds_adaptive.planning.validate``) for the launcher's WORLD_SIZE and this machine's device, before torch.distributed
     exists: a bad config fails on every rank before any collective."""
@@ -221,5 +222,5 @@ def _check_planned_layout(cfg: RunConfig) -> None:
 
         preview_size(cfg.adaptive_load.preview, model.input_spec)
     validate_run(cfg.ds_config, cfg.adaptive_load, RunFacts(
-        model=t.model, layers=t.layers, sp=t.sp, world=int(os.environ.get("WORLD_SIZE", "1")),
-        device="cuda" if torch.cuda.is_available() else "cpu"))
+        model=t.model, layers=t.layers, sp=t.sp, world=world or int(os.environ.get("WORLD_SIZE", "1")),
+        device=device or ("cuda" if torch.cuda.is_available() else "cpu")))

@@ -4,7 +4,7 @@
     python -m ds_adaptive.launch.multinode launch --nnodes 2 --node-rank 1 --nproc-per-node 8 \\
         --master-addr node-001 --master-port 29500 [--node-timeout 60] -- launch/train_wan.py [trainer args]
 
-Three ways a multi-node job starts (README, "Multi-node"):
+Three ways a multi-node job starts (docs/MULTINODE.md):
 
 * ``deepspeed --hostfile`` over ssh/pdsh (DeepSpeed's runner; not this module);
 * one launcher per node, started by the cluster (Kubernetes PyTorchJob / JobSet, or by hand):
