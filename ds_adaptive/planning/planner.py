@@ -41,6 +41,7 @@ silently: ``planned + oversize + tail_dropped == all samples`` of the epoch.
 """
 from __future__ import annotations
 
+import heapq
 import warnings
 from typing import Optional, Sequence
 
@@ -198,13 +199,18 @@ def _rebatch_tail(table: ShapeTable, batches: list[tuple[int, list[int]]], n_slo
         out.extend((u, ids[i:i + b]) for i in range(0, len(ids), b))
     if sum(len(ids) for _, ids in out) < n_slots:
         return None
+    # split the costliest batch with B >= 2 (ties: the first in ``out``) until there are n_slots: a heap of them
+    heap = [(-table.batch_cost(u, len(ids)), i) for i, (u, ids) in enumerate(out) if len(ids) >= 2]
+    heapq.heapify(heap)
     while len(out) < n_slots:
-        splittable = [i for i, (u, ids) in enumerate(out) if len(ids) >= 2]
-        i = max(splittable, key=lambda j: table.batch_cost(out[j][0], len(out[j][1])))
+        _, i = heapq.heappop(heap)
         u, ids = out[i]
         h = len(ids) // 2
         out[i] = (u, ids[:h])
         out.append((u, ids[h:]))
+        for j in (i, len(out) - 1):
+            if len(out[j][1]) >= 2:
+                heapq.heappush(heap, (-table.batch_cost(u, len(out[j][1])), j))
     if len(out) > n_slots:   # an epoch shorter than one optimizer step: no full step can be formed
         return None
     return out
@@ -216,18 +222,37 @@ def _absorb_into_last_step(builder: _Builder, table: ShapeTable, tail: list[tupl
     still allow one more sample; returns the samples that found no room (sorted)."""
     left: list[int] = []
     first = max(len(builder.shape) - n_batches, 0)
+    nb = len(builder.shape)
+    sizes = [builder.offsets[j + 1] - builder.offsets[j] for j in range(first, nb)]
+    rooms: dict[int, list] = {}   # per shape: a heap of (size, batch) with room (the smallest batch first)
+    for k, j in enumerate(range(first, nb)):
+        rooms.setdefault(builder.shape[j], []).append((sizes[k], j))
+    for h in rooms.values():
+        heapq.heapify(h)
+    added: dict[int, list[int]] = {}
     for u, ids in tail:
+        h = rooms.get(u, [])
+        cap = table.tail_cap(u)
         for i in ids:
-            room = [j for j in range(first, len(builder.shape)) if builder.shape[j] == u
-                    and builder.offsets[j + 1] - builder.offsets[j] < table.tail_cap(u)]
-            if not room:
+            while h and h[0][0] >= cap:
+                heapq.heappop(h)
+            if not h:
                 left.append(i)
                 continue
-            j = min(room, key=lambda k: builder.offsets[k + 1] - builder.offsets[k])
-            pos = builder.offsets[j + 1]
-            builder.ids.insert(pos, i)
-            for k in range(j + 1, len(builder.offsets)):
-                builder.offsets[k] += 1
+            size, j = heapq.heappop(h)
+            added.setdefault(j, []).append(i)
+            heapq.heappush(h, (size + 1, j))
+    if added:   # rebuild the last step's ids and offsets once
+        start = builder.offsets[first]
+        ids_new: list[int] = []
+        offs = []
+        for j in range(first, nb):
+            ids_new.extend(builder.ids[builder.offsets[j]:builder.offsets[j + 1]])
+            ids_new.extend(added.get(j, ()))
+            offs.append(start + len(ids_new))
+        del builder.ids[start:]
+        builder.ids.extend(ids_new)
+        builder.offsets[first + 1:] = offs
     return sorted(left)
 
 
@@ -257,8 +282,12 @@ def check_oversize(table: ShapeTable, shape_ids: np.ndarray, order: np.ndarray, 
 
 
 def plan_epoch(shape_ids: np.ndarray, shapes: Sequence[SampleShape], order: np.ndarray, cost: CostModel,
-               params: PlannerParams, *, seed: int = 0) -> EpochPlan:
+               params: PlannerParams, *, seed: int = 0, replan_tail: bool = True) -> EpochPlan:
     """Plan all of ``order`` (sample ids, already shuffled) into micro-steps.
+
+    ``replan_tail=False`` (a plan of a prefix of the epoch, as the budget search makes): the micro-steps of an
+    incomplete last optimizer step stay as planned (``num_steps`` does not count them) and the samples left in
+    the pool are not planned (nor counted in ``tail_dropped``): exactly the plan before the tail re-plan.
 
     ``shape_ids[i]`` indexes ``shapes`` for sample ``i``. Deterministic in all arguments.
     """
@@ -286,8 +315,8 @@ def plan_epoch(shape_ids: np.ndarray, shapes: Sequence[SampleShape], order: np.n
     # ---- tail: leftover pool + the micro-steps of an incomplete optimizer step
     n_micro = len(builder.shape) // dp
     r = n_micro % ga
-    tail = builder.pop_last_micro_steps(r)
-    tail.extend((u, ids) for u, ids in enumerate(pool) if ids)
+    tail = builder.pop_last_micro_steps(r) if replan_tail else []
+    tail.extend((u, ids) for u, ids in enumerate(pool) if ids and replan_tail)
     tail_dropped: list[int] = []
     replanned = 0
     if tail:

@@ -39,8 +39,9 @@ from ds_adaptive.planning.cost import CostModel
 from ds_adaptive.planning.profile import Profile, load_profile
 from ds_adaptive.planning.devices import calibrate_hint, resolve_auto_profile
 from ds_adaptive.planning.memory import sample_memory
+from ds_adaptive.planning.global_batch import too_small_problem
 from ds_adaptive.planning.planner import (EpochPlan, OversizeSampleError, PlanError, PlannerParams, StepTotals,
-                                          plan_epoch, unique_shapes)
+                                          bucket_tokens, plan_epoch, unique_shapes)
 from ds_adaptive.planning.budget import resolve_budgets
 from ds_adaptive.planning.sparse_cost import SparseAttentionCost
 from ds_adaptive.planning.sampler_state import STATE_FORMAT, ResumableState, SamplerStateError
@@ -110,7 +111,7 @@ class _PlannedBatchSampler(ResumableState, _SamplerBase):
                  lr_scaling: str = "none", reference_batch: Optional[int] = None,
                  loss_weighting: str = "samples", m_comp_auto: bool = False, solo_over_budget: bool = False,
                  budget_choice=None, plan_mode: Optional[str] = None, efficient_batches: bool = False,
-                 batch_cap: bool = True) -> None:
+                 batch_cap: bool = True, global_batch=None, global_batch_fit: Optional[dict] = None) -> None:
         if cost.sp != layout.sp_size:
             raise ValueError(f"cost model sp={cost.sp} but layout sp_size={layout.sp_size}")
         self.shapes = [s if isinstance(s, SampleShape) else int(s) for s in shapes]
@@ -130,6 +131,8 @@ class _PlannedBatchSampler(ResumableState, _SamplerBase):
             efficient_batches=bool(efficient_batches))
         #: the throughput search behind ``m_comp: auto`` (:class:`ds_adaptive.planning.budget.BudgetChoice`), or None
         self.budget_choice = budget_choice
+        self.global_batch = global_batch           # sampler.global_batch (GlobalBatchConfig), or None
+        self.global_batch_fit = global_batch_fit   # its fit at start-up: {"gas", "per_micro", "predicted", "error"}
         self._uniq, self._sid = unique_shapes(self.shapes)
         self._fingerprint = shapes_fingerprint(self.shapes)
         self.m_comp_auto = bool(m_comp_auto)       # re-resolve m_comp when the densities change
@@ -234,7 +237,7 @@ class _PlannedBatchSampler(ResumableState, _SamplerBase):
                                 mem_utilization=1.0, zero_stage=0, dp_size=self.params.dp_size,
                                 micro_steps_per_step=self.params.micro_steps_per_step, window=self.params.window,
                                 balance_tolerance=self.params.balance_tolerance, seed=self.seed,
-                                batch_cap=self.batch_cap)
+                                batch_cap=self.batch_cap, global_batch=self.global_batch)
             self.params = dataclasses.replace(self.params, m_comp=b["m_comp"], solo_over_budget=b["solo_over_budget"],
                                               mode=b["plan_mode"], efficient_batches=b["efficient_batches"],
                                               max_tokens=b["max_tokens"] if b["plan_mode"] == "tokens" else None)
@@ -526,8 +529,18 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
             zero_stage=sampler_cfg.zero_stage if zero_stage is None else zero_stage, dp_size=layout.dp_size,
             micro_steps_per_step=micro_steps_per_step, window=sampler_cfg.window,
             balance_tolerance=sampler_cfg.balance_tolerance, seed=sampler_cfg.seed,
-            batch_cap=sampler_cfg.batch_cap == "auto")
+            batch_cap=sampler_cfg.batch_cap == "auto", global_batch=sampler_cfg.global_batch,
+            fixed_batch_sizes=sampler_cfg.fixed_batch_sizes if chosen == "fixed" else None)
 
+    gb = sampler_cfg.global_batch
+    if gb is not None:
+        problem = too_small_problem(gb.value, gb.by, layout.dp_size, min(bucket_tokens(s) for s in set(shapes)))
+        if problem:
+            raise PlanError(problem)
+    elif micro_steps_per_step == "auto":
+        (profile_log or (lambda m: warnings.warn(m, stacklevel=2)))(
+            "warning: gradient_accumulation_steps \"auto\" without adaptive_load.sampler.global_batch: the samples "
+            "per optimizer step follow the world size and the data; set sampler.global_batch (docs/SCALE.md)")
     cost, budgets = _checkpoint_attention_plan(sampler_cfg, chosen, model, shapes, plan_with, profile_log)
     plan_mode = budgets["plan_mode"] if chosen == "dual" else chosen
     return _CLASSES[chosen](
@@ -540,4 +553,4 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
         loss_weighting=sampler_cfg.loss_weighting, m_comp_auto=sampler_cfg.m_comp == "auto",
         solo_over_budget=budgets["solo_over_budget"] and chosen == "dual", budget_choice=budgets["budget_choice"],
         plan_mode=plan_mode, efficient_batches=budgets["efficient_batches"] and chosen == "dual",
-        batch_cap=sampler_cfg.batch_cap == "auto")
+        batch_cap=sampler_cfg.batch_cap == "auto", global_batch=gb, global_batch_fit=budgets["global_batch_fit"])

@@ -1,0 +1,121 @@
+"""A whole epoch on paper at any world size, planned as the trainer plans it from a ds_config.
+
+    ds-adaptive simulate --config launch/configs/zero3_adaptive.json --world 1024 --num-samples 1000000 --json
+
+The sampler is :func:`ds_adaptive.planning.sampler.build_batch_sampler` with the ds_config's ``adaptive_load``
+block, ``gradient_accumulation_steps`` and ZeRO stage, for a GPU run (the fused LayerNorm-modulate path when the
+block asks for it, its ``block_fusion``), on ``Layout.for_world(world, sp)``; the dataset is ``num_samples`` shapes
+drawn from the model's shape mix (or ``shapes``). Reported (:func:`simulate_epoch`):
+
+    samples_per_step, tokens_per_step   {mean, min, max} over the epoch's optimizer steps (global: all DP ranks)
+    global_batch                        the config's ``sampler.global_batch`` (None: not set)
+    optimizer_steps, micro_steps_per_step, m_comp, plan_mode
+    plan_s                              wall time of building the sampler (budget search included) and
+                                        planning the epoch, in this process
+    peak_rss_mb                         this process's peak resident memory (MB) at the end
+    dual / tokens                       predicted CV (mean over micro-steps of per-rank time CV) and tokens/s
+                                        (``ds_adaptive.simulation.simulate.score_plan``, calibrated times) of
+                                        the plan and of the equal-token baseline at the same global batch
+"""
+from __future__ import annotations
+
+import resource
+import sys
+import time
+import warnings
+from typing import Optional
+
+import numpy as np
+
+from ds_adaptive.core.ds_config import load_adaptive_config, read_ds_config
+from ds_adaptive.core.layout import Layout
+from ds_adaptive.core.shapes import load_shape_distribution
+from ds_adaptive.models.registry import default_model, get_model
+from ds_adaptive.planning.cost import CostModel
+from ds_adaptive.planning.sampler import build_batch_sampler
+from ds_adaptive.simulation.simulate import draw_shapes, score_plan
+
+__all__ = ["simulate_epoch", "step_stats", "peak_rss_mb"]
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process (MB)."""
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return r / 1e6 if sys.platform == "darwin" else r / 1e3
+
+
+def step_stats(plan) -> dict:
+    """``{"samples": {mean,min,max}, "tokens": {mean,min,max}}`` over the optimizer steps of an ``EpochPlan``."""
+    g = plan.micro_steps_per_step * plan.dp_size
+    n = plan.num_steps
+    if n == 0:
+        zero = {"mean": 0.0, "min": 0, "max": 0}
+        return {"samples": zero, "tokens": dict(zero)}
+    edges = np.arange(n + 1) * g
+    samples = np.diff(plan.batch_offsets[edges])
+    tokens = np.add.reduceat(plan.batch_tokens[:n * g], edges[:-1]) if n else np.zeros(0)
+
+    def mmm(x):
+        return {"mean": float(x.mean()), "min": int(x.min()), "max": int(x.max())}
+    return {"samples": mmm(samples), "tokens": mmm(tokens)}
+
+
+def _sampler_row(sampler, truth: CostModel) -> dict:
+    plan = sampler.plan
+    score = score_plan(plan, plan.num_steps, sampler.params.m_mem, truth)
+    st = step_stats(plan)
+    return {"plan_mode": sampler.params.mode, "m_comp": sampler.params.m_comp,
+            "micro_steps_per_step": sampler.micro_steps_per_step, "optimizer_steps": plan.num_steps,
+            "samples_per_step": st["samples"], "tokens_per_step": st["tokens"],
+            "predicted_cv": score.get("compute_cv_mean"), "predicted_tokens_per_s": score.get("predicted_tokens_per_s"),
+            "samples_planned": plan.num_samples, "oversize": len(plan.oversize),
+            "tail_dropped": len(plan.tail_dropped)}
+
+
+def simulate_epoch(config: str, *, world: int, num_samples: int, sp: int = 1, model: Optional[str] = None,
+                   shapes: Optional[str] = None, seed: int = 0, gpu_mem_gib: Optional[float] = None,
+                   profile: Optional[str] = None, baseline: bool = True) -> dict:
+    """Plan one epoch of ``num_samples`` samples on ``world`` GPUs as the trainer would with the ds_config at
+    ``config`` (see the module doc for the keys). ``profile`` overrides ``sampler.profile``; ``baseline``: also plan
+    the equal-token baseline (``enabled: false``) at the same global batch."""
+    ds = read_ds_config(config)
+    block = load_adaptive_config(ds)
+    s_cfg = block.sampler if profile is None else block.sampler.model_copy(update={"profile": profile})
+    model = model or default_model()
+    m = get_model(model)
+    dist = load_shape_distribution(shapes or s_cfg.shapes or m.shapes, grid=m.grid)
+    data = draw_shapes(dist, int(num_samples), seed)
+    gas = ds.get("gradient_accumulation_steps", 1)
+    gas = gas if gas == "auto" else int(gas)
+    stage = int((ds.get("zero_optimization") or {}).get("stage", 0))
+    layout = Layout.for_world(int(world), int(sp))
+    kw = dict(micro_steps_per_step=gas, gpu_mem_gib=gpu_mem_gib, model_name=model, zero_stage=stage,
+              ln_modulate="fused" if block.fused_ln_modulate else "reference", block_fusion=block.block_fusion,
+              per_token_timesteps=m.trains_per_token_timesteps())
+    notes: list[str] = []
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sampler = build_batch_sampler(s_cfg, data, layout, enabled=block.enabled, profile_log=notes.append, **kw)
+        plan = sampler.plan
+    plan_s = time.perf_counter() - t0
+    truth = CostModel(sampler.cost.profile, "calibrated", sp=layout.sp_size,
+                      checkpointing=sampler.cost.checkpointing,
+                      checkpoint_attention=sampler.cost.checkpoint_attention)
+    row = _sampler_row(sampler, truth)
+    out = {"config": str(config), "world": int(world), "sp": layout.sp_size, "dp": layout.dp_size,
+           "num_samples": int(num_samples), "model": model, "profile": sampler.cost.profile.name,
+           "global_batch": None if getattr(s_cfg, "global_batch", None) is None else s_cfg.global_batch.model_dump(exclude_none=True),
+           "plan_s": plan_s, **{k: row[k] for k in ("samples_per_step", "tokens_per_step", "optimizer_steps",
+                                                   "micro_steps_per_step", "m_comp", "plan_mode")},
+           "dual": {"predicted_cv": row["predicted_cv"], "predicted_tokens_per_s": row["predicted_tokens_per_s"]},
+           "samplers": {"adaptive": row}, "notes": notes, "plan_samples": plan.num_samples}
+    if baseline:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            base = build_batch_sampler(s_cfg, data, layout, enabled=False, **kw)
+        brow = _sampler_row(base, truth)
+        out["samplers"]["tokens"] = brow
+        out["tokens"] = {"predicted_cv": brow["predicted_cv"], "predicted_tokens_per_s": brow["predicted_tokens_per_s"]}
+    out["peak_rss_mb"] = peak_rss_mb()
+    return out
