@@ -65,6 +65,7 @@ tolerance, gas), identical on every rank (dp_rank is not an input) and after a r
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -332,8 +333,8 @@ def choose_compute_budget(cost: CostModel, shapes: Sequence[SampleShape], *, m_m
         loop = loop_ms_per_micro_step(cost.profile, _gas_for(m, reference, micro_steps_per_step))
         if batch_cap and _cap_changes(tables, m, loop):
             table.append(score(m, capped=True))
-    for _ in range(2 if global_batch is not None else 0):   # budgets scaled towards the global batch, twice
-        if any(r["keeps_global_batch"] for r in table) and _ == 1:
+    for it in range(4 if global_batch is not None else 0):   # budgets aimed at the global batch
+        if any(r["keeps_global_batch"] for r in table) and it >= 1:
             break
         table += [score(m) for m in _global_batch_candidates(table, global_batch, micro_steps_per_step, cost.c0,
                                                              min(cands), max(upper, reference))]
@@ -382,22 +383,36 @@ def _score_for_global_batch(plan_for, m: float, capped: bool, rows: dict, gb, co
 
 def _global_batch_candidates(table: Sequence[dict], gb, micro_steps_per_step, c0: float, lo: float, hi: float,
                              best: int = 3) -> list[float]:
-    """Budgets scaled from the ``best`` fastest rows (by ``raw_tokens_per_s``) that miss the global batch, so that
-    their micro-steps hold ``G / k`` for the nearest micro-step counts ``k``: a micro-step's samples grow about
-    linearly with the budget above the per-micro-batch cost ``c0``. Within ``[lo, hi]``, not within 1% of a
+    """Budgets aimed at the global batch: for the micro-step counts ``k`` nearest ``G / q`` of the ``best`` fastest
+    rows (by ``raw_tokens_per_s``) that miss it (``q``: their samples or tokens per micro-step), the budget where
+    ``k x q`` crosses ``G`` between two scored budgets (linear interpolation of ``q`` over the budget), or, past
+    the scored range, the row's budget scaled by ``G / (k q)`` above the per-micro-batch cost ``c0`` (a
+    micro-step's samples grow about linearly with the budget there). Within ``[lo, hi]``, not within 0.5% of a
     scored budget."""
+    rows = sorted((r for r in table if not r["efficient_batches"] and r["fit"].per_micro > 0), key=lambda r: r["m_comp"])
     misses = sorted((r for r in table if not r["keeps_global_batch"] and r["fit"].per_micro > 0),
                     key=lambda r: -r["raw_tokens_per_s"])[:best]
     have = [r["m_comp"] for r in table]
     out: list[float] = []
+
+    def add(m2: float) -> None:
+        m2 = float(min(max(m2, lo), hi))
+        if all(abs(m2 - x) > 0.005 * x for x in have + out):
+            out.append(m2)
     for r in misses:
         q, m = r["fit"].per_micro, r["m_comp"]
         ks = ({max(1, math.floor(gb.value / q)), max(1, math.ceil(gb.value / q))} if micro_steps_per_step == "auto"
               else {int(micro_steps_per_step)})
         for k in sorted(ks):
-            m2 = min(max(c0 + (m - c0) * gb.value / (k * q), lo), hi)
-            if all(abs(m2 - x) > 0.01 * x for x in have + out):
-                out.append(float(m2))
+            want = gb.value / k
+            crossed = False
+            for a, b in zip(rows, rows[1:]):
+                qa, qb = a["fit"].per_micro, b["fit"].per_micro
+                if (qa - want) * (qb - want) < 0:
+                    add(a["m_comp"] + (want - qa) * (b["m_comp"] - a["m_comp"]) / (qb - qa))
+                    crossed = True
+            if not crossed:
+                add(c0 + (m - c0) * want / q)
     return out
 
 
@@ -493,36 +508,60 @@ def resolve_budgets(*, mode: Mode, cost: CostModel, shapes: Sequence[SampleShape
     else:
         m_comp_v = float(m_comp)
     plan_mode = choice.plan_mode if choice is not None else mode
-    fit = None
+    fit, solo = None, choice is not None and plan_mode == "dual"
     if global_batch is not None and choice is None:
-        fit = fit_plain_budgets(
+        scaled = {"dual": "m_comp", "tokens": "max_tokens"}.get(mode) if (
+            m_comp == "auto" if mode == "dual" else max_tokens is None) else None
+        params, fit = fit_plain_budgets(
             PlannerParams(mode=mode, dp_size=dp_size, micro_steps_per_step=1 if gas == "auto" else int(gas),
                           m_mem=m_mem_v, m_comp=m_comp_v if mode == "dual" else None,
                           max_tokens=max_tokens_v if mode == "tokens" else None, fixed_batch_sizes=fixed_batch_sizes,
                           window=window, oversize="skip", balance_tolerance=balance_tolerance),
-            cost, shapes, global_batch, micro_steps_per_step, seed)
-        gas = fit["gas"]
+            cost, shapes, global_batch, micro_steps_per_step, seed, scaled=scaled)
+        gas, solo = fit["gas"], params.solo_over_budget
+        m_comp_v = params.m_comp if mode == "dual" else m_comp_v
+        max_tokens_v = params.max_tokens if mode == "tokens" else max_tokens_v
     return {"global_batch_fit": fit if fit is not None else (
                 None if choice is None or choice.global_batch is None else choice.global_batch),
             "m_mem": m_mem_v, "m_comp": m_comp_v, "max_tokens": max_tokens_v, "micro_steps_per_step": int(gas),
-            "solo_over_budget": choice is not None and plan_mode == "dual", "budget_choice": choice,
+            "solo_over_budget": solo, "budget_choice": choice,
             "plan_mode": plan_mode, "efficient_batches": choice is not None and choice.efficient_batches}
 
 
 def fit_plain_budgets(params: PlannerParams, cost: CostModel, shapes: Sequence[SampleShape], global_batch,
-                      micro_steps_per_step, seed: int = 0) -> dict:
-    """Micro-steps per step for ``global_batch`` at fixed budgets (``params``; no search): from the plan of the
-    first ``max(SEARCH_SAMPLES, 2 x window x dp)`` samples of epoch 0's order. Raises :class:`PlanError` when
-    the plan cannot keep it. Returns ``GasFit.describe()``."""
+                      micro_steps_per_step, seed: int = 0, scaled: Optional[str] = None
+                      ) -> "tuple[PlannerParams, dict]":
+    """Micro-steps per step for ``global_batch`` without the budget search, from plans of the first
+    ``max(SEARCH_SAMPLES, 2 x window x dp)`` samples of epoch 0's order. ``scaled`` (``"m_comp"`` / ``"max_tokens"``:
+    a budget that was ``auto``) may be lowered so that the micro-steps hold ``G / k``, ``k`` the fewest micro-steps
+    per step (``auto``) or the given int: at most 4 plans, each budget the last one times the ratio of wanted to
+    planned samples per micro-step; under a lowered ``m_comp`` samples costlier than it run alone
+    (``solo_over_budget``). Raises :class:`PlanError` when no plan keeps the global batch. Returns the params and
+    ``GasFit.describe()``."""
     uniq, sid = unique_shapes(list(shapes))
     order = np.random.default_rng([int(seed), 0]).permutation(len(sid))
     n = min(max(SEARCH_SAMPLES, 2 * params.window * params.dp_size), SEARCH_SAMPLES_MAX)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        plan = plan_epoch(sid, uniq, order[:n], cost, params, seed=seed, replan_tail=n >= len(order))
-    fit = fit_gas(per_micro_step(plan, global_batch.by), global_batch.value, global_batch.tolerance,
-                  micro_steps_per_step)
+    gb = global_batch
+
+    def fit_of(p: PlannerParams):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plan = plan_epoch(sid, uniq, order[:n], cost, p, seed=seed, replan_tail=n >= len(order))
+        return fit_gas(per_micro_step(plan, gb.by), gb.value, gb.tolerance, micro_steps_per_step)
+    fit, tried = fit_of(params), []
+    if scaled is not None and not fit.ok and fit.per_micro > 0:
+        k = max(1, math.ceil(gb.value / fit.per_micro)) if micro_steps_per_step == "auto" else int(micro_steps_per_step)
+        top = getattr(params, scaled)
+        for _ in range(4):
+            tried.append((getattr(params, scaled), fit))
+            value = getattr(params, scaled) * gb.value / (k * fit.per_micro)
+            value = min(value, top) if scaled == "m_comp" else int(min(max(value, 1), top))
+            params = dataclasses.replace(params, **{scaled: value},
+                                         solo_over_budget=scaled == "m_comp" and value < top)
+            fit = fit_of(params)
+            if fit.ok:
+                break
     if not fit.ok:
-        raise PlanError(no_plan_message(global_batch.value, global_batch.by, global_batch.tolerance,
-                                        [(params.m_comp, fit)], params.dp_size, micro_steps_per_step))
-    return fit.describe()
+        raise PlanError(no_plan_message(gb.value, gb.by, gb.tolerance, tried + [(params.m_comp, fit)], params.dp_size,
+                                        micro_steps_per_step))
+    return params, fit.describe()

@@ -20,7 +20,7 @@ import numpy as np
 from ds_adaptive.planning.plan_types import EpochPlan, PlanError
 
 __all__ = ["GasFit", "MAX_MICRO_STEPS", "per_micro_step", "fit_gas", "tokens_per_s_at", "no_plan_message",
-           "too_small_problem"]
+           "too_small_problem", "step_stats", "describe_step_stats"]
 
 #: ``gradient_accumulation_steps: auto`` never plans more micro-steps per optimizer step than this
 MAX_MICRO_STEPS = 4096
@@ -130,3 +130,33 @@ def counts(plan: EpochPlan) -> np.ndarray:
     """Samples of each optimizer step of ``plan`` (global)."""
     g = plan.micro_steps_per_step * plan.dp_size
     return np.diff(plan.batch_offsets[np.arange(plan.num_steps + 1) * g])
+
+
+def step_stats(plan) -> dict:
+    """``{"samples": {mean,min,max}, "tokens": {mean,min,max}}`` over the optimizer steps of an ``EpochPlan``."""
+    g = plan.micro_steps_per_step * plan.dp_size
+    n = plan.num_steps
+    if n == 0:
+        zero = {"mean": 0.0, "min": 0, "max": 0}
+        return {"samples": zero, "tokens": dict(zero)}
+    edges = np.arange(n + 1) * g
+    samples = np.diff(plan.batch_offsets[edges])
+    tokens = np.add.reduceat(plan.batch_tokens[:n * g], edges[:-1])
+
+    def mmm(x):
+        return {"mean": float(x.mean()), "min": int(x.min()), "max": int(x.max())}
+    return {"samples": mmm(samples), "tokens": mmm(tokens)}
+
+
+def describe_step_stats(stats: dict, gb=None) -> str:
+    """One line of :func:`step_stats` (and the set global batch ``gb``, a ``GlobalBatchConfig``, when given)."""
+    sm, tk = stats["samples"], stats["tokens"]
+    line = (f"samples per optimizer step mean {sm['mean']:,.1f} (min {sm['min']:,}, max {sm['max']:,}), tokens per "
+            f"step mean {tk['mean']:,.0f} (min {tk['min']:,}, max {tk['max']:,})")
+    if gb is not None:
+        mean = sm["mean"] if gb.by == "samples" else tk["mean"]
+        line += (f"; global_batch {gb.by} {gb.value:,} set: planned mean {mean / gb.value - 1:+.1%} "
+                 f"(tolerance {gb.tolerance:.0%}; the epoch's last step holds its leftover samples)")
+    else:
+        line += "; sampler.global_batch not set: this is the global batch these micro-steps per step give"
+    return line

@@ -30,9 +30,10 @@ Modes
     ``fixed``   a fixed batch size per bucket (within ``m_mem``), dealt like ``tokens``.
 
 End of epoch: the final incomplete optimizer step (fewer than ``micro_steps_per_step``
-micro-steps) is re-planned: its samples are re-batched and big batches split until there are
-exactly ``dp_size * micro_steps_per_step`` batches, dealt cost-sorted into one full step. If the
-tail holds fewer samples than that, its samples join batches of their shape in the last full
+micro-steps) and the samples left in the pool are re-planned: re-batched and big batches split until
+there are exactly ``dp_size * micro_steps_per_step`` batches per step, dealt cost-sorted into as many
+full steps as the tail holds the mean samples of the epoch's steps (at least one; so the last steps hold
+about the global batch too). If the tail holds fewer samples than one step's batches, its samples join batches of their shape in the last full
 step where both budgets allow one more; what finds no room is dropped for this epoch and counted
 in ``EpochPlan.tail_dropped`` (the next epoch's shuffle trains them; a warning names the count).
 Oversize samples (over a budget even at B=1) raise :class:`OversizeSampleError`, or with
@@ -95,10 +96,54 @@ class _Builder:
         return out
 
 
-def _take(pool: list[list[int]], u: int, b: int) -> list[int]:
-    ids = pool[u][:b]
-    del pool[u][:b]
-    return ids
+class _Pool:
+    """Samples waiting to be planned, one list per shape in arrival order. Taking from the front moves a head
+    (no copy); :meth:`compact` drops the taken part once per window."""
+
+    def __init__(self, n: int) -> None:
+        self.lists: list[list[int]] = [[] for _ in range(n)]
+        self.head = [0] * n
+
+    def __len__(self) -> int:
+        return len(self.lists)
+
+    def count(self, u: int) -> int:
+        return len(self.lists[u]) - self.head[u]
+
+    def counts(self) -> np.ndarray:
+        return np.array([len(x) - h for x, h in zip(self.lists, self.head)], np.int64)
+
+    def add(self, shape_ids: np.ndarray, ids: np.ndarray) -> None:
+        """Append ``ids`` (with their shapes ``shape_ids``) in order."""
+        by = np.argsort(shape_ids, kind="stable")
+        us, starts = np.unique(shape_ids[by], return_index=True)
+        ends = list(starts[1:]) + [len(by)]
+        sorted_ids = ids[by]
+        for u, a, b in zip(us.tolist(), starts.tolist(), ends):
+            self.lists[u].extend(sorted_ids[a:b].tolist())
+
+    def take(self, u: int, b: int) -> list[int]:
+        h = self.head[u]
+        ids = self.lists[u][h:h + b]
+        self.head[u] = h + len(ids)
+        return ids
+
+    def live(self, u: int) -> list[int]:
+        return self.lists[u][self.head[u]:]
+
+    def put_back(self, u: int, ids: list[int]) -> None:
+        self.compact()
+        self.lists[u][:0] = ids
+
+    def compact(self) -> None:
+        for u, h in enumerate(self.head):
+            if h:
+                del self.lists[u][:h]
+                self.head[u] = 0
+
+
+def _take(pool: _Pool, u: int, b: int) -> list[int]:
+    return pool.take(u, b)
 
 
 def _dual_micro_step(table: ShapeTable, counts: np.ndarray, dp: int, anchor_ok: np.ndarray,
@@ -136,10 +181,10 @@ def _dual_micro_step(table: ShapeTable, counts: np.ndarray, dp: int, anchor_ok: 
     return slots, cv
 
 
-def _plan_dual_window(table: ShapeTable, pool: list[list[int]], params: PlannerParams,
+def _plan_dual_window(table: ShapeTable, pool: _Pool, params: PlannerParams,
                       final: bool) -> list[list[tuple[int, list[int]]]]:
     dp = params.dp_size
-    counts = np.array([len(p) for p in pool], np.int64)
+    counts = pool.counts()
     anchor_ok = table.bmax > 0
     steps: list[list[tuple[int, list[int]]]] = []
     while True:
@@ -163,7 +208,7 @@ def _plan_dual_window(table: ShapeTable, pool: list[list[int]], params: PlannerP
     return steps
 
 
-def _plan_bucket_window(table: ShapeTable, pool: list[list[int]], params: PlannerParams, final: bool,
+def _plan_bucket_window(table: ShapeTable, pool: _Pool, params: PlannerParams, final: bool,
                         rng: np.random.Generator) -> list[list[tuple[int, list[int]]]]:
     """tokens / fixed: full batches per bucket, shuffled, dealt round-robin in groups of dp."""
     dp = params.dp_size
@@ -172,24 +217,25 @@ def _plan_bucket_window(table: ShapeTable, pool: list[list[int]], params: Planne
         b = int(table.bmax[u])
         if b < 1:
             continue
-        n_full = len(pool[u]) // b
+        n_full = pool.count(u) // b
         for _ in range(n_full):
             batches.append((u, _take(pool, u, b)))
-        if final and pool[u]:
-            batches.append((u, _take(pool, u, len(pool[u]))))
+        if final and pool.count(u):
+            batches.append((u, _take(pool, u, pool.count(u))))
     order = rng.permutation(len(batches))
     batches = [batches[i] for i in order]
     n_steps = len(batches) // dp
     for u, ids in batches[n_steps * dp:]:   # an incomplete micro-step waits for the next window
-        pool[u][:0] = ids
+        pool.put_back(u, ids)
     return [batches[i * dp:(i + 1) * dp] for i in range(n_steps)]
 
 
-def _rebatch_tail(table: ShapeTable, batches: list[tuple[int, list[int]]], n_slots: int
-                  ) -> Optional[list[tuple[int, list[int]]]]:
-    """Re-batch the tail samples into exactly ``n_slots`` batches (budget-filled, then the
-    costliest batch with B >= 2 split in two until there are enough); None if too few samples, or
-    if even budget-filled batches are more than ``n_slots`` (the whole epoch is less than one step)."""
+def _rebatch_tail(table: ShapeTable, batches: list[tuple[int, list[int]]], step_slots: int,
+                  step_samples: Optional[float] = None) -> Optional[list[tuple[int, list[int]]]]:
+    """Re-batch the tail samples into whole optimizer steps of ``step_slots`` batches each (budget-filled, then
+    the costliest batch with B >= 2 split in two until there are enough): as many steps as the tail holds
+    ``step_samples`` (the mean samples of the epoch's planned steps; None: one step), and at least as many as its
+    budget-filled batches need. None if the samples are fewer than one step's batches."""
     by_shape: dict[int, list[int]] = {}
     for u, ids in batches:
         by_shape.setdefault(u, []).extend(ids)
@@ -197,8 +243,12 @@ def _rebatch_tail(table: ShapeTable, batches: list[tuple[int, list[int]]], n_slo
     for u, ids in sorted(by_shape.items()):
         b = table.tail_cap(u)
         out.extend((u, ids[i:i + b]) for i in range(0, len(ids), b))
-    if sum(len(ids) for _, ids in out) < n_slots:
+    total = sum(len(ids) for _, ids in out)
+    steps = max(1, round(total / step_samples) if step_samples else 1, -(-len(out) // step_slots))
+    steps = min(steps, total // step_slots)
+    if steps < 1:
         return None
+    n_slots = steps * step_slots
     # split the costliest batch with B >= 2 (ties: the first in ``out``) until there are n_slots: a heap of them
     heap = [(-table.batch_cost(u, len(ids)), i) for i, (u, ids) in enumerate(out) if len(ids) >= 2]
     heapq.heapify(heap)
@@ -211,7 +261,7 @@ def _rebatch_tail(table: ShapeTable, batches: list[tuple[int, list[int]]], n_slo
         for j in (i, len(out) - 1):
             if len(out[j][1]) >= 2:
                 heapq.heappush(heap, (-table.batch_cost(u, len(out[j][1])), j))
-    if len(out) > n_slots:   # an epoch shorter than one optimizer step: no full step can be formed
+    if len(out) > n_slots:   # more budget-filled batches than the tail's samples can spread over whole steps
         return None
     return out
 
@@ -297,35 +347,36 @@ def plan_epoch(shape_ids: np.ndarray, shapes: Sequence[SampleShape], order: np.n
     dp, ga = params.dp_size, params.micro_steps_per_step
     rng = np.random.default_rng([seed, 0x5A3C, dp, ga])
     builder = _Builder(table, dp)
-    pool: list[list[int]] = [[] for _ in shapes]
+    pool = _Pool(len(shapes))
     w = max(params.window if params.mode != "dual" else max(params.window, 2 * int(table.bmax.max(initial=0))), 1) * dp
     n = len(order)
     starts = list(range(0, n, w)) or [0]
     sid = np.asarray(shape_ids)
     for k, lo in enumerate(starts):
         chunk = order[lo:lo + w]
-        for u, i in zip(sid[chunk].tolist(), chunk.tolist()):
-            pool[u].append(i)
+        pool.add(sid[chunk], chunk)
         final = k == len(starts) - 1
         if params.mode == "dual":
             steps = _plan_dual_window(table, pool, params, final)
         else:
             steps = _plan_bucket_window(table, pool, params, final, rng)
         builder.add_micro_steps(steps, rng)
+        pool.compact()
     # ---- tail: leftover pool + the micro-steps of an incomplete optimizer step
     n_micro = len(builder.shape) // dp
     r = n_micro % ga
     tail = builder.pop_last_micro_steps(r) if replan_tail else []
-    tail.extend((u, ids) for u, ids in enumerate(pool) if ids and replan_tail)
+    tail.extend((u, pool.live(u)) for u in range(len(pool)) if pool.count(u) and replan_tail)
     tail_dropped: list[int] = []
     replanned = 0
     if tail:
-        rebatched = _rebatch_tail(table, tail, dp * ga)
+        full = len(builder.shape) // (dp * ga)
+        rebatched = _rebatch_tail(table, tail, dp * ga, builder.offsets[-1] / full if full else None)
         if rebatched is None:
             tail_dropped = _absorb_into_last_step(builder, table, tail, dp * ga)
         else:
             rebatched.sort(key=lambda x: -table.batch_cost(x[0], len(x[1])))
-            builder.add_micro_steps([rebatched[m * dp:(m + 1) * dp] for m in range(ga)], rng)
+            builder.add_micro_steps([rebatched[m * dp:(m + 1) * dp] for m in range(len(rebatched) // dp)], rng)
             replanned = sum(len(ids) for _, ids in rebatched)
     if tail_dropped:
         warnings.warn(
@@ -341,13 +392,13 @@ def plan_epoch(shape_ids: np.ndarray, shapes: Sequence[SampleShape], order: np.n
         b_mem = sizes * table.mem1[bs] if bs.size else np.zeros(0)
         b_ckpt = np.full(bs.shape, table.ckpt_fixed, np.int64)
     else:
-        pairs = list(zip(bs.tolist(), sizes.tolist()))
-        b_cost = np.array([table.batch_cost(u, b) for u, b in pairs], float)
-        b_mem = np.array([table.batch_memory(u, b) for u, b in pairs], float)
-        b_ckpt = np.array([table.batch_ckpt(u, b) for u, b in pairs], np.int64)
+        b_cost, b_mem, b_ckpt = np.zeros(len(bs)), np.zeros(len(bs)), np.zeros(len(bs), np.int64)
+        for u in np.unique(bs).tolist():   # per shape: its micro-batch table at the batches' sizes
+            j = np.flatnonzero(bs == u)
+            t = table.tables[u]
+            b_cost[j], b_mem[j], b_ckpt[j] = t.cost[sizes[j]], t.memory[sizes[j]], t.ckpt[sizes[j]]
         if dp > 1 and bs.size:
-            b_ckpt, b_cost, b_mem = _uniform_checkpoint_counts(cost, [shapes[u] for u in bs.tolist()], sizes, b_ckpt,
-                                                               b_cost, b_mem, dp)
+            b_ckpt, b_cost, b_mem = _uniform_checkpoint_counts(cost, shapes, bs, sizes, b_ckpt, b_cost, b_mem, dp)
     return EpochPlan(
         dp_size=dp, micro_steps_per_step=ga, shapes=list(shapes),
         sample_ids=np.asarray(builder.ids, np.int64), batch_offsets=offsets, batch_shape=bs,
@@ -356,19 +407,21 @@ def plan_epoch(shape_ids: np.ndarray, shapes: Sequence[SampleShape], order: np.n
         oversize=oversize, tail_dropped=tail_dropped, tail_replanned=replanned, batch_ckpt=b_ckpt)
 
 
-def _uniform_checkpoint_counts(cost: CostModel, batch_shapes: list, sizes: np.ndarray, ckpt: np.ndarray,
+def _uniform_checkpoint_counts(cost: CostModel, shapes: Sequence, bs: np.ndarray, sizes: np.ndarray, ckpt: np.ndarray,
                                b_cost: np.ndarray, b_mem: np.ndarray, dp: int):
     """Every DP rank of a micro-step checkpoints the same number of blocks: the largest of their own
     plans (a larger count only lowers a batch's memory, so each still fits ``m_mem``). ZeRO-3 gathers
     parameters with collectives in module order, and a rank that recomputes a block gathers in another
     order than one that does not: different counts in one micro-step hang it (seen with 2 CPU ranks).
-    The batches whose count rises get its recompute in their cost (the plan's balance figures include it)."""
+    The batches whose count rises get its recompute in their cost (the plan's balance figures include it).
+    ``bs``: each batch's index into ``shapes``."""
     n = ckpt.reshape(-1, dp).max(axis=1).repeat(dp)
     up = np.flatnonzero(n != ckpt)
     if up.size == 0:
         return ckpt, b_cost, b_mem
     b_cost, b_mem = b_cost.copy(), b_mem.copy()
-    for j in up.tolist():
-        b_cost[j] = float(cost.ckpt_cost(batch_shapes[j], int(sizes[j]), int(n[j])))
-        b_mem[j] = float(cost.ckpt_memory(batch_shapes[j], int(sizes[j]), int(n[j])))
+    for u in np.unique(bs[up]).tolist():   # per shape, vectorised over its raised batches
+        j = up[bs[up] == u]
+        b_cost[j] = cost.ckpt_cost(shapes[u], sizes[j], n[j])
+        b_mem[j] = cost.ckpt_memory(shapes[u], sizes[j], n[j])
     return n, b_cost, b_mem

@@ -25,17 +25,18 @@ import time
 import warnings
 from typing import Optional
 
-import numpy as np
 
 from ds_adaptive.core.ds_config import load_adaptive_config, read_ds_config
 from ds_adaptive.core.layout import Layout
 from ds_adaptive.core.shapes import load_shape_distribution
+from ds_adaptive.data.index import ShardIndex, find_index
 from ds_adaptive.models.registry import default_model, get_model
 from ds_adaptive.planning.cost import CostModel
+from ds_adaptive.planning.global_batch import step_stats
 from ds_adaptive.planning.sampler import build_batch_sampler
 from ds_adaptive.simulation.simulate import draw_shapes, score_plan
 
-__all__ = ["simulate_epoch", "step_stats", "peak_rss_mb"]
+__all__ = ["simulate_epoch", "peak_rss_mb", "dataset_shapes"]
 
 
 def peak_rss_mb() -> float:
@@ -44,20 +45,16 @@ def peak_rss_mb() -> float:
     return r / 1e6 if sys.platform == "darwin" else r / 1e3
 
 
-def step_stats(plan) -> dict:
-    """``{"samples": {mean,min,max}, "tokens": {mean,min,max}}`` over the optimizer steps of an ``EpochPlan``."""
-    g = plan.micro_steps_per_step * plan.dp_size
-    n = plan.num_steps
-    if n == 0:
-        zero = {"mean": 0.0, "min": 0, "max": 0}
-        return {"samples": zero, "tokens": dict(zero)}
-    edges = np.arange(n + 1) * g
-    samples = np.diff(plan.batch_offsets[edges])
-    tokens = np.add.reduceat(plan.batch_tokens[:n * g], edges[:-1]) if n else np.zeros(0)
-
-    def mmm(x):
-        return {"mean": float(x.mean()), "min": int(x.min()), "max": int(x.max())}
-    return {"samples": mmm(samples), "tokens": mmm(tokens)}
+def dataset_shapes(root: str, model) -> list:
+    """One shape per sample of the dataset directory ``root`` (its Arrow index: the shape ids and the distinct
+    shapes, no tensor read)."""
+    path = find_index(root)
+    if path is None:
+        raise FileNotFoundError(f"--data {root}: no index.arrow (or legacy index.json) in it; write one with "
+                                "`ds-adaptive preprocess` or convert it with `ds-adaptive data convert`")
+    idx = ShardIndex.open(path, model.input_spec)
+    uniq = idx.unique_shapes()
+    return [uniq[i] for i in idx.shape_ids().tolist()]
 
 
 def _sampler_row(sampler, truth: CostModel) -> dict:
@@ -74,17 +71,22 @@ def _sampler_row(sampler, truth: CostModel) -> dict:
 
 def simulate_epoch(config: str, *, world: int, num_samples: int, sp: int = 1, model: Optional[str] = None,
                    shapes: Optional[str] = None, seed: int = 0, gpu_mem_gib: Optional[float] = None,
-                   profile: Optional[str] = None, baseline: bool = True) -> dict:
+                   profile: Optional[str] = None, baseline: bool = True, data: Optional[str] = None) -> dict:
     """Plan one epoch of ``num_samples`` samples on ``world`` GPUs as the trainer would with the ds_config at
     ``config`` (see the module doc for the keys). ``profile`` overrides ``sampler.profile``; ``baseline``: also plan
-    the equal-token baseline (``enabled: false``) at the same global batch."""
+    the equal-token baseline (``enabled: false``) at the same global batch. ``data``: plan the shapes of this dataset
+    directory's index (``ds_adaptive.data.index``) instead of ``num_samples`` drawn ones."""
     ds = read_ds_config(config)
     block = load_adaptive_config(ds)
     s_cfg = block.sampler if profile is None else block.sampler.model_copy(update={"profile": profile})
     model = model or default_model()
     m = get_model(model)
     dist = load_shape_distribution(shapes or s_cfg.shapes or m.shapes, grid=m.grid)
-    data = draw_shapes(dist, int(num_samples), seed)
+    if data is not None:
+        data = dataset_shapes(data, m)
+        num_samples = len(data)
+    else:
+        data = draw_shapes(dist, int(num_samples), seed)
     gas = ds.get("gradient_accumulation_steps", 1)
     gas = gas if gas == "auto" else int(gas)
     stage = int((ds.get("zero_optimization") or {}).get("stage", 0))
