@@ -130,12 +130,12 @@ def test_loss_weights_are_unbiased_per_step():
 
 
 def test_resume_mid_epoch_on_another_world_size_keeps_the_global_batch():
-    shapes = draw_shapes(MIX, 8 * 512, 5)
+    shapes = draw_shapes(MIX, 24 * 512, 5)
     gb = {"samples": 512}
-    a = _sampler(shapes, 8, gb)
+    a = _sampler(shapes, 4, gb)
     k = 3
     state = a.state_dict(k)
-    b = _sampler(shapes, 32, gb)
+    b = _sampler(shapes, 16, gb)
     b.load_state_dict(json.loads(json.dumps(state)))
     plan = b.plan
     done = set(a.plan.samples_of_steps(k).tolist())

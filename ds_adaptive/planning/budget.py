@@ -98,6 +98,8 @@ GRID_POINTS_ABOVE = 10
 #: grow with it (at most SEARCH_SAMPLES_ABOVE_MAX, at most the dataset)
 SEARCH_MICRO_STEPS = 8
 SEARCH_SAMPLES_ABOVE_MAX = 1 << 21
+#: with ``sampler.global_batch`` the search plans at most this many DP ranks and scales to the cluster
+SEARCH_DP = 16
 
 
 @dataclass(frozen=True)
@@ -147,7 +149,7 @@ def shape_tables(cost: CostModel, shapes: Sequence[SampleShape], m_mem: float) -
     B = 0..(its largest batch within ``m_mem``), with that batch's checkpoint plan. No budget changes them: the
     search builds them once for every candidate."""
     out = []
-    for s in sorted(set(shapes)):
+    for s in unique_shapes(list(shapes))[0]:
         b_mem = int(math.floor(m_mem / sample_memory(cost, s) * (1 + 1e-12)))
         if b_mem >= 1:
             out.append(micro_batch_table(cost, s, b_mem, m_mem))
@@ -275,7 +277,13 @@ def choose_compute_budget(cost: CostModel, shapes: Sequence[SampleShape], *, m_m
     (``auto``: ``round(G / per micro-step)``; an int: as given) hold it within its tolerance are scored
     (:mod:`ds_adaptive.planning.global_batch`), budgets scaled towards it are added when the grid misses it
     (:func:`_global_batch_candidates`), and :class:`PlanError` names the range that can be planned when no plan
-    keeps it."""
+    keeps it. With a global batch the search plans ``min(dp_size, SEARCH_DP)`` ranks (a sample of the cluster: the
+    budget's batches and balance are per rank) and scales the counts per micro-step and tokens/s to ``dp_size``; the
+    sampler checks the epoch's own plan against the global batch (:func:`ds_adaptive.planning.sampler.build_batch_sampler`)."""
+    full_dp = dp_size
+    if global_batch is not None:
+        dp_size = min(dp_size, SEARCH_DP)
+    scale = full_dp / dp_size
     uniq, sid = unique_shapes(list(shapes))
     order = np.random.default_rng([int(seed), 0]).permutation(len(shapes))
     mem1 = np.array([sample_memory(cost, s) for s in uniq])
@@ -302,7 +310,7 @@ def choose_compute_budget(cost: CostModel, shapes: Sequence[SampleShape], *, m_m
             if global_batch is not None:
                 rows[m, capped] = _score_for_global_batch(plan_for, m, capped, rows, global_batch, cost, dp_size,
                                                           micro_steps_per_step, window, balance_tolerance, m_mem,
-                                                          len(order))
+                                                          scale)
                 return rows[m, capped]
             gas = _gas_for(m, reference, micro_steps_per_step)
             tps, plan, n = plan_for(PlannerParams(mode="dual", dp_size=dp_size, micro_steps_per_step=gas, m_mem=m_mem,
@@ -319,10 +327,10 @@ def choose_compute_budget(cost: CostModel, shapes: Sequence[SampleShape], *, m_m
                                                      m_mem=m_mem, max_tokens=int(max_tokens), window=window,
                                                      oversize="skip"), max(upper, reference))
         if global_batch is not None:   # only a plan that keeps the global batch may win
-            fit = fit_gas(per_micro_step(eq, global_batch.by), global_batch.value, global_batch.tolerance,
+            fit = fit_gas(per_micro_step(eq, global_batch.by) * scale, global_batch.value, global_batch.tolerance,
                           micro_steps_per_step)
             equal_gas = fit.gas
-            equal_tps = tokens_per_s_at(eq, cost, fit.gas) if fit.ok else 0.0
+            equal_tps = tokens_per_s_at(eq, cost, fit.gas) * scale if fit.ok else 0.0
         if eq.batch_cost.size:
             top = float(eq.batch_cost.max())
             if all(abs(top - c) > 0.03 * c for c in cands):
@@ -342,7 +350,7 @@ def choose_compute_budget(cost: CostModel, shapes: Sequence[SampleShape], *, m_m
         table.sort(key=lambda r: (r["m_comp"], r["efficient_batches"]))
         if not any(r["keeps_global_batch"] for r in table) and not equal_tps:
             raise PlanError(no_plan_message(global_batch.value, global_batch.by, global_batch.tolerance,
-                                            [(r["m_comp"], r["fit"]) for r in table], dp_size, micro_steps_per_step))
+                                            [(r["m_comp"], r["fit"]) for r in table], full_dp, micro_steps_per_step))
     best = table[_best_index(table)]
     ref = score(float(reference))
     if best["tokens_per_s"] <= 0:
@@ -362,20 +370,20 @@ def choose_compute_budget(cost: CostModel, shapes: Sequence[SampleShape], *, m_m
 
 
 def _score_for_global_batch(plan_for, m: float, capped: bool, rows: dict, gb, cost: CostModel, dp_size: int,
-                            micro_steps_per_step, window: int, tolerance: float, m_mem: float, n_order: int) -> dict:
+                            micro_steps_per_step, window: int, tolerance: float, m_mem: float, scale: float) -> dict:
     """A candidate row under ``global_batch``: the plan of budget ``m`` (capped: planned with the micro-steps per
     step of the uncapped row, which the cap's loop share uses), its micro-steps per step for the global batch
     (:func:`ds_adaptive.planning.global_batch.fit_gas`) and its predicted tokens/s at them (0 when the plan does
-    not keep the global batch; ``raw_tokens_per_s`` has it regardless)."""
+    not keep the global batch; ``raw_tokens_per_s`` has it regardless). ``scale``: the cluster's DP ranks over the
+    planned ones (counts and tokens/s are the cluster's)."""
     fixed = micro_steps_per_step if micro_steps_per_step != "auto" else None
     est = rows[m, False]["micro_steps_per_step"] if capped and (m, False) in rows else None
     plan_gas = int(fixed or est or 1)
     _, plan, n = plan_for(PlannerParams(mode="dual", dp_size=dp_size, micro_steps_per_step=plan_gas, m_mem=m_mem,
                                         m_comp=m, window=window, oversize="skip", balance_tolerance=tolerance,
                                         solo_over_budget=True, efficient_batches=capped), m)
-    steady = False   # a prefix plan has no re-planned tail (plan_for)
-    fit = fit_gas(per_micro_step(plan, gb.by, steady), gb.value, gb.tolerance, micro_steps_per_step)
-    raw = tokens_per_s_at(plan, cost, fit.gas, steady)
+    fit = fit_gas(per_micro_step(plan, gb.by) * scale, gb.value, gb.tolerance, micro_steps_per_step)
+    raw = tokens_per_s_at(plan, cost, fit.gas) * scale
     return {"m_comp": m, "micro_steps_per_step": fit.gas, "efficient_batches": capped,
             "tokens_per_s": raw if fit.ok else 0.0, "raw_tokens_per_s": raw, "micro_steps": plan.num_micro_steps,
             "samples": n, "global_batch": fit.predicted, "keeps_global_batch": fit.ok, "fit": fit}
@@ -482,7 +490,7 @@ def resolve_budgets(*, mode: Mode, cost: CostModel, shapes: Sequence[SampleShape
     search found the equal-token plan faster; ``efficient_batches``: the search's choice to cap batches at their
     lowest time per sample).
     """
-    uniq = sorted(set(shapes))
+    uniq = unique_shapes(list(shapes))[0]
     if m_mem == "auto":
         m_mem_v = cost.auto_memory_budget(gpu_mem_gib, mem_utilization, zero_stage=zero_stage, dp_size=dp_size)
     else:

@@ -39,7 +39,7 @@ from ds_adaptive.planning.cost import CostModel
 from ds_adaptive.planning.profile import Profile, load_profile
 from ds_adaptive.planning.devices import calibrate_hint, resolve_auto_profile
 from ds_adaptive.planning.memory import sample_memory
-from ds_adaptive.planning.global_batch import too_small_problem
+from ds_adaptive.planning.global_batch import fit_gas, per_micro_step, too_small_problem
 from ds_adaptive.planning.planner import (EpochPlan, OversizeSampleError, PlanError, PlannerParams, StepTotals,
                                           bucket_tokens, plan_epoch, unique_shapes)
 from ds_adaptive.planning.budget import resolve_budgets
@@ -58,11 +58,12 @@ __all__ = ["StepTotals", "OversizeSampleError", "AdaptiveBatchSampler", "TokenBu
            "FixedBucketSampler", "build_batch_sampler", "SamplerStateError", "STATE_FORMAT"]
 
 # ============================================================================== samplers
-def shapes_fingerprint(shapes: Sequence[SampleShape]) -> str:
-    h = hashlib.sha256()
-    for s in shapes:
-        h.update(f"{s};".encode())   # FxHxW, or a token length
-    return h.hexdigest()[:16]
+def shapes_fingerprint(shapes: Sequence[SampleShape], unique: Optional[tuple] = None) -> str:
+    """sha256 (16 hex digits) of every sample's shape as ``"FxHxW;"`` (or ``"S;"``) in order; ``unique``: the
+    :func:`unique_shapes` of ``shapes``, to hash without formatting every sample."""
+    uniq, sid = unique if unique is not None else unique_shapes(list(shapes))
+    text = [f"{s};".encode() for s in uniq]
+    return hashlib.sha256(b"".join(map(text.__getitem__, sid.tolist()))).hexdigest()[:16]
 
 
 def _compact_profile(p: Profile) -> dict:
@@ -134,7 +135,7 @@ class _PlannedBatchSampler(ResumableState, _SamplerBase):
         self.global_batch = global_batch           # sampler.global_batch (GlobalBatchConfig), or None
         self.global_batch_fit = global_batch_fit   # its fit at start-up: {"gas", "per_micro", "predicted", "error"}
         self._uniq, self._sid = unique_shapes(self.shapes)
-        self._fingerprint = shapes_fingerprint(self.shapes)
+        self._fingerprint = shapes_fingerprint(self.shapes, (self._uniq, self._sid))
         self.m_comp_auto = bool(m_comp_auto)       # re-resolve m_comp when the densities change
         self.batch_cap = bool(batch_cap)           # ... with or without the search's efficient batch cap
         self._pending: Optional[dict] = None       # densities waiting for the next epoch boundary
@@ -352,7 +353,7 @@ class _PlannedBatchSampler(ResumableState, _SamplerBase):
                              p=seg["p"], sp=seg["sp"], num_heads=seg.get("num_heads"), sparse=sparse,
                              checkpointing=seg.get("checkpointing", "all"),
                              checkpoint_attention=seg.get("checkpoint_attention", "recompute"), context_parallel=cp)
-            uniq, sid = unique_shapes(self.shapes)
+            uniq, sid = self._uniq, self._sid
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 sp = plan_epoch(sid, uniq, remaining, cost, params, seed=self._plan_seed(k))
@@ -457,7 +458,7 @@ def _checkpoint_attention_plan(sampler_cfg: SamplerConfig, mode: str, model, sha
         return cost, budgets
     keep_cost, keep_budgets = plan_with("keep")
     m_mem = budgets["m_mem"]
-    lost = [s for s in sorted(set(shapes)) if sample_memory(keep_cost, s) > m_mem >= sample_memory(cost, s)]
+    lost = [s for s in unique_shapes(list(shapes))[0] if sample_memory(keep_cost, s) > m_mem >= sample_memory(cost, s)]
     tps = {"recompute": budgets["budget_choice"].predicted_tokens_per_s,
            "keep": keep_budgets["budget_choice"].predicted_tokens_per_s}
     pick = "keep" if tps["keep"] > tps["recompute"] and not lost else "recompute"
@@ -534,7 +535,7 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
 
     gb = sampler_cfg.global_batch
     if gb is not None:
-        problem = too_small_problem(gb.value, gb.by, layout.dp_size, min(bucket_tokens(s) for s in set(shapes)))
+        problem = too_small_problem(gb.value, gb.by, layout.dp_size, min(bucket_tokens(s) for s in unique_shapes(list(shapes))[0]))
         if problem:
             raise PlanError(problem)
     elif micro_steps_per_step == "auto":
@@ -543,7 +544,7 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
             "per optimizer step follow the world size and the data; set sampler.global_batch (docs/SCALE.md)")
     cost, budgets = _checkpoint_attention_plan(sampler_cfg, chosen, model, shapes, plan_with, profile_log)
     plan_mode = budgets["plan_mode"] if chosen == "dual" else chosen
-    return _CLASSES[chosen](
+    sampler = _CLASSES[chosen](
         shapes, layout, cost, micro_steps_per_step=budgets["micro_steps_per_step"], m_mem=budgets["m_mem"],
         m_comp=budgets["m_comp"] if chosen == "dual" else None,
         max_tokens=budgets["max_tokens"] if plan_mode == "tokens" else None,
@@ -554,3 +555,21 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
         solo_over_budget=budgets["solo_over_budget"] and chosen == "dual", budget_choice=budgets["budget_choice"],
         plan_mode=plan_mode, efficient_batches=budgets["efficient_batches"] and chosen == "dual",
         batch_cap=sampler_cfg.batch_cap == "auto", global_batch=gb, global_batch_fit=budgets["global_batch_fit"])
+    if gb is not None:
+        _check_global_batch(sampler, gb, micro_steps_per_step)
+    return sampler
+
+
+def _check_global_batch(sampler: _PlannedBatchSampler, gb, micro_steps_per_step) -> None:
+    """The bound on the budget search's estimate: the epoch's own plan holds the global batch. With
+    ``gradient_accumulation_steps: auto`` the micro-steps per step are re-fitted to the plan's mean samples (or
+    tokens) per micro-step when they differ (the search planned a sample of the epoch on a sample of the ranks);
+    the fit is in ``sampler.global_batch_fit`` (``checked``: the epoch's plan)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = sampler.plan
+    fit = fit_gas(per_micro_step(plan, gb.by), gb.value, gb.tolerance, micro_steps_per_step)
+    if micro_steps_per_step == "auto" and fit.gas != sampler.micro_steps_per_step:
+        sampler.params = dataclasses.replace(sampler.params, micro_steps_per_step=fit.gas)
+        sampler._cache = None
+    sampler.global_batch_fit = {**fit.describe(), "checked": "epoch plan"}

@@ -143,11 +143,22 @@ def efficient_batch(batch_cost: np.ndarray, loop_ms: float) -> int:
 
 
 def unique_shapes(shapes: Sequence[Bucket]) -> tuple[list[Bucket], np.ndarray]:
-    """Distinct shapes (sorted) and the per-sample index into them."""
-    kinds = {type(s) for s in shapes}
+    """Distinct shapes (sorted) and the per-sample index into them. Vectorised: token lengths with numpy, shapes by
+    object identity first (a dataset's shapes are a few objects repeated), then equal objects merged."""
+    n = len(shapes)
+    if n and isinstance(shapes[0], (int, np.integer)) and not isinstance(shapes[0], bool):
+        arr = np.asarray(shapes)
+        if arr.dtype.kind in "iu":
+            u, inv = np.unique(arr, return_inverse=True)
+            return [int(x) for x in u], inv.astype(np.int64).reshape(-1)
+    ids = np.fromiter(map(id, shapes), np.int64, count=n)
+    _, first, inv = np.unique(ids, return_index=True, return_inverse=True)
+    reps = [shapes[i] for i in first.tolist()]
+    kinds = {type(s) for s in reps}
     if len(kinds) > 1:
         raise PlanError(f"sample shapes mix {sorted(k.__name__ for k in kinds)}: give every sample a "
                         "SampleShape or every sample a token length, not both")
-    uniq = sorted(set(shapes))
+    uniq = sorted(set(reps))
     pos = {s: i for i, s in enumerate(uniq)}
-    return uniq, np.fromiter((pos[s] for s in shapes), np.int64, count=len(shapes))
+    rep_idx = np.array([pos[s] for s in reps], np.int64)
+    return uniq, rep_idx[inv.reshape(-1)] if n else np.zeros(0, np.int64)
