@@ -78,6 +78,7 @@ def table(rows: list[dict]) -> str:
             continue
         s, d, t = r["samples_per_step"], r["dual"], r.get("tokens", {})
         gain = d["predicted_tokens_per_s"] / t["predicted_tokens_per_s"] if t.get("predicted_tokens_per_s") else float("nan")
+        t = {k: (float("nan") if v is None else v) for k, v in t.items() if k != "error"}
         gb = r["global_batch"] or {}
         out.append(f"| {r['world']:,} | {r['num_samples']:,} | {', '.join(f'{k} {v:,}' for k, v in gb.items() if k != 'tolerance') or '-'} "
                    f"| {r['micro_steps_per_step']} | {r['optimizer_steps']:,} | {s['mean']:,.0f} ({s['min']:,}-{s['max']:,}) "

@@ -139,7 +139,9 @@ def _epoch_table(r: dict) -> str:
             f"  samples per step mean {sps['mean']:,.1f} (min {sps['min']:,}, max {sps['max']:,}); tokens per step "
             f"mean {tps['mean']:,.0f} (min {tps['min']:,}, max {tps['max']:,})"]
     for name in ("dual", "tokens"):
-        if name in r:
+        if name in r and r[name].get("error"):
+            rows.append(f"  {name:>6}: {r[name]['error']}")
+        elif name in r:
             rows.append(f"  {name:>6}: predicted CV {r[name]['predicted_cv']:.2%}, "
                         f"{r[name]['predicted_tokens_per_s']:,.0f} tokens/s")
     return "\n".join(rows)

@@ -341,7 +341,7 @@ def choose_compute_budget(cost: CostModel, shapes: Sequence[SampleShape], *, m_m
         loop = loop_ms_per_micro_step(cost.profile, _gas_for(m, reference, micro_steps_per_step))
         if batch_cap and _cap_changes(tables, m, loop):
             table.append(score(m, capped=True))
-    for it in range(4 if global_batch is not None else 0):   # budgets aimed at the global batch
+    for it in range(6 if global_batch is not None else 0):   # budgets aimed at the global batch
         if any(r["keeps_global_batch"] for r in table) and it >= 1:
             break
         table += [score(m) for m in _global_batch_candidates(table, global_batch, micro_steps_per_step, cost.c0,
@@ -548,14 +548,16 @@ def fit_plain_budgets(params: PlannerParams, cost: CostModel, shapes: Sequence[S
     ``GasFit.describe()``."""
     uniq, sid = unique_shapes(list(shapes))
     order = np.random.default_rng([int(seed), 0]).permutation(len(sid))
-    n = min(max(SEARCH_SAMPLES, 2 * params.window * params.dp_size), SEARCH_SAMPLES_MAX)
+    dp = min(params.dp_size, SEARCH_DP)   # a sample of the ranks, scaled to the cluster (as the search does)
+    n = min(max(SEARCH_SAMPLES, 2 * params.window * dp), SEARCH_SAMPLES_MAX)
     gb = global_batch
 
     def fit_of(p: PlannerParams):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            plan = plan_epoch(sid, uniq, order[:n], cost, p, seed=seed, replan_tail=n >= len(order))
-        return fit_gas(per_micro_step(plan, gb.by), gb.value, gb.tolerance, micro_steps_per_step)
+            plan = plan_epoch(sid, uniq, order[:n], cost, dataclasses.replace(p, dp_size=dp), seed=seed,
+                              replan_tail=n >= len(order))
+        return fit_gas(per_micro_step(plan, gb.by) * p.dp_size / dp, gb.value, gb.tolerance, micro_steps_per_step)
     fit, tried = fit_of(params), []
     if scaled is not None and not fit.ok and fit.per_micro > 0:
         k = max(1, math.ceil(gb.value / fit.per_micro)) if micro_steps_per_step == "auto" else int(micro_steps_per_step)
@@ -563,7 +565,9 @@ def fit_plain_budgets(params: PlannerParams, cost: CostModel, shapes: Sequence[S
         for _ in range(4):
             tried.append((getattr(params, scaled), fit))
             value = getattr(params, scaled) * gb.value / (k * fit.per_micro)
-            value = min(value, top) if scaled == "m_comp" else int(min(max(value, 1), top))
+            # max_tokens never below the longest sample (it would be oversize): the fewest micro-steps may not hold it
+            floor = max(cost.padded_tokens(u) for u in uniq) if scaled == "max_tokens" else 0
+            value = min(value, top) if scaled == "m_comp" else int(min(max(value, floor), top))
             params = dataclasses.replace(params, **{scaled: value},
                                          solo_over_budget=scaled == "m_comp" and value < top)
             fit = fit_of(params)

@@ -53,6 +53,10 @@ class PlannerParams:
     #: a larger batch checkpoints more blocks, and each recomputes a forward for every sample of the batch. Set by
     #: the budget search (``ds_adaptive.planning.budget``) where it predicts the capped plan faster.
     efficient_batches: bool = False
+    #: ``"samples"`` / ``"tokens"`` (``sampler.global_batch``): the micro-steps of each block of
+    #: :data:`STEP_BALANCE_BLOCK` optimizer steps are grouped into steps with about equal totals of that count
+    #: (``ds_adaptive.planning.planner.balance_steps``); None: in planned order
+    step_balance: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("dual", "tokens", "fixed"):
@@ -72,6 +76,8 @@ class PlannerParams:
         d["fixed_batch_sizes"] = dict(self.fixed_batch_sizes) if self.fixed_batch_sizes else None
         if not self.efficient_batches:   # only then: a sampler state saved before the field resumes its plan exactly
             del d["efficient_batches"]
+        if self.step_balance is None:    # likewise
+            del d["step_balance"]
         return d
 
 

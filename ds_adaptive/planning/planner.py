@@ -386,6 +386,9 @@ def plan_epoch(shape_ids: np.ndarray, shapes: Sequence[SampleShape], order: np.n
             f"epoch (counted in tail_dropped; the next epoch's shuffle includes them)", stacklevel=2)
     bs = np.asarray(builder.shape, np.int64)
     offsets = np.asarray(builder.offsets, np.int64)
+    ids = np.asarray(builder.ids, np.int64)
+    if params.step_balance is not None and ga > 1 and bs.size:
+        ids, offsets, bs = balance_steps(ids, offsets, bs, table.tokens, dp, ga, params.step_balance)
     sizes = np.diff(offsets)
     if table.linear:
         b_cost = (table.c0[bs] + sizes * table.cost1[bs]) if bs.size else np.zeros(0)
@@ -401,10 +404,46 @@ def plan_epoch(shape_ids: np.ndarray, shapes: Sequence[SampleShape], order: np.n
             b_ckpt, b_cost, b_mem = _uniform_checkpoint_counts(cost, shapes, bs, sizes, b_ckpt, b_cost, b_mem, dp)
     return EpochPlan(
         dp_size=dp, micro_steps_per_step=ga, shapes=list(shapes),
-        sample_ids=np.asarray(builder.ids, np.int64), batch_offsets=offsets, batch_shape=bs,
+        sample_ids=ids, batch_offsets=offsets, batch_shape=bs,
         batch_cost=b_cost, batch_memory=b_mem,
         batch_tokens=sizes * table.tokens[bs] if bs.size else np.zeros(0, np.int64),
         oversize=oversize, tail_dropped=tail_dropped, tail_replanned=replanned, batch_ckpt=b_ckpt)
+
+
+#: optimizer steps whose micro-steps :func:`balance_steps` regroups together (the epoch's coarse order is kept)
+STEP_BALANCE_BLOCK = 32
+
+
+def balance_steps(ids: np.ndarray, offsets: np.ndarray, bs: np.ndarray, shape_tokens: np.ndarray, dp: int, ga: int,
+                  by: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Regroup the micro-steps of every block of :data:`STEP_BALANCE_BLOCK` optimizer steps so that the steps'
+    sample (``by="samples"``) or token totals come out about equal: the block's micro-steps by count, largest
+    first, ``ga`` rounds, each round giving one micro-step to every step, the largest to the step with the smallest
+    total so far. A micro-step keeps its batches (balance per micro-step is untouched); only which step it belongs
+    to changes. Returns the permuted ``(ids, offsets, batch_shape)``."""
+    n_micro = len(bs) // dp
+    sizes = np.diff(offsets)
+    per = sizes if by == "samples" else sizes * shape_tokens[bs]
+    count = per[:n_micro * dp].reshape(n_micro, dp).sum(axis=1)
+    perm = np.arange(n_micro)
+    block = STEP_BALANCE_BLOCK * ga
+    for lo in range(0, (n_micro // ga) * ga, block):
+        hi = min(lo + block, (n_micro // ga) * ga)
+        steps = (hi - lo) // ga
+        order = lo + np.argsort(-count[lo:hi], kind="stable")
+        totals = np.zeros(steps)
+        slots = np.zeros((steps, ga), np.int64)
+        for r in range(ga):
+            chunk = order[r * steps:(r + 1) * steps]
+            smallest = np.argsort(totals, kind="stable")
+            slots[smallest, r] = chunk
+            totals[smallest] += count[chunk]
+        perm[lo:hi] = slots.ravel()
+    batch_perm = (perm[:, None] * dp + np.arange(dp)).ravel()
+    new_sizes = sizes[batch_perm]
+    new_offsets = np.concatenate([[0], np.cumsum(new_sizes)])
+    gather = np.repeat(offsets[:-1][batch_perm] - new_offsets[:-1], new_sizes) + np.arange(new_offsets[-1])
+    return ids[gather], new_offsets.astype(np.int64), bs[batch_perm]
 
 
 def _uniform_checkpoint_counts(cost: CostModel, shapes: Sequence, bs: np.ndarray, sizes: np.ndarray, ckpt: np.ndarray,

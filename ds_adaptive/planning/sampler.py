@@ -39,7 +39,7 @@ from ds_adaptive.planning.cost import CostModel
 from ds_adaptive.planning.profile import Profile, load_profile
 from ds_adaptive.planning.devices import calibrate_hint, resolve_auto_profile
 from ds_adaptive.planning.memory import sample_memory
-from ds_adaptive.planning.global_batch import fit_gas, per_micro_step, too_small_problem
+from ds_adaptive.planning.global_batch import fit_gas, no_plan_message, per_micro_step, too_small_problem
 from ds_adaptive.planning.planner import (EpochPlan, OversizeSampleError, PlanError, PlannerParams, StepTotals,
                                           bucket_tokens, plan_epoch, unique_shapes)
 from ds_adaptive.planning.budget import resolve_budgets
@@ -129,7 +129,7 @@ class _PlannedBatchSampler(ResumableState, _SamplerBase):
             m_mem=float(m_mem), m_comp=None if m_comp is None else float(m_comp), max_tokens=max_tokens,
             fixed_batch_sizes=dict(fixed_batch_sizes) if fixed_batch_sizes else None, window=int(window),
             oversize=oversize, balance_tolerance=float(balance_tolerance), solo_over_budget=bool(solo_over_budget),
-            efficient_batches=bool(efficient_batches))
+            efficient_batches=bool(efficient_batches), step_balance=None if global_batch is None else global_batch.by)
         #: the throughput search behind ``m_comp: auto`` (:class:`ds_adaptive.planning.budget.BudgetChoice`), or None
         self.budget_choice = budget_choice
         self.global_batch = global_batch           # sampler.global_batch (GlobalBatchConfig), or None
@@ -456,7 +456,12 @@ def _checkpoint_attention_plan(sampler_cfg: SamplerConfig, mode: str, model, sha
     if not (uses_budget_search(cost, mode) and (model is None or model.family.keeps_attention)
             and budgets.get("budget_choice") is not None):
         return cost, budgets
-    keep_cost, keep_budgets = plan_with("keep")
+    try:
+        keep_cost, keep_budgets = plan_with("keep")
+    except PlanError as exc:   # e.g. no plan with kept attention holds the global batch: recompute's does
+        if profile_log is not None:
+            profile_log(f"sampler.checkpoint_attention auto -> recompute: with kept attention outputs {exc}")
+        return cost, budgets
     m_mem = budgets["m_mem"]
     lost = [s for s in unique_shapes(list(shapes))[0] if sample_memory(keep_cost, s) > m_mem >= sample_memory(cost, s)]
     tps = {"recompute": budgets["budget_choice"].predicted_tokens_per_s,
@@ -560,16 +565,30 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
     return sampler
 
 
+#: the check of the search's estimate plans this many samples per DP rank of the epoch (at least the whole epoch
+#: when it is smaller): at 1,024 ranks 131,072 samples, about a second
+CHECK_SAMPLES_PER_RANK = 128
+
+
 def _check_global_batch(sampler: _PlannedBatchSampler, gb, micro_steps_per_step) -> None:
-    """The bound on the budget search's estimate: the epoch's own plan holds the global batch. With
-    ``gradient_accumulation_steps: auto`` the micro-steps per step are re-fitted to the plan's mean samples (or
-    tokens) per micro-step when they differ (the search planned a sample of the epoch on a sample of the ranks);
-    the fit is in ``sampler.global_batch_fit`` (``checked``: the epoch's plan)."""
+    """The bound on the budget search's estimate: a plan at the run's own layout of the epoch's first
+    ``CHECK_SAMPLES_PER_RANK x dp`` samples (the whole epoch when smaller: its own plan) holds the global batch.
+    With ``gradient_accumulation_steps: auto`` the micro-steps per step are re-fitted to that plan's mean samples
+    (or tokens) per micro-step when they differ (the search planned a sample of the epoch on a sample of the
+    ranks); the fit is in ``sampler.global_batch_fit``."""
+    order = sampler._order()
+    n = CHECK_SAMPLES_PER_RANK * sampler.layout.dp_size
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan = sampler.plan
+        plan = sampler.plan if n >= len(order) else plan_epoch(
+            sampler._sid, sampler._uniq, order[:n], sampler.cost, sampler.params, seed=sampler._plan_seed(0),
+            replan_tail=False)
     fit = fit_gas(per_micro_step(plan, gb.by), gb.value, gb.tolerance, micro_steps_per_step)
     if micro_steps_per_step == "auto" and fit.gas != sampler.micro_steps_per_step:
         sampler.params = dataclasses.replace(sampler.params, micro_steps_per_step=fit.gas)
         sampler._cache = None
-    sampler.global_batch_fit = {**fit.describe(), "checked": "epoch plan"}
+    if not fit.ok:
+        raise PlanError(no_plan_message(gb.value, gb.by, gb.tolerance, [(sampler.params.m_comp, fit)],
+                                        sampler.layout.dp_size, micro_steps_per_step)
+                        + f" (the plan of the epoch's first {min(n, len(order)):,} samples on all ranks)")
+    sampler.global_batch_fit = {**fit.describe(), "checked_samples": int(min(n, len(order)))}

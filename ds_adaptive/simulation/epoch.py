@@ -33,6 +33,7 @@ from ds_adaptive.data.index import ShardIndex, find_index
 from ds_adaptive.models.registry import default_model, get_model
 from ds_adaptive.planning.cost import CostModel
 from ds_adaptive.planning.global_batch import step_stats
+from ds_adaptive.planning.plan_types import PlanError
 from ds_adaptive.planning.sampler import build_batch_sampler
 from ds_adaptive.simulation.simulate import draw_shapes, score_plan
 
@@ -113,11 +114,16 @@ def simulate_epoch(config: str, *, world: int, num_samples: int, sp: int = 1, mo
            "dual": {"predicted_cv": row["predicted_cv"], "predicted_tokens_per_s": row["predicted_tokens_per_s"]},
            "samplers": {"adaptive": row}, "notes": notes, "plan_samples": plan.num_samples}
     if baseline:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            base = build_batch_sampler(s_cfg, data, layout, enabled=False, **kw)
-        brow = _sampler_row(base, truth)
-        out["samplers"]["tokens"] = brow
-        out["tokens"] = {"predicted_cv": brow["predicted_cv"], "predicted_tokens_per_s": brow["predicted_tokens_per_s"]}
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                base = build_batch_sampler(s_cfg, data, layout, enabled=False, **kw)
+        except PlanError as exc:   # e.g. the equal-token batches cannot hold this global batch
+            out["tokens"] = {"error": str(exc), "predicted_cv": None, "predicted_tokens_per_s": None}
+        else:
+            brow = _sampler_row(base, truth)
+            out["samplers"]["tokens"] = brow
+            out["tokens"] = {"predicted_cv": brow["predicted_cv"],
+                             "predicted_tokens_per_s": brow["predicted_tokens_per_s"]}
     out["peak_rss_mb"] = peak_rss_mb()
     return out
