@@ -69,7 +69,7 @@ def run_case(config: Path, world: int, n: int, gb: int | None, tmp: Path, cpu: i
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| GPUs | samples | global batch | gas | optimizer steps | samples/step mean (min-max) | plan s | "
+    head = ("| GPUs | samples | global batch | gas | optimizer steps | samples/step mean (min-max) | plan s (CPU s) | "
             "peak RSS MB | dual CV | dual tokens/s | tokens CV | tokens tokens/s | dual/tokens |")
     out = [head, "|" + "---|" * 13]
     for r in rows:
@@ -82,7 +82,7 @@ def table(rows: list[dict]) -> str:
         gb = r["global_batch"] or {}
         out.append(f"| {r['world']:,} | {r['num_samples']:,} | {', '.join(f'{k} {v:,}' for k, v in gb.items() if k != 'tolerance') or '-'} "
                    f"| {r['micro_steps_per_step']} | {r['optimizer_steps']:,} | {s['mean']:,.0f} ({s['min']:,}-{s['max']:,}) "
-                   f"| {r['plan_s']:.1f} | {r['peak_rss_mb']:,.0f} | {d['predicted_cv']:.2%} "
+                   f"| {r['plan_s']:.1f} ({r.get('plan_cpu_s', float('nan')):.1f}) | {r['peak_rss_mb']:,.0f} | {d['predicted_cv']:.2%} "
                    f"| {d['predicted_tokens_per_s']:,.0f} | {t.get('predicted_cv', float('nan')):.2%} "
                    f"| {t.get('predicted_tokens_per_s', float('nan')):,.0f} | {gain:.3f} |")
     return "\n".join(out)

@@ -568,16 +568,20 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
 #: the check of the search's estimate plans this many samples per DP rank of the epoch (at least the whole epoch
 #: when it is smaller): at 1,024 ranks 131,072 samples, about a second
 CHECK_SAMPLES_PER_RANK = 128
+#: ... and at least this many global batches
+CHECK_STEPS = 16
 
 
 def _check_global_batch(sampler: _PlannedBatchSampler, gb, micro_steps_per_step) -> None:
     """The bound on the budget search's estimate: a plan at the run's own layout of the epoch's first
-    ``CHECK_SAMPLES_PER_RANK x dp`` samples (the whole epoch when smaller: its own plan) holds the global batch.
-    With ``gradient_accumulation_steps: auto`` the micro-steps per step are re-fitted to that plan's mean samples
+    ``max(CHECK_SAMPLES_PER_RANK x dp, CHECK_STEPS global batches)`` samples (the whole epoch when smaller: its
+    own plan) holds the global batch. With ``gradient_accumulation_steps: auto`` the micro-steps per step are re-fitted to that plan's mean samples
     (or tokens) per micro-step when they differ (the search planned a sample of the epoch on a sample of the
-    ranks); the fit is in ``sampler.global_batch_fit``."""
+    ranks); the fit is in ``sampler.global_batch_fit``. More than twice the tolerance off is a :class:`PlanError`."""
     order = sampler._order()
-    n = CHECK_SAMPLES_PER_RANK * sampler.layout.dp_size
+    tokens = np.array([bucket_tokens(u) for u in sampler._uniq], float)[sampler._sid]
+    per_sample = 1.0 if gb.by == "samples" else float(tokens.mean())
+    n = int(max(CHECK_SAMPLES_PER_RANK * sampler.layout.dp_size, CHECK_STEPS * gb.value / per_sample))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         plan = sampler.plan if n >= len(order) else plan_epoch(
@@ -587,8 +591,9 @@ def _check_global_batch(sampler: _PlannedBatchSampler, gb, micro_steps_per_step)
     if micro_steps_per_step == "auto" and fit.gas != sampler.micro_steps_per_step:
         sampler.params = dataclasses.replace(sampler.params, micro_steps_per_step=fit.gas)
         sampler._cache = None
-    if not fit.ok:
+    if fit.error > 2 * gb.tolerance:   # the search kept its estimate within the tolerance; this plan may miss by twice
         raise PlanError(no_plan_message(gb.value, gb.by, gb.tolerance, [(sampler.params.m_comp, fit)],
                                         sampler.layout.dp_size, micro_steps_per_step)
-                        + f" (the plan of the epoch's first {min(n, len(order)):,} samples on all ranks)")
+                        + f" (the plan of the epoch's first {min(n, len(order)):,} samples on all ranks is "
+                          f"{fit.error:.1%} off, more than twice the tolerance)")
     sampler.global_batch_fit = {**fit.describe(), "checked_samples": int(min(n, len(order)))}

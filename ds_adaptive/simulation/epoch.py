@@ -11,7 +11,7 @@ drawn from the model's shape mix (or ``shapes``). Reported (:func:`simulate_epoc
     global_batch                        the config's ``sampler.global_batch`` (None: not set)
     optimizer_steps, micro_steps_per_step, m_comp, plan_mode
     plan_s                              wall time of building the sampler (budget search included) and
-                                        planning the epoch, in this process
+                                        planning the epoch, in this process (``plan_cpu_s``: its CPU time)
     peak_rss_mb                         this process's peak resident memory (MB) at the end
     dual / tokens                       predicted CV (mean over micro-steps of per-rank time CV) and tokens/s
                                         (``ds_adaptive.simulation.simulate.score_plan``, calibrated times) of
@@ -96,12 +96,12 @@ def simulate_epoch(config: str, *, world: int, num_samples: int, sp: int = 1, mo
               ln_modulate="fused" if block.fused_ln_modulate else "reference", block_fusion=block.block_fusion,
               per_token_timesteps=m.trains_per_token_timesteps())
     notes: list[str] = []
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         sampler = build_batch_sampler(s_cfg, data, layout, enabled=block.enabled, profile_log=notes.append, **kw)
         plan = sampler.plan
-    plan_s = time.perf_counter() - t0
+    plan_s, plan_cpu_s = time.perf_counter() - t0, time.process_time() - c0
     truth = CostModel(sampler.cost.profile, "calibrated", sp=layout.sp_size,
                       checkpointing=sampler.cost.checkpointing,
                       checkpoint_attention=sampler.cost.checkpoint_attention)
@@ -109,7 +109,7 @@ def simulate_epoch(config: str, *, world: int, num_samples: int, sp: int = 1, mo
     out = {"config": str(config), "world": int(world), "sp": layout.sp_size, "dp": layout.dp_size,
            "num_samples": int(num_samples), "model": model, "profile": sampler.cost.profile.name,
            "global_batch": None if getattr(s_cfg, "global_batch", None) is None else s_cfg.global_batch.model_dump(exclude_none=True),
-           "plan_s": plan_s, **{k: row[k] for k in ("samples_per_step", "tokens_per_step", "optimizer_steps",
+           "plan_s": plan_s, "plan_cpu_s": plan_cpu_s, **{k: row[k] for k in ("samples_per_step", "tokens_per_step", "optimizer_steps",
                                                    "micro_steps_per_step", "m_comp", "plan_mode")},
            "dual": {"predicted_cv": row["predicted_cv"], "predicted_tokens_per_s": row["predicted_tokens_per_s"]},
            "samplers": {"adaptive": row}, "notes": notes, "plan_samples": plan.num_samples}
