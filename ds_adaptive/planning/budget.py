@@ -149,7 +149,7 @@ def shape_tables(cost: CostModel, shapes: Sequence[SampleShape], m_mem: float) -
     B = 0..(its largest batch within ``m_mem``), with that batch's checkpoint plan. No budget changes them: the
     search builds them once for every candidate."""
     out = []
-    for s in unique_shapes(list(shapes))[0]:
+    for s in unique_shapes(shapes)[0]:
         b_mem = int(math.floor(m_mem / sample_memory(cost, s) * (1 + 1e-12)))
         if b_mem >= 1:
             out.append(micro_batch_table(cost, s, b_mem, m_mem))
@@ -284,7 +284,7 @@ def choose_compute_budget(cost: CostModel, shapes: Sequence[SampleShape], *, m_m
     if global_batch is not None:
         dp_size = min(dp_size, SEARCH_DP)
     scale = full_dp / dp_size
-    uniq, sid = unique_shapes(list(shapes))
+    uniq, sid = unique_shapes(shapes)
     order = np.random.default_rng([int(seed), 0]).permutation(len(shapes))
     mem1 = np.array([sample_memory(cost, s) for s in uniq])
     order = order[mem1[sid[order]] <= m_mem]
@@ -490,7 +490,7 @@ def resolve_budgets(*, mode: Mode, cost: CostModel, shapes: Sequence[SampleShape
     search found the equal-token plan faster; ``efficient_batches``: the search's choice to cap batches at their
     lowest time per sample).
     """
-    uniq = unique_shapes(list(shapes))[0]
+    uniq = unique_shapes(shapes)[0]
     if m_mem == "auto":
         m_mem_v = cost.auto_memory_budget(gpu_mem_gib, mem_utilization, zero_stage=zero_stage, dp_size=dp_size)
     else:
@@ -546,7 +546,7 @@ def fit_plain_budgets(params: PlannerParams, cost: CostModel, shapes: Sequence[S
     planned samples per micro-step; under a lowered ``m_comp`` samples costlier than it run alone
     (``solo_over_budget``). Raises :class:`PlanError` when no plan keeps the global batch. Returns the params and
     ``GasFit.describe()``."""
-    uniq, sid = unique_shapes(list(shapes))
+    uniq, sid = unique_shapes(shapes)
     order = np.random.default_rng([int(seed), 0]).permutation(len(sid))
     dp = min(params.dp_size, SEARCH_DP)   # a sample of the ranks, scaled to the cluster (as the search does)
     n = min(max(SEARCH_SAMPLES, 2 * params.window * dp), SEARCH_SAMPLES_MAX)

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import heapq
 import warnings
+from array import array
 from typing import Optional, Sequence
 
 import numpy as np
@@ -65,7 +66,7 @@ class _Builder:
     def __init__(self, table: ShapeTable, dp: int) -> None:
         self.t = table
         self.dp = dp
-        self.ids: list[int] = []
+        self.ids = array("q")   # 8 bytes a sample (a list of ints holds ~36)
         self.offsets: list[int] = [0]
         self.shape: list[int] = []
 
@@ -89,7 +90,7 @@ class _Builder:
         start = self.offsets[-k - 1]
         out = []
         for j in range(len(self.shape) - k, len(self.shape)):
-            out.append((self.shape[j], self.ids[self.offsets[j]:self.offsets[j + 1]]))
+            out.append((self.shape[j], list(self.ids[self.offsets[j]:self.offsets[j + 1]])))
         del self.ids[start:]
         del self.offsets[-k:]
         del self.shape[-k:]
@@ -386,7 +387,7 @@ def plan_epoch(shape_ids: np.ndarray, shapes: Sequence[SampleShape], order: np.n
             f"epoch (counted in tail_dropped; the next epoch's shuffle includes them)", stacklevel=2)
     bs = np.asarray(builder.shape, np.int64)
     offsets = np.asarray(builder.offsets, np.int64)
-    ids = np.asarray(builder.ids, np.int64)
+    ids = np.frombuffer(builder.ids, np.int64) if len(builder.ids) else np.zeros(0, np.int64)
     if params.step_balance is not None and ga > 1 and bs.size:
         ids, offsets, bs = balance_steps(ids, offsets, bs, table.tokens, dp, ga, params.step_balance)
     sizes = np.diff(offsets)

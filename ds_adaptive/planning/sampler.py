@@ -61,7 +61,7 @@ __all__ = ["StepTotals", "OversizeSampleError", "AdaptiveBatchSampler", "TokenBu
 def shapes_fingerprint(shapes: Sequence[SampleShape], unique: Optional[tuple] = None) -> str:
     """sha256 (16 hex digits) of every sample's shape as ``"FxHxW;"`` (or ``"S;"``) in order; ``unique``: the
     :func:`unique_shapes` of ``shapes``, to hash without formatting every sample."""
-    uniq, sid = unique if unique is not None else unique_shapes(list(shapes))
+    uniq, sid = unique if unique is not None else unique_shapes(shapes)
     text = [f"{s};".encode() for s in uniq]
     return hashlib.sha256(b"".join(map(text.__getitem__, sid.tolist()))).hexdigest()[:16]
 
@@ -463,7 +463,7 @@ def _checkpoint_attention_plan(sampler_cfg: SamplerConfig, mode: str, model, sha
             profile_log(f"sampler.checkpoint_attention auto -> recompute: with kept attention outputs {exc}")
         return cost, budgets
     m_mem = budgets["m_mem"]
-    lost = [s for s in unique_shapes(list(shapes))[0] if sample_memory(keep_cost, s) > m_mem >= sample_memory(cost, s)]
+    lost = [s for s in unique_shapes(shapes)[0] if sample_memory(keep_cost, s) > m_mem >= sample_memory(cost, s)]
     tps = {"recompute": budgets["budget_choice"].predicted_tokens_per_s,
            "keep": keep_budgets["budget_choice"].predicted_tokens_per_s}
     pick = "keep" if tps["keep"] > tps["recompute"] and not lost else "recompute"
@@ -540,7 +540,7 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
 
     gb = sampler_cfg.global_batch
     if gb is not None:
-        problem = too_small_problem(gb.value, gb.by, layout.dp_size, min(bucket_tokens(s) for s in unique_shapes(list(shapes))[0]))
+        problem = too_small_problem(gb.value, gb.by, layout.dp_size, min(bucket_tokens(s) for s in unique_shapes(shapes)[0]))
         if problem:
             raise PlanError(problem)
     elif micro_steps_per_step == "auto":

@@ -142,10 +142,26 @@ def efficient_batch(batch_cost: np.ndarray, loop_ms: float) -> int:
     return int(b[len(per) - 1 - int(np.argmin(per[::-1]))])
 
 
+#: the last call of :func:`unique_shapes`: (its sequence, length, distinct shapes, index); planning one dataset asks
+#: for the same sequence many times (the sampler, each budget search, the checks)
+_LAST: list = []
+
+
 def unique_shapes(shapes: Sequence[Bucket]) -> tuple[list[Bucket], np.ndarray]:
-    """Distinct shapes (sorted) and the per-sample index into them. Vectorised: token lengths with numpy, shapes by
-    object identity first (a dataset's shapes are a few objects repeated), then equal objects merged."""
+    """Distinct shapes (sorted) and the per-sample index into them (read-only). Vectorised: token lengths with numpy,
+    shapes by object identity first (a dataset's shapes are a few objects repeated), then equal objects merged.
+    The same sequence object (of the same length) as the last call's is answered from that call."""
     n = len(shapes)
+    if _LAST and _LAST[0][0] is shapes and _LAST[0][1] == n:
+        return list(_LAST[0][2]), _LAST[0][3]
+    uniq, sid = _unique_shapes(shapes, n)
+    if n >= 10_000:   # a dataset, not a list of distinct shapes
+        sid.flags.writeable = False
+        _LAST[:] = [(shapes, n, uniq, sid)]
+    return list(uniq), sid
+
+
+def _unique_shapes(shapes: Sequence[Bucket], n: int) -> tuple[list[Bucket], np.ndarray]:
     if n and isinstance(shapes[0], (int, np.integer)) and not isinstance(shapes[0], bool):
         arr = np.asarray(shapes)
         if arr.dtype.kind in "iu":

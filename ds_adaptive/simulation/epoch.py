@@ -106,13 +106,15 @@ def simulate_epoch(config: str, *, world: int, num_samples: int, sp: int = 1, mo
                       checkpointing=sampler.cost.checkpointing,
                       checkpoint_attention=sampler.cost.checkpoint_attention)
     row = _sampler_row(sampler, truth)
+    plan_samples, profile_name = plan.num_samples, sampler.cost.profile.name
+    del sampler, plan   # the baseline's plan need not sit beside this one (peak memory)
     out = {"config": str(config), "world": int(world), "sp": layout.sp_size, "dp": layout.dp_size,
-           "num_samples": int(num_samples), "model": model, "profile": sampler.cost.profile.name,
+           "num_samples": int(num_samples), "model": model, "profile": profile_name,
            "global_batch": None if getattr(s_cfg, "global_batch", None) is None else s_cfg.global_batch.model_dump(exclude_none=True),
            "plan_s": plan_s, "plan_cpu_s": plan_cpu_s, **{k: row[k] for k in ("samples_per_step", "tokens_per_step", "optimizer_steps",
                                                    "micro_steps_per_step", "m_comp", "plan_mode")},
            "dual": {"predicted_cv": row["predicted_cv"], "predicted_tokens_per_s": row["predicted_tokens_per_s"]},
-           "samplers": {"adaptive": row}, "notes": notes, "plan_samples": plan.num_samples}
+           "samplers": {"adaptive": row}, "notes": notes, "plan_samples": plan_samples}
     if baseline:
         try:
             with warnings.catch_warnings():
