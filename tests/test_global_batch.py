@@ -164,5 +164,6 @@ def test_simulate_config_reports_the_epoch(capsys):
         assert set(r[key]) == {"mean", "min", "max"} and r[key]["min"] <= r[key]["mean"] <= r[key]["max"]
     assert r["global_batch"]["samples"] == 32 and abs(r["samples_per_step"]["mean"] / 32 - 1) <= 0.10
     assert r["optimizer_steps"] > 0 and r["plan_s"] > 0 and r["peak_rss_mb"] > 0
-    for arm in ("dual", "tokens"):
-        assert r[arm]["predicted_tokens_per_s"] > 0 and r[arm]["predicted_cv"] >= 0
+    assert r["dual"]["predicted_tokens_per_s"] > 0 and r["dual"]["predicted_cv"] >= 0
+    # the equal-token baseline at the same global batch, or the line saying why its batches cannot hold it
+    assert (r["tokens"].get("predicted_tokens_per_s") or 0) > 0 or "global_batch" in r["tokens"]["error"]

@@ -50,7 +50,7 @@ from ds_adaptive.core.layout import Layout
 from ds_adaptive.models.family import ModelError
 from ds_adaptive.models.registry import get_model
 from ds_adaptive.planning.profile import ProfileError, load_profile
-from ds_adaptive.planning.planner import PlanError
+from ds_adaptive.planning.planner import OversizeSampleError, PlanError
 from ds_adaptive.simulation.context_parallel import uniform_densities
 from ds_adaptive.training.assemble import build_run
 from ds_adaptive.training.run_config import RunConfig
@@ -440,11 +440,15 @@ def _check_memory_and_budgets(rep: Report, args: argparse.Namespace, run, n_para
     if mode == "tokens":
         desc += f", max_tokens {b['max_tokens']}"
     rep.row("budgets", desc, "ok")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        stats = step_stats(run.sampler.plan)
-    rep.row("global batch", describe_step_stats(stats, s.global_batch) + f" ({run.layout.dp_size} data-parallel "
-            f"rank(s), {run.sampler.plan.num_steps} steps in an epoch of {len(run.sampler.shapes):,} samples)", "ok")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            stats = step_stats(run.sampler.plan)
+    except (PlanError, OversizeSampleError):   # an oversize sample: the shapes row below names it
+        stats = None
+    if stats is not None:
+        rep.row("global batch", describe_step_stats(stats, s.global_batch) + f" ({run.layout.dp_size} data-parallel "
+                f"rank(s), {run.sampler.plan.num_steps} steps in an epoch of {len(run.sampler.shapes):,} samples)", "ok")
     if static + b["m_mem"] > gpu:
         rep.fail("budgets", f"m_mem {b['m_mem']:.1f} GiB of activations + {static:.1f} GiB static memory of {args.model} "
                             f"= {static + b['m_mem']:.1f} GiB > {gpu:.1f} GiB per GPU: batches planned to m_mem would run "

@@ -464,7 +464,7 @@ def resolve_budgets(*, mode: Mode, cost: CostModel, shapes: Sequence[SampleShape
                     gpu_mem_gib: Optional[float], mem_utilization: Optional[float], zero_stage: int,
                     dp_size: int, micro_steps_per_step: "int | str" = 1, window: int = 256,
                     balance_tolerance: float = 0.03, seed: int = 0, batch_cap: bool = True, global_batch=None,
-                    fixed_batch_sizes=None) -> dict:
+                    fixed_batch_sizes=None, oversize: str = "skip") -> dict:
     """Numbers for ``auto`` budgets (``shapes``: one per sample; the budget search weighs shapes by count).
 
     - ``m_mem: auto`` = usable GPU memory - static memory (ZeRO stage, ranks); usable = capacity x
@@ -478,7 +478,8 @@ def resolve_budgets(*, mode: Mode, cost: CostModel, shapes: Sequence[SampleShape
       else the reference itself. ``batch_cap``: the search may cap each shape's batches at their lowest time
       per sample (``sampler.batch_cap``).
     - ``micro_steps_per_step``: an int is kept; ``"auto"`` = the search's choice (1 without a search).
-    - ``global_batch`` (``sampler.global_batch``): the search keeps it (:func:`choose_compute_budget`); without a
+    - ``global_batch`` (``sampler.global_batch``; ``oversize``: the sampler's policy, which the fit without a search
+      plans with, so that a sample over fixed budgets is named before the global batch): the search keeps it (:func:`choose_compute_budget`); without a
       search, ``"auto"`` micro-steps per step are fitted to it from a plan of the epoch's first samples
       (:func:`fit_plain_budgets`), and a global batch the budgets cannot keep is a :class:`PlanError`.
     - ``max_tokens`` (tokens mode) = the tokens that ``m_mem`` holds at the per-token memory of the
@@ -524,7 +525,7 @@ def resolve_budgets(*, mode: Mode, cost: CostModel, shapes: Sequence[SampleShape
             PlannerParams(mode=mode, dp_size=dp_size, micro_steps_per_step=1 if gas == "auto" else int(gas),
                           m_mem=m_mem_v, m_comp=m_comp_v if mode == "dual" else None,
                           max_tokens=max_tokens_v if mode == "tokens" else None, fixed_batch_sizes=fixed_batch_sizes,
-                          window=window, oversize="skip", balance_tolerance=balance_tolerance),
+                          window=window, oversize=oversize, balance_tolerance=balance_tolerance),
             cost, shapes, global_batch, micro_steps_per_step, seed, scaled=scaled)
         gas, solo = fit["gas"], params.solo_over_budget
         m_comp_v = params.m_comp if mode == "dual" else m_comp_v

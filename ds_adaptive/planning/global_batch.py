@@ -12,15 +12,18 @@ Pure: functions of plans and numbers; no torch.
 """
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from dataclasses import dataclass
 from typing import Optional, Union
 
 import numpy as np
 
-from ds_adaptive.planning.plan_types import EpochPlan, PlanError
+from ds_adaptive.planning.plan_types import EpochPlan, PlanError, bucket_tokens
+from ds_adaptive.planning.planner import plan_epoch
 
 __all__ = ["GasFit", "MAX_MICRO_STEPS", "per_micro_step", "fit_gas", "tokens_per_s_at", "no_plan_message",
-           "too_small_problem", "step_stats", "describe_step_stats"]
+           "too_small_problem", "step_stats", "describe_step_stats", "check_epoch"]
 
 #: ``gradient_accumulation_steps: auto`` never plans more micro-steps per optimizer step than this
 MAX_MICRO_STEPS = 4096
@@ -160,3 +163,46 @@ def describe_step_stats(stats: dict, gb=None) -> str:
     else:
         line += "; sampler.global_batch not set: this is the global batch these micro-steps per step give"
     return line
+
+
+#: the check of the search's estimate plans this many samples per DP rank of the epoch (at least the whole epoch
+#: when it is smaller): at 1,024 ranks 131,072 samples, about a second
+CHECK_SAMPLES_PER_RANK = 128
+#: ... and at least this many global batches
+CHECK_STEPS = 16
+#: ... and at least this many samples (fewer than the search planned would be a worse estimate than its own)
+CHECK_MIN_SAMPLES = 4096
+
+
+def check_epoch(sampler, gb, micro_steps_per_step) -> None:
+    """(A ``_PlannedBatchSampler`` just built with ``gb``.) The bound on the budget search's estimate: a plan at the run's own layout of the epoch's first
+    ``max(CHECK_SAMPLES_PER_RANK x dp, CHECK_STEPS global batches)`` samples (the whole epoch when smaller: its
+    own plan) holds the global batch. With ``gradient_accumulation_steps: auto`` the micro-steps per step are re-fitted to that plan's mean samples
+    (or tokens) per micro-step when they differ (the search planned a sample of the epoch on a sample of the
+    ranks); the fit is in ``sampler.global_batch_fit``. More than twice the tolerance off is a :class:`PlanError`."""
+    order = sampler._order()
+    tokens = np.array([bucket_tokens(u) for u in sampler._uniq], float)[sampler._sid]
+    per_sample = 1.0 if gb.by == "samples" else float(tokens.mean())
+    n = int(max(CHECK_SAMPLES_PER_RANK * sampler.layout.dp_size, CHECK_STEPS * gb.value / per_sample, CHECK_MIN_SAMPLES))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # oversize samples skipped here: the sampler's own plan reports them (error or skip) where it is planned
+        plan = plan_epoch(sampler._sid, sampler._uniq, order[:n], sampler.cost,
+                          dataclasses.replace(sampler.params, oversize="skip"), seed=sampler._plan_seed(0),
+                          replan_tail=n >= len(order))
+    fit = fit_gas(per_micro_step(plan, gb.by), gb.value, gb.tolerance, micro_steps_per_step)
+    if micro_steps_per_step == "auto" and fit.gas != sampler.micro_steps_per_step:
+        sampler.params = dataclasses.replace(sampler.params, micro_steps_per_step=fit.gas)
+        sampler._cache = None
+    if fit.error > 2 * gb.tolerance and n < len(order):
+        # the search kept its estimate within the tolerance; a plan of CHECK_STEPS global batches may miss by twice.
+        # An epoch of fewer samples is too short to tell its rounding from a miss: a warning (its steps are printed)
+        raise PlanError(no_plan_message(gb.value, gb.by, gb.tolerance, [(sampler.params.m_comp, fit)],
+                                        sampler.layout.dp_size, micro_steps_per_step)
+                        + f" (the plan of the epoch's first {min(n, len(order)):,} samples on all ranks is "
+                          f"{fit.error:.1%} off, more than twice the tolerance)")
+    if fit.error > 2 * gb.tolerance:
+        warnings.warn(f"sampler: the epoch of {len(order):,} samples plans {fit.predicted:,.0f} {gb.by} per optimizer "
+                      f"step for global_batch.{gb.by} {gb.value:,} ({fit.error:.0%} off): too few samples to hold it "
+                      "closer", stacklevel=3)
+    sampler.global_batch_fit = {**fit.describe(), "checked_samples": int(min(n, len(order)))}

@@ -39,7 +39,7 @@ from ds_adaptive.planning.cost import CostModel
 from ds_adaptive.planning.profile import Profile, load_profile
 from ds_adaptive.planning.devices import calibrate_hint, resolve_auto_profile
 from ds_adaptive.planning.memory import sample_memory
-from ds_adaptive.planning.global_batch import fit_gas, no_plan_message, per_micro_step, too_small_problem
+from ds_adaptive.planning.global_batch import check_epoch, too_small_problem
 from ds_adaptive.planning.planner import (EpochPlan, OversizeSampleError, PlanError, PlannerParams, StepTotals,
                                           bucket_tokens, plan_epoch, unique_shapes)
 from ds_adaptive.planning.budget import resolve_budgets
@@ -535,7 +535,7 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
             zero_stage=sampler_cfg.zero_stage if zero_stage is None else zero_stage, dp_size=layout.dp_size,
             micro_steps_per_step=micro_steps_per_step, window=sampler_cfg.window,
             balance_tolerance=sampler_cfg.balance_tolerance, seed=sampler_cfg.seed,
-            batch_cap=sampler_cfg.batch_cap == "auto", global_batch=sampler_cfg.global_batch,
+            batch_cap=sampler_cfg.batch_cap == "auto", global_batch=sampler_cfg.global_batch, oversize=sampler_cfg.oversize,
             fixed_batch_sizes=sampler_cfg.fixed_batch_sizes if chosen == "fixed" else None)
 
     gb = sampler_cfg.global_batch
@@ -561,39 +561,5 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
         plan_mode=plan_mode, efficient_batches=budgets["efficient_batches"] and chosen == "dual",
         batch_cap=sampler_cfg.batch_cap == "auto", global_batch=gb, global_batch_fit=budgets["global_batch_fit"])
     if gb is not None:
-        _check_global_batch(sampler, gb, micro_steps_per_step)
+        check_epoch(sampler, gb, micro_steps_per_step)
     return sampler
-
-
-#: the check of the search's estimate plans this many samples per DP rank of the epoch (at least the whole epoch
-#: when it is smaller): at 1,024 ranks 131,072 samples, about a second
-CHECK_SAMPLES_PER_RANK = 128
-#: ... and at least this many global batches
-CHECK_STEPS = 16
-
-
-def _check_global_batch(sampler: _PlannedBatchSampler, gb, micro_steps_per_step) -> None:
-    """The bound on the budget search's estimate: a plan at the run's own layout of the epoch's first
-    ``max(CHECK_SAMPLES_PER_RANK x dp, CHECK_STEPS global batches)`` samples (the whole epoch when smaller: its
-    own plan) holds the global batch. With ``gradient_accumulation_steps: auto`` the micro-steps per step are re-fitted to that plan's mean samples
-    (or tokens) per micro-step when they differ (the search planned a sample of the epoch on a sample of the
-    ranks); the fit is in ``sampler.global_batch_fit``. More than twice the tolerance off is a :class:`PlanError`."""
-    order = sampler._order()
-    tokens = np.array([bucket_tokens(u) for u in sampler._uniq], float)[sampler._sid]
-    per_sample = 1.0 if gb.by == "samples" else float(tokens.mean())
-    n = int(max(CHECK_SAMPLES_PER_RANK * sampler.layout.dp_size, CHECK_STEPS * gb.value / per_sample))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        plan = sampler.plan if n >= len(order) else plan_epoch(
-            sampler._sid, sampler._uniq, order[:n], sampler.cost, sampler.params, seed=sampler._plan_seed(0),
-            replan_tail=False)
-    fit = fit_gas(per_micro_step(plan, gb.by), gb.value, gb.tolerance, micro_steps_per_step)
-    if micro_steps_per_step == "auto" and fit.gas != sampler.micro_steps_per_step:
-        sampler.params = dataclasses.replace(sampler.params, micro_steps_per_step=fit.gas)
-        sampler._cache = None
-    if fit.error > 2 * gb.tolerance:   # the search kept its estimate within the tolerance; this plan may miss by twice
-        raise PlanError(no_plan_message(gb.value, gb.by, gb.tolerance, [(sampler.params.m_comp, fit)],
-                                        sampler.layout.dp_size, micro_steps_per_step)
-                        + f" (the plan of the epoch's first {min(n, len(order)):,} samples on all ranks is "
-                          f"{fit.error:.1%} off, more than twice the tolerance)")
-    sampler.global_batch_fit = {**fit.describe(), "checked_samples": int(min(n, len(order)))}
