@@ -62,8 +62,10 @@ def shapes_fingerprint(shapes: Sequence[SampleShape], unique: Optional[tuple] = 
     """sha256 (16 hex digits) of every sample's shape as ``"FxHxW;"`` (or ``"S;"``) in order; ``unique``: the
     :func:`unique_shapes` of ``shapes``, to hash without formatting every sample."""
     uniq, sid = unique if unique is not None else unique_shapes(shapes)
-    text = [f"{s};".encode() for s in uniq]
-    return hashlib.sha256(b"".join(map(text.__getitem__, sid.tolist()))).hexdigest()[:16]
+    text, h = [f"{s};".encode() for s in uniq], hashlib.sha256()
+    for lo in range(0, len(sid), 1 << 20):   # in chunks: no list of every sample's int at once
+        h.update(b"".join(map(text.__getitem__, sid[lo:lo + (1 << 20)].tolist())))
+    return h.hexdigest()[:16]
 
 
 def _compact_profile(p: Profile) -> dict:
