@@ -301,9 +301,11 @@ def choose_compute_budget(cost: CostModel, shapes: Sequence[SampleShape], *, m_m
         n = _samples_for(m, cost, base, mean_cost, dp_size)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            # a prefix of the epoch: its last step is not re-planned (the epoch's tail is not the prefix's)
-            plan = plan_epoch(sid, uniq, order[:n], cost, params, seed=seed, replan_tail=n >= len(order))
-        return _tokens_per_s(plan, cost, steady=False), plan, min(n, len(order))
+            # a prefix of the epoch: with a global batch its last step is not re-planned (its micro-steps are scored,
+            # not its steps); without one, as the search always scored, re-planned and left out (steady)
+            plan = plan_epoch(sid, uniq, order[:n], cost, params, seed=seed,
+                              replan_tail=global_batch is None or n >= len(order))
+        return _tokens_per_s(plan, cost, steady=global_batch is None and n < len(order)), plan, min(n, len(order))
 
     def score(m: float, capped: bool = False) -> dict:
         if (m, capped) not in rows:
@@ -559,6 +561,7 @@ def fit_plain_budgets(params: PlannerParams, cost: CostModel, shapes: Sequence[S
             plan = plan_epoch(sid, uniq, order[:n], cost, dataclasses.replace(p, dp_size=dp), seed=seed,
                               replan_tail=n >= len(order))
         return fit_gas(per_micro_step(plan, gb.by) * p.dp_size / dp, gb.value, gb.tolerance, micro_steps_per_step)
+    policy, params = params.oversize, dataclasses.replace(params, oversize="skip")
     fit, tried = fit_of(params), []
     if scaled is not None and not fit.ok and fit.per_micro > 0:
         k = max(1, math.ceil(gb.value / fit.per_micro)) if micro_steps_per_step == "auto" else int(micro_steps_per_step)
@@ -575,6 +578,8 @@ def fit_plain_budgets(params: PlannerParams, cost: CostModel, shapes: Sequence[S
             if fit.ok:
                 break
     if not fit.ok:
+        if policy == "error":   # a sample over these budgets is named first (OversizeSampleError), as the plan would
+            plan_epoch(sid, uniq, order[:n], cost, dataclasses.replace(params, oversize="error"), seed=seed)
         raise PlanError(no_plan_message(gb.value, gb.by, gb.tolerance, tried + [(params.m_comp, fit)], params.dp_size,
                                         micro_steps_per_step))
-    return params, fit.describe()
+    return dataclasses.replace(params, oversize=policy), fit.describe()

@@ -31,9 +31,9 @@ Modes
 
 End of epoch: the final incomplete optimizer step (fewer than ``micro_steps_per_step``
 micro-steps) and the samples left in the pool are re-planned: re-batched and big batches split until
-there are exactly ``dp_size * micro_steps_per_step`` batches per step, dealt cost-sorted into as many
-full steps as the tail holds the mean samples of the epoch's steps (at least one; so the last steps hold
-about the global batch too). If the tail holds fewer samples than one step's batches, its samples join batches of their shape in the last full
+there are exactly ``dp_size * micro_steps_per_step`` batches per step, dealt cost-sorted into one full
+step, or with a global batch (``step_balance``) into as many as the tail holds the mean samples of the
+epoch's steps (so the last steps hold about the global batch too). If the tail holds fewer samples than one step's batches, its samples join batches of their shape in the last full
 step where both budgets allow one more; what finds no room is dropped for this epoch and counted
 in ``EpochPlan.tail_dropped`` (the next epoch's shuffle trains them; a warning names the count).
 Oversize samples (over a budget even at B=1) raise :class:`OversizeSampleError`, or with
@@ -372,7 +372,9 @@ def plan_epoch(shape_ids: np.ndarray, shapes: Sequence[SampleShape], order: np.n
     replanned = 0
     if tail:
         full = len(builder.shape) // (dp * ga)
-        rebatched = _rebatch_tail(table, tail, dp * ga, builder.offsets[-1] / full if full else None)
+        # with a global batch (step_balance) as many steps as the tail holds the mean step; else one, as always
+        rebatched = _rebatch_tail(table, tail, dp * ga,
+                                  builder.offsets[-1] / full if full and params.step_balance else None)
         if rebatched is None:
             tail_dropped = _absorb_into_last_step(builder, table, tail, dp * ga)
         else:
