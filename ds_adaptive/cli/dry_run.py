@@ -44,6 +44,7 @@ from ds_adaptive.models.registry import default_model, model_names
 from ds_adaptive.core.layout import MESH_KEYS, SequenceParallelError, resolve_sp_size
 from ds_adaptive.core.config import AdaptiveLoadConfig, ConfigError
 from ds_adaptive.planning.validate import RunFacts, context_parallel_mode, run_problems
+from ds_adaptive.planning.global_batch import describe_step_stats, step_stats
 from ds_adaptive.core.ds_config import accumulation_steps
 from ds_adaptive.core.config import ConfigError
 from ds_adaptive.core.ds_config import load_adaptive_config, read_ds_config
@@ -51,7 +52,7 @@ from ds_adaptive.core.layout import Layout
 from ds_adaptive.models.family import ModelError
 from ds_adaptive.models.registry import get_model
 from ds_adaptive.planning.profile import ProfileError, load_profile
-from ds_adaptive.planning.planner import PlanError
+from ds_adaptive.planning.planner import OversizeSampleError, PlanError
 from ds_adaptive.simulation.context_parallel import uniform_densities
 from ds_adaptive.training.assemble import build_run
 from ds_adaptive.cli.dry_run_trainer import (TrainerArgumentError, UsageError as TrainerUsageError, data_shapes,
@@ -441,6 +442,15 @@ def _check_memory_and_budgets(rep: Report, args: argparse.Namespace, run, n_para
     if mode == "tokens":
         desc += f", max_tokens {b['max_tokens']}"
     rep.row("budgets", desc, "ok")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            stats = step_stats(run.sampler.plan)
+    except (PlanError, OversizeSampleError):   # an oversize sample: the shapes row below names it
+        stats = None
+    if stats is not None:
+        rep.row("global batch", describe_step_stats(stats, s.global_batch) + f" ({run.layout.dp_size} data-parallel "
+                f"rank(s), {run.sampler.plan.num_steps} steps in an epoch of {len(run.sampler.shapes):,} samples)", "ok")
     if static + b["m_mem"] > gpu:
         rep.fail("budgets", f"m_mem {b['m_mem']:.1f} GiB of activations + {static:.1f} GiB static memory of {args.model} "
                             f"= {static + b['m_mem']:.1f} GiB > {gpu:.1f} GiB per GPU: batches planned to m_mem would run "

@@ -1,6 +1,7 @@
 """``ds-adaptive simulate``: plan many ranks on paper with every sampler and score them (CV, balance, predicted
 tokens/s); ``--sparse`` with per-layer x head densities (:mod:`ds_adaptive.simulation.simulate`,
-:mod:`ds_adaptive.simulation.sparse`).
+:mod:`ds_adaptive.simulation.sparse`); ``--config DS_CONFIG``: a whole epoch planned as the trainer plans it with that
+ds_config (global batch, micro-steps, budget search; :mod:`ds_adaptive.simulation.epoch`).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Optional
 from ds_adaptive.core.config import SamplerConfig
 from ds_adaptive.planning.devices import default_profile_name, resolve_auto_profile
 from ds_adaptive.planning.profile import load_profile
+from ds_adaptive.simulation.epoch import simulate_epoch
 from ds_adaptive.simulation.simulate import plot, profile_distribution, simulate
 from ds_adaptive.simulation import sparse as ss
 from ds_adaptive.simulation.context_parallel import simulate_context_parallel
@@ -33,11 +35,22 @@ def _table(result: dict) -> str:
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="ds-adaptive simulate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default=None, help="shape-distribution json (default: the profiled model's shipped mix)")
-    ap.add_argument("--profile", default=default_profile_name(), help="profile name or json path (default: %(default)s)")
+    ap.add_argument("--config", default=None, metavar="DS_CONFIG",
+                    help="plan one whole epoch as the trainer would with this ds_config's adaptive_load block, "
+                         "gradient_accumulation_steps and ZeRO stage (the global batch kept); prints samples and "
+                         "tokens per optimizer step, plan time, peak memory, predicted CV and tokens/s")
+    ap.add_argument("--num-samples", type=int, default=100_000,
+                    help="--config: samples of the epoch, drawn from the shape mix (default: %(default)s)")
+    ap.add_argument("--data", default=None, metavar="DIR",
+                    help="--config: plan the shapes of this dataset directory's index instead of drawn ones")
+    ap.add_argument("--model", default=None, help="--config: the trained model (default: the default model)")
+    ap.add_argument("--profile", default=None, help=f"profile name or json path (default: {default_profile_name()}; "
+                    "with --config: the config's sampler.profile)")
     ap.add_argument("--layers", type=int, default=None,
                     help="transformer blocks of the trained model (as the trainer's --layers; default: the "
                          "profile's): the profile is rescaled to that depth")
     ap.add_argument("--world", type=int, required=True, help="number of GPUs")
+    ap.add_argument("--no-baseline", action="store_true", help="--config: do not plan the equal-token baseline")
     ap.add_argument("--sp", type=int, default=1, help="Ulysses degree (default 1)")
     ap.add_argument("--steps", type=int, default=50, help="optimizer steps to plan (default 50)")
     ap.add_argument("--micro-steps-per-step", type=int, default=1, help="gradient accumulation steps")
@@ -64,6 +77,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--density-step", type=int, default=None,
                     help="with --sparse METRICS.jsonl: use the densities logged at or before this step")
     args = ap.parse_args(argv)
+    if args.config:
+        try:
+            return _run_epoch(args)
+        except (ValueError, FileNotFoundError) as exc:  # config, global batch, budgets: one message
+            print(f"ds-adaptive simulate: error: {exc}", file=sys.stderr)
+            return 2
+    args.profile = args.profile or default_profile_name()
     budgets = {}
     for key in ("m_mem", "m_comp"):
         value = getattr(args, key)
@@ -106,6 +126,32 @@ def _run(args: argparse.Namespace, budgets: dict) -> int:
         print(_table(res))
         if args.plot:
             print(f"wrote {args.plot}")
+    return 0
+
+
+def _epoch_table(r: dict) -> str:
+    sps, tps = r["samples_per_step"], r["tokens_per_step"]
+    gb = r["global_batch"]
+    rows = [f"{r['world']} GPUs (dp {r['dp']}, sp {r['sp']}), {r['num_samples']:,} samples, profile {r['profile']}, "
+            f"global batch {gb if gb else 'not set'}: {r['optimizer_steps']} optimizer steps of "
+            f"{r['micro_steps_per_step']} micro-steps, m_comp {r['m_comp']}, planned in {r['plan_s']:.2f} s, "
+            f"peak RSS {r['peak_rss_mb']:.0f} MB",
+            f"  samples per step mean {sps['mean']:,.1f} (min {sps['min']:,}, max {sps['max']:,}); tokens per step "
+            f"mean {tps['mean']:,.0f} (min {tps['min']:,}, max {tps['max']:,})"]
+    for name in ("dual", "tokens"):
+        if name in r and r[name].get("error"):
+            rows.append(f"  {name:>6}: {r[name]['error']}")
+        elif name in r:
+            rows.append(f"  {name:>6}: predicted CV {r[name]['predicted_cv']:.2%}, "
+                        f"{r[name]['predicted_tokens_per_s']:,.0f} tokens/s")
+    return "\n".join(rows)
+
+
+def _run_epoch(args: argparse.Namespace) -> int:
+    res = simulate_epoch(args.config, world=args.world, num_samples=args.num_samples, sp=args.sp, model=args.model,
+                         shapes=args.shapes, seed=args.seed, gpu_mem_gib=args.gpu_mem_gib, profile=args.profile,
+                         baseline=not args.no_baseline, data=args.data)
+    print(json.dumps(res) if args.json else _epoch_table(res))
     return 0
 
 

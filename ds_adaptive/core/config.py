@@ -37,6 +37,38 @@ class _Block(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True, use_attribute_docstrings=True)
 
 
+class GlobalBatchConfig(_Block):
+    """The global batch of one optimizer step, over all data-parallel ranks (an SP group counts once): set
+    exactly one of `samples` and `tokens`. It means the same on 1 GPU and on 1,024: AdaptiveLoad chooses the
+    micro-batches and the micro-steps per step (`gradient_accumulation_steps`) that fill it, and
+    `m_comp: auto` / `gradient_accumulation_steps: auto` search only among plans that keep it."""
+
+    samples: Optional[int] = Field(None, gt=0)
+    """Samples per optimizer step (mean over the epoch's steps), over all data-parallel ranks."""
+
+    tokens: Optional[int] = Field(None, gt=0)
+    """Tokens (unpadded latent tokens) per optimizer step (mean over the epoch's steps), over all DP ranks."""
+
+    tolerance: float = Field(0.05, gt=0.0, le=0.5)
+    """Largest relative gap between the planned mean per optimizer step and the set value; a plan outside it is
+    not chosen (and when no plan keeps it, the run stops with one line giving the nearest values that can be
+    planned). Single steps vary with the data around the mean (the dry run prints min / max)."""
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        if (self.samples is None) == (self.tokens is None):
+            raise ValueError("set exactly one of 'samples' and 'tokens', e.g. {\"samples\": 256}")
+        return self
+
+    @property
+    def by(self) -> str:   # what the global batch counts
+        return "samples" if self.samples is not None else "tokens"
+
+    @property
+    def value(self) -> int:
+        return int(self.samples if self.samples is not None else self.tokens)
+
+
 class SamplerConfig(_Block):
     """How micro-batches are formed and dealt out to data-parallel ranks."""
 
@@ -136,6 +168,14 @@ class SamplerConfig(_Block):
     oversize: Literal["error", "skip"] = "error"
     """A sample over a budget even at B=1: `error` names it and stops; `skip` drops it with a
     counted warning (never silently)."""
+
+    global_batch: Optional[GlobalBatchConfig] = None
+    """Samples or tokens per optimizer step over all data-parallel ranks, e.g. `{"samples": 256}` or
+    `{"tokens": 4000000}` (docs/SCALE.md): the same on any number of GPUs; the sampler chooses micro-batches and
+    micro-steps per step to fill it within `tolerance` (the mean over the epoch; single steps vary with the
+    data). An int `gradient_accumulation_steps` is kept, and the compute budget is chosen so that that many
+    micro-steps hold it. null: the micro-steps per step alone set the batch (an int `gradient_accumulation_steps`:
+    the dry run prints the global batch it gives; `auto`: it follows the world size, with a warning)."""
 
     lr_scaling: Literal["none", "linear", "sqrt"] = "none"
     """Scale the LR of each optimizer step by (samples / reference_batch) or its sqrt."""

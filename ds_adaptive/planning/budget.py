@@ -65,6 +65,7 @@ tolerance, gas), identical on every rank (dp_rank is not an input) and after a r
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -77,6 +78,8 @@ from ds_adaptive.planning.memory import micro_batch_table, sample_memory
 from ds_adaptive.planning.planner import (EpochPlan, Mode, PlannerParams, bucket_tokens, efficient_batch,
                                          loop_ms_per_micro_step, plan_epoch, unique_shapes)
 from ds_adaptive.core.shapes import SampleShape
+from ds_adaptive.planning.global_batch import fit_gas, no_plan_message, per_micro_step, tokens_per_s_at
+from ds_adaptive.planning.plan_types import PlanError
 
 __all__ = ["BudgetChoice", "choose_compute_budget", "candidate_budgets", "predicted_time_ms", "predicted_times",
            "plan_tokens_per_s", "uses_budget_search",
@@ -95,6 +98,8 @@ GRID_POINTS_ABOVE = 10
 #: grow with it (at most SEARCH_SAMPLES_ABOVE_MAX, at most the dataset)
 SEARCH_MICRO_STEPS = 8
 SEARCH_SAMPLES_ABOVE_MAX = 1 << 21
+#: with ``sampler.global_batch`` the search plans at most this many DP ranks and scales to the cluster
+SEARCH_DP = 16
 
 
 @dataclass(frozen=True)
@@ -119,9 +124,12 @@ class BudgetChoice:
     #: the chosen plan caps each shape's batch at its lowest predicted time per sample
     #: (``PlannerParams.efficient_batches``)
     efficient_batches: bool = False
+    #: with ``sampler.global_batch``: the chosen plan's fit (``GasFit.describe``: gas, per_micro, predicted, error)
+    global_batch: Optional[dict] = None
 
     def describe(self) -> dict:
         return {"m_comp": self.m_comp, "micro_steps_per_step": self.micro_steps_per_step,
+                "global_batch": self.global_batch,
                 "efficient_batches": self.efficient_batches,
                 "predicted_tokens_per_s": self.predicted_tokens_per_s, "reference_m_comp": self.reference_m_comp,
                 "reference_tokens_per_s": self.reference_tokens_per_s, "samples_planned": self.samples_planned,
@@ -141,7 +149,7 @@ def shape_tables(cost: CostModel, shapes: Sequence[SampleShape], m_mem: float) -
     B = 0..(its largest batch within ``m_mem``), with that batch's checkpoint plan. No budget changes them: the
     search builds them once for every candidate."""
     out = []
-    for s in sorted(set(shapes)):
+    for s in unique_shapes(shapes)[0]:
         b_mem = int(math.floor(m_mem / sample_memory(cost, s) * (1 + 1e-12)))
         if b_mem >= 1:
             out.append(micro_batch_table(cost, s, b_mem, m_mem))
@@ -251,7 +259,7 @@ def choose_compute_budget(cost: CostModel, shapes: Sequence[SampleShape], *, m_m
                           dp_size: int, micro_steps_per_step: Union[int, str] = 1, window: int = 256,
                           balance_tolerance: float = 0.03, seed: int = 0,
                           max_samples: int = SEARCH_SAMPLES, max_tokens: Optional[int] = None,
-                          batch_cap: bool = True) -> BudgetChoice:
+                          batch_cap: bool = True, global_batch=None) -> BudgetChoice:
     """The candidate budget (:func:`candidate_budgets`) with the highest predicted tokens/s over the plan
     of the first samples of epoch 0's order (the sampler's shuffle for ``seed``): for each candidate the
     first ``min(max(max_samples, 2 x window x dp), SEARCH_SAMPLES_MAX)`` samples, more for large budgets
@@ -263,8 +271,20 @@ def choose_compute_budget(cost: CostModel, shapes: Sequence[SampleShape], *, m_m
     when given, the equal-token plan of the same samples is scored (``equal_token_tokens_per_s``) and its
     costliest batch is a candidate. Ties go to the larger budget. ``batch_cap``: also score each budget with every
     shape's batch capped at its lowest time per sample, where that changes a batch (``efficient_batches``).
-    Oversize samples (over ``m_mem``) are left out of the search (the sampler's own plan reports them)."""
-    uniq, sid = unique_shapes(list(shapes))
+    Oversize samples (over ``m_mem``) are left out of the search (the sampler's own plan reports them).
+
+    ``global_batch`` (a :class:`ds_adaptive.core.config.GlobalBatchConfig`): only plans whose micro-steps per step
+    (``auto``: ``round(G / per micro-step)``; an int: as given) hold it within its tolerance are scored
+    (:mod:`ds_adaptive.planning.global_batch`), budgets scaled towards it are added when the grid misses it
+    (:func:`_global_batch_candidates`), and :class:`PlanError` names the range that can be planned when no plan
+    keeps it. With a global batch the search plans ``min(dp_size, SEARCH_DP)`` ranks (a sample of the cluster: the
+    budget's batches and balance are per rank) and scales the counts per micro-step and tokens/s to ``dp_size``; the
+    sampler checks the epoch's own plan against the global batch (:func:`ds_adaptive.planning.sampler.build_batch_sampler`)."""
+    full_dp = dp_size
+    if global_batch is not None:
+        dp_size = min(dp_size, SEARCH_DP)
+    scale = full_dp / dp_size
+    uniq, sid = unique_shapes(shapes)
     order = np.random.default_rng([int(seed), 0]).permutation(len(shapes))
     mem1 = np.array([sample_memory(cost, s) for s in uniq])
     order = order[mem1[sid[order]] <= m_mem]
@@ -281,12 +301,19 @@ def choose_compute_budget(cost: CostModel, shapes: Sequence[SampleShape], *, m_m
         n = _samples_for(m, cost, base, mean_cost, dp_size)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            plan = plan_epoch(sid, uniq, order[:n], cost, params, seed=seed)
-        # a prefix of the epoch: its re-planned last step is not the epoch's
-        return _tokens_per_s(plan, cost, steady=n < len(order)), plan, min(n, len(order))
+            # a prefix of the epoch: with a global batch its last step is not re-planned (its micro-steps are scored,
+            # not its steps); without one, as the search always scored, re-planned and left out (steady)
+            plan = plan_epoch(sid, uniq, order[:n], cost, params, seed=seed,
+                              replan_tail=global_batch is None or n >= len(order))
+        return _tokens_per_s(plan, cost, steady=global_batch is None and n < len(order)), plan, min(n, len(order))
 
     def score(m: float, capped: bool = False) -> dict:
         if (m, capped) not in rows:
+            if global_batch is not None:
+                rows[m, capped] = _score_for_global_batch(plan_for, m, capped, rows, global_batch, cost, dp_size,
+                                                          micro_steps_per_step, window, balance_tolerance, m_mem,
+                                                          scale)
+                return rows[m, capped]
             gas = _gas_for(m, reference, micro_steps_per_step)
             tps, plan, n = plan_for(PlannerParams(mode="dual", dp_size=dp_size, micro_steps_per_step=gas, m_mem=m_mem,
                                                   m_comp=m, window=window, oversize="skip",
@@ -296,12 +323,16 @@ def choose_compute_budget(cost: CostModel, shapes: Sequence[SampleShape], *, m_m
                                "tokens_per_s": tps, "micro_steps": plan.num_micro_steps, "samples": n}
         return rows[m, capped]
 
-    equal_tps = None
+    equal_tps, equal_gas = None, _gas_for(reference, reference, micro_steps_per_step)  # "auto": 1, as the baseline runs
     if max_tokens is not None:   # the equal-token plan of the same samples: scored, and its costliest batch a candidate
-        gas = _gas_for(reference, reference, micro_steps_per_step)   # "auto": 1, as the baseline runs it
-        equal_tps, eq, _ = plan_for(PlannerParams(mode="tokens", dp_size=dp_size, micro_steps_per_step=gas,
-                                                  m_mem=m_mem, max_tokens=int(max_tokens), window=window,
-                                                  oversize="skip"), max(upper, reference))
+        equal_tps, eq, n_eq = plan_for(PlannerParams(mode="tokens", dp_size=dp_size, micro_steps_per_step=equal_gas,
+                                                     m_mem=m_mem, max_tokens=int(max_tokens), window=window,
+                                                     oversize="skip"), max(upper, reference))
+        if global_batch is not None:   # only a plan that keeps the global batch may win
+            fit = fit_gas(per_micro_step(eq, global_batch.by) * scale, global_batch.value, global_batch.tolerance,
+                          micro_steps_per_step)
+            equal_gas = fit.gas
+            equal_tps = tokens_per_s_at(eq, cost, fit.gas) * scale if fit.ok else 0.0
         if eq.batch_cost.size:
             top = float(eq.batch_cost.max())
             if all(abs(top - c) > 0.03 * c for c in cands):
@@ -312,6 +343,16 @@ def choose_compute_budget(cost: CostModel, shapes: Sequence[SampleShape], *, m_m
         loop = loop_ms_per_micro_step(cost.profile, _gas_for(m, reference, micro_steps_per_step))
         if batch_cap and _cap_changes(tables, m, loop):
             table.append(score(m, capped=True))
+    for it in range(6 if global_batch is not None else 0):   # budgets aimed at the global batch
+        if any(r["keeps_global_batch"] for r in table) and it >= 1:
+            break
+        table += [score(m) for m in _global_batch_candidates(table, global_batch, micro_steps_per_step, cost.c0,
+                                                             min(cands), max(upper, reference))]
+    if global_batch is not None:
+        table.sort(key=lambda r: (r["m_comp"], r["efficient_batches"]))
+        if not any(r["keeps_global_batch"] for r in table) and not equal_tps:
+            raise PlanError(no_plan_message(global_batch.value, global_batch.by, global_batch.tolerance,
+                                            [(r["m_comp"], r["fit"]) for r in table], full_dp, micro_steps_per_step))
     best = table[_best_index(table)]
     ref = score(float(reference))
     if best["tokens_per_s"] <= 0:
@@ -319,12 +360,70 @@ def choose_compute_budget(cost: CostModel, shapes: Sequence[SampleShape], *, m_m
     # never slower than the baseline by the same prediction: its plan is the last candidate
     tokens_wins = equal_tps is not None and equal_tps > best["tokens_per_s"]
     return BudgetChoice(m_comp=best["m_comp"], micro_steps_per_step=best["micro_steps_per_step"] if not tokens_wins
-                        else _gas_for(reference, reference, micro_steps_per_step),
+                        else equal_gas,
                         predicted_tokens_per_s=equal_tps if tokens_wins else best["tokens_per_s"],
-                        reference_m_comp=reference, reference_tokens_per_s=ref["tokens_per_s"],
-                        samples_planned=int(best["samples"]), candidates=tuple(table),
+                        reference_m_comp=reference, reference_tokens_per_s=ref.get("raw_tokens_per_s",
+                                                                                   ref["tokens_per_s"]),
+                        samples_planned=int(best["samples"]), candidates=tuple(
+                            {k: v for k, v in r.items() if k != "fit"} for r in table),
                         equal_token_tokens_per_s=equal_tps, plan_mode="tokens" if tokens_wins else "dual",
-                        efficient_batches=bool(best["efficient_batches"]) and not tokens_wins)
+                        efficient_batches=bool(best["efficient_batches"]) and not tokens_wins,
+                        global_batch=None if global_batch is None or tokens_wins else best["fit"].describe())
+
+
+def _score_for_global_batch(plan_for, m: float, capped: bool, rows: dict, gb, cost: CostModel, dp_size: int,
+                            micro_steps_per_step, window: int, tolerance: float, m_mem: float, scale: float) -> dict:
+    """A candidate row under ``global_batch``: the plan of budget ``m`` (capped: planned with the micro-steps per
+    step of the uncapped row, which the cap's loop share uses), its micro-steps per step for the global batch
+    (:func:`ds_adaptive.planning.global_batch.fit_gas`) and its predicted tokens/s at them (0 when the plan does
+    not keep the global batch; ``raw_tokens_per_s`` has it regardless). ``scale``: the cluster's DP ranks over the
+    planned ones (counts and tokens/s are the cluster's)."""
+    fixed = micro_steps_per_step if micro_steps_per_step != "auto" else None
+    est = rows[m, False]["micro_steps_per_step"] if capped and (m, False) in rows else None
+    plan_gas = int(fixed or est or 1)
+    _, plan, n = plan_for(PlannerParams(mode="dual", dp_size=dp_size, micro_steps_per_step=plan_gas, m_mem=m_mem,
+                                        m_comp=m, window=window, oversize="skip", balance_tolerance=tolerance,
+                                        solo_over_budget=True, efficient_batches=capped), m)
+    fit = fit_gas(per_micro_step(plan, gb.by) * scale, gb.value, gb.tolerance, micro_steps_per_step)
+    raw = tokens_per_s_at(plan, cost, fit.gas) * scale
+    return {"m_comp": m, "micro_steps_per_step": fit.gas, "efficient_batches": capped,
+            "tokens_per_s": raw if fit.ok else 0.0, "raw_tokens_per_s": raw, "micro_steps": plan.num_micro_steps,
+            "samples": n, "global_batch": fit.predicted, "keeps_global_batch": fit.ok, "fit": fit}
+
+
+def _global_batch_candidates(table: Sequence[dict], gb, micro_steps_per_step, c0: float, lo: float, hi: float,
+                             best: int = 3) -> list[float]:
+    """Budgets aimed at the global batch: for the micro-step counts ``k`` nearest ``G / q`` of the ``best`` fastest
+    rows (by ``raw_tokens_per_s``) that miss it (``q``: their samples or tokens per micro-step), the budget where
+    ``k x q`` crosses ``G`` between two scored budgets (linear interpolation of ``q`` over the budget), or, past
+    the scored range, the row's budget scaled by ``G / (k q)`` above the per-micro-batch cost ``c0`` (a
+    micro-step's samples grow about linearly with the budget there). Within ``[lo, hi]``, not within 0.5% of a
+    scored budget."""
+    rows = sorted((r for r in table if not r["efficient_batches"] and r["fit"].per_micro > 0), key=lambda r: r["m_comp"])
+    misses = sorted((r for r in table if not r["keeps_global_batch"] and r["fit"].per_micro > 0),
+                    key=lambda r: -r["raw_tokens_per_s"])[:best]
+    have = [r["m_comp"] for r in table]
+    out: list[float] = []
+
+    def add(m2: float) -> None:
+        m2 = float(min(max(m2, lo), hi))
+        if all(abs(m2 - x) > 0.005 * x for x in have + out):
+            out.append(m2)
+    for r in misses:
+        q, m = r["fit"].per_micro, r["m_comp"]
+        ks = ({max(1, math.floor(gb.value / q)), max(1, math.ceil(gb.value / q))} if micro_steps_per_step == "auto"
+              else {int(micro_steps_per_step)})
+        for k in sorted(ks):
+            want = gb.value / k
+            crossed = False
+            for a, b in zip(rows, rows[1:]):
+                qa, qb = a["fit"].per_micro, b["fit"].per_micro
+                if (qa - want) * (qb - want) < 0:
+                    add(a["m_comp"] + (want - qa) * (b["m_comp"] - a["m_comp"]) / (qb - qa))
+                    crossed = True
+            if not crossed:
+                add(c0 + (m - c0) * want / q)
+    return out
 
 
 def _cap_changes(tables: Sequence, m_comp: float, loop_ms: float) -> bool:
@@ -366,7 +465,8 @@ def resolve_budgets(*, mode: Mode, cost: CostModel, shapes: Sequence[SampleShape
                     m_mem: "float | str", m_comp: "float | str", max_tokens: Optional[int],
                     gpu_mem_gib: Optional[float], mem_utilization: Optional[float], zero_stage: int,
                     dp_size: int, micro_steps_per_step: "int | str" = 1, window: int = 256,
-                    balance_tolerance: float = 0.03, seed: int = 0, batch_cap: bool = True) -> dict:
+                    balance_tolerance: float = 0.03, seed: int = 0, batch_cap: bool = True, global_batch=None,
+                    fixed_batch_sizes=None, oversize: str = "skip") -> dict:
     """Numbers for ``auto`` budgets (``shapes``: one per sample; the budget search weighs shapes by count).
 
     - ``m_mem: auto`` = usable GPU memory - static memory (ZeRO stage, ranks); usable = capacity x
@@ -380,6 +480,10 @@ def resolve_budgets(*, mode: Mode, cost: CostModel, shapes: Sequence[SampleShape
       else the reference itself. ``batch_cap``: the search may cap each shape's batches at their lowest time
       per sample (``sampler.batch_cap``).
     - ``micro_steps_per_step``: an int is kept; ``"auto"`` = the search's choice (1 without a search).
+    - ``global_batch`` (``sampler.global_batch``; ``oversize``: the sampler's policy, which the fit without a search
+      plans with, so that a sample over fixed budgets is named before the global batch): the search keeps it (:func:`choose_compute_budget`); without a
+      search, ``"auto"`` micro-steps per step are fitted to it from a plan of the epoch's first samples
+      (:func:`fit_plain_budgets`), and a global batch the budgets cannot keep is a :class:`PlanError`.
     - ``max_tokens`` (tokens mode) = the tokens that ``m_mem`` holds at the per-token memory of the
       longest sample, so that both baselines run at the same memory budget as ``dual``.
 
@@ -389,7 +493,7 @@ def resolve_budgets(*, mode: Mode, cost: CostModel, shapes: Sequence[SampleShape
     search found the equal-token plan faster; ``efficient_batches``: the search's choice to cap batches at their
     lowest time per sample).
     """
-    uniq = sorted(set(shapes))
+    uniq = unique_shapes(shapes)[0]
     if m_mem == "auto":
         m_mem_v = cost.auto_memory_budget(gpu_mem_gib, mem_utilization, zero_stage=zero_stage, dp_size=dp_size)
     else:
@@ -410,11 +514,72 @@ def resolve_budgets(*, mode: Mode, cost: CostModel, shapes: Sequence[SampleShape
             choice = choose_compute_budget(cost, shapes, m_mem=m_mem_v, reference=m_comp_v, dp_size=dp_size,
                                            micro_steps_per_step=micro_steps_per_step, window=window,
                                            balance_tolerance=balance_tolerance, seed=seed, max_tokens=max_tokens_v,
-                                           batch_cap=batch_cap)
+                                           batch_cap=batch_cap, global_batch=global_batch)
             m_comp_v, gas = choice.m_comp, choice.micro_steps_per_step
     else:
         m_comp_v = float(m_comp)
     plan_mode = choice.plan_mode if choice is not None else mode
-    return {"m_mem": m_mem_v, "m_comp": m_comp_v, "max_tokens": max_tokens_v, "micro_steps_per_step": int(gas),
-            "solo_over_budget": choice is not None and plan_mode == "dual", "budget_choice": choice,
+    fit, solo = None, choice is not None and plan_mode == "dual"
+    if global_batch is not None and choice is None:
+        scaled = {"dual": "m_comp", "tokens": "max_tokens"}.get(mode) if (
+            m_comp == "auto" if mode == "dual" else max_tokens is None) else None
+        params, fit = fit_plain_budgets(
+            PlannerParams(mode=mode, dp_size=dp_size, micro_steps_per_step=1 if gas == "auto" else int(gas),
+                          m_mem=m_mem_v, m_comp=m_comp_v if mode == "dual" else None,
+                          max_tokens=max_tokens_v if mode == "tokens" else None, fixed_batch_sizes=fixed_batch_sizes,
+                          window=window, oversize=oversize, balance_tolerance=balance_tolerance),
+            cost, shapes, global_batch, micro_steps_per_step, seed, scaled=scaled)
+        gas, solo = fit["gas"], params.solo_over_budget
+        m_comp_v = params.m_comp if mode == "dual" else m_comp_v
+        max_tokens_v = params.max_tokens if mode == "tokens" else max_tokens_v
+    return {"global_batch_fit": fit if fit is not None else (
+                None if choice is None or choice.global_batch is None else choice.global_batch),
+            "m_mem": m_mem_v, "m_comp": m_comp_v, "max_tokens": max_tokens_v, "micro_steps_per_step": int(gas),
+            "solo_over_budget": solo, "budget_choice": choice,
             "plan_mode": plan_mode, "efficient_batches": choice is not None and choice.efficient_batches}
+
+
+def fit_plain_budgets(params: PlannerParams, cost: CostModel, shapes: Sequence[SampleShape], global_batch,
+                      micro_steps_per_step, seed: int = 0, scaled: Optional[str] = None
+                      ) -> "tuple[PlannerParams, dict]":
+    """Micro-steps per step for ``global_batch`` without the budget search, from plans of the first
+    ``max(SEARCH_SAMPLES, 2 x window x dp)`` samples of epoch 0's order. ``scaled`` (``"m_comp"`` / ``"max_tokens"``:
+    a budget that was ``auto``) may be lowered so that the micro-steps hold ``G / k``, ``k`` the fewest micro-steps
+    per step (``auto``) or the given int: at most 4 plans, each budget the last one times the ratio of wanted to
+    planned samples per micro-step; under a lowered ``m_comp`` samples costlier than it run alone
+    (``solo_over_budget``). Raises :class:`PlanError` when no plan keeps the global batch. Returns the params and
+    ``GasFit.describe()``."""
+    uniq, sid = unique_shapes(shapes)
+    order = np.random.default_rng([int(seed), 0]).permutation(len(sid))
+    dp = min(params.dp_size, SEARCH_DP)   # a sample of the ranks, scaled to the cluster (as the search does)
+    n = min(max(SEARCH_SAMPLES, 2 * params.window * dp), SEARCH_SAMPLES_MAX)
+    gb = global_batch
+
+    def fit_of(p: PlannerParams):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plan = plan_epoch(sid, uniq, order[:n], cost, dataclasses.replace(p, dp_size=dp), seed=seed,
+                              replan_tail=n >= len(order))
+        return fit_gas(per_micro_step(plan, gb.by) * p.dp_size / dp, gb.value, gb.tolerance, micro_steps_per_step)
+    policy, params = params.oversize, dataclasses.replace(params, oversize="skip")
+    fit, tried = fit_of(params), []
+    if scaled is not None and not fit.ok and fit.per_micro > 0:
+        k = max(1, math.ceil(gb.value / fit.per_micro)) if micro_steps_per_step == "auto" else int(micro_steps_per_step)
+        top = getattr(params, scaled)
+        for _ in range(4):
+            tried.append((getattr(params, scaled), fit))
+            value = getattr(params, scaled) * gb.value / (k * fit.per_micro)
+            # max_tokens never below the longest sample (it would be oversize): the fewest micro-steps may not hold it
+            floor = max(cost.padded_tokens(u) for u in uniq) if scaled == "max_tokens" else 0
+            value = min(value, top) if scaled == "m_comp" else int(min(max(value, floor), top))
+            params = dataclasses.replace(params, **{scaled: value},
+                                         solo_over_budget=scaled == "m_comp" and value < top)
+            fit = fit_of(params)
+            if fit.ok:
+                break
+    if not fit.ok:
+        if policy == "error":   # a sample over these budgets is named first (OversizeSampleError), as the plan would
+            plan_epoch(sid, uniq, order[:n], cost, dataclasses.replace(params, oversize="error"), seed=seed)
+        raise PlanError(no_plan_message(gb.value, gb.by, gb.tolerance, tried + [(params.m_comp, fit)], params.dp_size,
+                                        micro_steps_per_step))
+    return dataclasses.replace(params, oversize=policy), fit.describe()

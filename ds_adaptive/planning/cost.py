@@ -222,35 +222,8 @@ class CostModel:
         return ckpt_blocks == self.profile_ckpt_blocks() and (ckpt_blocks == 0 or self.checkpoint_attention != "keep")
 
     def ckpt_memory(self, shape_or_tokens: Union[SampleShape, int], batch_size, ckpt_blocks):
-        """Activation memory (GiB) of a micro-batch with the FIRST ``ckpt_blocks`` blocks checkpointed
-        (numpy arrays broadcast over ``batch_size`` / ``ckpt_blocks``).
-
-        Per sample, with ``E`` the embed/head + backward working set, ``c`` a checkpointed block's
-        input, ``g`` a whole block's activations and ``d`` the last-block term (all three
-        ``per-sample + per-token x S/sp``)::
-
-            mem(n) = E + n c + max(L - n, 1) g + (d if n < L else 0)
-
-        (the backward starts at the last block: with n < L the L - n whole blocks are held at once and the
-        head's backward runs on top of them, ``d`` more than the working set the all-checkpointed fit saw;
-        with n = L the last block is recomputed after the head's backward, so one block's g is held on top
-        of L inputs: checkpointing the last block saves ``d - c``, nothing in profiles without ``d``).
-        ``E`` comes from the profile's own fit (``m0 + m1 S`` at all blocks checkpointed, or none), so
-        ``mem(profile's own n)`` is that fit exactly. A video of a run with per-token timesteps adds the
-        profile's per-token terms to ``m1`` and ``g`` (:meth:`Profile.per_token_extra`): its modulation
-        table in every whole block, and once outside the blocks."""
-        pr = self.profile
-        s = float(self.padded_tokens(shape_or_tokens)) / self.sp
-        L = pr.num_layers
-        pt_own, pt_block = pr.per_token_extra(shape_or_tokens)
-        own = pr.m0_gib + (pr.m1_gib_per_token + pt_own) * s
-        g = pr.block_full_gib[0] + (pr.block_full_gib[1] + pt_block) * s
-        c = pr.block_ckpt_gib[0] + pr.block_ckpt_gib[1] * s
-        d = pr.last_whole_gib[0] + pr.last_whole_gib[1] * s
-        e = own - (L * c + g if pr.gradient_checkpointing else L * g + d)
-        c += self.kept_attention_gib_per_token() * s           # ``keep``: the attention output and LSE too
-        n = np.asarray(ckpt_blocks)
-        return np.asarray(batch_size) * (e + n * c + np.maximum(L - n, 1) * g + np.where(n < L, d, 0.0))
+        """Activation memory (GiB) with the first ``ckpt_blocks`` blocks checkpointed: :func:`checkpointed_memory`."""
+        return checkpointed_memory(self, shape_or_tokens, batch_size, ckpt_blocks)
 
     def kept_attention_gib_per_token(self) -> float:
         """What a checkpointed block holds beyond its input under ``checkpoint_attention: keep`` (GiB per token
@@ -387,3 +360,35 @@ class CostModel:
                 "comm_ms_per_token": self._comm_ms_per_token, "checkpointing": self.checkpointing,
                 "checkpoint_attention": self.checkpoint_attention,
                 "checkpoint_source": self.profile.checkpoint_source, "context_parallel": self.context_parallel}
+
+
+def checkpointed_memory(cost: "CostModel", shape_or_tokens: Union[SampleShape, int], batch_size, ckpt_blocks):
+    """Activation memory (GiB) of a micro-batch with the FIRST ``ckpt_blocks`` blocks checkpointed
+    (numpy arrays broadcast over ``batch_size`` / ``ckpt_blocks``).
+
+    Per sample, with ``E`` the embed/head + backward working set, ``c`` a checkpointed block's
+    input, ``g`` a whole block's activations and ``d`` the last-block term (all three
+    ``per-sample + per-token x S/sp``)::
+
+        mem(n) = E + n c + max(L - n, 1) g + (d if n < L else 0)
+
+    (the backward starts at the last block: with n < L the L - n whole blocks are held at once and the
+    head's backward runs on top of them, ``d`` more than the working set the all-checkpointed fit saw;
+    with n = L the last block is recomputed after the head's backward, so one block's g is held on top
+    of L inputs: checkpointing the last block saves ``d - c``, nothing in profiles without ``d``).
+    ``E`` comes from the profile's own fit (``m0 + m1 S`` at all blocks checkpointed, or none), so
+    ``mem(profile's own n)`` is that fit exactly. A video of a run with per-token timesteps adds the
+    profile's per-token terms to ``m1`` and ``g`` (:meth:`Profile.per_token_extra`). :meth:`CostModel.ckpt_memory`.: its modulation
+    table in every whole block, and once outside the blocks."""
+    pr = cost.profile
+    s = float(cost.padded_tokens(shape_or_tokens)) / cost.sp
+    L = pr.num_layers
+    pt_own, pt_block = pr.per_token_extra(shape_or_tokens)
+    own = pr.m0_gib + (pr.m1_gib_per_token + pt_own) * s
+    g = pr.block_full_gib[0] + (pr.block_full_gib[1] + pt_block) * s
+    c = pr.block_ckpt_gib[0] + pr.block_ckpt_gib[1] * s
+    d = pr.last_whole_gib[0] + pr.last_whole_gib[1] * s
+    e = own - (L * c + g if pr.gradient_checkpointing else L * g + d)
+    c += cost.kept_attention_gib_per_token() * s           # ``keep``: the attention output and LSE too
+    n = np.asarray(ckpt_blocks)
+    return np.asarray(batch_size) * (e + n * c + np.maximum(L - n, 1) * g + np.where(n < L, d, 0.0))

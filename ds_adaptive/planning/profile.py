@@ -382,83 +382,8 @@ class Profile:
                       f"faster); for a profile of this path: {how}")
 
     def with_num_layers(self, num_layers: int) -> "Profile":
-        """The same calibration for the model with ``num_layers`` transformer blocks instead of
-        ``self.num_layers`` (e.g. a run with ``--layers 4`` of the 30-block Wan 1.3B profile).
-
-        Calibrated time is ``blocks x block(S) + embed/head`` and activation memory per token is
-        ``one block's recomputed working set + blocks x dim x 2 bytes (checkpointed bf16 block inputs)
-        + embed/head`` (``ds-adaptive calibrate`` differences two depths; its measurements give
-        exactly 2.0 bytes per token per dim per block). With ``f = num_layers / self.num_layers``:
-
-        - ``c0_ms``: ``f x (c0 - EMBED_HEAD_MS) + EMBED_HEAD_MS`` (2 ms per micro-batch of
-          embed/head launches is depth-independent; the rest of the intercept is the blocks').
-        - ``a_ms_per_token``: ``f x (a - e) + e`` with ``e = 12 x dim x 64 FLOP / 400 TFLOP/s``, the
-          embed/head per-token time (depth-independent).
-        - ``b_ms_per_token2``: ``f x b`` (all of the S^2 term is attention, in the blocks).
-        - ``m1_gib_per_token``: minus ``dim x 2`` bytes per removed block; ``m0_gib`` unchanged
-          (per-sample, not per-block).
-        - Ulysses comm: unchanged per layer (``comm.bytes_per_token_per_layer``); :class:`CostModel`
-          multiplies it by ``num_layers``, so the total scales with depth.
-        - Static memory: ``params`` minus ``model.block_params`` per removed block (embeddings and
-          head kept), ``stage3_live_params`` capped at the new ``params``; ``bytes_per_param``,
-          ``workspace_gib``, ``gpu_mem_gib``, ``sp``, heads and dim unchanged. A budget of
-          ``m_mem: auto`` resolved with the result is the reduced model's own (its smaller static
-          memory): a reduced model gets larger micro-batches than the full-depth one.
-        - ``train_overheads`` (measured): x the params ratio (per-parameter hooks and optimizer work);
-          without one, the per-parameter estimates apply to the new ``params`` anyway.
-        - The calibration's fit points and raw measurements (full-depth) are dropped.
-
-        ``EMBED_HEAD_MS`` and the per-token FLOP are estimates, not fitted. Against the shipped
-        calibrations' own reduced-depth measurements (``measurements.raw``: 1.3B at 2 and 4 blocks,
-        14B at 1 and 2), the rescaled profiles predict time and activation memory at the points the
-        full-depth fit uses (B x S >= 8192 tokens) as well as the full-depth fit itself; latency-bound micro-batches (one short sample) are underpredicted there as at
-        full depth. Returns ``self`` when the depth is unchanged; the result's
-        ``rescaled_from_layers`` is the original depth. Needs ``model.block_params`` in the profile
-        json (written by ``ds-adaptive calibrate``).
-        """
-        L0 = self.num_layers
-        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-            raise ValueError(f"num_layers must be an int >= 1, got {num_layers!r}")
-        if num_layers == L0:
-            return self
-        raw = self.raw
-        if "block_params" not in raw.get("model", {}):
-            raise ProfileDepthError(f"profile {self.name} has no model.block_params: cannot rescale it from {L0} to "
-                               f"{num_layers} blocks; re-create it with `ds-adaptive calibrate`, or calibrate "
-                               f"the {num_layers}-block model")
-        # The arithmetic below is bench/training/e2e.py's former scale_profile_depth, operation for operation:
-        # e2e's GPU results were planned with it (tests/test_cost.py pins the numbers).
-        f = num_layers / L0
-        dim = int(raw["model"]["dim"])
-        e_tok = EMBED_HEAD_FLOP_PER_TOKEN_PER_DIM * dim / EMBED_HEAD_FLOPS * 1e3   # ms per token
-        d = copy.deepcopy(dict(raw))
-        c, c_raw = d["compute"], raw["compute"]
-        c["c0_ms"] = f * max(c_raw["c0_ms"] - EMBED_HEAD_MS, 0.0) + min(EMBED_HEAD_MS, c_raw["c0_ms"])
-        c["a_ms_per_token"] = f * max(c_raw["a_ms_per_token"] - e_tok, 0.0) + min(e_tok, c_raw["a_ms_per_token"])
-        c["b_ms_per_token2"] = f * c_raw["b_ms_per_token2"]
-        c.pop("fit", None)   # the fit's points are full-depth measurements
-        dbytes = 2 * dim / 2**30
-        d["memory"]["m1_gib_per_token"] = raw["memory"]["m1_gib_per_token"] - (L0 - num_layers) * dbytes
-        d["memory"].pop("fit", None)
-        pt = d["memory"].get("per_token_timesteps")
-        if pt and not self.gradient_checkpointing:   # the fit's extra holds every (whole) block's
-            pt["m1_gib_per_token"] = float(pt["m1_gib_per_token"]) - (L0 - num_layers) * float(
-                pt["block_full_m1_gib_per_token"])
-        params = int(raw["model"]["params"]) - (L0 - num_layers) * int(raw["model"]["block_params"])
-        d["model"]["num_layers"] = num_layers
-        d["model"]["params"] = params
-        d["static_memory"]["params"] = params
-        d["static_memory"]["stage3_live_params"] = min(int(raw["static_memory"]["stage3_live_params"]), params)
-        d.pop("measurements", None)
-        if "train_overheads" in d:   # per-parameter work (hooks, optimizer): x the params ratio
-            ov = d["train_overheads"]
-            for k in ("micro_step_ms", "optimizer_step_ms"):
-                ov[k] = float(ov[k]) * params / int(raw["model"]["params"])
-        d["name"] = f"{raw.get('name', 'profile')}-{num_layers}blocks"
-        d["source"] = (f"{raw.get('name')} rescaled from {L0} to {num_layers} blocks by ds_adaptive.planning.cost "
-                       "(Profile.with_num_layers): block terms x depth ratio, embed/head terms kept")
-        out = Profile.from_dict(d, where=f"{self.name} at {num_layers} blocks")
-        return dataclasses.replace(out, rescaled_from_layers=self.rescaled_from_layers or L0)
+        """The same calibration for a model with ``num_layers`` blocks: :func:`rescale_depth` (the rules there)."""
+        return rescale_depth(self, num_layers)
 
     def with_train_overheads(self, micro_step_ms: float, optimizer_step_ms: float) -> "Profile":
         """The same calibration with other training-loop terms (``train_overheads``: ms per micro-step and per
@@ -557,3 +482,81 @@ def load_profile(name_or_path: Union[str, Path, Mapping[str, Any]]) -> Profile:
     return Profile.from_dict(data, where=str(path))
 
 
+def rescale_depth(self: "Profile", num_layers: int) -> "Profile":
+    """(:meth:`Profile.with_num_layers`) The same calibration for the model with ``num_layers`` transformer blocks instead of
+    ``self.num_layers`` (e.g. a run with ``--layers 4`` of the 30-block Wan 1.3B profile).
+
+    Calibrated time is ``blocks x block(S) + embed/head`` and activation memory per token is
+    ``one block's recomputed working set + blocks x dim x 2 bytes (checkpointed bf16 block inputs)
+    + embed/head`` (``ds-adaptive calibrate`` differences two depths; its measurements give
+    exactly 2.0 bytes per token per dim per block). With ``f = num_layers / self.num_layers``:
+
+    - ``c0_ms``: ``f x (c0 - EMBED_HEAD_MS) + EMBED_HEAD_MS`` (2 ms per micro-batch of
+      embed/head launches is depth-independent; the rest of the intercept is the blocks').
+    - ``a_ms_per_token``: ``f x (a - e) + e`` with ``e = 12 x dim x 64 FLOP / 400 TFLOP/s``, the
+      embed/head per-token time (depth-independent).
+    - ``b_ms_per_token2``: ``f x b`` (all of the S^2 term is attention, in the blocks).
+    - ``m1_gib_per_token``: minus ``dim x 2`` bytes per removed block; ``m0_gib`` unchanged
+      (per-sample, not per-block).
+    - Ulysses comm: unchanged per layer (``comm.bytes_per_token_per_layer``); :class:`CostModel`
+      multiplies it by ``num_layers``, so the total scales with depth.
+    - Static memory: ``params`` minus ``model.block_params`` per removed block (embeddings and
+      head kept), ``stage3_live_params`` capped at the new ``params``; ``bytes_per_param``,
+      ``workspace_gib``, ``gpu_mem_gib``, ``sp``, heads and dim unchanged. A budget of
+      ``m_mem: auto`` resolved with the result is the reduced model's own (its smaller static
+      memory): a reduced model gets larger micro-batches than the full-depth one.
+    - ``train_overheads`` (measured): x the params ratio (per-parameter hooks and optimizer work);
+      without one, the per-parameter estimates apply to the new ``params`` anyway.
+    - The calibration's fit points and raw measurements (full-depth) are dropped.
+
+    ``EMBED_HEAD_MS`` and the per-token FLOP are estimates, not fitted. Against the shipped
+    calibrations' own reduced-depth measurements (``measurements.raw``: 1.3B at 2 and 4 blocks,
+    14B at 1 and 2), the rescaled profiles predict time and activation memory at the points the
+    full-depth fit uses (B x S >= 8192 tokens) as well as the full-depth fit itself; latency-bound micro-batches (one short sample) are underpredicted there as at
+    full depth. Returns ``self`` when the depth is unchanged; the result's
+    ``rescaled_from_layers`` is the original depth. Needs ``model.block_params`` in the profile
+    json (written by ``ds-adaptive calibrate``).
+    """
+    L0 = self.num_layers
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"num_layers must be an int >= 1, got {num_layers!r}")
+    if num_layers == L0:
+        return self
+    raw = self.raw
+    if "block_params" not in raw.get("model", {}):
+        raise ProfileDepthError(f"profile {self.name} has no model.block_params: cannot rescale it from {L0} to "
+                           f"{num_layers} blocks; re-create it with `ds-adaptive calibrate`, or calibrate "
+                           f"the {num_layers}-block model")
+    # The arithmetic below is bench/training/e2e.py's former scale_profile_depth, operation for operation:
+    # e2e's GPU results were planned with it (tests/test_cost.py pins the numbers).
+    f = num_layers / L0
+    dim = int(raw["model"]["dim"])
+    e_tok = EMBED_HEAD_FLOP_PER_TOKEN_PER_DIM * dim / EMBED_HEAD_FLOPS * 1e3   # ms per token
+    d = copy.deepcopy(dict(raw))
+    c, c_raw = d["compute"], raw["compute"]
+    c["c0_ms"] = f * max(c_raw["c0_ms"] - EMBED_HEAD_MS, 0.0) + min(EMBED_HEAD_MS, c_raw["c0_ms"])
+    c["a_ms_per_token"] = f * max(c_raw["a_ms_per_token"] - e_tok, 0.0) + min(e_tok, c_raw["a_ms_per_token"])
+    c["b_ms_per_token2"] = f * c_raw["b_ms_per_token2"]
+    c.pop("fit", None)   # the fit's points are full-depth measurements
+    dbytes = 2 * dim / 2**30
+    d["memory"]["m1_gib_per_token"] = raw["memory"]["m1_gib_per_token"] - (L0 - num_layers) * dbytes
+    d["memory"].pop("fit", None)
+    pt = d["memory"].get("per_token_timesteps")
+    if pt and not self.gradient_checkpointing:   # the fit's extra holds every (whole) block's
+        pt["m1_gib_per_token"] = float(pt["m1_gib_per_token"]) - (L0 - num_layers) * float(
+            pt["block_full_m1_gib_per_token"])
+    params = int(raw["model"]["params"]) - (L0 - num_layers) * int(raw["model"]["block_params"])
+    d["model"]["num_layers"] = num_layers
+    d["model"]["params"] = params
+    d["static_memory"]["params"] = params
+    d["static_memory"]["stage3_live_params"] = min(int(raw["static_memory"]["stage3_live_params"]), params)
+    d.pop("measurements", None)
+    if "train_overheads" in d:   # per-parameter work (hooks, optimizer): x the params ratio
+        ov = d["train_overheads"]
+        for k in ("micro_step_ms", "optimizer_step_ms"):
+            ov[k] = float(ov[k]) * params / int(raw["model"]["params"])
+    d["name"] = f"{raw.get('name', 'profile')}-{num_layers}blocks"
+    d["source"] = (f"{raw.get('name')} rescaled from {L0} to {num_layers} blocks by ds_adaptive.planning.cost "
+                   "(Profile.with_num_layers): block terms x depth ratio, embed/head terms kept")
+    out = Profile.from_dict(d, where=f"{self.name} at {num_layers} blocks")
+    return dataclasses.replace(out, rescaled_from_layers=self.rescaled_from_layers or L0)

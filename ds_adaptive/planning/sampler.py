@@ -28,21 +28,24 @@ import dataclasses
 import hashlib
 import json
 import warnings
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 
 from ds_adaptive.core.config import SamplerConfig
 from ds_adaptive.core.layout import Layout
-from ds_adaptive.planning.budget import plan_tokens_per_s, resolve_budgets, uses_budget_search
+from ds_adaptive.planning.budget import plan_tokens_per_s, uses_budget_search
 from ds_adaptive.planning.cost import CostModel
 from ds_adaptive.planning.profile import Profile, load_profile
 from ds_adaptive.planning.devices import calibrate_hint, resolve_auto_profile
 from ds_adaptive.planning.memory import sample_memory
+from ds_adaptive.planning.global_batch import check_epoch, too_small_problem
 from ds_adaptive.planning.planner import (EpochPlan, OversizeSampleError, PlanError, PlannerParams, StepTotals,
-                                          plan_epoch, unique_shapes)
+                                          bucket_tokens, plan_epoch, unique_shapes)
+from ds_adaptive.planning.budget import resolve_budgets
 from ds_adaptive.planning.validate import check_fixed_batch_sizes
 from ds_adaptive.planning.sparse_cost import SparseAttentionCost
+from ds_adaptive.planning.sampler_state import STATE_FORMAT, ResumableState, SamplerStateError
 from ds_adaptive.core.contracts import DensityMap, load_densities
 from ds_adaptive.models.registry import get_model
 from ds_adaptive.core.shapes import SampleShape
@@ -55,16 +58,15 @@ except ImportError:  # pragma: no cover
 __all__ = ["StepTotals", "OversizeSampleError", "AdaptiveBatchSampler", "TokenBucketSampler",
            "FixedBucketSampler", "build_batch_sampler", "SamplerStateError", "STATE_FORMAT"]
 
-STATE_FORMAT = "ds_adaptive.sampler_state/1"
-
-
-class SamplerStateError(ValueError):
-    """A sampler state that does not belong to this dataset / sampler."""
-
-
 # ============================================================================== samplers
-def shapes_fingerprint(shapes: Sequence[SampleShape]) -> str:
-    return hashlib.sha256("".join(f"{s};" for s in shapes).encode()).hexdigest()[:16]   # FxHxW, or a token length
+def shapes_fingerprint(shapes: Sequence[SampleShape], unique: Optional[tuple] = None) -> str:
+    """sha256 (16 hex digits) of every sample's shape as ``"FxHxW;"`` (or ``"S;"``) in order; ``unique``: the
+    :func:`unique_shapes` of ``shapes``, to hash without formatting every sample."""
+    uniq, sid = unique if unique is not None else unique_shapes(shapes)
+    text, h = [f"{s};".encode() for s in uniq], hashlib.sha256()
+    for lo in range(0, len(sid), 1 << 20):   # in chunks: no list of every sample's int at once
+        h.update(b"".join(map(text.__getitem__, sid[lo:lo + (1 << 20)].tolist())))
+    return h.hexdigest()[:16]
 
 
 def _compact_profile(p: Profile) -> dict:
@@ -101,7 +103,7 @@ def _compact_profile(p: Profile) -> dict:
     return out
 
 
-class _PlannedBatchSampler(_SamplerBase):
+class _PlannedBatchSampler(ResumableState, _SamplerBase):
     """Shared machinery: epoch shuffle, plan cache, iteration from a resume point, state."""
 
     mode = "dual"
@@ -113,7 +115,7 @@ class _PlannedBatchSampler(_SamplerBase):
                  lr_scaling: str = "none", reference_batch: Optional[int] = None,
                  loss_weighting: str = "samples", m_comp_auto: bool = False, solo_over_budget: bool = False,
                  budget_choice=None, plan_mode: Optional[str] = None, efficient_batches: bool = False,
-                 batch_cap: bool = True) -> None:
+                 batch_cap: bool = True, global_batch=None, global_batch_fit: Optional[dict] = None) -> None:
         if cost.sp != layout.sp_size:
             raise ValueError(f"cost model sp={cost.sp} but layout sp_size={layout.sp_size}")
         self.shapes = [s if isinstance(s, SampleShape) else int(s) for s in shapes]
@@ -130,11 +132,13 @@ class _PlannedBatchSampler(_SamplerBase):
             m_mem=float(m_mem), m_comp=None if m_comp is None else float(m_comp), max_tokens=max_tokens,
             fixed_batch_sizes=dict(fixed_batch_sizes) if fixed_batch_sizes else None, window=int(window),
             oversize=oversize, balance_tolerance=float(balance_tolerance), solo_over_budget=bool(solo_over_budget),
-            efficient_batches=bool(efficient_batches))
+            efficient_batches=bool(efficient_batches), step_balance=None if global_batch is None else global_batch.by)
         #: the throughput search behind ``m_comp: auto`` (:class:`ds_adaptive.planning.budget.BudgetChoice`), or None
         self.budget_choice = budget_choice
+        self.global_batch = global_batch           # sampler.global_batch (GlobalBatchConfig), or None
+        self.global_batch_fit = global_batch_fit   # its fit at start-up: {"gas", "per_micro", "predicted", "error"}
         self._uniq, self._sid = unique_shapes(self.shapes)
-        self._fingerprint = shapes_fingerprint(self.shapes)
+        self._fingerprint = shapes_fingerprint(self.shapes, (self._uniq, self._sid))
         self.m_comp_auto = bool(m_comp_auto)       # re-resolve m_comp when the densities change
         self.batch_cap = bool(batch_cap)           # ... with or without the search's efficient batch cap
         self._pending: Optional[dict] = None       # densities waiting for the next epoch boundary
@@ -237,7 +241,7 @@ class _PlannedBatchSampler(_SamplerBase):
                                 mem_utilization=1.0, zero_stage=0, dp_size=self.params.dp_size,
                                 micro_steps_per_step=self.params.micro_steps_per_step, window=self.params.window,
                                 balance_tolerance=self.params.balance_tolerance, seed=self.seed,
-                                batch_cap=self.batch_cap)
+                                batch_cap=self.batch_cap, global_batch=self.global_batch)
             self.params = dataclasses.replace(self.params, m_comp=b["m_comp"], solo_over_budget=b["solo_over_budget"],
                                               mode=b["plan_mode"], efficient_batches=b["efficient_batches"],
                                               max_tokens=b["max_tokens"] if b["plan_mode"] == "tokens" else None)
@@ -312,57 +316,6 @@ class _PlannedBatchSampler(_SamplerBase):
                             "budget_search": None if self.budget_choice is None else {
                                 k: v for k, v in self.budget_choice.describe().items() if k != "candidates"}}}
 
-    # ------------------------------------------------------------------ state
-    def state_dict(self, consumed_steps: int) -> dict:
-        """JSON-able state after ``consumed_steps`` optimizer steps of the current epoch."""
-        plan, start = self._plans()
-        consumed_steps = int(consumed_steps)
-        if not start <= consumed_steps <= start + plan.num_steps:
-            raise ValueError(f"consumed_steps {consumed_steps} is outside epoch {self.epoch} "
-                             f"({start}..{start + plan.num_steps})")
-        segs = [dict(s) for s in self._segments]
-        segs.append({**self._segment_config(), "consumed_steps": consumed_steps - start})
-        out = {"format": STATE_FORMAT, "mode": self.mode, "seed": self.seed, "epoch": self.epoch,
-               "consumed_steps": consumed_steps, "num_samples": len(self.shapes),
-               "shapes_sha": self._fingerprint, "segments": segs}
-        if self.cost.sparse is not None:   # run state, not config: restored by load_state_dict
-            out["sparse"] = {"active": self.cost.sparse.describe(), "m_comp": self.params.m_comp,
-                             "pending": self._pending}
-        return out
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume: same layout and config continue the saved plan exactly; otherwise the samples
-        of the epoch not yet consumed are re-planned for this layout/config."""
-        if state.get("format") != STATE_FORMAT:
-            raise SamplerStateError(f"sampler state has format {state.get('format')!r}, expected "
-                                    f"{STATE_FORMAT!r}; it was not written by this sampler")
-        if state["num_samples"] != len(self.shapes) or state["shapes_sha"] != self._fingerprint:
-            raise SamplerStateError(
-                f"sampler state was saved for a dataset of {state['num_samples']} samples (shapes "
-                f"{state['shapes_sha']}), this dataset has {len(self.shapes)} ({self._fingerprint}): the "
-                "consumed samples cannot be identified. Resume with the same dataset, or pass --restart-epoch "
-                "(RESUME=1 bash launch/train_wan.sh ... --restart-epoch) to keep the weights, optimizer and step "
-                "and plan this epoch afresh for this dataset.")
-        if int(state["seed"]) != self.seed:
-            raise SamplerStateError(f"sampler state has seed {state['seed']}, this sampler {self.seed}: "
-                                    "set sampler.seed to the saved value to resume")
-        self.epoch = int(state["epoch"])
-        segs = [dict(s) for s in state["segments"]]
-        self._cache = None
-        sparse_state = state.get("sparse")
-        if sparse_state is not None and self.cost.sparse is not None:
-            self.cost = self.cost.with_sparse(SparseAttentionCost.from_description(sparse_state["active"]))
-            if self.m_comp_auto and sparse_state.get("m_comp") is not None:
-                self.params = dataclasses.replace(self.params, m_comp=float(sparse_state["m_comp"]))
-            self._pending = sparse_state.get("pending")
-        last = segs[-1]
-        if {k: v for k, v in last.items() if k != "consumed_steps"} == self._segment_config():
-            self._segments = segs[:-1]
-            self._resume_step = int(last["consumed_steps"])
-        else:
-            self._segments = segs
-            self._resume_step = 0
-
     # ------------------------------------------------------------------ internals
     def _segment_config(self) -> dict:
         cfg = {"params": self.params.as_dict(), "profile": _compact_profile(self.cost.profile),
@@ -403,7 +356,7 @@ class _PlannedBatchSampler(_SamplerBase):
                              p=seg["p"], sp=seg["sp"], num_heads=seg.get("num_heads"), sparse=sparse,
                              checkpointing=seg.get("checkpointing", "all"),
                              checkpoint_attention=seg.get("checkpoint_attention", "recompute"), context_parallel=cp)
-            uniq, sid = unique_shapes(self.shapes)
+            uniq, sid = self._uniq, self._sid
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 sp = plan_epoch(sid, uniq, remaining, cost, params, seed=self._plan_seed(k))
@@ -507,9 +460,14 @@ def _checkpoint_attention_plan(sampler_cfg: SamplerConfig, mode: str, model, sha
     if not (uses_budget_search(cost, mode) and (model is None or model.family.keeps_attention)
             and budgets.get("budget_choice") is not None):
         return cost, budgets
-    keep_cost, keep_budgets = plan_with("keep")
+    try:
+        keep_cost, keep_budgets = plan_with("keep")
+    except PlanError as exc:   # e.g. no plan with kept attention holds the global batch: recompute's does
+        if profile_log is not None:
+            profile_log(f"sampler.checkpoint_attention auto -> recompute: with kept attention outputs {exc}")
+        return cost, budgets
     m_mem = budgets["m_mem"]
-    lost = [s for s in sorted(set(shapes)) if sample_memory(keep_cost, s) > m_mem >= sample_memory(cost, s)]
+    lost = [s for s in unique_shapes(shapes)[0] if sample_memory(keep_cost, s) > m_mem >= sample_memory(cost, s)]
     tps = {"recompute": budgets["budget_choice"].predicted_tokens_per_s,
            "keep": keep_budgets["budget_choice"].predicted_tokens_per_s}
     pick = "keep" if tps["keep"] > tps["recompute"] and not lost else "recompute"
@@ -581,12 +539,22 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
             zero_stage=sampler_cfg.zero_stage if zero_stage is None else zero_stage, dp_size=layout.dp_size,
             micro_steps_per_step=micro_steps_per_step, window=sampler_cfg.window,
             balance_tolerance=sampler_cfg.balance_tolerance, seed=sampler_cfg.seed,
-            batch_cap=sampler_cfg.batch_cap == "auto")
+            batch_cap=sampler_cfg.batch_cap == "auto", global_batch=sampler_cfg.global_batch, oversize=sampler_cfg.oversize,
+            fixed_batch_sizes=sampler_cfg.fixed_batch_sizes if chosen == "fixed" else None)
 
+    gb = sampler_cfg.global_batch
+    if gb is not None:
+        problem = too_small_problem(gb.value, gb.by, layout.dp_size, min(bucket_tokens(s) for s in unique_shapes(shapes)[0]))
+        if problem:
+            raise PlanError(problem)
+    elif micro_steps_per_step == "auto":
+        (profile_log or (lambda m: warnings.warn(m, stacklevel=2)))(
+            "warning: gradient_accumulation_steps \"auto\" without adaptive_load.sampler.global_batch: the samples "
+            "per optimizer step follow the world size and the data; set sampler.global_batch (docs/SCALE.md)")
     check_fixed_batch_sizes(sampler_cfg.fixed_batch_sizes, shapes)
     cost, budgets = _checkpoint_attention_plan(sampler_cfg, chosen, model, shapes, plan_with, profile_log)
     plan_mode = budgets["plan_mode"] if chosen == "dual" else chosen
-    return _CLASSES[chosen](
+    sampler = _CLASSES[chosen](
         shapes, layout, cost, micro_steps_per_step=budgets["micro_steps_per_step"], m_mem=budgets["m_mem"],
         m_comp=budgets["m_comp"] if chosen == "dual" else None,
         max_tokens=budgets["max_tokens"] if plan_mode == "tokens" else None,
@@ -596,4 +564,7 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
         loss_weighting=sampler_cfg.loss_weighting, m_comp_auto=sampler_cfg.m_comp == "auto",
         solo_over_budget=budgets["solo_over_budget"] and chosen == "dual", budget_choice=budgets["budget_choice"],
         plan_mode=plan_mode, efficient_batches=budgets["efficient_batches"] and chosen == "dual",
-        batch_cap=sampler_cfg.batch_cap == "auto")
+        batch_cap=sampler_cfg.batch_cap == "auto", global_batch=gb, global_batch_fit=budgets["global_batch_fit"])
+    if gb is not None:
+        check_epoch(sampler, gb, micro_steps_per_step)
+    return sampler

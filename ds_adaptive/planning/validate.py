@@ -22,6 +22,8 @@ Rules, in the order they are reported:
 * ``zero_stage``: ``adaptive_load.sampler.zero_stage``, when set, is the ds_config's ZeRO stage;
 * ``zero3_torch_linear``: not set true next to ``zero_optimization.memory_efficient_linear: true``;
 * ``budgets``: ``lr_scaling`` has a ``reference_batch``; a null ``profile`` only where no profile is needed;
+* ``global_batch``: ``sampler.global_batch`` gives every data-parallel rank at least one sample per micro-step
+  (``ds_adaptive.planning.global_batch.too_small_problem``; the plan checks the rest: within memory x micro-steps);
 * ``sparse_attention``: ``dense_layers`` inside the model, ``predictor_rank`` <= the head dim, the backend
   available on the run's device: the sparse backends' own check (``sparse.backends.check_sparse_config``);
 * ``ema``: ``ema.parameters: lora`` needs LoRA (``ds_adaptive.core.features.feature_problems``);
@@ -43,6 +45,7 @@ from ds_adaptive.core.config import BLOCK_KEY, AdaptiveLoadConfig, ConfigError, 
 from ds_adaptive.core.ds_config import accumulation_steps
 from ds_adaptive.core.features import feature_problems
 from ds_adaptive.core.layout import SequenceParallelError, heads_sp_problem, resolve_sp_size
+from ds_adaptive.planning.global_batch import too_small_problem
 from ds_adaptive.models.registry import get_model, model_names
 from ds_adaptive.attention.backends.check import check_sparse_config
 
@@ -185,6 +188,9 @@ def run_problems(ds_config: Mapping[str, Any], block: AdaptiveLoadConfig, facts:
         if msg:
             out.append(Problem(key, msg))
     out += _budget_problems(block.sampler)
+    gb = block.sampler.global_batch
+    if gb is not None and dp is not None and (msg := too_small_problem(gb.value, gb.by, dp)):
+        out.append(Problem("global_batch", msg))
     out += _sparse_problems(block.sparse_attention, facts, model)
     out += [Problem("ema", msg) for msg in feature_problems(block.ema, block.lora.enabled)]
     for key, msg in (("optimizer", _optimizer_problem(ds_config)),

@@ -517,7 +517,7 @@ def _gas_note(sampler) -> str:
     c = sampler.budget_choice
     if c is None:
         return (f"gradient_accumulation_steps auto -> {sampler.micro_steps_per_step} (no compute-budget search: "
-                f"m_comp {sampler.params.m_comp} {sampler.cost.unit})")
+                f"m_comp {sampler.params.m_comp} {sampler.cost.unit})" + _global_batch_note(sampler))
     if c.plan_mode == "tokens":
         return (f"gradient_accumulation_steps auto -> {c.micro_steps_per_step}: equal-token batches (max_tokens "
                 f"{sampler.params.max_tokens}); the budget search predicts the equal-token plan faster than every "
@@ -530,4 +530,13 @@ def _gas_note(sampler) -> str:
             f"the longest-sample budget {c.reference_m_comp:.0f} ms at 1 micro-step per step"
             + (f", {c.predicted_tokens_per_s / c.equal_token_tokens_per_s:.3f}x the equal-token plan"
                if c.equal_token_tokens_per_s else "")
-            + f"; overheads {sampler.cost.profile.overhead_source})")
+            + f"; overheads {sampler.cost.profile.overhead_source})" + _global_batch_note(sampler))
+
+
+def _global_batch_note(sampler) -> str:
+    """`` for global_batch samples N: ...`` when the run sets one (the sampler's checked fit)."""
+    gb, fit = getattr(sampler, "global_batch", None), getattr(sampler, "global_batch_fit", None)
+    if gb is None or not fit:
+        return ""
+    return (f"; for global_batch {gb.by} {gb.value:,}: {fit['gas']} micro-steps x {fit['per_micro']:,.0f} {gb.by} "
+            f"per micro-step = {fit['predicted']:,.0f} per optimizer step ({fit['error']:.1%} off)")

@@ -29,6 +29,7 @@ def run_info(run) -> dict:
         "checkpoint_source": run.profile.checkpoint_source, "data": opts.data,
         "dataset": run.dataset.describe(),
         "loss_weighting": al.sampler.loss_weighting, "plan": run.sampler.epoch_stats(),
+        "global_batch": None if al.sampler.global_batch is None else al.sampler.global_batch.model_dump(exclude_none=True),
         "zero3_leaf_blocks": leaf_block_count(run.model),
     }
     if al.fused_ln_modulate:

@@ -58,7 +58,14 @@ def summarize(history: list, run_info: dict, *, timing: str, peak_tflops: float,
         "mfu": _utilisation(measured, "model_flops"),
         "hfu": _utilisation(measured, "hw_flops"),
         "skipped_steps": [r.step for r in h if r.skipped],
+        "samples_per_step": _mean_min_max([r.samples for r in h]),
+        "tokens_per_step": _mean_min_max([r.tokens for r in h]),
     }
+
+
+def _mean_min_max(xs: list) -> dict:
+    """``{"mean", "min", "max"}`` of per-step global counts (samples or tokens of one optimizer step)."""
+    return {"mean": sum(xs) / len(xs), "min": int(min(xs)), "max": int(max(xs))}
 
 
 def _utilisation(records, attr: str) -> float:
@@ -82,6 +89,17 @@ def json_safe(obj):
 COMPUTE_REFIT_HINT = 0.05
 
 
+def _per_step_line(s: dict) -> str:
+    """Samples and tokens per optimizer step (global, mean / min / max) and the set global batch."""
+    sm, tk = s.get("samples_per_step"), s.get("tokens_per_step")
+    if not sm:
+        return "  per step         (no steps)"
+    gb = s.get("global_batch")
+    return (f"  per step         {sm['mean']:.1f} samples (min {sm['min']}, max {sm['max']}), {tk['mean']:.0f} tokens "
+            f"(min {tk['min']}, max {tk['max']}); global_batch " + (", ".join(f"{k} {v}" for k, v in gb.items())
+                                                                   if gb else "not set"))
+
+
 def format_summary(s: dict) -> str:
     """A short human-readable block of the run summary (printed on rank 0)."""
     lines = [
@@ -90,6 +108,7 @@ def format_summary(s: dict) -> str:
         f"{s.get('device', '?')}, sampler {s.get('sampler', '?')})",
         f"  steps            {s['steps']} (steps {s.get('first_step')}..{s.get('last_step')}), "
         f"{s['samples']} samples, {s['tokens']} tokens, {s['wall_s']:.1f} s",
+        _per_step_line(s),
         f"  throughput       {s['tokens_per_s']:.1f} tokens/s, {s['samples_per_s']:.2f} samples/s, "
         f"{s['step_s_mean']:.3f} s/step (after {s['warmup_steps']} warm-up step(s))",
         f"  peak memory      {s['peak_mem_gib']:.2f} GiB of {s['mem_capacity_gib']:.1f} GiB "

@@ -1,0 +1,169 @@
+"""Guards sampler.global_batch (ds_adaptive/planning/global_batch.py, budget.py): samples per optimizer step stay at
+the set value whatever the world size and shape mix, an int gradient_accumulation_steps keeps its meaning, a
+global batch too small for the data-parallel ranks is one line, loss weights stay unbiased, and a resume on
+another world size keeps the global batch."""
+from __future__ import annotations
+
+import json
+import warnings
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings, strategies as st
+from pydantic import ValidationError
+
+from ds_adaptive.core.config import AdaptiveLoadConfig, SamplerConfig
+from ds_adaptive.core.layout import Layout
+from ds_adaptive.core.shapes import load_shape_distribution
+from ds_adaptive.models.registry import get_model
+from ds_adaptive.planning.global_batch import fit_gas, step_stats
+from ds_adaptive.planning.plan_types import PlanError
+from ds_adaptive.planning.sampler import build_batch_sampler
+from ds_adaptive.planning.validate import RunFacts, run_problems
+from ds_adaptive.simulation.simulate import draw_shapes
+
+H200 = "h200-wan2.1-1.3b"
+GIB = 139.8
+MODEL = get_model("wan2.1-1.3b")
+MIX = load_shape_distribution(MODEL.shapes, grid=MODEL.grid)
+
+
+def _mix(weights=None):
+    if weights is None:
+        return MIX
+    return [type(d)(shape=d.shape, weight=w) for d, w in zip(MIX, weights)]
+
+
+def _sampler(shapes, dp, gb, gas="auto", rank=0, **cfg):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return build_batch_sampler(SamplerConfig(profile=H200, global_batch=gb, **cfg), shapes,
+                                   Layout.explicit(dp_size=dp, dp_rank=rank), micro_steps_per_step=gas,
+                                   gpu_mem_gib=GIB, model_name="wan2.1-1.3b", zero_stage=3)
+
+
+def _mean_samples(sampler) -> float:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return step_stats(sampler.plan)["samples"]["mean"]
+
+
+def test_global_batch_config_sets_exactly_one_count():
+    assert SamplerConfig(global_batch={"samples": 64}).global_batch.by == "samples"
+    assert SamplerConfig(global_batch={"tokens": 10**6}).global_batch.value == 10**6
+    for bad in ({}, {"samples": 64, "tokens": 10}, {"samples": 0}, {"samples": 64, "typo": 1}):
+        with pytest.raises(ValidationError):
+            SamplerConfig(global_batch=bad)
+
+
+@settings(max_examples=3, deadline=None, derandomize=True, phases=(Phase.generate,),
+          suppress_health_check=list(HealthCheck))
+@given(world=st.sampled_from([1, 8, 64, 256]), seed=st.integers(0, 2**16),
+       weights=st.one_of(st.none(), st.lists(st.floats(0.05, 1.0), min_size=len(MIX), max_size=len(MIX))))
+def test_samples_per_step_stay_at_the_global_batch_over_world_sizes_and_mixes(world, seed, weights):
+    gb = {"samples": 2048}
+    shapes = draw_shapes(_mix(weights), 16 * 2048, seed)   # an epoch of ~16 steps: its last steps round
+    s = _sampler(shapes, world, gb)
+    assert abs(_mean_samples(s) / 2048 - 1) <= 0.10
+    assert s.global_batch_fit["ok"] and s.plan.num_steps >= 4
+
+
+@pytest.mark.parametrize("world,gb,n", [(1, 2048, 16 * 2048), (8, 2048, 16 * 2048), (64, 2048, 16 * 2048),
+                                        (256, 2048, 16 * 2048), (1024, 8192, 12 * 8192)])
+def test_the_done_when_sizes(world, gb, n):
+    s = _sampler(draw_shapes(MIX, n, 1), world, {"samples": gb})
+    assert abs(_mean_samples(s) / gb - 1) <= 0.10
+
+
+def test_token_global_batch_and_another_mix():
+    ti2v = get_model("wan2.2-ti2v-5b")
+    mix = load_shape_distribution(ti2v.shapes, grid=MODEL.grid) if ti2v.grid == MODEL.grid else MIX
+    shapes = draw_shapes(_mix([1.0 / (i + 1) for i in range(len(MIX))]) if mix is MIX else mix, 8000, 3)
+    target = 20_000_000
+    s = _sampler(shapes, 8, {"tokens": target})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tokens = step_stats(s.plan)["tokens"]["mean"]
+    assert abs(tokens / target - 1) <= 0.10
+
+
+def test_an_int_gradient_accumulation_keeps_its_meaning():
+    shapes = draw_shapes(MIX, 8000, 2)
+    s = _sampler(shapes, 8, {"samples": 1024}, gas=16)
+    assert s.micro_steps_per_step == 16
+    assert abs(_mean_samples(s) / 1024 - 1) <= 0.10
+    with pytest.raises(PlanError, match=r"global_batch\.samples = 100000 cannot be kept .*gradient_accumulation_steps 2"):
+        _sampler(shapes, 8, {"samples": 100_000}, gas=2)
+
+
+def test_a_global_batch_too_small_for_the_ranks_is_one_line():
+    shapes = draw_shapes(MIX, 2000, 0)
+    with pytest.raises(PlanError) as exc:
+        _sampler(shapes, 64, {"samples": 32})
+    msg = str(exc.value)
+    assert "\n" not in msg and "global_batch.samples is 32" in msg and "at least 64" in msg
+    block = AdaptiveLoadConfig.model_validate({"sampler": {"global_batch": {"samples": 32}}})
+    problems = run_problems({"gradient_accumulation_steps": "auto"}, block, RunFacts(world=64))
+    assert [p.key for p in problems] == ["global_batch"] and problems[0].message == msg
+
+
+def test_config_check_and_dry_run_exit_on_a_too_small_global_batch(tmp_path, capsys):
+    from ds_adaptive import cli
+
+    cfg = json.loads(open("launch/configs/zero3_adaptive.json").read())
+    cfg["adaptive_load"]["sampler"]["global_batch"] = {"samples": 4}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg))
+    assert cli.main(["config", "--check", str(path), "--world", "8"]) != 0
+    err = capsys.readouterr()
+    assert "global_batch.samples is 4" in err.out + err.err
+
+
+def test_loss_weights_are_unbiased_per_step():
+    s = _sampler(draw_shapes(MIX, 4000, 4), 4, {"samples": 256})
+    plan = s.plan
+    for step in range(plan.num_steps):
+        tot = plan.step_totals(step)
+        w = [tot.loss_weight(len(plan.batch(step * plan.micro_steps_per_step + m, r)), 0, plan.dp_size)
+             for m in range(plan.micro_steps_per_step) for r in range(plan.dp_size)]
+        # DeepSpeed divides by dp x gas; a mean batch loss x weight sums to the step's per-sample mean
+        assert np.isclose(sum(w) / (plan.dp_size * plan.micro_steps_per_step), 1.0)
+
+
+def test_resume_mid_epoch_on_another_world_size_keeps_the_global_batch():
+    shapes = draw_shapes(MIX, 24 * 512, 5)
+    gb = {"samples": 512}
+    a = _sampler(shapes, 4, gb)
+    k = 3
+    state = a.state_dict(k)
+    b = _sampler(shapes, 16, gb)
+    b.load_state_dict(json.loads(json.dumps(state)))
+    plan = b.plan
+    done = set(a.plan.samples_of_steps(k).tolist())
+    rest = set(plan.sample_ids.tolist())
+    assert not done & rest and len(done | rest) + len(plan.tail_dropped) + len(plan.oversize) == len(shapes)
+    assert b.steps_per_epoch == k + plan.num_steps
+    assert abs(_mean_samples(b) / 512 - 1) <= 0.10
+    assert [b.step_totals(i).samples for i in range(k)] == [a.step_totals(i).samples for i in range(k)]
+
+
+def test_fit_gas_rounds_and_bounds():
+    f = fit_gas(100.0, 1000, 0.05)
+    assert (f.gas, f.ok) == (10, True)
+    assert not fit_gas(100.0, 1040, 0.01).ok and fit_gas(100.0, 1040, 0.05).ok
+    assert fit_gas(100.0, 1000, 0.05, gas=3).gas == 3 and not fit_gas(100.0, 1000, 0.05, gas=3).ok
+
+
+def test_simulate_config_reports_the_epoch(capsys):
+    from ds_adaptive import cli
+
+    assert cli.main(["simulate", "--config", "launch/configs/zero3_adaptive.json", "--world", "8",
+                     "--num-samples", "3000", "--profile", H200, "--gpu-mem-gib", str(GIB), "--json"]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("samples_per_step", "tokens_per_step"):
+        assert set(r[key]) == {"mean", "min", "max"} and r[key]["min"] <= r[key]["mean"] <= r[key]["max"]
+    assert r["global_batch"]["samples"] == 32 and abs(r["samples_per_step"]["mean"] / 32 - 1) <= 0.10
+    assert r["optimizer_steps"] > 0 and r["plan_s"] > 0 and r["peak_rss_mb"] > 0
+    assert r["dual"]["predicted_tokens_per_s"] > 0 and r["dual"]["predicted_cv"] >= 0
+    # the equal-token baseline at the same global batch, or the line saying why its batches cannot hold it
+    assert (r["tokens"].get("predicted_tokens_per_s") or 0) > 0 or "global_batch" in r["tokens"]["error"]
