@@ -28,6 +28,8 @@
 #               wan2.1-1.3b on GPU, tiny on CPU); the A14B experts train one per run, on their noise range
 #   STEPS       optimizer steps (default: 50 on GPU, 20 on CPU)
 #   SP          Ulysses sequence-parallel degree (default: the ds_config's sequence_parallel_size, else 1)
+#   GLOBAL_BATCH samples per optimizer step over all data-parallel ranks (overrides the ds_config's
+#               adaptive_load.sampler.global_batch; set it for your cluster size, and the LR with it)
 #   GRAD_CKPT   activation checkpointing: auto (per micro-batch the fewest blocks that fit the memory
 #               budget), 1/all (every block), 0/none; default: the config's sampler.checkpointing (auto)
 #   PYTORCH_CUDA_ALLOC_CONF  default expandable_segments:True (changing micro-batch shapes fragment
@@ -71,7 +73,7 @@ eval "$RDZV"
 
 # The command that resumes this run, for the message after a rank dies: the knobs you set, RESUME=1, the args.
 RESUME_HINT="RESUME=1"
-for knob in NUM_GPUS NUM_PROCS HOSTFILE MASTER_ADDR MASTER_PORT DS_CONFIG MODEL STEPS SP GRAD_CKPT SAVE_DIR \
+for knob in NUM_GPUS NUM_PROCS HOSTFILE MASTER_ADDR MASTER_PORT DS_CONFIG MODEL STEPS SP GLOBAL_BATCH GRAD_CKPT SAVE_DIR \
             SAVE_INTERVAL KEEP_CHECKPOINTS PYTHON STOP_TIMEOUT; do
   [[ -n "${!knob+x}" ]] && RESUME_HINT+=" $knob=$(printf '%q' "${!knob}")"
 done
@@ -169,6 +171,7 @@ fi
 # --sp only when SP is set: otherwise the trainer takes the ds_config's sequence_parallel_size (else 1)
 TRAINER=(--deepspeed_config "$DS_CONFIG" --model "$MODEL" --steps "$STEPS")
 [[ -n "${SP:-}" ]] && TRAINER+=(--sp "$SP")
+[[ -n "${GLOBAL_BATCH:-}" ]] && TRAINER+=(--global-batch "$GLOBAL_BATCH")
 case "${GRAD_CKPT:-}" in
   "") CKPT="" ;;
   1|all) CKPT=all ;;

@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=None,
                    help="DataLoader workers per rank (default: 2 on GPU, 0 on CPU)")
     p.add_argument("--log-dir", default=None, help="override adaptive_load.metrics.log_dir")
+    p.add_argument("--global-batch", type=int, default=None, metavar="SAMPLES",
+                   help="samples per optimizer step over all data-parallel ranks: overrides "
+                        "adaptive_load.sampler.global_batch (launcher: GLOBAL_BATCH=N); scale the LR with it yourself")
     p.add_argument("--compute-timing", action=argparse.BooleanOptionalAction, default=True,
                    help="time each rank's compute without ZeRO's waits for other ranks (CV_step; default on); "
                         "--no-compute-timing: wall-clock time only")

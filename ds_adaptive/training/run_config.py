@@ -6,7 +6,8 @@
 One source per setting: a command-line flag sets a field of :class:`TrainerConfig` or overrides a
 field of the ``adaptive_load`` block (``--fused-ln-modulate`` -> ``adaptive_load.fused_ln_modulate``,
 ``--log-dir`` -> ``adaptive_load.metrics.log_dir``, ``--shapes`` -> ``adaptive_load.sampler.shapes``,
-``--grad-ckpt`` -> ``adaptive_load.sampler.checkpointing``);
+``--grad-ckpt`` -> ``adaptive_load.sampler.checkpointing``, ``--global-batch N`` ->
+``adaptive_load.sampler.global_batch = {"samples": N}``);
 nothing downstream reads the flag again. Relative paths in the ds_config (``sampler.shapes``,
 ``sampler.profile``) are resolved next to the ds_config first, then from the working directory.
 """
@@ -18,7 +19,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ds_adaptive.core.config import AdaptiveLoadConfig
+from ds_adaptive.core.config import AdaptiveLoadConfig, GlobalBatchConfig
 from ds_adaptive.core.ds_config import load_adaptive_config, read_ds_config, require_block
 from ds_adaptive.models.registry import get_model
 from ds_adaptive.planning.validate import RunFacts, validate_run
@@ -185,9 +186,13 @@ def run_config_from_args(args, *, world: Optional[int] = None, device: Optional[
     # adaptive-load-only flags without an adaptive_load block would silently change nothing
     require_block(args.deepspeed_config, [f"--{'' if args.fused_ln_modulate else 'no-'}fused-ln-modulate"]
                   if args.fused_ln_modulate is not None else [])
+    global_batch = getattr(args, "global_batch", None)
+    if global_batch is not None and global_batch < 1:
+        raise UsageError(f"--global-batch (GLOBAL_BATCH) must be >= 1 samples per optimizer step, got {global_batch}")
     cfg = RunConfig.load(args.deepspeed_config, trainer=trainer, overrides={
         "fused_ln_modulate": args.fused_ln_modulate, "metrics.log_dir": args.log_dir,
-        "sampler.shapes": args.shapes, "sampler.checkpointing": args.grad_ckpt})
+        "sampler.shapes": args.shapes, "sampler.checkpointing": args.grad_ckpt,
+        "sampler.global_batch": None if global_batch is None else GlobalBatchConfig(samples=global_batch)})
     _check_planned_layout(cfg, world=world, device=device)
     return cfg
 
