@@ -254,6 +254,7 @@ def test_unknown_fixed_batch_bucket_is_an_error():
     shapes = [SampleShape(1, 128, 224), SampleShape(17, 128, 224)]
     check_fixed_batch_sizes({"17x128x224": 2}, shapes)
     check_fixed_batch_sizes(None, shapes)
+    check_fixed_batch_sizes({"17x128x224": 2, "33x256x256": 1}, shapes)  # a bucket of the mix this data did not draw
     with pytest.raises(ConfigError, match=r"bucket\(s\) 'banana' that are not shapes of the data \(2 bucket\(s\): "
                                           r"1x128x224, 17x128x224\)"):
         check_fixed_batch_sizes({"banana": 2, "17x128x224": 1}, shapes)

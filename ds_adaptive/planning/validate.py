@@ -276,13 +276,20 @@ def validate_run(ds_config: Mapping[str, Any], block: AdaptiveLoadConfig, facts:
 
 
 def check_fixed_batch_sizes(fixed: Optional[Mapping[str, int]], shapes) -> None:
-    """``sampler.fixed_batch_sizes`` names only buckets ("FxHxW", pixels) that the data has: a misspelt or absent
-    bucket would silently get the memory-bound size instead of the one asked for."""
+    """``sampler.fixed_batch_sizes`` keys are buckets, "FxHxW" in pixels (or a token length): a key that is not one
+    (``"banana"``) would silently change nothing. A well-formed bucket this dataset happens not to hold (a shape of
+    the mix that a small synthetic epoch did not draw, a config shared between datasets) is allowed."""
     if not fixed:
         return
     known = sorted({str(s) for s in set(shapes)}, key=lambda k: [int(x) for x in k.split("x")])
-    unknown = sorted(set(fixed or {}) - set(known))
+    unknown = sorted(k for k in set(fixed) - set(known) if not _is_bucket_key(k))
     if unknown:
         raise ConfigError(f"adaptive_load.sampler.fixed_batch_sizes names bucket(s) {', '.join(map(repr, unknown))} "
                           f"that are not shapes of the data ({len(known)} bucket(s): {', '.join(known[:12])}"
                           f"{', ...' if len(known) > 12 else ''}); use those keys, FRAMESxHEIGHTxWIDTH in pixels")
+
+
+def _is_bucket_key(key: str) -> bool:
+    """"FxHxW" (three positive ints) or a token length (one positive int)."""
+    parts = str(key).split("x")
+    return len(parts) in (1, 3) and all(p.isdigit() and int(p) > 0 for p in parts)
