@@ -53,8 +53,8 @@ def write_video(path: Path, n: int, fps: int, h: int, w: int, *, seed: int = 0, 
 
 def tiny_models(root: Path) -> dict:
     """The stand-in pipeline's random tiny AutoencoderKLWan (z_dim 16), UMT5 (d_model 4096) and Unigram tokenizer with
-    T5's special tokens (``ds_adaptive.media.demo``, what ``ds-adaptive demo-assets`` writes)."""
-    from ds_adaptive.media.demo import write_demo_encoders
+    T5's special tokens (``ds_adaptive.integrations.diffusers_demo``, what ``ds-adaptive demo-assets`` writes)."""
+    from ds_adaptive.integrations.diffusers_demo import write_demo_encoders
 
     write_demo_encoders(root)
     return {"--vae": root / "vae", "--text-encoder": root / "text_encoder", "--tokenizer": root / "tokenizer"}

@@ -29,7 +29,7 @@ COMMANDS = {
     "stats": ("ds_adaptive.preprocess.stats", "shape histogram (table, PNG, shapes json) of a latent dataset or manifest"),
     "data": ("ds_adaptive.cli.data", "a latent dataset's index: convert index.json -> index.arrow, check every shard"),
     "plot": ("ds_adaptive.cli.plot", "one PNG of a training run: losses, tokens/s, peak memory and compute per rank"),
-    "demo-assets": ("ds_adaptive.cli.demo_assets", "a tiny random Wan pipeline and captioned clips, to try the "
+    "demo-assets": ("ds_adaptive.cli.demo_assets", "a tiny random diffusers pipeline and captioned clips, to try the "
                                                    "own-data workflow on a CPU"),
 }
 

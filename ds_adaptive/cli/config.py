@@ -33,8 +33,8 @@ rules that span fields (`--model`, `--layers`, `--sp`, `--world`, `--device` say
 run); `--json` prints the resolved block.
 
 Shipped configs (`launch/configs/`): `zero3_adaptive.json` (ZeRO-3, AdaptiveLoad on, fused op on; the GPU
-default), `zero3_adaptive_14b.json` (the 14B calibration profile, for `--model wan2.1-14b`),
-`zero3_adaptive_ti2v5b.json` (for `--model wan2.2-ti2v-5b`), `zero3_baseline.json` (AdaptiveLoad off: the
+default), `zero3_adaptive_14b.json` (the 14B model's calibration profile),
+`zero3_adaptive_ti2v5b.json` (for the TI2V-5B model), `zero3_baseline.json` (AdaptiveLoad off: the
 equal-token baseline at the same memory budget), `cpu_tiny.json` (the CPU default: fp32, `power` cost model
 with explicit budgets, `shapes_cpu.json`).
 

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from ds_adaptive.media.demo import write_demo
+from ds_adaptive.integrations.diffusers_demo import write_demo
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -78,7 +78,8 @@ from ds_adaptive.planning.memory import micro_batch_table, sample_memory
 from ds_adaptive.planning.planner import (EpochPlan, Mode, PlannerParams, bucket_tokens, efficient_batch,
                                          loop_ms_per_micro_step, plan_epoch, unique_shapes)
 from ds_adaptive.core.shapes import SampleShape
-from ds_adaptive.planning.global_batch import fit_gas, no_plan_message, per_micro_step, tokens_per_s_at
+from ds_adaptive.planning.global_batch import (fit_gas, global_batch_candidates, no_plan_message, per_micro_step,
+                                               tokens_per_s_at)
 from ds_adaptive.planning.plan_types import PlanError
 
 __all__ = ["BudgetChoice", "choose_compute_budget", "candidate_budgets", "predicted_time_ms", "predicted_times",
@@ -273,13 +274,11 @@ def choose_compute_budget(cost: CostModel, shapes: Sequence[SampleShape], *, m_m
     shape's batch capped at its lowest time per sample, where that changes a batch (``efficient_batches``).
     Oversize samples (over ``m_mem``) are left out of the search (the sampler's own plan reports them).
 
-    ``global_batch`` (a :class:`ds_adaptive.core.config.GlobalBatchConfig`): only plans whose micro-steps per step
-    (``auto``: ``round(G / per micro-step)``; an int: as given) hold it within its tolerance are scored
-    (:mod:`ds_adaptive.planning.global_batch`), budgets scaled towards it are added when the grid misses it
-    (:func:`_global_batch_candidates`), and :class:`PlanError` names the range that can be planned when no plan
-    keeps it. With a global batch the search plans ``min(dp_size, SEARCH_DP)`` ranks (a sample of the cluster: the
-    budget's batches and balance are per rank) and scales the counts per micro-step and tokens/s to ``dp_size``; the
-    sampler checks the epoch's own plan against the global batch (:func:`ds_adaptive.planning.sampler.build_batch_sampler`)."""
+    ``global_batch`` (:class:`ds_adaptive.core.config.GlobalBatchConfig`): only plans whose micro-steps per step
+    (``auto``: ``round(G / per micro-step)``; an int: as given) hold it within its tolerance are scored, budgets
+    aimed at it are added (:mod:`ds_adaptive.planning.global_batch`), and :class:`PlanError` names the range that
+    can be planned when none keeps it. The search then plans ``min(dp_size, SEARCH_DP)`` ranks (batches and balance
+    are per rank) and scales counts and tokens/s to ``dp_size``; the sampler checks the epoch's own plan."""
     full_dp = dp_size
     if global_batch is not None:
         dp_size = min(dp_size, SEARCH_DP)
@@ -323,41 +322,66 @@ def choose_compute_budget(cost: CostModel, shapes: Sequence[SampleShape], *, m_m
                                "tokens_per_s": tps, "micro_steps": plan.num_micro_steps, "samples": n}
         return rows[m, capped]
 
-    equal_tps, equal_gas = None, _gas_for(reference, reference, micro_steps_per_step)  # "auto": 1, as the baseline runs
-    if max_tokens is not None:   # the equal-token plan of the same samples: scored, and its costliest batch a candidate
-        equal_tps, eq, n_eq = plan_for(PlannerParams(mode="tokens", dp_size=dp_size, micro_steps_per_step=equal_gas,
-                                                     m_mem=m_mem, max_tokens=int(max_tokens), window=window,
-                                                     oversize="skip"), max(upper, reference))
-        if global_batch is not None:   # only a plan that keeps the global batch may win
-            fit = fit_gas(per_micro_step(eq, global_batch.by) * scale, global_batch.value, global_batch.tolerance,
-                          micro_steps_per_step)
-            equal_gas = fit.gas
-            equal_tps = tokens_per_s_at(eq, cost, fit.gas) * scale if fit.ok else 0.0
-        if eq.batch_cost.size:
-            top = float(eq.batch_cost.max())
-            if all(abs(top - c) > 0.03 * c for c in cands):
-                cands = sorted(cands + [top])
+    equal_tps, equal_gas, cands = _equal_token_plan(plan_for, cost, cands, reference=reference, upper=upper,
+                                                    max_tokens=max_tokens, dp_size=dp_size, m_mem=m_mem,
+                                                    window=window, micro_steps_per_step=micro_steps_per_step,
+                                                    global_batch=global_batch, scale=scale)
     table = []
     for m in cands:   # each budget as it is and, where that changes a batch, with each shape's efficient cap
         table.append(score(m))
         loop = loop_ms_per_micro_step(cost.profile, _gas_for(m, reference, micro_steps_per_step))
         if batch_cap and _cap_changes(tables, m, loop):
             table.append(score(m, capped=True))
-    for it in range(6 if global_batch is not None else 0):   # budgets aimed at the global batch
+    if global_batch is not None:
+        _aim_at_global_batch(table, score, global_batch, micro_steps_per_step, cost.c0, min(cands),
+                             max(upper, reference), equal_tps, full_dp)
+    return _budget_choice(table, score(float(reference)), reference, equal_tps, equal_gas, global_batch)
+
+
+def _equal_token_plan(plan_for, cost: CostModel, cands: list, *, reference: float, upper: float,
+                      max_tokens: Optional[int], dp_size: int, m_mem: float, window: int, micro_steps_per_step,
+                      global_batch, scale: float) -> tuple:
+    """The equal-token plan of the same samples: its predicted tokens/s (kept to plans that hold the global batch),
+    its micro-steps per step, and the candidates with its costliest batch added."""
+    equal_tps, equal_gas = None, _gas_for(reference, reference, micro_steps_per_step)  # "auto": 1, as the baseline runs
+    if max_tokens is None:
+        return equal_tps, equal_gas, cands
+    equal_tps, eq, _ = plan_for(PlannerParams(mode="tokens", dp_size=dp_size, micro_steps_per_step=equal_gas,
+                                              m_mem=m_mem, max_tokens=int(max_tokens), window=window,
+                                              oversize="skip"), max(upper, reference))
+    if global_batch is not None:   # only a plan that keeps the global batch may win
+        fit = fit_gas(per_micro_step(eq, global_batch.by) * scale, global_batch.value, global_batch.tolerance,
+                      micro_steps_per_step)
+        equal_gas = fit.gas
+        equal_tps = tokens_per_s_at(eq, cost, fit.gas) * scale if fit.ok else 0.0
+    if eq.batch_cost.size:
+        top = float(eq.batch_cost.max())
+        if all(abs(top - c) > 0.03 * c for c in cands):
+            cands = sorted(cands + [top])
+    return equal_tps, equal_gas, cands
+
+
+def _aim_at_global_batch(table: list, score, global_batch, micro_steps_per_step, c0: float, lowest: float,
+                         highest: float, equal_tps, full_dp: int) -> None:
+    """Adds to ``table`` the budgets aimed at the global batch (up to 6 rounds), sorts it, and raises
+    :class:`PlanError` with the range that can be planned when no plan (nor the equal-token one) keeps it."""
+    for it in range(6):
         if any(r["keeps_global_batch"] for r in table) and it >= 1:
             break
-        table += [score(m) for m in _global_batch_candidates(table, global_batch, micro_steps_per_step, cost.c0,
-                                                             min(cands), max(upper, reference))]
-    if global_batch is not None:
-        table.sort(key=lambda r: (r["m_comp"], r["efficient_batches"]))
-        if not any(r["keeps_global_batch"] for r in table) and not equal_tps:
-            raise PlanError(no_plan_message(global_batch.value, global_batch.by, global_batch.tolerance,
-                                            [(r["m_comp"], r["fit"]) for r in table], full_dp, micro_steps_per_step))
+        table += [score(m) for m in global_batch_candidates(table, global_batch, micro_steps_per_step, c0,
+                                                             lowest, highest)]
+    table.sort(key=lambda r: (r["m_comp"], r["efficient_batches"]))
+    if not any(r["keeps_global_batch"] for r in table) and not equal_tps:
+        raise PlanError(no_plan_message(global_batch.value, global_batch.by, global_batch.tolerance,
+                                        [(r["m_comp"], r["fit"]) for r in table], full_dp, micro_steps_per_step))
+
+
+def _budget_choice(table: list, ref: dict, reference: float, equal_tps, equal_gas, global_batch) -> BudgetChoice:
+    """The best scored budget (ties: the larger), the reference's row when none predicts any throughput, or the
+    equal-token plan where it predicts more: never slower than the baseline by the same prediction."""
     best = table[_best_index(table)]
-    ref = score(float(reference))
     if best["tokens_per_s"] <= 0:
         best = ref
-    # never slower than the baseline by the same prediction: its plan is the last candidate
     tokens_wins = equal_tps is not None and equal_tps > best["tokens_per_s"]
     return BudgetChoice(m_comp=best["m_comp"], micro_steps_per_step=best["micro_steps_per_step"] if not tokens_wins
                         else equal_gas,
@@ -389,41 +413,6 @@ def _score_for_global_batch(plan_for, m: float, capped: bool, rows: dict, gb, co
     return {"m_comp": m, "micro_steps_per_step": fit.gas, "efficient_batches": capped,
             "tokens_per_s": raw if fit.ok else 0.0, "raw_tokens_per_s": raw, "micro_steps": plan.num_micro_steps,
             "samples": n, "global_batch": fit.predicted, "keeps_global_batch": fit.ok, "fit": fit}
-
-
-def _global_batch_candidates(table: Sequence[dict], gb, micro_steps_per_step, c0: float, lo: float, hi: float,
-                             best: int = 3) -> list[float]:
-    """Budgets aimed at the global batch: for the micro-step counts ``k`` nearest ``G / q`` of the ``best`` fastest
-    rows (by ``raw_tokens_per_s``) that miss it (``q``: their samples or tokens per micro-step), the budget where
-    ``k x q`` crosses ``G`` between two scored budgets (linear interpolation of ``q`` over the budget), or, past
-    the scored range, the row's budget scaled by ``G / (k q)`` above the per-micro-batch cost ``c0`` (a
-    micro-step's samples grow about linearly with the budget there). Within ``[lo, hi]``, not within 0.5% of a
-    scored budget."""
-    rows = sorted((r for r in table if not r["efficient_batches"] and r["fit"].per_micro > 0), key=lambda r: r["m_comp"])
-    misses = sorted((r for r in table if not r["keeps_global_batch"] and r["fit"].per_micro > 0),
-                    key=lambda r: -r["raw_tokens_per_s"])[:best]
-    have = [r["m_comp"] for r in table]
-    out: list[float] = []
-
-    def add(m2: float) -> None:
-        m2 = float(min(max(m2, lo), hi))
-        if all(abs(m2 - x) > 0.005 * x for x in have + out):
-            out.append(m2)
-    for r in misses:
-        q, m = r["fit"].per_micro, r["m_comp"]
-        ks = ({max(1, math.floor(gb.value / q)), max(1, math.ceil(gb.value / q))} if micro_steps_per_step == "auto"
-              else {int(micro_steps_per_step)})
-        for k in sorted(ks):
-            want = gb.value / k
-            crossed = False
-            for a, b in zip(rows, rows[1:]):
-                qa, qb = a["fit"].per_micro, b["fit"].per_micro
-                if (qa - want) * (qb - want) < 0:
-                    add(a["m_comp"] + (want - qa) * (b["m_comp"] - a["m_comp"]) / (qb - qa))
-                    crossed = True
-            if not crossed:
-                add(c0 + (m - c0) * want / q)
-    return out
 
 
 def _cap_changes(tables: Sequence, m_comp: float, loop_ms: float) -> bool:

@@ -13,9 +13,10 @@ Pure: functions of plans and numbers; no torch.
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import numpy as np
 
@@ -23,7 +24,7 @@ from ds_adaptive.planning.plan_types import EpochPlan, PlanError, bucket_tokens
 from ds_adaptive.planning.planner import plan_epoch
 
 __all__ = ["GasFit", "MAX_MICRO_STEPS", "per_micro_step", "fit_gas", "tokens_per_s_at", "no_plan_message",
-           "too_small_problem", "step_stats", "describe_step_stats", "check_epoch"]
+           "too_small_problem", "step_stats", "describe_step_stats", "check_epoch", "global_batch_candidates"]
 
 #: ``gradient_accumulation_steps: auto`` never plans more micro-steps per optimizer step than this
 MAX_MICRO_STEPS = 4096
@@ -206,3 +207,38 @@ def check_epoch(sampler, gb, micro_steps_per_step) -> None:
                       f"step for global_batch.{gb.by} {gb.value:,} ({fit.error:.0%} off): too few samples to hold it "
                       "closer", stacklevel=3)
     sampler.global_batch_fit = {**fit.describe(), "checked_samples": int(min(n, len(order)))}
+
+
+def global_batch_candidates(table: Sequence[dict], gb, micro_steps_per_step, c0: float, lo: float, hi: float,
+                            best: int = 3) -> list[float]:
+    """Budgets aimed at the global batch: for the micro-step counts ``k`` nearest ``G / q`` of the ``best`` fastest
+    rows (by ``raw_tokens_per_s``) that miss it (``q``: their samples or tokens per micro-step), the budget where
+    ``k x q`` crosses ``G`` between two scored budgets (linear interpolation of ``q`` over the budget), or, past
+    the scored range, the row's budget scaled by ``G / (k q)`` above the per-micro-batch cost ``c0`` (a
+    micro-step's samples grow about linearly with the budget there). Within ``[lo, hi]``, not within 0.5% of a
+    scored budget."""
+    rows = sorted((r for r in table if not r["efficient_batches"] and r["fit"].per_micro > 0), key=lambda r: r["m_comp"])
+    misses = sorted((r for r in table if not r["keeps_global_batch"] and r["fit"].per_micro > 0),
+                    key=lambda r: -r["raw_tokens_per_s"])[:best]
+    have = [r["m_comp"] for r in table]
+    out: list[float] = []
+
+    def add(m2: float) -> None:
+        m2 = float(min(max(m2, lo), hi))
+        if all(abs(m2 - x) > 0.005 * x for x in have + out):
+            out.append(m2)
+    for r in misses:
+        q, m = r["fit"].per_micro, r["m_comp"]
+        ks = ({max(1, math.floor(gb.value / q)), max(1, math.ceil(gb.value / q))} if micro_steps_per_step == "auto"
+              else {int(micro_steps_per_step)})
+        for k in sorted(ks):
+            want = gb.value / k
+            crossed = False
+            for a, b in zip(rows, rows[1:]):
+                qa, qb = a["fit"].per_micro, b["fit"].per_micro
+                if (qa - want) * (qb - want) < 0:
+                    add(a["m_comp"] + (want - qa) * (b["m_comp"] - a["m_comp"]) / (qb - qa))
+                    crossed = True
+            if not crossed:
+                add(c0 + (m - c0) * want / q)
+    return out

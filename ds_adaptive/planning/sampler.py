@@ -480,6 +480,22 @@ def _checkpoint_attention_plan(sampler_cfg: SamplerConfig, mode: str, model, sha
     return (keep_cost, keep_budgets) if pick == "keep" else (cost, budgets)
 
 
+def _check_batch_settings(sampler_cfg: SamplerConfig, shapes, layout: Layout, micro_steps_per_step, profile_log) -> None:
+    """Before planning: a global batch the data-parallel ranks cannot hold is a :class:`PlanError`; ``auto``
+    gradient accumulation without a global batch is a warning (the batch would follow the world size); bucket
+    names of ``fixed_batch_sizes`` are checked."""
+    gb = sampler_cfg.global_batch
+    if gb is not None:
+        problem = too_small_problem(gb.value, gb.by, layout.dp_size, min(bucket_tokens(s) for s in unique_shapes(shapes)[0]))
+        if problem:
+            raise PlanError(problem)
+    elif micro_steps_per_step == "auto":
+        (profile_log or (lambda m: warnings.warn(m, stacklevel=3)))(
+            "warning: gradient_accumulation_steps \"auto\" without adaptive_load.sampler.global_batch: the samples "
+            "per optimizer step follow the world size and the data; set sampler.global_batch (docs/SCALE.md)")
+    check_fixed_batch_sizes(sampler_cfg.fixed_batch_sizes, shapes)
+
+
 def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape], layout: Layout, *,
                         micro_steps_per_step: "int | str", enabled: bool = True, gpu_mem_gib: Optional[float] = None,
                         model_name: Optional[str] = None, zero_stage: Optional[int] = None,
@@ -543,15 +559,7 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
             fixed_batch_sizes=sampler_cfg.fixed_batch_sizes if chosen == "fixed" else None)
 
     gb = sampler_cfg.global_batch
-    if gb is not None:
-        problem = too_small_problem(gb.value, gb.by, layout.dp_size, min(bucket_tokens(s) for s in unique_shapes(shapes)[0]))
-        if problem:
-            raise PlanError(problem)
-    elif micro_steps_per_step == "auto":
-        (profile_log or (lambda m: warnings.warn(m, stacklevel=2)))(
-            "warning: gradient_accumulation_steps \"auto\" without adaptive_load.sampler.global_batch: the samples "
-            "per optimizer step follow the world size and the data; set sampler.global_batch (docs/SCALE.md)")
-    check_fixed_batch_sizes(sampler_cfg.fixed_batch_sizes, shapes)
+    _check_batch_settings(sampler_cfg, shapes, layout, micro_steps_per_step, profile_log)
     cost, budgets = _checkpoint_attention_plan(sampler_cfg, chosen, model, shapes, plan_with, profile_log)
     plan_mode = budgets["plan_mode"] if chosen == "dual" else chosen
     sampler = _CLASSES[chosen](
