@@ -335,9 +335,9 @@ def test_layers_plans_with_the_depth_rescaled_profile(tmp_path, cpu_config, run_
     from ds_adaptive.training.assemble import build_run
     from ds_adaptive.training.run_config import RunConfig
 
-    with pytest.warns(UserWarning, match="measured for model 'wan2.1-1.3b', training 'tiny'"):
-        run = build_run(RunConfig.load(raw, trainer={"model": "tiny", "layers": 30, "num_samples": 40}),
-                        layout=Layout.explicit(), meta=True)
+    # (the profile-for-another-model warning is for GPU runs, where calibrating is the fix: none on this CPU run)
+    run = build_run(RunConfig.load(raw, trainer={"model": "tiny", "layers": 30, "num_samples": 40}),
+                    layout=Layout.explicit(), meta=True)
     assert run.sampler.cost.profile.rescaled_from_layers is None and not any("rescaled" in n for n in run.notes)
 
 
