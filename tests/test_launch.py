@@ -101,7 +101,8 @@ def test_dry_run_checkpoint_knobs(tmp_path):
     cmd = _dry(env).stdout.splitlines()[-1]
     assert f"--save {tmp_path / 'ck'} --save-interval 5 --keep-checkpoints 0" in cmd
     assert "--resume" not in cmd  # nothing to resume from yet
-    (tmp_path / "ck" / "global_step5").mkdir(parents=True)
+    (tmp_path / "ck" / "global_step5").mkdir(parents=True)  # a complete checkpoint has its marker
+    (tmp_path / "ck" / "global_step5" / "ds_adaptive_complete.json").write_text("{}")
     cmd = _dry(env).stdout.splitlines()[-1]
     assert cmd.endswith(f"--keep-checkpoints 0 --resume {tmp_path / 'ck'}")
     r = _dry({"NUM_GPUS": "0", "SAVE_DIR": "", "RESUME": "1"})
@@ -184,9 +185,12 @@ def test_launcher_knob_errors_are_one_line(tmp_path):
 def test_resume_finds_the_newest_run_directory(tmp_path):
     """Without SAVE_DIR each launch saves into a fresh checkpoints/MODEL/run-*; RESUME=1 continues the newest one
     that holds a checkpoint."""
-    for name in ("run-20260101-000000", "run-20260102-000000"):
+    for name in ("run-20260101-000000", "run-20260102-000000"):   # complete checkpoints: with their marker
         (tmp_path / "checkpoints" / "tiny" / name / "global_step10").mkdir(parents=True)
+        (tmp_path / "checkpoints" / "tiny" / name / "global_step10" / "ds_adaptive_complete.json").write_text("{}")
     (tmp_path / "checkpoints" / "tiny" / "run-20260103-000000").mkdir()  # started, no checkpoint yet
+    # a newer run whose only save was interrupted (no marker): not the one to resume
+    (tmp_path / "checkpoints" / "tiny" / "run-20260104-000000" / "global_step5").mkdir(parents=True)
     e = {k: v for k, v in os.environ.items() if k not in ("NUM_GPUS", "SAVE_DIR", "RESUME", "SP")}
     r = subprocess.run(["bash", str(SCRIPT)], env={**e, "NUM_GPUS": "0", "RESUME": "1", "DRY_RUN": "1"},
                        capture_output=True, text=True, timeout=120, cwd=tmp_path)

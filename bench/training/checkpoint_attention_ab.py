@@ -43,6 +43,7 @@ TRAIN = ("{py} -m ds_adaptive.cli.train --deepspeed_config {cfg} --model {model}
 def arm_config(arm: str, args, log_dir: str = "runs/ckpt_attention") -> dict:
     cfg = json.loads(Path(args.config).read_text())
     cfg["gradient_accumulation_steps"] = _auto_or(args.gas)
+    cfg.get("adaptive_load", {}).get("sampler", {}).pop("global_batch", None)  # a pinned A/B: its own gas, not the shipped global batch
     s = cfg["adaptive_load"]["sampler"]
     s["profile"], s["m_comp"], s["checkpoint_attention"] = args.profile, _auto_or(args.m_comp), arm
     if args.shapes:

@@ -97,6 +97,7 @@ def deepspeed_engine(model_name: str, layers) -> tuple[object, str]:
     _, _, device = init_distributed(0)
     raw = dict(read_ds_config(ROOT / "launch" / "configs" / "zero3_adaptive.json"))
     raw["gradient_accumulation_steps"] = 1
+    raw.get("adaptive_load", {}).get("sampler", {}).pop("global_batch", None)  # a pinned A/B: its own gas, not the shipped global batch
     ds_config = prepare_ds_config(raw, dp_size=1, on_gpu=device.type == "cuda")
     cfg = get_wan_config(model_name, **({"num_layers": layers} if layers else {}))
     with deepspeed.zero.Init(config_dict_or_path=ds_config):

@@ -370,6 +370,7 @@ def arm_ds_config(s: Settings, arm: Arm, plan: dict, profile_path: str, budgets:
     base = json.loads((ROOT / "launch" / "configs" / base_name).read_text())
     cfg = {k: v for k, v in base.items() if k not in ("adaptive_load", "scheduler")}
     cfg["gradient_accumulation_steps"] = plan["gas"]
+    cfg.get("adaptive_load", {}).get("sampler", {}).pop("global_batch", None)  # a pinned A/B: its own gas, not the shipped global batch
     cfg["optimizer"] = copy.deepcopy(base["optimizer"])
     cfg["optimizer"]["params"]["lr"] = s.lr
     cfg["adaptive_load"] = {

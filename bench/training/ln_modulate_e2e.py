@@ -51,6 +51,7 @@ def prepare(d: Path, m_comp: str, gas: str) -> None:
     (d / "profile.json").write_text(json.dumps(reference_profile(), indent=1))
     cfg = json.loads(CONFIG.read_text())
     cfg["gradient_accumulation_steps"] = _auto_or(gas)
+    cfg.get("adaptive_load", {}).get("sampler", {}).pop("global_batch", None)  # a pinned A/B: its own gas, not the shipped global batch
     s = cfg["adaptive_load"]["sampler"]
     s["profile"], s["m_comp"] = str(d / "profile.json"), _auto_or(m_comp)
     cfg["adaptive_load"]["metrics"]["interval"] = 1

@@ -71,6 +71,7 @@ DEFAULT_ARMS = ("dense", "sparse", "replan")
 def arm_config(args, mix: str, arm: str, out_dir: Path) -> dict:
     cfg = json.loads(Path(args.config).read_text())
     cfg["gradient_accumulation_steps"] = args.gas
+    cfg.get("adaptive_load", {}).get("sampler", {}).pop("global_batch", None)  # a pinned A/B: its own gas, not the shipped global batch
     al = cfg["adaptive_load"]
     al["fused_ln_modulate"] = args.fused_ln
     al["sampler"]["profile"] = args.profile
