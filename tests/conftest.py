@@ -159,6 +159,22 @@ def pytest_collection_modifyitems(config, items) -> None:
     items.sort(key=lambda it: not slow[unit[it.nodeid]])  # stable: the collection order otherwise
 
 
+#: the launcher knobs a CPU launcher test must not inherit from the developer's shell (launch/train_wan.sh reads them)
+_LAUNCHER_KNOBS = ("NUM_GPUS", "NUM_PROCS", "HOSTFILE", "DS_CONFIG", "MODEL", "STEPS", "SAVE_DIR", "RESUME", "OVERWRITE",
+                   "SAVE_INTERVAL", "KEEP_CHECKPOINTS", "SP", "GLOBAL_BATCH")
+
+
+def launcher_env(**extra) -> dict:
+    """The environment of a CPU ``bash launch/train_wan.sh`` in a test: the shell's, less its launcher knobs, with no
+    GPU, a free rendezvous port, this checkout on PYTHONPATH and ``extra`` (values as strings)."""
+    from ds_adaptive.core.ports import free_port
+
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_KNOBS}
+    return {**env, "CUDA_VISIBLE_DEVICES": "", "NUM_GPUS": "0", "MASTER_PORT": str(free_port("127.0.0.1")),
+            "PYTHONPATH": str(Path(__file__).resolve().parent.parent), "PYTHONUNBUFFERED": "1",
+            **{k: str(v) for k, v in extra.items()}}
+
+
 #: every rank runs through this wrapper (``python _rank_main.py <argv>``): the rank's own exit status, without the
 #: interpreter's teardown, where DeepSpeed's CPU communication op could abort a rank whose work had passed
 _RANK_MAIN = Path(__file__).resolve().parent / "_rank_main.py"

@@ -13,9 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
+
+from conftest import launcher_env
 import torch
 
-from ds_adaptive.core.ports import free_port
 from ds_adaptive.training.checkpoint import MARKER, check_checkpoint, find_resumable, prune_checkpoints, write_latest
 from ds_adaptive.training.summary import json_safe
 from ds_adaptive.training.preempt import EXIT_PREEMPTED
@@ -27,11 +28,7 @@ TRAIN = ["--num-samples", "200", "--layers", "1", "--seed", "5"]
 
 
 def _env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("NUM_GPUS", "HOSTFILE", "DS_CONFIG", "MODEL", "STEPS", "SAVE_DIR", "RESUME")}
-    port = str(free_port("127.0.0.1"))
-    return {**env, "CUDA_VISIBLE_DEVICES": "", "NUM_GPUS": "0", "MASTER_PORT": port, "PYTHONPATH": str(ROOT),
-            "PYTHONUNBUFFERED": "1", **extra}
+    return launcher_env(**extra)
 
 
 def _summary(d: Path) -> dict:

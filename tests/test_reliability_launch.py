@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from ds_adaptive.core.ports import free_port
+from conftest import launcher_env
+
 from ds_adaptive.training.checkpoint import check_checkpoint, checkpoint_tags
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,11 +26,7 @@ TRAIN = ["--num-samples", "200", "--layers", "1", "--seed", "5"]
 
 
 def _env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("NUM_GPUS", "NUM_PROCS", "HOSTFILE", "DS_CONFIG", "MODEL", "STEPS", "SAVE_DIR", "RESUME",
-                        "OVERWRITE", "SAVE_INTERVAL", "KEEP_CHECKPOINTS")}
-    return {**env, "CUDA_VISIBLE_DEVICES": "", "NUM_GPUS": "0", "MASTER_PORT": str(free_port("127.0.0.1")),
-            "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **{k: str(v) for k, v in extra.items()}}
+    return launcher_env(**extra)
 
 
 def _launch(tmp_path, *args, timeout=300, **env) -> subprocess.CompletedProcess:
