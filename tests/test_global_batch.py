@@ -69,6 +69,36 @@ def test_samples_per_step_stay_at_the_global_batch_over_world_sizes_and_mixes(wo
     assert s.global_batch_fit["ok"] and s.plan.num_steps >= 4
 
 
+# a mix whose 16-step epoch ends in a short step: its steady steps hold 2,048 within 5% on 256 ranks, the epoch's mean
+# with its leftover step does not; the check fits the steady steps
+SHORT_MIX = [0.333, 0.163, 0.315, 0.445, 0.605, 0.300, 0.461, 0.477, 0.405, 0.129, 0.2, 0.252, 0.247, 0.763]
+
+
+def test_the_check_fits_the_steady_steps_not_the_epochs_leftover_step():
+    s = _sampler(draw_shapes(_mix(SHORT_MIX), 16 * 2048, 377), 256, {"samples": 2048})
+    assert s.global_batch_fit["ok"], s.global_batch_fit
+    assert abs(_mean_samples(s) / 2048 - 1) <= 0.10
+
+
+def test_a_fit_outside_the_tolerance_re_aims_the_auto_budget():
+    # 1% on 64 ranks: no whole number of the search's micro-steps holds 1,500; the check moves m_comp: auto
+    s = _sampler(draw_shapes(MIX, 12 * 1500, 1), 64, {"samples": 1500, "tolerance": 0.01})
+    fit = s.global_batch_fit
+    assert fit["ok"] and fit["error"] <= 0.01, fit
+    assert fit["m_comp_aimed"]["from"] != fit["m_comp_aimed"]["to"] == s.params.m_comp
+    assert s.budget_choice.m_comp == fit["m_comp_aimed"]["from"]   # the search's own choice stays on record
+
+
+def test_a_fit_the_plan_cannot_hold_within_the_tolerance_is_a_warning_not_silent():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        s = build_batch_sampler(SamplerConfig(profile=H200, global_batch={"samples": 100, "tolerance": 0.03}),
+                                draw_shapes(MIX, 1200, 1), Layout.explicit(dp_size=8, dp_rank=0),
+                                micro_steps_per_step="auto", gpu_mem_gib=GIB, model_name="wan2.1-1.3b", zero_stage=3)
+    assert not s.global_batch_fit["ok"]
+    assert [w for w in caught if "global_batch.samples 100 (" in str(w.message) and "tolerance 3%" in str(w.message)]
+
+
 @pytest.mark.parametrize("world,gb,n", [(1, 2048, 16 * 2048), (8, 2048, 16 * 2048), (64, 2048, 16 * 2048),
                                         (256, 2048, 16 * 2048), (1024, 8192, 12 * 8192)])
 def test_the_done_when_sizes(world, gb, n):

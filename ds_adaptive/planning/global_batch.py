@@ -171,6 +171,8 @@ def describe_step_stats(stats: dict, gb=None) -> str:
 CHECK_SAMPLES_PER_RANK = 128
 #: ... and at least this many global batches
 CHECK_STEPS = 16
+#: ``m_comp: auto``: re-aim the budget at most this many times when the check misses the tolerance
+AIM_TRIES = 2
 #: ... and at least this many samples (fewer than the search planned would be a worse estimate than its own)
 CHECK_MIN_SAMPLES = 4096
 
@@ -180,18 +182,38 @@ def check_epoch(sampler, gb, micro_steps_per_step) -> None:
     ``max(CHECK_SAMPLES_PER_RANK x dp, CHECK_STEPS global batches)`` samples (the whole epoch when smaller: its
     own plan) holds the global batch. With ``gradient_accumulation_steps: auto`` the micro-steps per step are re-fitted to that plan's mean samples
     (or tokens) per micro-step when they differ (the search planned a sample of the epoch on a sample of the
-    ranks); the fit is in ``sampler.global_batch_fit``. More than twice the tolerance off is a :class:`PlanError`."""
+    ranks); the fit is in ``sampler.global_batch_fit``. With ``m_comp: auto`` a fit outside the tolerance re-aims the
+    budget (at most :data:`AIM_TRIES` times) so that a micro-step holds ``G / gas``; the aimed budget is in the fit's
+    ``m_comp_aimed``. Still outside: a warning; more than twice the tolerance off is a :class:`PlanError`."""
     order = sampler._order()
     tokens = np.array([bucket_tokens(u) for u in sampler._uniq], float)[sampler._sid]
     per_sample = 1.0 if gb.by == "samples" else float(tokens.mean())
     n = int(max(CHECK_SAMPLES_PER_RANK * sampler.layout.dp_size, CHECK_STEPS * gb.value / per_sample, CHECK_MIN_SAMPLES))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        # oversize samples skipped here: the sampler's own plan reports them (error or skip) where it is planned
-        plan = plan_epoch(sampler._sid, sampler._uniq, order[:n], sampler.cost,
-                          dataclasses.replace(sampler.params, oversize="skip"), seed=sampler._plan_seed(0),
-                          replan_tail=n >= len(order))
-    fit = fit_gas(per_micro_step(plan, gb.by), gb.value, gb.tolerance, micro_steps_per_step)
+
+    def check(params) -> GasFit:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            # oversize samples skipped here: the sampler's own plan reports them (error or skip) where it is planned
+            plan = plan_epoch(sampler._sid, sampler._uniq, order[:n], sampler.cost,
+                              dataclasses.replace(params, oversize="skip"), seed=sampler._plan_seed(0),
+                              replan_tail=n >= len(order))
+        # steady: without the plan's last step (the epoch's leftover samples, or the prefix's re-planned tail)
+        return fit_gas(per_micro_step(plan, gb.by, steady=True), gb.value, gb.tolerance, micro_steps_per_step)
+    fit, aimed_from = check(sampler.params), None
+    for _ in range(AIM_TRIES if sampler.m_comp_auto and sampler.params.m_comp is not None else 0):
+        if fit.ok or fit.per_micro <= 0:
+            break
+        # m_comp: auto chose the budget: aim it so that a micro-step holds G / gas (its samples grow about linearly
+        # with the budget above the per-micro-batch cost c0), the micro-steps per step as fitted
+        c0, m = sampler.cost.c0, sampler.params.m_comp
+        want = gb.value / fit.gas
+        aimed = dataclasses.replace(sampler.params, m_comp=max(c0 + (m - c0) * want / fit.per_micro, c0 * 1.01),
+                                    micro_steps_per_step=fit.gas)
+        f2 = check(aimed)
+        if f2.error >= fit.error:
+            break
+        sampler.params, fit, aimed_from = aimed, f2, aimed_from if aimed_from is not None else m
+        sampler._cache = None
     if micro_steps_per_step == "auto" and fit.gas != sampler.micro_steps_per_step:
         sampler.params = dataclasses.replace(sampler.params, micro_steps_per_step=fit.gas)
         sampler._cache = None
@@ -202,11 +224,17 @@ def check_epoch(sampler, gb, micro_steps_per_step) -> None:
                                         sampler.layout.dp_size, micro_steps_per_step)
                         + f" (the plan of the epoch's first {min(n, len(order)):,} samples on all ranks is "
                           f"{fit.error:.1%} off, more than twice the tolerance)")
-    if fit.error > 2 * gb.tolerance:
+    if gb.tolerance < fit.error <= 2 * gb.tolerance:
+        warnings.warn(f"sampler: the plan holds {fit.predicted:,.0f} {gb.by} per optimizer step for global_batch."
+                      f"{gb.by} {gb.value:,} ({fit.error:.1%} off, tolerance {gb.tolerance:.0%}): set a global batch "
+                      "nearer a whole number of micro-steps, or a wider tolerance, to hold it closer", stacklevel=3)
+    elif fit.error > 2 * gb.tolerance:
         warnings.warn(f"sampler: the epoch of {len(order):,} samples plans {fit.predicted:,.0f} {gb.by} per optimizer "
                       f"step for global_batch.{gb.by} {gb.value:,} ({fit.error:.0%} off): too few samples to hold it "
                       "closer", stacklevel=3)
     sampler.global_batch_fit = {**fit.describe(), "checked_samples": int(min(n, len(order)))}
+    if aimed_from is not None:
+        sampler.global_batch_fit["m_comp_aimed"] = {"from": aimed_from, "to": sampler.params.m_comp}
 
 
 def global_batch_candidates(table: Sequence[dict], gb, micro_steps_per_step, c0: float, lo: float, hi: float,
