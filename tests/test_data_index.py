@@ -12,11 +12,13 @@ import torch
 
 import ds_adaptive.data.index as index_mod
 from ds_adaptive.cli import main as cli_main
-from ds_adaptive.core.shapes import SampleShape, ShapeWeight, load_shape_distribution
+from ds_adaptive.core.shapes import IndexedShapes, SampleShape, ShapeWeight, load_shape_distribution
 from ds_adaptive.data import (DataError, IndexBuilder, LatentShardDataset, LatentShardWriter, SyntheticLatentDataset,
                               read_legacy_index, write_index, write_legacy_index)
 from ds_adaptive.data.convert import convert_dataset
+from ds_adaptive.data.split import DatasetView
 from ds_adaptive.planning.planner import unique_shapes as planner_unique_shapes
+from ds_adaptive.planning.shape_table import dataset_shapes
 
 SMALL = [ShapeWeight(SampleShape(1, 64, 96), 3.0), ShapeWeight(SampleShape(9, 64, 64), 1.0),
          ShapeWeight(SampleShape(5, 32, 64), 1.0)]
@@ -96,6 +98,22 @@ def test_a_10m_sample_index_gives_every_shape_and_a_rank_its_rows(big_index):
     with pytest.raises(DataError, match=rf"shard-{last:06d}.safetensors does not exist \(needed by sample "
                                         rf"'{N_BIG - 1:08d}' and 99 more"):
         ds[N_BIG - 1]
+
+
+def test_the_trainer_plans_a_10m_index_from_its_ids_without_an_object_per_sample(big_index):
+    out, shapes, shape_ids, _ = big_index
+    ds = LatentShardDataset(out)
+    planned = dataset_shapes(ds)   # what build_run, the trainer and the dry run plan with
+    assert isinstance(planned, IndexedShapes) and len(planned) == N_BIG and planned.unique == shapes
+    assert planned.ids is ds.shape_ids()   # the index's own int32 column: no copy
+    uniq, sid = planner_unique_shapes(planned)
+    assert uniq == shapes and sid is planned.ids
+    i = 7_654_321
+    assert planned[i] == shapes[shape_ids[i]] == ds.shape_of(i)
+    view = DatasetView(ds, np.arange(3, N_BIG, 1000), role="training")   # a split view keeps the ids
+    vs = dataset_shapes(view)
+    assert len(vs) == 10_000 and [vs.unique[j] for j in vs.ids[:5]] == [shapes[shape_ids[k]] for k in (3, 1003, 2003,
+                                                                                                       3003, 4003)]
 
 
 def test_the_planner_gets_the_same_unique_shapes_and_ids(tmp_path):

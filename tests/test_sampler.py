@@ -14,7 +14,7 @@ from ds_adaptive.planning.planner import OversizeSampleError
 from ds_adaptive.planning.sampler import (AdaptiveBatchSampler, FixedBucketSampler, SamplerStateError, TokenBucketSampler,
                                  build_batch_sampler)
 from ds_adaptive.core.layout import Layout
-from ds_adaptive.core.shapes import SampleShape, load_shape_distribution
+from ds_adaptive.core.shapes import IndexedShapes, SampleShape, load_shape_distribution
 
 DIST = load_shape_distribution()
 
@@ -211,3 +211,28 @@ def test_lr_scale_from_config():
     s = build_batch_sampler(cfg, mix(800), Layout.explicit(dp_size=2), micro_steps_per_step=1)
     t = s.step_totals(0)
     assert s.lr_scale(0) == pytest.approx((t.samples / 16) ** 0.5)
+
+
+def test_a_planner_given_ids_plans_what_it_plans_from_the_list():
+    dist = load_shape_distribution()
+    rng = np.random.default_rng(5)
+    listed = [dist[i].shape for i in rng.integers(0, len(dist), 3000)]
+    cfg = {"profile": "h100-wan2.1-1.3b", "window": 64}
+    plans = [build_batch_sampler(cfg, s, Layout.explicit(dp_size=4, dp_rank=1), micro_steps_per_step=2,
+                                 model_name="wan2.1-1.3b") for s in (listed, IndexedShapes.of_dataset(_Listed(listed)))]
+    assert isinstance(plans[1].shapes, IndexedShapes) and plans[0].state_dict(0) == plans[1].state_dict(0)
+    assert [list(b) for b in plans[0]] == [list(b) for b in plans[1]]
+
+
+class _Listed:
+    """A dataset that gives its shapes as unique shapes and ids."""
+
+    def __init__(self, shapes):
+        self.unique = sorted(set(shapes))
+        self.ids = np.array([self.unique.index(s) for s in shapes], np.int32)
+
+    def unique_shapes(self):
+        return self.unique
+
+    def shape_ids(self):
+        return self.ids

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
+
 import pytest
 
 from ds_adaptive.models.registry import default_model, get_model
-from ds_adaptive.core.shapes import (GridRule, SampleShape, ShapeError, latent_to_token_grid, load_shape_distribution,
+from ds_adaptive.core.shapes import (GridRule, IndexedShapes, SampleShape, ShapeError, latent_to_token_grid, load_shape_distribution,
                                 num_tokens, pad_to_multiple, parse_shape_distribution)
 
 
@@ -126,3 +128,15 @@ def test_a_shape_under_another_rule_names_the_rule():
         SampleShape(81, 720, 1280).with_grid(WIDE)
     with pytest.raises(ShapeError, match="entry 3"):   # 720x1280 of the default mix does not fit WIDE
         load_shape_distribution(get_model(default_model()).shapes, grid=WIDE)
+
+
+def test_indexed_shapes_are_a_sequence_of_the_samples_shapes():
+    a, b, c = SampleShape(1, 64, 96), SampleShape(5, 64, 96), SampleShape(9, 64, 96)
+    x = IndexedShapes([a, b, c], np.array([2, 0, 2, 1], np.int32))
+    assert len(x) == 4 and list(x) == [c, a, c, b] and x[3] == b and x == [c, a, c, b] and x != [c, a, c]
+    part = x[1:3]   # a slice holds only its own shapes
+    assert part.unique == [a, c] and list(part) == [a, c] and part.ids.tolist() == [0, 1]
+    for unique, ids, match in (([b, a], [0], "sorted"), ([a, a], [0], "distinct"), ([a], [1], r"\[0, 1\)"),
+                               ([a], [[0]], "1-d"), ([a], [0.5], "int")):
+        with pytest.raises(ValueError, match=match):
+            IndexedShapes(unique, np.array(ids))

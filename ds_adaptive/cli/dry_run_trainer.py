@@ -4,12 +4,14 @@ checked as the run checks them before it builds the model (flags, the data direc
 from __future__ import annotations
 
 import argparse
-from collections import Counter
 from pathlib import Path
 from typing import NoReturn, Optional
 
+import numpy as np
+
 from ds_adaptive.cli.train import build_parser as trainer_parser
 from ds_adaptive.core.shapes import ShapeWeight
+from ds_adaptive.planning.shape_table import dataset_shapes
 from ds_adaptive.launch.startup import _resumes_from, init_from_problem
 from ds_adaptive.training.checkpoint import checkpoint_tags
 from ds_adaptive.training.run_config import RunConfig, UsageError, run_config_from_args
@@ -74,8 +76,10 @@ def data_shapes(run) -> Optional[list[ShapeWeight]]:
     the dry run reads from its shapes file)."""
     if run.cfg.trainer.data == "synthetic":
         return None
-    counts = Counter(run.dataset.sample_shapes())
-    return [ShapeWeight(shape, float(n)) for shape, n in sorted(counts.items(), key=lambda kv: kv[0].tokens)]
+    shapes = dataset_shapes(run.dataset)
+    counts = np.bincount(shapes.ids, minlength=len(shapes.unique))
+    return [ShapeWeight(shape, float(n)) for shape, n in sorted(zip(shapes.unique, counts.tolist()),
+                                                                 key=lambda kv: kv[0].tokens)]
 
 
 __all__ = ["TrainerArgumentError", "UsageError", "data_shapes", "start_up_problems", "trainer_namespace",

@@ -15,10 +15,13 @@ Ulysses sequence parallelism of degree ``sp`` the sequence is padded to a multip
 """
 from __future__ import annotations
 
+import collections.abc
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
+
+import numpy as np
 
 from ds_adaptive.core.jsonfile import read_json
 
@@ -302,3 +305,66 @@ def load_shape_distribution(path: str | Path | None = None, *, grid: Optional[Gr
     if isinstance(data, dict) and "shapes" in data:
         data = data["shapes"]
     return parse_shape_distribution(data, source=str(p), grid=grid)
+
+
+class IndexedShapes(collections.abc.Sequence):
+    """Every sample's shape as an index into a few distinct shapes: ``unique`` (sorted, as
+    ``planning.shape_table.unique_shapes`` sorts them) and ``ids`` (one int per sample). A sequence of the
+    samples' shapes like a list of them, at 4 bytes a sample instead of an object reference (and without the
+    10M-element list a dataset's ``sample_shapes()`` builds): what a dataset's ``shape_ids()`` and
+    ``unique_shapes()`` give, and what the planner takes as is."""
+
+    def __init__(self, unique: Sequence, ids) -> None:
+        self.unique = list(unique)
+        ids = np.asarray(ids)
+        if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+            raise ValueError(f"IndexedShapes: ids must be a 1-d int array, got {ids.dtype} of shape {ids.shape}")
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= len(self.unique)):
+            raise ValueError(f"IndexedShapes: ids must lie in [0, {len(self.unique)}), got "
+                             f"[{int(ids.min())}, {int(ids.max())}]")
+        if any(a >= b for a, b in zip(self.unique, self.unique[1:])):
+            raise ValueError("IndexedShapes: unique shapes must be sorted and distinct")
+        self.ids = ids
+
+    @classmethod
+    def of_dataset(cls, dataset) -> "IndexedShapes | None":
+        """The dataset's ``unique_shapes()`` / ``shape_ids()`` when it has both (only the shapes its samples
+        have), else None."""
+        try:
+            unique, ids = dataset.unique_shapes(), dataset.shape_ids()
+        except AttributeError:
+            return None
+        return cls(unique, ids).compact()
+
+    def compact(self) -> "IndexedShapes":
+        """The same samples without the distinct shapes that no sample has (a split view of a dataset)."""
+        used = np.bincount(self.ids, minlength=len(self.unique)) > 0
+        if used.all():
+            return self
+        new_id = np.cumsum(used) - 1
+        return IndexedShapes([u for u, k in zip(self.unique, used) if k], new_id[self.ids].astype(self.ids.dtype))
+
+    def __len__(self) -> int:
+        return int(self.ids.shape[0])
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return IndexedShapes(self.unique, self.ids[i]).compact()
+        return self.unique[int(self.ids[i])]
+
+    def __iter__(self):
+        u = self.unique
+        for lo in range(0, len(self), 1 << 16):
+            yield from (u[j] for j in self.ids[lo:lo + (1 << 16)].tolist())
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, IndexedShapes):
+            return self.unique == other.unique and np.array_equal(self.ids, other.ids)
+        if isinstance(other, collections.abc.Sequence) and not isinstance(other, (str, bytes)):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    __hash__ = None   # a mutable-looking sequence, like a list
+
+    def __repr__(self) -> str:
+        return f"IndexedShapes({len(self):,} samples of {len(self.unique)} shapes)"

@@ -65,8 +65,27 @@ class DatasetView(torch.utils.data.Dataset):
 
     def sample_shapes(self) -> list:
         """The view's sample shapes, in its order (no tensor is loaded)."""
+        if self._indexed():
+            u = self.base.unique_shapes()
+            return [u[j] for j in self.shape_ids().tolist()]
         shapes = self.base.sample_shapes()
         return [shapes[j] for j in self.indices.tolist()]
+
+    def _indexed(self) -> bool:
+        return callable(getattr(self.base, "shape_ids", None)) and callable(getattr(self.base, "unique_shapes", None))
+
+    def unique_shapes(self) -> list:
+        """The base dataset's distinct shapes, sorted (a shape may be absent from this view); with
+        :meth:`shape_ids`, what the planner takes. Only where the base dataset has them."""
+        if not self._indexed():
+            raise AttributeError(f"{self.base.describe()} has no unique_shapes(); use sample_shapes()")
+        return self.base.unique_shapes()
+
+    def shape_ids(self) -> np.ndarray:
+        """[len(view)] ints: each of the view's samples' index into :meth:`unique_shapes`."""
+        if not self._indexed():
+            raise AttributeError(f"{self.base.describe()} has no shape_ids(); use sample_shapes()")
+        return np.asarray(self.base.shape_ids())[self.indices]
 
     def empty_context(self) -> Optional[torch.Tensor]:
         """The empty prompt's embedding stored with the dataset (``[L, text_dim]`` fp32), or None."""

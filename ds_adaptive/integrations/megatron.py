@@ -33,13 +33,13 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Optional, Protocol, Union, runtime_checkable
+from typing import Any, Callable, Iterator, Mapping, Optional, Protocol, Sequence, Union, runtime_checkable
 
 from ds_adaptive.core.config import SamplerConfig
 from ds_adaptive.planning.planner import StepTotals
 from ds_adaptive.planning.sampler import build_batch_sampler
 from ds_adaptive.core.layout import Layout
-from ds_adaptive.core.shapes import SampleShape
+from ds_adaptive.core.shapes import IndexedShapes, SampleShape
 
 STATE_KEY = "ds_adaptive_sampler"
 SIDECAR_NAME = "ds_adaptive_sampler.json"
@@ -54,10 +54,13 @@ class ShapedDataset(Protocol):
     def __getitem__(self, index: int) -> Any: ...
 
 
-def dataset_shapes(dataset: Any) -> list[Union[SampleShape, int]]:
+def dataset_shapes(dataset: Any) -> Sequence[Union[SampleShape, int]]:
     """Per-sample buckets of a dataset: ``sample_shapes()`` (SampleShape) or
     ``sample_token_lengths()`` (ints); checked against ``len(dataset)``."""
-    if hasattr(dataset, "sample_shapes"):
+    indexed = IndexedShapes.of_dataset(dataset)   # unique_shapes() + shape_ids(): no object per sample
+    if indexed is not None:
+        shapes, kind = indexed, "shape_ids()"
+    elif hasattr(dataset, "sample_shapes"):
         shapes = list(dataset.sample_shapes())
         kind = "sample_shapes()"
     elif hasattr(dataset, "sample_token_lengths"):
@@ -71,7 +74,7 @@ def dataset_shapes(dataset: Any) -> list[Union[SampleShape, int]]:
     if len(shapes) != len(dataset):
         raise ValueError(f"{type(dataset).__name__}.{kind} gave {len(shapes)} entries but len(dataset) "
                          f"is {len(dataset)}: one entry per sample is needed")
-    for i, s in enumerate(shapes):
+    for i, s in enumerate(shapes.unique if isinstance(shapes, IndexedShapes) else shapes):
         if not isinstance(s, (SampleShape, int)) or (isinstance(s, int) and s < 1):
             raise ValueError(f"{type(dataset).__name__}.{kind}[{i}] = {s!r}: expected a SampleShape "
                              "or a token length >= 1")

@@ -44,6 +44,7 @@ from ds_adaptive.planning.planner import (EpochPlan, OversizeSampleError, PlanEr
                                           bucket_tokens, plan_epoch, unique_shapes)
 from ds_adaptive.planning.budget import resolve_budgets
 from ds_adaptive.planning.validate import check_fixed_batch_sizes
+from ds_adaptive.planning.shape_table import indexed
 from ds_adaptive.planning.sparse_cost import SparseAttentionCost
 from ds_adaptive.planning.sampler_state import STATE_FORMAT, ResumableState, SamplerStateError
 from ds_adaptive.core.contracts import DensityMap, load_densities
@@ -118,9 +119,9 @@ class _PlannedBatchSampler(ResumableState, _SamplerBase):
                  batch_cap: bool = True, global_batch=None, global_batch_fit: Optional[dict] = None) -> None:
         if cost.sp != layout.sp_size:
             raise ValueError(f"cost model sp={cost.sp} but layout sp_size={layout.sp_size}")
-        self.shapes = [s if isinstance(s, SampleShape) else int(s) for s in shapes]
-        if not self.shapes:
+        if not len(shapes):
             raise ValueError("the dataset has no samples (sample_shapes() is empty)")
+        self.shapes = indexed(shapes)
         self.layout = layout
         self.cost = cost
         self.seed = int(seed)
@@ -534,6 +535,7 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
     """
     if isinstance(sampler_cfg, Mapping):
         sampler_cfg = SamplerConfig.model_validate(sampler_cfg)
+    shapes = indexed(shapes)
     chosen = mode or (sampler_cfg.mode if enabled else "tokens")
     if chosen not in _CLASSES:
         raise ValueError(f"sampler mode must be one of {sorted(_CLASSES)}, got {chosen!r}")

@@ -46,6 +46,7 @@ from ds_adaptive.core.ds_config import accumulation_steps
 from ds_adaptive.core.features import feature_problems
 from ds_adaptive.core.layout import SequenceParallelError, heads_sp_problem, resolve_sp_size
 from ds_adaptive.planning.global_batch import too_small_problem
+from ds_adaptive.planning.shape_table import unique_shapes
 from ds_adaptive.models.registry import get_model, model_names
 from ds_adaptive.attention.backends.check import check_sparse_config
 
@@ -281,7 +282,7 @@ def check_fixed_batch_sizes(fixed: Optional[Mapping[str, int]], shapes) -> None:
     the mix that a small synthetic epoch did not draw, a config shared between datasets) is allowed."""
     if not fixed:
         return
-    known = sorted({str(s) for s in set(shapes)}, key=lambda k: [int(x) for x in k.split("x")])
+    known = sorted({str(s) for s in unique_shapes(shapes)[0]}, key=lambda k: [int(x) for x in k.split("x")])
     unknown = sorted(k for k in set(fixed) - set(known) if not _is_bucket_key(k))
     if unknown:
         raise ConfigError(f"adaptive_load.sampler.fixed_batch_sizes names bucket(s) {', '.join(map(repr, unknown))} "

@@ -34,7 +34,7 @@ import numpy as np
 
 from ds_adaptive.core.config import SamplerConfig
 from ds_adaptive.core.layout import Layout
-from ds_adaptive.core.shapes import SampleShape, ShapeWeight, load_shape_distribution
+from ds_adaptive.core.shapes import IndexedShapes, ShapeWeight, load_shape_distribution
 from ds_adaptive.planning.budget import predicted_times, resolve_budgets
 from ds_adaptive.planning.cost import CostModel
 from ds_adaptive.planning.devices import default_profile_name, resolve_auto_profile
@@ -59,11 +59,14 @@ def profile_distribution(profile: Profile, path: Optional[str] = None) -> list[S
     return load_shape_distribution(path or m.shapes, grid=m.grid)
 
 
-def draw_shapes(dist: Sequence[ShapeWeight], n: int, seed: int) -> list[SampleShape]:
-    """``n`` samples drawn i.i.d. from a shape distribution (deterministic in ``seed``)."""
+def draw_shapes(dist: Sequence[ShapeWeight], n: int, seed: int) -> IndexedShapes:
+    """``n`` samples drawn i.i.d. from a shape distribution (deterministic in ``seed``), as ids into its distinct
+    shapes (4 bytes a sample: 10M samples are 40 MB, not a list of 10M references)."""
     w = np.array([d.weight for d in dist], float)
     idx = np.random.default_rng([seed, 0xD157]).choice(len(dist), size=n, p=w / w.sum())
-    return [dist[i].shape for i in idx]
+    uniq = sorted({d.shape for d in dist})
+    pos = np.array([uniq.index(d.shape) for d in dist], np.int32)
+    return IndexedShapes(uniq, pos[idx])
 
 
 def loop_overhead_ms(truth: CostModel, micro_steps: int, steps: int) -> float:

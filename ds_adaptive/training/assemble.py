@@ -36,6 +36,7 @@ from ds_adaptive.attention.backends.check import check_sparse_config, sparse_con
 from ds_adaptive.attention.backends import BackendChoice, get_backend
 from ds_adaptive.planning.sparse_cost import SparseAttentionCost
 from ds_adaptive.core.contracts import DensityMap
+from ds_adaptive.planning.shape_table import dataset_shapes
 from ds_adaptive.attention.runtime import attach_sparse_attention
 from ds_adaptive.ops.ln_modulate import get_mode
 from ds_adaptive.calibration.autocalibrate import startup_profile
@@ -368,7 +369,7 @@ def _sparse_backend(cfg: RunConfig, model_config, dataset, device: torch.device,
         return None
 
     n = model_config.num_layers
-    longest = max((sh.tokens for sh in dataset.sample_shapes()), default=None)
+    longest = max((sh.tokens for sh in dataset_shapes(dataset).unique), default=None)
     problems = check_sparse_config(sa, n, device.type, head_dim=model_config.head_dim, dtype=dtype,
                                    max_tokens=longest)
     if problems:
@@ -473,7 +474,7 @@ def _build_sampler(cfg: RunConfig, dataset, layout: Layout, ds_config: dict, gpu
               ln_modulate=ln_path, profile=calibrated, adapter_params=adapter_params,
               per_token_timesteps=model.trains_per_token_timesteps(model.objective_with(t.objective)),
               block_fusion=fusion, ema_params=ema_params)
-    shapes = dataset.sample_shapes()
+    shapes = dataset_shapes(dataset)
     sparse = _sparse_cost(cfg, notes, sparse_cost)
     try:
         sampler = build_batch_sampler(cfg.adaptive_load.sampler, shapes, layout, num_layers=t.layers, sparse=sparse,

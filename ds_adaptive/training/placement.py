@@ -18,6 +18,7 @@ from ds_adaptive.core.config import ConfigError
 from ds_adaptive.core.features import validation_count
 from ds_adaptive.data import split_held_out
 from ds_adaptive.planning.memory import sample_memory
+from ds_adaptive.planning.shape_table import dataset_shapes
 
 __all__ = ["split_for_validation", "ema_param_count", "sampler_and_ema", "ema_crowds_out"]
 
@@ -88,7 +89,7 @@ def ema_crowds_out(sampler, dataset, cfg, ema_gib: float, gpu_mem_gib, *, zero_s
         cost.profile.static_memory_gib(zero_stage, world)
     if m_mem > room * (1 + 1e-9):
         return f"sampler.m_mem {m_mem:.2f} GiB > the {room:.2f} GiB left beside the static memory"
-    lost = [s for s in sorted(set(dataset.sample_shapes()), key=str) if m_mem < sample_memory(cost, s) <= m_mem + ema_gib]
+    lost = [s for s in sorted(dataset_shapes(dataset).unique, key=str) if m_mem < sample_memory(cost, s) <= m_mem + ema_gib]
     if lost:
         return (f"m_mem {m_mem:.2f} GiB < the {sample_memory(cost, lost[0]):.2f} GiB one sample of {lost[0]} needs, "
                 f"which fits without the EMA")

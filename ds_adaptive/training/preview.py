@@ -41,6 +41,7 @@ from ds_adaptive.models.objective import sample_seed
 from ds_adaptive.core.shapes import InputSpec, SampleShape, ShapeError, default_input_spec
 from ds_adaptive.core.files import save_safetensors
 from ds_adaptive.planning.memory import fewest_memory_blocks
+from ds_adaptive.planning.shape_table import dataset_shapes
 from ds_adaptive.media.encode import EncoderError, load_vae
 from ds_adaptive.media.write import frame_strip, latent_strip, write_media, write_png
 from ds_adaptive.media.write import decode_latents
@@ -140,7 +141,7 @@ def load_prompts(cfg, dataset, spec: Optional[InputSpec] = None) -> tuple[list[P
             raise ConfigError("adaptive_load.preview.negative names an embedding of preview.prompts, which is null "
                               "(the dataset's prompts have no negative one): set preview.prompts or drop negative")
         n = min(cfg.num_prompts, len(dataset))
-        all_shapes = dataset.sample_shapes()
+        all_shapes = dataset_shapes(dataset)
         items = [(f"sample{i}", dataset[i]["context"].float()) for i in range(n)]
         shapes = [size or all_shapes[i] for i in range(n)]
     prompts = [PreviewPrompt(name=name, context=ctx, shape=shape, seed=sample_seed(cfg.seed, 0, j))
