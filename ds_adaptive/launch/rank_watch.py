@@ -189,8 +189,8 @@ def write_fatal(message: str, *, resume: bool, rank: Optional[int] = None, print
     try:
         tmp = f"{path}.tmp{os.getpid()}"
         with open(tmp, "w") as f:
-            json.dump({"rank": rank, "message": message, "resume": bool(resume), "printed": bool(printed),
-                       "time": time.time()}, f)
+            json.dump({"rank": rank, "pid": os.getpid(), "message": message, "resume": bool(resume),
+                       "printed": bool(printed), "time": time.time()}, f)
         os.replace(tmp, path)
     except OSError:
         pass

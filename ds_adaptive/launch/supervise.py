@@ -396,8 +396,14 @@ class Supervisor:
             return EXIT_PREEMPTED
         rank, code = min(((r, c) for r, c in exits.items() if c not in (0, EXIT_PREEMPTED)),
                          key=lambda rc: (rc[1] == EXIT_PEER_LOST, rc[0]))
-        self.log(f"rank {rank} exited with status {code} but the launcher reported success; exit {code}. "
-                 f"{resume_advice(self.cmd)}")
+        # its end was not seen (it failed before the watch found it): what it recorded says who and why
+        fatal = read_fatal(self.fatal_dir)
+        mine = fatal if fatal and fatal.get("rank") == rank else None
+        who = f"rank {rank}" + (f" (pid {mine['pid']})" if mine and mine.get("pid") else "")
+        said = f" ({mine['message']})" if mine and not mine.get("printed") else ""
+        advice = (resume_advice(self.cmd) if mine is None or mine.get("resume") else
+                  "Nothing to resume from this launch: do what the message says, then start it again.")
+        self.log(f"{who} exited with status {code}{said}; the launcher reported success; exit {code}. {advice}")
         return code
 
     def _reap_stragglers(self, grace: float = 5.0) -> None:

@@ -200,7 +200,10 @@ def check_epoch(sampler, gb, micro_steps_per_step) -> None:
         # steady: without the plan's last step (the epoch's leftover samples, or the prefix's re-planned tail)
         return fit_gas(per_micro_step(plan, gb.by, steady=True), gb.value, gb.tolerance, micro_steps_per_step)
     fit, aimed_from = check(sampler.params), None
-    for _ in range(AIM_TRIES if sampler.m_comp_auto and sampler.params.m_comp is not None else 0):
+    # only a budget the search chose (it plans samples over the budget alone): the search-less m_comp is the costliest
+    # sample's B=1 cost, and a lower one would make that sample oversize
+    searched = getattr(sampler, "budget_choice", None) is not None and bool(sampler.params.solo_over_budget)
+    for _ in range(AIM_TRIES if sampler.m_comp_auto and sampler.params.m_comp is not None and searched else 0):
         if fit.ok or fit.per_micro <= 0:
             break
         # m_comp: auto chose the budget: aim it so that a micro-step holds G / gas (its samples grow about linearly
