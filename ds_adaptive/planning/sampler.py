@@ -531,8 +531,7 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
     timestep per token (first-frame conditioning; default: the model's preset objective); their memory then
     counts the per-token modulation (:meth:`Profile.with_per_token_timesteps`). ``block_fusion``: the run's
     ``adaptive_load.block_fusion`` where it can run (None: no check); the profile's entries for it are used, or a
-    note says the plan is conservative (:meth:`Profile.for_block_fusion`). ``ema_params``: :meth:`Profile.with_ema`.
-    """
+    note says the plan is conservative (:meth:`Profile.for_block_fusion`). ``ema_params``: :meth:`Profile.with_ema`."""
     if isinstance(sampler_cfg, Mapping):
         sampler_cfg = SamplerConfig.model_validate(sampler_cfg)
     shapes = indexed(shapes)
