@@ -85,7 +85,11 @@ if [[ -z "${NUM_GPUS:-}" && -n "${HOSTFILE:-}" ]]; then
   NUM_GPUS=1  # the hostfile's slots say how many GPUs each node has (this node may have none: a login node)
   GPUS_GIVEN=0
 elif [[ -z "${NUM_GPUS:-}" ]]; then
-  NUM_GPUS="$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')"
+  if compgen -G "/dev/nvidia[0-9]*" > /dev/null || [[ -e /dev/kfd || -n "${CUDA_VISIBLE_DEVICES:-}" ]]; then
+    NUM_GPUS="$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')"
+  else
+    NUM_GPUS=0  # no GPU device node (NVIDIA or ROCm): a CPU machine, without a second of importing torch to say so
+  fi
   GPUS_GIVEN=0
 else
   GPUS_GIVEN=1
