@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from ds_adaptive.core.config import AdaptiveLoadConfig, ConfigError
+from ds_adaptive.core.config import AdaptiveLoadConfig, ConfigError, SamplerConfig
 from ds_adaptive.core.ds_config import load_adaptive_config, prepare_ds_config, read_ds_config, strip_block
 
 
-def _write(tmp_path, obj) -> str:
-    path = tmp_path / "ds.json"
+def _write(tmp_path, obj, name: str = "ds.json") -> str:
+    path = tmp_path / name
     path.write_text(json.dumps(obj) if not isinstance(obj, str) else obj)
     return str(path)
 
@@ -164,6 +164,22 @@ def test_config_check_command(tmp_path, capsys):
     assert main(["--check", str(tmp_path / "bad.json")]) == 2
     out = capsys.readouterr().out
     assert "unknown key 'adaptive_load.enabeld'" in out and out.strip().splitlines()[-1].startswith("FAILED: ")
+
+
+def test_the_dropped_sampler_zero_stage_warns_and_must_agree_with_the_ds_config(tmp_path, capsys):
+    from ds_adaptive.cli.config import main
+
+    ds = {"zero_optimization": {"stage": 2}}
+    same = _write(tmp_path, {**ds, "adaptive_load": {"enabled": True, "sampler": {"zero_stage": 2}}}, "same.json")
+    with pytest.warns(FutureWarning, match="sampler.zero_stage is deprecated .* zero_optimization.stage"):
+        assert main(["--check", same]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("OK: ")
+    other = _write(tmp_path, {**ds, "adaptive_load": {"enabled": True, "sampler": {"zero_stage": 3}}}, "other.json")
+    with pytest.warns(FutureWarning):
+        assert main(["--check", other]) == 2
+    out = capsys.readouterr().out
+    assert "sampler.zero_stage (deprecated) is 3 but the ds_config's zero_optimization.stage is 2" in out
+    assert AdaptiveLoadConfig().sampler.dropped_zero_stage is None and "zero_stage" not in SamplerConfig.model_fields
 
 
 def test_duplicate_keys_and_shapes_files_are_errors(tmp_path):

@@ -21,6 +21,9 @@ from ds_adaptive.simulation.context_parallel import uniform_densities
 
 
 REFERENCE_COMMAND = "ds-adaptive config --reference > docs/CONFIG.md"
+#: keys the schema still reads for one release (``ds_adaptive.core.sampler_config``), and where they went
+DEPRECATED_KEYS = [("adaptive_load.sampler.zero_stage", "the ZeRO stage is the ds_config's `zero_optimization.stage`; "
+                    "a value that disagrees with it is an error (exit 2), an equal one a warning. Drop the key.")]
 
 REFERENCE_INTRO = """\
 # The `adaptive_load` block: every key
@@ -118,7 +121,9 @@ def reference_page() -> str:
     """docs/CONFIG.md: the intro, the short table, then every key's full docstring."""
     details = [f"- **`{k}`** ({t}, default {d}): {doc.replace(chr(92) + '|', '|')}" for k, t, d, doc in _rows()]
     return (REFERENCE_INTRO.format(command=REFERENCE_COMMAND) + "\n" + markdown_reference()
-            + "\n\n## Every key in full\n\n" + "\n".join(details) + "\n")
+            + "\n\n## Every key in full\n\n" + "\n".join(details) + "\n"
+            + "\n## Deprecated keys\n\nStill read for one release, with a warning naming where they went:\n\n"
+            + "\n".join(f"- `{k}`: {why}" for k, why in DEPRECATED_KEYS) + "\n")
 
 
 def _cross_field_problems(args, raw: dict, block: AdaptiveLoadConfig) -> list:

@@ -497,6 +497,14 @@ def _check_batch_settings(sampler_cfg: SamplerConfig, shapes, layout: Layout, mi
     check_fixed_batch_sizes(sampler_cfg.fixed_batch_sizes, shapes)
 
 
+def _zero_stage(given: Optional[int], sampler_cfg: SamplerConfig) -> int:
+    """The ZeRO stage ``m_mem: auto`` plans the static memory for: the run's (``given``), else the deprecated
+    ``sampler.zero_stage``, else 3 (what the shipped configs run)."""
+    if given is not None:
+        return int(given)
+    return 3 if sampler_cfg.dropped_zero_stage is None else sampler_cfg.dropped_zero_stage
+
+
 def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape], layout: Layout, *,
                         micro_steps_per_step: "int | str", enabled: bool = True, gpu_mem_gib: Optional[float] = None,
                         model_name: Optional[str] = None, zero_stage: Optional[int] = None,
@@ -553,7 +561,7 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
             mode=chosen, cost=cost, shapes=shapes, m_mem=sampler_cfg.m_mem, m_comp=sampler_cfg.m_comp,
             max_tokens=sampler_cfg.max_tokens, gpu_mem_gib=gpu_mem_gib or _detect_gpu_mem_gib(),
             mem_utilization=sampler_cfg.mem_utilization,
-            zero_stage=sampler_cfg.zero_stage if zero_stage is None else zero_stage, dp_size=layout.dp_size,
+            zero_stage=_zero_stage(zero_stage, sampler_cfg), dp_size=layout.dp_size,
             micro_steps_per_step=micro_steps_per_step, window=sampler_cfg.window,
             balance_tolerance=sampler_cfg.balance_tolerance, seed=sampler_cfg.seed,
             batch_cap=sampler_cfg.batch_cap == "auto", global_batch=sampler_cfg.global_batch, oversize=sampler_cfg.oversize,

@@ -19,7 +19,7 @@ Rules, in the order they are reported:
 * ``batch``: ``train_batch_size`` / ``train_micro_batch_size_per_gpu`` / ``gradient_accumulation_steps`` agree
   (:func:`accumulation_steps`, which ``prepare_ds_config`` uses too);
 * ``precision``: not both ``bf16`` and ``fp16``;
-* ``zero_stage``: ``adaptive_load.sampler.zero_stage``, when set, is the ds_config's ZeRO stage;
+* ``zero_stage``: the deprecated ``adaptive_load.sampler.zero_stage``, when set, is the ds_config's ZeRO stage;
 * ``zero3_torch_linear``: not set true next to ``zero_optimization.memory_efficient_linear: true``;
 * ``budgets``: ``lr_scaling`` has a ``reference_batch``; a null ``profile`` only where no profile is needed;
 * ``global_batch``: ``sampler.global_batch`` gives every data-parallel rank at least one sample per micro-step
@@ -122,10 +122,10 @@ def _precision_problem(ds_config: Mapping[str, Any]) -> Optional[str]:
 
 def _zero_stage_problem(ds_config: Mapping[str, Any], s: SamplerConfig) -> Optional[str]:
     stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
-    if "zero_stage" in s.model_fields_set and s.zero_stage != stage:
-        return (f"adaptive_load.sampler.zero_stage is {s.zero_stage} but the ds_config's zero_optimization.stage is "
-                f"{stage}; the trainer plans memory for the stage it runs: drop sampler.zero_stage (it is for "
-                "`ds-adaptive simulate`) or make them agree")
+    if s.dropped_zero_stage is not None and s.dropped_zero_stage != stage:
+        return (f"adaptive_load.sampler.zero_stage (deprecated) is {s.dropped_zero_stage} but the ds_config's "
+                f"zero_optimization.stage is {stage}; the run plans memory for the stage it runs: drop "
+                "sampler.zero_stage")
     return None
 
 

@@ -125,7 +125,7 @@ def simulated_dataset(cost: CostModel, dist: Sequence[ShapeWeight], cfg: Sampler
     uniq = [d.shape for d in dist]
     budgets = resolve_budgets(mode="dual", cost=cost, shapes=uniq, m_mem=cfg.m_mem, m_comp=cfg.m_comp,
                               max_tokens=cfg.max_tokens, gpu_mem_gib=gpu_mem_gib,
-                              mem_utilization=cfg.mem_utilization, zero_stage=cfg.zero_stage, dp_size=dp)
+                              mem_utilization=cfg.mem_utilization, zero_stage=3, dp_size=dp)   # the shipped configs' ZeRO-3
     per_step = dp * micro_steps_per_step * _expected_batch(cost, dist, budgets)
     n = int(math.ceil(per_step * steps * 1.3)) + cfg.window * dp
     return budgets, n, draw_shapes(dist, n, seed)
