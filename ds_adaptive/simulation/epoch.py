@@ -28,7 +28,7 @@ from typing import Optional
 
 from ds_adaptive.core.ds_config import load_adaptive_config, read_ds_config
 from ds_adaptive.core.layout import Layout
-from ds_adaptive.core.shapes import load_shape_distribution
+from ds_adaptive.core.shapes import IndexedShapes, load_shape_distribution
 from ds_adaptive.data.index import ShardIndex, find_index
 from ds_adaptive.models.registry import default_model, get_model
 from ds_adaptive.planning.cost import CostModel
@@ -46,16 +46,15 @@ def peak_rss_mb() -> float:
     return r / 1e6 if sys.platform == "darwin" else r / 1e3
 
 
-def dataset_shapes(root: str, model) -> list:
-    """One shape per sample of the dataset directory ``root`` (its Arrow index: the shape ids and the distinct
-    shapes, no tensor read)."""
+def dataset_shapes(root: str, model) -> IndexedShapes:
+    """The shapes of the dataset directory ``root``'s samples (its Arrow index: the shape ids and the distinct
+    shapes, no tensor read, no object per sample)."""
     path = find_index(root)
     if path is None:
         raise FileNotFoundError(f"--data {root}: no index.arrow (or legacy index.json) in it; write one with "
                                 "`ds-adaptive preprocess` or convert it with `ds-adaptive data convert`")
     idx = ShardIndex.open(path, model.input_spec)
-    uniq = idx.unique_shapes()
-    return [uniq[i] for i in idx.shape_ids().tolist()]
+    return IndexedShapes(idx.unique_shapes(), idx.shape_ids()).compact()
 
 
 def _sampler_row(sampler, truth: CostModel) -> dict:
