@@ -6,7 +6,8 @@ sampler plans from (they carry the model's grid rule):
 
 * ``unique_shapes() -> list[SampleShape]``: the distinct shapes, sorted;
 * ``shape_ids() -> np.ndarray[int32]``: per sample, its index into ``unique_shapes()`` (4 bytes a sample:
-  what a planner of 10M samples should read);
+  what the trainer plans from, as ``ds_adaptive.core.shapes.IndexedShapes``; a dataset of your own with these two
+  methods is planned the same way);
 * ``sample_shapes() -> list[SampleShape]``: the same, one object per sample.
 
 Both are built for a model's :class:`ds_adaptive.core.shapes.InputSpec`. On disk the index is
