@@ -379,9 +379,7 @@ class Supervisor:
                        else "the other rank(s) stopped")
             fatal = read_fatal(self.fatal_dir)
             said = f" ({fatal['message']})" if fatal and not fatal.get("printed") else ""  # its own line was lost
-            advice = (resume_advice(self.cmd) if fatal is None or fatal.get("resume") else
-                      "Nothing to resume from this launch: do what the message says, then start it again.")
-            self.log(f"{failure.describe()}{said}; {stopped}; exit {status}. {advice}")
+            self.log(f"{failure.describe()}{said}; {stopped}; exit {status}. {self._advice(fatal)}")
         return status
 
     def _launcher_truth(self, status: int, exits: dict) -> int:
@@ -401,10 +399,15 @@ class Supervisor:
         mine = fatal if fatal and fatal.get("rank") == rank else None
         who = f"rank {rank}" + (f" (pid {mine['pid']})" if mine and mine.get("pid") else "")
         said = f" ({mine['message']})" if mine and not mine.get("printed") else ""
-        advice = (resume_advice(self.cmd) if mine is None or mine.get("resume") else
-                  "Nothing to resume from this launch: do what the message says, then start it again.")
-        self.log(f"{who} exited with status {code}{said}; the launcher reported success; exit {code}. {advice}")
+        self.log(f"{who} exited with status {code}{said}; the launcher reported success; exit {code}. "
+                 f"{self._advice(mine)}")
         return code
+
+    def _advice(self, fatal: Optional[dict]) -> str:
+        """What to do after a rank's failure: resume, unless its fatal record says there is nothing to resume."""
+        if fatal is None or fatal.get("resume"):
+            return resume_advice(self.cmd)
+        return "Nothing to resume from this launch: do what the message says, then start it again."
 
     def _reap_stragglers(self, grace: float = 5.0) -> None:
         """The launcher exited; give what is left of its group ``grace`` s, then SIGKILL it."""

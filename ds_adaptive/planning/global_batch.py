@@ -203,7 +203,7 @@ def check_epoch(sampler, gb, micro_steps_per_step) -> None:
     fit, aimed_from = check(sampler.params), None
     # only a budget the search chose (it plans samples over the budget alone): the search-less m_comp is the costliest
     # sample's B=1 cost, and a lower one would make that sample oversize
-    searched = getattr(sampler, "budget_choice", None) is not None and bool(sampler.params.solo_over_budget)
+    searched = sampler.budget_choice is not None and bool(sampler.params.solo_over_budget)
     for _ in range(AIM_TRIES if sampler.m_comp_auto and sampler.params.m_comp is not None and searched else 0):
         if fit.ok or fit.per_micro <= 0:
             break

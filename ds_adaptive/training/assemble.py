@@ -159,17 +159,18 @@ def build_run(cfg: RunConfig, *, layout: Optional[Layout] = None, device: Option
 
         gpu_mem_gib = get_accelerator().total_memory(device.index or 0) / 2**30
     # the block-sparse kernel for this device (its efficiency curve is the sparse cost's)
-    sparse_choice = _sparse_backend(cfg, model_config, dataset, device, dtype, notes)
+    shapes = dataset_shapes(dataset)   # once: the sparse check, every sampler build and the trainer use it
+    sparse_choice = _sparse_backend(cfg, model_config, shapes, device, dtype, notes)
     sparse_cost = (None if sparse_choice is None else
                    sparse_decision_cost(cfg.adaptive_load.sparse_attention, model_config, sparse_choice, device, dtype))
     # Before the model: "gradient_accumulation_steps": "auto" is resolved by the sampler, and zero.Init
     # reads the ds_config.
     lora_cfg = cfg.adaptive_load.lora  # LoRA: only the adapters have gradients and optimizer state (memory model)
     adapters = adapter_parameters(model_config, lora_cfg, spec=preset) if lora_cfg.enabled else None
-    build = lambda out, ema: _build_sampler(cfg, dataset, layout, ds_config, gpu_mem_gib, out,  # noqa: E731
+    build = lambda out, ema: _build_sampler(cfg, shapes, layout, ds_config, gpu_mem_gib, out,  # noqa: E731
                                             model_config=model_config, sparse_cost=sparse_cost, device=device,
                                             meta=meta, adapter_params=adapters, ema_params=ema)
-    sampler, ema_device = sampler_and_ema(build, cfg, dataset, layout, ds_config, notes, device=device,
+    sampler, ema_device = sampler_and_ema(build, cfg, layout, ds_config, notes, device=device,
                                           ema_params=ema_param_count(cfg, preset, model_config, adapters),
                                           gpu_mem_gib=gpu_mem_gib)
     model = _build_model(cfg, preset, model_config, ds_config, meta=meta)
@@ -359,7 +360,7 @@ def _init_from(model, path: str, preset) -> str:
             f"{', block by block into ZeRO-3 partitions' if info['zero3'] else ''})")
 
 
-def _sparse_backend(cfg: RunConfig, model_config, dataset, device: torch.device, dtype: torch.dtype, notes: list):
+def _sparse_backend(cfg: RunConfig, model_config, shapes, device: torch.device, dtype: torch.dtype, notes: list):
     """The sparse-attention backend for this device (None: sparse attention off). What the trainer
     would reject (``sparse.backends.check_sparse_config``) is a :class:`ConfigError` here, before
     anything is built; the start-up lines (the backend and why; where sparse will not run) go to
@@ -369,7 +370,7 @@ def _sparse_backend(cfg: RunConfig, model_config, dataset, device: torch.device,
         return None
 
     n = model_config.num_layers
-    longest = max((sh.tokens for sh in dataset_shapes(dataset).unique), default=None)
+    longest = max((sh.tokens for sh in shapes.unique), default=None)
     problems = check_sparse_config(sa, n, device.type, head_dim=model_config.head_dim, dtype=dtype,
                                    max_tokens=longest)
     if problems:
@@ -452,7 +453,7 @@ def run_ln_modulate_path(fused_requested: bool, device_type: str = "cuda") -> st
     return "fused" if fused_requested and on_cuda and get_mode() != "reference" else "reference"
 
 
-def _build_sampler(cfg: RunConfig, dataset, layout: Layout, ds_config: dict, gpu_mem_gib, notes: list, *,
+def _build_sampler(cfg: RunConfig, shapes, layout: Layout, ds_config: dict, gpu_mem_gib, notes: list, *,
                    model_config=None, sparse_cost=None, device: Optional[torch.device] = None, meta: bool = False,
                    adapter_params=None, ema_params=None):
     """The batch sampler; with ``--layers`` the profile is rescaled to the trained depth (or, when it
@@ -474,7 +475,6 @@ def _build_sampler(cfg: RunConfig, dataset, layout: Layout, ds_config: dict, gpu
               ln_modulate=ln_path, profile=calibrated, adapter_params=adapter_params,
               per_token_timesteps=model.trains_per_token_timesteps(model.objective_with(t.objective)),
               block_fusion=fusion, ema_params=ema_params)
-    shapes = dataset_shapes(dataset)
     sparse = _sparse_cost(cfg, notes, sparse_cost)
     try:
         sampler = build_batch_sampler(cfg.adaptive_load.sampler, shapes, layout, num_layers=t.layers, sparse=sparse,

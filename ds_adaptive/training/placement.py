@@ -2,7 +2,7 @@
 
     dataset, held_out = split_for_validation(cfg, dataset, notes)        # adaptive_load.validation
     n = ema_param_count(cfg, preset, model_config, adapters)              # what the memory model counts
-    sampler, ema_device = sampler_and_ema(build, cfg, dataset, layout, ds_config, notes, device=..., ema_params=n)
+    sampler, ema_device = sampler_and_ema(build, cfg, layout, ds_config, notes, device=..., ema_params=n)
 
 The EMA on the accelerator is static memory the plan counts (``Profile.with_ema``: ``m_mem: auto`` shrinks by it);
 with ``ema.device: auto`` it stays there unless that costs the plan a sample or its ``m_mem`` (:func:`ema_crowds_out`):
@@ -18,7 +18,6 @@ from ds_adaptive.core.config import ConfigError
 from ds_adaptive.core.features import validation_count
 from ds_adaptive.data import split_held_out
 from ds_adaptive.planning.memory import sample_memory
-from ds_adaptive.planning.shape_table import dataset_shapes
 
 __all__ = ["split_for_validation", "ema_param_count", "sampler_and_ema", "ema_crowds_out"]
 
@@ -50,7 +49,7 @@ def ema_param_count(cfg, preset, model_config, adapters: Optional[int]) -> Optio
         return sum(p.numel() for p in preset.build(model_config).parameters())
 
 
-def sampler_and_ema(build: Callable, cfg, dataset, layout, ds_config: dict, notes: list, *, device: torch.device,
+def sampler_and_ema(build: Callable, cfg, layout, ds_config: dict, notes: list, *, device: torch.device,
                     ema_params: Optional[int], gpu_mem_gib=None):
     """``(sampler, where the EMA lives)`` (None: no EMA). ``build(notes, ema_params)`` builds the run's batch
     sampler, its notes into ``notes``, planning with an EMA of ``ema_params`` on the accelerator (None: none).
@@ -65,7 +64,7 @@ def sampler_and_ema(build: Callable, cfg, dataset, layout, ds_config: dict, note
     stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
     try:
         sampler = build(trial, ema_params)
-        problem = ema_crowds_out(sampler, dataset, cfg, gib, gpu_mem_gib, zero_stage=stage, world=layout.world_size)
+        problem = ema_crowds_out(sampler, cfg, gib, gpu_mem_gib, zero_stage=stage, world=layout.world_size)
     except ValueError as exc:   # m_mem auto found no memory left, or a sample over every budget
         if ema.device != "auto":
             raise
@@ -80,7 +79,7 @@ def sampler_and_ema(build: Callable, cfg, dataset, layout, ds_config: dict, note
     return sampler, torch.device("cpu")
 
 
-def ema_crowds_out(sampler, dataset, cfg, ema_gib: float, gpu_mem_gib, *, zero_stage: int,
+def ema_crowds_out(sampler, cfg, ema_gib: float, gpu_mem_gib, *, zero_stage: int,
                    world: int) -> Optional[str]:
     """What the EMA on the accelerator costs the plan, or None: a ``sampler.m_mem`` that no longer fits beside the
     static memory, or a sample that fits one GPU at batch 1 only without the EMA's ``ema_gib``."""
@@ -89,7 +88,7 @@ def ema_crowds_out(sampler, dataset, cfg, ema_gib: float, gpu_mem_gib, *, zero_s
         cost.profile.static_memory_gib(zero_stage, world)
     if m_mem > room * (1 + 1e-9):
         return f"sampler.m_mem {m_mem:.2f} GiB > the {room:.2f} GiB left beside the static memory"
-    lost = [s for s in sorted(dataset_shapes(dataset).unique, key=str) if m_mem < sample_memory(cost, s) <= m_mem + ema_gib]
+    lost = [s for s in sorted(sampler.shapes.unique, key=str) if m_mem < sample_memory(cost, s) <= m_mem + ema_gib]
     if lost:
         return (f"m_mem {m_mem:.2f} GiB < the {sample_memory(cost, lost[0]):.2f} GiB one sample of {lost[0]} needs, "
                 f"which fits without the EMA")

@@ -35,7 +35,6 @@ import torch.nn.functional as F
 from ds_adaptive.attention.telemetry import SparseTrainerHook
 from ds_adaptive.ops.apply import ln_modulate_summary
 from ds_adaptive.planning.memory import model_checkpoint_blocks
-from ds_adaptive.planning.shape_table import dataset_shapes
 from ds_adaptive.training.assemble import Run
 from ds_adaptive.training.batches import Batches
 from ds_adaptive.training.captions import CaptionDropout
@@ -90,7 +89,7 @@ class Trainer:
         self.checkpoints = Checkpointing(run, self.engine, sparse=self.sparse, log=self.log, ema=self.ema)
         self.nonfinite = NonFiniteGuard(o.nonfinite, o.nonfinite_limit, log=self.log,
                                         fp16=bool((run.ds_config.get("fp16") or {}).get("enabled")))
-        self._shapes = dataset_shapes(run.dataset)   # ids into its distinct shapes: 4 bytes a sample
+        self._shapes = run.sampler.shapes   # the dataset's shapes as planned (ids into its distinct shapes)
         for note in run.notes + ([self.captions.describe()] if self.captions is not None else []):
             self.log(f"ds_adaptive.train: {note}")
         if o.resume:
