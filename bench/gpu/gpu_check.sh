@@ -25,8 +25,12 @@
 # torch.profiler table;
 # train = the default job with and without the fused op, TRAIN_STEPS steps each, each arm planning with its own
 # calibration; train_same = the same two arms on one pinned plan, bench/training/ln_modulate_e2e.py; ti2v = Wan 2.2 TI2V-5B:
-# calibrate it on this GPU into ds_adaptive/planning/profiles/<gpu>-wan2.2-ti2v-5b.json (copied to $OUT), then its
-# default job, TI2V_STEPS steps (default 8), with that profile: tokens/s, MFU, peak memory in $OUT/ti2v_run),
+# its default job, TI2V_STEPS steps (default 11), planned with the shipped profile of this GPU (calibrated into
+# ds_adaptive/planning/profiles/<gpu>-wan2.2-ti2v-5b.json first when none ships, or TI2V_CALIBRATE=1): tokens/s, MFU, peak
+# memory in $OUT/ti2v_run; defaultjob = the shipped default job (bench/gpu/default_job.sh: DEFAULTJOB_STEPS, default 22;
+# DEFAULTJOB_ARMS="shipped features" adds EMA + validation); lora = LoRA vs full fine-tuning in steady state
+# (bench/gpu/lora_preview.sh, LORA_ARGS); TOTAL_S = the whole script's budget in seconds (a step that would run past it
+# gets what is left, one with under MIN_STEP_S (90) left is skipped),
 # BENCH_ARGS (extra args for bench/kernels/ln_modulate.py, e.g. "--quick --tune"; --tune also times both
 # kernel generations per case and prints the recommended DS_ADAPTIVE_LN_MODULATE_KERNELS),
 # STEP_LIMIT (seconds each step may run, instead of its own limit), TEST_ARGS (for pytest), PREBUILD=1 (also
@@ -127,20 +131,33 @@ do_train_same() {  # the default job with and without the op on the SAME plan (b
   # come back and the report survived only in stdout)
   tar czf "$OUT/train_same.tgz" -C "$OUT" train_same && rm -rf "$d"
 }
-do_ti2v() {  # Wan 2.2 TI2V-5B: the calibration this GPU lacks, then the default job planned with it (one GPU: an H200;
-  # the 5B model's parameters, gradients and Adam state are ~75 GiB)
+do_ti2v() {  # Wan 2.2 TI2V-5B: its default job planned with this GPU's shipped profile (calibrated first when the
+  # package ships none for this GPU, or TI2V_CALIBRATE=1); one GPU: an H200 (the 5B model's parameters, gradients and
+  # Adam state are ~75 GiB)
   [ -d /tmp/site/bin ] && export PATH=/tmp/site/bin:$PATH
   local key prof
   key=$(python3 -c 'from ds_adaptive.planning.devices import detect_device_name, gpu_spec; s = gpu_spec(detect_device_name()); print(s.key if s else "gpu")') || return 1
   prof=ds_adaptive/planning/profiles/$key-wan2.2-ti2v-5b.json
-  python3 -m ds_adaptive.cli calibrate --model wan2.2-ti2v-5b --out "$prof" 2>&1 | tail -n 30 || return 1
-  cp "$prof" "$OUT/" || return 1
-  MODEL=wan2.2-ti2v-5b STEPS=${TI2V_STEPS:-8} SAVE_DIR= bash launch/train_wan.sh --log-dir "$OUT/ti2v_run" \
+  if [ ! -f "$prof" ] || [ "${TI2V_CALIBRATE:-0}" = "1" ]; then
+    python3 -m ds_adaptive.cli calibrate --model wan2.2-ti2v-5b --out "$prof" 2>&1 | tail -n 30 || return 1
+    cp "$prof" "$OUT/" || return 1
+  fi
+  MODEL=wan2.2-ti2v-5b STEPS=${TI2V_STEPS:-11} SAVE_DIR= bash launch/train_wan.sh --log-dir "$OUT/ti2v_run" \
     >"$OUT/ti2v_train.log" 2>&1
   local rc=$?
   grep -E "profile auto|gradient_accumulation|Error|error" "$OUT/ti2v_train.log" | tail -8
   sed -n '/run summary/,$p' "$OUT/ti2v_train.log" | head -20
   return "$rc"
+}
+do_defaultjob() {  # the shipped default job, DEFAULTJOB_STEPS (default 22) steps, and with DEFAULTJOB_ARMS="shipped
+  # features" the same with EMA + validation (bench/gpu/default_job.sh, in $OUT/default_job)
+  WHEELS=none OUT="$OUT/default_job" STEPS=${DEFAULTJOB_STEPS:-22} ARMS=${DEFAULTJOB_ARMS:-shipped} \
+    ARM_LIMIT=${DEFAULTJOB_ARM_LIMIT:-900} bash bench/gpu/default_job.sh
+}
+do_lora() {  # LoRA vs full fine-tuning of the 1.3B default job in steady state (bench/gpu/lora_preview.sh, in $OUT/lora):
+  # LORA_ARGS, default 11 steps per arm at a global batch of 16 samples, one preview after the last step
+  WHEELS=none OUT="$OUT/lora" TOTAL_S=${LORA_TOTAL_S:-420} bash bench/gpu/lora_preview.sh \
+    ${LORA_ARGS:---steps 11 --global-batch 16 --preview-at 11}
 }
 # --- opt-in steps (not in STEPS_ALL) ------------------------------------------------------------
 do_mfu() {  # one Wan block traced at 3 sizes + A/B of adaptive_load.block_fusion (bench/kernels/block_profile.py)
@@ -226,15 +243,23 @@ print(f"block_full KiB/token: eager {base.block_full_gib[1] * 2**20:.1f}, {sys.a
       f"{base.c0_ms + base.a_ms_per_token * 32760 + base.b_ms_per_token2 * 32760**2:.0f}")
 PY
 }
-export -f do_env do_build do_tests do_bench do_host do_train do_train_same do_ti2v do_mfu do_pertoken \
-  do_firstuse do_levers do_keepattn do_trainprofile do_calfusion do_attn do_setab
+export -f do_env do_build do_tests do_bench do_host do_train do_train_same do_ti2v do_defaultjob do_lora do_mfu \
+  do_pertoken do_firstuse do_levers do_keepattn do_trainprofile do_calfusion do_attn do_setab
 export OUT
 declare -A LIMIT=([env]=60 [build]=300 [tests]=480 [bench]=420 [train]=400 [host]=240 [train_same]=400
-                  [ti2v]=560 [mfu]=300 [pertoken]=240 [firstuse]=560 [levers]=560 [keepattn]=560 [trainprofile]=300
+                  [ti2v]=560 [defaultjob]=960 [lora]=440 [mfu]=300 [pertoken]=240 [firstuse]=560 [levers]=560 [keepattn]=560 [trainprofile]=300
                   [calfusion]=400 [attn]=200 [setab]=560)
 
 for s in $STEPS; do
-  run_step "$s" "${STEP_LIMIT:-${LIMIT[$s]:-300}}" "do_$s" || true
+  limit=${STEP_LIMIT:-${LIMIT[$s]:-300}}
+  if [ -n "${TOTAL_S:-}" ]; then   # the whole script's budget: a late step gets what is left, or is skipped
+    left=$(( TOTAL_S - SECONDS ))
+    if (( left < ${MIN_STEP_S:-90} )); then
+      STATUS[$s]="skipped: ${left}s of TOTAL_S=${TOTAL_S} left"; note "step $s: ${STATUS[$s]}"; continue
+    fi
+    (( limit > left )) && limit=$left
+  fi
+  run_step "$s" "$limit" "do_$s" || true
 done
 
 echo

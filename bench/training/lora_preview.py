@@ -54,6 +54,8 @@ def run_arm(name: str, args, work: Path, timeout_s: float) -> dict:
            "--seed", str(args.seed)]
     if args.shapes:
         cmd += ["--shapes", args.shapes]
+    if args.global_batch:
+        cmd += ["--global-batch", str(args.global_batch)]
     if args.fused is not None:
         cmd.append("--fused-ln-modulate" if args.fused else "--no-fused-ln-modulate")
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", "PYTHONUNBUFFERED": "1"}
@@ -119,6 +121,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shapes", default=None, help="shape mix of the synthetic data (default: the shipped mix; a CPU "
                                                    "smoke test: launch/configs/shapes_cpu.json with --model tiny)")
+    ap.add_argument("--global-batch", type=int, default=None, metavar="SAMPLES",
+                    help="samples per optimizer step in both arms (default: the shipped config's sampler.global_batch)")
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--preview-at", type=int, default=2, help="preview after this step (and after the last)")
     ap.add_argument("--preview-steps", type=int, default=5)
