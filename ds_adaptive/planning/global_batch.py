@@ -172,7 +172,7 @@ CHECK_SAMPLES_PER_RANK = 128
 #: ... and at least this many global batches
 CHECK_STEPS = 16
 #: ``m_comp: auto``: re-aim the budget at most this many times when the check misses the tolerance
-AIM_TRIES = 2
+AIM_TRIES = 3
 #: ... and at least this many samples (fewer than the search planned would be a worse estimate than its own)
 CHECK_MIN_SAMPLES = 4096
 
@@ -204,20 +204,26 @@ def check_epoch(sampler, gb, micro_steps_per_step) -> None:
     # only a budget the search chose (it plans samples over the budget alone): the search-less m_comp is the costliest
     # sample's B=1 cost, and a lower one would make that sample oversize
     searched = sampler.budget_choice is not None and bool(sampler.params.solo_over_budget)
-    for _ in range(AIM_TRIES if sampler.m_comp_auto and sampler.params.m_comp is not None and searched else 0):
-        if fit.ok or fit.per_micro <= 0:
+    tries = AIM_TRIES if sampler.m_comp_auto and sampler.params.m_comp is not None and searched else 0
+    seen = [(sampler.params.m_comp, fit.per_micro)]   # (budget, samples or tokens per micro-step) of every plan
+    while tries > 0 and not fit.ok and fit.per_micro > 0:
+        tries -= 1
+        # the micro-steps per step k as fitted or one either side (a plan's samples per micro-step move in steps:
+        # the next k can be the nearer), each with the budget aimed so that a micro-step holds G / k; a bracketed
+        # aim first, then the fitted k; none that was planned already
+        ks = [fit.gas] if micro_steps_per_step != "auto" else [fit.gas, fit.gas - 1, fit.gas + 1]
+        aims = [(not bracketed, j, k, m) for j, k in enumerate(ks) if k >= 1
+                for m, bracketed in [_aim_budget(seen, gb.value / k, sampler.cost.c0)]
+                if all(abs(m / m_seen - 1) > 1e-3 for m_seen, _ in seen)]
+        if not aims:
             break
-        # m_comp: auto chose the budget: aim it so that a micro-step holds G / gas (its samples grow about linearly
-        # with the budget above the per-micro-batch cost c0), the micro-steps per step as fitted
-        c0, m = sampler.cost.c0, sampler.params.m_comp
-        want = gb.value / fit.gas
-        aimed = dataclasses.replace(sampler.params, m_comp=max(c0 + (m - c0) * want / fit.per_micro, c0 * 1.01),
-                                    micro_steps_per_step=fit.gas)
+        _, _, k, m_aim = min(aims)
+        aimed = dataclasses.replace(sampler.params, m_comp=m_aim, micro_steps_per_step=k)
         f2 = check(aimed)
-        if f2.error >= fit.error:
-            break
-        sampler.params, fit, aimed_from = aimed, f2, aimed_from if aimed_from is not None else m
-        sampler._cache = None
+        seen.append((aimed.m_comp, f2.per_micro))
+        if f2.error < fit.error:
+            sampler.params, fit, aimed_from = aimed, f2, aimed_from if aimed_from is not None else seen[0][0]
+            sampler._cache = None
     if micro_steps_per_step == "auto" and fit.gas != sampler.micro_steps_per_step:
         sampler.params = dataclasses.replace(sampler.params, micro_steps_per_step=fit.gas)
         sampler._cache = None
@@ -239,6 +245,19 @@ def check_epoch(sampler, gb, micro_steps_per_step) -> None:
     sampler.global_batch_fit = {**fit.describe(), "checked_samples": int(min(n, len(order)))}
     if aimed_from is not None:
         sampler.global_batch_fit["m_comp_aimed"] = {"from": aimed_from, "to": sampler.params.m_comp}
+
+
+def _aim_budget(seen: list[tuple[float, float]], want: float, c0: float) -> tuple[float, bool]:
+    """The budget whose micro-steps hold ``want`` samples (or tokens): between the two nearest planned budgets of
+    ``seen`` (budget, per micro-step) that bracket it, linearly; else from the latest, scaled above the per-micro-batch
+    cost ``c0`` (a micro-step's samples grow about linearly with the budget there; a plan's count moves in steps, so
+    the bracket is the better guess once there is one). Returns (budget, bracketed)."""
+    lo = max(((m, q) for m, q in seen if q <= want), default=None, key=lambda x: x[1])
+    hi = min(((m, q) for m, q in seen if q > want), default=None, key=lambda x: x[1])
+    if lo is not None and hi is not None and hi[1] > lo[1]:
+        return lo[0] + (hi[0] - lo[0]) * (want - lo[1]) / (hi[1] - lo[1]), True
+    m, q = seen[-1]
+    return max(c0 + (m - c0) * want / q, c0 * 1.01), False
 
 
 def global_batch_candidates(table: Sequence[dict], gb, micro_steps_per_step, c0: float, lo: float, hi: float,

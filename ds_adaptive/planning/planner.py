@@ -370,6 +370,7 @@ def plan_epoch(shape_ids: np.ndarray, shapes: Sequence[SampleShape], order: np.n
     tail.extend((u, pool.live(u)) for u in range(len(pool)) if pool.count(u) and replan_tail)
     tail_dropped: list[int] = []
     replanned = 0
+    steady = len(builder.shape) // (dp * ga)   # the steps before the tail's: the ones balance_steps regroups
     if tail:
         full = len(builder.shape) // (dp * ga)
         # with a global batch (step_balance) as many steps as the tail holds the mean step; else one, as always
@@ -391,7 +392,7 @@ def plan_epoch(shape_ids: np.ndarray, shapes: Sequence[SampleShape], order: np.n
     offsets = np.asarray(builder.offsets, np.int64)
     ids = np.frombuffer(builder.ids, np.int64) if len(builder.ids) else np.zeros(0, np.int64)
     if params.step_balance is not None and ga > 1 and bs.size:
-        ids, offsets, bs = balance_steps(ids, offsets, bs, table.tokens, dp, ga, params.step_balance)
+        ids, offsets, bs = balance_steps(ids, offsets, bs, table.tokens, dp, ga, params.step_balance, steps=steady)
     sizes = np.diff(offsets)
     if table.linear:
         b_cost = (table.c0[bs] + sizes * table.cost1[bs]) if bs.size else np.zeros(0)
@@ -414,34 +415,52 @@ def plan_epoch(shape_ids: np.ndarray, shapes: Sequence[SampleShape], order: np.n
 
 
 #: optimizer steps whose micro-steps :func:`balance_steps` regroups together (the epoch's coarse order is kept)
-STEP_BALANCE_BLOCK = 32
+STEP_BALANCE_BLOCK = 64
+
+
+def _fill_steps(count: np.ndarray, steps: int, ga: int) -> np.ndarray:
+    """Deal each row of ``count`` (``[blocks, steps * ga]`` sample or token totals of micro-steps) into ``steps``
+    steps of exactly ``ga`` micro-steps with about equal sums: largest first, each to the step with the smallest sum
+    among those with a free slot (longest-processing-time with a cardinality bound; ties to the lower step), all
+    blocks at once. Returns ``[blocks, steps, ga]`` indices into each row, a step's micro-steps in their planned
+    order, the steps in a fixed shuffled order (the dealing leaves the larger sums first)."""
+    blocks = count.shape[0]
+    order = np.argsort(-count, axis=1, kind="stable")
+    rows = np.arange(blocks)
+    totals = np.zeros((blocks, steps))
+    filled = np.zeros((blocks, steps), np.int64)
+    members = np.empty((blocks, steps, ga), np.int64)
+    for r in range(steps * ga):
+        j = order[:, r]
+        i = np.argmin(np.where(filled < ga, totals, np.inf), axis=1)
+        members[rows, i, filled[rows, i]] = j
+        totals[rows, i] += count[rows, j]
+        filled[rows, i] += 1
+    members.sort(axis=2)
+    return members[:, np.random.default_rng([steps, ga, 0x57E9]).permutation(steps)]
 
 
 def balance_steps(ids: np.ndarray, offsets: np.ndarray, bs: np.ndarray, shape_tokens: np.ndarray, dp: int, ga: int,
-                  by: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                  by: str, steps: Optional[int] = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Regroup the micro-steps of every block of :data:`STEP_BALANCE_BLOCK` optimizer steps so that the steps'
-    sample (``by="samples"``) or token totals come out about equal: the block's micro-steps by count, largest
-    first, ``ga`` rounds, each round giving one micro-step to every step, the largest to the step with the smallest
-    total so far. A micro-step keeps its batches (balance per micro-step is untouched); only which step it belongs
-    to changes. Returns the permuted ``(ids, offsets, batch_shape)``."""
+    sample (``by="samples"``) or token totals come out about equal (:func:`_fill_steps`). A micro-step keeps its
+    batches (balance per micro-step is untouched); only which step it belongs to changes. ``steps``: regroup only
+    the first ``steps`` optimizer steps (the epoch's re-planned tail stays as planned); default all. Returns the
+    permuted ``(ids, offsets, batch_shape)``."""
     n_micro = len(bs) // dp
     sizes = np.diff(offsets)
     per = sizes if by == "samples" else sizes * shape_tokens[bs]
     count = per[:n_micro * dp].reshape(n_micro, dp).sum(axis=1)
     perm = np.arange(n_micro)
+    n_steps = n_micro // ga if steps is None else min(int(steps), n_micro // ga)
     block = STEP_BALANCE_BLOCK * ga
-    for lo in range(0, (n_micro // ga) * ga, block):
-        hi = min(lo + block, (n_micro // ga) * ga)
-        steps = (hi - lo) // ga
-        order = lo + np.argsort(-count[lo:hi], kind="stable")
-        totals = np.zeros(steps)
-        slots = np.zeros((steps, ga), np.int64)
-        for r in range(ga):
-            chunk = order[r * steps:(r + 1) * steps]
-            smallest = np.argsort(totals, kind="stable")
-            slots[smallest, r] = chunk
-            totals[smallest] += count[chunk]
-        perm[lo:hi] = slots.ravel()
+    n_full = n_steps // STEP_BALANCE_BLOCK
+    if n_full:   # the whole blocks together, then the last, shorter one
+        dealt = _fill_steps(count[:n_full * block].reshape(n_full, block), STEP_BALANCE_BLOCK, ga)
+        perm[:n_full * block] = (dealt.reshape(n_full, block) + (np.arange(n_full) * block)[:, None]).ravel()
+    lo, hi = n_full * block, n_steps * ga
+    if hi > lo:
+        perm[lo:hi] = lo + _fill_steps(count[lo:hi][None], (hi - lo) // ga, ga).ravel()
     batch_perm = (perm[:, None] * dp + np.arange(dp)).ravel()
     new_sizes = sizes[batch_perm]
     new_offsets = np.concatenate([[0], np.cumsum(new_sizes)])
