@@ -128,10 +128,10 @@ def test_build_run_gives_deepspeed_the_sampler_count_and_the_trainer_checks_it()
     run = build_run(cfg, layout=Layout.for_world(1, 1), meta=True, gpu_mem_gib=GIB)
     assert run.ds_config["gradient_accumulation_steps"] == run.gas == run.sampler.micro_steps_per_step > 1
     assert any("gradient_accumulation_steps auto ->" in n for n in run.notes)
-    check_accumulation(types.SimpleNamespace(gradient_accumulation_steps=lambda: run.gas), run.sampler)
+    check_accumulation(types.SimpleNamespace(gradient_accumulation_steps=lambda: run.gas), run.plan)
     with pytest.raises(UsageError, match=rf"DeepSpeed runs gradient_accumulation_steps 1 but the batch sampler planned "
                                          rf"{run.gas}"):
-        check_accumulation(types.SimpleNamespace(gradient_accumulation_steps=lambda: 1), run.sampler)
+        check_accumulation(types.SimpleNamespace(gradient_accumulation_steps=lambda: 1), run.plan)
 
 
 def test_plan_counts_map_to_the_model_depth():

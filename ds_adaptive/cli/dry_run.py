@@ -430,13 +430,13 @@ def _check_memory_and_budgets(rep: Report, args: argparse.Namespace, run, n_para
             f"{usable:.1f} GiB usable (of {gpu:.1f} GiB; sampler.mem_utilization {s.mem_utilization}) for "
             "activations; use ZeRO-3, more GPUs, or a smaller model")
         return
-    b, mode, unit = run.budgets, run.sampler.mode, cost.unit
+    b, mode, unit = run.budgets, run.plan.sampler_mode, cost.unit
     desc = f"mode {mode}: m_mem {b['m_mem']:.2f} GiB" + (f" ({'auto' if s.m_mem == 'auto' else 'set'})")
     if mode == "dual":
         desc += f", m_comp {b['m_comp']:.4g} {unit} ({'auto' if s.m_comp == 'auto' else 'set'})"
-        if run.sampler.params.solo_over_budget:
+        if run.plan.solo_over_budget:
             desc += " (throughput-optimal; samples over it run alone)"
-        if run.sampler.params.efficient_batches:
+        if run.plan.efficient_batches:
             desc += "; batches capped at their lowest time per sample"
     desc += f", {run.gas} micro-step(s) per optimizer step"
     if mode == "tokens":
@@ -476,7 +476,7 @@ def _oversize_reasons(cost, shape, b: dict, mode: str) -> list[str]:
 
 
 def _check_shapes(rep: Report, run, dist_, static: float, gpu: float) -> None:
-    cost, b, mode, sp = run.cost, run.budgets, run.sampler.mode, run.layout.sp_size
+    cost, b, mode, sp = run.cost, run.budgets, run.plan.sampler_mode, run.layout.sp_size
     uniq = sorted({w.shape for w in dist_})
     total_w = sum(w.weight for w in dist_)
     weight: dict = {}

@@ -7,7 +7,8 @@
 A :class:`Run` holds the layout, the DeepSpeed config prepared for ``deepspeed.initialize``, the
 model's registry entry (``ds_adaptive.models.registry.get_model``: config, token grid, text length,
 objective options, weights), the dataset, the model (fused-op and attention choices applied), the
-batch sampler with its resolved budgets and cost profile, and the notes a launcher should print. ``meta=True`` builds the model on
+batch sampler with its resolved budgets and cost profile, the run plan (:class:`ds_adaptive.core.run_plan.RunPlan`:
+the start-up choices, resolved once where the sampler is built), and the notes a launcher should print. ``meta=True`` builds the model on
 the meta device (shapes, no memory, no ZeRO partitioning) and never touches torch.distributed: the
 dry run follows the same code path as training.
 """
@@ -21,6 +22,7 @@ import torch
 from ds_adaptive.core.config import ConfigError
 from ds_adaptive.core.ds_config import prepare_ds_config
 from ds_adaptive.core.layout import Layout, strip_mesh_keys
+from ds_adaptive.core.run_plan import RunPlan
 from ds_adaptive.training.lora import adapter_parameters, apply_run_lora
 from ds_adaptive.training.run_config import RunConfig
 from ds_adaptive.planning.validate import RunFacts, context_parallel_mode, validate_run
@@ -68,6 +70,9 @@ class Run:
     dataset: Any
     sampler: Any
     """The batch sampler (``ds_adaptive.planning.sampler``): plan, budgets, cost model."""
+    plan: RunPlan
+    """The start-up choices (budgets, gas, checkpoint policy, kept attention, sparse layers) as the sampler resolved
+    them when it was built; the trainer and the dry run read these, the sampler may re-plan later."""
     gpu_mem_gib: Optional[float] = None
     """GPU memory the budgets were resolved for (None: the visible GPU or the profile's device)."""
     notes: list = field(default_factory=list)
@@ -96,8 +101,8 @@ class Run:
 
     @property
     def gas(self) -> int:
-        """Micro-steps per optimizer step (``gradient_accumulation_steps``)."""
-        return int(self.ds_config["gradient_accumulation_steps"])
+        """Micro-steps per optimizer step (``gradient_accumulation_steps``; ``plan.gas``)."""
+        return self.plan.gas
 
     @property
     def zero_stage(self) -> int:
@@ -116,10 +121,8 @@ class Run:
     def budgets(self) -> dict:
         """Resolved per-micro-batch budgets: ``m_mem`` GiB, ``m_comp`` (cost unit), ``max_tokens``;
         ``solo_over_budget``: samples over ``m_comp`` run alone (the throughput-optimal ``m_comp: auto``);
-        ``efficient_batches``: its batches are capped at their lowest time per sample."""
-        p = self.sampler.params
-        return {"m_mem": p.m_mem, "m_comp": p.m_comp, "max_tokens": p.max_tokens, "unit": self.cost.unit,
-                "solo_over_budget": p.solo_over_budget, "efficient_batches": p.efficient_batches}
+        ``efficient_batches``: its batches are capped at their lowest time per sample (``plan.budgets``)."""
+        return self.plan.budgets
 
     @property
     def on_gpu(self) -> bool:
@@ -170,12 +173,12 @@ def build_run(cfg: RunConfig, *, layout: Optional[Layout] = None, device: Option
     build = lambda out, ema: _build_sampler(cfg, shapes, layout, ds_config, gpu_mem_gib, out,  # noqa: E731
                                             model_config=model_config, sparse_cost=sparse_cost, device=device,
                                             meta=meta, adapter_params=adapters, ema_params=ema)
-    sampler, ema_device = sampler_and_ema(build, cfg, layout, ds_config, notes, device=device,
-                                          ema_params=ema_param_count(cfg, preset, model_config, adapters),
-                                          gpu_mem_gib=gpu_mem_gib)
+    sampler, plan, ema_device = sampler_and_ema(build, cfg, layout, ds_config, notes, device=device,
+                                                ema_params=ema_param_count(cfg, preset, model_config, adapters),
+                                                gpu_mem_gib=gpu_mem_gib)
     model = _build_model(cfg, preset, model_config, ds_config, meta=meta)
     notes.extend(_leaf_blocks(model, cfg.adaptive_load, _zero_stage(ds_config)))
-    notes.extend(_checkpoint_attention(model, cfg.adaptive_load.sampler, sampler.cost.checkpoint_attention, t.model))
+    notes.extend(_checkpoint_attention(model, cfg.adaptive_load.sampler, plan.checkpoint_attention, t.model))
     if not meta:
         notes.extend(_block_fusion(model, cfg.adaptive_load.block_fusion, t.model))
     if t.init_from and not meta:
@@ -188,7 +191,7 @@ def build_run(cfg: RunConfig, *, layout: Optional[Layout] = None, device: Option
         apply_ulysses(model, layout)  # sequence sharding + DistributedAttention
     sparse = _attach_sparse(cfg, model, layout, device, sampler, sparse_choice, sparse_cost)
     return Run(cfg=cfg, layout=layout, device=device, ds_config=ds_config, dtype=dtype, preset=preset,
-               model_config=model_config, model=model, dataset=dataset, sampler=sampler, gpu_mem_gib=gpu_mem_gib,
+               model_config=model_config, model=model, dataset=dataset, sampler=sampler, plan=plan, gpu_mem_gib=gpu_mem_gib,
                notes=notes, sparse=sparse, lora=lora, validation=held_out, ema_device=ema_device)
 
 
@@ -455,8 +458,8 @@ def run_ln_modulate_path(fused_requested: bool, device_type: str = "cuda") -> st
 
 def _build_sampler(cfg: RunConfig, shapes, layout: Layout, ds_config: dict, gpu_mem_gib, notes: list, *,
                    model_config=None, sparse_cost=None, device: Optional[torch.device] = None, meta: bool = False,
-                   adapter_params=None, ema_params=None):
-    """The batch sampler; with ``--layers`` the profile is rescaled to the trained depth (or, when it
+                   adapter_params=None, ema_params=None) -> tuple:
+    """``(the batch sampler, its RunPlan)``; with ``--layers`` the profile is rescaled to the trained depth (or, when it
     cannot be, used at full depth with a note). With sparse attention rebalancing, it plans with the
     sparse cost (:func:`_sparse_cost`) when the profile has the trained model's layers. ``profile: auto``
     on a GPU / model / LayerNorm-modulate path with no shipped profile, and ``profile: calibrate``, plan with
@@ -499,18 +502,29 @@ def _build_sampler(cfg: RunConfig, shapes, layout: Layout, ds_config: dict, gpu_
                      f"and activation terms x {prof.num_layers}/{prof.rescaled_from_layers}, embed/head kept, "
                      f"static memory of {prof.params / 1e9:.3f}B params)")
     model_blocks = model_config.num_layers if model_config is not None else prof.num_layers
+    note = _gas_note(sampler) if gas == "auto" else None
+    plan = RunPlan.from_sampler(sampler, budget_note=note, sparse_layers=_sparse_layers(sparse_cost, model_blocks))
     on_cpu = device is not None and device.type == "cpu"   # nothing to act on: no GPU profile of the model there
-    if sampler.cost.checkpointing == "auto" and prof.num_layers != model_blocks and not on_cpu:
+    if plan.checkpointing == "auto" and prof.num_layers != model_blocks and not on_cpu:
         notes.append(f"checkpointing auto: the plan's checkpoint counts are for the profile's {prof.num_layers} "
                      f"blocks; the model has {model_blocks}: each count is mapped to the same share of its blocks "
                      "(rounded up; pass --layers to plan at the model's depth)")
     if gas == "auto":   # DeepSpeed runs what the sampler plans (the Trainer checks the engine agrees)
-        ds_config["gradient_accumulation_steps"] = sampler.micro_steps_per_step
-        notes.append(_gas_note(sampler))
-    elif sampler.micro_steps_per_step != kw["micro_steps_per_step"]:
-        raise RuntimeError(f"the batch sampler plans {sampler.micro_steps_per_step} micro-steps per step, "
+        ds_config["gradient_accumulation_steps"] = plan.gas
+        notes.append(note)
+    elif plan.gas != kw["micro_steps_per_step"]:
+        raise RuntimeError(f"the batch sampler plans {plan.gas} micro-steps per step, "
                            f"DeepSpeed runs {kw['micro_steps_per_step']}")
-    return sampler
+    return sampler, plan
+
+
+def _sparse_layers(sparse_cost, num_layers: int):
+    """The layers outside ``sparse_attention.dense_layers`` (the decision cost's, as the runtime's schedule reads the
+    config), or None when sparse attention is off."""
+    if sparse_cost is None:
+        return None
+    dense = set(sparse_cost.densities.dense_layers)
+    return tuple(i for i in range(num_layers) if i not in dense)
 
 
 def _gas_note(sampler) -> str:

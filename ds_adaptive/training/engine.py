@@ -161,7 +161,7 @@ def start_engine(run) -> tuple:
     run.layout.check_engine(engine)  # DeepSpeed must reduce over all dp*sp ranks (else a clear error)
     stack = forward_stack()
     base = len(stack) if stack is not None else 0
-    check_accumulation(engine, run.sampler)
+    check_accumulation(engine, run.plan)
     return engine, base
 
 
@@ -181,14 +181,15 @@ def optimizer_step(engine, factor: float) -> float:
     return lr
 
 
-def check_accumulation(engine, sampler) -> None:
-    """DeepSpeed's gradient_accumulation_steps must be the sampler's micro-steps per optimizer step: the
-    engine divides the loss by it and steps the optimizer at its boundary, the plan's loss weights and
-    batches assume the sampler's count. Raises :class:`UsageError` naming both values."""
+def check_accumulation(engine, plan) -> None:
+    """DeepSpeed's gradient_accumulation_steps must be the sampler's micro-steps per optimizer step (``plan.gas``,
+    the run's :class:`ds_adaptive.core.run_plan.RunPlan`): the engine divides the loss by it and steps the
+    optimizer at its boundary, the plan's loss weights and batches assume the sampler's count. Raises
+    :class:`UsageError` naming both values."""
     ds_gas = int(engine.gradient_accumulation_steps())
-    if ds_gas != sampler.micro_steps_per_step:
+    if ds_gas != plan.gas:
         raise UsageError(
             f"DeepSpeed runs gradient_accumulation_steps {ds_gas} but the batch sampler planned "
-            f"{sampler.micro_steps_per_step} micro-steps per optimizer step; build the engine from Run.ds_config "
+            f"{plan.gas} micro-steps per optimizer step; build the engine from Run.ds_config "
             "(build_run writes the sampler's count there for \"gradient_accumulation_steps\": \"auto\"), or set "
-            f"gradient_accumulation_steps to {sampler.micro_steps_per_step} in the ds_config")
+            f"gradient_accumulation_steps to {plan.gas} in the ds_config")

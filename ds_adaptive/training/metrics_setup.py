@@ -24,7 +24,7 @@ def run_info(run) -> dict:
         "dtype": str(run.dtype).replace("torch.", ""), "gradient_accumulation_steps": run.gas,
         "adaptive_load": al.enabled, "sampler": type(run.sampler).__name__,
         "sampler_mode": al.sampler.mode if al.enabled else "tokens", "fused_ln_modulate": al.fused_ln_modulate,
-        "grad_ckpt": al.sampler.checkpointing, "checkpoint_attention": run.sampler.cost.checkpoint_attention,
+        "grad_ckpt": al.sampler.checkpointing, "checkpoint_attention": run.plan.checkpoint_attention,
         "profile": run.profile.name,
         "checkpoint_source": run.profile.checkpoint_source, "data": opts.data,
         "dataset": run.dataset.describe(),

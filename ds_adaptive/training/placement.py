@@ -2,7 +2,7 @@
 
     dataset, held_out = split_for_validation(cfg, dataset, notes)        # adaptive_load.validation
     n = ema_param_count(cfg, preset, model_config, adapters)              # what the memory model counts
-    sampler, ema_device = sampler_and_ema(build, cfg, layout, ds_config, notes, device=..., ema_params=n)
+    sampler, plan, ema_device = sampler_and_ema(build, cfg, layout, ds_config, notes, device=..., ema_params=n)
 
 The EMA on the accelerator is static memory the plan counts (``Profile.with_ema``: ``m_mem: auto`` shrinks by it);
 with ``ema.device: auto`` it stays there unless that costs the plan a sample or its ``m_mem`` (:func:`ema_crowds_out`):
@@ -51,39 +51,40 @@ def ema_param_count(cfg, preset, model_config, adapters: Optional[int]) -> Optio
 
 def sampler_and_ema(build: Callable, cfg, layout, ds_config: dict, notes: list, *, device: torch.device,
                     ema_params: Optional[int], gpu_mem_gib=None):
-    """``(sampler, where the EMA lives)`` (None: no EMA). ``build(notes, ema_params)`` builds the run's batch
-    sampler, its notes into ``notes``, planning with an EMA of ``ema_params`` on the accelerator (None: none).
+    """``(sampler, its RunPlan, where the EMA lives)`` (None: no EMA). ``build(notes, ema_params)`` builds the run's
+    batch sampler and resolves its plan (``(sampler, plan)``), its notes into ``notes``, planning with an EMA of ``ema_params`` on the accelerator (None: none).
     ``ema.device: auto`` keeps the EMA on ``device`` unless :func:`ema_crowds_out` (or a budget left at nothing)
     says what that costs: then the plan is made again without it, the EMA goes to the CPU, a note names both."""
     ema = cfg.adaptive_load.ema
     if ema is None or ema.device == "cpu":
-        sampler = build(notes, None)
-        return sampler, (None if ema is None else torch.device("cpu"))
+        sampler, plan = build(notes, None)
+        return sampler, plan, (None if ema is None else torch.device("cpu"))
     gas, trial = ds_config["gradient_accumulation_steps"], []
     gib = ema_params * 4 / max(layout.world_size, 1) / 2**30
     stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
     try:
-        sampler = build(trial, ema_params)
-        problem = ema_crowds_out(sampler, cfg, gib, gpu_mem_gib, zero_stage=stage, world=layout.world_size)
+        sampler, plan = build(trial, ema_params)
+        problem = ema_crowds_out(sampler, plan, cfg, gib, gpu_mem_gib, zero_stage=stage, world=layout.world_size)
     except ValueError as exc:   # m_mem auto found no memory left, or a sample over every budget
         if ema.device != "auto":
             raise
         problem = str(exc).split(". ")[0]
     if problem is None or ema.device != "auto":
         notes.extend(trial)
-        return sampler, device
+        return sampler, plan, device
     ds_config["gradient_accumulation_steps"] = gas   # the first attempt resolved "auto": plan it again
-    sampler = build(notes, None)
+    sampler, plan = build(notes, None)
     notes.append(f"EMA on the CPU (adaptive_load.ema.device auto): {gib:.2f} GiB per rank on the accelerator would "
                  f"leave too little for the plan ({problem}); each update copies the rank's slice to the host")
-    return sampler, torch.device("cpu")
+    return sampler, plan, torch.device("cpu")
 
 
-def ema_crowds_out(sampler, cfg, ema_gib: float, gpu_mem_gib, *, zero_stage: int,
+def ema_crowds_out(sampler, plan, cfg, ema_gib: float, gpu_mem_gib, *, zero_stage: int,
                    world: int) -> Optional[str]:
     """What the EMA on the accelerator costs the plan, or None: a ``sampler.m_mem`` that no longer fits beside the
-    static memory, or a sample that fits one GPU at batch 1 only without the EMA's ``ema_gib``."""
-    cost, m_mem = sampler.cost, sampler.params.m_mem
+    static memory, or a sample that fits one GPU at batch 1 only without the EMA's ``ema_gib``. ``plan``: the
+    sampler's :class:`ds_adaptive.core.run_plan.RunPlan` (its ``m_mem``)."""
+    cost, m_mem = sampler.cost, plan.m_mem
     room = cost.usable_memory_gib(gpu_mem_gib, cfg.adaptive_load.sampler.mem_utilization) - \
         cost.profile.static_memory_gib(zero_stage, world)
     if m_mem > room * (1 + 1e-9):

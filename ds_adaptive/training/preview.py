@@ -217,7 +217,7 @@ class PreviewRunner:
         self.negative = negative
         self.shift = shift
         self.out_dir = Path(run.cfg.adaptive_load.metrics.log_dir) / "previews"
-        self.plan = plan_previews(prompts, run.cost, float(run.sampler.params.m_mem), guidance=cfg.guidance_scale > 1)
+        self.plan = plan_previews(prompts, run.cost, run.plan.m_mem, guidance=cfg.guidance_scale > 1)
         self.vae = None
         self.records: list[dict] = []
         self.is_writer = self.layout.rank == 0

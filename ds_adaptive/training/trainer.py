@@ -217,7 +217,7 @@ class Trainer:
         b = latents.shape[0]
         n_ckpt = run.model.checkpointed_blocks() if run.model.training else 0
         flops = run.preset.flops(run.model_config, tokens, b, n_ckpt,   # model and hardware FLOPs (MFU / HFU)
-                                 kept_attention=run.sampler.cost.checkpoint_attention == "keep")
+                                 kept_attention=run.plan.checkpoint_attention == "keep")
         metrics.end_micro(b, b * tokens, float(b * tokens ** 2), *flops)
         self.memory_log.record(st.global_step + 1, micro, shape, b, n_ckpt if plan_ckpt is None else plan_ckpt,
                                metrics.last_micro_peak_gib, metrics.last_micro_reserved_gib)

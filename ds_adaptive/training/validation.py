@@ -194,10 +194,12 @@ class ValidationRunner:
     def __init__(self, run, cfg, *, engine, metrics, log: Callable[[str], None], ema=None) -> None:
         self.run, self.cfg, self.engine, self.metrics, self.log, self.ema = run, cfg, engine, metrics, log, ema
         self.dataset = run.validation
-        p = run.sampler.params
-        self.plan = plan_validation(self.dataset.sample_shapes(), run.cost, m_mem=float(p.m_mem),
-                                    dp_size=run.layout.dp_size, timesteps=cfg.timesteps, m_comp=p.m_comp,
-                                    oversize=p.oversize)
+        # m_comp: the sampler's budget now, which pairs with run.cost (a resumed run with sparse rebalancing and
+        # m_comp auto has both moved on from the start-up plan); m_mem and oversize never change
+        p = run.plan
+        self.plan = plan_validation(self.dataset.sample_shapes(), run.cost, m_mem=p.m_mem,
+                                    dp_size=run.layout.dp_size, timesteps=cfg.timesteps,
+                                    m_comp=run.sampler.params.m_comp, oversize=p.oversize)
         self.records: list[dict] = []
         self.is_writer = run.layout.rank == 0
         self.path = Path(run.cfg.adaptive_load.metrics.log_dir) / VALIDATION_LOG
