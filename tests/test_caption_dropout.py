@@ -58,7 +58,7 @@ def test_dropped_rows_become_the_padded_empty_prompt_or_zeros():
 
 
 def test_the_empty_prompt_comes_with_the_dataset(tmp_path):
-    from ds_adaptive.data.synth import main as synth_main
+    from ds_adaptive.cli.synth import main as synth_main
 
     ds = SyntheticLatentDataset(4, SHAPES, seed=0)
     e = ds.empty_context()

@@ -10,7 +10,7 @@ import torch
 
 from ds_adaptive.data import (DataError, LatentShardDataset, LatentShardWriter, SyntheticLatentDataset,
                               build_dataset, collate_latents, write_legacy_index)
-from ds_adaptive.data.synth import main as synth_main
+from ds_adaptive.cli.synth import main as synth_main
 from ds_adaptive.core.shapes import SampleShape, ShapeWeight
 
 SMALL = [ShapeWeight(SampleShape(1, 64, 96), 3.0), ShapeWeight(SampleShape(9, 64, 64), 1.0)]

@@ -204,7 +204,7 @@ def test_export_errors_are_one_message(trained, tmp_path, capsys):
 
 
 def test_shard_files_follow_the_umask(tmp_path):
-    from ds_adaptive.data.synth import main as synth_main
+    from ds_adaptive.cli.synth import main as synth_main
 
     old = os.umask(0o002)
     try:

@@ -94,7 +94,7 @@ def test_nan_sample_is_an_error_naming_sample_and_shard(tmp_path):
 
     from ds_adaptive.data import DataError
     from ds_adaptive.data.shards import LatentShardDataset
-    from ds_adaptive.data.synth import main as synth_main
+    from ds_adaptive.cli.synth import main as synth_main
 
     assert synth_main(["--out", str(tmp_path / "d"), "--num-samples", "6", "--shapes",
                        str(ROOT / "launch" / "configs" / "shapes_cpu.json")]) == 0

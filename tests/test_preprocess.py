@@ -91,7 +91,7 @@ def _files(d: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def clean_run(assets) -> dict:
-    from ds_adaptive.preprocess.run import main
+    from ds_adaptive.cli.preprocess import main
 
     out = assets["root"] / "clean"
     old = os.umask(0o027)
@@ -138,7 +138,8 @@ def test_five_trainer_steps_on_the_shards(clean_run, tmp_path):
 
 KILLED = textwrap.dedent("""
     import os, signal, sys
-    from ds_adaptive.preprocess import encode, run
+    from ds_adaptive.cli import preprocess
+    from ds_adaptive.preprocess import encode
     calls = [0]
     real = encode.LatentEncoders.encode_video
     def encode_video(self, frames):
@@ -147,14 +148,14 @@ KILLED = textwrap.dedent("""
             os.kill(os.getpid(), signal.SIGKILL)
         return real(self, frames)
     encode.LatentEncoders.encode_video = encode_video
-    sys.exit(run.main(sys.argv[1:]))
+    sys.exit(preprocess.main(sys.argv[1:]))
 """)
 
 
 def test_two_ranks_killed_and_resumed_give_identical_bytes(assets, clean_run, monkeypatch, capsys):
     """Rank 1 of 2 is SIGKILLed inside its first unit; rank 0 does units 0 and 2 (disjoint); rank 1 rerun skips
     nothing of rank 0's, finishes units 1 and 3 and, seeing every unit, writes the same bytes as one process."""
-    from ds_adaptive.preprocess.run import main
+    from ds_adaptive.cli.preprocess import main
 
     out = assets["root"] / "killed"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "RANK": "1", "WORLD_SIZE": "2"}
@@ -239,7 +240,7 @@ def test_the_empty_prompt_is_stored_as_the_wan_pipeline_encodes_it(assets, clean
 
 
 def test_stats_predicts_the_written_shapes_and_writes_a_usable_shapes_json(assets, clean_run, tmp_path, capsys):
-    from ds_adaptive.preprocess.stats import main
+    from ds_adaptive.cli.stats import main
 
     js, png = tmp_path / "mix.json", tmp_path / "mix.png"
     assert main([str(assets["manifest"]), "--json", str(js), "--png", str(png), "--workers", "0", *POLICY_ARGS]) == 0
@@ -362,7 +363,7 @@ def test_overwrite_clears_only_preprocess_outputs_and_refuses_several_ranks(tmp_
 def test_a_failed_argument_check_writes_nothing(assets, tmp_path, capsys):
     """No weights (or a missing folder): one line, exit 2, and --out untouched, so the corrected call is not refused
     as "a different job"."""
-    from ds_adaptive.preprocess.run import main
+    from ds_adaptive.cli.preprocess import main
 
     out = tmp_path / "out"
     argv = [str(assets["manifest"]), "--out", str(out)] + POLICY_ARGS + ["--workers", "0", "--no-progress"]

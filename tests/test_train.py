@@ -270,7 +270,7 @@ def test_training_goes_on_across_an_epoch_boundary(tmp_path, cpu_config, run_ran
 @pytest.mark.slow
 def test_two_rank_baseline_on_disk_data(tmp_path, run_ranks):
     """The equal-token baseline (adaptive_load.enabled=false) on a dataset written by `ds-adaptive synth`."""
-    from ds_adaptive.data.synth import main as synth_main
+    from ds_adaptive.cli.synth import main as synth_main
 
     assert synth_main(["--out", str(tmp_path / "data"), "--num-samples", "120", "--shapes",
                        str(CONFIGS / "shapes_cpu.json"), "--text-len", "8", "32"]) == 0

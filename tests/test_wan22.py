@@ -120,7 +120,7 @@ def test_preprocess_with_a_tiny_wan22_vae_gives_ti2v_shards(tmp_path):
 
     from ds_adaptive.data import DataError, LatentShardDataset
     from ds_adaptive.media.encode import EncoderError, LatentEncoders
-    from ds_adaptive.preprocess.run import main
+    from ds_adaptive.cli.preprocess import main
 
     weights = tiny_models(tmp_path)   # Wan 2.1 VAE + umT5 + tokenizer
     torch.manual_seed(0)

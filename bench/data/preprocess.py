@@ -91,7 +91,7 @@ def build_encoders(root: Path, device: torch.device):
 
 
 def job_args(manifest: Path, out: Path, workers: int, tiling: str):
-    from ds_adaptive.preprocess.run import build_parser
+    from ds_adaptive.cli.preprocess import build_parser
 
     return build_parser().parse_args([str(manifest), "--out", str(out), "--workers", str(workers),
                                       "--items-per-unit", "4", "--vae-tiling", tiling, "--no-progress"])

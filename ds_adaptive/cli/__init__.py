@@ -16,7 +16,7 @@ from ds_adaptive.models.family import ModelError
 
 COMMANDS = {
     "train": ("ds_adaptive.cli.train", "train a model with DeepSpeed + AdaptiveLoad (what the launch/ script runs)"),
-    "synth": ("ds_adaptive.data.synth", "write a synthetic latent dataset to disk (index.json + safetensors)"),
+    "synth": ("ds_adaptive.cli.synth", "write a synthetic latent dataset to disk (index.json + safetensors)"),
     "simulate": ("ds_adaptive.cli.simulate", "plan many ranks on paper: CV, balance, predicted tokens/s per sampler"),
     "calibrate": ("ds_adaptive.cli.calibrate", "profile the real model on this GPU -> cost/memory profile json"),
     "refit": ("ds_adaptive.cli.refit", "a profile's compute and loop terms refitted to trainer runs' logs (CPU)"),
@@ -25,8 +25,8 @@ COMMANDS = {
     "dry-run": ("ds_adaptive.cli.dry_run", "validate a ds_config + topology without GPUs and print the deepspeed command"),
     "export": ("ds_adaptive.cli.export", "a trained checkpoint (ZeRO shards consolidated) -> diffusers-format transformer"),
     "sample": ("ds_adaptive.cli.sample", "generate videos from a checkpoint or exported model (Euler sampler, optional VAE)"),
-    "preprocess": ("ds_adaptive.preprocess.run", "media + captions -> latent shards (the model's VAE + text encoder), multi-GPU, resumable"),
-    "stats": ("ds_adaptive.preprocess.stats", "shape histogram (table, PNG, shapes json) of a latent dataset or manifest"),
+    "preprocess": ("ds_adaptive.cli.preprocess", "media + captions -> latent shards (the model's VAE + text encoder), multi-GPU, resumable"),
+    "stats": ("ds_adaptive.cli.stats", "shape histogram (table, PNG, shapes json) of a latent dataset or manifest"),
     "data": ("ds_adaptive.cli.data", "a latent dataset's index: convert index.json -> index.arrow, check every shard"),
     "plot": ("ds_adaptive.cli.plot", "one PNG of a training run: losses, tokens/s, peak memory and compute per rank"),
     "demo-assets": ("ds_adaptive.cli.demo_assets", "a tiny random diffusers pipeline and captioned clips, to try the "

@@ -1,70 +1,46 @@
-"""``ds-adaptive synth``: write the synthetic latent dataset to disk (index.arrow + safetensors shards).
-
-    ds-adaptive synth --out data/synth --num-samples 1000 [--shapes FILE] [--seed S] [--model M]
+"""Write the synthetic latent dataset to disk (index.arrow + safetensors shards): ``ds-adaptive synth``
+(``ds_adaptive/cli/synth.py``) runs :func:`write_synthetic`.
 
 The samples are exactly those of the embedded default (``--data synthetic`` with the same
-``--shapes``, ``--seed`` and ``--num-samples``), so a run on the written directory and a run on
-the embedded dataset see the same data.
+shapes, seed and number of samples), so a run on the written directory and a run on the
+embedded dataset see the same data.
 """
 from __future__ import annotations
 
-import argparse
-import sys
 import time
-from typing import Optional
+from pathlib import Path
+from typing import NamedTuple, Optional, Union
 
-from ds_adaptive.core.shapes import ShapeError
 from ds_adaptive.data.shards import LatentShardWriter, write_empty_prompt
-from ds_adaptive.data.synthetic import DEFAULT_TEXT_LEN, DataError, SyntheticLatentDataset
-from ds_adaptive.models.family import ModelError
+from ds_adaptive.data.synthetic import SyntheticLatentDataset
 from ds_adaptive.models.registry import default_model, get_model
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ds-adaptive synth", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="output directory (created; must not hold a dataset)")
-    p.add_argument("--num-samples", type=int, required=True, help="number of samples to write")
-    p.add_argument("--model", default=None,
-                   help="the model the latents are for: its VAE's grid, channels and text width (default: the "
-                        "default model; `ds-adaptive train --help` lists them)")
-    p.add_argument("--shapes", default=None,
-                   help="shape-distribution json (default: the model's shipped mix)")
-    p.add_argument("--seed", type=int, default=0, help="dataset seed (shapes, classes, text lengths, noise)")
-    p.add_argument("--text-len", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
-                   help=f"text length range, max <= the model's text length (default: {list(DEFAULT_TEXT_LEN)} "
-                        "clipped to it)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-                   help="storage dtype of the tensors (read back as float32)")
-    p.add_argument("--shard-mb", type=float, default=1024, help="target shard size in MiB (default 1024)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing dataset in --out")
-    return p
+class SynthWritten(NamedTuple):
+    """What :func:`write_synthetic` wrote."""
+
+    description: str   # the dataset's ``describe()``
+    num_shards: int
+    index: Path
+    seconds: float
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.num_samples < 1:
-        print(f"ds-adaptive synth: --num-samples must be >= 1, got {args.num_samples}", file=sys.stderr)
-        return 2
-    try:
-        model = get_model(args.model or default_model())
-        ds = SyntheticLatentDataset(args.num_samples, args.shapes or model.shapes, seed=args.seed,
-                                    text_len=tuple(args.text_len) if args.text_len else None, spec=model.input_spec)
-        t0 = time.perf_counter()
-        with LatentShardWriter(args.out, shard_bytes=int(args.shard_mb * 2**20), dtype=args.dtype,
-                               overwrite=args.overwrite, spec=model.input_spec) as writer:
-            for i in range(len(ds)):
-                s = ds[i]
-                writer.add(f"{i:08d}", ds.shape_of(i), s["latents"], s["context"])
-        index = writer.close()
-        write_empty_prompt(args.out, ds.empty_context())   # what caption dropout replaces a caption with
-    except (DataError, ShapeError, FileNotFoundError, ModelError) as exc:
-        print(f"ds-adaptive synth: {exc}", file=sys.stderr)
-        return 2
-    print(f"wrote {ds.describe()} to {args.out} ({writer.num_shards} shard file(s), index {index}) "
-          f"in {time.perf_counter() - t0:.1f} s")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def write_synthetic(out: Union[str, Path], num_samples: int, *, model: Optional[str] = None,
+                    shapes: Union[str, Path, None] = None, seed: int = 0,
+                    text_len: Optional[tuple[int, int]] = None, dtype: str = "float32", shard_mb: float = 1024,
+                    overwrite: bool = False) -> SynthWritten:
+    """The synthetic dataset of ``model`` (default: the default model; its shipped shape mix unless ``shapes``)
+    written to ``out``, with the empty prompt's context that caption dropout uses. Raises ``DataError``,
+    ``ShapeError``, ``ModelError`` or ``FileNotFoundError`` on bad input."""
+    spec_model = get_model(model or default_model())
+    ds = SyntheticLatentDataset(num_samples, shapes or spec_model.shapes, seed=seed,
+                                text_len=tuple(text_len) if text_len else None, spec=spec_model.input_spec)
+    t0 = time.perf_counter()
+    with LatentShardWriter(out, shard_bytes=int(shard_mb * 2**20), dtype=dtype, overwrite=overwrite,
+                           spec=spec_model.input_spec) as writer:
+        for i in range(len(ds)):
+            s = ds[i]
+            writer.add(f"{i:08d}", ds.shape_of(i), s["latents"], s["context"])
+    index = writer.close()
+    write_empty_prompt(out, ds.empty_context())   # what caption dropout replaces a caption with
+    return SynthWritten(ds.describe(), writer.num_shards, index, time.perf_counter() - t0)

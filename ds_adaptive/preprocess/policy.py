@@ -20,19 +20,20 @@ sizes and frame counts must fit the model's grid rule (VAE stride x patch).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Optional, Union
+from typing import TYPE_CHECKING, Literal, Optional, Union
 
 from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator,
                       model_validator)
 
 from ds_adaptive.core.shapes import GridRule, InputSpec, SampleShape, ShapeError, default_input_spec
 from ds_adaptive.models.registry import default_model, get_model
-from ds_adaptive.models.registry import default_model, model_names
+
+if TYPE_CHECKING:
+    from argparse import Namespace
 
 
 class PolicyError(ValueError):
@@ -212,33 +213,14 @@ def load_policy(path: Union[str, Path, None] = None, *, model=None, **overrides)
         raise PolicyError("\n".join(lines)) from None
 
 
-def add_policy_args(parser: argparse.ArgumentParser) -> None:
-    """The shape-policy flags shared by ``preprocess`` and ``stats``."""
-    parser.add_argument("--model", default=None, choices=model_names(),
-                        help=f"the model the data is for: its VAE, text encoder, grid rule and media defaults "
-                             f"(default: {default_model()})")
-    s = parser.add_argument_group("shape policy (defaults: the model's; a --policy json holds the same keys; flags "
-                                  "override it)")
-    s.add_argument("--policy", default=None, help="JSON file with ShapePolicy keys")
-    s.add_argument("--fps", type=float, default=None, help="sampling frame rate (default: the model's, e.g. 16)")
-    s.add_argument("--frames", type=int, nargs="+", default=None,
-                   help="clip frame counts, 4n+1 (default: the model's, e.g. 17 33 49 81)")
-    s.add_argument("--video-sizes", nargs="+", default=None,
-                   help="video buckets HxW (default: the model's, e.g. 480x832 832x480 720x1280)")
-    s.add_argument("--image-sizes", nargs="+", default=None,
-                   help="image buckets HxW (default: the model's, e.g. 480x832 832x480 1024x1024 720x1280)")
-    s.add_argument("--long-clips", choices=["cut", "truncate"], default=None,
-                   help="long videos: cut into clips (default) or keep the first clip")
-    s.add_argument("--max-clips-per-video", type=int, default=None, help="with cut: at most N clips per video")
-
-
-def model_from_args(args: argparse.Namespace):
+def model_from_args(args: Namespace):
     """The model of ``--model`` (default: the default model)."""
     return get_model(getattr(args, "model", None) or default_model())
 
 
-def policy_from_args(args: argparse.Namespace) -> ShapePolicy:
-    """``load_policy`` from the flags of ``add_policy_args`` (``--model`` gives the defaults and the grid)."""
+def policy_from_args(args: Namespace) -> ShapePolicy:
+    """``load_policy`` from the shape-policy flags (``ds_adaptive.cli.preprocess.add_policy_args``; ``--model`` gives
+    the defaults and the grid)."""
     return load_policy(args.policy, model=model_from_args(args), fps=args.fps, frame_counts=args.frames,
                        video_sizes=args.video_sizes,
                        image_sizes=args.image_sizes, long_clips=args.long_clips,

@@ -1,30 +1,14 @@
-"""``ds-adaptive preprocess``: media + captions -> latent shards of a model that ``train --data DIR`` reads.
+"""The preprocess job: media + captions -> latent shards of a model that ``train --data DIR`` reads.
+``ds-adaptive preprocess`` (``ds_adaptive/cli/preprocess.py``, which says how to run it) calls :func:`run`.
 
-    ds-adaptive preprocess INPUT --out DIR --pipeline Wan2.1-T2V-1.3B-Diffusers
-    ds-adaptive preprocess INPUT --out DIR --model wan2.2-ti2v-5b --pipeline Wan2.2-TI2V-5B-Diffusers
-    ds-adaptive preprocess INPUT --out DIR --vae V --text-encoder T --tokenizer K
-
-``--model`` (default: the default model) picks the VAE and text encoder classes, the grid rule the
-shapes must fit, the media defaults of the shape policy and the text length; the written dataset is
-for that model (``train --model`` checks it).
-    torchrun --nproc-per-node 8 -m ds_adaptive.preprocess.run INPUT --out DIR --pipeline P   # one GPU each
-
-INPUT is a manifest (.jsonl / .csv: path, caption[, start, end, fps]) or a folder of media with
-``<stem>.txt`` captions. The input is split into work units of ``--items-per-unit`` consecutive
-items; rank r of WORLD_SIZE (torchrun / deepspeed launcher / any launcher that sets RANK and
-WORLD_SIZE) takes units r, r + W, ... No process group is needed: a unit is finished when its
-record ``parts/unit-NNNNN.json`` exists (written after its shard files ``shard-NNNNN-*``, each
-renamed into place when complete). A killed job rerun with the same command skips finished units
-and redoes the others; the result is byte-identical to an uninterrupted run (same devices). The
-process that finishes the last unit writes ``index.arrow`` (the dataset), ``rejects.jsonl`` (path
-and reason of every item that gave no sample) and ``report.json``. Rerunning a finished job only
-rewrites those three files. The text encoder's embedding of the empty prompt goes to ``empty_prompt.safetensors``
-(what ``adaptive_load.caption_dropout`` trains the unconditional branch with); a rerun of a job finished before
-that file existed writes it (rank 0).
+The input is split into work units of ``items_per_unit`` consecutive items; rank r of WORLD_SIZE takes units
+r, r + W, ... No process group is needed: a unit is finished when its record ``parts/unit-NNNNN.json`` exists
+(written after its shard files ``shard-NNNNN-*``, each renamed into place when complete), so a rerun skips
+finished units and gives the same bytes. The process that finishes the last unit writes ``index.arrow``,
+``rejects.jsonl`` and ``report.json`` (:func:`finalize`).
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -33,18 +17,19 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from ds_adaptive.core.shapes import SampleShape
 from ds_adaptive.data.index import INDEX_FILE, LEGACY_INDEX_FILE, IndexBuilder, find_index
 from ds_adaptive.data.shards import LatentShardWriter
-from ds_adaptive.preprocess.manifest import ManifestError, MediaItem, read_inputs
+from ds_adaptive.preprocess.manifest import MediaItem, read_inputs
 from ds_adaptive.preprocess.media import MediaError, decode_item
-from ds_adaptive.preprocess.policy import PolicyError, ShapePolicy, add_policy_args, model_from_args, policy_from_args
-from ds_adaptive.data.shards import LatentShardWriter
+from ds_adaptive.preprocess.policy import ShapePolicy, model_from_args, policy_from_args
 from ds_adaptive.data.shards import EMPTY_PROMPT_FILE, write_empty_prompt
 from ds_adaptive.media.encode import LatentEncoders, component_dirs
-from ds_adaptive.media.encode import EncoderError
+
+if TYPE_CHECKING:
+    from argparse import Namespace
 
 SETTINGS_FILE = "preprocess.json"
 REJECTS_FILE = "rejects.jsonl"
@@ -113,7 +98,7 @@ class _DecodeSet:
                 "frames": d.source_frames, "seconds": d.seconds, "upscale": d.upscale}
 
 
-def settings_of(args: argparse.Namespace, items: list[MediaItem], policy: ShapePolicy, storage_dtype: str) -> dict:
+def settings_of(args: Namespace, items: list[MediaItem], policy: ShapePolicy, storage_dtype: str) -> dict:
     """What determines the output bytes; a resumed job must match it exactly."""
     h = hashlib.sha256()
     for it in items:
@@ -285,42 +270,6 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ds-adaptive preprocess", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("input", help="manifest (.jsonl / .csv) or a folder of media with <stem>.txt captions")
-    p.add_argument("--out", required=True, help="output dataset directory (created; resumed if it holds this job)")
-    w = p.add_argument_group("weights (local diffusers-format directories; never downloaded)")
-    w.add_argument("--pipeline", default=None, help="the model's diffusers pipeline directory (vae/, text_encoder/, "
-                   "tokenizer/)")
-    w.add_argument("--vae", default=None, help="the model's VAE directory (default: PIPELINE/vae)")
-    w.add_argument("--text-encoder", default=None, help="its text encoder directory (default: PIPELINE/text_encoder)")
-    w.add_argument("--tokenizer", default=None, help="tokenizer directory (default: PIPELINE/tokenizer)")
-    add_policy_args(p)
-    e = p.add_argument_group("encoding")
-    e.add_argument("--device", default="auto", help="auto (cuda:LOCAL_RANK if CUDA is available, else cpu), cpu, cuda")
-    e.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
-                   help="encoder dtype (auto: bfloat16 on GPU, as the pipelines run them; float32 on CPU)")
-    e.add_argument("--storage-dtype", choices=["auto", "bfloat16", "float32"], default="auto",
-                   help="dtype of the stored tensors (auto: the encoder dtype)")
-    e.add_argument("--vae-tiling", choices=["auto", "on", "off"], default="auto",
-                   help="diffusers' spatial VAE tiling (auto: frames above 720x1280 pixels)")
-    e.add_argument("--vae-batch", type=int, default=1, help="consecutive same-shape clips per VAE call (images: "
-                   "try 8)")
-    e.add_argument("--text-batch", type=int, default=16, help="captions per text-encoder call")
-    e.add_argument("--text-len", type=int, default=None, help="tokens per caption (default: the model's, 512)")
-    j = p.add_argument_group("job")
-    j.add_argument("--items-per-unit", type=int, default=32, help="input items per work unit (the resume grain)")
-    j.add_argument("--shard-mb", type=float, default=1024, help="largest shard file, MiB")
-    j.add_argument("--workers", type=int, default=None, help="decoding processes per rank (default: CPUs / ranks, "
-                   "at most 8; 0 decodes in the main process). Decoded clips reach the encoder through shared "
-                   "memory (/dev/shm; an 81x720x1280 clip is 224 MB): in a container give it room (--shm-size)")
-    j.add_argument("--overwrite", action="store_true", help="clear a previous job's output in --out first")
-    j.add_argument("--no-progress", action="store_true", help="no progress bar")
-    j.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    return p
-
-
 def _device_and_dtypes(args, local_rank: int):
     import torch
 
@@ -337,7 +286,7 @@ def _device_and_dtypes(args, local_rank: int):
     return device, compute, storage
 
 
-def _check_args(args: argparse.Namespace, encoders):
+def _check_args(args: Namespace, encoders):
     """The counts, ``--text-len`` (default: the model's) and given encoders against ``--model``; returns the model."""
     for name in ("items_per_unit", "vae_batch", "text_batch"):
         if getattr(args, name) < 1:
@@ -351,7 +300,7 @@ def _check_args(args: argparse.Namespace, encoders):
     return model
 
 
-def run(args: argparse.Namespace, encoders=None) -> dict:
+def run(args: Namespace, encoders=None) -> dict:
     """The job; ``encoders`` (``LatentEncoders`` of the model) skips loading (tests, benchmarks). Returns this
     rank's summary."""
     import torch
@@ -431,19 +380,3 @@ def run(args: argparse.Namespace, encoders=None) -> dict:
               f"{out / INDEX_FILE} (or rerun the same command)", flush=True)
     summary["report"] = report
     return summary
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-
-    try:
-        summary = run(args)
-    except (PreprocessError, PolicyError, ManifestError, EncoderError) as exc:
-        print(f"ds-adaptive preprocess: {exc}", file=sys.stderr)
-        return 2
-    report = summary["report"]
-    return 1 if report is not None and report["samples"] == 0 else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

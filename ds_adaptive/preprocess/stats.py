@@ -1,21 +1,11 @@
-"""``ds-adaptive stats``: the shape mix of a latent dataset, or the one a manifest / folder will give.
+"""The shape mix of a latent dataset, or the one a manifest / folder will give: ``ds-adaptive stats``
+(``ds_adaptive/cli/stats.py``) prints :func:`table`, writes :func:`shapes_json` and :func:`plot`.
 
-    ds-adaptive stats data/my_latents                       # a dataset directory (reads its index only)
-    ds-adaptive stats videos.jsonl --json shapes.json --png shapes.png [shape-policy flags]
-
-Prints a table (samples and tokens per shape), writes a shapes json in the shape-distribution
-format (``{"description", "shapes": [{"frames", "height", "width", "weight"}]}``, weight = sample
-count) that ``simulate --shapes``, ``dry-run --shapes``, ``train --shapes`` and the synthetic
-dataset accept, and a PNG bar chart (needs matplotlib). For a manifest or folder the shapes are
-predicted from the files' headers with the same shape policy as ``preprocess`` (pass the same
-policy flags); files that would be rejected are counted per reason.
+For a manifest or folder the shapes are predicted from the files' headers with the same shape
+policy as ``preprocess``; files that would be rejected are counted per reason.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -26,11 +16,10 @@ import numpy as np
 from ds_adaptive.core.shapes import SampleShape
 from ds_adaptive.data.index import find_index
 from ds_adaptive.data.shards import LatentShardDataset
-from ds_adaptive.preprocess.manifest import ManifestError, MediaItem, read_inputs
-from ds_adaptive.preprocess.policy import PolicyError, ShapePolicy, add_policy_args, policy_from_args
+from ds_adaptive.preprocess.manifest import MediaItem, read_inputs
+from ds_adaptive.preprocess.policy import ShapePolicy
 from ds_adaptive.preprocess.media import MediaError, planned_shapes, probe
 from ds_adaptive.preprocess.run import _reason_kind
-from ds_adaptive.data.shards import LatentShardDataset
 
 
 def _predict(job: tuple[MediaItem, ShapePolicy]) -> tuple[list[SampleShape], Optional[str]]:
@@ -111,54 +100,3 @@ def plot(shapes: Counter, path: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ds-adaptive stats", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("source", help="a latent dataset directory (index.arrow or index.json), a manifest, or a media "
-                   "folder")
-    p.add_argument("--json", default=None, help="write the shapes json here (default: SOURCE_shapes.json for a "
-                   "manifest, DIR/shapes.json for a dataset)")
-    p.add_argument("--png", default=None, help="write the histogram here (default: beside the json, .png)")
-    p.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
-                   help="probing processes for a manifest / folder (0: in this process)")
-    add_policy_args(p)
-    return p
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        policy = policy_from_args(args)
-        shapes, rejects, desc = collect(args.source, policy, args.workers)
-    except (PolicyError, ManifestError) as exc:
-        print(f"ds-adaptive stats: {exc}", file=sys.stderr)
-        return 2
-    src = Path(args.source)
-    if args.json:
-        out_json = Path(args.json)
-    elif src.is_dir() and find_index(src) is not None:
-        out_json = src / "shapes.json"
-    else:
-        out_json = src.with_name(src.name.rstrip("/") + "_shapes.json")
-    print(desc)
-    for kind, n in sorted(rejects.items()):
-        print(f"  would be rejected, {kind}: {n}")
-    if not shapes:
-        print("ds-adaptive stats: no sample: nothing to tabulate (see the reasons above)", file=sys.stderr)
-        return 1
-    print(table(shapes))
-    out_json.write_text(json.dumps(shapes_json(shapes, desc), indent=1) + "\n")
-    print(f"shapes json: {out_json} (use with simulate/dry-run/train --shapes)")
-    png = Path(args.png) if args.png else out_json.with_suffix(".png")
-    try:
-        plot(shapes, png, desc)
-        print(f"histogram: {png}")
-    except ImportError:
-        print("histogram: skipped (matplotlib is not installed: pip install 'ds_adaptive[plots]')")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
