@@ -49,7 +49,9 @@ def test_the_plan_is_what_the_sampler_resolved(run):
     assert plan.global_batch == {"by": gb.by, "value": gb.value, "tolerance": gb.tolerance}
     assert plan.global_batch_fit == s.global_batch_fit and plan.global_batch_fit is not None
     assert plan.budget_note is not None and plan.budget_note in run.notes   # gradient_accumulation_steps auto
-    assert plan.budget_note.startswith("gradient_accumulation_steps auto -> ")
+    # the count and budget the run uses (after the global-batch check's re-fit / re-aim), not the search's
+    assert plan.budget_note.startswith(f"gradient_accumulation_steps auto -> {plan.gas}")
+    assert f"m_comp auto -> {plan.m_comp:.0f} ms" in plan.budget_note
     assert plan.sparse_layers is None   # sparse attention off
     assert plan == RunPlan.from_sampler(s, budget_note=plan.budget_note)
 

@@ -538,7 +538,10 @@ def _gas_note(sampler) -> str:
                 f"{sampler.params.max_tokens}); the budget search predicts the equal-token plan faster than every "
                 f"balanced one ({c.equal_token_tokens_per_s:,.0f} vs {max(r['tokens_per_s'] for r in c.candidates):,.0f} "
                 f"tokens/s over {c.samples_planned} samples)")
-    return (f"gradient_accumulation_steps auto -> {c.micro_steps_per_step}, m_comp auto -> {c.m_comp:.0f} ms per "
+    gas, m_comp = sampler.micro_steps_per_step, sampler.params.m_comp   # after the global-batch check's re-fit / re-aim
+    refit = f" (the search's {c.micro_steps_per_step}, re-fitted to the global batch)" if gas != c.micro_steps_per_step else ""
+    aimed = f" (the search's {c.m_comp:.0f}, re-aimed at the global batch)" if abs(m_comp - c.m_comp) > 0.5 else ""
+    return (f"gradient_accumulation_steps auto -> {gas}{refit}, m_comp auto -> {m_comp:.0f} ms{aimed} per "
             f"micro-batch{', each shape capped at its lowest time per sample' if c.efficient_batches else ''} "
             f"(throughput-optimal of {len(c.candidates)} candidates over {c.samples_planned} samples: "
             f"predicted {c.predicted_tokens_per_s:,.0f} tokens/s, {c.predicted_tokens_per_s / c.reference_tokens_per_s:.3f}x "
