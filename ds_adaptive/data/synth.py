@@ -7,6 +7,7 @@ embedded dataset see the same data.
 """
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import NamedTuple, Optional, Union
@@ -44,3 +45,9 @@ def write_synthetic(out: Union[str, Path], num_samples: int, *, model: Optional[
     index = writer.close()
     write_empty_prompt(out, ds.empty_context())   # what caption dropout replaces a caption with
     return SynthWritten(ds.describe(), writer.num_shards, index, time.perf_counter() - t0)
+
+
+if __name__ == "__main__":   # the command moved to the cli layer: say where, never exit 0 having done nothing
+    print("python -m ds_adaptive.data.synth is no longer a command: run `ds-adaptive synth` (or python -m ds_adaptive.cli.synth) "
+          "with the same arguments", file=sys.stderr)
+    raise SystemExit(2)

@@ -380,3 +380,9 @@ def run(args: Namespace, encoders=None) -> dict:
               f"{out / INDEX_FILE} (or rerun the same command)", flush=True)
     summary["report"] = report
     return summary
+
+
+if __name__ == "__main__":   # the command moved to the cli layer: say where, never exit 0 having done nothing
+    print("python -m ds_adaptive.preprocess.run is no longer a command: run `ds-adaptive preprocess` (or python -m ds_adaptive.cli.preprocess) "
+          "with the same arguments", file=sys.stderr)
+    raise SystemExit(2)

@@ -11,6 +11,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Optional
 
+import sys
 import numpy as np
 
 from ds_adaptive.core.shapes import SampleShape
@@ -100,3 +101,9 @@ def plot(shapes: Counter, path: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+if __name__ == "__main__":   # the command moved to the cli layer: say where, never exit 0 having done nothing
+    print("python -m ds_adaptive.preprocess.stats is no longer a command: run `ds-adaptive stats` (or python -m ds_adaptive.cli.stats) "
+          "with the same arguments", file=sys.stderr)
+    raise SystemExit(2)
