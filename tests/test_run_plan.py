@@ -5,21 +5,23 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import json
 from pathlib import Path
 
 import pytest
 
+from ds_adaptive.core.config import SparseAttentionConfig
 from ds_adaptive.core.layout import Layout
 from ds_adaptive.core.run_plan import RunPlan
+from ds_adaptive.training.assemble import build_run
+from ds_adaptive.training.metrics_setup import run_info
+from ds_adaptive.training.run_config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 H200 = "h200-wan2.1-1.3b"
 
 
 def _run(**sparse):
-    from ds_adaptive.core.config import SparseAttentionConfig
-    from ds_adaptive.training.assemble import build_run
-    from ds_adaptive.training.run_config import RunConfig
 
     cfg = RunConfig.load(str(ROOT / "launch" / "configs" / "zero3_adaptive.json"),
                          trainer={"model": "wan2.1-1.3b", "num_samples": 300})
@@ -83,3 +85,8 @@ def test_sparse_layers_are_those_outside_dense_layers():
     assert run.plan.sparse_layers == want
     assert set(run.plan.sparse_layers) == set(range(run.model_config.num_layers)) - run.sparse.schedule.dense_layers
     assert run.plan.describe()["sparse_layers"] == list(want)
+
+
+def test_the_summary_records_the_run_plan(run):
+    from_info = run_info(run)["run_plan"]
+    assert from_info == run.plan.describe() and json.loads(json.dumps(from_info)) == from_info

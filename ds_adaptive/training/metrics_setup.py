@@ -31,6 +31,7 @@ def run_info(run) -> dict:
         "loss_weighting": al.sampler.loss_weighting, "plan": run.sampler.epoch_stats(),
         "global_batch": None if al.sampler.global_batch is None else al.sampler.global_batch.model_dump(exclude_none=True),
         "zero3_leaf_blocks": leaf_block_count(run.model),
+        "run_plan": run.plan.describe(),   # the start-up choices as build_run resolved them (core.run_plan)
     }
     if al.fused_ln_modulate:
         info["ln_modulate_op"] = op_status()
