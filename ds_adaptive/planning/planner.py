@@ -370,9 +370,8 @@ def plan_epoch(shape_ids: np.ndarray, shapes: Sequence[SampleShape], order: np.n
     tail.extend((u, pool.live(u)) for u in range(len(pool)) if pool.count(u) and replan_tail)
     tail_dropped: list[int] = []
     replanned = 0
-    steady = len(builder.shape) // (dp * ga)   # the steps before the tail's: the ones balance_steps regroups
+    full = len(builder.shape) // (dp * ga)   # the steps before the tail's: the ones balance_steps regroups
     if tail:
-        full = len(builder.shape) // (dp * ga)
         # with a global batch (step_balance) as many steps as the tail holds the mean step; else one, as always
         rebatched = _rebatch_tail(table, tail, dp * ga,
                                   builder.offsets[-1] / full if full and params.step_balance else None)
@@ -392,7 +391,7 @@ def plan_epoch(shape_ids: np.ndarray, shapes: Sequence[SampleShape], order: np.n
     offsets = np.asarray(builder.offsets, np.int64)
     ids = np.frombuffer(builder.ids, np.int64) if len(builder.ids) else np.zeros(0, np.int64)
     if params.step_balance is not None and ga > 1 and bs.size:
-        ids, offsets, bs = balance_steps(ids, offsets, bs, table.tokens, dp, ga, params.step_balance, steps=steady)
+        ids, offsets, bs = balance_steps(ids, offsets, bs, table.tokens, dp, ga, params.step_balance, steps=full)
     sizes = np.diff(offsets)
     if table.linear:
         b_cost = (table.c0[bs] + sizes * table.cost1[bs]) if bs.size else np.zeros(0)

@@ -530,15 +530,15 @@ def _sparse_layers(sparse_cost, num_layers: int):
 def _gas_note(sampler) -> str:
     """The launcher's line for ``gradient_accumulation_steps: auto``."""
     c = sampler.budget_choice
+    gas, m_comp = sampler.micro_steps_per_step, sampler.params.m_comp   # after the global-batch check's re-fit / re-aim
     if c is None:
-        return (f"gradient_accumulation_steps auto -> {sampler.micro_steps_per_step} (no compute-budget search: "
-                f"m_comp {sampler.params.m_comp} {sampler.cost.unit})" + _global_batch_note(sampler))
+        return (f"gradient_accumulation_steps auto -> {gas} (no compute-budget search: "
+                f"m_comp {m_comp} {sampler.cost.unit})" + _global_batch_note(sampler))
     if c.plan_mode == "tokens":
-        return (f"gradient_accumulation_steps auto -> {c.micro_steps_per_step}: equal-token batches (max_tokens "
+        return (f"gradient_accumulation_steps auto -> {gas}: equal-token batches (max_tokens "
                 f"{sampler.params.max_tokens}); the budget search predicts the equal-token plan faster than every "
                 f"balanced one ({c.equal_token_tokens_per_s:,.0f} vs {max(r['tokens_per_s'] for r in c.candidates):,.0f} "
                 f"tokens/s over {c.samples_planned} samples)")
-    gas, m_comp = sampler.micro_steps_per_step, sampler.params.m_comp   # after the global-batch check's re-fit / re-aim
     refit = f" (the search's {c.micro_steps_per_step}, re-fitted to the global batch)" if gas != c.micro_steps_per_step else ""
     aimed = f" (the search's {c.m_comp:.0f}, re-aimed at the global batch)" if abs(m_comp - c.m_comp) > 0.5 else ""
     return (f"gradient_accumulation_steps auto -> {gas}{refit}, m_comp auto -> {m_comp:.0f} ms{aimed} per "
