@@ -49,8 +49,8 @@ class GasFit:
 
 
 def _micro_steps_used(plan: EpochPlan, steady: bool) -> int:
-    """Micro-steps of ``plan`` that stand for the epoch: all, or (``steady``: a plan of a prefix of the epoch)
-    without its last optimizer step, the re-planned tail of the prefix."""
+    """Micro-steps of ``plan`` that stand for the epoch: all, or (``steady``: a whole epoch's plan) without its last
+    optimizer step, the epoch's re-planned leftover samples."""
     n = plan.num_micro_steps
     if steady and plan.num_steps > 1:
         n -= plan.micro_steps_per_step
@@ -198,8 +198,9 @@ def check_epoch(sampler, gb, micro_steps_per_step) -> None:
             plan = plan_epoch(sampler._sid, sampler._uniq, order[:n], sampler.cost,
                               dataclasses.replace(params, oversize="skip"), seed=sampler._plan_seed(0),
                               replan_tail=n >= len(order))
-        # steady: without the plan's last step (the epoch's leftover samples, or the prefix's re-planned tail)
-        return fit_gas(per_micro_step(plan, gb.by, steady=True), gb.value, gb.tolerance, micro_steps_per_step)
+        # a whole epoch's plan without its last step (the epoch's leftover samples, re-planned); a prefix's plan has
+        # no such step (its incomplete last step is left out unplanned): all of its steps stand for the epoch
+        return fit_gas(per_micro_step(plan, gb.by, steady=n >= len(order)), gb.value, gb.tolerance, micro_steps_per_step)
     fit, aimed_from = check(sampler.params), None
     # only a budget the search chose (it plans samples over the budget alone): the search-less m_comp is the costliest
     # sample's B=1 cost, and a lower one would make that sample oversize
