@@ -83,7 +83,8 @@ def test_the_check_fits_the_steady_steps_not_the_epochs_leftover_step():
 def test_a_fit_outside_the_tolerance_re_aims_the_auto_budget():
     # 1% on 64 ranks: no whole number of the search's micro-steps holds 1,500; the check moves m_comp: auto (here the
     # c0-linear aim alone lands 4.8% off; the aim between two planned budgets that bracket G / k holds it)
-    s = _sampler(draw_shapes(MIX, 12 * 1500, 3), 64, {"samples": 1500, "tolerance": 0.01})
+    # (no micro_step_share: with it, a rank's batch holds at most 11 samples and no budget lands within 1%)
+    s = _sampler(draw_shapes(MIX, 12 * 1500, 3), 64, {"samples": 1500, "tolerance": 0.01, "micro_step_share": None})
     fit = s.global_batch_fit
     assert fit["ok"] and fit["error"] <= 0.01, fit
     assert fit["m_comp_aimed"]["from"] != fit["m_comp_aimed"]["to"] == s.params.m_comp
@@ -108,10 +109,49 @@ def test_every_step_on_one_gpu_holds_about_the_global_batch_not_only_the_epochs_
     assert np.abs(per_step / per_step.mean() - 1).max() <= 0.08, (per_step.min(), per_step.max(), per_step.mean())
 
 
+def _steps(sampler) -> np.ndarray:
+    """Samples of each optimizer step of the sampler's plan, without the epoch's leftover step."""
+    g = sampler.plan.micro_steps_per_step * sampler.plan.dp_size   # batches per step
+    return np.diff(sampler.plan.batch_offsets[np.arange(sampler.plan.num_steps + 1) * g])[:-1]
+
+
+@pytest.mark.parametrize("model,profile,world,gb", [("wan2.1-1.3b", H200, 8, 64),
+                                                    ("wan2.2-ti2v-5b", "h200-wan2.2-ti2v-5b", 1, 32)])
+def test_single_steps_stay_near_the_global_batch_with_few_micro_steps_per_step(model, profile, world, gb):
+    # a few micro-steps per step, one of images holding dozens per rank: without micro_step_share a step that gets
+    # it holds several times the global batch and the others a fraction (1.3B on 8 GPUs at 64: 16 .. 484)
+    m = get_model(model)
+    shapes = draw_shapes(load_shape_distribution(m.shapes, grid=m.grid), 10_000, 0)
+
+    def build(share):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return build_batch_sampler(SamplerConfig(profile=profile, global_batch={"samples": gb,
+                                                                                    "micro_step_share": share}),
+                                       shapes, Layout.explicit(dp_size=world, dp_rank=0), micro_steps_per_step="auto",
+                                       gpu_mem_gib=GIB, model_name=model, zero_stage=3)
+    loose, even = _steps(build(None)), _steps(build(0.5))
+    assert loose.max() > 2.5 * gb and loose.min() < 0.7 * gb, (loose.min(), loose.max())   # what the share fixes
+    assert even.min() >= 0.7 * gb and even.max() <= 1.3 * gb, (even.min(), even.max())
+    limit = 0.5 * gb / world
+    s = build(0.5)
+    assert s.params.batch_limit == limit and int(s.plan.batch_sizes().max()) <= limit
+
+
+def test_micro_step_share_is_a_share():
+    assert SamplerConfig(global_batch={"samples": 64}).global_batch.micro_step_share == 0.5
+    assert SamplerConfig(global_batch={"samples": 64, "micro_step_share": None}).global_batch.micro_step_share is None
+    for bad in (0, 1.5, -0.1):
+        with pytest.raises(ValidationError, match="micro_step_share"):
+            SamplerConfig(global_batch={"samples": 64, "micro_step_share": bad})
+
+
 def test_a_fit_the_plan_cannot_hold_within_the_tolerance_is_a_warning_not_silent():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        s = build_batch_sampler(SamplerConfig(profile=H200, global_batch={"samples": 100, "tolerance": 0.03}),
+        # without micro_step_share (its smaller image batches let this plan hold 100 within 3%)
+        s = build_batch_sampler(SamplerConfig(profile=H200, global_batch={"samples": 100, "tolerance": 0.03,
+                                                                          "micro_step_share": None}),
                                 draw_shapes(MIX, 1200, 1), Layout.explicit(dp_size=8, dp_rank=0),
                                 micro_steps_per_step="auto", gpu_mem_gib=GIB, model_name="wan2.1-1.3b", zero_stage=3)
     assert not s.global_batch_fit["ok"]

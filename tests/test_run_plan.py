@@ -48,7 +48,8 @@ def test_the_plan_is_what_the_sampler_resolved(run):
     assert plan.checkpoint_attention in ("keep", "recompute")
     assert (plan.mode, plan.sampler_mode) == (p.mode, s.mode)
     gb = s.global_batch   # the shipped config sets sampler.global_batch
-    assert plan.global_batch == {"by": gb.by, "value": gb.value, "tolerance": gb.tolerance}
+    assert plan.global_batch == {"by": gb.by, "value": gb.value, "tolerance": gb.tolerance,
+                                 "micro_step_share": gb.micro_step_share, "batch_limit": s.params.batch_limit}
     assert plan.global_batch_fit == s.global_batch_fit and plan.global_batch_fit is not None
     assert plan.budget_note is not None and plan.budget_note in run.notes   # gradient_accumulation_steps auto
     # the count and budget the run uses (after the global-batch check's re-fit / re-aim), not the search's

@@ -136,7 +136,8 @@ def _epoch_table(r: dict) -> str:
             f"global batch {gb if gb else 'not set'}: {r['optimizer_steps']} optimizer steps of "
             f"{r['micro_steps_per_step']} micro-steps, m_comp {r['m_comp']}, planned in {r['plan_s']:.2f} s, "
             f"peak RSS {r['peak_rss_mb']:.0f} MB",
-            f"  samples per step mean {sps['mean']:,.1f} (min {sps['min']:,}, max {sps['max']:,}); tokens per step "
+            f"  samples per step mean {sps['mean']:,.1f} (min {sps['min']:,}, median {sps['median']:,.0f}, max "
+            f"{sps['max']:,}); tokens per step "
             f"mean {tps['mean']:,.0f} (min {tps['min']:,}, max {tps['max']:,})"]
     for name in ("dual", "tokens"):
         if name in r and r[name].get("error"):

@@ -48,7 +48,8 @@ class RunPlan:
     """The batch sampler's own mode, ``dual`` / ``tokens`` / ``fixed`` (``sampler.mode``; ``tokens`` with adaptive_load off)."""
     global_batch: Optional[Mapping[str, Any]] = None
     """``sampler.global_batch`` as {"by": "samples"/"tokens", "value": count per optimizer step, "tolerance":
-    relative}, or None when the run sets none."""
+    relative, "micro_step_share": share of the step one micro-step may hold (or None), "batch_limit": the samples or
+    tokens one rank's micro-batch may hold under it (or None)}, or None when the run sets none."""
     global_batch_fit: Optional[Mapping[str, Any]] = None
     """The global batch's fit at start-up: {"gas", "per_micro", "predicted", "error"} (None: no global batch)."""
     budget_note: Optional[str] = None
@@ -71,7 +72,9 @@ class RunPlan:
                    solo_over_budget=bool(p.solo_over_budget), efficient_batches=bool(p.efficient_batches),
                    oversize=p.oversize, checkpointing=cost.checkpointing,
                    checkpoint_attention=cost.checkpoint_attention, mode=p.mode, sampler_mode=sampler.mode,
-                   global_batch=None if gb is None else {"by": gb.by, "value": gb.value, "tolerance": gb.tolerance},
+                   global_batch=None if gb is None else {"by": gb.by, "value": gb.value, "tolerance": gb.tolerance,
+                                                         "micro_step_share": gb.micro_step_share,
+                                                         "batch_limit": p.batch_limit},
                    global_batch_fit=None if fit is None else dict(fit), budget_note=budget_note,
                    sparse_layers=None if sparse_layers is None else tuple(int(i) for i in sparse_layers))
 

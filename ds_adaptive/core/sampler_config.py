@@ -33,6 +33,13 @@ class GlobalBatchConfig(_Block):
     not chosen (and when no plan keeps it, the run stops with one line giving the nearest values that can be
     planned). Single steps vary with the data around the mean (the dry run prints min / max)."""
 
+    micro_step_share: Optional[float] = Field(0.5, gt=0.0, le=1.0)
+    """Largest share of the global batch that one micro-step may hold (its batches on all data-parallel ranks): a
+    rank's micro-batch holds at most `micro_step_share x value / dp` samples (tokens), however many the budgets
+    allow, so that a micro-step of images (dozens per rank) cannot make its step several times the set value while
+    the others hold a fraction of it. Lower it to hold single steps closer to the value (more, smaller image
+    micro-batches); null: no limit (only the mean over the epoch is held)."""
+
     @model_validator(mode="after")
     def _exactly_one(self):
         if (self.samples is None) == (self.tokens is None):

@@ -78,7 +78,7 @@ from ds_adaptive.planning.memory import micro_batch_table, sample_memory
 from ds_adaptive.planning.planner import (EpochPlan, Mode, PlannerParams, bucket_tokens, efficient_batch,
                                          loop_ms_per_micro_step, plan_epoch, unique_shapes)
 from ds_adaptive.core.shapes import SampleShape
-from ds_adaptive.planning.global_batch import (fit_gas, global_batch_candidates, no_plan_message, per_micro_step,
+from ds_adaptive.planning.global_batch import (batch_limit, fit_gas, global_batch_candidates, no_plan_message, per_micro_step,
                                                tokens_per_s_at)
 from ds_adaptive.planning.plan_types import PlanError
 
@@ -280,6 +280,7 @@ def choose_compute_budget(cost: CostModel, shapes: Sequence[SampleShape], *, m_m
     can be planned when none keeps it. The search then plans ``min(dp_size, SEARCH_DP)`` ranks (batches and balance
     are per rank) and scales counts and tokens/s to ``dp_size``; the sampler checks the epoch's own plan."""
     full_dp = dp_size
+    limit = batch_limit(global_batch, full_dp)   # per rank: the same on the planned sample of ranks
     if global_batch is not None:
         dp_size = min(dp_size, SEARCH_DP)
     scale = full_dp / dp_size
@@ -311,7 +312,7 @@ def choose_compute_budget(cost: CostModel, shapes: Sequence[SampleShape], *, m_m
             if global_batch is not None:
                 rows[m, capped] = _score_for_global_batch(plan_for, m, capped, rows, global_batch, cost, dp_size,
                                                           micro_steps_per_step, window, balance_tolerance, m_mem,
-                                                          scale)
+                                                          scale, limit)
                 return rows[m, capped]
             gas = _gas_for(m, reference, micro_steps_per_step)
             tps, plan, n = plan_for(PlannerParams(mode="dual", dp_size=dp_size, micro_steps_per_step=gas, m_mem=m_mem,
@@ -325,7 +326,7 @@ def choose_compute_budget(cost: CostModel, shapes: Sequence[SampleShape], *, m_m
     equal_tps, equal_gas, cands = _equal_token_plan(plan_for, cost, cands, reference=reference, upper=upper,
                                                     max_tokens=max_tokens, dp_size=dp_size, m_mem=m_mem,
                                                     window=window, micro_steps_per_step=micro_steps_per_step,
-                                                    global_batch=global_batch, scale=scale)
+                                                    global_batch=global_batch, scale=scale, limit=limit)
     table = []
     for m in cands:   # each budget as it is and, where that changes a batch, with each shape's efficient cap
         table.append(score(m))
@@ -340,7 +341,7 @@ def choose_compute_budget(cost: CostModel, shapes: Sequence[SampleShape], *, m_m
 
 def _equal_token_plan(plan_for, cost: CostModel, cands: list, *, reference: float, upper: float,
                       max_tokens: Optional[int], dp_size: int, m_mem: float, window: int, micro_steps_per_step,
-                      global_batch, scale: float) -> tuple:
+                      global_batch, scale: float, limit: Optional[float] = None) -> tuple:
     """The equal-token plan of the same samples: its predicted tokens/s (kept to plans that hold the global batch),
     its micro-steps per step, and the candidates with its costliest batch added."""
     equal_tps, equal_gas = None, _gas_for(reference, reference, micro_steps_per_step)  # "auto": 1, as the baseline runs
@@ -348,7 +349,8 @@ def _equal_token_plan(plan_for, cost: CostModel, cands: list, *, reference: floa
         return equal_tps, equal_gas, cands
     equal_tps, eq, _ = plan_for(PlannerParams(mode="tokens", dp_size=dp_size, micro_steps_per_step=equal_gas,
                                               m_mem=m_mem, max_tokens=int(max_tokens), window=window,
-                                              oversize="skip"), max(upper, reference))
+                                              oversize="skip", step_balance=None if global_batch is None
+                                              else global_batch.by, batch_limit=limit), max(upper, reference))
     if global_batch is not None:   # only a plan that keeps the global batch may win
         fit = fit_gas(per_micro_step(eq, global_batch.by) * scale, global_batch.value, global_batch.tolerance,
                       micro_steps_per_step)
@@ -396,7 +398,8 @@ def _budget_choice(table: list, ref: dict, reference: float, equal_tps, equal_ga
 
 
 def _score_for_global_batch(plan_for, m: float, capped: bool, rows: dict, gb, cost: CostModel, dp_size: int,
-                            micro_steps_per_step, window: int, tolerance: float, m_mem: float, scale: float) -> dict:
+                            micro_steps_per_step, window: int, tolerance: float, m_mem: float, scale: float,
+                            limit: Optional[float] = None) -> dict:
     """A candidate row under ``global_batch``: the plan of budget ``m`` (capped: planned with the micro-steps per
     step of the uncapped row, which the cap's loop share uses), its micro-steps per step for the global batch
     (:func:`ds_adaptive.planning.global_batch.fit_gas`) and its predicted tokens/s at them (0 when the plan does
@@ -407,7 +410,8 @@ def _score_for_global_batch(plan_for, m: float, capped: bool, rows: dict, gb, co
     plan_gas = int(fixed or est or 1)
     _, plan, n = plan_for(PlannerParams(mode="dual", dp_size=dp_size, micro_steps_per_step=plan_gas, m_mem=m_mem,
                                         m_comp=m, window=window, oversize="skip", balance_tolerance=tolerance,
-                                        solo_over_budget=True, efficient_batches=capped), m)
+                                        solo_over_budget=True, efficient_batches=capped, step_balance=gb.by,
+                                        batch_limit=limit), m)
     fit = fit_gas(per_micro_step(plan, gb.by) * scale, gb.value, gb.tolerance, micro_steps_per_step)
     raw = tokens_per_s_at(plan, cost, fit.gas) * scale
     return {"m_comp": m, "micro_steps_per_step": fit.gas, "efficient_batches": capped,

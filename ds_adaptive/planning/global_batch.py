@@ -67,6 +67,13 @@ def per_micro_step(plan: EpochPlan, by: str, steady: bool = False) -> float:
     return float(total) / n
 
 
+def batch_limit(gb, dp_size: int) -> Optional[float]:
+    """``PlannerParams.batch_limit`` for the global batch ``gb`` on ``dp_size`` data-parallel ranks: its
+    ``micro_step_share`` of the step, per rank (None without a global batch or a share)."""
+    share = None if gb is None else getattr(gb, "micro_step_share", None)
+    return None if share is None else float(share) * gb.value / dp_size
+
+
 def fit_gas(per_micro: float, target: int, tolerance: float, gas: Union[int, str] = "auto") -> GasFit:
     """Micro-steps per step that hold ``target`` at ``per_micro`` per micro-step: ``round(target / per_micro)``
     (at least 1, at most :data:`MAX_MICRO_STEPS`) for ``"auto"``, else ``gas`` as given."""
@@ -137,26 +144,26 @@ def counts(plan: EpochPlan) -> np.ndarray:
 
 
 def step_stats(plan) -> dict:
-    """``{"samples": {mean,min,max}, "tokens": {mean,min,max}}`` over the optimizer steps of an ``EpochPlan``."""
+    """``{"samples": {mean,min,median,max}, "tokens": {...}}`` over the optimizer steps of an ``EpochPlan``."""
     g = plan.micro_steps_per_step * plan.dp_size
     n = plan.num_steps
     if n == 0:
-        zero = {"mean": 0.0, "min": 0, "max": 0}
+        zero = {"mean": 0.0, "min": 0, "median": 0.0, "max": 0}
         return {"samples": zero, "tokens": dict(zero)}
     edges = np.arange(n + 1) * g
     samples = np.diff(plan.batch_offsets[edges])
     tokens = np.add.reduceat(plan.batch_tokens[:n * g], edges[:-1])
 
     def mmm(x):
-        return {"mean": float(x.mean()), "min": int(x.min()), "max": int(x.max())}
+        return {"mean": float(x.mean()), "min": int(x.min()), "median": float(np.median(x)), "max": int(x.max())}
     return {"samples": mmm(samples), "tokens": mmm(tokens)}
 
 
 def describe_step_stats(stats: dict, gb=None) -> str:
     """One line of :func:`step_stats` (and the set global batch ``gb``, a ``GlobalBatchConfig``, when given)."""
     sm, tk = stats["samples"], stats["tokens"]
-    line = (f"samples per optimizer step mean {sm['mean']:,.1f} (min {sm['min']:,}, max {sm['max']:,}), tokens per "
-            f"step mean {tk['mean']:,.0f} (min {tk['min']:,}, max {tk['max']:,})")
+    line = (f"samples per optimizer step mean {sm['mean']:,.1f} (min {sm['min']:,}, median {sm['median']:,.0f}, max "
+            f"{sm['max']:,}), tokens per step mean {tk['mean']:,.0f} (min {tk['min']:,}, max {tk['max']:,})")
     if gb is not None:
         mean = sm["mean"] if gb.by == "samples" else tk["mean"]
         line += (f"; global_batch {gb.by} {gb.value:,} set: planned mean {mean / gb.value - 1:+.1%} "

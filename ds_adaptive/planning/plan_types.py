@@ -57,6 +57,10 @@ class PlannerParams:
     #: :data:`STEP_BALANCE_BLOCK` optimizer steps are grouped into steps with about equal totals of that count
     #: (``ds_adaptive.planning.planner.balance_steps``); None: in planned order
     step_balance: Optional[str] = None
+    #: with a global batch: the most samples (``step_balance="samples"``) or tokens (``"tokens"``) one rank's
+    #: micro-batch may hold (``GlobalBatchConfig.micro_step_share`` of the step over the DP ranks), every mode; at
+    #: least one sample. None: the budgets alone bound a batch
+    batch_limit: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("dual", "tokens", "fixed"):
@@ -78,6 +82,8 @@ class PlannerParams:
             del d["efficient_batches"]
         if self.step_balance is None:    # likewise
             del d["step_balance"]
+        if self.batch_limit is None:     # likewise
+            del d["batch_limit"]
         return d
 
 

@@ -39,7 +39,7 @@ from ds_adaptive.planning.cost import CostModel
 from ds_adaptive.planning.profile import Profile, load_profile
 from ds_adaptive.planning.devices import calibrate_hint, resolve_auto_profile
 from ds_adaptive.planning.memory import sample_memory
-from ds_adaptive.planning.global_batch import check_epoch, too_small_problem
+from ds_adaptive.planning.global_batch import batch_limit, check_epoch, too_small_problem
 from ds_adaptive.planning.planner import (EpochPlan, OversizeSampleError, PlanError, PlannerParams, StepTotals,
                                           bucket_tokens, plan_epoch, unique_shapes)
 from ds_adaptive.planning.budget import resolve_budgets
@@ -133,7 +133,8 @@ class _PlannedBatchSampler(ResumableState, _SamplerBase):
             m_mem=float(m_mem), m_comp=None if m_comp is None else float(m_comp), max_tokens=max_tokens,
             fixed_batch_sizes=dict(fixed_batch_sizes) if fixed_batch_sizes else None, window=int(window),
             oversize=oversize, balance_tolerance=float(balance_tolerance), solo_over_budget=bool(solo_over_budget),
-            efficient_batches=bool(efficient_batches), step_balance=None if global_batch is None else global_batch.by)
+            efficient_batches=bool(efficient_batches), step_balance=None if global_batch is None else global_batch.by,
+            batch_limit=batch_limit(global_batch, layout.dp_size))
         #: the throughput search behind ``m_comp: auto`` (:class:`ds_adaptive.planning.budget.BudgetChoice`), or None
         self.budget_choice = budget_choice
         self.global_batch = global_batch           # sampler.global_batch (GlobalBatchConfig), or None

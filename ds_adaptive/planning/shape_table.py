@@ -45,6 +45,7 @@ class ShapeTable:
         self.m_comp = params.m_comp if params.mode == "dual" else None
         self.solo = bool(params.solo_over_budget) and params.mode == "dual"
         self.why = [""] * n
+        self.blim = batch_limits(params, self.tokens)   # the global batch's share per micro-batch (int64 max: none)
         for u, s in enumerate(self.shapes):
             b_mem = int(math.floor(params.m_mem / self.mem1[u] * (1 + 1e-12)))
             self.bmem[u] = max(b_mem, 0)
@@ -78,6 +79,7 @@ class ShapeTable:
                             f"{fixed * self.mem1[u]:.2f} GiB > m_mem {params.m_mem:.2f} GiB "
                             f"(at most {b_mem} fit); lower it or raise m_mem")
                     b = fixed
+            b = min(b, int(self.blim[u])) if b >= 1 and params.mode != "fixed" else b   # fixed: the user's sizes
             if params.efficient_batches and params.mode == "dual" and not self.linear and cost.mode == "calibrated" \
                     and b > 1:
                 loop = loop_ms_per_micro_step(cost.profile, params.micro_steps_per_step)
@@ -99,7 +101,7 @@ class ShapeTable:
         """Largest batch of shape ``u`` in the epoch's re-planned last step: ``bmax``; with
         ``solo_over_budget`` the memory bound (that step's batches are dealt cost-sorted, not filled to a
         target, and the solo micro-steps' fill batches it re-batches were over ``m_comp`` already)."""
-        return int(self.bmem[u]) if self.solo else int(self.bmax[u])
+        return min(int(self.bmem[u]), int(self.blim[u])) if self.solo else int(self.bmax[u])
 
     def fill_cap(self, cand: np.ndarray, target: float) -> np.ndarray:
         """Largest batch size a fill batch of each candidate shape may have in a micro-step whose target
@@ -112,7 +114,7 @@ class ShapeTable:
         else:
             reach = np.array([np.searchsorted(self.tables[u].cost[1:], target, "left") + 1 for u in cand.tolist()],
                              np.int64)
-        return np.maximum(self.bmax[cand], np.minimum(reach, self.bmem[cand]))
+        return np.maximum(self.bmax[cand], np.minimum(np.minimum(reach, self.bmem[cand]), self.blim[cand]))
 
     def nearest_sizes(self, cand: np.ndarray, cap: np.ndarray, target: float) -> tuple[np.ndarray, np.ndarray]:
         """Per candidate shape, the batch size in 1..cap whose cost is closest to ``target``, and that cost."""
@@ -126,6 +128,15 @@ class ShapeTable:
             j = j - 1 if len(row) == 1 or abs(row[j - 1] - target) <= abs(row[j] - target) else j
             bs[i] = j + 1
         return bs, np.array([self.tables[u].cost[b] for u, b in zip(cand.tolist(), bs.tolist())], float)
+
+
+def batch_limits(params: PlannerParams, tokens: np.ndarray) -> np.ndarray:
+    """Per shape, the most samples one micro-batch may hold under ``params.batch_limit`` (samples, or tokens with
+    ``step_balance="tokens"``; at least 1); the int64 maximum where there is no limit."""
+    if params.batch_limit is None:
+        return np.full(len(tokens), np.iinfo(np.int64).max, np.int64)
+    per = tokens.astype(float) if params.step_balance == "tokens" else np.ones(len(tokens))
+    return np.maximum(np.floor(params.batch_limit / per * (1 + 1e-12)), 1).astype(np.int64)
 
 
 def loop_ms_per_micro_step(profile, micro_steps_per_step: int) -> float:
