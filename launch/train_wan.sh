@@ -31,7 +31,7 @@
 #   GLOBAL_BATCH samples per optimizer step over all data-parallel ranks (overrides the ds_config's
 #               adaptive_load.sampler.global_batch; set it for your cluster size, and the LR with it)
 #   GRAD_CKPT   activation checkpointing: auto (per micro-batch the fewest blocks that fit the memory
-#               budget), 1/all (every block), 0/none; default: the config's sampler.checkpointing (auto)
+#               budget), 1/all (every block), 0/none; default: the config's recompute.blocks (auto)
 #   PYTORCH_CUDA_ALLOC_CONF  default expandable_segments:True (changing micro-batch shapes fragment
 #               the caching allocator); a value you set is kept
 #   PYTHON      python interpreter (default: python)

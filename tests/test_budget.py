@@ -28,11 +28,12 @@ def _shapes(n=300, seed=0):
     return build_dataset("synthetic", num_samples=n, shapes=None, seed=seed).sample_shapes()
 
 
-def _sampler(shapes, dp=1, rank=0, gas="auto", **cfg):
+def _sampler(shapes, dp=1, rank=0, gas="auto", checkpointing=None, **cfg):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return build_batch_sampler(SamplerConfig(profile=H200, **cfg), shapes, Layout.explicit(dp_size=dp, dp_rank=rank),
-                                   micro_steps_per_step=gas, gpu_mem_gib=GIB, model_name="wan2.1-1.3b", zero_stage=3)
+                                   micro_steps_per_step=gas, gpu_mem_gib=GIB, model_name="wan2.1-1.3b", zero_stage=3,
+                                   checkpointing=checkpointing)
 
 
 def test_budget_is_deterministic_identical_on_every_rank_and_beats_the_reference():

@@ -1,4 +1,4 @@
-"""Guards `sampler.checkpoint_attention: keep` (ds_adaptive/models/recompute.py): a checkpointed block keeps its
+"""Guards `recompute.attention: keep` (ds_adaptive/models/recompute.py): a checkpointed block keeps its
 self-attention output, so backward runs the attention forward once, with the same gradients; the cost model
 counts the smaller recompute and the kept bytes, the sampler state carries the mode, build_run sets it."""
 from __future__ import annotations
@@ -114,9 +114,9 @@ def test_sampler_state_carries_the_mode_and_the_plan_uses_it():
     topo = Layout.explicit(dp_rank=0, dp_size=1)
 
     def sampler(mode):
-        cfg = {"profile": H200, "m_mem": 60.0, "m_comp": 12000.0, "window": 32, "checkpoint_attention": mode}
+        cfg = {"profile": H200, "m_mem": 60.0, "m_comp": 12000.0, "window": 32}
         return build_batch_sampler(cfg, shapes, topo, micro_steps_per_step=2, checkpointing="auto",
-                                   model_name="wan2.1-1.3b")
+                                   model_name="wan2.1-1.3b", recompute={"attention": mode})
 
     a, rec = sampler("keep"), sampler("recompute")
     assert a.cost.checkpoint_attention == "keep"
@@ -155,8 +155,8 @@ def test_build_run_sets_the_mode_on_the_model_and_says_so(ckpt, note):
 
     cfg = RunConfig.load(str(ROOT / "launch" / "configs" / "zero3_adaptive.json"),
                          trainer={"model": "wan2.1-1.3b", "num_samples": 200},
-                         overrides={"sampler.profile": H200, "sampler.checkpoint_attention": "keep",
-                                    "sampler.checkpointing": ckpt})
+                         overrides={"sampler.profile": H200, "recompute.attention": "keep",
+                                    "recompute.blocks": ckpt})
     run = build_run(cfg, layout=Layout.for_world(1, 1), meta=True, gpu_mem_gib=139.8)
     assert run.model.checkpoint_attention == "keep"
     assert run.sampler.cost.checkpoint_attention == "keep"
@@ -166,8 +166,8 @@ def test_build_run_sets_the_mode_on_the_model_and_says_so(ckpt, note):
 def test_config_rejects_an_unknown_mode_naming_the_key():
     from ds_adaptive.core.config import AdaptiveLoadConfig
 
-    with pytest.raises(Exception, match="checkpoint_attention"):
-        AdaptiveLoadConfig.model_validate({"enabled": True, "sampler": {"checkpoint_attention": "save"}})
+    with pytest.raises(Exception, match="recompute.attention"):
+        AdaptiveLoadConfig.model_validate({"enabled": True, "recompute": {"attention": "save"}})
 
 
 def test_the_recompute_takes_the_kept_outputs_in_order_and_names_a_mismatch():
@@ -201,15 +201,14 @@ def _default_job_sampler(mode, **kw):
     from ds_adaptive.data.synthetic import SyntheticLatentDataset
     from ds_adaptive.core.layout import Layout
 
-    cfg = {"mode": "dual", "cost_model": "calibrated", "profile": H200, "m_mem": "auto", "m_comp": "auto",
-           "checkpoint_attention": mode, **kw}
+    cfg = {"mode": "dual", "cost_model": "calibrated", "profile": H200, "m_mem": "auto", "m_comp": "auto", **kw}
     logs = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         s = build_batch_sampler(SamplerConfig.model_validate(cfg), SyntheticLatentDataset(3000, seed=0).sample_shapes(),
                                 Layout.explicit(dp_size=1), micro_steps_per_step="auto", gpu_mem_gib=139.8,
                                 model_name="wan2.1-1.3b", zero_stage=3, ln_modulate="fused", block_fusion="regions",
-                                profile_log=logs.append)
+                                profile_log=logs.append, recompute={"attention": mode})
     return s, logs
 
 
@@ -226,13 +225,13 @@ def test_auto_plans_both_and_runs_the_one_predicted_faster():
     assert auto.budget_choice.predicted_tokens_per_s == tps[pick]
     assert (auto.budget_choice.m_comp, auto.micro_steps_per_step) == (ref.budget_choice.m_comp, ref.micro_steps_per_step)
     assert np.array_equal(auto.plan.batch_ckpt, ref.plan.batch_ckpt)
-    (line,) = [x for x in logs if "checkpoint_attention auto" in x]
+    (line,) = [x for x in logs if "recompute.attention auto" in x]
     assert f"auto -> {pick}" in line and f"{tps['keep']:,.0f}" in line and f"{tps['recompute']:,.0f}" in line
 
 
 def test_auto_recomputes_without_the_budget_search_or_a_family_that_can_keep(monkeypatch):
     fixed, logs = _default_job_sampler("auto", m_comp=4000.0)   # no search: nothing to compare
-    assert fixed.cost.checkpoint_attention == "recompute" and not any("checkpoint_attention" in x for x in logs)
+    assert fixed.cost.checkpoint_attention == "recompute" and not any("recompute.attention" in x for x in logs)
     import dataclasses
 
     import ds_adaptive.planning.sampler as sampler_mod
@@ -245,7 +244,7 @@ def test_auto_recomputes_without_the_budget_search_or_a_family_that_can_keep(mon
 
     monkeypatch.setattr(sampler_mod, "get_model", no_keep)
     plain, logs = _default_job_sampler("auto")
-    assert plain.cost.checkpoint_attention == "recompute" and not any("checkpoint_attention" in x for x in logs)
+    assert plain.cost.checkpoint_attention == "recompute" and not any("recompute.attention" in x for x in logs)
 
 
 def test_build_run_applies_the_planned_mode_to_the_model():
@@ -256,10 +255,10 @@ def test_build_run_applies_the_planned_mode_to_the_model():
     cfg = RunConfig.load(str(ROOT / "launch" / "configs" / "zero3_adaptive.json"),
                          trainer={"model": "wan2.1-1.3b", "num_samples": 3000},
                          overrides={"sampler.profile": H200})
-    assert cfg.adaptive_load.sampler.checkpoint_attention == "auto"   # the default
+    assert cfg.adaptive_load.recompute.attention == "auto"   # the default
     run = build_run(cfg, layout=Layout.for_world(1, 1), meta=True, gpu_mem_gib=139.8)
     assert run.model.checkpoint_attention == run.sampler.cost.checkpoint_attention
-    assert any("checkpoint_attention auto -> " + run.model.checkpoint_attention in n for n in run.notes), run.notes
+    assert any("recompute.attention auto -> " + run.model.checkpoint_attention in n for n in run.notes), run.notes
 
 
 def test_auto_does_not_keep_where_keeping_would_lose_a_shape():
@@ -274,5 +273,5 @@ def test_auto_does_not_keep_where_keeping_would_lose_a_shape():
     assert keep > rec
     auto, logs = _default_job_sampler("auto", m_mem=(rec + keep) / 2)
     assert auto.cost.checkpoint_attention == "recompute"
-    (line,) = [x for x in logs if "checkpoint_attention auto" in x]
+    (line,) = [x for x in logs if "recompute.attention auto" in x]
     assert "auto -> recompute" in line and f"{longest} would not fit" in line

@@ -39,7 +39,8 @@ def test_prepare_writes_configs_that_differ_only_in_checkpoint_attention(tmp_pat
     assert [c.rsplit("/", 1)[-1] for c in cmds] == ["recompute", "keep"]
     cfgs = {a: RunConfig.load(str(tmp_path / f"config_{a}.json"), trainer={"model": "wan2.1-1.3b"})
             for a in ("recompute", "keep")}
-    assert cfgs["keep"].adaptive_load.sampler.checkpoint_attention == "keep"
-    assert cfgs["recompute"].adaptive_load.sampler.checkpoint_attention == "recompute"
-    same = lambda c: c.adaptive_load.sampler.model_dump(exclude={"checkpoint_attention"})  # noqa: E731
+    assert cfgs["keep"].adaptive_load.recompute.attention == "keep"
+    assert cfgs["recompute"].adaptive_load.recompute.attention == "recompute"
+    same = lambda c: c.adaptive_load.model_dump(include={"sampler", "recompute", "optimization"},  # noqa: E731
+                                                exclude={"recompute": {"attention"}})
     assert same(cfgs["keep"]) == same(cfgs["recompute"])

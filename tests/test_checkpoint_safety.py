@@ -259,7 +259,7 @@ def test_config_check_dry_run_and_build_run_share_the_cross_field_rules(tmp_path
     layers = _config_with(tmp_path, "layers.json", sparse_attention__enabled=True, sparse_attention__dense_layers=[99])
     flex = _config_with(tmp_path, "flex.json", sparse_attention__enabled=True, sparse_attention__backend="flex")
     mmem = _config_with(tmp_path, "mmem.json", sampler__m_mem=-0.4)
-    lr = _config_with(tmp_path, "lr.json", sampler__lr_scaling="sqrt")
+    lr = _config_with(tmp_path, "lr.json", optimization__lr_scaling="sqrt")
     cases = [(layers, [], "dense_layers has [99], outside the model's layers 0..39"),   # the deepest preset
              (layers, ["--model", "tiny"], "dense_layers has [99], outside the model's layers 0..1"),
              (flex, ["--device", "cpu"], "backend is 'flex' but backend 'flex' has no backward on cpu"),

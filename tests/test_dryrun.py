@@ -22,9 +22,10 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 
 def write_config(tmp_path: Path, name: str = "ds.json", **changes) -> str:
     cfg = json.loads(Path(ZERO3).read_text())
-    sampler = changes.pop("sampler", None)
-    if sampler:
-        cfg["adaptive_load"]["sampler"].update(sampler)
+    for block in ("sampler", "recompute"):
+        keys = changes.pop(block, None)
+        if keys:
+            cfg["adaptive_load"].setdefault(block, {}).update(keys)
     cfg.update(changes)
     p = tmp_path / name
     p.write_text(json.dumps(cfg))
@@ -106,7 +107,7 @@ def test_sp_group_across_nodes_is_a_warning(capsys, tmp_path: Path) -> None:
 def test_oversize_sample_error_and_skip(capsys, tmp_path: Path) -> None:
     # recompute: the figure below is a checkpointed block that keeps its input only (`auto` may plan `keep`, whose
     # checkpointed blocks hold their attention output too, where no shape it would lose fits either way)
-    cfg = write_config(tmp_path, sampler={"m_mem": 6.0, "checkpoint_attention": "recompute"})
+    cfg = write_config(tmp_path, sampler={"m_mem": 6.0}, recompute={"attention": "recompute"})
     code, out, _ = run(capsys, "--deepspeed_config", cfg, "--num-gpus", "8", "--sp", "1")
     assert code == 2
     assert "shape 81x720x1280 (75600 tokens" in out

@@ -28,7 +28,7 @@ def _job_sampler_cfg() -> dict:
 def samplers():
     prof = load_profile("h200-wan2.1-1.3b")
     return {cap: fc.default_job_sampler(_job_sampler_cfg(), prof, H200_GIB, 3000, model_name=MODEL,
-                                        checkpoint_attention="recompute", batch_cap=cap)
+                                        recompute={"attention": "recompute"}, batch_cap=cap)
             for cap in ("off", "auto")}
 
 
@@ -93,9 +93,11 @@ def test_a_run_is_matched_by_its_tokens_and_bad_input_is_reported(samplers, tmp_
     with pytest.raises(FileNotFoundError, match="no summary.json there"):
         fc.match_runs(rows, [str(tmp_path / "nothing")])
     with pytest.raises(ValueError, match="expected key=value"):
-        fc.parse_arm("x:checkpoint_attention")
-    assert fc.parse_arm("off:checkpoint_attention=recompute,batch_cap=off") == (
-        "off", {"checkpoint_attention": "recompute", "batch_cap": "off"})
+        fc.parse_arm("x:recompute.attention")
+    with pytest.raises(ValueError, match="not a sampler key or recompute.KEY"):
+        fc.parse_arm("x:optimization.lr_scaling=sqrt")
+    assert fc.parse_arm("off:recompute.attention=recompute,batch_cap=off") == (
+        "off", {"recompute": {"attention": "recompute"}, "batch_cap": "off"})
 
 
 def test_truth_times_the_same_plan_with_another_profile(samplers, tmp_path):

@@ -83,7 +83,7 @@ def test_dry_run_gpu_defaults_knobs_and_pass_through():
     assert r.returncode == 0, r.stderr
     cmd = r.stdout.splitlines()[-1]
     assert "--num_gpus 8 " in cmd and "zero3_adaptive.json" in cmd
-    # checkpointing comes from the config (sampler.checkpointing: auto) unless GRAD_CKPT says otherwise
+    # checkpointing comes from the config (recompute.blocks: auto) unless GRAD_CKPT says otherwise
     assert "--model wan2.1-1.3b --steps 50" in cmd and "--grad-ckpt" not in cmd
     assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in r.stdout
     r = _dry({"NUM_GPUS": "8", "GRAD_CKPT": "1", "PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.8"})

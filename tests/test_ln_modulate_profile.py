@@ -83,13 +83,14 @@ def test_shipped_h200_profile_carries_both_paths_and_the_fused_holds_less(name):
 def test_sampler_logs_the_mismatch_once_and_plans_with_the_matching_entries():
     shapes = [SampleShape(17, 480, 832)] * 40 + [SampleShape(1, 480, 832)] * 40
     # recompute: the log holds the LayerNorm-modulate path's lines only (auto adds its choice)
-    cfg = SamplerConfig(window=16, seed=1, profile="h200-wan2.1-1.3b", checkpoint_attention="recompute")
+    cfg = SamplerConfig(window=16, seed=1, profile="h200-wan2.1-1.3b")
     logs = {}
     samplers = {}
     for path in ("fused", "reference"):
         logs[path] = []
         samplers[path] = build_batch_sampler(cfg, shapes, Layout.explicit(dp_size=1), micro_steps_per_step=1,
-                                             gpu_mem_gib=141.0, profile_log=logs[path].append, ln_modulate=path)
+                                             gpu_mem_gib=141.0, profile_log=logs[path].append, ln_modulate=path,
+                                             recompute={"attention": "recompute"})
     assert logs["fused"] == []
     assert len(logs["reference"]) == 1 and "reference" in logs["reference"][0]
     assert samplers["reference"].cost.profile.ln_modulate == "reference"

@@ -34,8 +34,8 @@ def _densities(layers: int, rho: list[float]) -> DensityMap:
 def _sampler(shapes, layers: int, dp: int, gas: int, profile=None, checkpoint_attention: str = "auto"):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return build_batch_sampler(SamplerConfig(profile=PROFILE, checkpoint_attention=checkpoint_attention), shapes,
-                                   Layout.explicit(dp_size=dp),
+        return build_batch_sampler(SamplerConfig(profile=PROFILE), shapes, Layout.explicit(dp_size=dp),
+                                   recompute={"attention": checkpoint_attention},
                                    micro_steps_per_step=gas, gpu_mem_gib=139.8, model_name="wan2.1-1.3b",
                                    zero_stage=3, num_layers=layers, profile=profile,
                                    sparse=SparseAttentionCost(_densities(layers, [1.0])))

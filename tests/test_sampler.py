@@ -207,8 +207,8 @@ def test_works_as_a_dataloader_batch_sampler():
 
 
 def test_lr_scale_from_config():
-    cfg = CFG.model_copy(update={"lr_scaling": "sqrt", "reference_batch": 16})
-    s = build_batch_sampler(cfg, mix(800), Layout.explicit(dp_size=2), micro_steps_per_step=1)
+    s = build_batch_sampler(CFG, mix(800), Layout.explicit(dp_size=2), micro_steps_per_step=1,
+                            optimization={"lr_scaling": "sqrt", "reference_batch": 16})
     t = s.step_totals(0)
     assert s.lr_scale(0) == pytest.approx((t.samples / 16) ** 0.5)
 

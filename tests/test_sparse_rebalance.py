@@ -48,10 +48,11 @@ def test_effective_densities_and_min_change() -> None:
 def _config(tmp_path: Path) -> Path:
     cfg = json.loads((CONFIGS / "cpu_tiny.json").read_text())
     cfg["adaptive_load"]["fused_ln_modulate"] = False
-    # checkpointing "all": the dual planner at the longest sample's budget (with "auto" the budget search finds
+    # recompute.blocks "all": the dual planner at the longest sample's budget (with "auto" the budget search finds
     # the equal-token plan faster for 80 samples on 2 ranks, and densities would not change that plan)
     cfg["adaptive_load"]["sampler"].update(shapes=str(CONFIGS / "shapes_cpu.json"), cost_model="calibrated",
-                                           profile="h100-wan2.1-1.3b", checkpointing="all")
+                                           profile="h100-wan2.1-1.3b")
+    cfg["adaptive_load"]["recompute"] = {"blocks": "all"}
     cfg["adaptive_load"]["sparse_attention"] = {
         "enabled": True, "block_size": 16, "cube": [1, 4, 4], "backend": "reference", "warmup_steps": 2,
         "dense_layers": [], "layer_density_threshold": 1.0, "dense_above": 1.0, "profile_interval": 1,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -13,9 +14,11 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "launch" / "configs"
 
 
-def _config(tmp_path: Path, sparse: dict, fixed: bool = False, name: str = "sparse.json", **sampler) -> Path:
+def _config(tmp_path: Path, sparse: dict, fixed: bool = False, name: str = "sparse.json",
+            recompute: Optional[dict] = None) -> Path:
     cfg = json.loads((CONFIGS / "cpu_tiny.json").read_text())
-    cfg["adaptive_load"]["sampler"].update(sampler)
+    if recompute:
+        cfg["adaptive_load"]["recompute"] = recompute
     cfg["adaptive_load"]["fused_ln_modulate"] = False
     cfg["adaptive_load"]["sampler"]["shapes"] = str(CONFIGS / "shapes_cpu.json")
     if fixed:
@@ -66,7 +69,7 @@ def test_sparse_sp2_trains_like_sp1(tmp_path, run_ranks) -> None:
     assert sp1["sparse_attention"]["sparse_layers"] == 1 and sp2["sparse_attention"]["sparse_layers"] == 1
     # checkpointed blocks that keep their attention (the dense layer's SDPA; the sparse layer recomputes): same run
     keep = _config(tmp_path, {"forced_density": 0.5, "dense_layers": [0]}, fixed=True, name="keep.json",
-                   checkpoint_attention="keep")
+                   recompute={"attention": "keep"})
     run_ranks(_argv("--deepspeed_config", str(keep), *common[2:], "--sp", "2", "--log-dir", "sp2keep"), 2,
               cwd=tmp_path, timeout=240)
     sp2keep = json.loads((tmp_path / "sp2keep" / "summary.json").read_text())

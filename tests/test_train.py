@@ -278,7 +278,7 @@ def test_two_rank_baseline_on_disk_data(tmp_path, run_ranks):
     cfg["adaptive_load"]["enabled"] = False
     cfg["adaptive_load"]["fused_ln_modulate"] = False
     cfg["adaptive_load"]["sampler"]["shapes"] = None
-    cfg["adaptive_load"]["sampler"].update(loss_weighting="tokens", lr_scaling="linear", reference_batch=4)
+    cfg["adaptive_load"]["optimization"] = {"loss_weighting": "tokens", "lr_scaling": "linear", "reference_batch": 4}
     del cfg["scheduler"]  # so that the logged LR is exactly base LR x samples / reference_batch
     (tmp_path / "base.json").write_text(json.dumps(cfg))
     results = run_ranks(train_argv("--deepspeed_config", "base.json", "--data", "data", "--steps", "3",

@@ -65,8 +65,8 @@ STACK_SCRIPT = textwrap.dedent("""
     from ds_adaptive.training.run_config import RunConfig
 
     cfg = RunConfig.load(sys.argv[1], trainer={"model": "tiny", "num_samples": 48, "steps": 3, "seed": 0},
-                         overrides={"sampler.shapes": sys.argv[2], "sampler.checkpointing": "all",
-                                    "sampler.checkpoint_attention": sys.argv[4],
+                         overrides={"sampler.shapes": sys.argv[2], "recompute.blocks": "all",
+                                    "recompute.attention": sys.argv[4],
                                     "sampler.m_mem": 1.0})   # keep: the 1.3B profile's 30 blocks hold 3 KiB/token more
     cfg.adaptive_load.metrics.log_dir = sys.argv[3]
     trainer = Trainer(build_run(cfg, layout=Layout.detect(1)))

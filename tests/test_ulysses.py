@@ -205,7 +205,7 @@ SCRIPT = textwrap.dedent("""
     # (B, T', H', W'): video with an odd token count (3x3x5 = 45 -> padded to 46), an image with 15
     # tokens, an even image (1x4x6), one token (rank 1 holds only padding); per-token timesteps (the
     # modulation is sharded with the tokens)
-    # last field: checkpointed blocks keep their self-attention output (sampler.checkpoint_attention keep: the
+    # last field: checkpointed blocks keep their self-attention output (recompute.attention keep: the
     # local SDPA inside DistributedAttention is kept, the all-to-alls run again in the recompute)
     # and a last one with block fusion 'regions' (adaptive_load.block_fusion, on in the shipped config): the fused
     # pieces traced by dynamo on the SP shard's shapes and RoPE rows (aot_eager here: Inductor's numerics have

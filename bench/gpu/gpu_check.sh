@@ -16,7 +16,7 @@
 # it must hold the costliest sample alone; two arms of 13 steps ~5.5 min; the prepared dir is kept). trainprofile: where the
 # default job's step goes (bench/training/train_step_profile.py). calfusion: this GPU's 1.3B profile calibrated with block
 # fusion and shipped as its block_fusion_variants entry (the json comes back in $OUT; CALFUSION_ARGS: more calibrate
-# arguments, e.g. --accept-poor-fit where only its memory terms are used). keepattn: sampler.checkpoint_attention keep vs recompute,
+# arguments, e.g. --accept-poor-fit where only its memory terms are used). keepattn: recompute.attention keep vs recompute,
 # one epoch of KEEPATTN_SAMPLES (default 40) long-video samples per arm (bench/training/checkpoint_attention_ab.py, ~8 min).
 # setab: the shipped job vs AB_SET config overrides, same samples (bench/training/train_step_profile.py, ~4 min).
 # attn: SDPA backends per shape of the default mix, self- and cross-attention (bench/kernels/attention_backends.py, ~1 min).
@@ -194,7 +194,7 @@ do_levers() {  # trainer A/B of block fusion and ZeRO-3 settings on one pinned p
   python3 bench/training/mfu_levers.py report --runs "$w/runs" --arms "${LEVERS_ARMS:-${LEVERS_RUN:-ref,fusion,zero}}" \
     --out "$OUT/levers.json"
 }
-do_keepattn() {  # sampler.checkpoint_attention keep vs recompute: one epoch of the same samples per arm (long-video
+do_keepattn() {  # recompute.attention keep vs recompute: one epoch of the same samples per arm (long-video
   # mix by default: where the plan checkpoints blocks; KEEPATTN_ARGS e.g. "--m-comp 10000 --gas 1 --shapes ''")
   local w="$OUT/keepattn"
   python3 bench/training/checkpoint_attention_ab.py prepare --dir "$w" --num-samples "${KEEPATTN_SAMPLES:-40}" --shapes long \

@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     p.add_argument("--loop", nargs=2, type=float, action="append", metavar=("MICRO_MS", "STEP_MS"),
                    help="training-loop terms to plan with (repeatable; default: the profile's own)")
     p.add_argument("--checkpoint-attention", choices=("auto", "recompute", "keep"), default="auto",
-                   help="sampler.checkpoint_attention to plan with (auto: the one predicted faster, as the trainer)")
+                   help="recompute.attention to plan with (auto: the one predicted faster, as the trainer)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     choices = budget_choices(job_sampler_config(), load_profile(a.profile), a.gpu_mem_gib, a.samples, model_name=MODEL,

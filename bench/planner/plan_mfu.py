@@ -3,9 +3,9 @@ micro-batch's model FLOPs (as the trainer counts them) over the plan's predicted
 checkpoint plan, plus the training loop's terms), for sampler settings side by side.
 
     python bench/planner/plan_mfu.py                                     (the shipped settings and the plans before them)
-    python bench/planner/plan_mfu.py --arm "before:checkpoint_attention=recompute,batch_cap=off" --arm "head:"
+    python bench/planner/plan_mfu.py --arm "before:recompute.attention=recompute,batch_cap=off" --arm "head:"
     python bench/planner/plan_mfu.py --run tests/data/trainer_runs/default_job_h200_2f0fcdc \\
-        --arm "2f0fcdc:checkpoint_attention=recompute,batch_cap=off"   (a measured run beside the plan it ran)
+        --arm "2f0fcdc:recompute.attention=recompute,batch_cap=off"   (a measured run beside the plan it ran)
 
 Steps as the trainer's summary counts them: 22 steps, MFU after the first, a warm-up (``--steps``, ``--warmup``).
 A run's summary is matched to an arm by its tokens (all steps'); the ratio measured / predicted MFU of a run it ran
@@ -28,8 +28,8 @@ from ds_adaptive.planning.profile import load_profile
 from ds_adaptive.planning.profile import ProfileError  # noqa: E402
 from ds_adaptive.simulation.forecast import default_job_sampler, match_runs, parse_arm, plan_mfu, run_lines  # noqa: E402
 
-DEFAULT_ARMS = ("recompute:checkpoint_attention=recompute,batch_cap=off",
-                "keep:checkpoint_attention=keep,batch_cap=off",
+DEFAULT_ARMS = ("recompute:recompute.attention=recompute,batch_cap=off",
+                "keep:recompute.attention=keep,batch_cap=off",
                 "shipped:")
 
 

@@ -1,4 +1,4 @@
-"""The trainer with checkpointed blocks recomputing vs keeping their self-attention (``sampler.checkpoint_attention``).
+"""The trainer with checkpointed blocks recomputing vs keeping their self-attention (``recompute.attention``).
 
 ``keep`` changes the plan (a checkpointed block is cheaper to recompute and holds 3 KiB more per token), so
 the two arms cannot train the same micro-batches. They train the same SAMPLES: one whole epoch each, the
@@ -45,7 +45,8 @@ def arm_config(arm: str, args, log_dir: str = "runs/ckpt_attention") -> dict:
     cfg["gradient_accumulation_steps"] = _auto_or(args.gas)
     cfg.get("adaptive_load", {}).get("sampler", {}).pop("global_batch", None)  # a pinned A/B: its own gas, not the shipped global batch
     s = cfg["adaptive_load"]["sampler"]
-    s["profile"], s["m_comp"], s["checkpoint_attention"] = args.profile, _auto_or(args.m_comp), arm
+    s["profile"], s["m_comp"] = args.profile, _auto_or(args.m_comp)
+    cfg["adaptive_load"].setdefault("recompute", {})["attention"] = arm
     if args.shapes:
         s["shapes"] = args.shapes
     cfg["adaptive_load"]["metrics"].update(interval=1, log_dir=log_dir)
@@ -131,14 +132,14 @@ def cmd_prepare(args) -> None:
 
 def cmd_report(args) -> dict:
     from ds_adaptive.calibration.trainer_runs import epoch_figures, epoch_ratios
+    from ds_adaptive.core.ds_config import load_adaptive_config
     from ds_adaptive.planning.cost import CostModel
 
     runs = Path(args.runs)
     rows = {}
     for arm in ARMS:
-        cfg = json.loads((runs.parent / f"config_{arm}.json").read_text())
-        cost = CostModel(cfg["adaptive_load"]["sampler"]["profile"], checkpointing=cfg["adaptive_load"]["sampler"].get("checkpointing", "auto"),
-                         checkpoint_attention=arm)
+        block = load_adaptive_config(runs.parent / f"config_{arm}.json")   # older configs: the moved keys too
+        cost = CostModel(block.sampler.profile, checkpointing=block.recompute.blocks, checkpoint_attention=arm)
         rows[arm] = epoch_figures(runs / arm, cost)
     r, k = rows["recompute"], rows["keep"]
     if r["tokens"] != k["tokens"]:   # an epoch's tail samples that fill no whole step wait for the next epoch

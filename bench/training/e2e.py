@@ -216,10 +216,14 @@ def resolve_memory_budget(s: Settings, raw: dict, scaled: dict, shapes) -> Budge
                    full_depth_m_mem_gib=full)
 
 
-def sampler_config(s: Settings, arm: Arm, profile_path: str, budgets: Budgets,
-                   reference_batch: Optional[int] = None, m_comp: "float | str" = "auto") -> dict:
-    cfg = {"mode": arm.sampler, "cost_model": "calibrated", "profile": profile_path,
-           "m_mem": budgets.m_mem_gib, "m_comp": m_comp, "seed": s.seed, "lr_scaling": s.lr_scaling}
+def sampler_config(s: Settings, arm: Arm, profile_path: str, budgets: Budgets, m_comp: "float | str" = "auto") -> dict:
+    return {"mode": arm.sampler, "cost_model": "calibrated", "profile": profile_path,
+            "m_mem": budgets.m_mem_gib, "m_comp": m_comp, "seed": s.seed}
+
+
+def optimization_config(s: Settings, reference_batch: Optional[int] = None) -> dict:
+    """The arms' ``adaptive_load.optimization`` block: ``--lr-scaling`` against ``reference_batch``."""
+    cfg = {"lr_scaling": s.lr_scaling}
     if s.lr_scaling != "none":
         cfg["reference_batch"] = reference_batch
     return cfg
@@ -285,11 +289,12 @@ def plan_arm(s: Settings, arm: Arm, shapes, profile_path: str, budgets: Budgets,
              reference_batch: Optional[int] = None, m_comp: "float | str" = "auto") -> dict:
     """The plan every rank of ``arm`` will compute (pure function of the config): steps, samples,
     drops, predicted per-rank cost of every micro-step (ms, the scaled calibrated profile)."""
-    cfg = SamplerConfig.model_validate(sampler_config(s, arm, profile_path, budgets, reference_batch, m_comp))
+    cfg = SamplerConfig.model_validate(sampler_config(s, arm, profile_path, budgets, m_comp))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         smp = build_batch_sampler(cfg, shapes, Layout.explicit(dp_size=s.dp, sp_size=s.sp), micro_steps_per_step=gas,
-                                  enabled=arm.enabled, mode=arm.sampler, checkpointing="all" if s.grad_ckpt else "none")
+                                  enabled=arm.enabled, mode=arm.sampler, checkpointing="all" if s.grad_ckpt else "none",
+                                  optimization=optimization_config(s, reference_batch))
         plan = smp.plan
     from ds_adaptive.planning.budget import predicted_times
 
@@ -376,7 +381,8 @@ def arm_ds_config(s: Settings, arm: Arm, plan: dict, profile_path: str, budgets:
     cfg["adaptive_load"] = {
         "enabled": arm.enabled,
         "fused_ln_modulate": arm.fused,
-        "sampler": sampler_config(s, arm, profile_path, budgets, plan.get("reference_batch"), plan.get("m_comp", "auto")),
+        "sampler": sampler_config(s, arm, profile_path, budgets, plan.get("m_comp", "auto")),
+        "optimization": optimization_config(s, plan.get("reference_batch")),
         "metrics": {"interval": 1, "log_dir": log_dir, "tensorboard": False, "jsonl": True, "sync_timing": True},
     }
     if arm.sparse:
@@ -697,7 +703,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="GPU capacity behind m_mem auto (default: the profile's device, 79.19 GiB H100)")
     ap.add_argument("--lr", type=float, default=None, help="constant AdamW LR (default 1e-4; 2e-3 on CPU)")
     ap.add_argument("--lr-scaling", choices=["none", "linear", "sqrt"], default="none",
-                    help="sampler.lr_scaling of every arm (default none)")
+                    help="optimization.lr_scaling of every arm (default none)")
     ap.add_argument("--profile", default=BASE_PROFILE,
                     help=f"cost profile (shipped name or json) of the FULL-depth model, rescaled to --layers "
                          f"(default {BASE_PROFILE})")

@@ -82,7 +82,8 @@ def arm_config(args, arm: str, shapes_path: Path, fixed: dict, log_dir: Path) ->
         "adaptive_load": {
             "enabled": True, "fused_ln_modulate": False,
             "sampler": {"mode": "fixed", "profile": args.profile, "m_mem": args.m_mem, "shapes": str(shapes_path),
-                        "fixed_batch_sizes": fixed, "checkpointing": args.grad_ckpt},
+                        "fixed_batch_sizes": fixed},
+            "recompute": {"blocks": args.grad_ckpt},
             "metrics": {"interval": args.log_interval, "log_dir": str(log_dir)}}}
     if arm == "sparse":
         last = args.layers - 1

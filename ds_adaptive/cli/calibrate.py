@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-checkpointing", action="store_true", help="measure without gradient checkpointing")
     ap.add_argument("--checkpoint-memory", action=argparse.BooleanOptionalAction, default=True,
                     help="also measure every point in the other checkpointing mode: per-block memory with and "
-                         "without checkpointing and the recompute time, for `checkpointing: auto` (default on)")
+                         "without checkpointing and the recompute time, for `recompute.blocks: auto` (default on)")
     ap.add_argument("--min-fit-tokens", type=int, default=8192,
                     help="exclude latency-bound points with fewer tokens per micro-batch from the fit")
     ap.add_argument("--gpu-mem-gib", type=float, default=None, help="GPU capacity (default: detected)")

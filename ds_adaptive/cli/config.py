@@ -11,6 +11,8 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel
 
 from ds_adaptive.core.config import BLOCK_KEY, AdaptiveLoadConfig, ConfigError
+from ds_adaptive.core.config_base import is_advanced
+from ds_adaptive.core.config_moves import MOVED_KEYS
 from ds_adaptive.core.ds_config import load_adaptive_config, read_ds_config
 from ds_adaptive.models.registry import get_model
 from ds_adaptive.planning.context_parallel import ContextParallelCost
@@ -21,9 +23,14 @@ from ds_adaptive.simulation.context_parallel import uniform_densities
 
 
 REFERENCE_COMMAND = "ds-adaptive config --reference > docs/CONFIG.md"
-#: keys the schema still reads for one release (``ds_adaptive.core.sampler_config``), and where they went
+#: keys the schema still reads for one release (``ds_adaptive.core.sampler_config``, ``core.config_moves``), and
+#: where they went
 DEPRECATED_KEYS = [("adaptive_load.sampler.zero_stage", "the ZeRO stage is the ds_config's `zero_optimization.stage`; "
-                    "a value that disagrees with it is an error (exit 2), an equal one a warning. Drop the key.")]
+                    "a value that disagrees with it is an error (exit 2), an equal one a warning. Drop the key.")] + [
+    (f"{BLOCK_KEY}.{old}", f"moved to `{BLOCK_KEY}.{new}` (the same values); setting both is an error (exit 2). "
+                           "Move the key.") for old, new in MOVED_KEYS]
+#: the marker of an advanced key in the table
+ADVANCED_MARK = "*(advanced)*"
 
 REFERENCE_INTRO = """\
 # The `adaptive_load` block: every key
@@ -41,7 +48,9 @@ default), `zero3_adaptive_14b.json` (the 14B model's calibration profile),
 equal-token baseline at the same memory budget), `cpu_tiny.json` (the CPU default: fp32, `power` cost model
 with explicit budgets, `shapes_cpu.json`).
 
-The table gives each key's first sentence; the full text of every key follows it.
+The table gives each key's first sentence; the full text of every key follows it, block by block. Within a
+block the keys an everyday run sets come first; its advanced keys (research and tuning knobs a run can leave at
+their defaults, marked {mark} in the table) follow under "Advanced".
 """
 
 _SENTENCE_END = re.compile(r"(?<!e\.g)(?<!i\.e)(?<!vs)\.\s+(?=[A-Z`(])")
@@ -76,29 +85,41 @@ def _optional_block(ann: Any) -> Optional[type]:
     return None
 
 
-def _rows() -> list[tuple[str, str, str, str]]:
-    """(key, type, default, full description) of every key of the block, in the models' field order."""
-    rows = []
+def _doc(field) -> str:
+    return " ".join((field.description or "").split()).replace("|", "\\|")
 
-    def doc(field) -> str:
-        return " ".join((field.description or "").split()).replace("|", "\\|")
 
-    def walk(model: type[BaseModel], prefix: str) -> None:
+def _sections() -> list[tuple[str, list[tuple[str, str, str, str, bool]]]]:
+    """Every block of adaptive_load, depth first in the models' field order: (block key, its rows), a row being
+    (key, type, default, full description, advanced), the block's everyday keys first, then its advanced ones (a key
+    of an advanced block is advanced)."""
+    out = []
+
+    def walk(model: type[BaseModel], key: str, advanced_block: bool) -> None:
+        rows, subs = [], []
         for name, field in model.model_fields.items():
-            ann = field.annotation
+            ann, adv, path = field.annotation, advanced_block or is_advanced(field), f"{key}.{name}"
             if isinstance(ann, type) and issubclass(ann, BaseModel):
-                walk(ann, f"{prefix}{name}.")
+                subs.append((ann, path, adv))
                 continue
             block = _optional_block(ann)
             if block is not None:   # a sub-block that is off when null (ema, caption_dropout, validation)
-                rows.append((f"{prefix}{name}", "object \\| null", "`null`", doc(field)))
-                walk(block, f"{prefix}{name}.")
+                rows.append((path, "object \\| null", "`null`", _doc(field), adv))
+                subs.append((block, path, adv))
                 continue
             default = "required" if field.is_required() else f"`{json.dumps(field.get_default(call_default_factory=True))}`"
-            rows.append((f"{prefix}{name}", f"{_type_name(ann)}{_bounds(field)}", default, doc(field)))
+            rows.append((path, f"{_type_name(ann)}{_bounds(field)}", default, _doc(field), adv))
+        out.append((key, sorted(rows, key=lambda r: r[4])))   # stable: everyday keys keep their order, then advanced
+        for sub in subs:
+            walk(*sub)
 
-    walk(AdaptiveLoadConfig, f"{BLOCK_KEY}.")
-    return rows
+    walk(AdaptiveLoadConfig, BLOCK_KEY, False)
+    return out
+
+
+def _rows() -> list[tuple[str, str, str, str, bool]]:
+    """(key, type, default, full description, advanced) of every key of the block, block by block."""
+    return [row for _, rows in _sections() for row in rows]
 
 
 def _first_sentence(text: str, limit: int = 160) -> str:
@@ -113,15 +134,27 @@ def _first_sentence(text: str, limit: int = 160) -> str:
 def markdown_reference() -> str:
     """The table of every key of the adaptive_load block: type, default and the first sentence of its docstring."""
     rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
-    rows += [f"| `{k}` | {t} | {d} | {_first_sentence(doc)} |" for k, t, d, doc in _rows()]
+    rows += [f"| `{k}`{' ' + ADVANCED_MARK if adv else ''} | {t} | {d} | {_first_sentence(doc)} |"
+             for k, t, d, doc, adv in _rows()]
     return "\n".join(rows)
 
 
+def _full_text(sections) -> str:
+    """Every block's keys in full: a heading per block, its everyday keys, then its advanced keys under "Advanced"."""
+    lines = []
+    for block, rows in sections:
+        lines.append(f"\n### `{block}`\n")
+        for i, (k, t, d, doc, adv) in enumerate(rows):
+            if adv and (i == 0 or not rows[i - 1][4]):
+                lines.append(f"\n#### Advanced (`{block}`)\n")
+            lines.append(f"- **`{k}`** ({t}, default {d}): {doc.replace(chr(92) + '|', '|')}")
+    return "\n".join(lines)
+
+
 def reference_page() -> str:
-    """docs/CONFIG.md: the intro, the short table, then every key's full docstring."""
-    details = [f"- **`{k}`** ({t}, default {d}): {doc.replace(chr(92) + '|', '|')}" for k, t, d, doc in _rows()]
-    return (REFERENCE_INTRO.format(command=REFERENCE_COMMAND) + "\n" + markdown_reference()
-            + "\n\n## Every key in full\n\n" + "\n".join(details) + "\n"
+    """docs/CONFIG.md: the intro, the short table, then every key's full docstring, block by block."""
+    return (REFERENCE_INTRO.format(command=REFERENCE_COMMAND, mark=ADVANCED_MARK) + "\n" + markdown_reference()
+            + "\n\n## Every key in full\n" + _full_text(_sections()) + "\n"
             + "\n## Deprecated keys\n\nStill read for one release, with a warning naming where they went:\n\n"
             + "\n".join(f"- `{k}`: {why}" for k, why in DEPRECATED_KEYS) + "\n")
 

@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fused-ln-modulate", action=argparse.BooleanOptionalAction, default=None,
                    help="override adaptive_load.fused_ln_modulate")
     p.add_argument("--grad-ckpt", nargs="?", const="all", default=None, choices=["auto", "all", "none"],
-                   help="override adaptive_load.sampler.checkpointing: 'auto' (per micro-batch the fewest blocks "
+                   help="override adaptive_load.recompute.blocks: 'auto' (per micro-batch the fewest blocks "
                         "that fit the memory budget, from the plan), 'all' (every block; the value of a bare "
                         "--grad-ckpt) or 'none'; default: the config's (auto)")
     p.add_argument("--workers", type=int, default=None,

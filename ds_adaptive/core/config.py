@@ -19,16 +19,55 @@ from __future__ import annotations
 
 from typing import Literal, Optional, Union
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
-from ds_adaptive.core.config_base import ConfigError, _Block
+from ds_adaptive.core.config_base import ConfigError, _Block, advanced
+from ds_adaptive.core.config_moves import at_old_keys, move_keys, warn_moved
 from ds_adaptive.core.features import CaptionDropoutConfig, EmaConfig, ValidationConfig
 from ds_adaptive.core.sampler_config import DROPPED_ZERO_STAGE, GlobalBatchConfig, SamplerConfig
 from ds_adaptive.core.shapes import SampleShape, ShapeError
 
 BLOCK_KEY = "adaptive_load"
 
-__all__ = ["BLOCK_KEY", "ConfigError", "DROPPED_ZERO_STAGE", "GlobalBatchConfig", "SamplerConfig", "MetricsConfig", "ContextParallelCostConfig", "SparseAttentionConfig", "LoraConfig", "PreviewConfig", "AdaptiveLoadConfig"]
+__all__ = ["BLOCK_KEY", "ConfigError", "DROPPED_ZERO_STAGE", "GlobalBatchConfig", "SamplerConfig", "RecomputeConfig",
+           "OptimizationConfig", "MetricsConfig", "ContextParallelCostConfig", "SparseAttentionConfig", "LoraConfig", "PreviewConfig", "AdaptiveLoadConfig"]
+
+
+class RecomputeConfig(_Block):
+    """Activation recompute (activation checkpointing) of the model's transformer blocks: which blocks a micro-batch
+    checkpoints and what a checkpointed block runs again in backward. The planner counts both in each micro-batch's
+    cost and memory."""
+
+    blocks: Literal["auto", "all", "none"] = "auto"
+    """Which blocks are checkpointed: `auto` checkpoints, per micro-batch, only the first n blocks needed
+    for its activations to fit `sampler.m_mem` (from the plan; the cost model adds their recompute), `all`
+    every block, `none` no block. The trainer's `--grad-ckpt [auto|all|none]` overrides it."""
+
+    attention: Literal["auto", "recompute", "keep"] = "auto"
+    """What a checkpointed block runs again in backward: `recompute` its whole forward (self-attention
+    included), `keep` everything but the self-attention core, whose output and log-sum-exp it holds
+    (2 x dim + 4 x heads bytes per token per checkpointed block: 3 KiB at Wan 1.3B) so the attention
+    forward runs once. The planner counts both sides: the smaller recompute in the cost (the dense
+    layers' quadratic recompute term goes) and the bytes in the memory plan. Only the fused SDPA
+    attention is kept (a sparse layer's kernel is recomputed). Gradients are the same. `auto`: where the
+    throughput-optimal budget search runs (`sampler.mode: dual`, `sampler.cost_model: calibrated`,
+    `blocks: auto`, a model that can keep it) it plans both and runs the one with the higher predicted tokens/s
+    (ties: `recompute`; the launcher's notes give both predictions); elsewhere `recompute`."""
+
+
+class OptimizationConfig(_Block):
+    """How the trainer turns micro-batches of varying size into optimizer steps: the weight of each rank's loss
+    and the LR of each step."""
+
+    loss_weighting: Literal["samples", "tokens"] = "samples"
+    """Weight each rank's loss by its share of the optimizer step's samples or tokens, so that
+    variable batch sizes give unbiased gradients."""
+
+    lr_scaling: Literal["none", "linear", "sqrt"] = "none"
+    """Scale the LR of each optimizer step by (samples / reference_batch) or its sqrt."""
+
+    reference_batch: Optional[int] = Field(None, gt=0)
+    """Global samples per optimizer step that the base LR was tuned for (for `lr_scaling`)."""
 
 
 class MetricsConfig(_Block):
@@ -66,7 +105,7 @@ class MetricsConfig(_Block):
     (`ds_adaptive/planning/devices.py`: H100/H200 989, A100 312, ...); MFU is not reported when the
     GPU is unknown and this is null."""
 
-    sync_timing: Union[bool, Literal["auto"]] = "auto"
+    sync_timing: Union[bool, Literal["auto"]] = advanced("auto")
     """Synchronize the device when each micro-step's timed region (batch on the device .. backward
     done) starts and ends. `auto` (default): only where compute time is the host's clock. With the
     trainer's default `--compute-timing` on CUDA, per-rank compute time comes from CUDA events
@@ -113,23 +152,23 @@ class SparseAttentionConfig(_Block):
     """Softmax mass a head's selected key blocks must hold: a head's density is the mean share of
     key blocks needed to reach it on the profiled query rows, and its top-k follows that density."""
 
-    min_density: float = Field(0.02, ge=0.0, le=1.0)
+    min_density: float = advanced(0.02, ge=0.0, le=1.0)
     """Lower bound of the per-head density used for top-k (share of key blocks per query block)."""
 
-    max_density: float = Field(1.0, gt=0.0, le=1.0)
+    max_density: float = advanced(1.0, gt=0.0, le=1.0)
     """Upper bound of the per-head density used for top-k."""
 
-    block_size: int = Field(128, ge=16, le=1024)
+    block_size: int = advanced(128, ge=16, le=1024)
     """Tokens per query / key block of the block-sparse kernel (a multiple of 16; 128 on Hopper:
     64-token blocks failed to compile in FlexAttention on H100)."""
 
-    cube: list[int] = Field(default_factory=lambda: [2, 8, 8])
+    cube: list[int] = advanced(default_factory=lambda: [2, 8, 8])
     """[frames, rows, columns] of the 3D token cubes of the token order (2x8x8 = 128 = one block)."""
 
-    predictor_rank: int = Field(16, ge=1, le=256)
+    predictor_rank: int = advanced(16, ge=1, le=256)
     """Rank r of the per-head projections of q and k that predict the attention logits."""
 
-    block_score: Literal["pooled_lse", "lse", "mean"] = "pooled_lse"
+    block_score: Literal["pooled_lse", "lse", "mean"] = advanced("pooled_lse")
     """How a (query block, key block) pair is scored for the top-k: `pooled_lse` = log-sum-exp over the
     key block of the query block's mean query against the real keys (exact logits, no predictor:
     keeps >= 0.95 of the softmax mass on RoPE-structured data with local windows, far regions and
@@ -137,42 +176,42 @@ class SparseAttentionConfig(_Block):
     predictor's logits; `mean` = block mean of the predicted logits (O(nq nk r); keeps 0.6-0.75 of
     the mass there). Only `lse` and `mean` train the predictor."""
 
-    predictor_lr: float = Field(1e-3, gt=0.0)
+    predictor_lr: float = advanced(1e-3, gt=0.0)
     """AdamW learning rate of the predictor (its own optimizer, not the DiT's)."""
 
-    predictor_cos_weight: float = Field(0.9, ge=0.0, le=1.0)
+    predictor_cos_weight: float = advanced(0.9, ge=0.0, le=1.0)
     """Weight of the cosine term of the predictor loss; the normalised-MSE term gets 1 - this."""
 
-    sample_rows: int = Field(128, ge=1)
+    sample_rows: int = advanced(128, ge=1)
     """Query rows per layer and micro-step whose exact logits train the predictor and measure
     density / recall (their logits cost [B, H, sample_rows, S] fp32 memory)."""
 
     warmup_steps: int = Field(500, ge=0)
     """Stage 1 (dense attention, predictor training) lasts at most this many optimizer steps."""
 
-    loss_threshold: float = Field(0.05, ge=0.0)
+    loss_threshold: float = advanced(0.05, ge=0.0)
     """Stage 1 ends early when the predictor loss (mean over layers, all ranks) is below this."""
 
-    profile_interval: int = Field(50, ge=1)
+    profile_interval: int = advanced(50, ge=1)
     """In stage 2, re-measure densities / recall and train the predictor every this many steps."""
 
-    layer_density_threshold: float = Field(0.3, gt=0.0, le=1.0)
+    layer_density_threshold: float = advanced(0.3, gt=0.0, le=1.0)
     """In stage 2 a layer runs sparse only when its profiled mean head density is at most this."""
 
-    dense_above: float = Field(0.6, gt=0.0, le=1.0)
+    dense_above: float = advanced(0.6, gt=0.0, le=1.0)
     """A layer whose selected density is above this runs dense cuDNN/flash SDPA instead (per
     selected block a block-sparse kernel costs more than dense attention, so above some density dense is faster)."""
 
     dense_layers: Optional[list[int]] = None
     """Layers that always run dense (0-based). Default: the first and the last layer."""
 
-    keep_sink: bool = False
+    keep_sink: bool = advanced(False)
     """Always select key block 0 too (an attention sink) besides the diagonal block."""
 
-    forced_density: Optional[float] = Field(None, gt=0.0, le=1.0)
+    forced_density: Optional[float] = advanced(None, gt=0.0, le=1.0)
     """Benchmarks: skip stage 1 and profiling, run every non-dense layer sparse at this density."""
 
-    forced_after_warmup: bool = False
+    forced_after_warmup: bool = advanced(False)
     """With `forced_density`: run stage 1 first (dense, predictor training; it ends as usual), then
     every non-dense layer sparse at `forced_density` (top-k by the trained predictor), profiling
     every `profile_interval` steps (so density and recall are measured). For quality runs of a
@@ -186,7 +225,7 @@ class SparseAttentionConfig(_Block):
     re-plans the rest of the epoch from the next step; `epoch`: from the next epoch; `off`: never
     (the plan is the dense plan, e.g. to compare with a dense run on the same batches)."""
 
-    rebalance_min_change: float = Field(0.02, ge=0.0, le=1.0)
+    rebalance_min_change: float = advanced(0.02, ge=0.0, le=1.0)
     """Re-plan only when some layer/head density changed by more than this since the last re-plan."""
 
     backend: str = "auto"
@@ -195,12 +234,12 @@ class SparseAttentionConfig(_Block):
     as registered), or `auto`: the fastest measured on this GPU among those that run here (a cached
     measurement per GPU + torch version); with none, the reference, said loudly at start-up."""
 
-    selection_cache: Literal["host", "device"] = "host"
+    selection_cache: Literal["host", "device"] = advanced("host")
     """Where a layer's selection waits between the forward and its activation-checkpointing
     recompute: `host` (pinned CPU buffers, stream-ordered async copies, no GPU memory held across
     the step; CUDA only) or `device` (kept on the GPU: [B, H, nq, k] int32 per sparse layer)."""
 
-    max_compiled_graphs: int = Field(8, ge=1)
+    max_compiled_graphs: int = advanced(8, ge=1)
     """Graphs a compiling backend (`flex`) may compile in the process. Shapes are dynamic: one graph
     for B == 1 and one for B >= 2 per dtype / kernel-options bucket / training or evaluation, whatever
     the sequence lengths; one more than this is an error (never a silent fallback to an unfused S^2 path)."""
@@ -216,7 +255,7 @@ class SparseAttentionConfig(_Block):
     model predicts fastest. `sequence` and `auto` allow sp beyond the head count. Default `heads` until a GPU
     run has measured `auto`."""
 
-    context_parallel_cost: ContextParallelCostConfig = Field(default_factory=ContextParallelCostConfig)
+    context_parallel_cost: ContextParallelCostConfig = advanced(default_factory=ContextParallelCostConfig)
     """Links and selection overlap the `auto` solver and the planner's communication term assume."""
 
     @field_validator("cube")
@@ -384,7 +423,7 @@ class AdaptiveLoadConfig(_Block):
     The shipped Wan 1.3B config turns `regions` on, where it measured faster (docs/RESULTS.md). Measure on your job
     (`bench/training/mfu_levers.py`)."""
 
-    zero3_leaf_blocks: bool = True
+    zero3_leaf_blocks: bool = advanced(True)
     """Under ZeRO stage 3, mark each transformer block a ZeRO-3 leaf module (DeepSpeed's
     `set_z3_leaf_module`): ZeRO-3 then gathers and releases a block's parameters at once, with one hook
     pair per block instead of one per Linear and norm (a Wan 1.3B block has 18), so the host spends less
@@ -397,7 +436,7 @@ class AdaptiveLoadConfig(_Block):
     frozen base gives the first block an input without a gradient, and DeepSpeed's leaf-module backward hook then
     releases the block's parameters before the adapters' backward uses them (a note says so when the key is set)."""
 
-    zero3_torch_linear: bool = True
+    zero3_torch_linear: bool = advanced(True)
     """Under ZeRO stage 3, run Linear layers through torch's own `F.linear` rather than DeepSpeed's replacement
     (`zero_optimization.memory_efficient_linear`, which DeepSpeed turns on by default and which then stays on for the
     whole process): torch multiplies a `[B, S, D]` input as one matrix with the bias in the GEMM's epilogue, where
@@ -410,6 +449,12 @@ class AdaptiveLoadConfig(_Block):
 
     sampler: SamplerConfig = Field(default_factory=SamplerConfig)
     """The sampler sub-block."""
+
+    recompute: RecomputeConfig = Field(default_factory=RecomputeConfig)
+    """The activation-recompute sub-block (which blocks are checkpointed, what they run again)."""
+
+    optimization: OptimizationConfig = Field(default_factory=OptimizationConfig)
+    """The optimization sub-block (loss weighting, LR scaling)."""
 
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     """The metrics sub-block."""
@@ -431,3 +476,15 @@ class AdaptiveLoadConfig(_Block):
 
     validation: Optional[ValidationConfig] = None
     """Validation on a held-out split of the dataset during training (null: off)."""
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _moved_keys(cls, data, handler):
+        # keys that moved out of `sampler` (core.config_moves): read at their old place for one release
+        data, moved = move_keys(data)
+        try:
+            out = handler(data)
+        except ValidationError as exc:
+            raise at_old_keys(exc, moved) from None
+        warn_moved(moved)
+        return out

@@ -7,7 +7,7 @@ from typing import Literal, Optional, Union
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
-from ds_adaptive.core.config_base import _Block
+from ds_adaptive.core.config_base import _Block, advanced
 
 __all__ = ["DROPPED_ZERO_STAGE", "GlobalBatchConfig", "SamplerConfig"]
 
@@ -28,7 +28,7 @@ class GlobalBatchConfig(_Block):
     tokens: Optional[int] = Field(None, gt=0)
     """Tokens (unpadded latent tokens) per optimizer step (mean over the epoch's steps), over all DP ranks."""
 
-    tolerance: float = Field(0.05, gt=0.0, le=0.5)
+    tolerance: float = advanced(0.05, gt=0.0, le=0.5)
     """Largest relative gap between the planned mean per optimizer step and the set value; a plan outside it is
     not chosen (and when no plan keeps it, the run stops with one line giving the nearest values that can be
     planned). Single steps vary with the data around the mean (the dry run prints min / max)."""
@@ -67,7 +67,7 @@ class SamplerConfig(_Block):
     """Per-sample compute cost: `calibrated` c0 + a*S + b*S^2 from a GPU profile, `power` S^p
     (the paper), `tokens` S (linear)."""
 
-    p: float = Field(1.5, gt=0.0, le=4.0)
+    p: float = advanced(1.5, gt=0.0, le=4.0)
     """Exponent of the `power` cost model, cost = S^p."""
 
     profile: Optional[str] = "auto"
@@ -86,33 +86,17 @@ class SamplerConfig(_Block):
     else $XDG_CACHE_HOME/ds_adaptive, else ~/.cache/ds_adaptive (a `profiles/` folder in it). Delete a
     file there to calibrate again."""
 
-    checkpointing: Literal["auto", "all", "none"] = "auto"
-    """Activation checkpointing: `auto` checkpoints, per micro-batch, only the first n blocks needed
-    for its activations to fit `m_mem` (from the plan; the cost model adds their recompute), `all`
-    every block, `none` no block. The trainer's `--grad-ckpt [auto|all|none]` overrides it."""
-
-    checkpoint_attention: Literal["auto", "recompute", "keep"] = "auto"
-    """What a checkpointed block runs again in backward: `recompute` its whole forward (self-attention
-    included), `keep` everything but the self-attention core, whose output and log-sum-exp it holds
-    (2 x dim + 4 x heads bytes per token per checkpointed block: 3 KiB at Wan 1.3B) so the attention
-    forward runs once. The planner counts both sides: the smaller recompute in the cost (the dense
-    layers' quadratic recompute term goes) and the bytes in the memory plan. Only the fused SDPA
-    attention is kept (a sparse layer's kernel is recomputed). Gradients are the same. `auto`: where the
-    throughput-optimal budget search runs (`mode: dual`, `cost_model: calibrated`, `checkpointing: auto`,
-    a model that can keep it) it plans both and runs the one with the higher predicted tokens/s (ties:
-    `recompute`; the launcher's notes give both predictions); elsewhere `recompute`."""
-
-    batch_cap: Literal["auto", "off"] = "auto"
+    batch_cap: Literal["auto", "off"] = advanced("auto")
     """Whether `m_comp: auto`'s search may stop each shape's batches at their lowest predicted time per sample.
     Under a budget where a shape's largest batch must checkpoint blocks, a smaller batch of it can take less
     time per sample (its cost plus the training loop's time per micro-step, over its samples). `auto`: the
     search scores each such budget as it is and with every shape's batch capped there, and runs the faster
     (the launcher's budget line says when batches are capped). `off`: batches grow to the budget. Only where
-    the search runs (`mode: dual`, `cost_model: calibrated`, `checkpointing: auto`, `m_comp: auto`)."""
+    the search runs (`mode: dual`, `cost_model: calibrated`, `recompute.blocks: auto`, `m_comp: auto`)."""
 
     m_comp: Union[float, Literal["auto"]] = "auto"
     """Compute budget per micro-batch per GPU, in the cost model's unit (ms for `calibrated`,
-    S^p for `power`, tokens for `tokens`). `auto`: with `checkpointing: auto` and the calibrated model,
+    S^p for `power`, tokens for `tokens`). `auto`: with `recompute.blocks: auto` and the calibrated model,
     the budget (below or above the costliest sample's B=1 cost, up to the costliest batch within
     `m_mem`) with the highest predicted tokens/s over the epoch's plan, recompute and per-step overheads
     included; samples costlier than it run alone; when the equal-token plan is predicted faster than
@@ -132,15 +116,15 @@ class SamplerConfig(_Block):
     max_tokens: Optional[int] = Field(None, gt=0)
     """`tokens` mode: tokens per micro-batch (default: what `m_mem` allows for the longest sample)."""
 
-    fixed_batch_sizes: Optional[dict[str, int]] = None
+    fixed_batch_sizes: Optional[dict[str, int]] = advanced(None)
     """`fixed` mode: batch size per bucket, keyed "FxHxW" in pixels (e.g. "81x480x832": 1); missing buckets
     get the largest size that fits `m_mem`, a key that is not a shape of the data is an error."""
 
-    window: int = Field(256, ge=1)
+    window: int = advanced(256, ge=1)
     """Samples per data-parallel rank drawn (shuffled) per planning window: the planner sees
     `window` x dp_size samples at a time (plus leftovers carried from the previous window)."""
 
-    balance_tolerance: float = Field(0.03, gt=0.0, le=1.0)
+    balance_tolerance: float = advanced(0.03, gt=0.0, le=1.0)
     """`dual`: largest CV of predicted per-rank cost accepted for a micro-step; a micro-step over it
     is not formed and its long samples wait for partners in the next window (the epoch's last
     window is planned regardless)."""
@@ -159,16 +143,6 @@ class SamplerConfig(_Block):
     data). An int `gradient_accumulation_steps` is kept, and the compute budget is chosen so that that many
     micro-steps hold it. null: the micro-steps per step alone set the batch (an int `gradient_accumulation_steps`:
     the dry run prints the global batch it gives; `auto`: it follows the world size, with a warning)."""
-
-    lr_scaling: Literal["none", "linear", "sqrt"] = "none"
-    """Scale the LR of each optimizer step by (samples / reference_batch) or its sqrt."""
-
-    reference_batch: Optional[int] = Field(None, gt=0)
-    """Global samples per optimizer step that the base LR was tuned for (for `lr_scaling`)."""
-
-    loss_weighting: Literal["samples", "tokens"] = "samples"
-    """Weight each rank's loss by its share of the optimizer step's samples or tokens, so that
-    variable batch sizes give unbiased gradients."""
 
     shapes: Optional[str] = None
     """Shape-distribution json for the synthetic dataset (default: the trained model's shipped mix)."""

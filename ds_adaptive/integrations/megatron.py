@@ -35,7 +35,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional, Protocol, Sequence, Union, runtime_checkable
 
-from ds_adaptive.core.config import SamplerConfig
+from ds_adaptive.core.config import AdaptiveLoadConfig, OptimizationConfig, RecomputeConfig, SamplerConfig
 from ds_adaptive.planning.planner import StepTotals
 from ds_adaptive.planning.sampler import build_batch_sampler
 from ds_adaptive.core.layout import Layout
@@ -95,23 +95,31 @@ class MegatronAdaptiveLoader:
     """An endless iterator over this rank's micro-batches, epoch after epoch, with resumable state.
 
     ``next(loader)`` returns the collated micro-batch; ``current_step_totals`` are the global
-    counts of the optimizer step that batch belongs to (loss weighting / LR scaling).
+    counts of the optimizer step that batch belongs to (loss weighting / LR scaling). ``recompute`` /
+    ``optimization``: the ``adaptive_load.recompute`` / ``adaptive_load.optimization`` blocks (the checkpoint
+    policy the plan counts; the LR scaling of ``lr_scale``), their defaults when None.
     """
 
     def __init__(self, dataset: Any, sampler_cfg: Union[SamplerConfig, Mapping[str, Any]], *,
                  micro_steps_per_step: Optional[int] = None, layout: Optional[Layout] = None,
                  sp_size: Optional[int] = None, collate_fn: Optional[Callable] = None, num_workers: int = 0,
                  pin_memory: bool = False, enabled: bool = True, gpu_mem_gib: Optional[float] = None,
-                 model_name: Optional[str] = None, zero_stage: Optional[int] = None) -> None:
+                 model_name: Optional[str] = None, zero_stage: Optional[int] = None,
+                 recompute: Optional[Union[RecomputeConfig, Mapping[str, Any]]] = None,
+                 optimization: Optional[Union[OptimizationConfig, Mapping[str, Any]]] = None) -> None:
         import torch.utils.data
 
-        cfg = sampler_cfg if isinstance(sampler_cfg, SamplerConfig) else SamplerConfig.model_validate(sampler_cfg)
+        # validated as the block is: a sampler dict that still sets a moved key works (with its warning)
+        block = AdaptiveLoadConfig.model_validate({"sampler": sampler_cfg, **{
+            k: v for k, v in (("recompute", recompute), ("optimization", optimization)) if v is not None}})
+        cfg = block.sampler
         self.dataset = dataset
         self.layout = layout or Layout.detect(sp_size)
         ga = micro_steps_per_step or _megatron_num_microbatches()
         self.sampler = build_batch_sampler(cfg, dataset_shapes(dataset), self.layout,
                                            micro_steps_per_step=ga, enabled=enabled, gpu_mem_gib=gpu_mem_gib,
-                                           model_name=model_name, zero_stage=zero_stage)
+                                           model_name=model_name, zero_stage=zero_stage,
+                                           recompute=block.recompute, optimization=block.optimization)
         self._loader = torch.utils.data.DataLoader(dataset, batch_sampler=self.sampler, collate_fn=collate_fn,
                                                    num_workers=num_workers, pin_memory=pin_memory)
         self.epoch = 0

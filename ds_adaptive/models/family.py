@@ -298,7 +298,7 @@ class ModelFamily:
     """Where LoRA adapters may go (``adaptive_load.lora.targets``); None: the family has no LoRA support."""
     keeps_attention: bool = False
     """Its models offer ``set_checkpoint_attention``: a checkpointed block can keep its self-attention output
-    (``sampler.checkpoint_attention: keep``; ``auto`` plans it only for such a family)."""
+    (``recompute.attention: keep``; ``auto`` plans it only for such a family)."""
     per_token_modulation_bytes: Optional[Callable[[Any], tuple[float, float]]] = None
     """``config -> (outside, block)``: activation bytes per token that one timestep per token adds over one per
     sample (``per_token_timesteps``): ``outside`` once per sample (embeddings, head, the modulation's gradient),

@@ -11,7 +11,7 @@ and softmax left out, as in the usual MFU convention)::
 
 ``model FLOPs = 3 x forward`` (backward = 2 x forward); the recomputed forward of checkpointed blocks
 is excluded (MFU) or included (``hardware FLOPs = model + n_ckpt x (block linear + block attn)``,
-HFU; with ``checkpoint_attention: keep`` the recompute skips the self-attention core, ``4 S^2 D`` less per
+HFU; with ``recompute.attention: keep`` the recompute skips the self-attention core, ``4 S^2 D`` less per
 recomputed block). Under Ulysses each of the ``sp`` GPUs of a group does 1/sp of the sample's FLOPs.
 """
 from __future__ import annotations

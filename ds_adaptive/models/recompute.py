@@ -1,4 +1,4 @@
-"""Selective activation checkpointing that keeps the self-attention core (``sampler.checkpoint_attention``).
+"""Selective activation checkpointing that keeps the self-attention core (``recompute.attention``).
 
 A checkpointed block normally keeps only its input and runs its whole forward again in backward. For
 video DiTs the expensive part of that recomputed forward is the self-attention core (at long sequences most of a
@@ -36,7 +36,7 @@ from typing import Callable, Iterator, Optional
 __all__ = ["CHECKPOINT_ATTENTION_MODES", "kept_attention_ops", "kept_attention_bytes_per_token",
            "keep_attention_context", "self_attention_core"]
 
-#: ``sampler.checkpoint_attention``: ``recompute`` (the whole block again, the default) or ``keep``
+#: ``recompute.attention``: ``recompute`` (the whole block again, the default) or ``keep``
 CHECKPOINT_ATTENTION_MODES = ("recompute", "keep")
 
 #: the fused SDPA ops whose outputs a checkpointed block keeps (CUDA: cuDNN, flash, memory-efficient; CPU: flash)
@@ -153,7 +153,7 @@ def _modes() -> dict:
                     raise RuntimeError(
                         f"checkpoint_attention keep: the recompute of a checkpointed block called its self-attention "
                         f"core {st.taken + 1} time(s), its forward {len(st.outputs)}: the block's forward must make "
-                        "the same attention calls both times (set adaptive_load.sampler.checkpoint_attention to "
+                        "the same attention calls both times (set adaptive_load.recompute.attention to "
                         "'recompute' for a model that does not)")
                 out, st.outputs[st.taken] = st.outputs[st.taken], None
                 st.taken += 1

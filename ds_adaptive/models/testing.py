@@ -57,7 +57,7 @@ def diffusers_twin(model: WanModel, dtype: torch.dtype = torch.float32):
 
 class AttentionCalls:
     """Counts the fused SDPA calls that reach a kernel while entered (``with AttentionCalls() as c: ...;
-    c.calls``): how many attention forwards a backward recomputes (``sampler.checkpoint_attention``)."""
+    c.calls``): how many attention forwards a backward recomputes (``recompute.attention``)."""
 
     def __init__(self) -> None:
         from torch.utils._python_dispatch import TorchDispatchMode

@@ -161,7 +161,7 @@ class WanModel(nn.Module):
         self.checkpoint_blocks = None if n is None else min(int(n), len(self.blocks))
 
     def set_checkpoint_attention(self, mode: str) -> None:
-        """``sampler.checkpoint_attention``: ``recompute`` (a checkpointed block runs its whole forward again in
+        """``recompute.attention``: ``recompute`` (a checkpointed block runs its whole forward again in
         backward) or ``keep`` (it keeps its self-attention core's output and log-sum-exp and recomputes the
         rest: :mod:`ds_adaptive.models.recompute`). Gradients are the same either way."""
         if mode not in CHECKPOINT_ATTENTION_MODES:

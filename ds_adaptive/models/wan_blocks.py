@@ -231,7 +231,7 @@ class WanBlock(nn.Module):
         freqs [S, Dh/2, 2].
 
         ``checkpointed``: None runs the block; a dict of ``torch.utils.checkpoint`` keyword arguments (``{}``,
-        or ``context_fn`` for ``checkpoint_attention: keep``) runs it under non-reentrant activation
+        or ``context_fn`` for ``recompute.attention: keep``) runs it under non-reentrant activation
         checkpointing *inside* this module's call. Module hooks then see one call per pass whether or not the
         block is checkpointed (the recompute runs the body, not the module): ZeRO-3's leaf-block gather is done
         by its backward hook before the recompute, and its trace of the module order, which it prefetches by,

@@ -467,7 +467,7 @@ def resolve_budgets(*, mode: Mode, cost: CostModel, shapes: Sequence[SampleShape
       and headroom (:meth:`CostModel.usable_memory_gib`).
     - ``m_comp: auto``: the reference = the costliest sample (that fits ``m_mem``) at B=1, i.e. the
       smallest budget under which no sample is oversize. With the memory-aware checkpoint policy
-      (``dual``, calibrated, ``checkpointing: auto``) the throughput-optimal budget, below or above it
+      (``dual``, calibrated, ``recompute.blocks: auto``) the throughput-optimal budget, below or above it
       (:func:`ds_adaptive.planning.budget.choose_compute_budget`, which also scores the equal-token plan at
       ``max_tokens``; the plan runs samples over a budget below the reference alone: ``solo_over_budget``),
       else the reference itself. ``batch_cap``: the search may cap each shape's batches at their lowest time

@@ -226,7 +226,7 @@ class CostModel:
         return checkpointed_memory(self, shape_or_tokens, batch_size, ckpt_blocks)
 
     def kept_attention_gib_per_token(self) -> float:
-        """What a checkpointed block holds beyond its input under ``checkpoint_attention: keep`` (GiB per token
+        """What a checkpointed block holds beyond its input under ``recompute.attention: keep`` (GiB per token
         of the local shard): the self-attention output and log-sum-exp (``kept_attention_bytes_per_token``,
         exact sizes, not measured); 0 for ``recompute``. Counted for every checkpointed block, a sparse layer
         too (its kernel's output is recomputed, not kept: an over-estimate of 3 KiB per token there)."""
@@ -277,7 +277,7 @@ class CostModel:
         return np.asarray(batch_size) * quad * share
 
     def _kept_attention_saving(self, shape_or_tokens: Union[SampleShape, int], batch_size, ckpt_blocks):
-        """``checkpoint_attention: keep``: the recomputed forward of a checkpointed block whose attention runs
+        """``recompute.attention: keep``: the recomputed forward of a checkpointed block whose attention runs
         dense (SDPA) skips the attention core, the quadratic part of :meth:`recompute_ms`; a sparse layer's
         recompute still runs its kernel (``r_l`` of that part, :meth:`_sparse_recompute_saving`). Returns
         that quadratic part times the dense layers among the first ``ckpt_blocks`` (ms). 0 for ``recompute``."""

@@ -47,7 +47,7 @@ class PlannerParams:
     #: Set by the throughput-optimal ``m_comp: auto`` (``ds_adaptive.planning.budget``), whose budget may be
     #: below the longest sample's cost.
     solo_over_budget: bool = False
-    #: ``dual`` with a checkpoint plan per batch (``checkpointing: auto``): each shape's batch is at most the size
+    #: ``dual`` with a checkpoint plan per batch (``recompute.blocks: auto``): each shape's batch is at most the size
     #: with the lowest predicted time per sample, its cost plus the training loop's time per micro-step and share
     #: of an optimizer step's (``Profile.micro_step_overhead_ms``, ``optimizer_step_overhead_ms``). Past that size
     #: a larger batch checkpoints more blocks, and each recomputes a forward for every sample of the batch. Set by
@@ -108,7 +108,7 @@ class StepTotals:
         if mode == "none":
             return 1.0
         if not reference_batch:
-            raise PlanError("lr_scaling needs sampler.reference_batch (global samples per optimizer "
+            raise PlanError("lr_scaling needs optimization.reference_batch (global samples per optimizer "
                             "step that the base LR was tuned for)")
         r = self.samples / reference_batch
         return r if mode == "linear" else math.sqrt(r)

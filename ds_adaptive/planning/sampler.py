@@ -32,7 +32,7 @@ from typing import Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 
-from ds_adaptive.core.config import SamplerConfig
+from ds_adaptive.core.config import OptimizationConfig, RecomputeConfig, SamplerConfig
 from ds_adaptive.core.layout import Layout
 from ds_adaptive.planning.budget import plan_tokens_per_s, uses_budget_search
 from ds_adaptive.planning.cost import CostModel
@@ -450,14 +450,14 @@ def _run_profile(sampler_cfg: SamplerConfig, profile: Optional[Profile], model, 
     return profile
 
 
-def _checkpoint_attention_plan(sampler_cfg: SamplerConfig, mode: str, model, shapes, plan_with, profile_log):
-    """``(cost, budgets)`` of ``plan_with(attention)`` for ``sampler.checkpoint_attention``; ``auto``: both modes where
-    the budget search runs (``dual``, calibrated, checkpointing ``auto``, a family that can keep its attention, or
+def _checkpoint_attention_plan(asked: str, mode: str, model, shapes, plan_with, profile_log):
+    """``(cost, budgets)`` of ``plan_with(attention)`` for ``recompute.attention`` (``asked``); ``auto``: both modes where
+    the budget search runs (``dual``, calibrated, ``recompute.blocks: auto``, a family that can keep its attention, or
     no model: planning on paper), the one with the higher predicted tokens/s (ties: ``recompute``), with a line
     to ``profile_log``; elsewhere ``recompute``. ``keep`` is not taken where a shape that fits ``m_mem`` with every
     block recomputing would not fit with the kept attention outputs (its search leaves such samples out)."""
-    if sampler_cfg.checkpoint_attention != "auto":
-        return plan_with(sampler_cfg.checkpoint_attention)
+    if asked != "auto":
+        return plan_with(asked)
     cost, budgets = plan_with("recompute")
     if not (uses_budget_search(cost, mode) and (model is None or model.family.keeps_attention)
             and budgets.get("budget_choice") is not None):
@@ -466,7 +466,7 @@ def _checkpoint_attention_plan(sampler_cfg: SamplerConfig, mode: str, model, sha
         keep_cost, keep_budgets = plan_with("keep")
     except PlanError as exc:   # e.g. no plan with kept attention holds the global batch: recompute's does
         if profile_log is not None:
-            profile_log(f"sampler.checkpoint_attention auto -> recompute: with kept attention outputs {exc}")
+            profile_log(f"recompute.attention auto -> recompute: with kept attention outputs {exc}")
         return cost, budgets
     m_mem = budgets["m_mem"]
     lost = [s for s in unique_shapes(shapes)[0] if sample_memory(keep_cost, s) > m_mem >= sample_memory(cost, s)]
@@ -476,7 +476,7 @@ def _checkpoint_attention_plan(sampler_cfg: SamplerConfig, mode: str, model, sha
     if profile_log is not None:
         why = (f" (keeping it, {lost[0]} would not fit m_mem {m_mem:.2f} GiB even with every block checkpointed)"
                if lost else "")
-        profile_log(f"sampler.checkpoint_attention auto -> {pick}: the budget search predicts {tps['keep']:,.0f} "
+        profile_log(f"recompute.attention auto -> {pick}: the budget search predicts {tps['keep']:,.0f} "
                     f"tokens/s with checkpointed blocks keeping their self-attention output, {tps['recompute']:,.0f} "
                     f"recomputing it{why}")
     return (keep_cost, keep_budgets) if pick == "keep" else (cost, budgets)
@@ -506,14 +506,21 @@ def _zero_stage(given: Optional[int], sampler_cfg: SamplerConfig) -> int:
     return 3 if sampler_cfg.dropped_zero_stage is None else sampler_cfg.dropped_zero_stage
 
 
+def _blocks(sampler_cfg, recompute, optimization) -> tuple[SamplerConfig, RecomputeConfig, OptimizationConfig]:
+    """The sampler, recompute and optimization blocks validated (a dict validates; None: a block's defaults)."""
+    return tuple(cfg if isinstance(cfg, model) else model.model_validate(cfg or {})
+                 for cfg, model in ((sampler_cfg, SamplerConfig), (recompute, RecomputeConfig),
+                                    (optimization, OptimizationConfig)))
+
+
 def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape], layout: Layout, *,
                         micro_steps_per_step: "int | str", enabled: bool = True, gpu_mem_gib: Optional[float] = None,
                         model_name: Optional[str] = None, zero_stage: Optional[int] = None,
                         mode: Optional[str] = None, num_layers: Optional[int] = None,
                         sparse: Optional[SparseAttentionCost] = None, checkpointing: Optional[str] = None,
                         profile_log=None, ln_modulate: Optional[str] = None,
-                        profile: Optional[Profile] = None,
-                        adapter_params: Optional[int] = None,
+                        profile: Optional[Profile] = None, recompute: "RecomputeConfig | Mapping | None" = None,
+                        adapter_params: Optional[int] = None, optimization: "OptimizationConfig | Mapping | None" = None,
                         per_token_timesteps: Optional[bool] = None,
                         block_fusion: Optional[str] = None, ema_params: Optional[int] = None) -> _PlannedBatchSampler:
     """The batch sampler that ``sampler_cfg`` describes, with ``auto`` budgets resolved.
@@ -524,10 +531,10 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
     trained model's depth (``--layers``); when it differs from the profile's, the profile is
     rescaled to it (:meth:`Profile.with_num_layers`; ``sampler.cost.profile.rescaled_from_layers``
     then holds the profile's own depth). ``sparse``: plan with the sparse-attention cost (its
-    densities may be updated later with ``update_densities``). ``checkpointing`` overrides
-    ``sampler_cfg.checkpointing`` (the trainer's ``--grad-ckpt``). ``profile: auto`` resolves the profile
-    for the detected GPU (:func:`ds_adaptive.planning.devices.resolve_auto_profile`); its one-line message
-    goes to ``profile_log`` (e.g. ``print``) when given. ``micro_steps_per_step``: DeepSpeed's
+    densities may be updated later with ``update_densities``). ``recompute`` / ``optimization``: those adaptive_load
+    blocks (None: defaults); ``checkpointing`` overrides ``recompute.blocks`` (``--grad-ckpt``). ``profile: auto``
+    resolves the profile for the detected GPU (:func:`ds_adaptive.planning.devices.resolve_auto_profile`); its
+    one-line message goes to ``profile_log`` (e.g. ``print``) when given. ``micro_steps_per_step``: DeepSpeed's
     gradient_accumulation_steps, or ``"auto"``: the throughput-optimal ``m_comp: auto`` chooses it with the
     budget (:mod:`ds_adaptive.planning.budget`; 1 without that search); the sampler's
     ``micro_steps_per_step`` publishes it (the trainer sets DeepSpeed's value from it). ``ln_modulate``: the
@@ -541,8 +548,7 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
     counts the per-token modulation (:meth:`Profile.with_per_token_timesteps`). ``block_fusion``: the run's
     ``adaptive_load.block_fusion`` where it can run (None: no check); the profile's entries for it are used, or a
     note says the plan is conservative (:meth:`Profile.for_block_fusion`). ``ema_params``: :meth:`Profile.with_ema`."""
-    if isinstance(sampler_cfg, Mapping):
-        sampler_cfg = SamplerConfig.model_validate(sampler_cfg)
+    sampler_cfg, recompute, opt = _blocks(sampler_cfg, recompute, optimization)
     shapes = indexed(shapes)
     chosen = mode or (sampler_cfg.mode if enabled else "tokens")
     if chosen not in _CLASSES:
@@ -556,7 +562,7 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
         sparse = sparse.with_densities(sparse.densities.with_num_layers(profile.num_layers))
     def plan_with(attention: str):
         cost = CostModel(profile, sampler_cfg.cost_model, p=sampler_cfg.p, sp=layout.sp_size, num_heads=num_heads,
-                         sparse=sparse, checkpointing=checkpointing or sampler_cfg.checkpointing,
+                         sparse=sparse, checkpointing=checkpointing or recompute.blocks,
                          checkpoint_attention=attention, context_parallel=layout.context_parallel)
         return cost, resolve_budgets(
             mode=chosen, cost=cost, shapes=shapes, m_mem=sampler_cfg.m_mem, m_comp=sampler_cfg.m_comp,
@@ -570,7 +576,7 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
 
     gb = sampler_cfg.global_batch
     _check_batch_settings(sampler_cfg, shapes, layout, micro_steps_per_step, profile_log)
-    cost, budgets = _checkpoint_attention_plan(sampler_cfg, chosen, model, shapes, plan_with, profile_log)
+    cost, budgets = _checkpoint_attention_plan(recompute.attention, chosen, model, shapes, plan_with, profile_log)
     plan_mode = budgets["plan_mode"] if chosen == "dual" else chosen
     sampler = _CLASSES[chosen](
         shapes, layout, cost, micro_steps_per_step=budgets["micro_steps_per_step"], m_mem=budgets["m_mem"],
@@ -578,8 +584,8 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
         max_tokens=budgets["max_tokens"] if plan_mode == "tokens" else None,
         fixed_batch_sizes=sampler_cfg.fixed_batch_sizes, window=sampler_cfg.window, seed=sampler_cfg.seed,
         oversize=sampler_cfg.oversize, balance_tolerance=sampler_cfg.balance_tolerance,
-        lr_scaling=sampler_cfg.lr_scaling, reference_batch=sampler_cfg.reference_batch,
-        loss_weighting=sampler_cfg.loss_weighting, m_comp_auto=sampler_cfg.m_comp == "auto",
+        lr_scaling=opt.lr_scaling, reference_batch=opt.reference_batch,
+        loss_weighting=opt.loss_weighting, m_comp_auto=sampler_cfg.m_comp == "auto",
         solo_over_budget=budgets["solo_over_budget"] and chosen == "dual", budget_choice=budgets["budget_choice"],
         plan_mode=plan_mode, efficient_batches=budgets["efficient_batches"] and chosen == "dual",
         batch_cap=sampler_cfg.batch_cap == "auto", global_batch=gb, global_batch_fit=budgets["global_batch_fit"])

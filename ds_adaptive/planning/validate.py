@@ -21,7 +21,7 @@ Rules, in the order they are reported:
 * ``precision``: not both ``bf16`` and ``fp16``;
 * ``zero_stage``: the deprecated ``adaptive_load.sampler.zero_stage``, when set, is the ds_config's ZeRO stage;
 * ``zero3_torch_linear``: not set true next to ``zero_optimization.memory_efficient_linear: true``;
-* ``budgets``: ``lr_scaling`` has a ``reference_batch``; a null ``profile`` only where no profile is needed;
+* ``budgets``: ``optimization.lr_scaling`` has a ``reference_batch``; a null ``profile`` only where no profile is needed;
 * ``global_batch``: ``sampler.global_batch`` gives every data-parallel rank at least one sample per micro-step
   (``ds_adaptive.planning.global_batch.too_small_problem``; the plan checks the rest: within memory x micro-steps);
 * ``sparse_attention``: ``dense_layers`` inside the model, ``predictor_rank`` <= the head dim, the backend
@@ -41,7 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from ds_adaptive.core.config import BLOCK_KEY, AdaptiveLoadConfig, ConfigError, SamplerConfig, SparseAttentionConfig
+from ds_adaptive.core.config import (BLOCK_KEY, AdaptiveLoadConfig, ConfigError, OptimizationConfig, SamplerConfig,
+                                     SparseAttentionConfig)
 from ds_adaptive.core.ds_config import accumulation_steps
 from ds_adaptive.core.features import feature_problems
 from ds_adaptive.core.layout import SequenceParallelError, heads_sp_problem, resolve_sp_size
@@ -139,12 +140,12 @@ def _linear_problem(ds_config: Mapping[str, Any], block: AdaptiveLoadConfig) -> 
     return None
 
 
-def _budget_problems(s: SamplerConfig) -> list[Problem]:
+def _budget_problems(s: SamplerConfig, opt: OptimizationConfig) -> list[Problem]:
     out = []
-    if s.lr_scaling != "none" and s.reference_batch is None:
-        out.append(Problem("budgets", f"adaptive_load.sampler.lr_scaling is '{s.lr_scaling}' but reference_batch is "
-                                      "not set: give the global samples per optimizer step the base LR was tuned for "
-                                      "(sampler.reference_batch), or set lr_scaling to 'none'"))
+    if opt.lr_scaling != "none" and opt.reference_batch is None:
+        out.append(Problem("budgets", f"adaptive_load.optimization.lr_scaling is '{opt.lr_scaling}' but reference_batch "
+                                      "is not set: give the global samples per optimizer step the base LR was tuned for "
+                                      "(optimization.reference_batch), or set lr_scaling to 'none'"))
     if s.profile is None:
         needs = [k for k, v in (("cost_model 'calibrated'", s.cost_model == "calibrated"),
                                 ("m_mem 'auto'", s.m_mem == "auto")) if v]
@@ -188,7 +189,7 @@ def run_problems(ds_config: Mapping[str, Any], block: AdaptiveLoadConfig, facts:
                      ("zero3_torch_linear", _linear_problem(ds_config, block))):
         if msg:
             out.append(Problem(key, msg))
-    out += _budget_problems(block.sampler)
+    out += _budget_problems(block.sampler, block.optimization)
     gb = block.sampler.global_batch
     if gb is not None and dp is not None and (msg := too_small_problem(gb.value, gb.by, dp)):
         out.append(Problem("global_batch", msg))

@@ -93,7 +93,8 @@ def simulate_epoch(config: str, *, world: int, num_samples: int, sp: int = 1, mo
     layout = Layout.for_world(int(world), int(sp))
     kw = dict(micro_steps_per_step=gas, gpu_mem_gib=gpu_mem_gib, model_name=model, zero_stage=stage,
               ln_modulate="fused" if block.fused_ln_modulate else "reference", block_fusion=block.block_fusion,
-              per_token_timesteps=m.trains_per_token_timesteps())
+              per_token_timesteps=m.trains_per_token_timesteps(), recompute=block.recompute,
+              optimization=block.optimization)
     notes: list[str] = []
     t0, c0 = time.perf_counter(), time.process_time()
     with warnings.catch_warnings():

@@ -36,11 +36,12 @@ def job_shapes(samples: int, seed: int = 0) -> list[SampleShape]:
 
 
 def default_job_sampler(sampler_cfg: Mapping, profile: Profile, gpu_mem_gib: float, samples: int, *,
-                        model_name: str, **overrides):
+                        model_name: str, recompute: Optional[Mapping] = None, **overrides):
     """The job's batch sampler on one GPU, as the trainer builds it.
 
     ``sampler_cfg``: a ds_config's ``adaptive_load.sampler`` block, with ``overrides`` of its keys (e.g.
-    ``checkpoint_attention="recompute"``, ``batch_cap="off"``); ``profile``: the profile to plan with;
+    ``batch_cap="off"``); ``recompute``: the job's ``adaptive_load.recompute`` block (e.g. ``{"attention":
+    "recompute"}``; None: its defaults); ``profile``: the profile to plan with;
     ``gpu_mem_gib``: the GPU's memory, GiB; ``samples``: the synthetic dataset's size; ``model_name``: a
     registered model (``ds_adaptive.models.registry``)."""
     cfg = SamplerConfig.model_validate({**dict(sampler_cfg), **overrides})
@@ -49,7 +50,7 @@ def default_job_sampler(sampler_cfg: Mapping, profile: Profile, gpu_mem_gib: flo
         return build_batch_sampler(cfg, job_shapes(samples), Layout.explicit(dp_size=1, sp_size=1),
                                    micro_steps_per_step="auto", gpu_mem_gib=gpu_mem_gib, model_name=model_name,
                                    zero_stage=3, ln_modulate="fused", profile=profile, per_token_timesteps=False,
-                                   block_fusion="regions")
+                                   block_fusion="regions", recompute=recompute)
 
 
 def loop_name(micro_ms: float, step_ms: float) -> str:
@@ -63,13 +64,14 @@ def budget_choices(sampler_cfg: Mapping, profile: Profile, gpu_mem_gib: float, s
     """The budget search's choice under each pair of training-loop terms.
 
     ``loops``: pairs of (ms per micro-step, ms per optimizer step) to plan with; ``None``: the profile's own.
-    Returns ``{loop_name: (BudgetChoice, checkpoint_attention planned)}``; ``checkpoint_attention: auto`` plans
-    both modes and takes the one predicted faster, as the trainer does."""
+    Returns ``{loop_name: (BudgetChoice, checkpoint_attention planned)}``; ``checkpoint_attention``: the
+    ``recompute.attention`` to plan with (``auto`` plans both modes and takes the one predicted faster, as the
+    trainer does)."""
     pairs = loops or [(profile.micro_step_overhead_ms, profile.optimizer_step_overhead_ms)]
     out = {}
     for micro, step in pairs:
         s = default_job_sampler(sampler_cfg, profile.with_train_overheads(micro, step), gpu_mem_gib, samples,
-                                model_name=model_name, checkpoint_attention=checkpoint_attention)
+                                model_name=model_name, recompute={"attention": checkpoint_attention})
         out[loop_name(micro, step)] = (s.budget_choice, s.cost.checkpoint_attention)
     return out
 
@@ -81,8 +83,9 @@ def describe_choices(choices: Mapping[str, tuple[BudgetChoice, str]]) -> dict:
 
 
 def parse_arm(text: str) -> tuple[str, dict]:
-    """``NAME:key=value,...`` (overrides of the ``sampler`` block) -> (NAME, overrides); ``ValueError`` on a
-    malformed arm."""
+    """``NAME:key=value,...`` -> (NAME, overrides of :func:`default_job_sampler`); a key is one of the ``sampler``
+    block, or ``recompute.KEY`` one of the ``recompute`` block (``overrides["recompute"]``, e.g.
+    ``keep:recompute.attention=keep,batch_cap=off``). ``ValueError`` on a malformed arm."""
     name, _, rest = text.partition(":")
     if not name:
         raise ValueError(f"--arm {text!r}: expected NAME:key=value,... (NAME not empty)")
@@ -91,7 +94,10 @@ def parse_arm(text: str) -> tuple[str, dict]:
         k, eq, v = item.partition("=")
         if not eq:
             raise ValueError(f"--arm {text!r}: expected key=value, got {item!r}")
-        over[k.strip()] = v.strip()
+        block, dot, key = k.strip().rpartition(".")
+        if dot and block != "recompute":
+            raise ValueError(f"--arm {text!r}: {k.strip()!r} is not a sampler key or recompute.KEY")
+        (over.setdefault("recompute", {}) if dot else over)[key] = v.strip()
     return name, over
 
 

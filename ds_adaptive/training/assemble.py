@@ -178,7 +178,7 @@ def build_run(cfg: RunConfig, *, layout: Optional[Layout] = None, device: Option
                                                 gpu_mem_gib=gpu_mem_gib)
     model = _build_model(cfg, preset, model_config, ds_config, meta=meta)
     notes.extend(_leaf_blocks(model, cfg.adaptive_load, _zero_stage(ds_config)))
-    notes.extend(_checkpoint_attention(model, cfg.adaptive_load.sampler, plan.checkpoint_attention, t.model))
+    notes.extend(_checkpoint_attention(model, cfg.adaptive_load.recompute, plan.checkpoint_attention, t.model))
     if not meta:
         notes.extend(_block_fusion(model, cfg.adaptive_load.block_fusion, t.model))
     if t.init_from and not meta:
@@ -237,7 +237,7 @@ def _build_model(cfg: RunConfig, preset, model_config, ds_config: dict, *, meta:
     if torch_linear_config(ds_config, cfg.adaptive_load):
         use_torch_linear()   # adaptive_load.zero3_torch_linear, whatever an earlier engine of the process did
     # 'all' / 'none' fixed; 'auto': the Trainer sets model.set_checkpoint_blocks(n) per micro-batch from the plan
-    model.gradient_checkpointing = cfg.adaptive_load.sampler.checkpointing == "all"
+    model.gradient_checkpointing = cfg.adaptive_load.recompute.blocks == "all"
     apply_ln_modulate(model, enabled)  # loaded / JIT-built now, not inside the first step
     return model
 
@@ -326,19 +326,19 @@ def _capability(model, method: str, model_name: str, asked: str, lacking: str):
     return fn
 
 
-def _checkpoint_attention(model, sampler_cfg, mode: str, model_name: str) -> list:
-    """``sampler.checkpoint_attention`` as the sampler resolved it (``mode``: ``auto`` planned both) on the model (a
+def _checkpoint_attention(model, recompute, mode: str, model_name: str) -> list:
+    """``recompute.attention`` as the sampler resolved it (``mode``: ``auto`` planned both) on the model (a
     family's model that can keep its attention core in a checkpointed block offers ``set_checkpoint_attention``);
     the launcher's note, if any."""
     if mode == "recompute":
         return []
-    asked = sampler_cfg.checkpoint_attention
+    asked = recompute.attention
     _capability(model, "set_checkpoint_attention", model_name,
-                f"adaptive_load.sampler.checkpoint_attention is '{asked}'" + (f" (planned '{mode}')" if asked != mode
+                f"adaptive_load.recompute.attention is '{asked}'" + (f" (planned '{mode}')" if asked != mode
                                                                              else ""),
                 "cannot keep its attention in a checkpointed block; set it to 'recompute'")(mode)
-    if sampler_cfg.checkpointing == "none":
-        return ["note: adaptive_load.sampler.checkpoint_attention 'keep' does nothing with checkpointing 'none' "
+    if recompute.blocks == "none":
+        return ["note: adaptive_load.recompute.attention 'keep' does nothing with recompute.blocks 'none' "
                 "(no block is checkpointed)"]
     return ["checkpoint_attention 'keep': a checkpointed block keeps its self-attention output; backward recomputes "
             "the rest of the block, not the attention"]
@@ -477,7 +477,8 @@ def _build_sampler(cfg: RunConfig, shapes, layout: Layout, ds_config: dict, gpu_
               gpu_mem_gib=gpu_mem_gib, model_name=t.model, zero_stage=stage, profile_log=notes.append,
               ln_modulate=ln_path, profile=calibrated, adapter_params=adapter_params,
               per_token_timesteps=model.trains_per_token_timesteps(model.objective_with(t.objective)),
-              block_fusion=fusion, ema_params=ema_params)
+              block_fusion=fusion, ema_params=ema_params, recompute=cfg.adaptive_load.recompute,
+              optimization=cfg.adaptive_load.optimization)
     sparse = _sparse_cost(cfg, notes, sparse_cost)
     try:
         sampler = build_batch_sampler(cfg.adaptive_load.sampler, shapes, layout, num_layers=t.layers, sparse=sparse,

@@ -24,11 +24,11 @@ def run_info(run) -> dict:
         "dtype": str(run.dtype).replace("torch.", ""), "gradient_accumulation_steps": run.gas,
         "adaptive_load": al.enabled, "sampler": type(run.sampler).__name__,
         "sampler_mode": al.sampler.mode if al.enabled else "tokens", "fused_ln_modulate": al.fused_ln_modulate,
-        "grad_ckpt": al.sampler.checkpointing, "checkpoint_attention": run.plan.checkpoint_attention,
+        "grad_ckpt": al.recompute.blocks, "checkpoint_attention": run.plan.checkpoint_attention,
         "profile": run.profile.name,
         "checkpoint_source": run.profile.checkpoint_source, "data": opts.data,
         "dataset": run.dataset.describe(),
-        "loss_weighting": al.sampler.loss_weighting, "plan": run.sampler.epoch_stats(),
+        "loss_weighting": al.optimization.loss_weighting, "plan": run.sampler.epoch_stats(),
         "global_batch": None if al.sampler.global_batch is None else al.sampler.global_batch.model_dump(exclude_none=True),
         "zero3_leaf_blocks": leaf_block_count(run.model),
         "run_plan": run.plan.describe(),   # the start-up choices as build_run resolved them (core.run_plan)

@@ -6,7 +6,7 @@
 One source per setting: a command-line flag sets a field of :class:`TrainerConfig` or overrides a
 field of the ``adaptive_load`` block (``--fused-ln-modulate`` -> ``adaptive_load.fused_ln_modulate``,
 ``--log-dir`` -> ``adaptive_load.metrics.log_dir``, ``--shapes`` -> ``adaptive_load.sampler.shapes``,
-``--grad-ckpt`` -> ``adaptive_load.sampler.checkpointing``, ``--global-batch N`` ->
+``--grad-ckpt`` -> ``adaptive_load.recompute.blocks``, ``--global-batch N`` ->
 ``adaptive_load.sampler.global_batch = {"samples": N}``);
 nothing downstream reads the flag again. Relative paths in the ds_config (``sampler.shapes``,
 ``sampler.profile``) are resolved next to the ds_config first, then from the working directory.
@@ -191,7 +191,7 @@ def run_config_from_args(args, *, world: Optional[int] = None, device: Optional[
         raise UsageError(f"--global-batch (GLOBAL_BATCH) must be >= 1 samples per optimizer step, got {global_batch}")
     cfg = RunConfig.load(args.deepspeed_config, trainer=trainer, overrides={
         "fused_ln_modulate": args.fused_ln_modulate, "metrics.log_dir": args.log_dir,
-        "sampler.shapes": args.shapes, "sampler.checkpointing": args.grad_ckpt,
+        "sampler.shapes": args.shapes, "recompute.blocks": args.grad_ckpt,
         "sampler.global_batch": None if global_batch is None else GlobalBatchConfig(samples=global_batch)})
     _check_planned_layout(cfg, world=world, device=device)
     return cfg

@@ -108,7 +108,7 @@ class Trainer:
                                             weights=self.ema.swapped if self.ema is not None else None)
         self.validation = ValidationRunner.attach(run, engine=self.engine, metrics=self.metrics, log=self.log,
                                                   ema=self.ema)
-        self.ckpt_policy = run.cfg.adaptive_load.sampler.checkpointing
+        self.ckpt_policy = run.cfg.adaptive_load.recompute.blocks
         mcfg = run.cfg.adaptive_load.metrics
         self.memory_log = MemoryLog(run.sampler, run.zero_stage, self.layout.world, mcfg.log_dir,
                                     self.is_main and run.device.type == "cuda", compute_log=self.is_main and mcfg.jsonl)
@@ -203,7 +203,7 @@ class Trainer:
                                                                     run.model_config.num_layers))
         num, den = backward_micro_batch(
             self.engine, latents, context, batch["index"], totals, tokens_per_sample=tokens, layout=self.layout,
-            by=run.cfg.adaptive_load.sampler.loss_weighting, epoch=st.epoch, seed=self.opts.seed,
+            by=run.cfg.adaptive_load.optimization.loss_weighting, epoch=st.epoch, seed=self.opts.seed,
             shift=self.opts.shift, dtype=run.dtype, objective=run.objective, patch_size=run.model_config.patch_size)
         metrics.backward_done()
         trim_forward_stack(self._fwd_stack_base)  # the early-stopped recomputes' leftovers (no forward runs now)

@@ -1,4 +1,4 @@
-"""Guards `sampler.checkpoint_attention: keep` on a GPU, bf16, with each fused SDPA backend torch picks there (cuDNN,
+"""Guards `recompute.attention: keep` on a GPU, bf16, with each fused SDPA backend torch picks there (cuDNN,
 flash, memory-efficient): the self-attention core runs once per checkpointed block in backward, the gradients equal
 the recompute's, and the extra memory a checkpointed block holds is what the cost model counts."""
 from __future__ import annotations
