@@ -279,8 +279,7 @@ def choose_compute_budget(cost: CostModel, shapes: Sequence[SampleShape], *, m_m
     aimed at it are added (:mod:`ds_adaptive.planning.global_batch`), and :class:`PlanError` names the range that
     can be planned when none keeps it. The search then plans ``min(dp_size, SEARCH_DP)`` ranks (batches and balance
     are per rank) and scales counts and tokens/s to ``dp_size``; the sampler checks the epoch's own plan."""
-    full_dp = dp_size
-    limit = batch_limit(global_batch, full_dp)   # per rank: the same on the planned sample of ranks
+    full_dp, limit = dp_size, batch_limit(global_batch, dp_size)   # the limit is per rank: the same on a sample of ranks
     if global_batch is not None:
         dp_size = min(dp_size, SEARCH_DP)
     scale = full_dp / dp_size

@@ -339,8 +339,7 @@ def plan_epoch(shape_ids: np.ndarray, shapes: Sequence[SampleShape], order: np.n
     ``replan_tail=False`` (a plan of a prefix of the epoch, as the budget search makes): the micro-steps of an
     incomplete last optimizer step stay as planned (``num_steps`` does not count them) and the samples left in
     the pool are not planned (nor counted in ``tail_dropped``): exactly the plan before the tail re-plan. Its last
-    window is planned as one in the middle of the epoch (an anchor without good partners waits), so that the
-    prefix's micro-steps stand for the epoch's.
+    window is planned as a mid-epoch one (an anchor without good partners waits): its micro-steps stand for the epoch's.
 
     ``shape_ids[i]`` indexes ``shapes`` for sample ``i``. Deterministic in all arguments.
     """
