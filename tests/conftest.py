@@ -385,6 +385,7 @@ class _RankZygote:
 
 
 _ZYGOTE: list = []   # [server or None], once per process
+_ZYGOTE_WHY: list[str] = []   # why it could not start (tests/test_rank_launch.py fails on it)
 
 
 def _rank_zygote():
@@ -398,6 +399,7 @@ def _rank_zygote():
             print(f"conftest: rank fork server unavailable ({exc}); starting ranks as fresh interpreters",
                   file=sys.stderr)
             _ZYGOTE.append(None)
+            _ZYGOTE_WHY.append(str(exc))
     return _ZYGOTE[0]
 
 

@@ -66,8 +66,9 @@ def big_index(tmp_path_factory):
     files = pa.array([f"shard-{k:06d}.safetensors" for k in range(N_BIG // PER_SHARD)])
     names = pa.array([str(s) for s in shapes])
     header = {**index_mod.header_for(None, N_BIG)}
-    schema = pa.schema([pa.field("id", pa.string(), False), pa.field("file", index_mod._DICT, False),
-                        pa.field("shape", index_mod._DICT, False), pa.field("text_len", pa.int32(), False)],
+    strings = index_mod._schema()["file"]
+    schema = pa.schema([pa.field("id", pa.string(), False), pa.field("file", strings, False),
+                        pa.field("shape", strings, False), pa.field("text_len", pa.int32(), False)],
                        metadata={b"ds_adaptive": json.dumps(header).encode()})
     with pa.OSFile(str(out / "index.arrow"), "wb") as sink, pa.ipc.new_file(sink, schema) as w:
         for lo in range(0, N_BIG, BATCH):

@@ -3,6 +3,7 @@ whose rendezvous port another process took starts once more on a new port. Both 
 the fork server, and fresh interpreters."""
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -25,8 +26,19 @@ PORT_ONCE = ("import os, sys, pathlib\nmark = pathlib.Path('first_done')\n"
 def path(request, monkeypatch):
     if request.param == "fresh":
         monkeypatch.setenv("DS_ADAPTIVE_TEST_FRESH_RANKS", "1")
+    else:
+        monkeypatch.delenv("DS_ADAPTIVE_TEST_FRESH_RANKS", raising=False)
     monkeypatch.setattr(conftest, "FAILED_RANK_GRACE_S", 2.0)
     return request.param
+
+
+def test_the_fork_server_starts():
+    """Without it every test rank is a fresh interpreter (~8 CPU-s of imports each) and nothing says so but a line on
+    stderr: an import that starts a thread (pyarrow's, imported by the trainer's data module) made the server refuse
+    to start, and the suite's multi-process tests ran ~2x slower."""
+    if os.environ.get("DS_ADAPTIVE_TEST_FRESH_RANKS") == "1":
+        pytest.skip("DS_ADAPTIVE_TEST_FRESH_RANKS=1 asks for fresh interpreters")
+    assert conftest._rank_zygote() is not None, f"the rank fork server did not start: {conftest._ZYGOTE_WHY}"
 
 
 def test_a_failed_rank_ends_the_job_before_its_timeout(tmp_path, path):

@@ -21,6 +21,7 @@ table by :mod:`ds_adaptive.data.legacy_json`.
 from __future__ import annotations
 
 import bisect
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -28,13 +29,23 @@ from typing import Iterable, Optional, Union
 
 import numpy as np
 
-try:
-    import pyarrow as pa
-except ImportError:  # pragma: no cover - a dependency; without it only the Arrow index is unreadable
-    pa = None
-
 from ds_adaptive.core.shapes import InputSpec, SampleShape, ShapeError, default_input_spec
 from ds_adaptive.data.synthetic import DataError
+
+
+class _Pyarrow:
+    """pyarrow, imported at its first use rather than with this module: its import starts a thread (the jemalloc
+    pool's), and every trainer process imports this module. A process that forks after its imports must have no
+    thread (the test suite's rank fork server, tests/_rank_zygote.py, refused to start and every test rank paid
+    its imports again)."""
+
+    def __getattr__(self, name: str):
+        import pyarrow
+
+        return getattr(pyarrow, name)
+
+
+pa = _Pyarrow()
 
 FORMAT = "ds_adaptive.latents"
 VERSION = 2
@@ -52,7 +63,7 @@ _JSON = {b"encoding": b"json"}
 
 def require_pyarrow(what: str) -> None:
     """A :class:`DataError` saying how to install pyarrow when it is missing (``what``: the file it would read)."""
-    if pa is None:
+    if importlib.util.find_spec("pyarrow") is None:  # a dependency; without it only the Arrow index is unreadable
         raise DataError(f"{what}: reading or writing a dataset index needs pyarrow, which is not installed here; "
                         "run `pip install pyarrow` (a dependency of ds_adaptive)")
 
@@ -256,12 +267,14 @@ def _read_arrow(path: Path) -> tuple[pa.Table, dict]:
     return table, header
 
 
-_DICT = pa.dictionary(pa.int32(), pa.string())
-_SCHEMA = {"id": pa.string(), "file": _DICT, "shape": _DICT, "text_len": pa.int32()}
+def _schema() -> dict:
+    """The core columns' types (built at the first check: pyarrow is imported at its first use)."""
+    strings = pa.dictionary(pa.int32(), pa.string())
+    return {"id": pa.string(), "file": strings, "shape": strings, "text_len": pa.int32()}
 
 
 def _check_schema(schema: pa.Schema, path: Path) -> None:
-    for name, want in _SCHEMA.items():
+    for name, want in _schema().items():
         got = schema.field(name).type if name in schema.names else None
         if got is None or not got.equals(want):   # equals: a dictionary's ordered flag aside
             raise DataError(f"{path}: column {name!r} must be {want}, got {got or 'no such column'}; the file was "
