@@ -38,7 +38,8 @@ class GlobalBatchConfig(_Block):
     rank's micro-batch holds at most `micro_step_share x value / dp` samples (tokens), however many the budgets
     allow, so that a micro-step of images (dozens per rank) cannot make its step several times the set value while
     the others hold a fraction of it. Lower it to hold single steps closer to the value (more, smaller image
-    micro-batches); null: no limit (only the mean over the epoch is held)."""
+    micro-batches); null: no limit (only the mean over the epoch is held). AdaptiveLoad's plans only: the
+    equal-token baseline (`enabled: false`) batches as such setups do."""
 
     @model_validator(mode="after")
     def _exactly_one(self):

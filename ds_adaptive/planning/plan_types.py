@@ -58,7 +58,7 @@ class PlannerParams:
     #: (``ds_adaptive.planning.planner.balance_steps``); None: in planned order
     step_balance: Optional[str] = None
     #: with a global batch: the most samples (``step_balance="samples"``) or tokens (``"tokens"``) one rank's
-    #: micro-batch may hold (``GlobalBatchConfig.micro_step_share`` of the step over the DP ranks), every mode; at
+    #: micro-batch may hold (``GlobalBatchConfig.micro_step_share`` of the step over the DP ranks; AdaptiveLoad's plans); at
     #: least one sample. None: the budgets alone bound a batch
     batch_limit: Optional[float] = None
 

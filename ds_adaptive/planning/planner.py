@@ -339,7 +339,7 @@ def plan_epoch(shape_ids: np.ndarray, shapes: Sequence[SampleShape], order: np.n
     ``replan_tail=False`` (a plan of a prefix of the epoch, as the budget search makes): the micro-steps of an
     incomplete last optimizer step stay as planned (``num_steps`` does not count them) and the samples left in
     the pool are not planned (nor counted in ``tail_dropped``): exactly the plan before the tail re-plan. Its last
-    window is planned as a mid-epoch one (an anchor without good partners waits): its micro-steps stand for the epoch's.
+    ``dual`` window is planned as a mid-epoch one (an anchor without good partners waits): its micro-steps stand for the epoch's.
 
     ``shape_ids[i]`` indexes ``shapes`` for sample ``i``. Deterministic in all arguments.
     """
@@ -357,7 +357,7 @@ def plan_epoch(shape_ids: np.ndarray, shapes: Sequence[SampleShape], order: np.n
     for k, lo in enumerate(starts):
         chunk = order[lo:lo + w]
         pool.add(sid[chunk], chunk)
-        final = k == len(starts) - 1 and replan_tail   # a prefix's last window is mid-epoch: its anchors may wait
+        final = k == len(starts) - 1 and (replan_tail or params.mode != "dual")   # dual: a prefix's last window is mid-epoch
         if params.mode == "dual":
             steps = _plan_dual_window(table, pool, params, final)
         else:

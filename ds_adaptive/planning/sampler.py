@@ -134,7 +134,7 @@ class _PlannedBatchSampler(ResumableState, _SamplerBase):
             fixed_batch_sizes=dict(fixed_batch_sizes) if fixed_batch_sizes else None, window=int(window),
             oversize=oversize, balance_tolerance=float(balance_tolerance), solo_over_budget=bool(solo_over_budget),
             efficient_batches=bool(efficient_batches), step_balance=None if global_batch is None else global_batch.by,
-            batch_limit=batch_limit(global_batch, layout.dp_size))
+            batch_limit=batch_limit(global_batch, layout.dp_size) if self.mode == "dual" else None)   # not the baselines
         #: the throughput search behind ``m_comp: auto`` (:class:`ds_adaptive.planning.budget.BudgetChoice`), or None
         self.budget_choice = budget_choice
         self.global_batch = global_batch           # sampler.global_batch (GlobalBatchConfig), or None
