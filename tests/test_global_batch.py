@@ -17,7 +17,7 @@ from ds_adaptive.core.config import AdaptiveLoadConfig, SamplerConfig
 from ds_adaptive.core.layout import Layout
 from ds_adaptive.core.shapes import load_shape_distribution
 from ds_adaptive.models.registry import get_model
-from ds_adaptive.planning.global_batch import _aim_budget, fit_gas, step_stats
+from ds_adaptive.planning.global_batch import _aim_budget, counts, fit_gas, step_stats
 from ds_adaptive.planning.plan_types import PlanError
 from ds_adaptive.planning.sampler import build_batch_sampler
 from ds_adaptive.planning.validate import RunFacts, run_problems
@@ -111,8 +111,7 @@ def test_every_step_on_one_gpu_holds_about_the_global_batch_not_only_the_epochs_
 
 def _steps(sampler) -> np.ndarray:
     """Samples of each optimizer step of the sampler's plan, without the epoch's leftover step."""
-    g = sampler.plan.micro_steps_per_step * sampler.plan.dp_size   # batches per step
-    return np.diff(sampler.plan.batch_offsets[np.arange(sampler.plan.num_steps + 1) * g])[:-1]
+    return counts(sampler.plan)[:-1]
 
 
 @pytest.mark.parametrize("model,profile,world,gb", [("wan2.1-1.3b", H200, 8, 64),

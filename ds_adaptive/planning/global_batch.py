@@ -70,8 +70,9 @@ def per_micro_step(plan: EpochPlan, by: str, steady: bool = False) -> float:
 def batch_limit(gb, dp_size: int) -> Optional[float]:
     """``PlannerParams.batch_limit`` for the global batch ``gb`` on ``dp_size`` data-parallel ranks: its
     ``micro_step_share`` of the step, per rank (None without a global batch or a share)."""
-    share = None if gb is None else getattr(gb, "micro_step_share", None)
-    return None if share is None else float(share) * gb.value / dp_size
+    if gb is None or gb.micro_step_share is None:
+        return None
+    return float(gb.micro_step_share) * gb.value / dp_size
 
 
 def fit_gas(per_micro: float, target: int, tolerance: float, gas: Union[int, str] = "auto") -> GasFit:

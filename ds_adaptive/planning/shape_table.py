@@ -79,7 +79,7 @@ class ShapeTable:
                             f"{fixed * self.mem1[u]:.2f} GiB > m_mem {params.m_mem:.2f} GiB "
                             f"(at most {b_mem} fit); lower it or raise m_mem")
                     b = fixed
-            b = min(b, int(self.blim[u])) if b >= 1 else b
+            b = min(b, int(self.blim[u]))   # blim >= 1: an oversize shape stays oversize
             if params.efficient_batches and params.mode == "dual" and not self.linear and cost.mode == "calibrated" \
                     and b > 1:
                 loop = loop_ms_per_micro_step(cost.profile, params.micro_steps_per_step)
