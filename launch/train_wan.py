@@ -17,6 +17,6 @@ from ds_adaptive.launch.supervise import die_with_parent  # noqa: E402
 if __name__ == "__main__":
     # A rank whose launcher is SIGKILLed gets SIGTERM instead of training on as an orphan.
     die_with_parent()
-    from ds_adaptive.cli.train import exit_process, main
+    from ds_adaptive.cli.train import run
 
-    exit_process(main())
+    run()

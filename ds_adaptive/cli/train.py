@@ -14,6 +14,7 @@ import argparse
 import logging
 import os
 import sys
+import traceback
 import warnings
 from typing import Optional
 
@@ -220,5 +221,23 @@ def exit_process(code: int) -> None:
     os._exit(code)
 
 
+def run(argv: Optional[list[str]] = None) -> None:
+    """:func:`main`, then :func:`exit_process`. An error that :func:`main` does not turn into an exit status (a CUDA
+    out-of-memory, a bug) is printed with its traceback and recorded, and the process ends with 1 at once
+    (``os._exit`` after flushing) at any world size: an interpreter teardown after a failed step can wait forever on
+    what the run left behind (a non-daemon thread, a compile-worker pool, a broken NCCL communicator), and a rank
+    that hangs after its error is a stalled job, not a failed one."""
+    try:
+        code = main(argv)
+    except Exception:
+        traceback.print_exc()
+        write_exit(1)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(1)
+    exit_process(code)
+
+
 if __name__ == "__main__":
-    exit_process(main())
+    run()

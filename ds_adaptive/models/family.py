@@ -304,6 +304,10 @@ class ModelFamily:
     sample (``per_token_timesteps``): ``outside`` once per sample (embeddings, head, the modulation's gradient),
     ``block`` in every block that is not checkpointed. The planner's estimate for a profile that did not measure
     it (``Profile.with_per_token_timesteps``); None: no estimate (the family has no per-token path)."""
+    kept_input_bytes: Optional[Callable[..., float]] = None
+    """``config, *, hooked, wrapped, adapter_rank, adapter_dropout -> bytes``: activation bytes per token that a whole
+    block keeps beyond its calibrated (lean-backward) count when ZeRO-3 hooks its submodules or LoRA wraps its
+    Linear layers (``Profile.with_kept_inputs``); None: the family keeps nothing more."""
 
 
 @dataclass(frozen=True)
@@ -388,6 +392,12 @@ class Model:
         None when the family gives no estimate."""
         fn = self.family.per_token_modulation_bytes
         return None if fn is None else fn(self.config() if config is None else config)
+
+    def kept_input_bytes(self, config: Any = None, **kw: Any) -> float:
+        """Bytes per token a whole block keeps beyond its calibrated count (:attr:`ModelFamily.kept_input_bytes`;
+        ``kw``: ``hooked``, ``wrapped``, ``adapter_rank``, ``adapter_dropout``); 0 when the family gives none."""
+        fn = self.family.kept_input_bytes
+        return 0.0 if fn is None else float(fn(self.config() if config is None else config, **kw))
 
     def trains_per_token_timesteps(self, objective: Optional[ObjectiveOptions] = None) -> bool:
         """Whether video micro-batches of a run with ``objective`` (default: the preset's) may take one timestep

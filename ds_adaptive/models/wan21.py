@@ -68,6 +68,41 @@ def per_token_modulation_bytes(config) -> tuple[float, float]:
     return 48.0 * d, 24.0 * d
 
 
+#: the Linear layers (LoRA target paths) whose input a whole block recomputes in its backward instead of keeping it
+#: (``models.lean_backward``), by site: the norm output of q / k / v, of the cross-attention's q, of the FFN's
+#: first projection, and the GELU output of its second
+LEAN_SITES = {"self_attn": ("self_attn.q", "self_attn.k", "self_attn.v"), "cross_attn": ("cross_attn.q",),
+              "ffn_in": ("ffn.0",), "ffn_out": ("ffn.2",)}
+_NORM_SITES = ("self_attn", "cross_attn", "ffn_in")
+_STATS_BYTES = 8   # a norm's fp32 mean and rstd per token, kept with its output
+
+
+def kept_input_bytes(config, *, hooked: bool, wrapped=(), adapter_rank: int = 0, adapter_dropout: bool = False,
+                     elem_bytes: int = 2) -> float:
+    """Activation bytes per token that a whole block (``WanBlock``, not checkpointed) keeps beyond the lean
+    backward's count (what calibrations measure: every site recomputes its Linear's input) when sites cannot
+    recompute. ``hooked``: ZeRO-3 hooks every submodule (``adaptive_load.zero3_leaf_blocks`` off, or LoRA), so
+    the three norm sites keep their outputs (``WanBlock._hooked_children``). ``wrapped``: the LoRA-wrapped Linear
+    layers (target paths inside a block): a wrapper gets its site's evaluated input (``lean_backward.linear_on``),
+    so that site keeps it (a norm output ``D``, the GELU output ``ffn_dim``), and each adapter keeps its
+    ``[S, rank]`` product for ``lora_B``; with ``adapter_dropout`` each also keeps its dropped-out input and
+    mask (``3 x in_features`` bytes in bf16). Cross-attention k / v read the text context (per sample, not per
+    token) and are not counted. ``elem_bytes``: the activation dtype's size. tests/test_activation_memory.py counts
+    the saved tensors."""
+    wrapped = set(wrapped)
+    d, f = int(config.dim), int(config.ffn_dim)
+    width = {"self_attn": d, "cross_attn": d, "ffn_in": d, "ffn_out": f}
+    out = 0.0
+    for site, linears in LEAN_SITES.items():
+        if (hooked and site in _NORM_SITES) or wrapped & set(linears):
+            out += width[site] * elem_bytes + (_STATS_BYTES if site in _NORM_SITES else 0)
+    for path in wrapped - {"cross_attn.k", "cross_attn.v"}:
+        out += adapter_rank * elem_bytes
+        if adapter_dropout:
+            out += (f if path == "ffn.2" else d) * (elem_bytes + 1)
+    return out
+
+
 def weights():
     return WanWeights()
 
@@ -103,6 +138,7 @@ FAMILY = ModelFamily(
     lora_targets=LORA_TARGETS,
     keeps_attention=True,   # WanModel.set_checkpoint_attention
     per_token_modulation_bytes=per_token_modulation_bytes,
+    kept_input_bytes=kept_input_bytes,
 )
 
 WAN_CONFIGS: dict[str, WanConfig] = {p.name: WanConfig(**p.arch) for p in FAMILY.presets}

@@ -77,4 +77,5 @@ FAMILY = ModelFamily(
     lora_targets=WAN21.lora_targets,   # the same DiT: TI2V-5B's and the A14B experts' block linears
     keeps_attention=WAN21.keeps_attention,
     per_token_modulation_bytes=WAN21.per_token_modulation_bytes,
+    kept_input_bytes=WAN21.kept_input_bytes,
 )

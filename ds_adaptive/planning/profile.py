@@ -232,6 +232,10 @@ class Profile:
     #: an EMA of ``ema_params`` parameters kept in fp32 on the accelerator, partitioned over the ranks
     #: (``ds_adaptive.training.ema``; None: no EMA on the accelerator). :meth:`with_ema`
     ema_params: Optional[int] = None
+    #: GiB per token a whole block keeps beyond the calibrated count (ZeRO-3 hooks on its submodules, LoRA-wrapped
+    #: Linear layers: ``Model.kept_input_bytes``); already added to ``m1_gib_per_token`` / ``block_full_gib``.
+    #: :meth:`with_kept_inputs`
+    kept_inputs_gib: float = 0.0
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
     #: depth of the profile this one was rescaled from by :meth:`with_num_layers` (None: as loaded)
     rescaled_from_layers: Optional[int] = field(default=None, compare=False)
@@ -403,8 +407,8 @@ class Profile:
     def with_adapter_params(self, adapter_params: Optional[int]) -> "Profile":
         """The same calibration for a LoRA run: ``adapter_params`` parameters are added to the model and are
         the only trained ones (gradients and optimizer state); the model's own parameters are frozen and keep
-        only their weights. Activation memory and compute stay the profile's (the adapters' inputs are the
-        base linears' inputs, which full fine-tuning holds as well). None: back to full fine-tuning."""
+        only their weights. Compute stays the profile's; what the wrapped Linear layers keep beyond the calibrated
+        lean blocks is :meth:`with_kept_inputs`. None: back to full fine-tuning."""
         d = copy.deepcopy(dict(self.raw))
         static = d.setdefault("static_memory", {})
         static.pop("adapter_params", None)
@@ -414,6 +418,22 @@ class Profile:
             static["adapter_params"] = int(adapter_params)
         return dataclasses.replace(self, adapter_params=None if adapter_params is None else int(adapter_params),
                                    raw=d)
+
+    def with_kept_inputs(self, bytes_per_token: float) -> "Profile":
+        """This calibration for a run whose whole blocks keep ``bytes_per_token`` more activation per token than
+        calibrated (the model family's count, :meth:`Model.kept_input_bytes`): added to a whole block's ``g`` and
+        to the fit's ``m1`` (one block recomputing at a time in a profile measured with every block checkpointed,
+        every block in one measured without). Replaces an earlier call's amount."""
+        x = float(bytes_per_token) / GIB
+        if x < 0:
+            raise ValueError(f"bytes_per_token must be >= 0, got {bytes_per_token!r}")
+        dx = x - self.kept_inputs_gib
+        if dx == 0:
+            return self
+        blocks = 1 if self.gradient_checkpointing else self.num_layers
+        g0, g1 = self.block_full_gib
+        return dataclasses.replace(self, m1_gib_per_token=self.m1_gib_per_token + blocks * dx,
+                                   block_full_gib=(g0, g1 + dx), kept_inputs_gib=x)
 
     def with_ema(self, ema_params: Optional[int]) -> "Profile":
         """The same calibration for a run that keeps an EMA of ``ema_params`` parameters on the accelerator (fp32,

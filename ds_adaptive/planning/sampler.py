@@ -522,7 +522,8 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
                         profile: Optional[Profile] = None, recompute: "RecomputeConfig | Mapping | None" = None,
                         adapter_params: Optional[int] = None, optimization: "OptimizationConfig | Mapping | None" = None,
                         per_token_timesteps: Optional[bool] = None,
-                        block_fusion: Optional[str] = None, ema_params: Optional[int] = None) -> _PlannedBatchSampler:
+                        block_fusion: Optional[str] = None, ema_params: Optional[int] = None,
+                        kept_inputs_bytes: float = 0.0) -> _PlannedBatchSampler:
     """The batch sampler that ``sampler_cfg`` describes, with ``auto`` budgets resolved.
 
     ``enabled=False`` builds the ``tokens`` baseline at the same memory budget (AdaptiveLoad off);
@@ -541,13 +542,12 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
     run's LayerNorm-modulate path (``fused`` | ``reference``); the profile's matching entries are used, or a
     warning goes to ``profile_log`` (:meth:`Profile.for_ln_modulate`). ``profile``: plan with this profile
     instead of ``sampler_cfg.profile`` (the start-up calibration's, ``ds_adaptive.calibration.autocalibrate``);
-    ``profile: calibrate`` without one resolves like ``auto``.
-    ``adapter_params``: a LoRA run's adapter parameters, the only trained ones (:meth:`Profile.with_adapter_params`:
+    ``profile: calibrate`` without one resolves like ``auto``. ``adapter_params``: a LoRA run's adapter parameters, the only trained ones (:meth:`Profile.with_adapter_params`:
     static memory, hence ``m_mem: auto``). ``per_token_timesteps``: whether the run's video micro-batches take one
     timestep per token (first-frame conditioning; default: the model's preset objective); their memory then
     counts the per-token modulation (:meth:`Profile.with_per_token_timesteps`). ``block_fusion``: the run's
     ``adaptive_load.block_fusion`` where it can run (None: no check); the profile's entries for it are used, or a
-    note says the plan is conservative (:meth:`Profile.for_block_fusion`). ``ema_params``: :meth:`Profile.with_ema`."""
+    note says the plan is conservative (:meth:`Profile.for_block_fusion`). :meth:`Profile.with_ema`, ``with_kept_inputs``."""
     sampler_cfg, recompute, opt = _blocks(sampler_cfg, recompute, optimization)
     shapes = indexed(shapes)
     chosen = mode or (sampler_cfg.mode if enabled else "tokens")
@@ -557,6 +557,7 @@ def build_batch_sampler(sampler_cfg: SamplerConfig, shapes: Sequence[SampleShape
     profile = _run_profile(sampler_cfg, profile, model, model_name, gpu_mem_gib=gpu_mem_gib, profile_log=profile_log,
                            ln_modulate=ln_modulate, num_layers=num_layers, adapter_params=adapter_params,
                            per_token_timesteps=per_token_timesteps, block_fusion=block_fusion).with_ema(ema_params)
+    profile = profile.with_kept_inputs(kept_inputs_bytes)
     num_heads = int(model.config().num_heads) if model is not None else None
     if sparse is not None and num_layers is not None and sparse.densities.num_layers != profile.num_layers:
         sparse = sparse.with_densities(sparse.densities.with_num_layers(profile.num_layers))

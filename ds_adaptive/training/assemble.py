@@ -23,7 +23,7 @@ from ds_adaptive.core.config import ConfigError
 from ds_adaptive.core.ds_config import prepare_ds_config
 from ds_adaptive.core.layout import Layout, strip_mesh_keys
 from ds_adaptive.core.run_plan import RunPlan
-from ds_adaptive.training.lora import adapter_parameters, apply_run_lora
+from ds_adaptive.training.lora import adapter_parameters, apply_run_lora, targets_for
 from ds_adaptive.training.run_config import RunConfig
 from ds_adaptive.planning.validate import RunFacts, context_parallel_mode, validate_run
 from ds_adaptive.planning.context_parallel import ContextParallelCost
@@ -280,6 +280,17 @@ def use_torch_linear() -> bool:
     return True
 
 
+def kept_inputs_bytes(al, model, model_config, stage: int) -> float:
+    """Bytes per token a whole block of this run keeps beyond its calibrated count (``Model.kept_input_bytes``):
+    ZeRO-3 hooks its submodules without leaf blocks (``zero3_leaf_blocks`` off, or LoRA: :func:`_leaf_blocks`),
+    and LoRA wraps its target Linear layers."""
+    lora = al.lora
+    wrapped = targets_for(model).resolve(lora.targets) if lora.enabled else ()
+    return model.kept_input_bytes(model_config, hooked=stage == 3 and (lora.enabled or not al.zero3_leaf_blocks),
+                                  wrapped=wrapped, adapter_rank=lora.rank if lora.enabled else 0,
+                                  adapter_dropout=lora.enabled and lora.dropout > 0)
+
+
 def _leaf_blocks(model, al, stage: int) -> list:
     """``adaptive_load.zero3_leaf_blocks`` on the model at ZeRO stage 3, except under LoRA; the note, if any."""
     if not al.zero3_leaf_blocks or stage != 3:
@@ -478,7 +489,8 @@ def _build_sampler(cfg: RunConfig, shapes, layout: Layout, ds_config: dict, gpu_
               ln_modulate=ln_path, profile=calibrated, adapter_params=adapter_params,
               per_token_timesteps=model.trains_per_token_timesteps(model.objective_with(t.objective)),
               block_fusion=fusion, ema_params=ema_params, recompute=cfg.adaptive_load.recompute,
-              optimization=cfg.adaptive_load.optimization)
+              optimization=cfg.adaptive_load.optimization,
+              kept_inputs_bytes=kept_inputs_bytes(cfg.adaptive_load, model, model_config, stage))
     sparse = _sparse_cost(cfg, notes, sparse_cost)
     try:
         sampler = build_batch_sampler(cfg.adaptive_load.sampler, shapes, layout, num_layers=t.layers, sparse=sparse,
