@@ -24,7 +24,7 @@ from ds_adaptive.training.checkpoint import (MARKER, check_checkpoint, find_resu
 from ds_adaptive.training.checksum import HashingFile, file_digest
 from ds_adaptive.training.runlock import LOCK_NAME, STALE_AFTER_S, LockInfo, RunLock, RunLockError, read_lock
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "launch" / "train_wan.sh"
 SUPERVISE = ("-m", "ds_adaptive.launch.supervise")  # as launch/train_wan.sh runs it
 CPU_CONFIG = ROOT / "launch" / "configs" / "cpu_tiny.json"

@@ -12,7 +12,7 @@ from conftest import launch_ranks
 
 pytest.importorskip("deepspeed")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "launch" / "configs"
 STEPS = 10
 

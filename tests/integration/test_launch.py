@@ -17,7 +17,7 @@ import pytest
 from ds_adaptive.core.ds_config import load_adaptive_config, prepare_ds_config
 from ds_adaptive.core.shapes import load_shape_distribution
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "launch" / "configs"
 SCRIPT = ROOT / "launch" / "train_wan.sh"
 

@@ -26,7 +26,7 @@ from ds_adaptive.launch.multinode import (EXIT_PEER_FAILED, SLURM_PORT_BASE, SLU
                                    tasks_on_node)
 from ds_adaptive.training.preempt import EXIT_PREEMPTED
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "launch" / "train_wan.sh"
 SBATCH = ROOT / "launch" / "slurm" / "train_wan.sbatch"
 SHIM = ROOT / "tests" / "slurm_shim"

@@ -21,7 +21,7 @@ from ds_adaptive.training.checkpoint import MARKER, check_checkpoint, find_resum
 from ds_adaptive.training.summary import json_safe
 from ds_adaptive.training.preempt import EXIT_PREEMPTED
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "launch" / "train_wan.sh"
 CPU_CONFIG = ROOT / "launch" / "configs" / "cpu_tiny.json"
 TRAIN = ["--num-samples", "200", "--layers", "1", "--seed", "5"]

@@ -18,7 +18,7 @@ pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 pytest.importorskip("ftfy")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def workflow_commands() -> list[str]:

@@ -19,7 +19,7 @@ from conftest import launcher_env
 
 from ds_adaptive.training.checkpoint import check_checkpoint, checkpoint_tags
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "launch" / "train_wan.sh"
 CPU_CONFIG = ROOT / "launch" / "configs" / "cpu_tiny.json"
 TRAIN = ["--num-samples", "200", "--layers", "1", "--seed", "5"]

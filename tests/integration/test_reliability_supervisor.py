@@ -19,7 +19,7 @@ import pytest
 
 from ds_adaptive.launch.rank_watch import EXIT_STUCK, read_fatal, stale_heartbeats, write_fatal
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # argv: [fake_launch.py, "deepspeed.launcher.launch", rank_code, world, launcher_rc, kill_others]
 FAKE_LAUNCH = textwrap.dedent("""

@@ -15,7 +15,7 @@ from conftest import launch_script
 
 pytest.importorskip("deepspeed")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "launch" / "configs"
 
 
@@ -80,7 +80,7 @@ def test_trainer_feeds_densities_to_the_sampler_and_resume_reproduces(tmp_path, 
     ats = [r["at_step"] for r in reb]
     assert len(ats) >= 3 and ats[0] == 2 and ats == sorted(set(ats)) and all(r["sampler"] for r in reb), reb
     # the densities re-planned the epoch at least once; an update whose re-plan is predicted slower (with the loop
-    # terms or on compute alone) keeps the running plan (tests/test_replan_never_slower.py)
+    # terms or on compute alone) keeps the running plan (tests/unit/planning/test_replan_never_slower.py)
     assert len({r["fingerprint"] for r in reb}) >= 2
     assert b["sparse_attention"]["rebalances"] == reb
     assert b["losses"] == pytest.approx(a["losses"][3:], rel=1e-6)

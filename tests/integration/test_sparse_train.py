@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("deepspeed")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "launch" / "configs"
 
 

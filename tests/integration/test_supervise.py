@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SUPERVISE = ("-m", "ds_adaptive.launch.supervise")  # as launch/train_wan.sh runs it
 
 # A stand-in for a training rank: records its pid and process group, and on SIGTERM "finishes its step"

@@ -19,7 +19,7 @@ from ds_adaptive.models.objective import flow_matching_losses, sample_seed
 
 pytest.importorskip("deepspeed")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "launch" / "configs"
 
 

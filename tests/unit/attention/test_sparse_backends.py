@@ -20,7 +20,7 @@ from ds_adaptive.attention.backends import registry
 from ds_adaptive.attention.backends.check import check_sparse_config, sparse_config_notes
 from ds_adaptive.attention.backends.measure import cache_key, random_selection, store
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 H200 = "h200-wan2.1-1.3b"
 
 

@@ -43,7 +43,7 @@ def run_file_in_interpreter(path: str, main_process_tests: int) -> None:
     passes, and exactly its ``main_process_tests`` (skipped there) are skipped."""
     import subprocess
     import sys
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[3]
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
     r = subprocess.run([sys.executable, "-m", "pytest", path, "-q", "-p", "no:cacheprovider", "-x"],
                        env=env, capture_output=True, text=True, timeout=300, cwd=str(root / "tests"))
@@ -282,7 +282,7 @@ def test_bench_runs_end_to_end_on_cpu_under_the_interpreter(tmp_path) -> None:
     import json
     import subprocess
     import sys
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[3]
     out, table = tmp_path / "sb.json", tmp_path / "table.json"
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
     r = subprocess.run([sys.executable, str(root / "bench" / "kernels" / "sparse_backends.py"), "--device", "cpu", "--seq", "130",

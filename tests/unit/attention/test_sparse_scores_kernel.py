@@ -189,7 +189,7 @@ def test_cost_bench_runs_end_to_end_on_cpu_under_the_interpreter(tmp_path) -> No
     import json
     import subprocess
     import sys
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[3]
     out = tmp_path / "ssc.json"
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
     r = subprocess.run([sys.executable, str(root / "bench" / "kernels" / "sparse_select_cost.py"), "--device", "cpu", "--heads", "2",

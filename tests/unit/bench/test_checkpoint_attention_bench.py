@@ -1,7 +1,7 @@
 """bench/training/checkpoint_attention_ab.py plan and prepare, run as a program on the CPU: the planner predicts both
 arms' epochs (keep never predicted slower where blocks are checkpointed), and prepare writes configs that differ only
 in checkpoint_attention (its report is ds_adaptive.calibration.trainer_runs.epoch_figures,
-tests/test_trainer_runs.py)."""
+tests/unit/calibration/test_trainer_runs.py)."""
 from __future__ import annotations
 
 import json

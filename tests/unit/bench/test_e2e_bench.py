@@ -22,7 +22,7 @@ from ds_adaptive.training.timers import WAIT_POINTS, ComputeTimer
 from ds_adaptive.core.config import MetricsConfig
 from ds_adaptive.simulation import e2e
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 
 
 
@@ -246,7 +246,8 @@ def test_gpu_defaults_fit_the_time_budget(tmp_path):
         plan = json.loads((out / "e2e_plan.json").read_text())
         assert plan["predicted_total_s"] <= 300
         assert plan["settings"]["layers"] < 30 and plan["settings"]["model"] == "wan2.1-1.3b"
-        # every arm plans with the full-depth profile rescaled by cost.py (tests/test_cost.py pins its numbers)
+        # every arm plans with the full-depth profile rescaled by cost.py
+        # (tests/unit/planning/test_cost.py pins its numbers)
         scaled = load_profile(e2e.BASE_PROFILE).with_num_layers(plan["settings"]["layers"])
         assert json.loads(Path(plan["profile"]["path"]).read_text()) == dict(scaled.raw)
         assert plan["profile"]["c0_ms"] == scaled.c0_ms

@@ -1,5 +1,6 @@
 """bench/training/mfu_levers.py prepare, run as a program on the CPU: the arms' configs differ only in their lever and
-pin the same plan (its report is ds_adaptive.calibration.trainer_runs.pinned_ab, tests/test_trainer_runs.py)."""
+pin the same plan (its report is ds_adaptive.calibration.trainer_runs.pinned_ab,
+tests/unit/calibration/test_trainer_runs.py)."""
 from __future__ import annotations
 
 import os

@@ -1,6 +1,6 @@
 """bench/training/scale.py, run as a program on the CPU (no training): the at-scale plan is fair (same samples, same gas,
 >= 50 steps, no drops) and the per-arm run arguments reproduce the plan's dataset. The summary's loss-curve gap is
-ds_adaptive.simulation.curves.loss_curve_gap (tests/test_curves.py)."""
+ds_adaptive.simulation.curves.loss_curve_gap (tests/unit/simulation/test_curves.py)."""
 import json
 import os
 import subprocess

@@ -13,7 +13,7 @@ from ds_adaptive.planning.cost import CostModel
 from ds_adaptive.planning.profile import load_profile
 
 # Per-block H100 timings of Wan 1.3B/14B (copied from the project's shared/data, so CI has it).
-BLOCK_DATA = Path(__file__).resolve().parent / "data" / "h100_block_scaling.json"
+BLOCK_DATA = Path(__file__).resolve().parents[2] / "data" / "h100_block_scaling.json"
 
 
 def test_cpu_tiny_end_to_end(tmp_path, capsys):
@@ -93,7 +93,7 @@ def test_cost_fit_bench_runs_on_cpu_with_tiny(tmp_path):
     import subprocess
     import sys
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[3]
     shapes = tmp_path / "shapes.json"
     shapes.write_text(json.dumps({"shapes": [{"frames": 1, "height": 64, "width": 64, "weight": 4},
                                              {"frames": 5, "height": 64, "width": 64, "weight": 2},

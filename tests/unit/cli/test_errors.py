@@ -19,7 +19,7 @@ from ds_adaptive.cli import calibrate as calibrate_cli
 from ds_adaptive.calibration import fit as calibration_fit
 from ds_adaptive.cli import main as cli_main
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 CONFIGS = ROOT / "launch" / "configs"
 
 
@@ -123,7 +123,7 @@ def test_calibrate_cpu_defaults_are_small(monkeypatch):
 
 def _readme_launch_examples() -> list[str]:
     """The launch lines of README.md's bash blocks, less the blocks of the own-data workflow (marked
-    ``<!-- workflow: ...``): tests/test_readme_workflow.py runs those for real, on the data they write."""
+    ``<!-- workflow: ...``): tests/integration/test_readme_workflow.py runs those for real, on the data they write."""
     text = (ROOT / "README.md").read_text()
     blocks = re.findall(r"(<!-- workflow:[^\n]*\n)?```bash\n(.*?)```", text, re.S)
     blocks = [b for marker, b in blocks if not marker]

@@ -142,7 +142,7 @@ def test_config_reference_is_current():
     """docs/CONFIG.md is generated from the field docstrings; a new or changed field must show up there."""
     from ds_adaptive.cli.config import REFERENCE_COMMAND, markdown_reference, reference_page
 
-    page = (Path(__file__).resolve().parent.parent / "docs" / "CONFIG.md").read_text()
+    page = (Path(__file__).resolve().parents[3] / "docs" / "CONFIG.md").read_text()
     assert page == reference_page(), f"regenerate it: {REFERENCE_COMMAND}"
     table = markdown_reference()
     assert "`adaptive_load.sampler.mode`" in table and "`adaptive_load.metrics.log_dir`" in table
@@ -189,7 +189,7 @@ def test_duplicate_keys_and_shapes_files_are_errors(tmp_path):
     dup.write_text('{"adaptive_load": {"enabled": true, "enabled": false}}')
     with pytest.raises(ConfigError, match=f"{dup}: key 'enabled' is given twice"):
         load_adaptive_config(str(dup))
-    shapes = Path(__file__).resolve().parent.parent / "launch" / "configs" / "shapes_cpu.json"
+    shapes = Path(__file__).resolve().parents[3] / "launch" / "configs" / "shapes_cpu.json"
     with pytest.raises(ConfigError, match="is a shape-distribution file, not a ds_config: pass it as --shapes"):
         load_adaptive_config(str(shapes))
     (tmp_path / "list.json").write_text(json.dumps([{"frames": 1, "height": 64, "width": 64, "weight": 1}]))
@@ -283,7 +283,7 @@ def test_readme_config_check_commands_pass(capsys, monkeypatch):
 
     from ds_adaptive.cli.config import main
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[3]
     blocks = re.findall(r"```bash\n(.*?)```", (root / "README.md").read_text(), re.S)
     lines = [line.strip() for b in blocks for line in b.splitlines() if line.strip().startswith("ds-adaptive config")]
     assert lines

@@ -16,7 +16,7 @@ from ds_adaptive.core.config_base import is_advanced
 from ds_adaptive.core.config_moves import MOVED_KEYS
 from ds_adaptive.core.ds_config import load_adaptive_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 
 #: a value other than the default for every moved key (new block, new key) -> value
 VALUES = {"recompute.blocks": "all", "recompute.attention": "keep", "optimization.loss_weighting": "tokens",

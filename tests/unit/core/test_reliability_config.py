@@ -15,7 +15,7 @@ from ds_adaptive.core.config import ConfigError
 from ds_adaptive.cli.train import build_parser
 from ds_adaptive.training.run_config import run_config_from_args
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 BASE = json.loads((ROOT / "launch" / "configs" / "cpu_tiny.json").read_text())
 
 

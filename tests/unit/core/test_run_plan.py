@@ -17,7 +17,7 @@ from ds_adaptive.training.assemble import build_run
 from ds_adaptive.training.metrics_setup import run_info
 from ds_adaptive.training.run_config import RunConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 H200 = "h200-wan2.1-1.3b"
 
 

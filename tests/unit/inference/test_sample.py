@@ -3,7 +3,6 @@ a diffusers-format LoRA, a tiny AutoencoderKLWan decoding to mp4; the latent PNG
 bad arguments are one message (exit 2)."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +18,7 @@ from ds_adaptive.models.testing import random_init_  # noqa: E402
 from ds_adaptive.models.wan import WanModel
 from ds_adaptive.models.wan_config import get_wan_config  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +28,6 @@ def assets(tmp_path_factory):
     from ds_adaptive.training.lora import LORA_FILE, adapter_pairs, apply_lora, diffusers_lora
     from ds_adaptive.models.weights import save_wan_weights
 
-    sys.path.insert(0, str(ROOT / "tests"))
     from test_preprocess import tiny_models
 
     tmp = tmp_path_factory.mktemp("sample")

@@ -19,7 +19,7 @@ from ds_adaptive.models.wan import WanModel
 from ds_adaptive.models.wan_config import WanConfigError, get_wan_config
 from ds_adaptive.models.recompute import kept_attention_bytes_per_token
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 H200 = "h200-wan2.1-1.3b"
 
 

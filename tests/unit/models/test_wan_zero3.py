@@ -58,7 +58,7 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_zero3_init_train_step_and_split_path(tmp_path):
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[3]
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
                LOCAL_RANK="0", OMP_NUM_THREADS="1", PYTHONPATH=f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     script = tmp_path / "zero3.py"

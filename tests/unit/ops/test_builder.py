@@ -27,7 +27,7 @@ try:
 except ImportError:  # source checkout without the package_dir mapping
     from patches import deepspeed as dsp  # type: ignore
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Guards ln_modulate on CPU: reference numerics vs fp64, the public function, path selection, kernel policy
-(the C++ op itself: tests/test_ln_modulate_ops.py)."""
+(the C++ op itself: tests/unit/ops/test_ln_modulate_ops.py)."""
 from __future__ import annotations
 
 import importlib

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 CSRC = ROOT / "csrc" / "ln_modulate"
 
 HARNESS = r"""

@@ -123,7 +123,7 @@ def test_build_run_gives_deepspeed_the_sampler_count_and_the_trainer_checks_it()
     from ds_adaptive.training.engine import check_accumulation
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "launch" / "configs" / "zero3_adaptive.json"
+    path = Path(__file__).resolve().parents[3] / "launch" / "configs" / "zero3_adaptive.json"
     cfg = RunConfig.load(str(path), trainer={"model": "wan2.1-1.3b", "num_samples": 300})
     cfg.adaptive_load.sampler.profile = H200
     run = build_run(cfg, layout=Layout.for_world(1, 1), meta=True, gpu_mem_gib=GIB)

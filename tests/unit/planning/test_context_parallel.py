@@ -15,7 +15,7 @@ from ds_adaptive.planning.context_parallel import (CPLinks, choose_mesh, crossov
 
 pytest.importorskip("deepspeed")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _kw(**over):

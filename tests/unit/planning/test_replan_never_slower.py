@@ -103,7 +103,7 @@ def test_bench_plan_only_replan_not_slower(tmp_path):
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[3]
     out = tmp_path / "plan.json"
     env = {**os.environ, "PYTHONPATH": str(root), "PYTHONWARNINGS": "ignore"}
     r = subprocess.run([sys.executable, str(root / "bench" / "training" / "sparse_train_ab.py"), "--plan-only",

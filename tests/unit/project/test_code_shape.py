@@ -6,7 +6,7 @@ import ast
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 PACKAGE = ROOT / "ds_adaptive"
 MAX_LINES = 80
 

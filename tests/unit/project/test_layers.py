@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 PACKAGE = ROOT / "ds_adaptive"
 
 LAYERS = ("core", "ops", "models", "parallel", "attention", "data", "media", "preprocess", "planning", "calibration",

@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 GPU_FILE = "tests/gpu/test_ln_modulate_gpu.py"
 
 PLUGIN = '''

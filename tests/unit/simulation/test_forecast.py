@@ -18,7 +18,7 @@ MODEL = "wan2.1-1.3b"
 def _job_sampler_cfg() -> dict:
     """The default job's sampler block without its global batch: these guard the search where the loop terms choose
     the micro-steps per step with the budget (with a global batch the samples per step are fixed:
-    tests/test_global_batch.py)."""
+    tests/unit/planning/test_global_batch.py)."""
     cfg = json.loads((ROOT / "launch" / "configs" / "zero3_adaptive.json").read_text())["adaptive_load"]["sampler"]
     cfg.pop("global_batch", None)
     return cfg

@@ -23,7 +23,7 @@ from ds_adaptive.models.testing import diffusers_twin, random_init_  # noqa: E40
 from ds_adaptive.models.wan import WanModel
 from ds_adaptive.models.wan_config import get_wan_config  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 CFG = get_wan_config("tiny", num_layers=2)
 
 

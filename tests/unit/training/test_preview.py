@@ -23,7 +23,7 @@ from ds_adaptive.models.objective import noisy_inputs
 from ds_adaptive.training.preview import PreviewPrompt, load_prompts, plan_previews, preview_memory_gib, save_embeddings
 from ds_adaptive.core.shapes import SampleShape
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.parametrize("steps,shift", [(1, 5.0), (7, 5.0), (4, 3.0), (10, 1.0)])
@@ -198,7 +198,6 @@ def test_preview_runs_in_the_tiny_cpu_job_and_writes_its_files(tmp_path):
 stand-in wandb get the scalars and images."""
     pytest.importorskip("diffusers")
     pytest.importorskip("av")
-    sys.path.insert(0, str(ROOT / "tests"))
     from test_preprocess import tiny_models
 
     vae = tiny_models(tmp_path / "models")["--vae"]
@@ -208,7 +207,7 @@ stand-in wandb get the scalars and images."""
     raw["adaptive_load"]["sampler"]["shapes"] = str(ROOT / "launch" / "configs" / "shapes_cpu.json")
     raw["adaptive_load"]["metrics"].update(wandb=True, wandb_project="tests")
     runs = {"video": {"vae": str(vae), "size": "5x32x48", "format": "mp4", "guidance_scale": 3.0}}
-    for name, extra in runs.items():   # (the latent PNG previews: tests/test_lora.py's 2-rank runs)
+    for name, extra in runs.items():   # (the latent PNG previews: tests/unit/training/test_lora.py's 2-rank runs)
         raw["adaptive_load"]["preview"] = {"enabled": True, "interval": 1, "steps": 2, "num_prompts": 2, **extra}
         (tmp_path / f"{name}.json").write_text(json.dumps(raw))
         env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'fake'}:{ROOT}", "FAKE_WANDB_LOG": str(tmp_path / f"{name}.wandb"),

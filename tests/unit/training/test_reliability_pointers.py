@@ -156,7 +156,7 @@ def test_startup_removes_partial_saves_ignores_markerless_and_sizes_keep_plus_on
     _save(d, 6)
     (d / ".global_step8.partial").mkdir()
     (d / "global_step4").mkdir()  # interrupted before atomic saves: no marker
-    cfg = RunConfig.load(Path(__file__).resolve().parent.parent / "launch" / "configs" / "cpu_tiny.json",
+    cfg = RunConfig.load(Path(__file__).resolve().parents[3] / "launch" / "configs" / "cpu_tiny.json",
                          trainer={"model": "tiny", "save": str(d), "resume": str(d), "keep_checkpoints": 2})
     out = startup._rank0_checks(cfg, "test")
     try:
@@ -167,7 +167,7 @@ def test_startup_removes_partial_saves_ignores_markerless_and_sizes_keep_plus_on
     # a new run (no resume) is not blocked by the markerless directory alone
     shutil.rmtree(d / "global_step6")
     (d / "latest").unlink()
-    cfg = RunConfig.load(Path(__file__).resolve().parent.parent / "launch" / "configs" / "cpu_tiny.json",
+    cfg = RunConfig.load(Path(__file__).resolve().parents[3] / "launch" / "configs" / "cpu_tiny.json",
                          trainer={"model": "tiny", "save": str(d), "keep_checkpoints": 2})
     out = startup._rank0_checks(cfg, "test")
     out.release()
@@ -219,7 +219,7 @@ def test_resume_1_with_only_a_partial_checkpoint_starts_fresh(tmp_path):
     import subprocess
     import sys
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[3]
     ck = tmp_path / "ck"
     (ck / "global_step2").mkdir(parents=True)   # a first save killed before atomic saves: no marker
     env = {k: v for k, v in os.environ.items() if k not in ("RESUME", "OVERWRITE", "SAVE_DIR", "NUM_PROCS")}

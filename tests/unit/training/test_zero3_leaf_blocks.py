@@ -20,7 +20,7 @@ from conftest import launch_script
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is needed for the ZeRO-3 leaf-block tests")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 H200 = "h200-wan2.1-1.3b"
 
 
