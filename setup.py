@@ -44,9 +44,9 @@ extras_require = {
     "dev": ["pytest>=7", "pytest-timeout", "pytest-xdist>=3.6", "pytest-randomly", "ruff", "hypothesis>=6",
             "matplotlib", "tensorboard",
             "diffusers>=0.33", "accelerate", "megatron-core>=0.12",
-            "av>=14", "transformers>=4.56", "ftfy",  # the preprocess tests (tests/test_preprocess.py)
-            "triton>=3.2",  # tests/test_sparse_kernels.py: the block-sparse kernels under the Triton interpreter
-            "peft>=0.17"],  # LoRA (tests/test_lora.py)
+            "av>=14", "transformers>=4.56", "ftfy",  # the preprocess tests (tests/unit/preprocess/test_preprocess.py)
+            "triton>=3.2",  # the block-sparse kernels under the Triton interpreter (tests/unit/attention/)
+            "peft>=0.17"],  # LoRA (tests/unit/training/test_lora.py)
     # our Triton block-sparse kernels (GPU nodes get triton with torch's CUDA wheels; on CPU: the interpreter)
     "triton": ["triton>=3.2"],
     # ds-adaptive preprocess: PyAV (wheels bundle FFmpeg), diffusers' AutoencoderKLWan, transformers' umT5,

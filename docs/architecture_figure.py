@@ -1,5 +1,6 @@
 """Draws docs/img/layers.png: the package's layers and the imports between them, counted from the code
-(``python docs/architecture_figure.py``; the edges come from tests/test_layers.py, the check that keeps them one way)."""
+(``python docs/architecture_figure.py``; the edges come from tests/unit/project/test_layers.py, the check that keeps
+them one way)."""
 from __future__ import annotations
 
 import collections
@@ -13,7 +14,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE.parent / "tests" / "unit" / "project"))
 from test_layers import LAYERS, import_edges, layer_of  # noqa: E402
 
 TIERS = [["core"], ["ops", "models", "parallel", "attention"], ["data", "media", "preprocess"], ["planning"],

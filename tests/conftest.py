@@ -27,8 +27,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+_HERE = Path(__file__).resolve().parent
 _THIS = sys.modules[__name__]
 CONFIGS = ROOT / "launch" / "configs"
+
+# tests/unit/<sub-package>/ and tests/integration/ hold the test modules (no __init__.py: every basename is unique, and
+# each module is imported by its basename). A few import another's helpers by that name (``from test_preprocess import
+# tiny_models``) across directories: every test directory is on sys.path from the start, as the one flat directory was.
+for _dir in sorted({p.parent for p in _HERE.glob("*/**/test_*.py")} - {_HERE / "gpu"}):
+    if str(_dir) not in sys.path:
+        sys.path.append(str(_dir))
 
 
 def _tiny_models() -> tuple:
@@ -43,13 +51,14 @@ TINY_MODELS = _tiny_models()
 
 
 def pytest_collectstart(collector) -> None:
-    """Keep ``from conftest import launch_ranks, ROOT`` working in the test modules of tests/.
+    """Keep ``from conftest import launch_ranks, ROOT`` working in the test modules of tests/unit and tests/integration.
 
     tests/gpu has its own conftest.py; both are imported under the module name ``conftest``, and the
-    one imported last would answer. Before a module of this directory is imported, point the name
+    one imported last would answer. Before a module under tests/ (outside tests/gpu) is imported, point the name
     back at this file.
     """
-    if isinstance(collector, pytest.Module) and collector.path.parent == Path(__file__).resolve().parent:
+    if (isinstance(collector, pytest.Module) and collector.path.is_relative_to(_HERE)
+            and not collector.path.is_relative_to(_HERE / "gpu")):
         sys.modules["conftest"] = _THIS
 
 
@@ -385,7 +394,7 @@ class _RankZygote:
 
 
 _ZYGOTE: list = []   # [server or None], once per process
-_ZYGOTE_WHY: list[str] = []   # why it could not start (tests/test_rank_launch.py fails on it)
+_ZYGOTE_WHY: list[str] = []   # why it could not start (tests/integration/test_rank_launch.py fails on it)
 
 
 def _rank_zygote():

@@ -43,7 +43,8 @@ from ds_adaptive.models.wan_config import get_wan_config  # noqa: E402
 from ds_adaptive.ops.apply import apply_ln_modulate  # noqa: E402
 
 CASES = ((11, 1560, (1, 30, 52)), (1, 32760, (21, 30, 52)), (1, 75600, (21, 45, 80)))   # B, S, token grid
-SMALL = ((3, 64, (1, 8, 8)), (1, 240, (3, 8, 10)))   # --device cpu plumbing runs (tests/test_block_profile_bench.py)
+# --device cpu plumbing runs (tests/unit/bench/test_block_profile_bench.py)
+SMALL = ((3, 64, (1, 8, 8)), (1, 240, (3, 8, 10)))
 DEVICE = torch.device("cuda")
 TEXT = 512
 KINDS = (("attention", ("flash", "fmha", "cudnn", "sdpa", "attention", "attn")),

@@ -1,5 +1,5 @@
 // Row dealing of the v2 kernels: plain integer code, shared by the kernels (device), the launchers
-// (host) and a CPU test that simulates the staged pipeline (tests/test_ln_modulate_rows.py). No CUDA
+// (host) and a CPU test that simulates the staged pipeline (tests/unit/ops/test_ln_modulate_rows.py). No CUDA
 // headers needed.
 //
 // Rows r = b * S + s of N = B * S are grouped in `segments` of seg_len consecutive rows (a sample

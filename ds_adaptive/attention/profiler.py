@@ -97,7 +97,7 @@ def profile_rows(logits: torch.Tensor, rows: torch.Tensor, block_size: int, mass
     (:func:`sample_row_groups`), a head's density is what a query block needs: the fewest key blocks
     whose mass, averaged over the group's rows, reaches ``mass`` (a block selection gives all rows of
     a query block the same key blocks, so per-row needs understate it: on sharp RoPE windows the
-    selection then kept ~0.9 at a 0.99 target; tests/test_sparse_mass.py). Otherwise per row."""
+    selection then kept ~0.9 at a 0.99 target; tests/unit/attention/test_sparse_mass.py). Otherwise per row."""
     bm = block_mass(logits, block_size)  # [B, H, n, nk]
     nk = bm.shape[-1]
     n = rows.numel()

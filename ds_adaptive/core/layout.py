@@ -284,7 +284,7 @@ class Layout:
         """Check that ``engine`` (a DeepSpeedEngine) averages gradients over all dp*sp ranks, as the loss
         scaling assumes, and return the loss scale (``sp_size``; 1.0 without SP).
 
-        DeepSpeed 0.19.8 (verified on gloo, tests/test_ulysses_zero3.py): without a (dp, sp) mesh every
+        DeepSpeed 0.19.8 (verified on gloo, tests/integration/test_ulysses_zero3.py): without a (dp, sp) mesh every
         ZeRO stage averages over the world; with a mesh ZeRO-3 with ``reduce_scatter: true`` does too;
         ZeRO-0/1/2 with a mesh and ZeRO-3 with ``reduce_scatter: false`` do not and are rejected.
         """

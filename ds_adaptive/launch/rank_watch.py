@@ -32,7 +32,7 @@ LAUNCH_MODULE = "deepspeed.launcher.launch"
 NODE_LAUNCH_MODULE = "ds_adaptive.launch.multinode"
 
 # The ranks' exit codes the supervisor tells apart (ds_adaptive.training.preempt; this file imports no package code:
-# tests/test_checkpoint_safety.py checks that they agree).
+# tests/integration/test_checkpoint_safety.py checks that they agree).
 EXIT_USAGE = 2
 EXIT_PEER_LOST = 3
 EXIT_PREEMPTED = 75

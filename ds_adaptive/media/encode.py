@@ -3,7 +3,8 @@
 The classes and expected shapes are the model's (``get_model(name)``: ``family.vae_class`` /
 ``text_encoder_class``, the grid rule's channels and stride, the text width and length); for the Wan
 families that is ``AutoencoderKLWan`` (Wan 2.1's 16-channel 4x8x8 VAE, Wan 2.2's 48-channel 4x16x16 one)
-and umT5-XXL. Both follow diffusers' Wan pipelines exactly (checked against them in tests/test_preprocess.py):
+and umT5-XXL. Both follow diffusers' Wan pipelines exactly (checked against them in
+tests/unit/preprocess/test_preprocess.py):
 
 * **Video/image -> latent** (``WanVideoToVideoPipeline.prepare_latents``): RGB uint8 ->
   ``x / 255 * 2 - 1`` in fp32, cast to the VAE dtype, ``[B, 3, T, H, W]``; the posterior's mode

@@ -8,7 +8,7 @@ ODE from pure noise (sigma = 1) to data (sigma = 0) on the same shifted schedule
     x_{k+1} = x_k + (sigma_{k+1} - sigma_k) * v(x_k, 1000 * sigma_k)
 
 This is diffusers' ``FlowMatchEulerDiscreteScheduler(shift=shift)`` stepped over the sigmas ``u_0..u_{K-1}``
-(it applies the shift itself and appends the final 0; tests/test_preview.py checks the two agree). With a
+(it applies the shift itself and appends the final 0; tests/unit/training/test_preview.py checks the two agree). With a
 velocity that is exactly ``eps - x0`` the Euler steps land on ``x0`` for any K (the path is straight).
 
 Classifier-free guidance: ``v = v_uncond + g * (v_cond - v_uncond)``; both branches run as one batch of

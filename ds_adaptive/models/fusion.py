@@ -27,8 +27,8 @@ grid's RoPE table), element counts behind some fusion decisions, the thread coun
 pays a compile of seconds at the first step of each kind, mid-run. :func:`warm_up` compiles the plan's
 micro-batch sizes before step 1 (the trainer calls it; the time is in the summary, ``block_fusion.warmup_s``), after
 which no step compiles. The Triton kernel compiles once per dtype and D, whatever the shapes. The torch references are
-the eager functions themselves (``tests/test_fusion.py`` compares them). Whether a mode is faster is measured, not
-assumed: ``bench/kernels/block_profile.py`` (one block), ``bench/training/mfu_levers.py`` (the trainer).
+the eager functions themselves (``tests/unit/models/test_fusion.py`` compares them). Whether a mode is faster is
+measured, not assumed: ``bench/kernels/block_profile.py`` (one block), ``bench/training/mfu_levers.py`` (the trainer).
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ A :class:`RecomputingLinear` takes its input as a :class:`RecomputedInput` ``fn(
 keeps ``tensors`` and runs ``fn`` again in its backward (:func:`recomputed_input_linear`); :func:`fp32_layer_norm`
 keeps its bf16 input. The forward runs the same kernels on the same values; the backward adds the recomputation
 (one elementwise pass per site; each of q / k / v recomputes its norm), so outputs are the plain modules' and
-gradients match an fp64 reference as closely (``tests/test_lean_backward.py``,
+gradients match an fp64 reference as closely (``tests/unit/models/test_lean_backward.py``,
 ``tests/gpu/test_lean_backward_gpu.py``).
 A whole block then keeps less per token (the H200 profile's ``block_fusion_variants.regions`` memory terms are
 calibrated with it), so the memory-bounded planner checkpoints fewer blocks. ``DS_ADAPTIVE_LEAN_BACKWARD`` picks what runs, for same-sample A/Bs of each part's compute:

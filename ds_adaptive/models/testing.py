@@ -1,6 +1,6 @@
 """Helpers for tests that compare a WanModel with diffusers' WanTransformer3DModel.
 
-Used by tests/test_wan_*.py and usable by other components' tests (fused op, Ulysses, the
+Used by tests/unit/models/test_wan_*.py and usable by other components' tests (fused op, Ulysses, the
 diffusers patch) that need a Wan model with non-trivial weights or its diffusers twin.
 """
 from __future__ import annotations
@@ -87,7 +87,7 @@ def block_fusion_errors(dtype: torch.dtype, size: tuple, device="cpu", impls: Op
     ``(name, index, compiled_err, eager_err, ref_max)`` per output and per input gradient (max abs values). The
     loss weights each output along its last dim (the gradient of a plain sum hides errors of normalisations).
     ``impls``: piece name -> the implementation to check instead of the compiled pieces (e.g. the Triton
-    ``qk_norm_rope``; only those pieces are checked). Used by tests/test_fusion.py (CPU),
+    ``qk_norm_rope``; only those pieces are checked). Used by tests/unit/models/test_fusion.py (CPU),
     tests/gpu/test_fusion_gpu.py and the q / k norm + RoPE kernel's tests."""
     B, S, heads, head_dim = size
     D = heads * head_dim

@@ -62,8 +62,8 @@ def per_token_modulation_bytes(config) -> tuple[float, float]:
     scale / gate views hold the whole table for backward) -> ``block = 6 D x 4 = 24 D``; once per sample the
     fp32 ``time_mod [S, 6, D]`` the blocks read and its fp32 gradient, accumulated over the blocks in backward
     -> ``outside = 2 x 24 D``. The H200 calibration of TI2V-5B agrees
-    (``memory.per_token_timesteps`` of its profile); tests/test_activation_memory.py counts the saved tensors
-    with ``saved_tensors_hooks``. The planner's estimate for profiles that did not measure it."""
+    (``memory.per_token_timesteps`` of its profile); tests/unit/planning/test_activation_memory.py counts the saved
+    tensors with ``saved_tensors_hooks``. The planner's estimate for profiles that did not measure it."""
     d = int(config.dim)
     return 48.0 * d, 24.0 * d
 

@@ -35,7 +35,7 @@ than every dual candidate, the choice is that plan itself (``BudgetChoice.plan_m
 sampler forms equal-token batches at the same budgets). That happens with few samples per rank and
 shape, where balancing the micro-steps splits batches (more micro-steps, each paying ``c0`` and the loop
 overhead) by more than the balance gains; with the grid above the reference it is the exception (none
-of the random mixes of ``tests/test_never_slower.py`` at 8 and 64 GPUs needs it).
+of the random mixes of ``tests/unit/simulation/test_never_slower.py`` at 8 and 64 GPUs needs it).
 
 The samples planned per candidate grow with the budget so that its plan has several micro-steps
 (:data:`SEARCH_MICRO_STEPS`, at most ``SEARCH_SAMPLES_ABOVE_MAX``), and a plan of a prefix of the epoch

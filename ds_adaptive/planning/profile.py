@@ -548,7 +548,7 @@ def rescale_depth(self: "Profile", num_layers: int) -> "Profile":
                            f"{num_layers} blocks; re-create it with `ds-adaptive calibrate`, or calibrate "
                            f"the {num_layers}-block model")
     # The arithmetic below is bench/training/e2e.py's former scale_profile_depth, operation for operation:
-    # e2e's GPU results were planned with it (tests/test_cost.py pins the numbers).
+    # e2e's GPU results were planned with it (tests/unit/planning/test_cost.py pins the numbers).
     f = num_layers / L0
     dim = int(raw["model"]["dim"])
     e_tok = EMBED_HEAD_FLOP_PER_TOKEN_PER_DIM * dim / EMBED_HEAD_FLOPS * 1e3   # ms per token

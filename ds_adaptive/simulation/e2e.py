@@ -1,7 +1,7 @@
 """The end-to-end benchmark's analysis (``bench/training/e2e.py`` runs the arms): the four arms, per-arm figures from
 the trainer's ``summary.json`` / ``metrics.jsonl``, ratios against the baseline, and the report tables.
 
-Pure functions of the records and plans (no GPU, no process): ``tests/test_e2e_bench.py`` checks them on
+Pure functions of the records and plans (no GPU, no process): ``tests/unit/bench/test_e2e_bench.py`` checks them on
 synthetic records. Method: docs/E2E.md.
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@ config value ``adaptive_load.sparse_attention.backend`` (``auto`` or a name) pic
 kernel is a config edit. The runtime, the warm-up, the cost model and ``config --check`` use only
 what is below.
 
-Contract (every backend keeps it; tests/test_sparse_backends.py checks the shipped ones, and a new
+Contract (every backend keeps it; tests/unit/attention/test_sparse_backends.py checks the shipped ones, and a new
 backend adds itself to those tests and to tests/gpu/test_sparse_gpu.py):
 
 * ``name`` (class attribute): the registry key and config value, lower case.
