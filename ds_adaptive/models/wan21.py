@@ -87,7 +87,7 @@ def kept_input_bytes(config, *, hooked: bool, wrapped=(), adapter_rank: int = 0,
     so that site keeps it (a norm output ``D``, the GELU output ``ffn_dim``), and each adapter keeps its
     ``[S, rank]`` product for ``lora_B``; with ``adapter_dropout`` each also keeps its dropped-out input and
     mask (``3 x in_features`` bytes in bf16). Cross-attention k / v read the text context (per sample, not per
-    token) and are not counted. ``elem_bytes``: the activation dtype's size. tests/test_activation_memory.py counts
+    token) and are not counted. ``elem_bytes``: the activation dtype's size. tests/unit/planning/test_kept_inputs_memory.py counts
     the saved tensors."""
     wrapped = set(wrapped)
     d, f = int(config.dim), int(config.ffn_dim)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ds_adaptive.launch.rank_watch import ENV_FATAL_DIR
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 SCRIPT = textwrap.dedent("""
     import threading, time
