@@ -232,10 +232,7 @@ class Profile:
     #: an EMA of ``ema_params`` parameters kept in fp32 on the accelerator, partitioned over the ranks
     #: (``ds_adaptive.training.ema``; None: no EMA on the accelerator). :meth:`with_ema`
     ema_params: Optional[int] = None
-    #: GiB per token a whole block keeps beyond the calibrated count (ZeRO-3 hooks on its submodules, LoRA-wrapped
-    #: Linear layers: ``Model.kept_input_bytes``); already added to ``m1_gib_per_token`` / ``block_full_gib``.
-    #: :meth:`with_kept_inputs`
-    kept_inputs_gib: float = 0.0
+    kept_inputs_gib: float = 0.0   #: GiB per token a whole block keeps beyond calibration: :meth:`with_kept_inputs`
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
     #: depth of the profile this one was rescaled from by :meth:`with_num_layers` (None: as loaded)
     rescaled_from_layers: Optional[int] = field(default=None, compare=False)
@@ -420,15 +417,12 @@ class Profile:
                                    raw=d)
 
     def with_kept_inputs(self, bytes_per_token: float) -> "Profile":
-        """This calibration for a run whose whole blocks keep ``bytes_per_token`` more activation per token than
-        calibrated (the model family's count, :meth:`Model.kept_input_bytes`): added to a whole block's ``g`` and
-        to the fit's ``m1`` (one block recomputing at a time in a profile measured with every block checkpointed,
-        every block in one measured without). Replaces an earlier call's amount."""
+        """Whole blocks keep ``bytes_per_token`` more than calibrated (``Model.kept_input_bytes``): added to ``g`` and to
+        ``m1`` (one block at a time if the fit checkpointed every block, else all), replacing an earlier amount."""
         x = float(bytes_per_token) / GIB
         if x < 0:
             raise ValueError(f"bytes_per_token must be >= 0, got {bytes_per_token!r}")
-        dx = x - self.kept_inputs_gib
-        if dx == 0:
+        if (dx := x - self.kept_inputs_gib) == 0:
             return self
         blocks = 1 if self.gradient_checkpointing else self.num_layers
         g0, g1 = self.block_full_gib
