@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import launch_ranks
 from ds_adaptive.core.ports import free_port
 from ds_adaptive.training import checksum
 from ds_adaptive.training.checkpoint import (MARKER, check_checkpoint, find_resumable, last_good, prune_checkpoints,
@@ -378,8 +379,20 @@ def _launch(tmp_path, *args, timeout=400, **env) -> subprocess.CompletedProcess:
                           cwd=tmp_path, capture_output=True, text=True, timeout=timeout, env=_env(**env))
 
 
-def _errors(r: subprocess.CompletedProcess) -> list[str]:
-    return [x for x in r.stderr.splitlines() if "error" in x.lower() and not x.startswith("[20")]
+def _errors(r: subprocess.CompletedProcess | str) -> list[str]:
+    text = r if isinstance(r, str) else r.stderr
+    return [x for x in text.splitlines() if "error" in x.lower() and not x.startswith("[20")]
+
+
+def _trainer_ranks(tmp_path, *args, steps: int, save: str, timeout: float = 200) -> list[subprocess.CompletedProcess]:
+    """The trainer with the arguments launch/train_wan.sh gives it on the CPU (STEPS=steps, SAVE_DIR=save and its
+    defaults --save-interval 10 --keep-checkpoints 2, then ``args``) on 2 ranks of the test harness, failed or not:
+    for a start-up check on the ranks' side, which needs no launcher (~10 s of DeepSpeed's launcher start-up saved);
+    how the launcher reports a refused start is tested with it below (test_two_runs_at_once_and_...)."""
+    argv = ["-m", "ds_adaptive.cli.train", "--deepspeed_config", str(CPU_CONFIG), "--model", "tiny", "--steps",
+            str(steps), "--save", save, "--save-interval", "10", "--keep-checkpoints", "2",
+            "--deepspeed_config", str(CPU_CONFIG), *TRAIN, *args]
+    return launch_ranks(argv, 2, cwd=tmp_path, env={"PYTHONPATH": str(ROOT)}, timeout=timeout, check=False)
 
 
 def _shm(port: str) -> list[str]:
@@ -389,7 +402,7 @@ def _shm(port: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_second_run_corrupt_checkpoint_and_export(tmp_path):
+def test_second_run_corrupt_checkpoint_and_export(tmp_path, capsys):
     """The issue's sequence: a second run into the same SAVE_DIR, then random bytes inside the latest optimizer
     file (same size): nothing is overwritten, the resume falls back to the previous checkpoint naming the file,
     export refuses the corrupt one, and the run's /dev/shm buffers are gone after each run."""
@@ -402,22 +415,26 @@ def test_second_run_corrupt_checkpoint_and_export(tmp_path):
     marker = read_marker(ck / "global_step4")
     assert marker["good"] and marker["run_id"] and set(marker["checksums"]["files"]) == set(before)
 
-    r = _launch(tmp_path, "--data", "synthetic", STEPS="4", SAVE_DIR="ck", timeout=200)  # a second run, no RESUME
-    assert r.returncode == 2, (r.stdout + r.stderr)[-3000:]
-    assert _errors(r) == ["ds-adaptive train: error: --save ck already holds checkpoints of an earlier run "
-                          "(global_step2, global_step4): continue that run with RESUME=1 (--resume ck), start a new "
-                          "one there with OVERWRITE=1 (--overwrite deletes them), or choose another SAVE_DIR / --save"]
-    assert "Traceback" not in r.stdout + r.stderr and "ds_adaptive: tiny (" not in r.stdout  # before the model
+    # a second run, no RESUME (the ranks' start-up check: 2 ranks of the test harness, as train_wan.sh starts them)
+    rs = _trainer_ranks(tmp_path, "--data", "synthetic", steps=4, save="ck")
+    outs = "\n".join(f"--- rank {i}\n{r.stdout[-3000:]}" for i, r in enumerate(rs))
+    assert [r.returncode for r in rs] == [2, 2], outs
+    assert [_errors(r.stdout) for r in rs] == [[
+        "ds-adaptive train: error: --save ck already holds checkpoints of an earlier run (global_step2, global_step4): "
+        "continue that run with RESUME=1 (--resume ck), start a new one there with OVERWRITE=1 (--overwrite deletes "
+        "them), or choose another SAVE_DIR / --save"], []], outs   # one line for the job: rank 0's
+    assert all("Traceback" not in r.stdout and "ds_adaptive: tiny (" not in r.stdout for r in rs), outs  # before the model
     assert {p.name: file_digest(p) for p in (ck / "global_step4").glob("*.pt")} == before
 
     victim = ck / "global_step4" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     _scribble(victim, offset=victim.stat().st_size // 3, size=min(400_000, victim.stat().st_size // 3))
+    from ds_adaptive.cli import main as cli_main
     from ds_adaptive.cli.export import main as export_main
 
-    proc = subprocess.run([sys.executable, "-m", "ds_adaptive.cli", "export", str(ck), "--to", str(tmp_path / "out")],
-                          capture_output=True, text=True, timeout=300, env=_env())
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert f"{victim} does not match its" in proc.stderr and "--tag global_step2" in proc.stderr
+    capsys.readouterr()
+    assert cli_main(["export", str(ck), "--to", str(tmp_path / "out")]) == 2   # `ds-adaptive export`, in this process
+    err = capsys.readouterr().err   # (a traceback would have failed the call)
+    assert f"{victim} does not match its" in err and "--tag global_step2" in err
     assert not (tmp_path / "out").exists()
 
     r = _launch(tmp_path, "--log-dir", "resumed", STEPS="6", SAVE_DIR="ck", RESUME="1", SAVE_INTERVAL="2")
@@ -473,12 +490,12 @@ def test_two_runs_at_once_and_a_save_dir_that_is_a_file(tmp_path):
     import psutil
 
     (tmp_path / "afile").write_text("x")
-    t = time.monotonic()
-    r = _launch(tmp_path, STEPS="4", SAVE_DIR="afile", timeout=200)
-    assert r.returncode == 2 and _errors(r) == [
+    rs = _trainer_ranks(tmp_path, steps=4, save="afile")   # the ranks' start-up check, without the launcher
+    outs = "\n".join(f"--- rank {i}\n{r.stdout[-3000:]}" for i, r in enumerate(rs))
+    assert [r.returncode for r in rs] == [2, 2] and [_errors(r.stdout) for r in rs] == [[
         "ds-adaptive train: error: --save afile is a file, not a directory; pass a directory for the checkpoints "
-        "(SAVE_DIR)"], (r.stdout + r.stderr)[-3000:]
-    assert "ds_adaptive: tiny (" not in r.stdout and "Traceback" not in r.stderr
+        "(SAVE_DIR)"], []], outs
+    assert all("ds_adaptive: tiny (" not in r.stdout and "Traceback" not in r.stdout for r in rs), outs
 
     log = tmp_path / "first.log"
     with open(log, "w") as f:

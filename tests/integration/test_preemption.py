@@ -252,12 +252,17 @@ def test_sigterm_to_the_launcher_saves_and_resume_matches_an_uninterrupted_run(t
     assert first["losses"] == pytest.approx(ref[:k], rel=1e-5, abs=1e-6)
     assert resumed["losses"] == pytest.approx(ref[k:], rel=1e-5, abs=1e-6)
 
-    # resuming a finished run: one message, exit 2
-    r = subprocess.run(["bash", str(SCRIPT), *args], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                       env=_env(STEPS=str(steps), SAVE_DIR="ckpt", RESUME="1"))
-    assert r.returncode == 2, (r.stdout + r.stderr)[-3000:]
-    assert (f"the checkpoint is at step {steps} and --steps is {steps}: nothing left to train" in r.stderr)
-    assert "Traceback" not in r.stdout + r.stderr and "KeyError" not in r.stdout + r.stderr
+    # resuming a finished run: one message, exit 2 (the ranks' check, before loading: the 2 ranks as train_wan.sh
+    # RESUME=1 starts them, --resume ckpt with its default --save-interval / --keep-checkpoints, on the test harness)
+    rs = launch_ranks(["-m", "ds_adaptive.cli.train", "--deepspeed_config", str(CPU_CONFIG), "--model", "tiny",
+                       "--steps", str(steps), "--save", "ckpt", "--save-interval", "10", "--keep-checkpoints", "2",
+                       "--resume", "ckpt", *args], 2, cwd=tmp_path, env={"PYTHONPATH": str(ROOT)}, timeout=300,
+                      check=False)
+    outs = "\n".join(f"--- rank {i}\n{r.stdout[-3000:]}" for i, r in enumerate(rs))
+    assert [r.returncode for r in rs] == [2, 2], outs
+    said = f"the checkpoint is at step {steps} and --steps is {steps}: nothing left to train"
+    assert said in rs[0].stdout and not any(said in r.stdout for r in rs[1:]), outs   # one message: rank 0's
+    assert all("Traceback" not in r.stdout and "KeyError" not in r.stdout for r in rs), outs
 
 
 # --- --init-from through build_run -----------------------------------------------------------

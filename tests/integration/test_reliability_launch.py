@@ -1,7 +1,9 @@
 """Issue 52 with the real launcher (launch/train_wan.sh, 2 CPU ranks under DeepSpeed): SIGKILL of DeepSpeed's per-node
 launcher exits 75 (not 0); a SIGSTOPped rank is stopped by the watchdog with one line naming it, and RESUME=1
 continues with each step once in metrics.jsonl; NUM_PROCS=1 RESUME=1 after a 2-rank run is one line before loading;
-a save that fills a small (40 MB) filesystem keeps the last complete checkpoint and RESUME=1 continues once space is freed."""
+a save that fills a small (40 MB) filesystem keeps the last complete checkpoint and RESUME=1 continues once space is freed.
+The runs around each launcher test (a first checkpoint, a resume, a refused start) are the trainer's ranks as the
+launcher starts them, on the test harness."""
 from __future__ import annotations
 
 import json
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import launcher_env
+from conftest import launch_ranks, launcher_env
 
 from ds_adaptive.training.checkpoint import check_checkpoint, checkpoint_tags
 
@@ -32,6 +34,18 @@ def _env(**extra) -> dict:
 def _launch(tmp_path, *args, timeout=300, **env) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(SCRIPT), "--deepspeed_config", str(CPU_CONFIG), *TRAIN, *args], cwd=tmp_path,
                           capture_output=True, text=True, timeout=timeout, env=_env(**env))
+
+
+def _trainer_ranks(tmp_path, world: int, *args, steps: int, save, save_interval: int = 10, keep: int = 2,
+                   resume: bool = False, check: bool = True) -> list[subprocess.CompletedProcess]:
+    """The trainer with the arguments launch/train_wan.sh gives it on the CPU (STEPS, SAVE_DIR, SAVE_INTERVAL,
+    KEEP_CHECKPOINTS, RESUME=1: --resume SAVE_DIR) on ``world`` ranks of the test harness (conftest.launch_ranks):
+    for the runs whose checks are the ranks' (a resume, a refused start), which need no launcher (~10 s of
+    DeepSpeed's launcher start-up each); the launcher's part is the interrupted run of each test."""
+    argv = ["-m", "ds_adaptive.cli.train", "--deepspeed_config", str(CPU_CONFIG), "--model", "tiny", "--steps",
+            str(steps), "--save", str(save), "--save-interval", str(save_interval), "--keep-checkpoints", str(keep),
+            *(["--resume", str(save)] if resume else []), "--deepspeed_config", str(CPU_CONFIG), *TRAIN, *args]
+    return launch_ranks(argv, world, cwd=tmp_path, env={"PYTHONPATH": str(ROOT)}, timeout=300, check=check)
 
 
 def _start(tmp_path, log: Path, *args, **env) -> subprocess.Popen:
@@ -81,12 +95,12 @@ def test_sigkill_of_deepspeeds_launcher_is_75_not_0(tmp_path):
     assert "Traceback" not in out
     tag = (tmp_path / "ck" / "latest").read_text().strip()
     assert check_checkpoint(tmp_path / "ck" / tag) is None
-    # the saved run on 1 process: refused before anything is loaded, one line saying how
-    r = _launch(tmp_path, STEPS=300, SAVE_DIR="ck", RESUME=1, NUM_PROCS=1)
-    assert r.returncode == 2, (r.stdout + r.stderr)[-3000:]
-    errors = [x for x in r.stderr.splitlines() if "error" in x]
+    # the saved run on 1 process (NUM_PROCS=1 RESUME=1): refused before anything is loaded, one line saying how
+    (r,) = _trainer_ranks(tmp_path, 1, steps=300, save="ck", resume=True, check=False)
+    assert r.returncode == 2, r.stdout[-3000:]
+    errors = [x for x in r.stdout.splitlines() if "error" in x]
     assert len(errors) == 1 and "saved by 2 rank(s), this run has 1" in errors[0] and "NUM_PROCS=2" in errors[0]
-    assert "Traceback" not in r.stderr and "resumed from" not in r.stdout
+    assert "Traceback" not in r.stdout and "resumed from" not in r.stdout
     r = _launch(tmp_path, STEPS=300, SAVE_DIR="ck", RESUME=1, OVERWRITE=1)
     assert r.returncode == 2 and "give one of them" in r.stderr
     r = _launch(tmp_path, NUM_PROCS=0, SAVE_DIR="")
@@ -115,9 +129,10 @@ def test_a_stopped_rank_ends_the_job_and_resume_continues(tmp_path):
     assert "The last complete checkpoint is ck/global_step" in lines[0] and "RESUME=1" in lines[0]
     assert took < 90, took
     last = int((tmp_path / "ck" / "latest").read_text().strip().removeprefix("global_step"))
-    r = _launch(tmp_path, "--log-dir", "logs", STEPS=last + 2, SAVE_DIR="ck", RESUME=1, SAVE_INTERVAL=2)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    assert f"step {last} (epoch" in r.stdout
+    # RESUME=1: the 2 ranks as the launcher starts them (--resume ck), on the test harness
+    out = _trainer_ranks(tmp_path, 2, "--log-dir", "logs", steps=last + 2, save="ck", save_interval=2,
+                         resume=True)[0].stdout
+    assert f"step {last} (epoch" in out
     steps = [json.loads(x)["step"] for x in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(set(steps)) and steps[-1] == last + 2, steps
     assert not any(p.name.startswith(".ds_adaptive.lock") for p in (tmp_path / "ck").iterdir())
@@ -137,8 +152,7 @@ def small_fs(tmp_path):
 @pytest.mark.slow
 def test_a_full_disk_keeps_the_last_checkpoint_and_resume_continues(tmp_path, small_fs):
     ck = small_fs / "ck"
-    r = _launch(tmp_path, STEPS=2, SAVE_DIR=ck, SAVE_INTERVAL=2, KEEP_CHECKPOINTS=0)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    _trainer_ranks(tmp_path, 2, steps=2, save=ck, save_interval=2, keep=0)   # the first checkpoint (2 ranks)
     size = sum(f.stat().st_size for f in (ck / "global_step2").rglob("*") if f.is_file())
     log = tmp_path / "run.log"
     proc = _start(tmp_path, log, STEPS=12, SAVE_DIR=ck, SAVE_INTERVAL=10, KEEP_CHECKPOINTS=0, RESUME=1)
@@ -158,6 +172,5 @@ def test_a_full_disk_keeps_the_last_checkpoint_and_resume_continues(tmp_path, sm
     assert f"The last complete checkpoint {ck / 'global_step2'} is kept" in errors[0] and "RESUME=1" in errors[0]
     assert checkpoint_tags(ck) == ["global_step2"] and not any(p.name.endswith(".partial") for p in ck.iterdir())
     (small_fs / "filler").unlink()
-    r = _launch(tmp_path, STEPS=4, SAVE_DIR=ck, SAVE_INTERVAL=2, KEEP_CHECKPOINTS=1, RESUME=1)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    assert "step 2 (epoch" in r.stdout and checkpoint_tags(ck)[-1] == "global_step4"
+    out = _trainer_ranks(tmp_path, 2, steps=4, save=ck, save_interval=2, keep=1, resume=True)[0].stdout  # RESUME=1
+    assert "step 2 (epoch" in out and checkpoint_tags(ck)[-1] == "global_step4"
