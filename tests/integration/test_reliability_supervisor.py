@@ -119,7 +119,11 @@ def test_the_reaper_removes_the_jobs_shm_buffers_and_fatal_dir(tmp_path):
     port = 40000 + os.getpid() % 20000
     buf = Path(f"{SHM_PREFIX}_{os.getuid()}_127.0.0.1_{port}_0")
     (tmp_path / "fake_launch.py").write_text(FAKE_LAUNCH)
-    code = RANK_PRELUDE + f"open({str(buf)!r}, 'wb').write(b'x')\ntime.sleep(60)\n"
+    from ds_adaptive.launch.rank_watch import ENV_FATAL_DIR
+
+    told = tmp_path / "fatal_dir.txt"   # the supervisor's own fatal dir, as its rank sees it (other tests make theirs)
+    code = RANK_PRELUDE + (f"open({str(told)!r}, 'w').write(os.environ[{ENV_FATAL_DIR!r}])\n"
+                           f"open({str(buf)!r}, 'wb').write(b'x')\ntime.sleep(60)\n")
     # the supervisor's master-port handling needs a ``deepspeed`` command: run the fake launcher under that name
     stub = tmp_path / "deepspeed"
     stub.write_text(f"#!{sys.executable}\nimport os, sys\nos.execv(sys.executable, [sys.executable, "
@@ -133,8 +137,8 @@ def test_the_reaper_removes_the_jobs_shm_buffers_and_fatal_dir(tmp_path):
         while not buf.exists():
             assert sup.poll() is None and time.monotonic() < deadline, sup.stderr.read()
             time.sleep(0.1)
-        fatal_dirs = [d for d in Path("/tmp").glob("ds_adaptive_fatal.*")
-                      if (d / "rank0.beat").exists() is False and d.stat().st_mtime > time.time() - 60]
+        fatal_dirs = [Path(told.read_text())]
+        assert fatal_dirs[0].is_dir()
         sup.send_signal(signal.SIGKILL)
         sup.wait(timeout=10)
         deadline = time.monotonic() + 20
