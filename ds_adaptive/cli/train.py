@@ -203,18 +203,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0
 
 
-def exit_process(code: int) -> None:
+def exit_process(code: int, *, immediate: bool = False) -> None:
     """End a training process with ``code`` once :func:`main` has returned.
 
-    A multi-rank run ends with ``os._exit`` after flushing: by then the logs, checkpoints and the
-    summary are closed and the process group is destroyed, but C++ threads of gloo / DeepSpeed ops
-    can still abort the interpreter's teardown ("terminate called without an active exception",
+    A multi-rank run (or any with ``immediate``) ends with ``os._exit`` after flushing: by then the logs,
+    checkpoints and the summary are closed and the process group is destroyed, but C++ threads of gloo / DeepSpeed
+    ops can still abort the interpreter's teardown ("terminate called without an active exception",
     signal 6), which would replace the run's exit code (0, or 75 after a preemption) with a crash.
     A single process exits normally. The status is recorded for the supervisor first (``write_exit``)."""
     write_exit(code)
-    if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
+    if not immediate and int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
         sys.exit(code)
-    import logging
     sys.stdout.flush()
     sys.stderr.flush()
     logging.shutdown()
@@ -223,19 +222,15 @@ def exit_process(code: int) -> None:
 
 def run(argv: Optional[list[str]] = None) -> None:
     """:func:`main`, then :func:`exit_process`. An error that :func:`main` does not turn into an exit status (a CUDA
-    out-of-memory, a bug) is printed with its traceback and recorded, and the process ends with 1 at once
-    (``os._exit`` after flushing) at any world size: an interpreter teardown after a failed step can wait forever on
-    what the run left behind (a non-daemon thread, a compile-worker pool, a broken NCCL communicator), and a rank
-    that hangs after its error is a stalled job, not a failed one."""
+    out-of-memory, a bug) is printed with its traceback, and the process ends with 1 at once at any world size
+    (``immediate``): an interpreter teardown after a failed step can wait forever on what the run left behind (a
+    non-daemon thread, a compile-worker pool, a broken NCCL communicator), and a rank that hangs after its error is a
+    stalled job, not a failed one."""
     try:
         code = main(argv)
     except Exception:
         traceback.print_exc()
-        write_exit(1)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        logging.shutdown()
-        os._exit(1)
+        exit_process(1, immediate=True)
     exit_process(code)
 
 

@@ -75,6 +75,7 @@ LEAN_SITES = {"self_attn": ("self_attn.q", "self_attn.k", "self_attn.v"), "cross
               "ffn_in": ("ffn.0",), "ffn_out": ("ffn.2",)}
 _NORM_SITES = ("self_attn", "cross_attn", "ffn_in")
 _STATS_BYTES = 8   # a norm's fp32 mean and rstd per token, kept with its output
+_CONTEXT_INPUTS = ("cross_attn.k", "cross_attn.v")   # read the text context: per sample, not per token
 
 
 def kept_input_bytes(config, *, hooked: bool, wrapped=(), adapter_rank: int = 0, adapter_dropout: bool = False,
@@ -96,7 +97,7 @@ def kept_input_bytes(config, *, hooked: bool, wrapped=(), adapter_rank: int = 0,
     for site, linears in LEAN_SITES.items():
         if (hooked and site in _NORM_SITES) or wrapped & set(linears):
             out += width[site] * elem_bytes + (_STATS_BYTES if site in _NORM_SITES else 0)
-    for path in wrapped - {"cross_attn.k", "cross_attn.v"}:
+    for path in wrapped.difference(_CONTEXT_INPUTS):
         out += adapter_rank * elem_bytes
         if adapter_dropout:
             out += (f if path == "ffn.2" else d) * (elem_bytes + 1)

@@ -282,24 +282,30 @@ def use_torch_linear() -> bool:
 
 def kept_inputs_bytes(al, model, model_config, stage: int) -> float:
     """Bytes per token a whole block of this run keeps beyond its calibrated count (``Model.kept_input_bytes``):
-    ZeRO-3 hooks its submodules without leaf blocks (``zero3_leaf_blocks`` off, or LoRA: :func:`_leaf_blocks`),
-    and LoRA wraps its target Linear layers."""
+    ZeRO-3 hooks its submodules without leaf blocks (:func:`uses_leaf_blocks`), and LoRA wraps its target Linear
+    layers."""
     lora = al.lora
     wrapped = targets_for(model).resolve(lora.targets) if lora.enabled else ()
-    return model.kept_input_bytes(model_config, hooked=stage == 3 and (lora.enabled or not al.zero3_leaf_blocks),
+    return model.kept_input_bytes(model_config, hooked=stage == 3 and not uses_leaf_blocks(al, stage),
                                   wrapped=wrapped, adapter_rank=lora.rank if lora.enabled else 0,
                                   adapter_dropout=lora.enabled and lora.dropout > 0)
 
 
+def uses_leaf_blocks(al, stage: int) -> bool:
+    """Whether the run's blocks are ZeRO-3 leaf modules: ``adaptive_load.zero3_leaf_blocks`` at stage 3, except
+    under LoRA (a frozen base: see the field's doc)."""
+    return stage == 3 and al.zero3_leaf_blocks and not al.lora.enabled
+
+
 def _leaf_blocks(model, al, stage: int) -> list:
-    """``adaptive_load.zero3_leaf_blocks`` on the model at ZeRO stage 3, except under LoRA; the note, if any."""
-    if not al.zero3_leaf_blocks or stage != 3:
+    """``adaptive_load.zero3_leaf_blocks`` on the model where :func:`uses_leaf_blocks`; the note, if any."""
+    if uses_leaf_blocks(al, stage):
+        set_leaf_blocks(model)
         return []
-    if al.lora.enabled:   # a frozen base: see the field's doc
-        return (["note: adaptive_load.zero3_leaf_blocks is off under LoRA (the frozen base gives the first block an "
-                 "input without a gradient, and ZeRO-3 would release a leaf block's parameters before its adapters' "
-                 "backward)"] if "zero3_leaf_blocks" in al.model_fields_set else [])
-    set_leaf_blocks(model)
+    if stage == 3 and al.lora.enabled and "zero3_leaf_blocks" in al.model_fields_set and al.zero3_leaf_blocks:
+        return ["note: adaptive_load.zero3_leaf_blocks is off under LoRA (the frozen base gives the first block an "
+                "input without a gradient, and ZeRO-3 would release a leaf block's parameters before its adapters' "
+                "backward)"]
     return []
 
 
