@@ -73,6 +73,8 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
+from ds_adaptive.planning import global_batch as _global_batch
+from ds_adaptive.planning import planner as _planner
 from ds_adaptive.planning.cost import CostModel
 from ds_adaptive.planning.memory import micro_batch_table, sample_memory
 from ds_adaptive.planning.planner import (EpochPlan, Mode, PlannerParams, bucket_tokens, efficient_batch,
@@ -81,6 +83,7 @@ from ds_adaptive.core.shapes import SampleShape
 from ds_adaptive.planning.global_batch import (batch_limit, fit_gas, global_batch_candidates, no_plan_message, per_micro_step,
                                                tokens_per_s_at)
 from ds_adaptive.planning.plan_types import PlanError
+from ds_adaptive.planning.search_cache import cached_search
 
 __all__ = ["BudgetChoice", "choose_compute_budget", "candidate_budgets", "predicted_time_ms", "predicted_times",
            "plan_tokens_per_s", "uses_budget_search",
@@ -453,6 +456,15 @@ def _best_index(rows: Sequence[dict]) -> int:
     return best
 
 
+def _search_constants() -> dict:
+    """The module constants the search reads (part of its cache key: :mod:`ds_adaptive.planning.search_cache`)."""
+    own = {k: globals()[k] for k in ("SEARCH_SAMPLES", "SEARCH_SAMPLES_MAX", "GRID_POINTS", "GRID_POINTS_ABOVE",
+                                     "SEARCH_MICRO_STEPS", "SEARCH_SAMPLES_ABOVE_MAX", "SEARCH_DP")}
+    gb = {f"global_batch.{k}": getattr(_global_batch, k) for k in (
+        "MAX_MICRO_STEPS", "CHECK_SAMPLES_PER_RANK", "CHECK_STEPS", "AIM_TRIES", "CHECK_MIN_SAMPLES")}
+    return {**own, **gb, "planner.STEP_BALANCE_BLOCK": _planner.STEP_BALANCE_BLOCK}
+
+
 def resolve_budgets(*, mode: Mode, cost: CostModel, shapes: Sequence[SampleShape],
                     m_mem: "float | str", m_comp: "float | str", max_tokens: Optional[int],
                     gpu_mem_gib: Optional[float], mem_utilization: Optional[float], zero_stage: int,
@@ -503,10 +515,11 @@ def resolve_budgets(*, mode: Mode, cost: CostModel, shapes: Sequence[SampleShape
     if m_comp == "auto":   # B=1 with its checkpoint plan
         m_comp_v = max(float(micro_batch_table(cost, s, 1, m_mem_v).cost[1]) for s in fits)
         if uses_budget_search(cost, mode):
-            choice = choose_compute_budget(cost, shapes, m_mem=m_mem_v, reference=m_comp_v, dp_size=dp_size,
-                                           micro_steps_per_step=micro_steps_per_step, window=window,
-                                           balance_tolerance=balance_tolerance, seed=seed, max_tokens=max_tokens_v,
-                                           batch_cap=batch_cap, global_batch=global_batch)
+            choice = cached_search(choose_compute_budget, cost, shapes, constants=_search_constants(),
+                                   m_mem=m_mem_v, reference=m_comp_v, dp_size=dp_size,
+                                   micro_steps_per_step=micro_steps_per_step, window=window,
+                                   balance_tolerance=balance_tolerance, seed=seed, max_tokens=max_tokens_v,
+                                   batch_cap=batch_cap, global_batch=global_batch)
             m_comp_v, gas = choice.m_comp, choice.micro_steps_per_step
     else:
         m_comp_v = float(m_comp)
