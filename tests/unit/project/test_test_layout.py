@@ -9,6 +9,7 @@ ROOT = Path(__file__).resolve().parents[3]
 UNIT = ROOT / "tests" / "unit"
 # calls that start several processes of one job: our harness (with a world size other than 1) and torch's own
 _SPAWNERS = {"start_processes", "spawn"}
+_HARNESS = {"launch_ranks", "launch_script", "run_ranks"}   # tests/conftest.py: (argv or script, world, ...)
 
 
 def _name(func: ast.expr) -> str:
@@ -16,14 +17,15 @@ def _name(func: ast.expr) -> str:
 
 
 def multi_process_calls(source: str) -> list[tuple[int, str]]:
-    """(line, call) of each call in ``source`` that starts several ranks: ``launch_ranks`` with a world size that is
-    not the literal 1, ``mp.start_processes`` / ``mp.spawn``."""
+    """(line, call) of each call in ``source`` that starts several ranks: the harness's ``launch_ranks`` /
+    ``launch_script`` / ``run_ranks`` with a world size that is not the literal 1, ``mp.start_processes`` /
+    ``mp.spawn``."""
     found = []
     for node in ast.walk(ast.parse(source)):
         if not isinstance(node, ast.Call):
             continue
         name = _name(node.func)
-        if name == "launch_ranks":
+        if name in _HARNESS:
             world = node.args[1] if len(node.args) > 1 else next((k.value for k in node.keywords if k.arg == "world"),
                                                                   None)
             if not (isinstance(world, ast.Constant) and world.value == 1):
@@ -41,5 +43,6 @@ def test_unit_tests_start_no_second_rank():
 
 def test_the_check_sees_a_second_rank():
     src = ("launch_ranks(argv, 2, cwd=p)\nlaunch_ranks(argv, world, cwd=p)\nlaunch_ranks(argv, 1, cwd=p)\n"
-           "mp.start_processes(f, nprocs=2)\nlaunch_ranks(argv, world=1, cwd=p)\n")
-    assert [line for line, _ in multi_process_calls(src)] == [1, 2, 4]
+           "mp.start_processes(f, nprocs=2)\nlaunch_ranks(argv, world=1, cwd=p)\nlaunch_script(MODEL, 4, tmp)\n"
+           "run_ranks(argv, 1, cwd=p)\n")
+    assert [line for line, _ in multi_process_calls(src)] == [1, 2, 4, 6]
