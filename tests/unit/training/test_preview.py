@@ -207,7 +207,7 @@ stand-in wandb get the scalars and images."""
     raw["adaptive_load"]["sampler"]["shapes"] = str(ROOT / "launch" / "configs" / "shapes_cpu.json")
     raw["adaptive_load"]["metrics"].update(wandb=True, wandb_project="tests")
     runs = {"video": {"vae": str(vae), "size": "5x32x48", "format": "mp4", "guidance_scale": 3.0}}
-    for name, extra in runs.items():   # (the latent PNG previews: tests/unit/training/test_lora.py's 2-rank runs)
+    for name, extra in runs.items():   # (the latent PNG previews: tests/integration/test_lora_launch.py's 2-rank runs)
         raw["adaptive_load"]["preview"] = {"enabled": True, "interval": 1, "steps": 2, "num_prompts": 2, **extra}
         (tmp_path / f"{name}.json").write_text(json.dumps(raw))
         env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'fake'}:{ROOT}", "FAKE_WANDB_LOG": str(tmp_path / f"{name}.wandb"),
