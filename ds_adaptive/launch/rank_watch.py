@@ -14,12 +14,12 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 __all__ = ["LAUNCH_MODULE", "NODE_LAUNCH_MODULE", "EXIT_USAGE", "EXIT_PEER_LOST", "EXIT_PREEMPTED", "RankEnd",
            "RankWatch", "rank_processes", "process_end", "launcher_status", "signame", "ENV_FATAL_DIR", "write_fatal",
-           "read_fatal", "write_exit", "read_exits",
+           "read_fatal", "write_exit", "read_exits", "read_exit_records",
            "start_heartbeat", "stale_heartbeats", "EXIT_STUCK", "HEARTBEAT_S"]
 
 ENV_FATAL_DIR = "DS_ADAPTIVE_FATAL_DIR"
@@ -63,12 +63,14 @@ def rank_processes(root_pid: int) -> list:
 @dataclass
 class RankEnd:
     """One rank process that ended: its rank, pid, and the signal that killed it or its exit code (both None
-    when it was reaped before the supervisor could read its status)."""
+    when it was reaped before the supervisor could read its status); ``seen``: when the supervisor saw it gone
+    (wall clock, the time base of the ranks' exit records)."""
 
     rank: int
     pid: int
     signal: Optional[int] = None
     code: Optional[int] = None
+    seen: float = field(default=0.0, compare=False)
 
     @property
     def failed(self) -> bool:
@@ -115,6 +117,15 @@ def process_end(pid: int) -> Optional[tuple[Optional[int], Optional[int]]]:
     return (status & 0x7F, None) if status & 0x7F else (None, (status >> 8) & 0xFF)
 
 
+def _started(proc) -> bool:
+    """``proc`` runs its own program: a child forked but not exec'd yet still shows its launcher's command line
+    and environment (no RANK of its own); it is found on a later poll."""
+    try:
+        return proc.cmdline() != proc.parent().cmdline()
+    except Exception:  # noqa: BLE001 - psutil NoSuchProcess / AccessDenied / ZombieProcess, no parent: gone
+        return True
+
+
 class RankWatch:
     """The rank processes of this node (children of ``deepspeed.launcher.launch``) and how each ended.
 
@@ -132,7 +143,7 @@ class RankWatch:
 
     def _discover(self) -> None:
         for proc in rank_processes(self.root_pid):
-            if proc.pid in self.ranks:
+            if proc.pid in self.ranks or not _started(proc):
                 continue
             try:
                 rank = int(proc.environ().get("RANK", len(self.ranks)))
@@ -153,7 +164,7 @@ class RankWatch:
                 continue
             end = process_end(pid)
             if end is not None:
-                new.append(RankEnd(rank, pid, *end))
+                new.append(RankEnd(rank, pid, *end, seen=time.time()))
         self.ended += new
         self._discover()
         return new
@@ -270,18 +281,24 @@ def write_exit(code: int) -> None:
         pass
 
 
-def read_exits(where: Optional[str]) -> dict[int, int]:
-    """rank -> the exit status it recorded (:func:`write_exit`)."""
+def read_exit_records(where: Optional[str]) -> dict[int, tuple[int, float]]:
+    """rank -> (the exit status it recorded with :func:`write_exit`, when: the record's mtime, wall clock)."""
     out = {}
     if where and os.path.isdir(where):
         for name in os.listdir(where):
             if name.startswith("rank") and name.endswith(".exit"):
+                path = os.path.join(where, name)
                 try:
-                    with open(os.path.join(where, name)) as f:
-                        out[int(name[4:-5])] = int(f.read().strip())
+                    with open(path) as f:
+                        out[int(name[4:-5])] = (int(f.read().strip()), os.stat(path).st_mtime)
                 except (OSError, ValueError):
                     continue
     return out
+
+
+def read_exits(where: Optional[str]) -> dict[int, int]:
+    """rank -> the exit status it recorded (:func:`write_exit`)."""
+    return {rank: code for rank, (code, _) in read_exit_records(where).items()}
 
 
 def read_fatal(where: Optional[str]) -> Optional[dict]:

@@ -85,7 +85,7 @@ from ds_adaptive.launch.port_claim import (DEFAULT_MASTER_PORT, SHM_PREFIX, Port
 from ds_adaptive.launch.rank_watch import (ENV_FATAL_DIR, EXIT_PEER_LOST, EXIT_PREEMPTED,  # noqa: F401
                                            EXIT_USAGE, LAUNCH_MODULE, NODE_LAUNCH_MODULE, RankEnd, RankWatch,
                                            EXIT_STUCK, launcher_status, process_end, rank_processes,
-                                           read_exits, read_fatal, stale_heartbeats)
+                                           read_exit_records, read_exits, read_fatal, stale_heartbeats)
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)  # USR1: SLURM's --signal=USR1@N
 ENV_SUPERVISOR = "DS_ADAPTIVE_SUPERVISOR_PID"
@@ -365,7 +365,12 @@ class Supervisor:
         if self.stuck is not None:
             return EXIT_STUCK
         failure = self.watch.first_failure() if not (self.signals or self.node_launcher) else None
-        exits = read_exits(self.fatal_dir)
+        records = read_exit_records(self.fatal_dir)
+        exits = {rank: code for rank, (code, _) in records.items()}
+        if failure is not None:
+            recorded = self._recorded_cause(failure, records)
+            if recorded is not None:
+                return self._say_recorded(*recorded, "the other rank(s) stopped")
         if failure is None or (failure.exit_status() is None and exits.get(failure.rank) == EXIT_PREEMPTED):
             return self._launcher_truth(launcher_status(rc), exits)
         status = failure.exit_status()
@@ -382,6 +387,28 @@ class Supervisor:
             self.log(f"{failure.describe()}{said}; {stopped}; exit {status}. {self._advice(fatal)}")
         return status
 
+    def _recorded_cause(self, failure: RankEnd, records: dict) -> Optional[tuple[int, int]]:
+        """(rank, status) of a rank whose own exit record names the failure where the ends the watch saw do not:
+        the failing rank ended unseen (before the watch found it, or reaped at once by its launcher) and the watch
+        saw only the ranks its launcher killed afterwards, or only a rank that stopped on the lost peer. A record
+        written after the seen failure's end is its consequence, not its cause. None: the seen ends tell it."""
+        if failure.code is not None and failure.cause:
+            return None  # it exited on its own with a status the watch read
+        failing = sorted((t, rank, code) for rank, (code, t) in records.items()
+                         if code not in (0, EXIT_PREEMPTED, EXIT_PEER_LOST) and t <= failure.seen)
+        if not failing or failing[0][1] == failure.rank:
+            return None
+        return failing[0][1], failing[0][2]
+
+    def _say_recorded(self, rank: int, code: int, how: str) -> int:
+        """Say a failure known from rank ``rank``'s records (exit ``code``; its fatal message, when it left one)."""
+        fatal = read_fatal(self.fatal_dir)
+        mine = fatal if fatal and fatal.get("rank") == rank else None
+        who = f"rank {rank}" + (f" (pid {mine['pid']})" if mine and mine.get("pid") else "")
+        said = f" ({mine['message']})" if mine and not mine.get("printed") else ""
+        self.log(f"{who} exited with status {code}{said}; {how}; exit {code}. {self._advice(mine)}")
+        return code
+
     def _launcher_truth(self, status: int, exits: dict) -> int:
         """``status`` of the launcher, unless it says 0 while the ranks did not finish: DeepSpeed's runner exits 0
         when its per-node launcher is killed by a signal (the ranks then stop on their parent's death, save and
@@ -395,13 +422,7 @@ class Supervisor:
         rank, code = min(((r, c) for r, c in exits.items() if c not in (0, EXIT_PREEMPTED)),
                          key=lambda rc: (rc[1] == EXIT_PEER_LOST, rc[0]))
         # its end was not seen (it failed before the watch found it): what it recorded says who and why
-        fatal = read_fatal(self.fatal_dir)
-        mine = fatal if fatal and fatal.get("rank") == rank else None
-        who = f"rank {rank}" + (f" (pid {mine['pid']})" if mine and mine.get("pid") else "")
-        said = f" ({mine['message']})" if mine and not mine.get("printed") else ""
-        self.log(f"{who} exited with status {code}{said}; the launcher reported success; exit {code}. "
-                 f"{self._advice(mine)}")
-        return code
+        return self._say_recorded(rank, code, "the launcher reported success")
 
     def _advice(self, fatal: Optional[dict]) -> str:
         """What to do after a rank's failure: resume, unless its fatal record says there is nothing to resume."""
