@@ -281,8 +281,11 @@ class WanModel(nn.Module):
     def init_weights(self) -> None:
         """The original Wan init: xavier-uniform Linear/patch weights, zero biases, N(0, 0.02) for
         the text and time embeddings, zero output head; RMSNorm / LayerNorm weights 1, modulation
-        tables N(0, 1/D). Works on the meta device and under deepspeed.zero.Init."""
+        tables N(0, 1/D). Works under deepspeed.zero.Init; on the meta device (a dry run's model) there are no
+        values to write and it returns at once (torch's meta init ops would import its compiler stack, seconds)."""
         params = list(self.parameters())
+        if params and all(p.is_meta for p in params):
+            return
         if any(hasattr(p, "ds_id") for p in params):  # ZeRO-3 partitioned: gather, init on rank 0
             import deepspeed
             with deepspeed.zero.GatheredParameters(params, modifier_rank=0):

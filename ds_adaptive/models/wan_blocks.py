@@ -220,7 +220,8 @@ class WanBlock(nn.Module):
         self.cross_attn = WanCrossAttention(d, cfg.num_heads, cfg.eps)
         self.ffn = FeedForward(FlatLinear(d, cfg.ffn_dim), nn.GELU(approximate="tanh"),
                                RecomputingLinear(cfg.ffn_dim, d))
-        self.modulation = nn.Parameter(torch.randn(1, 6, d) / d ** 0.5)
+        # in place: on the meta device (a dry run) an out-of-place div imports torch's compiler stack
+        self.modulation = nn.Parameter(torch.randn(1, 6, d).div_(d ** 0.5))
         _set_plain_attr(self, "attn_fn", sdpa_attention)
         _set_plain_attr(self, "ln_modulate", _default_ln_modulate)
         _set_plain_attr(self, "residual", gated_residual)   # block fusion: its compiled form
@@ -288,7 +289,7 @@ class WanHead(nn.Module):
         super().__init__()
         self.eps = cfg.eps
         self.head = nn.Linear(cfg.dim, cfg.patch_channels)
-        self.modulation = nn.Parameter(torch.randn(1, 2, cfg.dim) / cfg.dim ** 0.5)
+        self.modulation = nn.Parameter(torch.randn(1, 2, cfg.dim).div_(cfg.dim ** 0.5))
         _set_plain_attr(self, "ln_modulate", _default_ln_modulate)
 
     def forward(self, x: torch.Tensor, time_emb: torch.Tensor) -> torch.Tensor:
