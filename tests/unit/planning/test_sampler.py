@@ -148,8 +148,12 @@ def test_resume_on_another_world_size_never_repeats(dp_from, dp_to, mode):
 @given(n=st.integers(40, 900), dp_from=st.integers(1, 4), dp_to=st.integers(1, 4), consumed=st.integers(0, 3),
        ga=st.integers(1, 2), seed=st.integers(0, 9))
 def test_resume_property(n, dp_from, dp_to, consumed, ga, seed):
+    """Any resume never repeats a sample and keeps equal micro-step counts. A set budget: the property is the
+    sampler's state, not the budget search's choice (the resume tests above run ``m_comp: auto``); each of
+    the examples' 24 searches would be its own (seconds each)."""
     shapes = mix(n, seed)
-    _, new, done, rest, _ = _resume(shapes, dp_from, dp_to, consumed, ga=ga, clip=True)  # one plan per rank and world
+    _, new, done, rest, _ = _resume(shapes, dp_from, dp_to, consumed, ga=ga, clip=True,   # one plan per rank and world
+                                    cfg=CFG.model_copy(update={"m_comp": 12000.0}))
     after = [i for v in rest.values() for b in v for i in b]
     assert not set(done) & set(after) and len(after) == len(set(after))
     assert len({len(v) for v in rest.values()}) == 1
