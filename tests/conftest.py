@@ -10,6 +10,9 @@ process (tests/_rank_zygote.py): a rank then starts without ~8 CPU-s of imports.
 change what those imports did, and with ``DS_ADAPTIVE_TEST_FRESH_RANKS=1``, ranks are fresh interpreters
 (``DS_ADAPTIVE_TEST_ZYGOTE_LOG=FILE`` appends which keys decided it). Tests of the launchers themselves
 (``launch/train_wan.sh``, the multi-node launcher) start real processes either way.
+
+The session starts only where a fresh interpreter imports this checkout's ``ds_adaptive`` (the editable install of
+README's set-up); otherwise it stops with one line that names the package it found and the fix.
 """
 from __future__ import annotations
 
@@ -130,9 +133,35 @@ def _process_state_restored():
 
 # --- pytest-xdist (.ci/run: -n 2 --dist loadgroup) -----------------------------------------------------------
 
+def installed_package_problem(env: dict | None = None) -> str | None:
+    """Why the processes the tests start would not run this checkout's code, or None: a fresh interpreter (``env``,
+    default this process's environment, in a neutral directory) must find ``ds_adaptive`` in this checkout, as the
+    editable install of README's set-up makes it (the console scripts and every rank started without this checkout on
+    PYTHONPATH import the installed package)."""
+    want = ROOT / "ds_adaptive" / "__init__.py"
+    probe = "import importlib.util as u; s = u.find_spec('ds_adaptive'); print(s.origin if s else '')"
+    with tempfile.TemporaryDirectory() as cwd:
+        r = subprocess.run([sys.executable, "-c", probe], cwd=cwd, env=os.environ if env is None else env,
+                           capture_output=True, text=True, timeout=60)
+    found = r.stdout.strip()
+    if r.returncode == 0 and found and Path(found).resolve() == want:
+        return None
+    where = (f"finds it at {found}" if found else "does not find it") if r.returncode == 0 else \
+        f"fails: {(r.stderr.strip().splitlines() or ['no output'])[-1]}"
+    return (f"tests: `import ds_adaptive` in a fresh {sys.executable} {where}, expected {want} (this checkout): "
+            f"the tests start `ds-adaptive` and ranks that import the installed package; run `pip install -e \".[dev]\"` "
+            f"in {ROOT}")
+
+
 def pytest_configure(config) -> None:
-    """An xdist worker computes with one thread, and so do the processes its tests start without saying otherwise:
-    two workers on two cores, instead of four OpenMP threads whose barriers wait on a descheduled thread."""
+    """Before any test: the processes the tests start run this checkout (``installed_package_problem``), or the
+    session stops with one line saying what to do. An xdist worker computes with one thread, and so do the processes
+    its tests start without saying otherwise: two workers on two cores, instead of four OpenMP threads whose barriers
+    wait on a descheduled thread."""
+    if not hasattr(config, "workerinput"):
+        problem = installed_package_problem()
+        if problem:
+            raise pytest.UsageError(problem)
     if hasattr(config, "workerinput"):
         os.environ["OMP_NUM_THREADS"] = "1"
         import torch

@@ -9,6 +9,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-bench/out/gpu_sparse}
 mkdir -p "$OUT"
+export PYTHONPATH=$PWD:${PYTHONPATH:-}   # this checkout, for the processes its steps start (tests/conftest.py checks it)
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor_sparse}
 STEPS=${STEPS:-tests kernel e2e}
 TABLE="$OUT/kernel_options.json"
