@@ -131,8 +131,6 @@ def _process_state_restored():
         torch.set_default_dtype(dtype)
 
 
-# --- pytest-xdist (.ci/run: -n 2 --dist loadgroup) -----------------------------------------------------------
-
 def installed_package_problem(env: dict | None = None) -> str | None:
     """Why the processes the tests start would not run this checkout's code, or None: a fresh interpreter (``env``,
     default this process's environment, in a neutral directory) must find ``ds_adaptive`` in this checkout, as the
@@ -153,6 +151,8 @@ def installed_package_problem(env: dict | None = None) -> str | None:
             f"in {ROOT}")
 
 
+# --- pytest-xdist (.ci/run: -n 2 --dist loadgroup) -----------------------------------------------------------
+
 def pytest_configure(config) -> None:
     """Before any test: the processes the tests start run this checkout (``installed_package_problem``), or the
     session stops with one line saying what to do. An xdist worker computes with one thread, and so do the processes
@@ -162,7 +162,7 @@ def pytest_configure(config) -> None:
         problem = installed_package_problem()
         if problem:
             raise pytest.UsageError(problem)
-    if hasattr(config, "workerinput"):
+    else:
         os.environ["OMP_NUM_THREADS"] = "1"
         import torch
 
