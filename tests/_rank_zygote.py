@@ -31,7 +31,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 #: what a trainer rank imports before its first step (the Muon module: DeepSpeed imports it in every ZeRO engine,
 #: and it imports torch's Inductor)
 PRELOAD = ("torch", "numpy", "deepspeed", "torch._dynamo", "deepspeed.runtime.zero.muon.muon_optimizer",
-           "ds_adaptive.cli.train", "ds_adaptive.training.trainer", "ds_adaptive.training.assemble", "ds_adaptive.training.checkpoint")
+           "ds_adaptive.cli.train", "ds_adaptive.training.trainer", "ds_adaptive.training.assemble", "ds_adaptive.training.checkpoint",
+           "matplotlib.figure", "matplotlib.backends.backend_agg")   # rank 0's run.png at the end of every run
 TORCH_DEFAULT_SEED = 67280421310721
 
 

@@ -9,6 +9,7 @@ import torch
 
 from ds_adaptive.attention.runtime import attach_sparse_attention, effective_densities
 from ds_adaptive.core.contracts import DensityMap
+from ds_adaptive.core.figure import agg_figure
 from ds_adaptive.parallel.head_placement import update_sparse_balance
 
 
@@ -18,16 +19,13 @@ def write_density_png(head_density: Union[torch.Tensor, Sequence[Sequence[float]
 
     Layers running sparse are marked on the y axis with '*'. Unprofiled entries (NaN) are blank.
     """
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     d = torch.as_tensor(head_density, dtype=torch.float32)
     if d.dim() != 2:
         raise ValueError(f"head_density must be [layers, heads], got shape {list(d.shape)}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(1.0 + 0.35 * d.shape[1], 1.0 + 0.22 * d.shape[0]))
+    fig = agg_figure(figsize=(1.0 + 0.35 * d.shape[1], 1.0 + 0.22 * d.shape[0]))
+    ax = fig.subplots()
     im = ax.imshow(d.numpy(), aspect="auto", cmap="viridis", vmin=0.0, vmax=max(0.05, float(d.nan_to_num(0).max())))
     ax.set_xlabel("head")
     ax.set_ylabel("layer (* = sparse)")
@@ -37,7 +35,6 @@ def write_density_png(head_density: Union[torch.Tensor, Sequence[Sequence[float]
     fig.colorbar(im, ax=ax, label="density")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path
 
 

@@ -29,6 +29,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ds_adaptive.core.figure import agg_figure
 from ds_adaptive.core.shapes import SampleShape
 from ds_adaptive.planning.cost import CostModel
 from ds_adaptive.planning.profile import Profile
@@ -264,12 +265,8 @@ def _with_compute(profile: Profile, c0: float, a: float, b: float, r: float, n: 
 def plot(fit: Refit, path: "str | Path") -> None:
     """Predicted / measured compute of each (shape, batch, checkpointed blocks) against its measured window, with
     the profile's terms and with the refitted ones (marker area: windows), and the +-5% band."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig = agg_figure(figsize=(8, 4.5))
+    ax = fig.subplots()
     ms = [r["measured_ms"] for r in fit.rows]
     size = [20 + 12 * r["windows"] for r in fit.rows]
     e = fit.errors()
@@ -285,7 +282,6 @@ def plot(fit: Refit, path: "str | Path") -> None:
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def _check_runs(profile: Profile, run_dirs: Sequence[str]) -> None:

@@ -17,6 +17,7 @@ import numpy as np
 from ds_adaptive.core.shapes import SampleShape
 from ds_adaptive.data.index import find_index
 from ds_adaptive.data.shards import LatentShardDataset
+from ds_adaptive.core.figure import agg_figure
 from ds_adaptive.preprocess.manifest import MediaItem, read_inputs
 from ds_adaptive.preprocess.policy import ShapePolicy
 from ds_adaptive.preprocess.media import MediaError, planned_shapes, probe
@@ -82,15 +83,11 @@ def shapes_json(shapes: Counter, description: str) -> dict:
 
 
 def plot(shapes: Counter, path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     order = sorted(shapes)
     n = [shapes[s] for s in order]
     tok = [shapes[s] * s.tokens for s in order]
-    fig, axes = plt.subplots(1, 2, figsize=(max(8, 0.6 * len(order) + 4), 4.5))
+    fig = agg_figure(figsize=(max(8, 0.6 * len(order) + 4), 4.5))
+    axes = fig.subplots(1, 2)
     for ax, vals, label in ((axes[0], n, "samples"), (axes[1], [t / 1e6 for t in tok], "tokens (millions)")):
         ax.bar(range(len(order)), vals, color=["tab:orange" if s.is_image else "tab:blue" for s in order])
         ax.set_xticks(range(len(order)), [str(s) for s in order], rotation=60, ha="right", fontsize=8)
@@ -100,7 +97,6 @@ def plot(shapes: Counter, path: Path, title: str) -> None:
     fig.suptitle(title[:120], fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 if __name__ == "__main__":   # the command moved to the cli layer: say where, never exit 0 having done nothing

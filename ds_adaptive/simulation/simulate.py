@@ -38,6 +38,7 @@ from ds_adaptive.core.shapes import IndexedShapes, ShapeWeight, load_shape_distr
 from ds_adaptive.planning.budget import predicted_times, resolve_budgets
 from ds_adaptive.planning.cost import CostModel
 from ds_adaptive.planning.devices import default_profile_name, resolve_auto_profile
+from ds_adaptive.core.figure import agg_figure
 from ds_adaptive.planning.planner import EpochPlan
 from ds_adaptive.planning.profile import Profile, load_profile
 from ds_adaptive.planning.sampler import build_batch_sampler
@@ -190,13 +191,9 @@ def simulate(*, world: int, sp: int = 1, steps: int = 50, seed: int = 0,
 
 def plot(result: dict, path: str) -> None:
     """Per-micro-step CV (like the paper's Fig. 6/7), its distribution, and per-rank load."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     plans = result["_plans"]
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    fig = agg_figure(figsize=(16, 4.5))
+    axes = fig.subplots(1, 3)
     colors = {"tokens": "tab:red", "fixed": "tab:orange", "dual": "tab:blue", PAPER_VARIANT: "tab:green"}
     cvs = {}
     for mode, plan in plans.items():
@@ -222,5 +219,4 @@ def plot(result: dict, path: str) -> None:
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 

@@ -32,6 +32,7 @@ from ds_adaptive.planning.devices import default_profile_name
 from ds_adaptive.simulation.simulate import profile_distribution, score_plan, simulated_dataset
 from ds_adaptive.planning.sparse_cost import SparseAttentionCost, load_efficiency
 from ds_adaptive.core.contracts import DensityMap, load_densities, synthetic_densities
+from ds_adaptive.core.figure import agg_figure
 from ds_adaptive.core.config import SamplerConfig
 from ds_adaptive.core.shapes import ShapeWeight
 from ds_adaptive.planning.budget import predicted_times
@@ -131,16 +132,13 @@ def table(result: dict) -> str:
 
 def plot(result: dict, path: str) -> None:
     """Per-micro-step CV and per-rank load of every arm, each timed with its truth."""
-    import matplotlib
-
-    matplotlib.use("Agg")
     from pathlib import Path
 
-    import matplotlib.pyplot as plt
     import numpy as np
 
 
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.6))
+    fig = agg_figure(figsize=(17, 4.6))
+    axes = fig.subplots(1, 3)
     colors = {"dense_cost": "tab:red", "sparse": "tab:blue", "sparse_identity": "tab:purple", "tokens": "tab:orange",
               "dense_attention": "tab:gray"}
     for arm, plan in result["_plans"].items():
@@ -168,4 +166,3 @@ def plot(result: dict, path: str) -> None:
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-    plt.close(fig)

@@ -20,6 +20,8 @@ import json
 from pathlib import Path
 from typing import Optional
 
+from ds_adaptive.core.figure import agg_figure
+
 __all__ = ["plot_run", "draw_at_end", "read_jsonl", "PlotError", "PLOT_FILE"]
 
 PLOT_FILE = "run.png"
@@ -73,10 +75,7 @@ def plot_run(log_dir, out: Optional[str] = None) -> Path:
         raise PlotError(f"{log_dir / 'metrics.jsonl'} is missing or empty: pass the --log-dir of a run "
                         "(adaptive_load.metrics.log_dir; metrics.jsonl needs metrics.jsonl: true)")
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        fig = agg_figure(figsize=(12, 7.5), layout="constrained")
     except ImportError:
         raise PlotError("drawing the run needs matplotlib: pip install matplotlib") from None
     import numpy as np
@@ -89,7 +88,7 @@ def plot_run(log_dir, out: Optional[str] = None) -> Path:
         except json.JSONDecodeError:
             summary = {}
     steps = [r["step"] for r in steps_log]
-    fig, axes = plt.subplots(2, 2, figsize=(12, 7.5), constrained_layout=True)
+    axes = fig.subplots(2, 2)
     ax = axes[0][0]
     loss = np.array([np.nan if r.get("loss") is None else r["loss"] for r in steps_log], float)
     ax.plot(steps, loss, lw=0.8, alpha=0.5, color="tab:blue", label="train (each step)")
@@ -120,7 +119,6 @@ def plot_run(log_dir, out: Optional[str] = None) -> Path:
     path = Path(out) if out else log_dir / PLOT_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
 
 

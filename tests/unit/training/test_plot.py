@@ -60,3 +60,21 @@ def test_the_command_is_registered():
     from ds_adaptive.cli import COMMANDS
 
     assert COMMANDS["plot"][0] == "ds_adaptive.cli.plot"
+
+
+def test_drawing_leaves_the_process_as_it_was(tmp_path):
+    """The trainer draws at the end of a run in its own process (and `ds-adaptive plot` may run in a notebook): the
+    picture takes no pyplot, switches no backend and keeps no figure open."""
+    import subprocess
+    import sys
+
+    _write_logs(tmp_path / "run", 12, 2)
+    code = ("import sys, matplotlib; before = matplotlib.get_backend()\n"
+            "from ds_adaptive.training.plot import plot_run\n"
+            f"plot_run({str(tmp_path / 'run')!r})\n"
+            "print('pyplot' if 'matplotlib.pyplot' in sys.modules else 'no pyplot', matplotlib.get_backend() == before)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={"MPLBACKEND": "svg", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["no", "pyplot", "True"], r.stdout
+    _png(tmp_path / "run" / "run.png")
