@@ -14,10 +14,10 @@ from typing import Optional
 import sys
 import numpy as np
 
+from ds_adaptive.core.figure import agg_figure
 from ds_adaptive.core.shapes import SampleShape
 from ds_adaptive.data.index import find_index
 from ds_adaptive.data.shards import LatentShardDataset
-from ds_adaptive.core.figure import agg_figure
 from ds_adaptive.preprocess.manifest import MediaItem, read_inputs
 from ds_adaptive.preprocess.policy import ShapePolicy
 from ds_adaptive.preprocess.media import MediaError, planned_shapes, probe

@@ -33,12 +33,12 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ds_adaptive.core.config import SamplerConfig
+from ds_adaptive.core.figure import agg_figure
 from ds_adaptive.core.layout import Layout
 from ds_adaptive.core.shapes import IndexedShapes, ShapeWeight, load_shape_distribution
 from ds_adaptive.planning.budget import predicted_times, resolve_budgets
 from ds_adaptive.planning.cost import CostModel
 from ds_adaptive.planning.devices import default_profile_name, resolve_auto_profile
-from ds_adaptive.core.figure import agg_figure
 from ds_adaptive.planning.planner import EpochPlan
 from ds_adaptive.planning.profile import Profile, load_profile
 from ds_adaptive.planning.sampler import build_batch_sampler

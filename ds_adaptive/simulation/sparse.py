@@ -136,7 +136,6 @@ def plot(result: dict, path: str) -> None:
 
     import numpy as np
 
-
     fig = agg_figure(figsize=(17, 4.6))
     axes = fig.subplots(1, 3)
     colors = {"dense_cost": "tab:red", "sparse": "tab:blue", "sparse_identity": "tab:purple", "tokens": "tab:orange",
