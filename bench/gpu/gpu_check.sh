@@ -19,7 +19,8 @@
 # arguments, e.g. --accept-poor-fit where only its memory terms are used). keepattn: recompute.attention keep vs recompute,
 # one epoch of KEEPATTN_SAMPLES (default 40) long-video samples per arm (bench/training/checkpoint_attention_ab.py, ~8 min).
 # setab: the shipped job vs AB_SET config overrides, same samples (bench/training/train_step_profile.py, ~4 min).
-# attn: SDPA backends per shape of the default mix, self- and cross-attention (bench/kernels/attention_backends.py, ~1 min).
+# sparseab: dense vs sparse attention in the trainer on one pinned plan, full depth, per mix of SPARSEAB_MIXES (default
+# "default long"; SPARSEAB_ARGS; ~9 min per mix on one H100). attn: SDPA backends per shape of the default mix, self- and cross-attention (bench/kernels/attention_backends.py, ~1 min).
 # Environment knobs: STEPS (space-separated subset of: env build tests bench train ...; default
 # env build tests bench; host = host time per call (isolated fwd+bwd and per op in a chain of 32) with a
 # torch.profiler table;
@@ -220,6 +221,18 @@ do_setab() {  # the shipped job vs the same job with AB_SET (space-separated KEY
   done
   tar czf "$OUT/setab.tgz" -C "$OUT" setab && rm -rf "$OUT/setab"
 }
+do_sparseab() {  # dense vs sparse attention in the trainer on one pinned plan (bench/training/sparse_train_ab.py), one
+  # call per mix in SPARSEAB_MIXES (default "default long"), both arms in one process: $OUT/sparse_ab/<mix>.json / .txt
+  set -o pipefail
+  mkdir -p "$OUT/sparse_ab"
+  local mix rc=0
+  for mix in ${SPARSEAB_MIXES:-default long}; do
+    python3 bench/training/sparse_train_ab.py --mixes "$mix" --out "$OUT/sparse_ab/$mix.json" \
+      ${SPARSEAB_ARGS:---arms dense sparse --backend triton --layers 30 --m-comp 9700 --num-samples 300 --fused-ln} \
+      2>&1 | tee "$OUT/sparse_ab/$mix.txt" || rc=1
+  done
+  return $rc
+}
 do_calfusion() {  # the shipped 1.3B profile of this GPU calibrated with block fusion (CALFUSION_MODE, default regions)
   # on the fused LayerNorm-modulate path, shipped into the profile json as block_fusion_variants.<mode>; the json comes
   # back in $OUT (copy it to ds_adaptive/planning/profiles/ and commit; then run the default job in the next call)
@@ -244,11 +257,11 @@ print(f"block_full KiB/token: eager {base.block_full_gib[1] * 2**20:.1f}, {sys.a
 PY
 }
 export -f do_env do_build do_tests do_bench do_host do_train do_train_same do_ti2v do_defaultjob do_lora do_mfu \
-  do_pertoken do_firstuse do_levers do_keepattn do_trainprofile do_calfusion do_attn do_setab
+  do_pertoken do_firstuse do_levers do_keepattn do_trainprofile do_calfusion do_attn do_setab do_sparseab
 export OUT
 declare -A LIMIT=([env]=60 [build]=300 [tests]=480 [bench]=420 [train]=400 [host]=240 [train_same]=400
                   [ti2v]=560 [defaultjob]=960 [lora]=440 [mfu]=300 [pertoken]=240 [firstuse]=560 [levers]=560 [keepattn]=560 [trainprofile]=300
-                  [calfusion]=400 [attn]=200 [setab]=560)
+                  [calfusion]=400 [attn]=200 [setab]=560 [sparseab]=1200)
 
 for s in $STEPS; do
   limit=${STEP_LIMIT:-${LIMIT[$s]:-300}}
