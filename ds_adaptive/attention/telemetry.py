@@ -2,6 +2,7 @@
 hands the densities to the balancers (sampler re-plan, Ulysses head placement)."""
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
@@ -146,17 +147,29 @@ class SparseTrainerHook:
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
-        dens = self.runtime._all_head_density()  # the same on every rank (all-reduced in step())
         if self.is_writer:
+            dens, title = density_to_draw(self.runtime)
             write_density_png(dens, self.log_dir / "sparse_density.png",
-                              sparse_layers=self.runtime.schedule.sparse_layers())
+                              sparse_layers=self.runtime.schedule.sparse_layers(), title=title)
+
+
+def density_to_draw(runtime) -> tuple[torch.Tensor, str]:
+    """``([layers, heads], title)`` for ``sparse_density.png``: the profiled densities (the same on every rank:
+    all-reduced in ``step()``), or, where no head was profiled (``forced_density``, or a run that ended before
+    its first profiling step), the densities the layers ran at (:func:`effective_densities`), titled as such
+    instead of a blank map."""
+    dens = runtime._all_head_density()
+    if not bool(torch.isnan(dens).all()):
+        return dens, "profiled attention density"
+    forced = runtime.cfg.forced_density
+    why = f"forced_density {forced:g}" if forced is not None else "no step profiled"
+    return torch.tensor(effective_densities(runtime)), f"attention density run (not profiled: {why}; 1 = dense)"
 
 
 def _plan_fingerprint(sampler) -> Optional[str]:
     """Hash of the sampler's current plan (sample ids and batch boundaries); None without a sampler."""
     if sampler is None:
         return None
-    import hashlib
 
     plan = sampler.plan
     h = hashlib.sha256(plan.sample_ids.tobytes())

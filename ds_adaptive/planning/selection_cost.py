@@ -22,7 +22,7 @@ forward and the backward reuse it), so ``ms_per_call`` is paid per micro-batch, 
 Where the coefficients come from (:meth:`SelectionCost.load_for`): ``ds-adaptive calibrate --sparse
 --selection`` times the runtime's own selection call on this GPU over a grid of ``(B, S)`` and fits
 them (:func:`fit_selection`), stored in the profile's ``sparse_attention.selection`` section; without
-one, :meth:`SelectionCost.default` (fitted to what one H200 training run measured, see
+one, :meth:`SelectionCost.default` (one H200's calibration of the fused selection, see
 ``DEFAULT_SELECTION``). Pure numpy: no torch here.
 """
 from __future__ import annotations
@@ -37,15 +37,17 @@ __all__ = ["SelectionCost", "selection_features", "DEFAULT_SELECTION", "SELECTIO
 
 SELECTION_FORMAT = "ds_adaptive.selection_cost/1"
 
-# The shipped default (no measurement of this GPU): the torch pooled_lse selection (block 128, Dh 128)
-# as the H200 A/B (bench/training/sparse_train_ab.py at 108c289) measured it in the trainer, per micro-batch over
-# 6 sparse layers, at 9 micro-batch shapes of 14,040-75,600 tokens (12 heads): non-negative least squares on
-# relative error, no fixed part (the in-training times grow faster than linearly in B: not all of that is the
-# selection's own work). A calibration of the GPU (calibrate --sparse --selection)
-# replaces it; a faster scoring kernel makes it pessimistic (then sparse pays in fewer places).
-DEFAULT_SELECTION = {"ms_per_call": 0.0, "ms_per_token": 5.62e-6, "ms_per_logit": 1.152e-8,
-                     "ms_per_block_pair": 0.0, "block_size": 128,
-                     "source": "default: H200 A/B in-trainer selection times (torch pooled_lse, 108c289), fitted"}
+# The shipped default (no measurement of this GPU): the selection the runtime runs (the fused pooled-LSE
+# scoring + top-k, block 128, Dh 128, 12 heads) as `ds-adaptive calibrate --sparse --selection` fitted it on one
+# H200 (the h200-wan2.1-1.3b profile's sparse_attention.selection section). The earlier default, fitted to the
+# torch scoring's in-trainer times, predicted an order of magnitude more than the fused kernel takes on an H100
+# (the trainer A/B in docs/RESULTS.md); this fit is close to those H100 times. A calibration of the GPU replaces
+# it.
+DEFAULT_SELECTION = {"ms_per_call": 0.403712229116853, "ms_per_token": 3.197243575763739e-08,
+                     "ms_per_logit": 7.645181453881365e-10, "ms_per_block_pair": 5.064767076161865e-08,
+                     "block_size": 128,
+                     "source": "default: the fused pooled_lse selection as calibrated on one H200 "
+                               "(calibrate --sparse --selection, h200-wan2.1-1.3b)"}
 
 
 def selection_features(batch, seq_len, heads, block_size: int) -> np.ndarray:
