@@ -39,7 +39,7 @@ SELECTION_FORMAT = "ds_adaptive.selection_cost/1"
 
 # The shipped default (no measurement of this GPU): the selection the runtime runs (the fused pooled-LSE
 # scoring + top-k, block 128, Dh 128, 12 heads) as `ds-adaptive calibrate --sparse --selection` fitted it on one
-# H200 (the h200-wan2.1-1.3b profile's sparse_attention.selection section). The earlier default, fitted to the
+# H200 (the shipped H200 profile's sparse_attention.selection section). The earlier default, fitted to the
 # torch scoring's in-trainer times, predicted an order of magnitude more than the fused kernel takes on an H100
 # (the trainer A/B in docs/RESULTS.md); this fit is close to those H100 times. A calibration of the GPU replaces
 # it.
@@ -47,7 +47,7 @@ DEFAULT_SELECTION = {"ms_per_call": 0.403712229116853, "ms_per_token": 3.1972435
                      "ms_per_logit": 7.645181453881365e-10, "ms_per_block_pair": 5.064767076161865e-08,
                      "block_size": 128,
                      "source": "default: the fused pooled_lse selection as calibrated on one H200 "
-                               "(calibrate --sparse --selection, h200-wan2.1-1.3b)"}
+                               "(calibrate --sparse --selection, the shipped H200 profile)"}
 
 
 def selection_features(batch, seq_len, heads, block_size: int) -> np.ndarray:
