@@ -19,8 +19,9 @@
 # arguments, e.g. --accept-poor-fit where only its memory terms are used). keepattn: recompute.attention keep vs recompute,
 # one epoch of KEEPATTN_SAMPLES (default 40) long-video samples per arm (bench/training/checkpoint_attention_ab.py, ~8 min).
 # setab: the shipped job vs AB_SET config overrides, same samples (bench/training/train_step_profile.py, ~4 min).
+# attn: SDPA backends per shape of the default mix, self- and cross-attention (bench/kernels/attention_backends.py, ~1 min).
 # sparseab: dense vs sparse attention in the trainer on one pinned plan, full depth, per mix of SPARSEAB_MIXES (default
-# "default long"; SPARSEAB_ARGS; ~9 min per mix on one H100). attn: SDPA backends per shape of the default mix, self- and cross-attention (bench/kernels/attention_backends.py, ~1 min).
+# "default long"; SPARSEAB_ARGS; ~9 min per mix on one H100).
 # Environment knobs: STEPS (space-separated subset of: env build tests bench train ...; default
 # env build tests bench; host = host time per call (isolated fwd+bwd and per op in a chain of 32) with a
 # torch.profiler table;

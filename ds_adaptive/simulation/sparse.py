@@ -22,7 +22,10 @@ dense-cost planner balances) and ``tokens_per_s_sparse_over_dense_cost`` (predic
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 from typing import Optional, Sequence
+
+import numpy as np
 
 from ds_adaptive.planning.cost import CostModel
 from ds_adaptive.planning.profile import load_profile
@@ -132,10 +135,6 @@ def table(result: dict) -> str:
 
 def plot(result: dict, path: str) -> None:
     """Per-micro-step CV and per-rank load of every arm, each timed with its truth."""
-    from pathlib import Path
-
-    import numpy as np
-
     fig = agg_figure(figsize=(17, 4.6))
     axes = fig.subplots(1, 3)
     colors = {"dense_cost": "tab:red", "sparse": "tab:blue", "sparse_identity": "tab:purple", "tokens": "tab:orange",
