@@ -146,10 +146,10 @@ class DensityProfiler:
             last["selected_density"][i] = float(d)
         for i, r in self.recall.items():
             last["recall"][i] = float(r)
-        for i, evs in enumerate(self.select_events):
-            if evs:
-                last["select_ms"][i] = sum(elapsed_ms(a, b) for a, b in evs) / len(evs)
-        for i, calls in enumerate(self.select_shapes):
-            if calls and decision is not None:
-                last["select_ms_predicted"][i] = sum(
-                    decision.layer_selection_ms(s, sp_size, self.num_heads, batch=b) for b, s in calls) / len(calls)
+        # this step's figures only: a layer that selected nothing this step (every micro-batch ran it dense) reads
+        # NaN, not the time of an earlier step (the step's sums then count no selection for it)
+        last["select_ms"] = [sum(elapsed_ms(a, b) for a, b in evs) / len(evs) if evs else float("nan")
+                             for evs in self.select_events]
+        last["select_ms_predicted"] = [
+            sum(decision.layer_selection_ms(s, sp_size, self.num_heads, batch=b) for b, s in calls) / len(calls)
+            if calls and decision is not None else float("nan") for calls in self.select_shapes]

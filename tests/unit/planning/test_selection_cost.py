@@ -143,7 +143,8 @@ def test_a_sparse_layer_recompute_runs_sparse_in_the_checkpoint_cost():
         assert float(all_dense.ckpt_cost(s, b, n)) == float(dense.ckpt_cost(s, b, n))
 
 
-def test_runtime_reports_predicted_selection_beside_the_measured_one():
+def _runtime_after_one_sparse_step():
+    """A 2-layer runtime (forced density 0.25, a selection cost) and its q, k, v, after one step that selected."""
     import torch
 
     from ds_adaptive.core.config import SparseAttentionConfig
@@ -157,6 +158,11 @@ def test_runtime_reports_predicted_selection_beside_the_measured_one():
     with torch.no_grad():
         rt.attention(1, q, k, v)
     rt.step()
+    return rt, (q, k, v)
+
+
+def test_runtime_reports_predicted_selection_beside_the_measured_one():
+    rt, _ = _runtime_after_one_sparse_step()
     m = rt.metrics()
     assert m["sparse/select_ms"] > 0                                     # measured (host clock on the CPU)
     want = rt.decision.layer_selection_ms(640, 1, 4, batch=3) if rt.decision is not None else None
@@ -167,6 +173,22 @@ def test_runtime_reports_predicted_selection_beside_the_measured_one():
     del state["last"]["select_ms_predicted"]
     rt.load_state_dict(state)
     assert "sparse/select_ms_predicted" in rt.metrics()
+
+
+def test_a_step_that_selects_nothing_reports_no_selection_time():
+    """A step whose micro-batches all run dense (too short to pay sparse) reports 0 ms of selection, not the time of
+    the step before it."""
+    import torch
+
+    rt, (q, k, v) = _runtime_after_one_sparse_step()
+    assert rt.metrics()["sparse/select_ms"] > 0 and rt.metrics()["sparse/select_ms_predicted"] > 0
+    rt.decider.runs_sparse = lambda layer, seq_len: False   # the next step's micro-batches all run dense
+    with torch.no_grad():
+        rt.attention(1, q, k, v)
+    rt.step()
+    m = rt.metrics()
+    assert m["sparse/select_ms"] == 0 and m["sparse/select_ms_predicted"] == 0, m
+    assert all(x != x for x in m["sparse/layers"]["select_ms"] + m["sparse/layers"]["select_ms_predicted"])
 
 
 def test_ab_bench_reports_predicted_over_measured_per_shape_and_over_dense():
