@@ -261,7 +261,7 @@ export -f do_env do_build do_tests do_bench do_host do_train do_train_same do_ti
   do_pertoken do_firstuse do_levers do_keepattn do_trainprofile do_calfusion do_attn do_setab do_sparseab
 export OUT
 declare -A LIMIT=([env]=60 [build]=300 [tests]=480 [bench]=420 [train]=400 [host]=240 [train_same]=400
-                  [ti2v]=560 [defaultjob]=960 [lora]=440 [mfu]=300 [pertoken]=240 [firstuse]=560 [levers]=560 [keepattn]=560 [trainprofile]=300
+                  [ti2v]=560 [defaultjob]=960 [lora]=$(( ${LORA_TOTAL_S:-420} + 30 )) [mfu]=300 [pertoken]=240 [firstuse]=560 [levers]=560 [keepattn]=560 [trainprofile]=300
                   [calfusion]=400 [attn]=200 [setab]=560 [sparseab]=1200)
 
 for s in $STEPS; do
