@@ -177,7 +177,12 @@ class SampleShape:
     @property
     def latent_grid(self) -> tuple[int, int, int]:
         """(T', H', W') of the VAE latent."""
-        return self.grid.latent_grid(self.frames, self.height, self.width)
+        try:
+            return self.__dict__["_latent_grid"]   # a pure function of the frozen fields: computed once
+        except KeyError:
+            grid = self.grid.latent_grid(self.frames, self.height, self.width)
+            object.__setattr__(self, "_latent_grid", grid)
+            return grid
 
     @property
     def latent_shape(self) -> tuple[int, int, int, int]:
@@ -187,7 +192,12 @@ class SampleShape:
     @property
     def token_grid(self) -> tuple[int, int, int]:
         """(F, Hp, Wp): the grid of transformer tokens after the patch."""
-        return self.grid.token_grid(self.frames, self.height, self.width)
+        try:
+            return self.__dict__["_token_grid"]   # computed once, as latent_grid (the planner asks per batch)
+        except KeyError:
+            grid = self.grid.latent_to_token_grid(self.latent_grid)
+            object.__setattr__(self, "_token_grid", grid)
+            return grid
 
     @property
     def tokens(self) -> int:

@@ -152,11 +152,16 @@ def shape_tables(cost: CostModel, shapes: Sequence[SampleShape], m_mem: float) -
     """Per distinct shape with at least one sample within ``m_mem`` (sorted): its :class:`MicroBatchTable` over
     B = 0..(its largest batch within ``m_mem``), with that batch's checkpoint plan. No budget changes them: the
     search builds them once for every candidate."""
-    out = []
+    return list(shape_table_map(cost, shapes, m_mem).values())
+
+
+def shape_table_map(cost: CostModel, shapes: Sequence[SampleShape], m_mem: float) -> dict:
+    """:func:`shape_tables` by shape (in the same order), for :func:`ds_adaptive.planning.planner.plan_epoch`."""
+    out = {}
     for s in unique_shapes(shapes)[0]:
         b_mem = int(math.floor(m_mem / sample_memory(cost, s) * (1 + 1e-12)))
         if b_mem >= 1:
-            out.append(micro_batch_table(cost, s, b_mem, m_mem))
+            out[s] = micro_batch_table(cost, s, b_mem, m_mem)
     return out
 
 
@@ -291,7 +296,8 @@ def choose_compute_budget(cost: CostModel, shapes: Sequence[SampleShape], *, m_m
     mem1 = np.array([sample_memory(cost, s) for s in uniq])
     order = order[mem1[sid[order]] <= m_mem]
     present = [uniq[i] for i in np.unique(sid[order])] or uniq
-    tables = shape_tables(cost, present, m_mem)
+    by_shape = shape_table_map(cost, present, m_mem)   # every candidate's plan reuses them
+    tables = list(by_shape.values())
     upper = upper_budget(cost, present, m_mem, tables)
     cands = candidate_budgets(cost, present, m_mem, reference, upper=upper, tables=tables)
     base = min(max(int(max_samples), 2 * window * dp_size), SEARCH_SAMPLES_MAX)
@@ -306,7 +312,7 @@ def choose_compute_budget(cost: CostModel, shapes: Sequence[SampleShape], *, m_m
             # a prefix of the epoch: with a global batch its last step is not re-planned (its micro-steps are scored,
             # not its steps); without one, as the search always scored, re-planned and left out (steady)
             plan = plan_epoch(sid, uniq, order[:n], cost, params, seed=seed,
-                              replan_tail=global_batch is None or n >= len(order))
+                              replan_tail=global_batch is None or n >= len(order), tables=by_shape)
         return _tokens_per_s(plan, cost, steady=global_batch is None and n < len(order)), plan, min(n, len(order))
 
     def score(m: float, capped: bool = False) -> dict:

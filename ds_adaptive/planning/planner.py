@@ -43,14 +43,16 @@ silently: ``planned + oversize + tail_dropped == all samples`` of the epoch.
 from __future__ import annotations
 
 import heapq
+import math
 import warnings
 from array import array
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
 from ds_adaptive.core.shapes import SampleShape
 from ds_adaptive.planning.cost import CostModel
+from ds_adaptive.planning.memory import MicroBatchTable
 from ds_adaptive.planning.plan_types import (Bucket, EpochPlan, Mode, OversizeSampleError, PlanError, PlannerParams,
                                              StepTotals, bucket_tokens)
 from ds_adaptive.planning.shape_table import ShapeTable, efficient_batch, loop_ms_per_micro_step, unique_shapes
@@ -76,7 +78,7 @@ class _Builder:
         for k in order:
             batches = steps[k]
             assert len(batches) == self.dp
-            for r in rng.permutation(self.dp):
+            for r in (rng.permutation(self.dp) if self.dp > 1 else (0,)):
                 u, ids = batches[r]
                 self.ids.extend(ids)
                 self.offsets.append(len(self.ids))
@@ -147,39 +149,55 @@ def _take(pool: _Pool, u: int, b: int) -> list[int]:
     return pool.take(u, b)
 
 
+def _runs_cv(table: ShapeTable, runs: list[tuple[int, int, int]], dp: int) -> float:
+    """CV of the per-rank cost of a micro-step given as runs ``(shape, B, ranks)``: 0 for one run (every rank's
+    batch the same)."""
+    if len(runs) == 1:
+        return 0.0
+    costs = [float(table.batch_cost(u, b)) for u, b, _ in runs]
+    mean = sum(c * n for c, (_, _, n) in zip(costs, runs)) / dp
+    if mean <= 0:
+        return 0.0
+    var = sum(n * (c - mean) ** 2 for c, (_, _, n) in zip(costs, runs)) / dp
+    return math.sqrt(var) / mean
+
+
 def _dual_micro_step(table: ShapeTable, counts: np.ndarray, dp: int, anchor_ok: np.ndarray,
-                     tolerance: float) -> Optional[tuple[list[tuple[int, int]], float]]:
-    """Anchor-and-fill on shape counts. Returns ([(shape, B)] * dp, cv) or None when the pool
-    cannot fill dp batches or no anchor is allowed."""
-    live = np.flatnonzero((counts > 0) & anchor_ok)
+                     tolerance: float) -> Optional[tuple[list[tuple[int, int, int]], float]]:
+    """Anchor-and-fill on shape counts. Returns (runs, cv): the micro-step's ``dp`` batches as runs
+    ``(shape, B, ranks)`` (the anchor's first; ``ranks`` batches of ``B`` samples of that shape), and the CV of
+    their costs; or None when the pool cannot fill dp batches or no anchor is allowed."""
+    live = ((counts > 0) & anchor_ok).nonzero()[0]   # ndarray methods: np.flatnonzero / np.argmax wrap these
     if live.size == 0:
         return None
-    cost1, bmax = table.cost1, table.bmax
-    ua = int(live[np.argmax(cost1[live])])
-    ba = int(min(bmax[ua], counts[ua]))
-    target = table.batch_cost(ua, ba)
-    rem = counts.copy()
-    k = int(min(dp, rem[ua] // ba))
-    slots: list[tuple[int, int]] = [(ua, ba)] * k
-    rem[ua] -= k * ba
-    near = 0.25 * tolerance  # fill candidates this close to the target count as ties
-    while len(slots) < dp:
-        cand = np.flatnonzero(rem > 0)
-        if cand.size == 0:
-            return None
-        cap = np.minimum(table.fill_cap(cand, target), rem[cand])
-        b, cb = table.nearest_sizes(cand, cap, target)
-        err = np.abs(cb - target) / target
-        best = err.min()
-        ties = np.flatnonzero(err <= max(best, near))
-        i = int(ties[np.argmax(cost1[cand[ties]])])
-        u, bu = int(cand[i]), int(b[i])
-        n = int(min(dp - len(slots), rem[u] // bu))
-        slots.extend([(u, bu)] * n)
-        rem[u] -= n * bu
-    costs = np.array([table.batch_cost(u, bb) for u, bb in slots])
-    cv = float(costs.std() / costs.mean()) if costs.mean() > 0 else 0.0
-    return slots, cv
+    cost1 = table.cost1
+    ua = int(live[cost1[live].argmax()])
+    left = int(counts[ua])
+    ba = min(int(table.bmax[ua]), left)
+    k = min(dp, left // ba)
+    runs = [(ua, ba, k)]
+    if k < dp:
+        target = table.batch_cost(ua, ba)
+        rem = counts.copy()
+        rem[ua] -= k * ba
+        filled = k
+        near = 0.25 * tolerance  # fill candidates this close to the target count as ties
+        while filled < dp:
+            cand = (rem > 0).nonzero()[0]
+            if cand.size == 0:
+                return None
+            cap = np.minimum(table.fill_cap(cand, target), rem[cand])
+            b, cb = table.nearest_sizes(cand, cap, target)
+            err = np.abs(cb - target) / target
+            best = err.min()
+            ties = (err <= max(best, near)).nonzero()[0]
+            i = int(ties[cost1[cand[ties]].argmax()])
+            u, bu = int(cand[i]), int(b[i])
+            n = min(dp - filled, int(rem[u]) // bu)
+            runs.append((u, bu, n))
+            filled += n
+            rem[u] -= n * bu
+    return runs, _runs_cv(table, runs, dp)
 
 
 def _plan_dual_window(table: ShapeTable, pool: _Pool, params: PlannerParams,
@@ -188,12 +206,13 @@ def _plan_dual_window(table: ShapeTable, pool: _Pool, params: PlannerParams,
     counts = pool.counts()
     anchor_ok = table.bmax > 0
     steps: list[list[tuple[int, list[int]]]] = []
+    take = pool.take
     while True:
         res = _dual_micro_step(table, counts, dp, anchor_ok, params.balance_tolerance)
         if res is None:
             break
-        slots, cv = res
-        ua, ba = slots[0]
+        runs, cv = res
+        ua, ba, _ = runs[0]
         if not final and (cv > params.balance_tolerance or ba < table.bmax[ua]):
             # The anchor shape has no good partners in this pool, or fewer samples left than one full batch
             # (a smaller anchor makes a smaller micro-step, paying c0 and the loop overheads for fewer
@@ -202,9 +221,10 @@ def _plan_dual_window(table: ShapeTable, pool: _Pool, params: PlannerParams,
             anchor_ok[ua] = False
             continue
         step = []
-        for u, b in slots:
-            step.append((u, _take(pool, u, b)))
-            counts[u] -= b
+        for u, b, n in runs:
+            ids = take(u, b * n)   # the run's n batches: consecutive samples of the shape's queue
+            step.extend((u, ids[j:j + b]) for j in range(0, b * n, b))
+            counts[u] -= b * n
         steps.append(step)
     return steps
 
@@ -333,7 +353,8 @@ def check_oversize(table: ShapeTable, shape_ids: np.ndarray, order: np.ndarray, 
 
 
 def plan_epoch(shape_ids: np.ndarray, shapes: Sequence[SampleShape], order: np.ndarray, cost: CostModel,
-               params: PlannerParams, *, seed: int = 0, replan_tail: bool = True) -> EpochPlan:
+               params: PlannerParams, *, seed: int = 0, replan_tail: bool = True,
+               tables: Optional[Mapping[SampleShape, MicroBatchTable]] = None) -> EpochPlan:
     """Plan all of ``order`` (sample ids, already shuffled) into micro-steps.
 
     ``replan_tail=False`` (a plan of a prefix of the epoch, as the budget search makes): the micro-steps of an
@@ -341,9 +362,10 @@ def plan_epoch(shape_ids: np.ndarray, shapes: Sequence[SampleShape], order: np.n
     the pool are not planned (nor counted in ``tail_dropped``): exactly the plan before the tail re-plan. Its last
     ``dual`` window is planned as a mid-epoch one (an anchor without good partners waits): its micro-steps stand for the epoch's.
 
-    ``shape_ids[i]`` indexes ``shapes`` for sample ``i``. Deterministic in all arguments.
+    ``shape_ids[i]`` indexes ``shapes`` for sample ``i``. Deterministic in all arguments. ``tables``: micro-batch
+    tables for ``cost`` and ``params.m_mem`` that the caller has built already (:class:`ShapeTable`).
     """
-    table = ShapeTable(shapes, cost, params)
+    table = ShapeTable(shapes, cost, params, tables)
     order = np.asarray(order, np.int64)
     order, oversize = check_oversize(table, np.asarray(shape_ids), order, params, cost.unit)
     dp, ga = params.dp_size, params.micro_steps_per_step

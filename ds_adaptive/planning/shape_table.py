@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -21,7 +21,10 @@ class ShapeTable:
     costs, memory and checkpointed blocks come from a per-shape :class:`MicroBatchTable` over B;
     ``mem1`` is then the per-sample memory at the policy's fewest-memory count (feasibility)."""
 
-    def __init__(self, shapes: Sequence[SampleShape], cost: CostModel, params: PlannerParams) -> None:
+    def __init__(self, shapes: Sequence[SampleShape], cost: CostModel, params: PlannerParams,
+                 tables: Optional[Mapping[SampleShape, MicroBatchTable]] = None) -> None:
+        """``tables``: :class:`MicroBatchTable` of some shapes for this ``cost`` and ``params.m_mem`` (no budget
+        changes them: the budget search builds them once for all its candidates); the others are built here."""
         self.shapes = list(shapes)
         n = len(self.shapes)
         # per-micro-batch cost of each shape: c0 (+ the sparse selection's fixed part per call)
@@ -35,8 +38,10 @@ class ShapeTable:
         else:
             self.mem1 = np.array([sample_memory(cost, s) for s in self.shapes], float)
             for u, s in enumerate(self.shapes):
-                b_mem = int(math.floor(params.m_mem / self.mem1[u] * (1 + 1e-12)))
-                self.tables[u] = micro_batch_table(cost, s, max(b_mem, 1), params.m_mem)
+                b_mem = max(int(math.floor(params.m_mem / self.mem1[u] * (1 + 1e-12))), 1)
+                given = tables.get(s) if tables else None
+                self.tables[u] = (given if given is not None and len(given.cost) == b_mem + 1
+                                  else micro_batch_table(cost, s, b_mem, params.m_mem))
             self.cost1 = np.array([t.cost[1] - c for t, c in zip(self.tables, self.c0)], float)
         self.tokens = np.array([bucket_tokens(s) for s in self.shapes], np.int64)
         self.padded = np.array([cost.padded_tokens(s) for s in self.shapes], np.int64)
