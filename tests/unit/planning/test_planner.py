@@ -13,6 +13,8 @@ from ds_adaptive.planning.cost import CostModel
 from ds_adaptive.planning.planner import (OversizeSampleError, PlanError, PlannerParams, StepTotals, plan_epoch,
                                           unique_shapes)
 from ds_adaptive.planning.budget import resolve_budgets
+from ds_adaptive.planning.planner import _runs_cv
+from ds_adaptive.planning.shape_table import ShapeTable
 from ds_adaptive.core.shapes import SampleShape, load_shape_distribution
 
 POOL = [SampleShape(1, 480, 832), SampleShape(1, 1024, 1024), SampleShape(17, 480, 832),
@@ -159,3 +161,19 @@ def test_dual_balances_the_shipped_mix(dp):
     cv = c.std(1) / c.mean(1)
     ct = tok.micro_step_costs()[:-1]
     assert cv.mean() <= 0.05 < 0.15 <= (ct.std(1) / ct.mean(1)).mean()
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(runs=st.lists(st.tuples(st.integers(0, len(POOL) - 1), st.integers(1, 8), st.integers(1, 64)),
+                     min_size=1, max_size=6))
+def test_a_micro_steps_cv_from_its_runs_is_the_cv_of_its_batches(runs):
+    """The anchor-and-fill step scores a micro-step from its runs (shape, B, ranks); the CV is that of the
+    per-rank costs it stands for."""
+    cost = COST[1]
+    table = ShapeTable(POOL, cost, PlannerParams(mode="dual", dp_size=1, micro_steps_per_step=1, m_mem=60.0,
+                                                 m_comp=1e9))
+    costs = np.array([table.batch_cost(u, b) for u, b, n in runs for _ in range(n)])
+    dp = len(costs)
+    want = costs.std() / costs.mean()
+    assert _runs_cv(table, runs, dp) == pytest.approx(want, rel=1e-9, abs=1e-12)
+    assert _runs_cv(table, runs[:1], runs[0][2]) == 0.0
