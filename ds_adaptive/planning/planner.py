@@ -74,15 +74,17 @@ class _Builder:
 
     def add_micro_steps(self, steps: list[list[tuple[int, list[int]]]], rng: np.random.Generator,
                         shuffle_steps: bool = True) -> None:
-        order = rng.permutation(len(steps)) if shuffle_steps else range(len(steps))
+        order = rng.permutation(len(steps)).tolist() if shuffle_steps else range(len(steps))
+        flat, offsets, shape, dp = self.ids, self.offsets, self.shape, self.dp
         for k in order:
             batches = steps[k]
-            assert len(batches) == self.dp
-            for r in (rng.permutation(self.dp) if self.dp > 1 else (0,)):
+            assert len(batches) == dp
+            # the ranks' order: a one-rank micro-step draws nothing (permutation(1) takes no random numbers)
+            for r in (rng.permutation(dp).tolist() if dp > 1 else (0,)):
                 u, ids = batches[r]
-                self.ids.extend(ids)
-                self.offsets.append(len(self.ids))
-                self.shape.append(u)
+                flat.extend(ids)
+                offsets.append(len(flat))
+                shape.append(u)
 
     def pop_last_micro_steps(self, n: int) -> list[tuple[int, list[int]]]:
         """Remove the last ``n`` micro-steps; return their batches."""
