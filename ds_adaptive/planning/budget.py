@@ -148,15 +148,10 @@ def uses_budget_search(cost: CostModel, mode: str) -> bool:
     return mode == "dual" and cost.mode == "calibrated" and cost.checkpointing == "auto"
 
 
-def shape_tables(cost: CostModel, shapes: Sequence[SampleShape], m_mem: float) -> list:
+def shape_tables(cost: CostModel, shapes: Sequence[SampleShape], m_mem: float) -> dict:
     """Per distinct shape with at least one sample within ``m_mem`` (sorted): its :class:`MicroBatchTable` over
-    B = 0..(its largest batch within ``m_mem``), with that batch's checkpoint plan. No budget changes them: the
-    search builds them once for every candidate."""
-    return list(shape_table_map(cost, shapes, m_mem).values())
-
-
-def shape_table_map(cost: CostModel, shapes: Sequence[SampleShape], m_mem: float) -> dict:
-    """:func:`shape_tables` by shape (in the same order), for :func:`ds_adaptive.planning.planner.plan_epoch`."""
+    B = 0..(its largest batch within ``m_mem``), with that batch's checkpoint plan, by shape. No budget changes
+    them: the search builds them once for every candidate and its plans."""
     out = {}
     for s in unique_shapes(shapes)[0]:
         b_mem = int(math.floor(m_mem / sample_memory(cost, s) * (1 + 1e-12)))
@@ -168,8 +163,8 @@ def shape_table_map(cost: CostModel, shapes: Sequence[SampleShape], m_mem: float
 def upper_budget(cost: CostModel, shapes: Sequence[SampleShape], m_mem: float, tables: Optional[list] = None) -> float:
     """The cost of the costliest micro-batch that fits ``m_mem`` (over ``shapes``, each at its largest
     memory-feasible batch with its checkpoint plan): no budget above it changes a plan. ``tables``:
-    :func:`shape_tables` of the same arguments, when the caller has them."""
-    tables = shape_tables(cost, shapes, m_mem) if tables is None else tables
+    the values of :func:`shape_tables` of the same arguments, when the caller has them."""
+    tables = shape_tables(cost, shapes, m_mem).values() if tables is None else tables
     return max((float(t.cost[-1]) for t in tables), default=0.0)
 
 
@@ -179,9 +174,9 @@ def candidate_budgets(cost: CostModel, shapes: Sequence[SampleShape], m_mem: flo
     largest micro-batch without checkpointing, a geometric grid of ``GRID_POINTS`` between the smallest of
     those and the reference, and, when ``upper`` (:func:`upper_budget`) is over the reference, a geometric
     grid of ``GRID_POINTS_ABOVE`` from the reference to ``upper``. Near-duplicates (within 3%) dropped.
-    ``tables``: :func:`shape_tables` of the same arguments, when the caller has them."""
+    ``tables``: the values of :func:`shape_tables` of the same arguments, when the caller has them."""
     per_shape: list[float] = []
-    for t in shape_tables(cost, shapes, m_mem) if tables is None else tables:
+    for t in shape_tables(cost, shapes, m_mem).values() if tables is None else tables:
         per_shape.append(float(t.cost[1]))
         free = np.flatnonzero(t.ckpt[1:] == 0)
         if free.size:
@@ -264,6 +259,15 @@ def _samples_for(m: float, cost: CostModel, base: int, mean_cost: float, dp_size
     return max(base, min(need, SEARCH_SAMPLES_ABOVE_MAX))
 
 
+def _search_samples(cost: CostModel, shapes: Sequence[SampleShape], seed: int, m_mem: float) -> tuple:
+    """(distinct shapes, sample shape ids, epoch 0's order without samples over ``m_mem``, that order's shapes)."""
+    uniq, sid = unique_shapes(shapes)
+    order = np.random.default_rng([int(seed), 0]).permutation(len(shapes))
+    mem1 = np.array([sample_memory(cost, s) for s in uniq])
+    order = order[mem1[sid[order]] <= m_mem]
+    return uniq, sid, order, [uniq[i] for i in np.unique(sid[order])] or uniq
+
+
 def choose_compute_budget(cost: CostModel, shapes: Sequence[SampleShape], *, m_mem: float, reference: float,
                           dp_size: int, micro_steps_per_step: Union[int, str] = 1, window: int = 256,
                           balance_tolerance: float = 0.03, seed: int = 0,
@@ -291,12 +295,8 @@ def choose_compute_budget(cost: CostModel, shapes: Sequence[SampleShape], *, m_m
     if global_batch is not None:
         dp_size = min(dp_size, SEARCH_DP)
     scale = full_dp / dp_size
-    uniq, sid = unique_shapes(shapes)
-    order = np.random.default_rng([int(seed), 0]).permutation(len(shapes))
-    mem1 = np.array([sample_memory(cost, s) for s in uniq])
-    order = order[mem1[sid[order]] <= m_mem]
-    present = [uniq[i] for i in np.unique(sid[order])] or uniq
-    by_shape = shape_table_map(cost, present, m_mem)   # every candidate's plan reuses them
+    uniq, sid, order, present = _search_samples(cost, shapes, seed, m_mem)
+    by_shape = shape_tables(cost, present, m_mem)   # every candidate's plan reuses them
     tables = list(by_shape.values())
     upper = upper_budget(cost, present, m_mem, tables)
     cands = candidate_budgets(cost, present, m_mem, reference, upper=upper, tables=tables)
@@ -429,7 +429,7 @@ def _score_for_global_batch(plan_for, m: float, capped: bool, rows: dict, gb, co
 
 def _cap_changes(tables: Sequence, m_comp: float, loop_ms: float) -> bool:
     """Whether ``PlannerParams.efficient_batches`` lowers some shape's largest batch under ``m_comp`` (``tables``:
-    :func:`shape_tables`; ``loop_ms``: the loop's time per micro-step)."""
+    :func:`shape_tables`' values; ``loop_ms``: the loop's time per micro-step)."""
     for t in tables:
         c = t.cost
         b = int(np.searchsorted(c, m_comp * (1 + 1e-12), "right")) - 1

@@ -418,24 +418,30 @@ def plan_epoch(shape_ids: np.ndarray, shapes: Sequence[SampleShape], order: np.n
     if params.step_balance is not None and ga > 1 and bs.size:
         ids, offsets, bs = balance_steps(ids, offsets, bs, table.tokens, dp, ga, params.step_balance, steps=full)
     sizes = np.diff(offsets)
-    if table.linear:
-        b_cost = (table.c0[bs] + sizes * table.cost1[bs]) if bs.size else np.zeros(0)
-        b_mem = sizes * table.mem1[bs] if bs.size else np.zeros(0)
-        b_ckpt = np.full(bs.shape, table.ckpt_fixed, np.int64)
-    else:
-        b_cost, b_mem, b_ckpt = np.zeros(len(bs)), np.zeros(len(bs)), np.zeros(len(bs), np.int64)
-        for u in np.unique(bs).tolist():   # per shape: its micro-batch table at the batches' sizes
-            j = np.flatnonzero(bs == u)
-            t = table.tables[u]
-            b_cost[j], b_mem[j], b_ckpt[j] = t.cost[sizes[j]], t.memory[sizes[j]], t.ckpt[sizes[j]]
-        if dp > 1 and bs.size:
-            b_ckpt, b_cost, b_mem = _uniform_checkpoint_counts(cost, shapes, bs, sizes, b_ckpt, b_cost, b_mem, dp)
+    b_cost, b_mem, b_ckpt = _batch_figures(table, cost, shapes, bs, sizes, dp)
     return EpochPlan(
         dp_size=dp, micro_steps_per_step=ga, shapes=list(shapes),
         sample_ids=ids, batch_offsets=offsets, batch_shape=bs,
         batch_cost=b_cost, batch_memory=b_mem,
         batch_tokens=sizes * table.tokens[bs] if bs.size else np.zeros(0, np.int64),
         oversize=oversize, tail_dropped=tail_dropped, tail_replanned=replanned, batch_ckpt=b_ckpt)
+
+
+def _batch_figures(table: ShapeTable, cost: CostModel, shapes: Sequence[SampleShape], bs: np.ndarray,
+                   sizes: np.ndarray, dp: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(cost, memory, checkpointed blocks) of each planned batch (shape ``bs``, ``sizes`` samples)."""
+    if table.linear:
+        b_cost = (table.c0[bs] + sizes * table.cost1[bs]) if bs.size else np.zeros(0)
+        b_mem = sizes * table.mem1[bs] if bs.size else np.zeros(0)
+        return b_cost, b_mem, np.full(bs.shape, table.ckpt_fixed, np.int64)
+    b_cost, b_mem, b_ckpt = np.zeros(len(bs)), np.zeros(len(bs)), np.zeros(len(bs), np.int64)
+    for u in np.unique(bs).tolist():   # per shape: its micro-batch table at the batches' sizes
+        j = np.flatnonzero(bs == u)
+        t = table.tables[u]
+        b_cost[j], b_mem[j], b_ckpt[j] = t.cost[sizes[j]], t.memory[sizes[j]], t.ckpt[sizes[j]]
+    if dp > 1 and bs.size:
+        b_ckpt, b_cost, b_mem = _uniform_checkpoint_counts(cost, shapes, bs, sizes, b_ckpt, b_cost, b_mem, dp)
+    return b_cost, b_mem, b_ckpt
 
 
 #: optimizer steps whose micro-steps :func:`balance_steps` regroups together (the epoch's coarse order is kept)
