@@ -13,7 +13,7 @@ from ds_adaptive.planning.cost import CostModel
 from ds_adaptive.planning.planner import (OversizeSampleError, PlanError, PlannerParams, StepTotals, plan_epoch,
                                           unique_shapes)
 from ds_adaptive.planning.budget import resolve_budgets
-from ds_adaptive.planning.planner import _runs_cv
+from ds_adaptive.planning.planner import _fill_steps, _runs_cv
 from ds_adaptive.planning.shape_table import ShapeTable
 from ds_adaptive.core.shapes import SampleShape, load_shape_distribution
 
@@ -177,3 +177,33 @@ def test_a_micro_steps_cv_from_its_runs_is_the_cv_of_its_batches(runs):
     want = costs.std() / costs.mean()
     assert _runs_cv(table, runs, dp) == pytest.approx(want, rel=1e-9, abs=1e-12)
     assert _runs_cv(table, runs[:1], runs[0][2]) == 0.0
+
+
+def _fill_steps_reference(count: np.ndarray, steps: int, ga: int) -> np.ndarray:
+    """The dealing of ``_fill_steps`` written out on numpy for every block at once (before its one-row heap)."""
+    blocks = count.shape[0]
+    order = np.argsort(-count, axis=1, kind="stable")
+    rows = np.arange(blocks)
+    totals, filled = np.zeros((blocks, steps)), np.zeros((blocks, steps), np.int64)
+    members = np.empty((blocks, steps, ga), np.int64)
+    for r in range(steps * ga):
+        j = order[:, r]
+        i = np.argmin(np.where(filled < ga, totals, np.inf), axis=1)
+        members[rows, i, filled[rows, i]] = j
+        totals[rows, i] += count[rows, j]
+        filled[rows, i] += 1
+    members.sort(axis=2)
+    return members[:, np.random.default_rng([steps, ga, 0x57E9]).permutation(steps)]
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(steps=st.integers(1, 9), ga=st.integers(1, 7), blocks=st.integers(1, 3), hi=st.integers(1, 40),
+       tokens=st.booleans(), seed=st.integers(0, 2**16))
+def test_steps_dealt_by_the_one_row_heap_are_the_reference_dealing(steps, ga, blocks, hi, tokens, seed):
+    """Ties included (small counts repeat): one row goes through the heap, several through numpy; both deal as
+    the reference does."""
+    rng = np.random.default_rng(seed)
+    count = rng.integers(1, hi + 1, (blocks, steps * ga))
+    count = count * 1_000_003 if tokens else count
+    assert np.array_equal(_fill_steps(count, steps, ga), _fill_steps_reference(count, steps, ga))
+    assert np.array_equal(_fill_steps(count[:1], steps, ga), _fill_steps_reference(count[:1], steps, ga))
