@@ -160,23 +160,23 @@ def shape_tables(cost: CostModel, shapes: Sequence[SampleShape], m_mem: float) -
     return out
 
 
-def upper_budget(cost: CostModel, shapes: Sequence[SampleShape], m_mem: float, tables: Optional[list] = None) -> float:
+def upper_budget(cost: CostModel, shapes: Sequence[SampleShape], m_mem: float, tables: Optional[dict] = None) -> float:
     """The cost of the costliest micro-batch that fits ``m_mem`` (over ``shapes``, each at its largest
     memory-feasible batch with its checkpoint plan): no budget above it changes a plan. ``tables``:
-    the values of :func:`shape_tables` of the same arguments, when the caller has them."""
-    tables = shape_tables(cost, shapes, m_mem).values() if tables is None else tables
-    return max((float(t.cost[-1]) for t in tables), default=0.0)
+    :func:`shape_tables` of the same arguments, when the caller has them."""
+    tables = shape_tables(cost, shapes, m_mem) if tables is None else tables
+    return max((float(t.cost[-1]) for t in tables.values()), default=0.0)
 
 
 def candidate_budgets(cost: CostModel, shapes: Sequence[SampleShape], m_mem: float, reference: float,
-                      upper: Optional[float] = None, tables: Optional[list] = None) -> list[float]:
+                      upper: Optional[float] = None, tables: Optional[dict] = None) -> list[float]:
     """Candidate budgets (ascending, the reference included): per shape its B=1 cost and the cost of its
     largest micro-batch without checkpointing, a geometric grid of ``GRID_POINTS`` between the smallest of
     those and the reference, and, when ``upper`` (:func:`upper_budget`) is over the reference, a geometric
     grid of ``GRID_POINTS_ABOVE`` from the reference to ``upper``. Near-duplicates (within 3%) dropped.
-    ``tables``: the values of :func:`shape_tables` of the same arguments, when the caller has them."""
+    ``tables``: :func:`shape_tables` of the same arguments, when the caller has them."""
     per_shape: list[float] = []
-    for t in shape_tables(cost, shapes, m_mem).values() if tables is None else tables:
+    for t in (shape_tables(cost, shapes, m_mem) if tables is None else tables).values():
         per_shape.append(float(t.cost[1]))
         free = np.flatnonzero(t.ckpt[1:] == 0)
         if free.size:
@@ -296,8 +296,7 @@ def choose_compute_budget(cost: CostModel, shapes: Sequence[SampleShape], *, m_m
         dp_size = min(dp_size, SEARCH_DP)
     scale = full_dp / dp_size
     uniq, sid, order, present = _search_samples(cost, shapes, seed, m_mem)
-    by_shape = shape_tables(cost, present, m_mem)   # every candidate's plan reuses them
-    tables = list(by_shape.values())
+    tables = shape_tables(cost, present, m_mem)   # every candidate and its plan reuse them
     upper = upper_budget(cost, present, m_mem, tables)
     cands = candidate_budgets(cost, present, m_mem, reference, upper=upper, tables=tables)
     base = min(max(int(max_samples), 2 * window * dp_size), SEARCH_SAMPLES_MAX)
@@ -312,7 +311,7 @@ def choose_compute_budget(cost: CostModel, shapes: Sequence[SampleShape], *, m_m
             # a prefix of the epoch: with a global batch its last step is not re-planned (its micro-steps are scored,
             # not its steps); without one, as the search always scored, re-planned and left out (steady)
             plan = plan_epoch(sid, uniq, order[:n], cost, params, seed=seed,
-                              replan_tail=global_batch is None or n >= len(order), tables=by_shape)
+                              replan_tail=global_batch is None or n >= len(order), tables=tables)
         return _tokens_per_s(plan, cost, steady=global_batch is None and n < len(order)), plan, min(n, len(order))
 
     def score(m: float, capped: bool = False) -> dict:
@@ -339,7 +338,7 @@ def choose_compute_budget(cost: CostModel, shapes: Sequence[SampleShape], *, m_m
     for m in cands:   # each budget as it is and, where that changes a batch, with each shape's efficient cap
         table.append(score(m))
         loop = loop_ms_per_micro_step(cost.profile, _gas_for(m, reference, micro_steps_per_step))
-        if batch_cap and _cap_changes(tables, m, loop):
+        if batch_cap and _cap_changes(tables.values(), m, loop):
             table.append(score(m, capped=True))
     if global_batch is not None:
         _aim_at_global_batch(table, score, global_batch, micro_steps_per_step, cost.c0, min(cands),

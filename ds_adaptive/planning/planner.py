@@ -451,31 +451,19 @@ STEP_BALANCE_BLOCK = 64
 def _fill_steps(count: np.ndarray, steps: int, ga: int) -> np.ndarray:
     """Deal each row of ``count`` (``[blocks, steps * ga]`` sample or token totals of micro-steps) into ``steps``
     steps of exactly ``ga`` micro-steps with about equal sums: largest first, each to the step with the smallest sum
-    among those with a free slot (longest-processing-time with a cardinality bound; ties to the lower step), all
-    blocks at once. Returns ``[blocks, steps, ga]`` indices into each row, a step's micro-steps in their planned
+    among those with a free slot (longest-processing-time with a cardinality bound; ties to the lower step), one
+    row at a time (:func:`_fill_steps_row`). Returns ``[blocks, steps, ga]`` indices into each row, a step's micro-steps in their planned
     order, the steps in a fixed shuffled order (the dealing leaves the larger sums first)."""
-    blocks = count.shape[0]
     order = np.argsort(-count, axis=1, kind="stable")
-    members = np.empty((blocks, steps, ga), np.int64)
-    if blocks == 1:   # one row (an epoch under one block, or the last block): a heap, not steps x ga numpy calls
-        members[0] = _fill_steps_row(count[0].tolist(), order[0].tolist(), steps, ga)
-    else:
-        rows = np.arange(blocks)
-        totals = np.zeros((blocks, steps))
-        filled = np.zeros((blocks, steps), np.int64)
-        for r in range(steps * ga):
-            j = order[:, r]
-            i = np.argmin(np.where(filled < ga, totals, np.inf), axis=1)
-            members[rows, i, filled[rows, i]] = j
-            totals[rows, i] += count[rows, j]
-            filled[rows, i] += 1
+    members = np.array([_fill_steps_row(c, o, steps, ga) for c, o in zip(count.tolist(), order.tolist())],
+                       np.int64).reshape(count.shape[0], steps, ga)
     members.sort(axis=2)
     return members[:, np.random.default_rng([steps, ga, 0x57E9]).permutation(steps)]
 
 
 def _fill_steps_row(count: list, order: list, steps: int, ga: int) -> list[list[int]]:
-    """:func:`_fill_steps` of one row: the same dealing (the smallest sum first, ties to the lower step; a float
-    sum of the same additions in the same order), a heap of the steps with a free slot."""
+    """:func:`_fill_steps` of one row: a heap of the steps with a free slot (the smallest sum first, ties to the lower
+    step)."""
     members: list[list[int]] = [[] for _ in range(steps)]
     heap = [(0.0, i) for i in range(steps)]
     for j in order:

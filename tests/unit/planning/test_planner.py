@@ -180,7 +180,7 @@ def test_a_micro_steps_cv_from_its_runs_is_the_cv_of_its_batches(runs):
 
 
 def _fill_steps_reference(count: np.ndarray, steps: int, ga: int) -> np.ndarray:
-    """The dealing of ``_fill_steps`` written out on numpy for every block at once (before its one-row heap)."""
+    """The dealing of ``_fill_steps`` written out on numpy for every block at once (the planner's before its heap)."""
     blocks = count.shape[0]
     order = np.argsort(-count, axis=1, kind="stable")
     rows = np.arange(blocks)
@@ -200,8 +200,7 @@ def _fill_steps_reference(count: np.ndarray, steps: int, ga: int) -> np.ndarray:
 @given(steps=st.integers(1, 9), ga=st.integers(1, 7), blocks=st.integers(1, 3), hi=st.integers(1, 40),
        tokens=st.booleans(), seed=st.integers(0, 2**16))
 def test_steps_dealt_by_the_one_row_heap_are_the_reference_dealing(steps, ga, blocks, hi, tokens, seed):
-    """Ties included (small counts repeat): one row goes through the heap, several through numpy; both deal as
-    the reference does."""
+    """Ties included (small counts repeat): one row and several rows deal as the numpy reference does."""
     rng = np.random.default_rng(seed)
     count = rng.integers(1, hi + 1, (blocks, steps * ga))
     count = count * 1_000_003 if tokens else count
