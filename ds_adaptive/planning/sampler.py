@@ -369,7 +369,8 @@ class _PlannedBatchSampler(ResumableState, _SamplerBase):
             consumed[sp.samples_of_steps(n)] = True
             seg_plans.append((sp, start, n))
             start += n
-        remaining = order[~consumed[order]]
+        remaining = order[~consumed[order]] if seg_plans else order   # no copy of a fresh epoch's order
+        del order, consumed
         plan = plan_epoch(self._sid, self._uniq, remaining, self.cost, self.params,
                           seed=self._plan_seed(len(self._segments)))
         result = (plan, seg_plans, start)

@@ -206,3 +206,32 @@ def test_steps_dealt_by_the_one_row_heap_are_the_reference_dealing(steps, ga, bl
     count = count * 1_000_003 if tokens else count
     assert np.array_equal(_fill_steps(count, steps, ga), _fill_steps_reference(count, steps, ga))
     assert np.array_equal(_fill_steps(count[:1], steps, ga), _fill_steps_reference(count[:1], steps, ga))
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(dp=st.integers(1, 5), ga=st.integers(1, 4), steps=st.integers(1, 150), chunk=st.integers(1, 9),
+       by=st.sampled_from(["samples", "tokens"]), seed=st.integers(0, 2**16))
+def test_balance_steps_moves_each_micro_step_whole_with_its_samples(dp, ga, steps, chunk, by, seed, monkeypatch):
+    """Gathered a few batches at a time (chunks smaller than a micro-step and across blocks): every batch of the result
+    is a batch of the input, a micro-step's batches stay together in their rank order, and a step holds ``ga`` of the
+    input's micro-steps of its own block (``STEP_BALANCE_BLOCK`` steps)."""
+    from ds_adaptive.planning import planner
+    monkeypatch.setattr(planner, "_GATHER_CHUNK", chunk)
+    rng = np.random.default_rng(seed)
+    n_batches = steps * ga * dp
+    sizes = rng.integers(1, 6, n_batches)
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    ids = rng.permutation(int(offsets[-1])).astype(np.int64)
+    bs = rng.integers(0, 3, n_batches).astype(np.int64)
+    tokens = np.array([5, 70, 900])
+    new_ids, new_off, new_bs = planner.balance_steps(ids, offsets, bs, tokens, dp, ga, by)
+    batches = [tuple(ids[offsets[j]:offsets[j + 1]]) for j in range(n_batches)]
+    where = {b: j for j, b in enumerate(batches)}   # ids are distinct: a batch names its input index
+    got = [where[tuple(new_ids[new_off[j]:new_off[j + 1]])] for j in range(n_batches)]
+    assert np.array_equal(new_bs, bs[got]) and new_off[-1] == offsets[-1]
+    micro = np.array(got).reshape(-1, dp)
+    assert np.array_equal(micro % dp, np.broadcast_to(np.arange(dp), micro.shape))   # ranks in order
+    src = micro[:, 0] // dp
+    assert sorted(src.tolist()) == list(range(steps * ga))   # every micro-step once
+    block = planner.STEP_BALANCE_BLOCK * ga
+    assert np.array_equal(src // block, np.arange(steps * ga) // block)   # within its block
