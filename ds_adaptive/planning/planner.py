@@ -148,10 +148,6 @@ class _Pool:
                 self.head[u] = 0
 
 
-def _take(pool: _Pool, u: int, b: int) -> list[int]:
-    return pool.take(u, b)
-
-
 def _runs_cv(table: ShapeTable, runs: list[tuple[int, int, int]], dp: int) -> float:
     """CV of the per-rank cost of a micro-step given as runs ``(shape, B, ranks)``: 0 for one run (every rank's
     batch the same)."""
@@ -243,9 +239,9 @@ def _plan_bucket_window(table: ShapeTable, pool: _Pool, params: PlannerParams, f
             continue
         n_full = pool.count(u) // b
         for _ in range(n_full):
-            batches.append((u, _take(pool, u, b)))
+            batches.append((u, pool.take(u, b)))
         if final and pool.count(u):
-            batches.append((u, _take(pool, u, pool.count(u))))
+            batches.append((u, pool.take(u, pool.count(u))))
     order = rng.permutation(len(batches))
     batches = [batches[i] for i in order]
     n_steps = len(batches) // dp
